@@ -1,0 +1,34 @@
+"""structlog set-up: human-readable on a terminal, JSON on request; events are dotted names."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+_configured = False
+
+
+def configure(json: bool = False, level: str = "WARNING") -> None:
+    """Configure structlog once for the process; later calls reconfigure."""
+    global _configured
+    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    _configured = True
+
+
+def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
+    """A logger bound to a module name; configures a quiet default on first use."""
+    if not _configured:
+        configure()
+    return structlog.get_logger(name)
