@@ -1,0 +1,128 @@
+"""Engine and generation configuration: frozen pydantic models, every field described and validated."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from specter.errors import ConfigError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Parse a byte count: an integer, or a string such as "24GiB", "512MiB", "1.5GB"."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a byte count such as 24GiB, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"a byte count must be positive, got {value!r}")
+        return int(value)
+    match = _SIZE.match(str(value))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{value!r} is not a size; use bytes or a number with a unit (KiB, MiB, GiB, KB, MB, GB), e.g. 24GiB")
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"a byte count must be positive, got {value!r}")
+    return size
+
+
+ByteCount = Annotated[int, BeforeValidator(parse_bytes)]
+
+QuantName = Literal["int4", "int8", "int3", "int2", "gptq4"]
+SamplingRule = Literal["coupled", "rejection"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    @classmethod
+    def build(cls, **values: object) -> "_Frozen":
+        """Validate like the constructor, but raise ConfigError naming each bad field, value and rule."""
+        try:
+            return cls(**values)
+        except ValidationError as error:
+            raise ConfigError(describe_validation_error(cls.__name__, error)) from None
+
+
+def describe_validation_error(model: str, error: ValidationError) -> str:
+    """One line per invalid field: the field, the value given and what is allowed."""
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(model)"
+        given = item.get("input")
+        lines.append(f"{model}.{field} = {given!r}: {item['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+class DraftConfig(_Frozen):
+    """How the quantized draft is built and how far it looks ahead."""
+
+    quant: QuantName = Field("int4", description="Weight format of the draft's routed experts (gptq4 = int4 with GPTQ calibration).")
+    group_size: int = Field(128, description="Quantization group size along the input dimension; -1 for one group per row.")
+    k: int = Field(4, ge=0, le=32, description="Draft depth for the `fixed` lookahead policy; 0 disables speculation.")
+    k_max: int = Field(16, ge=0, le=32, description="Largest draft depth any lookahead policy may choose.")
+    sampling: SamplingRule = Field("coupled", description="Acceptance rule when sampling: coupled (token-identical) or rejection.")
+
+    @field_validator("group_size")
+    @classmethod
+    def _group(cls, value: int) -> int:
+        if value != -1 and value < 8:
+            raise ValueError("group_size must be -1 (per row) or at least 8")
+        return value
+
+
+class EngineConfig(_Frozen):
+    """Everything fixed for the life of an engine: device, memory, numerics, draft and plug-ins."""
+
+    device: str = Field("auto", description="Torch device: 'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N'.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Compute dtype; 'auto' takes the checkpoint's dtype (float32 on the CPU for half checkpoints is not forced)."
+    )
+    budget: ByteCount | None = Field(
+        None, description="GPU memory budget in bytes or with a unit ('24GiB', '512MiB'); expert slots get what is left. None: all experts resident."
+    )
+    residents: int | None = Field(None, ge=1, description="Expert cache slots per MoE layer; an alternative to `budget`.")
+    exact: bool = Field(True, description="Batch-invariant numerics, so speculative output is token-identical to plain decoding.")
+    row_bucket: int = Field(16, ge=1, le=256, description="Row bucket for exact mode: every matrix product runs on blocks of this many rows.")
+    max_context: int = Field(2048, ge=8, description="Longest prompt plus generation, in tokens; sizes the static KV cache.")
+    draft: DraftConfig = Field(default_factory=DraftConfig, description="Draft model settings.")
+    eviction: str = Field("plan-protect", min_length=1, description="Name of the `specter.eviction` plug-in.")
+    prefetch: str = Field("topm-frequency", min_length=1, description="Name of the `specter.prefetch` plug-in.")
+    lookahead: str = Field("fixed", min_length=1, description="Name of the `specter.lookahead` plug-in.")
+    backend: str = Field("auto", min_length=1, description="Name of the `specter.backends` plug-in; 'auto' follows the device.")
+    link: str | None = Field(None, description="Link emulation for host-to-device copies: gen5, gen4, gen3, ddr4-desktop or GB/s.")
+    progress: bool = Field(False, description="Show progress bars while loading.")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
+            raise ValueError("device must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        return value
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> "EngineConfig":
+        if self.budget is not None and self.residents is not None:
+            raise ValueError("give either budget or residents, not both")
+        return self
+
+
+class GenerationConfig(_Frozen):
+    """Per-request decoding settings (the names follow transformers' generate)."""
+
+    max_new_tokens: int = Field(64, ge=1, description="How many tokens to generate at most.")
+    temperature: float = Field(0.0, ge=0.0, description="0 is greedy; otherwise logits are divided by it before sampling.")
+    top_k: int | None = Field(None, ge=1, description="Keep only the k most likely tokens when sampling.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set with this much probability.")
+    seed: int = Field(0, ge=0, description="Seed of the per-position sampling noise; same seed, same tokens.")
+    stop_token_ids: tuple[int, ...] = Field((), description="Generation stops after emitting any of these ids.")
+    stop_strings: tuple[str, ...] = Field((), description="Generation stops once the text contains any of these.")

@@ -1,0 +1,59 @@
+"""Plain decoding with the target alone, one token at a time: the baseline every mode is held to."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from specter.errors import PromptError
+from specter.model.kv import KVCache
+from specter.model.transformer import ExpertProvider, Transformer
+
+T = TypeVar("T")
+
+
+def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, vocab_size: int, max_context: int) -> None:
+    """Refuse a prompt before any work: empty, ids outside the vocabulary, or longer than the context."""
+    if len(prompt_ids) == 0:
+        raise PromptError("the prompt is empty; give at least one token")
+    bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise PromptError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab_size - 1}")
+    if len(prompt_ids) + max_new_tokens > max_context:
+        raise PromptError(
+            f"prompt of {len(prompt_ids)} tokens plus max_new_tokens {max_new_tokens} exceeds the maximum context "
+            f"of {max_context} tokens; shorten the prompt, lower max_new_tokens or raise EngineConfig.max_context"
+        )
+
+
+async def prefill(model: Transformer, kv: KVCache, experts: ExpertProvider, prompt_ids: Sequence[int]) -> torch.Tensor:
+    """Run the prompt; returns the logits of its last position [V] and commits its KV."""
+    tokens = torch.tensor(list(prompt_ids), dtype=torch.long, device=model.device)
+    hidden = await model.forward(tokens, 0, kv, experts)
+    kv.crop(len(prompt_ids))
+    return model.logits(hidden[-1:])[0]
+
+
+async def greedy_decode(model: Transformer, experts: ExpertProvider, prompt_ids: Sequence[int], max_new_tokens: int,
+                        stop_token_ids: Sequence[int] = ()) -> list[int]:
+    """Greedy decoding one token per forward; returns the new token ids."""
+    check_prompt(prompt_ids, max_new_tokens, model.spec.vocab_size, model.max_context)
+    kv = model.new_kv()
+    logits = await prefill(model, kv, experts, prompt_ids)
+    out: list[int] = []
+    while True:
+        token = int(torch.argmax(logits))  # await point: one token id crosses to the host
+        out.append(token)
+        if len(out) >= max_new_tokens or token in stop_token_ids:
+            return out
+        hidden = await model.forward(torch.tensor([token], device=model.device), kv.length, kv, experts)
+        kv.crop(kv.length + 1)
+        logits = model.logits(hidden)[0]
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to completion from synchronous code (tests, scripts)."""
+    return asyncio.run(coro)

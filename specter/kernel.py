@@ -1,0 +1,261 @@
+"""The microkernel: the event loop, and every point where a task can suspend on GPU work.
+
+Code elsewhere never blocks on the device; it does `await kernel.wait(event)`.
+"""
+
+# Design principles (after curio's kernel.py):
+#
+#  1. This module holds every point where a task can suspend on GPU work: `Kernel.wait`. Grep for it to
+#     find every host/device synchronisation of a decode round.
+#  2. One door from other threads: `loop.call_soon_threadsafe`. Waiter threads and host callbacks never
+#     touch a future, a task or a loop attribute; they only ask the loop to do it.
+#  3. GPU work cannot be cancelled. A cancelled `wait` drops the completion when it arrives; the work
+#     itself finishes, and the owner of what it wrote (the expert cache) decides what that means.
+#  4. Cancellation cannot be swallowed: CancelledError is a BaseException, so `except Exception` in a
+#     stage lets it through. Nothing here catches BaseException except to clean up and re-raise.
+#  5. Structured concurrency: one asyncio.TaskGroup per unit of work (a decode round); no task outlives
+#     the round that started it.
+#  6. The loop thread never blocks on the device. The one exception is the spin budget: a bounded,
+#     explicit poll of `event.query()` for waits known to be short (cheaper than two thread hops).
+#  7. The completion mechanism is a setting: `waiter` (one thread per stream blocking on a
+#     blocking-sync event, GIL released) or `host_func` (the backend calls back from the stream itself).
+#     benchmarks/transfer_bench.py measures both; `waiter` is the default because it needs no cupy.
+#  8. Everything that waits is counted (`Kernel.stats`), and every stage is a structured event.
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from backends.base import Backend, Event, Stream
+from specter.errors import ConfigError
+from specter.log import get_logger
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+TaskGroup = asyncio.TaskGroup
+"""One task group per unit of work (principle 5); re-exported so stages import it from here."""
+
+_JOIN_TIMEOUT_S = 5.0
+
+
+class KernelSettings(BaseModel):
+    """How awaited GPU events wake the event loop."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    mechanism: Literal["waiter", "host_func"] = Field(
+        "waiter",
+        description="'waiter': a thread per stream blocks on the event; 'host_func': the backend calls back "
+        "when the stream reaches it (cupy launch_host_func on cuda).",
+    )
+    spin_s: float = Field(
+        0.0, ge=0.0, le=0.01, description="Default seconds to poll event.query() on the loop thread before parking."
+    )
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop loop when uvloop is installed, else asyncio's default loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run(main: Awaitable[T], *, debug: bool = False) -> T:
+    """Run `main` to completion on a fresh loop from `new_event_loop` (the CLI and benchmarks' entry)."""
+    with asyncio.Runner(loop_factory=new_event_loop, debug=debug) as runner:
+        return runner.run(main)
+
+
+@dataclass
+class WaitStats:
+    """What `Kernel.wait` has done so far; feeds the metrics."""
+
+    waits: int = 0
+    already_done: int = 0
+    """Events complete at the first query: no suspension at all."""
+    spun: int = 0
+    """Events that completed within the spin budget."""
+    parked: int = 0
+    """Events handed to the completion mechanism."""
+    dropped: int = 0
+    """Completions that arrived after their waiter was cancelled."""
+    parked_s: float = 0.0
+    """Total seconds tasks spent suspended on parked events."""
+
+
+class _StreamWaiter:
+    """One thread per stream: blocks on each event in turn (events of one stream complete in order)."""
+
+    def __init__(self, stream: Stream) -> None:
+        self._pending: queue.SimpleQueue[tuple[Event, Callable[[], None]] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=f"specter-waiter-{stream!r}", daemon=True)
+        self.thread.start()
+
+    def add(self, event: Event, notify: Callable[[], None]) -> None:
+        self._pending.put((event, notify))
+
+    def _run(self) -> None:
+        while (item := self._pending.get()) is not None:
+            event, notify = item
+            event.wait()  # blocking-sync: the thread sleeps with the GIL released
+            notify()
+
+    def stop(self) -> None:
+        self._pending.put(None)
+        self.thread.join(_JOIN_TIMEOUT_S)
+        if self.thread.is_alive():
+            log.warning("kernel.waiter_stuck", thread=self.thread.name, hint="an awaited event never completed")
+
+
+class Kernel:
+    """Awaitable GPU events for one engine. Create it on any thread; use `wait` from the loop thread only."""
+
+    def __init__(self, backend: Backend | None = None, settings: KernelSettings | None = None) -> None:
+        self.settings = settings or KernelSettings()
+        self.backend = backend
+        self.stats = WaitStats()
+        self._waiters: dict[Stream, _StreamWaiter] = {}
+        self._closed = False
+        if self.settings.mechanism == "host_func" and backend is None:
+            raise ConfigError("kernel mechanism 'host_func' needs a backend to launch host functions; pass backend=")
+
+    async def wait(self, event: Event, *, spin_s: float | None = None) -> None:
+        """Suspend the calling task until `event` completes (the only GPU await point, principle 1).
+
+        `spin_s` overrides the settings' spin budget for this wait. If the task is cancelled while
+        suspended, CancelledError propagates and the completion is dropped when it arrives.
+        """
+        self.stats.waits += 1
+        if event.query():
+            self.stats.already_done += 1
+            return
+        if self._spin(event, self.settings.spin_s if spin_s is None else spin_s):
+            self.stats.spun += 1
+            return
+        await self._park(event)
+
+    def _spin(self, event: Event, budget_s: float) -> bool:
+        deadline = time.perf_counter() + budget_s
+        while time.perf_counter() < deadline:
+            if event.query():
+                return True
+        return False
+
+    async def _park(self, event: Event) -> None:
+        assert not self._closed, "Kernel.wait after Kernel.close"
+        loop = asyncio.get_running_loop()
+        completion = loop.create_future()
+        notify = self._notifier(loop, completion)
+        if self.settings.mechanism == "host_func":
+            self.backend.launch_host_func(event.stream, notify)
+        else:
+            self._waiter_for(event.stream).add(event, notify)
+        self.stats.parked += 1
+        started = time.perf_counter()
+        try:
+            await completion
+        finally:
+            self.stats.parked_s += time.perf_counter() - started
+
+    def _notifier(self, loop: asyncio.AbstractEventLoop, completion: asyncio.Future[None]) -> Callable[[], None]:
+        """The callback other threads run: it only knocks on the one door (principle 2)."""
+
+        def resolve() -> None:  # runs on the loop thread
+            if completion.done():
+                self.stats.dropped += 1
+            else:
+                completion.set_result(None)
+
+        def notify() -> None:  # runs on a waiter or backend thread
+            try:
+                loop.call_soon_threadsafe(resolve)
+            except RuntimeError:  # the loop is closed: nobody is left to tell
+                pass
+
+        return notify
+
+    def _waiter_for(self, stream: Stream) -> _StreamWaiter:
+        waiter = self._waiters.get(stream)
+        if waiter is None:
+            waiter = self._waiters[stream] = _StreamWaiter(stream)
+        return waiter
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The waiter threads now alive (tests check none are left after close)."""
+        return [waiter.thread for waiter in self._waiters.values() if waiter.thread.is_alive()]
+
+    def close(self) -> None:
+        """Stop and join the waiter threads. Pending waits must have completed or been cancelled."""
+        self._closed = True
+        for waiter in self._waiters.values():
+            waiter.stop()
+        self._waiters.clear()
+
+    def __enter__(self) -> Kernel:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+@dataclass
+class StageTotals:
+    """Count and seconds of one stage name."""
+
+    count: int = 0
+    total_s: float = 0.0
+    max_s: float = 0.0
+    cancelled: int = 0
+    failed: int = 0
+
+
+@dataclass
+class StageCounters:
+    """Per-stage totals fed by `stage`; the metrics module reads them."""
+
+    by_stage: dict[str, StageTotals] = field(default_factory=dict)
+
+    def add(self, name: str, seconds: float, outcome: str) -> None:
+        totals = self.by_stage.setdefault(name, StageTotals())
+        totals.count += 1
+        totals.total_s += seconds
+        totals.max_s = max(totals.max_s, seconds)
+        totals.cancelled += outcome == "cancelled"
+        totals.failed += outcome == "error"
+
+
+@asynccontextmanager
+async def stage(name: str, *, counters: StageCounters | None = None, **fields: Any) -> AsyncIterator[None]:
+    """Log `stage.start` / `stage.end` (with duration_s and outcome) around a block and count it.
+
+    Host-side wall time: a stage that launches GPU work without awaiting it ends before the work does.
+    """
+    log.debug("stage.start", stage=name, **fields)
+    started = time.perf_counter()
+    outcome = "ok"
+    try:
+        yield
+    except asyncio.CancelledError:
+        outcome = "cancelled"
+        raise
+    except Exception:
+        outcome = "error"
+        raise
+    finally:
+        seconds = time.perf_counter() - started
+        log.debug("stage.end", stage=name, duration_s=seconds, outcome=outcome, **fields)
+        if counters is not None:
+            counters.add(name, seconds, outcome)

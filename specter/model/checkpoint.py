@@ -1,0 +1,141 @@
+"""Reading a Hugging Face checkpoint directory: config.json plus safetensors, single file or sharded.
+
+Tensors are read by their on-disk names, one at a time, and every problem is reported as a
+CheckpointError naming the file and the tensor and saying what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from specter.errors import CheckpointError
+from specter.model.spec import ModelSpec, spec_from_config
+
+FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
+_PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
+
+
+class Checkpoint:
+    """An opened checkpoint directory: its config, its ModelSpec and a name -> file index of tensors."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: not a directory; pass the checkpoint directory holding config.json and *.safetensors")
+        self.config = self._read_config()
+        self.spec: ModelSpec = spec_from_config(self.config, str(self.path / "config.json"))
+        self.files = self._find_files()
+        self.index = self._index_tensors()
+        self._handles: dict[Path, Any] = {}
+        self.spec = self._adapt_expert_prefix(self.spec)
+
+    def _adapt_expert_prefix(self, spec: ModelSpec) -> ModelSpec:
+        """transformers v5 writes Mixtral's `block_sparse_moe` as `mlp`; follow whichever the files use."""
+        if not spec.moe_layers or spec.expert_prefix == "mlp":
+            return spec
+        layer = spec.layer_prefix(spec.moe_layers[0])
+        if f"{layer}.{spec.expert_prefix}.gate.weight" not in self.index and f"{layer}.mlp.gate.weight" in self.index:
+            return dataclasses.replace(spec, expert_prefix="mlp")
+        return spec
+
+    def _read_config(self) -> dict[str, Any]:
+        config_path = self.path / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(f"{config_path}: missing; a Hugging Face checkpoint directory needs config.json")
+        try:
+            config = json.loads(config_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise CheckpointError(f"{config_path}: not valid JSON ({error})") from None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{config_path}: expected a JSON object at the top level")
+        return config
+
+    def _find_files(self) -> list[Path]:
+        index_path = self.path / "model.safetensors.index.json"
+        if index_path.is_file():
+            return self._files_from_index(index_path)
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            pickles = [name for name in _PICKLE_NAMES if (self.path / name).exists()] + [p.name for p in self.path.glob("pytorch_model-*.bin")]
+            if pickles:
+                raise CheckpointError(
+                    f"{self.path / pickles[0]}: pickle-based checkpoints are refused (loading them can run arbitrary code); "
+                    "convert to safetensors, e.g. `model.save_pretrained(path, safe_serialization=True)` in transformers"
+                )
+            raise CheckpointError(f"{self.path}: no *.safetensors files found")
+        return files
+
+    def _files_from_index(self, index_path: Path) -> list[Path]:
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{index_path}: malformed shard index, expected an object with 'weight_map' ({error!r})") from None
+        files = sorted({self.path / name for name in weight_map.values()})
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: listed in {index_path.name} but missing")
+        return files
+
+    def _index_tensors(self) -> dict[str, Path]:
+        index: dict[str, Path] = {}
+        for file in self.files:
+            for name in self._open(file, check=True).keys():
+                index[name] = file
+        return index
+
+    def _open(self, file: Path, check: bool = False) -> Any:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except (SafetensorError, OSError, ValueError) as error:
+            raise CheckpointError(f"{file}: not a readable safetensors file, truncated or corrupt ({error})") from None
+        if check:
+            _check_file_size(file, handle)
+        return handle
+
+    def has(self, name: str) -> bool:
+        return name in self.index
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def _handle(self, name: str) -> Any:
+        if name not in self.index:
+            raise CheckpointError(f"{self.path}: tensor '{name}' is missing from the checkpoint (files: {', '.join(f.name for f in self.files)})")
+        file = self.index[name]
+        if file not in self._handles:
+            self._handles[file] = self._open(file)
+        return self._handles[file]
+
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Read one tensor, checking its shape and that it holds floating-point weights."""
+        handle = self._handle(name)
+        file = self.index[name]
+        if shape is not None and self.shape(name) != tuple(shape):
+            raise CheckpointError(f"{file}: tensor '{name}' has shape {list(self.shape(name))}, expected {list(shape)} from config.json")
+        try:
+            value = handle.get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+            raise CheckpointError(f"{file}: tensor '{name}' cannot be read, the file is truncated or corrupt ({error})") from None
+        if value.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{file}: tensor '{name}' has dtype {value.dtype}, expected float32, float16 or bfloat16 weights")
+        return value
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _check_file_size(file: Path, handle: Any) -> None:
+    """A truncated file can still have a valid header; check the data region covers every tensor."""
+    with open(file, "rb") as raw:
+        header_len = int.from_bytes(raw.read(8), "little")
+        header = json.loads(raw.read(header_len))
+    end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
+    size = file.stat().st_size
+    if size < 8 + header_len + end:
+        raise CheckpointError(f"{file}: truncated: the header promises {8 + header_len + end} bytes, the file has {size}")

@@ -1,0 +1,43 @@
+"""Routed experts that all live on the device: the resident ceiling and the plain baseline's provider."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from specter.model.transformer import ExpertMLP, combine_in_expert_order, group_rows
+
+
+class ResidentExperts:
+    """Every packed expert of every MoE layer in one device tensor per layer, [E, expert_numel]."""
+
+    def __init__(self, packed: dict[int, torch.Tensor]) -> None:
+        self.packed = packed
+
+    @classmethod
+    def from_iter(cls, experts: Iterable[tuple[int, int, torch.Tensor]], num_experts: int, device: torch.device) -> "ResidentExperts":
+        packed: dict[int, torch.Tensor] = {}
+        for layer, expert, flat in experts:
+            if layer not in packed:
+                packed[layer] = torch.empty(num_experts, flat.numel(), dtype=flat.dtype, device=device)
+            packed[layer][expert].copy_(flat)
+        return cls(packed)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.packed.values())
+
+    def expert(self, layer: int, expert: int) -> torch.Tensor:
+        return self.packed[layer][expert]
+
+    async def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mlp: ExpertMLP) -> torch.Tensor:
+        # Await point: the routing table crosses to the host (one small D2H copy on CUDA).
+        groups = group_rows(ids.tolist())
+        parts = {}
+        for expert, (rows, slots) in groups.items():
+            row_index = torch.tensor(rows, device=x.device)
+            slot_index = torch.tensor(slots, device=x.device)
+            out = mlp(x[row_index], self.packed[layer][expert])
+            parts[expert] = (row_index, out * weights[row_index, slot_index, None])
+        return combine_in_expert_order(x.shape[0], x.shape[1], parts, x)

@@ -1,0 +1,232 @@
+"""ModelSpec: one normalised description of an MoE decoder, read from a checkpoint's config.json.
+
+Each supported `model_type` has a reader that maps its config fields (as Hugging Face writes them) to a
+ModelSpec and names its tensors as they are on disk; the rest of the engine sees only ModelSpec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from specter.errors import CheckpointError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Architecture of one MoE decoder. D hidden, H heads, Hkv kv heads, E experts, A active, I expert width."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    expert_intermediate: int
+    dense_intermediate: int
+    rms_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position: int
+    norm_topk_prob: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str = "none"  # "none" | "head" (per head, Qwen3) | "full" (whole projection, OLMoE)
+    clip_qkv: float | None = None
+    shared_intermediate: int = 0  # shared expert width (Qwen2-MoE); 0 = none
+    shared_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE)
+    dense_layers: frozenset[int] = frozenset()  # layers with a dense MLP instead of experts
+    sliding_window: int | None = None
+    tie_word_embeddings: bool = False
+    dtype: str = "float32"  # the checkpoint's declared torch dtype
+    eos_token_ids: tuple[int, ...] = ()
+    expert_prefix: str = "mlp"  # "block_sparse_moe" for Mixtral
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down on disk
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [layer for layer in range(self.num_layers) if layer not in self.dense_layers]
+
+    @property
+    def expert_numel(self) -> int:
+        """Elements of one packed expert: gate and up [2I, D] then down [D, I]."""
+        return 3 * self.expert_intermediate * self.hidden_size
+
+    def expert_bytes(self, element_size: int) -> int:
+        return self.expert_numel * element_size
+
+    def layer_prefix(self, layer: int) -> str:
+        return f"model.layers.{layer}"
+
+    def router_name(self, layer: int) -> str:
+        return f"{self.layer_prefix(layer)}.{self.expert_prefix}.gate.weight"
+
+    def expert_tensor_name(self, layer: int, expert: int, which: int) -> str:
+        """Per-expert tensor name on disk; which: 0 gate, 1 up, 2 down."""
+        return f"{self.layer_prefix(layer)}.{self.expert_prefix}.experts.{expert}.{self.expert_names[which]}.weight"
+
+
+class _Fields:
+    """Reads config.json fields, naming the file and field when one is missing or malformed."""
+
+    def __init__(self, config: dict[str, Any], source: str) -> None:
+        self.config = config
+        self.source = source
+
+    def need(self, name: str, kind: type = int) -> Any:
+        if name not in self.config or self.config[name] is None:
+            raise CheckpointError(f"{self.source}: config field '{name}' is missing; it is required for model_type '{self.config.get('model_type')}'")
+        return self.typed(name, self.config[name], kind)
+
+    def need_any(self, names: tuple[str, ...], kind: type = int) -> Any:
+        """The first present of several spellings (e.g. num_experts / num_local_experts across versions)."""
+        for name in names:
+            if self.config.get(name) is not None:
+                return self.typed(name, self.config[name], kind)
+        return self.need(names[0], kind)
+
+    def get(self, name: str, default: Any, kind: type = int) -> Any:
+        value = self.config.get(name)
+        return default if value is None else self.typed(name, value, kind)
+
+    def typed(self, name: str, value: Any, kind: type) -> Any:
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise CheckpointError(f"{self.source}: config field '{name}' = {value!r} should be of type {kind.__name__}")
+        return value
+
+    def rope(self) -> tuple[float, dict[str, Any] | None]:
+        """rope_theta and scaling, from transformers v4 (`rope_theta`, `rope_scaling`) or v5 (`rope_parameters`)."""
+        params = self.config.get("rope_parameters") or {}
+        theta = params.get("rope_theta", self.config.get("rope_theta", 10000.0))
+        scaling = self.config.get("rope_scaling") or None
+        if params.get("rope_type", "default") != "default":
+            scaling = dict(params)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        return float(theta), scaling
+
+    def eos(self) -> tuple[int, ...]:
+        eos = self.config.get("eos_token_id")
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _common(fields: _Fields) -> dict[str, Any]:
+    hidden = fields.need("hidden_size")
+    heads = fields.need("num_attention_heads")
+    theta, scaling = fields.rope()
+    return dict(
+        vocab_size=fields.need("vocab_size"),
+        hidden_size=hidden,
+        num_layers=fields.need("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=fields.get("num_key_value_heads", heads),
+        head_dim=fields.get("head_dim", hidden // heads),
+        rms_eps=fields.get("rms_norm_eps", 1e-6, float),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position=fields.get("max_position_embeddings", 4096),
+        tie_word_embeddings=fields.get("tie_word_embeddings", False, bool),
+        dtype=str(fields.config.get("torch_dtype") or fields.config.get("dtype") or "float32"),
+        eos_token_ids=fields.eos(),
+    )
+
+
+def _sparse_layers(fields: _Fields, num_layers: int) -> frozenset[int]:
+    """Qwen-style dense layers: `mlp_only_layers` plus layers skipped by `decoder_sparse_step`."""
+    step = fields.get("decoder_sparse_step", 1)
+    only_dense = set(fields.get("mlp_only_layers", [], list))
+    return frozenset(layer for layer in range(num_layers) if layer in only_dense or step <= 0 or (layer + 1) % step != 0)
+
+
+def _mixtral(fields: _Fields) -> ModelSpec:
+    common = _common(fields)
+    window = fields.get("sliding_window", None)
+    return ModelSpec(
+        family="mixtral", **common,
+        num_experts=fields.need_any(("num_local_experts", "num_experts")), top_k=fields.need("num_experts_per_tok"),
+        expert_intermediate=fields.need("intermediate_size"), dense_intermediate=0, norm_topk_prob=True,
+        sliding_window=window, expert_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2"),
+    )
+
+
+def _qwen2_moe(fields: _Fields) -> ModelSpec:
+    common = _common(fields)
+    window = fields.get("sliding_window", None) if fields.get("use_sliding_window", False, bool) else None
+    return ModelSpec(
+        family="qwen2_moe", **common,
+        num_experts=fields.need_any(("num_experts", "num_local_experts")), top_k=fields.need("num_experts_per_tok"),
+        expert_intermediate=fields.need("moe_intermediate_size"), dense_intermediate=fields.get("intermediate_size", 0),
+        norm_topk_prob=fields.get("norm_topk_prob", False, bool), qkv_bias=fields.get("qkv_bias", True, bool),
+        shared_intermediate=fields.need("shared_expert_intermediate_size"), shared_gate=True,
+        dense_layers=_sparse_layers(fields, common["num_layers"]), sliding_window=window,
+    )
+
+
+def _qwen3_moe(fields: _Fields) -> ModelSpec:
+    common = _common(fields)
+    bias = fields.get("attention_bias", False, bool)
+    window = fields.get("sliding_window", None) if fields.get("use_sliding_window", False, bool) else None
+    return ModelSpec(
+        family="qwen3_moe", **common,
+        num_experts=fields.need_any(("num_experts", "num_local_experts")), top_k=fields.need("num_experts_per_tok"),
+        expert_intermediate=fields.need("moe_intermediate_size"), dense_intermediate=fields.get("intermediate_size", 0),
+        norm_topk_prob=fields.get("norm_topk_prob", False, bool), qkv_bias=bias, o_bias=bias, qk_norm="head",
+        dense_layers=_sparse_layers(fields, common["num_layers"]), sliding_window=window,
+    )
+
+
+def _olmoe(fields: _Fields) -> ModelSpec:
+    common = _common(fields)
+    bias = fields.get("attention_bias", False, bool)
+    return ModelSpec(
+        family="olmoe", **common,
+        num_experts=fields.need_any(("num_experts", "num_local_experts")), top_k=fields.need("num_experts_per_tok"),
+        expert_intermediate=fields.need("intermediate_size"), dense_intermediate=0,
+        norm_topk_prob=fields.get("norm_topk_prob", False, bool), qkv_bias=bias, o_bias=bias, qk_norm="full",
+        clip_qkv=fields.get("clip_qkv", None, float),
+    )
+
+
+FAMILIES: dict[str, Callable[[_Fields], ModelSpec]] = {
+    "mixtral": _mixtral,
+    "qwen2_moe": _qwen2_moe,
+    "qwen3_moe": _qwen3_moe,
+    "olmoe": _olmoe,
+}
+
+
+def register_family(model_type: str, reader: Callable[[_Fields], ModelSpec]) -> None:
+    """Add a model family reader (used by the family modules that need their own attention or routing)."""
+    FAMILIES[model_type] = reader
+
+
+def spec_from_config(config: dict[str, Any], source: str = "config.json") -> ModelSpec:
+    """Build the ModelSpec for a parsed config.json, or explain why it cannot be read."""
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        supported = ", ".join(sorted(FAMILIES))
+        raise CheckpointError(f"{source}: model_type {model_type!r} is not supported; supported model types: {supported}")
+    spec = FAMILIES[model_type](_Fields(config, source))
+    _check(spec, source)
+    return spec
+
+
+def _check(spec: ModelSpec, source: str) -> None:
+    if spec.num_heads % spec.num_kv_heads:
+        raise CheckpointError(f"{source}: num_attention_heads {spec.num_heads} is not a multiple of num_key_value_heads {spec.num_kv_heads}")
+    if not 1 <= spec.top_k <= spec.num_experts:
+        raise CheckpointError(f"{source}: num_experts_per_tok {spec.top_k} must be between 1 and the number of experts {spec.num_experts}")
+    if spec.head_dim % 2:
+        raise CheckpointError(f"{source}: head_dim {spec.head_dim} must be even for rotary embeddings")
+    if spec.rope_scaling is not None:
+        kind = spec.rope_scaling.get("rope_type", spec.rope_scaling.get("type"))
+        if kind not in ("linear",):
+            raise CheckpointError(f"{source}: rope scaling type {kind!r} is not supported for {spec.family}; supported: default, linear")

@@ -1,0 +1,257 @@
+"""The MoE decoder forward, read top to bottom: embed, layers (attention, then experts or MLP), head.
+
+Shape legend: T tokens in this forward, B row bucket, D hidden, H heads, Hkv kv heads, hd head dim,
+S cache length, E experts, A active experts per token, I expert width, V vocabulary.
+
+Exact mode (DESIGN section 5) makes every row's result independent of which other rows share the
+forward: row-wise work runs on blocks of exactly B rows (padding rows are thrown away), attention runs
+one query row at a time with the same code as a single-token step, and expert outputs are summed per
+token in expert-id order. A forward over T rows then gives bit-identical logits and KV to T one-row
+steps, which is what lets a k+1-row verify reproduce plain decoding token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from specter.model.kv import KVCache
+from specter.model.spec import ModelSpec
+from specter.model.weights import unpack_expert
+
+Tensor = torch.Tensor
+ExpertMLP = Callable[[Tensor, Tensor], Tensor]
+
+
+class ExpertProvider(Protocol):
+    """Where routed-expert weights come from: all resident, an offloading cache, or a quantized draft."""
+
+    async def run(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor, mlp: ExpertMLP) -> Tensor:
+        """Return sum_a weights[t, a] * expert_{ids[t, a]}(x[t]) for every row t, as [T, D].
+
+        Called once per MoE layer per forward, in layer order. `mlp(rows, packed_expert)` computes one
+        expert on some rows. Implementations must add contributions per token in ascending expert id
+        (use `combine_in_expert_order`) so the result does not depend on arrival order.
+        """
+        ...
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm as Hugging Face computes it: statistics in float32, scale in the weight's dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def combine_in_expert_order(num_rows: int, hidden: int, parts: dict[int, tuple[Tensor, Tensor]], like: Tensor) -> Tensor:
+    """Sum weighted expert outputs into [T, D], adding per token in ascending expert id.
+
+    parts: expert -> (row indices [n], weighted output [n, D]). Within one expert the rows are
+    distinct, so each index_add touches a row once and the per-row addition order is the expert order.
+    """
+    out = torch.zeros(num_rows, hidden, dtype=like.dtype, device=like.device)
+    for expert in sorted(parts):
+        rows, values = parts[expert]
+        out.index_add_(0, rows, values)
+    return out
+
+
+class Transformer:
+    """A loaded MoE decoder: non-expert weights by on-disk name, the spec, and the forward pass."""
+
+    def __init__(self, spec: ModelSpec, dense: dict[str, Tensor], *, exact: bool = True, row_bucket: int = 16, max_context: int = 2048) -> None:
+        self.spec = spec
+        self.w = dense
+        self.exact = exact
+        self.bucket = row_bucket
+        self.max_context = max_context
+        embed = dense["model.embed_tokens.weight"]
+        self.device, self.dtype = embed.device, embed.dtype
+        self.cos, self.sin = self._rope_tables(max_context)
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def _rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
+        spec = self.spec
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim))
+        positions = torch.arange(length, dtype=torch.float32)
+        if spec.rope_scaling is not None:  # linear scaling, the only kind the spec admits
+            positions = positions / float(spec.rope_scaling["factor"])
+        freqs = positions[:, None] * inv_freq[None, :]  # [S, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype)
+
+    def new_kv(self) -> KVCache:
+        spec = self.spec
+        return KVCache(spec.num_layers, spec.num_kv_heads, self.max_context, spec.head_dim, self.dtype, self.device)
+
+    # ---- row blocks (exact mode) --------------------------------------------------------------
+    def rows(self, fn: Callable[..., Tensor | tuple[Tensor, ...]], *tensors: Tensor) -> tuple[Tensor, ...]:
+        """Apply a row-wise fn to blocks of exactly B rows (exact mode) or to all rows at once."""
+        num_rows = tensors[0].shape[0]
+        if not self.exact:
+            out = fn(*tensors)
+            return out if isinstance(out, tuple) else (out,)
+        padded = -(-num_rows // self.bucket) * self.bucket
+        tensors = tuple(F.pad(t, (0, 0) * (t.dim() - 1) + (0, padded - num_rows)) for t in tensors)
+        blocks = []
+        for start in range(0, padded, self.bucket):
+            out = fn(*(t[start : start + self.bucket] for t in tensors))
+            blocks.append(out if isinstance(out, tuple) else (out,))
+        return tuple(torch.cat(parts)[:num_rows] for parts in zip(*blocks))
+
+    def linear(self, x: Tensor, name: str) -> Tensor:
+        bias = self.w.get(name + ".bias")
+        return F.linear(x, self.w[name + ".weight"], bias)
+
+    # ---- the forward --------------------------------------------------------------------------
+    async def forward(self, tokens: Tensor, start: int, kv: KVCache, experts: ExpertProvider) -> Tensor:
+        """Run T tokens at positions start..start+T-1, writing their KV; returns final hidden [T, D]."""
+        assert start + tokens.shape[0] <= kv.capacity, f"positions up to {start + tokens.shape[0]} exceed the KV capacity {kv.capacity}"
+        positions = torch.arange(start, start + tokens.shape[0], device=self.device)
+        x = self.w["model.embed_tokens.weight"][tokens]  # [T, D]
+        for layer in range(self.spec.num_layers):
+            x = self.attention(layer, x, positions, start, kv)
+            x = await self.feed_forward(layer, x, experts)
+        return x
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final norm and LM head over some rows: [T, D] -> [T, V] in float32."""
+        (out,) = self.rows(lambda h: F.linear(rms_norm(h, self.w["model.norm.weight"], self.spec.rms_eps), self.w["lm_head.weight"]), hidden)
+        return out.float()
+
+    # ---- attention ----------------------------------------------------------------------------
+    def attention(self, layer: int, x: Tensor, positions: Tensor, start: int, kv: KVCache) -> Tensor:
+        prefix = f"{self.spec.layer_prefix(layer)}.self_attn"
+        q, k, v = self.rows(lambda rows, pos: self._qkv(layer, prefix, rows, pos), x, positions)
+        kv.write(layer, start, k, v)
+        out = self._attend(layer, q, start, kv)  # [T, H*hd]
+        (x,) = self.rows(lambda o, res: res + self.linear(o, f"{prefix}.o_proj"), out, x)
+        return x
+
+    def _qkv(self, layer: int, prefix: str, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        spec = self.spec
+        h = rms_norm(x, self.w[f"{spec.layer_prefix(layer)}.input_layernorm.weight"], spec.rms_eps)
+        q, k, v = (self.linear(h, f"{prefix}.{name}") for name in ("q_proj", "k_proj", "v_proj"))
+        if spec.clip_qkv is not None:
+            q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
+        if spec.qk_norm == "full":
+            q = rms_norm(q, self.w[f"{prefix}.q_norm.weight"], spec.rms_eps)
+            k = rms_norm(k, self.w[f"{prefix}.k_norm.weight"], spec.rms_eps)
+        rows = x.shape[0]
+        q = q.view(rows, spec.num_heads, spec.head_dim)
+        k = k.view(rows, spec.num_kv_heads, spec.head_dim)
+        v = v.view(rows, spec.num_kv_heads, spec.head_dim)
+        if spec.qk_norm == "head":
+            q = rms_norm(q, self.w[f"{prefix}.q_norm.weight"], spec.rms_eps)
+            k = rms_norm(k, self.w[f"{prefix}.k_norm.weight"], spec.rms_eps)
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, hd]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def _key_range(self, position: int) -> tuple[int, int]:
+        window = self.spec.sliding_window
+        first = 0 if window is None or window <= 0 else max(0, position - window + 1)
+        return first, position + 1
+
+    def _attend(self, layer: int, q: Tensor, first_position: int, kv: KVCache) -> Tensor:
+        """Attention of each query row over the cache up to its own position; [T, H, hd] -> [T, H*hd]."""
+        if self.exact or q.shape[0] == 1:
+            return torch.cat([self._attend_row(layer, q[t], first_position + t, kv) for t in range(q.shape[0])])
+        return self._attend_block(layer, q, first_position, kv)
+
+    def _attend_row(self, layer: int, q: Tensor, position: int, kv: KVCache) -> Tensor:
+        """One query row, the decode kernel: q [H, hd] -> [1, H*hd]."""
+        spec = self.spec
+        first, end = self._key_range(position)
+        keys, values = kv.keys(layer, first, end), kv.values(layer, first, end)  # [Hkv, L, hd]
+        group = spec.num_heads // spec.num_kv_heads
+        q = q.view(spec.num_kv_heads, group, spec.head_dim)  # [Hkv, G, hd]
+        scores = torch.matmul(q, keys.transpose(1, 2)) * spec.head_dim**-0.5  # [Hkv, G, L]
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return torch.matmul(probs, values).reshape(1, spec.num_heads * spec.head_dim)
+
+    def _attend_block(self, layer: int, q: Tensor, first_position: int, kv: KVCache) -> Tensor:
+        """Fast, non-exact path: all rows at once with a causal (and sliding-window) mask."""
+        spec = self.spec
+        rows = q.shape[0]
+        end = first_position + rows
+        keys, values = kv.keys(layer, 0, end), kv.values(layer, 0, end)
+        query_pos = torch.arange(first_position, end, device=q.device)[:, None]
+        key_pos = torch.arange(end, device=q.device)[None, :]
+        allowed = key_pos <= query_pos
+        if spec.sliding_window:
+            allowed &= key_pos > query_pos - spec.sliding_window
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys, values, attn_mask=allowed, enable_gqa=spec.num_heads != spec.num_kv_heads
+        )  # [H, T, hd]
+        return out.transpose(0, 1).reshape(rows, spec.num_heads * spec.head_dim)
+
+    # ---- feed-forward: routed experts, shared expert, or dense MLP ----------------------------
+    async def feed_forward(self, layer: int, x: Tensor, experts: ExpertProvider) -> Tensor:
+        spec = self.spec
+        norm_name = f"{spec.layer_prefix(layer)}.post_attention_layernorm.weight"
+        if layer in spec.dense_layers:
+            (x,) = self.rows(lambda r: r + self.dense_mlp(f"{spec.layer_prefix(layer)}.mlp", rms_norm(r, self.w[norm_name], spec.rms_eps)), x)
+            return x
+        h, ids, weights = self.rows(lambda r: self._route(layer, rms_norm(r, self.w[norm_name], spec.rms_eps)), x)
+        routed = await experts.run(layer, h, ids, weights, self.expert_mlp)
+        if spec.shared_intermediate:
+            (routed,) = self.rows(lambda r, hh: r + self.shared_expert(layer, hh), routed, h)
+        (x,) = self.rows(torch.add, x, routed)
+        return x
+
+    def _route(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Router: softmax over experts in float32, top-A, optional renormalisation. Returns h, ids [T, A], weights [T, A]."""
+        logits = F.linear(h, self.w[self.spec.router_name(layer)])  # [T, E]
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return h, ids, weights.to(h.dtype)
+
+    def route_logits(self, layer: int, h: Tensor) -> Tensor:
+        """Router logits for already-normalised rows (used by gate-based prediction)."""
+        return F.linear(h, self.w[self.spec.router_name(layer)])
+
+    def dense_mlp(self, prefix: str, h: Tensor) -> Tensor:
+        gate, up = self.linear(h, f"{prefix}.gate_proj"), self.linear(h, f"{prefix}.up_proj")
+        return self.linear(F.silu(gate) * up, f"{prefix}.down_proj")
+
+    def shared_expert(self, layer: int, h: Tensor) -> Tensor:
+        prefix = f"{self.spec.layer_prefix(layer)}.mlp"
+        out = self.dense_mlp(f"{prefix}.shared_expert", h)
+        if self.spec.shared_gate:
+            out = torch.sigmoid(self.linear(h, f"{prefix}.shared_expert_gate")) * out
+        return out
+
+    def expert_mlp(self, rows: Tensor, packed: Tensor) -> Tensor:
+        """One routed expert over some rows [n, D] -> [n, D], in row blocks in exact mode."""
+        w13, w2 = unpack_expert(packed, self.spec.hidden_size, self.spec.expert_intermediate)
+        inter = self.spec.expert_intermediate
+
+        def swiglu(block: Tensor) -> Tensor:
+            gate_up = F.linear(block, w13)  # [B, 2I]
+            return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2)
+
+        (out,) = self.rows(swiglu, rows)
+        return out
+
+
+def group_rows(ids: Sequence[Sequence[int]]) -> dict[int, tuple[list[int], list[int]]]:
+    """Host-side routing table: expert -> (rows that chose it, the top-A slot in each row)."""
+    groups: dict[int, tuple[list[int], list[int]]] = {}
+    for row, chosen in enumerate(ids):
+        for slot, expert in enumerate(chosen):
+            rows, slots = groups.setdefault(expert, ([], []))
+            rows.append(row)
+            slots.append(slot)
+    return groups

@@ -1,0 +1,155 @@
+"""Loading weights: non-expert tensors by their on-disk names, routed experts one (layer, expert) at a time.
+
+An expert is packed as one flat tensor [gate; up] [2I, D] followed by down [D, I], so it can be moved
+over PCIe in one copy. Checkpoints that store a layer's experts as fused 3-D tensors load too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from specter.errors import CheckpointError
+from specter.model.checkpoint import Checkpoint
+from specter.model.spec import ModelSpec
+
+DenseShapes = Callable[[ModelSpec], dict[str, tuple[int, ...]]]
+
+
+def attention_shapes(spec: ModelSpec, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Standard multi-head attention with grouped KV; biases and q/k norms as the spec says."""
+    D, hd = spec.hidden_size, spec.head_dim
+    q_out, kv_out = spec.num_heads * hd, spec.num_kv_heads * hd
+    shapes = {
+        f"{prefix}.q_proj.weight": (q_out, D),
+        f"{prefix}.k_proj.weight": (kv_out, D),
+        f"{prefix}.v_proj.weight": (kv_out, D),
+        f"{prefix}.o_proj.weight": (D, q_out),
+    }
+    if spec.qkv_bias:
+        shapes |= {f"{prefix}.q_proj.bias": (q_out,), f"{prefix}.k_proj.bias": (kv_out,), f"{prefix}.v_proj.bias": (kv_out,)}
+    if spec.o_bias:
+        shapes[f"{prefix}.o_proj.bias"] = (D,)
+    if spec.qk_norm == "head":
+        shapes |= {f"{prefix}.q_norm.weight": (hd,), f"{prefix}.k_norm.weight": (hd,)}
+    elif spec.qk_norm == "full":
+        shapes |= {f"{prefix}.q_norm.weight": (q_out,), f"{prefix}.k_norm.weight": (kv_out,)}
+    return shapes
+
+
+def mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {
+        f"{prefix}.gate_proj.weight": (inter, hidden),
+        f"{prefix}.up_proj.weight": (inter, hidden),
+        f"{prefix}.down_proj.weight": (hidden, inter),
+    }
+
+
+def standard_dense_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every non-routed-expert tensor of the model and its shape, by on-disk name."""
+    D = spec.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, D), "model.norm.weight": (D,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, D)
+    for layer in range(spec.num_layers):
+        prefix = spec.layer_prefix(layer)
+        shapes[f"{prefix}.input_layernorm.weight"] = (D,)
+        shapes[f"{prefix}.post_attention_layernorm.weight"] = (D,)
+        shapes |= attention_shapes(spec, f"{prefix}.self_attn")
+        if layer in spec.dense_layers:
+            shapes |= mlp_shapes(f"{prefix}.mlp", D, spec.dense_intermediate)
+            continue
+        shapes[spec.router_name(layer)] = (spec.num_experts, D)
+        if spec.shared_intermediate:
+            shapes |= mlp_shapes(f"{prefix}.mlp.shared_expert", D, spec.shared_intermediate)
+        if spec.shared_gate:
+            shapes[f"{prefix}.mlp.shared_expert_gate.weight"] = (1, D)
+    return shapes
+
+
+DENSE_SHAPES: dict[str, DenseShapes] = {}
+
+
+def dense_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    return DENSE_SHAPES.get(spec.family, standard_dense_shapes)(spec)
+
+
+def load_dense(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, progress: bool = False) -> dict[str, torch.Tensor]:
+    """Read every non-expert tensor, checked against the shape config.json implies, onto the device."""
+    shapes = dense_shapes(ckpt.spec)
+    dense: dict[str, torch.Tensor] = {}
+    for name, shape in tqdm(shapes.items(), desc="dense weights", disable=not progress, unit="tensor"):
+        dense[name] = ckpt.tensor(name, shape).to(device=device, dtype=dtype)
+    if ckpt.spec.tie_word_embeddings and "lm_head.weight" not in dense:
+        dense["lm_head.weight"] = dense["model.embed_tokens.weight"]
+    return dense
+
+
+def pack_expert(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One expert as one flat tensor: [gate; up] rows, then down."""
+    return torch.cat([gate.reshape(-1), up.reshape(-1), down.reshape(-1)])
+
+
+def unpack_expert(flat: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a packed expert: w13 [2I, D] (gate rows then up rows) and w2 [D, I]."""
+    split = 2 * inter * hidden
+    return flat[:split].view(2 * inter, hidden), flat[split:].view(hidden, inter)
+
+
+def iter_experts(ckpt: Checkpoint, dtype: torch.dtype, progress: bool = False) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Yield (layer, expert, packed flat CPU tensor) for every routed expert, reading one layer at a time."""
+    spec = ckpt.spec
+    total = len(spec.moe_layers) * spec.num_experts
+    bar = tqdm(total=total, desc="experts", disable=not progress, unit="expert")
+    for layer in spec.moe_layers:
+        read = _read_fused_layer if _is_fused(ckpt, layer) else _read_expert_layer
+        for expert, (gate, up, down) in enumerate(read(ckpt, layer)):
+            yield layer, expert, pack_expert(gate, up, down).to(dtype)
+            bar.update(1)
+    bar.close()
+
+
+def _read_expert_layer(ckpt: Checkpoint, layer: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    spec = ckpt.spec
+    D, inter = spec.hidden_size, spec.expert_intermediate
+    shapes = ((inter, D), (inter, D), (D, inter))
+    for expert in range(spec.num_experts):
+        yield tuple(ckpt.tensor(spec.expert_tensor_name(layer, expert, which), shapes[which]) for which in range(3))
+
+
+def _fused_prefix(spec: ModelSpec, layer: int) -> str:
+    return f"{spec.layer_prefix(layer)}.{spec.expert_prefix}.experts"
+
+
+def _is_fused(ckpt: Checkpoint, layer: int) -> bool:
+    prefix = _fused_prefix(ckpt.spec, layer)
+    return ckpt.has(f"{prefix}.gate_up_proj") or ckpt.has(f"{prefix}.gate_proj")
+
+
+def _read_fused_layer(ckpt: Checkpoint, layer: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """transformers v5 layout: gate_up_proj [E, 2I, D] (gate half first) and down_proj [E, D, I]."""
+    spec = ckpt.spec
+    E, D, inter = spec.num_experts, spec.hidden_size, spec.expert_intermediate
+    prefix = _fused_prefix(spec, layer)
+    if ckpt.has(f"{prefix}.gate_up_proj"):
+        gate_up = ckpt.tensor(f"{prefix}.gate_up_proj", (E, 2 * inter, D))
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    else:
+        gate = ckpt.tensor(f"{prefix}.gate_proj", (E, inter, D))
+        up = ckpt.tensor(f"{prefix}.up_proj", (E, inter, D))
+    down = ckpt.tensor(f"{prefix}.down_proj", (E, D, inter))
+    for expert in range(E):
+        yield gate[expert], up[expert], down[expert]
+
+
+def check_no_unknown_experts(ckpt: Checkpoint) -> None:
+    """Fail early when the checkpoint has more experts than config.json declares (a config/weights mismatch)."""
+    spec = ckpt.spec
+    layer = spec.moe_layers[0] if spec.moe_layers else None
+    if layer is None or _is_fused(ckpt, layer):
+        return
+    extra = spec.expert_tensor_name(layer, spec.num_experts, 0)
+    if ckpt.has(extra):
+        raise CheckpointError(f"{ckpt.index[extra]}: tensor '{extra}' exists but config.json declares only {spec.num_experts} experts")

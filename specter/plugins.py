@@ -1,0 +1,309 @@
+"""Plug-in loading per entry-point group, allow-listed by SPECTER_PLUGINS, validated and guarded.
+
+Groups: `specter.eviction`, `specter.prefetch`, `specter.lookahead` (policies) and `specter.backends`.
+SPECTER_PLUGINS: comma-separated `name` or `group:name` (e.g. `lru,prefetch:none`); unset allows every
+installed plug-in, set but empty allows none. Every error names the plug-in, its group and distribution.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence, Set
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+import numpy as np
+
+from specter.errors import PluginError
+from specter.log import get_logger
+from specter.policy import (
+    LinkTiming,
+    LookaheadState,
+    Plan,
+    RoundOutcome,
+    UseHistory,
+    protocol_problems,
+)
+
+log = get_logger(__name__)
+
+ALLOW_LIST_ENV = "SPECTER_PLUGINS"
+GROUP_PREFIX = "specter."
+POLICY_GROUPS = ("eviction", "prefetch", "lookahead")
+BACKEND_GROUP = "backends"
+
+_scan_lock = threading.RLock()
+_scanned: dict[str, dict[str, EntryPoint]] = {}
+
+
+@dataclass(frozen=True)
+class PluginOrigin:
+    """Where a plug-in came from, for error messages: group, name, distribution and version."""
+
+    group: str
+    name: str
+    dist: str | None = None
+    version: str | None = None
+
+    def label(self) -> str:
+        source = f"dist {self.dist} {self.version}" if self.dist else "dist unknown"
+        return f"{self.group} plug-in {self.name!r} ({source})"
+
+    @classmethod
+    def of(cls, group: str, entry_point: EntryPoint) -> PluginOrigin:
+        dist = getattr(entry_point, "dist", None)
+        if dist is None:
+            return cls(group, entry_point.name)
+        return cls(group, entry_point.name, dist.metadata["Name"], dist.version)
+
+
+def short_group(group: str) -> str:
+    """'specter.eviction' or 'eviction' -> 'eviction'."""
+    short = group.removeprefix(GROUP_PREFIX)
+    if short not in (*POLICY_GROUPS, BACKEND_GROUP):
+        known = ", ".join(GROUP_PREFIX + g for g in (*POLICY_GROUPS, BACKEND_GROUP))
+        raise PluginError(f"unknown plug-in group {group!r}; the groups are {known}")
+    return short
+
+
+def installed(group: str, *, refresh: bool = False) -> dict[str, EntryPoint]:
+    """Name -> entry point of every installed plug-in of `group`, allowed or not (scan cached)."""
+    short = short_group(group)
+    with _scan_lock:
+        if refresh or short not in _scanned:
+            _scanned[short] = _scan(short)
+        return dict(_scanned[short])
+
+
+def _scan(short: str) -> dict[str, EntryPoint]:
+    found: dict[str, EntryPoint] = {}
+    for entry_point in entry_points(group=GROUP_PREFIX + short):
+        if entry_point.name in found:
+            # Two distributions claim one name: keep the first, as importlib.metadata orders them.
+            log.warning("plugin.duplicate", group=short, name=entry_point.name, ignored=entry_point.value)
+            continue
+        found[entry_point.name] = entry_point
+    return found
+
+
+def refresh() -> None:
+    """Forget the cached entry-point scan (after installing a plug-in into the running process)."""
+    with _scan_lock:
+        _scanned.clear()
+
+
+def is_allowed(group: str, name: str) -> bool:
+    """Whether SPECTER_PLUGINS lets the plug-in `name` of `group` load."""
+    allow_list = os.environ.get(ALLOW_LIST_ENV)
+    if allow_list is None:
+        return True
+    entries = {entry.strip() for entry in allow_list.split(",") if entry.strip()}
+    return name in entries or f"{short_group(group)}:{name}" in entries
+
+
+def available(group: str, *, refresh: bool = False) -> dict[str, EntryPoint]:
+    """The installed plug-ins of `group` that the allow-list lets load."""
+    return {name: ep for name, ep in installed(group, refresh=refresh).items() if is_allowed(group, name)}
+
+
+def load_policy(group: str, name: str, *, guard: bool = True, refresh: bool = False, **options: Any) -> Any:
+    """Load, construct (with `options` as keywords) and validate the policy `name` of `group`.
+
+    Returns it wrapped by `guarded` unless guard=False. Raises PluginError when the name is unknown or not
+    allowed, the import or constructor fails, or the object does not satisfy the group's protocol.
+    """
+    short = short_group(group)
+    if short not in POLICY_GROUPS:
+        raise PluginError(f"{group!r} is not a policy group; expected one of {', '.join(POLICY_GROUPS)}")
+    policy, origin = _load_and_construct(short, name, refresh, options)
+    problems = protocol_problems(policy, short)
+    if problems:
+        raise PluginError(f"{origin.label()}: {'; '.join(problems)}")
+    log.debug("plugin.loaded", group=short, name=name, dist=origin.dist, version=origin.version)
+    return guarded(policy, short, origin) if guard else policy
+
+
+def load_backend(name: str, *, refresh: bool = False, required: Sequence[str] | None = None, **options: Any) -> Any:
+    """Load and construct the backend `name` (`specter.backends`), checked for the methods it must have.
+
+    `required` defaults to the methods of the `Backend` protocol in `backends.base`.
+    """
+    backend, origin = _load_and_construct(BACKEND_GROUP, name, refresh, options)
+    methods = _backend_protocol_methods() if required is None else tuple(required)
+    problems = [f"{method}() missing" for method in methods if not callable(getattr(backend, method, None))]
+    if not isinstance(getattr(backend, "name", None), str):
+        problems.append("`name` attribute missing or not a str")
+    if problems:
+        raise PluginError(f"{origin.label()}: {'; '.join(problems)}")
+    log.debug("plugin.loaded", group=BACKEND_GROUP, name=name, dist=origin.dist, version=origin.version)
+    return backend
+
+
+def _backend_protocol_methods() -> tuple[str, ...]:
+    # Imported late: the protocol module needs torch, which policy loading and replay do not.
+    from backends.base import Backend
+
+    return tuple(name for name, member in vars(Backend).items() if callable(member) and not name.startswith("_"))
+
+
+def _load_and_construct(short: str, name: str, refresh: bool, options: dict[str, Any]) -> tuple[Any, PluginOrigin]:
+    entry_point = _find(short, name, refresh)
+    origin = PluginOrigin.of(short, entry_point)
+    try:
+        factory = entry_point.load()
+    except Exception as exc:
+        raise PluginError(f"{origin.label()}: importing {entry_point.value!r} failed: {exc!r}") from exc
+    if not callable(factory):
+        raise PluginError(f"{origin.label()}: {entry_point.value!r} is not a class or factory")
+    try:
+        return factory(**options), origin
+    except Exception as exc:
+        raise PluginError(f"{origin.label()}: construction with options {options} failed: {exc}") from exc
+
+
+def _find(short: str, name: str, refresh: bool) -> EntryPoint:
+    plugins = installed(short, refresh=refresh)
+    if name not in plugins:
+        names = ", ".join(sorted(plugins)) or "none"
+        raise PluginError(
+            f"no {short} plug-in named {name!r}; installed: {names}. "
+            f"Install the package that provides it, or pick one of these."
+        )
+    if not is_allowed(short, name):
+        raise PluginError(
+            f"{short} plug-in {name!r} is installed but {ALLOW_LIST_ENV}={os.environ.get(ALLOW_LIST_ENV)!r} "
+            f"does not allow it; add '{name}' or '{short}:{name}' to {ALLOW_LIST_ENV}, or unset it"
+        )
+    return plugins[name]
+
+
+def guarded(policy: Any, group: str, origin: PluginOrigin | None = None) -> Any:
+    """Wrap a policy so that any exception or wrong answer from a decision becomes a PluginError naming it.
+
+    The engine calls the wrapper as it would the policy and stays usable after a PluginError. Already
+    guarded policies are returned as they are. Extra attributes pass through to the policy.
+    """
+    if isinstance(policy, _Guarded):
+        return policy
+    short = short_group(group)
+    origin = origin or PluginOrigin(short, str(getattr(policy, "name", type(policy).__name__)))
+    wrappers = {"eviction": GuardedEviction, "prefetch": GuardedPrefetch, "lookahead": GuardedLookahead}
+    if short not in wrappers:
+        raise PluginError(f"cannot guard a {short} plug-in; only {', '.join(wrappers)} policies are guarded")
+    return wrappers[short](policy, origin)
+
+
+class _Guarded:
+    """Shared part of the guarded wrappers: the policy, its origin, and the call that names it on error."""
+
+    def __init__(self, policy: Any, origin: PluginOrigin) -> None:
+        self.policy = policy
+        self.origin = origin
+        self.name: str = policy.name
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute == "policy":  # not yet set (copy, unpickle): do not recurse
+            raise AttributeError(attribute)
+        return getattr(self.policy, attribute)
+
+    def __repr__(self) -> str:
+        return f"guarded({self.policy!r})"
+
+    def _call(self, method: str, **arguments: Any) -> Any:
+        try:
+            return getattr(self.policy, method)(**arguments)
+        except Exception as exc:  # BaseException (cancellation, KeyboardInterrupt) passes through on purpose
+            raise PluginError(f"{self.origin.label()}: {method}() raised {exc!r}") from exc
+
+    def _wrong(self, method: str, problem: str) -> PluginError:
+        return PluginError(f"{self.origin.label()}: {method}() returned a wrong answer: {problem}")
+
+
+class GuardedEviction(_Guarded):
+    """An eviction policy whose victims() is checked: exactly `count` distinct unprotected residents."""
+
+    def victims(
+        self,
+        layer: int,
+        residents: Sequence[int],
+        protected: Set[int],
+        count: int,
+        history: UseHistory,
+        plan: Plan | None,
+    ) -> list[int]:
+        chosen = self._call(
+            "victims", layer=layer, residents=residents, protected=protected, count=count, history=history, plan=plan
+        )
+        try:
+            chosen = [int(expert) for expert in chosen]
+        except (TypeError, ValueError) as exc:
+            raise self._wrong("victims", f"{chosen!r} is not a list of expert ids") from exc
+        resident_set = set(residents)
+        if len(chosen) != count or len(set(chosen)) != count:
+            raise self._wrong("victims", f"{chosen} is not {count} distinct experts")
+        if not set(chosen) <= resident_set or set(chosen) & set(protected):
+            bad = sorted(set(chosen) - (resident_set - set(protected)))
+            raise self._wrong("victims", f"{bad} are not resident or are protected (layer {layer})")
+        return chosen
+
+
+class GuardedPrefetch(_Guarded):
+    """A prefetch policy whose checkpoints and plans are checked against k, E and the slot count."""
+
+    def checkpoints(self, k: int, timing: LinkTiming) -> list[int]:
+        steps = self._call("checkpoints", k=k, timing=timing)
+        try:
+            steps = [int(step) for step in steps]
+        except (TypeError, ValueError) as exc:
+            raise self._wrong("checkpoints", f"{steps!r} is not a list of draft-step counts") from exc
+        if steps != sorted(set(steps)) or any(not 1 <= step <= k for step in steps):
+            raise self._wrong("checkpoints", f"{steps} are not sorted distinct steps in 1..{k}")
+        return steps
+
+    def plan(
+        self,
+        route_counts: np.ndarray,
+        resident: np.ndarray,
+        steps_done: int,
+        k: int,
+        timing: LinkTiming,
+        slots_per_layer: int,
+    ) -> Plan:
+        plan = self._call(
+            "plan",
+            route_counts=route_counts,
+            resident=resident,
+            steps_done=steps_done,
+            k=k,
+            timing=timing,
+            slots_per_layer=slots_per_layer,
+        )
+        if not isinstance(plan, Plan):
+            raise self._wrong("plan", f"{type(plan).__name__} is not a specter.policy.Plan")
+        num_layers, num_experts = np.shape(route_counts)
+        for layer, experts in plan.experts.items():
+            self._check_layer_plan(layer, list(experts), num_layers, num_experts, slots_per_layer)
+        return plan
+
+    def _check_layer_plan(self, layer: int, experts: list[int], layers: int, num_experts: int, slots: int) -> None:
+        if not 0 <= layer < layers:
+            raise self._wrong("plan", f"layer {layer} is outside 0..{layers - 1}")
+        if len(experts) > slots or len(set(experts)) != len(experts):
+            raise self._wrong("plan", f"layer {layer} lists {experts}: not at most {slots} distinct experts")
+        if any(not 0 <= expert < num_experts for expert in experts):
+            raise self._wrong("plan", f"layer {layer} lists {experts}: ids outside 0..{num_experts - 1}")
+
+
+class GuardedLookahead(_Guarded):
+    """A lookahead policy whose next_k() is checked to lie in 0..k_max."""
+
+    def next_k(self, state: LookaheadState) -> int:
+        k = self._call("next_k", state=state)
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= state.k_max:
+            raise self._wrong("next_k", f"{k!r} is not an int in 0..{state.k_max}")
+        return int(k)
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        self._call("observe", outcome=outcome)

@@ -1,0 +1,162 @@
+"""GPTQ-style calibrated quantization ("gptq4"): column-by-column rounding with Hessian error feedback.
+
+Produces exactly the packed format of `groupwise` (same codes, scales and packing), so `dequantize()`,
+the torch reference and the Triton kernel read GPTQ and round-to-nearest experts alike.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specter.errors import ConfigError
+from specter.log import get_logger
+from specter.quant.groupwise import (
+    QuantizedExperts,
+    QuantizedTensor,
+    check_expert_shapes,
+    choose_scales,
+    codes_from_scales,
+    default_scale_dtype,
+    levels_from_codes,
+    pack_codes,
+    resolve_group,
+    stack_experts,
+)
+
+log = get_logger(__name__)
+
+
+class HessianAccumulator:
+    """Running H = X^T X (fp64) over the calibration activations [n, K] that one expert saw."""
+
+    def __init__(self, in_features: int, device: torch.device | str = "cpu") -> None:
+        self.in_features = in_features
+        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float64, device=device)
+        self.num_rows = 0
+
+    def add(self, x: Tensor) -> None:
+        """Add activations [n, K] (the tokens routed to this expert); an empty batch is a no-op."""
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ConfigError(f"activations must be [n, {self.in_features}], got {tuple(x.shape)}")
+        rows = x.to(self.hessian.device, torch.float64)
+        self.hessian += rows.T @ rows
+        self.num_rows += rows.shape[0]
+
+
+class ExpertHessians:
+    """One HessianAccumulator per routed expert of a layer, fed with routed batches (offline, may sync)."""
+
+    def __init__(self, num_experts: int, in_features: int, device: torch.device | str = "cpu") -> None:
+        self.experts = [HessianAccumulator(in_features, device) for _ in range(num_experts)]
+
+    def add(self, x: Tensor, expert_ids: Tensor) -> None:
+        """x [T, K], expert_ids [T, A]: each expert accumulates the tokens routed to it."""
+        for expert, accumulator in enumerate(self.experts):
+            routed = (expert_ids == expert).any(dim=1)
+            accumulator.add(x[routed])
+
+    def stacked(self) -> Tensor:
+        """[E, K, K] fp64."""
+        return torch.stack([a.hessian for a in self.experts])
+
+
+def damped_inverse_cholesky(hessian: Tensor, damp: float) -> Tensor:
+    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, in fp64; dead inputs get H_ii = 1."""
+    h = hessian.to(torch.float64).clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    ridge = damp * torch.diagonal(h).mean()
+    for attempt in range(6):  # H from few tokens can be near-singular; more damping always helps
+        factor, info = torch.linalg.cholesky_ex(h + ridge * (10**attempt) * torch.eye(h.shape[0], dtype=h.dtype))
+        if info.item() == 0:  # offline calibration: a host sync here is fine
+            return torch.linalg.cholesky(torch.cholesky_inverse(factor), upper=True)
+    raise ConfigError("GPTQ: the calibration Hessian is not positive definite even after heavy damping; "
+                      "use more calibration tokens or method='rtn'")  # fmt: skip
+
+
+def gptq_codes(
+    w: Tensor, hessian: Tensor, bits: int, group: int, scale_dtype: torch.dtype, damp: float = 0.01
+) -> tuple[Tensor, Tensor]:
+    """GPTQ codes [N, K] (int8) and scales [N, G] for w [N, K]; groups start at block starts."""
+    n_rows, k = w.shape
+    weights = w.to(torch.float64).clone()
+    weights[:, torch.diagonal(hessian) == 0] = 0  # inputs never seen carry no information
+    inverse_factor = damped_inverse_cholesky(hessian, damp)
+    block = _block_size(group)
+    codes = torch.empty(n_rows, k, dtype=torch.int8)
+    scales = torch.empty(n_rows, k // group, dtype=torch.float32)
+    for start in range(0, k, block):
+        end = min(start + block, k)
+        if start % group == 0:  # the group's columns already carry every earlier block's feedback
+            g = start // group
+            grouped = weights[:, start : start + group].float()[:, None, :]
+            scales[:, g] = choose_scales(grouped, bits, scale_dtype, clip_search=bits <= 3)[:, 0]
+        errors = _quantize_block(weights, inverse_factor, codes, scales[:, start // group], start, end, bits)
+        weights[:, end:] -= errors @ inverse_factor[start:end, end:]
+    return codes, scales
+
+
+def _block_size(group: int) -> int:
+    """Columns updated together: a group or a divisor of it, so every group begins at a block start."""
+    return 128 if group % 128 == 0 else group
+
+
+def _quantize_block(
+    weights: Tensor, inverse_factor: Tensor, codes: Tensor, scale: Tensor, start: int, end: int, bits: int
+) -> Tensor:
+    """Quantize columns [start, end) one by one, spreading each error over the block's later columns."""
+    block_weights = weights[:, start:end]  # a view: feedback inside the block lands in `weights`
+    block_factor = inverse_factor[start:end, start:end]
+    errors = torch.empty_like(block_weights)
+    for i in range(end - start):
+        column = block_weights[:, i].float()
+        q = codes_from_scales(column[:, None], scale, bits)[:, 0]
+        codes[:, start + i] = q
+        error = (column - levels_from_codes(q[:, None], scale)[:, 0]).double() / block_factor[i, i]
+        block_weights[:, i:] -= error[:, None] * block_factor[i, i:][None, :]
+        errors[:, i] = error
+    return errors
+
+
+def gptq_quantize(
+    w: Tensor,
+    hessian: Tensor,
+    bits: int = 4,
+    group: int = 128,
+    *,
+    scale_dtype: torch.dtype | None = None,
+    damp: float = 0.01,
+) -> QuantizedTensor:
+    """GPTQ-quantize w [N, K] given H = X^T X [K, K] of its calibration inputs; same format as `quantize`."""
+    if w.dim() != 2 or hessian.shape != (w.shape[1], w.shape[1]):
+        raise ConfigError(f"GPTQ needs w [N, K] and H [K, K]; got w {tuple(w.shape)}, H {tuple(hessian.shape)}")
+    group = resolve_group(w.shape[1], group, bits)
+    scale_dtype = scale_dtype or default_scale_dtype(w.dtype)
+    codes, scales = gptq_codes(w.cpu(), hessian.cpu(), bits, group, scale_dtype, damp)
+    packed = pack_codes(codes, bits).to(w.device)
+    return QuantizedTensor(packed, scales.to(scale_dtype).T.contiguous().to(w.device), bits, group, tuple(w.shape))
+
+
+def gptq_quantize_experts(
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+    hessian_in: Tensor,
+    hessian_mid: Tensor,
+    bits: int = 4,
+    group: int = 128,
+    *,
+    scale_dtype: torch.dtype | None = None,
+) -> QuantizedExperts:
+    """GPTQ for one layer: hessian_in [E, D, D] from expert inputs, hessian_mid [E, I, I] from silu(g)*u."""
+    num_experts, intermediate, hidden = check_expert_shapes(gate, up, down)
+    if hessian_in.shape != (num_experts, hidden, hidden) or hessian_mid.shape != (num_experts, intermediate, intermediate):
+        raise ConfigError(f"GPTQ Hessians must be [E, D, D] and [E, I, I] = [{num_experts}, {hidden}, {hidden}] and "
+                          f"[{num_experts}, {intermediate}, {intermediate}]; got {tuple(hessian_in.shape)}, "
+                          f"{tuple(hessian_mid.shape)}")  # fmt: skip
+    w13 = [gptq_quantize(torch.cat([gate[e], up[e]]), hessian_in[e], bits, group, scale_dtype=scale_dtype)
+           for e in range(num_experts)]  # fmt: skip
+    w2 = [gptq_quantize(down[e], hessian_mid[e], bits, group, scale_dtype=scale_dtype) for e in range(num_experts)]
+    log.debug("quant.gptq.layer", experts=num_experts, bits=bits, group=group)
+    return stack_experts(w13, w2)

@@ -1,0 +1,214 @@
+"""Routing traces: what the draft predicted and the target used per round, as JSON lines, for CPU replay.
+
+Format (version 1), one JSON object per line, UTF-8:
+
+Line 1, the header::
+
+    {"format": "specter-trace", "version": 1, "model": "<name>", "num_layers": L, "num_experts": E,
+     "expert_bytes": B, "top_k": A, "slots_per_layer": S, ...}
+
+`expert_bytes` is what one routed expert moves across the link, `top_k` the router's active experts per
+token, `slots_per_layer` the cache slots per layer of the run that recorded it. Other keys (e.g. the
+measured bandwidth, a date) are kept in `TraceHeader.extra`.
+
+Then one line per decode round::
+
+    {"round": r, "k": k, "accepted": n, "draft_step_s": t,
+     "layers": [{"predicted": {"<expert>": count, ...}, "used": [expert, ...]}, ...]}
+
+`k` is the draft depth (0: plain decode), `accepted` the accepted draft tokens (0..k), `draft_step_s` the
+seconds one draft step took. `layers` has exactly L entries in layer order: `predicted` maps expert id
+(a JSON key, so a string) to the draft's top-k hits on it over the round's k steps (zero counts may be
+left out); `used` lists the distinct experts the target's verify pass used at that layer, in the order it
+first used them. Unknown keys are ignored, so version 1 may grow optional fields.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from specter.errors import SpecterError
+
+TRACE_FORMAT = "specter-trace"
+TRACE_VERSION = 1
+_HEADER_INTS = ("num_layers", "num_experts", "expert_bytes", "top_k", "slots_per_layer")
+
+
+class TraceError(SpecterError, ValueError):
+    """A routing trace file is malformed (names the file, the line and what was expected)."""
+
+
+@dataclass(frozen=True)
+class TraceHeader:
+    """The trace's first line: the model and the cache shape the rounds refer to."""
+
+    model: str
+    num_layers: int
+    num_experts: int
+    expert_bytes: int
+    top_k: int
+    slots_per_layer: int
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        fields = {name: getattr(self, name) for name in ("model", *_HEADER_INTS)}
+        return {"format": TRACE_FORMAT, "version": TRACE_VERSION, **fields, **self.extra}
+
+
+@dataclass(frozen=True)
+class LayerRoutes:
+    """One layer of one round: the draft's predicted counts and the experts the target used."""
+
+    predicted: Mapping[int, float]
+    used: list[int]
+
+
+@dataclass(frozen=True)
+class TraceRound:
+    """One decode round of a trace."""
+
+    round: int
+    k: int
+    accepted: int
+    draft_step_s: float
+    layers: list[LayerRoutes]
+
+    @classmethod
+    def from_arrays(
+        cls, round: int, k: int, accepted: int, draft_step_s: float, route_counts: np.ndarray, used: Iterable[Iterable[int]]
+    ) -> TraceRound:
+        """Build a round from the draft's `[L, E]` route counters and the target's per-layer used experts."""
+        layers = [
+            LayerRoutes(predicted={int(e): float(row[e]) for e in np.flatnonzero(row)}, used=[int(e) for e in layer_used])
+            for row, layer_used in zip(np.asarray(route_counts), used, strict=True)
+        ]
+        return cls(round=round, k=k, accepted=accepted, draft_step_s=draft_step_s, layers=layers)
+
+    def predicted_counts(self, num_experts: int) -> np.ndarray:
+        """The predicted counts as a dense `[L, E]` float array."""
+        counts = np.zeros((len(self.layers), num_experts), dtype=np.float64)
+        for layer, routes in enumerate(self.layers):
+            for expert, count in routes.predicted.items():
+                counts[layer, expert] = count
+        return counts
+
+    def to_json(self) -> dict[str, Any]:
+        layers = [
+            {"predicted": {str(e): _plain_number(c) for e, c in sorted(r.predicted.items())}, "used": list(r.used)}
+            for r in self.layers
+        ]
+        return {"round": self.round, "k": self.k, "accepted": self.accepted, "draft_step_s": self.draft_step_s, "layers": layers}
+
+
+def _plain_number(count: float) -> float | int:
+    return int(count) if float(count).is_integer() else float(count)
+
+
+class TraceWriter:
+    """Writes a trace: the header at construction, then one line per `write_round`. Use as a context manager."""
+
+    def __init__(self, path: str | Path, header: TraceHeader) -> None:
+        self.path = Path(path)
+        self.header = header
+        self._file: IO[str] = self.path.open("w", encoding="utf-8")
+        self._write_line(header.to_json())
+
+    def write_round(self, trace_round: TraceRound) -> None:
+        assert len(trace_round.layers) == self.header.num_layers, "a round must have one entry per layer"
+        self._write_line(trace_round.to_json())
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _write_line(self, obj: dict[str, Any]) -> None:
+        self._file.write(json.dumps(obj, separators=(",", ":")) + "\n")
+
+
+def read_trace(path: str | Path) -> tuple[TraceHeader, list[TraceRound]]:
+    """Read and validate a whole trace; raises TraceError naming the file and line of the first problem."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc}") from exc
+    numbered = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
+    if not numbered:
+        raise TraceError(f"{path}: empty file; expected a '{TRACE_FORMAT}' header line, then one line per round")
+    header = _parse(path, *numbered[0], _header_from_json)
+    rounds = [_parse(path, number, line, lambda obj: _round_from_json(obj, header)) for number, line in numbered[1:]]
+    return header, rounds
+
+
+def _parse(path: Path, number: int, line: str, build: Any) -> Any:
+    try:
+        obj = json.loads(line)
+        if not isinstance(obj, dict):
+            raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+        return build(obj)
+    except (ValueError, TypeError, KeyError) as exc:
+        detail = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise TraceError(f"{path} line {number}: {detail}. See the format in specter/trace.py.") from exc
+
+
+def _header_from_json(obj: dict[str, Any]) -> TraceHeader:
+    if obj.get("format") != TRACE_FORMAT or obj.get("version") != TRACE_VERSION:
+        raise ValueError(
+            f"header says format={obj.get('format')!r} version={obj.get('version')!r}; "
+            f"expected format={TRACE_FORMAT!r} version={TRACE_VERSION}"
+        )
+    ints = {name: _int_at_least(obj[name], name, 1) for name in _HEADER_INTS}
+    extra = {key: value for key, value in obj.items() if key not in ("format", "version", "model", *_HEADER_INTS)}
+    return TraceHeader(model=str(obj["model"]), extra=extra, **ints)
+
+
+def _round_from_json(obj: dict[str, Any], header: TraceHeader) -> TraceRound:
+    k = _int_at_least(obj["k"], "k", 0)
+    accepted = _int_at_least(obj["accepted"], "accepted", 0)
+    if accepted > k:
+        raise ValueError(f"accepted={accepted} exceeds k={k}")
+    layers = obj["layers"]
+    if not isinstance(layers, list) or len(layers) != header.num_layers:
+        raise ValueError(f"'layers' must be a list of num_layers={header.num_layers} entries")
+    routes = [_layer_from_json(layer, index, header.num_experts) for index, layer in enumerate(layers)]
+    draft_step_s = float(obj["draft_step_s"])
+    if not draft_step_s >= 0:
+        raise ValueError(f"draft_step_s={draft_step_s} must be >= 0")
+    return TraceRound(round=int(obj["round"]), k=k, accepted=accepted, draft_step_s=draft_step_s, layers=routes)
+
+
+def _layer_from_json(obj: Any, layer: int, num_experts: int) -> LayerRoutes:
+    if not isinstance(obj, dict) or not isinstance(obj["predicted"], dict) or not isinstance(obj["used"], list):
+        raise ValueError(f"layer {layer}: expected {{'predicted': {{expert: count}}, 'used': [experts]}}")
+    predicted = {_expert_id(key, layer, num_experts): float(count) for key, count in obj["predicted"].items()}
+    if any(count < 0 for count in predicted.values()):
+        raise ValueError(f"layer {layer}: predicted counts must be >= 0")
+    used = [_expert_id(expert, layer, num_experts) for expert in obj["used"]]
+    return LayerRoutes(predicted=predicted, used=used)
+
+
+def _expert_id(value: Any, layer: int, num_experts: int) -> int:
+    expert = int(value)
+    if str(expert) != str(value).strip() or not 0 <= expert < num_experts:
+        raise ValueError(f"layer {layer}: expert id {value!r} is not an int in 0..{num_experts - 1}")
+    return expert
+
+
+def _int_at_least(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r}; expected an int >= {minimum}")
+    return value
