@@ -1,0 +1,86 @@
+"""Built-in models made in code: deterministic tiny checkpoints written in Hugging Face format.
+
+They load through exactly the same path as a real checkpoint, so the README's command and the tests
+exercise the real reader. They are written once into a cache directory and reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+BUILTIN = {
+    # A Qwen1.5-MoE-like model: shared expert with sigmoid gate, 16 routed experts, top-2.
+    "tiny": dict(model_type="qwen2_moe", vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=128,
+                 num_experts=16, num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                 rope_theta=10000.0, tie_word_embeddings=False, qkv_bias=True, decoder_sparse_step=1, mlp_only_layers=[],
+                 torch_dtype="float32", eos_token_id=None, bos_token_id=None),
+}
+VERSION = 1
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECTER_CACHE", Path.home() / ".cache" / "specter"))
+
+
+def is_builtin(name: str) -> bool:
+    return name in BUILTIN and not Path(name).exists()
+
+
+def builtin_path(name: str) -> Path:
+    """The directory of a built-in model, building it on first use."""
+    path = cache_dir() / f"builtin-{name}-v{VERSION}"
+    if not (path / "config.json").exists():
+        write_builtin(name, path)
+    return path
+
+
+def write_builtin(name: str, path: Path, seed: int = 1234) -> Path:
+    config = dict(BUILTIN[name])
+    generator = torch.Generator().manual_seed(seed)
+    tensors = _random_tensors(config, generator)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    if path.exists():  # another process built it meanwhile
+        shutil.rmtree(tmp)
+    else:
+        tmp.replace(path)
+    return path
+
+
+def _random_tensors(config: dict, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    D, V, E = config["hidden_size"], config["vocab_size"], config["num_experts"]
+    I, S = config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = D // heads
+
+    def normal(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * (scale / shape[-1] ** 0.5)
+
+    tensors = {"model.embed_tokens.weight": normal(V, D, scale=D**0.5), "model.norm.weight": torch.ones(D), "lm_head.weight": normal(V, D, scale=4.0)}
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        tensors |= {f"{p}.input_layernorm.weight": torch.ones(D), f"{p}.post_attention_layernorm.weight": torch.ones(D)}
+        for name, rows in (("q_proj", heads * hd), ("k_proj", kv_heads * hd), ("v_proj", kv_heads * hd)):
+            tensors[f"{p}.self_attn.{name}.weight"] = normal(rows, D)
+            tensors[f"{p}.self_attn.{name}.bias"] = torch.zeros(rows)
+        tensors[f"{p}.self_attn.o_proj.weight"] = normal(D, heads * hd)
+        tensors[f"{p}.mlp.gate.weight"] = normal(E, D, scale=3.0)
+        tensors[f"{p}.mlp.shared_expert_gate.weight"] = normal(1, D)
+        for name, inter in [(f"{p}.mlp.shared_expert", S)] + [(f"{p}.mlp.experts.{e}", I) for e in range(E)]:
+            tensors |= {f"{name}.gate_proj.weight": normal(inter, D), f"{name}.up_proj.weight": normal(inter, D),
+                        f"{name}.down_proj.weight": normal(D, inter)}
+    return tensors
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A checkpoint path, or the path of a built-in model given by name."""
+    return builtin_path(name_or_path) if is_builtin(name_or_path) else Path(name_or_path)

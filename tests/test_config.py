@@ -1,0 +1,63 @@
+"""Configuration: sizes with units, frozen models, and errors that name the field, value and rule."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specter.config import EngineConfig, GenerationConfig, parse_bytes
+from specter.errors import ConfigError
+
+
+@pytest.mark.parametrize("text, expected", [("24GiB", 24 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("4096", 4096), (123, 123)])
+def test_budget_units(text, expected):
+    assert EngineConfig(budget=text).budget == expected
+
+
+@given(st.integers(min_value=1, max_value=2**40), st.sampled_from(["KiB", "MiB", "GiB"]))
+def test_parse_bytes_scales_by_unit(number, unit):
+    scale = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    assert parse_bytes(f"{number}{unit}") == number * scale
+
+
+@pytest.mark.parametrize("bad", ["24 parsecs", "-1GiB", "0", "GiB", ""])
+def test_bad_budget_names_field_and_value(bad):
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.build(budget=bad)
+    assert "EngineConfig.budget" in str(info.value) and repr(bad) in str(info.value)
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("max_new_tokens", 0, "greater than or equal to 1"),
+    ("temperature", -0.5, "greater than or equal to 0"),
+    ("top_p", 1.5, "less than or equal to 1"),
+    ("top_p", 0.0, "greater than 0"),
+    ("top_k", 0, "greater than or equal to 1"),
+])
+def test_generation_errors(field, value, rule):
+    with pytest.raises(ConfigError) as info:
+        GenerationConfig.build(**{field: value})
+    message = str(info.value)
+    assert f"GenerationConfig.{field}" in message and repr(value) in message and rule in message
+
+
+def test_unknown_field_and_device():
+    with pytest.raises(ConfigError, match="budgett"):
+        EngineConfig.build(budgett="1GiB")
+    with pytest.raises(ConfigError, match="device"):
+        EngineConfig.build(device="tpu")
+
+
+def test_budget_and_residents_are_exclusive():
+    with pytest.raises(ConfigError, match="either budget or residents"):
+        EngineConfig.build(budget="1GiB", residents=4)
+
+
+def test_frozen_and_described():
+    config = EngineConfig()
+    with pytest.raises(Exception):
+        config.exact = False  # type: ignore[misc]
+    for model in (EngineConfig, GenerationConfig):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
