@@ -12,6 +12,7 @@ from specter.errors import ConfigError
 from specter.model.checkpoint import Checkpoint
 from specter.model.resident import ResidentExperts
 from specter.model.spec import ModelSpec
+from specter.model.registry import transformer_for
 from specter.model.transformer import Transformer
 from specter.model.weights import check_no_unknown_experts, iter_experts, load_dense
 
@@ -50,7 +51,7 @@ def load_resident(path: str | Path, config: EngineConfig | None = None) -> Loade
     device, dtype = resolve_device(config), resolve_dtype(config, ckpt.spec)
     check_no_unknown_experts(ckpt)
     dense = load_dense(ckpt, dtype, device, progress=config.progress)
-    model = Transformer(ckpt.spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context)
+    model = transformer_for(ckpt.spec)(ckpt.spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context)
     experts = ResidentExperts.from_iter(iter_experts(ckpt, dtype, progress=config.progress), ckpt.spec.num_experts, device)
     ckpt.close()
     return LoadedModel(Path(path), ckpt.spec, model, experts, config)

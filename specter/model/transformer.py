@@ -124,8 +124,12 @@ class Transformer:
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Final norm and LM head over some rows: [T, D] -> [T, V] in float32."""
-        (out,) = self.rows(lambda h: F.linear(rms_norm(h, self.w["model.norm.weight"], self.spec.rms_eps), self.w["lm_head.weight"]), hidden)
+        (out,) = self.rows(lambda h: F.linear(self.norm(h, "model.norm"), self.w["lm_head.weight"], self.w.get("lm_head.bias")), hidden)
         return out.float()
+
+    def norm(self, x: Tensor, name: str) -> Tensor:
+        """The model's normalisation layer `name` (RMSNorm here; families with LayerNorm override this)."""
+        return rms_norm(x, self.w[name + ".weight"], self.spec.rms_eps)
 
     # ---- attention ----------------------------------------------------------------------------
     def attention(self, layer: int, x: Tensor, positions: Tensor, start: int, kv: KVCache) -> Tensor:
@@ -138,20 +142,18 @@ class Transformer:
 
     def _qkv(self, layer: int, prefix: str, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         spec = self.spec
-        h = rms_norm(x, self.w[f"{spec.layer_prefix(layer)}.input_layernorm.weight"], spec.rms_eps)
+        h = self.norm(x, f"{spec.layer_prefix(layer)}.input_layernorm")
         q, k, v = (self.linear(h, f"{prefix}.{name}") for name in ("q_proj", "k_proj", "v_proj"))
         if spec.clip_qkv is not None:
             q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
         if spec.qk_norm == "full":
-            q = rms_norm(q, self.w[f"{prefix}.q_norm.weight"], spec.rms_eps)
-            k = rms_norm(k, self.w[f"{prefix}.k_norm.weight"], spec.rms_eps)
+            q, k = self.norm(q, f"{prefix}.q_norm"), self.norm(k, f"{prefix}.k_norm")
         rows = x.shape[0]
         q = q.view(rows, spec.num_heads, spec.head_dim)
         k = k.view(rows, spec.num_kv_heads, spec.head_dim)
         v = v.view(rows, spec.num_kv_heads, spec.head_dim)
         if spec.qk_norm == "head":
-            q = rms_norm(q, self.w[f"{prefix}.q_norm.weight"], spec.rms_eps)
-            k = rms_norm(k, self.w[f"{prefix}.k_norm.weight"], spec.rms_eps)
+            q, k = self.norm(q, f"{prefix}.q_norm"), self.norm(k, f"{prefix}.k_norm")
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, hd]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -198,18 +200,21 @@ class Transformer:
     # ---- feed-forward: routed experts, shared expert, or dense MLP ----------------------------
     async def feed_forward(self, layer: int, x: Tensor, experts: ExpertProvider) -> Tensor:
         spec = self.spec
-        norm_name = f"{spec.layer_prefix(layer)}.post_attention_layernorm.weight"
+        norm_name = f"{spec.layer_prefix(layer)}.post_attention_layernorm"
         if layer in spec.dense_layers:
-            (x,) = self.rows(lambda r: r + self.dense_mlp(f"{spec.layer_prefix(layer)}.mlp", rms_norm(r, self.w[norm_name], spec.rms_eps)), x)
+            (x,) = self.rows(lambda r: r + self.dense_mlp(f"{spec.layer_prefix(layer)}.mlp", self.norm(r, norm_name)), x)
             return x
-        h, ids, weights = self.rows(lambda r: self._route(layer, rms_norm(r, self.w[norm_name], spec.rms_eps)), x)
+        h, ids, weights = self.rows(lambda r: self.route(layer, self.norm(r, norm_name)), x)
+        shared = None
+        if spec.shared_intermediate:  # launched before the routed experts, so it computes while misses load
+            (shared,) = self.rows(lambda hh: self.shared_expert(layer, hh), h)
         routed = await experts.run(layer, h, ids, weights, self.expert_mlp)
-        if spec.shared_intermediate:
-            (routed,) = self.rows(lambda r, hh: r + self.shared_expert(layer, hh), routed, h)
+        if shared is not None:
+            (routed,) = self.rows(torch.add, routed, shared)
         (x,) = self.rows(torch.add, x, routed)
         return x
 
-    def _route(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def route(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router: softmax over experts in float32, top-A, optional renormalisation. Returns h, ids [T, A], weights [T, A]."""
         logits = F.linear(h, self.w[self.spec.router_name(layer)])  # [T, E]
         probs = torch.softmax(logits.float(), dim=-1)
