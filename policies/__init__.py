@@ -1,0 +1,1 @@
+"""Reference eviction, prefetch and lookahead policies, registered by entry point like any third party's."""

@@ -151,6 +151,7 @@ class Kernel:
         while time.perf_counter() < deadline:
             if event.query():
                 return True
+            time.sleep(0)  # drop the GIL each poll: the thread completing the event may need it (cpu backend)
         return False
 
     async def _park(self, event: Event) -> None:

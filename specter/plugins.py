@@ -192,6 +192,9 @@ def guarded(policy: Any, group: str, origin: PluginOrigin | None = None) -> Any:
     wrappers = {"eviction": GuardedEviction, "prefetch": GuardedPrefetch, "lookahead": GuardedLookahead}
     if short not in wrappers:
         raise PluginError(f"cannot guard a {short} plug-in; only {', '.join(wrappers)} policies are guarded")
+    problems = protocol_problems(policy, short)
+    if problems:
+        raise PluginError(f"{origin.label()}: {'; '.join(problems)}")
     return wrappers[short](policy, origin)
 
 

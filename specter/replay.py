@@ -216,9 +216,12 @@ def replay_all(
 
     A pair whose plug-in fails to load or fails mid-replay is skipped; the second list says why.
     """
-    results, skipped = [], []
-    for eviction in evictions or sorted(available("eviction")):
-        for prefetch in prefetches or sorted(available("prefetch")):
+    skipped: list[str] = []
+    eviction_names = _loadable("eviction", evictions, skipped)
+    prefetch_names = _loadable("prefetch", prefetches, skipped)
+    results = []
+    for eviction in eviction_names:
+        for prefetch in prefetch_names:  # fresh policy objects per pair: policies may keep state
             try:
                 results.append(replay(header, rounds, eviction, prefetch, link_gbps, slots_per_layer=slots_per_layer))
             except SpecterError as exc:
@@ -227,9 +230,22 @@ def replay_all(
     return results, skipped
 
 
+def _loadable(group: str, names: Sequence[str] | None, skipped: list[str]) -> list[str]:
+    """The names (default: every allowed, installed one) that load; the others are noted once in `skipped`."""
+    loadable = []
+    for name in names or sorted(available(group)):
+        try:
+            load_policy(group, name)
+            loadable.append(name)
+        except SpecterError as exc:
+            skipped.append(f"{group} {name}: {exc}")
+    return loadable
+
+
 def format_table(results: Sequence[ReplayResult]) -> str:
     """A fixed-width table, one row per pair, in the given order."""
-    lines = [f"{'eviction':<18} {'prefetch':<16} {'hit rate':>8} {'misses':>7} {'prefetched':>10} {'H2D GB':>9} {'stall s':>9}"]
+    columns = ("hit rate", 8), ("misses", 7), ("prefetched", 10), ("H2D GB", 9), ("stall s", 9)
+    lines = [f"{'eviction':<18} {'prefetch':<16} " + " ".join(f"{title:>{width}}" for title, width in columns)]
     for r in results:
         lines.append(
             f"{r.eviction:<18} {r.prefetch:<16} {r.hit_rate:>8.3f} {r.misses:>7d} {r.prefetched_experts:>10d} "
@@ -252,8 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--link must be > 0 and --slots >= 1")
     try:
         header, rounds = read_trace(args.trace)
+        evictions, prefetches = _names(args.eviction), _names(args.prefetch)
         results, skipped = replay_all(
-            header, rounds, args.link, slots_per_layer=args.slots, evictions=_names(args.eviction), prefetches=_names(args.prefetch)
+            header, rounds, args.link, slots_per_layer=args.slots, evictions=evictions, prefetches=prefetches
         )
     except SpecterError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -266,9 +283,14 @@ def _names(csv: str | None) -> list[str] | None:
     return [name.strip() for name in csv.split(",") if name.strip()] if csv else None
 
 
-def _print_results(header: TraceHeader, results: list[ReplayResult], skipped: list[str], args: argparse.Namespace) -> None:
+def _print_results(
+    header: TraceHeader, results: list[ReplayResult], skipped: list[str], args: argparse.Namespace
+) -> None:
     if args.json:
-        print(json.dumps({"model": header.model, "link_gbps": args.link, "results": [r.to_json() for r in results], "skipped": skipped}, indent=1))
+        slots = args.slots or header.slots_per_layer
+        report = {"model": header.model, "link_gbps": args.link, "slots_per_layer": slots, "skipped": skipped}
+        report["results"] = [result.to_json() for result in results]
+        print(json.dumps(report, indent=1))
     else:
         print(f"{header.model}: {header.num_layers} layers x {header.num_experts} experts, link {args.link} GB/s")
         print(format_table(results))

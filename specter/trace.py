@@ -81,11 +81,17 @@ class TraceRound:
 
     @classmethod
     def from_arrays(
-        cls, round: int, k: int, accepted: int, draft_step_s: float, route_counts: np.ndarray, used: Iterable[Iterable[int]]
+        cls,
+        round: int,
+        k: int,
+        accepted: int,
+        draft_step_s: float,
+        route_counts: np.ndarray,  # [L, E]
+        used: Iterable[Iterable[int]],
     ) -> TraceRound:
         """Build a round from the draft's `[L, E]` route counters and the target's per-layer used experts."""
         layers = [
-            LayerRoutes(predicted={int(e): float(row[e]) for e in np.flatnonzero(row)}, used=[int(e) for e in layer_used])
+            LayerRoutes({int(e): float(row[e]) for e in np.flatnonzero(row)}, [int(e) for e in layer_used])
             for row, layer_used in zip(np.asarray(route_counts), used, strict=True)
         ]
         return cls(round=round, k=k, accepted=accepted, draft_step_s=draft_step_s, layers=layers)
@@ -103,7 +109,8 @@ class TraceRound:
             {"predicted": {str(e): _plain_number(c) for e, c in sorted(r.predicted.items())}, "used": list(r.used)}
             for r in self.layers
         ]
-        return {"round": self.round, "k": self.k, "accepted": self.accepted, "draft_step_s": self.draft_step_s, "layers": layers}
+        scalars = {"round": self.round, "k": self.k, "accepted": self.accepted, "draft_step_s": self.draft_step_s}
+        return {**scalars, "layers": layers}
 
 
 def _plain_number(count: float) -> float | int:

@@ -189,6 +189,8 @@ def test_topm_checkpoints_start_near_a_fifth_and_follow_the_link():
     assert policy.checkpoints(10, slow_link) == [2, 6, 10]
     assert policy.checkpoints(1, slow_link) == [1]
     assert policy.checkpoints(0, slow_link) == []
+    unmeasured = LinkTiming(bandwidth_bytes_per_s=1e9, draft_step_s=0.0, expert_bytes=10_000_000)
+    assert policy.checkpoints(10, unmeasured) == [2]
 
 
 def test_topm_fixed_fraction_checkpoints_model_specmoeoff():
@@ -228,6 +230,19 @@ def test_profiled_sweeps_then_keeps_the_lowest_tpot():
     chosen = sweep(policy, state, lambda k: 0.01 + abs(k - 6) * 0.001, rounds=2 * 7 + 3)
     assert sorted(set(chosen[:14])) == [0, 2, 4, 6, 8, 12, 16]  # capped at k_max=16
     assert chosen[14:] == [6, 6, 6]
+    assert policy.best_k == {"tiny@1GB": 6}
+
+
+def test_profiled_ignores_a_one_round_spike():
+    spikes = iter([False, True, False])  # depth 6's second round hits a hiccup (e.g. a page fault)
+
+    def tpot(k: int) -> float:
+        if k == 6:
+            return 0.5 if next(spikes) else 0.010
+        return 0.012
+
+    policy = Profiled(rounds=3, depths=(4, 6))
+    sweep(policy, lookahead_state(), tpot, rounds=6)
     assert policy.best_k == {"tiny@1GB": 6}
 
 

@@ -80,8 +80,9 @@ def gptq_codes(
 ) -> tuple[Tensor, Tensor]:
     """GPTQ codes [N, K] (int8) and scales [N, G] for w [N, K]; groups start at block starts."""
     n_rows, k = w.shape
+    # Unlike GPTQ for dense layers, columns never seen in calibration keep their weights (rounded to
+    # nearest): a rarely routed expert still runs in the draft when its router picks it.
     weights = w.to(torch.float64).clone()
-    weights[:, torch.diagonal(hessian) == 0] = 0  # inputs never seen carry no information
     inverse_factor = damped_inverse_cholesky(hessian, damp)
     block = _block_size(group)
     codes = torch.empty(n_rows, k, dtype=torch.int8)

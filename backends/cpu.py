@@ -1,0 +1,197 @@
+"""The cpu backend: each stream is a worker thread running its work in FIFO order, like a GPU stream.
+
+Copies are real tensor copies. An optional link model (GB/s plus a per-copy latency) makes H2D copies
+take the time a PCIe link would, so overlap, ordering and cancellation are exercised without a GPU.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from specter.errors import ConfigError
+from specter.log import get_logger
+
+log = get_logger(__name__)
+
+# A copy that starts less than this long after the link went idle is treated as back-to-back, so the
+# sleep overshoot of one copy is absorbed by the next instead of accumulating into lost bandwidth.
+_BACK_TO_BACK_S = 0.002
+
+
+class CPUEvent:
+    """A threading-based completion: set by the stream's worker when it reaches the event."""
+
+    def __init__(self, stream: CPUStream) -> None:
+        self.stream = stream
+        self.completed_at: float | None = None
+        self._done = threading.Event()
+
+    def complete(self) -> None:
+        self.completed_at = time.perf_counter()
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+
+    def elapsed_since(self, start: CPUEvent) -> float:
+        assert self.completed_at is not None and start.completed_at is not None, "elapsed_since needs two completed events"
+        return self.completed_at - start.completed_at
+
+    def __repr__(self) -> str:
+        return f"CPUEvent({self.stream.name}, done={self.query()})"
+
+
+class CPUStream:
+    """A FIFO of work items run by one daemon thread, started on first use."""
+
+    def __init__(self, name: str, errors: list[BaseException]) -> None:
+        self.name = name
+        self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._errors = errors
+        self._sleep_debt = 0.0
+
+    def enqueue(self, work: Callable[[], None]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"specter-cpu-stream-{self.name}", daemon=True)
+            self._thread.start()
+        self._work.put(work)
+
+    def _run(self) -> None:
+        while (work := self._work.get()) is not None:
+            try:
+                work()
+            except Exception as error:  # a failing item must not kill the stream; synchronize() re-raises it
+                log.error("cpu_stream.work_failed", stream=self.name, error=repr(error))
+                self._errors.append(error)
+
+    def sleep(self, seconds: float) -> None:
+        """Keep the stream busy for `seconds`; time.sleep's overshoot is paid back by the next sleep, so a
+        run of pads (device-side link emulation) keeps its average rate."""
+        wanted = seconds - self._sleep_debt
+        if wanted <= 0:
+            self._sleep_debt = -wanted
+            return
+        started = time.perf_counter()
+        time.sleep(wanted)
+        self._sleep_debt = min(time.perf_counter() - started - wanted, _BACK_TO_BACK_S)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._work.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def __repr__(self) -> str:
+        return f"CPUStream({self.name})"
+
+
+class LinkModel:
+    """One half-duplex link shared by all copy streams: a copy of n bytes occupies it latency + n/bandwidth."""
+
+    def __init__(self, bandwidth_gbps: float, latency_s: float = 0.0) -> None:
+        if bandwidth_gbps <= 0 or latency_s < 0:
+            raise ConfigError(
+                f"link model needs bandwidth > 0 GB/s and latency >= 0 s, got {bandwidth_gbps} GB/s, {latency_s} s"
+            )
+        self.bytes_per_s = bandwidth_gbps * 1e9
+        self.latency_s = latency_s
+        self._free_at = 0.0
+        self._lock = threading.Lock()
+
+    def occupy(self, nbytes: int, started: float) -> None:
+        """Sleep the calling worker until a copy of `nbytes` that began at `started` would have landed."""
+        with self._lock:
+            # Busy (another copy holds the link) or back-to-back: queue behind it; idle: start now.
+            begin = self._free_at if started - self._free_at < _BACK_TO_BACK_S else started
+            self._free_at = begin + self.latency_s + nbytes / self.bytes_per_s
+            deadline = self._free_at
+        sleep_until(deadline)
+
+
+def sleep_until(deadline: float) -> None:
+    """Sleep to a perf_counter deadline. No spinning: a spinning worker would hold the GIL that the
+    event loop needs; the overshoot of time.sleep (~0.1 ms) is absorbed by LinkModel's back-to-back rule."""
+    remaining = deadline - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
+
+
+class CPUBackend:
+    """Streams as worker threads; `link_gbps` turns on the link model for H2D copies."""
+
+    name = "cpu"
+
+    def __init__(self, link_gbps: float | None = None, link_latency_s: float = 0.0) -> None:
+        self.device = torch.device("cpu")
+        self.link = LinkModel(link_gbps, link_latency_s) if link_gbps is not None else None
+        self.errors: list[BaseException] = []
+        self._streams: list[CPUStream] = []
+        self.compute_stream = self.new_stream("compute")
+        self.copy_stream = self.new_stream("copy")
+        self._count_lock = threading.Lock()
+        self.h2d_bytes = 0
+        """Bytes actually copied host -> device by stream workers (tests check every byte is counted once)."""
+
+    def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def alloc_device(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype)
+
+    def new_stream(self, name: str) -> CPUStream:
+        stream = CPUStream(name, self.errors)
+        self._streams.append(stream)
+        return stream
+
+    def record_event(self, stream: CPUStream, timed: bool = False) -> CPUEvent:
+        event = CPUEvent(stream)
+        stream.enqueue(event.complete)
+        return event
+
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, stream: CPUStream) -> CPUEvent:
+        def copy() -> None:
+            started = time.perf_counter()
+            dst.copy_(src)
+            with self._count_lock:  # several copy streams may finish at once
+                self.h2d_bytes += src.numel() * src.element_size()
+            if self.link is not None:
+                self.link.occupy(src.numel() * src.element_size(), started)
+
+        stream.enqueue(copy)
+        return self.record_event(stream)
+
+    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, stream: CPUStream) -> CPUEvent:
+        stream.enqueue(lambda: dst.copy_(src))
+        return self.record_event(stream)
+
+    def stream_wait(self, stream: CPUStream, event: CPUEvent) -> None:
+        if event.stream is not stream:  # same-stream events are already ordered
+            stream.enqueue(event.wait)
+
+    def stream_sleep(self, stream: CPUStream, seconds: float) -> None:
+        stream.enqueue(lambda: stream.sleep(seconds))
+
+    def launch(self, stream: CPUStream, work: Callable[[], None]) -> None:
+        stream.enqueue(work)
+
+    def launch_host_func(self, stream: CPUStream, callback: Callable[[], None]) -> None:
+        stream.enqueue(callback)
+
+    def synchronize(self) -> None:
+        for event in [self.record_event(stream) for stream in self._streams]:
+            event.wait()
+        if self.errors:
+            raise RuntimeError(f"work on a cpu stream failed: {self.errors[0]!r}") from self.errors[0]
+
+    def close(self) -> None:
+        for stream in self._streams:
+            stream.close()

@@ -1,0 +1,140 @@
+"""The cuda backend: torch streams, blocking-sync events and pinned host memory; cupy for host callbacks.
+
+Untested on this machine (no GPU): tests/test_gpu_transfer.py and benchmarks/transfer_bench.py cover it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from specter.errors import ConfigError
+from specter.log import get_logger
+
+log = get_logger(__name__)
+
+
+class CUDAEvent:
+    """A torch.cuda.Event recorded with blocking sync, so `wait` sleeps instead of spinning a core."""
+
+    def __init__(self, stream: torch.cuda.Stream, timed: bool) -> None:
+        self.stream = stream
+        self.event = torch.cuda.Event(enable_timing=timed, blocking=True)
+        self.event.record(stream)
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        self.event.synchronize()  # torch releases the GIL here
+
+    def elapsed_since(self, start: CUDAEvent) -> float:
+        return start.event.elapsed_time(self.event) / 1000.0
+
+    def __repr__(self) -> str:
+        return f"CUDAEvent(stream={self.stream.cuda_stream:#x})"
+
+
+class CUDABackend:
+    """One CUDA device. `device` is an index or 'cuda:N'."""
+
+    name = "cuda"
+
+    def __init__(self, device: int | str = 0) -> None:
+        if not torch.cuda.is_available():
+            raise ConfigError("backend 'cuda' needs a CUDA device and a CUDA build of torch; use backend='cpu' instead")
+        self.device = torch.device(device if isinstance(device, str) else f"cuda:{device}")
+        torch.cuda.set_device(self.device)
+        self._streams: list[torch.cuda.Stream] = []
+        self.compute_stream = torch.cuda.current_stream(self.device)
+        self.copy_stream = self.new_stream("copy")
+        self._cycles_per_s: float | None = None
+        self._host_streams: dict[int, Any] = {}
+
+    def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def alloc_device(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, device=self.device)
+
+    def new_stream(self, name: str) -> torch.cuda.Stream:
+        stream = torch.cuda.Stream(self.device)
+        self._streams.append(stream)
+        return stream
+
+    def record_event(self, stream: torch.cuda.Stream, timed: bool = False) -> CUDAEvent:
+        return CUDAEvent(stream, timed)
+
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> CUDAEvent:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        return CUDAEvent(stream, timed=False)
+
+    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> CUDAEvent:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        return CUDAEvent(stream, timed=False)
+
+    def stream_wait(self, stream: torch.cuda.Stream, event: CUDAEvent) -> None:
+        stream.wait_event(event.event)
+
+    def stream_sleep(self, stream: torch.cuda.Stream, seconds: float) -> None:
+        cycles = int(seconds * self.cycles_per_s())
+        if cycles > 0:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(cycles)  # a 1-thread spin kernel: keeps the stream busy, not the link
+
+    def cycles_per_s(self) -> float:
+        """GPU clock for `torch.cuda._sleep`, measured once (the nominal clock_rate ignores boost)."""
+        if self._cycles_per_s is None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(1_000_000)  # warm-up: clocks ramp
+            start.record()
+            torch.cuda._sleep(50_000_000)
+            end.record()
+            end.synchronize()
+            self._cycles_per_s = 50_000_000 / (start.elapsed_time(end) / 1000.0)
+            log.debug("cuda.sleep_calibrated", cycles_per_s=self._cycles_per_s)
+        return self._cycles_per_s
+
+    def launch(self, stream: torch.cuda.Stream, work: Callable[[], None]) -> None:
+        with torch.cuda.stream(stream):
+            work()
+
+    def launch_host_func(self, stream: torch.cuda.Stream, callback: Callable[[], None]) -> None:
+        self._cupy_stream(stream).launch_host_func(lambda _unused: callback(), None)
+
+    def _cupy_stream(self, stream: torch.cuda.Stream) -> Any:
+        try:
+            import cupy
+        except ImportError as error:
+            raise ConfigError(
+                "kernel mechanism 'host_func' on cuda needs cupy; install it (pip install cupy-cuda12x, "
+                "or specter[cuda]) or use mechanism='waiter'"
+            ) from error
+        key = stream.cuda_stream
+        if key not in self._host_streams:
+            self._host_streams[key] = cupy.cuda.ExternalStream(key, self.device.index or 0)
+        return self._host_streams[key]
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.synchronize()
+        self._host_streams.clear()
+
+
+def measure_h2d_gbps(backend: CUDABackend, nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Raw pinned H2D bandwidth of `backend.copy_stream` (no engine, no emulation), in GB/s."""
+    src = backend.alloc_host(nbytes, torch.uint8)
+    dst = backend.alloc_device((nbytes,), torch.uint8)
+    backend.copy_h2d(dst, src, backend.copy_stream).wait()
+    start = backend.record_event(backend.copy_stream, timed=True)
+    for _ in range(repeats):
+        backend.copy_h2d(dst, src, backend.copy_stream)
+    end = backend.record_event(backend.copy_stream, timed=True)
+    end.wait()
+    return nbytes * repeats / end.elapsed_since(start) / 1e9

@@ -1,0 +1,155 @@
+"""Reference lookahead (draft depth) policies: fixed, profiled sweep, roofline governor (`specter.lookahead`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+from specter.errors import ConfigError
+from specter.log import get_logger
+from specter.policy import LookaheadState, RoundOutcome
+
+log = get_logger(__name__)
+
+PROFILE_DEPTHS = (0, 2, 4, 6, 8, 12, 16, 24, 32)
+
+
+class Fixed:
+    """Always the same depth `k` (clamped to k_max); k=0 is plain decoding."""
+
+    def __init__(self, *, k: int = 4) -> None:
+        if k < 0:
+            raise ConfigError(f"fixed lookahead: k={k} is invalid; expected an int >= 0 (0 = plain decoding)")
+        self.name = "fixed"
+        self.k = k
+
+    def next_k(self, state: LookaheadState) -> int:
+        return min(self.k, state.k_max)
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        return None
+
+
+class Profiled:
+    """Sweep k over `depths` (capped at k_max), `rounds` rounds each; keep the lowest median TPOT.
+
+    The winner is remembered per `state.model_key` in `self.best_k`, and in the JSON file `path` when given
+    (read at construction, rewritten after each decision), so a later run skips the sweep.
+    """
+
+    def __init__(
+        self, *, depths: Sequence[int] = PROFILE_DEPTHS, rounds: int = 3, path: str | Path | None = None
+    ) -> None:
+        if rounds < 1 or not depths or min(depths) < 0:
+            raise ConfigError(
+                f"profiled lookahead: rounds={rounds}, depths={list(depths)}; need rounds >= 1 and every depth >= 0"
+            )
+        self.name = "profiled"
+        self.depths = tuple(depths)
+        self.rounds = rounds
+        self.path = Path(path) if path is not None else None
+        self.best_k: dict[str, int] = _read_memory(self.path) if self.path else {}
+        self._sweep_key: str | None = None
+        self._tpots: dict[int, list[float]] = {}
+
+    def next_k(self, state: LookaheadState) -> int:
+        if state.model_key in self.best_k:
+            return min(self.best_k[state.model_key], state.k_max)
+        if state.model_key != self._sweep_key:
+            self._start_sweep(state)
+        return next(k for k, tpots in self._tpots.items() if len(tpots) < self.rounds)
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        tpots = self._tpots.get(outcome.k)
+        if self._sweep_key is None or tpots is None or len(tpots) >= self.rounds:
+            return  # not sweeping, or a depth the sweep did not ask for (the engine clamped it)
+        tpots.append(outcome.tpot_s)
+        if all(len(samples) >= self.rounds for samples in self._tpots.values()):
+            self._decide()
+
+    def _start_sweep(self, state: LookaheadState) -> None:
+        capped = sorted({min(depth, state.k_max) for depth in self.depths})
+        self._sweep_key = state.model_key
+        self._tpots = {k: [] for k in capped}
+        log.debug("lookahead.profile.start", model_key=state.model_key, depths=capped)
+
+    def _decide(self) -> None:
+        assert self._sweep_key is not None, "decide() without a sweep"
+        medians = {k: statistics.median(tpots) for k, tpots in self._tpots.items()}
+        best = min(medians, key=lambda k: (medians[k], k))
+        self.best_k[self._sweep_key] = best
+        log.info("lookahead.profile.chosen", model_key=self._sweep_key, k=best, tpot_s=medians[best])
+        self._sweep_key, self._tpots = None, {}
+        if self.path is not None:
+            _write_memory(self.path, self.best_k)
+
+
+def _read_memory(path: Path) -> dict[str, int]:
+    if not path.exists():
+        return {}
+    try:
+        remembered = json.loads(path.read_text())
+        return {str(key): int(k) for key, k in remembered.items()}
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ConfigError(
+            f"profiled lookahead: {path} is not a JSON object of model_key -> k ({exc}); fix or delete it"
+        ) from exc
+
+
+def _write_memory(path: Path, best_k: dict[str, int]) -> None:
+    # Write then rename, so a crash never leaves a half-written file for the next run to reject.
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(best_k, indent=1, sort_keys=True))
+    os.replace(partial, path)
+
+
+class Roofline:
+    """The MoE-SpeQ governor: pick the k that commits the most tokens per second by the cost model.
+
+    Expected tokens of depth k: E[k] + 1, where E[k] = sum_{i<=k} prod_{j<=i} a_j (a = acceptance by
+    position; positions past the measured ones reuse the last, `prior_acceptance` when none) and the 1 is
+    the target's own token. Time: draft(k) + verify(k+1 rows) + the part of the new bytes' transfer the draft
+    does not hide, max(0, bytes[k]/bandwidth - draft(k)). k=0 is plain decode: verify(1) + bytes[0]/bandwidth.
+    Ties go to the smaller k.
+    """
+
+    def __init__(self, *, prior_acceptance: float = 0.5) -> None:
+        if not 0.0 <= prior_acceptance <= 1.0:
+            raise ConfigError(f"roofline lookahead: prior_acceptance={prior_acceptance} must lie in [0, 1]")
+        self.name = "roofline"
+        self.prior_acceptance = prior_acceptance
+
+    def next_k(self, state: LookaheadState) -> int:
+        rates = [self.tokens_per_s(state, k) for k in range(state.k_max + 1)]
+        return max(range(len(rates)), key=lambda k: (rates[k], -k))
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        return None  # the engine keeps the EMAs and fits this policy reads
+
+    def expected_accepted(self, state: LookaheadState, k: int) -> float:
+        """E[k]: expected accepted draft tokens of a depth-k round."""
+        expected, all_accepted = 0.0, 1.0
+        for position in range(k):
+            all_accepted *= _at_or_last(state.acceptance_by_position, position, default=self.prior_acceptance)
+            expected += all_accepted
+        return expected
+
+    def round_s(self, state: LookaheadState, k: int) -> float:
+        """Modelled seconds of a depth-k round."""
+        transfer_s = _at_or_last(state.predicted_new_bytes, k, default=0.0) / state.bandwidth_bytes_per_s
+        verify_s = state.verify_s_fit[0] + state.verify_s_fit[1] * (k + 1)
+        if k == 0:
+            return verify_s + transfer_s
+        draft_s = state.draft_step_s_fit[0] + state.draft_step_s_fit[1] * k
+        return draft_s + verify_s + max(0.0, transfer_s - draft_s)
+
+    def tokens_per_s(self, state: LookaheadState, k: int) -> float:
+        return (self.expected_accepted(state, k) + 1.0) / max(self.round_s(state, k), 1e-12)
+
+
+def _at_or_last(values: Sequence[float], index: int, default: float) -> float:
+    """values[index], the last value past the end (measurements extrapolate flat), `default` when empty."""
+    return float(values[min(index, len(values) - 1)]) if values else default

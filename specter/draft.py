@@ -1,0 +1,122 @@
+"""The draft: the target's own non-expert tensors plus quantized routed experts, all on the device.
+
+It proposes k tokens from x0 and, as a side effect, counts its routers' choices per (layer, expert) in a
+device tensor: the prediction of which experts the target's verify pass will need. A draft step has no
+host synchronisation: expert ids stay on the device and the fused MoE reads them there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+
+import torch
+
+from specter.config import DraftConfig
+from specter.errors import ConfigError
+from specter.log import get_logger
+from specter.model.kv import KVCache
+from specter.model.registry import transformer_for
+from specter.model.transformer import ExpertMLP, Transformer
+from specter.model.weights import unpack_expert
+from specter.quant import QuantizedExperts, fused_moe, quantize_experts
+from specter.quant.groupwise import packed_bytes_per_row
+from specter.sampling import SamplingParams, sample
+
+log = get_logger(__name__)
+
+BITS = {"int4": 4, "int8": 8, "int3": 3, "int2": 2, "gptq4": 4}
+
+Tensor = torch.Tensor
+
+
+def draft_group(k: int, group: int) -> int:
+    """The configured group when it divides k, else one group per row (tiny test models have small k)."""
+    return group if group != -1 and k % group == 0 else -1
+
+
+def draft_expert_bytes(hidden: int, inter: int, quant: str, group: int, scale_bytes: int) -> int:
+    """Bytes one quantized expert takes on the device: packed codes plus group scales."""
+    bits = BITS[quant]
+    g13, g2 = draft_group(hidden, group), draft_group(inter, group)
+    groups13 = 1 if g13 == -1 else hidden // g13
+    groups2 = 1 if g2 == -1 else inter // g2
+    codes = 2 * inter * packed_bytes_per_row(hidden, bits) + hidden * packed_bytes_per_row(inter, bits)
+    return codes + (2 * inter * groups13 + hidden * groups2) * scale_bytes
+
+
+class DraftExperts:
+    """ExpertProvider of the draft: fused quantized MoE per layer, and route counters [L, E] on the device."""
+
+    def __init__(self, layers: dict[int, QuantizedExperts], num_layers: int, num_experts: int, device: torch.device) -> None:
+        self.layers = layers
+        self.route_counts = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)  # [L, E]
+        self._ones: Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(q.nbytes for q in self.layers.values())
+
+    async def run(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor, mlp: ExpertMLP) -> Tensor:
+        flat = ids.reshape(-1)
+        if self._ones is None or self._ones.numel() < flat.numel():
+            self._ones = torch.ones(max(64, flat.numel()), dtype=torch.float32, device=x.device)
+        self.route_counts[layer].index_add_(0, flat, self._ones[: flat.numel()])
+        return fused_moe(x, ids, weights, self.layers[layer])
+
+
+def quantize_layers(experts: Iterable[tuple[int, int, Tensor]], spec_hidden: int, spec_inter: int, num_experts: int,
+                    config: DraftConfig, device: torch.device) -> dict[int, QuantizedExperts]:
+    """Quantize every layer's experts (streamed as packed flats, one layer at a time) onto the device."""
+    if config.quant == "gptq4":
+        raise ConfigError("draft quant 'gptq4' needs calibration; build the draft with specter.calibrate.gptq_draft")
+    layers: dict[int, QuantizedExperts] = {}
+    pending: dict[int, list[Tensor]] = {}
+    for layer, expert, flat in experts:
+        pending.setdefault(layer, [None] * num_experts)[expert] = flat  # type: ignore[list-item]
+        if all(t is not None for t in pending[layer]):
+            layers[layer] = _quantize_layer(pending.pop(layer), spec_hidden, spec_inter, config, device)
+    assert not pending, f"layers {sorted(pending)} are missing experts"
+    return layers
+
+
+def _quantize_layer(flats: list[Tensor], hidden: int, inter: int, config: DraftConfig, device: torch.device) -> QuantizedExperts:
+    w13, w2 = zip(*(unpack_expert(flat.to(device), hidden, inter) for flat in flats))
+    gate_up = torch.stack(w13)  # [E, 2I, D]
+    down = torch.stack(w2)  # [E, D, I]
+    group = draft_group(hidden, config.group_size)
+    if draft_group(inter, config.group_size) != group:
+        group = -1
+    return quantize_experts(gate_up[:, :inter], gate_up[:, inter:], down, BITS[config.quant], group)
+
+
+class Draft:
+    """Proposes k tokens with the quantized draft, reading and extending the target's KV cache.
+
+    The draft writes its k tokens' KV into the target's static cache beyond the committed length: that
+    region is scratch (the verify overwrites it, and `crop` discards the rest), so no second cache exists.
+    """
+
+    def __init__(self, target: Transformer, experts: DraftExperts) -> None:
+        spec = target.spec
+        # The same tensors dict: every non-expert tensor is the target's own (storage-identical).
+        self.model = transformer_for(spec)(spec, target.w, exact=False, row_bucket=target.bucket, max_context=target.max_context)
+        self.experts = experts
+
+    @property
+    def route_counts(self) -> Tensor:
+        return self.experts.route_counts
+
+    async def propose(self, x0: Tensor, start: int, k: int, kv: KVCache, params: SamplingParams,
+                      after_step: Callable[[int], Awaitable[None]] | None = None) -> Tensor:
+        """Draft tokens d1..dk [k] (device) from x0 [1] at position `start`; calls after_step(steps_done)."""
+        self.route_counts.zero_()
+        token, drafted = x0, []
+        for step in range(k):
+            hidden = await self.model.forward(token, start + step, kv, self.experts)
+            logits = self.model.logits(hidden)  # [1, V]
+            position = torch.full((1,), start + step + 1, dtype=torch.long, device=logits.device)
+            token = sample(logits, position, params)  # [1] on the device: no sync between steps
+            drafted.append(token)
+            if after_step is not None:
+                await after_step(step + 1)
+        return torch.cat(drafted)

@@ -1,0 +1,504 @@
+"""The device expert cache: per-layer slots in one device tensor, a residency map and a device slot table.
+
+Loads go through the transfer engine; eviction choices are delegated to an injected `choose_victims`.
+"""
+
+# How a slot stays safe (the invariants the property tests check):
+#  - A slot is FREE, LOADING (a copy into it is queued or in flight) or RESIDENT (its copy landed).
+#  - A LOADING slot, a pinned slot (handed to a reader that has not called `mark_used`) and a protected
+#    expert (planned for the coming verify) are never evicted.
+#  - A slot is never read before its copy lands: readers get a slot only from `ensure` / `iter_ready`,
+#    which await the copy's ready event (or device code waits on `ready_event`).
+#  - A slot is never overwritten while a reader may still touch it: the copy into a reused slot first
+#    makes the copy stream wait on the slot's last-use event (device-side, no host sync).
+#  - Each (re)assignment bumps the slot's generation, so a late completion of an older load (after
+#    `reset`) cannot mark a slot resident for the wrong expert.
+#  - A cancelled reader leaves nothing pinned: its copy still lands and the slot becomes resident
+#    (unpinned, evictable), or free when the load was dropped by `reset`.
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence, Set
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from backends.base import Backend, Event
+from specter.errors import BudgetError, PluginError
+from specter.experts.pool import ExpertPool
+from specter.experts.transfer import Transfer, TransferEngine
+from specter.kernel import Kernel
+from specter.log import get_logger
+
+log = get_logger(__name__)
+
+VictimChooser = Callable[[int, Sequence[int], Set[int], int], list[int]]
+"""choose_victims(layer, residents (least recently used first), protected, count) -> experts to evict."""
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    LOADING = "loading"
+    RESIDENT = "resident"
+
+
+@dataclass
+class Slot:
+    """One row of the device weight tensor and what the host knows about it."""
+
+    index: int
+    layer: int
+    expert: int | None = None
+    state: SlotState = SlotState.FREE
+    generation: int = 0
+    pins: int = 0
+    """Readers holding the slot (between ensure/iter_ready and mark_used)."""
+    loading: asyncio.Task[None] | None = None
+    """The task completing the current load; readers await it shielded."""
+    transfer: Transfer | None = None
+    ready: Event | None = None
+    """Copy landed (and slot-table write done); None while loading or free."""
+    last_use: Event | None = None
+    """The last reader's compute; the next copy into this slot waits for it on the device."""
+
+
+@dataclass
+class LayerStats:
+    """Counters of one layer (host side, exact)."""
+
+    hits: int = 0
+    """Requested by a reader and already resident."""
+    inflight_hits: int = 0
+    """Requested while a prefetch into it was in flight (waited for the rest of that copy)."""
+    misses: int = 0
+    """Loaded on demand."""
+    evictions: int = 0
+    prefetched: int = 0
+    bytes_loaded: int = 0
+    """Bytes copied into this layer's slots, counted once per issued chunk (cancelled loads included)."""
+
+
+@dataclass
+class CacheStats:
+    """Per-layer counters; `total` sums them."""
+
+    layers: list[LayerStats] = field(default_factory=list)
+
+    def total(self) -> LayerStats:
+        summed = LayerStats()
+        for layer in self.layers:
+            for name in vars(summed):
+                setattr(summed, name, getattr(summed, name) + getattr(layer, name))
+        return summed
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """The resident experts of every layer, least recently used first (what `restore` reloads)."""
+
+    layers: tuple[tuple[int, ...], ...]
+
+
+class ExpertCache:
+    """L*S device slots (S per MoE layer) over an `ExpertPool`, loaded through a `TransferEngine`.
+
+    All methods run on the event-loop thread. Readers follow one protocol: get slots from `ensure` or
+    `iter_ready` (they come pinned), launch compute reading `slot_weights(slot)`, record an event after
+    it on the compute stream and call `mark_used(layer, expert, event)`. At the end of a round (also on
+    cancellation) the engine calls `unprotect_all(fence)` with an event recorded on the compute stream.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        kernel: Kernel,
+        transfer: TransferEngine,
+        pool: ExpertPool,
+        slots_per_layer: int,
+        choose_victims: VictimChooser,
+    ) -> None:
+        if not 1 <= slots_per_layer <= pool.num_experts:
+            raise BudgetError(
+                f"the expert cache needs 1..{pool.num_experts} slots per layer, got {slots_per_layer}; "
+                "raise the memory budget or lower `residents`"
+            )
+        self.backend, self.kernel, self.transfer, self.pool = backend, kernel, transfer, pool
+        self.num_layers, self.num_experts = pool.num_layers, pool.num_experts
+        self.slots_per_layer = slots_per_layer
+        self.choose_victims = choose_victims
+        # [L*S, N] one flat expert per row; [L, E] slot index or -1. Allocated once, here.
+        self.weights = backend.alloc_device((self.num_layers * slots_per_layer, pool.expert_numel), pool.dtype)
+        self.slot_table = backend.alloc_device((self.num_layers, self.num_experts), torch.int32)
+        self.slot_table.fill_(-1)
+        self.stats = CacheStats([LayerStats() for _ in range(self.num_layers)])
+        self._slots = [Slot(index, index // slots_per_layer) for index in range(self.num_layers * slots_per_layer)]
+        self._residents: list[OrderedDict[int, Slot]] = [OrderedDict() for _ in range(self.num_layers)]
+        self._protected: list[set[int]] = [set() for _ in range(self.num_layers)]
+        self._capacity_waiters: list[list[asyncio.Future[None]]] = [[] for _ in range(self.num_layers)]
+        self._loads: set[asyncio.Task[None]] = set()  # completion tasks, including ones orphaned by reset
+
+    # -- reading ---------------------------------------------------------------------------------------
+
+    def lookup(self, layer: int, expert: int) -> int | None:
+        """The slot holding `expert` with its copy landed, else None. Does not pin or count."""
+        slot = self._residents[layer].get(expert)
+        return slot.index if slot is not None and slot.state is SlotState.RESIDENT else None
+
+    def slot_weights(self, slot: int) -> torch.Tensor:
+        """The flat device weights in `slot` ([N] view of one row)."""
+        return self.weights[slot]
+
+    def ready_event(self, slot: int) -> Event | None:
+        """The event after which `slot`'s data is on the device (for device-side waits)."""
+        return self._slots[slot].ready
+
+    def lru_order(self, layer: int) -> list[int]:
+        """Experts mapped to the layer's slots (resident or loading), least recently used first."""
+        return list(self._residents[layer])
+
+    def is_protected(self, layer: int, expert: int) -> bool:
+        """Planned or pinned by a reader: not evictable."""
+        slot = self._residents[layer].get(expert)
+        return expert in self._protected[layer] or (slot is not None and slot.pins > 0)
+
+    async def ensure(self, layer: int, experts: Iterable[int], urgent: bool = True) -> dict[int, int]:
+        """Make `experts` resident in `layer` and return expert -> slot, all pinned, all landed.
+
+        Misses are loaded (urgent: ahead of queued prefetches); in-flight prefetches of requested
+        experts are promoted when urgent. Raises BudgetError if more experts than slots are asked for.
+        """
+        wanted = self._distinct_within_budget(layer, experts)
+        slots: dict[int, Slot] = {}
+        succeeded = False
+        try:
+            for expert in wanted:
+                slots[expert] = await self._claim(layer, expert, urgent, owned=list(slots.values()))
+            for expert, slot in slots.items():
+                await self._until_landed(slot, expert)
+            succeeded = True
+            return {expert: slot.index for expert, slot in slots.items()}
+        finally:
+            if not succeeded:  # cancelled or failed: give back every pin taken (loads still land)
+                for slot in slots.values():
+                    self._unpin(slot)
+
+    async def iter_ready(self, layer: int, experts: Iterable[int]) -> AsyncIterator[tuple[int, int]]:
+        """Yield (expert, slot) for `experts`: resident ones first, then in the order their copies land.
+
+        This is verify's rolling window: the router has chosen, so plan protection of this layer's other
+        experts is lifted; misses load into free or evictable slots as readers `mark_used` earlier ones.
+        Each yielded slot is pinned until the reader calls `mark_used` (or `unprotect_all`).
+        """
+        wanted = list(dict.fromkeys(experts))
+        self._protected[layer] &= set(wanted)
+        hot = [expert for expert in wanted if self.lookup(layer, expert) is not None]
+        owned: dict[int, Slot] = {}  # pinned by this iterator, not yet handed to the reader
+        try:
+            for expert in hot:  # pinned all at once, so the reader's awaits cannot lose one to eviction
+                owned[expert] = self._residents[layer][expert]
+                self._pin(owned[expert])
+                self.stats.layers[layer].hits += 1
+            for expert in hot:
+                yield expert, owned.pop(expert).index
+            async for expert, slot in self._landings(layer, [e for e in wanted if e not in hot], owned):
+                owned.pop(expert)
+                yield expert, slot.index
+        finally:
+            for slot in owned.values():
+                self._unpin(slot)
+
+    def mark_used(self, layer: int, expert: int, event: Event) -> None:
+        """The reader is done with `expert`: record its last-use event, unpin, lift plan protection."""
+        slot = self._residents[layer].get(expert)
+        assert slot is not None, f"mark_used({layer}, {expert}): the expert has no slot (used without ensure/iter_ready?)"
+        slot.last_use = event
+        self._protected[layer].discard(expert)
+        self._residents[layer].move_to_end(expert)
+        self._unpin(slot)  # no-op when unprotect_all already dropped the pin
+
+    # -- planning --------------------------------------------------------------------------------------
+
+    def prefetch(self, layer: int, experts: Iterable[int]) -> list[int]:
+        """Issue loads for `experts` in order, without waiting; returns the experts actually issued.
+
+        Skips experts already resident or loading; stops at the first one with no free or evictable
+        slot. Call `protect` first for experts that must survive later prefetches.
+        """
+        issued: list[int] = []
+        for expert in dict.fromkeys(experts):
+            if expert in self._residents[layer]:
+                continue
+            room = self._make_room(layer, 1)
+            if not room:
+                break
+            self._start_load(layer, expert, room[0], urgent=False)
+            self.stats.layers[layer].prefetched += 1
+            issued.append(expert)
+        return issued
+
+    def protect(self, layer: int, experts: Iterable[int]) -> None:
+        """Never evict these experts of `layer` until verified (`mark_used`, `iter_ready`) or `unprotect_all`."""
+        self._protected[layer].update(experts)
+
+    def unprotect_all(self, fence: Event | None = None) -> None:
+        """End of round: lift every protection and pin. `fence` (recorded on the compute stream after the
+        round's last compute) becomes the last-use event of slots still pinned, e.g. by a cancelled reader."""
+        for slot in self._slots:
+            if slot.pins and fence is not None:
+                slot.last_use = fence
+            slot.pins = 0
+        for layer in range(self.num_layers):
+            self._protected[layer].clear()
+            self._signal(layer)
+
+    # -- state -----------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget every resident: all slots free, queued loads dropped (issued chunks still land)."""
+        for slot in self._slots:
+            if slot.transfer is not None:
+                slot.transfer.cancel()
+            self._release(slot)
+        for layer in range(self.num_layers):
+            self._residents[layer].clear()
+            self._protected[layer].clear()
+            self._signal(layer)
+        self.backend.launch(self.transfer.stream, partial(self.slot_table.fill_, -1))
+        log.debug("cache.reset")
+
+    def snapshot(self) -> CacheSnapshot:
+        """The resident (and loading) experts of each layer in LRU order."""
+        return CacheSnapshot(tuple(tuple(self._residents[layer]) for layer in range(self.num_layers)))
+
+    async def restore(self, snapshot: CacheSnapshot) -> None:
+        """`reset`, then load the snapshot's experts (LRU order kept) and wait until all landed."""
+        assert len(snapshot.layers) == self.num_layers, "snapshot of a cache with another layer count"
+        self.reset()
+        for layer, experts in enumerate(snapshot.layers):
+            assert len(experts) <= self.slots_per_layer, f"snapshot holds {len(experts)} experts for {self.slots_per_layer} slots"
+            for expert in experts:
+                self._start_load(layer, expert, self._make_room(layer, 1)[0], urgent=False)
+        for slot in self._slots:
+            if slot.loading is not None:
+                await asyncio.shield(slot.loading)
+
+    async def aclose(self) -> None:
+        """Wait for every load in flight to complete (shutdown, tests)."""
+        while self._loads:
+            await asyncio.gather(*[asyncio.shield(task) for task in self._loads], return_exceptions=True)
+
+    # -- internals: claiming slots ----------------------------------------------------------------------
+
+    def _distinct_within_budget(self, layer: int, experts: Iterable[int]) -> list[int]:
+        wanted = list(dict.fromkeys(experts))
+        if len(wanted) > self.slots_per_layer:
+            raise BudgetError(
+                f"layer {layer} needs {len(wanted)} experts at once but has {self.slots_per_layer} slots; "
+                "use iter_ready (rolling window) or raise the budget"
+            )
+        return wanted
+
+    async def _claim(self, layer: int, expert: int, urgent: bool, owned: list[Slot]) -> Slot:
+        """Pin the slot of `expert`, starting its load if needed (waits for room when none is evictable)."""
+        slot = self._residents[layer].get(expert)
+        if slot is None:
+            slot = await self._room_or_wait(layer, owned)
+            if expert in self._residents[layer]:  # another reader loaded it while we waited
+                self._release(slot)
+                return await self._claim(layer, expert, urgent, owned)
+            self._start_load(layer, expert, slot, urgent)
+            self.stats.layers[layer].misses += 1
+        elif slot.state is SlotState.LOADING:
+            self.stats.layers[layer].inflight_hits += 1
+            if urgent and slot.transfer is not None:
+                slot.transfer.promote()
+        else:
+            self.stats.layers[layer].hits += 1
+            self._residents[layer].move_to_end(expert)
+        self._pin(slot)
+        return slot
+
+    async def _room_or_wait(self, layer: int, owned: list[Slot]) -> Slot:
+        while not (room := self._make_room(layer, 1)):
+            if not self._room_can_appear(layer, owned):
+                raise BudgetError(
+                    f"layer {layer}: all {self.slots_per_layer} slots hold protected experts "
+                    f"{sorted(self._protected[layer])} and none is loading or in use; plan at most "
+                    f"{self.slots_per_layer - 1} experts per layer or raise the budget"
+                )
+            await self._capacity_changed(layer)
+        return room[0]
+
+    def _room_can_appear(self, layer: int, owned: Sequence[Slot]) -> bool:
+        """A slot may become evictable later: a load will land or a reader other than us will unpin."""
+        ours = {slot.index for slot in owned}
+        return any(
+            slot.state is SlotState.LOADING or (slot.pins and slot.index not in ours) for slot in self._layer_slots(layer)
+        )
+
+    def _make_room(self, layer: int, count: int) -> list[Slot]:
+        """Up to `count` slots of `layer` ready for a new load: free ones first, then evicted victims."""
+        room = [slot for slot in self._layer_slots(layer) if slot.state is SlotState.FREE][:count]
+        if len(room) < count:
+            room += [self._evict(layer, expert) for expert in self._victims(layer, count - len(room))]
+        return room
+
+    def _victims(self, layer: int, count: int) -> list[int]:
+        residents = [e for e, slot in self._residents[layer].items() if slot.state is SlotState.RESIDENT]
+        protected = self._protected[layer] | {e for e, slot in self._residents[layer].items() if slot.pins}
+        if all(expert in protected for expert in residents):
+            return []
+        victims = list(self.choose_victims(layer, residents, frozenset(protected), count))
+        bad = [e for e in victims if e not in residents or e in protected]
+        if bad or len(set(victims)) != len(victims) or len(victims) > count:
+            raise PluginError(
+                f"eviction policy chose {victims} in layer {layer} for {count} slot(s); it must choose distinct "
+                f"unprotected residents (residents {residents}, protected {sorted(protected)})"
+            )
+        return victims
+
+    def _evict(self, layer: int, expert: int) -> Slot:
+        slot = self._residents[layer].pop(expert)
+        self.stats.layers[layer].evictions += 1
+        self.backend.launch(self.transfer.stream, partial(self._write_table, layer, expert, -1))
+        log.debug("expert.evict", layer=layer, expert=expert, slot=slot.index)
+        self._release(slot)
+        return slot
+
+    def _layer_slots(self, layer: int) -> list[Slot]:
+        first = layer * self.slots_per_layer
+        return self._slots[first : first + self.slots_per_layer]
+
+    # -- internals: loads ------------------------------------------------------------------------------
+
+    def _start_load(self, layer: int, expert: int, slot: Slot, urgent: bool) -> None:
+        assert slot.state is SlotState.FREE and slot.pins == 0, f"load into busy slot {slot}"
+        slot.generation += 1
+        slot.expert, slot.state, slot.ready = expert, SlotState.LOADING, None
+        self._residents[layer][expert] = slot
+        slot.transfer = self.transfer.submit(
+            self.weights[slot.index],
+            self.pool.host(layer, expert),
+            urgent=urgent,
+            wait_for=[slot.last_use],
+            after_copy=partial(self._write_table, layer, expert, slot.index),
+            tag=(layer, expert, slot.index),
+        )
+        slot.loading = asyncio.get_running_loop().create_task(self._complete_load(slot, slot.generation, slot.transfer))
+        self._loads.add(slot.loading)
+        slot.loading.add_done_callback(self._loads.discard)
+        log.debug("expert.load", layer=layer, expert=expert, slot=slot.index, urgent=urgent)
+
+    async def _complete_load(self, slot: Slot, generation: int, transfer: Transfer) -> None:
+        """Owned by the cache, not by any reader: the copy's outcome is recorded even if readers left."""
+        try:
+            ready = await transfer.landed()
+        except Exception:
+            self._settle_load(slot, generation, None)
+            raise
+        finally:
+            self.stats.layers[slot.layer].bytes_loaded += transfer.bytes_issued
+        self._settle_load(slot, generation, None if transfer.cancelled else ready)
+
+    def _settle_load(self, slot: Slot, generation: int, ready: Event | None) -> None:
+        """Landed: resident. Dropped or failed: free. Unless the slot was reassigned since (generation)."""
+        if slot.generation != generation:
+            return
+        if ready is None:
+            self._residents[slot.layer].pop(slot.expert, None)
+            self._release(slot)
+        else:
+            slot.loading, slot.transfer = None, None
+            slot.state, slot.ready = SlotState.RESIDENT, ready
+        self._signal(slot.layer)
+
+    async def _until_landed(self, slot: Slot, expert: int) -> None:
+        if slot.loading is not None:
+            await asyncio.shield(slot.loading)
+        assert slot.expert == expert and slot.state is SlotState.RESIDENT, (
+            f"slot {slot.index} lost expert {expert} while a reader held it (reset during a round?)"
+        )
+
+    async def _landings(self, layer: int, experts: list[int], owned: dict[int, Slot]) -> AsyncIterator[tuple[int, Slot]]:
+        """Load `experts` through the layer's free/evictable slots, yielding each as its copy lands."""
+        landed: asyncio.Queue[int] = asyncio.Queue()
+        waiting = list(experts)
+        while waiting or owned:
+            waiting = self._start_what_fits(layer, waiting, owned, landed)
+            if landed.empty() and waiting and not self._loading_among(owned):
+                if not self._room_can_appear(layer, list(owned.values())):
+                    raise BudgetError(f"layer {layer}: no slot can be freed for experts {waiting}; raise the budget")
+                await self._capacity_changed(layer)
+                continue
+            expert = await landed.get()
+            slot = owned[expert]
+            await self._until_landed(slot, expert)
+            yield expert, slot
+
+    def _start_what_fits(self, layer: int, waiting: list[int], owned: dict[int, Slot], landed: asyncio.Queue[int]) -> list[int]:
+        """Pin in-flight or start loads for as many waiting experts as slots allow; return the rest."""
+        still_waiting = []
+        for expert in waiting:
+            slot = self._residents[layer].get(expert)
+            if slot is None:
+                room = self._make_room(layer, 1)
+                if not room:
+                    still_waiting.append(expert)
+                    continue
+                self._start_load(layer, expert, room[0], urgent=True)
+                self.stats.layers[layer].misses += 1
+                slot = room[0]
+            elif slot.state is SlotState.LOADING:
+                self.stats.layers[layer].inflight_hits += 1
+                if slot.transfer is not None:
+                    slot.transfer.promote()
+            else:  # landed while we were busy with earlier experts
+                self.stats.layers[layer].hits += 1
+            self._pin(slot)
+            owned[expert] = slot
+            self._notify_when_landed(slot, expert, landed)
+        return still_waiting
+
+    def _notify_when_landed(self, slot: Slot, expert: int, landed: asyncio.Queue[int]) -> None:
+        if slot.loading is None:
+            landed.put_nowait(expert)
+        else:
+            slot.loading.add_done_callback(lambda _task: landed.put_nowait(expert))
+
+    def _loading_among(self, owned: dict[int, Slot]) -> bool:
+        return any(slot.state is SlotState.LOADING for slot in owned.values())
+
+    # -- internals: bookkeeping ------------------------------------------------------------------------
+
+    def _write_table(self, layer: int, expert: int, value: int) -> None:
+        """Runs in copy-stream order (backend.launch): an index write, no host sync."""
+        self.slot_table[layer, expert] = value
+
+    def _pin(self, slot: Slot) -> None:
+        slot.pins += 1
+
+    def _unpin(self, slot: Slot) -> None:
+        if slot.pins > 0:
+            slot.pins -= 1
+            self._signal(slot.layer)
+
+    def _release(self, slot: Slot) -> None:
+        """Back to FREE; the generation bump orphans any completion still pending for the old load."""
+        slot.generation += 1
+        slot.expert, slot.state, slot.pins = None, SlotState.FREE, 0
+        slot.loading, slot.transfer, slot.ready = None, None, None
+
+    async def _capacity_changed(self, layer: int) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._capacity_waiters[layer].append(waiter)
+        await waiter
+
+    def _signal(self, layer: int) -> None:
+        waiters, self._capacity_waiters[layer] = self._capacity_waiters[layer], []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)

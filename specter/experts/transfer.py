@@ -1,0 +1,366 @@
+"""The transfer engine: host-to-device expert copies on the copy stream, urgent misses ahead of prefetches.
+
+Copies are split in chunks and issued by one pump task that keeps at most `max_chunks_in_flight` chunks
+on the stream, so an urgent miss waits behind at most that many chunks of a long prefetch queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from backends.base import Backend, Event
+from specter.errors import ConfigError
+from specter.kernel import Kernel
+from specter.log import get_logger
+
+log = get_logger(__name__)
+
+LINK_PRESETS: dict[str, float] = {
+    "gen5": 55.0,
+    "gen4": 25.0,
+    "gen3": 12.0,
+    # A Gen4 x16 GPU in a dual-channel DDR4-3200 desktop: pinned H2D measures about 20-22 GB/s, below an
+    # idle Gen4 link's 25 because the DMA shares the memory controller with the CPU. We take 20.
+    "ddr4-desktop": 20.0,
+}
+"""Link emulation presets, in GB/s (1e9 bytes per second) of sustained pinned H2D bandwidth."""
+
+# Host pacing forgives this much lateness (timer wake-ups are late by up to a loop tick), so the emulated
+# rate holds on average instead of losing every late wake-up; it allows a burst of at most this long.
+_PACING_SLACK_S = 0.005
+
+
+def parse_link(spec: str | float | None) -> float | None:
+    """GB/s for a link spec: a preset name (gen5, gen4, gen3, ddr4-desktop), a number, or None (no emulation)."""
+    if spec is None:
+        return None
+    if isinstance(spec, str) and spec.strip().lower() in LINK_PRESETS:
+        return LINK_PRESETS[spec.strip().lower()]
+    try:
+        gbps = float(spec)
+    except ValueError:
+        gbps = -1.0
+    if not gbps > 0:
+        presets = ", ".join(f"{name} ({gbps:g} GB/s)" for name, gbps in LINK_PRESETS.items())
+        raise ConfigError(f"link {spec!r} is not a link preset or a positive GB/s figure; use one of {presets}, or e.g. 32")
+    return gbps
+
+
+@dataclass(frozen=True)
+class LinkEmulation:
+    """Throttle the copy stream to `gbps`.
+
+    mode 'host': the pump delays each chunk's issue until the emulated link is free (works on every
+    backend; accuracy bounded by timer wake-ups). mode 'device': after each chunk the copy stream sleeps
+    (torch.cuda._sleep) for the emulated minus the measured real copy time (no host timers; needs a
+    good real-bandwidth estimate). transfer_bench measures both.
+    """
+
+    gbps: float
+    mode: Literal["host", "device"] = "host"
+
+
+@dataclass
+class TransferStats:
+    """Counters of the engine; every byte is counted once, when its chunk is issued."""
+
+    transfers: int = 0
+    urgent_transfers: int = 0
+    chunks: int = 0
+    bytes_copied: int = 0
+    cancelled: int = 0
+    promoted: int = 0
+
+
+class Transfer:
+    """One flat host -> device copy. Created by `TransferEngine.submit`; await `landed()` for its data."""
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        urgent: bool,
+        wait_for: Sequence[Event],
+        after_copy: Callable[[], None] | None,
+        tag: Any,
+    ) -> None:
+        assert dst.numel() == src.numel() and dst.dtype == src.dtype, "transfer needs same-size, same-dtype flat tensors"
+        self.dst, self.src = dst.view(-1), src.view(-1)
+        self.urgent = urgent
+        self.tag = tag
+        self.nbytes = src.numel() * src.element_size()
+        self.bytes_issued = 0
+        self.cancelled = False
+        self._engine = engine
+        self._wait_for = [event for event in wait_for if event is not None]
+        self._after_copy = after_copy
+        self._next_element = 0
+        self._ready: asyncio.Future[Event | None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def fully_issued(self) -> bool:
+        return self._ready.done()
+
+    async def landed(self) -> Event | None:
+        """Wait until every byte is on the device; returns the ready event (None if cancelled before any
+        chunk was issued). Cancelling the caller does not cancel the copy (principle 3 of the kernel)."""
+        ready = await asyncio.shield(self._ready)
+        if ready is not None:
+            await self._engine.kernel.wait(ready)
+        return ready
+
+    def ready_event(self) -> Event | None:
+        """The ready event once the last chunk is issued, else None (device-side waits use it)."""
+        return self._ready.result() if self._ready.done() and not self._ready.cancelled() else None
+
+    def promote(self) -> None:
+        """Make a queued prefetch urgent: its remaining chunks jump ahead of other prefetches."""
+        self._engine._promote(self)
+
+    def cancel(self) -> None:
+        """Drop the chunks not issued yet. Issued chunks still land; `landed()` then waits for them."""
+        self._engine._cancel(self)
+
+    def _take_chunk(self, chunk_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+        begin = self._next_element
+        end = min(begin + chunk_elements, self.src.numel())
+        self._next_element = end
+        self.bytes_issued += (end - begin) * self.src.element_size()
+        return self.dst[begin:end], self.src[begin:end]
+
+    @property
+    def _remaining(self) -> int:
+        return self.src.numel() - self._next_element
+
+    def __repr__(self) -> str:
+        return f"Transfer({self.tag}, {self.nbytes} B, urgent={self.urgent}, issued={self.bytes_issued})"
+
+
+@dataclass
+class _Chunk:
+    nbytes: int
+    start: Event
+    copied: Event
+    end: Event
+
+
+class TransferEngine:
+    """Issues `Transfer`s on `backend.copy_stream` from one pump task on the event loop.
+
+    Use from the loop thread. The pump is a service task for the engine's lifetime (started by the first
+    `submit`, stopped by `aclose`), not a per-round task.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        kernel: Kernel,
+        *,
+        chunk_bytes: int = 16 << 20,
+        max_chunks_in_flight: int = 2,
+        link: LinkEmulation | None = None,
+        ema_alpha: float = 0.2,
+    ) -> None:
+        if chunk_bytes <= 0 or max_chunks_in_flight < 1:
+            raise ConfigError(
+                f"transfer engine needs chunk_bytes > 0 and max_chunks_in_flight >= 1, got {chunk_bytes}, {max_chunks_in_flight}"
+            )
+        self.backend, self.kernel = backend, kernel
+        self.stream = backend.copy_stream
+        self.chunk_bytes = chunk_bytes
+        self.max_chunks_in_flight = max_chunks_in_flight
+        self.link = link
+        self.ema_alpha = ema_alpha
+        self.stats = TransferStats()
+        self._urgent: deque[Transfer] = deque()
+        self._prefetch: deque[Transfer] = deque()
+        self._in_flight: deque[_Chunk] = deque()
+        self._raw_bytes_per_s: float | None = None
+        self._effective_bytes_per_s: float | None = None
+        self._link_free_at = 0.0
+        self._wakeup: asyncio.Event | None = None
+        self._pump_task: asyncio.Task[None] | None = None
+
+    # -- the API the cache uses ---------------------------------------------------------------------
+
+    def submit(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        urgent: bool = False,
+        wait_for: Sequence[Event | None] = (),
+        after_copy: Callable[[], None] | None = None,
+        tag: Any = None,
+    ) -> Transfer:
+        """Queue a copy of `src` (host) into `dst` (device). Must be called on the loop thread.
+
+        `wait_for`: events the copy stream must pass first (a slot's last reader). `after_copy` runs in
+        copy-stream order right after the last chunk (the cache's slot-table write), before the ready event.
+        """
+        transfer = Transfer(self, dst, src, urgent, wait_for, after_copy, tag)
+        (self._urgent if urgent else self._prefetch).append(transfer)
+        self.stats.transfers += 1
+        self.stats.urgent_transfers += urgent
+        self._ensure_pump()
+        self._wakeup.set()
+        return transfer
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float | None:
+        """EMA of the sustained copy bandwidth as the engine sees it (emulation included); None until measured."""
+        self._retire_completed()
+        return self._effective_bytes_per_s
+
+    @property
+    def raw_bandwidth_bytes_per_s(self) -> float | None:
+        """EMA of the real link's bandwidth (copy time only, emulation excluded)."""
+        self._retire_completed()
+        return self._raw_bytes_per_s
+
+    @property
+    def queued(self) -> int:
+        """Transfers not fully issued yet."""
+        return len(self._urgent) + len(self._prefetch)
+
+    async def drain(self) -> None:
+        """Wait until every queued transfer has landed (start-up, benchmarks, tests)."""
+        while self._urgent or self._prefetch or self._in_flight:
+            pending = [*self._urgent, *self._prefetch]
+            if pending:
+                await pending[-1].landed()
+            else:
+                await self.kernel.wait(self._in_flight[-1].end)
+                self._retire_completed()
+
+    async def aclose(self) -> None:
+        """Drop queued transfers, wait for issued chunks, stop the pump."""
+        for transfer in [*self._urgent, *self._prefetch]:
+            transfer.cancel()
+        if self._in_flight:
+            await self.kernel.wait(self._in_flight[-1].end)
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+            await asyncio.gather(self._pump_task, return_exceptions=True)
+            self._pump_task = None
+
+    # -- the pump ------------------------------------------------------------------------------------
+
+    def _ensure_pump(self) -> None:
+        if self._pump_task is None or self._pump_task.done():
+            self._wakeup = asyncio.Event()
+            self._pump_task = asyncio.get_running_loop().create_task(self._pump(), name="specter-transfer-pump")
+
+    async def _pump(self) -> None:
+        """The engine loop: wait for room on the stream, for the emulated link, then issue the next chunk."""
+        try:
+            while True:
+                await self._room_on_stream()
+                await self._emulated_link_free()
+                transfer = self._next_transfer()
+                if transfer is None:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                self._issue_chunk(transfer)
+        except Exception as error:
+            log.error("transfer.pump_failed", error=repr(error))
+            for transfer in [*self._urgent, *self._prefetch]:
+                if not transfer._ready.done():
+                    transfer._ready.set_exception(error)
+            self._urgent.clear()
+            self._prefetch.clear()
+            raise
+
+    async def _room_on_stream(self) -> None:
+        self._retire_completed()
+        while len(self._in_flight) >= self.max_chunks_in_flight:
+            await self.kernel.wait(self._in_flight[0].end)
+            self._retire_completed()
+
+    async def _emulated_link_free(self) -> None:
+        if self.link is not None and self.link.mode == "host":
+            delay = self._link_free_at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+
+    def _next_transfer(self) -> Transfer | None:
+        queue = self._urgent or self._prefetch
+        return queue[0] if queue else None
+
+    def _issue_chunk(self, transfer: Transfer) -> None:
+        if transfer.bytes_issued == 0:
+            for event in transfer._wait_for:
+                if not event.query():
+                    self.backend.stream_wait(self.stream, event)
+        dst, src = transfer._take_chunk(self.chunk_bytes // transfer.src.element_size() or 1)
+        nbytes = src.numel() * src.element_size()
+        start = self.backend.record_event(self.stream, timed=True)
+        self.backend.copy_h2d(dst, src, self.stream)
+        copied = self.backend.record_event(self.stream, timed=True)
+        end = self._emulate_link(nbytes) or copied
+        self._in_flight.append(_Chunk(nbytes, start, copied, end))
+        self.stats.chunks += 1
+        self.stats.bytes_copied += nbytes
+        if transfer._remaining == 0:
+            self._finish(transfer)
+
+    def _emulate_link(self, nbytes: int) -> Event | None:
+        """Account the chunk on the emulated link; in device mode pad the stream and return the pad's end."""
+        if self.link is None:
+            return None
+        emulated_s = nbytes / (self.link.gbps * 1e9)
+        if self.link.mode == "host":
+            now = time.perf_counter()
+            begin = self._link_free_at if now - self._link_free_at < _PACING_SLACK_S else now
+            self._link_free_at = begin + emulated_s
+            return None
+        real_s = nbytes / self._raw_bytes_per_s if self._raw_bytes_per_s else 0.0
+        self.backend.stream_sleep(self.stream, max(0.0, emulated_s - real_s))
+        return self.backend.record_event(self.stream, timed=True)
+
+    def _finish(self, transfer: Transfer) -> None:
+        (self._urgent if transfer in self._urgent else self._prefetch).remove(transfer)
+        if transfer._after_copy is not None:
+            self.backend.launch(self.stream, transfer._after_copy)
+        transfer._ready.set_result(self.backend.record_event(self.stream))
+        log.debug("transfer.issued", tag=transfer.tag, nbytes=transfer.nbytes, urgent=transfer.urgent)
+
+    def _retire_completed(self) -> None:
+        while self._in_flight and self._in_flight[0].end.query():
+            chunk = self._in_flight.popleft()
+            raw_s = chunk.copied.elapsed_since(chunk.start)
+            effective_s = chunk.end.elapsed_since(chunk.start)
+            if self.link is not None and self.link.mode == "host":
+                effective_s = max(effective_s, chunk.nbytes / (self.link.gbps * 1e9))
+            weight = self.ema_alpha * min(1.0, chunk.nbytes / self.chunk_bytes)
+            self._raw_bytes_per_s = _ema(self._raw_bytes_per_s, chunk.nbytes / max(raw_s, 1e-9), weight)
+            self._effective_bytes_per_s = _ema(self._effective_bytes_per_s, chunk.nbytes / max(effective_s, 1e-9), weight)
+
+    def _promote(self, transfer: Transfer) -> None:
+        if transfer in self._prefetch:
+            self._prefetch.remove(transfer)
+            self._urgent.append(transfer)
+            transfer.urgent = True
+            self.stats.promoted += 1
+
+    def _cancel(self, transfer: Transfer) -> None:
+        if transfer.fully_issued or transfer.cancelled:
+            return
+        (self._urgent if transfer in self._urgent else self._prefetch).remove(transfer)
+        transfer.cancelled = True
+        self.stats.cancelled += 1
+        # Chunks already on the stream still land; the event tells the owner when the slot is quiet.
+        transfer._ready.set_result(self.backend.record_event(self.stream) if transfer.bytes_issued else None)
+
+
+def _ema(previous: float | None, sample: float, weight: float) -> float:
+    return sample if previous is None else (1.0 - weight) * previous + weight * sample

@@ -1,0 +1,104 @@
+"""One GPU memory budget for everything: non-expert weights, draft experts, KV, workspace, expert slots.
+
+The plan is computed from the spec before anything is allocated, so a budget too small for the model is
+refused with the minimum it needs, and the expert cache gets exactly what is left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from specter.config import EngineConfig
+from specter.draft import draft_expert_bytes
+from specter.errors import BudgetError
+from specter.model.spec import ModelSpec
+from specter.model.weights import dense_shapes
+
+MiB = 2**20
+GiB = 2**30
+WORKSPACE_BYTES = 256 * MiB  # activations, logits, allocator slack on CUDA
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per part of the budget and the expert slots they leave (per MoE layer)."""
+
+    budget: int | None
+    dense_bytes: int
+    draft_bytes: int
+    kv_bytes: int
+    workspace_bytes: int
+    expert_bytes: int
+    moe_layers: int
+    num_experts: int
+    slots_per_layer: int
+    min_slots_per_layer: int
+
+    @property
+    def fixed_bytes(self) -> int:
+        return self.dense_bytes + self.draft_bytes + self.kv_bytes + self.workspace_bytes
+
+    @property
+    def minimum_budget(self) -> int:
+        return self.fixed_bytes + self.moe_layers * self.min_slots_per_layer * self.expert_bytes
+
+    @property
+    def resident_budget(self) -> int:
+        """The budget at which every expert fits on the device."""
+        return self.fixed_bytes + self.moe_layers * self.num_experts * self.expert_bytes
+
+    @property
+    def all_resident(self) -> bool:
+        return self.slots_per_layer >= self.num_experts
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
+def plan_memory(spec: ModelSpec, dtype: torch.dtype, config: EngineConfig, speculative: bool = True) -> MemoryPlan:
+    """Split the budget; raise BudgetError when it cannot hold the minimum."""
+    element = torch.empty((), dtype=dtype).element_size()
+    dense = sum(_numel(shape) for shape in dense_shapes(spec).values()) * element
+    kv = 2 * spec.num_layers * spec.num_kv_heads * config.max_context * spec.head_dim * element
+    scale_bytes = element if dtype in (torch.float16, torch.bfloat16) else 4
+    per_draft_expert = draft_expert_bytes(spec.hidden_size, spec.expert_intermediate, config.draft.quant, config.draft.group_size, scale_bytes)
+    draft = per_draft_expert * spec.num_experts * len(spec.moe_layers) if speculative else 0
+    expert = spec.expert_numel * element
+    plan = MemoryPlan(
+        budget=config.budget, dense_bytes=dense, draft_bytes=draft, kv_bytes=kv, workspace_bytes=WORKSPACE_BYTES,
+        expert_bytes=expert, moe_layers=len(spec.moe_layers), num_experts=spec.num_experts, slots_per_layer=spec.num_experts,
+        min_slots_per_layer=spec.top_k,
+    )
+    return dataclasses.replace(plan, slots_per_layer=_slots(plan, config))
+
+
+def _slots(plan: MemoryPlan, config: EngineConfig) -> int:
+    if config.residents is not None:
+        if config.residents < plan.min_slots_per_layer:
+            raise BudgetError(f"residents={config.residents} slots per layer is below the minimum of {plan.min_slots_per_layer} "
+                              "(one token's active experts); raise --residents")
+        return min(config.residents, plan.num_experts)
+    if config.budget is None:
+        return plan.num_experts
+    if config.budget < plan.minimum_budget:
+        raise BudgetError(
+            f"budget {fmt(config.budget)} is {fmt(plan.minimum_budget - config.budget)} short of the minimum {fmt(plan.minimum_budget)} "
+            f"(non-expert weights {fmt(plan.dense_bytes)}, draft {fmt(plan.draft_bytes)}, KV for {config.max_context} tokens "
+            f"{fmt(plan.kv_bytes)}, workspace {fmt(plan.workspace_bytes)}, {plan.min_slots_per_layer} expert slots x "
+            f"{plan.moe_layers} layers); raise the budget, lower max_context or use a smaller draft quantization"
+        )
+    slots = (config.budget - plan.fixed_bytes) // (plan.moe_layers * plan.expert_bytes) if plan.moe_layers else 0
+    return int(min(slots, plan.num_experts))
+
+
+def fmt(size: int) -> str:
+    """Bytes for people: 1.50 GiB, 12.0 MiB."""
+    if abs(size) >= GiB:
+        return f"{size / GiB:.2f} GiB"
+    return f"{size / MiB:.1f} MiB"

@@ -1,0 +1,304 @@
+"""Triton fused draft MoE over packed int4/int8 experts: sync-free, CUDA-graph capturable; `fused_moe` dispatches.
+
+Kernel design (decode: T <= 16 tokens, P = T * A (token, expert) pairs):
+
+1. Route (one program): sorts the P pairs by (expert id, pair index) with an all-pairs rank (P <= 256, so
+   P^2 compares are nothing); writes per sorted slot its token, expert, routing weight and offset within
+   its expert's run, plus, per token, the slots of its pairs in ascending expert id.
+2. Gate/up GEMM, grid (P, cdiv(I, BLOCK_N)): the program at the start of each BLOCK_M-chunk of an expert's
+   run reads that expert's packed tile once for all its tokens (other programs exit at once), dequantizes
+   in registers and writes h = silu(gate x) * up x. Gate and up rows are interleaved in one tile.
+3. Down GEMM, same grid over D: out_pair = weight * down h, fp32, one row per sorted slot.
+4. Combine, grid (T, cdiv(D, BLOCK_D)): each token adds its A rows in ascending expert id (fixed order,
+   deterministic; no atomics).
+
+Every expert weight byte crosses HBM once per step, so the floor is (distinct active experts x bytes per
+expert) / HBM bandwidth. Nothing reads back to the host: the grid depends only on T and A.
+Triton is imported lazily; with TRITON_INTERPRET=1 CPU tensors run the same kernels in its interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specter.log import get_logger
+from specter.quant.groupwise import QuantizedExperts
+from specter.quant.moe_torch import check_routes, moe_forward
+
+log = get_logger(__name__)
+
+KERNEL_BITS = (4, 8)
+MAX_PAIRS = 256  # the route kernel ranks all pairs in one program
+BLOCK_M = 16  # tokens per expert chunk; tl.dot needs at least 16 rows
+
+
+@dataclass(frozen=True)
+class MoEKernelConfig:
+    """Tile sizes and launch parameters; the benchmark sweeps these."""
+
+    block_n_gate_up: int = 32  # intermediate columns per program (the tile holds 2x rows: gate and up)
+    block_n_down: int = 32  # hidden columns per program
+    block_k: int = 128  # input elements per step; a divisor of the group keeps one scale per row per step
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def triton_available() -> bool:
+    """True when triton imports (it is optional)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernel_supports(x: Tensor, expert_ids: Tensor, qe: QuantizedExperts) -> bool:
+    """Whether the Triton path handles this call (else the torch reference does)."""
+    pairs = expert_ids.shape[0] * expert_ids.shape[1]
+    return qe.bits in KERNEL_BITS and pairs <= MAX_PAIRS and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+
+def fused_moe(
+    x: Tensor, expert_ids: Tensor, weights: Tensor, qe: QuantizedExperts, config: MoEKernelConfig | None = None
+) -> Tensor:
+    """[T, D] MoE output; Triton on CUDA for int4/int8, the torch reference otherwise. Never syncs."""
+    if x.is_cuda and kernel_supports(x, expert_ids, qe) and triton_available():
+        return fused_moe_triton(x, expert_ids, weights, qe, config)
+    return moe_forward(x, expert_ids, weights, qe)
+
+
+def fused_moe_triton(
+    x: Tensor, expert_ids: Tensor, weights: Tensor, qe: QuantizedExperts, config: MoEKernelConfig | None = None
+) -> Tensor:
+    """The Triton path (CUDA, or the interpreter for CPU tensors); four launches, no host sync."""
+    check_routes(x, expert_ids, weights, qe.hidden)
+    assert kernel_supports(x, expert_ids, qe), f"Triton MoE handles int4/int8 and <= {MAX_PAIRS} pairs"
+    config = config or MoEKernelConfig()
+    assert x.is_cuda or interpreting(), "the Triton MoE needs CUDA tensors (or TRITON_INTERPRET=1 for CPU ones)"
+    kernels = _kernels()
+    x = x.contiguous()
+    routes = _route(kernels, expert_ids, weights)
+    hidden_act = torch.empty(routes.pairs, qe.intermediate, device=x.device, dtype=x.dtype)  # [P, I]
+    _launch_gemm(kernels, x, qe, routes, hidden_act, gate_up=True, config=config)
+    pair_out = torch.empty(routes.pairs, qe.hidden, device=x.device, dtype=torch.float32)  # [P, D]
+    _launch_gemm(kernels, hidden_act, qe, routes, pair_out, gate_up=False, config=config)
+    return _combine(kernels, pair_out, routes, x.dtype)
+
+
+@dataclass(frozen=True)
+class _Routes:
+    """Route-kernel outputs, indexed by sorted slot (pairs ordered by expert id)."""
+
+    pairs: int
+    active: int
+    token: Tensor  # [P] int32
+    expert: Tensor  # [P] int32
+    weight: Tensor  # [P] fp32
+    run_offset: Tensor  # [P] int32, position within the expert's run
+    token_slots: Tensor  # [T, A] int32, each token's slots in ascending expert id
+
+
+def _route(kernels: Any, expert_ids: Tensor, weights: Tensor) -> _Routes:
+    num_tokens, active = expert_ids.shape
+    pairs, device = num_tokens * active, expert_ids.device
+    new = functools.partial(torch.empty, pairs, device=device)
+    routes = _Routes(pairs, active, new(dtype=torch.int32), new(dtype=torch.int32), new(dtype=torch.float32),
+                     new(dtype=torch.int32), torch.empty(num_tokens, active, device=device, dtype=torch.int32))  # fmt: skip
+    block_pairs = max(16, _next_power_of_2(pairs))
+    kernels.route[(1,)](
+        expert_ids.contiguous(), weights.contiguous(), routes.token, routes.expert, routes.weight,
+        routes.run_offset, routes.token_slots, pairs, ACTIVE=active, BLOCK_P=block_pairs,
+    )  # fmt: skip
+    return routes
+
+
+def _launch_gemm(
+    kernels: Any, a: Tensor, qe: QuantizedExperts, routes: _Routes, out: Tensor, gate_up: bool, config: MoEKernelConfig
+) -> None:
+    """Gate/up (a = x, rows by token) or down (a = h, rows by slot) over the sorted pairs."""
+    w, scales = (qe.w13, qe.w13_scales) if gate_up else (qe.w2, qe.w2_scales)
+    group, k_dim = (qe.w13_group, qe.hidden) if gate_up else (qe.w2_group, qe.intermediate)
+    n_out = qe.intermediate if gate_up else qe.hidden
+    block_n = config.block_n_gate_up if gate_up else config.block_n_down
+    block_k = _block_k(group, config.block_k)
+    grid = (routes.pairs, triton_cdiv(n_out, block_n))
+    kernels.gemm[grid](
+        a, a.stride(0), w, w.stride(0), w.stride(1), scales, scales.stride(0), scales.stride(1),
+        out, out.stride(0), routes.token, routes.expert, routes.weight, routes.run_offset,
+        routes.pairs, n_out, k_dim, qe.intermediate,
+        GROUP=group, BITS=qe.bits, GATE_UP=gate_up, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        SCALE_PER_TILE=group % block_k == 0, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def _combine(kernels: Any, pair_out: Tensor, routes: _Routes, dtype: torch.dtype) -> Tensor:
+    num_tokens, hidden = routes.token_slots.shape[0], pair_out.shape[1]
+    out = torch.empty(num_tokens, hidden, device=pair_out.device, dtype=dtype)
+    block_d = 256
+    kernels.combine[(num_tokens, triton_cdiv(hidden, block_d))](
+        pair_out, routes.token_slots, out, hidden, ACTIVE=routes.active, BLOCK_D=block_d
+    )
+    return out
+
+
+def _block_k(group: int, preferred: int) -> int:
+    """The K step: the largest power of two <= preferred dividing the group (>= 32 for tl.dot), else 64."""
+    block = preferred
+    while block >= 32:
+        if group % block == 0:
+            return block
+        block //= 2
+    return 64  # odd-sized groups: the kernel then reads a scale per element
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    """Ceil division (kept here so callers need not import triton)."""
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels: plain functions jitted on first use, so that importing this module does not need triton.
+
+
+@dataclass(frozen=True)
+class _KernelSet:
+    route: Any
+    gemm: Any
+    combine: Any
+
+
+tl: Any = None  # triton.language, bound by _kernels(); the kernel bodies resolve it as a global
+
+
+@functools.cache
+def _kernels() -> _KernelSet:
+    """The three kernels, jitted on first use (interpreted when TRITON_INTERPRET=1 was set before import)."""
+    global tl
+    import triton
+    import triton.language
+
+    tl = triton.language
+    log.debug("moe.triton.jit", interpret=interpreting())
+    return _KernelSet(triton.jit(route_kernel), triton.jit(gemm_kernel), triton.jit(combine_kernel))
+
+
+def interpreting() -> bool:
+    """Triton's interpreter runs kernels on CPU tensors; it must be chosen by the environment before import."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def route_kernel(ids_ptr, weights_ptr, token_ptr, expert_ptr, weight_ptr, run_offset_ptr, token_slots_ptr,
+                 num_pairs, ACTIVE: tl.constexpr, BLOCK_P: tl.constexpr):  # fmt: skip
+    """One program: rank the pairs by (expert id, pair index) and write the sorted route tables."""
+    pair = tl.arange(0, BLOCK_P)
+    valid = pair < num_pairs
+    expert = tl.load(ids_ptr + pair, mask=valid, other=0).to(tl.int32)
+    # Padding pairs sort after every real one, and the pair index breaks ties, so ranks are unique.
+    key = tl.where(valid, expert * BLOCK_P + pair, (1 << 30) + pair)  # expert ids < 2^22
+    before = key[None, :] < key[:, None]  # [p, q]: q sorts before p
+    slot = tl.sum(before.to(tl.int32), axis=1)
+    same_expert = expert[None, :] == expert[:, None]
+    run_offset = tl.sum((before & same_expert).to(tl.int32), axis=1)
+    token = pair // ACTIVE
+    same_token = token[None, :] == token[:, None]
+    rank_in_token = tl.sum((before & same_token).to(tl.int32), axis=1)
+    tl.store(token_ptr + slot, token.to(tl.int32), mask=valid)
+    tl.store(expert_ptr + slot, expert.to(tl.int32), mask=valid)
+    tl.store(weight_ptr + slot, tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32), mask=valid)
+    tl.store(run_offset_ptr + slot, run_offset, mask=valid)
+    tl.store(token_slots_ptr + token * ACTIVE + rank_in_token, slot, mask=valid)
+
+
+def gemm_kernel(a_ptr, stride_a, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg,
+                out_ptr, stride_out, token_ptr, expert_ptr, weight_ptr, run_offset_ptr,
+                num_pairs, n_out, k_dim, intermediate,
+                GROUP: tl.constexpr, BITS: tl.constexpr, GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Grouped dequantizing GEMM of one expert chunk against BLOCK_N output columns (a deliberate long kernel).
+
+    GATE_UP: a = x [T, D] (rows by token), weights w13, out = h [P, I] = silu(gate) * up.
+    else:    a = h [P, I] (rows by slot), weights w2, out = [P, D] fp32, scaled by the routing weight.
+    """
+    slot = tl.program_id(0)
+    if tl.load(run_offset_ptr + slot) % BLOCK_M != 0:
+        return  # the program leading this chunk of the expert's run computes this pair
+    expert = tl.load(expert_ptr + slot).to(tl.int64)
+    rows = slot + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_pairs
+    row_ok = row_ok & (tl.load(expert_ptr + rows, mask=row_ok, other=-1) == expert)
+    if GATE_UP:
+        a_rows = tl.load(token_ptr + rows, mask=row_ok, other=0)
+    else:
+        a_rows = rows
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    if GATE_UP:  # interleave gate row c and up row I + c so one tile (and one dot) serves both
+        half = tl.arange(0, 2)
+        w_rows = tl.reshape(cols[:, None] + intermediate * half[None, :], (2 * BLOCK_N,))
+        w_ok = tl.reshape(col_ok[:, None] & (half[None, :] < 2), (2 * BLOCK_N,))
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    else:
+        w_rows = cols
+        w_ok = col_ok
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_base = w_ptr + expert * stride_we + w_rows.to(tl.int64) * stride_wn  # [W]
+    s_base = s_ptr + expert * stride_se + w_rows  # [W]; scales are [E, G, N]
+    pair_idx = tl.arange(0, BLOCK_K // 2)
+    for k0 in range(0, k_dim, BLOCK_K):
+        k_even = k0 + 2 * pair_idx  # even k in the low nibble, odd k in the high one
+        even_ok = k_even < k_dim
+        odd_ok = k_even + 1 < k_dim
+        a_row_base = a_ptr + a_rows[:, None].to(tl.int64) * stride_a
+        a_even = tl.load(a_row_base + k_even[None, :], mask=row_ok[:, None] & even_ok[None, :], other=0.0)
+        a_odd = tl.load(a_row_base + k_even[None, :] + 1, mask=row_ok[:, None] & odd_ok[None, :], other=0.0)
+        w_mask = w_ok[:, None] & even_ok[None, :]
+        if BITS == 4:
+            packed = tl.load(w_base[:, None] + (k0 // 2 + pair_idx)[None, :], mask=w_mask, other=0)
+            q_even = (packed & 0xF).to(tl.float32) - 7.5  # stored code + 8; level (code + 0.5) * scale
+            q_odd = (packed >> 4).to(tl.float32) - 7.5
+        else:
+            q_even = tl.load(w_base[:, None] + k_even[None, :], mask=w_mask, other=0).to(tl.float32) + 0.5
+            q_odd = tl.load(w_base[:, None] + k_even[None, :] + 1, mask=w_ok[:, None] & odd_ok[None, :],
+                            other=0).to(tl.float32) + 0.5  # fmt: skip
+        if SCALE_PER_TILE:
+            scale = tl.load(s_base + (k0 // GROUP) * stride_sg, mask=w_ok, other=0.0).to(tl.float32)[:, None]
+        else:
+            scale = tl.load(s_base[:, None] + ((k_even // GROUP) * stride_sg)[None, :], mask=w_mask,
+                            other=0.0).to(tl.float32)  # fmt: skip
+        w_even = (q_even * scale).to(a_ptr.dtype.element_ty)
+        w_odd = (q_odd * scale).to(a_ptr.dtype.element_ty)
+        acc += tl.dot(a_even, tl.trans(w_even), input_precision=DOT_PRECISION)
+        acc += tl.dot(a_odd, tl.trans(w_odd), input_precision=DOT_PRECISION)
+    if GATE_UP:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        result = gate * tl.sigmoid(gate) * up
+    else:
+        route_weight = tl.load(weight_ptr + rows, mask=row_ok, other=0.0)
+        result = acc * route_weight[:, None]
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def combine_kernel(pair_out_ptr, token_slots_ptr, out_ptr, hidden, ACTIVE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = sum of token t's pair rows, added in ascending expert id (fixed order, no atomics)."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < hidden
+    slot = tl.load(token_slots_ptr + token * ACTIVE).to(tl.int64)
+    total = tl.load(pair_out_ptr + slot * hidden + cols, mask=col_ok, other=0.0)
+    for j in tl.static_range(1, ACTIVE):
+        slot = tl.load(token_slots_ptr + token * ACTIVE + j).to(tl.int64)
+        total += tl.load(pair_out_ptr + slot * hidden + cols, mask=col_ok, other=0.0)
+    tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)

@@ -1,0 +1,195 @@
+"""Group-wise quantization (int8/int4/int3/int2) and GPTQ: packing, error bounds, formats, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specter.errors import ConfigError
+from specter.quant import (
+    ExpertHessians,
+    HessianAccumulator,
+    dequantize,
+    gptq_quantize,
+    gptq_quantize_experts,
+    quantize,
+    quantize_experts,
+)
+from specter.quant.groupwise import CODES_PER_UNIT, level_limit, pack_codes, unpack_codes
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((approx.float() - exact.float()).norm() / exact.float().norm()).item()
+
+
+@pytest.fixture
+def normal_weight() -> torch.Tensor:
+    return torch.randn(256, 1024, generator=torch.Generator().manual_seed(0))
+
+
+@settings(max_examples=30, deadline=None)
+@given(bits=st.sampled_from([2, 3, 4, 8]), rows=st.integers(1, 5), units=st.integers(1, 6), seed=st.integers(0, 99))
+def test_pack_unpack_roundtrip_is_exact(bits: int, rows: int, units: int, seed: int) -> None:
+    k = units * CODES_PER_UNIT[bits]
+    low, high = -(2 ** (bits - 1)), 2 ** (bits - 1)
+    codes = torch.randint(low, high, (rows, k), generator=torch.Generator().manual_seed(seed), dtype=torch.int8)
+    assert torch.equal(unpack_codes(pack_codes(codes, bits), bits, k), codes)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rtn_error_matches_derived_bound(normal_weight: torch.Tensor, bits: int) -> None:
+    # Without clipping every element lands within half a step of a level: |err| <= s/2. Errors are then
+    # close to uniform on [-s/2, s/2], so ||err||_F^2 ~= sum over groups of group * s^2 / 12.
+    q = quantize(normal_weight, bits=bits, group=128)
+    error = dequantize(q) - normal_weight
+    step = q.scales.T.repeat_interleave(128, dim=1)  # [N, K], fp32 here
+    assert (error.abs() <= step / 2 + 1e-6).all()
+    predicted = math.sqrt((step.square().mean() / 12).item()) / normal_weight.square().mean().sqrt().item()
+    measured = relative_error(dequantize(q), normal_weight)
+    assert abs(measured - predicted) < 0.05 * predicted
+    # For N(0, 1) groups of 128, absmax ~= 2.7, so rel ~= 2.7 / (2^(b-1) - 0.5) / sqrt(12): 0.104 / 0.0061.
+    assert measured < {4: 0.12, 8: 0.008}[bits]
+
+
+def test_error_grows_as_bits_shrink(normal_weight: torch.Tensor) -> None:
+    errors = [relative_error(dequantize(quantize(normal_weight, bits, 128)), normal_weight) for bits in (2, 3, 4, 8)]
+    assert errors[0] > errors[1] > errors[2] > errors[3]
+    assert errors[0] < 0.40 and errors[1] < 0.22  # clip search gets near the Lloyd-Max-like optimum
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_clip_search_beats_absmax_at_low_bits(normal_weight: torch.Tensor, bits: int) -> None:
+    searched = relative_error(dequantize(quantize(normal_weight, bits, 128, clip_search=True)), normal_weight)
+    absmax = relative_error(dequantize(quantize(normal_weight, bits, 128, clip_search=False)), normal_weight)
+    assert searched < absmax
+
+
+@pytest.mark.parametrize("bits,expected", [(8, 1 + 2 / 128), (4, 0.5 + 2 / 128), (3, 0.375 + 2 / 128), (2, 0.25 + 2 / 128)])
+def test_bytes_per_param_with_half_scales(bits: int, expected: float) -> None:
+    w = torch.randn(64, 512).to(torch.bfloat16)
+    q = quantize(w, bits, 128)
+    assert q.scales.dtype == torch.bfloat16
+    assert q.nbytes / w.numel() == pytest.approx(expected)
+    assert dequantize(q).dtype == torch.bfloat16
+
+
+def test_per_row_group_and_codes_on_grid() -> None:
+    w = torch.randn(8, 96)
+    q = quantize(w, 4, group=-1)
+    assert q.group == 96 and q.scales.shape == (1, 8)
+    codes = unpack_codes(q.packed, 4, 96)
+    assert torch.equal(dequantize(q), (codes.float() + 0.5) * q.scales.T)
+
+
+def test_zero_group_dequantizes_to_zero() -> None:
+    w = torch.randn(4, 256)
+    w[1, :128] = 0
+    d = dequantize(quantize(w, 4, 128))
+    assert torch.equal(d[1, :128], torch.zeros(128))
+
+
+def test_outermost_level_hits_absmax_for_rtn() -> None:
+    w = torch.randn(16, 128)
+    q = quantize(w, 4, 128)
+    assert torch.allclose(q.scales[0] * level_limit(4), w.abs().amax(dim=1))
+    assert torch.allclose(dequantize(q).abs().amax(dim=1), w.abs().amax(dim=1))
+
+
+@pytest.mark.parametrize(
+    "bits,group,k,fragment",
+    [(4, 100, 256, "does not divide"), (5, 128, 256, "not supported"), (3, 4, 64, "multiple of 8"), (4, 0, 64, "divide")],
+)
+def test_bad_configs_raise_config_error(bits: int, group: int, k: int, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        quantize(torch.randn(4, k), bits, group)
+
+
+def make_experts(experts: int, intermediate: int, hidden: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    gate = torch.randn(experts, intermediate, hidden, generator=gen)
+    up = torch.randn(experts, intermediate, hidden, generator=gen)
+    down = torch.randn(experts, hidden, intermediate, generator=gen)
+    return gate, up, down
+
+
+def test_quantize_experts_stacks_per_expert_quantization() -> None:
+    gate, up, down = make_experts(3, 64, 128)
+    qe = quantize_experts(gate, up, down, bits=4, group=32)
+    assert qe.w13.shape == (3, 128, 64) and qe.w13_scales.shape == (3, 4, 128)
+    assert qe.w2.shape == (3, 128, 32) and qe.w2_scales.shape == (3, 2, 128)
+    gate_q, up_q, down_q = qe.dequantize_experts()
+    assert torch.equal(up_q[2], dequantize(quantize(torch.cat([gate[2], up[2]]), 4, 32))[64:])
+    assert torch.equal(down_q[1], dequantize(quantize(down[1], 4, 32)))
+    assert qe.nbytes == 3 * (128 * 64 + 4 * 128 * 4 + 128 * 32 + 2 * 128 * 4)
+
+
+def test_quantize_experts_rejects_mismatched_shapes() -> None:
+    gate, up, down = make_experts(2, 64, 128)
+    with pytest.raises(ConfigError, match="down"):
+        quantize_experts(gate, up, down.transpose(1, 2), bits=4, group=32)
+
+
+def correlated_activations(rows: int, features: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    mixing = torch.randn(features, features, generator=gen) / math.sqrt(features)
+    return torch.randn(rows, features, generator=gen) @ mixing + 0.5 * torch.randn(features, generator=gen)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (3, 64), (4, -1)])
+def test_gptq_beats_rtn_on_correlated_activations(bits: int, group: int) -> None:
+    x = correlated_activations(1024, 128, seed=1)
+    w = torch.randn(96, 128, generator=torch.Generator().manual_seed(2))
+    accumulator = HessianAccumulator(128)
+    accumulator.add(x[:500])
+    accumulator.add(x[500:])
+    gptq = dequantize(gptq_quantize(w, accumulator.hessian, bits, group))
+    rtn = dequantize(quantize(w, bits, group))
+    gptq_error = (x @ (w - gptq).T).norm()
+    rtn_error = (x @ (w - rtn).T).norm()
+    assert gptq_error < 0.85 * rtn_error
+
+
+def test_gptq_output_is_in_the_shared_format() -> None:
+    x = correlated_activations(256, 64, seed=3)
+    w = torch.randn(32, 64).to(torch.float16)
+    q = gptq_quantize(w, x.T.double() @ x.double(), bits=4, group=32)
+    assert q.packed.dtype == torch.uint8 and q.scales.dtype == torch.float16 and q.shape == (32, 64)
+    codes = unpack_codes(q.packed, 4, 64).float().reshape(32, 2, 32)
+    assert torch.equal(dequantize(q, torch.float32), ((codes + 0.5) * q.scales.T.float()[..., None]).reshape(32, 64))
+
+
+def test_gptq_without_calibration_data_is_rtn() -> None:
+    w = torch.randn(16, 64)
+    q = gptq_quantize(w, torch.zeros(64, 64, dtype=torch.float64), bits=4, group=32)
+    assert torch.equal(dequantize(q), dequantize(quantize(w, 4, 32)))
+
+
+def test_expert_hessians_accumulate_only_routed_tokens() -> None:
+    x = torch.randn(5, 8)
+    ids = torch.tensor([[0, 1], [1, 2], [0, 2], [2, 1], [0, 1]])
+    hessians = ExpertHessians(num_experts=4, in_features=8)
+    hessians.add(x, ids)
+    stacked = hessians.stacked()
+    routed_to_1 = x[[0, 1, 3, 4]].double()
+    assert torch.allclose(stacked[1], routed_to_1.T @ routed_to_1)
+    assert torch.equal(stacked[3], torch.zeros(8, 8, dtype=torch.float64))
+    assert hessians.experts[0].num_rows == 3
+
+
+def test_gptq_quantize_experts_uses_both_hessians() -> None:
+    gate, up, down = make_experts(2, 32, 64)
+    x = correlated_activations(256, 64, seed=4)
+    mid = correlated_activations(256, 32, seed=5)
+    h_in = torch.stack([x.T.double() @ x.double()] * 2)
+    h_mid = torch.stack([mid.T.double() @ mid.double()] * 2)
+    qe = gptq_quantize_experts(gate, up, down, h_in, h_mid, bits=4, group=32)
+    gate_q, _, down_q = qe.dequantize_experts()
+    rtn_gate, _, rtn_down = quantize_experts(gate, up, down, 4, 32).dequantize_experts()
+    assert (x @ (gate[0] - gate_q[0]).T).norm() < (x @ (gate[0] - rtn_gate[0]).T).norm()
+    assert (mid @ (down[1] - down_q[1]).T).norm() < (mid @ (down[1] - rtn_down[1]).T).norm()
+    with pytest.raises(ConfigError, match="Hessians"):
+        gptq_quantize_experts(gate, up, down, h_mid, h_in, bits=4, group=32)

@@ -1,0 +1,209 @@
+"""Routing traces (write, read, reject malformed) and CPU replay of policy pairs on hand-made traces."""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import EntryPoint
+
+import numpy as np
+import pytest
+
+from policies.eviction import LRU, BeladyLookahead, PlanProtect
+from policies.prefetch import NoPrefetch, TopMFrequency
+from specter import plugins
+from specter.replay import main, replay, replay_all
+from specter.trace import LayerRoutes, TraceError, TraceHeader, TraceRound, TraceWriter, read_trace
+
+EXPERT_BYTES = 10_000_000
+HEADER = TraceHeader(model="toy", num_layers=2, num_experts=8, expert_bytes=EXPERT_BYTES, top_k=2, slots_per_layer=2)
+
+
+def rotating_rounds(count: int, k: int = 4, predicted_right: bool = True) -> list[TraceRound]:
+    """Round r uses experts {2r, 2r+1} mod 8 at every layer: LRU on demand never hits, a good draft always does."""
+    rounds = []
+    for r in range(count):
+        used = [(2 * r) % 8, (2 * r + 1) % 8]
+        guess = used if predicted_right else [(e + 4) % 8 for e in used]
+        layer = LayerRoutes(predicted={guess[0]: 3.0, guess[1]: 2.0}, used=used)
+        rounds.append(TraceRound(round=r, k=k, accepted=k - 1, draft_step_s=0.01, layers=[layer, layer]))
+    return rounds
+
+
+@pytest.fixture
+def reference_plugins(monkeypatch):
+    """The reference policies as entry points, whether or not specter is pip-installed."""
+    fake = {
+        "specter.eviction": [
+            EntryPoint("lru", "policies.eviction:LRU", "specter.eviction"),
+            EntryPoint("plan-protect", "policies.eviction:PlanProtect", "specter.eviction"),
+        ],
+        "specter.prefetch": [
+            EntryPoint("none", "policies.prefetch:NoPrefetch", "specter.prefetch"),
+            EntryPoint("topm-frequency", "policies.prefetch:TopMFrequency", "specter.prefetch"),
+        ],
+    }
+    monkeypatch.delenv(plugins.ALLOW_LIST_ENV, raising=False)
+    monkeypatch.setattr(plugins, "entry_points", lambda group: fake.get(group, []))
+    plugins.refresh()
+    yield
+    plugins.refresh()
+
+
+# --- trace format ----------------------------------------------------------------------------------------
+
+
+def test_trace_round_trips_through_a_file(tmp_path):
+    path = tmp_path / "toy.trace.jsonl"
+    rounds = rotating_rounds(3)
+    with TraceWriter(path, TraceHeader(**{**HEADER.__dict__, "extra": {"link_gbps": 25.0}})) as writer:
+        for trace_round in rounds:
+            writer.write_round(trace_round)
+        writer.flush()
+    header, read_back = read_trace(path)
+    assert header.num_experts == 8 and header.extra == {"link_gbps": 25.0}
+    assert read_back == rounds
+    first_line = json.loads(path.read_text().splitlines()[0])
+    assert first_line["format"] == "specter-trace" and first_line["version"] == 1
+
+
+def test_round_from_arrays_keeps_nonzero_counts():
+    counts = np.array([[0, 2, 0, 1], [3, 0, 0, 0]], dtype=float)
+    trace_round = TraceRound.from_arrays(0, 3, 1, 0.02, counts, [[1, 3], [0]])
+    assert trace_round.layers[0].predicted == {1: 2.0, 3: 1.0}
+    np.testing.assert_array_equal(trace_round.predicted_counts(4), counts)
+
+
+GOOD_ROUND = {"round": 0, "k": 2, "accepted": 1, "draft_step_s": 0.01, "layers": [{"predicted": {"1": 2}, "used": [1]}]}
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "complaint"),
+    [
+        ("{not json", "line 2"),
+        (json.dumps({**GOOD_ROUND, "accepted": 3}), "accepted=3 exceeds k=2"),
+        (json.dumps({**GOOD_ROUND, "layers": []}), "num_layers=1"),
+        (json.dumps({**GOOD_ROUND, "layers": [{"predicted": {"9": 1}, "used": []}]}), "expert id '9'"),
+        (json.dumps({**GOOD_ROUND, "layers": [{"predicted": {}, "used": [-1]}]}), "expert id -1"),
+        (json.dumps({key: v for key, v in GOOD_ROUND.items() if key != "k"}), "missing key 'k'"),
+    ],
+)
+def test_malformed_rounds_are_reported_with_their_line(tmp_path, bad_line, complaint):
+    header = {"format": "specter-trace", "version": 1, "model": "m", "num_layers": 1, "num_experts": 4,
+              "expert_bytes": 100, "top_k": 1, "slots_per_layer": 1}  # fmt: skip
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([json.dumps(header), bad_line]) + "\n")
+    with pytest.raises(TraceError, match="line 2") as caught:
+        read_trace(path)
+    assert complaint in str(caught.value)
+
+
+def test_a_file_that_is_not_a_trace_is_rejected(tmp_path):
+    path = tmp_path / "other.jsonl"
+    path.write_text(json.dumps({"format": "something-else", "version": 1}) + "\n")
+    with pytest.raises(TraceError, match="line 1.*expected format='specter-trace'"):
+        read_trace(path)
+    path.write_text("")
+    with pytest.raises(TraceError, match="empty file"):
+        read_trace(path)
+
+
+# --- replay ----------------------------------------------------------------------------------------------
+
+
+def test_perfect_predictions_with_topm_and_plan_protect_never_miss():
+    rounds = rotating_rounds(8)
+    baseline = replay(HEADER, rounds, LRU(), NoPrefetch(), link_gbps=1.0)
+    speculative = replay(HEADER, rounds, PlanProtect(), TopMFrequency(), link_gbps=1.0)
+    assert baseline.hits == 0 and baseline.misses == 8 * 2 * 2
+    assert speculative.misses == 0 and speculative.hit_rate == 1.0
+    assert speculative.prefetched_used == speculative.prefetched_experts == 32
+    assert speculative.stall_s < baseline.stall_s
+
+
+def test_stall_counts_only_prefetch_bytes_the_draft_does_not_hide():
+    # 4 experts per round at 1 GB/s take 40 ms; the draft hides k * 10 ms of them.
+    rounds = rotating_rounds(5, k=2)
+    result = replay(HEADER, rounds, PlanProtect(), TopMFrequency(), link_gbps=1.0)
+    assert result.stall_s == pytest.approx(5 * (0.04 - 0.02))
+    assert result.h2d_bytes == 5 * 4 * EXPERT_BYTES
+    assert replay(HEADER, rotating_rounds(5, k=8), PlanProtect(), TopMFrequency(), link_gbps=1.0).stall_s == 0.0
+
+
+def test_each_miss_costs_one_expert_transfer():
+    result = replay(HEADER, rotating_rounds(3), LRU(), NoPrefetch(), link_gbps=2.0)
+    assert result.stall_s == pytest.approx(result.misses * EXPERT_BYTES / 2e9)
+    assert result.miss_bytes == result.misses * EXPERT_BYTES
+
+
+def test_wrong_predictions_waste_prefetches():
+    result = replay(HEADER, rotating_rounds(6, predicted_right=False), PlanProtect(), TopMFrequency(), link_gbps=1.0)
+    assert result.prefetched_used < result.prefetched_experts
+    assert result.misses > 0
+
+
+def test_lru_on_demand_hits_when_experts_repeat():
+    layer = LayerRoutes(predicted={}, used=[1, 2])
+    rounds = [TraceRound(r, 0, 0, 0.01, [layer, layer]) for r in range(4)]
+    result = replay(HEADER, rounds, LRU(), NoPrefetch(), link_gbps=1.0)
+    assert (result.misses, result.hits) == (4, 12)  # cold misses only
+
+
+def test_belady_keeps_a_scored_expert_the_plan_left_out():
+    # Per cycle, two plain rounds fill the 2 slots with B (older) then C (newer). The third round's draft
+    # scores A highest and B lower; a one-expert plan (m=1) loads A, evicting one of B and C. LRU and
+    # plan-protect drop B (least recent, unplanned); belady drops C (never predicted), so B then hits.
+    header = TraceHeader("toy", 1, 16, EXPERT_BYTES, 1, 2)
+    rounds = []
+    for cycle in range(4):
+        a, b, c = 3 * cycle, 3 * cycle + 1, 3 * cycle + 2
+        rounds += [
+            TraceRound(3 * cycle, 0, 0, 0.01, [LayerRoutes({}, [b])]),
+            TraceRound(3 * cycle + 1, 0, 0, 0.01, [LayerRoutes({}, [c])]),
+            TraceRound(3 * cycle + 2, 2, 1, 0.01, [LayerRoutes({a: 3.0, b: 1.0}, [a, b])]),
+        ]
+    misses = {
+        policy.name: replay(header, rounds, policy, TopMFrequency(m=1), link_gbps=1.0).misses
+        for policy in (LRU(), PlanProtect(), BeladyLookahead())
+    }
+    assert misses == {"lru": 4 * 3, "plan-protect": 4 * 3, "belady-lookahead": 4 * 2}
+
+
+def test_slots_override_the_header():
+    rounds = rotating_rounds(4)
+    assert replay(HEADER, rounds, LRU(), NoPrefetch(), slots_per_layer=8).hits == 0  # all first uses
+    repeated = rotating_rounds(4) + rotating_rounds(4)
+    assert replay(HEADER, repeated, LRU(), NoPrefetch(), slots_per_layer=8).hits == 16
+    assert replay(HEADER, repeated, LRU(), NoPrefetch(), slots_per_layer=2).hits == 0
+
+
+def test_replay_all_sorts_by_stall(reference_plugins):
+    results, skipped = replay_all(HEADER, rotating_rounds(6), link_gbps=1.0)
+    assert skipped == []
+    assert len(results) == 4
+    assert [r.stall_s for r in results] == sorted(r.stall_s for r in results)
+    assert results[-1].prefetch == "none"
+
+
+def test_cli_prints_a_table_and_json(tmp_path, capsys, reference_plugins):
+    path = tmp_path / "toy.jsonl"
+    with TraceWriter(path, HEADER) as writer:
+        for trace_round in rotating_rounds(4):
+            writer.write_round(trace_round)
+    assert main([str(path), "--link", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "plan-protect" in table and "topm-frequency" in table and "stall s" in table
+    assert main([str(path), "--json", "--eviction", "lru", "--prefetch", "none,topm-frequency"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(r["eviction"], r["prefetch"]) for r in report["results"]] == [("lru", "topm-frequency"), ("lru", "none")]
+
+
+def test_cli_reports_a_bad_trace_and_unknown_plugins(tmp_path, capsys, reference_plugins):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("nope\n")
+    assert main([str(path)]) == 2
+    assert "line 1" in capsys.readouterr().err
+    good = tmp_path / "good.jsonl"
+    with TraceWriter(good, HEADER) as writer:
+        writer.write_round(rotating_rounds(1)[0])
+    assert main([str(good), "--eviction", "nope"]) == 1
+    assert "installed: lru, plan-protect" in capsys.readouterr().err

@@ -1,0 +1,198 @@
+"""The transfer engine and the cpu link model: ordering, chunking, byte accounting, bandwidth, emulation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from backends.cpu import CPUBackend
+from specter.errors import ConfigError
+from specter.experts.transfer import LINK_PRESETS, LinkEmulation, TransferEngine, parse_link
+from specter.kernel import Kernel, run
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def rig():
+    """A cpu backend with a 1 GB/s link, a kernel, and a host/device pair of flat float32 buffers."""
+    backend = CPUBackend(link_gbps=1.0)
+    kernel = Kernel(backend)
+    yield backend, kernel
+    kernel.close()
+    backend.close()
+
+
+def buffers(count: int, nbytes: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    sources = [torch.full((nbytes // 4,), float(index)) for index in range(count)]
+    return sources, [torch.zeros(nbytes // 4) for _ in range(count)]
+
+
+def test_parse_link_presets_numbers_and_errors():
+    assert parse_link("gen4") == LINK_PRESETS["gen4"] == 25.0
+    assert parse_link(" DDR4-Desktop ") == 20.0
+    assert parse_link("32") == 32.0 and parse_link(12.5) == 12.5 and parse_link(None) is None
+    for bad in ("gen9", "-3", "0"):
+        with pytest.raises(ConfigError, match="gen5"):
+            parse_link(bad)
+
+
+def test_urgent_lands_before_queued_prefetches_and_waits_behind_few_chunks(rig):
+    backend, kernel = rig
+    engine = TransferEngine(backend, kernel, chunk_bytes=MiB // 4, max_chunks_in_flight=2)
+    sources, targets = buffers(7, MiB)
+    landing_order: list[str] = []
+
+    async def main() -> float:
+        for index in range(6):
+            engine.submit(targets[index], sources[index], after_copy=lambda i=index: landing_order.append(f"p{i}"))
+        await asyncio.sleep(0.0015)  # the pump is now inside prefetch p0
+        started = time.perf_counter()
+        urgent = engine.submit(targets[6], sources[6], urgent=True, after_copy=lambda: landing_order.append("u"))
+        await urgent.landed()
+        waited = time.perf_counter() - started
+        await engine.drain()
+        await engine.aclose()
+        return waited
+
+    waited = run(main())
+    assert landing_order.index("u") <= 1, landing_order  # only p0, already on the stream, may land first
+    assert landing_order[landing_order.index("u") + 1 :] == [f"p{i}" for i in range(6) if f"p{i}" not in landing_order[: landing_order.index("u")]]
+    chunk_s, own_s = 0.25 * MiB / 1e9, MiB / 1e9
+    assert waited < 2 * chunk_s + own_s + 0.004, f"urgent waited {waited * 1e3:.2f} ms"
+    assert all(torch.equal(target, source) for target, source in zip(targets, sources))
+
+
+def test_every_byte_is_counted_once_and_chunks_are_bounded(rig):
+    backend, kernel = rig
+    engine = TransferEngine(backend, kernel, chunk_bytes=300_000)
+    sizes = [MiB, 3 * MiB // 2, 4096, MiB // 2]
+
+    async def main() -> None:
+        for nbytes in sizes:
+            source, target = torch.ones(nbytes // 4), torch.zeros(nbytes // 4)
+            engine.submit(target, source, urgent=nbytes == 4096)
+        await engine.drain()
+        await engine.aclose()
+
+    run(main())
+    assert engine.stats.bytes_copied == backend.h2d_bytes == sum(sizes)
+    assert engine.stats.chunks == sum(-(-nbytes // 300_000) for nbytes in sizes)
+
+
+def test_cancelled_transfer_copies_nothing_more_and_reports_it(rig):
+    backend, kernel = rig
+    engine = TransferEngine(backend, kernel, chunk_bytes=MiB // 4)
+    sources, targets = buffers(3, 4 * MiB)  # 4 ms each at 1 GB/s
+
+    async def main() -> tuple:
+        first = engine.submit(targets[0], sources[0])
+        queued = engine.submit(targets[1], sources[1])
+        queued.cancel()
+        await asyncio.sleep(0.0015)
+        first.cancel()  # part of it is on the stream already
+        last = engine.submit(targets[2], sources[2])
+        results = (await first.landed(), await queued.landed(), await last.landed())
+        await engine.aclose()
+        return results
+
+    first_ready, queued_ready, last_ready = run(main())
+    assert queued_ready is None and first_ready is not None and last_ready is not None
+    assert 0 < engine.stats.bytes_copied - 4 * MiB < 4 * MiB
+    assert backend.h2d_bytes == engine.stats.bytes_copied
+    assert torch.count_nonzero(targets[1]) == 0 and torch.equal(targets[2], sources[2])
+
+
+def test_copy_waits_for_the_events_it_is_given(rig):
+    backend, kernel = rig
+    engine = TransferEngine(backend, kernel)
+    source, target = torch.ones(1024), torch.zeros(1024)
+
+    async def main() -> float:
+        backend.stream_sleep(backend.compute_stream, 0.05)
+        reader_done = backend.record_event(backend.compute_stream)
+        started = time.perf_counter()
+        await engine.submit(target, source, wait_for=[reader_done]).landed()
+        await engine.aclose()
+        return time.perf_counter() - started
+
+    assert run(main()) >= 0.045
+
+
+def test_promoted_prefetch_jumps_ahead_of_other_prefetches(rig):
+    backend, kernel = rig
+    engine = TransferEngine(backend, kernel, chunk_bytes=MiB // 4)
+    sources, targets = buffers(4, MiB // 2)
+    order: list[int] = []
+
+    async def main() -> None:
+        transfers = [engine.submit(targets[i], sources[i], after_copy=lambda i=i: order.append(i)) for i in range(4)]
+        transfers[3].promote()
+        await engine.drain()
+        await engine.aclose()
+
+    run(main())
+    assert order == [3, 0, 1, 2]
+
+
+def measured_gbps(backend: CPUBackend, nbytes: int, copies: int) -> float:
+    source, target = torch.ones(nbytes // 4), torch.zeros(nbytes // 4)
+    backend.copy_h2d(target, source, backend.copy_stream).wait()
+    start = backend.record_event(backend.copy_stream, timed=True)
+    for _ in range(copies):
+        backend.copy_h2d(target, source, backend.copy_stream)
+    end = backend.record_event(backend.copy_stream, timed=True)
+    end.wait()
+    return nbytes * copies / end.elapsed_since(start) / 1e9
+
+
+@pytest.mark.parametrize("gbps", [0.5, 2.0])
+def test_cpu_link_model_bandwidth_is_within_10_percent(gbps):
+    backend = CPUBackend(link_gbps=gbps)
+    try:
+        assert measured_gbps(backend, 8 * MiB, 8) == pytest.approx(gbps, rel=0.10)
+    finally:
+        backend.close()
+
+
+def test_cpu_link_model_latency_is_paid_per_copy():
+    backend = CPUBackend(link_gbps=100.0, link_latency_s=0.002)
+    try:
+        assert measured_gbps(backend, 64 * 1024, 10) == pytest.approx(64 * 1024 / 0.002 / 1e9, rel=0.15)
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_link_emulation_throttles_to_the_asked_bandwidth(mode):
+    backend = CPUBackend()  # unthrottled: emulation alone sets the pace
+    kernel = Kernel(backend)
+    engine = TransferEngine(backend, kernel, chunk_bytes=MiB, link=LinkEmulation(0.5, mode))
+    sources, targets = buffers(6, 4 * MiB)
+
+    async def main() -> float:
+        await engine.submit(targets[0], sources[0]).landed()  # warm-up, and the raw-bandwidth estimate
+        started = time.perf_counter()
+        for index in range(1, 6):
+            engine.submit(targets[index], sources[index])
+        await engine.drain()
+        elapsed = time.perf_counter() - started
+        await engine.aclose()
+        return 5 * 4 * MiB / elapsed / 1e9
+
+    try:
+        assert run(main()) == pytest.approx(0.5, rel=0.10)
+        assert engine.bandwidth_bytes_per_s / 1e9 == pytest.approx(0.5, rel=0.10)
+        assert engine.raw_bandwidth_bytes_per_s > 0.5e9 * 1.5
+    finally:
+        kernel.close()
+        backend.close()
+
+
+def test_bad_engine_settings_are_config_errors(rig):
+    backend, kernel = rig
+    with pytest.raises(ConfigError, match="chunk_bytes"):
+        TransferEngine(backend, kernel, chunk_bytes=0)
