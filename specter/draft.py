@@ -107,16 +107,22 @@ class Draft:
         return self.experts.route_counts
 
     async def propose(self, x0: Tensor, start: int, k: int, kv: KVCache, params: SamplingParams,
-                      after_step: Callable[[int], Awaitable[None]] | None = None) -> Tensor:
-        """Draft tokens d1..dk [k] (device) from x0 [1] at position `start`; calls after_step(steps_done)."""
+                      after_step: Callable[[int], Awaitable[None]] | None = None,
+                      keep_logits: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Draft tokens d1..dk [k] (device) from x0 [1] at position `start`, and their logits [k, V] if kept.
+
+        after_step(steps_done) runs after each step (the engine plans and prefetches there).
+        """
         self.route_counts.zero_()
-        token, drafted = x0, []
+        token, drafted, kept = x0, [], []
         for step in range(k):
             hidden = await self.model.forward(token, start + step, kv, self.experts)
             logits = self.model.logits(hidden)  # [1, V]
             position = torch.full((1,), start + step + 1, dtype=torch.long, device=logits.device)
             token = sample(logits, position, params)  # [1] on the device: no sync between steps
             drafted.append(token)
+            if keep_logits:
+                kept.append(logits)
             if after_step is not None:
                 await after_step(step + 1)
-        return torch.cat(drafted)
+        return torch.cat(drafted), (torch.cat(kept) if keep_logits else None)

@@ -1,0 +1,414 @@
+"""The engine: loads a model within a memory budget and runs the decode round of DESIGN section 1.
+
+    draft k tokens (prefetching planned experts at checkpoints) -> verify k+1 tokens -> accept -> commit -> adapt
+
+`Engine.round` is that sentence as code. Loading splits one memory budget between non-expert weights,
+the quantized draft, the KV cache and the expert slots; experts that do not fit live in host memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specter import plugins
+from specter.accept import Acceptance, accept_rejection, coupled_verdict, greedy_verdict, read_verdict
+from specter.config import EngineConfig, GenerationConfig
+from specter.decode import check_prompt
+from specter.draft import Draft, DraftExperts, quantize_layers
+from specter.errors import BudgetError
+from specter.experts.cache import ExpertCache
+from specter.experts.pool import ExpertPool
+from specter.experts.transfer import LinkEmulation, TransferEngine, parse_link
+from specter.kernel import Kernel
+from specter.loader import resolve_device, resolve_dtype
+from specter.log import get_logger
+from specter.memory import MemoryPlan, fmt, plan_memory
+from specter.metrics import Estimates, RequestStats
+from specter.model.checkpoint import Checkpoint
+from specter.model.kv import KVCache
+from specter.model.registry import transformer_for
+from specter.model.resident import ResidentExperts
+from specter.model.transformer import ExpertProvider, Transformer
+from specter.model.weights import check_no_unknown_experts, iter_experts, load_dense
+from specter.policy import LinkTiming, LookaheadState, Plan, RoundOutcome, UseHistory
+from specter.sampling import SamplingParams, probs, sample
+from specter.trace import TraceHeader, TraceRound, TraceWriter
+from specter.verify import OffloadedExperts, to_host
+
+log = get_logger(__name__)
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """The new tokens of one request and its statistics."""
+
+    tokens: list[int]
+    stats: RequestStats
+
+
+class UseClock:
+    """The target's per-layer use history on a logical clock (what eviction policies read)."""
+
+    def __init__(self, layers: int) -> None:
+        self.clock = 0
+        self.last_use: list[dict[int, int]] = [{} for _ in range(layers)]
+        self.use_count: list[dict[int, int]] = [{} for _ in range(layers)]
+
+    def used(self, layer: int, experts: Sequence[int]) -> None:
+        for expert in experts:
+            self.clock += 1
+            self.last_use[layer][expert] = self.clock
+            self.use_count[layer][expert] = self.use_count[layer].get(expert, 0) + 1
+
+    def history(self, layer: int) -> UseHistory:
+        return UseHistory(last_use=dict(self.last_use[layer]), use_count=dict(self.use_count[layer]), clock=self.clock)
+
+
+class Engine:
+    """One model on one device, serving one request at a time."""
+
+    def __init__(self, config: EngineConfig, spec, model: Transformer, memory: MemoryPlan, backend, kernel: Kernel | None,
+                 experts: ExpertProvider, cache: ExpertCache | None, draft: Draft | None, policies: dict) -> None:
+        self.config, self.spec, self.model, self.memory = config, spec, model, memory
+        self.backend, self.kernel, self.experts, self.cache, self.draft = backend, kernel, experts, cache, draft
+        self.eviction, self.prefetch, self.lookahead = policies["eviction"], policies["prefetch"], policies["lookahead"]
+        self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+        self.uses = UseClock(len(spec.moe_layers))
+        self.plan: Plan | None = None
+        self.kv: KVCache = model.new_kv()
+        self.k_max = config.draft.k_max if draft is not None else 0
+        self.estimates = Estimates(self.k_max)
+        self.trace: TraceWriter | None = None
+        self._lock = asyncio.Lock()
+
+    # ---- loading ------------------------------------------------------------------------------
+    @classmethod
+    async def load(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
+        """Read the checkpoint, plan memory (refusing a budget below the minimum before allocating), load."""
+        config = config or EngineConfig()
+        ckpt = Checkpoint(path)
+        spec = ckpt.spec
+        device, dtype = resolve_device(config), resolve_dtype(config, spec)
+        policies = _load_policies(config)
+        speculative = _may_speculate(config)
+        memory = plan_memory(spec, dtype, config, speculative)
+        _check_device_memory(config, device, memory)
+        check_no_unknown_experts(ckpt)
+        backend = _load_backend(config, device)
+        kernel = Kernel(backend)
+        dense = load_dense(ckpt, dtype, device, progress=config.progress)
+        model = transformer_for(spec)(spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context)
+        experts, cache, draft_layers = await _load_experts(ckpt, config, memory, backend, kernel, dtype, device, policies, speculative)
+        ckpt.close()
+        draft = Draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device)) if speculative else None
+        engine = cls(config, spec, model, memory, backend, kernel, experts, cache, draft, policies)
+        if cache is not None:
+            cache.choose_victims = engine._choose_victims
+            experts.layer_index = engine.moe_index
+        log.info("engine.loaded", family=spec.family, device=str(device), slots_per_layer=memory.slots_per_layer,
+                 experts=spec.num_experts, speculative=speculative)
+        return engine
+
+    async def aclose(self) -> None:
+        if self.cache is not None:
+            await self.cache.aclose()
+        if self.kernel is not None:
+            self.kernel.close()
+        if self.backend is not None:
+            self.backend.close()
+        if self.trace is not None:
+            self.trace.close()
+
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def _choose_victims(self, layer: int, residents: Sequence[int], protected: set[int], count: int) -> list[int]:
+        return self.eviction.victims(layer=layer, residents=list(residents), protected=frozenset(protected), count=count,
+                                     history=self.uses.history(layer), plan=self._layer_plan())
+
+    def _layer_plan(self) -> Plan | None:
+        return self.plan
+
+    def record_trace(self, path: str | Path) -> None:
+        """Write a routing trace (see specter.trace) of every speculative round from now on."""
+        header = TraceHeader(model=self.spec.family, num_layers=len(self.spec.moe_layers), num_experts=self.spec.num_experts,
+                             expert_bytes=self.memory.expert_bytes, top_k=self.spec.top_k, slots_per_layer=self.memory.slots_per_layer)
+        self.trace = TraceWriter(path, header)
+
+    # ---- requests -----------------------------------------------------------------------------
+    async def generate_ids(self, prompt_ids: Sequence[int], generation: GenerationConfig | None = None,
+                           stats: RequestStats | None = None) -> AsyncIterator[list[int]]:
+        """Yield the tokens committed by each round. One request at a time; others wait their turn."""
+        generation = generation or GenerationConfig()
+        prompt_ids = list(prompt_ids)
+        check_prompt(prompt_ids, generation.max_new_tokens, self.spec.vocab_size, self.config.max_context)
+        stats = stats if stats is not None else RequestStats()
+        async with self._lock:
+            try:
+                async for tokens in self._generate(prompt_ids, generation, stats):
+                    yield tokens
+            finally:
+                self._end_request()
+
+    async def complete_ids(self, prompt_ids: Sequence[int], generation: GenerationConfig | None = None) -> GenerationResult:
+        stats = RequestStats()
+        tokens: list[int] = []
+        async for piece in self.generate_ids(prompt_ids, generation, stats):
+            tokens.extend(piece)
+        return GenerationResult(tokens, stats)
+
+    def _end_request(self) -> None:
+        """Leave the engine consistent whatever happened: no protected slot, no plan, an empty KV."""
+        if self.cache is not None:
+            fence = self.backend.record_event(self.backend.compute_stream)
+            self.cache.unprotect_all(fence)
+        self.plan = None
+        self.kv.reset()
+
+    async def _generate(self, prompt: list[int], generation: GenerationConfig, stats: RequestStats) -> AsyncIterator[list[int]]:
+        params = SamplingParams(generation.temperature, generation.top_k, generation.top_p, generation.seed)
+        stats.prompt_tokens = len(prompt)
+        started = time.perf_counter()
+        first = await self._prefill(prompt, params, stats)
+        stats.ttft_s = time.perf_counter() - started
+        produced = [first]
+        stats.token_times.append(time.perf_counter())
+        yield [first]
+        stop = set(generation.stop_token_ids)
+        while len(produced) < generation.max_new_tokens and produced[-1] not in stop:
+            remaining = generation.max_new_tokens - len(produced)
+            tokens = await self.round(produced[-1], params, remaining, stats)
+            tokens = _until_stop(tokens, stop)
+            produced.extend(tokens)
+            now = time.perf_counter()
+            stats.token_times.extend([now] * len(tokens))
+            yield tokens
+        stats.new_tokens = len(produced)
+
+    async def _prefill(self, prompt: list[int], params: SamplingParams, stats: RequestStats) -> int:
+        self.kv.reset()
+        tokens = torch.tensor(prompt, dtype=torch.long, device=self.model.device)
+        record = self._start_record()
+        hidden = await self.model.forward(tokens, 0, self.kv, self.experts)
+        self._account(record, stats)
+        self.kv.crop(len(prompt))
+        logits = self.model.logits(hidden[-1:])
+        token = sample(logits, torch.tensor([len(prompt)], device=logits.device), params)
+        return int((await to_host(self.kernel, token))[0])
+
+    # ---- one decode round (DESIGN section 1) ------------------------------------------------------
+    async def round(self, x0: int, params: SamplingParams, remaining: int, stats: RequestStats) -> list[int]:
+        """Draft, prefetch, verify, accept, commit, adapt. Returns the committed tokens (1..k+1)."""
+        start = self.kv.length  # position of x0
+        k = self._next_k(remaining)
+        round_started = time.perf_counter()
+        x0_tensor = torch.tensor([x0], dtype=torch.long, device=self.model.device)
+        drafted, draft_logits = await self._draft(x0_tensor, start, k, params) if k else (None, None)
+        draft_s = time.perf_counter() - round_started
+        block = torch.cat([x0_tensor, drafted]) if k else x0_tensor
+        record = self._start_record()
+        verify_started = time.perf_counter()
+        hidden = await self.model.forward(block, start, self.kv, self.experts)
+        logits = self.model.logits(hidden)  # [k+1, V]
+        acceptance = await self._accept(block[1:], logits, draft_logits, start, params)
+        verify_s = time.perf_counter() - verify_started
+        self.kv.crop(start + acceptance.n_accepted + 1)
+        self._finish_round(k, acceptance, record, stats, draft_s, verify_s, time.perf_counter() - round_started)
+        return acceptance.tokens
+
+    def _next_k(self, remaining: int) -> int:
+        if self.draft is None:
+            return 0
+        k = self.lookahead.next_k(self._lookahead_state())
+        return max(0, min(k, self.k_max, remaining - 1))
+
+    async def _draft(self, x0: Tensor, start: int, k: int, params: SamplingParams) -> tuple[Tensor, Tensor | None]:
+        assert self.draft is not None
+        timing = self._timing()
+        checkpoints = set(self.prefetch.checkpoints(k=k, timing=timing)) if self.cache is not None else set()
+
+        async def after_step(steps_done: int) -> None:
+            if steps_done in checkpoints:
+                await self._plan_and_prefetch(steps_done, k, timing)
+
+        keep = params.temperature > 0 and self.config.draft.sampling == "rejection"
+        return await self.draft.propose(x0, start, k, self.kv, params, after_step, keep_logits=keep)
+
+    async def _plan_and_prefetch(self, steps_done: int, k: int, timing: LinkTiming) -> None:
+        """Turn the draft's route counters into a plan; protect it and issue copies in layer order."""
+        assert self.cache is not None and self.draft is not None
+        counts = np.asarray(await to_host(self.kernel, self.draft.route_counts[self.spec.moe_layers]), dtype=np.float64)
+        resident = self._residency()
+        self.plan = self.prefetch.plan(route_counts=counts, resident=resident, steps_done=steps_done, k=k, timing=timing,
+                                       slots_per_layer=self.memory.slots_per_layer)
+        for layer in range(len(self.spec.moe_layers)):
+            planned = self.plan.for_layer(layer)
+            self.cache.protect(layer, planned)
+            self.cache.prefetch(layer, planned)
+
+    async def _accept(self, drafts: Tensor, logits: Tensor, draft_logits: Tensor | None, start: int,
+                      params: SamplingParams) -> Acceptance:
+        positions = torch.arange(start + 1, start + 2 + drafts.shape[0], device=logits.device)
+        if params.greedy:
+            verdict = greedy_verdict(drafts, logits)
+        elif draft_logits is not None:
+            generator = torch.Generator(device=logits.device).manual_seed(params.seed * 1_000_003 + start)
+            return accept_rejection(drafts, probs(draft_logits, params), probs(logits, params), generator)
+        else:
+            verdict = coupled_verdict(drafts, logits, positions, params)
+        host = await to_host(self.kernel, verdict)  # await point: the round's one host sync for acceptance
+        return read_verdict(torch.tensor(host))
+
+    def _finish_round(self, k: int, acceptance: Acceptance, record, stats: RequestStats, draft_s: float, verify_s: float,
+                      round_s: float) -> None:
+        stats.rounds += 1
+        self._account(record, stats)
+        if k:
+            stats.drafted += k
+            stats.accepted += acceptance.n_accepted
+            stats.accepted_lengths[acceptance.n_accepted] += 1
+            self._observe_recall(record, stats, k, acceptance)
+        if self.cache is not None:
+            self.cache.unprotect_all(self.backend.record_event(self.backend.compute_stream))
+        self.plan = None
+        self.estimates.observe_acceptance(k, acceptance.n_accepted)
+        self.estimates.observe_draft(k, draft_s)
+        rows = k + 1
+        self.estimates.observe_verify(rows, max(0.0, verify_s - (record.stall_s if record else 0.0)),
+                                      (record.misses if record else 0) * self.memory.expert_bytes)
+        committed = acceptance.n_accepted + 1
+        self.lookahead.observe(outcome=RoundOutcome(k=k, accepted=acceptance.n_accepted, tpot_s=round_s / committed, round_s=round_s))
+
+    def _observe_recall(self, record, stats: RequestStats, k: int, acceptance: Acceptance) -> None:
+        if record is None or self.draft is None:
+            return
+        counts = self.draft.route_counts[self.spec.moe_layers].cpu().numpy()  # after verify: no stall added
+        for layer, used in record.used.items():
+            compact = self.moe_index[layer]
+            predicted = set(np.flatnonzero(counts[compact]).tolist())
+            stats.add_recall(compact, predicted, used)
+        if self.trace is not None:
+            used = [record.used.get(layer, []) for layer in self.spec.moe_layers]
+            self.trace.write_round(TraceRound.from_arrays(stats.rounds, k, acceptance.n_accepted,
+                                                          self.estimates.draft_step_s or 0.0, counts, used))
+
+    def _start_record(self):
+        return self.experts.start_record() if isinstance(self.experts, OffloadedExperts) else None
+
+    def _account(self, record, stats: RequestStats) -> None:
+        if record is None:
+            return
+        stats.hits += record.hits
+        stats.misses += record.misses
+        stats.stall_s += record.stall_s
+        for layer, used in record.used.items():
+            self.uses.used(self.moe_index[layer], used)
+        stats.h2d_bytes = self.cache.stats.total().bytes_loaded if self.cache is not None else 0
+
+    # ---- measurements for the policies ------------------------------------------------------------
+    def _residency(self) -> np.ndarray:
+        resident = np.zeros((len(self.spec.moe_layers), self.spec.num_experts), dtype=bool)
+        if self.cache is None:
+            resident[:] = True
+            return resident
+        for layer in range(resident.shape[0]):
+            resident[layer, self.cache.lru_order(layer)] = True
+        return resident
+
+    def bandwidth(self) -> float:
+        measured = self.cache.transfer.bandwidth_bytes_per_s if self.cache is not None else None
+        return float(measured or 25e9)
+
+    def _timing(self) -> LinkTiming:
+        return LinkTiming(bandwidth_bytes_per_s=self.bandwidth(), draft_step_s=self.estimates.draft_step_s or 1e-3,
+                          expert_bytes=self.memory.expert_bytes)
+
+    def _lookahead_state(self) -> LookaheadState:
+        miss_per_row = self.estimates.miss_bytes_per_row or 0.0
+        return LookaheadState(
+            acceptance_by_position=list(self.estimates.acceptance[: self.k_max]),
+            draft_step_s_fit=(0.0, self.estimates.draft_step_s or 1e-3),
+            verify_s_fit=self.estimates.verify_fit(),
+            bandwidth_bytes_per_s=self.bandwidth(),
+            predicted_new_bytes=[miss_per_row * (k + 1) for k in range(self.k_max + 1)],
+            k_max=self.k_max,
+            model_key=f"{self.spec.family}:{self.spec.hidden_size}x{self.spec.num_layers}:{self.memory.slots_per_layer}",
+        )
+
+
+def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:
+    for index, token in enumerate(tokens):
+        if token in stop:
+            return tokens[: index + 1]
+    return tokens
+
+
+def _may_speculate(config: EngineConfig) -> bool:
+    return config.draft.k_max > 0 and not (config.lookahead == "fixed" and config.draft.k == 0)
+
+
+def _load_policies(config: EngineConfig) -> dict:
+    """Load every plug-in by name before allocating anything, so a typo fails fast and costs nothing."""
+    lookahead_options = {"k": config.draft.k} if config.lookahead == "fixed" else {}
+    return {
+        "eviction": plugins.load_policy("eviction", config.eviction),
+        "prefetch": plugins.load_policy("prefetch", config.prefetch),
+        "lookahead": plugins.load_policy("lookahead", config.lookahead, **lookahead_options),
+    }
+
+
+def _load_backend(config: EngineConfig, device: torch.device):
+    name = device.type if config.backend == "auto" else config.backend
+    if name == "cpu":
+        return plugins.load_backend("cpu", link_gbps=parse_link(config.link))
+    return plugins.load_backend(name, device=device.index or 0)
+
+
+def _check_device_memory(config: EngineConfig, device: torch.device, memory: MemoryPlan) -> None:
+    if device.type != "cuda" or config.budget is None:
+        return
+    free, _total = torch.cuda.mem_get_info(device)
+    if config.budget > free:
+        raise BudgetError(f"budget {fmt(config.budget)} is more than the GPU's free memory {fmt(free)}; lower --budget")
+
+
+async def _load_experts(ckpt: Checkpoint, config: EngineConfig, memory: MemoryPlan, backend, kernel: Kernel, dtype: torch.dtype,
+                        device: torch.device, policies: dict, speculative: bool):
+    """Stream every expert once: into device memory (all resident) or the host pool, and into the draft's quantizer."""
+    spec = ckpt.spec
+    if memory.all_resident:
+        resident = ResidentExperts.from_iter(iter_experts(ckpt, dtype, progress=config.progress), spec.num_experts, device)
+        stream = ((layer, e, resident.expert(layer, e)) for layer in spec.moe_layers for e in range(spec.num_experts))
+        draft = quantize_layers(stream, spec.hidden_size, spec.expert_intermediate, spec.num_experts, config.draft, device) if speculative else {}
+        return resident, None, draft
+    pool = ExpertPool(backend, len(spec.moe_layers), spec.num_experts, spec.expert_numel, dtype)
+    moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+
+    def into_pool():
+        for layer, expert, flat in iter_experts(ckpt, dtype, progress=config.progress):
+            pool.write(moe_index[layer], expert, flat)
+            yield layer, expert, flat
+
+    if speculative:
+        draft = quantize_layers(into_pool(), spec.hidden_size, spec.expert_intermediate, spec.num_experts, config.draft, device)
+    else:
+        draft = {}
+        for _ in into_pool():
+            pass
+    pool.check_complete()
+    gbps = parse_link(config.link)
+    link = LinkEmulation(gbps) if gbps is not None and device.type == "cuda" else None
+    transfer = TransferEngine(backend, kernel, link=link)
+    cache = ExpertCache(backend, kernel, transfer, pool, memory.slots_per_layer, choose_victims=lambda *a: [])
+    return OffloadedExperts(cache, kernel, {}), cache, draft

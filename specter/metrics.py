@@ -1,0 +1,118 @@
+"""Per-request statistics and the running estimates the lookahead policy reads."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, deque
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """What one generation did; `as_dict` is the stable JSON the CLI prints under `stats`."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_s: float = 0.0
+    token_times: list[float] = dataclasses.field(default_factory=list)  # wall time of each committed token
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_lengths: Counter = dataclasses.field(default_factory=Counter)  # accepted drafts per speculative round
+    hits: int = 0
+    misses: int = 0
+    h2d_bytes: int = 0
+    stall_s: float = 0.0
+    recall_hits: int = 0  # |draft-predicted ∩ target-used| summed over layers and rounds
+    recall_total: int = 0  # |target-used| summed likewise
+    recall_by_layer: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # layer -> [hits, total]
+
+    @property
+    def tpot_s(self) -> float:
+        """(time of last committed token - time of first) / (N - 1)."""
+        if len(self.token_times) < 2:
+            return 0.0
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Committed tokens per speculative round (accepted drafts + the target's own token)."""
+        rounds = sum(self.accepted_lengths.values())
+        return sum((n + 1) * c for n, c in self.accepted_lengths.items()) / rounds if rounds else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    @property
+    def window_recall(self) -> float:
+        return self.recall_hits / self.recall_total if self.recall_total else 0.0
+
+    def add_recall(self, layer: int, predicted: set[int], used: list[int]) -> None:
+        hit = len(predicted.intersection(used))
+        self.recall_hits += hit
+        self.recall_total += len(used)
+        entry = self.recall_by_layer.setdefault(layer, [0, 0])
+        entry[0] += hit
+        entry[1] += len(used)
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+            "ttft_s": round(self.ttft_s, 6), "tpot_s": round(self.tpot_s, 6),
+            "rounds": self.rounds, "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "accepted_length_histogram": {str(n): c for n, c in sorted(self.accepted_lengths.items())},
+            "window_recall": round(self.window_recall, 4), "hits": self.hits, "misses": self.misses,
+            "hit_rate": round(self.hit_rate, 4), "h2d_bytes": self.h2d_bytes,
+            "h2d_bytes_per_token": round(self.h2d_bytes / self.new_tokens, 1) if self.new_tokens else 0.0,
+            "stall_s": round(self.stall_s, 6),
+        }
+
+
+class Estimates:
+    """EMAs and fits the engine keeps across rounds (acceptance per position, step and verify times)."""
+
+    def __init__(self, k_max: int, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.acceptance: list[float] = [0.7] * max(k_max, 1)
+        self.acceptance_seen = [False] * max(k_max, 1)
+        self.draft_step_s: float | None = None
+        self.verify_points: deque[tuple[int, float]] = deque(maxlen=64)
+        self.miss_bytes_per_row: float | None = None
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def observe_acceptance(self, k: int, accepted: int) -> None:
+        """Positions 0..accepted-1 were accepted; position `accepted` (if < k) was rejected."""
+        for position in range(min(k, accepted + 1)):
+            value = 1.0 if position < accepted else 0.0
+            old = self.acceptance[position] if self.acceptance_seen[position] else None
+            self.acceptance[position] = self._ema(old, value)
+            self.acceptance_seen[position] = True
+
+    def observe_draft(self, k: int, seconds: float) -> None:
+        if k > 0:
+            self.draft_step_s = self._ema(self.draft_step_s, seconds / k)
+
+    def observe_verify(self, rows: int, compute_s: float, miss_bytes: int) -> None:
+        self.verify_points.append((rows, compute_s))
+        self.miss_bytes_per_row = self._ema(self.miss_bytes_per_row, miss_bytes / rows)
+
+    def verify_fit(self) -> tuple[float, float]:
+        """Least-squares a + b*rows over recent verify passes (b = 0 until two row counts were seen)."""
+        points = list(self.verify_points)
+        if not points:
+            return (0.0, 0.0)
+        mean_x = sum(r for r, _ in points) / len(points)
+        mean_y = sum(s for _, s in points) / len(points)
+        var = sum((r - mean_x) ** 2 for r, _ in points)
+        if var == 0:
+            return (mean_y, 0.0)
+        slope = max(0.0, sum((r - mean_x) * (s - mean_y) for r, s in points) / var)
+        return (max(0.0, mean_y - slope * mean_x), slope)
