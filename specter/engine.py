@@ -1,8 +1,8 @@
-"""The engine: loads a model within a memory budget and runs the decode round of DESIGN section 1.
+"""The runtime: loads a model within a memory budget and runs the decode round of DESIGN section 1.
 
     draft k tokens (prefetching planned experts at checkpoints) -> verify k+1 tokens -> accept -> commit -> adapt
 
-`Engine.round` is that sentence as code. Loading splits one memory budget between non-expert weights,
+`Runtime.round` is that sentence as code. Loading splits one memory budget between non-expert weights,
 the quantized draft, the KV cache and the expert slots; experts that do not fit live in host memory.
 """
 
@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from specter.memory import MemoryPlan, fmt, plan_memory
 from specter.metrics import Estimates, RequestStats
 from specter.model.checkpoint import Checkpoint
 from specter.model.kv import KVCache
+from specter.model.spec import ModelSpec
 from specter.model.registry import transformer_for
 from specter.model.resident import ResidentExperts
 from specter.model.transformer import ExpertProvider, Transformer
@@ -72,10 +74,10 @@ class UseClock:
         return UseHistory(last_use=dict(self.last_use[layer]), use_count=dict(self.use_count[layer]), clock=self.clock)
 
 
-class Engine:
+class Runtime:
     """One model on one device, serving one request at a time."""
 
-    def __init__(self, config: EngineConfig, spec, model: Transformer, memory: MemoryPlan, backend, kernel: Kernel | None,
+    def __init__(self, config: EngineConfig, spec: ModelSpec, model: Transformer, memory: MemoryPlan, backend, kernel: Kernel | None,
                  experts: ExpertProvider, cache: ExpertCache | None, draft: Draft | None, policies: dict) -> None:
         self.config, self.spec, self.model, self.memory = config, spec, model, memory
         self.backend, self.kernel, self.experts, self.cache, self.draft = backend, kernel, experts, cache, draft
@@ -91,23 +93,27 @@ class Engine:
 
     # ---- loading ------------------------------------------------------------------------------
     @classmethod
-    async def load(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
-        """Read the checkpoint, plan memory (refusing a budget below the minimum before allocating), load."""
+    async def load(cls, path: str | Path, config: EngineConfig | None = None) -> Runtime:
+        """Read a checkpoint directory and build the runtime (see `build`)."""
+        return await cls.build(CheckpointWeights(Checkpoint(path)), config)
+
+    @classmethod
+    async def build(cls, source: WeightSource, config: EngineConfig | None = None) -> Runtime:
+        """Plan memory (refusing a budget below the minimum before allocating), then load from `source`."""
         config = config or EngineConfig()
-        ckpt = Checkpoint(path)
-        spec = ckpt.spec
+        spec = source.spec
         device, dtype = resolve_device(config), resolve_dtype(config, spec)
         policies = _load_policies(config)
         speculative = _may_speculate(config)
         memory = plan_memory(spec, dtype, config, speculative)
         _check_device_memory(config, device, memory)
-        check_no_unknown_experts(ckpt)
+        source.validate()
         backend = _load_backend(config, device)
         kernel = Kernel(backend)
-        dense = load_dense(ckpt, dtype, device, progress=config.progress)
+        dense = source.dense(dtype, device, config.progress)
         model = transformer_for(spec)(spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context)
-        experts, cache, draft_layers = await _load_experts(ckpt, config, memory, backend, kernel, dtype, device, policies, speculative)
-        ckpt.close()
+        experts, cache, draft_layers = await _load_experts(source, config, memory, backend, kernel, dtype, device, speculative)
+        source.close()
         draft = Draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device)) if speculative else None
         engine = cls(config, spec, model, memory, backend, kernel, experts, cache, draft, policies)
         if cache is not None:
@@ -127,7 +133,7 @@ class Engine:
         if self.trace is not None:
             self.trace.close()
 
-    async def __aenter__(self) -> Engine:
+    async def __aenter__(self) -> Runtime:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -383,12 +389,48 @@ def _check_device_memory(config: EngineConfig, device: torch.device, memory: Mem
         raise BudgetError(f"budget {fmt(config.budget)} is more than the GPU's free memory {fmt(free)}; lower --budget")
 
 
-async def _load_experts(ckpt: Checkpoint, config: EngineConfig, memory: MemoryPlan, backend, kernel: Kernel, dtype: torch.dtype,
-                        device: torch.device, policies: dict, speculative: bool):
+class WeightSource(Protocol):
+    """Where a runtime's weights come from: a checkpoint directory, or synthetic weights made in memory."""
+
+    spec: ModelSpec
+
+    def validate(self) -> None:
+        """Raise CheckpointError for problems detectable before loading (called after the memory plan)."""
+
+    def dense(self, dtype: torch.dtype, device: torch.device, progress: bool) -> dict[str, Tensor]:
+        """Every non-expert tensor by on-disk name, on the device."""
+
+    def experts(self, dtype: torch.dtype, progress: bool) -> Iterator[tuple[int, int, Tensor]]:
+        """(layer, expert, packed flat CPU tensor) for every routed expert, layer by layer."""
+
+    def close(self) -> None: ...
+
+
+class CheckpointWeights:
+    """A WeightSource reading a Hugging Face checkpoint directory."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt, self.spec = ckpt, ckpt.spec
+
+    def validate(self) -> None:
+        check_no_unknown_experts(self.ckpt)
+
+    def dense(self, dtype: torch.dtype, device: torch.device, progress: bool) -> dict[str, Tensor]:
+        return load_dense(self.ckpt, dtype, device, progress=progress)
+
+    def experts(self, dtype: torch.dtype, progress: bool) -> Iterator[tuple[int, int, Tensor]]:
+        return iter_experts(self.ckpt, dtype, progress=progress)
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+async def _load_experts(source: WeightSource, config: EngineConfig, memory: MemoryPlan, backend, kernel: Kernel, dtype: torch.dtype,
+                        device: torch.device, speculative: bool):
     """Stream every expert once: into device memory (all resident) or the host pool, and into the draft's quantizer."""
-    spec = ckpt.spec
+    spec = source.spec
     if memory.all_resident:
-        resident = ResidentExperts.from_iter(iter_experts(ckpt, dtype, progress=config.progress), spec.num_experts, device)
+        resident = ResidentExperts.from_iter(source.experts(dtype, config.progress), spec.num_experts, device)
         stream = ((layer, e, resident.expert(layer, e)) for layer in spec.moe_layers for e in range(spec.num_experts))
         draft = quantize_layers(stream, spec.hidden_size, spec.expert_intermediate, spec.num_experts, config.draft, device) if speculative else {}
         return resident, None, draft
@@ -396,7 +438,7 @@ async def _load_experts(ckpt: Checkpoint, config: EngineConfig, memory: MemoryPl
     moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
 
     def into_pool():
-        for layer, expert, flat in iter_experts(ckpt, dtype, progress=config.progress):
+        for layer, expert, flat in source.experts(dtype, config.progress):
             pool.write(moe_index[layer], expert, flat)
             yield layer, expert, flat
 
