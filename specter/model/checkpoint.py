@@ -139,3 +139,36 @@ def _check_file_size(file: Path, handle: Any) -> None:
     size = file.stat().st_size
     if size < 8 + header_len + end:
         raise CheckpointError(f"{file}: truncated: the header promises {8 + header_len + end} bytes, the file has {size}")
+
+
+class InMemoryCheckpoint:
+    """A checkpoint whose tensors are already in memory (a state dict), read through the same loaders.
+
+    Used for benchmarks that build a Hugging Face model in memory and for tests; names are on-disk names.
+    """
+
+    def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor], name: str = "<memory>") -> None:
+        self.path = Path(name)
+        self.config = config
+        self.spec: ModelSpec = spec_from_config(config, f"{name}/config.json")
+        self.tensors = tensors
+        self.index = {key: self.path for key in tensors}
+        self.files = [self.path]
+        self.spec = Checkpoint._adapt_expert_prefix(self, self.spec)  # type: ignore[arg-type]
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.path}: tensor '{name}' is missing")
+        value = self.tensors[name]
+        if shape is not None and tuple(value.shape) != tuple(shape):
+            raise CheckpointError(f"{self.path}: tensor '{name}' has shape {list(value.shape)}, expected {list(shape)}")
+        return value
+
+    def close(self) -> None:
+        pass
