@@ -18,9 +18,11 @@ from specter.log import get_logger
 
 log = get_logger(__name__)
 
-# A copy that starts less than this long after the link went idle is treated as back-to-back, so the
-# sleep overshoot of one copy is absorbed by the next instead of accumulating into lost bandwidth.
-_BACK_TO_BACK_S = 0.002
+# Stream sleeps pay back time.sleep's overshoot on the next sleep, up to this much.
+_MAX_SLEEP_DEBT_S = 0.002
+# A copy whose worker started it later than this after its model begin was held up by the stream itself
+# (a stream_wait, earlier work), not by a late wake-up; it then begins when it really started.
+_WAKE_UP_TOLERANCE_S = 0.0005
 
 
 class CPUEvent:
@@ -82,7 +84,7 @@ class CPUStream:
             return
         started = time.perf_counter()
         time.sleep(wanted)
-        self._sleep_debt = min(time.perf_counter() - started - wanted, _BACK_TO_BACK_S)
+        self._sleep_debt = min(time.perf_counter() - started - wanted, _MAX_SLEEP_DEBT_S)
 
     def close(self) -> None:
         if self._thread is not None:
@@ -107,11 +109,14 @@ class LinkModel:
         self._free_at = 0.0
         self._lock = threading.Lock()
 
-    def occupy(self, nbytes: int, started: float) -> None:
-        """Sleep the calling worker until a copy of `nbytes` that began at `started` would have landed."""
+    def occupy(self, nbytes: int, enqueued: float, started: float) -> None:
+        """Sleep the calling worker until a copy of `nbytes` would have landed.
+
+        A queue model: the copy begins when it was enqueued or when the link frees, whichever is later,
+        unless the stream held it longer. Model times, not wake-up times, so late wake-ups of the worker
+        do not accumulate into lost bandwidth."""
         with self._lock:
-            # Busy (another copy holds the link) or back-to-back: queue behind it; idle: start now.
-            begin = self._free_at if started - self._free_at < _BACK_TO_BACK_S else started
+            begin = max(enqueued, self._free_at, started - _WAKE_UP_TOLERANCE_S)
             self._free_at = begin + self.latency_s + nbytes / self.bytes_per_s
             deadline = self._free_at
         sleep_until(deadline)
@@ -119,7 +124,7 @@ class LinkModel:
 
 def sleep_until(deadline: float) -> None:
     """Sleep to a perf_counter deadline. No spinning: a spinning worker would hold the GIL that the
-    event loop needs; the overshoot of time.sleep (~0.1 ms) is absorbed by LinkModel's back-to-back rule."""
+    event loop needs; time.sleep's overshoot (~0.1 ms) does not accumulate (LinkModel uses model times)."""
     remaining = deadline - time.perf_counter()
     if remaining > 0:
         time.sleep(remaining)
@@ -158,13 +163,15 @@ class CPUBackend:
         return event
 
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, stream: CPUStream) -> CPUEvent:
+        enqueued = time.perf_counter()
+
         def copy() -> None:
             started = time.perf_counter()
             dst.copy_(src)
             with self._count_lock:  # several copy streams may finish at once
                 self.h2d_bytes += src.numel() * src.element_size()
             if self.link is not None:
-                self.link.occupy(src.numel() * src.element_size(), started)
+                self.link.occupy(src.numel() * src.element_size(), enqueued, started)
 
         stream.enqueue(copy)
         return self.record_event(stream)

@@ -1,4 +1,4 @@
-"""The draft's fused MoE on the CPU: torch path vs the float reference, fixed order, no host sync, Triton interpreter."""
+"""The draft's fused MoE on the CPU: torch path vs float reference, fixed order, no host sync, Triton interpreter."""
 
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ def random_routes(tokens: int, active: int, experts: int, seed: int) -> tuple[to
     return ids, weights
 
 
-def reference_on_dequantized(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qe: QuantizedExperts) -> torch.Tensor:
+def reference_on_dequantized(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, qe: QuantizedExperts
+) -> torch.Tensor:
     gate, up, down = qe.dequantize_experts()
     return moe_reference(x.double(), ids, weights, gate, up, down)
 
@@ -82,7 +84,8 @@ def test_sum_order_is_fixed_by_expert_id() -> None:
     ids, weights = random_routes(tokens=4, active=4, experts=8, seed=4)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     permutation = torch.tensor([2, 0, 3, 1])
-    assert torch.equal(moe_forward(x, ids, weights, qe), moe_forward(x, ids[:, permutation], weights[:, permutation], qe))
+    shuffled = moe_forward(x, ids[:, permutation], weights[:, permutation], qe)
+    assert torch.equal(moe_forward(x, ids, weights, qe), shuffled)
 
 
 def test_each_token_is_computed_independently_of_the_batch() -> None:

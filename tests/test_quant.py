@@ -68,7 +68,7 @@ def test_clip_search_beats_absmax_at_low_bits(normal_weight: torch.Tensor, bits:
     assert searched < absmax
 
 
-@pytest.mark.parametrize("bits,expected", [(8, 1 + 2 / 128), (4, 0.5 + 2 / 128), (3, 0.375 + 2 / 128), (2, 0.25 + 2 / 128)])
+@pytest.mark.parametrize("bits,expected", [(8, 1 + 1 / 64), (4, 0.5 + 1 / 64), (3, 0.375 + 1 / 64), (2, 0.25 + 1 / 64)])
 def test_bytes_per_param_with_half_scales(bits: int, expected: float) -> None:
     w = torch.randn(64, 512).to(torch.bfloat16)
     q = quantize(w, bits, 128)
@@ -101,7 +101,12 @@ def test_outermost_level_hits_absmax_for_rtn() -> None:
 
 @pytest.mark.parametrize(
     "bits,group,k,fragment",
-    [(4, 100, 256, "does not divide"), (5, 128, 256, "not supported"), (3, 4, 64, "multiple of 8"), (4, 0, 64, "divide")],
+    [
+        (4, 100, 256, "does not divide"),
+        (5, 128, 256, "not supported"),
+        (3, 4, 64, "multiple of 8"),
+        (4, 0, 64, "divide"),
+    ],
 )
 def test_bad_configs_raise_config_error(bits: int, group: int, k: int, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):

@@ -40,29 +40,36 @@ def test_parse_link_presets_numbers_and_errors():
             parse_link(bad)
 
 
-def test_urgent_lands_before_queued_prefetches_and_waits_behind_few_chunks(rig):
-    backend, kernel = rig
+def test_urgent_lands_before_queued_prefetches_and_waits_behind_few_chunks():
+    backend = CPUBackend(link_gbps=0.25)  # a 256 KiB chunk takes 1 ms, an expert 4 ms
+    kernel = Kernel(backend)
     engine = TransferEngine(backend, kernel, chunk_bytes=MiB // 4, max_chunks_in_flight=2)
     sources, targets = buffers(7, MiB)
     landing_order: list[str] = []
 
-    async def main() -> float:
-        for index in range(6):
-            engine.submit(targets[index], sources[index], after_copy=lambda i=index: landing_order.append(f"p{i}"))
-        await asyncio.sleep(0.0015)  # the pump is now inside prefetch p0
+    async def main() -> tuple[float, set[str]]:
+        prefetches = [
+            engine.submit(targets[i], sources[i], after_copy=lambda i=i: landing_order.append(f"p{i}")) for i in range(6)
+        ]
+        await asyncio.sleep(0.003)  # the pump is now inside the prefetch queue
+        started_prefetches = {f"p{i}" for i, transfer in enumerate(prefetches) if transfer.bytes_issued}
         started = time.perf_counter()
         urgent = engine.submit(targets[6], sources[6], urgent=True, after_copy=lambda: landing_order.append("u"))
         await urgent.landed()
         waited = time.perf_counter() - started
         await engine.drain()
         await engine.aclose()
-        return waited
+        return waited, started_prefetches
 
-    waited = run(main())
-    assert landing_order.index("u") <= 1, landing_order  # only p0, already on the stream, may land first
-    assert landing_order[landing_order.index("u") + 1 :] == [f"p{i}" for i in range(6) if f"p{i}" not in landing_order[: landing_order.index("u")]]
-    chunk_s, own_s = 0.25 * MiB / 1e9, MiB / 1e9
-    assert waited < 2 * chunk_s + own_s + 0.004, f"urgent waited {waited * 1e3:.2f} ms"
+    try:
+        waited, started_prefetches = run(main())
+    finally:
+        kernel.close()
+        backend.close()
+    before_urgent = landing_order[: landing_order.index("u")]
+    assert set(before_urgent) <= started_prefetches and len(started_prefetches) <= 2, landing_order
+    chunk_s, own_s, queue_s = 0.001, 0.004, 0.024
+    assert waited < 2 * chunk_s + own_s + 0.005 < queue_s, f"urgent waited {waited * 1e3:.2f} ms"
     assert all(torch.equal(target, source) for target, source in zip(targets, sources))
 
 
@@ -183,9 +190,12 @@ def test_link_emulation_throttles_to_the_asked_bandwidth(mode):
         await engine.aclose()
         return 5 * 4 * MiB / elapsed / 1e9
 
+    # Device mode pads with time.sleep on the cpu stream (jittery on a busy machine); the GPU test holds
+    # it to 10 % with torch.cuda._sleep. Host mode is a queue model and must be within 10 % here too.
+    tolerance = 0.10 if mode == "host" else 0.20
     try:
-        assert run(main()) == pytest.approx(0.5, rel=0.10)
-        assert engine.bandwidth_bytes_per_s / 1e9 == pytest.approx(0.5, rel=0.10)
+        assert run(main()) == pytest.approx(0.5, rel=tolerance)
+        assert engine.bandwidth_bytes_per_s / 1e9 == pytest.approx(0.5, rel=tolerance)
         assert engine.raw_bandwidth_bytes_per_s > 0.5e9 * 1.5
     finally:
         kernel.close()

@@ -160,6 +160,14 @@ class ExpertCache:
         """Experts mapped to the layer's slots (resident or loading), least recently used first."""
         return list(self._residents[layer])
 
+    def pinned_experts(self, layer: int) -> list[int]:
+        """Experts of `layer` held by readers that have not called `mark_used` yet."""
+        return [expert for expert, slot in self._residents[layer].items() if slot.pins]
+
+    def protected_experts(self, layer: int) -> set[int]:
+        """Experts of `layer` under plan protection."""
+        return set(self._protected[layer])
+
     def is_protected(self, layer: int, expert: int) -> bool:
         """Planned or pinned by a reader: not evictable."""
         slot = self._residents[layer].get(expert)

@@ -32,10 +32,6 @@ LINK_PRESETS: dict[str, float] = {
 }
 """Link emulation presets, in GB/s (1e9 bytes per second) of sustained pinned H2D bandwidth."""
 
-# Host pacing forgives this much lateness (timer wake-ups are late by up to a loop tick), so the emulated
-# rate holds on average instead of losing every late wake-up; it allows a burst of at most this long.
-_PACING_SLACK_S = 0.005
-
 
 def parse_link(spec: str | float | None) -> float | None:
     """GB/s for a link spec: a preset name (gen5, gen4, gen3, ddr4-desktop), a number, or None (no emulation)."""
@@ -99,6 +95,9 @@ class Transfer:
         self.nbytes = src.numel() * src.element_size()
         self.bytes_issued = 0
         self.cancelled = False
+        self.submitted_at = time.perf_counter()
+        self.emulated_landing = 0.0
+        """perf_counter time the emulated link delivers the last chunk (host-paced emulation only)."""
         self._engine = engine
         self._wait_for = [event for event in wait_for if event is not None]
         self._after_copy = after_copy
@@ -115,6 +114,9 @@ class Transfer:
         ready = await asyncio.shield(self._ready)
         if ready is not None:
             await self._engine.kernel.wait(ready)
+        early_s = self.emulated_landing - time.perf_counter()
+        if early_s > 0:  # host-paced emulation: the emulated link has not delivered the last chunk yet
+            await asyncio.sleep(early_s)
         return ready
 
     def ready_event(self) -> Event | None:
@@ -306,22 +308,23 @@ class TransferEngine:
         start = self.backend.record_event(self.stream, timed=True)
         self.backend.copy_h2d(dst, src, self.stream)
         copied = self.backend.record_event(self.stream, timed=True)
-        end = self._emulate_link(nbytes) or copied
+        end = self._emulate_link(transfer, nbytes) or copied
         self._in_flight.append(_Chunk(nbytes, start, copied, end))
         self.stats.chunks += 1
         self.stats.bytes_copied += nbytes
         if transfer._remaining == 0:
             self._finish(transfer)
 
-    def _emulate_link(self, nbytes: int) -> Event | None:
+    def _emulate_link(self, transfer: Transfer, nbytes: int) -> Event | None:
         """Account the chunk on the emulated link; in device mode pad the stream and return the pad's end."""
         if self.link is None:
             return None
         emulated_s = nbytes / (self.link.gbps * 1e9)
         if self.link.mode == "host":
-            now = time.perf_counter()
-            begin = self._link_free_at if now - self._link_free_at < _PACING_SLACK_S else now
-            self._link_free_at = begin + emulated_s
+            # Queue model in emulated time: a chunk begins when its transfer was submitted or when the
+            # emulated link frees, whichever is later; late timer wake-ups are made up, not lost.
+            self._link_free_at = max(transfer.submitted_at, self._link_free_at) + emulated_s
+            transfer.emulated_landing = self._link_free_at
             return None
         real_s = nbytes / self._raw_bytes_per_s if self._raw_bytes_per_s else 0.0
         self.backend.stream_sleep(self.stream, max(0.0, emulated_s - real_s))

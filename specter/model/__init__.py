@@ -8,3 +8,4 @@ from specter.model.spec import FAMILIES, ModelSpec, spec_from_config
 from specter.model.transformer import Transformer
 
 __all__ = ["FAMILIES", "Checkpoint", "KVCache", "ModelSpec", "Transformer", "spec_from_config"]
+from specter.model import deepseek_v2, phimoe  # noqa: E402,F401  (registers the families)

@@ -152,7 +152,8 @@ def gptq_quantize_experts(
 ) -> QuantizedExperts:
     """GPTQ for one layer: hessian_in [E, D, D] from expert inputs, hessian_mid [E, I, I] from silu(g)*u."""
     num_experts, intermediate, hidden = check_expert_shapes(gate, up, down)
-    if hessian_in.shape != (num_experts, hidden, hidden) or hessian_mid.shape != (num_experts, intermediate, intermediate):
+    expected_in, expected_mid = (num_experts, hidden, hidden), (num_experts, intermediate, intermediate)
+    if hessian_in.shape != expected_in or hessian_mid.shape != expected_mid:
         raise ConfigError(f"GPTQ Hessians must be [E, D, D] and [E, I, I] = [{num_experts}, {hidden}, {hidden}] and "
                           f"[{num_experts}, {intermediate}, {intermediate}]; got {tuple(hessian_in.shape)}, "
                           f"{tuple(hessian_mid.shape)}")  # fmt: skip

@@ -1,4 +1,4 @@
-"""Weight-only group-wise quantization (int8/int4/int3/int2) along the input dimension K, packed for the draft's MoE kernel.
+"""Weight-only group-wise quantization (int8/int4/int3/int2) along the input dim K, packed for the draft MoE kernel.
 
 Format (shared by RTN, GPTQ, the torch reference and the Triton kernel):
 
@@ -289,8 +289,9 @@ def quantize_experts(
     """Round-to-nearest quantization of one layer's routed experts (gate/up fused into w13)."""
     _, intermediate, hidden = check_expert_shapes(gate, up, down)
     scale_dtype = scale_dtype or default_scale_dtype(gate.dtype)
-    w13 = [quantize(torch.cat([g, u]), bits, group, scale_dtype=scale_dtype, clip_search=clip_search) for g, u in zip(gate, up)]
-    w2 = [quantize(d, bits, group, scale_dtype=scale_dtype, clip_search=clip_search) for d in down]
+    options = dict(scale_dtype=scale_dtype, clip_search=clip_search)
+    w13 = [quantize(torch.cat([g, u]), bits, group, **options) for g, u in zip(gate, up)]
+    w2 = [quantize(d, bits, group, **options) for d in down]
     return stack_experts(w13, w2)
 
 

@@ -65,8 +65,8 @@ def _gather_dequantized(
     packed: Tensor, scales: Tensor, pair_experts: Tensor, qe: QuantizedExperts, group: int, k: int, dtype: torch.dtype
 ) -> Tensor:
     """Dequantized weights of the selected experts, one per pair: [P, N, K]."""
-    selected = dequantize_packed(packed.index_select(0, pair_experts), scales.index_select(0, pair_experts), qe.bits, group, k)
-    return selected.to(dtype)
+    selected_packed, selected_scales = packed.index_select(0, pair_experts), scales.index_select(0, pair_experts)
+    return dequantize_packed(selected_packed, selected_scales, qe.bits, group, k).to(dtype)
 
 
 def moe_reference(x: Tensor, expert_ids: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:

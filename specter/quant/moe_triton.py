@@ -49,8 +49,9 @@ class MoEKernelConfig:
     num_stages: int = 3
 
 
+@functools.cache
 def triton_available() -> bool:
-    """True when triton imports (it is optional)."""
+    """True when triton imports (it is optional; checked once per process)."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -107,9 +108,9 @@ class _Routes:
 def _route(kernels: Any, expert_ids: Tensor, weights: Tensor) -> _Routes:
     num_tokens, active = expert_ids.shape
     pairs, device = num_tokens * active, expert_ids.device
-    new = functools.partial(torch.empty, pairs, device=device)
-    routes = _Routes(pairs, active, new(dtype=torch.int32), new(dtype=torch.int32), new(dtype=torch.float32),
-                     new(dtype=torch.int32), torch.empty(num_tokens, active, device=device, dtype=torch.int32))  # fmt: skip
+    new = functools.partial(torch.empty, device=device, dtype=torch.int32)
+    routes = _Routes(pairs, active, new(pairs), new(pairs), new(pairs, dtype=torch.float32), new(pairs),
+                     new(num_tokens, active))  # fmt: skip
     block_pairs = max(16, _next_power_of_2(pairs))
     kernels.route[(1,)](
         expert_ids.contiguous(), weights.contiguous(), routes.token, routes.expert, routes.weight,

@@ -1,0 +1,313 @@
+"""The host pool and the device expert cache on the cpu backend: properties under random requests, and units."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence, Set
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from backends.cpu import CPUBackend
+from specter.errors import BudgetError, CheckpointError, PluginError
+from specter.experts import ExpertCache, ExpertPool, TransferEngine
+from specter.experts.pool import experts_per_slab
+from specter.kernel import Kernel, run
+
+LAYERS, EXPERTS, SLOTS, NUMEL = 2, 6, 3, 2048  # 8 KiB float32 experts
+
+
+def expert_value(layer: int, expert: int) -> float:
+    return float(layer * 100 + expert + 1)
+
+
+def lru_victims(layer: int, residents: Sequence[int], protected: Set[int], count: int) -> list[int]:
+    """The tests' eviction policy: least recently used unprotected residents."""
+    return [expert for expert in residents if expert not in protected][:count]
+
+
+class Rig:
+    """backend + kernel + pool + transfer engine + cache, with reader helpers that check what they read."""
+
+    def __init__(self, slots: int = SLOTS, link_gbps: float = 0.05, chooser=lru_victims) -> None:
+        self.backend = CPUBackend(link_gbps=link_gbps)  # 8 KiB take ~0.16 ms: copies overlap readers
+        self.kernel = Kernel(self.backend)
+        self.pool = ExpertPool(self.backend, LAYERS, EXPERTS, NUMEL, torch.float32)
+        self.pool.load((l, e, torch.full((NUMEL,), expert_value(l, e))) for l in range(LAYERS) for e in range(EXPERTS))
+        self.transfer = TransferEngine(self.backend, self.kernel, chunk_bytes=NUMEL * 2)  # 2 chunks per expert
+        self.cache = ExpertCache(self.backend, self.kernel, self.transfer, self.pool, slots, chooser)
+        self.bad_reads: list[tuple[int, int, int]] = []
+
+    def read(self, layer: int, expert: int, slot: int, seconds: float = 0.0003) -> None:
+        """Launch a 'compute' that reads the slot a little later, then mark it used after it."""
+        weights = self.cache.slot_weights(slot)
+
+        def compute() -> None:
+            time.sleep(seconds)  # a slow reader: an early overwrite of the slot would be seen below
+            if not bool((weights == expert_value(layer, expert)).all()):
+                self.bad_reads.append((layer, expert, slot))
+
+        self.backend.launch(self.backend.compute_stream, compute)
+        self.cache.mark_used(layer, expert, self.backend.record_event(self.backend.compute_stream))
+
+    async def close(self) -> None:
+        await self.cache.aclose()
+        await self.transfer.aclose()
+        self.backend.synchronize()
+
+    def shutdown(self) -> None:
+        self.kernel.close()
+        self.backend.close()
+
+    def check_consistent(self) -> None:
+        """After close(): every mapped expert is resident with the right bytes; the slot table agrees."""
+        table = self.cache.slot_table
+        for layer in range(LAYERS):
+            mapped = self.cache.lru_order(layer)
+            assert len(mapped) <= self.cache.slots_per_layer
+            for expert in range(EXPERTS):
+                slot = self.cache.lookup(layer, expert)
+                assert (slot is not None) == (expert in mapped), (layer, expert)
+                assert int(table[layer, expert]) == (-1 if slot is None else slot), (layer, expert, slot)
+                if slot is not None:
+                    assert bool((self.cache.slot_weights(slot) == expert_value(layer, expert)).all())
+
+
+# -- property test -------------------------------------------------------------------------------------
+
+experts_strategy = st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=SLOTS, unique=True)
+op_strategy = st.one_of(
+    st.tuples(st.just("ensure"), st.integers(0, LAYERS - 1), experts_strategy),
+    st.tuples(st.just("iter_ready"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=EXPERTS, unique=True)),
+    st.tuples(st.just("prefetch"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS)),
+    st.tuples(st.just("protect"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), max_size=SLOTS - 1)),
+    st.tuples(st.just("cancel_ensure"), st.integers(0, LAYERS - 1), experts_strategy, st.sampled_from([0.0, 0.0001, 0.0004, 0.001])),
+    st.tuples(st.just("unprotect_all")),
+    st.tuples(st.just("reset")),
+)
+
+
+async def apply(rig: Rig, op: tuple) -> set[tuple[int, int]] | None:
+    """Run one op; return the (layer, expert) pairs whose protection it lifted (None: all of them)."""
+    cache, kind = rig.cache, op[0]
+    if kind == "ensure":
+        _, layer, experts = op
+        if len(set(experts) | cache.protected_experts(layer)) > SLOTS:
+            cache.unprotect_all()  # keep the request satisfiable; the budget error has its own test
+            return None
+        for expert, slot in (await cache.ensure(layer, experts)).items():
+            rig.read(layer, expert, slot)
+        return {(layer, expert) for expert in experts}
+    if kind == "iter_ready":
+        _, layer, experts = op
+        async for expert, slot in cache.iter_ready(layer, experts):
+            rig.read(layer, expert, slot)
+        return {(layer, expert) for expert in range(EXPERTS)}
+    if kind == "prefetch":
+        issued = cache.prefetch(op[1], op[2])
+        assert issued == [e for e in dict.fromkeys(op[2]) if e in issued] and len(issued) <= SLOTS
+        return set()
+    if kind == "protect":
+        cache.protect(op[1], op[2])
+        return set()
+    if kind == "cancel_ensure":
+        return await cancel_ensure(rig, *op[1:])
+    cache.unprotect_all() if kind == "unprotect_all" else cache.reset()
+    return None
+
+
+async def cancel_ensure(rig: Rig, layer: int, experts: list[int], delay: float) -> set[tuple[int, int]] | None:
+    if len(set(experts) | rig.cache.protected_experts(layer)) > SLOTS:
+        rig.cache.unprotect_all()
+        return None
+    task = asyncio.get_running_loop().create_task(rig.cache.ensure(layer, experts))
+    await asyncio.sleep(delay)
+    task.cancel()
+    outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+    if isinstance(outcome, dict):  # finished before the cancel arrived: a normal reader
+        for expert, slot in outcome.items():
+            rig.read(layer, expert, slot)
+    else:
+        assert isinstance(outcome, asyncio.CancelledError)
+    assert rig.cache.pinned_experts(layer) == [], "a cancelled reader left a pinned slot"
+    return {(layer, expert) for expert in experts}
+
+
+def guarded(cache: ExpertCache) -> set[tuple[int, int]]:
+    """Protected experts that are mapped: none of them may disappear until protection is lifted."""
+    return {(l, e) for l in range(LAYERS) for e in cache.protected_experts(l) if e in cache.lru_order(l)}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op_strategy, min_size=1, max_size=14))
+@example(ops=[("ensure", 0, [0, 1, 2]), ("protect", 0, [0, 1]), ("prefetch", 0, [3, 4]), ("ensure", 0, [5])])
+@example(ops=[("prefetch", 1, [0, 1, 2]), ("cancel_ensure", 1, [3, 4], 0.0001), ("iter_ready", 1, [4, 5, 0, 1])])
+def test_cache_invariants_hold_under_random_requests(ops):
+    rig = Rig()
+    evicted_while_protected: list[tuple[int, int]] = []
+
+    async def scenario() -> None:
+        for op in ops:
+            before = guarded(rig.cache)
+            lifted = await apply(rig, op)
+            if lifted is not None:
+                after = {(l, e) for l in range(LAYERS) for e in rig.cache.lru_order(l)}
+                evicted_while_protected.extend(sorted((before - lifted) - after))
+            for layer in range(LAYERS):
+                assert len(rig.cache.lru_order(layer)) <= SLOTS
+        rig.cache.unprotect_all(rig.backend.record_event(rig.backend.compute_stream))
+        await rig.close()
+
+    try:
+        run(scenario())
+        assert evicted_while_protected == []
+        assert rig.bad_reads == [], "a slot was overwritten while its reader ran, or read before it landed"
+        rig.check_consistent()
+        total = rig.cache.stats.total()
+        assert total.bytes_loaded == rig.transfer.stats.bytes_copied == rig.backend.h2d_bytes
+        if not any(op[0] == "reset" for op in ops):  # without reset no load is cut short
+            loads = total.misses + total.prefetched
+            assert total.bytes_loaded == loads * rig.pool.expert_bytes
+    finally:
+        rig.shutdown()
+
+
+# -- units ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rig():
+    rig = Rig()
+    yield rig
+    rig.shutdown()
+
+
+def test_iter_ready_yields_residents_first_and_rolls_through_more_experts_than_slots(rig):
+    async def main() -> list[int]:
+        for expert, slot in (await rig.cache.ensure(0, [4, 5])).items():
+            rig.read(0, expert, slot)
+        order = []
+        async for expert, slot in rig.cache.iter_ready(0, [0, 1, 5, 2, 3, 4]):
+            order.append(expert)
+            rig.read(0, expert, slot)
+        await rig.close()
+        return order
+
+    order = run(main())
+    assert order[:2] == [5, 4] and sorted(order) == list(range(6))
+    assert rig.bad_reads == []
+    assert rig.cache.stats.layers[0].hits == 2 and rig.cache.stats.layers[0].misses == 2 + 4
+
+
+def test_a_protected_expert_survives_and_too_many_protections_are_a_budget_error(rig):
+    async def main() -> None:
+        for expert, slot in (await rig.cache.ensure(1, [0, 1, 2])).items():
+            rig.read(1, expert, slot)
+        rig.cache.protect(1, [0, 1, 2])
+        assert rig.cache.prefetch(1, [3, 4]) == []
+        with pytest.raises(BudgetError, match="protected"):
+            await rig.cache.ensure(1, [3])
+        rig.cache.unprotect_all()
+        assert rig.cache.prefetch(1, [3]) == [3]
+        await rig.close()
+
+    run(main())
+    assert rig.cache.lru_order(1) == [1, 2, 3]  # 0 was least recently used
+
+
+def test_asking_for_more_experts_than_slots_is_a_budget_error(rig):
+    with pytest.raises(BudgetError, match="3 slots"):
+        run(rig.cache.ensure(0, [0, 1, 2, 3]))
+
+
+def test_a_policy_choosing_a_protected_expert_is_a_plugin_error():
+    rig = Rig(chooser=lambda layer, residents, protected, count: list(residents)[:count])
+
+    async def main() -> None:
+        for expert, slot in (await rig.cache.ensure(0, [0, 1, 2])).items():
+            rig.read(0, expert, slot)
+        rig.cache.protect(0, [0])
+        with pytest.raises(PluginError, match="unprotected"):
+            rig.cache.prefetch(0, [5])
+        await rig.close()
+
+    try:
+        run(main())
+    finally:
+        rig.shutdown()
+
+
+def test_cancelled_reader_leaves_its_copy_resident_and_nothing_pinned(rig):
+    async def main() -> None:
+        task = asyncio.get_running_loop().create_task(rig.cache.ensure(0, [0, 1, 2]))
+        await asyncio.sleep(0.0002)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert rig.cache.pinned_experts(0) == []
+        await rig.close()
+
+    run(main())
+    assert rig.cache.lru_order(0) == [0, 1, 2]
+    rig.check_consistent()
+
+
+def test_snapshot_and_restore_bring_back_residents_and_lru_order(rig):
+    async def main() -> None:
+        for layer, experts in ((0, [3, 1]), (1, [5, 0, 2])):
+            for expert, slot in (await rig.cache.ensure(layer, experts)).items():
+                rig.read(layer, expert, slot)
+        snapshot = rig.cache.snapshot()
+        rig.cache.reset()
+        assert rig.cache.lookup(0, 3) is None
+        await rig.cache.ensure(0, [4])
+        rig.cache.unprotect_all()
+        await rig.cache.restore(snapshot)
+        assert rig.cache.snapshot() == snapshot
+        await rig.close()
+
+    run(main())
+    assert rig.cache.lru_order(0) == [3, 1] and rig.cache.lru_order(1) == [5, 0, 2]
+    rig.check_consistent()
+
+
+def test_no_threads_are_left_after_shutdown():
+    before = {t for t in threading.enumerate() if t.name.startswith("specter-")}
+    rig = Rig()
+
+    async def main() -> None:
+        async for expert, slot in rig.cache.iter_ready(0, [0, 1, 2, 3]):
+            rig.read(0, expert, slot)
+        await rig.close()
+
+    run(main())
+    rig.shutdown()
+    assert {t for t in threading.enumerate() if t.name.startswith("specter-")} <= before
+
+
+def test_pool_rejects_wrong_shapes_duplicates_and_missing_experts():
+    backend = CPUBackend()
+    pool = ExpertPool(backend, 1, 2, 8, torch.float16)
+    with pytest.raises(CheckpointError, match="expected 8 of torch.float16"):
+        pool.write(0, 0, torch.zeros(8, dtype=torch.float32))
+    with pytest.raises(CheckpointError, match="outside the model"):
+        pool.write(1, 0, torch.zeros(8, dtype=torch.float16))
+    pool.write(0, 1, torch.arange(8, dtype=torch.float16))
+    with pytest.raises(CheckpointError, match="given twice"):
+        pool.write(0, 1, torch.zeros(8, dtype=torch.float16))
+    with pytest.raises(CheckpointError, match=r"1 of 2 experts .*\(layer 0, expert 0\)"):
+        pool.check_complete()
+    assert torch.equal(pool.host(0, 1), torch.arange(8, dtype=torch.float16))
+
+
+def test_pool_packs_experts_into_power_of_two_slabs_with_little_waste():
+    mixtral_expert = 3 * 14336 * 4096 * 2
+    count = experts_per_slab(mixtral_expert, 256)
+    slab = 1 << (count * mixtral_expert - 1).bit_length()
+    assert count >= 2 and (slab - count * mixtral_expert) / slab < 0.10
+    assert experts_per_slab(1 << 20, 3) == 1 and experts_per_slab(3 << 20, 64) == 21  # 64 MiB slab, 1.6 % waste
+    assert experts_per_slab(1000, 3) == 1  # 1024 B wastes as little as any larger slab
