@@ -95,28 +95,25 @@ def tinygemm_layer(qe: QuantizedExperts, swap_nibbles: bool) -> list[tuple[torch
     return layer
 
 
-Plan = list[tuple[int, torch.Tensor, torch.Tensor]]  # (expert, token rows, routing weights)
+Plan = list[tuple[int, int, float]]  # (expert, token row, routing weight)
 
 
 def tinygemm_moe(x: torch.Tensor, plan: Plan, layer: list, inter: int) -> torch.Tensor:
-    """Per selected expert: gather its tokens (host-known), two tinygemm calls, weighted index_add."""
-    out = torch.zeros_like(x, dtype=torch.float32)
-    for expert, rows, row_weights in plan:
+    """Per selected (token, expert) pair: two tinygemm calls on that token's row (host-known routing)."""
+    rows = [torch.zeros(1, x.shape[1], device=x.device, dtype=torch.float32) for _ in range(x.shape[0])]
+    for expert, token, weight in plan:
         w13, sz13, w2, sz2 = layer[expert]
-        gate_up = torch.ops.aten._weight_int4pack_mm(x.index_select(0, rows), w13, GROUP, sz13)
+        gate_up = torch.ops.aten._weight_int4pack_mm(x[token : token + 1], w13, GROUP, sz13)
         hidden_act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        down = torch.ops.aten._weight_int4pack_mm(hidden_act, w2, GROUP, sz2)
-        out.index_add_(0, rows, down.float() * row_weights[:, None])
-    return out.to(x.dtype)
+        rows[token] = rows[token] + torch.ops.aten._weight_int4pack_mm(hidden_act, w2, GROUP, sz2).float() * weight
+    return torch.cat(rows).to(x.dtype)
 
 
 def host_plan(ids: torch.Tensor, weights: torch.Tensor) -> Plan:
-    """(expert, token rows, routing weights) per distinct expert, ascending id (set-up time: syncs are fine)."""
-    ids_host, plan = ids.cpu(), []
-    for expert in sorted(set(ids_host.flatten().tolist())):
-        token_rows, slots = (ids_host == expert).nonzero(as_tuple=True)
-        plan.append((expert, token_rows.cuda(), weights[token_rows.cuda(), slots.cuda()].float()))
-    return plan
+    """(expert, token row, routing weight) per pair, ascending expert id (set-up time: syncs are fine)."""
+    ids_host, weights_host = ids.cpu().tolist(), weights.float().cpu().tolist()
+    pairs = [(e, t, weights_host[t][a]) for t, chosen in enumerate(ids_host) for a, e in enumerate(chosen)]
+    return sorted(pairs)
 
 
 # ---------------------------------------------------------------------------------------------------------

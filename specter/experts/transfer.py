@@ -273,6 +273,9 @@ class TransferEngine:
                     await self._wakeup.wait()
                     continue
                 self._issue_chunk(transfer)
+                # Yield after every chunk: when copies finish faster than Python issues them the room check
+                # never suspends, and an urgent miss submitted meanwhile would wait behind the whole queue.
+                await asyncio.sleep(0)
         except Exception as error:
             log.error("transfer.pump_failed", error=repr(error))
             for transfer in [*self._urgent, *self._prefetch]:
