@@ -15,7 +15,7 @@ import torch
 
 from specter.experts.cache import ExpertCache
 from specter.kernel import Kernel
-from specter.model.transformer import ExpertMLP, combine_in_expert_order, group_rows
+from specter.model.transformer import ExpertMLP, RoutingTable, combine_in_expert_order
 
 Tensor = torch.Tensor
 
@@ -58,24 +58,20 @@ class OffloadedExperts:
         return self.record
 
     async def run(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor, mlp: ExpertMLP) -> Tensor:
-        groups = group_rows(await to_host(self.kernel, ids))  # await point: the router's choice
-        needed = sorted(groups)
+        table = RoutingTable(await to_host(self.kernel, ids), x.device)  # await point: the router's choice
+        needed = table.experts
         if self.on_routed is not None:
             self.on_routed(layer, x, needed)
         cache_layer = self.layer_index[layer]
         hot = {e for e in needed if self.cache.lookup(cache_layer, e) is not None}
         parts: dict[int, tuple[Tensor, Tensor]] = {}
         order: list[int] = []
+        backend = self.kernel.backend
         waited = time.perf_counter()
         async for expert, slot in self.cache.iter_ready(cache_layer, needed):
             if expert not in hot:
                 self.record.stall_s += time.perf_counter() - waited
-            rows, slots = groups[expert]
-            row_index = torch.tensor(rows, device=x.device)
-            slot_index = torch.tensor(slots, device=x.device)
-            out = mlp(x[row_index], self.cache.slot_weights(slot))
-            parts[expert] = (row_index, out * weights[row_index, slot_index, None])
-            backend = self.kernel.backend
+            parts[expert] = table.weighted_output(expert, x, weights, mlp, self.cache.slot_weights(slot))
             self.cache.mark_used(cache_layer, expert, backend.record_event(backend.compute_stream))
             order.append(expert)
             waited = time.perf_counter()

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from specter.model.transformer import ExpertMLP, combine_in_expert_order, group_rows
+from specter.model.transformer import ExpertMLP, RoutingTable, combine_in_expert_order
 
 
 class ResidentExperts:
@@ -33,11 +33,6 @@ class ResidentExperts:
 
     async def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mlp: ExpertMLP) -> torch.Tensor:
         # Await point: the routing table crosses to the host (one small D2H copy on CUDA).
-        groups = group_rows(ids.tolist())
-        parts = {}
-        for expert, (rows, slots) in groups.items():
-            row_index = torch.tensor(rows, device=x.device)
-            slot_index = torch.tensor(slots, device=x.device)
-            out = mlp(x[row_index], self.packed[layer][expert])
-            parts[expert] = (row_index, out * weights[row_index, slot_index, None])
+        table = RoutingTable(ids.tolist(), x.device)
+        parts = {e: table.weighted_output(e, x, weights, mlp, self.packed[layer][e]) for e in table.experts}
         return combine_in_expert_order(x.shape[0], x.shape[1], parts, x)
