@@ -38,10 +38,11 @@ async def prefill(model: Transformer, kv: KVCache, experts: ExpertProvider, prom
 
 
 async def greedy_decode(model: Transformer, experts: ExpertProvider, prompt_ids: Sequence[int], max_new_tokens: int,
-                        stop_token_ids: Sequence[int] = ()) -> list[int]:
-    """Greedy decoding one token per forward; returns the new token ids."""
+                        stop_token_ids: Sequence[int] = (), kv: KVCache | None = None) -> list[int]:
+    """Greedy decoding one token per forward; returns the new token ids. Uses (and resets) `kv` if given."""
     check_prompt(prompt_ids, max_new_tokens, model.spec.vocab_size, model.max_context)
-    kv = model.new_kv()
+    kv = kv if kv is not None else model.new_kv()
+    kv.reset()
     logits = await prefill(model, kv, experts, prompt_ids)
     out: list[int] = []
     while True:

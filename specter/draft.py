@@ -2,7 +2,9 @@
 
 It proposes k tokens from x0 and, as a side effect, counts its routers' choices per (layer, expert) in a
 device tensor: the prediction of which experts the target's verify pass will need. A draft step has no
-host synchronisation: expert ids stay on the device and the fused MoE reads them there.
+host synchronisation: expert ids stay on the device and the fused MoE reads them there. On CUDA a whole
+draft step is one CUDA-graph replay (specter.model.graphed): k steps are k replays, the sampled token
+feeding the next step's input buffer on the device.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from specter.config import DraftConfig
 from specter.errors import ConfigError
 from specter.log import get_logger
+from specter.model.graphed import GraphedStep, StaticStep, static_step_supported
 from specter.model.kv import KVCache
 from specter.model.registry import transformer_for
 from specter.model.transformer import ExpertMLP, Transformer
@@ -57,6 +60,10 @@ class DraftExperts:
         return sum(q.nbytes for q in self.layers.values())
 
     async def run(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor, mlp: ExpertMLP) -> Tensor:
+        return self.moe(layer, x, ids, weights)
+
+    def moe(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """Count the routes (index_add_ on the device: graph-safe) and run the fused quantized MoE; a StaticMoE."""
         flat = ids.reshape(-1)
         if self._ones is None or self._ones.numel() < flat.numel():
             self._ones = torch.ones(max(64, flat.numel()), dtype=torch.float32, device=x.device)
@@ -67,8 +74,7 @@ class DraftExperts:
 def quantize_layers(experts: Iterable[tuple[int, int, Tensor]], spec_hidden: int, spec_inter: int, num_experts: int,
                     config: DraftConfig, device: torch.device) -> dict[int, QuantizedExperts]:
     """Quantize every layer's experts (streamed as packed flats, one layer at a time) onto the device."""
-    if config.quant == "gptq4":
-        raise ConfigError("draft quant 'gptq4' needs calibration; build the draft with specter.calibrate.gptq_draft")
+    assert config.quant != "gptq4", "gptq4 drafts are built by Runtime.calibrate_draft, after loading"
     layers: dict[int, QuantizedExperts] = {}
     pending: dict[int, list[Tensor]] = {}
     for layer, expert, flat in experts:
@@ -94,13 +100,21 @@ class Draft:
 
     The draft writes its k tokens' KV into the target's static cache beyond the committed length: that
     region is scratch (the verify overwrites it, and `crop` discards the rest), so no second cache exists.
+
+    static: run each step as the one-row static step (graphed on CUDA); None means "on CUDA, when the
+    model family has the standard attention". The eager forward is used otherwise.
     """
 
-    def __init__(self, target: Transformer, experts: DraftExperts) -> None:
+    def __init__(self, target: Transformer, experts: DraftExperts, *, static: bool | None = None) -> None:
         spec = target.spec
         # The same tensors dict: every non-expert tensor is the target's own (storage-identical).
         self.model = transformer_for(spec)(spec, target.w, exact=False, row_bucket=target.bucket, max_context=target.max_context)
         self.experts = experts
+        supported = static_step_supported(self.model)
+        if static and not supported:
+            raise ConfigError(f"the static draft step does not support model family '{spec.family}'; use static=None or False")
+        self.static = (target.device.type == "cuda" and supported) if static is None else static
+        self._graphed: GraphedStep | None = None
 
     @property
     def route_counts(self) -> Tensor:
@@ -114,6 +128,8 @@ class Draft:
         after_step(steps_done) runs after each step (the engine plans and prefetches there).
         """
         self.route_counts.zero_()
+        if self.static:
+            return await self._propose_static(x0, start, k, kv, params, after_step, keep_logits)
         token, drafted, kept = x0, [], []
         for step in range(k):
             hidden = await self.model.forward(token, start + step, kv, self.experts)
@@ -126,3 +142,29 @@ class Draft:
             if after_step is not None:
                 await after_step(step + 1)
         return torch.cat(drafted), (torch.cat(kept) if keep_logits else None)
+
+    async def _propose_static(self, x0: Tensor, start: int, k: int, kv: KVCache, params: SamplingParams,
+                              after_step: Callable[[int], Awaitable[None]] | None, keep_logits: bool) -> tuple[Tensor, Tensor | None]:
+        """The same proposal as k one-row static steps (graph replays on CUDA); the token never leaves the device."""
+        step = self._static_step(kv)
+        drafted, kept = [], []
+        step.load(x0, start)
+        for done in range(1, k + 1):
+            logits, token = step.run(params)  # static outputs: [1, V], [1] sampled for position start + done
+            drafted.append(token.clone())
+            if keep_logits:
+                kept.append(logits.clone())
+            if done < k:
+                step.advance(token)
+            if after_step is not None:
+                await after_step(done)
+        if not drafted:
+            return torch.empty(0, dtype=torch.long, device=x0.device), None
+        return torch.cat(drafted), (torch.cat(kept) if keep_logits else None)
+
+    def _static_step(self, kv: KVCache) -> GraphedStep:
+        """One graphed one-row step per KV cache (its graphs bake in the cache's storage)."""
+        if self._graphed is None or self._graphed.kv is not kv:
+            step = StaticStep(self.model, self.experts.moe, rows=1)
+            self._graphed = GraphedStep(step, kv, preserve=(self.experts.route_counts,))
+        return self._graphed

@@ -18,10 +18,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from specter import plugins
+from specter import calibrate, plugins
 from specter.accept import Acceptance, accept_rejection, coupled_verdict, greedy_verdict, read_verdict
 from specter.config import EngineConfig, GenerationConfig
-from specter.decode import check_prompt
+from specter.decode import check_prompt, greedy_decode
 from specter.draft import Draft, DraftExperts, quantize_layers
 from specter.errors import BudgetError
 from specter.experts.cache import ExpertCache
@@ -86,7 +86,7 @@ class Runtime:
         self.uses = UseClock(len(spec.moe_layers))
         self.plan: Plan | None = None
         self.kv: KVCache = model.new_kv()
-        self.k_max = config.draft.k_max if draft is not None else 0
+        self.k_max = config.draft.k_max if draft is not None else 0  # calibrate_draft sets it for gptq4
         self.estimates = Estimates(self.k_max)
         self.trace: TraceWriter | None = None
         self._lock = asyncio.Lock()
@@ -105,6 +105,7 @@ class Runtime:
         device, dtype = resolve_device(config), resolve_dtype(config, spec)
         policies = _load_policies(config)
         speculative = _may_speculate(config)
+        calibrated = speculative and config.draft.quant == "gptq4"
         memory = plan_memory(spec, dtype, config, speculative)
         _check_device_memory(config, device, memory)
         source.validate()
@@ -112,16 +113,43 @@ class Runtime:
         kernel = Kernel(backend)
         dense = source.dense(dtype, device, config.progress)
         model = transformer_for(spec)(spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context)
-        experts, cache, draft_layers = await _load_experts(source, config, memory, backend, kernel, dtype, device, speculative)
+        quantize_now = speculative and not calibrated
+        experts, cache, draft_layers = await _load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now)
         source.close()
-        draft = Draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device)) if speculative else None
+        draft = Draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device)) if quantize_now else None
         engine = cls(config, spec, model, memory, backend, kernel, experts, cache, draft, policies)
         if cache is not None:
             cache.choose_victims = engine._choose_victims
             experts.layer_index = engine.moe_index
+        if calibrated:
+            await engine.calibrate_draft()
         log.info("engine.loaded", family=spec.family, device=str(device), slots_per_layer=memory.slots_per_layer,
                  experts=spec.num_experts, speculative=speculative)
         return engine
+
+    async def calibrate_draft(self, prompts: Sequence[list[int]] | None = None, new_tokens: int = calibrate.DEFAULT_NEW_TOKENS) -> None:
+        """Build a GPTQ draft: record expert inputs while the target decodes `prompts`, then quantize per layer."""
+        spec = self.spec
+        recorder = calibrate.RecordingExperts(self.experts)
+        prompts = prompts or calibrate.default_prompts(spec.vocab_size)
+        new_tokens = min(new_tokens, self.config.max_context - max(len(p) for p in prompts))
+        await calibrate.calibrate(lambda p: greedy_decode(self.model, recorder, p, new_tokens, kv=self.kv), recorder, prompts)
+        self._end_request()
+        layers = {}
+        for layer in spec.moe_layers:
+            inputs, choices = recorder.layer(layer)
+            flats = [self._full_expert(layer, e) for e in range(spec.num_experts)]
+            layers[layer] = calibrate.gptq_layer(flats, inputs, choices, spec.hidden_size, spec.expert_intermediate, self.config.draft)
+            layers[layer] = layers[layer].to(self.model.device)
+        self.draft = Draft(self.model, DraftExperts(layers, spec.num_layers, spec.num_experts, self.model.device))
+        self.k_max = self.config.draft.k_max
+        self.estimates = Estimates(self.k_max)
+
+    def _full_expert(self, layer: int, expert: int) -> Tensor:
+        if isinstance(self.experts, ResidentExperts):
+            return self.experts.expert(layer, expert)
+        assert self.cache is not None
+        return self.cache.pool.host(self.moe_index[layer], expert)
 
     async def aclose(self) -> None:
         if self.cache is not None:

@@ -103,3 +103,12 @@ def test_rejection_sampling_runs_and_differs_in_rule(root):
     config = EngineConfig(device="cpu", max_context=96, draft=DraftConfig(k=3, sampling="rejection"))
     tokens = run(path, config, [4, 5], generation).tokens
     assert len(tokens) == 10 and all(0 <= t < 96 for t in tokens)
+
+
+def test_gptq_draft_is_calibrated_and_exact(root):
+    path = checkpoint("qwen3_moe", root)
+    generation = GenerationConfig(max_new_tokens=16)
+    config = EngineConfig(device="cpu", max_context=96, residents=3, draft=DraftConfig(k=4, quant="gptq4", group_size=16))
+    result = run(path, config, [9, 8, 7], generation)
+    assert result.tokens == baseline(path, [9, 8, 7], generation)
+    assert result.stats.drafted > 0 and result.stats.acceptance_rate > 0.3
