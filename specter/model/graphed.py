@@ -1,0 +1,425 @@
+"""A sync-free decode step over a fixed number of rows, and its CUDA-graph replay (target and draft).
+
+Shape legend as in transformer.py, plus R the step's fixed row count and P = R * A (row, expert) pairs.
+
+Design principles of the static step:
+1. Its inputs are device tensors only (tokens [R], positions [R]); no Python value depends on data, so
+   the same kernels run in the same order every call and the step can be captured as a CUDA graph.
+2. KV is written with `index_copy_` at the rows' positions; attention reads the WHOLE static cache
+   [0, S) and masks keys after each row's position (and outside the sliding window).
+3. Rows beyond the real ones repeat the last real row (same token, same position): their KV writes are
+   bit-identical duplicates of a real write, so padding never touches any other position.
+4. Every op computes each row on its own (matrix products, row-wise norms, per-row softmax, routed
+   experts summed per row in ascending expert id), so for a fixed R a row's result depends only on its
+   token, its position and the cache below it, never on the other rows. A k+1-row verify and a one-row
+   decode that both run this R-row step are therefore bit-identical row for row.
+5. Routed experts never read the routing table on the host: all-resident experts run either densely (every
+   expert on all R rows, masked: the eager exact path's own arithmetic) or in a Triton kernel over the
+   packed bf16 experts that reads each active expert once (CUDA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol
+
+import torch
+
+from specter.decode import check_prompt, prefill
+from specter.errors import ConfigError
+from specter.log import get_logger
+from specter.model.kv import KVCache
+from specter.model.resident import ResidentExperts
+from specter.model.transformer import Transformer
+from specter.quant import moe_triton
+from specter.quant.moe_triton import MoEKernelConfig, triton_available
+from specter.sampling import SamplingLike, sample
+
+log = get_logger(__name__)
+Tensor = torch.Tensor
+MoEKernel = Literal["auto", "dense", "triton"]
+
+# Resident bf16 experts: narrow column blocks give a one-row decode enough programs to fill the GPU.
+RESIDENT_KERNEL_CONFIG = MoEKernelConfig(block_n_gate_up=16, block_n_down=16, block_k=128, num_warps=4, num_stages=3)
+
+
+class StaticMoE(Protocol):
+    """Routed experts of one layer for R rows, without a host sync; per-token sums in ascending expert id."""
+
+    def __call__(self, layer: int, h: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """h [R, D], ids [R, A], weights [R, A] (device) -> [R, D]; row r depends only on row r's inputs."""
+        ...
+
+
+def static_step_supported(model: Transformer) -> bool:
+    """Whether the model uses the standard attention and forward the static step reimplements."""
+    cls = type(model)
+    return all(getattr(cls, name) is getattr(Transformer, name)
+               for name in ("forward", "attention", "_attend", "_attend_row", "feed_forward", "new_kv"))
+
+
+def check_static_support(model: Transformer) -> None:
+    if not static_step_supported(model):
+        raise ConfigError(f"the static (CUDA-graph) decode step supports standard attention only; model family "
+                          f"'{model.spec.family}' ({type(model).__name__}) has its own; run it with the eager forward")
+
+
+# ---- routed experts without a host sync -------------------------------------------------------------
+class ResidentMoE:
+    """All-resident experts (a ResidentExperts) as a StaticMoE.
+
+    kernel "dense" runs every expert on all R rows with the eager path's own `expert_mlp` and adds the
+    rows that chose it, in ascending expert id: bit-identical to ResidentExperts.run when R equals the
+    model's row bucket, and E times the expert work (tests, CPU, fallback). "triton" reads each active
+    expert once (CUDA, or the interpreter). "auto" picks triton on CUDA when it imports.
+    """
+
+    def __init__(self, model: Transformer, experts: ResidentExperts, kernel: MoEKernel = "auto",
+                 config: MoEKernelConfig = RESIDENT_KERNEL_CONFIG) -> None:
+        self.model, self.experts, self.config = model, experts, config
+        self.kernel = resolve_kernel(kernel, model.device)
+
+    def __call__(self, layer: int, h: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        packed = self.experts.packed[layer]  # [E, expert_numel]
+        if self.kernel == "triton":
+            spec = self.model.spec
+            return resident_moe_triton(h, ids, weights, packed, spec.hidden_size, spec.expert_intermediate, self.config)
+        return self._dense(h, ids, weights, packed)
+
+    def _dense(self, h: Tensor, ids: Tensor, weights: Tensor, packed: Tensor) -> Tensor:
+        out = torch.zeros_like(h)  # [R, D]
+        for expert in range(packed.shape[0]):
+            chosen = ids == expert  # [R, A]; top-A ids are distinct, so at most one slot per row
+            weight = torch.where(chosen, weights, torch.zeros_like(weights)).sum(dim=-1, keepdim=True)  # [R, 1], exact
+            contribution = self.model.expert_mlp(h, packed[expert]) * weight
+            out = torch.where(chosen.any(dim=-1, keepdim=True), out + contribution, out)  # rows that did not choose it: untouched
+        return out
+
+
+def resolve_kernel(kernel: MoEKernel, device: torch.device) -> MoEKernel:
+    if kernel not in ("auto", "dense", "triton"):
+        raise ConfigError(f"resident MoE kernel {kernel!r} is unknown; use 'auto', 'dense' or 'triton'")
+    if kernel == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "dense"
+    if kernel == "triton" and not triton_available():
+        raise ConfigError("resident MoE kernel 'triton' needs the triton package; install it or use kernel='dense'")
+    return kernel
+
+
+# ---- the static step ----------------------------------------------------------------------------------
+class StaticStep:
+    """One forward over exactly R rows whose inputs are device tensors only (see the module principles)."""
+
+    def __init__(self, model: Transformer, moe: StaticMoE, rows: int) -> None:
+        check_static_support(model)
+        assert rows >= 1, f"a static step needs at least one row, got {rows}"
+        self.model, self.moe, self.rows = model, moe, rows
+        self.key_positions = torch.arange(model.max_context, device=model.device)  # [S]
+
+    def logits(self, tokens: Tensor, positions: Tensor, kv: KVCache) -> Tensor:
+        """Float32 logits [R, V] of tokens [R] at positions [R] (int64), writing their KV."""
+        return self.model.logits(self.hidden(tokens, positions, kv))
+
+    def hidden(self, tokens: Tensor, positions: Tensor, kv: KVCache) -> Tensor:
+        """Final hidden states [R, D] (before the final norm), writing each row's KV at its position."""
+        assert tokens.shape == (self.rows,) and positions.shape == (self.rows,), (
+            f"a {self.rows}-row step takes tokens and positions of shape [{self.rows}], got {tuple(tokens.shape)}, {tuple(positions.shape)}")
+        assert kv.capacity == self.key_positions.numel(), f"KV capacity {kv.capacity} != model context {self.key_positions.numel()}"
+        hidden_states = self.model.w["model.embed_tokens.weight"][tokens]  # [R, D]
+        blocked = ~self._allowed(positions)[None, :, None, :]  # [1, R, 1, S]
+        for layer in range(self.model.spec.num_layers):
+            hidden_states = self._attention(layer, hidden_states, positions, blocked, kv)
+            hidden_states = self._feed_forward(layer, hidden_states)
+        return hidden_states
+
+    def _allowed(self, positions: Tensor) -> Tensor:
+        """[R, S]: key position <= the row's position (and inside the sliding window, if any)."""
+        keys, queries = self.key_positions[None, :], positions[:, None]
+        allowed = keys <= queries
+        window = self.model.spec.sliding_window
+        if window is not None and window > 0:
+            allowed &= keys > queries - window
+        return allowed
+
+    def _attention(self, layer: int, x: Tensor, positions: Tensor, blocked: Tensor, kv: KVCache) -> Tensor:
+        model = self.model
+        prefix = f"{model.spec.layer_prefix(layer)}.self_attn"
+        q, k, v = model._qkv(layer, prefix, x, positions)  # [R, H, hd], [R, Hkv, hd] x 2
+        kv.k[layer].index_copy_(1, positions, k.transpose(0, 1))
+        kv.v[layer].index_copy_(1, positions, v.transpose(0, 1))
+        out = self._attend(q, kv.k[layer], kv.v[layer], blocked)  # [R, H*hd]
+        return x + model.linear(out, f"{prefix}.o_proj")
+
+    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, blocked: Tensor) -> Tensor:
+        """Every row over the whole cache [Hkv, S, hd]; rows of one GEMM, so each row is computed on its own."""
+        spec = self.model.spec
+        rows, kv_heads, head_dim = q.shape[0], spec.num_kv_heads, spec.head_dim
+        group = spec.num_heads // kv_heads
+        q = q.view(rows, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads, rows * group, head_dim)
+        scores = torch.matmul(q, keys.transpose(1, 2)) * head_dim**-0.5  # [Hkv, R*G, S]
+        scores = scores.float().view(kv_heads, rows, group, -1).masked_fill(blocked, -math.inf)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads, rows * group, -1)
+        out = torch.matmul(probs, values)  # [Hkv, R*G, hd]
+        return out.view(kv_heads, rows, group, head_dim).transpose(0, 1).reshape(rows, spec.num_heads * head_dim)
+
+    def _feed_forward(self, layer: int, x: Tensor) -> Tensor:
+        model, spec = self.model, self.model.spec
+        norm_name = f"{spec.layer_prefix(layer)}.post_attention_layernorm"
+        if layer in spec.dense_layers:
+            return x + model.dense_mlp(f"{spec.layer_prefix(layer)}.mlp", model.norm(x, norm_name))
+        h, ids, weights = model.route(layer, model.norm(x, norm_name))  # [R, D], [R, A], [R, A]
+        routed = self.moe(layer, h, ids, weights)
+        if spec.shared_intermediate:
+            routed = routed + model.shared_expert(layer, h)
+        return x + routed
+
+
+# ---- graph capture and replay -------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DeviceSampling:
+    """SamplingLike whose seed is a 0-d device tensor, so one captured graph serves every seed."""
+
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    seed: Tensor
+
+
+SamplingKey = tuple[float, int | None, float | None]
+GREEDY: SamplingKey = (0.0, None, None)
+
+
+def sampling_key(params: SamplingLike | None) -> SamplingKey:
+    """What a graph bakes in: temperature, top-k, top-p (greedy ignores the other two)."""
+    if params is None or params.temperature == 0.0:
+        return GREEDY
+    return (float(params.temperature), params.top_k or None, params.top_p)
+
+
+class GraphedStep:
+    """A StaticStep bound to one KV cache, with static input buffers; a CUDA graph per sampling setting.
+
+    `load` (or `advance`) fills the buffers with device ops only; `run` replays the graph (captured on
+    first use: warm-up on a side stream, then capture into one memory pool) and returns static outputs,
+    valid until the next run. On the CPU, or with use_graph=False, `run` calls the step directly.
+    `preserve` names tensors the step accumulates into (route counters): warm-up restores them.
+    """
+
+    def __init__(self, step: StaticStep, kv: KVCache, *, use_graph: bool | None = None, preserve: Sequence[Tensor] = ()) -> None:
+        device = step.model.device
+        self.step, self.kv, self.rows = step, kv, step.rows
+        self.use_graph = device.type == "cuda" if use_graph is None else use_graph
+        self.preserve = tuple(preserve)
+        self.tokens = torch.zeros(self.rows, dtype=torch.long, device=device)  # [R] static input
+        self.positions = torch.zeros(self.rows, dtype=torch.long, device=device)  # [R] static input
+        self.seed = torch.zeros((), dtype=torch.long, device=device)  # static input for sampling
+        self.next_position = 0  # host mirror of the last real row's position + 1 (bounds checks only)
+        self._pad_index = [torch.arange(self.rows, device=device).clamp(max=n - 1) for n in range(1, self.rows + 1)]
+        self._outputs: dict[SamplingKey, tuple[Tensor, Tensor]] = {}
+        self._graphs: dict[SamplingKey, Any] = {}
+        self._pool: Any = None
+
+    def load(self, tokens: Tensor, start: int) -> None:
+        """n <= R device tokens at positions start..start+n-1; rows n..R-1 repeat the last one. No sync."""
+        count = tokens.shape[0]
+        assert 1 <= count <= self.rows, f"{count} tokens do not fit a {self.rows}-row step"
+        assert 0 <= start and start + count <= self.kv.capacity, f"positions {start}..{start + count - 1} exceed the KV capacity {self.kv.capacity}"
+        index = self._pad_index[count - 1]
+        torch.index_select(tokens.to(torch.long), 0, index, out=self.tokens)
+        torch.add(index, start, out=self.positions)
+        self.next_position = start + count
+
+    def advance(self, token: Tensor) -> None:
+        """One-row decoding: the next step reads `token` [1] (device) at the next position. No sync."""
+        assert self.rows == 1, "advance feeds a one-row step; load() a block for R > 1 rows"
+        assert self.next_position < self.kv.capacity, f"position {self.next_position} exceeds the KV capacity {self.kv.capacity}"
+        self.tokens.copy_(token)
+        self.positions.add_(1)
+        self.next_position += 1
+
+    def run(self, params: SamplingLike | None = None) -> tuple[Tensor, Tensor]:
+        """Logits [R, V] float32 and the tokens sampled from them for positions + 1 [R] (static buffers)."""
+        key = sampling_key(params)
+        if key != GREEDY:
+            self.seed.fill_(params.seed)  # type: ignore[union-attr]
+        if not self.use_graph:
+            return self._compute(key)
+        if key not in self._graphs:
+            self.capture(key)
+        self._graphs[key].replay()
+        return self._outputs[key]
+
+    def capture(self, key: SamplingKey = GREEDY) -> None:
+        """Warm up on a side stream (allocations, Triton compilation), then capture the step as a graph.
+
+        The warm-up really runs the step on the loaded buffers: the KV writes it makes are the ones the
+        next replay makes anyway, and the preserved accumulators are restored afterwards.
+        """
+        saved = [t.clone() for t in self.preserve]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._compute(key)
+        torch.cuda.current_stream().wait_stream(side)
+        for tensor, copy in zip(self.preserve, saved):
+            tensor.copy_(copy)
+        self._pool = self._pool if self._pool is not None else torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._outputs[key] = self._compute(key)
+        self._graphs[key] = graph
+        log.debug("graph.captured", rows=self.rows, sampling=key)
+
+    def _compute(self, key: SamplingKey) -> tuple[Tensor, Tensor]:
+        logits = self.step.logits(self.tokens, self.positions, self.kv)  # [R, V]
+        params = DeviceSampling(*key, seed=self.seed)
+        return logits, sample(logits, self.positions + 1, params)
+
+
+class GraphedTarget:
+    """The all-resident target's decode and verify forward as replays of one R-row step (R = row bucket).
+
+    Plain decoding (1 row) and a verify of k+1 rows both run the same R-row graph, so their rows are
+    bit-identical (module principle 4): the engine's exactness contract holds between them.
+    """
+
+    def __init__(self, model: Transformer, experts: ResidentExperts, kv: KVCache, *, rows: int | None = None,
+                 kernel: MoEKernel = "auto", use_graph: bool | None = None) -> None:
+        rows = rows or model.bucket
+        self.step = GraphedStep(StaticStep(model, ResidentMoE(model, experts, kernel), rows), kv, use_graph=use_graph)
+
+    @property
+    def rows(self) -> int:
+        return self.step.rows
+
+    def logits(self, tokens: Tensor, start: int) -> Tensor:
+        """Float32 logits [n, V] of n device tokens at positions start.., in R-row chunks, writing their KV."""
+        parts = []
+        for first in range(0, tokens.shape[0], self.rows):
+            chunk = tokens[first : first + self.rows]
+            self.step.load(chunk, start + first)
+            logits, _ = self.step.run()
+            parts.append(logits[: chunk.shape[0]].clone())  # the static output is overwritten by the next replay
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+async def decode_resident_graphed(model: Transformer, experts: ResidentExperts, prompt_ids: Sequence[int], max_new_tokens: int,
+                                  *, kernel: MoEKernel = "auto", use_graph: bool | None = None) -> list[int]:
+    """Greedy decoding with all experts resident: eager exact prefill, then one graphed R-row step per token.
+
+    Tokens stay on the device between steps; the only host sync is the final read of all new tokens.
+    """
+    check_prompt(prompt_ids, max_new_tokens, model.spec.vocab_size, model.max_context)
+    kv = model.new_kv()
+    target = GraphedTarget(model, experts, kv, kernel=kernel, use_graph=use_graph)
+    token = (await prefill(model, kv, experts, prompt_ids)).argmax(dim=-1, keepdim=True)  # [1]
+    new_tokens = [token]
+    for step in range(1, max_new_tokens):
+        token = target.logits(token, len(prompt_ids) + step - 1).argmax(dim=-1)
+        new_tokens.append(token)
+    return torch.cat(new_tokens).tolist()  # await point: the one host sync of the decode
+
+
+# ---- Triton kernel over packed bf16 experts ------------------------------------------------------------
+def resident_moe_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, packed: Tensor, hidden: int, intermediate: int,
+                        config: MoEKernelConfig = RESIDENT_KERNEL_CONFIG) -> Tensor:
+    """[T, D] MoE output over packed experts [E, 2I*D + D*I] in x's dtype; four launches, no host sync.
+
+    Reuses the draft kernel's route and combine (moe_triton.py): pairs sorted by expert, each expert's
+    weight tile read once per 16-row chunk, per-token sums in ascending expert id in float32.
+    """
+    assert packed.dtype == x.dtype and packed.shape[1] == 3 * hidden * intermediate, "packed experts must match x's dtype and shape"
+    assert x.is_cuda or moe_triton.interpreting(), "the Triton resident MoE needs CUDA tensors (or TRITON_INTERPRET=1 for CPU ones)"
+    pairs = expert_ids.numel()
+    assert pairs <= moe_triton.MAX_PAIRS, f"{pairs} (token, expert) pairs exceed the route kernel's {moe_triton.MAX_PAIRS}"
+    kernels = moe_triton._kernels()
+    x = x.contiguous()
+    routes = moe_triton._route(kernels, expert_ids, weights)
+    hidden_act = torch.empty(pairs, intermediate, device=x.device, dtype=x.dtype)  # [P, I]
+    _launch_resident_gemm(x, packed, routes, hidden_act, intermediate, hidden, gate_up=True, config=config)
+    pair_out = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)  # [P, D]
+    _launch_resident_gemm(hidden_act, packed, routes, pair_out, intermediate, hidden, gate_up=False, config=config)
+    return moe_triton._combine(kernels, pair_out, routes, x.dtype)
+
+
+def _launch_resident_gemm(a: Tensor, packed: Tensor, routes: Any, out: Tensor, intermediate: int, hidden: int, gate_up: bool,
+                          config: MoEKernelConfig) -> None:
+    """Gate/up: a = x [T, D] against w13 [2I, D] at offset 0; down: a = h [P, I] against w2 [D, I] after w13."""
+    n_out, k_dim = (intermediate, hidden) if gate_up else (hidden, intermediate)
+    block_n = config.block_n_gate_up if gate_up else config.block_n_down
+    grid = (routes.pairs, moe_triton.triton_cdiv(n_out, block_n))
+    _resident_gemm()[grid](
+        a, a.stride(0), packed, packed.stride(0), 0 if gate_up else 2 * intermediate * hidden,
+        out, out.stride(0), routes.token, routes.expert, routes.weight, routes.run_offset,
+        routes.pairs, n_out, k_dim, intermediate,
+        GATE_UP=gate_up, BLOCK_M=moe_triton.BLOCK_M, BLOCK_N=block_n, BLOCK_K=config.block_k,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+tl: Any = None  # triton.language, bound by _resident_gemm(); the kernel body resolves it as a global
+
+
+@functools.cache
+def _resident_gemm() -> Any:
+    global tl
+    import triton
+    import triton.language
+
+    tl = triton.language
+    return triton.jit(resident_gemm_kernel)
+
+
+def resident_gemm_kernel(a_ptr, stride_a, w_ptr, stride_we, w_offset, out_ptr, stride_out,
+                         token_ptr, expert_ptr, weight_ptr, run_offset_ptr, num_pairs, n_out, k_dim, intermediate,
+                         GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Grouped GEMM of one expert chunk against BLOCK_N output columns, plain-dtype weights (a deliberate long kernel).
+
+    Weight rows are contiguous with k_dim elements each. GATE_UP: out = h [P, I] = silu(gate) * up, rows
+    of a by token; else out = [P, D] fp32 scaled by the routing weight, rows of a by slot.
+    """
+    slot = tl.program_id(0)
+    if tl.load(run_offset_ptr + slot) % BLOCK_M != 0:
+        return  # the program leading this chunk of the expert's run computes this pair
+    expert = tl.load(expert_ptr + slot).to(tl.int64)
+    rows = slot + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_pairs
+    row_ok = row_ok & (tl.load(expert_ptr + rows, mask=row_ok, other=-1) == expert)
+    if GATE_UP:
+        a_rows = tl.load(token_ptr + rows, mask=row_ok, other=0)
+    else:
+        a_rows = rows
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    if GATE_UP:  # interleave gate row c and up row I + c so one tile (and one dot) serves both
+        half = tl.arange(0, 2)
+        w_rows = tl.reshape(cols[:, None] + intermediate * half[None, :], (2 * BLOCK_N,))
+        w_ok = tl.reshape(col_ok[:, None] & (half[None, :] < 2), (2 * BLOCK_N,))
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    else:
+        w_rows = cols
+        w_ok = col_ok
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_base = w_ptr + expert * stride_we + w_offset + w_rows.to(tl.int64) * k_dim  # [W]
+    a_base = a_ptr + a_rows[:, None].to(tl.int64) * stride_a  # [M, 1]
+    k_step = tl.arange(0, BLOCK_K)
+    for k0 in range(0, k_dim, BLOCK_K):
+        k_idx = k0 + k_step
+        k_ok = k_idx < k_dim
+        a = tl.load(a_base + k_idx[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base[:, None] + k_idx[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+    if GATE_UP:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        result = gate * tl.sigmoid(gate) * up
+    else:
+        route_weight = tl.load(weight_ptr + rows, mask=row_ok, other=0.0)
+        result = acc * route_weight[:, None]
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
