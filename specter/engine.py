@@ -154,6 +154,7 @@ class Runtime:
     async def aclose(self) -> None:
         if self.cache is not None:
             await self.cache.aclose()
+            await self.cache.transfer.aclose()
         if self.kernel is not None:
             self.kernel.close()
         if self.backend is not None:
@@ -213,6 +214,7 @@ class Runtime:
     async def _generate(self, prompt: list[int], generation: GenerationConfig, stats: RequestStats) -> AsyncIterator[list[int]]:
         params = SamplingParams(generation.temperature, generation.top_k, generation.top_p, generation.seed)
         stats.prompt_tokens = len(prompt)
+        stats.h2d_bytes_at_start = self._bytes_loaded()
         started = time.perf_counter()
         first = await self._prefill(prompt, params, stats)
         stats.ttft_s = time.perf_counter() - started
@@ -348,9 +350,12 @@ class Runtime:
         stats.stall_s += record.stall_s
         for layer, used in record.used.items():
             self.uses.used(self.moe_index[layer], used)
-        stats.h2d_bytes = self.cache.stats.total().bytes_loaded if self.cache is not None else 0
+        stats.h2d_bytes = self._bytes_loaded() - stats.h2d_bytes_at_start
 
     # ---- measurements for the policies ------------------------------------------------------------
+    def _bytes_loaded(self) -> int:
+        return self.cache.stats.total().bytes_loaded if self.cache is not None else 0
+
     def _residency(self) -> np.ndarray:
         resident = np.zeros((len(self.spec.moe_layers), self.spec.num_experts), dtype=bool)
         if self.cache is None:

@@ -20,7 +20,8 @@ class RequestStats:
     accepted_lengths: Counter = dataclasses.field(default_factory=Counter)  # accepted drafts per speculative round
     hits: int = 0
     misses: int = 0
-    h2d_bytes: int = 0
+    h2d_bytes: int = 0  # copied host-to-device during this request
+    h2d_bytes_at_start: int = 0  # the cache's running total when the request started
     stall_s: float = 0.0
     recall_hits: int = 0  # |draft-predicted ∩ target-used| summed over layers and rounds
     recall_total: int = 0  # |target-used| summed likewise

@@ -37,8 +37,8 @@ class VerifyRecord:
     """What one forward's MoE layers used: layer -> experts in the order they were computed, and stall."""
 
     used: dict[int, list[int]] = dataclasses.field(default_factory=dict)
-    hits: int = 0
-    misses: int = 0
+    hits: int = 0  # resident, or its prefetch already issued, when the router chose it (waits show in stall_s)
+    misses: int = 0  # loaded on demand
     stall_s: float = 0.0
 
 
@@ -64,6 +64,7 @@ class OffloadedExperts:
             self.on_routed(layer, x, needed)
         cache_layer = self.layer_index[layer]
         hot = {e for e in needed if self.cache.lookup(cache_layer, e) is not None}
+        mapped = set(self.cache.lru_order(cache_layer))  # resident or with a (prefetch) copy already in flight
         parts: dict[int, tuple[Tensor, Tensor]] = {}
         order: list[int] = []
         backend = self.kernel.backend
@@ -76,6 +77,7 @@ class OffloadedExperts:
             order.append(expert)
             waited = time.perf_counter()
         self.record.used[layer] = order
-        self.record.hits += len(hot)
-        self.record.misses += len(needed) - len(hot)
+        prefetched = sum(1 for e in needed if e in mapped)
+        self.record.hits += prefetched
+        self.record.misses += len(needed) - prefetched
         return combine_in_expert_order(x.shape[0], x.shape[1], parts, x)

@@ -1,0 +1,182 @@
+"""`python -m specter.bench`: the comparison matrix. With no arguments, a quick matrix on the built-in tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from specter.bench import report
+from specter.bench.protocol import ModelTarget, Options, checkpoint_target, run_matrix, synthetic_prompts, warmup_prompt
+from specter.bench.synthetic import SHAPES, family_available, shape_config, shape_label, synthetic_source
+from specter.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, Setting
+from specter.config import parse_bytes
+from specter.errors import ConfigError, SpecterError
+from specter.model.spec import spec_from_config
+
+PAPER_SETTINGS = {"deepseek-v2-lite": (16, 4), "qwen1.5-moe-a2.7b": (15, 8), "phi-3.5-moe": (2, 1)}
+"""Resident experts per layer in the Specter paper's two memory settings per model."""
+
+QUICK_RESIDENTS = 6
+QUICK_LINKS = ("0.25", "1")
+"""The CPU's emulated links in GB/s: slow enough that tiny's 384 KiB experts cost about as much as its compute."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m specter.bench", description=__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", action="append", default=None,
+                        help=f"checkpoint dir, 'tiny', or a synthetic real shape ({', '.join(SHAPES)}); repeatable")
+    parser.add_argument("--preset", choices=["quick", "paper"], default="quick",
+                        help="paper: DeepSeek-V2-Lite 16/4, Qwen1.5-MoE 15/8, Phi-3.5-MoE 2/1 residents per layer")
+    parser.add_argument("--layers", type=int, default=None, help="truncate synthetic shapes to N decoder layers (labelled)")
+    parser.add_argument("--residents", type=_int_list, default=None, help="expert slots per MoE layer, e.g. 16,4")
+    parser.add_argument("--budget", type=_size_list, default=None, help="GPU budgets instead of residents, e.g. 8GiB,4GiB")
+    parser.add_argument("--systems", type=_name_list, default=list(DEFAULT_SYSTEMS), help=f"of: {', '.join(SYSTEMS)}")
+    parser.add_argument("--link", type=_name_list, default=None,
+                        help="links to emulate: gen5, gen4, gen3, ddr4-desktop, native or GB/s (default: native on CUDA, 0.25,1 on the CPU)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="output tokens per request (default 128; quick: 32)")
+    parser.add_argument("--warmup-tokens", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=1, help="prompts per kind (kinds: uniform/zipf/motif, or code/prose/docs)")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--k", type=int, default=4, help="draft depth of specter (fixed) and oracle")
+    parser.add_argument("--k-max", type=int, default=8, help="largest depth the roofline governor may pick")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default on the CPU: 1; tiny matrices lose to thread hand-offs, worse on a busy machine)")
+    parser.add_argument("--time-budget", type=float, default=None, help="seconds; cells that would not fit are skipped (noted)")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for results.json, results.md and plots")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers + accelerate baseline")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _size_list(text: str) -> list[int]:
+    try:
+        return [parse_bytes(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _name_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def targets_from_args(args: argparse.Namespace) -> tuple[list[ModelTarget], list[str]]:
+    """The models of the matrix with their settings; shapes whose family is missing are noted, not fatal."""
+    names = args.model or (list(PAPER_SETTINGS) if args.preset == "paper" else ["tiny"])
+    targets, notes = [], []
+    for name in names:
+        settings = _settings(args, name)
+        if name in SHAPES:
+            if not family_available(name):
+                notes.append(f"{name}: model family {SHAPES[name]['model_type']!r} is not registered in this engine yet; skipped")
+                continue
+            targets.append(_synthetic_target(name, args.layers, settings, args.prompts))
+        else:
+            from specter.builtin import resolve_model
+
+            path = resolve_model(name)
+            target = checkpoint_target(path, settings, args.prompts)
+            target.label = name if name == "tiny" else path.name
+            targets.append(target)
+    return targets, notes
+
+
+def _settings(args: argparse.Namespace, name: str) -> list[Setting]:
+    if args.budget:
+        return [Setting(budget=size) for size in args.budget]
+    if args.residents:
+        return [Setting(residents=count) for count in args.residents]
+    if args.preset == "paper" and name in PAPER_SETTINGS:
+        return [Setting(residents=count) for count in PAPER_SETTINGS[name]]
+    if name in SHAPES:
+        experts = SHAPES[name].get("num_experts") or SHAPES[name].get("num_local_experts") or SHAPES[name].get("n_routed_experts")
+        return [Setting(residents=max(SHAPES[name]["num_experts_per_tok"], experts // 4))]
+    return [Setting(residents=QUICK_RESIDENTS)]
+
+
+def _synthetic_target(name: str, layers: int | None, settings: list[Setting], per_kind: int) -> ModelTarget:
+    spec = spec_from_config(shape_config(name, layers))
+    return ModelTarget(label=shape_label(name, layers), make_source=lambda: synthetic_source(name, layers), spec=spec,
+                       full_spec=spec_from_config(shape_config(name)), prompts=synthetic_prompts(spec.vocab_size, per_kind),
+                       warmup=warmup_prompt(spec.vocab_size), settings=settings,
+                       notes=[f"{shape_label(name, layers)}: synthetic random weights (random routing, no locality)"])
+
+
+def options_from_args(args: argparse.Namespace) -> Options:
+    import torch
+
+    unknown = [name for name in args.systems if name not in SYSTEMS]
+    if unknown:
+        raise ConfigError(f"unknown system(s) {unknown}; systems: {', '.join(SYSTEMS)}")
+    on_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    if args.threads or not on_cuda:
+        torch.set_num_threads(args.threads or 1)
+    links = args.link or (["native"] if on_cuda else list(QUICK_LINKS))
+    quick = args.preset == "quick" and not args.model
+    max_new = args.max_new_tokens or (32 if quick else 128)
+    return Options(systems=args.systems, links=links, max_new_tokens=max_new, warmup_tokens=min(args.warmup_tokens, max_new),
+                   repeats=args.repeats, k=args.k, k_max=max(args.k_max, args.k), device=args.device, dtype=args.dtype,
+                   progress=not args.no_progress, hf=not args.no_hf)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    from specter import log
+
+    log.configure(level="ERROR")
+    try:
+        return run(args, argv)
+    except SpecterError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    started = time.monotonic()
+    targets, notes = targets_from_args(args)
+    options = options_from_args(args)
+    records, cells = run_matrix(targets, options, args.time_budget)
+    summary = report.summarize(records)
+    notes += [note for target in targets for note in target.notes]
+    notes += [f"{c['model']} {c['setting']} {c['link']} {c['system']}: {c['status']}" for c in cells if c["status"] != "ok"]
+    payload = {"machine": report.machine(argv), "options": vars(options), "args": {k: str(v) for k, v in vars(args).items()},
+               "models": [_model_info(t) for t in targets], "cells": cells, "summary": summary, "runs": records, "notes": notes,
+               "elapsed_s": round(time.monotonic() - started, 1)}
+    write_outputs(args.out, payload, plots=not args.no_plots)
+    print("\n".join(report.table_lines(summary, report.SHORT_COLUMNS)))
+    print(f"\n{len(records)} requests in {payload['elapsed_s']} s; results in {args.out}/ (results.json, results.md"
+          f"{', plots' if not args.no_plots else ''})")
+    return 0 if all(row["tokens_equal"] for row in summary if row["system"] != "hf-accelerate") else 1
+
+
+def _model_info(target: ModelTarget) -> dict:
+    spec = target.spec
+    return {"label": target.label, "family": spec.family, "layers": spec.num_layers, "full_layers": target.full_spec.num_layers,
+            "moe_layers": len(spec.moe_layers), "experts": spec.num_experts, "top_k": spec.top_k, "hidden": spec.hidden_size,
+            "expert_intermediate": spec.expert_intermediate, "settings": [s.label for s in target.settings],
+            "prompts": [{"kind": p.kind, "index": p.index, "ids": p.ids} for p in target.prompts],
+            "path": str(target.path) if target.path else None}
+
+
+def write_outputs(out: Path, payload: dict, plots: bool = True) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    report.write_json(out / "results.json", payload)
+    (out / "results.md").write_text(report.markdown_report(payload))
+    if plots:
+        from specter.bench.plots import write_plots
+
+        payload["plots"] = write_plots(payload, out)

@@ -1,0 +1,173 @@
+"""PNG plots of a results payload (matplotlib, headless): TPOT, speedups, acceptance, recall by layer, link sweep."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from specter.bench.report import accepted_histogram
+from specter.experts.transfer import LINK_PRESETS
+
+NATIVE_GBPS = LINK_PRESETS["gen5"]  # 'native' on the H200 machine is PCIe Gen5 (55 GB/s measured)
+
+
+def write_plots(payload: dict, out: Path) -> list[str]:
+    """Write every plot the data allows; returns the file names written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    summary, runs = payload["summary"], payload["runs"]
+    written = []
+    for name, plot in (("tpot_by_system.png", _tpot_by_system), ("speedup.png", _speedups), ("acceptance.png", _acceptance),
+                       ("accepted_length_hist.png", _accepted_lengths), ("recall_by_layer.png", _recall_by_layer),
+                       ("tpot_vs_link.png", _tpot_vs_link)):
+        figure = plot(summary, runs)
+        if figure is not None:
+            figure.tight_layout()
+            figure.savefig(out / name, dpi=120)
+            written.append(name)
+            import matplotlib.pyplot as plt
+
+            plt.close(figure)
+    return written
+
+
+def _cells(summary: list[dict]) -> list[tuple[str, str, str]]:
+    return sorted({(r["model"], r["setting"], r["link"]) for r in summary if r["setting"] != "all"})
+
+
+def _systems(summary: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["system"] for r in summary))
+
+
+def _bars(ax, groups: list[str], series: dict[str, list[float | None]]) -> None:
+    width = 0.8 / max(1, len(series))
+    for index, (label, values) in enumerate(series.items()):
+        xs = [g + index * width for g in range(len(groups))]
+        ax.bar(xs, [v or 0.0 for v in values], width, label=label)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, rotation=20, ha="right", fontsize=7)
+    ax.legend(fontsize=7)
+
+
+def _tpot_by_system(summary: list[dict], runs: list[dict]):
+    import matplotlib.pyplot as plt
+
+    cells = _cells(summary)
+    if not cells:
+        return None
+    by_key = {(r["model"], r["setting"], r["link"], r["system"]): r for r in summary}
+    resident = {r["model"]: r["tpot_ms"] for r in summary if r["system"] == "resident"}
+    systems = [s for s in _systems(summary) if s != "resident"]
+    series = {s: [by_key.get((*cell, s), {}).get("tpot_ms") for cell in cells] for s in systems}
+    if resident:
+        series["resident"] = [resident.get(cell[0]) for cell in cells]
+    figure, ax = plt.subplots(figsize=(max(6, 1.6 * len(cells)), 4))
+    _bars(ax, [" ".join(cell) for cell in cells], series)
+    ax.set_ylabel("TPOT (ms, lower is better)")
+    ax.set_title("Time per output token by system")
+    return figure
+
+
+def _speedups(summary: list[dict], runs: list[dict]):
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in summary if r["system"] == "specter"]
+    if not rows:
+        return None
+    baselines = ["x_ondemand", "x_gate-prefetch", "x_specmoeoff", "x_oracle", "x_resident"]
+    figure, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
+    _bars(ax, [f"{r['model']} {r['setting']} {r['link']}" for r in rows], {b[2:]: [r.get(b) for r in rows] for b in baselines})
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_ylabel("specter speedup (baseline TPOT / specter TPOT)")
+    ax.set_title("Speedup of specter over each baseline")
+    return figure
+
+
+def _acceptance(summary: list[dict], runs: list[dict]):
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in summary if r.get("acceptance") is not None]
+    if not rows:
+        return None
+    cells = sorted({(r["model"], r["setting"], r["link"]) for r in rows})
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    by_key = {(r["model"], r["setting"], r["link"], r["system"]): r for r in rows}
+    figure, ax = plt.subplots(figsize=(max(6, 1.6 * len(cells)), 4))
+    _bars(ax, [" ".join(c) for c in cells], {s: [by_key.get((*c, s), {}).get("acceptance") for c in cells] for s in systems})
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("acceptance (accepted / drafted)")
+    ax.set_title("Draft acceptance")
+    return figure
+
+
+def _accepted_lengths(summary: list[dict], runs: list[dict]):
+    import matplotlib.pyplot as plt
+
+    per_system = defaultdict(list)
+    for run in runs:
+        if run.get("accepted_length_histogram"):
+            per_system[run["system"]].append(run)
+    if not per_system:
+        return None
+    figure, axes = plt.subplots(1, len(per_system), figsize=(3.2 * len(per_system), 3), squeeze=False)
+    for ax, (system, system_runs) in zip(axes[0], per_system.items()):
+        histogram = accepted_histogram(system_runs)
+        ax.bar(list(histogram), list(histogram.values()))
+        ax.set_title(system, fontsize=9)
+        ax.set_xlabel("accepted drafts per round")
+    axes[0][0].set_ylabel("rounds")
+    return figure
+
+
+def _recall_by_layer(summary: list[dict], runs: list[dict]):
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    for run in runs:
+        if run["system"] in ("specter", "specmoeoff") and run.get("recall_by_layer"):
+            for layer, (hits, total) in run["recall_by_layer"].items():
+                entry = lines[f"{run['model']} {run['setting']} {run['system']}"][int(layer)]
+                entry[0] += hits
+                entry[1] += total
+    if not lines:
+        return None
+    figure, ax = plt.subplots(figsize=(7, 4))
+    for label, layers in lines.items():
+        order = sorted(layers)
+        ax.plot(order, [layers[l][0] / layers[l][1] if layers[l][1] else 0.0 for l in order], marker="o", label=label)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("MoE layer")
+    ax.set_ylabel("window recall")
+    ax.set_title("Draft-predicted experts that verify used, by layer")
+    ax.legend(fontsize=7)
+    return figure
+
+
+def link_gbps(link: str) -> float | None:
+    if link == "native":
+        return NATIVE_GBPS
+    try:
+        return LINK_PRESETS.get(link) or float(link)
+    except ValueError:
+        return None
+
+
+def _tpot_vs_link(summary: list[dict], runs: list[dict]):
+    import matplotlib.pyplot as plt
+
+    links = {r["link"] for r in summary if link_gbps(r["link"]) is not None}
+    if len(links) < 2:
+        return None
+    panels = sorted({(r["model"], r["setting"]) for r in summary if r["setting"] != "all"})
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (model, setting) in zip(axes[0], panels):
+        for system in _systems(summary):
+            points = sorted((link_gbps(r["link"]), r["tpot_ms"]) for r in summary
+                            if r["model"] == model and r["setting"] == setting and r["system"] == system and link_gbps(r["link"]))
+            if points:
+                ax.plot(*zip(*points), marker="o", label=system)
+        ax.set_xlabel("link GB/s")
+        ax.set_title(f"{model} {setting}", fontsize=9)
+    axes[0][0].set_ylabel("TPOT (ms)")
+    axes[0][-1].legend(fontsize=7)
+    return figure

@@ -1,0 +1,339 @@
+"""The measurement protocol of DESIGN section 8: same prompts, same budget, same initial cache, every system.
+
+Per model: the resident run gives the target-only baseline tokens; one offloaded runtime then serves every
+offloaded system, memory setting and link (slots and link are switched, weights are loaded once). Per
+system: a warm-up request (excluded), then each prompt x repeat from the same restored cache state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from specter.config import DraftConfig, EngineConfig, GenerationConfig
+from specter.engine import CheckpointWeights, WeightSource
+from specter.errors import BudgetError, SpecterError
+from specter.experts.cache import CacheSnapshot, CacheStats, LayerStats
+from specter.loader import resolve_dtype
+from specter.log import get_logger
+from specter.model.checkpoint import Checkpoint
+from specter.model.spec import ModelSpec
+from specter.bench.systems import SYSTEMS, BenchRuntime, Routes, Setting, System, initial_state, memory_summary, system_slots
+
+log = get_logger(__name__)
+
+PROMPT_TOKENS = 16
+
+
+@dataclasses.dataclass
+class Prompt:
+    kind: str
+    index: int
+    ids: list[int]
+
+
+@dataclasses.dataclass
+class ModelTarget:
+    """One model of the matrix: how to make its weights, its full-depth spec, prompts and settings."""
+
+    label: str
+    make_source: Callable[[], WeightSource]
+    spec: ModelSpec
+    full_spec: ModelSpec
+    prompts: list[Prompt]
+    warmup: Prompt
+    settings: list[Setting]
+    path: Path | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Options:
+    """The protocol's knobs (the CLI fills them)."""
+
+    systems: list[str]
+    links: list[str]
+    max_new_tokens: int = 128
+    warmup_tokens: int = 32
+    repeats: int = 1
+    k: int = 4
+    k_max: int = 8
+    device: str = "auto"
+    dtype: str = "auto"
+    progress: bool = True
+    hf: bool = True
+
+
+class Clock:
+    """The run's time budget, shared out between models so every model gets some results."""
+
+    def __init__(self, budget_s: float | None) -> None:
+        self.deadline = time.monotonic() + budget_s if budget_s else None
+
+    def model_deadline(self, models_left: int) -> float | None:
+        if self.deadline is None:
+            return None
+        return time.monotonic() + max(0.0, self.deadline - time.monotonic()) / max(1, models_left)
+
+    @staticmethod
+    def fits(deadline: float | None, expected_s: float) -> bool:
+        return deadline is None or time.monotonic() + expected_s <= deadline
+
+
+# ---- prompts --------------------------------------------------------------------------------------------
+
+def synthetic_prompts(vocab_size: int, per_kind: int, seed: int = 0) -> list[Prompt]:
+    """16-token prompts from several seeded distributions: uniform ids, Zipf-skewed ids, a repeated motif."""
+    rng = np.random.default_rng(seed)
+    ranks = np.arange(1, vocab_size + 1)
+    zipf = 1.0 / ranks**1.1
+    permutation = rng.permutation(vocab_size)
+    prompts = []
+    for index in range(per_kind):
+        uniform = rng.integers(0, vocab_size, PROMPT_TOKENS)
+        skewed = permutation[rng.choice(vocab_size, PROMPT_TOKENS, p=zipf / zipf.sum())]
+        motif = np.tile(rng.integers(0, vocab_size, 4), PROMPT_TOKENS // 4)
+        for kind, ids in (("uniform", uniform), ("zipf", skewed), ("motif", motif)):
+            prompts.append(Prompt(kind, index, [int(t) for t in ids]))
+    return prompts
+
+
+def checkpoint_prompts(path: Path, vocab_size: int, per_kind: int) -> list[Prompt]:
+    """The reference model's held-out corpus snippets (prompts.json) when present, else synthetic ones."""
+    listed = path / "prompts.json"
+    if not listed.exists():
+        return synthetic_prompts(vocab_size, per_kind)
+    kinds = json.loads(listed.read_text())["kinds"]
+    return [Prompt(kind, i, [int(t) for t in ids][:PROMPT_TOKENS]) for kind, snippets in kinds.items()
+            for i, ids in enumerate(snippets[:per_kind])]
+
+
+def warmup_prompt(vocab_size: int) -> Prompt:
+    ids = np.random.default_rng(12345).integers(0, vocab_size, PROMPT_TOKENS)
+    return Prompt("warmup", 0, [int(t) for t in ids])
+
+
+def checkpoint_target(path: Path, settings: list[Setting], per_kind: int) -> ModelTarget:
+    checkpoint = Checkpoint(path)
+    spec = checkpoint.spec
+    checkpoint.close()
+    return ModelTarget(label=path.name, make_source=lambda: CheckpointWeights(Checkpoint(path)), spec=spec, full_spec=spec,
+                       prompts=checkpoint_prompts(path, spec.vocab_size, per_kind), warmup=warmup_prompt(spec.vocab_size),
+                       settings=settings, path=path)
+
+
+# ---- one model ------------------------------------------------------------------------------------------
+
+class ModelBench:
+    """Runs every cell (setting x link x system) of one model and collects one record per request."""
+
+    def __init__(self, target: ModelTarget, options: Options, deadline: float | None) -> None:
+        self.target, self.options, self.deadline = target, options, deadline
+        self.systems = [SYSTEMS[name] for name in options.systems]
+        self.records: list[dict[str, Any]] = []
+        self.cells: list[dict[str, Any]] = []
+        self.baseline: dict[tuple[str, int], list[int]] = {}
+        self.routes: dict[tuple[int, str, int], Routes] = {}
+        self.dtype = resolve_dtype(EngineConfig(dtype=options.dtype), target.spec)
+        self.max_context = PROMPT_TOKENS + max(options.max_new_tokens, options.warmup_tokens) + options.k_max + 8
+        self.cell_seconds: list[float] = []
+        cells = 1 + len(options.links) * len(target.settings) * len(self.systems)
+        self.bar = tqdm(total=cells, desc=target.label, disable=not options.progress, unit="cell", leave=False)
+
+    def generation(self, warm: bool = False) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=self.options.warmup_tokens if warm else self.options.max_new_tokens)
+
+    def engine_config(self, *, resident: bool, speculative: bool) -> EngineConfig:
+        k_max = self.options.k_max if speculative else 0
+        residents = None if resident else self.target.spec.top_k
+        return EngineConfig(device=self.options.device, dtype=self.options.dtype, residents=residents, max_context=self.max_context,
+                            draft=DraftConfig(k=self.options.k if speculative else 0, k_max=k_max), lookahead="fixed",
+                            progress=self.options.progress)
+
+    async def run(self) -> None:
+        try:
+            if any(system.resident for system in self.systems):
+                await self._guarded("resident", self._run_resident)
+            offloaded = [system for system in self.systems if not system.resident]
+            if offloaded:
+                await self._guarded("offloaded", lambda: self._run_offloaded(offloaded))
+        finally:
+            self.bar.close()
+
+    async def _guarded(self, part: str, work) -> None:
+        """A model part that cannot run here (too big, family missing) is noted, and the matrix goes on."""
+        try:
+            await work()
+        except (SpecterError, torch.cuda.OutOfMemoryError, MemoryError) as error:
+            note = f"{self.target.label}: {part} part skipped: {error}"
+            log.warning("bench.skipped", model=self.target.label, part=part, error=str(error))
+            self.target.notes.append(note)
+        finally:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    # -- resident: the ceiling and the baseline tokens ------------------------------------------------------
+    async def _run_resident(self) -> None:
+        runtime = await BenchRuntime.build(self.target.make_source(), self.engine_config(resident=True, speculative=False))
+        try:
+            system = SYSTEMS["resident"]
+            runtime.configure(system, 0)
+            for prompt in self.target.prompts:
+                self.baseline[(prompt.kind, prompt.index)] = (await runtime.complete_ids(prompt.ids, self.generation())).tokens
+            await self._cell(runtime, system, Setting(), "-", slots=None, initial=None)
+        finally:
+            await runtime.aclose()
+
+    # -- offloaded systems: one runtime, switched between systems, settings and links --------------------------
+    async def _run_offloaded(self, systems: list[System]) -> None:
+        speculative = any(system.speculative for system in systems)
+        runtime = await BenchRuntime.build(self.target.make_source(), self.engine_config(resident=False, speculative=speculative))
+        try:
+            self.memory = memory_summary(runtime.memory)
+            if not self.baseline:
+                await self._baseline_on(runtime)
+            for depth in sorted({self._depth(system) for system in systems if system.oracle}):
+                await self._record_routes(runtime, depth)
+            for link in self.options.links:
+                for setting in self.target.settings:
+                    await self._setting(runtime, systems, setting, link)
+        finally:
+            await runtime.aclose()
+
+    async def _baseline_on(self, runtime: BenchRuntime) -> None:
+        """No resident run: the target alone (k=0, on demand) gives the baseline tokens."""
+        runtime.configure(SYSTEMS["ondemand"], 0)
+        for prompt in self.target.prompts:
+            self.baseline[(prompt.kind, prompt.index)] = (await runtime.complete_ids(prompt.ids, self.generation())).tokens
+
+    def _depth(self, system: System) -> int:
+        return system.k if system.k is not None else self.options.k
+
+    async def _record_routes(self, runtime: BenchRuntime, depth: int) -> None:
+        """The oracle's future: each prompt's verify routes at depth k, recorded in an untimed pass."""
+        runtime.configure(dataclasses.replace(SYSTEMS["oracle"], oracle=False, eviction="lru", k=depth), self.options.k)
+        for prompt, warm in [(self.target.warmup, True)] + [(p, False) for p in self.target.prompts]:
+            recorded = runtime.record_routes()
+            await runtime.complete_ids(prompt.ids, self.generation(warm))
+            self.routes[(depth, prompt.kind, prompt.index)] = list(recorded)
+
+    async def _setting(self, runtime: BenchRuntime, systems: list[System], setting: Setting, link: str) -> None:
+        slots = {}
+        for system in systems:
+            try:
+                slots[system.name] = system_slots(system, setting, runtime.spec, self.target.full_spec, self.dtype, self.max_context,
+                                                  self.options.k_max)
+            except BudgetError as error:
+                self.target.notes.append(f"{self.target.label} {setting.label}: {system.name} skipped: {error}")
+        if not slots:
+            return
+        initial = await self._initial_state(runtime, max(count for count, _ in slots.values()), link)
+        for system in systems:
+            if system.name in slots:
+                count, note = slots[system.name]
+                await self._cell(runtime, system, setting, link, slots=count, initial=initial, note=note)
+
+    async def _initial_state(self, runtime: BenchRuntime, slots: int, link: str) -> tuple[tuple[int, ...], ...]:
+        """The same start for every system: the LRU cache an on-demand run of the warm-up prompt leaves."""
+        await runtime.use_slots(slots)
+        runtime.set_link(link)
+        runtime.configure(SYSTEMS["ondemand"], 0)
+        runtime.cache.reset()
+        await runtime.complete_ids(self.target.warmup.ids, self.generation(warm=True))
+        return runtime.cache.snapshot().layers
+
+    # -- one cell: a system at a setting and a link -----------------------------------------------------------
+    async def _cell(self, runtime: BenchRuntime, system: System, setting: Setting, link: str, slots: int | None,
+                    initial: tuple[tuple[int, ...], ...] | None, note: str = "") -> None:
+        cell = {"model": self.target.label, "setting": setting.label if slots is not None else "all", "link": link,
+                "system": system.name, "slots": slots, "note": note}
+        self.bar.set_postfix(system=system.name, link=link, setting=cell["setting"])
+        self.bar.update(1)
+        expected = max(self.cell_seconds, default=0.0)
+        if not Clock.fits(self.deadline, expected):
+            self.cells.append(cell | {"status": "skipped: time budget"})
+            return
+        started = time.monotonic()
+        if slots is not None:
+            await runtime.use_slots(slots)
+            runtime.set_link(link)
+        runtime.configure(system, self.options.k)
+        start_state = initial_state(initial, slots) if initial is not None else None
+        await self._request(runtime, system, self.target.warmup, start_state, warm=True)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        for prompt in self.target.prompts:
+            for repeat in range(self.options.repeats):
+                record = await self._request(runtime, system, prompt, start_state)
+                self.records.append(cell | record | {"repeat": repeat})
+        self.cell_seconds.append(time.monotonic() - started)
+        self.cells.append(cell | {"status": "ok", "seconds": round(self.cell_seconds[-1], 2)})
+
+    async def _request(self, runtime: BenchRuntime, system: System, prompt: Prompt, start_state, warm: bool = False) -> dict[str, Any]:
+        if start_state is not None:
+            await runtime.cache.restore(CacheSnapshot(start_state))
+            runtime.cache.stats = CacheStats([LayerStats() for _ in range(runtime.cache.num_layers)])
+        if system.oracle:
+            runtime.replay_routes(self.routes[(self._depth(system), prompt.kind, prompt.index)])
+        started = time.perf_counter()
+        result = await runtime.complete_ids(prompt.ids, self.generation(warm))
+        wall_s = time.perf_counter() - started
+        if warm:
+            return {}
+        expected = self.baseline.get((prompt.kind, prompt.index))
+        return {"prompt_kind": prompt.kind, "prompt_index": prompt.index, **request_record(result.tokens, expected, result.stats),
+                "predictor_recall": runtime.predictor_recall, "wall_s": round(wall_s, 4), "peak_gpu_bytes": peak_gpu_bytes()}
+
+
+def request_record(tokens: list[int], expected: list[int] | None, stats) -> dict[str, Any]:
+    """One request's measurements: the engine's stats plus the comparison with the baseline tokens."""
+    mismatch = next((i for i, (a, b) in enumerate(zip(tokens, expected or [])) if a != b), None)
+    if expected is not None and mismatch is None and len(tokens) != len(expected):
+        mismatch = min(len(tokens), len(expected))
+    return {
+        **stats.as_dict(), "tokens_equal": expected is not None and mismatch is None, "first_mismatch": mismatch,
+        "recall_hits": stats.recall_hits, "recall_total": stats.recall_total, "drafted": stats.drafted, "accepted": stats.accepted,
+        "recall_by_layer": {str(layer): list(counts) for layer, counts in sorted(stats.recall_by_layer.items())},
+    }
+
+
+def peak_gpu_bytes() -> int | None:
+    return int(torch.cuda.max_memory_reserved()) if torch.cuda.is_available() else None
+
+
+async def bench_models(targets: Sequence[ModelTarget], options: Options, budget_s: float | None) -> tuple[list[dict], list[dict]]:
+    """Every model of the matrix in turn; returns (request records, cell statuses)."""
+    clock = Clock(budget_s)
+    records, cells = [], []
+    for index, target in enumerate(tqdm(targets, desc="models", disable=not options.progress, unit="model")):
+        bench = ModelBench(target, options, clock.model_deadline(len(targets) - index))
+        await bench.run()
+        records += bench.records
+        cells += bench.cells
+        if options.hf and target.path is not None:
+            from specter.bench.hf_baseline import run_hf
+
+            hf_records, hf_note = run_hf(target, bench, options)
+            records += hf_records
+            if hf_note:
+                target.notes.append(hf_note)
+    return records, cells
+
+
+def run_matrix(targets: Sequence[ModelTarget], options: Options, budget_s: float | None) -> tuple[list[dict], list[dict]]:
+    return asyncio.run(bench_models(targets, options, budget_s))
+
+
+__all__ = ["Clock", "ModelBench", "ModelTarget", "Options", "Prompt", "bench_models", "checkpoint_target", "run_matrix",
+           "synthetic_prompts"]

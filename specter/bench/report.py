@@ -1,0 +1,182 @@
+"""Results: the machine description, per-cell summaries with speedups, JSON, Markdown and the terminal table."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BASELINES = ("ondemand", "gate-prefetch", "specmoeoff", "oracle", "resident")
+"""Speedups are reported over each of these (their TPOT / this system's TPOT, same model, setting and link);
+`oracle` means the faster of the oracle variants."""
+
+COLUMNS = (
+    ("model", "model"), ("setting", "setting"), ("link", "link"), ("system", "system"),
+    ("tpot_ms", "TPOT ms"), ("ttft_ms", "TTFT ms"), ("x_ondemand", "x ondemand"), ("x_specmoeoff", "x specmoeoff"),
+    ("x_oracle", "x oracle"), ("acceptance", "accept"), ("accepted_length", "acc len"), ("window_recall", "recall"),
+    ("hit_rate", "hit rate"), ("h2d_mb_per_token", "H2D MB/tok"), ("stall_ms_per_token", "stall ms/tok"),
+    ("peak_gib", "peak GiB"), ("tokens_equal", "= baseline"),
+)
+
+
+def machine(argv: Sequence[str]) -> dict[str, Any]:
+    """What the numbers were measured on, and how they were asked for (`argv`: the bench's arguments)."""
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(arg) for arg in ["python", "-m", "specter.bench", *argv]),
+        "python": platform.python_version(), "platform": platform.platform(), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "git_commit": _git_commit(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info |= {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1), "gpu_count": torch.cuda.device_count()}
+    else:
+        info["gpu"] = None
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git_commit() -> str | None:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# ---- summaries ----------------------------------------------------------------------------------------
+
+def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (model, setting, link, system): medians of time, pooled ratios, and speedups."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for record in records:
+        groups[(record["model"], record["setting"], record["link"], record["system"])].append(record)
+    rows = [_row(key, runs) for key, runs in groups.items()]
+    _add_speedups(rows)
+    return rows
+
+
+def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
+    model, setting, link, system = key
+    tokens = sum(r["new_tokens"] for r in runs) or 1
+    drafted = sum(r.get("drafted", 0) for r in runs)
+    recall_total = sum(r.get("recall_total", 0) for r in runs)
+    hits = sum(r["hits"] for r in runs)
+    lookups = hits + sum(r["misses"] for r in runs)
+    histogram = accepted_histogram(runs)
+    rounds = sum(histogram.values())
+    predictor = [r["predictor_recall"] for r in runs if r.get("predictor_recall") is not None]
+    return {
+        "model": model, "setting": setting, "link": link, "system": system, "runs": len(runs),
+        "slots": runs[0].get("slots"),
+        "tpot_ms": round(1e3 * statistics.median(r["tpot_s"] for r in runs), 3),
+        "tpot_ms_mean": round(1e3 * statistics.fmean(r["tpot_s"] for r in runs), 3),
+        "ttft_ms": round(1e3 * statistics.median(r["ttft_s"] for r in runs), 3),
+        "acceptance": round(sum(r.get("accepted", 0) for r in runs) / drafted, 4) if drafted else None,
+        "accepted_length": round(sum((n + 1) * c for n, c in histogram.items()) / rounds, 3) if rounds else None,
+        "window_recall": round(sum(r.get("recall_hits", 0) for r in runs) / recall_total, 4) if recall_total else None,
+        "predictor_recall": round(statistics.fmean(predictor), 4) if predictor else None,
+        "hit_rate": round(hits / lookups, 4) if lookups else None,
+        "h2d_mb_per_token": round(sum(r["h2d_bytes"] for r in runs) / tokens / 1e6, 3),
+        "stall_ms_per_token": round(1e3 * sum(r["stall_s"] for r in runs) / tokens, 3),
+        "peak_gib": _peak(runs),
+        "tokens_equal": all(r["tokens_equal"] for r in runs),
+        "accepted_length_histogram": {str(n): c for n, c in sorted(histogram.items())},
+    }
+
+
+def accepted_histogram(runs: Sequence[dict]) -> Counter:
+    histogram: Counter = Counter()
+    for run in runs:
+        histogram.update({int(n): c for n, c in run.get("accepted_length_histogram", {}).items()})
+    return histogram
+
+
+def _peak(runs: list[dict]) -> float | None:
+    peaks = [r["peak_gpu_bytes"] for r in runs if r.get("peak_gpu_bytes")]
+    return round(max(peaks) / 2**30, 2) if peaks else None
+
+
+def _add_speedups(rows: list[dict]) -> None:
+    by_cell = {(r["model"], r["setting"], r["link"], r["system"]): r for r in rows}
+    resident = {r["model"]: r for r in rows if r["system"] == "resident"}
+    for row in rows:
+        for baseline in BASELINES:
+            other = resident.get(row["model"]) if baseline == "resident" else by_cell.get((row["model"], row["setting"], row["link"], baseline))
+            if baseline == "oracle":  # the floor: the best of the oracle variants (k as specter's, k=0)
+                oracles = [r for r in rows if r["system"].startswith("oracle") and r["model"] == row["model"]
+                           and r["setting"] == row["setting"] and r["link"] == row["link"]]
+                other = min(oracles, key=lambda r: r["tpot_ms"], default=None)
+            ok = other is not None and other["tpot_ms"] > 0 and row["tpot_ms"] > 0
+            row[f"x_{baseline}"] = round(other["tpot_ms"] / row["tpot_ms"], 3) if ok else None
+
+
+# ---- writing ----------------------------------------------------------------------------------------------
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.write_text(json.dumps(payload, indent=1, default=str))
+
+
+def _cell_text(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def table_lines(rows: Sequence[dict], columns=COLUMNS, markdown: bool = False) -> list[str]:
+    header = [title for _, title in columns]
+    body = [[_cell_text(row.get(key)) for key, _ in columns] for row in rows]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        return lines + ["| " + " | ".join(cells) + " |" for cells in body]
+    widths = [max(len(h), *(len(cells[i]) for cells in body)) if body else len(h) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*cells) for cells in body]
+
+
+SHORT_COLUMNS = (("model", "model"), ("setting", "setting"), ("link", "link"), ("system", "system"), ("tpot_ms", "TPOT ms"),
+                 ("x_ondemand", "x ondemand"), ("x_specmoeoff", "x specmoeoff"), ("x_oracle", "x oracle"),
+                 ("acceptance", "accept"), ("window_recall", "recall"), ("tokens_equal", "= baseline"))
+
+
+def markdown_report(payload: dict[str, Any]) -> str:
+    """The Markdown page: machine, command, date, the summary table and the notes."""
+    info = payload["machine"]
+    lines = [
+        "# Specter benchmark results", "",
+        f"- date: {info['date']}", f"- command: `{info['command']}`",
+        f"- machine: {info.get('gpu') or 'no GPU'}; CPU {info['cpu']} ({info['cpu_count']} threads); torch {info['torch']}, CUDA {info['cuda']}",
+        f"- commit: {info.get('git_commit')}",
+        f"- protocol: batch 1, greedy, {payload['options']['max_new_tokens']} new tokens, {payload['options']['repeats']} repeat(s), "
+        f"16-token prompts, warm-up excluded, cache restored per prompt; TPOT = median over requests", "",
+    ]
+    lines += table_lines(payload["summary"], markdown=True)
+    if payload.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in payload["notes"]]
+    lines += ["", "Columns: x S = TPOT of S / TPOT of this row (same model, setting, link); accept = accepted drafts / drafted; "
+              "recall = window recall |draft-predicted ∩ used| / |used|; = baseline: tokens equal to the target-only run."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,325 @@
+"""The compared systems, all configurations of one engine (DESIGN section 8), and the runtime hooks they need.
+
+`BenchRuntime` is the engine's `Runtime` plus what a benchmark needs and serving does not: switching the
+policies, the expert-slot count and the emulated link between runs without reloading the weights, the
+next-layer gate predictor (`gate-prefetch`) and the replay of recorded routes (`oracle`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence, Set
+from typing import Any
+
+import torch
+
+from specter import plugins
+from specter.config import DraftConfig, EngineConfig
+from specter.errors import BudgetError, ConfigError
+from specter.experts.cache import ExpertCache
+from specter.experts.transfer import LinkEmulation, parse_link
+from specter.engine import Runtime, UseClock
+from specter.log import get_logger
+from specter.memory import MemoryPlan, plan_memory
+from specter.metrics import Estimates, RequestStats
+from specter.model.spec import ModelSpec
+from specter.policy import Plan, UseHistory
+from specter.sampling import SamplingParams
+from specter.verify import OffloadedExperts
+
+log = get_logger(__name__)
+
+Tensor = torch.Tensor
+Routes = list[dict[int, list[int]]]
+"""One request's verify routes: per round, compact MoE layer -> experts the target used."""
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """One compared system: engine policies plus the bench hooks it switches on."""
+
+    name: str
+    description: str
+    eviction: str = "lru"
+    prefetch: str = "none"
+    prefetch_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    lookahead: str = "fixed"
+    k: int | None = 0
+    """Draft depth for the fixed lookahead; None: the bench's --k."""
+    resident: bool = False
+    gate_prefetch: bool = False
+    oracle: bool = False
+    separate_draft: bool = False
+    """Pays for a separate copy of the non-expert weights and its own KV out of the expert slots."""
+
+    @property
+    def speculative(self) -> bool:
+        return self.lookahead != "fixed" or self.k != 0
+
+
+SYSTEMS: dict[str, System] = {
+    system.name: system
+    for system in (
+        System("resident", "every expert on the device, target alone (k=0): the ceiling", resident=True),
+        System("ondemand", "Mixtral-Offloading: k=0, per-layer LRU slots, load on miss, hits first"),
+        System("gate-prefetch", "k=0; at each MoE layer the next layer's router on the current hidden rows prefetches "
+                                "its top experts (AdapMoE-style)", gate_prefetch=True),
+        System("specmoeoff", "SpecMoEOff as adapted by the Specter authors: k=3, frequency Top-M prefetch at 20 % and 60 % "
+                             "of the draft, LRU; separate draft weights and KV taken out of the expert slots",
+               prefetch="topm-frequency", prefetch_options={"fractions": (0.2, 0.6)}, k=3, separate_draft=True),
+        # `specter` adapts k with the roofline governor: on the quick CPU matrix it beat fixed k=4 (benchmarks/README.md).
+        System("specter", "this design: plan-protect eviction, link-paced frequency Top-M prefetch, roofline lookahead (k adapted per round)",
+               eviction="plan-protect", prefetch="topm-frequency", lookahead="roofline", k=None),
+        System("specter-fixed", "specter with a fixed draft depth (--k)",
+               eviction="plan-protect", prefetch="topm-frequency", k=None),
+        System("oracle", "same budget and k as specter; before each round the exact experts its verify will use "
+                         "(recorded in an untimed pass) are prefetched in layer order, Belady eviction on the future",
+               eviction="oracle-belady", k=None, oracle=True),
+        System("oracle-k0", "the oracle without speculation: target alone (k=0), exact experts prefetched before each token",
+               eviction="oracle-belady", k=0, oracle=True),
+    )
+}
+DEFAULT_SYSTEMS = ("resident", "ondemand", "gate-prefetch", "specmoeoff", "specter", "specter-fixed", "oracle", "oracle-k0")
+
+
+def get_system(name: str) -> System:
+    if name not in SYSTEMS:
+        raise ConfigError(f"no benchmark system named {name!r}; systems: {', '.join(SYSTEMS)}")
+    return SYSTEMS[name]
+
+
+# ---- budgets ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """A memory setting: expert slots per MoE layer, or a GPU budget in bytes."""
+
+    residents: int | None = None
+    budget: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"residents={self.residents}" if self.residents is not None else f"budget={self.budget / 2**30:.2f}GiB"
+
+
+def separate_draft_bytes(full_spec: ModelSpec, dtype: torch.dtype, max_context: int) -> int:
+    """What a separate draft model costs on the device: a copy of the non-expert weights plus its own KV."""
+    plan = plan_memory(full_spec, dtype, EngineConfig(max_context=max_context), speculative=False)
+    return plan.dense_bytes + plan.kv_bytes
+
+
+def system_slots(system: System, setting: Setting, spec: ModelSpec, full_spec: ModelSpec, dtype: torch.dtype,
+                 max_context: int, k_max: int) -> tuple[int, str]:
+    """Expert slots per layer the system gets under `setting`, and a note on how they were derived.
+
+    Residents: the same count for every system, except that specmoeoff loses the slots its separate draft
+    would take at full depth (so `--layers` truncation does not shrink the penalty). Budget: the engine's
+    memory plan for the (possibly truncated) model, with or without the quantized draft.
+    """
+    per_slot = len(full_spec.moe_layers) * full_spec.expert_bytes(_element(dtype))
+    extra = separate_draft_bytes(full_spec, dtype, max_context) if system.separate_draft else 0
+    if setting.residents is not None:
+        lost = math.ceil(extra / per_slot) if extra else 0
+        slots = min(setting.residents - lost, spec.num_experts)
+        note = f"{setting.residents} - {lost} slots for a separate draft ({extra / 2**30:.2f} GiB)" if lost else ""
+        if slots < 1:
+            raise BudgetError(f"{system.name}: its separate draft ({extra / 2**30:.2f} GiB) takes all {setting.residents} slots per layer")
+        return slots, note
+    assert setting.budget is not None, "a setting has residents or a budget"
+    truncated_extra = separate_draft_bytes(spec, dtype, max_context) if system.separate_draft else 0
+    config = EngineConfig(budget=setting.budget - truncated_extra if truncated_extra < setting.budget else 1,
+                          max_context=max_context, draft=DraftConfig(k_max=k_max))
+    plan = plan_memory(spec, dtype, config, speculative=system.speculative)
+    return plan.slots_per_layer, (f"budget minus separate draft {truncated_extra / 2**30:.2f} GiB" if truncated_extra else "")
+
+
+def _element(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ---- the oracle's eviction ------------------------------------------------------------------------------
+
+class OracleEviction:
+    """Belady's rule on the recorded future: evict the resident used again farthest ahead (never: first)."""
+
+    name = "oracle-belady"
+
+    def __init__(self, runtime: BenchRuntime) -> None:
+        self.runtime = runtime
+
+    def victims(self, layer: int, residents: Sequence[int], protected: Set[int], count: int, history: UseHistory,
+                plan: Plan | None) -> list[int]:
+        candidates = [expert for expert in residents if expert not in protected]
+        return sorted(candidates, key=lambda expert: (-self.runtime.next_use(layer, expert), expert))[:count]
+
+
+# ---- the runtime ----------------------------------------------------------------------------------------
+
+class BenchRuntime(Runtime):
+    """A Runtime whose system (policies, hooks), slot count and link can change between requests."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.system: System | None = None
+        self.oracle_routes: Routes | None = None
+        self.recorded_routes: Routes | None = None
+        self._round_index = 0
+        self._next_uses: list[dict[int, list[int]]] = []
+        self._gate_predicted: dict[int, set[int]] = {}
+        self.predictor_hits = 0
+        self.predictor_total = 0
+        moe = self.spec.moe_layers
+        self._next_moe_layer = dict(zip(moe, moe[1:]))
+
+    # -- switching systems ------------------------------------------------------------------------------
+    def configure(self, system: System, k: int) -> None:
+        """Policies, estimates, use history and hooks of `system`; `k` is the fixed depth where it has none."""
+        depth = system.k if system.k is not None else k
+        if system.speculative and self.draft is None:
+            raise ConfigError(f"system {system.name} needs a draft, but this runtime was built without one")
+        self.system = system
+        self.eviction = OracleEviction(self) if system.oracle else plugins.load_policy("eviction", system.eviction)
+        self.prefetch = plugins.load_policy("prefetch", "none" if system.oracle else system.prefetch, **dict(system.prefetch_options))
+        options = {"k": depth} if system.lookahead == "fixed" else {}
+        self.lookahead = plugins.load_policy("lookahead", system.lookahead, **options)
+        self.k_max = self.config.draft.k_max if self.draft is not None else 0
+        self.estimates = Estimates(self.k_max)
+        self.uses = UseClock(len(self.spec.moe_layers))
+        self.oracle_routes, self.recorded_routes = None, None
+        if isinstance(self.experts, OffloadedExperts):
+            self.experts.on_routed = self._gate_prefetch if system.gate_prefetch else None
+
+    async def use_slots(self, slots: int) -> None:
+        """Rebuild the expert cache with `slots` per layer over the same host pool (no reload, no re-pinning).
+
+        Below the engine's minimum (top-k slots) the cache still works as a rolling window; the paper's
+        Phi-3.5-MoE setting of 1 resident per layer needs that.
+        """
+        old = self.cache
+        assert old is not None, "use_slots needs an offloaded runtime"
+        if slots == old.slots_per_layer:
+            return
+        await old.aclose()
+        transfer, pool = old.transfer, old.pool
+        self.cache = self.experts = old = None  # free the old slots before allocating the new ones
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.cache = ExpertCache(self.backend, self.kernel, transfer, pool, slots, self._choose_victims)
+        self.experts = OffloadedExperts(self.cache, self.kernel, self.moe_index)
+        self.memory = dataclasses.replace(self.memory, slots_per_layer=slots)
+        if self.system is not None:
+            self.experts.on_routed = self._gate_prefetch if self.system.gate_prefetch else None
+
+    def set_link(self, link: str | None) -> None:
+        """Emulate `link` (preset or GB/s; None or 'native': the real link) for the copies from now on."""
+        gbps = None if link in (None, "native") else parse_link(link)
+        if self.cache is None:
+            return
+        if self.backend.name == "cpu":
+            from backends.cpu import LinkModel
+
+            self.backend.link = LinkModel(gbps) if gbps is not None else None
+        else:
+            self.cache.transfer.link = LinkEmulation(gbps) if gbps is not None else None
+        self.cache.transfer._effective_bytes_per_s = None  # re-measure: the link just changed
+
+    async def aclose(self) -> None:
+        transfer = self.cache.transfer if self.cache is not None else None
+        await super().aclose()
+        if transfer is not None:
+            await transfer.aclose()  # stop its pump task before the event loop closes
+
+    # -- per request ------------------------------------------------------------------------------------
+    async def _prefill(self, prompt: list[int], params: SamplingParams, stats: RequestStats) -> int:
+        self._round_index = 0
+        self._gate_predicted = {}
+        first = await super()._prefill(prompt, params, stats)
+        self.predictor_hits = self.predictor_total = 0  # score the rounds only, as window recall does
+        if self.recorded_routes is not None:
+            self.recorded_routes.clear()
+        return first
+
+    @property
+    def predictor_recall(self) -> float | None:
+        """Share of the target's used experts the system's own predictor (gate or oracle) had named."""
+        return self.predictor_hits / self.predictor_total if self.predictor_total else None
+
+    # -- oracle ------------------------------------------------------------------------------------------
+    def record_routes(self) -> Routes:
+        """From the next request on, keep each round's verify routes in the returned list."""
+        self.recorded_routes = []
+        return self.recorded_routes
+
+    def replay_routes(self, routes: Routes) -> None:
+        """Prefetch exactly `routes[r]` before round r (same tokens and k, so the same routes)."""
+        self.oracle_routes = routes
+        self._next_uses = [dict() for _ in self.spec.moe_layers]
+        for index, used in enumerate(routes):
+            for layer, experts in used.items():
+                for expert in experts:
+                    self._next_uses[layer].setdefault(expert, []).append(index)
+
+    def next_use(self, layer: int, expert: int) -> float:
+        """The first round from now on in which the target uses `expert` of `layer` (inf: never)."""
+        rounds = self._next_uses[layer].get(expert, []) if self._next_uses else []
+        position = bisect.bisect_left(rounds, self._round_index)
+        return rounds[position] if position < len(rounds) else math.inf
+
+    def _next_k(self, remaining: int) -> int:
+        k = super()._next_k(remaining)
+        if self.oracle_routes is not None and self.cache is not None and self._round_index < len(self.oracle_routes):
+            self._prefetch_exact(self.oracle_routes[self._round_index])
+        return k
+
+    def _prefetch_exact(self, used: dict[int, list[int]]) -> None:
+        self.plan = Plan(experts={layer: experts[: self.memory.slots_per_layer] for layer, experts in used.items()})
+        for layer in range(len(self.spec.moe_layers)):
+            planned = self.plan.for_layer(layer)
+            self.cache.protect(layer, planned)
+            self.cache.prefetch(layer, planned)
+
+    def _finish_round(self, k: int, acceptance, record, stats: RequestStats, draft_s: float, verify_s: float,
+                      round_s: float) -> None:
+        if record is not None:
+            used = {self.moe_index[layer]: sorted(experts) for layer, experts in record.used.items()}
+            if self.recorded_routes is not None:
+                self.recorded_routes.append(used)
+            if self.oracle_routes is not None and self._round_index < len(self.oracle_routes):
+                self._score(self.oracle_routes[self._round_index], used)
+        super()._finish_round(k, acceptance, record, stats, draft_s, verify_s, round_s)
+        self._round_index += 1
+
+    def _score(self, predicted: dict[int, list[int]], used: dict[int, list[int]]) -> None:
+        for layer, experts in used.items():
+            self.predictor_hits += len(set(predicted.get(layer, ())).intersection(experts))
+            self.predictor_total += len(experts)
+
+    # -- gate-prefetch ------------------------------------------------------------------------------------
+    def _gate_prefetch(self, layer: int, hidden: Tensor, used: list[int]) -> None:
+        """The verify's on_routed hook: score the last prediction for `layer`, then predict the next MoE layer."""
+        if layer in self._gate_predicted:
+            self.predictor_hits += len(self._gate_predicted.pop(layer).intersection(used))
+            self.predictor_total += len(used)
+        following = self._next_moe_layer.get(layer)
+        if following is None or self.cache is None:
+            return
+        logits = self.model.route_logits(following, hidden)  # [T, E]
+        chosen = torch.topk(logits.float(), self.spec.top_k, dim=-1).indices.reshape(-1)
+        counts = torch.bincount(chosen, minlength=self.spec.num_experts)
+        # Host sync (a GEMV after the router we just awaited): the prediction must reach the cache now.
+        order, votes = torch.argsort(counts, descending=True, stable=True).tolist(), counts.tolist()
+        ranked = [expert for expert in order if votes[expert] > 0]
+        predicted = ranked[: self.memory.slots_per_layer]
+        self._gate_predicted[following] = set(predicted)
+        self.cache.prefetch(self.moe_index[following], predicted)
+
+
+def initial_state(snapshot_layers: Sequence[Sequence[int]], slots: int) -> tuple[tuple[int, ...], ...]:
+    """A snapshot cut to `slots` per layer, keeping the most recently used (the tail of the LRU order)."""
+    return tuple(tuple(layer[-slots:]) if slots else () for layer in snapshot_layers)
+
+
+def memory_summary(memory: MemoryPlan) -> dict[str, int]:
+    return {name: getattr(memory, name) for name in ("dense_bytes", "draft_bytes", "kv_bytes", "expert_bytes", "slots_per_layer")}

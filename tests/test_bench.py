@@ -1,0 +1,160 @@
+"""The benchmark harness on the CPU: a small matrix on tiny, synthetic real shapes, budgets, the reference trainer."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specter.bench import cli
+from specter.bench.protocol import Clock, synthetic_prompts
+from specter.bench.synthetic import SHAPES, SyntheticWeights, shape_bytes, shape_config, shape_label
+from specter.bench.systems import SYSTEMS, BenchRuntime, Setting, initial_state, system_slots
+from specter.config import DraftConfig, EngineConfig, GenerationConfig
+from specter.engine import Runtime
+from specter.model.spec import spec_from_config
+from specter.model.weights import dense_shapes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """One small matrix run through the CLI: every offloaded system that the checks below need."""
+    out = tmp_path_factory.mktemp("bench")
+    systems = "resident,ondemand,gate-prefetch,specmoeoff,specter,oracle"
+    code = cli.main(["--systems", systems, "--max-new-tokens", "8", "--warmup-tokens", "4", "--link", "1", "--no-progress",
+                     "--out", str(out)])
+    return code, out, json.loads((out / "results.json").read_text())
+
+
+def test_matrix_tokens_equal_baseline_for_every_system(matrix):
+    code, _out, results = matrix
+    assert code == 0
+    systems = {row["system"] for row in results["summary"]}
+    assert systems == {"resident", "ondemand", "gate-prefetch", "specmoeoff", "specter", "oracle"}
+    assert all(row["tokens_equal"] for row in results["summary"]), results["summary"]
+    assert all(run["new_tokens"] == 8 and run["tpot_s"] > 0 for run in results["runs"])
+
+
+def test_matrix_records_protocol_and_machine(matrix):
+    _code, out, results = matrix
+    assert results["machine"]["torch"] == torch.__version__ and results["machine"]["command"].endswith(f"--out {out}")
+    assert {p["kind"] for p in results["models"][0]["prompts"]} == {"uniform", "zipf", "motif"}
+    offloaded = [run for run in results["runs"] if run["system"] != "resident"]
+    assert all(run["link"] == "1" and run["setting"] == "residents=6" for run in offloaded)
+    assert any(run["h2d_bytes"] > 0 for run in offloaded)
+    drafting = [run for run in results["runs"] if run["system"] == "specmoeoff"]  # fixed k=3: always drafts
+    assert drafting and all(run["drafted"] > 0 and 0 < run["recall_hits"] <= run["recall_total"] for run in drafting)
+    table = (out / "results.md").read_text()
+    assert "| model | setting | link | system | TPOT ms |" in table and "specmoeoff" in table
+
+
+def test_matrix_writes_plots(matrix):
+    pytest.importorskip("matplotlib")
+    _code, out, _results = matrix
+    for name in ("tpot_by_system.png", "speedup.png", "acceptance.png", "recall_by_layer.png"):
+        assert (out / name).stat().st_size > 1000, name
+
+
+def test_oracle_predicts_every_used_expert_and_gate_prefetch_some(matrix):
+    runs = matrix[2]["runs"]
+    assert all(run["predictor_recall"] == 1.0 for run in runs if run["system"] == "oracle")
+    gate = [run["predictor_recall"] for run in runs if run["system"] == "gate-prefetch"]
+    assert gate and all(0.0 <= recall <= 1.0 for recall in gate)
+
+
+def test_specmoeoff_pays_for_its_separate_draft(matrix):
+    cells = {cell["system"]: cell for cell in matrix[2]["cells"]}
+    assert cells["specmoeoff"]["slots"] < cells["specter"]["slots"] == 6
+    assert "separate draft" in cells["specmoeoff"]["note"]
+
+
+def test_time_budget_skips_cells_and_says_so(tmp_path):
+    code = cli.main(["--systems", "ondemand", "--max-new-tokens", "4", "--time-budget", "1e-9", "--no-progress", "--no-plots",
+                     "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert code == 0 and results["runs"] == []
+    assert results["cells"] and all(cell["status"] == "skipped: time budget" for cell in results["cells"])
+    assert any("time budget" in note for note in results["notes"])
+    assert not Clock.fits(Clock(1e-9).deadline, 0.0) and Clock.fits(None, 1e9)
+
+
+def test_real_shapes_have_published_sizes_and_truncate_with_a_label():
+    mixtral = spec_from_config(shape_config("mixtral-8x7b"))
+    assert shape_bytes(mixtral)["expert_bytes"] == 3 * 4096 * 14336 * 2
+    qwen = spec_from_config(shape_config("qwen1.5-moe-a2.7b", layers=2))
+    assert (qwen.num_layers, qwen.num_experts, qwen.top_k, qwen.shared_intermediate) == (2, 60, 4, 5632)
+    deepseek = spec_from_config(shape_config("deepseek-v2-lite", layers=3))
+    assert deepseek.moe_layers == [1, 2] and deepseek.num_experts == 64
+    assert shape_label("olmoe-1b-7b", 4) == "olmoe-1b-7b[L=4/16]" and shape_label("olmoe-1b-7b", None) == "olmoe-1b-7b"
+    for name in SHAPES:
+        assert spec_from_config(shape_config(name, layers=1)).num_layers == 1
+
+
+def test_synthetic_source_serves_every_weight_and_runs():
+    config = dict(shape_config("olmoe-1b-7b", layers=2), hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                  vocab_size=128, num_experts=8, num_experts_per_tok=2, intermediate_size=32, torch_dtype="float32")
+    source = SyntheticWeights(config, seed=3)
+    dense = source.dense(torch.float32, torch.device("cpu"), progress=False)
+    assert {name: tuple(t.shape) for name, t in dense.items()} == dense_shapes(source.spec)
+    experts = list(source.experts(torch.float32, progress=False))
+    assert [(layer, expert) for layer, expert, _ in experts] == [(l, e) for l in range(2) for e in range(8)]
+    assert all(flat.numel() == source.spec.expert_numel for _, _, flat in experts)
+
+    async def generate(k: int) -> list[int]:
+        engine = EngineConfig(device="cpu", residents=3, max_context=64, draft=DraftConfig(k=k, k_max=4))
+        runtime = await BenchRuntime.build(SyntheticWeights(config, seed=3), engine)
+        try:
+            runtime.configure(SYSTEMS["specter" if k else "ondemand"], k)
+            return (await runtime.complete_ids([1, 2, 3], GenerationConfig(max_new_tokens=6))).tokens
+        finally:
+            await runtime.aclose()
+
+    assert asyncio.run(generate(0)) == asyncio.run(generate(3))
+
+
+def test_budgets_give_slots_per_system():
+    spec = spec_from_config(shape_config("qwen1.5-moe-a2.7b", layers=4))
+    full = spec_from_config(shape_config("qwen1.5-moe-a2.7b"))
+    args = (spec, full, torch.bfloat16, 176, 8)
+    assert system_slots(SYSTEMS["specter"], Setting(residents=15), *args)[0] == 15
+    penalised, note = system_slots(SYSTEMS["specmoeoff"], Setting(residents=15), *args)
+    assert 1 <= penalised < 15 and "separate draft" in note
+    budget = Setting(budget=6 * 2**30)
+    plain, speculative = system_slots(SYSTEMS["ondemand"], budget, *args)[0], system_slots(SYSTEMS["specter"], budget, *args)[0]
+    assert plain >= speculative > system_slots(SYSTEMS["specmoeoff"], budget, *args)[0]
+    assert initial_state(((1, 2, 3), (4,)), 2) == ((2, 3), (4,))
+
+
+def test_synthetic_prompts_are_seeded_and_in_vocabulary():
+    first, again = synthetic_prompts(100, 2), synthetic_prompts(100, 2)
+    assert [p.ids for p in first] == [p.ids for p in again] and len(first) == 6
+    assert all(len(p.ids) == 16 and all(0 <= t < 100 for t in p.ids) for p in first)
+
+
+def test_reference_model_tiny_is_a_loadable_checkpoint(tmp_path):
+    spec = importlib.util.spec_from_file_location("reference_model", ROOT / "benchmarks" / "reference_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--tiny", "--out", str(tmp_path), "--max-steps", "2", "--log-every", "1"]) == 0
+    kinds = json.loads((tmp_path / "prompts.json").read_text())["kinds"]
+    assert set(kinds) == {"code", "docs", "prose"} and all(len(ids) == 16 for ids in kinds["code"])
+
+    async def generate() -> list[int]:
+        runtime = await Runtime.load(tmp_path, EngineConfig(device="cpu", residents=2, max_context=64, draft=DraftConfig(k=2)))
+        try:
+            return (await runtime.complete_ids(kinds["code"][0], GenerationConfig(max_new_tokens=4))).tokens
+        finally:
+            await runtime.aclose()
+
+    tokens = asyncio.run(generate())
+    assert len(tokens) == 4 and all(0 <= t < 256 for t in tokens)
+    if (tmp_path / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+
+        assert PreTrainedTokenizerFast.from_pretrained(tmp_path)("ab\n")["input_ids"] == [97, 98, 10]
