@@ -22,7 +22,21 @@ BUILTIN = {
                  rope_theta=10000.0, tie_word_embeddings=False, qkv_bias=True, decoder_sparse_step=1, mlp_only_layers=[],
                  torch_dtype="float32", eos_token_id=None, bos_token_id=None),
 }
-VERSION = 1
+VERSION = 2  # 2: adds tokenizer.json (byte-level BPE trained on TOKENIZER_TEXT)
+
+# The built-in tokenizer's training text: deterministic, with multi-byte characters so that some tokens
+# hold parts of a character (what incremental detokenization must handle).
+TOKENIZER_TEXT = (
+    "hello world. the quick brown fox jumps over the lazy dog. a mixture of experts routes every token to a few "
+    "experts; the draft proposes tokens and the target verifies them in one pass. experts that are resident "
+    "on the device are computed first, and the others are copied over the link while the draft runs. "
+    "speculative decoding, expert offloading, prefetching, eviction, lookahead, memory budget, cache slots. "
+    "once upon a time there was a small model that could not hold all of its experts in memory. "
+    "café, naïve, déjà vu, crème brûlée, smörgåsbord, Ελληνικά, русский текст, 日本語のテキスト, 中文文本, "
+    "한국어 문장, emoji 🙂🚀✨, math ∑∫√≈≠, arrows → ← ↑ ↓. "
+    "Hello, World! How are you today? I am fine, thank you. 0123456789 + - * / = ( ) [ ] { } < > # @ & % $ "
+)
+TOKENIZER_SPECIAL = ("<|endoftext|>",)
 
 
 def cache_dir() -> Path:
@@ -49,11 +63,27 @@ def write_builtin(name: str, path: Path, seed: int = 1234) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    _write_tokenizer(tmp, config["vocab_size"])
     if path.exists():  # another process built it meanwhile
         shutil.rmtree(tmp)
     else:
         tmp.replace(path)
     return path
+
+
+def _write_tokenizer(directory: Path, vocab_size: int) -> None:
+    """tokenizer.json and tokenizer_config.json: a byte-level BPE with exactly `vocab_size` ids.
+
+    The end-of-text token is not the model's eos (config.json keeps eos_token_id null), so the built-in
+    model's output length is always max_new_tokens.
+    """
+    from specter.tokenizer import train_byte_level_bpe
+
+    tokenizer = train_byte_level_bpe([TOKENIZER_TEXT] * 4, vocab_size, TOKENIZER_SPECIAL)
+    assert tokenizer.get_vocab_size() <= vocab_size, "built-in tokenizer larger than the model's vocabulary"
+    tokenizer.save(str(directory / "tokenizer.json"))
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": TOKENIZER_SPECIAL[0], "model_max_length": 4096}
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=1))
 
 
 def _random_tensors(config: dict, generator: torch.Generator) -> dict[str, torch.Tensor]:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Sequence
+from typing import Any
 
 from specter.errors import SpecterError
+
+DEFAULT_PROMPT_IDS = [1, 2, 3, 4]  # when neither --prompt nor --prompt-ids is given
 
 
 def _ids(text: str) -> list[int]:
@@ -21,48 +23,210 @@ def _ids(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specter", description="Speculative expert-offloaded MoE inference.")
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate tokens from a prompt")
-    gen.add_argument("--model", default="tiny", help="checkpoint directory, or the name of a built-in model (default: tiny)")
-    gen.add_argument("--prompt-ids", type=_ids, default=None, help="prompt as comma-separated token ids, e.g. 1,2,3")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--device", default="auto")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    gen.add_argument("--max-context", type=int, default=2048)
-    gen.add_argument("--json", action="store_true", help="print one JSON object with `tokens` and `stats`")
-    gen.add_argument("--log-json", action="store_true", help="structured logs as JSON lines on stderr")
+    _add_generate(commands.add_parser("generate", help="generate text or tokens from a prompt"))
+    info = commands.add_parser("info", help="summarise a checkpoint: family, parameters, expert bytes, budgets")
+    info.add_argument("model", help="checkpoint directory, or the name of a built-in model (e.g. tiny)")
+    info.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    info.add_argument("--max-context", type=int, default=2048, help="context the budgets are planned for")
+    info.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2", "gptq4"], help="draft quantization")
+    info.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_logging(info)
     return parser
+
+
+def _add_generate(gen: argparse.ArgumentParser) -> None:
+    gen.add_argument("--model", default="tiny", help="checkpoint directory, or the name of a built-in model (default: tiny)")
+    prompt = gen.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None, help="prompt text (needs the checkpoint's tokenizer.json)")
+    prompt.add_argument("--prompt-ids", type=_ids, default=None, help="prompt as comma-separated token ids, e.g. 1,2,3")
+    gen.add_argument("--chat", action="store_true", help="send --prompt as a user message through the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    memory = gen.add_argument_group("memory and device")
+    memory.add_argument("--budget", default=None, metavar="SIZE", help="GPU memory budget, e.g. 24GiB (default: all experts resident)")
+    memory.add_argument("--residents", type=int, default=None, metavar="N", help="expert cache slots per MoE layer (instead of --budget)")
+    memory.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    memory.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    memory.add_argument("--max-context", type=int, default=2048, help="longest prompt plus generation, in tokens")
+    memory.add_argument("--link", default=None, metavar="PRESET|GBPS", help="emulate a slower link: gen5, gen4, gen3, ddr4-desktop or GB/s")
+    policies = gen.add_argument_group("speculation and policies")
+    policies.add_argument("--eviction", default="plan-protect", metavar="NAME", help="specter.eviction plug-in")
+    policies.add_argument("--prefetch", default="topm-frequency", metavar="NAME", help="specter.prefetch plug-in")
+    policies.add_argument("--lookahead", default="fixed", metavar="NAME", help="specter.lookahead plug-in")
+    policies.add_argument("--k", type=int, default=4, metavar="N", help="draft depth for the fixed lookahead; 0 turns speculation off")
+    policies.add_argument("--k-max", type=int, default=16, metavar="N", help="largest draft depth any lookahead may choose")
+    policies.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2", "gptq4"], help="draft expert format")
+    sampling = gen.add_argument_group("sampling")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    sampling.add_argument("--top-k", type=int, default=None)
+    sampling.add_argument("--top-p", type=float, default=None)
+    sampling.add_argument("--seed", type=int, default=0)
+    sampling.add_argument("--sampling", default="coupled", choices=["coupled", "rejection"], help="acceptance rule when sampling")
+    output = gen.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="print one JSON object with `tokens`, `text` and `stats` at the end")
+    output.add_argument("--trace", default=None, metavar="PATH", help="record a routing trace of every speculative round")
+    output.add_argument("--progress", action="store_true", help="progress bars while loading")
+    _add_logging(gen)
+
+
+def _add_logging(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-json", action="store_true", help="structured logs as JSON lines on stderr")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from specter import log
 
-    log.configure(json=args.log_json)
+    log.configure(json=args.log_json, level=args.log_level)
     try:
-        return {"generate": cmd_generate}[args.command](args)
+        return {"generate": cmd_generate, "info": cmd_info}[args.command](args)
     except SpecterError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+# ---- generate -----------------------------------------------------------------------------------------
+def engine_config(args: argparse.Namespace):
+    from specter.config import EngineConfig
+
+    return EngineConfig.build(
+        device=args.device, dtype=args.dtype, max_context=args.max_context, budget=args.budget, residents=args.residents,
+        eviction=args.eviction, prefetch=args.prefetch, lookahead=args.lookahead, link=args.link, progress=args.progress,
+        draft=dict(k=args.k, k_max=args.k_max, quant=args.quant, sampling=args.sampling),
+    )
+
+
+def generation_config(args: argparse.Namespace):
+    from specter.config import GenerationConfig
+
+    return GenerationConfig.build(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specter.builtin import resolve_model
-    from specter.config import EngineConfig, GenerationConfig
-    from specter.decode import greedy_decode, run_sync
-    from specter.loader import load_resident
+    from specter.kernel import run
 
-    engine_config = EngineConfig.build(device=args.device, dtype=args.dtype, max_context=args.max_context)
-    generation = GenerationConfig.build(max_new_tokens=args.max_new_tokens)
-    loaded = load_resident(resolve_model(args.model), engine_config)
-    prompt = args.prompt_ids or [1, 2, 3, 4]
-    started = time.perf_counter()
-    tokens = run_sync(greedy_decode(loaded.model, loaded.experts, prompt, generation.max_new_tokens, generation.stop_token_ids))
-    elapsed = time.perf_counter() - started
-    stats = {"prompt_tokens": len(prompt), "new_tokens": len(tokens), "seconds": round(elapsed, 4),
-             "tokens_per_s": round(len(tokens) / elapsed, 2)}
+    # Validate everything the user typed before loading anything.
+    config, generation = engine_config(args), generation_config(args)
+    return run(_generate(args, config, generation))
+
+
+async def _generate(args: argparse.Namespace, config: Any, generation: Any) -> int:
+    from specter.api import Engine
+
+    async with Engine.from_pretrained(args.model, config) as engine:
+        if args.trace:
+            engine.runtime.record_trace(args.trace)
+        async with engine.generate(_prompt(args), generation) as stream:
+            async for piece in stream:
+                if not args.json:
+                    _show(piece, text_mode=engine.tokenizer is not None)
+        result = stream.result
+    assert result is not None, "the stream ended without a result"
     if args.json:
-        print(json.dumps({"tokens": tokens, "stats": stats}))
+        print(json.dumps({"tokens": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
+                          "stats": result.stats.as_dict()}))
     else:
-        print(" ".join(map(str, tokens)))
-        print(f"[{stats['new_tokens']} tokens in {stats['seconds']} s, {stats['tokens_per_s']} tok/s]", file=sys.stderr)
+        print(flush=True)
+    print(summary_line(result.stats.as_dict()), file=sys.stderr)
     return 0
+
+
+def _prompt(args: argparse.Namespace) -> Any:
+    if args.prompt is None:
+        return args.prompt_ids if args.prompt_ids is not None else DEFAULT_PROMPT_IDS
+    return [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+
+
+def _show(piece: Any, text_mode: bool) -> None:
+    """Stream to the terminal as tokens commit: text when there is a tokenizer, else token ids."""
+    if text_mode:
+        sys.stdout.write(piece.text)
+    elif piece.token_ids:
+        sys.stdout.write(" ".join(map(str, piece.token_ids)) + " ")
+    sys.stdout.flush()
+
+
+def summary_line(stats: dict) -> str:
+    """One line of the request's statistics, for stderr."""
+    return (f"[{stats['new_tokens']} tokens, TTFT {stats['ttft_s'] * 1e3:.1f} ms, TPOT {stats['tpot_s'] * 1e3:.1f} ms, "
+            f"acceptance {stats['acceptance_rate']:.0%}, mean accepted {stats['mean_accepted_length']:.2f}, "
+            f"hit rate {stats['hit_rate']:.0%}, H2D {stats['h2d_bytes'] / 2**20:.1f} MiB, stall {stats['stall_s'] * 1e3:.1f} ms]")
+
+
+# ---- info ---------------------------------------------------------------------------------------------
+def cmd_info(args: argparse.Namespace) -> int:
+    summary = checkpoint_summary(args.model, dtype=args.dtype, max_context=args.max_context, quant=args.quant)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(_format_info(summary))
+    return 0
+
+
+def checkpoint_summary(model: str, dtype: str = "auto", max_context: int = 2048, quant: str = "int4") -> dict:
+    """What `specter info` prints: family, shape, parameter counts, expert bytes and the two budgets."""
+    from specter.builtin import resolve_model
+    from specter.config import EngineConfig
+    from specter.loader import resolve_dtype
+    from specter.memory import plan_memory
+    from specter.model.checkpoint import Checkpoint
+    from specter.model.weights import dense_shapes
+
+    path = resolve_model(model)
+    checkpoint = Checkpoint(path)
+    checkpoint.close()
+    spec = checkpoint.spec
+    config = EngineConfig.build(max_context=max_context, dtype=dtype, draft=dict(quant=quant))
+    torch_dtype = resolve_dtype(config, spec)
+    plan = plan_memory(spec, torch_dtype, config, speculative=True)
+    dense = sum(_numel(shape) for shape in dense_shapes(spec).values())
+    moe_layers = len(spec.moe_layers)
+    return {
+        "path": str(path), "family": spec.family, "dtype": str(torch_dtype).removeprefix("torch."),
+        "layers": spec.num_layers, "moe_layers": moe_layers, "experts": spec.num_experts, "active_experts": spec.top_k,
+        "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size,
+        "parameters": dense + moe_layers * spec.num_experts * spec.expert_numel,
+        "active_parameters": dense + moe_layers * spec.top_k * spec.expert_numel,
+        "expert_bytes": plan.expert_bytes, "all_expert_bytes": plan.expert_bytes * moe_layers * spec.num_experts,
+        "dense_bytes": plan.dense_bytes, "draft_bytes": plan.draft_bytes, "kv_bytes": plan.kv_bytes,
+        "max_context": max_context, "draft_quant": quant,
+        "minimum_budget": plan.minimum_budget, "resident_budget": plan.resident_budget,
+    }
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
+def _format_info(summary: dict) -> str:
+    from specter.memory import fmt
+
+    rows = [
+        ("checkpoint", summary["path"]),
+        ("family", f"{summary['family']} ({summary['dtype']})"),
+        ("layers", f"{summary['layers']} ({summary['moe_layers']} MoE), {summary['experts']} experts, "
+                   f"{summary['active_experts']} active per token"),
+        ("parameters", f"{_count(summary['parameters'])} total, {_count(summary['active_parameters'])} active per token"),
+        ("expert bytes", f"{fmt(summary['expert_bytes'])} each, {fmt(summary['all_expert_bytes'])} all"),
+        ("fixed bytes", f"non-expert {fmt(summary['dense_bytes'])}, draft ({summary['draft_quant']}) {fmt(summary['draft_bytes'])}, "
+                        f"KV for {summary['max_context']} tokens {fmt(summary['kv_bytes'])}"),
+        ("minimum budget", fmt(summary["minimum_budget"])),
+        ("full residency", fmt(summary["resident_budget"])),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Annotated, Literal
 
@@ -101,6 +102,11 @@ class EngineConfig(_Frozen):
     backend: str = Field("auto", min_length=1, description="Name of the `specter.backends` plug-in; 'auto' follows the device.")
     link: str | None = Field(None, description="Link emulation for host-to-device copies: gen5, gen4, gen3, ddr4-desktop or GB/s.")
     progress: bool = Field(False, description="Show progress bars while loading.")
+    cuda_graphs: bool = Field(
+        default_factory=lambda: os.environ.get("SPECTER_CUDA_GRAPHS", "1") != "0",
+        description="On CUDA, replay the resident decode/verify step and the draft step as CUDA graphs "
+        "(default on; SPECTER_CUDA_GRAPHS=0 turns it off).",
+    )
 
     @field_validator("device")
     @classmethod

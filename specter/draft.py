@@ -162,6 +162,11 @@ class Draft:
             return torch.empty(0, dtype=torch.long, device=x0.device), None
         return torch.cat(drafted), (torch.cat(kept) if keep_logits else None)
 
+    def capture(self, kv: KVCache, params: SamplingParams | None = None) -> None:
+        """Capture the graphed step for `kv` now (start-up, while the KV is empty), so decoding allocates nothing."""
+        if self.static:
+            self._static_step(kv).prepare(params)
+
     def _static_step(self, kv: KVCache) -> GraphedStep:
         """One graphed one-row step per KV cache (its graphs bake in the cache's storage)."""
         if self._graphed is None or self._graphed.kv is not kv:

@@ -33,6 +33,7 @@ from specter.log import get_logger
 from specter.memory import MemoryPlan, fmt, plan_memory
 from specter.metrics import Estimates, RequestStats
 from specter.model.checkpoint import Checkpoint
+from specter.model.graphed import GraphedTarget, static_step_supported
 from specter.model.kv import KVCache
 from specter.model.spec import ModelSpec
 from specter.model.registry import transformer_for
@@ -86,6 +87,7 @@ class Runtime:
         self.uses = UseClock(len(spec.moe_layers))
         self.plan: Plan | None = None
         self.kv: KVCache = model.new_kv()
+        self.graphed = _graphed_target(model, experts, self.kv) if config.cuda_graphs else None
         self.k_max = config.draft.k_max if draft is not None else 0  # calibrate_draft sets it for gptq4
         self.estimates = Estimates(self.k_max)
         self.trace: TraceWriter | None = None
@@ -116,8 +118,9 @@ class Runtime:
         quantize_now = speculative and not calibrated
         experts, cache, draft_layers = await _load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now)
         source.close()
-        draft = Draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device)) if quantize_now else None
+        draft = _make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device), config) if quantize_now else None
         engine = cls(config, spec, model, memory, backend, kernel, experts, cache, draft, policies)
+        engine._capture_graphs()
         if cache is not None:
             cache.choose_victims = engine._choose_victims
             experts.layer_index = engine.moe_index
@@ -141,9 +144,17 @@ class Runtime:
             flats = [self._full_expert(layer, e) for e in range(spec.num_experts)]
             layers[layer] = calibrate.gptq_layer(flats, inputs, choices, spec.hidden_size, spec.expert_intermediate, self.config.draft)
             layers[layer] = layers[layer].to(self.model.device)
-        self.draft = Draft(self.model, DraftExperts(layers, spec.num_layers, spec.num_experts, self.model.device))
+        self.draft = _make_draft(self.model, DraftExperts(layers, spec.num_layers, spec.num_experts, self.model.device), self.config)
+        self.draft.capture(self.kv)
         self.k_max = self.config.draft.k_max
         self.estimates = Estimates(self.k_max)
+
+    def _capture_graphs(self) -> None:
+        """Capture the CUDA graphs at start-up, while the KV is empty, so decoding allocates nothing."""
+        if self.graphed is not None:
+            self.graphed.prepare()
+        if self.draft is not None:
+            self.draft.capture(self.kv)
 
     def _full_expert(self, layer: int, expert: int) -> Tensor:
         if isinstance(self.experts, ResidentExperts):
@@ -255,8 +266,11 @@ class Runtime:
         block = torch.cat([x0_tensor, drafted]) if k else x0_tensor
         record = self._start_record()
         verify_started = time.perf_counter()
-        hidden = await self.model.forward(block, start, self.kv, self.experts)
-        logits = self.model.logits(hidden)  # [k+1, V]
+        if self.graphed is not None:
+            logits = self.graphed.logits(block, start)  # [k+1, V]: one R-row graph serves k = 0 and every verify
+        else:
+            hidden = await self.model.forward(block, start, self.kv, self.experts)
+            logits = self.model.logits(hidden)  # [k+1, V]
         acceptance = await self._accept(block[1:], logits, draft_logits, start, params)
         verify_s = time.perf_counter() - verify_started
         self.kv.crop(start + acceptance.n_accepted + 1)
@@ -384,6 +398,17 @@ class Runtime:
             k_max=self.k_max,
             model_key=f"{self.spec.family}:{self.spec.hidden_size}x{self.spec.num_layers}:{self.memory.slots_per_layer}",
         )
+
+
+def _graphed_target(model: Transformer, experts: ExpertProvider, kv: KVCache) -> GraphedTarget | None:
+    """All experts resident on CUDA with the standard attention: decode and verify replay one R-row CUDA graph."""
+    if model.device.type != "cuda" or not isinstance(experts, ResidentExperts) or not static_step_supported(model):
+        return None
+    return GraphedTarget(model, experts, kv)
+
+
+def _make_draft(model: Transformer, experts: DraftExperts, config: EngineConfig) -> Draft:
+    return Draft(model, experts, static=None if config.cuda_graphs else False)
 
 
 def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:

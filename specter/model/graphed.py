@@ -252,6 +252,15 @@ class GraphedStep:
         self._graphs[key].replay()
         return self._outputs[key]
 
+    def prepare(self, params: SamplingLike | None = None) -> None:
+        """Capture the graph for `params` now, at start-up while the KV is empty (the warm-up writes position 0).
+
+        Capturing early keeps allocation out of decoding (DESIGN section 3). Nothing to do without graphs.
+        """
+        if self.use_graph:
+            self.load(torch.zeros(1, dtype=torch.long, device=self.tokens.device), 0)
+            self.capture(sampling_key(params))
+
     def capture(self, key: SamplingKey = GREEDY) -> None:
         """Warm up on a side stream (allocations, Triton compilation), then capture the step as a graph.
 
@@ -296,8 +305,13 @@ class GraphedTarget:
     def rows(self) -> int:
         return self.step.rows
 
+    def prepare(self) -> None:
+        """Capture the graph now (start-up, while the KV is empty); see GraphedStep.prepare."""
+        self.step.prepare()
+
     def logits(self, tokens: Tensor, start: int) -> Tensor:
         """Float32 logits [n, V] of n device tokens at positions start.., in R-row chunks, writing their KV."""
+        assert tokens.shape[0] >= 1, "nothing to run: pass at least one token"
         parts = []
         for first in range(0, tokens.shape[0], self.rows):
             chunk = tokens[first : first + self.rows]
@@ -329,30 +343,36 @@ def resident_moe_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, packed: 
                         config: MoEKernelConfig = RESIDENT_KERNEL_CONFIG) -> Tensor:
     """[T, D] MoE output over packed experts [E, 2I*D + D*I] in x's dtype; four launches, no host sync.
 
-    Reuses the draft kernel's route and combine (moe_triton.py): pairs sorted by expert, each expert's
-    weight tile read once per 16-row chunk, per-token sums in ascending expert id in float32.
+    Reuses the draft kernel's route (moe_triton.py): pairs sorted by expert id, each expert's weight tile
+    read once per 16-row chunk. Results are rounded to x's dtype where the eager path rounds (each GEMM
+    output, silu, the products, each per-token add in ascending expert id), so only the GEMMs' float32
+    accumulation order differs from ResidentExperts.run.
     """
     assert packed.dtype == x.dtype and packed.shape[1] == 3 * hidden * intermediate, "packed experts must match x's dtype and shape"
     assert x.is_cuda or moe_triton.interpreting(), "the Triton resident MoE needs CUDA tensors (or TRITON_INTERPRET=1 for CPU ones)"
     pairs = expert_ids.numel()
     assert pairs <= moe_triton.MAX_PAIRS, f"{pairs} (token, expert) pairs exceed the route kernel's {moe_triton.MAX_PAIRS}"
-    kernels = moe_triton._kernels()
+    kernels = _resident_kernels()
     x = x.contiguous()
-    routes = moe_triton._route(kernels, expert_ids, weights)
+    routes = moe_triton._route(moe_triton._kernels(), expert_ids, weights)
     hidden_act = torch.empty(pairs, intermediate, device=x.device, dtype=x.dtype)  # [P, I]
-    _launch_resident_gemm(x, packed, routes, hidden_act, intermediate, hidden, gate_up=True, config=config)
-    pair_out = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)  # [P, D]
-    _launch_resident_gemm(hidden_act, packed, routes, pair_out, intermediate, hidden, gate_up=False, config=config)
-    return moe_triton._combine(kernels, pair_out, routes, x.dtype)
+    _launch_resident_gemm(kernels.gemm, x, packed, routes, hidden_act, intermediate, hidden, gate_up=True, config=config)
+    pair_out = torch.empty(pairs, hidden, device=x.device, dtype=x.dtype)  # [P, D], weighted
+    _launch_resident_gemm(kernels.gemm, hidden_act, packed, routes, pair_out, intermediate, hidden, gate_up=False, config=config)
+    out = torch.empty(x.shape[0], hidden, device=x.device, dtype=x.dtype)
+    block_d = 256
+    kernels.combine[(x.shape[0], moe_triton.triton_cdiv(hidden, block_d))](
+        pair_out, routes.token_slots, out, hidden, ACTIVE=routes.active, BLOCK_D=block_d)
+    return out
 
 
-def _launch_resident_gemm(a: Tensor, packed: Tensor, routes: Any, out: Tensor, intermediate: int, hidden: int, gate_up: bool,
-                          config: MoEKernelConfig) -> None:
+def _launch_resident_gemm(gemm: Any, a: Tensor, packed: Tensor, routes: Any, out: Tensor, intermediate: int, hidden: int,
+                          gate_up: bool, config: MoEKernelConfig) -> None:
     """Gate/up: a = x [T, D] against w13 [2I, D] at offset 0; down: a = h [P, I] against w2 [D, I] after w13."""
     n_out, k_dim = (intermediate, hidden) if gate_up else (hidden, intermediate)
     block_n = config.block_n_gate_up if gate_up else config.block_n_down
     grid = (routes.pairs, moe_triton.triton_cdiv(n_out, block_n))
-    _resident_gemm()[grid](
+    gemm[grid](
         a, a.stride(0), packed, packed.stride(0), 0 if gate_up else 2 * intermediate * hidden,
         out, out.stride(0), routes.token, routes.expert, routes.weight, routes.run_offset,
         routes.pairs, n_out, k_dim, intermediate,
@@ -362,17 +382,24 @@ def _launch_resident_gemm(a: Tensor, packed: Tensor, routes: Any, out: Tensor, i
     )  # fmt: skip
 
 
-tl: Any = None  # triton.language, bound by _resident_gemm(); the kernel body resolves it as a global
+tl: Any = None  # triton.language, bound by _resident_kernels(); the kernel bodies resolve it as a global
+
+
+@dataclasses.dataclass(frozen=True)
+class _ResidentKernels:
+    gemm: Any
+    combine: Any
 
 
 @functools.cache
-def _resident_gemm() -> Any:
+def _resident_kernels() -> _ResidentKernels:
+    """Jitted on first use, so importing this module does not need triton."""
     global tl
     import triton
     import triton.language
 
     tl = triton.language
-    return triton.jit(resident_gemm_kernel)
+    return _ResidentKernels(triton.jit(resident_gemm_kernel), triton.jit(resident_combine_kernel))
 
 
 def resident_gemm_kernel(a_ptr, stride_a, w_ptr, stride_we, w_offset, out_ptr, stride_out,
@@ -382,7 +409,8 @@ def resident_gemm_kernel(a_ptr, stride_a, w_ptr, stride_we, w_offset, out_ptr, s
     """Grouped GEMM of one expert chunk against BLOCK_N output columns, plain-dtype weights (a deliberate long kernel).
 
     Weight rows are contiguous with k_dim elements each. GATE_UP: out = h [P, I] = silu(gate) * up, rows
-    of a by token; else out = [P, D] fp32 scaled by the routing weight, rows of a by slot.
+    of a by token; else out = [P, D] scaled by the routing weight, rows of a by slot. Accumulation is
+    float32; every value the eager path holds in the activation dtype is rounded to out's dtype here too.
     """
     slot = tl.program_id(0)
     if tl.load(run_offset_ptr + slot) % BLOCK_M != 0:
@@ -415,11 +443,28 @@ def resident_gemm_kernel(a_ptr, stride_a, w_ptr, stride_we, w_offset, out_ptr, s
         a = tl.load(a_base + k_idx[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base[:, None] + k_idx[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(a, tl.trans(w), input_precision=DOT_PRECISION)
+    act_dtype = out_ptr.dtype.element_ty
     if GATE_UP:
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-        result = gate * tl.sigmoid(gate) * up
+        gate = gate.to(act_dtype).to(tl.float32)  # eager: F.linear returns the activation dtype
+        up = up.to(act_dtype).to(tl.float32)
+        result = (gate * tl.sigmoid(gate)).to(act_dtype).to(tl.float32) * up  # eager: silu, then the product
     else:
         route_weight = tl.load(weight_ptr + rows, mask=row_ok, other=0.0)
-        result = acc * route_weight[:, None]
+        result = acc.to(act_dtype).to(tl.float32) * route_weight[:, None]  # eager: F.linear, then * weight
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
-    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptrs, result.to(act_dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def resident_combine_kernel(pair_out_ptr, token_slots_ptr, out_ptr, hidden, ACTIVE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = token t's weighted pair rows added in ascending expert id, rounding after each add (as index_add_ does)."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < hidden
+    slot = tl.load(token_slots_ptr + token * ACTIVE).to(tl.int64)
+    total = tl.load(pair_out_ptr + slot * hidden + cols, mask=col_ok, other=0.0)
+    for j in tl.static_range(1, ACTIVE):
+        slot = tl.load(token_slots_ptr + token * ACTIVE + j).to(tl.int64)
+        part = tl.load(pair_out_ptr + slot * hidden + cols, mask=col_ok, other=0.0)
+        total = (total.to(tl.float32) + part.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * hidden + cols, total, mask=col_ok)

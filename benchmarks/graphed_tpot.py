@@ -1,0 +1,171 @@
+"""Graphed resident decoding and the graphed draft step (CUDA graphs, batch 1) on a real-shape MoE with synthetic weights.
+
+Reports the graphed resident TPOT against the HBM floor (bytes of active weights read per token over 3.3 TB/s),
+the 16-row verify step, and the int4 draft step against its floor (active int4 experts + bf16 non-expert
+weights), next to the eager paths, in one run.
+
+    python benchmarks/graphed_tpot.py --shape qwen1.5-moe-a2.7b --out out/graphed
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from resident_tpot import HBM_BYTES_PER_S, SHAPES, active_bytes, build_hf  # noqa: E402  (the same model construction)
+
+DEVICE = "cuda"
+
+
+def gpu_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Mean wall time of fn over `repeats` calls, GPU-synchronised at both ends (fn itself never syncs)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def dense_read_bytes(model) -> int:
+    """Non-expert weights one token reads: everything except the embedding table, plus one embedding row."""
+    weights = model.w
+    table = weights["model.embed_tokens.weight"]
+    rest = sum(t.numel() * t.element_size() for name, t in weights.items() if name != "model.embed_tokens.weight")
+    return rest + table.shape[1] * table.element_size()
+
+
+def draft_floor_bytes(runtime) -> int:
+    spec, layers = runtime.spec, runtime.draft.experts.layers
+    return dense_read_bytes(runtime.model) + sum(spec.top_k * layers[layer].bytes_per_expert for layer in spec.moe_layers)
+
+
+async def build_runtime(config_dict: dict, state: dict, max_context: int):
+    from specter.config import DraftConfig, EngineConfig
+    from specter.engine import CheckpointWeights, Runtime
+    from specter.model.checkpoint import InMemoryCheckpoint
+
+    source = CheckpointWeights(InMemoryCheckpoint(config_dict, state))
+    config = EngineConfig(device=DEVICE, dtype="bfloat16", exact=True, max_context=max_context, lookahead="fixed", draft=DraftConfig(k=8))
+    return await Runtime.build(source, config)
+
+
+def target_rows(runtime, prompt: list[int], tokens: int, eager_tokens: int) -> tuple[dict, dict]:
+    """Graphed resident decoding (sync-free and with one host read per token), 16-row verify, eager for reference."""
+    from specter.decode import prefill
+    from specter.model.graphed import GraphedTarget, decode_resident_graphed
+
+    model, experts = runtime.model, runtime.experts
+    kv = model.new_kv()
+    target = GraphedTarget(model, experts, kv)
+    x0 = asyncio.run(prefill(model, kv, experts, prompt)).argmax(dim=-1, keepdim=True)
+    position = len(prompt)
+
+    def decode_step() -> torch.Tensor:
+        return target.logits(x0, position).argmax(dim=-1)  # rewrites one scratch position: same work per step
+
+    block = torch.arange(100, 100 + target.rows, device=DEVICE)
+    step_s = gpu_seconds(decode_step, tokens)
+    synced_s = gpu_seconds(lambda: int(decode_step()[0]), tokens)  # what an engine round with k = 0 pays
+    verify_s = gpu_seconds(lambda: target.logits(block, position), max(4, tokens // 4))
+    floor_s = active_bytes(runtime) / HBM_BYTES_PER_S
+    graphed = asyncio.run(decode_resident_graphed(model, experts, prompt, eager_tokens))
+    eager_s, eager = eager_tpot(model, experts, prompt, eager_tokens)
+    agree = next((i for i, (a, b) in enumerate(zip(graphed, eager)) if a != b), len(eager))
+    rows = {
+        "graphed-resident": {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s},
+        "graphed-resident+sync": {"ms": synced_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": synced_s / floor_s},
+        f"graphed-verify-{target.rows}rows": {"ms": verify_s * 1e3, "floor_ms": None, "ratio": None},
+        "eager-exact": {"ms": eager_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": eager_s / floor_s},
+    }
+    return rows, {"tokens_compared": eager_tokens, "identical_prefix": agree}
+
+
+def eager_tpot(model, experts, prompt: list[int], count: int) -> tuple[float, list[int]]:
+    """The eager exact path's TPOT (prefill and first token excluded) and its `count` greedy tokens."""
+    from specter.decode import greedy_decode
+
+    def timed(tokens: int) -> tuple[float, list[int]]:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        out = asyncio.run(greedy_decode(model, experts, prompt, tokens))
+        return time.perf_counter() - started, out
+
+    timed(2)  # warm-up
+    one_s, _ = timed(1)
+    all_s, tokens = timed(count)
+    return (all_s - one_s) / (count - 1), tokens
+
+
+def draft_rows(runtime, prompt: list[int], k: int, repeats: int) -> dict:
+    """The int4 draft's per-step time, graphed (k replays, no host sync) and eager, against its byte floor."""
+    from specter.decode import prefill
+    from specter.draft import Draft
+    from specter.sampling import SamplingParams
+
+    kv = runtime.model.new_kv()
+    asyncio.run(prefill(runtime.model, kv, runtime.experts, prompt))
+    x0 = torch.tensor([7], device=DEVICE)
+    floor_s = draft_floor_bytes(runtime) / HBM_BYTES_PER_S
+    rows = {}
+
+    async def seconds_per_round(draft: Draft) -> float:
+        await draft.propose(x0, len(prompt), k, kv, SamplingParams())  # warm-up (captures the graphs)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            await draft.propose(x0, len(prompt), k, kv, SamplingParams())
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / repeats
+
+    for static in (True, False):
+        step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=static))) / k
+        rows["draft-int4-" + ("graphed" if static else "eager")] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen1.5-moe-a2.7b", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="truncate depth (labelled in the output)")
+    parser.add_argument("--tokens", type=int, default=64, help="timed graphed decode steps")
+    parser.add_argument("--eager-tokens", type=int, default=8, help="tokens of the eager exact reference (slow; >= 2)")
+    parser.add_argument("--k", type=int, default=8, help="draft steps per timed proposal")
+    parser.add_argument("--max-context", type=int, default=512)
+    parser.add_argument("--out", default="out/graphed")
+    args = parser.parse_args()
+    config, hf = build_hf(args.shape, args.layers)
+    config_dict, state = config.to_dict(), dict(hf.state_dict())
+    prompt = list(range(100, 116))
+    runtime = asyncio.run(build_runtime(config_dict, state, args.max_context))
+    rows, agreement = target_rows(runtime, prompt, args.tokens, args.eager_tokens)
+    rows |= draft_rows(runtime, prompt, args.k, repeats=max(2, args.tokens // args.k))
+    asyncio.run(runtime.aclose())
+    label = f"{args.shape}" + (f" (first {args.layers} layers)" if args.layers else "")
+    result = {"shape": label, "rows": rows, "graphed_vs_eager": agreement, "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+              "command": " ".join(sys.argv)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "graphed_tpot.json").write_text(json.dumps(result, indent=1))
+    print(f"\ngraphed decoding, {label}, bf16 target, int4 draft, batch 1")
+    print(f"greedy tokens identical to the eager exact path: {agreement['identical_prefix']}/{agreement['tokens_compared']}")
+    print(f"{'step':<30}{'ms':>10}{'floor ms':>10}{'ratio':>10}")
+    for name, row in rows.items():
+        floor = f"{row['floor_ms']:>10.3f}" if row["floor_ms"] is not None else f"{'-':>10}"
+        ratio = f"{row['ratio']:>10.2f}" if row["ratio"] is not None else f"{'-':>10}"
+        print(f"{name:<30}{row['ms']:>10.2f}{floor}{ratio}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""The public async API: `Engine.from_pretrained(...)`, `engine.generate(...)` streams, `engine.complete(...)`.
+
+    async with Engine.from_pretrained("tiny", EngineConfig(residents=2)) as engine:
+        async with engine.generate("hello", max_new_tokens=16) as stream:
+            async for piece in stream:
+                print(piece.text, end="")
+        print(stream.result.stats.as_dict())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import weakref
+from collections.abc import AsyncIterator, Generator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from specter.config import EngineConfig, GenerationConfig
+from specter.decode import check_prompt
+from specter.engine import Runtime
+from specter.errors import ConfigError, PromptError, RequestCancelled
+from specter.log import get_logger
+from specter.metrics import RequestStats
+from specter.model.spec import ModelSpec
+from specter.tokenizer import Detokenizer, Tokenizer
+
+log = get_logger(__name__)
+
+Message = Mapping[str, Any]
+Prompt = Union[str, Sequence[int], Sequence[Message]]
+"""Text (needs a tokenizer), token ids, or chat messages (needs a chat template)."""
+FinishReason = Literal["length", "stop", "cancelled", "error"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """What one decode round committed: its token ids and the text that became safe to show."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    """Set on the last piece: 'length' (max_new_tokens) or 'stop' (a stop token id or stop string)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """A finished request: all its text and new token ids, why it ended, and its statistics."""
+
+    text: str
+    token_ids: list[int]
+    stats: RequestStats
+    finish_reason: FinishReason
+    prompt_ids: list[int]
+
+
+class GenerationStream:
+    """One request: an async iterator of `Piece`s, live `stats`, and `result` once finished.
+
+    The request joins the engine's queue (first come, first served) when iteration starts and holds the
+    engine until it finishes, is closed, or its task is cancelled. Leaving a loop early without closing
+    keeps the engine busy until the stream is garbage-collected: use `async with`, or `await aclose()`.
+    """
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], generation: GenerationConfig, stop_ids: frozenset[int]) -> None:
+        self.prompt_ids = prompt_ids
+        self.generation = generation
+        self.stats = RequestStats()
+        self.token_ids: list[int] = []
+        self.result: Result | None = None
+        self.finish_reason: FinishReason | None = None
+        self._engine = engine
+        self._stop_ids = stop_ids
+        self._detokenizer: Detokenizer | None = engine.tokenizer.detokenizer(generation.stop_strings) if engine.tokenizer else None
+        self._text: list[str] = []
+        self._pieces = self._run()
+        self._consumer: asyncio.Task[Any] | None = None  # the task inside __anext__, if any
+        self._abort_reason: str | None = None
+        self._h2d_before = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> Piece:
+        self._consumer = asyncio.current_task()
+        try:
+            return await anext(self._pieces)
+        except StopAsyncIteration:
+            if self._abort_reason is not None and self.result is None:  # closed by the engine between pieces
+                raise RequestCancelled(self._abort_reason) from None
+            raise
+        except asyncio.CancelledError:
+            self._mark_ended("cancelled")
+            if self._abort_reason is not None and self._consumer is not None and self._consumer.uncancel() == 0:
+                raise RequestCancelled(self._abort_reason) from None
+            raise
+        except Exception:
+            self._mark_ended("error")
+            raise
+        finally:
+            self._consumer = None
+
+    async def __aenter__(self) -> GenerationStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop the request (if it still runs) and give the engine to the next one. Idempotent."""
+        await self._pieces.aclose()
+        self._mark_ended("cancelled")
+
+    async def collect(self) -> Result:
+        """Run the request to the end; the pieces' text and ids are gathered into the `Result`."""
+        async for _ in self:
+            pass
+        assert self.result is not None, "stream ended without a result"
+        return self.result
+
+    # ---- the request, as the engine's queue sees it ----------------------------------------------------
+    async def _run(self) -> AsyncIterator[Piece]:
+        """Hold the engine's turn for the whole request; the last piece is yielded after letting go of it."""
+        final: Piece | None = None
+        async with self._engine._turn:
+            self._engine._check_open()
+            self._h2d_before = self._engine._bytes_loaded()
+            committed_rounds = self._engine.runtime.generate_ids(self.prompt_ids, self._runtime_generation(), self.stats)
+            async with contextlib.aclosing(committed_rounds):
+                async for committed in committed_rounds:
+                    self._per_request_h2d()
+                    piece = self._take(committed)
+                    if piece.finished:
+                        final = piece
+                        break
+                    yield piece
+        yield final or self._finish("length", [], "")
+
+    def _per_request_h2d(self) -> None:
+        # The runtime writes the cache's lifetime byte count into stats.h2d_bytes; a request's share is the delta.
+        self.stats.h2d_bytes = self._engine._bytes_loaded() - self._h2d_before
+
+    def _runtime_generation(self) -> GenerationConfig:
+        """The request's settings with every stop id (the checkpoint's eos too), so the runtime stops there."""
+        return self.generation.model_copy(update={"stop_token_ids": tuple(sorted(self._stop_ids))})
+
+    def _take(self, committed: list[int]) -> Piece:
+        """Account the round's tokens one by one, so a stop (id or string) drops the tokens after it."""
+        taken: list[int] = []
+        text: list[str] = []
+        for token in committed:
+            taken.append(token)
+            self.token_ids.append(token)
+            if token in self._stop_ids:  # like transformers and vLLM: the stop token's text is not shown
+                return self._finish("stop", taken, "".join(text))
+            if self._detokenizer is not None:
+                text.append(self._detokenizer.push([token]))
+                if self._detokenizer.stopped:
+                    return self._finish("stop", taken, "".join(text))
+            if len(self.token_ids) >= self.generation.max_new_tokens:
+                return self._finish("length", taken, "".join(text))
+        self._text.extend(text)
+        return Piece("".join(text), taken)
+
+    def _finish(self, reason: FinishReason, taken: list[int], text: str) -> Piece:
+        text += self._detokenizer.finish() if self._detokenizer is not None else ""
+        self._text.append(text)
+        self.stats.new_tokens = len(self.token_ids)
+        self.finish_reason = reason
+        self.result = Result(self.text, list(self.token_ids), self.stats, reason, list(self.prompt_ids))
+        return Piece(text, taken, finished=True, finish_reason=reason)
+
+    def _mark_ended(self, reason: FinishReason) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.stats.new_tokens = len(self.token_ids)
+
+    async def _abort(self, reason: str) -> None:
+        """Engine shutdown: end this request whether it runs in another task or sits between pieces."""
+        self._abort_reason = reason
+        if self._consumer is not None and self._consumer is not asyncio.current_task():
+            self._consumer.cancel()
+        elif self._consumer is None:
+            await self.aclose()
+
+
+class EngineLoader:
+    """What `Engine.from_pretrained` returns: `await` it for an engine, or use it as `async with`."""
+
+    def __init__(self, path: str | Path, config: EngineConfig | None, tokenizer: Tokenizer | None) -> None:
+        self._path, self._config, self._tokenizer = path, config, tokenizer
+        self._engine: Engine | None = None
+
+    def __await__(self) -> Generator[Any, None, Engine]:
+        return Engine.load(self._path, self._config, tokenizer=self._tokenizer).__await__()
+
+    async def __aenter__(self) -> Engine:
+        self._engine = await Engine.load(self._path, self._config, tokenizer=self._tokenizer)
+        return self._engine
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._engine is not None:
+            await self._engine.aclose()
+
+
+class Engine:
+    """One model, loaded once, serving requests one at a time in arrival order."""
+
+    def __init__(self, runtime: Runtime, tokenizer: Tokenizer | None = None, eos_token_ids: Sequence[int] = ()) -> None:
+        self.runtime = runtime
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(token) for token in eos_token_ids)
+        self._turn = asyncio.Lock()  # FIFO: asyncio wakes waiters in order and lets no newcomer jump the queue
+        self._streams: weakref.WeakSet[GenerationStream] = weakref.WeakSet()
+        self._closed = False
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None) -> EngineLoader:
+        """A checkpoint directory or a built-in model name ("tiny"); `async with` it or `await` it."""
+        return EngineLoader(path, config, tokenizer)
+
+    @classmethod
+    async def load(cls, path: str | Path, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None) -> Engine:
+        from specter.builtin import resolve_model
+
+        directory = resolve_model(str(path))
+        tokenizer = tokenizer or Tokenizer.from_dir(directory)  # before the weights: a broken file fails fast
+        runtime = await Runtime.load(directory, config)
+        return cls(runtime, tokenizer, checkpoint_eos(directory, runtime.spec))
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.runtime.spec
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.runtime.config
+
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Refuse new requests, end the running and queued ones (RequestCancelled), release the device."""
+        if self._closed:
+            return
+        self._closed = True
+        for stream in list(self._streams):
+            await stream._abort("the engine was closed while the request was running or queued")
+        async with self._turn:  # the aborted requests have unwound
+            await self.runtime.aclose()
+        log.debug("engine.closed")
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def generate(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None,
+                 **overrides: Any) -> GenerationStream:
+        """Start a request (validated now, queued when iterated); keyword overrides follow transformers' names."""
+        self._check_open()
+        generation = make_generation_config(generation_config, overrides)
+        prompt_ids = self.encode(prompt)
+        check_prompt(prompt_ids, generation.max_new_tokens, self.spec.vocab_size, self.config.max_context)
+        stream = GenerationStream(self, prompt_ids, generation, self.eos_token_ids | set(generation.stop_token_ids))
+        self._streams.add(stream)
+        return stream
+
+    async def complete(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None,
+                       **overrides: Any) -> Result:
+        """Generate to the end and return the whole `Result`."""
+        async with self.generate(prompt, generation_config, **overrides) as stream:
+            return await stream.collect()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: ids as they are, text through the tokenizer, messages through the chat template."""
+        if isinstance(prompt, str):
+            return self._need_tokenizer("a text prompt").encode(prompt)
+        items = list(prompt)
+        if items and all(isinstance(item, Mapping) for item in items):
+            return self._need_tokenizer("chat messages").encode_chat(items)
+        if not all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+            raise PromptError("a prompt is a str, a list of int token ids, or a list of chat messages "
+                              f"({{'role': ..., 'content': ...}}); got a list with {sorted({type(i).__name__ for i in items})}")
+        return [int(item) for item in items]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._need_tokenizer("decoding").decode(token_ids)
+
+    def _need_tokenizer(self, purpose: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise PromptError(f"{purpose} needs a tokenizer, and the checkpoint has no tokenizer.json; "
+                              "pass the prompt as token ids or give Engine.from_pretrained(..., tokenizer=...)")
+        return self.tokenizer
+
+    def _bytes_loaded(self) -> int:
+        cache = self.runtime.cache
+        return cache.stats.total().bytes_loaded if cache is not None else 0
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RequestCancelled("the engine is closed; load a new one with Engine.from_pretrained")
+
+
+def make_generation_config(base: GenerationConfig | Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> GenerationConfig:
+    """A validated GenerationConfig from a config or a dict plus keyword overrides (ConfigError when invalid)."""
+    if isinstance(base, GenerationConfig) and not overrides:
+        return base
+    if base is not None and not isinstance(base, (GenerationConfig, Mapping)):
+        raise ConfigError(f"generation_config must be a GenerationConfig or a dict, got {type(base).__name__}")
+    values = base.model_dump() if isinstance(base, GenerationConfig) else dict(base or {})
+    return GenerationConfig.build(**(values | dict(overrides)))
+
+
+def checkpoint_eos(directory: Path, spec: ModelSpec) -> tuple[int, ...]:
+    """The checkpoint's end-of-sequence ids: config.json's plus generation_config.json's (as transformers reads them)."""
+    ids = set(spec.eos_token_ids)
+    file = Path(directory) / "generation_config.json"
+    if file.is_file():
+        try:
+            eos = json.loads(file.read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError):
+            eos = None  # generation_config.json is advisory; a broken one must not stop the model from loading
+        ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+    return tuple(sorted(ids))

@@ -1,0 +1,103 @@
+"""A synchronous face for scripts and notebooks: the async `Engine` on its own event loop in a thread.
+
+    with SyncEngine("tiny", EngineConfig(residents=2)) as engine:
+        print(engine.complete("hello", max_new_tokens=16).text)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterator, Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+from specter.api import Engine, GenerationStream, Piece, Prompt, Result
+from specter.config import EngineConfig, GenerationConfig
+from specter.kernel import new_event_loop
+from specter.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+
+class SyncEngine:
+    """Blocking `complete` and `generate` over an `Engine`; works where a loop already runs (Jupyter).
+
+    The engine lives on a private event loop in a daemon thread, so the caller's thread never needs a loop.
+    Close it (or use `with`) to release the device and stop the thread.
+    """
+
+    def __init__(self, path: str | Path, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None) -> None:
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="specter-sync-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.engine: Engine = self._call(Engine.load(path, config, tokenizer=tokenizer))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def __enter__(self) -> SyncEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the engine and stop the loop thread. Idempotent."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self.engine.aclose())
+        finally:
+            self._stop_loop()
+
+    def complete(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None,
+                 **overrides: Any) -> Result:
+        return self._call(self.engine.complete(prompt, generation_config, **overrides))
+
+    def generate(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None,
+                 **overrides: Any) -> Iterator[Piece]:
+        """Pieces as they are committed; closing the iterator early (or Ctrl-C) ends the request."""
+        stream = self._call(self._start(prompt, generation_config, overrides))
+        return self._pieces(stream)
+
+    async def _start(self, prompt: Prompt, generation_config: Any, overrides: dict[str, Any]) -> GenerationStream:
+        return self.engine.generate(prompt, generation_config, **overrides)  # made on the loop: it owns the stream
+
+    def _pieces(self, stream: GenerationStream) -> Iterator[Piece]:
+        step: list[asyncio.Task[Any] | None] = [None]  # the loop-side task of the piece being awaited
+        pending: Future[Piece | None] | None = None
+        try:
+            while True:
+                pending = asyncio.run_coroutine_threadsafe(self._next_piece(stream, step), self._loop)
+                piece = pending.result()
+                if piece is None:
+                    return
+                yield piece
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()  # Ctrl-C or an abandoned iterator: the loop-side task is cancelled
+            self._call(self._end(stream, step[0]))
+
+    @staticmethod
+    async def _next_piece(stream: GenerationStream, step: list[asyncio.Task[Any] | None]) -> Piece | None:
+        step[0] = asyncio.current_task()
+        return await anext(stream, None)
+
+    @staticmethod
+    async def _end(stream: GenerationStream, step: asyncio.Task[Any] | None) -> None:
+        """Let a cancelled step unwind (its request's cleanup runs there), then close the stream."""
+        if step is not None and not step.done():
+            step.cancel()
+            await asyncio.wait([step])
+        await stream.aclose()
+
+    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()

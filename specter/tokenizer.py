@@ -1,0 +1,214 @@
+"""Text in and out: a checkpoint's `tokenizer.json` (through `tokenizers`), its chat template, and
+incremental detokenization that never releases half a character and stops at stop strings."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from specter.errors import CheckpointError, ConfigError
+
+TOKENIZER_FILE = "tokenizer.json"
+REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
+
+
+class Tokenizer:
+    """A fast tokenizer plus what the checkpoint directory says about it (special tokens, chat template)."""
+
+    def __init__(self, backend: Any, *, chat_template: str | None = None, special_tokens: Mapping[str, str] | None = None,
+                 source: str = "<memory>") -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})  # e.g. {"bos_token": "<s>", "eos_token": "</s>"}
+        self.source = source
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer | None:
+        """The tokenizer of a checkpoint directory, or None when it has no tokenizer.json."""
+        path = Path(path)
+        if not (path / TOKENIZER_FILE).is_file():
+            return None
+        settings = _read_json(path / "tokenizer_config.json")
+        template = _chat_template(path, settings)
+        special = {key: _token_text(settings.get(key)) for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        return cls(_load_backend(path / TOKENIZER_FILE), chat_template=template,
+                   special_tokens={key: text for key, text in special.items() if text}, source=str(path))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}]) with the checkpoint's chat template (jinja2)."""
+        if self.chat_template is None:
+            raise ConfigError(f"the tokenizer at {self.source} has no chat template (tokenizer_config.json `chat_template`); "
+                              "pass the prompt as text or token ids instead of messages")
+        template = _jinja_environment().from_string(self.chat_template)
+        return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes the special tokens itself (BOS included), so the tokenizer must not add them again.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def detokenizer(self, stop_strings: Iterable[str] = ()) -> Detokenizer:
+        return Detokenizer(self, stop_strings)
+
+
+class Detokenizer:
+    """Turns committed token ids into text pieces as they arrive.
+
+    A piece never ends inside a character: when the bytes so far end with an incomplete UTF-8 sequence
+    (byte-level BPE splits characters across tokens), the text waits for the next token. With stop
+    strings, the last `len(longest stop) - 1` characters are held back too, so that text before a stop
+    string is never released past it; once a stop string appears, the text is cut just before it and
+    `stopped` is set. `finish()` releases what is left. The pieces joined equal `text`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop_strings: Iterable[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self._hold = max((len(s) for s in self.stop_strings), default=1) - 1
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0  # decoding restarts here, so decoders that strip a leading space see context
+        self._read_offset = 0  # tokens before this are in `_decoded`
+        self._decoded = ""  # complete text decoded so far (cut at a stop string)
+        self._released = 0  # characters of `_decoded` handed out
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """Everything released so far."""
+        return self._decoded[: self._released]
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add committed tokens; return the text that is now safe to release (possibly empty)."""
+        if self.stopped:
+            return ""
+        self.token_ids.extend(token_ids)
+        self._append(self._complete_new_text())
+        return self._release(len(self._decoded) if self.stopped else len(self._decoded) - self._hold)
+
+    def finish(self) -> str:
+        """The end of generation: release everything, including a last incomplete character (as U+FFFD)."""
+        if not self.stopped:
+            self._append(self._new_text(allow_incomplete=True))
+        return self._release(len(self._decoded))
+
+    def _complete_new_text(self) -> str:
+        return self._new_text(allow_incomplete=False)
+
+    def _new_text(self, allow_incomplete: bool) -> str:
+        window = self.token_ids[self._prefix_offset:]
+        before = self.tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self.tokenizer.decode(window)
+        if len(full) <= len(before) or (full.endswith(REPLACEMENT) and not allow_incomplete):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+        return full[len(before):]
+
+    def _append(self, new_text: str) -> None:
+        if not new_text:
+            return
+        # A stop string may straddle the old text and the new: search from where it could begin.
+        search_from = max(0, len(self._decoded) - self._hold)
+        self._decoded += new_text
+        cut = _first_stop(self._decoded, self.stop_strings, search_from)
+        if cut is not None:
+            self._decoded = self._decoded[:cut]
+            self.stopped = True
+
+    def _release(self, upto: int) -> str:
+        upto = max(upto, self._released)
+        piece = self._decoded[self._released : upto]
+        self._released = upto
+        return piece
+
+
+def _first_stop(text: str, stop_strings: Sequence[str], start: int) -> int | None:
+    found = [index for stop in stop_strings if (index := text.find(stop, start)) != -1]
+    return min(found) if found else None
+
+
+def _load_backend(file: Path) -> Any:
+    tokenizers = _require_tokenizers()
+    try:
+        return tokenizers.Tokenizer.from_file(str(file))
+    except Exception as exc:  # the library raises a bare Exception for malformed files
+        raise CheckpointError(f"{file}: cannot read the tokenizer ({exc}); the file must be a Hugging Face tokenizer.json") from exc
+
+
+def _require_tokenizers() -> Any:
+    try:
+        import tokenizers
+    except ImportError:
+        raise ConfigError("text prompts need the `tokenizers` package; install it (pip install tokenizers) "
+                          "or pass prompts as token ids") from None
+    return tokenizers
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file}: not valid JSON ({exc}); fix or remove the file") from exc
+
+
+def _chat_template(path: Path, settings: Mapping[str, Any]) -> str | None:
+    """`chat_template.jinja` when present, else tokenizer_config.json's `chat_template` (a string, or named list)."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    template = settings.get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _jinja_environment() -> Any:
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ConfigError("chat templates need the `jinja2` package; install it (pip install jinja2) "
+                          "or pass the prompt as text or token ids") from None
+
+    def raise_exception(message: str) -> None:  # templates call this to refuse a conversation
+        raise ConfigError(f"the chat template refused the messages: {message}")
+
+    # The same settings transformers uses, so templates render identically.
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals["raise_exception"] = raise_exception
+    return environment
+
+
+def train_byte_level_bpe(texts: Iterable[str], vocab_size: int, special_tokens: Sequence[str] = ()) -> Any:
+    """A byte-level BPE `tokenizers.Tokenizer` trained on `texts` (deterministic for the same input)."""
+    tokenizers = _require_tokenizers()
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(list(texts), trainer=trainer)
+    return tokenizer

@@ -1,0 +1,240 @@
+"""The public API: load/close, streaming, complete, stop ids and strings, FIFO queueing, cancellation, sync wrapper."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+
+import pytest
+
+import specter
+from specter import Engine, EngineConfig, GenerationConfig, SyncEngine
+from specter.builtin import builtin_path
+from specter.decode import greedy_decode, run_sync
+from specter.errors import RequestCancelled
+from specter.kernel import run
+from specter.loader import load_resident
+
+OFFLOADED = EngineConfig(device="cpu", residents=2)  # 2 of 16 experts per layer on the "device", speculation on
+PROMPT = [5, 17, 300, 42]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return builtin_path("tiny")
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny):
+    """Plain greedy decoding with every expert resident: the output every mode must equal."""
+    loaded = load_resident(tiny, EngineConfig(device="cpu"))
+    return lambda prompt, n: run_sync(greedy_decode(loaded.model, loaded.experts, prompt, n))
+
+
+def assert_engine_clean(engine: Engine) -> None:
+    runtime = engine.runtime
+    assert runtime.kv.length == 0 and runtime.plan is None
+    for layer in range(runtime.cache.num_layers):
+        assert runtime.cache.protected_experts(layer) == set()
+        assert runtime.cache.pinned_experts(layer) == []
+
+
+def test_complete_equals_baseline_and_stream(tiny, baseline):
+    async def main():
+        async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
+            result = await engine.complete(PROMPT, max_new_tokens=12)
+            async with engine.generate(PROMPT, GenerationConfig(max_new_tokens=12)) as stream:
+                pieces = [piece async for piece in stream]
+            return engine, result, pieces, stream
+
+    engine, result, pieces, stream = run(main())
+    assert result.token_ids == baseline(PROMPT, 12)
+    assert [t for piece in pieces for t in piece.token_ids] == result.token_ids
+    assert len(pieces) >= 2 and pieces[-1].finished and not any(piece.finished for piece in pieces[:-1])
+    assert result.finish_reason == "length" and stream.result.token_ids == result.token_ids
+    assert "".join(piece.text for piece in pieces) == result.text == engine.tokenizer.decode(result.token_ids)
+    stats = result.stats.as_dict()
+    assert stats["new_tokens"] == 12 and stats["prompt_tokens"] == len(PROMPT)
+    assert stats["ttft_s"] > 0 and stats["tpot_s"] > 0 and stats["rounds"] >= 1
+    assert 0 < stats["acceptance_rate"] <= 1 and stats["mean_accepted_length"] >= 1
+    assert stats["misses"] > 0 and stats["h2d_bytes"] > 0 and 0 <= stats["hit_rate"] <= 1
+
+
+def test_h2d_bytes_are_per_request(tiny):
+    async def main():
+        async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
+            first = await engine.complete(PROMPT, max_new_tokens=8)
+            second = await engine.complete(PROMPT, max_new_tokens=8)
+            return first.stats, second.stats, engine.runtime.cache.stats.total().bytes_loaded
+
+    first, second, lifetime = run(main())
+    assert 0 < first.h2d_bytes and 0 < second.h2d_bytes and first.h2d_bytes + second.h2d_bytes <= lifetime
+
+
+def test_text_prompt_and_await_form(tiny):
+    async def main():
+        engine = await Engine.from_pretrained(tiny, OFFLOADED)
+        try:
+            by_text = await engine.complete("hello world", max_new_tokens=6)
+            by_ids = await engine.complete(engine.tokenizer.encode("hello world"), max_new_tokens=6)
+        finally:
+            await engine.aclose()
+        return by_text, by_ids
+
+    by_text, by_ids = run(main())
+    assert by_text.token_ids == by_ids.token_ids and by_text.prompt_ids == by_ids.prompt_ids
+
+
+def test_stop_token_id_and_checkpoint_eos(tiny, tmp_path, baseline):
+    free_run = baseline(PROMPT, 16)
+    stop = free_run[5]
+    expected = free_run[: free_run.index(stop) + 1]
+    directory = shutil.copytree(tiny, tmp_path / "m")
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop]}))
+
+    async def main():
+        async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
+            by_request = await engine.complete(PROMPT, max_new_tokens=16, stop_token_ids=(stop,))
+        async with Engine.from_pretrained(directory, OFFLOADED) as engine:
+            by_eos = await engine.complete(PROMPT, max_new_tokens=16)
+        return by_request, by_eos
+
+    for result in run(main()):
+        assert result.token_ids == expected and result.finish_reason == "stop"
+        assert result.stats.new_tokens == len(expected)
+
+
+def test_stop_string_truncates_text_and_tokens(tiny):
+    async def main():
+        async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
+            free = await engine.complete(PROMPT, max_new_tokens=24)
+            stop = next(free.text[i : i + 2] for i in range(4, len(free.text)) if "\ufffd" not in free.text[i : i + 2])
+            stopped = await engine.complete(PROMPT, max_new_tokens=24, stop_strings=(stop,))
+            return free, stop, stopped
+
+    free, stop, stopped = run(main())
+    assert stopped.finish_reason == "stop" and stopped.text == free.text[: free.text.find(stop)]
+    assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)] and len(stopped.token_ids) < len(free.token_ids)
+
+
+def test_concurrent_requests_are_served_in_arrival_order(tiny, baseline):
+    prompts = [[3, 4, 5], [9, 8], [100, 200, 300, 400], [7]]
+    events: list[int] = []
+
+    async def one(engine: Engine, index: int) -> list[int]:
+        async with engine.generate(prompts[index], max_new_tokens=8) as stream:
+            async for _ in stream:
+                events.append(index)
+        return stream.result.token_ids
+
+    async def main():
+        async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
+            tasks = []
+            for index in range(len(prompts)):
+                tasks.append(asyncio.create_task(one(engine, index)))
+                await asyncio.sleep(0)  # let it join the queue before the next arrives
+            return await asyncio.gather(*tasks)
+
+    outputs = run(main())
+    assert outputs == [baseline(prompt, 8) for prompt in prompts]
+    order = [index for position, index in enumerate(events) if position == 0 or events[position - 1] != index]
+    assert order == [0, 1, 2, 3]  # each request's pieces are contiguous, first come first served
+
+
+def test_cancel_waiting_and_running_requests_leaves_engine_clean(tiny, baseline):
+    async def main():
+        async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
+            running = engine.generate(PROMPT, max_new_tokens=40)
+            first_piece = asyncio.Event()
+
+            async def consume():
+                async for _ in running:
+                    first_piece.set()
+
+            runner = asyncio.create_task(consume())
+            waiter = asyncio.create_task(engine.complete([1, 2], max_new_tokens=8))
+            await first_piece.wait()
+            await asyncio.sleep(0.005)  # somewhere inside a round
+            waiter.cancel()
+            runner.cancel()
+            results = await asyncio.gather(runner, waiter, return_exceptions=True)
+            assert all(isinstance(result, asyncio.CancelledError) for result in results)
+            assert running.finish_reason == "cancelled" and 0 < len(running.token_ids) < 40
+            assert_engine_clean(engine)
+            return await engine.complete([1, 2], max_new_tokens=8)
+
+    assert run(main()).token_ids == baseline([1, 2], 8)
+
+
+def test_leaving_a_stream_early_frees_the_engine(tiny, baseline):
+    async def main():
+        async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
+            async with engine.generate(PROMPT, max_new_tokens=30) as stream:
+                async for _ in stream:
+                    break
+            assert stream.finish_reason == "cancelled"
+            assert_engine_clean(engine)
+            return await asyncio.wait_for(engine.complete(PROMPT, max_new_tokens=6), timeout=30)
+
+    assert run(main()).token_ids == baseline(PROMPT, 6)
+
+
+def test_closing_the_engine_ends_queued_and_running_requests(tiny):
+    async def main():
+        engine = await Engine.from_pretrained(tiny, OFFLOADED)
+        started = asyncio.Event()
+
+        async def consume(prompt):
+            async for _ in engine.generate(prompt, max_new_tokens=200):
+                started.set()
+
+        tasks = [asyncio.create_task(consume(PROMPT)), asyncio.create_task(consume([1, 2]))]
+        await started.wait()
+        idle = engine.generate([9, 9], max_new_tokens=5)  # queued, never iterated yet
+        await engine.aclose()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(outcome, RequestCancelled) for outcome in outcomes), outcomes
+        with pytest.raises(RequestCancelled, match="closed"):
+            await anext(idle)
+        with pytest.raises(RequestCancelled, match="closed"):
+            engine.generate(PROMPT)
+
+    run(main())
+
+
+def test_sync_engine(tiny, baseline):
+    threads_before = threading.active_count()
+    with SyncEngine(tiny, OFFLOADED) as engine:
+        assert engine.complete(PROMPT, max_new_tokens=6).token_ids == baseline(PROMPT, 6)
+        pieces = engine.generate("hello", max_new_tokens=30)
+        next(pieces)
+        pieces.close()  # ends the request: the engine takes the next one
+        streamed = [t for piece in engine.generate(PROMPT, max_new_tokens=6) for t in piece.token_ids]
+        assert streamed == baseline(PROMPT, 6)
+    assert threading.active_count() == threads_before
+
+
+def test_package_exports():
+    assert specter.Engine is Engine and specter.SyncEngine is SyncEngine
+    assert {"Engine", "Result", "Piece", "Tokenizer", "EngineConfig", "GenerationConfig"} <= set(specter.__all__)
+    with pytest.raises(AttributeError):
+        specter.NotAThing  # noqa: B018
+
+
+def test_chat_messages_go_through_the_template(tiny, tmp_path):
+    directory = shutil.copytree(tiny, tmp_path / "m")
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings | {"chat_template": template}))
+
+    async def main():
+        async with Engine.from_pretrained(directory, OFFLOADED) as engine:
+            messages = [{"role": "user", "content": "hello"}]
+            chat = await engine.complete(messages, max_new_tokens=4)
+            text = await engine.complete("user: hello\nassistant:", max_new_tokens=4)
+            return chat, text
+
+    chat, text = run(main())
+    assert chat.prompt_ids == text.prompt_ids and chat.token_ids == text.token_ids

@@ -1,0 +1,145 @@
+"""Tokenizer: checkpoint files, chat template, incremental detokenization (no broken characters), stop strings."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specter.builtin import TOKENIZER_TEXT, builtin_path, write_builtin
+from specter.errors import CheckpointError, ConfigError
+from specter.tokenizer import REPLACEMENT, Tokenizer, train_byte_level_bpe
+
+MULTIBYTE = "café 日本語のテキスト 🙂🚀 smörgåsbord Ελληνικά ∑≈ hello world"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    loaded = Tokenizer.from_dir(builtin_path("tiny"))
+    assert loaded is not None
+    return loaded
+
+
+def stream(tokenizer: Tokenizer, ids: list[int], stop_strings: tuple[str, ...] = ()) -> tuple[list[str], str, bool]:
+    """Push ids one at a time; return the pieces (the last from finish()), their join and whether it stopped."""
+    detokenizer = tokenizer.detokenizer(stop_strings)
+    pieces = [detokenizer.push([token]) for token in ids]
+    pieces.append(detokenizer.finish())
+    assert "".join(pieces) == detokenizer.text
+    return pieces, detokenizer.text, detokenizer.stopped
+
+
+def test_builtin_tokens_split_characters(tokenizer):
+    """The premise of the next tests: some single tokens decode to half a character."""
+    ids = tokenizer.encode(MULTIBYTE)
+    assert tokenizer.decode(ids) == MULTIBYTE
+    assert any(REPLACEMENT in tokenizer.decode([token]) for token in ids)
+
+
+def test_pieces_never_hold_broken_characters(tokenizer):
+    ids = tokenizer.encode(MULTIBYTE)
+    pieces, text, stopped = stream(tokenizer, ids)
+    assert text == MULTIBYTE and not stopped
+    assert all(REPLACEMENT not in piece for piece in pieces)
+    assert sum(1 for piece in pieces if piece) > 5  # released as it goes, not all at the end
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("ab é日本🙂Ωж\n.,")), min_size=1, max_size=30))
+def test_incremental_equals_full_decode(tokenizer, text):
+    ids = tokenizer.encode(text)
+    pieces, joined, _ = stream(tokenizer, ids)
+    assert joined == tokenizer.decode(ids) == text
+    assert all(REPLACEMENT not in piece for piece in pieces)
+
+
+def test_invalid_bytes_are_released_at_the_end(tokenizer):
+    """A lone lead byte never completes: it is held back mid-stream and shown as U+FFFD by finish()."""
+    lead_only = next(t for t in range(tokenizer.vocab_size) if tokenizer.decode([t]) == REPLACEMENT)
+    ids = tokenizer.encode("ok ") + [lead_only]
+    pieces, text, _ = stream(tokenizer, ids)
+    assert REPLACEMENT not in "".join(pieces[:-1])
+    assert text == tokenizer.decode(ids) and text.endswith(REPLACEMENT)
+
+
+def test_stop_string_cuts_before_it_even_across_tokens(tokenizer):
+    ids = tokenizer.encode("the draft proposes tokens and the target verifies them")
+    pieces, text, stopped = stream(tokenizer, ids, stop_strings=("the target", "zzz"))
+    assert stopped and text == "the draft proposes tokens and "
+    assert all("the target" not in piece for piece in pieces)
+
+
+def test_stop_string_never_partly_released_before_stopping(tokenizer):
+    """Held back: no piece released before the stop shows the stop string's first characters past the cut."""
+    ids = tokenizer.encode("hello world. the quick brown fox")
+    detokenizer = tokenizer.detokenizer(("quick brown",))
+    released = ""
+    for token in ids:
+        released += detokenizer.push([token])
+        assert len(released) <= len("hello world. the ")
+    assert detokenizer.stopped and released + detokenizer.finish() == "hello world. the "
+
+
+def test_no_stop_string_leaves_text_whole(tokenizer):
+    text = "experts that are resident on the device"
+    _, joined, stopped = stream(tokenizer, tokenizer.encode(text), stop_strings=("absent",))
+    assert joined == text and not stopped
+
+
+def test_metaspace_decoder_keeps_spaces_incrementally():
+    """Sentencepiece-style decoders strip a leading space; decoding with context keeps the spaces."""
+    from tokenizers import Tokenizer as Fast, decoders, models, pre_tokenizers, trainers
+
+    fast = Fast(models.BPE(unk_token="<unk>"))
+    fast.pre_tokenizer = pre_tokenizers.Metaspace()
+    fast.decoder = decoders.Metaspace()
+    fast.train_from_iterator([TOKENIZER_TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"], show_progress=False))
+    tokenizer = Tokenizer(fast)
+    text = "the draft proposes tokens and the target verifies them"
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    _, joined, _ = stream(tokenizer, ids)
+    assert joined == text
+
+
+def test_builtin_tokenizer_is_deterministic_and_fits_the_vocabulary(tmp_path, tokenizer):
+    first = write_builtin("tiny", tmp_path / "a")
+    second = write_builtin("tiny", tmp_path / "b")
+    assert (first / "tokenizer.json").read_bytes() == (second / "tokenizer.json").read_bytes()
+    assert tokenizer.vocab_size <= json.loads((first / "config.json").read_text())["vocab_size"]
+    assert tokenizer.special_tokens["eos_token"] == "<|endoftext|>"
+
+
+def test_missing_tokenizer_is_none_and_broken_one_is_an_error(tmp_path):
+    assert Tokenizer.from_dir(tmp_path) is None
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_chat_template_from_tokenizer_config(tmp_path):
+    directory = shutil.copytree(builtin_path("tiny"), tmp_path / "m")
+    template = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    settings_file = directory / "tokenizer_config.json"
+    settings_file.write_text(json.dumps(json.loads(settings_file.read_text()) | {"chat_template": template, "bos_token": "<s>"}))
+    tokenizer = Tokenizer.from_dir(directory)
+    messages = [{"role": "user", "content": "hello"}]
+    rendered = tokenizer.apply_chat_template(messages)
+    assert rendered == "<s><user>hello<|endoftext|><assistant>"
+    assert tokenizer.encode_chat(messages) == tokenizer.encode(rendered, add_special_tokens=False)
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=False).endswith("<|endoftext|>")
+
+
+def test_no_chat_template_is_a_clear_error(tokenizer):
+    with pytest.raises(ConfigError, match="no chat template"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_template_can_refuse(tmp_path):
+    tokenizer = Tokenizer(train_byte_level_bpe(["abc"], 300), chat_template="{{ raise_exception('only user turns') }}")
+    with pytest.raises(ConfigError, match="only user turns"):
+        tokenizer.apply_chat_template([{"role": "system", "content": "x"}])
