@@ -19,7 +19,7 @@ from specter.model.kv import KVCache
 from specter.model.registry import register_transformer
 from specter.model.spec import ModelSpec, _common, _Fields, register_family
 from specter.model.transformer import Tensor, Transformer, rms_norm
-from specter.model.weights import DENSE_SHAPES, mlp_shapes
+from specter.model.weights import DENSE_SHAPES, standard_dense_shapes
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use the RMSNorm default, not rms_norm_eps
 
@@ -121,22 +121,7 @@ def _yarn(fields: _Fields, scaling: dict[str, Any] | None, max_position: int) ->
 def deepseek_dense_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every non-routed-expert tensor of DeepSeek-V2 and its shape, by on-disk name."""
     assert isinstance(spec, DeepseekSpec), f"deepseek_v2 shapes need a DeepseekSpec, got {type(spec).__name__}"
-    D = spec.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, D), "model.norm.weight": (D,)}
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, D)
-    for layer in range(spec.num_layers):
-        prefix = spec.layer_prefix(layer)
-        shapes[f"{prefix}.input_layernorm.weight"] = (D,)
-        shapes[f"{prefix}.post_attention_layernorm.weight"] = (D,)
-        shapes |= mla_shapes(spec, f"{prefix}.self_attn")
-        if layer in spec.dense_layers:
-            shapes |= mlp_shapes(f"{prefix}.mlp", D, spec.dense_intermediate)
-            continue
-        shapes[spec.router_name(layer)] = (spec.num_experts, D)
-        if spec.shared_intermediate:
-            shapes |= mlp_shapes(f"{prefix}.mlp.shared_experts", D, spec.shared_intermediate)
-    return shapes
+    return standard_dense_shapes(spec, attention=mla_shapes, shared_name="shared_experts")
 
 
 def mla_shapes(spec: DeepseekSpec, prefix: str) -> dict[str, tuple[int, ...]]:

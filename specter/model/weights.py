@@ -47,8 +47,12 @@ def mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ...
     }
 
 
-def standard_dense_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every non-routed-expert tensor of the model and its shape, by on-disk name."""
+def standard_dense_shapes(spec: ModelSpec, attention: Callable[[ModelSpec, str], dict[str, tuple[int, ...]]] = attention_shapes,
+                          shared_name: str = "shared_expert") -> dict[str, tuple[int, ...]]:
+    """Every non-routed-expert tensor of the model and its shape, by on-disk name.
+
+    Families with another attention (DeepSeek's MLA) or shared-expert name pass their own.
+    """
     D = spec.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, D), "model.norm.weight": (D,)}
     if not spec.tie_word_embeddings:
@@ -57,13 +61,13 @@ def standard_dense_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         prefix = spec.layer_prefix(layer)
         shapes[f"{prefix}.input_layernorm.weight"] = (D,)
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (D,)
-        shapes |= attention_shapes(spec, f"{prefix}.self_attn")
+        shapes |= attention(spec, f"{prefix}.self_attn")
         if layer in spec.dense_layers:
             shapes |= mlp_shapes(f"{prefix}.mlp", D, spec.dense_intermediate)
             continue
         shapes[spec.router_name(layer)] = (spec.num_experts, D)
         if spec.shared_intermediate:
-            shapes |= mlp_shapes(f"{prefix}.mlp.shared_expert", D, spec.shared_intermediate)
+            shapes |= mlp_shapes(f"{prefix}.mlp.{shared_name}", D, spec.shared_intermediate)
         if spec.shared_gate:
             shapes[f"{prefix}.mlp.shared_expert_gate.weight"] = (1, D)
     return shapes
