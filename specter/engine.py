@@ -231,6 +231,7 @@ class Runtime:
         stats.ttft_s = time.perf_counter() - started
         produced = [first]
         stats.token_times.append(time.perf_counter())
+        stats.new_tokens = 1
         yield [first]
         stop = set(generation.stop_token_ids)
         while len(produced) < generation.max_new_tokens and produced[-1] not in stop:
@@ -240,8 +241,8 @@ class Runtime:
             produced.extend(tokens)
             now = time.perf_counter()
             stats.token_times.extend([now] * len(tokens))
+            stats.new_tokens = len(produced)  # kept current: a consumer may stop iterating at any point
             yield tokens
-        stats.new_tokens = len(produced)
 
     async def _prefill(self, prompt: list[int], params: SamplingParams, stats: RequestStats) -> int:
         self.kv.reset()
