@@ -123,3 +123,24 @@ def test_gptq_draft_is_calibrated_and_exact(root):
     result = run(path, config, [9, 8, 7], generation)
     assert result.tokens == baseline(path, [9, 8, 7], generation)
     assert result.stats.drafted > 0 and result.stats.acceptance_rate > 0.3
+
+
+def test_draft_shares_the_targets_non_expert_tensors(root):
+    """Every non-expert tensor of the draft is the target's own storage, not a copy; experts are quantized."""
+
+    async def go():
+        path = checkpoint("qwen2_moe", root)
+        runtime = await Runtime.load(path, EngineConfig(device="cpu", max_context=64, residents=3, draft=DraftConfig(k=2)))
+        try:
+            target, draft = runtime.model, runtime.draft.model
+            assert draft is not target and draft.w.keys() == target.w.keys()
+            for name, tensor in target.w.items():
+                assert draft.w[name].untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr(), name
+            assert not any(".experts." in name for name in draft.w)
+            quantized = runtime.draft.experts.layers
+            assert set(quantized) == set(runtime.spec.moe_layers)
+            assert all(q.bits == 4 for q in quantized.values())
+        finally:
+            await runtime.aclose()
+
+    asyncio.run(go())
