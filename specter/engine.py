@@ -13,7 +13,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -91,6 +91,7 @@ class Runtime:
         self.k_max = config.draft.k_max if draft is not None else 0  # calibrate_draft sets it for gptq4
         self.estimates = Estimates(self.k_max)
         self.trace: TraceWriter | None = None
+        self._counts_host: list[Tensor] = []  # pinned snapshots of the draft's route counters, one per checkpoint (CUDA)
         self._lock = asyncio.Lock()
 
     # ---- loading ------------------------------------------------------------------------------
@@ -257,12 +258,25 @@ class Runtime:
 
     # ---- one decode round (DESIGN section 1) ------------------------------------------------------
     async def round(self, x0: int, params: SamplingParams, remaining: int, stats: RequestStats) -> list[int]:
-        """Draft, prefetch, verify, accept, commit, adapt. Returns the committed tokens (1..k+1)."""
+        """Draft, prefetch, verify, accept, commit, adapt. Returns the committed tokens (1..k+1).
+
+        The draft and the transfer stage are tasks of one task group: at each prefetch checkpoint the draft
+        snapshots its route counters (an async D2H copy) and goes on enqueuing steps, while the transfer
+        stage waits for the GPU to pass that point, plans, and issues copies. Leaving the group (normally,
+        by error or by cancellation) leaves no stage running.
+        """
         start = self.kv.length  # position of x0
         k = self._next_k(remaining)
         round_started = time.perf_counter()
         x0_tensor = torch.tensor([x0], dtype=torch.long, device=self.model.device)
-        drafted, draft_logits = await self._draft(x0_tensor, start, k, params) if k else (None, None)
+        drafted, draft_logits = None, None
+        if k:
+            async with asyncio.TaskGroup() as stages:
+                checkpoints: asyncio.Queue[tuple[int, np.ndarray, Any] | None] = asyncio.Queue()
+                stages.create_task(self._transfer_stage(checkpoints, k), name="specter-transfer-stage")
+                drafted, draft_logits = await stages.create_task(self._draft(x0_tensor, start, k, params, checkpoints),
+                                                                 name="specter-draft-stage")
+                checkpoints.put_nowait(None)
         draft_s = time.perf_counter() - round_started
         block = torch.cat([x0_tensor, drafted]) if k else x0_tensor
         record = self._start_record()
@@ -284,25 +298,50 @@ class Runtime:
         k = self.lookahead.next_k(self._lookahead_state())
         return max(0, min(k, self.k_max, remaining - 1))
 
-    async def _draft(self, x0: Tensor, start: int, k: int, params: SamplingParams) -> tuple[Tensor, Tensor | None]:
+    async def _draft(self, x0: Tensor, start: int, k: int, params: SamplingParams,
+                     checkpoints: asyncio.Queue) -> tuple[Tensor, Tensor | None]:
+        """The draft stage: k steps; at each prefetch checkpoint, hand a snapshot of the counters to the transfer stage."""
         assert self.draft is not None
-        timing = self._timing()
-        checkpoints = set(self.prefetch.checkpoints(k=k, timing=timing)) if self.cache is not None else set()
+        planned_at = set(self.prefetch.checkpoints(k=k, timing=self._timing())) if self.cache is not None else set()
+
+        taken = 0
 
         async def after_step(steps_done: int) -> None:
-            if steps_done in checkpoints:
-                await self._plan_and_prefetch(steps_done, k, timing)
+            nonlocal taken
+            if steps_done in planned_at:
+                checkpoints.put_nowait((steps_done, *self._snapshot_counts(taken)))
+                taken += 1
+                await asyncio.sleep(0)  # let the transfer stage start waiting on the snapshot
 
         keep = params.temperature > 0 and self.config.draft.sampling == "rejection"
         return await self.draft.propose(x0, start, k, self.kv, params, after_step, keep_logits=keep)
 
-    async def _plan_and_prefetch(self, steps_done: int, k: int, timing: LinkTiming) -> None:
-        """Turn the draft's route counters into a plan; protect it and issue copies in layer order."""
-        assert self.cache is not None and self.draft is not None
-        counts = np.asarray(await to_host(self.kernel, self.draft.route_counts[self.spec.moe_layers]), dtype=np.float64)
-        resident = self._residency()
-        self.plan = self.prefetch.plan(route_counts=counts, resident=resident, steps_done=steps_done, k=k, timing=timing,
-                                       slots_per_layer=self.memory.slots_per_layer)
+    def _snapshot_counts(self, index: int) -> tuple[Tensor, Any]:
+        """Copy the route counters [L_moe, E] to host memory without waiting; the event says when they landed.
+
+        Each checkpoint of a round has its own pinned buffer, so a later snapshot never overwrites one the
+        transfer stage has not read yet.
+        """
+        assert self.draft is not None
+        counts = self.draft.route_counts[self.spec.moe_layers]
+        if counts.device.type == "cpu":
+            return counts.clone(), None
+        while len(self._counts_host) <= index:
+            self._counts_host.append(torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True))
+        return self._counts_host[index], self.backend.copy_d2h(self._counts_host[index], counts, self.backend.compute_stream)
+
+    async def _transfer_stage(self, checkpoints: asyncio.Queue, k: int) -> None:
+        """The transfer stage: for each checkpoint, await its counters, plan, protect and issue copies in layer order."""
+        while (item := await checkpoints.get()) is not None:
+            steps_done, counts, landed = item
+            if landed is not None:
+                await self.kernel.wait(landed)  # the GPU has passed this draft step; later steps keep running
+            self._plan_and_prefetch(counts.numpy().astype(np.float64), steps_done, k)
+
+    def _plan_and_prefetch(self, counts: np.ndarray, steps_done: int, k: int) -> None:
+        assert self.cache is not None
+        self.plan = self.prefetch.plan(route_counts=counts, resident=self._residency(), steps_done=steps_done, k=k,
+                                       timing=self._timing(), slots_per_layer=self.memory.slots_per_layer)
         for layer in range(len(self.spec.moe_layers)):
             planned = self.plan.for_layer(layer)
             self.cache.protect(layer, planned)
