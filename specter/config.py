@@ -107,6 +107,13 @@ class EngineConfig(_Frozen):
         description="On CUDA, replay the resident decode/verify step and the draft step as CUDA graphs "
         "(default on; SPECTER_CUDA_GRAPHS=0 turns it off).",
     )
+    static_verify: bool = Field(
+        False,
+        description="Verify with offloaded experts through the segmented static step (specter/model/segmented.py): "
+        "the resident graph's numerics, one CUDA graph per MoE layer's pre-expert part, routed experts hot first "
+        "from the cache. Also runs the resident target through the static step on the CPU, so both agree. "
+        "Off until measured on the GPU.",
+    )
 
     @field_validator("device")
     @classmethod

@@ -38,6 +38,7 @@ from specter.model.kv import KVCache
 from specter.model.spec import ModelSpec
 from specter.model.registry import transformer_for
 from specter.model.resident import ResidentExperts
+from specter.model.segmented import SegmentedStep
 from specter.model.transformer import ExpertProvider, Transformer
 from specter.model.weights import check_no_unknown_experts, iter_experts, load_dense
 from specter.policy import LinkTiming, LookaheadState, Plan, RoundOutcome, UseHistory
@@ -87,7 +88,8 @@ class Runtime:
         self.uses = UseClock(len(spec.moe_layers))
         self.plan: Plan | None = None
         self.kv: KVCache = model.new_kv()
-        self.graphed = _graphed_target(model, experts, self.kv) if config.cuda_graphs else None
+        self.graphed = _graphed_target(model, experts, self.kv, config)
+        self.segmented = _segmented_step(model, experts, self.kv, config)
         self.k_max = config.draft.k_max if draft is not None else 0  # calibrate_draft sets it for gptq4
         self.estimates = Estimates(self.k_max)
         self.trace: TraceWriter | None = None
@@ -154,6 +156,8 @@ class Runtime:
         """Capture the CUDA graphs at start-up, while the KV is empty, so decoding allocates nothing."""
         if self.graphed is not None:
             self.graphed.prepare()
+        if self.segmented is not None:
+            self.segmented.prepare()
         if self.draft is not None:
             self.draft.capture(self.kv)
 
@@ -281,7 +285,9 @@ class Runtime:
         block = torch.cat([x0_tensor, drafted]) if k else x0_tensor
         record = self._start_record()
         verify_started = time.perf_counter()
-        if self.graphed is not None:
+        if self.segmented is not None:  # offloaded, static_verify: the resident graph's numerics, experts hot first
+            logits = await self.experts.verify_static(self.segmented, block, start)  # [k+1, V]
+        elif self.graphed is not None:
             logits = self.graphed.logits(block, start)  # [k+1, V]: one R-row graph serves k = 0 and every verify
         else:
             hidden = await self.model.forward(block, start, self.kv, self.experts)
@@ -440,11 +446,23 @@ class Runtime:
         )
 
 
-def _graphed_target(model: Transformer, experts: ExpertProvider, kv: KVCache) -> GraphedTarget | None:
-    """All experts resident on CUDA with the standard attention: decode and verify replay one R-row CUDA graph."""
-    if model.device.type != "cuda" or not isinstance(experts, ResidentExperts) or not static_step_supported(model):
+def _graphed_target(model: Transformer, experts: ExpertProvider, kv: KVCache, config: EngineConfig) -> GraphedTarget | None:
+    """All experts resident with the standard attention: decode and verify run one R-row static step.
+
+    Replayed as a CUDA graph on CUDA with cuda_graphs; also built (run directly) with static_verify on
+    any device, so the resident and the offloaded configurations share the static step's numerics.
+    """
+    graphs = model.device.type == "cuda" and config.cuda_graphs
+    if not (graphs or config.static_verify) or not isinstance(experts, ResidentExperts) or not static_step_supported(model):
         return None
-    return GraphedTarget(model, experts, kv)
+    return GraphedTarget(model, experts, kv, use_graph=graphs)
+
+
+def _segmented_step(model: Transformer, experts: ExpertProvider, kv: KVCache, config: EngineConfig) -> SegmentedStep | None:
+    """Offloaded experts with static_verify: verify runs GraphedTarget's numerics, cut at each MoE layer's routing."""
+    if not config.static_verify or not isinstance(experts, OffloadedExperts) or not static_step_supported(model):
+        return None
+    return SegmentedStep(model, kv, use_graph=model.device.type == "cuda" and config.cuda_graphs)
 
 
 def _make_draft(model: Transformer, experts: DraftExperts, config: EngineConfig) -> Draft:

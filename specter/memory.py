@@ -18,7 +18,16 @@ from specter.model.weights import dense_shapes
 
 MiB = 2**20
 GiB = 2**30
-WORKSPACE_BYTES = 256 * MiB  # activations, logits, allocator slack on CUDA
+ALLOCATOR_SLACK_BYTES = 32 * MiB  # the caching allocator's rounding and small buffers
+
+
+def workspace_bytes(spec: ModelSpec, config: EngineConfig) -> int:
+    """Activations of one row block through the widest layer, fp32 logits of a verify block, and slack."""
+    rows = max(config.row_bucket, config.draft.k_max + 1)
+    widest = max(spec.expert_intermediate * 2, spec.dense_intermediate * 2, spec.shared_intermediate * 2, 4 * spec.hidden_size)
+    per_row = 4 * (spec.vocab_size + 8 * spec.hidden_size + 4 * widest)
+    scores = 3 * 4 * spec.num_heads * rows * config.max_context  # the static step's whole-cache attention scores
+    return ALLOCATOR_SLACK_BYTES + 4 * rows * per_row + scores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +80,7 @@ def plan_memory(spec: ModelSpec, dtype: torch.dtype, config: EngineConfig, specu
     draft = per_draft_expert * spec.num_experts * len(spec.moe_layers) if speculative else 0
     expert = spec.expert_numel * element
     plan = MemoryPlan(
-        budget=config.budget, dense_bytes=dense, draft_bytes=draft, kv_bytes=kv, workspace_bytes=WORKSPACE_BYTES,
+        budget=config.budget, dense_bytes=dense, draft_bytes=draft, kv_bytes=kv, workspace_bytes=workspace_bytes(spec, config),
         expert_bytes=expert, moe_layers=len(spec.moe_layers), num_experts=spec.num_experts, slots_per_layer=spec.num_experts,
         min_slots_per_layer=spec.top_k,
     )

@@ -3,18 +3,21 @@
 At each MoE layer it awaits the target router's choice (one small D2H copy), computes the experts that
 are already resident, and loads the misses on demand through the cache's rolling window of slots, so a
 miss's copy overlaps the compute of the hits. Outputs are summed in expert-id order (exact mode).
+Two forwards use it: the eager exact forward (`OffloadedExperts.run`) and the segmented static step
+(`verify_segmented`), whose numerics are the resident GraphedTarget's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from specter.experts.cache import ExpertCache
 from specter.kernel import Kernel
+from specter.model.segmented import SegmentedStep
 from specter.model.transformer import ExpertMLP, RoutingTable, combine_in_expert_order
 
 Tensor = torch.Tensor
@@ -42,11 +45,43 @@ class VerifyRecord:
     stall_s: float = 0.0
 
 
+ComputeExpert = Callable[[int, Tensor], None]
+"""compute(expert, packed_weights): launch one expert's compute reading the slot's weights."""
+RoutedHook = Callable[[int, Tensor, list[int]], None]
+
+
+async def compute_hot_first(cache: ExpertCache, kernel: Kernel, cache_layer: int, needed: Sequence[int],
+                            compute: ComputeExpert, record: VerifyRecord, *, counted: Sequence[int] = ()) -> list[int]:
+    """Run `compute` for each needed expert as it becomes ready (resident first, then as copies land).
+
+    Each expert's slot is marked used with an event recorded after its compute, so the slot is not
+    overwritten before the compute read it. Adds hits, misses and stall to `record` (experts in `counted`
+    were already counted by an earlier chunk of the same forward) and returns the experts in compute order.
+    """
+    hot = {e for e in needed if cache.lookup(cache_layer, e) is not None}
+    mapped = set(cache.lru_order(cache_layer))  # resident or with a (prefetch) copy already in flight
+    backend = kernel.backend
+    order: list[int] = []
+    waited = time.perf_counter()
+    async for expert, slot in cache.iter_ready(cache_layer, needed):
+        if expert not in hot:
+            record.stall_s += time.perf_counter() - waited
+        compute(expert, cache.slot_weights(slot))
+        cache.mark_used(cache_layer, expert, backend.record_event(backend.compute_stream))
+        order.append(expert)
+        waited = time.perf_counter()
+    new = [e for e in needed if e not in set(counted)]
+    prefetched = sum(1 for e in new if e in mapped)
+    record.hits += prefetched
+    record.misses += len(new) - prefetched
+    return order
+
+
 class OffloadedExperts:
     """ExpertProvider over an ExpertCache; `layer_index` maps model layers to the cache's compact MoE layers."""
 
     def __init__(self, cache: ExpertCache, kernel: Kernel, layer_index: dict[int, int],
-                 on_routed: Callable[[int, Tensor, list[int]], None] | None = None) -> None:
+                 on_routed: RoutedHook | None = None) -> None:
         self.cache = cache
         self.kernel = kernel
         self.layer_index = layer_index
@@ -62,22 +97,54 @@ class OffloadedExperts:
         needed = table.experts
         if self.on_routed is not None:
             self.on_routed(layer, x, needed)
-        cache_layer = self.layer_index[layer]
-        hot = {e for e in needed if self.cache.lookup(cache_layer, e) is not None}
-        mapped = set(self.cache.lru_order(cache_layer))  # resident or with a (prefetch) copy already in flight
         parts: dict[int, tuple[Tensor, Tensor]] = {}
-        order: list[int] = []
-        backend = self.kernel.backend
-        waited = time.perf_counter()
-        async for expert, slot in self.cache.iter_ready(cache_layer, needed):
-            if expert not in hot:
-                self.record.stall_s += time.perf_counter() - waited
-            parts[expert] = table.weighted_output(expert, x, weights, mlp, self.cache.slot_weights(slot))
-            self.cache.mark_used(cache_layer, expert, backend.record_event(backend.compute_stream))
-            order.append(expert)
-            waited = time.perf_counter()
+
+        def compute(expert: int, packed: Tensor) -> None:
+            parts[expert] = table.weighted_output(expert, x, weights, mlp, packed)
+
+        order = await compute_hot_first(self.cache, self.kernel, self.layer_index[layer], needed, compute, self.record)
         self.record.used[layer] = order
-        prefetched = sum(1 for e in needed if e in mapped)
-        self.record.hits += prefetched
-        self.record.misses += len(needed) - prefetched
         return combine_in_expert_order(x.shape[0], x.shape[1], parts, x)
+
+    async def verify_static(self, step: SegmentedStep, block_tokens: Tensor, start: int) -> Tensor:
+        """The verify forward through the segmented static step (see `verify_segmented`), into this record."""
+        return await verify_segmented(step, block_tokens, start, self.cache, self.kernel, self.layer_index, self.record,
+                                      on_routed=self.on_routed)
+
+
+async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int, cache: ExpertCache, kernel: Kernel,
+                           layer_index: dict[int, int], record: VerifyRecord, *, on_routed: RoutedHook | None = None) -> Tensor:
+    """Float32 logits [n, V] of n device tokens at positions start.., in R-row chunks, writing their KV.
+
+    Per MoE layer: the pre-MoE segment (a graph replay on CUDA), one D2H copy of the router ids, the
+    routed experts hot first from the cache, their sum in expert-id order, then the next segment. The
+    logits are bit-identical to the resident GraphedTarget's with the same R and MoE kernel.
+    """
+    assert block_tokens.shape[0] >= 1, "nothing to verify: pass at least one token"
+    parts = []
+    for first in range(0, block_tokens.shape[0], step.rows):
+        count = step.load(block_tokens[first : first + step.rows], start + first)
+        for index, layer in enumerate(step.moe_layers):
+            step.run_segment(index)
+            await _routed_experts(step, layer, count, cache, kernel, layer_index[layer], record, on_routed)
+        step.run_segment(len(step.moe_layers))
+        parts.append(step.logits[:count].clone())  # the static output is overwritten by the next chunk
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: ExpertCache, kernel: Kernel, cache_layer: int,
+                          record: VerifyRecord, on_routed: RoutedHook | None) -> None:
+    """One MoE layer's routed experts for the step's current chunk of `count` real rows, into step.routed."""
+    chosen = await to_host(kernel, step.ids)  # await point: the router's choice, [R, A] in one D2H copy
+    needed = sorted({expert for row in chosen[:count] for expert in row})  # padding rows repeat the last real row
+    if on_routed is not None:
+        on_routed(layer, step.normed[:count], needed)
+    outputs: dict[int, Tensor] = {}
+
+    def compute(expert: int, packed: Tensor) -> None:
+        outputs[expert] = step.expert_output(expert, packed)
+
+    counted = record.used.get(layer, [])
+    order = await compute_hot_first(cache, kernel, cache_layer, needed, compute, record, counted=counted)
+    record.used[layer] = counted + [e for e in order if e not in counted]
+    step.set_routed(outputs)

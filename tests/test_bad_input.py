@@ -117,11 +117,12 @@ def test_budget_below_minimum_is_refused_before_allocation(tiny, monkeypatch, ex
 
     monkeypatch.setattr(CheckpointWeights, "dense", no_allocation)
     monkeypatch.setattr("specter.engine._load_backend", no_allocation)
-    config = EngineConfig(device="cpu", budget="64MiB")
     minimum = plan_memory(Checkpoint(tiny).spec, torch.float32, EngineConfig(device="cpu")).minimum_budget
+    budget = minimum - 3 * 2**20
+    config = EngineConfig(device="cpu", budget=budget)
     with pytest.raises(BudgetError, match="short of the minimum") as error:
         run(Engine.load(tiny, config))
-    assert f"budget 64.0 MiB is {fmt(minimum - 64 * 2**20)} short of the minimum {fmt(minimum)}" in str(error.value)
+    assert f"budget {fmt(budget)} is 3.0 MiB short of the minimum {fmt(minimum)}" in str(error.value)
     monkeypatch.undo()
     assert with_engine(tiny, OFFLOADED, _nothing) == expected  # nothing was lost: the next load works
 

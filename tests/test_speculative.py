@@ -144,3 +144,16 @@ def test_draft_shares_the_targets_non_expert_tensors(root):
             await runtime.aclose()
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_static_verify_offloaded_equals_resident_static(root, family):
+    """With static_verify the offloaded verify shares the resident static step's numerics: same tokens."""
+    path = checkpoint(family, root)
+    generation = GenerationConfig(max_new_tokens=16, temperature=0.8, seed=5)
+    resident = run(path, EngineConfig(device="cpu", max_context=96, static_verify=True, draft=DraftConfig(k=0)), [3, 1, 4], generation)
+    for residents, k in ((2, 0), (3, 4)):
+        config = EngineConfig(device="cpu", max_context=96, static_verify=True, residents=residents, draft=DraftConfig(k=k))
+        result = run(path, config, [3, 1, 4], generation)
+        assert result.tokens == resident.tokens
+        assert result.stats.h2d_bytes > 0

@@ -1,0 +1,195 @@
+"""StaticStep's R-row forward cut at every MoE layer's routed experts, so an offloaded verify can await routing.
+
+Shape legend as in transformer.py and graphed.py: R the step's fixed row count, A active experts per row.
+
+The step is a chain of segments over static buffers. Segment j (j = 0..M-1, M MoE layers) finishes the
+previous MoE layer (residual + routed [+ shared]), runs the dense layers before MoE layer j and that
+layer's attention, post-attention norm, router and shared expert. The caller then reads the router ids
+on the host, computes the routed experts it has (`expert_output`, one expert at a time, in any order)
+and hands them back (`set_routed`), which sums them in ascending expert id. The last segment finishes the
+last MoE layer, runs the trailing dense layers, the final norm and the LM head.
+
+Why it is exact: every segment calls StaticStep's own pieces on the same inputs in the same order, and
+`expert_output` + `set_routed` do, per expert, what ResidentMoE does for it ("dense": the eager
+`expert_mlp` on all R rows; "triton": the resident Triton kernel on all R rows with that expert alone),
+skipping experts no row chose, which leave ResidentMoE's sum untouched. Logits are therefore bit-identical
+to StaticStep + ResidentMoE with the same kernel (GraphedTarget), row for row (graphed.py principle 4).
+
+Each segment only reads and writes the static buffers (and the KV cache), so on CUDA it is captured as one
+CUDA graph; the routed-expert compute between segments stays eager, as the experts it reads change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from specter.log import get_logger
+from specter.model.graphed import RESIDENT_KERNEL_CONFIG, MoEKernel, StaticStep, resident_moe_triton, resolve_kernel
+from specter.model.kv import KVCache
+from specter.model.transformer import Transformer
+from specter.quant.moe_triton import MoEKernelConfig
+
+log = get_logger(__name__)
+Tensor = torch.Tensor
+
+
+def _no_static_moe(layer: int, h: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    raise AssertionError("a SegmentedStep computes routed experts through expert_output/set_routed, never in a segment")
+
+
+class SegmentedStep:
+    """An R-row static step bound to one KV cache, run segment by segment (see the module docstring).
+
+    Per chunk of <= R tokens: `load`, then for each MoE layer j: `run_segment(j)`, read `ids` (the one
+    host read), `expert_output` for each chosen expert, `set_routed(j, outputs)`; finally
+    `run_segment(len(moe_layers))` and read `logits`. Buffers are valid until the next `load`.
+    """
+
+    def __init__(self, model: Transformer, kv: KVCache, *, rows: int | None = None, kernel: MoEKernel = "auto",
+                 config: MoEKernelConfig = RESIDENT_KERNEL_CONFIG, use_graph: bool | None = None) -> None:
+        self.static = StaticStep(model, _no_static_moe, rows or model.bucket)
+        self.model, self.kv, self.rows, self.config = model, kv, self.static.rows, config
+        self.kernel = resolve_kernel(kernel, model.device)
+        self.use_graph = model.device.type == "cuda" if use_graph is None else use_graph
+        self.moe_layers = sorted(model.spec.moe_layers)
+        self._segment_layers = self._split_layers()
+        self._allocate_buffers()
+        self._graphs: list[Any] = []
+
+    # ---- static buffers ---------------------------------------------------------------------------
+    def _allocate_buffers(self) -> None:
+        """Everything a segment reads or writes, allocated once (DESIGN section 3: no allocation while decoding)."""
+        model, spec, rows = self.model, self.model.spec, self.rows
+        device, dtype = model.device, model.dtype
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)  # [R] input
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)  # [R] input
+        self.blocked = torch.zeros(1, rows, 1, model.max_context, dtype=torch.bool, device=device)  # [1, R, 1, S]
+        self.residual = torch.zeros(rows, spec.hidden_size, dtype=dtype, device=device)  # [R, D] after the MoE layer's attention
+        self.normed = torch.zeros_like(self.residual)  # [R, D] the routed experts' input
+        self.ids = torch.zeros(rows, spec.top_k, dtype=torch.long, device=device)  # [R, A] what the host reads
+        self.weights = torch.zeros(rows, spec.top_k, dtype=dtype, device=device)  # [R, A]
+        self.shared = torch.zeros_like(self.residual) if spec.shared_intermediate else None  # [R, D]
+        self.routed = torch.zeros_like(self.residual)  # [R, D] written by set_routed
+        self.logits = torch.zeros(rows, spec.vocab_size, dtype=torch.float32, device=device)  # [R, V] output
+        self._pad_index = [torch.arange(rows, device=device).clamp(max=n - 1) for n in range(1, rows + 1)]
+        self._no_weight = torch.zeros_like(self.weights)
+        self._single_expert = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [R, 1] ids for the triton path
+
+    def _split_layers(self) -> list[list[int]]:
+        """Layers each segment runs in full (dense) before its MoE layer's pre-MoE part; the last: trailing layers."""
+        segments: list[list[int]] = [[] for _ in range(len(self.moe_layers) + 1)]
+        moe = set(self.moe_layers)
+        index = 0
+        for layer in range(self.model.spec.num_layers):
+            if layer in moe:
+                index += 1
+            else:
+                segments[index].append(layer)
+        return segments
+
+    # ---- inputs -----------------------------------------------------------------------------------
+    def load(self, tokens: Tensor, start: int) -> int:
+        """n <= R device tokens at positions start..start+n-1 (rows n..R-1 repeat the last one); returns n. No sync."""
+        count = tokens.shape[0]
+        assert 1 <= count <= self.rows, f"{count} tokens do not fit a {self.rows}-row step"
+        assert 0 <= start and start + count <= self.kv.capacity, f"positions {start}..{start + count - 1} exceed the KV capacity {self.kv.capacity}"
+        index = self._pad_index[count - 1]
+        torch.index_select(tokens.to(torch.long), 0, index, out=self.tokens)
+        torch.add(index, start, out=self.positions)
+        return count
+
+    # ---- segments ---------------------------------------------------------------------------------
+    def run_segment(self, index: int) -> None:
+        """Segment `index` (0..M): a graph replay on CUDA (captured on first use), a direct call otherwise."""
+        if not self.use_graph:
+            self._compute_segment(index)
+            return
+        if not self._graphs:
+            self.capture()
+        self._graphs[index].replay()
+
+    def _compute_segment(self, index: int) -> None:
+        step, model = self.static, self.model
+        if index == 0:
+            assert self.kv.capacity == step.key_positions.numel(), f"KV capacity {self.kv.capacity} != model context {step.key_positions.numel()}"
+            x = model.w["model.embed_tokens.weight"][self.tokens]  # [R, D]
+            self.blocked.copy_(~step._allowed(self.positions)[None, :, None, :])
+        else:
+            x = self._finish_moe_layer()
+        for layer in self._segment_layers[index]:
+            x = step._attention(layer, x, self.positions, self.blocked, self.kv)
+            x = step._feed_forward(layer, x)  # a dense layer: StaticStep's own MLP, never its MoE
+        if index == len(self.moe_layers):
+            self.logits.copy_(model.logits(x))
+        else:
+            self._before_experts(self.moe_layers[index], x)
+
+    def _before_experts(self, layer: int, x: Tensor) -> None:
+        """Attention, post-attention norm, router and shared expert of MoE layer `layer` (StaticStep's order)."""
+        model, spec = self.model, self.model.spec
+        x = self.static._attention(layer, x, self.positions, self.blocked, self.kv)
+        self.residual.copy_(x)
+        h, ids, weights = model.route(layer, model.norm(x, f"{spec.layer_prefix(layer)}.post_attention_layernorm"))
+        self.normed.copy_(h)
+        self.ids.copy_(ids)
+        self.weights.copy_(weights)
+        if self.shared is not None:  # in the segment, so it computes while the host awaits the routing
+            self.shared.copy_(model.shared_expert(layer, h))
+
+    def _finish_moe_layer(self) -> Tensor:
+        """StaticStep's `x + (routed + shared)`, with routed from set_routed."""
+        routed = self.routed if self.shared is None else self.routed + self.shared
+        return self.residual + routed
+
+    # ---- routed experts, between segments (eager) ---------------------------------------------------
+    def expert_output(self, expert: int, packed: Tensor) -> Tensor:
+        """Expert `expert` (packed weights [N] on the device) on all R rows, times each row's routing weight
+        (zero where the row did not choose it): [R, D]. ResidentMoE's per-expert arithmetic, bit for bit."""
+        weight = torch.where(self.ids == expert, self.weights, self._no_weight).sum(dim=-1, keepdim=True)  # [R, 1], exact
+        if self.kernel == "triton":
+            spec = self.model.spec
+            return resident_moe_triton(self.normed, self._single_expert, weight, packed[None], spec.hidden_size,
+                                       spec.expert_intermediate, self.config)
+        return self.model.expert_mlp(self.normed, packed) * weight
+
+    def set_routed(self, outputs: Mapping[int, Tensor]) -> None:
+        """Sum expert_output results per row in ascending expert id, adding only where the row chose the expert."""
+        out = torch.zeros_like(self.routed)  # [R, D]
+        for expert in sorted(outputs):
+            chosen = (self.ids == expert).any(dim=-1, keepdim=True)  # [R, 1]
+            out = torch.where(chosen, out + outputs[expert], out)
+        self.routed.copy_(out)
+
+    # ---- graph capture ----------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Capture the segment graphs now (start-up, while the KV is empty). Nothing to do without graphs."""
+        if self.use_graph and not self._graphs:
+            self.load(torch.zeros(1, dtype=torch.long, device=self.tokens.device), 0)
+            self.capture()
+
+    def capture(self) -> None:
+        """Warm up every segment on a side stream, then capture each as a graph sharing one memory pool.
+
+        The warm-up writes KV at the loaded positions with whatever the routed buffer holds; the next real
+        run rewrites those positions (prepare loads position 0 while the KV is empty). The graphs share a
+        pool because they always replay in capture order and never overlap.
+        """
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                for index in range(len(self.moe_layers) + 1):
+                    self._compute_segment(index)
+        torch.cuda.current_stream().wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        graphs = []
+        for index in range(len(self.moe_layers) + 1):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                self._compute_segment(index)
+            graphs.append(graph)
+        self._graphs = graphs
+        log.debug("graph.segments_captured", rows=self.rows, segments=len(graphs))

@@ -1,0 +1,277 @@
+"""The segmented static verify on the CPU: with experts offloaded to an ExpertCache it reproduces the resident
+static step (GraphedTarget) bit for bit, decodes token for token like it, and moves bytes when slots are short."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Sequence, Set
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends.cpu import CPUBackend
+from specter.config import EngineConfig
+from specter.decode import prefill, run_sync
+from specter.experts import ExpertCache, ExpertPool, TransferEngine
+from specter.kernel import Kernel
+from specter.loader import LoadedModel, load_resident
+from specter.model.graphed import GraphedTarget, decode_resident_graphed
+from specter.model.kv import KVCache
+from specter.model.segmented import SegmentedStep
+from specter.quant.moe_triton import triton_available
+from specter.verify import OffloadedExperts, VerifyRecord, verify_segmented
+from tests.hf_models import FAMILIES, hf_model, save_hf
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PROMPT = [1, 2, 3, 4, 5, 6]
+SLOTS = [2, 4, 6]  # the tiny models have 6 experts, top-2
+BLOCKS = [1, 3, 16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy CI machine they lose a lot to contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def load(tmp_path_factory):
+    root = tmp_path_factory.mktemp("segmented")
+
+    @functools.cache
+    def loaded(family: str, dtype: str) -> LoadedModel:
+        name, _, top = family.partition("-top")  # "-topA": A active experts, so the expert-id order of sums matters
+        overrides = {"num_experts_per_tok": int(top)} if top else {}
+        path = save_hf(hf_model(name, seed=3, **overrides), root / family)
+        return load_resident(path, EngineConfig(device="cpu", dtype=dtype, max_context=64))
+
+    return loaded
+
+
+def lru_victims(layer: int, residents: Sequence[int], protected: Set[int], count: int) -> list[int]:
+    return [expert for expert in residents if expert not in protected][:count]
+
+
+class Offloaded:
+    """The engine's offloaded set-up (engine._load_experts), on the cpu backend unless given one, filled from resident experts."""
+
+    def __init__(self, loaded: LoadedModel, slots: int, backend=None) -> None:
+        spec = loaded.spec
+        self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+        self.backend = backend or CPUBackend()
+        self.kernel = Kernel(self.backend)
+        pool = ExpertPool(self.backend, len(spec.moe_layers), spec.num_experts, spec.expert_numel, loaded.model.dtype)
+        for layer in spec.moe_layers:
+            for expert in range(spec.num_experts):
+                pool.write(self.moe_index[layer], expert, loaded.experts.expert(layer, expert))
+        pool.check_complete()
+        self.transfer = TransferEngine(self.backend, self.kernel)
+        self.cache = ExpertCache(self.backend, self.kernel, self.transfer, pool, slots, lru_victims)
+        self.experts = OffloadedExperts(self.cache, self.kernel, self.moe_index)
+
+    async def verify(self, step: SegmentedStep, tokens: torch.Tensor, start: int, record: VerifyRecord) -> torch.Tensor:
+        logits = await verify_segmented(step, tokens, start, self.cache, self.kernel, self.moe_index, record)
+        self.cache.unprotect_all(self.backend.record_event(self.backend.compute_stream))
+        return logits
+
+    @property
+    def bytes_loaded(self) -> int:
+        return self.cache.stats.total().bytes_loaded
+
+    async def close(self) -> None:
+        await self.cache.aclose()
+        await self.transfer.aclose()
+        self.kernel.close()
+        self.backend.close()
+
+
+async def after_prompt(loaded: LoadedModel) -> KVCache:
+    kv = loaded.model.new_kv()
+    await prefill(loaded.model, kv, loaded.experts, PROMPT)
+    return kv
+
+
+def prefilled(loaded: LoadedModel) -> KVCache:
+    return run_sync(after_prompt(loaded))
+
+
+def chosen_experts(loaded: LoadedModel, kv: KVCache, block: torch.Tensor) -> dict[int, set[int]]:
+    """Which experts each MoE layer's router picks for `block` (from a resident segmented run on a copy of kv)."""
+    copy = loaded.model.new_kv()
+    copy.k.copy_(kv.k)
+    copy.v.copy_(kv.v)
+    step = SegmentedStep(loaded.model, copy)
+    count = step.load(block, len(PROMPT))
+    chosen = {}
+    for index, layer in enumerate(step.moe_layers):
+        step.run_segment(index)
+        chosen[layer] = set(step.ids[:count].flatten().tolist())
+        step.set_routed({e: step.expert_output(e, loaded.experts.expert(layer, e)) for e in chosen[layer]})
+    return chosen
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", [*FAMILIES, "qwen3_moe-top3", "qwen2_moe-top4"])
+def test_offloaded_segmented_logits_are_bit_identical_to_the_resident_static_step(load, family, dtype):
+    loaded = load(family, dtype)
+    start = len(PROMPT)
+
+    async def go() -> None:
+        for slots in SLOTS:
+            offloaded = Offloaded(loaded, slots)
+            try:
+                for size in BLOCKS:
+                    block = torch.arange(20, 20 + size) % loaded.spec.vocab_size
+                    kv_resident, kv_offloaded = await after_prompt(loaded), await after_prompt(loaded)
+                    expected_used = chosen_experts(loaded, kv_resident, block)
+                    expected = GraphedTarget(loaded.model, loaded.experts, kv_resident).logits(block, start)
+                    record = VerifyRecord()
+                    got = await offloaded.verify(SegmentedStep(loaded.model, kv_offloaded), block, start, record)
+                    where = f"{slots} slots, {size} rows"
+                    assert got.shape == (size, loaded.spec.vocab_size), where
+                    assert torch.equal(got, expected), where
+                    assert torch.equal(kv_offloaded.k, kv_resident.k) and torch.equal(kv_offloaded.v, kv_resident.v), where
+                    assert {layer: set(used) for layer, used in record.used.items()} == expected_used, where
+                    assert record.hits + record.misses == sum(len(used) for used in expected_used.values()), where
+                if slots < loaded.spec.num_experts:
+                    assert offloaded.bytes_loaded > 0 and offloaded.cache.stats.total().misses > 0, f"{slots} slots"
+            finally:
+                await offloaded.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_decoding_through_the_offloaded_segmented_step_equals_the_resident_static_decode(load, family):
+    loaded = load(family, "bfloat16")
+    new_tokens = 24
+    expected = run_sync(decode_resident_graphed(loaded.model, loaded.experts, PROMPT, new_tokens))
+
+    async def decode(slots: int) -> tuple[list[int], int]:
+        offloaded = Offloaded(loaded, slots)
+        try:
+            kv = loaded.model.new_kv()
+            token = (await prefill(loaded.model, kv, offloaded.experts, PROMPT)).argmax(dim=-1, keepdim=True)  # eager prefill
+            step, tokens = SegmentedStep(loaded.model, kv), [token]
+            for position in range(len(PROMPT), len(PROMPT) + new_tokens - 1):
+                token = (await offloaded.verify(step, token, position, VerifyRecord())).argmax(dim=-1)
+                tokens.append(token)
+            return torch.cat(tokens).tolist(), offloaded.bytes_loaded
+        finally:
+            await offloaded.close()
+
+    for slots in (2, 3):
+        tokens, moved = asyncio.run(decode(slots))
+        assert tokens == expected, f"{slots} slots"
+        assert moved > 0
+
+
+def test_a_verify_longer_than_the_row_bucket_runs_in_chunks_and_counts_each_expert_once(load):
+    loaded = load("qwen2_moe", "float32")
+    block = torch.arange(30, 50)  # 20 rows: a 16-row chunk, then a 4-row one
+    kv_resident, kv_offloaded = prefilled(loaded), prefilled(loaded)
+    expected = GraphedTarget(loaded.model, loaded.experts, kv_resident).logits(block, len(PROMPT))
+
+    async def go() -> VerifyRecord:
+        offloaded = Offloaded(loaded, 3)
+        record = VerifyRecord()
+        try:
+            assert torch.equal(await offloaded.verify(SegmentedStep(loaded.model, kv_offloaded), block, len(PROMPT), record), expected)
+        finally:
+            await offloaded.close()
+        return record
+
+    record = asyncio.run(go())
+    assert all(len(used) == len(set(used)) for used in record.used.values())
+    assert record.hits + record.misses == sum(len(used) for used in record.used.values())
+    assert sorted(record.used) == sorted(loaded.spec.moe_layers)
+
+
+def test_segments_split_at_moe_layers_and_dense_layers_run_in_full(load):
+    loaded = load("qwen2_moe", "float32")  # layer 1 is a dense MLP layer
+    step = SegmentedStep(loaded.model, loaded.model.new_kv())
+    assert step.moe_layers == [0, 2]
+    assert step._segment_layers == [[], [1], []]
+    assert step.shared is not None and not step.use_graph
+
+
+FORBIDDEN = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def test_segments_and_expert_compute_never_read_a_tensor_back_to_the_host(load, monkeypatch):
+    loaded = load("qwen2_moe", "float32")
+    step = SegmentedStep(loaded.model, prefilled(loaded))
+    step.load(torch.arange(5, 12), len(PROMPT))
+    experts = {layer: [loaded.experts.expert(layer, e) for e in range(loaded.spec.num_experts)] for layer in step.moe_layers}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host read inside a segment or the routed-expert compute")
+
+    for name in FORBIDDEN:
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    for index, layer in enumerate(step.moe_layers):
+        step.run_segment(index)
+        step.set_routed({e: step.expert_output(e, packed) for e, packed in enumerate(experts[layer])})
+    step.run_segment(len(step.moe_layers))
+    monkeypatch.undo()
+    assert step.logits.isfinite().all()
+
+
+# The interpreter must be chosen before triton is imported, so this runs in a fresh process (float32 only:
+# the interpreter's tl.dot mishandles bfloat16; tests/test_gpu_segmented.py covers bf16 on CUDA).
+TRITON_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, json, sys, tempfile, torch
+    from pathlib import Path
+    from specter.config import EngineConfig
+    from specter.decode import prefill
+    from specter.loader import load_resident
+    from specter.model.graphed import GraphedTarget
+    from specter.model.segmented import SegmentedStep
+    from specter.verify import VerifyRecord
+    from tests.hf_models import hf_model, save_hf
+    from tests.test_segmented import Offloaded
+    torch.set_num_threads(1)
+    results = []
+    for family in ("qwen2_moe", "mixtral"):
+        path = save_hf(hf_model(family, seed=3), Path(tempfile.mkdtemp()) / family)
+        loaded = load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=64))
+
+        async def go():
+            kvs = []
+            for _ in range(2):
+                kvs.append(loaded.model.new_kv())
+                await prefill(loaded.model, kvs[-1], loaded.experts, [1, 2, 3, 4, 5, 6])
+            block = torch.tensor([7, 50, 3])
+            expected = GraphedTarget(loaded.model, loaded.experts, kvs[0], kernel="triton").logits(block, 6)
+            offloaded = Offloaded(loaded, 2)
+            try:
+                got = await offloaded.verify(SegmentedStep(loaded.model, kvs[1], kernel="triton"), block, 6, VerifyRecord())
+            finally:
+                await offloaded.close()
+            return bool(torch.equal(got, expected)), (got - expected).abs().max().item()
+
+        results.append(asyncio.run(go()))
+    print(json.dumps(results))
+    """
+)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_the_triton_expert_compute_matches_the_resident_triton_step_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
+    completed = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=120,
+                               check=False, cwd=REPO_ROOT)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    for identical, gap in json.loads(completed.stdout.strip().splitlines()[-1]):
+        assert identical, f"largest difference {gap}"
