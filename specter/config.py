@@ -101,7 +101,7 @@ class EngineConfig(_Frozen):
     lookahead: str = Field("fixed", min_length=1, description="Name of the `specter.lookahead` plug-in.")
     backend: str = Field("auto", min_length=1, description="Name of the `specter.backends` plug-in; 'auto' follows the device.")
     link: str | None = Field(None, description="Link emulation for host-to-device copies: gen5, gen4, gen3, ddr4-desktop or GB/s.")
-    progress: bool = Field(False, description="Show progress bars while loading.")
+    progress: bool = Field(False, description="Show progress bars while loading (checkpoints over 1 GiB show them on a terminal anyway).")
     cuda_graphs: bool = Field(
         default_factory=lambda: os.environ.get("SPECTER_CUDA_GRAPHS", "1") != "0",
         description="On CUDA, replay the resident decode/verify step and the draft step as CUDA graphs "

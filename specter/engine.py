@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -522,20 +523,25 @@ class WeightSource(Protocol):
     def close(self) -> None: ...
 
 
+LARGE_CHECKPOINT_BYTES = 1 << 30  # above this, loading shows progress on a terminal even when not asked
+
+
 class CheckpointWeights:
     """A WeightSource reading a Hugging Face checkpoint directory."""
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt, self.spec = ckpt, ckpt.spec
+        on_disk = sum(file.stat().st_size for file in ckpt.files if file.is_file())
+        self.auto_progress = on_disk > LARGE_CHECKPOINT_BYTES and sys.stderr.isatty()
 
     def validate(self) -> None:
         check_no_unknown_experts(self.ckpt)
 
     def dense(self, dtype: torch.dtype, device: torch.device, progress: bool) -> dict[str, Tensor]:
-        return load_dense(self.ckpt, dtype, device, progress=progress)
+        return load_dense(self.ckpt, dtype, device, progress=progress or self.auto_progress)
 
     def experts(self, dtype: torch.dtype, progress: bool) -> Iterator[tuple[int, int, Tensor]]:
-        return iter_experts(self.ckpt, dtype, progress=progress)
+        return iter_experts(self.ckpt, dtype, progress=progress or self.auto_progress)
 
     def close(self) -> None:
         self.ckpt.close()
