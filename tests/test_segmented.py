@@ -35,13 +35,7 @@ SLOTS = [2, 4, 6]  # the tiny models have 6 experts, top-2
 BLOCKS = [1, 3, 16]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy CI machine they lose a lot to contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
