@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers + accelerate baseline")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--static-verify", action="store_true",
+                        help="offloaded verify through the segmented static step (EngineConfig.static_verify)")
     return parser
 
 
@@ -129,7 +131,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
     max_new = args.max_new_tokens or (32 if quick else 128)
     return Options(systems=args.systems, links=links, max_new_tokens=max_new, warmup_tokens=min(args.warmup_tokens, max_new),
                    repeats=args.repeats, k=args.k, k_max=max(args.k_max, args.k), device=args.device, dtype=args.dtype,
-                   progress=not args.no_progress, hf=not args.no_hf)
+                   progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -72,6 +72,7 @@ class Options:
     dtype: str = "auto"
     progress: bool = True
     hf: bool = True
+    static_verify: bool = False
 
 
 class Clock:
@@ -159,7 +160,7 @@ class ModelBench:
         residents = None if resident else self.target.spec.top_k
         return EngineConfig(device=self.options.device, dtype=self.options.dtype, residents=residents, max_context=self.max_context,
                             draft=DraftConfig(k=self.options.k if speculative else 0, k_max=k_max), lookahead="fixed",
-                            progress=self.options.progress)
+                            progress=self.options.progress, static_verify=self.options.static_verify)
 
     async def run(self) -> None:
         try:

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU measurements behind docs/BENCHMARKS.md, one device call per stage (each fits the 10-minute limit).
+# On the development machine: ../shared/device/stage-wheels.sh, then run e.g.
+#   run(command="bash benchmarks/h200_runs.sh gpu-tests", carry=[".whl"])
+# Every stage writes under $OUT and prints a short table last.
+set -u
+source benchmarks/h200_setup.sh
+export PYTHONUNBUFFERED=1
+out=${OUT:-out}
+case "${1:-}" in
+  gpu-tests)      # every gpu-marked test: exactness, kernels, graphs, segmented verify, soak, budgets
+    timeout 560 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -25 ;;
+  micro)          # transfer engine, draft MoE kernel (with the tile sweep), graphed resident and draft steps
+    timeout 150 python benchmarks/transfer_bench.py --out "$out/transfer" 2>&1 | tail -20
+    timeout 250 python benchmarks/moe_kernel_bench.py --repeats 50 --out "$out/moe" 2>&1 | tail -12
+    timeout 150 python benchmarks/graphed_tpot.py --out "$out/graphed" 2>&1 | tail -10 ;;
+  paper)          # the paper's shapes, both memory settings, three links (static verify on; compare with paper-eager)
+    timeout 580 python -m specter.bench --preset paper --layers 8 --link native,gen4,ddr4-desktop --max-new-tokens 64 \
+      --static-verify --time-budget 420 --no-progress --no-hf --out "$out/paper" 2>&1 | tail -60 ;;
+  paper-eager)
+    timeout 580 python -m specter.bench --preset paper --layers 8 --link native,gen4,ddr4-desktop --max-new-tokens 64 \
+      --time-budget 420 --no-progress --no-hf --out "$out/paper-eager" 2>&1 | tail -60 ;;
+  reference)      # train the reference model and run the matrix on it (loads take ~1 min of the budget)
+    timeout 200 python benchmarks/reference_model.py --out /tmp/reference --minutes 2.5 2>&1 | tail -4
+    cp /tmp/reference/reference.json "$out/" 2>/dev/null
+    timeout 370 python -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4,ddr4-desktop \
+      --max-new-tokens 64 --static-verify --time-budget 200 --no-progress --no-hf --out "$out/reference" 2>&1 | tail -40 ;;
+  *) echo "usage: $0 gpu-tests|micro|paper|paper-eager|reference" >&2; exit 2 ;;
+esac
