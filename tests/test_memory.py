@@ -1,0 +1,87 @@
+"""The memory plan: one budget split before any allocation, slots from what is left, and (on CUDA) never exceeded."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from specter.builtin import builtin_path
+from specter.config import DraftConfig, EngineConfig, GenerationConfig
+from specter.engine import Runtime
+from specter.errors import BudgetError
+from specter.memory import plan_memory
+from specter.model.checkpoint import Checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    import os
+
+    os.environ.setdefault("SPECTER_CACHE", str(tmp_path_factory.mktemp("cache")))
+    return builtin_path("tiny")
+
+
+def test_slots_are_what_the_budget_leaves(tiny):
+    spec = Checkpoint(tiny).spec
+    full = plan_memory(spec, torch.float32, EngineConfig())
+    assert full.all_resident and full.slots_per_layer == spec.num_experts
+    for slots in (spec.top_k, 5, spec.num_experts - 1):
+        budget = full.fixed_bytes + slots * full.moe_layers * full.expert_bytes + full.expert_bytes // 2
+        plan = plan_memory(spec, torch.float32, EngineConfig(budget=budget))
+        assert plan.slots_per_layer == slots
+        assert plan.fixed_bytes + plan.slots_per_layer * plan.moe_layers * plan.expert_bytes <= budget
+
+
+def test_minimum_is_exact(tiny):
+    spec = Checkpoint(tiny).spec
+    minimum = plan_memory(spec, torch.float32, EngineConfig()).minimum_budget
+    assert plan_memory(spec, torch.float32, EngineConfig(budget=minimum)).slots_per_layer == spec.top_k
+    with pytest.raises(BudgetError, match="short of the minimum"):
+        plan_memory(spec, torch.float32, EngineConfig(budget=minimum - 1))
+
+
+def test_plain_decoding_needs_no_draft_bytes(tiny):
+    spec = Checkpoint(tiny).spec
+    speculative = plan_memory(spec, torch.float32, EngineConfig(), speculative=True)
+    plain = plan_memory(spec, torch.float32, EngineConfig(), speculative=False)
+    assert plain.draft_bytes == 0 < speculative.draft_bytes
+    assert plain.minimum_budget < speculative.minimum_budget
+
+
+def test_cache_slots_match_the_plan(tiny):
+    async def go():
+        runtime = await Runtime.load(tiny, EngineConfig(device="cpu", residents=3))
+        try:
+            cache = runtime.cache
+            assert cache.weights.shape == (runtime.memory.moe_layers * 3, runtime.spec.expert_numel)
+        finally:
+            await runtime.aclose()
+
+    asyncio.run(go())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [0, 4])
+def test_peak_reserved_gpu_memory_stays_within_the_budget(tiny, k):
+    spec = Checkpoint(tiny).spec
+    plan = plan_memory(spec, torch.float32, EngineConfig(device="cuda"))
+    budget = plan.fixed_bytes + 6 * plan.moe_layers * plan.expert_bytes  # 6 of 16 slots per layer
+
+    async def go():
+        runtime = await Runtime.load(tiny, EngineConfig(device="cuda", budget=budget, draft=DraftConfig(k=k)))
+        try:
+            assert runtime.memory.slots_per_layer == 6
+            for seed in range(3):
+                await runtime.complete_ids([1, 2, 3, seed], GenerationConfig(max_new_tokens=48, temperature=0.7, seed=seed))
+        finally:
+            await runtime.aclose()
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    asyncio.run(go())
+    assert torch.cuda.max_memory_reserved() - baseline <= budget
