@@ -28,7 +28,7 @@ from specter.errors import BudgetError
 from specter.experts.cache import ExpertCache
 from specter.experts.pool import ExpertPool
 from specter.experts.transfer import LinkEmulation, TransferEngine, parse_link
-from specter.kernel import Kernel
+from specter.kernel import Kernel, StageCounters, stage
 from specter.loader import resolve_device, resolve_dtype
 from specter.log import get_logger
 from specter.memory import MemoryPlan, fmt, plan_memory
@@ -94,6 +94,7 @@ class Runtime:
         self.k_max = config.draft.k_max if draft is not None else 0  # calibrate_draft sets it for gptq4
         self.estimates = Estimates(self.k_max)
         self.trace: TraceWriter | None = None
+        self.stages = StageCounters()  # per-stage counts and host wall time (draft, verify), see specter.kernel.stage
         self._counts_host: list[Tensor] = []  # pinned snapshots of the draft's route counters, one per checkpoint (CUDA)
         self._lock = asyncio.Lock()
 
@@ -276,7 +277,7 @@ class Runtime:
         x0_tensor = torch.tensor([x0], dtype=torch.long, device=self.model.device)
         drafted, draft_logits = None, None
         if k:
-            async with asyncio.TaskGroup() as stages:
+            async with stage("draft", counters=self.stages, k=k), asyncio.TaskGroup() as stages:
                 checkpoints: asyncio.Queue[tuple[int, np.ndarray, Any] | None] = asyncio.Queue()
                 stages.create_task(self._transfer_stage(checkpoints, k), name="specter-transfer-stage")
                 drafted, draft_logits = await stages.create_task(self._draft(x0_tensor, start, k, params, checkpoints),
@@ -286,18 +287,22 @@ class Runtime:
         block = torch.cat([x0_tensor, drafted]) if k else x0_tensor
         record = self._start_record()
         verify_started = time.perf_counter()
-        if self.segmented is not None:  # offloaded, static_verify: the resident graph's numerics, experts hot first
-            logits = await self.experts.verify_static(self.segmented, block, start)  # [k+1, V]
-        elif self.graphed is not None:
-            logits = self.graphed.logits(block, start)  # [k+1, V]: one R-row graph serves k = 0 and every verify
-        else:
-            hidden = await self.model.forward(block, start, self.kv, self.experts)
-            logits = self.model.logits(hidden)  # [k+1, V]
-        acceptance = await self._accept(block[1:], logits, draft_logits, start, params)
+        async with stage("verify", counters=self.stages, rows=k + 1):
+            logits = await self._verify(block, start)  # [k+1, V]
+            acceptance = await self._accept(block[1:], logits, draft_logits, start, params)
         verify_s = time.perf_counter() - verify_started
         self.kv.crop(start + acceptance.n_accepted + 1)
         self._finish_round(k, acceptance, record, stats, draft_s, verify_s, time.perf_counter() - round_started)
         return acceptance.tokens
+
+    async def _verify(self, block: Tensor, start: int) -> Tensor:
+        """The target over [x0, d1..dk] at positions start..start+k: logits [k+1, V]."""
+        if self.segmented is not None:  # offloaded, static_verify: the resident graph's numerics, experts hot first
+            return await self.experts.verify_static(self.segmented, block, start)
+        if self.graphed is not None:  # resident on CUDA: one R-row graph serves k = 0 and every verify
+            return self.graphed.logits(block, start)
+        hidden = await self.model.forward(block, start, self.kv, self.experts)
+        return self.model.logits(hidden)
 
     def _next_k(self, remaining: int) -> int:
         if self.draft is None:
