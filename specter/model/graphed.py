@@ -16,6 +16,9 @@ Design principles of the static step:
 5. Routed experts never read the routing table on the host: all-resident experts run either densely (every
    expert on all R rows, masked: the eager exact path's own arithmetic) or in a Triton kernel over the
    packed bf16 experts that reads each active expert once (CUDA).
+6. DeepSeek-V2's multi-head latent attention (opt-in, see static_step_supported) follows 2-4 over its
+   LatentKVCache: the kv latent and rope key are written with `index_copy_`, and every row's absorbed-form
+   query attends over the whole cache [0, S) under the same mask.
 """
 
 from __future__ import annotations
@@ -23,14 +26,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 
 from specter.decode import check_prompt, prefill
 from specter.errors import ConfigError
 from specter.log import get_logger
+from specter.model.deepseek_v2 import DeepseekV2Transformer
 from specter.model.kv import KVCache
 from specter.model.resident import ResidentExperts
 from specter.model.transformer import Transformer
@@ -54,17 +59,43 @@ class StaticMoE(Protocol):
         ...
 
 
+STATIC_MLA_ENV = "SPECTER_STATIC_MLA"
+_STANDARD_METHODS = ("forward", "attention", "_attend", "_attend_row", "feed_forward", "new_kv")
+# What the static MLA reimplements (the KV layout, the writes and the attention); the projections it reuses.
+_MLA_METHODS = ("forward", "attention", "_attend_latent", "_attend_latent_row", "feed_forward", "new_kv")
+
+
 def static_step_supported(model: Transformer) -> bool:
-    """Whether the model uses the standard attention and forward the static step reimplements."""
+    """Whether the model uses an attention and forward the static step reimplements.
+
+    Standard attention: always. DeepSeek-V2's multi-head latent attention (family deepseek_v2): only when
+    the environment variable SPECTER_STATIC_MLA=1 is set, because the static MLA has not yet been measured
+    on CUDA; without it DeepSeek runs the eager forward everywhere (target, verify and draft).
+    """
+    if _is_latent_attention(model):
+        return os.environ.get(STATIC_MLA_ENV) == "1"
+    return _inherits(model, Transformer, _STANDARD_METHODS)
+
+
+def _is_latent_attention(model: Transformer) -> bool:
+    """A DeepseekV2Transformer whose MLA, cache and forward are DeepseekV2Transformer's own."""
+    return isinstance(model, DeepseekV2Transformer) and _inherits(model, DeepseekV2Transformer, _MLA_METHODS)
+
+
+def _inherits(model: Transformer, base: type, names: Sequence[str]) -> bool:
     cls = type(model)
-    return all(getattr(cls, name) is getattr(Transformer, name)
-               for name in ("forward", "attention", "_attend", "_attend_row", "feed_forward", "new_kv"))
+    return all(getattr(cls, name) is getattr(base, name) for name in names)
 
 
 def check_static_support(model: Transformer) -> None:
-    if not static_step_supported(model):
-        raise ConfigError(f"the static (CUDA-graph) decode step supports standard attention only; model family "
-                          f"'{model.spec.family}' ({type(model).__name__}) has its own; run it with the eager forward")
+    if static_step_supported(model):
+        return
+    family = model.spec.family
+    if _is_latent_attention(model):
+        raise ConfigError(f"the static (CUDA-graph) decode step for model family '{family}' (multi-head latent attention) is "
+                          f"opt-in; set {STATIC_MLA_ENV}=1 to use it, or run the eager forward")
+    raise ConfigError(f"the static (CUDA-graph) decode step supports standard attention and (opt-in) DeepSeek-V2's latent "
+                      f"attention only; model family '{family}' ({type(model).__name__}) has its own; run it with the eager forward")
 
 
 # ---- routed experts without a host sync -------------------------------------------------------------
@@ -117,6 +148,7 @@ class StaticStep:
         check_static_support(model)
         assert rows >= 1, f"a static step needs at least one row, got {rows}"
         self.model, self.moe, self.rows = model, moe, rows
+        self.latent = _is_latent_attention(model)  # DeepSeek-V2's MLA over a LatentKVCache
         self.key_positions = torch.arange(model.max_context, device=model.device)  # [S]
 
     def logits(self, tokens: Tensor, positions: Tensor, kv: KVCache) -> Tensor:
@@ -147,6 +179,8 @@ class StaticStep:
     def _attention(self, layer: int, x: Tensor, positions: Tensor, blocked: Tensor, kv: KVCache) -> Tensor:
         model = self.model
         prefix = f"{model.spec.layer_prefix(layer)}.self_attn"
+        if self.latent:
+            return self._latent_attention(layer, prefix, x, positions, blocked, kv)
         q, k, v = model._qkv(layer, prefix, x, positions)  # [R, H, hd], [R, Hkv, hd] x 2
         kv.k[layer].index_copy_(1, positions, k.transpose(0, 1))
         kv.v[layer].index_copy_(1, positions, v.transpose(0, 1))
@@ -165,6 +199,16 @@ class StaticStep:
         out = torch.matmul(probs, values)  # [Hkv, R*G, hd]
         return out.view(kv_heads, rows, group, head_dim).transpose(0, 1).reshape(rows, spec.num_heads * head_dim)
 
+    def _latent_attention(self, layer: int, prefix: str, x: Tensor, positions: Tensor, blocked: Tensor, kv: KVCache) -> Tensor:
+        """DeepseekV2Transformer.attention at device positions, reusing its projections (W_uk absorbed) and output (W_uv, o_proj)."""
+        model = cast(DeepseekV2Transformer, self.model)
+        # [R, H, r] queries with W_uk absorbed, [R, H, dr] rotated, [R, 1, r] normalised latent, [R, 1, dr] rotated rope key
+        q_latent, q_rope, latent, k_rope = model._mla_project(layer, prefix, x, positions)
+        kv.k[layer].index_copy_(1, positions, latent.transpose(0, 1))  # latents [1, S, r]
+        kv.v[layer].index_copy_(1, positions, k_rope.transpose(0, 1))  # rotated rope keys [1, S, dr]
+        context = attend_latent(q_latent, q_rope, kv.k[layer, 0], kv.v[layer, 0], blocked[0], model.softmax_scale)  # [R, H, r]
+        return x + model._mla_output(layer, prefix, context)
+
     def _feed_forward(self, layer: int, x: Tensor) -> Tensor:
         model, spec = self.model, self.model.spec
         norm_name = f"{spec.layer_prefix(layer)}.post_attention_layernorm"
@@ -175,6 +219,20 @@ class StaticStep:
         if spec.shared_intermediate:
             routed = routed + model.shared_expert(layer, h)
         return x + routed
+
+
+def attend_latent(q_latent: Tensor, q_rope: Tensor, latents: Tensor, rope_keys: Tensor, blocked: Tensor, softmax_scale: float) -> Tensor:
+    """MLA's absorbed attention of R rows over the whole latent cache: q [R, H, r] and [R, H, dr], cache [S, r] and
+    [S, dr], blocked [R, 1, S] -> context [R, H, r]. Every (row, head) is a row of one GEMM, so rows are independent.
+
+    The arithmetic of DeepseekV2Transformer._attend_latent_row: latent and rope scores summed, times the
+    softmax scale (yarn's mscale included), softmax in float32, probabilities back in the model's dtype.
+    """
+    rows, heads, rank = q_latent.shape
+    scores = q_latent.reshape(rows * heads, rank) @ latents.T + q_rope.reshape(rows * heads, -1) @ rope_keys.T  # [R*H, S]
+    scores = (scores * softmax_scale).float().view(rows, heads, -1).masked_fill(blocked, -math.inf)
+    probs = torch.softmax(scores, dim=-1).to(q_latent.dtype).view(rows * heads, -1)
+    return (probs @ latents).view(rows, heads, rank)
 
 
 # ---- graph capture and replay -------------------------------------------------------------------------

@@ -100,7 +100,11 @@ class Transformer:
             out = fn(*tensors)
             return out if isinstance(out, tuple) else (out,)
         padded = -(-num_rows // self.bucket) * self.bucket
-        tensors = tuple(F.pad(t, (0, 0) * (t.dim() - 1) + (0, padded - num_rows)) for t in tensors)
+        if padded != num_rows:
+            tensors = tuple(F.pad(t, (0, 0) * (t.dim() - 1) + (0, padded - num_rows)) for t in tensors)
+        if padded == self.bucket:  # the common case (decode, verify): one block, nothing to concatenate
+            out = fn(*tensors)
+            return tuple(part[:num_rows] for part in (out if isinstance(out, tuple) else (out,)))
         blocks = []
         for start in range(0, padded, self.bucket):
             out = fn(*(t[start : start + self.bucket] for t in tensors))
