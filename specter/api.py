@@ -173,6 +173,7 @@ class GenerationStream:
         text += self._detokenizer.finish() if self._detokenizer is not None else ""
         self._text.append(text)
         self.stats.new_tokens = len(self.token_ids)
+        del self.stats.token_times[len(self.token_ids):]  # tokens cut by a stop string take their timestamps along
         self.finish_reason = reason
         self.result = Result(self.text, list(self.token_ids), self.stats, reason, list(self.prompt_ids))
         return Piece(text, taken, finished=True, finish_reason=reason)

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from specter import calibrate, plugins
-from specter.accept import Acceptance, accept_rejection, coupled_verdict, greedy_verdict, read_verdict
+from specter.accept import Acceptance, coupled_verdict, greedy_verdict, read_verdict, rejection_verdict
 from specter.config import EngineConfig, GenerationConfig
 from specter.decode import check_prompt, greedy_decode
 from specter.draft import Draft, DraftExperts, quantize_layers
-from specter.errors import BudgetError
+from specter.errors import BudgetError, RequestCancelled
 from specter.experts.cache import ExpertCache
 from specter.experts.pool import ExpertPool
 from specter.experts.transfer import LinkEmulation, TransferEngine, parse_link
@@ -95,7 +95,10 @@ class Runtime:
         self.estimates = Estimates(self.k_max)
         self.trace: TraceWriter | None = None
         self.stages = StageCounters()  # per-stage counts and host wall time (draft, verify), see specter.kernel.stage
-        self._counts_host: list[Tensor] = []  # pinned snapshots of the draft's route counters, one per checkpoint (CUDA)
+        self._counts_host: list[Tensor] = []
+        self._generator: torch.Generator | None = None  # rejection sampling, re-seeded every round
+        self._closed = False
+        self._round_bytes_at_start = 0  # pinned snapshots of the draft's route counters, one per checkpoint (CUDA)
         self._lock = asyncio.Lock()
 
     # ---- loading ------------------------------------------------------------------------------
@@ -170,6 +173,7 @@ class Runtime:
         return self.cache.pool.host(self.moe_index[layer], expert)
 
     async def aclose(self) -> None:
+        self._closed = True
         if self.cache is not None:
             await self.cache.aclose()
             await self.cache.transfer.aclose()
@@ -203,6 +207,8 @@ class Runtime:
     async def generate_ids(self, prompt_ids: Sequence[int], generation: GenerationConfig | None = None,
                            stats: RequestStats | None = None) -> AsyncIterator[list[int]]:
         """Yield the tokens committed by each round. One request at a time; others wait their turn."""
+        if self._closed:
+            raise RequestCancelled("this runtime is closed; load a new one with Runtime.load")
         generation = generation or GenerationConfig()
         prompt_ids = list(prompt_ids)
         check_prompt(prompt_ids, generation.max_new_tokens, self.spec.vocab_size, self.config.max_context)
@@ -274,15 +280,12 @@ class Runtime:
         start = self.kv.length  # position of x0
         k = self._next_k(remaining)
         round_started = time.perf_counter()
-        x0_tensor = torch.tensor([x0], dtype=torch.long, device=self.model.device)
+        self._round_bytes_at_start = self._bytes_loaded()
+        x0_tensor = self._device_ids([x0])
         drafted, draft_logits = None, None
         if k:
-            async with stage("draft", counters=self.stages, k=k), asyncio.TaskGroup() as stages:
-                checkpoints: asyncio.Queue[tuple[int, np.ndarray, Any] | None] = asyncio.Queue()
-                stages.create_task(self._transfer_stage(checkpoints, k), name="specter-transfer-stage")
-                drafted, draft_logits = await stages.create_task(self._draft(x0_tensor, start, k, params, checkpoints),
-                                                                 name="specter-draft-stage")
-                checkpoints.put_nowait(None)
+            async with stage("draft", counters=self.stages, k=k):
+                drafted, draft_logits = await self._draft_and_transfer(x0_tensor, start, k, params)
         draft_s = time.perf_counter() - round_started
         block = torch.cat([x0_tensor, drafted]) if k else x0_tensor
         record = self._start_record()
@@ -294,6 +297,20 @@ class Runtime:
         self.kv.crop(start + acceptance.n_accepted + 1)
         self._finish_round(k, acceptance, record, stats, draft_s, verify_s, time.perf_counter() - round_started)
         return acceptance.tokens
+
+    async def _draft_and_transfer(self, x0: Tensor, start: int, k: int, params: SamplingParams) -> tuple[Tensor, Tensor | None]:
+        """The draft and transfer stages as one task group; a single failure surfaces as itself, not a group."""
+        try:
+            async with asyncio.TaskGroup() as stages:
+                checkpoints: asyncio.Queue[tuple[int, Tensor, Any] | None] = asyncio.Queue()
+                stages.create_task(self._transfer_stage(checkpoints, k), name="specter-transfer-stage")
+                drafted = await stages.create_task(self._draft(x0, start, k, params, checkpoints), name="specter-draft-stage")
+                checkpoints.put_nowait(None)
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) == 1:  # e.g. a PluginError from a policy: the user should see it as it is
+                raise group.exceptions[0] from None
+            raise
+        return drafted
 
     async def _verify(self, block: Tensor, start: int) -> Tensor:
         """The target over [x0, d1..dk] at positions start..start+k: logits [k+1, V]."""
@@ -335,7 +352,7 @@ class Runtime:
         transfer stage has not read yet.
         """
         assert self.draft is not None
-        counts = self.draft.route_counts[self.spec.moe_layers]
+        counts = self.draft.route_counts  # [L, E], the whole tensor: a device-side row gather would sync on its index
         if counts.device.type == "cpu":
             return counts.clone(), None
         while len(self._counts_host) <= index:
@@ -348,7 +365,7 @@ class Runtime:
             steps_done, counts, landed = item
             if landed is not None:
                 await self.kernel.wait(landed)  # the GPU has passed this draft step; later steps keep running
-            self._plan_and_prefetch(counts.numpy().astype(np.float64), steps_done, k)
+            self._plan_and_prefetch(counts.numpy()[self.spec.moe_layers].astype(np.float64), steps_done, k)
 
     def _plan_and_prefetch(self, counts: np.ndarray, steps_done: int, k: int) -> None:
         assert self.cache is not None
@@ -356,7 +373,7 @@ class Runtime:
                                        timing=self._timing(), slots_per_layer=self.memory.slots_per_layer)
         for layer in range(len(self.spec.moe_layers)):
             planned = self.plan.for_layer(layer)
-            self.cache.protect(layer, planned)
+            self.cache.protect(layer, planned, replace=True)
             self.cache.prefetch(layer, planned)
 
     async def _accept(self, drafts: Tensor, logits: Tensor, draft_logits: Tensor | None, start: int,
@@ -365,12 +382,24 @@ class Runtime:
         if params.greedy:
             verdict = greedy_verdict(drafts, logits)
         elif draft_logits is not None:
-            generator = torch.Generator(device=logits.device).manual_seed(params.seed * 1_000_003 + start)
-            return accept_rejection(drafts, probs(draft_logits, params), probs(logits, params), generator)
+            generator = self._rejection_generator(logits.device).manual_seed(params.seed * 1_000_003 + start)
+            verdict = rejection_verdict(drafts, probs(draft_logits, params), probs(logits, params), generator)
         else:
             verdict = coupled_verdict(drafts, logits, positions, params)
         host = await to_host(self.kernel, verdict)  # await point: the round's one host sync for acceptance
         return read_verdict(torch.tensor(host))
+
+    def _device_ids(self, ids: list[int]) -> Tensor:
+        """Token ids to the device without a blocking copy (pinned source, non-blocking on CUDA)."""
+        host = torch.tensor(ids, dtype=torch.long)
+        if self.model.device.type == "cuda":
+            return host.pin_memory().to(self.model.device, non_blocking=True)
+        return host
+
+    def _rejection_generator(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+        return self._generator
 
     def _finish_round(self, k: int, acceptance: Acceptance, record, stats: RequestStats, draft_s: float, verify_s: float,
                       round_s: float) -> None:
@@ -388,7 +417,7 @@ class Runtime:
         self.estimates.observe_draft(k, draft_s)
         rows = k + 1
         self.estimates.observe_verify(rows, max(0.0, verify_s - (record.stall_s if record else 0.0)),
-                                      (record.misses if record else 0) * self.memory.expert_bytes)
+                                      self._bytes_loaded() - self._round_bytes_at_start)
         committed = acceptance.n_accepted + 1
         self.lookahead.observe(outcome=RoundOutcome(k=k, accepted=acceptance.n_accepted, tpot_s=round_s / committed, round_s=round_s))
 
@@ -440,13 +469,12 @@ class Runtime:
                           expert_bytes=self.memory.expert_bytes)
 
     def _lookahead_state(self) -> LookaheadState:
-        miss_per_row = self.estimates.miss_bytes_per_row or 0.0
         return LookaheadState(
             acceptance_by_position=list(self.estimates.acceptance[: self.k_max]),
             draft_step_s_fit=(0.0, self.estimates.draft_step_s or 1e-3),
             verify_s_fit=self.estimates.verify_fit(),
             bandwidth_bytes_per_s=self.bandwidth(),
-            predicted_new_bytes=[miss_per_row * (k + 1) for k in range(self.k_max + 1)],
+            predicted_new_bytes=self.estimates.predicted_new_bytes(self.k_max),
             k_max=self.k_max,
             model_key=f"{self.spec.family}:{self.spec.hidden_size}x{self.spec.num_layers}:{self.memory.slots_per_layer}",
         )

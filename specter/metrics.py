@@ -84,7 +84,8 @@ class Estimates:
         self.acceptance_seen = [False] * max(k_max, 1)
         self.draft_step_s: float | None = None
         self.verify_points: deque[tuple[int, float]] = deque(maxlen=64)
-        self.miss_bytes_per_row: float | None = None
+        self.new_bytes_per_row: float | None = None  # bytes the link moved per verified row, speculative rounds
+        self.new_bytes_plain: float | None = None  # bytes moved per plain-decoding (k = 0) token
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
@@ -101,9 +102,19 @@ class Estimates:
         if k > 0:
             self.draft_step_s = self._ema(self.draft_step_s, seconds / k)
 
-    def observe_verify(self, rows: int, compute_s: float, miss_bytes: int) -> None:
+    def observe_verify(self, rows: int, compute_s: float, new_bytes: int) -> None:
+        """One round's verify: rows, compute time without transfer stalls, and every byte the round copied."""
         self.verify_points.append((rows, compute_s))
-        self.miss_bytes_per_row = self._ema(self.miss_bytes_per_row, miss_bytes / rows)
+        if rows == 1:
+            self.new_bytes_plain = self._ema(self.new_bytes_plain, float(new_bytes))
+        else:
+            self.new_bytes_per_row = self._ema(self.new_bytes_per_row, new_bytes / rows)
+
+    def predicted_new_bytes(self, k_max: int) -> list[float]:
+        """Index k: bytes a round of depth k is expected to move (prefetches and misses alike)."""
+        per_row = self.new_bytes_per_row if self.new_bytes_per_row is not None else (self.new_bytes_plain or 0.0)
+        plain = self.new_bytes_plain if self.new_bytes_plain is not None else per_row
+        return [plain] + [per_row * (k + 1) for k in range(1, k_max + 1)]
 
     def verify_fit(self) -> tuple[float, float]:
         """Least-squares a + b*rows over recent verify passes (b = 0 until two row counts were seen)."""

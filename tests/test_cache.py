@@ -219,6 +219,21 @@ def test_a_protected_expert_survives_and_too_many_protections_are_a_budget_error
     assert rig.cache.lru_order(1) == [1, 2, 3]  # 0 was least recently used
 
 
+def test_a_later_plan_replaces_the_protection_of_an_earlier_one(rig):
+    async def main() -> None:
+        for expert, slot in (await rig.cache.ensure(1, [0, 1, 2])).items():
+            rig.read(1, expert, slot)
+        rig.cache.protect(1, [0, 1, 2])  # the first checkpoint's plan
+        assert rig.cache.prefetch(1, [3]) == []
+        rig.cache.protect(1, [3, 1], replace=True)  # a later plan of the same round no longer wants 0 and 2
+        assert rig.cache.protected_experts(1) == {1, 3}
+        assert rig.cache.prefetch(1, [3]) == [3]
+        await rig.close()
+
+    run(main())
+    assert 1 in rig.cache.lru_order(1) and 3 in rig.cache.lru_order(1)
+
+
 def test_asking_for_more_experts_than_slots_is_a_budget_error(rig):
     with pytest.raises(BudgetError, match="3 slots"):
         run(rig.cache.ensure(0, [0, 1, 2, 3]))

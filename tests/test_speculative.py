@@ -157,3 +157,30 @@ def test_static_verify_offloaded_equals_resident_static(root, family):
         result = run(path, config, [3, 1, 4], generation)
         assert result.tokens == resident.tokens
         assert result.stats.h2d_bytes > 0
+
+
+def test_a_plugin_failing_in_the_transfer_stage_surfaces_as_plugin_error(root, monkeypatch):
+    """An error inside the round's task group reaches the caller as itself (a SpecterError), not a group."""
+    from policies.prefetch import TopMFrequency
+    from specter.errors import PluginError
+
+    def broken_plan(self, **_):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(TopMFrequency, "plan", broken_plan)
+    path = checkpoint("mixtral", root)
+    config = EngineConfig(device="cpu", max_context=96, residents=2, draft=DraftConfig(k=4))
+    with pytest.raises(PluginError, match="topm-frequency"):
+        run(path, config, [1, 2, 3], GenerationConfig(max_new_tokens=8))
+
+
+def test_a_closed_runtime_refuses_requests(root):
+    from specter.errors import RequestCancelled
+
+    async def go():
+        runtime = await Runtime.load(checkpoint("olmoe", root), EngineConfig(device="cpu", max_context=64, residents=2))
+        await runtime.aclose()
+        with pytest.raises(RequestCancelled, match="closed"):
+            await runtime.complete_ids([1, 2], GenerationConfig(max_new_tokens=2))
+
+    asyncio.run(go())

@@ -248,9 +248,16 @@ class ExpertCache:
             issued.append(expert)
         return issued
 
-    def protect(self, layer: int, experts: Iterable[int]) -> None:
-        """Never evict these experts of `layer` until verified (`mark_used`, `iter_ready`) or `unprotect_all`."""
-        self._protected[layer].update(experts)
+    def protect(self, layer: int, experts: Iterable[int], *, replace: bool = False) -> None:
+        """Never evict these experts of `layer` until verified (`mark_used`, `iter_ready`) or `unprotect_all`.
+
+        replace: the layer's protection becomes exactly `experts` (a later, better-informed plan of the same
+        round drops what an earlier one protected; pins and loads in flight stay safe on their own).
+        """
+        if replace:
+            self._protected[layer] = set(experts)
+        else:
+            self._protected[layer].update(experts)
 
     def unprotect_all(self, fence: Event | None = None) -> None:
         """End of round: lift every protection and pin. `fence` (recorded on the compute stream after the
