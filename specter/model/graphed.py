@@ -305,10 +305,16 @@ class GraphedStep:
             self.seed.fill_(params.seed)  # type: ignore[union-attr]
         if not self.use_graph:
             return self._compute(key)
-        if key not in self._graphs:
-            self.capture(key)
-        self._graphs[key].replay()
-        return self._outputs[key]
+        # One graph, captured at start-up, for every request: sampled requests replay it for the logits and
+        # sample eagerly from them (the same ops as in a graph), so a new temperature or top-p never captures
+        # (allocates) in the middle of decoding.
+        if GREEDY not in self._graphs:
+            self.capture(GREEDY)
+        self._graphs[GREEDY].replay()
+        logits, greedy_tokens = self._outputs[GREEDY]
+        if key == GREEDY:
+            return logits, greedy_tokens
+        return logits, sample(logits, self.positions + 1, DeviceSampling(*key, seed=self.seed))
 
     def prepare(self, params: SamplingLike | None = None) -> None:
         """Capture the graph for `params` now, at start-up while the KV is empty (the warm-up writes position 0).
