@@ -282,18 +282,23 @@ class Runtime:
         round_started = time.perf_counter()
         self._round_bytes_at_start = self._bytes_loaded()
         x0_tensor = self._device_ids([x0])
+        marks = [self._gpu_mark()]  # GPU-timeline marks: host wall time misses work graph replays leave queued
         drafted, draft_logits = None, None
         if k:
             async with stage("draft", counters=self.stages, k=k):
                 drafted, draft_logits = await self._draft_and_transfer(x0_tensor, start, k, params)
         draft_s = time.perf_counter() - round_started
+        marks.append(self._gpu_mark())
         block = torch.cat([x0_tensor, drafted]) if k else x0_tensor
         record = self._start_record()
         verify_started = time.perf_counter()
         async with stage("verify", counters=self.stages, rows=k + 1):
             logits = await self._verify(block, start)  # [k+1, V]
+            marks.append(self._gpu_mark())
             acceptance = await self._accept(block[1:], logits, draft_logits, start, params)
         verify_s = time.perf_counter() - verify_started
+        if marks[0] is not None:  # the verdict has been awaited, so every mark has completed: no stall
+            draft_s, verify_s = marks[1].elapsed_since(marks[0]), marks[2].elapsed_since(marks[1])
         self.kv.crop(start + acceptance.n_accepted + 1)
         self._finish_round(k, acceptance, record, stats, draft_s, verify_s, time.perf_counter() - round_started)
         return acceptance.tokens
@@ -388,6 +393,12 @@ class Runtime:
             verdict = coupled_verdict(drafts, logits, positions, params)
         host = await to_host(self.kernel, verdict)  # await point: the round's one host sync for acceptance
         return read_verdict(torch.tensor(host))
+
+    def _gpu_mark(self):
+        """A timed event on the compute stream (CUDA only; None elsewhere, where host wall time is exact)."""
+        if self.model.device.type != "cuda":
+            return None
+        return self.backend.record_event(self.backend.compute_stream, timed=True)
 
     def _device_ids(self, ids: list[int]) -> Tensor:
         """Token ids to the device without a blocking copy (pinned source, non-blocking on CUDA)."""
