@@ -46,8 +46,9 @@ class RequestStats:
 
     @property
     def hit_rate(self) -> float:
+        """Share of expert requests served without an on-demand load; 1.0 with no cache (all resident)."""
         total = self.hits + self.misses
-        return self.hits / total if total else 0.0
+        return self.hits / total if total else 1.0
 
     @property
     def window_recall(self) -> float:
