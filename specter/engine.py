@@ -10,38 +10,43 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
-from specter import calibrate, plugins
+from specter import calibrate
 from specter.accept import Acceptance, coupled_verdict, greedy_verdict, read_verdict, rejection_verdict
 from specter.config import EngineConfig, GenerationConfig
 from specter.decode import check_prompt, greedy_decode
-from specter.draft import Draft, DraftExperts, quantize_layers
-from specter.errors import BudgetError, RequestCancelled
+from specter.draft import Draft, DraftExperts
+from specter.errors import RequestCancelled
 from specter.experts.cache import ExpertCache
-from specter.experts.pool import ExpertPool
-from specter.experts.transfer import LinkEmulation, TransferEngine, parse_link
 from specter.kernel import Kernel, StageCounters, stage
 from specter.loader import resolve_device, resolve_dtype
+from specter.loading import (  # noqa: F401  (CheckpointWeights and WeightSource are part of this module's API)
+    CheckpointWeights,
+    WeightSource,
+    check_device_memory,
+    load_backend,
+    load_experts,
+    load_policies,
+    may_speculate,
+)
 from specter.log import get_logger
-from specter.memory import MemoryPlan, fmt, plan_memory
+from specter.memory import MemoryPlan, plan_memory
 from specter.metrics import Estimates, RequestStats
 from specter.model.checkpoint import Checkpoint
 from specter.model.graphed import GraphedTarget, static_step_supported
 from specter.model.kv import KVCache
-from specter.model.spec import ModelSpec
 from specter.model.registry import transformer_for
 from specter.model.resident import ResidentExperts
 from specter.model.segmented import SegmentedStep
+from specter.model.spec import ModelSpec
 from specter.model.transformer import ExpertProvider, Transformer
-from specter.model.weights import check_no_unknown_experts, iter_experts, load_dense
 from specter.policy import LinkTiming, LookaheadState, Plan, RoundOutcome, UseHistory
 from specter.sampling import SamplingParams, probs, sample
 from specter.trace import TraceHeader, TraceRound, TraceWriter
@@ -113,18 +118,18 @@ class Runtime:
         config = config or EngineConfig()
         spec = source.spec
         device, dtype = resolve_device(config), resolve_dtype(config, spec)
-        policies = _load_policies(config)
-        speculative = _may_speculate(config)
+        policies = load_policies(config)
+        speculative = may_speculate(config)
         calibrated = speculative and config.draft.quant == "gptq4"
         memory = plan_memory(spec, dtype, config, speculative)
-        _check_device_memory(config, device, memory)
+        check_device_memory(config, device, memory)
         source.validate()
-        backend = _load_backend(config, device)
+        backend = load_backend(config, device)
         kernel = Kernel(backend)
         dense = source.dense(dtype, device, config.progress)
         model = transformer_for(spec)(spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context)
         quantize_now = speculative and not calibrated
-        experts, cache, draft_layers = await _load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now)
+        experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now)
         source.close()
         draft = _make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device), config) if quantize_now else None
         engine = cls(config, spec, model, memory, backend, kernel, experts, cache, draft, policies)
@@ -519,104 +524,3 @@ def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:
         if token in stop:
             return tokens[: index + 1]
     return tokens
-
-
-def _may_speculate(config: EngineConfig) -> bool:
-    return config.draft.k_max > 0 and not (config.lookahead == "fixed" and config.draft.k == 0)
-
-
-def _load_policies(config: EngineConfig) -> dict:
-    """Load every plug-in by name before allocating anything, so a typo fails fast and costs nothing."""
-    lookahead_options = {"k": config.draft.k} if config.lookahead == "fixed" else {}
-    return {
-        "eviction": plugins.load_policy("eviction", config.eviction),
-        "prefetch": plugins.load_policy("prefetch", config.prefetch),
-        "lookahead": plugins.load_policy("lookahead", config.lookahead, **lookahead_options),
-    }
-
-
-def _load_backend(config: EngineConfig, device: torch.device):
-    name = device.type if config.backend == "auto" else config.backend
-    if name == "cpu":
-        return plugins.load_backend("cpu", link_gbps=parse_link(config.link))
-    return plugins.load_backend(name, device=device.index or 0)
-
-
-def _check_device_memory(config: EngineConfig, device: torch.device, memory: MemoryPlan) -> None:
-    if device.type != "cuda" or config.budget is None:
-        return
-    free, _total = torch.cuda.mem_get_info(device)
-    if config.budget > free:
-        raise BudgetError(f"budget {fmt(config.budget)} is more than the GPU's free memory {fmt(free)}; lower --budget")
-
-
-class WeightSource(Protocol):
-    """Where a runtime's weights come from: a checkpoint directory, or synthetic weights made in memory."""
-
-    spec: ModelSpec
-
-    def validate(self) -> None:
-        """Raise CheckpointError for problems detectable before loading (called after the memory plan)."""
-
-    def dense(self, dtype: torch.dtype, device: torch.device, progress: bool) -> dict[str, Tensor]:
-        """Every non-expert tensor by on-disk name, on the device."""
-
-    def experts(self, dtype: torch.dtype, progress: bool) -> Iterator[tuple[int, int, Tensor]]:
-        """(layer, expert, packed flat CPU tensor) for every routed expert, layer by layer."""
-
-    def close(self) -> None: ...
-
-
-LARGE_CHECKPOINT_BYTES = 1 << 30  # above this, loading shows progress on a terminal even when not asked
-
-
-class CheckpointWeights:
-    """A WeightSource reading a Hugging Face checkpoint directory."""
-
-    def __init__(self, ckpt: Checkpoint) -> None:
-        self.ckpt, self.spec = ckpt, ckpt.spec
-        on_disk = sum(file.stat().st_size for file in ckpt.files if file.is_file())
-        self.auto_progress = on_disk > LARGE_CHECKPOINT_BYTES and sys.stderr.isatty()
-
-    def validate(self) -> None:
-        check_no_unknown_experts(self.ckpt)
-
-    def dense(self, dtype: torch.dtype, device: torch.device, progress: bool) -> dict[str, Tensor]:
-        return load_dense(self.ckpt, dtype, device, progress=progress or self.auto_progress)
-
-    def experts(self, dtype: torch.dtype, progress: bool) -> Iterator[tuple[int, int, Tensor]]:
-        return iter_experts(self.ckpt, dtype, progress=progress or self.auto_progress)
-
-    def close(self) -> None:
-        self.ckpt.close()
-
-
-async def _load_experts(source: WeightSource, config: EngineConfig, memory: MemoryPlan, backend, kernel: Kernel, dtype: torch.dtype,
-                        device: torch.device, speculative: bool):
-    """Stream every expert once: into device memory (all resident) or the host pool, and into the draft's quantizer."""
-    spec = source.spec
-    if memory.all_resident:
-        resident = ResidentExperts.from_iter(source.experts(dtype, config.progress), spec.num_experts, device)
-        stream = ((layer, e, resident.expert(layer, e)) for layer in spec.moe_layers for e in range(spec.num_experts))
-        draft = quantize_layers(stream, spec.hidden_size, spec.expert_intermediate, spec.num_experts, config.draft, device) if speculative else {}
-        return resident, None, draft
-    pool = ExpertPool(backend, len(spec.moe_layers), spec.num_experts, spec.expert_numel, dtype)
-    moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
-
-    def into_pool():
-        for layer, expert, flat in source.experts(dtype, config.progress):
-            pool.write(moe_index[layer], expert, flat)
-            yield layer, expert, flat
-
-    if speculative:
-        draft = quantize_layers(into_pool(), spec.hidden_size, spec.expert_intermediate, spec.num_experts, config.draft, device)
-    else:
-        draft = {}
-        for _ in into_pool():
-            pass
-    pool.check_complete()
-    gbps = parse_link(config.link)
-    link = LinkEmulation(gbps) if gbps is not None and device.type == "cuda" else None
-    transfer = TransferEngine(backend, kernel, link=link)
-    cache = ExpertCache(backend, kernel, transfer, pool, memory.slots_per_layer, choose_victims=lambda *a: [])
-    return OffloadedExperts(cache, kernel, {}), cache, draft

@@ -116,7 +116,7 @@ def test_budget_below_minimum_is_refused_before_allocation(tiny, monkeypatch, ex
         raise AssertionError("allocated before refusing the budget")
 
     monkeypatch.setattr(CheckpointWeights, "dense", no_allocation)
-    monkeypatch.setattr("specter.engine._load_backend", no_allocation)
+    monkeypatch.setattr("specter.engine.load_backend", no_allocation)
     minimum = plan_memory(Checkpoint(tiny).spec, torch.float32, EngineConfig(device="cpu")).minimum_budget
     budget = minimum - 3 * 2**20
     config = EngineConfig(device="cpu", budget=budget)

@@ -65,7 +65,7 @@ def test_prompt_text_streams_and_summarises(capsys):
 
 
 def test_every_engine_option_reaches_the_engine(capsys, tmp_path):
-    from specter import Engine, EngineConfig, GenerationConfig
+    from specter import Engine, GenerationConfig
     from specter.kernel import run
 
     trace = tmp_path / "routes.trace"

@@ -57,7 +57,7 @@ def lru_victims(layer: int, residents: Sequence[int], protected: Set[int], count
 
 
 class Offloaded:
-    """The engine's offloaded set-up (engine._load_experts), on the cpu backend unless given one, filled from resident experts."""
+    """The engine's offloaded set-up (specter.loading.load_experts), on the cpu backend unless given one, filled from resident experts."""
 
     def __init__(self, loaded: LoadedModel, slots: int, backend=None) -> None:
         spec = loaded.spec
