@@ -9,7 +9,8 @@ export PYTHONUNBUFFERED=1
 out=${OUT:-out}
 case "${1:-}" in
   gpu-tests)      # every gpu-marked test: exactness, kernels, graphs, segmented verify, soak, budgets
-    timeout 560 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -25 ;;
+    timeout 400 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -25
+    SPECTER_TEST_DEVICE=cuda timeout 160 python -m pytest -q -x tests/test_speculative.py -p no:cacheprovider 2>&1 | tail -5 ;;
   micro)          # transfer engine, draft MoE kernel (with the tile sweep), graphed resident and draft steps
     timeout 150 python benchmarks/transfer_bench.py --out "$out/transfer" 2>&1 | tail -20
     timeout 250 python benchmarks/moe_kernel_bench.py --repeats 50 --out "$out/moe" 2>&1 | tail -12

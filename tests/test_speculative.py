@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,6 +20,8 @@ from specter.engine import Runtime
 from specter.model.checkpoint import Checkpoint
 from tests.hf_models import FAMILIES, hf_model, save_hf
 
+# The same tests run on the GPU machine with SPECTER_TEST_DEVICE=cuda (benchmarks/h200_runs.sh gpu-tests).
+DEVICE = os.environ.get("SPECTER_TEST_DEVICE", "cpu")
 REFERENCE_EVICTION = ["lru", "lfu", "plan-protect", "belady-lookahead"]
 REFERENCE_PREFETCH = ["none", "topm-frequency"]
 REFERENCE_LOOKAHEAD = ["fixed", "profiled", "roofline"]
@@ -56,7 +59,7 @@ def run(path: str, config: EngineConfig, prompt: list[int], generation: Generati
 
 
 def baseline(path: str, prompt: list[int], generation: GenerationConfig) -> list[int]:
-    config = EngineConfig(device="cpu", max_context=96, lookahead="fixed", draft=DraftConfig(k=0))
+    config = EngineConfig(device=DEVICE, max_context=96, lookahead="fixed", draft=DraftConfig(k=0))
     return run(path, config, prompt, generation).tokens
 
 
@@ -86,7 +89,7 @@ def test_speculative_equals_baseline(root, family, prompt, residents, eviction, 
         residents = max(residents, Checkpoint(path).spec.top_k)
     generation = GenerationConfig(max_new_tokens=14, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     expected = baseline(path, prompt, generation)
-    config = EngineConfig(device="cpu", max_context=96, residents=residents, eviction=eviction, prefetch=prefetch,
+    config = EngineConfig(device=DEVICE, max_context=96, residents=residents, eviction=eviction, prefetch=prefetch,
                           lookahead=lookahead, draft=DraftConfig(k=k, k_max=16, quant=quant))
     result = run(path, config, prompt, generation)
     assert result.tokens == expected
@@ -99,7 +102,7 @@ def test_speculation_accepts_drafts_and_predicts_routes(root, family):
     """With an int8 draft the draft agrees often and its routes cover most of what verify used."""
     path = checkpoint(family, root)
     generation = GenerationConfig(max_new_tokens=24)
-    config = EngineConfig(device="cpu", max_context=96, residents=3, draft=DraftConfig(k=4, quant="int8"))
+    config = EngineConfig(device=DEVICE, max_context=96, residents=3, draft=DraftConfig(k=4, quant="int8"))
     result = run(path, config, [1, 2, 3], generation)
     assert result.tokens == baseline(path, [1, 2, 3], generation)
     stats = result.stats
@@ -111,7 +114,7 @@ def test_speculation_accepts_drafts_and_predicts_routes(root, family):
 def test_rejection_sampling_runs_and_differs_in_rule(root):
     path = checkpoint("mixtral", root)
     generation = GenerationConfig(max_new_tokens=10, temperature=1.0, seed=3)
-    config = EngineConfig(device="cpu", max_context=96, draft=DraftConfig(k=3, sampling="rejection"))
+    config = EngineConfig(device=DEVICE, max_context=96, draft=DraftConfig(k=3, sampling="rejection"))
     tokens = run(path, config, [4, 5], generation).tokens
     assert len(tokens) == 10 and all(0 <= t < 96 for t in tokens)
 
@@ -119,7 +122,7 @@ def test_rejection_sampling_runs_and_differs_in_rule(root):
 def test_gptq_draft_is_calibrated_and_exact(root):
     path = checkpoint("qwen3_moe", root)
     generation = GenerationConfig(max_new_tokens=16)
-    config = EngineConfig(device="cpu", max_context=96, residents=3, draft=DraftConfig(k=4, quant="gptq4", group_size=16))
+    config = EngineConfig(device=DEVICE, max_context=96, residents=3, draft=DraftConfig(k=4, quant="gptq4", group_size=16))
     result = run(path, config, [9, 8, 7], generation)
     assert result.tokens == baseline(path, [9, 8, 7], generation)
     assert result.stats.drafted > 0 and result.stats.acceptance_rate > 0.3
@@ -130,7 +133,7 @@ def test_draft_shares_the_targets_non_expert_tensors(root):
 
     async def go():
         path = checkpoint("qwen2_moe", root)
-        runtime = await Runtime.load(path, EngineConfig(device="cpu", max_context=64, residents=3, draft=DraftConfig(k=2)))
+        runtime = await Runtime.load(path, EngineConfig(device=DEVICE, max_context=64, residents=3, draft=DraftConfig(k=2)))
         try:
             target, draft = runtime.model, runtime.draft.model
             assert draft is not target and draft.w.keys() == target.w.keys()
@@ -151,9 +154,9 @@ def test_static_verify_offloaded_equals_resident_static(root, family):
     """With static_verify the offloaded verify shares the resident static step's numerics: same tokens."""
     path = checkpoint(family, root)
     generation = GenerationConfig(max_new_tokens=16, temperature=0.8, seed=5)
-    resident = run(path, EngineConfig(device="cpu", max_context=96, static_verify=True, draft=DraftConfig(k=0)), [3, 1, 4], generation)
+    resident = run(path, EngineConfig(device=DEVICE, max_context=96, static_verify=True, draft=DraftConfig(k=0)), [3, 1, 4], generation)
     for residents, k in ((2, 0), (3, 4)):
-        config = EngineConfig(device="cpu", max_context=96, static_verify=True, residents=residents, draft=DraftConfig(k=k))
+        config = EngineConfig(device=DEVICE, max_context=96, static_verify=True, residents=residents, draft=DraftConfig(k=k))
         result = run(path, config, [3, 1, 4], generation)
         assert result.tokens == resident.tokens
         assert result.stats.h2d_bytes > 0
@@ -169,7 +172,7 @@ def test_a_plugin_failing_in_the_transfer_stage_surfaces_as_plugin_error(root, m
 
     monkeypatch.setattr(TopMFrequency, "plan", broken_plan)
     path = checkpoint("mixtral", root)
-    config = EngineConfig(device="cpu", max_context=96, residents=2, draft=DraftConfig(k=4))
+    config = EngineConfig(device=DEVICE, max_context=96, residents=2, draft=DraftConfig(k=4))
     with pytest.raises(PluginError, match="topm-frequency"):
         run(path, config, [1, 2, 3], GenerationConfig(max_new_tokens=8))
 
@@ -178,7 +181,7 @@ def test_a_closed_runtime_refuses_requests(root):
     from specter.errors import RequestCancelled
 
     async def go():
-        runtime = await Runtime.load(checkpoint("olmoe", root), EngineConfig(device="cpu", max_context=64, residents=2))
+        runtime = await Runtime.load(checkpoint("olmoe", root), EngineConfig(device=DEVICE, max_context=64, residents=2))
         await runtime.aclose()
         with pytest.raises(RequestCancelled, match="closed"):
             await runtime.complete_ids([1, 2], GenerationConfig(max_new_tokens=2))
