@@ -58,8 +58,9 @@ def run(path: str, config: EngineConfig, prompt: list[int], generation: Generati
     return asyncio.run(go())
 
 
-def baseline(path: str, prompt: list[int], generation: GenerationConfig) -> list[int]:
-    config = EngineConfig(device=DEVICE, max_context=96, lookahead="fixed", draft=DraftConfig(k=0))
+def baseline(path: str, prompt: list[int], generation: GenerationConfig, residents: int | None = None) -> list[int]:
+    """The same engine with speculation off, at the same memory setting (DESIGN section 5)."""
+    config = EngineConfig(device=DEVICE, max_context=96, residents=residents, lookahead="fixed", draft=DraftConfig(k=0))
     return run(path, config, prompt, generation).tokens
 
 
@@ -88,7 +89,7 @@ def test_speculative_equals_baseline(root, family, prompt, residents, eviction, 
     if residents is not None:  # the minimum is one token's experts per layer
         residents = max(residents, Checkpoint(path).spec.top_k)
     generation = GenerationConfig(max_new_tokens=14, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    expected = baseline(path, prompt, generation)
+    expected = baseline(path, prompt, generation, residents)
     config = EngineConfig(device=DEVICE, max_context=96, residents=residents, eviction=eviction, prefetch=prefetch,
                           lookahead=lookahead, draft=DraftConfig(k=k, k_max=16, quant=quant))
     result = run(path, config, prompt, generation)
@@ -104,7 +105,7 @@ def test_speculation_accepts_drafts_and_predicts_routes(root, family):
     generation = GenerationConfig(max_new_tokens=24)
     config = EngineConfig(device=DEVICE, max_context=96, residents=3, draft=DraftConfig(k=4, quant="int8"))
     result = run(path, config, [1, 2, 3], generation)
-    assert result.tokens == baseline(path, [1, 2, 3], generation)
+    assert result.tokens == baseline(path, [1, 2, 3], generation, residents=3)
     stats = result.stats
     assert stats.drafted > 0 and stats.acceptance_rate > 0.3, stats.as_dict()
     assert stats.window_recall > 0.5, stats.as_dict()
@@ -124,7 +125,7 @@ def test_gptq_draft_is_calibrated_and_exact(root):
     generation = GenerationConfig(max_new_tokens=16)
     config = EngineConfig(device=DEVICE, max_context=96, residents=3, draft=DraftConfig(k=4, quant="gptq4", group_size=16))
     result = run(path, config, [9, 8, 7], generation)
-    assert result.tokens == baseline(path, [9, 8, 7], generation)
+    assert result.tokens == baseline(path, [9, 8, 7], generation, residents=3)
     assert result.stats.drafted > 0 and result.stats.acceptance_rate > 0.3
 
 
