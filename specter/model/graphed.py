@@ -257,6 +257,25 @@ def sampling_key(params: SamplingLike | None) -> SamplingKey:
     return (float(params.temperature), params.top_k or None, params.top_p)
 
 
+def pad_indices(rows: int, device: torch.device) -> list[Tensor]:
+    """For n = 1..R real rows: the row each of the R static rows reads (padding repeats the last real row)."""
+    return [torch.arange(rows, device=device).clamp(max=n - 1) for n in range(1, rows + 1)]
+
+
+def load_padded(tokens: Tensor, start: int, pad_index: list[Tensor], tokens_out: Tensor, positions_out: Tensor, capacity: int) -> int:
+    """Fill a static step's token and position buffers from n <= R device tokens; returns n. No sync.
+
+    Padding rows repeat the last real row (same token, same position), so they only rewrite a real KV entry.
+    """
+    count, rows = tokens.shape[0], tokens_out.shape[0]
+    assert 1 <= count <= rows, f"{count} tokens do not fit a {rows}-row step"
+    assert 0 <= start and start + count <= capacity, f"positions {start}..{start + count - 1} exceed the KV capacity {capacity}"
+    index = pad_index[count - 1]
+    torch.index_select(tokens.to(torch.long), 0, index, out=tokens_out)
+    torch.add(index, start, out=positions_out)
+    return count
+
+
 class GraphedStep:
     """A StaticStep bound to one KV cache, with static input buffers; a CUDA graph per sampling setting.
 
@@ -275,20 +294,14 @@ class GraphedStep:
         self.positions = torch.zeros(self.rows, dtype=torch.long, device=device)  # [R] static input
         self.seed = torch.zeros((), dtype=torch.long, device=device)  # static input for sampling
         self.next_position = 0  # host mirror of the last real row's position + 1 (bounds checks only)
-        self._pad_index = [torch.arange(self.rows, device=device).clamp(max=n - 1) for n in range(1, self.rows + 1)]
+        self._pad_index = pad_indices(self.rows, device)
         self._outputs: dict[SamplingKey, tuple[Tensor, Tensor]] = {}
         self._graphs: dict[SamplingKey, Any] = {}
         self._pool: Any = None
 
     def load(self, tokens: Tensor, start: int) -> None:
         """n <= R device tokens at positions start..start+n-1; rows n..R-1 repeat the last one. No sync."""
-        count = tokens.shape[0]
-        assert 1 <= count <= self.rows, f"{count} tokens do not fit a {self.rows}-row step"
-        assert 0 <= start and start + count <= self.kv.capacity, f"positions {start}..{start + count - 1} exceed the KV capacity {self.kv.capacity}"
-        index = self._pad_index[count - 1]
-        torch.index_select(tokens.to(torch.long), 0, index, out=self.tokens)
-        torch.add(index, start, out=self.positions)
-        self.next_position = start + count
+        self.next_position = start + load_padded(tokens, start, self._pad_index, self.tokens, self.positions, self.kv.capacity)
 
     def advance(self, token: Tensor) -> None:
         """One-row decoding: the next step reads `token` [1] (device) at the next position. No sync."""

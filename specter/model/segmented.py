@@ -27,7 +27,15 @@ from typing import Any
 import torch
 
 from specter.log import get_logger
-from specter.model.graphed import RESIDENT_KERNEL_CONFIG, MoEKernel, StaticStep, resident_moe_triton, resolve_kernel
+from specter.model.graphed import (
+    RESIDENT_KERNEL_CONFIG,
+    MoEKernel,
+    StaticStep,
+    load_padded,
+    pad_indices,
+    resident_moe_triton,
+    resolve_kernel,
+)
 from specter.model.kv import KVCache
 from specter.model.transformer import Transformer
 from specter.quant.moe_triton import MoEKernelConfig
@@ -74,7 +82,7 @@ class SegmentedStep:
         self.shared = torch.zeros_like(self.residual) if spec.shared_intermediate else None  # [R, D]
         self.routed = torch.zeros_like(self.residual)  # [R, D] written by set_routed
         self.logits = torch.zeros(rows, spec.vocab_size, dtype=torch.float32, device=device)  # [R, V] output
-        self._pad_index = [torch.arange(rows, device=device).clamp(max=n - 1) for n in range(1, rows + 1)]
+        self._pad_index = pad_indices(rows, device)
         self._no_weight = torch.zeros_like(self.weights)
         self._single_expert = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [R, 1] ids for the triton path
 
@@ -93,13 +101,7 @@ class SegmentedStep:
     # ---- inputs -----------------------------------------------------------------------------------
     def load(self, tokens: Tensor, start: int) -> int:
         """n <= R device tokens at positions start..start+n-1 (rows n..R-1 repeat the last one); returns n. No sync."""
-        count = tokens.shape[0]
-        assert 1 <= count <= self.rows, f"{count} tokens do not fit a {self.rows}-row step"
-        assert 0 <= start and start + count <= self.kv.capacity, f"positions {start}..{start + count - 1} exceed the KV capacity {self.kv.capacity}"
-        index = self._pad_index[count - 1]
-        torch.index_select(tokens.to(torch.long), 0, index, out=self.tokens)
-        torch.add(index, start, out=self.positions)
-        return count
+        return load_padded(tokens, start, self._pad_index, self.tokens, self.positions, self.kv.capacity)
 
     # ---- segments ---------------------------------------------------------------------------------
     def run_segment(self, index: int) -> None:
