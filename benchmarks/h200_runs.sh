@@ -7,14 +7,17 @@ set -u
 source benchmarks/h200_setup.sh
 export PYTHONUNBUFFERED=1
 out=${OUT:-out}
-case "${1:-}" in
+for stage in "$@"; do
+case "$stage" in
   gpu-tests)      # every gpu-marked test: exactness, kernels, graphs, segmented verify, soak, budgets
-    timeout 400 python -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tail -25
-    SPECTER_TEST_DEVICE=cuda timeout 160 python -m pytest -q -x tests/test_speculative.py -p no:cacheprovider 2>&1 | tail -5 ;;
+    timeout 300 python -m pytest -q -m gpu -p no:cacheprovider --durations=8 2>&1 | tail -40
+    SPECTER_TEST_DEVICE=cuda timeout 120 python -m pytest -q -x tests/test_speculative.py -p no:cacheprovider 2>&1 | tail -5 ;;
   micro)          # transfer engine, draft MoE kernel (with the tile sweep), graphed resident and draft steps
     timeout 150 python benchmarks/transfer_bench.py --out "$out/transfer" 2>&1 | tail -20
     timeout 250 python benchmarks/moe_kernel_bench.py --repeats 50 --out "$out/moe" 2>&1 | tail -12
     timeout 150 python benchmarks/graphed_tpot.py --out "$out/graphed" 2>&1 | tail -10 ;;
+  floor)          # full-depth resident TPOT against the HBM floor (Phi-3.5-MoE, DeepSeek-V2-Lite, Qwen1.5-MoE)
+    SPECTER_STATIC_MLA=1 timeout 150 python benchmarks/resident_floor.py --out "$out/floor" 2>&1 | tail -6 ;;
   paper)          # the paper's shapes, both memory settings, three links (static verify on; compare with paper-eager)
     timeout 580 python -m specter.bench --preset paper --layers 8 --link native,gen4,ddr4-desktop --max-new-tokens 64 \
       --static-verify --time-budget 420 --no-progress --no-hf --out "$out/paper" 2>&1 | tail -60 ;;
@@ -26,5 +29,6 @@ case "${1:-}" in
     cp /tmp/reference/reference.json "$out/" 2>/dev/null
     timeout 370 python -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4,ddr4-desktop \
       --max-new-tokens 64 --static-verify --time-budget 200 --no-progress --no-hf --out "$out/reference" 2>&1 | tail -40 ;;
-  *) echo "usage: $0 gpu-tests|micro|paper|paper-eager|reference" >&2; exit 2 ;;
+  *) echo "usage: $0 STAGE... (gpu-tests|floor|micro|paper|paper-eager|reference)" >&2; exit 2 ;;
 esac
+done
