@@ -17,7 +17,7 @@ case "$stage" in
     timeout 250 python benchmarks/moe_kernel_bench.py --repeats 50 --out "$out/moe" 2>&1 | tail -12
     timeout 150 python benchmarks/graphed_tpot.py --out "$out/graphed" 2>&1 | tail -10 ;;
   floor)          # full-depth resident TPOT against the HBM floor (Phi-3.5-MoE, DeepSeek-V2-Lite, Qwen1.5-MoE)
-    SPECTER_STATIC_MLA=1 timeout 150 python benchmarks/resident_floor.py --out "$out/floor" 2>&1 | tail -6 ;;
+    timeout 150 python benchmarks/resident_floor.py --out "$out/floor" 2>&1 | tail -6 ;;
   paper)          # the paper's shapes, both memory settings, three links (static verify on; compare with paper-eager)
     timeout 580 python -m specter.bench --preset paper --layers 8 --link native,gen4,ddr4-desktop --max-new-tokens 64 \
       --static-verify --time-budget 420 --no-progress --no-hf --out "$out/paper" 2>&1 | tail -60 ;;

@@ -1,4 +1,4 @@
-"""DeepSeek-V2's latent attention in the graphed step on a real GPU (SPECTER_STATIC_MLA=1): CUDA-graph replays
+"""DeepSeek-V2's latent attention in the graphed step on a real GPU: CUDA-graph replays
 equal the eager paths, rows stay batch-invariant, the graphed draft and the offloaded segments match, no host syncs."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from specter.config import EngineConfig
 from specter.decode import greedy_decode, prefill, run_sync
 from specter.loader import LoadedModel, load_resident
-from specter.model.graphed import STATIC_MLA_ENV, GraphedStep, GraphedTarget, ResidentMoE, StaticStep, decode_resident_graphed
+from specter.model.graphed import GraphedStep, GraphedTarget, ResidentMoE, StaticStep, decode_resident_graphed
 from specter.model.kv import KVCache
 from specter.model.segmented import SegmentedStep
 from specter.quant.moe_triton import triton_available
@@ -33,11 +33,6 @@ PROMPT = [3, 17, 42, 5, 88, 12]
 VARIANTS = ["deepseek-v2", "deepseek-lite"]
 DTYPES = ["float32", "bfloat16"]
 KERNELS = ["triton", "dense"]
-
-
-@pytest.fixture(autouse=True)
-def static_mla(monkeypatch):
-    monkeypatch.setenv(STATIC_MLA_ENV, "1")
 
 
 @pytest.fixture(scope="module")

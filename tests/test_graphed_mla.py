@@ -1,4 +1,4 @@
-"""DeepSeek-V2's multi-head latent attention in the static step on the CPU (opt-in via SPECTER_STATIC_MLA=1):
+"""DeepSeek-V2's multi-head latent attention in the static step on the CPU (on by default; SPECTER_STATIC_MLA=0 switches it off):
 batch invariance, parity with the eager exact path, the static draft, and the offloaded segmented verify."""
 
 from __future__ import annotations
@@ -32,12 +32,6 @@ FORBIDDEN = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(autouse=True)
-def static_mla(monkeypatch):
-    """The opt-in every test here needs (the gate test removes it again)."""
-    monkeypatch.setenv(STATIC_MLA_ENV, "1")
-
-
 @pytest.fixture(scope="module")
 def load(tmp_path_factory):
     root = tmp_path_factory.mktemp("graphed-mla")
@@ -64,19 +58,20 @@ def dense_step(loaded: LoadedModel, kv: LatentKVCache, rows: int = 16) -> Graphe
     return GraphedStep(StaticStep(loaded.model, ResidentMoE(loaded.model, loaded.experts, "dense"), rows), kv)
 
 
-# ---- the opt-in ---------------------------------------------------------------------------------
-def test_the_static_mla_is_opt_in(load, monkeypatch):
-    model = load("deepseek-lite", "float32").model
-    for value in (None, "0", "true"):
+# ---- the switch ---------------------------------------------------------------------------------
+def test_the_static_mla_is_on_unless_switched_off(load, monkeypatch):
+    loaded = load("deepseek-lite", "float32")
+    model = loaded.model
+    for value in (None, "1", "true"):
         if value is None:
-            monkeypatch.delenv(STATIC_MLA_ENV)
+            monkeypatch.delenv(STATIC_MLA_ENV, raising=False)
         else:
             monkeypatch.setenv(STATIC_MLA_ENV, value)
-        assert not static_step_supported(model), value
-        with pytest.raises(ConfigError, match=STATIC_MLA_ENV):
-            StaticStep(model, ResidentMoE(model, load("deepseek-lite", "float32").experts, "dense"), 16)
-    monkeypatch.setenv(STATIC_MLA_ENV, "1")
-    assert static_step_supported(model)
+        assert static_step_supported(model), value
+    monkeypatch.setenv(STATIC_MLA_ENV, "0")
+    assert not static_step_supported(model)
+    with pytest.raises(ConfigError, match=STATIC_MLA_ENV):
+        StaticStep(model, ResidentMoE(model, loaded.experts, "dense"), 16)
 
 
 # ---- batch invariance and the KV writes -----------------------------------------------------------

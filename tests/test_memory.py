@@ -67,11 +67,12 @@ def test_cache_slots_match_the_plan(tiny):
 @pytest.mark.parametrize("k", [0, 4])
 def test_peak_reserved_gpu_memory_stays_within_the_budget(tiny, k):
     spec = Checkpoint(tiny).spec
-    plan = plan_memory(spec, torch.float32, EngineConfig(device="cuda"))
+    draft = DraftConfig(k=k)
+    plan = plan_memory(spec, torch.float32, EngineConfig(device="cuda", draft=draft))  # k = 0: no draft bytes
     budget = plan.fixed_bytes + 6 * plan.moe_layers * plan.expert_bytes  # 6 of 16 slots per layer
 
     async def go():
-        runtime = await Runtime.load(tiny, EngineConfig(device="cuda", budget=budget, draft=DraftConfig(k=k)))
+        runtime = await Runtime.load(tiny, EngineConfig(device="cuda", budget=budget, draft=draft))
         try:
             assert runtime.memory.slots_per_layer == 6
             for seed in range(3):

@@ -68,12 +68,12 @@ _MLA_METHODS = ("forward", "attention", "_attend_latent", "_attend_latent_row", 
 def static_step_supported(model: Transformer) -> bool:
     """Whether the model uses an attention and forward the static step reimplements.
 
-    Standard attention: always. DeepSeek-V2's multi-head latent attention (family deepseek_v2): only when
-    the environment variable SPECTER_STATIC_MLA=1 is set, because the static MLA has not yet been measured
-    on CUDA; without it DeepSeek runs the eager forward everywhere (target, verify and draft).
+    Standard attention: always. DeepSeek-V2's multi-head latent attention (family deepseek_v2): yes, unless
+    the environment variable SPECTER_STATIC_MLA=0 switches it off (then DeepSeek runs the eager forward
+    everywhere: target, verify and draft). Measured on the H200 on 2026-11-30 (tests/test_gpu_graphed_mla.py).
     """
     if _is_latent_attention(model):
-        return os.environ.get(STATIC_MLA_ENV) == "1"
+        return os.environ.get(STATIC_MLA_ENV) != "0"
     return _inherits(model, Transformer, _STANDARD_METHODS)
 
 
@@ -93,8 +93,8 @@ def check_static_support(model: Transformer) -> None:
     family = model.spec.family
     if _is_latent_attention(model):
         raise ConfigError(f"the static (CUDA-graph) decode step for model family '{family}' (multi-head latent attention) is "
-                          f"opt-in; set {STATIC_MLA_ENV}=1 to use it, or run the eager forward")
-    raise ConfigError(f"the static (CUDA-graph) decode step supports standard attention and (opt-in) DeepSeek-V2's latent "
+                          f"switched off by {STATIC_MLA_ENV}=0; unset it to use the static step, or run the eager forward")
+    raise ConfigError(f"the static (CUDA-graph) decode step supports standard attention and DeepSeek-V2's latent "
                       f"attention only; model family '{family}' ({type(model).__name__}) has its own; run it with the eager forward")
 
 
@@ -330,12 +330,14 @@ class GraphedStep:
         return logits, sample(logits, self.positions + 1, DeviceSampling(*key, seed=self.seed))
 
     def prepare(self, params: SamplingLike | None = None) -> None:
-        """Capture the graph for `params` now, at start-up while the KV is empty (the warm-up writes position 0).
+        """Capture the graph for `params` now (start-up). Capturing early keeps allocation out of decoding
+        (DESIGN section 3). Nothing to do without graphs.
 
-        Capturing early keeps allocation out of decoding (DESIGN section 3). Nothing to do without graphs.
+        The warm-up writes KV at the first uncommitted position (scratch by the KV's contract), so this is
+        safe after a prefill too; with a full KV the capture waits for first use instead.
         """
-        if self.use_graph:
-            self.load(torch.zeros(1, dtype=torch.long, device=self.tokens.device), 0)
+        if self.use_graph and self.kv.length < self.kv.capacity:
+            self.load(torch.zeros(1, dtype=torch.long, device=self.tokens.device), self.kv.length)
             self.capture(sampling_key(params))
 
     def capture(self, key: SamplingKey = GREEDY) -> None:
@@ -383,7 +385,7 @@ class GraphedTarget:
         return self.step.rows
 
     def prepare(self) -> None:
-        """Capture the graph now (start-up, while the KV is empty); see GraphedStep.prepare."""
+        """Capture the graph now (start-up); see GraphedStep.prepare."""
         self.step.prepare()
 
     def logits(self, tokens: Tensor, start: int) -> Tensor:

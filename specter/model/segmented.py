@@ -167,16 +167,20 @@ class SegmentedStep:
 
     # ---- graph capture ----------------------------------------------------------------------------
     def prepare(self) -> None:
-        """Capture the segment graphs now (start-up, while the KV is empty). Nothing to do without graphs."""
-        if self.use_graph and not self._graphs:
-            self.load(torch.zeros(1, dtype=torch.long, device=self.tokens.device), 0)
+        """Capture the segment graphs now (start-up). Nothing to do without graphs.
+
+        As GraphedStep.prepare: the warm-up writes KV only at the first uncommitted position, so a prefilled
+        prompt survives; with a full KV the capture waits for first use.
+        """
+        if self.use_graph and not self._graphs and self.kv.length < self.kv.capacity:
+            self.load(torch.zeros(1, dtype=torch.long, device=self.tokens.device), self.kv.length)
             self.capture()
 
     def capture(self) -> None:
         """Warm up every segment on a side stream, then capture each as a graph sharing one memory pool.
 
         The warm-up writes KV at the loaded positions with whatever the routed buffer holds; the next real
-        run rewrites those positions (prepare loads position 0 while the KV is empty). The graphs share a
+        run rewrites those positions (prepare loads the first uncommitted position). The graphs share a
         pool because they always replay in capture order and never overlap.
         """
         side = torch.cuda.Stream()
