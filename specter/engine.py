@@ -38,7 +38,7 @@ from specter.loading import (  # noqa: F401  (CheckpointWeights and WeightSource
 )
 from specter.log import get_logger
 from specter.memory import MemoryPlan, plan_memory
-from specter.metrics import Estimates, RequestStats
+from specter.metrics import Estimates, RequestStats, busy_within
 from specter.model.checkpoint import Checkpoint
 from specter.model.graphed import GraphedTarget, static_step_supported
 from specter.model.kv import KVCache
@@ -237,6 +237,7 @@ class Runtime:
         if self.cache is not None:
             fence = self.backend.record_event(self.backend.compute_stream)
             self.cache.unprotect_all(fence)
+            self.cache.transfer.chunk_log = None
         self.plan = None
         self.kv.reset()
 
@@ -288,6 +289,7 @@ class Runtime:
         self._round_bytes_at_start = self._bytes_loaded()
         x0_tensor = self._device_ids([x0])
         marks = [self._gpu_mark()]  # GPU-timeline marks: host wall time misses work graph replays leave queued
+        chunks = self._log_chunks(marks[0])
         drafted, draft_logits = None, None
         if k:
             async with stage("draft", counters=self.stages, k=k):
@@ -304,6 +306,8 @@ class Runtime:
         verify_s = time.perf_counter() - verify_started
         if marks[0] is not None:  # the verdict has been awaited, so every mark has completed: no stall
             draft_s, verify_s = marks[1].elapsed_since(marks[0]), marks[2].elapsed_since(marks[1])
+        if chunks is not None:
+            self._copy_busy(chunks, marks, record, stats)
         self.kv.crop(start + acceptance.n_accepted + 1)
         self._finish_round(k, acceptance, record, stats, draft_s, verify_s, time.perf_counter() - round_started)
         return acceptance.tokens
@@ -398,6 +402,33 @@ class Runtime:
             verdict = coupled_verdict(drafts, logits, positions, params)
         host = await to_host(self.kernel, verdict)  # await point: the round's one host sync for acceptance
         return read_verdict(torch.tensor(host))
+
+    def _log_chunks(self, mark) -> list | None:
+        """Start logging the round's chunks for the copy-busy measurement (CUDA: needs GPU marks)."""
+        if mark is None or self.cache is None:
+            return None
+        self.cache.transfer.chunk_log = []
+        return self.cache.transfer.chunk_log
+
+    def _copy_busy(self, chunks: list, marks: list, record, stats: RequestStats) -> None:
+        """Copy-stream busy time inside this round's verify window, if the verify stalled on a copy.
+
+        The window runs from the verify's start to the end of the last chunk that started before the
+        verify ended (capped at the verify's end). Every mark has completed; chunks still on the stream
+        count as busy to the verify's end. Never waits.
+        """
+        transfer = self.cache.transfer
+        transfer.chunk_log = None
+        if record is None or record.stall_s <= 0 or not chunks:
+            return
+        origin = marks[1]
+        verify_end = marks[2].elapsed_since(origin)
+        intervals = transfer.busy_intervals(chunks, origin, open_end=verify_end)
+        window = min(max((end for start, end in intervals if start < verify_end), default=0.0), verify_end)
+        if window <= 0:
+            return
+        stats.copy_busy_s += busy_within(intervals, 0.0, window)
+        stats.copy_window_s += window
 
     def _gpu_mark(self):
         """A timed event on the compute stream (CUDA only; None elsewhere, where host wall time is exact)."""

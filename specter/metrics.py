@@ -26,6 +26,8 @@ class RequestStats:
     recall_hits: int = 0  # |draft-predicted ∩ target-used| summed over layers and rounds
     recall_total: int = 0  # |target-used| summed likewise
     recall_by_layer: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # layer -> [hits, total]
+    copy_busy_s: float = 0.0  # copy stream busy inside transfer-bound verify windows (see copy_busy_fraction)
+    copy_window_s: float = 0.0  # length of those windows
 
     @property
     def tpot_s(self) -> float:
@@ -54,6 +56,15 @@ class RequestStats:
     def window_recall(self) -> float:
         return self.recall_hits / self.recall_total if self.recall_total else 0.0
 
+    @property
+    def copy_busy_fraction(self) -> float | None:
+        """Share of transfer-bound verify time the copy stream was busy; None when verify never waited on a copy.
+
+        A window runs from a verify's start to the landing of the last chunk copied during it, for verifies
+        that stalled on a miss; the copy stream is busy while any chunk is on it (CUDA only: GPU events).
+        """
+        return self.copy_busy_s / self.copy_window_s if self.copy_window_s > 0 else None
+
     def add_recall(self, layer: int, predicted: set[int], used: list[int]) -> None:
         hit = len(predicted.intersection(used))
         self.recall_hits += hit
@@ -73,7 +84,19 @@ class RequestStats:
             "hit_rate": round(self.hit_rate, 4), "h2d_bytes": self.h2d_bytes,
             "h2d_bytes_per_token": round(self.h2d_bytes / self.new_tokens, 1) if self.new_tokens else 0.0,
             "stall_s": round(self.stall_s, 6),
+            "copy_busy_fraction": None if self.copy_busy_fraction is None else round(self.copy_busy_fraction, 4),
         }
+
+
+def busy_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of [start, end] intervals inside [lo, hi] (overlaps counted once)."""
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
+    total, reach = 0.0, lo
+    for a, b in clipped:
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
 
 
 class Estimates:

@@ -151,3 +151,34 @@ def test_no_waiter_threads_left_on_cuda(cuda):
     run(main())
     kernel.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("specter-waiter")]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    import os
+
+    from specter.builtin import builtin_path
+
+    os.environ.setdefault("SPECTER_CACHE", str(tmp_path_factory.mktemp("cache")))
+    return builtin_path("tiny")
+
+
+@pytest.mark.parametrize("static_verify", [False, True])
+def test_an_offloaded_speculative_run_measures_the_copy_stream_busy_fraction(tiny, static_verify):
+    """On a slow emulated link the verify stalls; the copy stream must be busy for part (<= all) of those windows."""
+    from specter.config import DraftConfig, EngineConfig, GenerationConfig
+    from specter.engine import Runtime
+
+    async def go():
+        config = EngineConfig(device="cuda", residents=2, link="2", draft=DraftConfig(k=4), lookahead="fixed",
+                              static_verify=static_verify)
+        runtime = await Runtime.load(tiny, config)
+        try:
+            return (await runtime.complete_ids([1, 2, 3, 4], GenerationConfig(max_new_tokens=24))).stats
+        finally:
+            await runtime.aclose()
+
+    stats = asyncio.run(go())
+    assert stats.stall_s > 0 and stats.copy_window_s > 0
+    assert 0.0 < stats.copy_busy_fraction <= 1.0 + 1e-6
+    assert stats.as_dict()["copy_busy_fraction"] == round(stats.copy_busy_fraction, 4)

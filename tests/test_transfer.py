@@ -7,11 +7,14 @@ import time
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from backends.cpu import CPUBackend
 from specter.errors import ConfigError
 from specter.experts.transfer import LINK_PRESETS, LinkEmulation, TransferEngine, parse_link
 from specter.kernel import Kernel, run
+from specter.metrics import busy_within
 
 MiB = 1 << 20
 
@@ -206,3 +209,70 @@ def test_bad_engine_settings_are_config_errors(rig):
     backend, kernel = rig
     with pytest.raises(ConfigError, match="chunk_bytes"):
         TransferEngine(backend, kernel, chunk_bytes=0)
+
+
+# ---- the copy-busy measurement ------------------------------------------------------------------------
+def test_chunk_log_gives_one_interval_per_chunk_on_the_link(rig):
+    """Back-to-back chunks on a 1 GB/s link: one interval each, in order, lasting about nbytes / rate."""
+    backend, kernel = rig
+    engine = TransferEngine(backend, kernel, chunk_bytes=MiB // 2)
+    sources, targets = buffers(2, 2 * MiB)
+
+    async def main():
+        reference = backend.record_event(backend.copy_stream, timed=True)
+        engine.chunk_log = []
+        for source, target in zip(sources, targets):
+            engine.submit(target, source)
+        await engine.drain()
+        log, engine.chunk_log = engine.chunk_log, None
+        intervals = engine.busy_intervals(log, reference, open_end=0.0)
+        await engine.aclose()
+        return log, intervals
+
+    log, intervals = run(main())
+    assert len(log) == len(intervals) == 8
+    starts = [start for start, _ in intervals]
+    assert starts == sorted(starts) and starts[0] >= 0
+    for start, end in intervals:
+        assert end - start == pytest.approx(MiB / 2 / 1e9, rel=0.5)
+    spanned = intervals[-1][1] - intervals[0][0]
+    assert busy_within(intervals, intervals[0][0], intervals[-1][1]) / spanned > 0.8  # queued: the link stays busy
+
+
+def test_host_paced_emulation_holds_the_link_for_the_emulated_time():
+    backend = CPUBackend()  # fast copies: only the emulated link is slow
+    kernel = Kernel(backend)
+    engine = TransferEngine(backend, kernel, chunk_bytes=MiB, link=LinkEmulation(0.25, "host"))
+    sources, targets = buffers(1, MiB)
+
+    async def main():
+        reference = backend.record_event(backend.copy_stream, timed=True)
+        engine.chunk_log = []
+        await engine.submit(targets[0], sources[0]).landed()
+        intervals = engine.busy_intervals(engine.chunk_log, reference, open_end=0.0)
+        await engine.aclose()
+        return intervals
+
+    try:
+        ((start, end),) = run(main())
+        assert end - start == pytest.approx(MiB / 0.25e9, rel=0.01)
+    finally:
+        kernel.close()
+        backend.close()
+
+
+def test_busy_within_counts_overlaps_once_and_clips_to_the_window():
+    assert busy_within([], 0.0, 1.0) == 0.0
+    assert busy_within([(0.0, 1.0)], 0.25, 0.5) == pytest.approx(0.25)
+    assert busy_within([(0.0, 0.5), (0.25, 0.75)], 0.0, 1.0) == pytest.approx(0.75)
+    assert busy_within([(0.0, 0.1), (0.2, 0.3), (0.9, 2.0)], 0.0, 1.0) == pytest.approx(0.3)
+    assert busy_within([(-1.0, -0.5), (1.5, 2.0)], 0.0, 1.0) == 0.0
+
+
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 20)), max_size=12), st.integers(0, 40), st.integers(0, 40))
+def test_busy_within_equals_counting_covered_unit_cells(raw, lo, width):
+    """On integer intervals the union length is the number of unit cells [t, t+1] covered inside the window."""
+    intervals = [(float(a), float(a + length)) for a, length in raw]
+    hi = lo + width
+    covered = sum(1 for t in range(lo, hi) if any(a <= t and t + 1 <= b for a, b in intervals))
+    assert busy_within(intervals, float(lo), float(hi)) == pytest.approx(covered)

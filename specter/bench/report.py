@@ -25,7 +25,7 @@ COLUMNS = (
     ("tpot_ms", "TPOT ms"), ("ttft_ms", "TTFT ms"), ("x_ondemand", "x ondemand"), ("x_specmoeoff", "x specmoeoff"),
     ("x_oracle", "x oracle"), ("acceptance", "accept"), ("accepted_length", "acc len"), ("window_recall", "recall"),
     ("hit_rate", "hit rate"), ("h2d_mb_per_token", "H2D MB/tok"), ("stall_ms_per_token", "stall ms/tok"),
-    ("peak_gib", "peak GiB"), ("tokens_equal", "= baseline"),
+    ("copy_busy", "copy busy"), ("peak_gib", "peak GiB"), ("tokens_equal", "= baseline"),
 )
 
 
@@ -86,6 +86,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
     histogram = accepted_histogram(runs)
     rounds = sum(histogram.values())
     predictor = [r["predictor_recall"] for r in runs if r.get("predictor_recall") is not None]
+    copy_window = sum(r.get("copy_window_s", 0.0) for r in runs)
     return {
         "model": model, "setting": setting, "link": link, "system": system, "runs": len(runs),
         "slots": runs[0].get("slots"),
@@ -99,6 +100,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "hit_rate": round(hits / lookups, 4) if lookups else None,
         "h2d_mb_per_token": round(sum(r["h2d_bytes"] for r in runs) / tokens / 1e6, 3),
         "stall_ms_per_token": round(1e3 * sum(r["stall_s"] for r in runs) / tokens, 3),
+        "copy_busy": round(sum(r.get("copy_busy_s", 0.0) for r in runs) / copy_window, 4) if copy_window else None,
         "peak_gib": _peak(runs),
         "tokens_equal": all(r["tokens_equal"] for r in runs),
         "accepted_length_histogram": {str(n): c for n, c in sorted(histogram.items())},
@@ -160,7 +162,7 @@ def table_lines(rows: Sequence[dict], columns=COLUMNS, markdown: bool = False) -
 
 SHORT_COLUMNS = (("model", "model"), ("setting", "setting"), ("link", "link"), ("system", "system"), ("tpot_ms", "TPOT ms"),
                  ("x_ondemand", "x ondemand"), ("x_specmoeoff", "x specmoeoff"), ("x_oracle", "x oracle"),
-                 ("acceptance", "accept"), ("window_recall", "recall"), ("tokens_equal", "= baseline"))
+                 ("acceptance", "accept"), ("window_recall", "recall"), ("copy_busy", "copy busy"), ("tokens_equal", "= baseline"))
 
 
 def markdown_report(payload: dict[str, Any]) -> str:
@@ -178,5 +180,7 @@ def markdown_report(payload: dict[str, Any]) -> str:
     if payload.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {note}" for note in payload["notes"]]
     lines += ["", "Columns: x S = TPOT of S / TPOT of this row (same model, setting, link); accept = accepted drafts / drafted; "
-              "recall = window recall |draft-predicted ∩ used| / |used|; = baseline: tokens equal to the target-only run."]
+              "recall = window recall |draft-predicted ∩ used| / |used|; copy busy = share of transfer-bound verify time "
+              "(verify start to its last copy's landing, verifies that waited on a copy) the copy stream was busy (CUDA only); "
+              "= baseline: tokens equal to the target-only run."]
     return "\n".join(lines) + "\n"

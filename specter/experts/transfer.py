@@ -190,6 +190,25 @@ class TransferEngine:
         self._link_free_at = 0.0
         self._wakeup: asyncio.Event | None = None
         self._pump_task: asyncio.Task[None] | None = None
+        self.chunk_log: list[_Chunk] | None = None  # when a list: every chunk issued is appended (busy measurement)
+
+    def busy_intervals(self, chunks: Sequence[_Chunk], reference: Event, open_end: float) -> list[tuple[float, float]]:
+        """[start, end] in seconds after the completed `reference` event: the time each chunk held the (emulated) link.
+
+        A chunk not yet started is left out; one started but not finished ends at `open_end`. Host-paced
+        emulation holds the link for nbytes / rate from the chunk's start; device-mode emulation's sleep is
+        inside `end`. Never waits.
+        """
+        intervals = []
+        for chunk in chunks:
+            if not chunk.start.query():
+                continue
+            start = chunk.start.elapsed_since(reference)
+            end = chunk.end.elapsed_since(reference) if chunk.end.query() else max(open_end, start)
+            if self.link is not None and self.link.mode == "host":
+                end = max(end, start + chunk.nbytes / (self.link.gbps * 1e9))
+            intervals.append((start, end))
+        return intervals
 
     # -- the API the cache uses ---------------------------------------------------------------------
 
@@ -312,7 +331,10 @@ class TransferEngine:
         self.backend.copy_h2d(dst, src, self.stream)
         copied = self.backend.record_event(self.stream, timed=True)
         end = self._emulate_link(transfer, nbytes) or copied
-        self._in_flight.append(_Chunk(nbytes, start, copied, end))
+        chunk = _Chunk(nbytes, start, copied, end)
+        self._in_flight.append(chunk)
+        if self.chunk_log is not None:
+            self.chunk_log.append(chunk)
         self.stats.chunks += 1
         self.stats.bytes_copied += nbytes
         if transfer._remaining == 0:
