@@ -11,6 +11,7 @@ from specter.builtin import builtin_path
 from specter.config import DraftConfig, EngineConfig, GenerationConfig
 from specter.engine import Runtime
 from specter.errors import BudgetError
+from specter.loading import may_speculate
 from specter.memory import plan_memory
 from specter.model.checkpoint import Checkpoint
 
@@ -68,7 +69,8 @@ def test_cache_slots_match_the_plan(tiny):
 def test_peak_reserved_gpu_memory_stays_within_the_budget(tiny, k):
     spec = Checkpoint(tiny).spec
     draft = DraftConfig(k=k)
-    plan = plan_memory(spec, torch.float32, EngineConfig(device="cuda", draft=draft))  # k = 0: no draft bytes
+    config = EngineConfig(device="cuda", draft=draft)
+    plan = plan_memory(spec, torch.float32, config, speculative=may_speculate(config))  # k = 0: no draft bytes
     budget = plan.fixed_bytes + 6 * plan.moe_layers * plan.expert_bytes  # 6 of 16 slots per layer
 
     async def go():
