@@ -1,0 +1,98 @@
+"""Where an offloaded decode's time goes: host profile (cProfile) and GPU activity (torch.profiler) of one request.
+
+Builds a synthetic real shape (specter.bench.synthetic), offloads its experts to `--residents` slots per
+layer, and decodes `--tokens` tokens with speculation off (k = 0) or a fixed k, eager or static verify.
+Prints TPOT, the expected transfer time, the host functions with the most own time and cumulative time,
+and the GPU's busiest kernels and copies.
+
+    python benchmarks/profile_offloaded.py --shape qwen1.5-moe-a2.7b --layers 8 --residents 15 --static-verify
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import pstats
+import time
+from pathlib import Path
+
+
+async def build(args):
+    from specter.bench.synthetic import synthetic_source
+    from specter.config import DraftConfig, EngineConfig
+    from specter.engine import Runtime
+
+    source = synthetic_source(args.shape, args.layers)
+    config = EngineConfig(device=args.device, dtype="bfloat16", residents=args.residents, max_context=512, lookahead="fixed",
+                          draft=DraftConfig(k=args.k, k_max=args.k), static_verify=args.static_verify, progress=False)
+    return await Runtime.build(source, config)
+
+
+async def request(runtime, tokens: int):
+    from specter.config import GenerationConfig
+
+    return await runtime.complete_ids(list(range(100, 116)), GenerationConfig(max_new_tokens=tokens))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen1.5-moe-a2.7b")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--residents", type=int, default=15)
+    parser.add_argument("--k", type=int, default=0)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--static-verify", action="store_true")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--out", type=Path, default=Path("out/profile"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    loop = asyncio.new_event_loop()
+    runtime = loop.run_until_complete(build(args))
+    loop.run_until_complete(request(runtime, 8))  # warm-up: graphs, Triton, allocator
+    started = time.perf_counter()
+    plain = loop.run_until_complete(request(runtime, args.tokens))
+    plain_s = time.perf_counter() - started
+    stats = plain.stats
+    expert_bytes = runtime.memory.expert_bytes
+    print(f"{args.shape} L={args.layers} residents={args.residents} k={args.k} static_verify={args.static_verify}")
+    print(f"TPOT {stats.tpot_s * 1e3:.2f} ms; wall {plain_s:.2f} s for {stats.new_tokens} tokens; misses/token "
+          f"{stats.misses / max(stats.new_tokens, 1):.1f}; H2D {stats.h2d_bytes / max(stats.new_tokens, 1) / 1e6:.1f} MB/token "
+          f"(= {stats.h2d_bytes / max(stats.new_tokens, 1) / 53e9 * 1e3:.2f} ms at 53 GB/s); stall/token "
+          f"{stats.stall_s / max(stats.new_tokens, 1) * 1e3:.2f} ms; copy busy {stats.copy_busy_fraction}; expert {expert_bytes / 1e6:.1f} MB")
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    loop.run_until_complete(request(runtime, args.tokens))
+    profiler.disable()
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(args.top)
+        (args.out / f"cprofile_{key}.txt").write_text(text.getvalue())
+        lines = [line for line in text.getvalue().splitlines() if line.strip()]
+        start = next(i for i, line in enumerate(lines) if "ncalls" in line)
+        print(f"\n-- host, by {key} --")
+        print("\n".join(line[:160] for line in lines[start : start + args.top + 1]))
+
+    if args.device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            loop.run_until_complete(request(runtime, min(args.tokens, 16)))
+        prof.export_chrome_trace(str(args.out / "trace.json"))
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top)
+        (args.out / "gpu_table.txt").write_text(table)
+        print("\n-- GPU, by device time --")
+        print("\n".join(line[:200] for line in table.splitlines()[: args.top + 4]))
+        torch.cuda.synchronize()
+    loop.run_until_complete(runtime.aclose())
+    loop.close()
+
+
+if __name__ == "__main__":
+    main()
