@@ -103,6 +103,9 @@ class Backend(Protocol):
         the kernels it launches are enqueued there; on cpu it runs on the stream's thread, in order."""
         ...
 
+    # Optional: set_int32(flat, index, value, stream) enqueues flat[index] = value (an int32 device tensor) in
+    # `stream` order. The expert cache uses it for slot-table writes when present, else `launch`.
+
     def launch_host_func(self, stream: Stream, callback: Callable[[], None]) -> None:
         """Call `callback` on a backend thread once `stream` reaches this point.
 

@@ -62,6 +62,11 @@ class CPUStream:
         self._sleep_debt = 0.0
 
     def enqueue(self, work: Callable[[], None]) -> None:
+        """Run `work` after everything enqueued before; from the stream's own thread (work enqueuing work) it
+        runs at once, which is that same order."""
+        if self._thread is not None and threading.current_thread() is self._thread:
+            work()
+            return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"specter-cpu-stream-{self.name}", daemon=True)
             self._thread.start()
@@ -175,6 +180,9 @@ class CPUBackend:
 
         stream.enqueue(copy)
         return self.record_event(stream)
+
+    def set_int32(self, flat: torch.Tensor, index: int, value: int, stream: CPUStream) -> None:
+        stream.enqueue(lambda: flat.__setitem__(index, value))
 
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, stream: CPUStream) -> CPUEvent:
         stream.enqueue(lambda: dst.copy_(src))

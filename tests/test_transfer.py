@@ -90,7 +90,17 @@ def test_every_byte_is_counted_once_and_chunks_are_bounded(rig):
 
     run(main())
     assert engine.stats.bytes_copied == backend.h2d_bytes == sum(sizes)
-    assert engine.stats.chunks == sum(-(-nbytes // 300_000) for nbytes in sizes)
+    assert engine.stats.chunks == sum(expected_chunks(nbytes, 300_000) for nbytes in sizes)
+    assert engine.stats.chunks < sum(-(-nbytes // 300_000) for nbytes in sizes)  # 1.5 MiB: its short tail rides along
+
+
+def expected_chunks(nbytes: int, chunk: int) -> int:
+    """Full chunks, except that a tail of at most a quarter chunk joins the chunk before it."""
+    count, left = 0, nbytes
+    while left > 0:
+        left -= left if left <= chunk + chunk // 4 else chunk
+        count += 1
+    return count
 
 
 def test_cancelled_transfer_copies_nothing_more_and_reports_it(rig):
@@ -213,7 +223,7 @@ def test_bad_engine_settings_are_config_errors(rig):
 
 # ---- the copy-busy measurement ------------------------------------------------------------------------
 def test_chunk_log_gives_one_interval_per_chunk_on_the_link(rig):
-    """Back-to-back chunks on a 1 GB/s link: one interval each, in order, lasting about nbytes / rate."""
+    """Queued chunks on a 1 GB/s link: one interval each, in order, together at least the link's time."""
     backend, kernel = rig
     engine = TransferEngine(backend, kernel, chunk_bytes=MiB // 2)
     sources, targets = buffers(2, 2 * MiB)
@@ -233,10 +243,11 @@ def test_chunk_log_gives_one_interval_per_chunk_on_the_link(rig):
     assert len(log) == len(intervals) == 8
     starts = [start for start, _ in intervals]
     assert starts == sorted(starts) and starts[0] >= 0
-    for start, end in intervals:
-        assert end - start == pytest.approx(MiB / 2 / 1e9, rel=0.5)
+    assert all(end > start for start, end in intervals)
     spanned = intervals[-1][1] - intervals[0][0]
-    assert busy_within(intervals, intervals[0][0], intervals[-1][1]) / spanned > 0.8  # queued: the link stays busy
+    busy = busy_within(intervals, intervals[0][0], intervals[-1][1])
+    assert busy >= 0.7 * 4 * MiB / 1e9  # at least the link model's time for all bytes (late wake-ups only add)
+    assert busy <= spanned + 1e-9
 
 
 def test_host_paced_emulation_holds_the_link_for_the_emulated_time():
@@ -276,3 +287,20 @@ def test_busy_within_equals_counting_covered_unit_cells(raw, lo, width):
     hi = lo + width
     covered = sum(1 for t in range(lo, hi) if any(a <= t and t + 1 <= b for a, b in intervals))
     assert busy_within(intervals, float(lo), float(hi)) == pytest.approx(covered)
+
+
+def test_cpu_stream_work_enqueued_from_the_stream_itself_keeps_stream_order():
+    """A launched item that enqueues more work (the cache's table write inside after_copy) runs it in place,
+    before anything the loop thread enqueued after the launch, and before a later event completes."""
+    backend = CPUBackend()
+    order: list[str] = []
+    table = torch.full((4,), -1, dtype=torch.int32)
+    try:
+        stream = backend.copy_stream
+        backend.launch(stream, lambda: (backend.set_int32(table, 2, 7, stream), order.append("inner")))
+        backend.launch(stream, lambda: order.append("later"))
+        event = backend.record_event(stream)
+        event.wait()
+        assert order == ["inner", "later"] and table.tolist() == [-1, -1, 7, -1]
+    finally:
+        backend.close()

@@ -134,6 +134,8 @@ class ExpertCache:
         self.weights = backend.alloc_device((self.num_layers * slots_per_layer, pool.expert_numel), pool.dtype)
         self.slot_table = backend.alloc_device((self.num_layers, self.num_experts), torch.int32)
         self.slot_table.fill_(-1)
+        self._flat_table = self.slot_table.view(-1)
+        self._set_int32 = getattr(backend, "set_int32", None)  # optional backend fast path for table writes
         self.stats = CacheStats([LayerStats() for _ in range(self.num_layers)])
         self._slots = [Slot(index, index // slots_per_layer) for index in range(self.num_layers * slots_per_layer)]
         self._residents: list[OrderedDict[int, Slot]] = [OrderedDict() for _ in range(self.num_layers)]
@@ -379,7 +381,7 @@ class ExpertCache:
     def _evict(self, layer: int, expert: int) -> Slot:
         slot = self._residents[layer].pop(expert)
         self.stats.layers[layer].evictions += 1
-        self.backend.launch(self.transfer.stream, partial(self._write_table, layer, expert, -1))
+        self._write_table(layer, expert, -1)
         log.debug("expert.evict", layer=layer, expert=expert, slot=slot.index)
         self._release(slot)
         return slot
@@ -490,8 +492,12 @@ class ExpertCache:
     # -- internals: bookkeeping ------------------------------------------------------------------------
 
     def _write_table(self, layer: int, expert: int, value: int) -> None:
-        """Runs in copy-stream order (backend.launch): an index write, no host sync."""
-        self.slot_table[layer, expert] = value
+        """Enqueue slot_table[layer, expert] = value on the copy stream (a 4-byte copy; no host sync)."""
+        index = layer * self.num_experts + expert
+        if self._set_int32 is not None:
+            self._set_int32(self._flat_table, index, value, self.transfer.stream)
+        else:
+            self.backend.launch(self.transfer.stream, partial(self._flat_table.__setitem__, index, value))
 
     def _pin(self, slot: Slot) -> None:
         slot.pins += 1

@@ -132,8 +132,12 @@ class Transfer:
         self._engine._cancel(self)
 
     def _take_chunk(self, chunk_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next chunk; a tail of at most a quarter chunk rides with the chunk before it (one copy, one
+        event fewer: a 17.3 MB Qwen expert is one 16 MiB-ish chunk, not 16 MiB + 0.5 MB)."""
         begin = self._next_element
-        end = min(begin + chunk_elements, self.src.numel())
+        end = begin + chunk_elements
+        if self.src.numel() - begin <= chunk_elements + chunk_elements // 4:
+            end = self.src.numel()
         self._next_element = end
         self.bytes_issued += (end - begin) * self.src.element_size()
         return self.dst[begin:end], self.src[begin:end]
