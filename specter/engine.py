@@ -168,6 +168,8 @@ class Runtime:
             self.graphed.prepare()
         if self.segmented is not None:
             self.segmented.prepare()
+            assert self.cache is not None, "a segmented verify serves offloaded experts"
+            self.segmented.prepare_experts([self.cache.slot_weights(slot) for slot in range(self.cache.weights.shape[0])])
         if self.draft is not None:
             self.draft.capture(self.kv)
 

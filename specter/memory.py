@@ -44,6 +44,11 @@ class MemoryPlan:
     num_experts: int
     slots_per_layer: int
     min_slots_per_layer: int
+    slot_overhead_bytes: int = 0  # device bytes per slot besides its expert (the static verify's expert-graph output)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.expert_bytes + self.slot_overhead_bytes
 
     @property
     def fixed_bytes(self) -> int:
@@ -51,7 +56,7 @@ class MemoryPlan:
 
     @property
     def minimum_budget(self) -> int:
-        return self.fixed_bytes + self.moe_layers * self.min_slots_per_layer * self.expert_bytes
+        return self.fixed_bytes + self.moe_layers * self.min_slots_per_layer * self.slot_bytes
 
     @property
     def resident_budget(self) -> int:
@@ -82,9 +87,17 @@ def plan_memory(spec: ModelSpec, dtype: torch.dtype, config: EngineConfig, specu
     plan = MemoryPlan(
         budget=config.budget, dense_bytes=dense, draft_bytes=draft, kv_bytes=kv, workspace_bytes=workspace_bytes(spec, config),
         expert_bytes=expert, moe_layers=len(spec.moe_layers), num_experts=spec.num_experts, slots_per_layer=spec.num_experts,
-        min_slots_per_layer=spec.top_k,
+        min_slots_per_layer=spec.top_k, slot_overhead_bytes=_slot_overhead(spec, config, element),
     )
     return dataclasses.replace(plan, slots_per_layer=_slots(plan, config))
+
+
+def _slot_overhead(spec: ModelSpec, config: EngineConfig, element: int) -> int:
+    """With static_verify and CUDA graphs, each slot's expert graph keeps an [R, D] output alive."""
+    on_cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
+    if not (config.static_verify and config.cuda_graphs and on_cuda):
+        return 0
+    return config.row_bucket * spec.hidden_size * element
 
 
 def _slots(plan: MemoryPlan, config: EngineConfig) -> int:
@@ -102,7 +115,7 @@ def _slots(plan: MemoryPlan, config: EngineConfig) -> int:
             f"{fmt(plan.kv_bytes)}, workspace {fmt(plan.workspace_bytes)}, {plan.min_slots_per_layer} expert slots x "
             f"{plan.moe_layers} layers); raise the budget, lower max_context or use a smaller draft quantization"
         )
-    slots = (config.budget - plan.fixed_bytes) // (plan.moe_layers * plan.expert_bytes) if plan.moe_layers else 0
+    slots = (config.budget - plan.fixed_bytes) // (plan.moe_layers * plan.slot_bytes) if plan.moe_layers else 0
     return int(min(slots, plan.num_experts))
 
 

@@ -88,3 +88,18 @@ def test_peak_reserved_gpu_memory_stays_within_the_budget(tiny, k):
     torch.cuda.reset_peak_memory_stats()
     asyncio.run(go())
     assert torch.cuda.max_memory_reserved() - baseline <= budget
+
+
+def test_static_verify_graphs_on_cuda_charge_each_slot_its_expert_output(tiny):
+    """The segmented verify's expert graphs keep an [R, D] output per slot; the plan counts it (CUDA only)."""
+    spec = Checkpoint(tiny).spec
+    plain = plan_memory(spec, torch.bfloat16, EngineConfig(device="cuda", static_verify=False))
+    static = plan_memory(spec, torch.bfloat16, EngineConfig(device="cuda", static_verify=True))
+    assert plain.slot_overhead_bytes == 0 and plain.slot_bytes == plain.expert_bytes
+    assert static.slot_overhead_bytes == 16 * spec.hidden_size * 2
+    assert static.minimum_budget - plain.minimum_budget == static.moe_layers * static.min_slots_per_layer * static.slot_overhead_bytes
+    cpu = plan_memory(spec, torch.bfloat16, EngineConfig(device="cpu", static_verify=True))
+    assert cpu.slot_overhead_bytes == 0
+    budget = static.fixed_bytes + static.moe_layers * 5 * static.slot_bytes
+    assert plan_memory(spec, torch.bfloat16, EngineConfig(device="cuda", static_verify=True, budget=budget)).slots_per_layer == 5
+    assert plan_memory(spec, torch.bfloat16, EngineConfig(device="cuda", static_verify=True, budget=budget - 1)).slots_per_layer == 4

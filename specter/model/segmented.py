@@ -21,7 +21,7 @@ CUDA graph; the routed-expert compute between segments stays eager, as the exper
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -66,6 +66,8 @@ class SegmentedStep:
         self._segment_layers = self._split_layers()
         self._allocate_buffers()
         self._graphs: list[Any] = []
+        self._expert_graphs: dict[int, tuple[Any, Tensor]] = {}  # weight buffer address -> (graph, its [R, D] output)
+        self._expert_pool = torch.cuda.graph_pool_handle() if self.use_graph else None
 
     # ---- static buffers ---------------------------------------------------------------------------
     def _allocate_buffers(self) -> None:
@@ -85,6 +87,7 @@ class SegmentedStep:
         self._pad_index = pad_indices(rows, device)
         self._no_weight = torch.zeros_like(self.weights)
         self._single_expert = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [R, 1] ids for the triton path
+        self._expert_id = torch.zeros(1, dtype=torch.long, device=device)  # [1] the expert graphs' input
 
     def _split_layers(self) -> list[list[int]]:
         """Layers each segment runs in full (dense) before its MoE layer's pre-MoE part; the last: trailing layers."""
@@ -146,10 +149,53 @@ class SegmentedStep:
         routed = self.routed if self.shared is None else self.routed + self.shared
         return self.residual + routed
 
-    # ---- routed experts, between segments (eager) ---------------------------------------------------
+    # ---- routed experts, between segments -----------------------------------------------------------
     def expert_output(self, expert: int, packed: Tensor) -> Tensor:
         """Expert `expert` (packed weights [N] on the device) on all R rows, times each row's routing weight
-        (zero where the row did not choose it): [R, D]. ResidentMoE's per-expert arithmetic, bit for bit."""
+        (zero where the row did not choose it): [R, D]. ResidentMoE's per-expert arithmetic, bit for bit.
+
+        With graphs, one small CUDA graph per weight buffer (an expert-cache slot, captured by
+        `prepare_experts` at start-up or on first use) runs it: the expert id goes in as a device scalar, so a
+        replay and a copy of its output replace the eager path's dozen launches.
+        """
+        if not self.use_graph:
+            return self._expert_compute(expert, packed)
+        graph, out = self._expert_graphs.get(packed.data_ptr()) or self._capture_expert(packed)
+        self._expert_id.fill_(expert)
+        graph.replay()
+        return out.clone()  # the slot may serve another expert of this layer before set_routed
+
+    def prepare_experts(self, buffers: Sequence[Tensor]) -> None:
+        """Capture the expert graph of each weight buffer now (start-up). Nothing to do without graphs."""
+        if self.use_graph:
+            for packed in buffers:
+                if packed.data_ptr() not in self._expert_graphs:
+                    self._capture_expert(packed)
+
+    def _capture_expert(self, packed: Tensor) -> tuple[Any, Tensor]:
+        """Warm up (Triton compilation) and capture `_expert_compute` on `packed` with the device expert id.
+
+        capture_begin/end on a side stream rather than torch.cuda.graph, which synchronises the device and
+        collects garbage on every capture. The graphs share one pool: each keeps its output alive, and its
+        temporaries are dead once it returns.
+        """
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self._expert_compute(self._expert_id, packed)
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self._expert_pool, capture_error_mode="thread_local")
+            try:
+                out = self._expert_compute(self._expert_id, packed)
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
+        self._expert_graphs[packed.data_ptr()] = (graph, out)
+        return graph, out
+
+    def _expert_compute(self, expert: int | Tensor, packed: Tensor) -> Tensor:
+        """The per-expert arithmetic; `expert` a Python int (eager) or the [1] device id (graphs): same values."""
         weight = torch.where(self.ids == expert, self.weights, self._no_weight).sum(dim=-1, keepdim=True)  # [R, 1], exact
         if self.kernel == "triton":
             spec = self.model.spec
