@@ -17,12 +17,24 @@ case "$stage" in
     timeout 250 python benchmarks/moe_kernel_bench.py --repeats 50 --out "$out/moe" 2>&1 | tail -12
     timeout 150 python benchmarks/graphed_tpot.py --out "$out/graphed" 2>&1 | tail -10 ;;
   fixes)          # the GPU tests touched since the last gpu-tests run
-    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_segmented.py tests/test_memory.py \
-      tests/test_gpu_transfer.py tests/test_gpu_graphed_mla.py 2>&1 | tail -8 ;;
+    timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_segmented.py tests/test_memory.py \
+      tests/test_gpu_transfer.py tests/test_gpu_graphed_mla.py 2>&1 | grep -E "^(FAILED|ERROR)|passed|failed|Error" | tail -12 ;;
   paper-core)     # the paper's shapes, both settings, Gen5 and Gen4, the core systems, static verify
     timeout 440 python -m specter.bench --preset paper --layers 8 --link native,gen4 --max-new-tokens 64 \
       --systems resident,ondemand,specmoeoff,specter,oracle,oracle-k0 \
       --static-verify --time-budget 400 --no-progress --no-hf --out "$out/paper-core" 2>&1 | tail -45 ;;
+  profile)        # host and GPU profile of one offloaded request (Qwen shape, 8 layers, 15 residents, static verify)
+    timeout 80 python benchmarks/profile_offloaded.py --layers 8 --residents 15 --tokens 32 --static-verify --top 20 \
+      --out "$out/profile" 2>&1 | grep -v Warn | head -12 ;;
+  reference-core) # train the reference model, then the core systems on it at Gen5 and Gen4 (static verify if its tests pass)
+    verify=--static-verify
+    timeout 120 python -m pytest -q -x -m gpu -p no:cacheprovider tests/test_gpu_segmented.py >/dev/null 2>&1 || verify=
+    echo "reference bench verify option: '${verify}'"
+    timeout 170 python benchmarks/reference_model.py --out /tmp/reference --minutes 2.3 2>&1 | tail -3
+    cp /tmp/reference/reference.json "$out/" 2>/dev/null
+    timeout 240 python -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4 --max-new-tokens 64 \
+      --systems resident,ondemand,specmoeoff,specter,oracle,oracle-k0 $verify --time-budget 200 --no-progress --no-hf \
+      --out "$out/reference" 2>&1 | tail -30 ;;
   floor)          # full-depth resident TPOT against the HBM floor (Phi-3.5-MoE, DeepSeek-V2-Lite, Qwen1.5-MoE)
     timeout 150 python benchmarks/resident_floor.py --out "$out/floor" 2>&1 | tail -6 ;;
   paper)          # the paper's shapes, both memory settings, three links (static verify on; compare with paper-eager)
@@ -36,6 +48,6 @@ case "$stage" in
     cp /tmp/reference/reference.json "$out/" 2>/dev/null
     timeout 370 python -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4,ddr4-desktop \
       --max-new-tokens 64 --static-verify --time-budget 200 --no-progress --no-hf --out "$out/reference" 2>&1 | tail -40 ;;
-  *) echo "usage: $0 STAGE... (gpu-tests|fixes|floor|micro|paper-core|paper|paper-eager|reference)" >&2; exit 2 ;;
+  *) echo "usage: $0 STAGE... (gpu-tests|fixes|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference)" >&2; exit 2 ;;
 esac
 done
