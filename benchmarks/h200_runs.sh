@@ -19,7 +19,7 @@ case "$stage" in
   fixes)          # the GPU tests touched since the last gpu-tests run
     timeout 60 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_segmented.py 2>&1 | tail -4
     [ "${PIPESTATUS[0]}" = 0 ] && touch /tmp/segmented-ok
-    timeout 90 python -m pytest -q -m gpu -p no:cacheprovider tests/test_memory.py tests/test_gpu_transfer.py \
+    timeout 70 python -m pytest -q -m gpu -p no:cacheprovider tests/test_memory.py tests/test_gpu_transfer.py \
       tests/test_gpu_graphed_mla.py 2>&1 | grep -E "^(FAILED|ERROR)|passed|failed|Error" | tail -12 ;;
   paper-core)     # the paper's shapes, both settings, Gen5 and Gen4, the core systems, static verify
     timeout 440 python -m specter.bench --preset paper --layers 8 --link native,gen4 --max-new-tokens 64 \
@@ -32,10 +32,10 @@ case "$stage" in
     verify=--static-verify
     [ -e /tmp/segmented-ok ] || timeout 120 python -m pytest -q -x -m gpu -p no:cacheprovider tests/test_gpu_segmented.py >/dev/null 2>&1 || verify=
     echo "reference bench verify option: '${verify}'"
-    timeout 170 python benchmarks/reference_model.py --out /tmp/reference --minutes 2.3 2>&1 | tail -3
+    timeout 150 python benchmarks/reference_model.py --out /tmp/reference --minutes 2.0 2>&1 | tail -3
     cp /tmp/reference/reference.json "$out/" 2>/dev/null
-    timeout 240 python -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4 --max-new-tokens 64 \
-      --systems resident,ondemand,specmoeoff,specter,oracle,oracle-k0 $verify --time-budget 200 --no-progress --no-hf \
+    timeout 220 python -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4 --max-new-tokens 64 \
+      --systems resident,ondemand,specmoeoff,specter,oracle,oracle-k0 $verify --time-budget 180 --no-progress --no-hf \
       --out "$out/reference" 2>&1 | tail -30 ;;
   floor)          # full-depth resident TPOT against the HBM floor (Phi-3.5-MoE, DeepSeek-V2-Lite, Qwen1.5-MoE)
     timeout 150 python benchmarks/resident_floor.py --out "$out/floor" 2>&1 | tail -6 ;;
