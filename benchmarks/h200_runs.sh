@@ -32,11 +32,13 @@ case "$stage" in
     verify=--static-verify
     [ -e /tmp/segmented-ok ] || timeout 120 python -m pytest -q -x -m gpu -p no:cacheprovider tests/test_gpu_segmented.py >/dev/null 2>&1 || verify=
     echo "reference bench verify option: '${verify}'"
-    timeout 150 python benchmarks/reference_model.py --out /tmp/reference --minutes 2.0 2>&1 | tail -3
+    timeout 160 python benchmarks/reference_model.py --out /tmp/reference --minutes 1.5 2>&1 | tail -3
     cp /tmp/reference/reference.json "$out/" 2>/dev/null
-    timeout 220 python -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4 --max-new-tokens 64 \
-      --systems resident,ondemand,specmoeoff,specter,oracle,oracle-k0 $verify --time-budget 180 --no-progress --no-hf \
+    timeout 250 python -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4 --max-new-tokens 64 \
+      --systems resident,ondemand,specmoeoff,specter,oracle,oracle-k0 $verify --time-budget 215 --no-progress --no-hf \
       --out "$out/reference" 2>&1 | tail -30 ;;
+  memory)         # peak reserved GPU memory within the budget
+    timeout 60 python -m pytest -q -m gpu -p no:cacheprovider tests/test_memory.py 2>&1 | grep -E "^(FAILED|E  )|passed|failed" | tail -6 ;;
   floor)          # full-depth resident TPOT against the HBM floor (Phi-3.5-MoE, DeepSeek-V2-Lite, Qwen1.5-MoE)
     timeout 150 python benchmarks/resident_floor.py --out "$out/floor" 2>&1 | tail -6 ;;
   paper)          # the paper's shapes, both memory settings, three links (static verify on; compare with paper-eager)
@@ -50,6 +52,6 @@ case "$stage" in
     cp /tmp/reference/reference.json "$out/" 2>/dev/null
     timeout 370 python -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4,ddr4-desktop \
       --max-new-tokens 64 --static-verify --time-budget 200 --no-progress --no-hf --out "$out/reference" 2>&1 | tail -40 ;;
-  *) echo "usage: $0 STAGE... (gpu-tests|fixes|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference)" >&2; exit 2 ;;
+  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference)" >&2; exit 2 ;;
 esac
 done

@@ -103,3 +103,12 @@ def test_static_verify_graphs_on_cuda_charge_each_slot_its_expert_output(tiny):
     budget = static.fixed_bytes + static.moe_layers * 5 * static.slot_bytes
     assert plan_memory(spec, torch.bfloat16, EngineConfig(device="cuda", static_verify=True, budget=budget)).slots_per_layer == 5
     assert plan_memory(spec, torch.bfloat16, EngineConfig(device="cuda", static_verify=True, budget=budget - 1)).slots_per_layer == 4
+
+
+def test_cuda_plans_reserve_room_for_library_workspaces(tiny):
+    from specter.memory import CUDA_LIBRARY_BYTES
+
+    spec = Checkpoint(tiny).spec
+    cpu = plan_memory(spec, torch.float32, EngineConfig(device="cpu"))
+    cuda = plan_memory(spec, torch.float32, EngineConfig(device="cuda"))
+    assert cuda.workspace_bytes - cpu.workspace_bytes == CUDA_LIBRARY_BYTES
