@@ -22,6 +22,7 @@ from tests.hf_models import FAMILIES, hf_model, save_hf
 
 # The same tests run on the GPU machine with SPECTER_TEST_DEVICE=cuda (benchmarks/h200_runs.sh gpu-tests).
 DEVICE = os.environ.get("SPECTER_TEST_DEVICE", "cpu")
+EXAMPLES = int(os.environ.get("SPECTER_TEST_EXAMPLES", "35"))  # fewer where each example costs more (graph captures)
 REFERENCE_EVICTION = ["lru", "lfu", "plan-protect", "belady-lookahead"]
 REFERENCE_PREFETCH = ["none", "topm-frequency"]
 REFERENCE_LOOKAHEAD = ["fixed", "profiled", "roofline"]
@@ -69,7 +70,7 @@ def test_reference_policies_are_installed():
         assert set(names) <= set(plugins.installed(group)), group
 
 
-@settings(max_examples=35, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     family=st.sampled_from(ALL_MODELS),
     prompt=st.lists(st.integers(0, 95), min_size=1, max_size=10),
