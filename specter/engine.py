@@ -536,14 +536,15 @@ def _graphed_target(model: Transformer, experts: ExpertProvider, kv: KVCache, co
     any device, so the resident and the offloaded configurations share the static step's numerics.
     """
     graphs = model.device.type == "cuda" and config.cuda_graphs
-    if not (graphs or config.static_verify) or not isinstance(experts, ResidentExperts) or not static_step_supported(model):
+    static = config.verify_is_static(model.device.type)
+    if not (graphs or static) or not isinstance(experts, ResidentExperts) or not static_step_supported(model):
         return None
     return GraphedTarget(model, experts, kv, use_graph=graphs)
 
 
 def _segmented_step(model: Transformer, experts: ExpertProvider, kv: KVCache, config: EngineConfig) -> SegmentedStep | None:
     """Offloaded experts with static_verify: verify runs GraphedTarget's numerics, cut at each MoE layer's routing."""
-    if not config.static_verify or not isinstance(experts, OffloadedExperts) or not static_step_supported(model):
+    if not config.verify_is_static(model.device.type) or not isinstance(experts, OffloadedExperts) or not static_step_supported(model):
         return None
     return SegmentedStep(model, kv, use_graph=model.device.type == "cuda" and config.cuda_graphs)
 

@@ -102,7 +102,7 @@ def plan_memory(spec: ModelSpec, dtype: torch.dtype, config: EngineConfig, specu
 
 def _slot_overhead(spec: ModelSpec, config: EngineConfig, element: int) -> int:
     """With static_verify and CUDA graphs, each slot's expert graph keeps an [R, D] output alive."""
-    if not (config.static_verify and config.cuda_graphs and on_cuda(config)):
+    if not (on_cuda(config) and config.cuda_graphs and config.verify_is_static("cuda")):
         return 0
     return config.row_bucket * spec.hidden_size * element
 

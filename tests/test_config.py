@@ -61,3 +61,14 @@ def test_frozen_and_described():
     for model in (EngineConfig, GenerationConfig):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"
+
+
+def test_static_verify_defaults_to_on_where_cuda_graphs_run():
+    from specter.config import EngineConfig
+
+    assert EngineConfig().static_verify is None
+    assert EngineConfig(cuda_graphs=True).verify_is_static("cuda")
+    assert not EngineConfig(cuda_graphs=False).verify_is_static("cuda")
+    assert not EngineConfig().verify_is_static("cpu")
+    assert EngineConfig(static_verify=True).verify_is_static("cpu")
+    assert not EngineConfig(static_verify=False, cuda_graphs=True).verify_is_static("cuda")

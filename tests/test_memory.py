@@ -100,6 +100,8 @@ def test_static_verify_graphs_on_cuda_charge_each_slot_its_expert_output(tiny):
     assert static.minimum_budget - plain.minimum_budget == static.moe_layers * static.min_slots_per_layer * static.slot_overhead_bytes
     cpu = plan_memory(spec, torch.bfloat16, EngineConfig(device="cpu", static_verify=True))
     assert cpu.slot_overhead_bytes == 0
+    default = plan_memory(spec, torch.bfloat16, EngineConfig(device="cuda", cuda_graphs=True))  # static by default on CUDA
+    assert default.slot_overhead_bytes == static.slot_overhead_bytes
     budget = static.fixed_bytes + static.moe_layers * 5 * static.slot_bytes
     assert plan_memory(spec, torch.bfloat16, EngineConfig(device="cuda", static_verify=True, budget=budget)).slots_per_layer == 5
     assert plan_memory(spec, torch.bfloat16, EngineConfig(device="cuda", static_verify=True, budget=budget - 1)).slots_per_layer == 4

@@ -52,8 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers + accelerate baseline")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--static-verify", action="store_true",
-                        help="offloaded verify through the segmented static step (EngineConfig.static_verify)")
+    verify = parser.add_mutually_exclusive_group()
+    verify.add_argument("--static-verify", dest="static_verify", action="store_const", const=True, default=None,
+                        help="offloaded verify through the segmented static step (EngineConfig.static_verify; default on CUDA)")
+    verify.add_argument("--eager-verify", dest="static_verify", action="store_const", const=False,
+                        help="offloaded verify through the eager forward (the default on the CPU)")
     return parser
 
 

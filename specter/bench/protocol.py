@@ -72,7 +72,7 @@ class Options:
     dtype: str = "auto"
     progress: bool = True
     hf: bool = True
-    static_verify: bool = False
+    static_verify: bool | None = None
 
 
 class Clock:
