@@ -465,6 +465,8 @@ class Runtime:
         self.estimates.observe_acceptance(k, acceptance.n_accepted)
         self.estimates.observe_draft(k, draft_s)
         rows = k + 1
+        if record is not None and k:
+            self.estimates.observe_union(rows, sum(record.first_row.values()), sum(len(used) for used in record.used.values()))
         self.estimates.observe_verify(rows, max(0.0, verify_s - (record.stall_s if record else 0.0)),
                                       self._bytes_loaded() - self._round_bytes_at_start)
         committed = acceptance.n_accepted + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter, deque
 
 
@@ -108,8 +109,9 @@ class Estimates:
         self.acceptance_seen = [False] * max(k_max, 1)
         self.draft_step_s: float | None = None
         self.verify_points: deque[tuple[int, float]] = deque(maxlen=64)
-        self.new_bytes_per_row: float | None = None  # bytes the link moved per verified row, speculative rounds
+        self.new_bytes_unit: float | None = None  # speculative rounds' bytes / rows ** union_exponent
         self.new_bytes_plain: float | None = None  # bytes moved per plain-decoding (k = 0) token
+        self.union_exponent: float | None = None  # beta: experts a verify needs grow as rows ** beta (EMA)
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
@@ -126,19 +128,39 @@ class Estimates:
         if k > 0:
             self.draft_step_s = self._ema(self.draft_step_s, seconds / k)
 
+    @property
+    def beta(self) -> float:
+        """The union exponent in use: 1 (every row brings its own experts) until a verify measured it."""
+        return 1.0 if self.union_exponent is None else self.union_exponent
+
+    def observe_union(self, rows: int, first_row_experts: int, union_experts: int) -> None:
+        """A verify of `rows` rows needed `union_experts` distinct (layer, expert) pairs where its first row
+        alone needed `first_row_experts`: beta = ln(union / first) / ln(rows), in [0, 1]. Trained routing
+        with locality gives beta well below 1, random routing close to 1."""
+        if rows < 2 or first_row_experts <= 0 or union_experts <= 0:
+            return
+        beta = math.log(max(union_experts, first_row_experts) / first_row_experts) / math.log(rows)
+        self.union_exponent = self._ema(self.union_exponent, min(1.0, max(0.0, beta)))
+
     def observe_verify(self, rows: int, compute_s: float, new_bytes: int) -> None:
         """One round's verify: rows, compute time without transfer stalls, and every byte the round copied."""
         self.verify_points.append((rows, compute_s))
         if rows == 1:
             self.new_bytes_plain = self._ema(self.new_bytes_plain, float(new_bytes))
         else:
-            self.new_bytes_per_row = self._ema(self.new_bytes_per_row, new_bytes / rows)
+            self.new_bytes_unit = self._ema(self.new_bytes_unit, new_bytes / rows**self.beta)
 
     def predicted_new_bytes(self, k_max: int) -> list[float]:
-        """Index k: bytes a round of depth k is expected to move (prefetches and misses alike)."""
-        per_row = self.new_bytes_per_row if self.new_bytes_per_row is not None else (self.new_bytes_plain or 0.0)
-        plain = self.new_bytes_plain if self.new_bytes_plain is not None else per_row
-        return [plain] + [per_row * (k + 1) for k in range(1, k_max + 1)]
+        """Index k: bytes a round of depth k is expected to move (prefetches and misses alike).
+
+        Depth k verifies k + 1 rows, whose experts grow as (k + 1) ** beta (`observe_union`), so the bytes
+        of a depth-k round are unit * (k + 1) ** beta with `unit` fitted from the rounds seen so far; with
+        beta = 1 that is a fixed cost per row. Measured rounds at one depth thereby predict the others
+        without assuming that every row brings new experts.
+        """
+        unit = self.new_bytes_unit if self.new_bytes_unit is not None else (self.new_bytes_plain or 0.0)
+        plain = self.new_bytes_plain if self.new_bytes_plain is not None else unit
+        return [plain] + [unit * (k + 1) ** self.beta for k in range(1, k_max + 1)]
 
     def verify_fit(self) -> tuple[float, float]:
         """Least-squares a + b*rows over recent verify passes (b = 0 until two row counts were seen)."""

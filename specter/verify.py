@@ -40,6 +40,7 @@ class VerifyRecord:
     """What one forward's MoE layers used: layer -> experts in the order they were computed, and stall."""
 
     used: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    first_row: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> experts the first verified row chose
     hits: int = 0  # resident, or its prefetch already issued, when the router chose it (waits show in stall_s)
     misses: int = 0  # loaded on demand
     stall_s: float = 0.0
@@ -93,8 +94,10 @@ class OffloadedExperts:
         return self.record
 
     async def run(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor, mlp: ExpertMLP) -> Tensor:
-        table = RoutingTable(await to_host(self.kernel, ids), x.device)  # await point: the router's choice
+        chosen = await to_host(self.kernel, ids)  # await point: the router's choice
+        table = RoutingTable(chosen, x.device)
         needed = table.experts
+        self.record.first_row.setdefault(layer, len(set(chosen[0])))
         if self.on_routed is not None:
             self.on_routed(layer, x, needed)
         parts: dict[int, tuple[Tensor, Tensor]] = {}
@@ -137,6 +140,7 @@ async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: Ex
     """One MoE layer's routed experts for the step's current chunk of `count` real rows, into step.routed."""
     chosen = await to_host(kernel, step.ids)  # await point: the router's choice, [R, A] in one D2H copy
     needed = sorted({expert for row in chosen[:count] for expert in row})  # padding rows repeat the last real row
+    record.first_row.setdefault(layer, len(set(chosen[0])))
     if on_routed is not None:
         on_routed(layer, step.normed[:count], needed)
     outputs: dict[int, Tensor] = {}
