@@ -158,3 +158,11 @@ def test_reference_model_tiny_is_a_loadable_checkpoint(tmp_path):
         from transformers import PreTrainedTokenizerFast
 
         assert PreTrainedTokenizerFast.from_pretrained(tmp_path)("ab\n")["input_ids"] == [97, 98, 10]
+
+
+def test_the_machine_record_names_the_sources_that_ran():
+    from specter.bench import report
+
+    info = report.machine(["--no-plots"])
+    assert len(info["source_digest"]) == 16 and info["source_digest"] == report.source_digest()
+    assert info["git_commit"] is None or len(info["git_commit"]) >= 40

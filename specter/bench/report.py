@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -35,7 +36,7 @@ def machine(argv: Sequence[str]) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(shlex.quote(arg) for arg in ["python", "-m", "specter.bench", *argv]),
         "python": platform.python_version(), "platform": platform.platform(), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "git_commit": _git_commit(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "git_commit": _git_commit(), "source_digest": source_digest(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -56,12 +57,25 @@ def _cpu_name() -> str:
 
 
 def _git_commit() -> str | None:
+    """HEAD, with '-dirty' when the working tree differs from it (a copied tree may carry a stale HEAD)."""
     try:
         root = Path(__file__).resolve().parents[2]
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=40"],
+                             capture_output=True, text=True, timeout=5)
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def source_digest() -> str:
+    """sha256 (16 hex digits) of the engine's Python sources: identifies the code that ran, commit or not."""
+    root = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256()
+    for folder in ("specter", "policies", "backends"):
+        for path in sorted((root / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 # ---- summaries ----------------------------------------------------------------------------------------
@@ -172,7 +186,7 @@ def markdown_report(payload: dict[str, Any]) -> str:
         "# Specter benchmark results", "",
         f"- date: {info['date']}", f"- command: `{info['command']}`",
         f"- machine: {info.get('gpu') or 'no GPU'}; CPU {info['cpu']} ({info['cpu_count']} threads); torch {info['torch']}, CUDA {info['cuda']}",
-        f"- commit: {info.get('git_commit')}",
+        f"- commit: {info.get('git_commit')} (sources {info.get('source_digest')})",
         f"- protocol: batch 1, greedy, {payload['options']['max_new_tokens']} new tokens, {payload['options']['repeats']} repeat(s), "
         f"16-token prompts, warm-up excluded, cache restored per prompt; TPOT = median over requests", "",
     ]
