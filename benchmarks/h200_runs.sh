@@ -11,7 +11,8 @@ for stage in "$@"; do
 case "$stage" in
   gpu-tests)      # every gpu-marked test: exactness, kernels, graphs, segmented verify, soak, budgets
     timeout 300 python -m pytest -q -m gpu -p no:cacheprovider --durations=8 2>&1 | tail -40
-    SPECTER_TEST_DEVICE=cuda timeout 120 python -m pytest -q -x tests/test_speculative.py -p no:cacheprovider 2>&1 | tail -5 ;;
+    SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 240 python -m pytest -v -x tests/test_speculative.py \
+      -p no:cacheprovider --durations=6 --hypothesis-show-statistics 2>&1 | grep -E "PASS|FAIL|ERROR|s call|passed|failed|Error|runtime|examples" | tail -30 ;;
   micro)          # transfer engine, draft MoE kernel (with the tile sweep), graphed resident and draft steps
     timeout 150 python benchmarks/transfer_bench.py --out "$out/transfer" 2>&1 | tail -20
     timeout 250 python benchmarks/moe_kernel_bench.py --repeats 50 --out "$out/moe" 2>&1 | tail -12
