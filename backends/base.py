@@ -79,7 +79,8 @@ class Backend(Protocol):
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event:
         """Enqueue `dst.copy_(src)` host -> device on `stream`; the event completes when the bytes landed.
 
-        `src` must stay untouched until then (pool buffers are never written after loading).
+        `src` must stay alive and untouched until then (pool buffers are never written after loading): the
+        cuda backend may issue a raw cudaMemcpyAsync, which does not keep a temporary pinned tensor alive.
         """
         ...
 

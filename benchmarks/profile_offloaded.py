@@ -43,7 +43,10 @@ def main() -> None:
     parser.add_argument("--residents", type=int, default=15)
     parser.add_argument("--k", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--static-verify", action="store_true")
+    verify = parser.add_mutually_exclusive_group()
+    verify.add_argument("--static-verify", dest="static_verify", action="store_const", const=True, default=None,
+                        help="segmented static verify (the engine's default on CUDA)")
+    verify.add_argument("--eager-verify", dest="static_verify", action="store_const", const=False)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", type=Path, default=Path("out/profile"))

@@ -121,7 +121,9 @@ class Runtime:
         policies = load_policies(config)
         speculative = may_speculate(config)
         calibrated = speculative and config.draft.quant == "gptq4"
-        memory = plan_memory(spec, dtype, config, speculative)
+        expert_graphs = (device.type == "cuda" and config.cuda_graphs and config.verify_is_static("cuda")
+                         and static_step_supported(transformer_for(spec)))
+        memory = plan_memory(spec, dtype, config, speculative, expert_graphs=expert_graphs)
         check_device_memory(config, device, memory)
         source.validate()
         backend = load_backend(config, device)
@@ -409,8 +411,7 @@ class Runtime:
         """Start logging the round's chunks for the copy-busy measurement (CUDA: needs GPU marks)."""
         if mark is None or self.cache is None:
             return None
-        self.cache.transfer.chunk_log = []
-        return self.cache.transfer.chunk_log
+        return self.cache.transfer.start_chunk_log()
 
     def _copy_busy(self, chunks: list, marks: list, record, stats: RequestStats) -> None:
         """Copy-stream busy time inside this round's verify window, if the verify stalled on a copy.

@@ -83,8 +83,13 @@ def _numel(shape: tuple[int, ...]) -> int:
     return total
 
 
-def plan_memory(spec: ModelSpec, dtype: torch.dtype, config: EngineConfig, speculative: bool = True) -> MemoryPlan:
-    """Split the budget; raise BudgetError when it cannot hold the minimum."""
+def plan_memory(spec: ModelSpec, dtype: torch.dtype, config: EngineConfig, speculative: bool = True,
+                expert_graphs: bool | None = None) -> MemoryPlan:
+    """Split the budget; raise BudgetError when it cannot hold the minimum.
+
+    `expert_graphs`: whether the offloaded verify will keep one expert graph per slot (the engine knows,
+    from the model family); None derives it from the configuration alone.
+    """
     element = torch.empty((), dtype=dtype).element_size()
     dense = sum(_numel(shape) for shape in dense_shapes(spec).values()) * element
     kv = 2 * spec.num_layers * spec.num_kv_heads * config.max_context * spec.head_dim * element
@@ -95,14 +100,16 @@ def plan_memory(spec: ModelSpec, dtype: torch.dtype, config: EngineConfig, specu
     plan = MemoryPlan(
         budget=config.budget, dense_bytes=dense, draft_bytes=draft, kv_bytes=kv, workspace_bytes=workspace_bytes(spec, config),
         expert_bytes=expert, moe_layers=len(spec.moe_layers), num_experts=spec.num_experts, slots_per_layer=spec.num_experts,
-        min_slots_per_layer=spec.top_k, slot_overhead_bytes=_slot_overhead(spec, config, element),
+        min_slots_per_layer=spec.top_k, slot_overhead_bytes=_slot_overhead(spec, config, element, expert_graphs),
     )
     return dataclasses.replace(plan, slots_per_layer=_slots(plan, config))
 
 
-def _slot_overhead(spec: ModelSpec, config: EngineConfig, element: int) -> int:
+def _slot_overhead(spec: ModelSpec, config: EngineConfig, element: int, expert_graphs: bool | None) -> int:
     """With static_verify and CUDA graphs, each slot's expert graph keeps an [R, D] output alive."""
-    if not (on_cuda(config) and config.cuda_graphs and config.verify_is_static("cuda")):
+    if expert_graphs is None:
+        expert_graphs = on_cuda(config) and config.cuda_graphs and config.verify_is_static("cuda")
+    if not expert_graphs:
         return 0
     return config.row_bucket * spec.hidden_size * element
 
@@ -113,8 +120,8 @@ def _slots(plan: MemoryPlan, config: EngineConfig) -> int:
             raise BudgetError(f"residents={config.residents} slots per layer is below the minimum of {plan.min_slots_per_layer} "
                               "(one token's active experts); raise --residents")
         return min(config.residents, plan.num_experts)
-    if config.budget is None:
-        return plan.num_experts
+    if config.budget is None or config.budget >= plan.resident_budget:
+        return plan.num_experts  # all resident: no cache, so no per-slot overhead either
     if config.budget < plan.minimum_budget:
         raise BudgetError(
             f"budget {fmt(config.budget)} is {fmt(plan.minimum_budget - config.budget)} short of the minimum {fmt(plan.minimum_budget)} "

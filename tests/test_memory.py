@@ -29,10 +29,10 @@ def test_slots_are_what_the_budget_leaves(tiny):
     full = plan_memory(spec, torch.float32, EngineConfig())
     assert full.all_resident and full.slots_per_layer == spec.num_experts
     for slots in (spec.top_k, 5, spec.num_experts - 1):
-        budget = full.fixed_bytes + slots * full.moe_layers * full.expert_bytes + full.expert_bytes // 2
+        budget = full.fixed_bytes + slots * full.moe_layers * full.slot_bytes + full.slot_bytes // 2
         plan = plan_memory(spec, torch.float32, EngineConfig(budget=budget))
         assert plan.slots_per_layer == slots
-        assert plan.fixed_bytes + plan.slots_per_layer * plan.moe_layers * plan.expert_bytes <= budget
+        assert plan.fixed_bytes + plan.slots_per_layer * plan.moe_layers * plan.slot_bytes <= budget
 
 
 def test_minimum_is_exact(tiny):
@@ -71,7 +71,7 @@ def test_peak_reserved_gpu_memory_stays_within_the_budget(tiny, k):
     draft = DraftConfig(k=k)
     config = EngineConfig(device="cuda", draft=draft)
     plan = plan_memory(spec, torch.float32, config, speculative=may_speculate(config))  # k = 0: no draft bytes
-    budget = plan.fixed_bytes + 6 * plan.moe_layers * plan.expert_bytes  # 6 of 16 slots per layer
+    budget = plan.fixed_bytes + 6 * plan.moe_layers * plan.slot_bytes  # 6 of 16 slots per layer
 
     async def go():
         runtime = await Runtime.load(tiny, EngineConfig(device="cuda", budget=budget, draft=draft))
@@ -114,3 +114,22 @@ def test_cuda_plans_reserve_room_for_library_workspaces(tiny):
     cpu = plan_memory(spec, torch.float32, EngineConfig(device="cpu"))
     cuda = plan_memory(spec, torch.float32, EngineConfig(device="cuda"))
     assert cuda.workspace_bytes - cpu.workspace_bytes == CUDA_LIBRARY_BYTES
+
+
+def test_the_full_residency_budget_is_all_resident_even_with_a_slot_overhead(tiny):
+    """Resident experts need no expert graphs: at resident_budget every expert fits, overhead or not."""
+    spec = Checkpoint(tiny).spec
+    for device in ("cpu", "cuda"):
+        config = EngineConfig(device=device, static_verify=True)
+        plan = plan_memory(spec, torch.bfloat16, config)
+        at = plan_memory(spec, torch.bfloat16, EngineConfig(device=device, static_verify=True, budget=plan.resident_budget))
+        assert at.all_resident and at.slots_per_layer == spec.num_experts
+        below = plan_memory(spec, torch.bfloat16, EngineConfig(device=device, static_verify=True, budget=plan.resident_budget - 1))
+        assert below.slots_per_layer < spec.num_experts
+
+
+def test_an_engine_decision_against_expert_graphs_removes_the_slot_overhead(tiny):
+    spec = Checkpoint(tiny).spec
+    config = EngineConfig(device="cuda", static_verify=True)
+    assert plan_memory(spec, torch.bfloat16, config).slot_overhead_bytes > 0
+    assert plan_memory(spec, torch.bfloat16, config, expert_graphs=False).slot_overhead_bytes == 0

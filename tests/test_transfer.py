@@ -290,15 +290,25 @@ def test_busy_within_equals_counting_covered_unit_cells(raw, lo, width):
 
 
 def test_cpu_stream_work_enqueued_from_the_stream_itself_keeps_stream_order():
-    """A launched item that enqueues more work (the cache's table write inside after_copy) runs it in place,
-    before anything the loop thread enqueued after the launch, and before a later event completes."""
+    """A launched item that enqueues more work (the cache's table write inside after_copy) runs it inside
+    that item: before anything the loop thread enqueued behind the item, and before a later event."""
+    import threading
+
     backend = CPUBackend()
     order: list[str] = []
     table = torch.full((4,), -1, dtype=torch.int32)
+    later_enqueued = threading.Event()
+
+    def outer() -> None:
+        later_enqueued.wait(5)  # "later" is in the queue behind this item before the nested work is enqueued
+        backend.set_int32(table, 2, 7, stream)
+        stream.enqueue(lambda: order.append("inner"))
+
     try:
         stream = backend.copy_stream
-        backend.launch(stream, lambda: (backend.set_int32(table, 2, 7, stream), order.append("inner")))
+        backend.launch(stream, outer)
         backend.launch(stream, lambda: order.append("later"))
+        later_enqueued.set()
         event = backend.record_event(stream)
         event.wait()
         assert order == ["inner", "later"] and table.tolist() == [-1, -1, 7, -1]

@@ -111,7 +111,7 @@ def separate_draft_bytes(full_spec: ModelSpec, dtype: torch.dtype, max_context: 
 
 
 def system_slots(system: System, setting: Setting, spec: ModelSpec, full_spec: ModelSpec, dtype: torch.dtype,
-                 max_context: int, k_max: int) -> tuple[int, str]:
+                 max_context: int, k_max: int, expert_graphs: bool = False) -> tuple[int, str]:
     """Expert slots per layer the system gets under `setting`, and a note on how they were derived.
 
     Residents: the same count for every system, except that specmoeoff loses the slots its separate draft
@@ -131,7 +131,7 @@ def system_slots(system: System, setting: Setting, spec: ModelSpec, full_spec: M
     truncated_extra = separate_draft_bytes(spec, dtype, max_context) if system.separate_draft else 0
     config = EngineConfig(budget=setting.budget - truncated_extra if truncated_extra < setting.budget else 1,
                           max_context=max_context, draft=DraftConfig(k_max=k_max))
-    plan = plan_memory(spec, dtype, config, speculative=system.speculative)
+    plan = plan_memory(spec, dtype, config, speculative=system.speculative, expert_graphs=expert_graphs)
     return plan.slots_per_layer, (f"budget minus separate draft {truncated_extra / 2**30:.2f} GiB" if truncated_extra else "")
 
 
@@ -209,6 +209,9 @@ class BenchRuntime(Runtime):
         self.cache = ExpertCache(self.backend, self.kernel, transfer, pool, slots, self._choose_victims)
         self.experts = OffloadedExperts(self.cache, self.kernel, self.moe_index)
         self.memory = dataclasses.replace(self.memory, slots_per_layer=slots)
+        if self.segmented is not None:  # the old slots' expert graphs are stale: capture the new ones now, untimed
+            self.segmented.reset_experts()
+            self.segmented.prepare_experts([self.cache.slot_weights(slot) for slot in range(self.cache.weights.shape[0])])
         if self.system is not None:
             self.experts.on_routed = self._gate_prefetch if self.system.gate_prefetch else None
 

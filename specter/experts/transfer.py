@@ -1,7 +1,8 @@
 """The transfer engine: host-to-device expert copies on the copy stream, urgent misses ahead of prefetches.
 
 Copies are split in chunks and issued by one pump task that keeps at most `max_chunks_in_flight` chunks
-on the stream, so an urgent miss waits behind at most that many chunks of a long prefetch queue.
+on the stream, so an urgent miss waits behind at most that many chunks of a long prefetch queue (a chunk
+is `chunk_bytes`, or up to 1.25 times that when a copy's short tail rides with its last chunk).
 """
 
 from __future__ import annotations
@@ -195,6 +196,11 @@ class TransferEngine:
         self._wakeup: asyncio.Event | None = None
         self._pump_task: asyncio.Task[None] | None = None
         self.chunk_log: list[_Chunk] | None = None  # when a list: every chunk issued is appended (busy measurement)
+
+    def start_chunk_log(self) -> list[_Chunk]:
+        """Log every chunk from now on (`chunk_log`), starting with those still on the stream."""
+        self.chunk_log = list(self._in_flight)
+        return self.chunk_log
 
     def busy_intervals(self, chunks: Sequence[_Chunk], reference: Event, open_end: float) -> list[tuple[float, float]]:
         """[start, end] in seconds after the completed `reference` event: the time each chunk held the (emulated) link.

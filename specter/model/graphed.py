@@ -65,8 +65,8 @@ _STANDARD_METHODS = ("forward", "attention", "_attend", "_attend_row", "feed_for
 _MLA_METHODS = ("forward", "attention", "_attend_latent", "_attend_latent_row", "feed_forward", "new_kv")
 
 
-def static_step_supported(model: Transformer) -> bool:
-    """Whether the model uses an attention and forward the static step reimplements.
+def static_step_supported(model: Transformer | type[Transformer]) -> bool:
+    """Whether the model (or a Transformer class) uses an attention and forward the static step reimplements.
 
     Standard attention: always. DeepSeek-V2's multi-head latent attention (family deepseek_v2): yes, unless
     the environment variable SPECTER_STATIC_MLA=0 switches it off (then DeepSeek runs the eager forward
@@ -77,13 +77,14 @@ def static_step_supported(model: Transformer) -> bool:
     return _inherits(model, Transformer, _STANDARD_METHODS)
 
 
-def _is_latent_attention(model: Transformer) -> bool:
+def _is_latent_attention(model: Transformer | type[Transformer]) -> bool:
     """A DeepseekV2Transformer whose MLA, cache and forward are DeepseekV2Transformer's own."""
-    return isinstance(model, DeepseekV2Transformer) and _inherits(model, DeepseekV2Transformer, _MLA_METHODS)
+    cls = model if isinstance(model, type) else type(model)
+    return issubclass(cls, DeepseekV2Transformer) and _inherits(cls, DeepseekV2Transformer, _MLA_METHODS)
 
 
-def _inherits(model: Transformer, base: type, names: Sequence[str]) -> bool:
-    cls = type(model)
+def _inherits(model: Transformer | type[Transformer], base: type, names: Sequence[str]) -> bool:
+    cls = model if isinstance(model, type) else type(model)
     return all(getattr(cls, name) is getattr(base, name) for name in names)
 
 

@@ -16,7 +16,8 @@ skipping experts no row chose, which leave ResidentMoE's sum untouched. Logits a
 to StaticStep + ResidentMoE with the same kernel (GraphedTarget), row for row (graphed.py principle 4).
 
 Each segment only reads and writes the static buffers (and the KV cache), so on CUDA it is captured as one
-CUDA graph; the routed-expert compute between segments stays eager, as the experts it reads change.
+CUDA graph; the routed-expert compute between segments runs one small graph per expert-cache slot (the
+expert id a device scalar), since which experts run, and from which slots, changes every layer.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class SegmentedStep:
         self._graphs: list[Any] = []
         self._expert_graphs: dict[int, tuple[Any, Tensor]] = {}  # weight buffer address -> (graph, its [R, D] output)
         self._expert_pool = torch.cuda.graph_pool_handle() if self.use_graph else None
+        self._capture_stream = torch.cuda.Stream(model.device) if self.use_graph else None  # one for every capture
 
     # ---- static buffers ---------------------------------------------------------------------------
     def _allocate_buffers(self) -> None:
@@ -165,6 +167,11 @@ class SegmentedStep:
         graph.replay()
         return out.clone()  # the slot may serve another expert of this layer before set_routed
 
+    def reset_experts(self) -> None:
+        """Drop every expert graph (the cache's slots were reallocated); their outputs go with them."""
+        self._expert_graphs = {}
+        self._expert_pool = torch.cuda.graph_pool_handle() if self.use_graph else None
+
     def prepare_experts(self, buffers: Sequence[Tensor]) -> None:
         """Capture the expert graph of each weight buffer now (start-up). Nothing to do without graphs."""
         if self.use_graph:
@@ -180,7 +187,7 @@ class SegmentedStep:
         temporaries are dead once it returns.
         """
         current = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
+        side = self._capture_stream
         side.wait_stream(current)
         with torch.cuda.stream(side):
             self._expert_compute(self._expert_id, packed)
