@@ -2,7 +2,10 @@
 # The GPU measurements behind docs/BENCHMARKS.md, one device call per stage (each fits the 10-minute limit).
 # On the development machine: ../shared/device/stage-wheels.sh, then run e.g.
 #   run(command="bash benchmarks/h200_runs.sh gpu-tests", carry=[".whl"])
-# Every stage writes under $OUT and prints a short table last.
+# Every stage writes under $OUT and prints a short table last. Several stages run in order in one call:
+#   bash benchmarks/h200_runs.sh fixes profile reference-core memory
+# Open measurements (2026-11-30): gpu-tests (the CUDA property tests verbose), reference-core (the governor's
+# byte model), paper at full depth and 128 tokens with the DDR4 link and hf-accelerate, micro (tile sweep).
 set -u
 source benchmarks/h200_setup.sh
 export PYTHONUNBUFFERED=1
