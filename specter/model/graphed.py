@@ -27,8 +27,8 @@ import dataclasses
 import functools
 import math
 import os
-from collections.abc import Sequence
-from typing import Any, Literal, Protocol, cast
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 import torch
 
@@ -44,6 +44,7 @@ from specter.quant.moe_triton import MoEKernelConfig, triton_available
 from specter.sampling import SamplingLike, sample
 
 log = get_logger(__name__)
+T = TypeVar("T")
 Tensor = torch.Tensor
 MoEKernel = Literal["auto", "dense", "triton"]
 
@@ -63,6 +64,27 @@ STATIC_MLA_ENV = "SPECTER_STATIC_MLA"
 _STANDARD_METHODS = ("forward", "attention", "_attend", "_attend_row", "feed_forward", "new_kv")
 # What the static MLA reimplements (the KV layout, the writes and the attention); the projections it reuses.
 _MLA_METHODS = ("forward", "attention", "_attend_latent", "_attend_latent_row", "feed_forward", "new_kv")
+
+
+def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Capture `fn` (already warmed up) as a CUDA graph on `stream`, in `pool`; returns (graph, fn's result).
+
+    Unlike `torch.cuda.graph`, this neither synchronises the device nor collects garbage nor empties the
+    allocator's cache before the capture: start-up captures one graph per segment and per expert slot,
+    and in a large process each `gc.collect()` costs a noticeable fraction of a second. Thread-local
+    capture mode: other threads (waiters, copies) may use CUDA meanwhile.
+    """
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream()
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            result = fn()
+        finally:
+            graph.capture_end()
+    current.wait_stream(stream)
+    return graph, result
 
 
 def static_step_supported(model: Transformer | type[Transformer]) -> bool:
@@ -357,10 +379,7 @@ class GraphedStep:
         for tensor, copy in zip(self.preserve, saved):
             tensor.copy_(copy)
         self._pool = self._pool if self._pool is not None else torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._outputs[key] = self._compute(key)
-        self._graphs[key] = graph
+        self._graphs[key], self._outputs[key] = capture_graph(lambda: self._compute(key), self._pool, side)
         log.debug("graph.captured", rows=self.rows, sampling=key)
 
     def _compute(self, key: SamplingKey) -> tuple[Tensor, Tensor]:

@@ -32,6 +32,7 @@ from specter.model.graphed import (
     RESIDENT_KERNEL_CONFIG,
     MoEKernel,
     StaticStep,
+    capture_graph,
     load_padded,
     pad_indices,
     resident_moe_triton,
@@ -182,22 +183,13 @@ class SegmentedStep:
     def _capture_expert(self, packed: Tensor) -> tuple[Any, Tensor]:
         """Warm up (Triton compilation) and capture `_expert_compute` on `packed` with the device expert id.
 
-        capture_begin/end on a side stream rather than torch.cuda.graph, which synchronises the device and
-        collects garbage on every capture. The graphs share one pool: each keeps its output alive, and its
-        temporaries are dead once it returns.
+        The graphs share one pool: each keeps its output alive, and its temporaries are dead once it returns.
         """
-        current = torch.cuda.current_stream()
         side = self._capture_stream
-        side.wait_stream(current)
+        side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._expert_compute(self._expert_id, packed)
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=self._expert_pool, capture_error_mode="thread_local")
-            try:
-                out = self._expert_compute(self._expert_id, packed)
-            finally:
-                graph.capture_end()
-        current.wait_stream(side)
+        graph, out = capture_graph(lambda: self._expert_compute(self._expert_id, packed), self._expert_pool, side)
         self._expert_graphs[packed.data_ptr()] = (graph, out)
         return graph, out
 
@@ -236,7 +228,7 @@ class SegmentedStep:
         run rewrites those positions (prepare loads the first uncommitted position). The graphs share a
         pool because they always replay in capture order and never overlap.
         """
-        side = torch.cuda.Stream()
+        side = self._capture_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
@@ -244,11 +236,7 @@ class SegmentedStep:
                     self._compute_segment(index)
         torch.cuda.current_stream().wait_stream(side)
         pool = torch.cuda.graph_pool_handle()
-        graphs = []
-        for index in range(len(self.moe_layers) + 1):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self._compute_segment(index)
-            graphs.append(graph)
+        graphs = [capture_graph(lambda index=index: self._compute_segment(index), pool, side)[0]
+                  for index in range(len(self.moe_layers) + 1)]
         self._graphs = graphs
         log.debug("graph.segments_captured", rows=self.rows, segments=len(graphs))
