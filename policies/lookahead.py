@@ -114,17 +114,31 @@ class Roofline:
     the target's own token. Time: draft(k) + verify(k+1 rows) + the part of the new bytes' transfer the draft
     does not hide, max(0, bytes[k]/bandwidth - draft(k)). k=0 is plain decode: verify(1) + bytes[0]/bandwidth.
     Ties go to the smaller k.
+
+    Probing: acceptance is only measured in speculative rounds, so after a bad patch the model could keep
+    choosing k = 0 forever, for this and every later request. After `probe_every` plain rounds in a row
+    the next round drafts at the most promising k >= 1 instead (usually 1, the cheapest), which refreshes
+    the acceptance estimate; 0 turns probing off.
     """
 
-    def __init__(self, *, prior_acceptance: float = 0.5) -> None:
+    def __init__(self, *, prior_acceptance: float = 0.5, probe_every: int = 16) -> None:
         if not 0.0 <= prior_acceptance <= 1.0:
             raise ConfigError(f"roofline lookahead: prior_acceptance={prior_acceptance} must lie in [0, 1]")
+        if probe_every < 0:
+            raise ConfigError(f"roofline lookahead: probe_every={probe_every} must be >= 0 (0: never probe)")
         self.name = "roofline"
         self.prior_acceptance = prior_acceptance
+        self.probe_every = probe_every
+        self._plain_streak = 0  # consecutive k = 0 decisions
 
     def next_k(self, state: LookaheadState) -> int:
         rates = [self.tokens_per_s(state, k) for k in range(state.k_max + 1)]
-        return max(range(len(rates)), key=lambda k: (rates[k], -k))
+        best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+        if best == 0 and state.k_max > 0 and self.probe_every and self._plain_streak >= self.probe_every:
+            self._plain_streak = 0
+            return max(range(1, len(rates)), key=lambda k: (rates[k], -k))
+        self._plain_streak = self._plain_streak + 1 if best == 0 else 0
+        return best
 
     def observe(self, outcome: RoundOutcome) -> None:
         return None  # the engine keeps the EMAs and fits this policy reads

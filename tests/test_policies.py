@@ -302,3 +302,23 @@ def test_roofline_stays_shallow_when_verify_rows_cost_more_than_acceptance_pays(
 def test_roofline_k0_time_is_verify_plus_transfer():
     state = lookahead_state(verify_s_fit=(0.01, 0.001), predicted_new_bytes=[1e7, 0.0], bandwidth_bytes_per_s=1e9)
     assert Roofline().round_s(state, 0) == pytest.approx(0.011 + 0.01)
+
+
+def test_roofline_probes_speculation_after_a_run_of_plain_rounds():
+    """Acceptance is only measured when drafting: after probe_every plain rounds, one cheap probe round."""
+    state = lookahead_state(acceptance_by_position=[0.0] * 16, predicted_new_bytes=[20e6] * 17)
+    roofline = Roofline(probe_every=4)
+    decisions = [roofline.next_k(state) for _ in range(11)]
+    assert decisions == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0]
+    assert [Roofline(probe_every=0).next_k(state) for _ in range(40)] == [0] * 40
+    k0_only = lookahead_state(acceptance_by_position=[0.0] * 16, predicted_new_bytes=[20e6] * 17, k_max=0)
+    assert [Roofline(probe_every=1).next_k(k0_only) for _ in range(5)] == [0] * 5
+    with pytest.raises(ConfigError, match="probe_every"):
+        Roofline(probe_every=-1)
+
+
+def test_roofline_does_not_probe_while_speculation_pays():
+    new_bytes = [50e6 * min(1 + k, 8) for k in range(17)]
+    state = lookahead_state(acceptance_by_position=[0.99] * 16, predicted_new_bytes=new_bytes, k_max=16)
+    roofline = Roofline(probe_every=2)
+    assert [roofline.next_k(state) for _ in range(6)] == [16] * 6
