@@ -293,25 +293,27 @@ class Runtime:
         self._round_bytes_at_start = self._bytes_loaded()
         x0_tensor = self._device_ids([x0])
         marks = [self._gpu_mark()]  # GPU-timeline marks: host wall time misses work graph replays leave queued
-        chunks = self._log_chunks(marks[0])
+        chunks = self._log_chunks()
         drafted, draft_logits = None, None
         if k:
             async with stage("draft", counters=self.stages, k=k):
                 drafted, draft_logits = await self._draft_and_transfer(x0_tensor, start, k, params)
         draft_s = time.perf_counter() - round_started
         marks.append(self._gpu_mark())
+        window = [marks[1] if marks[1] is not None else self._stream_mark()]  # the verify, for the copy-busy measurement
         block = torch.cat([x0_tensor, drafted]) if k else x0_tensor
         record = self._start_record()
         verify_started = time.perf_counter()
         async with stage("verify", counters=self.stages, rows=k + 1):
             logits = await self._verify(block, start)  # [k+1, V]
             marks.append(self._gpu_mark())
+            window.append(marks[2] if marks[2] is not None else self._stream_mark())
             acceptance = await self._accept(block[1:], logits, draft_logits, start, params)
         verify_s = time.perf_counter() - verify_started
         if marks[0] is not None:  # the verdict has been awaited, so every mark has completed: no stall
             draft_s, verify_s = marks[1].elapsed_since(marks[0]), marks[2].elapsed_since(marks[1])
         if chunks is not None:
-            self._copy_busy(chunks, marks, record, stats)
+            self._copy_busy(chunks, window, record, stats)
         self.kv.crop(start + acceptance.n_accepted + 1)
         self._finish_round(k, acceptance, record, stats, draft_s, verify_s, time.perf_counter() - round_started)
         return acceptance.tokens
@@ -407,25 +409,28 @@ class Runtime:
         host = await to_host(self.kernel, verdict)  # await point: the round's one host sync for acceptance
         return read_verdict(torch.tensor(host))
 
-    def _log_chunks(self, mark) -> list | None:
-        """Start logging the round's chunks for the copy-busy measurement (CUDA: needs GPU marks)."""
-        if mark is None or self.cache is None:
-            return None
-        return self.cache.transfer.start_chunk_log()
+    def _log_chunks(self) -> list | None:
+        """Start logging the round's chunks for the copy-busy measurement (offloaded runtimes only)."""
+        return None if self.cache is None else self.cache.transfer.start_chunk_log()
 
-    def _copy_busy(self, chunks: list, marks: list, record, stats: RequestStats) -> None:
+    def _stream_mark(self):
+        """Off CUDA: a timed event on the backend's compute stream (idle there, so it completes at about
+        once), giving the copy-busy window a start and an end on the copy stream's clock."""
+        return None if self.cache is None else self.backend.record_event(self.backend.compute_stream, timed=True)
+
+    def _copy_busy(self, chunks: list, window: list, record, stats: RequestStats) -> None:
         """Copy-stream busy time inside this round's verify window, if the verify stalled on a copy.
 
         The window runs from the verify's start to the end of the last chunk that started before the
-        verify ended (capped at the verify's end). Every mark has completed; chunks still on the stream
-        count as busy to the verify's end. Never waits.
+        verify ended (capped at the verify's end). Chunks still on the stream count as busy to the
+        verify's end. Never waits: a round whose window marks have not completed is left out.
         """
         transfer = self.cache.transfer
         transfer.chunk_log = None
-        if record is None or record.stall_s <= 0 or not chunks:
+        if record is None or record.stall_s <= 0 or not chunks or not all(mark.query() for mark in window):
             return
-        origin = marks[1]
-        verify_end = marks[2].elapsed_since(origin)
+        origin = window[0]
+        verify_end = window[1].elapsed_since(origin)
         intervals = transfer.busy_intervals(chunks, origin, open_end=verify_end)
         window = min(max((end for start, end in intervals if start < verify_end), default=0.0), verify_end)
         if window <= 0:

@@ -62,7 +62,8 @@ class RequestStats:
         """Share of transfer-bound verify time the copy stream was busy; None when verify never waited on a copy.
 
         A window runs from a verify's start to the landing of the last chunk copied during it, for verifies
-        that stalled on a miss; the copy stream is busy while any chunk is on it (CUDA only: GPU events).
+        that stalled on a miss; the copy stream is busy while any chunk is on it (the backend's events: GPU
+        events on CUDA, the cpu streams' completion times elsewhere).
         """
         return self.copy_busy_s / self.copy_window_s if self.copy_window_s > 0 else None
 

@@ -72,3 +72,22 @@ def test_an_offloaded_speculative_run_measures_the_union_exponent(tmp_path, monk
     estimates = asyncio.run(go())
     assert estimates.union_exponent is not None and 0.0 <= estimates.union_exponent <= 1.0
     assert estimates.new_bytes_unit is not None and estimates.new_bytes_unit > 0
+
+
+def test_an_offloaded_run_on_the_cpu_measures_the_copy_busy_fraction(tmp_path, monkeypatch):
+    """On a slow emulated link the verify waits for copies; the copy stream was busy for part of that time."""
+    monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
+    tiny = builtin_path("tiny")
+
+    async def go():
+        config = EngineConfig(device="cpu", residents=2, link="0.25", draft=DraftConfig(k=2), lookahead="fixed")
+        runtime = await Runtime.load(tiny, config)
+        try:
+            return (await runtime.complete_ids([3, 1, 4, 1, 5], GenerationConfig(max_new_tokens=12))).stats
+        finally:
+            await runtime.aclose()
+
+    stats = asyncio.run(go())
+    assert stats.stall_s > 0 and stats.copy_window_s > 0
+    assert 0.0 < stats.copy_busy_fraction <= 1.0 + 1e-6
+    assert stats.as_dict()["copy_busy_fraction"] == round(stats.copy_busy_fraction, 4)

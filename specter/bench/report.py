@@ -195,6 +195,6 @@ def markdown_report(payload: dict[str, Any]) -> str:
         lines += ["", "## Notes", ""] + [f"- {note}" for note in payload["notes"]]
     lines += ["", "Columns: x S = TPOT of S / TPOT of this row (same model, setting, link); accept = accepted drafts / drafted; "
               "recall = window recall |draft-predicted ∩ used| / |used|; copy busy = share of transfer-bound verify time "
-              "(verify start to its last copy's landing, verifies that waited on a copy) the copy stream was busy (CUDA only); "
+              "(verify start to its last copy's landing, verifies that waited on a copy) the copy stream was busy; "
               "= baseline: tokens equal to the target-only run."]
     return "\n".join(lines) + "\n"
