@@ -121,8 +121,7 @@ class Runtime:
         policies = load_policies(config)
         speculative = may_speculate(config)
         calibrated = speculative and config.draft.quant == "gptq4"
-        expert_graphs = (device.type == "cuda" and config.cuda_graphs and config.verify_is_static("cuda")
-                         and static_step_supported(transformer_for(spec)))
+        expert_graphs = device.type == "cuda" and config.cuda_graphs and _segmented_verify(config, device.type, transformer_for(spec))
         memory = plan_memory(spec, dtype, config, speculative, expert_graphs=expert_graphs)
         check_device_memory(config, device, memory)
         source.validate()
@@ -432,11 +431,11 @@ class Runtime:
         origin = window[0]
         verify_end = window[1].elapsed_since(origin)
         intervals = transfer.busy_intervals(chunks, origin, open_end=verify_end)
-        window = min(max((end for start, end in intervals if start < verify_end), default=0.0), verify_end)
-        if window <= 0:
+        span = min(max((end for start, end in intervals if start < verify_end), default=0.0), verify_end)
+        if span <= 0:
             return
-        stats.copy_busy_s += busy_within(intervals, 0.0, window)
-        stats.copy_window_s += window
+        stats.copy_busy_s += busy_within(intervals, 0.0, span)
+        stats.copy_window_s += span
 
     def _gpu_mark(self):
         """A timed event on the compute stream (CUDA only; None elsewhere, where host wall time is exact)."""
@@ -552,9 +551,14 @@ def _graphed_target(model: Transformer, experts: ExpertProvider, kv: KVCache, co
 
 def _segmented_step(model: Transformer, experts: ExpertProvider, kv: KVCache, config: EngineConfig) -> SegmentedStep | None:
     """Offloaded experts with static_verify: verify runs GraphedTarget's numerics, cut at each MoE layer's routing."""
-    if not config.verify_is_static(model.device.type) or not isinstance(experts, OffloadedExperts) or not static_step_supported(model):
+    if not isinstance(experts, OffloadedExperts) or not _segmented_verify(config, model.device.type, model):
         return None
     return SegmentedStep(model, kv, use_graph=model.device.type == "cuda" and config.cuda_graphs)
+
+
+def _segmented_verify(config: EngineConfig, device_type: str, model: Transformer | type[Transformer]) -> bool:
+    """Whether an offloaded verify runs the segmented static step (the memory plan asks before the model exists)."""
+    return config.verify_is_static(device_type) and static_step_supported(model)
 
 
 def _make_draft(model: Transformer, experts: DraftExperts, config: EngineConfig) -> Draft:

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specter.builtin import builtin_path
 from specter.config import DraftConfig, EngineConfig, GenerationConfig
 from specter.engine import Runtime
 from specter.metrics import Estimates
@@ -56,10 +55,8 @@ def test_union_exponent_stays_in_range(rows, first, extra):
     assert estimates.beta == pytest.approx(expected)
 
 
-def test_an_offloaded_speculative_run_measures_the_union_exponent(tmp_path, monkeypatch):
+def test_an_offloaded_speculative_run_measures_the_union_exponent(tiny):
     """The engine feeds every speculative verify's first-row and union expert counts to the estimates."""
-    monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
-    tiny = builtin_path("tiny")
 
     async def go():
         runtime = await Runtime.load(tiny, EngineConfig(device="cpu", residents=3, draft=DraftConfig(k=4), lookahead="fixed"))
@@ -74,10 +71,8 @@ def test_an_offloaded_speculative_run_measures_the_union_exponent(tmp_path, monk
     assert estimates.new_bytes_unit is not None and estimates.new_bytes_unit > 0
 
 
-def test_an_offloaded_run_on_the_cpu_measures_the_copy_busy_fraction(tmp_path, monkeypatch):
+def test_an_offloaded_run_on_the_cpu_measures_the_copy_busy_fraction(tiny):
     """On a slow emulated link the verify waits for copies; the copy stream was busy for part of that time."""
-    monkeypatch.setenv("SPECTER_CACHE", str(tmp_path))
-    tiny = builtin_path("tiny")
 
     async def go():
         config = EngineConfig(device="cpu", residents=2, link="0.25", draft=DraftConfig(k=2), lookahead="fixed")

@@ -153,16 +153,6 @@ def test_no_waiter_threads_left_on_cuda(cuda):
     assert not [t for t in threading.enumerate() if t.name.startswith("specter-waiter")]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    import os
-
-    from specter.builtin import builtin_path
-
-    os.environ.setdefault("SPECTER_CACHE", str(tmp_path_factory.mktemp("cache")))
-    return builtin_path("tiny")
-
-
 @pytest.mark.parametrize("static_verify", [False, True])
 def test_an_offloaded_speculative_run_measures_the_copy_stream_busy_fraction(tiny, static_verify):
     """On a slow emulated link the verify stalls; the copy stream must be busy for part (<= all) of those windows."""

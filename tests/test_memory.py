@@ -7,21 +7,12 @@ import asyncio
 import pytest
 import torch
 
-from specter.builtin import builtin_path
 from specter.config import DraftConfig, EngineConfig, GenerationConfig
 from specter.engine import Runtime
 from specter.errors import BudgetError
 from specter.loading import may_speculate
 from specter.memory import plan_memory
 from specter.model.checkpoint import Checkpoint
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    import os
-
-    os.environ.setdefault("SPECTER_CACHE", str(tmp_path_factory.mktemp("cache")))
-    return builtin_path("tiny")
 
 
 def test_slots_are_what_the_budget_leaves(tiny):
