@@ -56,6 +56,19 @@ case "$stage" in
     cp /tmp/reference/reference.json "$out/" 2>/dev/null
     timeout 370 python -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4,ddr4-desktop \
       --max-new-tokens 64 --static-verify --time-budget 200 --no-progress --no-hf --out "$out/reference" 2>&1 | tail -40 ;;
-  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference)" >&2; exit 2 ;;
+  validate)       # gpu-tests and the reference model's training side by side (training is time-boxed, tests are not timed)
+    mkdir -p "$out/logs"
+    timeout 200 python benchmarks/reference_model.py --out /tmp/reference --minutes 2 > "$out/logs/train.log" 2>&1 &
+    timeout 260 python -m pytest -q -m gpu -p no:cacheprovider --durations=10 > "$out/logs/gpu-tests.log" 2>&1 &
+    SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 260 python -m pytest -v tests/test_speculative.py -p no:cacheprovider \
+      --durations=6 > "$out/logs/property.log" 2>&1 &
+    wait
+    cp /tmp/reference/reference.json "$out/" 2>/dev/null
+    tail -3 "$out/logs/train.log"; tail -14 "$out/logs/gpu-tests.log"
+    grep -E "PASS|FAIL|ERROR|passed|failed" "$out/logs/property.log" | tail -20 ;;
+  reference-full) # the whole matrix on the trained reference model (after validate or reference): three links, 128 tokens, hf-accelerate
+    timeout 290 python -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4,ddr4-desktop \
+      --max-new-tokens 128 --time-budget 240 --no-progress --out "$out/reference" 2>&1 | tail -40 ;;
+  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full)" >&2; exit 2 ;;
 esac
 done

@@ -177,3 +177,35 @@ def test_triton_resident_moe_on_qwen_shapes_is_accurate_and_batch_invariant(qwen
     assert ((out.double() - reference).norm() / reference.norm()).item() < 1e-2
     singles = torch.cat([resident_moe_triton(x[r : r + 1], ids[r : r + 1], weights[r : r + 1], qwen_packed, d, i) for r in range(tokens)])
     assert torch.equal(out, singles)
+
+
+def test_a_capture_survives_garbage_that_holds_a_dead_graph():
+    """An unreachable CUDA graph in a reference cycle (an earlier engine's, say) is not collected mid-capture:
+    destroying a graph while this thread captures would invalidate the capture (seen in the property tests)."""
+    import gc
+
+    from specter.model.graphed import capture_graph
+
+    side = torch.cuda.Stream()
+    x = torch.arange(8, device="cuda", dtype=torch.float32)
+
+    class Holder:
+        pass
+
+    dead = Holder()
+    dead.cycle = dead
+    dead.graph, _ = capture_graph(lambda: x * 2, None, side)
+    del dead  # unreachable; only the cyclic collector can free it
+
+    def body() -> torch.Tensor:
+        # enough container allocations to trigger several automatic collections of the young generation
+        junk = [[index] for index in range(5 * gc.get_threshold()[0])]
+        assert len(junk) > 0
+        return x + 1
+
+    graph, out = capture_graph(body, None, side)
+    x.fill_(3.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.tolist() == [4.0] * 8
+    gc.collect()  # the dead graph goes now, outside any capture

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -73,16 +74,26 @@ def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> 
     allocator's cache before the capture: start-up captures one graph per segment and per expert slot,
     and in a large process each `gc.collect()` costs a noticeable fraction of a second. Thread-local
     capture mode: other threads (waiters, copies) may use CUDA meanwhile.
+
+    The garbage collector is paused for the capture instead: a collection inside it may destroy an
+    unreachable CUDA graph (of an earlier engine, say), and destroying a graph is not permitted while this
+    thread captures: the capture is invalidated (seen on the H200, 2026-11-30, in the CUDA property tests).
     """
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream()
     stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-        try:
-            result = fn()
-        finally:
-            graph.capture_end()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                result = fn()
+            finally:
+                graph.capture_end()
+    finally:
+        if collecting:
+            gc.enable()
     current.wait_stream(stream)
     return graph, result
 
