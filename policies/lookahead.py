@@ -110,18 +110,24 @@ class Roofline:
     """The MoE-SpeQ governor: pick the k that commits the most tokens per second by the cost model.
 
     Expected tokens of depth k: E[k] + 1, where E[k] = sum_{i<=k} prod_{j<=i} a_j (a = acceptance by
-    position; positions past the measured ones reuse the last, `prior_acceptance` when none) and the 1 is
+    position; positions past the measured ones reuse the last measured, so a depth is tried once the
+    measured ones say it pays, and is then measured; `prior_acceptance` when none is) and the 1 is
     the target's own token. Time: draft(k) + verify(k+1 rows) + the part of the new bytes' transfer the draft
     does not hide, max(0, bytes[k]/bandwidth - draft(k)). k=0 is plain decode: verify(1) + bytes[0]/bandwidth.
     Ties go to the smaller k.
 
-    Probing: acceptance is only measured in speculative rounds, so after a bad patch the model could keep
-    choosing k = 0 forever, for this and every later request. After `probe_every` plain rounds in a row
-    the next round drafts at the most promising k >= 1 instead (usually 1, the cheapest), which refreshes
-    the acceptance estimate; 0 turns probing off.
+    The round's measured time outside draft and verify (sampling, acceptance, commit) is added per round,
+    and the draft's time is fitted as a per-draft plus a per-step cost, so deeper rounds are credited with
+    sharing both among more tokens.
+
+    Probing: what is only measured at the depths the governor picks (acceptance of later positions, the
+    slopes of the draft and verify fits) could keep it at one depth for good: after a bad patch at k = 0,
+    or at a shallow k whose deeper positions it never measured. After `probe_every` rounds in a row at
+    one depth below k_max, one round runs deeper instead: at the most promising k >= 1 from k = 0 (usually 1,
+    the cheapest), else at 2k; 0 turns probing off.
     """
 
-    def __init__(self, *, prior_acceptance: float = 0.5, probe_every: int = 16) -> None:
+    def __init__(self, *, prior_acceptance: float = 0.7, probe_every: int = 16) -> None:
         if not 0.0 <= prior_acceptance <= 1.0:
             raise ConfigError(f"roofline lookahead: prior_acceptance={prior_acceptance} must lie in [0, 1]")
         if probe_every < 0:
@@ -129,15 +135,18 @@ class Roofline:
         self.name = "roofline"
         self.prior_acceptance = prior_acceptance
         self.probe_every = probe_every
-        self._plain_streak = 0  # consecutive k = 0 decisions
+        self._last, self._streak = -1, 0  # the last decision and how many rounds in a row it was taken
 
     def next_k(self, state: LookaheadState) -> int:
         rates = [self.tokens_per_s(state, k) for k in range(state.k_max + 1)]
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))
-        if best == 0 and state.k_max > 0 and self.probe_every and self._plain_streak >= self.probe_every:
-            self._plain_streak = 0
-            return max(range(1, len(rates)), key=lambda k: (rates[k], -k))
-        self._plain_streak = self._plain_streak + 1 if best == 0 else 0
+        if self.probe_every and best < state.k_max and best == self._last and self._streak >= self.probe_every:
+            self._streak = 0  # a probe: one round at another depth, so the fits see more than one point
+            if best == 0:
+                return max(range(1, len(rates)), key=lambda k: (rates[k], -k))
+            return min(state.k_max, 2 * best)
+        self._streak = self._streak + 1 if best == self._last else 1
+        self._last = best
         return best
 
     def observe(self, outcome: RoundOutcome) -> None:
@@ -156,9 +165,9 @@ class Roofline:
         transfer_s = _at_or_last(state.predicted_new_bytes, k, default=0.0) / state.bandwidth_bytes_per_s
         verify_s = state.verify_s_fit[0] + state.verify_s_fit[1] * (k + 1)
         if k == 0:
-            return verify_s + transfer_s
+            return state.round_overhead_s[0] + verify_s + transfer_s
         draft_s = state.draft_step_s_fit[0] + state.draft_step_s_fit[1] * k
-        return draft_s + verify_s + max(0.0, transfer_s - draft_s)
+        return state.round_overhead_s[1] + draft_s + verify_s + max(0.0, transfer_s - draft_s)
 
     def tokens_per_s(self, state: LookaheadState, k: int) -> float:
         return (self.expected_accepted(state, k) + 1.0) / max(self.round_s(state, k), 1e-12)

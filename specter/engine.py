@@ -469,6 +469,7 @@ class Runtime:
         self.plan = None
         self.estimates.observe_acceptance(k, acceptance.n_accepted)
         self.estimates.observe_draft(k, draft_s)
+        self.estimates.observe_round(k, round_s, draft_s, verify_s)
         rows = k + 1
         if record is not None and k:
             self.estimates.observe_union(rows, sum(record.first_row.values()), sum(len(used) for used in record.used.values()))
@@ -526,13 +527,14 @@ class Runtime:
 
     def _lookahead_state(self) -> LookaheadState:
         return LookaheadState(
-            acceptance_by_position=list(self.estimates.acceptance[: self.k_max]),
-            draft_step_s_fit=(0.0, self.estimates.draft_step_s or 1e-3),
+            acceptance_by_position=self.estimates.measured_acceptance(self.k_max),
+            draft_step_s_fit=self.estimates.draft_fit(),
             verify_s_fit=self.estimates.verify_fit(),
             bandwidth_bytes_per_s=self.bandwidth(),
             predicted_new_bytes=self.estimates.predicted_new_bytes(self.k_max),
             k_max=self.k_max,
             model_key=f"{self.spec.family}:{self.spec.hidden_size}x{self.spec.num_layers}:{self.memory.slots_per_layer}",
+            round_overhead_s=self.estimates.overheads(),
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter, deque
+from collections.abc import Iterable
 
 
 @dataclasses.dataclass
@@ -109,7 +110,9 @@ class Estimates:
         self.acceptance: list[float] = [0.7] * max(k_max, 1)
         self.acceptance_seen = [False] * max(k_max, 1)
         self.draft_step_s: float | None = None
+        self.draft_points: deque[tuple[int, float]] = deque(maxlen=64)  # (k, seconds of the whole draft)
         self.verify_points: deque[tuple[int, float]] = deque(maxlen=64)
+        self.round_overhead_s: list[float | None] = [None, None]  # [plain, speculative]: round time outside draft and verify
         self.new_bytes_unit: float | None = None  # speculative rounds' bytes / rows ** union_exponent
         self.new_bytes_plain: float | None = None  # bytes moved per plain-decoding (k = 0) token
         self.union_exponent: float | None = None  # beta: experts a verify needs grow as rows ** beta (EMA)
@@ -125,9 +128,42 @@ class Estimates:
             self.acceptance[position] = self._ema(old, value)
             self.acceptance_seen[position] = True
 
+    def measured_acceptance(self, k_max: int) -> list[float]:
+        """The acceptance EMAs of the positions some round has reached (a prefix of 0..k_max-1).
+
+        A governor that saw positions 0 and 1 accepted 95 % of the time must not read position 2 as the
+        initial 0.7 it never updated: it would then never draft deep enough to measure it (seen on the
+        H200's reference model: k stuck at 2 where a fixed k = 4 was 1.2x faster)."""
+        seen = 0
+        while seen < min(k_max, len(self.acceptance)) and self.acceptance_seen[seen]:
+            seen += 1
+        return list(self.acceptance[:seen])
+
     def observe_draft(self, k: int, seconds: float) -> None:
         if k > 0:
             self.draft_step_s = self._ema(self.draft_step_s, seconds / k)
+            self.draft_points.append((k, seconds))
+
+    def draft_fit(self) -> tuple[float, float]:
+        """Least-squares a + b*k over recent drafts: a is the per-draft cost (the checkpoints' plans, the
+        task group), b the cost of a step. Until two depths were seen: (0, seconds per step), which charges
+        the fixed part to every step and so never makes an unmeasured depth look cheaper than it is."""
+        if not self.draft_points:
+            return (0.0, self.draft_step_s or 1e-3)
+        fit = _line_fit(self.draft_points)
+        if fit is None:
+            return (0.0, self.draft_step_s or 1e-3)
+        return fit
+
+    def observe_round(self, k: int, round_s: float, draft_s: float, verify_s: float) -> None:
+        """The round's time outside its draft and its verify (sampling and acceptance, commit, plans, host
+        work the GPU marks do not cover), kept apart for plain and speculative rounds."""
+        index = 1 if k else 0
+        self.round_overhead_s[index] = self._ema(self.round_overhead_s[index], max(0.0, round_s - draft_s - verify_s))
+
+    def overheads(self) -> tuple[float, float]:
+        plain, speculative = self.round_overhead_s
+        return (plain if plain is not None else speculative or 0.0, speculative if speculative is not None else plain or 0.0)
 
     @property
     def beta(self) -> float:
@@ -165,13 +201,19 @@ class Estimates:
 
     def verify_fit(self) -> tuple[float, float]:
         """Least-squares a + b*rows over recent verify passes (b = 0 until two row counts were seen)."""
-        points = list(self.verify_points)
-        if not points:
+        if not self.verify_points:
             return (0.0, 0.0)
-        mean_x = sum(r for r, _ in points) / len(points)
-        mean_y = sum(s for _, s in points) / len(points)
-        var = sum((r - mean_x) ** 2 for r, _ in points)
-        if var == 0:
-            return (mean_y, 0.0)
-        slope = max(0.0, sum((r - mean_x) * (s - mean_y) for r, s in points) / var)
-        return (max(0.0, mean_y - slope * mean_x), slope)
+        fit = _line_fit(self.verify_points)
+        return fit if fit is not None else (sum(s for _, s in self.verify_points) / len(self.verify_points), 0.0)
+
+
+def _line_fit(points: Iterable[tuple[int, float]]) -> tuple[float, float] | None:
+    """Least-squares (a, b) of y = a + b*x with a, b >= 0; None when every x is the same."""
+    points = list(points)
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    if var == 0:
+        return None
+    slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in points) / var)
+    return (max(0.0, mean_y - slope * mean_x), slope)

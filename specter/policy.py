@@ -77,7 +77,9 @@ class LookaheadState:
     """Everything the lookahead policy may use to pick the next draft depth k (measured, not assumed)."""
 
     acceptance_by_position: list[float]
-    """EMA of P(draft token i accepted | all before accepted); index 0 is the first draft token."""
+    """EMA of P(draft token i accepted | all before accepted); index 0 is the first draft token. Only the
+    positions measured so far (a prefix, possibly empty): a policy extrapolates past them itself, so that a
+    position no round has reached yet does not count as an unchanging prior."""
     draft_step_s_fit: tuple[float, float]
     """(a, b): k draft steps take a + b*k seconds."""
     verify_s_fit: tuple[float, float]
@@ -90,6 +92,9 @@ class LookaheadState:
     """The deepest draft the engine can run (scratch KV size); next_k must lie in 0..k_max."""
     model_key: str
     """Identifies model + memory budget, so a policy can remember what it learned per configuration."""
+    round_overhead_s: tuple[float, float] = (0.0, 0.0)
+    """(plain, speculative): a round's measured time outside its draft and verify (sampling, acceptance,
+    commit, plans), which deeper rounds share among more tokens."""
 
 
 @dataclass(frozen=True)

@@ -86,3 +86,40 @@ def test_an_offloaded_run_on_the_cpu_measures_the_copy_busy_fraction(tiny):
     assert stats.stall_s > 0 and stats.copy_window_s > 0
     assert 0.0 < stats.copy_busy_fraction <= 1.0 + 1e-6
     assert stats.as_dict()["copy_busy_fraction"] == round(stats.copy_busy_fraction, 4)
+
+
+def test_only_positions_some_round_reached_count_as_measured():
+    """Rounds of depth 2 measure positions 0 and 1; position 2 onwards stays unmeasured, not the initial EMA."""
+    estimates = Estimates(k_max=8)
+    assert estimates.measured_acceptance(8) == []
+    for _ in range(20):
+        estimates.observe_acceptance(k=2, accepted=2)
+    assert estimates.measured_acceptance(8) == pytest.approx([1.0, 1.0])
+    estimates.observe_acceptance(k=4, accepted=0)  # position 0 rejected: nothing after it is reached
+    assert len(estimates.measured_acceptance(8)) == 2
+    estimates.observe_acceptance(k=4, accepted=4)
+    assert len(estimates.measured_acceptance(8)) == 4
+    assert len(estimates.measured_acceptance(3)) == 3
+
+
+def test_a_governor_that_measured_shallow_rounds_tries_deeper_ones():
+    """Measured: positions 0-1 accepted 95 % of the time, transfers dominate and rows share experts (beta 0.63).
+    With the unreached positions read as the initial 0.7 the governor stayed at k = 2 (H200 reference model);
+    extrapolating the measured ones it drafts deeper, where each round's bytes serve more tokens."""
+    from policies.lookahead import Roofline
+    from specter.policy import LookaheadState
+
+    estimates = Estimates(k_max=8)
+    for index in range(40):
+        estimates.observe_acceptance(k=2, accepted=1 if index == 37 else 2)
+        estimates.observe_union(rows=3, first_row_experts=10, union_experts=20)  # beta ~ 0.63
+        estimates.observe_verify(rows=3, compute_s=0.003, new_bytes=1_000_000_000)
+        estimates.observe_draft(2, 0.001)
+
+    def state(acceptance: list[float]) -> LookaheadState:
+        return LookaheadState(acceptance_by_position=acceptance, draft_step_s_fit=(0.0, estimates.draft_step_s),
+                              verify_s_fit=estimates.verify_fit(), bandwidth_bytes_per_s=55e9,
+                              predicted_new_bytes=estimates.predicted_new_bytes(8), k_max=8, model_key="m")
+
+    assert Roofline().next_k(state(list(estimates.acceptance))) <= 3  # the old reading: stuck near the measured depth
+    assert Roofline().next_k(state(estimates.measured_acceptance(8))) >= 6
