@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def matrix(tmp_path_factory):
     """One small matrix run through the CLI: every offloaded system that the checks below need."""
     out = tmp_path_factory.mktemp("bench")
-    systems = "resident,ondemand,gate-prefetch,specmoeoff,specter,oracle"
+    systems = "resident,ondemand,gate-prefetch,specmoeoff,specter,oracle,oracle-specter"
     code = cli.main(["--systems", systems, "--max-new-tokens", "8", "--warmup-tokens", "4", "--link", "1", "--no-progress",
                      "--out", str(out)])
     return code, out, json.loads((out / "results.json").read_text())
@@ -36,7 +36,7 @@ def test_matrix_tokens_equal_baseline_for_every_system(matrix):
     code, _out, results = matrix
     assert code == 0
     systems = {row["system"] for row in results["summary"]}
-    assert systems == {"resident", "ondemand", "gate-prefetch", "specmoeoff", "specter", "oracle"}
+    assert systems == {"resident", "ondemand", "gate-prefetch", "specmoeoff", "specter", "oracle", "oracle-specter"}
     assert all(row["tokens_equal"] for row in results["summary"]), results["summary"]
     assert all(run["new_tokens"] == 8 and run["tpot_s"] > 0 for run in results["runs"])
 
@@ -66,6 +66,30 @@ def test_oracle_predicts_every_used_expert_and_gate_prefetch_some(matrix):
     assert all(run["predictor_recall"] == 1.0 for run in runs if run["system"] == "oracle")
     gate = [run["predictor_recall"] for run in runs if run["system"] == "gate-prefetch"]
     assert gate and all(0.0 <= recall <= 1.0 for recall in gate)
+
+
+def test_oracle_specter_replays_specters_rounds_with_perfect_prefetch(matrix):
+    """Same tokens and the same depth per round as the specter run of its cell, so the same rounds and
+    acceptances; every expert its verifies use was named in advance."""
+    runs = matrix[2]["runs"]
+    by_prompt = {(run["system"], run["prompt_kind"], run["prompt_index"]): run for run in runs}
+    replayed = [run for run in runs if run["system"] == "oracle-specter"]
+    assert len(replayed) == 3
+    for run in replayed:
+        source = by_prompt[("specter", run["prompt_kind"], run["prompt_index"])]
+        assert (run["rounds"], run["drafted"], run["accepted"]) == (source["rounds"], source["drafted"], source["accepted"])
+        assert run["accepted_length_histogram"] == source["accepted_length_histogram"]
+        assert run["predictor_recall"] == 1.0
+
+
+def test_oracle_specter_without_specter_is_skipped_and_says_why(tmp_path):
+    code = cli.main(["--systems", "ondemand,oracle-specter", "--max-new-tokens", "4", "--warmup-tokens", "2", "--link", "1",
+                     "--no-progress", "--no-plots", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert code == 0
+    status = {cell["system"]: cell["status"] for cell in results["cells"]}
+    assert status == {"ondemand": "ok", "oracle-specter": "skipped: needs specter earlier in the same run"}
+    assert any("oracle-specter: skipped: needs specter" in note for note in results["notes"])
 
 
 def test_specmoeoff_pays_for_its_separate_draft(matrix):

@@ -28,7 +28,8 @@ from specter.loader import resolve_dtype
 from specter.log import get_logger
 from specter.model.checkpoint import Checkpoint
 from specter.model.spec import ModelSpec
-from specter.bench.systems import SYSTEMS, BenchRuntime, Routes, Setting, System, initial_state, memory_summary, system_slots
+from specter.bench.systems import (SCHEDULE_SOURCE, SYSTEMS, BenchRuntime, Routes, Setting, System, initial_state, memory_summary,
+                                   system_slots)
 
 log = get_logger(__name__)
 
@@ -146,6 +147,8 @@ class ModelBench:
         self.baseline: dict[tuple[str, int], list[int]] = {}  # resident, k = 0
         self.offloaded_baseline: dict[tuple[str, int], list[int]] = {}  # offloaded, k = 0 (ondemand)
         self.routes: dict[tuple[int, str, int], Routes] = {}
+        self.schedules: dict[tuple[str, str, str, int], tuple[list[int], Routes]] = {}
+        """(setting, link, prompt kind, prompt index) -> the specter run's depth per round and verify routes."""
         self.dtype = resolve_dtype(EngineConfig(dtype=options.dtype), target.spec)
         self.max_context = PROMPT_TOKENS + max(options.max_new_tokens, options.warmup_tokens) + options.k_max + 8
         self.cell_seconds: list[float] = []
@@ -207,7 +210,7 @@ class ModelBench:
             # the resident run replays a graphed static step whose rounding differs from the eager offloaded path,
             # so offloaded tokens are held to this baseline and its agreement with the resident one is reported.
             await self._baseline_on(runtime)
-            for depth in sorted({self._depth(system) for system in systems if system.oracle}):
+            for depth in sorted({self._depth(system) for system in systems if system.oracle and not system.replay_schedule}):
                 await self._record_routes(runtime, depth)
             for link in self.options.links:
                 for setting in self.target.settings:
@@ -272,31 +275,42 @@ class ModelBench:
         if not Clock.fits(self.deadline, expected):
             self.cells.append(cell | {"status": "skipped: time budget"})
             return
+        if system.replay_schedule and (cell["setting"], link, self.target.warmup.kind, self.target.warmup.index) not in self.schedules:
+            self.cells.append(cell | {"status": f"skipped: needs {SCHEDULE_SOURCE} earlier in the same run"})
+            return
         started = time.monotonic()
         if slots is not None:
             await runtime.use_slots(slots)
             runtime.set_link(link)
         runtime.configure(system, self.options.k)
         start_state = initial_state(initial, slots) if initial is not None else None
-        await self._request(runtime, system, self.target.warmup, start_state, warm=True)
+        key = (cell["setting"], link)
+        await self._request(runtime, system, self.target.warmup, start_state, key, warm=True)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         for prompt in self.target.prompts:
             for repeat in range(self.options.repeats):
-                record = await self._request(runtime, system, prompt, start_state)
+                record = await self._request(runtime, system, prompt, start_state, key)
                 self.records.append(cell | record | {"repeat": repeat})
         self.cell_seconds.append(time.monotonic() - started)
         self.cells.append(cell | {"status": "ok", "seconds": round(self.cell_seconds[-1], 2)})
 
-    async def _request(self, runtime: BenchRuntime, system: System, prompt: Prompt, start_state, warm: bool = False) -> dict[str, Any]:
+    async def _request(self, runtime: BenchRuntime, system: System, prompt: Prompt, start_state, cell: tuple[str, str],
+                       warm: bool = False) -> dict[str, Any]:
         if start_state is not None:
             await runtime.cache.restore(CacheSnapshot(start_state))
             runtime.cache.stats = CacheStats([LayerStats() for _ in range(runtime.cache.num_layers)])
-        if system.oracle:
+        schedule_key = (*cell, prompt.kind, prompt.index)
+        recording = runtime.record_schedule() if system.name == SCHEDULE_SOURCE and runtime.cache is not None else None
+        if system.replay_schedule:
+            runtime.replay_schedule(*self.schedules[schedule_key])
+        elif system.oracle:
             runtime.replay_routes(self.routes[(self._depth(system), prompt.kind, prompt.index)])
         started = time.perf_counter()
         result = await runtime.complete_ids(prompt.ids, self.generation(warm))
         wall_s = time.perf_counter() - started
+        if recording is not None:
+            self.schedules[schedule_key] = (list(recording[0]), list(recording[1]))
         if warm:
             return {}
         baselines = self.offloaded_baseline if runtime.cache is not None else self.baseline

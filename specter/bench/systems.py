@@ -53,6 +53,8 @@ class System:
     oracle: bool = False
     separate_draft: bool = False
     """Pays for a separate copy of the non-expert weights and its own KV out of the expert slots."""
+    replay_schedule: bool = False
+    """An oracle that replays the depth of every round of the `specter` run just before it (same cell)."""
 
     @property
     def speculative(self) -> bool:
@@ -79,9 +81,15 @@ SYSTEMS: dict[str, System] = {
                eviction="oracle-belady", k=None, oracle=True),
         System("oracle-k0", "the oracle without speculation: target alone (k=0), exact experts prefetched before each token",
                eviction="oracle-belady", k=0, oracle=True),
+        System("oracle-specter", "the oracle at specter's own depths: each round's k and verify routes as the specter run "
+                                 "of the same cell had them (same tokens, so the same rounds), exact prefetch, Belady eviction",
+               eviction="oracle-belady", k=None, oracle=True, replay_schedule=True),
     )
 }
-DEFAULT_SYSTEMS = ("resident", "ondemand", "gate-prefetch", "specmoeoff", "specter", "specter-fixed", "oracle", "oracle-k0")
+DEFAULT_SYSTEMS = ("resident", "ondemand", "gate-prefetch", "specmoeoff", "specter", "specter-fixed", "oracle", "oracle-k0",
+                   "oracle-specter")
+SCHEDULE_SOURCE = "specter"
+"""The system whose rounds (depth and routes) `oracle-specter` replays; it must run earlier in the same cell."""
 
 
 def get_system(name: str) -> System:
@@ -165,6 +173,8 @@ class BenchRuntime(Runtime):
         self.system: System | None = None
         self.oracle_routes: Routes | None = None
         self.recorded_routes: Routes | None = None
+        self.recorded_depths: list[int] | None = None
+        self.replayed_depths: list[int] | None = None
         self._round_index = 0
         self._next_uses: list[dict[int, list[int]]] = []
         self._gate_predicted: dict[int, set[int]] = {}
@@ -188,6 +198,7 @@ class BenchRuntime(Runtime):
         self.estimates = Estimates(self.k_max)
         self.uses = UseClock(len(self.spec.moe_layers))
         self.oracle_routes, self.recorded_routes = None, None
+        self.recorded_depths, self.replayed_depths = None, None
         if isinstance(self.experts, OffloadedExperts):
             self.experts.on_routed = self._gate_prefetch if system.gate_prefetch else None
 
@@ -242,6 +253,8 @@ class BenchRuntime(Runtime):
         self.predictor_hits = self.predictor_total = 0  # score the rounds only, as window recall does
         if self.recorded_routes is not None:
             self.recorded_routes.clear()
+        if self.recorded_depths is not None:
+            self.recorded_depths.clear()
         return first
 
     @property
@@ -254,6 +267,16 @@ class BenchRuntime(Runtime):
         """From the next request on, keep each round's verify routes in the returned list."""
         self.recorded_routes = []
         return self.recorded_routes
+
+    def record_schedule(self) -> tuple[list[int], Routes]:
+        """From the next request on, keep each round's depth and verify routes in the returned lists."""
+        self.recorded_depths = []
+        return self.recorded_depths, self.record_routes()
+
+    def replay_schedule(self, depths: list[int], routes: Routes) -> None:
+        """Run round r at depth `depths[r]` and prefetch exactly `routes[r]` before it."""
+        self.replayed_depths = depths
+        self.replay_routes(routes)
 
     def replay_routes(self, routes: Routes) -> None:
         """Prefetch exactly `routes[r]` before round r (same tokens and k, so the same routes)."""
@@ -272,6 +295,9 @@ class BenchRuntime(Runtime):
 
     def _next_k(self, remaining: int) -> int:
         k = super()._next_k(remaining)
+        if self.replayed_depths is not None:  # the same clamps as the recorded run: the same rounds
+            k = max(0, min(self.replayed_depths[self._round_index] if self._round_index < len(self.replayed_depths) else 0,
+                           self.k_max, remaining - 1))
         if self.oracle_routes is not None and self.cache is not None and self._round_index < len(self.oracle_routes):
             self._prefetch_exact(self.oracle_routes[self._round_index])
         return k
@@ -291,6 +317,8 @@ class BenchRuntime(Runtime):
                 self.recorded_routes.append(used)
             if self.oracle_routes is not None and self._round_index < len(self.oracle_routes):
                 self._score(self.oracle_routes[self._round_index], used)
+        if self.recorded_depths is not None:
+            self.recorded_depths.append(k)
         super()._finish_round(k, acceptance, record, stats, draft_s, verify_s, round_s)
         self._round_index += 1
 
