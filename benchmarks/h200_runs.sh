@@ -67,8 +67,14 @@ case "$stage" in
     tail -3 "$out/logs/train.log"; tail -14 "$out/logs/gpu-tests.log"
     grep -E "PASS|FAIL|ERROR|passed|failed" "$out/logs/property.log" | tail -20 ;;
   reference-full) # the whole matrix on the trained reference model (after validate or reference): three links, 128 tokens, hf-accelerate
-    timeout 290 python -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4,ddr4-desktop \
-      --max-new-tokens 128 --time-budget 240 --no-progress --out "$out/reference" 2>&1 | tail -40 ;;
-  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full)" >&2; exit 2 ;;
+    timeout 400 python -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4,ddr4-desktop \
+      --max-new-tokens 128 --time-budget 360 --no-progress --out "$out/reference" 2>&1 | tail -50 ;;
+  retest)         # the GPU tests changed since validate, each alone (no training beside them)
+    timeout 60 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_graphed.py -k "garbage" tests/test_gpu_transfer.py -k "garbage or emulation" 2>&1 | tail -3
+    SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 100 python -m pytest -q tests/test_speculative.py -p no:cacheprovider 2>&1 | tail -3 ;;
+  train)          # the reference model alone
+    timeout 170 python benchmarks/reference_model.py --out /tmp/reference --minutes 2 2>&1 | tail -3
+    cp /tmp/reference/reference.json "$out/" 2>/dev/null ;;
+  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train)" >&2; exit 2 ;;
 esac
 done
