@@ -190,3 +190,18 @@ def test_the_machine_record_names_the_sources_that_ran():
     info = report.machine(["--no-plots"])
     assert len(info["source_digest"]) == 16 and info["source_digest"] == report.source_digest()
     assert info["git_commit"] is None or len(info["git_commit"]) >= 40
+
+
+def test_hf_baseline_says_when_the_time_budget_cut_its_prompts(monkeypatch):
+    """A setting whose prompts the deadline cut short is named in a note, not dropped in silence."""
+    from types import SimpleNamespace
+
+    from specter.bench import hf_baseline
+
+    monkeypatch.setattr(hf_baseline, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(hf_baseline, "_run_setting", lambda target, bench, options, setting: [{"setting": setting.label}])
+    monkeypatch.setattr(hf_baseline.torch.cuda, "empty_cache", lambda: None)
+    target = SimpleNamespace(label="m", settings=[Setting(residents=4), Setting(residents=2)], prompts=["a", "b", "c"])
+    records, note = hf_baseline.run_hf(target, SimpleNamespace(deadline=None), SimpleNamespace(max_new_tokens=8))
+    assert records == [{"setting": "residents=4"}]
+    assert note == "m residents=4: hf-accelerate ran 1 of 3 prompts: time budget"

@@ -45,11 +45,14 @@ def run_hf(target, bench, options) -> tuple[list[dict[str, Any]], str | None]:
         if bench.deadline is not None and time.monotonic() > bench.deadline:
             return records, f"{target.label} {setting.label}: {SYSTEM} skipped: time budget"
         try:
-            records += _run_setting(target, bench, options, setting)
+            ran = _run_setting(target, bench, options, setting)
         except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError) as error:  # accelerate's refusals are plain errors
             return records, f"{target.label} {setting.label}: {SYSTEM} failed: {error}"
         finally:
             torch.cuda.empty_cache()
+        records += ran
+        if len(ran) < len(target.prompts):  # the deadline passed between prompts
+            return records, f"{target.label} {setting.label}: {SYSTEM} ran {len(ran)} of {len(target.prompts)} prompts: time budget"
     return records, None
 
 
