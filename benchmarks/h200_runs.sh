@@ -4,8 +4,10 @@
 #   run(command="bash benchmarks/h200_runs.sh gpu-tests", carry=[".whl"])
 # Every stage writes under $OUT and prints a short table last. Several stages run in order in one call:
 #   bash benchmarks/h200_runs.sh fixes profile reference-core memory
-# Open measurements (2026-11-30): gpu-tests (the CUDA property tests verbose), reference-core (the governor's
-# byte model), paper at full depth and 128 tokens with the DDR4 link and hf-accelerate, micro (tile sweep).
+# Done 2026-11-30: validate (gpu tests + CUDA property tests), the reference model's full matrix.
+# Open measurements: the paper shapes with the new governor and oracle-specter at Gen5, Gen4 and DDR4
+# (paper, then paper-eager if time), the issue-4 Qwen-shape figures (15 and 8 residents), micro (tile sweep).
+# Write everything straight under $OUT (a command killed at its limit returns only what is already there).
 set -u
 source benchmarks/h200_setup.sh
 export PYTHONUNBUFFERED=1
