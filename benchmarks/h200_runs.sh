@@ -6,7 +6,7 @@
 #   bash benchmarks/h200_runs.sh fixes profile reference-core memory
 # Done 2026-11-30: validate (gpu tests + CUDA property tests), the reference model's full matrix.
 # Open measurements: the paper shapes with the new governor and oracle-specter at Gen5, Gen4 and DDR4
-# (paper, then paper-eager if time), the issue-4 Qwen-shape figures (15 and 8 residents), micro (tile sweep).
+# (paper-qwen, paper-deepseek, paper-phi: one call each, then --merge), the issue-4 Qwen-shape figures (15 and 8 residents), micro (tile sweep).
 # Write everything straight under $OUT (a command killed at its limit returns only what is already there).
 set -u
 source benchmarks/h200_setup.sh
@@ -71,12 +71,18 @@ case "$stage" in
   reference-full) # the whole matrix on the trained reference model (after validate or reference): three links, 128 tokens, hf-accelerate
     timeout 400 python -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4,ddr4-desktop \
       --max-new-tokens 128 --time-budget 360 --no-progress --out "$out/reference" 2>&1 | tail -50 ;;
+  paper-qwen|paper-deepseek|paper-phi)  # one paper shape per call (8 layers, three links), written straight under $OUT;
+    # merge here afterwards: python -m specter.bench --merge DIR --merge DIR --merge DIR --out benchmarks/results/...
+    case "$stage" in paper-qwen) shape=qwen1.5-moe-a2.7b ;; paper-deepseek) shape=deepseek-v2-lite ;; *) shape=phi-3.5-moe ;; esac
+    timeout 570 python -m specter.bench --model "$shape" --preset paper --layers 8 --link native,gen4,ddr4-desktop \
+      --max-new-tokens 64 --systems resident,ondemand,specmoeoff,specter,oracle-specter --time-budget 530 --no-progress \
+      --no-plots --out "$out/$stage" 2>&1 | tail -35 ;;
   retest)         # the GPU tests changed since validate, each alone (no training beside them)
     timeout 60 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_graphed.py -k "garbage" tests/test_gpu_transfer.py -k "garbage or emulation" 2>&1 | tail -3
     SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 100 python -m pytest -q tests/test_speculative.py -p no:cacheprovider 2>&1 | tail -3 ;;
   train)          # the reference model alone
     timeout 170 python benchmarks/reference_model.py --out /tmp/reference --minutes 2 2>&1 | tail -3
     cp /tmp/reference/reference.json "$out/" 2>/dev/null ;;
-  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train)" >&2; exit 2 ;;
+  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train|paper-qwen|paper-deepseek|paper-phi)" >&2; exit 2 ;;
 esac
 done

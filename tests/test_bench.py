@@ -205,3 +205,24 @@ def test_hf_baseline_says_when_the_time_budget_cut_its_prompts(monkeypatch):
     records, note = hf_baseline.run_hf(target, SimpleNamespace(deadline=None), SimpleNamespace(max_new_tokens=8))
     assert records == [{"setting": "residents=4"}]
     assert note == "m residents=4: hf-accelerate ran 1 of 3 prompts: time budget"
+
+
+def test_merge_combines_disjoint_runs_and_refuses_overlaps(tmp_path, capsys):
+    """A matrix run in parts (one GPU call per model) merges into one table; a cell in two parts is refused."""
+    parts = []
+    for index, link in enumerate(("1", "2")):
+        out = tmp_path / f"part{index}"
+        assert cli.main(["--systems", "ondemand", "--max-new-tokens", "4", "--warmup-tokens", "2", "--link", link,
+                         "--no-progress", "--no-plots", "--out", str(out)]) == 0
+        parts.append(out)
+    merged = tmp_path / "merged"
+    assert cli.main(["--merge", str(parts[0]), "--merge", str(parts[1]), "--no-plots", "--out", str(merged)]) == 0
+    results = json.loads((merged / "results.json").read_text())
+    assert {(row["link"], row["system"]) for row in results["summary"]} == {("1", "ondemand"), ("2", "ondemand")}
+    assert len(results["runs"]) == 6 and [part["directory"] for part in results["merged_from"]] == [str(p) for p in parts]
+    assert "| model | setting | link | system |" in (merged / "results.md").read_text()
+    assert cli.main(["--merge", str(parts[0]), "--merge", str(parts[0]), "--no-plots", "--out", str(tmp_path / "bad")]) == 2
+    assert "is in both" in capsys.readouterr().err
+    assert cli.main(["--merge", str(tmp_path / "missing"), "--out", str(tmp_path / "bad2")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad2").exists()

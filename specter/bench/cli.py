@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers + accelerate baseline")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--merge", type=Path, action="append", default=None, metavar="DIR",
+                        help="run nothing: merge the results.json of these bench outputs (repeatable, disjoint cells) into --out")
     verify = parser.add_mutually_exclusive_group()
     verify.add_argument("--static-verify", dest="static_verify", action="store_const", const=True, default=None,
                         help="offloaded verify through the segmented static step (EngineConfig.static_verify; default on CUDA)")
@@ -151,6 +153,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.merge:
+        payload = report.merge(args.merge)
+        write_outputs(args.out, payload, plots=not args.no_plots)
+        print("\n".join(report.table_lines(payload["summary"], report.SHORT_COLUMNS)))
+        print(f"\nmerged {len(args.merge)} result sets ({len(payload['runs'])} requests) into {args.out}/")
+        return 0
     started = time.monotonic()
     targets, notes = targets_from_args(args)
     options = options_from_args(args)

@@ -147,6 +147,51 @@ def _add_speedups(rows: list[dict]) -> None:
             row[f"x_{baseline}"] = round(other["tpot_ms"] / row["tpot_ms"], 3) if ok else None
 
 
+# ---- merging ----------------------------------------------------------------------------------------------
+
+def merge(directories: Sequence[Path]) -> dict[str, Any]:
+    """One payload from several bench outputs (each a directory with results.json), for a matrix that had
+    to run in parts (one GPU call per model, say). Their cells must not overlap: a row pools its runs, and
+    runs of different sessions are not one measurement. Speedups are recomputed within each model, setting
+    and link, so they still compare systems of the same run when each part holds whole cells."""
+    from specter.errors import ConfigError
+
+    if not directories:
+        raise ConfigError("--merge needs at least one results directory")
+    payloads, owner = [], {}
+    for index, directory in enumerate(directories):
+        path = Path(directory) / "results.json"
+        try:
+            payload = json.loads(path.read_text())
+            runs = payload["runs"]
+        except FileNotFoundError:
+            raise ConfigError(f"--merge: {path} does not exist; pass directories written by python -m specter.bench") from None
+        except (ValueError, KeyError, TypeError) as error:
+            raise ConfigError(f"--merge: {path} is not a bench results file ({error})") from None
+        for run in runs:
+            key = (run["model"], run["setting"], run["link"], run["system"])
+            if owner.setdefault(key, index) != index:
+                raise ConfigError(f"--merge: cell {' '.join(key)} is in both {directories[owner[key]]} and {directory}; "
+                                  "merge runs of disjoint cells")
+        payloads.append(payload)
+    runs = [run for payload in payloads for run in payload["runs"]]
+    parts = [{"directory": str(d), "date": p["machine"].get("date"), "command": p["machine"].get("command"),
+              "git_commit": p["machine"].get("git_commit"), "source_digest": p["machine"].get("source_digest"),
+              "max_new_tokens": p["options"].get("max_new_tokens")} for d, p in zip(directories, payloads)]
+    machine = dict(payloads[0]["machine"])
+    machine["command"] = " && ".join(str(part["command"]) for part in parts)
+    notes = [note for payload in payloads for note in payload.get("notes", [])]
+    if len({part["max_new_tokens"] for part in parts}) > 1:
+        notes.append(f"merged parts differ in new tokens per request: {[part['max_new_tokens'] for part in parts]}")
+    if len({part["source_digest"] for part in parts}) > 1:
+        notes.append("merged parts ran different engine sources (see merged_from)")
+    return {"machine": machine, "options": payloads[0]["options"], "args": payloads[0].get("args", {}),
+            "models": [model for payload in payloads for model in payload.get("models", [])],
+            "cells": [cell for payload in payloads for cell in payload.get("cells", [])], "summary": summarize(runs),
+            "runs": runs, "notes": notes, "elapsed_s": round(sum(p.get("elapsed_s", 0.0) for p in payloads), 1),
+            "merged_from": parts}
+
+
 # ---- writing ----------------------------------------------------------------------------------------------
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
