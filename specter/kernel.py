@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import Backend, Event, Stream
 from specter.errors import ConfigError
-from specter.log import get_logger
+from specter.log import debug_enabled, get_logger
 
 log = get_logger(__name__)
 
@@ -244,7 +244,8 @@ async def stage(name: str, *, counters: StageCounters | None = None, **fields: A
 
     Host-side wall time: a stage that launches GPU work without awaiting it ends before the work does.
     """
-    log.debug("stage.start", stage=name, **fields)
+    if debug_enabled():
+        log.debug("stage.start", stage=name, **fields)
     started = time.perf_counter()
     outcome = "ok"
     try:
@@ -257,6 +258,7 @@ async def stage(name: str, *, counters: StageCounters | None = None, **fields: A
         raise
     finally:
         seconds = time.perf_counter() - started
-        log.debug("stage.end", stage=name, duration_s=seconds, outcome=outcome, **fields)
+        if debug_enabled():
+            log.debug("stage.end", stage=name, duration_s=seconds, outcome=outcome, **fields)
         if counters is not None:
             counters.add(name, seconds, outcome)

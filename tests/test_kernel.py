@@ -162,3 +162,28 @@ def test_stage_counts_outcomes_and_lets_cancellation_through():
 async def slow_stage(counters: StageCounters) -> None:
     async with stage("transfer", counters=counters):
         await asyncio.sleep(1.0)
+
+
+def test_stage_events_are_logged_only_when_debug_is_on():
+    """Hot paths check `debug_enabled()` before logging; with DEBUG on the events still arrive."""
+    from structlog.testing import capture_logs
+
+    from specter import log
+
+    async def one_stage() -> None:
+        async with stage("verify", rows=3):
+            await asyncio.sleep(0)
+
+    log.configure(level="DEBUG")
+    try:
+        assert log.debug_enabled()
+        with capture_logs() as events:
+            asyncio.run(one_stage())
+        assert [(e["event"], e["stage"], e["rows"]) for e in events] == [("stage.start", "verify", 3), ("stage.end", "verify", 3)]
+        assert events[1]["outcome"] == "ok" and events[1]["duration_s"] >= 0
+    finally:
+        log.configure()
+    assert not log.debug_enabled()
+    with capture_logs() as events:
+        asyncio.run(one_stage())
+    assert events == []

@@ -32,7 +32,7 @@ from specter.errors import BudgetError, PluginError
 from specter.experts.pool import ExpertPool
 from specter.experts.transfer import Transfer, TransferEngine
 from specter.kernel import Kernel
-from specter.log import get_logger
+from specter.log import debug_enabled, get_logger
 
 log = get_logger(__name__)
 
@@ -382,7 +382,8 @@ class ExpertCache:
         slot = self._residents[layer].pop(expert)
         self.stats.layers[layer].evictions += 1
         self._write_table(layer, expert, -1)
-        log.debug("expert.evict", layer=layer, expert=expert, slot=slot.index)
+        if debug_enabled():
+            log.debug("expert.evict", layer=layer, expert=expert, slot=slot.index)
         self._release(slot)
         return slot
 
@@ -408,7 +409,8 @@ class ExpertCache:
         slot.loading = asyncio.get_running_loop().create_task(self._complete_load(slot, slot.generation, slot.transfer))
         self._loads.add(slot.loading)
         slot.loading.add_done_callback(self._loads.discard)
-        log.debug("expert.load", layer=layer, expert=expert, slot=slot.index, urgent=urgent)
+        if debug_enabled():
+            log.debug("expert.load", layer=layer, expert=expert, slot=slot.index, urgent=urgent)
 
     async def _complete_load(self, slot: Slot, generation: int, transfer: Transfer) -> None:
         """Owned by the cache, not by any reader: the copy's outcome is recorded even if readers left."""

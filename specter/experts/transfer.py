@@ -19,7 +19,7 @@ import torch
 from backends.base import Backend, Event
 from specter.errors import ConfigError
 from specter.kernel import Kernel
-from specter.log import get_logger
+from specter.log import debug_enabled, get_logger
 
 log = get_logger(__name__)
 
@@ -370,7 +370,8 @@ class TransferEngine:
         if transfer._after_copy is not None:
             self.backend.launch(self.stream, transfer._after_copy)
         transfer._ready.set_result(self.backend.record_event(self.stream))
-        log.debug("transfer.issued", tag=transfer.tag, nbytes=transfer.nbytes, urgent=transfer.urgent)
+        if debug_enabled():
+            log.debug("transfer.issued", tag=transfer.tag, nbytes=transfer.nbytes, urgent=transfer.urgent)
 
     def _retire_completed(self) -> None:
         while self._in_flight and self._in_flight[0].end.query():
