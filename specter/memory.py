@@ -30,12 +30,14 @@ def on_cuda(config: EngineConfig) -> bool:
 
 
 def workspace_bytes(spec: ModelSpec, config: EngineConfig) -> int:
-    """Activations of one row block through the widest layer, fp32 logits of a verify block, and slack."""
+    """Activations of one row block through the widest layer, fp32 logits of a verify block, the segmented
+    verify's expert outputs staged by expert id, and slack."""
     rows = max(config.row_bucket, config.draft.k_max + 1)
     widest = max(spec.expert_intermediate * 2, spec.dense_intermediate * 2, spec.shared_intermediate * 2, 4 * spec.hidden_size)
     per_row = 4 * (spec.vocab_size + 8 * spec.hidden_size + 4 * widest)
     scores = 3 * 4 * spec.num_heads * rows * config.max_context  # the static step's whole-cache attention scores
-    return ALLOCATOR_SLACK_BYTES + 4 * rows * per_row + scores + (CUDA_LIBRARY_BYTES if on_cuda(config) else 0)
+    staged = 4 * spec.num_experts * rows * spec.hidden_size  # SegmentedStep's [E, R, D] (float32 at most)
+    return ALLOCATOR_SLACK_BYTES + 4 * rows * per_row + scores + staged + (CUDA_LIBRARY_BYTES if on_cuda(config) else 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -143,12 +143,9 @@ async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: Ex
     record.first_row.setdefault(layer, len(set(chosen[0])))
     if on_routed is not None:
         on_routed(layer, step.normed[:count], needed)
-    outputs: dict[int, Tensor] = {}
-
     def compute(expert: int, packed: Tensor) -> None:
-        outputs[expert] = step.expert_output(expert, packed)
+        step.expert_output(expert, packed)  # staged by expert id; the next segment sums them
 
     counted = record.used.get(layer, [])
     order = await compute_hot_first(cache, kernel, cache_layer, needed, compute, record, counted=counted)
     record.used[layer] = counted + [e for e in order if e not in counted]
-    step.set_routed(outputs)

@@ -499,6 +499,7 @@ tl: Any = None  # triton.language, bound by _resident_kernels(); the kernel bodi
 class _ResidentKernels:
     gemm: Any
     combine: Any
+    routed_sum: Any
 
 
 @functools.cache
@@ -509,7 +510,7 @@ def _resident_kernels() -> _ResidentKernels:
     import triton.language
 
     tl = triton.language
-    return _ResidentKernels(triton.jit(resident_gemm_kernel), triton.jit(resident_combine_kernel))
+    return _ResidentKernels(triton.jit(resident_gemm_kernel), triton.jit(resident_combine_kernel), triton.jit(routed_sum_kernel))
 
 
 def resident_gemm_kernel(a_ptr, stride_a, w_ptr, stride_we, w_offset, out_ptr, stride_out,
@@ -578,3 +579,48 @@ def resident_combine_kernel(pair_out_ptr, token_slots_ptr, out_ptr, hidden, ACTI
         part = tl.load(pair_out_ptr + slot * hidden + cols, mask=col_ok, other=0.0)
         total = (total.to(tl.float32) + part.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + token * hidden + cols, total, mask=col_ok)
+
+
+def launch_routed_sum(staged: Tensor, ids: Tensor, out: Tensor) -> None:
+    """segmented.routed_sum in one launch: a program per (row, 256 columns)."""
+    assert staged.is_cuda or moe_triton.interpreting(), "the Triton routed sum needs CUDA tensors (or TRITON_INTERPRET=1)"
+    assert staged.is_contiguous() and ids.is_contiguous() and out.is_contiguous(), "routed_sum needs contiguous buffers"
+    rows, active = ids.shape
+    hidden = out.shape[1]
+    block_d = 256
+    _resident_kernels().routed_sum[(rows, moe_triton.triton_cdiv(hidden, block_d))](
+        staged, ids, out, rows, hidden, ACTIVE=active, ACTIVE_POW2=1 << max(0, (active - 1).bit_length()), BLOCK_D=block_d,
+        BF16=out.dtype == torch.bfloat16)
+
+
+def routed_sum_kernel(staged_ptr, ids_ptr, out_ptr, rows, hidden, ACTIVE: tl.constexpr, ACTIVE_POW2: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BF16: tl.constexpr):
+    """out[row] = 0 + the row's staged expert outputs in ascending expert id, each add rounded to out's dtype.
+
+    The running total is kept in float32 holding a value of out's dtype. bfloat16 rounds to nearest even by
+    hand (as torch does): Triton's interpreter truncates float32 -> bfloat16, which would hide a mismatch.
+    """
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < hidden
+    slots = tl.arange(0, ACTIVE_POW2)
+    never = 1 << 62
+    ids = tl.load(ids_ptr + row * ACTIVE + slots, mask=slots < ACTIVE, other=never).to(tl.int64)
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    previous = tl.min(ids, axis=0) - 1
+    for _ in tl.static_range(ACTIVE):
+        expert = tl.min(tl.where(ids > previous, ids, never), axis=0)  # the next id up
+        found = expert != never  # not so only where a row repeats an id (the zeroed buffers a capture warms up on)
+        safe = tl.where(found, expert, 0)
+        value = tl.load(staged_ptr + (safe * rows + row) * hidden + cols, mask=col_ok, other=0.0)  # used only if found
+        exact = total + value.to(tl.float32)
+        if BF16:
+            bits = exact.to(tl.uint32, bitcast=True)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            rounded = tl.where(exact != exact, exact, bits.to(tl.float32, bitcast=True))
+        else:
+            rounded = exact.to(dtype).to(tl.float32)
+        total = tl.where(found, rounded, total)
+        previous = tl.where(found, expert, previous)
+    tl.store(out_ptr + row * hidden + cols, total.to(dtype), mask=col_ok)

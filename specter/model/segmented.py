@@ -5,12 +5,14 @@ Shape legend as in transformer.py and graphed.py: R the step's fixed row count, 
 The step is a chain of segments over static buffers. Segment j (j = 0..M-1, M MoE layers) finishes the
 previous MoE layer (residual + routed [+ shared]), runs the dense layers before MoE layer j and that
 layer's attention, post-attention norm, router and shared expert. The caller then reads the router ids
-on the host, computes the routed experts it has (`expert_output`, one expert at a time, in any order)
-and hands them back (`set_routed`), which sums them in ascending expert id. The last segment finishes the
-last MoE layer, runs the trailing dense layers, the final norm and the LM head.
+on the host and computes every expert some row chose (`expert_output`, one expert at a time, in any
+order, each into its place in a staging buffer indexed by expert id); the next segment begins by summing
+each row's chosen experts in ascending expert id (`routed_sum`: one Triton kernel on CUDA, inside that
+segment's graph). The last segment finishes the last MoE layer, runs the trailing dense layers, the final
+norm and the LM head.
 
 Why it is exact: every segment calls StaticStep's own pieces on the same inputs in the same order, and
-`expert_output` + `set_routed` do, per expert, what ResidentMoE does for it ("dense": the eager
+`expert_output` + `routed_sum` do, per expert, what ResidentMoE does for it ("dense": the eager
 `expert_mlp` on all R rows; "triton": the resident Triton kernel on all R rows with that expert alone),
 skipping experts no row chose, which leave ResidentMoE's sum untouched. Logits are therefore bit-identical
 to StaticStep + ResidentMoE with the same kernel (GraphedTarget), row for row (graphed.py principle 4).
@@ -22,7 +24,7 @@ expert id a device scalar), since which experts run, and from which slots, chang
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -47,14 +49,14 @@ Tensor = torch.Tensor
 
 
 def _no_static_moe(layer: int, h: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-    raise AssertionError("a SegmentedStep computes routed experts through expert_output/set_routed, never in a segment")
+    raise AssertionError("a SegmentedStep computes routed experts through expert_output and routed_sum, never in a segment")
 
 
 class SegmentedStep:
     """An R-row static step bound to one KV cache, run segment by segment (see the module docstring).
 
     Per chunk of <= R tokens: `load`, then for each MoE layer j: `run_segment(j)`, read `ids` (the one
-    host read), `expert_output` for each chosen expert, `set_routed(j, outputs)`; finally
+    host read), `expert_output` for every expert some row chose (the next segment sums them); finally
     `run_segment(len(moe_layers))` and read `logits`. Buffers are valid until the next `load`.
     """
 
@@ -85,7 +87,8 @@ class SegmentedStep:
         self.ids = torch.zeros(rows, spec.top_k, dtype=torch.long, device=device)  # [R, A] what the host reads
         self.weights = torch.zeros(rows, spec.top_k, dtype=dtype, device=device)  # [R, A]
         self.shared = torch.zeros_like(self.residual) if spec.shared_intermediate else None  # [R, D]
-        self.routed = torch.zeros_like(self.residual)  # [R, D] written by set_routed
+        self.routed = torch.zeros_like(self.residual)  # [R, D] written by routed_sum
+        self._staged = torch.zeros(spec.num_experts, rows, spec.hidden_size, dtype=dtype, device=device)  # [E, R, D] by expert id
         self.logits = torch.zeros(rows, spec.vocab_size, dtype=torch.float32, device=device)  # [R, V] output
         self._pad_index = pad_indices(rows, device)
         self._no_weight = torch.zeros_like(self.weights)
@@ -148,25 +151,29 @@ class SegmentedStep:
             self.shared.copy_(model.shared_expert(layer, h))
 
     def _finish_moe_layer(self) -> Tensor:
-        """StaticStep's `x + (routed + shared)`, with routed from set_routed."""
+        """StaticStep's `x + (routed + shared)`; routed sums the experts `expert_output` staged (inside the
+        next segment, so on CUDA its graph replay does it: no launch of its own)."""
+        routed_sum(self._staged, self.ids, self.routed, triton=self.kernel == "triton")
         routed = self.routed if self.shared is None else self.routed + self.shared
         return self.residual + routed
 
     # ---- routed experts, between segments -----------------------------------------------------------
     def expert_output(self, expert: int, packed: Tensor) -> Tensor:
         """Expert `expert` (packed weights [N] on the device) on all R rows, times each row's routing weight
-        (zero where the row did not choose it): [R, D]. ResidentMoE's per-expert arithmetic, bit for bit.
+        (zero where the row did not choose it), staged for the next segment's sum; returns the staged [R, D] view.
+        ResidentMoE's per-expert arithmetic, bit for bit.
 
         With graphs, one small CUDA graph per weight buffer (an expert-cache slot, captured by
         `prepare_experts` at start-up or on first use) runs it: the expert id goes in as a device scalar, so a
         replay and a copy of its output replace the eager path's dozen launches.
         """
+        staged = self._staged[expert]
         if not self.use_graph:
-            return self._expert_compute(expert, packed)
+            return staged.copy_(self._expert_compute(expert, packed))
         graph, out = self._expert_graphs.get(packed.data_ptr()) or self._capture_expert(packed)
         self._expert_id.fill_(expert)
         graph.replay()
-        return out.clone()  # the slot may serve another expert of this layer before set_routed
+        return staged.copy_(out)  # the slot may serve another expert of this layer before the sum
 
     def reset_experts(self) -> None:
         """Drop every expert graph (the cache's slots were reallocated); their outputs go with them."""
@@ -202,14 +209,6 @@ class SegmentedStep:
                                        spec.expert_intermediate, self.config)
         return self.model.expert_mlp(self.normed, packed) * weight
 
-    def set_routed(self, outputs: Mapping[int, Tensor]) -> None:
-        """Sum expert_output results per row in ascending expert id, adding only where the row chose the expert."""
-        out = torch.zeros_like(self.routed)  # [R, D]
-        for expert in sorted(outputs):
-            chosen = (self.ids == expert).any(dim=-1, keepdim=True)  # [R, 1]
-            out = torch.where(chosen, out + outputs[expert], out)
-        self.routed.copy_(out)
-
     # ---- graph capture ----------------------------------------------------------------------------
     def prepare(self) -> None:
         """Capture the segment graphs now (start-up). Nothing to do without graphs.
@@ -240,3 +239,25 @@ class SegmentedStep:
                   for index in range(len(self.moe_layers) + 1)]
         self._graphs = graphs
         log.debug("graph.segments_captured", rows=self.rows, segments=len(graphs))
+
+
+def routed_sum(staged: Tensor, ids: Tensor, out: Tensor, *, triton: bool = False) -> None:
+    """out[r] = 0 + staged[e_1, r] + ... + staged[e_A, r] over row r's experts ids[r] in ascending id, each
+    add in out's dtype. staged: [E, R, D]; ids: [R, A] (distinct per row); out: [R, D], written in place.
+
+    triton: one launch (CUDA, or CPU tensors under TRITON_INTERPRET=1); else 1 + 2A torch ops. Both round
+    like torch's own `a + b` in the dtype, so they agree bit for bit (tests/test_segmented.py).
+    """
+    rows, active = ids.shape
+    if triton:
+        from specter.model.graphed import launch_routed_sum
+
+        launch_routed_sum(staged, ids, out)
+        return
+    order = torch.sort(ids, dim=-1).values  # [R, A]
+    row = torch.arange(rows, device=ids.device)
+    total = torch.zeros_like(out)
+    for slot in range(active):
+        total = total + staged[order[:, slot], row]
+    out.copy_(total)
+
