@@ -5,8 +5,10 @@
 # Every stage writes under $OUT and prints a short table last. Several stages run in order in one call:
 #   bash benchmarks/h200_runs.sh fixes profile reference-core memory
 # Done 2026-11-30: validate (gpu tests + CUDA property tests), the reference model's full matrix.
-# Open measurements: the paper shapes with the new governor and oracle-specter at Gen5, Gen4 and DDR4
-# (paper-qwen, paper-deepseek, paper-phi: one call each, then --merge), the issue-4 Qwen-shape figures (15 and 8 residents), micro (tile sweep).
+# Next, in this order: `fixes profile` in one call (the routed sum now runs inside the segment graphs: the
+# segmented bit-identity tests first; prediction: profile TPOT 19.5 -> about 17 ms); then the paper shapes
+# with the new governor and oracle-specter at Gen5, Gen4 and DDR4 (paper-qwen, paper-deepseek, paper-phi:
+# one call each, then --merge), which also give the issue-4 Qwen-shape figures (15 and 8 residents); micro (tile sweep).
 # Write everything straight under $OUT (a command killed at its limit returns only what is already there).
 set -u
 source benchmarks/h200_setup.sh
