@@ -100,10 +100,10 @@ class Runtime:
         self.estimates = Estimates(self.k_max)
         self.trace: TraceWriter | None = None
         self.stages = StageCounters()  # per-stage counts and host wall time (draft, verify), see specter.kernel.stage
-        self._counts_host: list[Tensor] = []
+        self._counts_host: list[Tensor] = []  # pinned snapshots of the draft's route counters, one per checkpoint (CUDA)
         self._generator: torch.Generator | None = None  # rejection sampling, re-seeded every round
         self._closed = False
-        self._round_bytes_at_start = 0  # pinned snapshots of the draft's route counters, one per checkpoint (CUDA)
+        self._round_bytes_at_start = 0  # H2D bytes loaded before this round (the round's bytes for the estimates)
         self._lock = asyncio.Lock()
 
     # ---- loading ------------------------------------------------------------------------------

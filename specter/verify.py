@@ -71,7 +71,8 @@ async def compute_hot_first(cache: ExpertCache, kernel: Kernel, cache_layer: int
         cache.mark_used(cache_layer, expert, backend.record_event(backend.compute_stream))
         order.append(expert)
         waited = time.perf_counter()
-    new = [e for e in needed if e not in set(counted)]
+    already = set(counted)
+    new = [e for e in needed if e not in already]
     prefetched = sum(1 for e in new if e in mapped)
     record.hits += prefetched
     record.misses += len(new) - prefetched

@@ -11,7 +11,6 @@ import pytest
 
 import specter
 from specter import Engine, EngineConfig, GenerationConfig, SyncEngine
-from specter.builtin import builtin_path
 from specter.decode import greedy_decode, run_sync
 from specter.errors import RequestCancelled
 from specter.kernel import run
@@ -19,11 +18,6 @@ from specter.loader import load_resident
 
 OFFLOADED = EngineConfig(device="cpu", residents=2)  # 2 of 16 experts per layer on the "device", speculation on
 PROMPT = [5, 17, 300, 42]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return builtin_path("tiny")
 
 
 @pytest.fixture(scope="module")

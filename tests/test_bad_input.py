@@ -7,7 +7,6 @@ import torch
 
 from policies.eviction import LRU
 from specter import Engine, EngineConfig, GenerationConfig, plugins
-from specter.builtin import builtin_path
 from specter.decode import greedy_decode, run_sync
 from specter.engine import CheckpointWeights
 from specter.errors import BudgetError, ConfigError, PluginError, PromptError
@@ -18,11 +17,6 @@ from specter.model.checkpoint import Checkpoint
 
 OFFLOADED = EngineConfig(device="cpu", residents=2, max_context=64)
 PROMPT = [5, 17, 300, 42]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return builtin_path("tiny")
 
 
 @pytest.fixture(scope="module")

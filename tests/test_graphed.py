@@ -6,11 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,8 +21,8 @@ from specter.model.transformer import Transformer
 from specter.quant.moe_triton import triton_available
 from specter.sampling import SamplingParams, sample
 from tests.hf_models import FAMILIES, hf_model, save_hf
+from tests.interpreter import run_interpreted
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [1, 2, 3, 4, 5, 6]
 DTYPES = ["float32", "bfloat16"]
 
@@ -248,11 +244,7 @@ INTERPRETER_CASES = [
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_triton_resident_moe_in_the_interpreter_is_accurate_and_batch_invariant():
     cases = [dict(case, seed=index) for index, case in enumerate(INTERPRETER_CASES)]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
-    completed = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT, json.dumps(cases)], env=env, capture_output=True,
-                               text=True, timeout=120, check=False)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    results = json.loads(completed.stdout.strip().splitlines()[-1])
+    results = run_interpreted(INTERPRETER_SCRIPT, json.dumps(cases))
     for case, (error, invariant) in zip(cases, results):
         assert error < (2e-3 if case["dtype"] == "float16" else 1e-5), (case, error)
         assert invariant, f"rows of one call differ from one-row calls: {case}"
@@ -287,9 +279,5 @@ DECODE_SCRIPT = textwrap.dedent(
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_triton_resident_moe_decodes_like_the_eager_path_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
-    completed = subprocess.run([sys.executable, "-c", DECODE_SCRIPT], env=env, capture_output=True, text=True, timeout=120,
-                               check=False, cwd=REPO_ROOT)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    for same_tokens, gap in json.loads(completed.stdout.strip().splitlines()[-1]):
+    for same_tokens, gap in run_interpreted(DECODE_SCRIPT):
         assert same_tokens and gap < 1e-5

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +13,7 @@ from hypothesis import strategies as st
 from specter.errors import ConfigError
 from specter.quant import QuantizedExperts, fused_moe, moe_forward, moe_reference, quantize_experts
 from specter.quant.moe_triton import triton_available
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreter import run_interpreted
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -159,12 +154,6 @@ INTERPRETER_CASES = [
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_triton_kernel_matches_torch_path_in_the_interpreter() -> None:
     cases = [dict(case, seed=index) for index, case in enumerate(INTERPRETER_CASES)]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
-    completed = subprocess.run(
-        [sys.executable, "-c", INTERPRETER_SCRIPT, json.dumps(cases)],
-        env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    errors = json.loads(completed.stdout.strip().splitlines()[-1])
+    errors = run_interpreted(INTERPRETER_SCRIPT, json.dumps(cases))
     for case, error in zip(cases, errors):
         assert error < (2e-3 if case["dtype"] == "float16" else 1e-5), (case, error)

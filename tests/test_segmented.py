@@ -6,12 +6,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from collections.abc import Sequence, Set
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +24,8 @@ from specter.model.segmented import SegmentedStep
 from specter.quant.moe_triton import triton_available
 from specter.verify import OffloadedExperts, VerifyRecord, verify_segmented
 from tests.hf_models import FAMILIES, hf_model, save_hf
+from tests.interpreter import run_interpreted
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [1, 2, 3, 4, 5, 6]
 SLOTS = [2, 4, 6]  # the tiny models have 6 experts, top-2
 BLOCKS = [1, 3, 16]
@@ -265,11 +261,7 @@ TRITON_SCRIPT = textwrap.dedent(
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_the_triton_expert_compute_matches_the_resident_triton_step_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
-    completed = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=120,
-                               check=False, cwd=REPO_ROOT)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    for identical, gap in json.loads(completed.stdout.strip().splitlines()[-1]):
+    for identical, gap in run_interpreted(TRITON_SCRIPT):
         assert identical, f"largest difference {gap}"
 
 
@@ -330,8 +322,4 @@ def test_triton_routed_sum_in_the_interpreter_equals_the_torch_sum():
     """One launch per layer instead of four per expert: the same order and rounding, bit for bit."""
     cases = [(8, 5, 2, 64, "float32"), (60, 16, 4, 300, "bfloat16"), (16, 3, 1, 40, "float16"), (64, 9, 6, 33, "bfloat16"),
              (8, 4, 8, 256, "bfloat16")]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
-    completed = subprocess.run([sys.executable, "-c", ROUTED_SUM_SCRIPT, json.dumps(cases)], env=env, capture_output=True,
-                               text=True, timeout=120, check=False, cwd=REPO_ROOT)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    assert json.loads(completed.stdout.strip().splitlines()[-1]) == [True] * (len(cases) + 1)
+    assert run_interpreted(ROUTED_SUM_SCRIPT, json.dumps(cases)) == [True] * (len(cases) + 1)
