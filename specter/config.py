@@ -72,6 +72,14 @@ class DraftConfig(_Frozen):
     k: int = Field(4, ge=0, le=32, description="Draft depth for the `fixed` lookahead policy; 0 disables speculation.")
     k_max: int = Field(16, ge=0, le=32, description="Largest draft depth any lookahead policy may choose.")
     sampling: SamplingRule = Field("coupled", description="Acceptance rule when sampling: coupled (token-identical) or rejection.")
+    scout: bool = Field(False, description="Offloaded plain rounds (k = 0) first run one draft step for its routes only: the "
+                                           "experts it routes the round's token to are prefetched before and during the verify.")
+
+    @model_validator(mode="after")
+    def _scout_needs_a_draft(self) -> "DraftConfig":
+        if self.scout and self.k_max < 1:
+            raise ValueError("scout needs a draft: set k_max >= 1 (the scout is a one-step draft) or turn scout off")
+        return self
 
     @field_validator("group_size")
     @classmethod

@@ -97,6 +97,7 @@ class Runtime:
         self.graphed = _graphed_target(model, experts, self.kv, config)
         self.segmented = _segmented_step(model, experts, self.kv, config)
         self.k_max = config.draft.k_max if draft is not None else 0  # calibrate_draft sets it for gptq4
+        self.scout = config.draft.scout  # plain rounds prefetch from one draft step's routes (offloaded, with a draft)
         self.estimates = Estimates(self.k_max)
         self.trace: TraceWriter | None = None
         self.stages = StageCounters()  # per-stage counts and host wall time (draft, verify), see specter.kernel.stage
@@ -294,9 +295,13 @@ class Runtime:
         marks = [self._gpu_mark()]  # GPU-timeline marks: host wall time misses work graph replays leave queued
         chunks = self._log_chunks()
         drafted, draft_logits = None, None
-        if k:
+        scouted = not k and self._scouting()
+        if k or scouted:
             async with stage("draft", counters=self.stages, k=k):
-                drafted, draft_logits = await self._draft_and_transfer(x0_tensor, start, k, params)
+                # a scout is a draft of one step whose token is dropped: its routes for x0 plan the prefetch
+                drafted, draft_logits = await self._draft_and_transfer(x0_tensor, start, k or 1, params)
+            if scouted:
+                drafted, draft_logits = None, None
         draft_s = time.perf_counter() - round_started
         marks.append(self._gpu_mark())
         window = [marks[1] if marks[1] is not None else self._stream_mark()]  # the verify, for the copy-busy measurement
@@ -314,8 +319,11 @@ class Runtime:
         if chunks is not None:
             self._copy_busy(chunks, window, record, stats)
         self.kv.crop(start + acceptance.n_accepted + 1)
-        self._finish_round(k, acceptance, record, stats, draft_s, verify_s, time.perf_counter() - round_started)
+        self._finish_round(k, acceptance, record, stats, draft_s, verify_s, time.perf_counter() - round_started, scouted)
         return acceptance.tokens
+
+    def _scouting(self) -> bool:
+        return self.scout and self.draft is not None and self.cache is not None
 
     async def _draft_and_transfer(self, x0: Tensor, start: int, k: int, params: SamplingParams) -> tuple[Tensor, Tensor | None]:
         """The draft and transfer stages as one task group; a single failure surfaces as itself, not a group."""
@@ -456,14 +464,18 @@ class Runtime:
         return self._generator
 
     def _finish_round(self, k: int, acceptance: Acceptance, record, stats: RequestStats, draft_s: float, verify_s: float,
-                      round_s: float) -> None:
+                      round_s: float, scouted: bool = False) -> None:
         stats.rounds += 1
         self._account(record, stats)
         if k:
             stats.drafted += k
             stats.accepted += acceptance.n_accepted
             stats.accepted_lengths[acceptance.n_accepted] += 1
+        if k or scouted:
             self._observe_recall(record, stats, k, acceptance)
+        if scouted:  # the scout's step is part of a plain round's cost, not a depth-1 draft the fits should see
+            stats.scouted += 1
+            draft_s = 0.0
         if self.cache is not None:
             self.cache.unprotect_all(self.backend.record_event(self.backend.compute_stream))
         self.plan = None

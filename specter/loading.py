@@ -31,7 +31,9 @@ Tensor = torch.Tensor
 
 
 def may_speculate(config: EngineConfig) -> bool:
-    return config.draft.k_max > 0 and not (config.lookahead == "fixed" and config.draft.k == 0)
+    """Whether the engine builds a draft: it may draft (k_max > 0) and some round will (a depth above 0, or a scout)."""
+    plain_only = config.lookahead == "fixed" and config.draft.k == 0 and not config.draft.scout
+    return config.draft.k_max > 0 and not plain_only
 
 
 def load_policies(config: EngineConfig) -> dict:

@@ -19,6 +19,7 @@ class RequestStats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    scouted: int = 0  # plain rounds that ran a one-step draft only for its routes (DraftConfig.scout)
     accepted_lengths: Counter = dataclasses.field(default_factory=Counter)  # accepted drafts per speculative round
     hits: int = 0
     misses: int = 0
@@ -80,7 +81,7 @@ class RequestStats:
         return {
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
             "ttft_s": round(self.ttft_s, 6), "tpot_s": round(self.tpot_s, 6),
-            "rounds": self.rounds, "acceptance_rate": round(self.acceptance_rate, 4),
+            "rounds": self.rounds, "scouted_rounds": self.scouted, "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "accepted_length_histogram": {str(n): c for n, c in sorted(self.accepted_lengths.items())},
             "window_recall": round(self.window_recall, 4), "hits": self.hits, "misses": self.misses,

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def matrix(tmp_path_factory):
     """One small matrix run through the CLI: every offloaded system that the checks below need."""
     out = tmp_path_factory.mktemp("bench")
-    systems = "resident,ondemand,gate-prefetch,specmoeoff,specter,oracle,oracle-specter"
+    systems = "resident,ondemand,gate-prefetch,specmoeoff,specter,specter-scout,oracle,oracle-specter"
     code = cli.main(["--systems", systems, "--max-new-tokens", "8", "--warmup-tokens", "4", "--link", "1", "--no-progress",
                      "--out", str(out)])
     return code, out, json.loads((out / "results.json").read_text())
@@ -36,7 +36,7 @@ def test_matrix_tokens_equal_baseline_for_every_system(matrix):
     code, _out, results = matrix
     assert code == 0
     systems = {row["system"] for row in results["summary"]}
-    assert systems == {"resident", "ondemand", "gate-prefetch", "specmoeoff", "specter", "oracle", "oracle-specter"}
+    assert systems == {"resident", "ondemand", "gate-prefetch", "specmoeoff", "specter", "specter-scout", "oracle", "oracle-specter"}
     assert all(row["tokens_equal"] for row in results["summary"]), results["summary"]
     assert all(run["new_tokens"] == 8 and run["tpot_s"] > 0 for run in results["runs"])
 
@@ -59,6 +59,14 @@ def test_matrix_writes_plots(matrix):
     _code, out, _results = matrix
     for name in ("tpot_by_system.png", "speedup.png", "acceptance.png", "recall_by_layer.png"):
         assert (out / name).stat().st_size > 1000, name
+
+
+def test_specter_scout_scouts_its_plain_rounds(matrix):
+    runs = matrix[2]["runs"]
+    scout = [run for run in runs if run["system"] == "specter-scout"]
+    assert len(scout) == 3 and all(run["scouted_rounds"] > 0 for run in scout)
+    assert all(run["rounds"] - run["scouted_rounds"] == sum(run["accepted_length_histogram"].values()) for run in scout)
+    assert all(run["scouted_rounds"] == 0 for run in runs if run["system"] == "specter")
 
 
 def test_oracle_predicts_every_used_expert_and_gate_prefetch_some(matrix):
@@ -215,10 +223,14 @@ def test_merge_combines_disjoint_runs_and_refuses_overlaps(tmp_path, capsys):
         assert cli.main(["--systems", "ondemand", "--max-new-tokens", "4", "--warmup-tokens", "2", "--link", link,
                          "--no-progress", "--no-plots", "--out", str(out)]) == 0
         parts.append(out)
+        payload = json.loads((out / "results.json").read_text())
+        payload["notes"] += ["shared note", f"note of part {index}"]
+        (out / "results.json").write_text(json.dumps(payload))
     merged = tmp_path / "merged"
     assert cli.main(["--merge", str(parts[0]), "--merge", str(parts[1]), "--no-plots", "--out", str(merged)]) == 0
     results = json.loads((merged / "results.json").read_text())
     assert {(row["link"], row["system"]) for row in results["summary"]} == {("1", "ondemand"), ("2", "ondemand")}
+    assert [n for n in results["notes"] if "note" in n] == ["shared note", "note of part 0", "note of part 1"]
     assert len(results["runs"]) == 6 and [part["directory"] for part in results["merged_from"]] == [str(p) for p in parts]
     assert "| model | setting | link | system |" in (merged / "results.md").read_text()
     assert cli.main(["--merge", str(parts[0]), "--merge", str(parts[0]), "--no-plots", "--out", str(tmp_path / "bad")]) == 2

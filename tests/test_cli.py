@@ -31,6 +31,18 @@ def test_generate_matches_library_greedy(capsys, tmp_path):
     assert tokens == run_sync(greedy_decode(loaded.model, loaded.experts, [4, 5, 6], 6))
 
 
+def test_generate_scout_counts_scouted_rounds(capsys, tmp_path):
+    path = save_hf(hf_model("mixtral"), tmp_path / "m")
+    args = ["generate", "--model", str(path), "--prompt-ids", "4,5,6", "--max-new-tokens", "6", "--json", "--device", "cpu",
+            "--residents", "2", "--k", "0"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, "--scout"]) == 0
+    scouted = json.loads(capsys.readouterr().out)
+    assert scouted["tokens"] == plain["tokens"]
+    assert plain["stats"]["scouted_rounds"] == 0 and scouted["stats"]["scouted_rounds"] == scouted["stats"]["rounds"] == 5
+
+
 def test_builtin_model_by_subprocess(tmp_path):
     env = {"SPECTER_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
     result = subprocess.run([sys.executable, "-m", "specter", "generate", "--max-new-tokens", "4", "--json"],

@@ -72,3 +72,9 @@ def test_static_verify_defaults_to_on_where_cuda_graphs_run():
     assert not EngineConfig().verify_is_static("cpu")
     assert EngineConfig(static_verify=True).verify_is_static("cpu")
     assert not EngineConfig(static_verify=False, cuda_graphs=True).verify_is_static("cuda")
+
+
+def test_scout_needs_a_draft_depth():
+    with pytest.raises(ConfigError, match="scout needs a draft"):
+        EngineConfig.build(draft={"scout": True, "k_max": 0})
+    assert EngineConfig.build(draft={"scout": True, "k": 0}).draft.scout

@@ -307,14 +307,34 @@ def test_roofline_k0_time_is_verify_plus_transfer():
 def test_roofline_probes_speculation_after_a_run_of_plain_rounds():
     """Acceptance is only measured when drafting: after probe_every plain rounds, one cheap probe round."""
     state = lookahead_state(acceptance_by_position=[0.0] * 16, predicted_new_bytes=[20e6] * 17)
-    roofline = Roofline(probe_every=4)
-    decisions = [roofline.next_k(state) for _ in range(11)]
-    assert decisions == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0]
+    roofline = Roofline(probe_every=4, max_backoff=4)
+    decisions = [roofline.next_k(state) for _ in range(48)]
+    # each probe that changes nothing doubles the run before the next one, up to 4 x 4 rounds
+    probes = [index for index, k in enumerate(decisions) if k]
+    assert probes == [4, 4 + 1 + 8, 13 + 1 + 16, 30 + 1 + 16] and set(decisions) == {0, 1}
     assert [Roofline(probe_every=0).next_k(state) for _ in range(40)] == [0] * 40
     k0_only = lookahead_state(acceptance_by_position=[0.0] * 16, predicted_new_bytes=[20e6] * 17, k_max=0)
     assert [Roofline(probe_every=1).next_k(k0_only) for _ in range(5)] == [0] * 5
     with pytest.raises(ConfigError, match="probe_every"):
         Roofline(probe_every=-1)
+    with pytest.raises(ConfigError, match="max_backoff"):
+        Roofline(max_backoff=0)
+
+
+def test_roofline_probe_that_moves_the_decision_resets_the_backoff():
+    """While probes change nothing they grow rarer; once the measurements move the decision, probing is frequent again."""
+    plain = lookahead_state(acceptance_by_position=[0.0] * 16, predicted_new_bytes=[20e6] * 17)
+    pays = lookahead_state(acceptance_by_position=[0.99] * 16, predicted_new_bytes=[20e6] * 17)
+    roofline = Roofline(probe_every=2)
+    assert [roofline.next_k(plain) for _ in range(9)] == [0, 0, 1, 0, 0, 0, 0, 1, 0]  # runs of 2, then 4
+    assert roofline._interval == 8  # the second probe changed nothing either
+    speculative = roofline.next_k(pays)  # the measurements after a probe now say speculation pays
+    assert speculative > 0
+    roofline.next_k(pays)
+    roofline.next_k(plain)  # ... and then they say it does not: back to plain decode
+    later = [roofline.next_k(plain) for _ in range(3)]
+    assert later == [0, 1, 0]  # a run of 2 again, not 8
+    assert roofline._interval == 4  # ... and that probe changed nothing, so the next run is 4
 
 
 def test_roofline_does_not_probe_while_speculation_pays():

@@ -84,15 +84,17 @@ def test_reference_policies_are_installed():
     top_p=st.sampled_from([None, 0.9]),
     seed=st.integers(0, 2**31 - 1),
     quant=st.sampled_from(["int4", "int8", "int2"]),
+    scout=st.booleans(),
 )
-def test_speculative_equals_baseline(root, family, prompt, residents, eviction, prefetch, lookahead, k, temperature, top_k, top_p, seed, quant):
+def test_speculative_equals_baseline(root, family, prompt, residents, eviction, prefetch, lookahead, k, temperature, top_k, top_p, seed, quant,
+                                     scout):
     path = checkpoint(family, root)
     if residents is not None:  # the minimum is one token's experts per layer
         residents = max(residents, Checkpoint(path).spec.top_k)
     generation = GenerationConfig(max_new_tokens=14, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     expected = baseline(path, prompt, generation, residents)
     config = EngineConfig(device=DEVICE, max_context=96, residents=residents, eviction=eviction, prefetch=prefetch,
-                          lookahead=lookahead, draft=DraftConfig(k=k, k_max=16, quant=quant))
+                          lookahead=lookahead, draft=DraftConfig(k=k, k_max=16, quant=quant, scout=scout))
     result = run(path, config, prompt, generation)
     assert result.tokens == expected
     if residents is not None and residents < 6:  # experts do not all fit (6 or 8 per layer): bytes were actually moved
@@ -111,6 +113,25 @@ def test_speculation_accepts_drafts_and_predicts_routes(root, family):
     assert stats.drafted > 0 and stats.acceptance_rate > 0.3, stats.as_dict()
     assert stats.window_recall > 0.5, stats.as_dict()
     assert stats.rounds < 24
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek-v2"])
+def test_scout_prefetches_plain_rounds_from_one_draft_step(root, family):
+    """k = 0 with a scout: the same tokens as plain decoding, every round scouted, its routes predict the
+    verify's experts, and experts it prefetched are hits where plain decoding had misses."""
+    path = checkpoint(family, root)
+    generation = GenerationConfig(max_new_tokens=16, temperature=0.8, seed=5)
+    expected = baseline(path, [4, 5, 6], generation, residents=3)
+    plain = run(path, EngineConfig(device=DEVICE, max_context=96, residents=3, draft=DraftConfig(k=0, quant="int8")),
+                [4, 5, 6], generation).stats
+    result = run(path, EngineConfig(device=DEVICE, max_context=96, residents=3, draft=DraftConfig(k=0, quant="int8", scout=True)),
+                 [4, 5, 6], generation)
+    assert result.tokens == expected
+    stats = result.stats
+    assert stats.drafted == 0 and stats.scouted == stats.rounds == plain.rounds == 15
+    assert stats.window_recall > 0.5, stats.as_dict()
+    assert plain.scouted == 0 and plain.recall_total == 0
+    assert stats.misses < plain.misses, (stats.as_dict(), plain.as_dict())
 
 
 def test_rejection_sampling_runs_and_differs_in_rule(root):

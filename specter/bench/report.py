@@ -180,7 +180,7 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
               "max_new_tokens": p["options"].get("max_new_tokens")} for d, p in zip(directories, payloads)]
     machine = dict(payloads[0]["machine"])
     machine["command"] = " && ".join(str(part["command"]) for part in parts)
-    notes = [note for payload in payloads for note in payload.get("notes", [])]
+    notes = list(dict.fromkeys(note for payload in payloads for note in payload.get("notes", [])))
     if len({part["max_new_tokens"] for part in parts}) > 1:
         notes.append(f"merged parts differ in new tokens per request: {[part['max_new_tokens'] for part in parts]}")
     if len({part["source_digest"] for part in parts}) > 1:

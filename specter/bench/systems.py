@@ -53,6 +53,8 @@ class System:
     oracle: bool = False
     separate_draft: bool = False
     """Pays for a separate copy of the non-expert weights and its own KV out of the expert slots."""
+    scout: bool = False
+    """Plain rounds run one draft step first and prefetch the experts it routes to (DraftConfig.scout)."""
     replay_schedule: bool = False
     """An oracle that replays the depth of every round of the `specter` run just before it (same cell)."""
 
@@ -74,6 +76,9 @@ SYSTEMS: dict[str, System] = {
         # `specter` adapts k with the roofline governor: on the quick CPU matrix it beat fixed k=4 (benchmarks/README.md).
         System("specter", "this design: plan-protect eviction, link-paced frequency Top-M prefetch, roofline lookahead (k adapted per round)",
                eviction="plan-protect", prefetch="topm-frequency", lookahead="roofline", k=None),
+        System("specter-scout", "specter whose plain rounds (k = 0) first run one draft step and prefetch the experts "
+                                "it routes the token to", eviction="plan-protect", prefetch="topm-frequency",
+               lookahead="roofline", k=None, scout=True),
         System("specter-fixed", "specter with a fixed draft depth (--k)",
                eviction="plan-protect", prefetch="topm-frequency", k=None),
         System("oracle", "same budget and k as specter; before each round the exact experts its verify will use "
@@ -194,6 +199,7 @@ class BenchRuntime(Runtime):
         self.prefetch = plugins.load_policy("prefetch", "none" if system.oracle else system.prefetch, **dict(system.prefetch_options))
         options = {"k": depth} if system.lookahead == "fixed" else {}
         self.lookahead = plugins.load_policy("lookahead", system.lookahead, **options)
+        self.scout = system.scout
         self.k_max = self.config.draft.k_max if self.draft is not None else 0
         self.estimates = Estimates(self.k_max)
         self.uses = UseClock(len(self.spec.moe_layers))
@@ -310,7 +316,7 @@ class BenchRuntime(Runtime):
             self.cache.prefetch(layer, planned)
 
     def _finish_round(self, k: int, acceptance, record, stats: RequestStats, draft_s: float, verify_s: float,
-                      round_s: float) -> None:
+                      round_s: float, scouted: bool = False) -> None:
         if record is not None:
             used = {self.moe_index[layer]: sorted(experts) for layer, experts in record.used.items()}
             if self.recorded_routes is not None:
@@ -319,7 +325,7 @@ class BenchRuntime(Runtime):
                 self._score(self.oracle_routes[self._round_index], used)
         if self.recorded_depths is not None:
             self.recorded_depths.append(k)
-        super()._finish_round(k, acceptance, record, stats, draft_s, verify_s, round_s)
+        super()._finish_round(k, acceptance, record, stats, draft_s, verify_s, round_s, scouted)
         self._round_index += 1
 
     def _score(self, predicted: dict[int, list[int]], used: dict[int, list[int]]) -> None:
