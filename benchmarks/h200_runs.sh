@@ -4,11 +4,12 @@
 #   run(command="bash benchmarks/h200_runs.sh gpu-tests", carry=[".whl"])
 # Every stage writes under $OUT and prints a short table last. Several stages run in order in one call:
 #   bash benchmarks/h200_runs.sh fixes profile reference-core memory
-# Done 2026-11-30: validate (gpu tests + CUDA property tests), the reference model's full matrix.
-# Next, in this order: `fixes profile` in one call (the routed sum now runs inside the segment graphs: the
-# segmented bit-identity tests first; prediction: profile TPOT 19.5 -> about 17 ms); then the paper shapes
-# with the new governor and oracle-specter at Gen5, Gen4 and DDR4 (paper-qwen, paper-deepseek, paper-phi:
-# one call each, then --merge), which also give the issue-4 Qwen-shape figures (15 and 8 residents); micro (tile sweep).
+# Done 2026-11-30: validate (gpu tests + CUDA property tests), the reference model's full matrix, fixes + profile
+# (routed sum: 19.5 -> 15.4 ms), paper-qwen / paper-deepseek / paper-phi (merged: results/h200-2026-11-30/paper-3links),
+# the probe back-off and the scout (results/h200-2026-11-30/scout-backoff).
+# Next, in this order: paper-int8 (does an int8 draft, 0.89 against 0.62 acceptance at 2 layers on the CPU, make
+# speculation pay on the random-weight shapes?); calibration (GPTQ against RTN on the trained reference model: it
+# was only measured on tiny random checkpoints); micro (tile sweep); then item 8 of issue 4 once it exists.
 # Write everything straight under $OUT (a command killed at its limit returns only what is already there).
 set -u
 source benchmarks/h200_setup.sh
@@ -79,12 +80,22 @@ case "$stage" in
     timeout 570 python -m specter.bench --model "$shape" --preset paper --layers 8 --link native,gen4,ddr4-desktop \
       --max-new-tokens 64 --systems resident,ondemand,specmoeoff,specter,oracle-specter --time-budget 530 --no-progress \
       --no-plots --out "$out/$stage" 2>&1 | tail -35 ;;
+  paper-int8)     # Qwen and DeepSeek shapes, Gen5 and Gen4, with an int8 draft (compare with paper-3links' int4 cells)
+    for shape in qwen1.5-moe-a2.7b deepseek-v2-lite; do
+      timeout 280 python -m specter.bench --model "$shape" --preset paper --layers 8 --link native,gen4 --max-new-tokens 64 \
+        --systems ondemand,specter,oracle-specter --quant int8 --time-budget 260 --no-progress --no-plots \
+        --out "$out/paper-int8-$shape" 2>&1 | tail -14
+    done ;;
+  calibration)    # what GPTQ buys the draft of the trained reference model: int4 RTN / gptq4 / int2 acceptance and recall
+    [ -e /tmp/reference/config.json ] || timeout 170 python benchmarks/reference_model.py --out /tmp/reference --minutes 1.5 2>&1 | tail -2
+    timeout 240 python benchmarks/calibration.py --model /tmp/reference --device cuda --residents 4 --group 128 \
+      --out "$out/calibration_reference.json" 2>&1 | tail -5 ;;
   retest)         # the GPU tests changed since validate, each alone (no training beside them)
     timeout 60 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_graphed.py -k "garbage" tests/test_gpu_transfer.py -k "garbage or emulation" 2>&1 | tail -3
     SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 100 python -m pytest -q tests/test_speculative.py -p no:cacheprovider 2>&1 | tail -3 ;;
   train)          # the reference model alone
     timeout 170 python benchmarks/reference_model.py --out /tmp/reference --minutes 2 2>&1 | tail -3
     cp /tmp/reference/reference.json "$out/" 2>/dev/null ;;
-  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train|paper-qwen|paper-deepseek|paper-phi)" >&2; exit 2 ;;
+  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train|paper-qwen|paper-deepseek|paper-phi|paper-int8|calibration)" >&2; exit 2 ;;
 esac
 done

@@ -238,3 +238,17 @@ def test_merge_combines_disjoint_runs_and_refuses_overlaps(tmp_path, capsys):
     assert cli.main(["--merge", str(tmp_path / "missing"), "--out", str(tmp_path / "bad2")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad2").exists()
+
+
+def test_quant_sets_the_draft_format_of_every_speculative_system(tmp_path):
+    """--quant reaches the draft: an int8 draft agrees with the target more often than an int2 one."""
+    acceptance = {}
+    for quant in ("int2", "int8"):
+        out = tmp_path / quant
+        assert cli.main(["--systems", "specter-fixed", "--k", "4", "--max-new-tokens", "16", "--warmup-tokens", "2", "--link", "1",
+                         "--quant", quant, "--no-progress", "--no-plots", "--out", str(out)]) == 0
+        results = json.loads((out / "results.json").read_text())
+        assert results["options"]["quant"] == quant and f"draft experts {quant}" in (out / "results.md").read_text()
+        runs = results["runs"]
+        acceptance[quant] = sum(run["accepted"] for run in runs) / sum(run["drafted"] for run in runs)
+    assert acceptance["int8"] > acceptance["int2"], acceptance

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--k", type=int, default=4, help="draft depth of specter (fixed) and oracle")
     parser.add_argument("--k-max", type=int, default=8, help="largest depth the roofline governor may pick")
+    parser.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2"],
+                        help="weight format of the draft's experts, for every speculative system (default int4)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--threads", type=int, default=None,
@@ -136,7 +138,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
     max_new = args.max_new_tokens or (32 if quick else 128)
     return Options(systems=args.systems, links=links, max_new_tokens=max_new, warmup_tokens=min(args.warmup_tokens, max_new),
                    repeats=args.repeats, k=args.k, k_max=max(args.k_max, args.k), device=args.device, dtype=args.dtype,
-                   progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify)
+                   progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=args.quant)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -74,6 +74,8 @@ class Options:
     progress: bool = True
     hf: bool = True
     static_verify: bool | None = None
+    quant: str = "int4"
+    """The draft's expert format (DraftConfig.quant) for every speculative system."""
 
 
 class Clock:
@@ -162,7 +164,8 @@ class ModelBench:
         k_max = self.options.k_max if speculative else 0
         residents = None if resident else self.target.spec.top_k
         return EngineConfig(device=self.options.device, dtype=self.options.dtype, residents=residents, max_context=self.max_context,
-                            draft=DraftConfig(k=self.options.k if speculative else 0, k_max=k_max), lookahead="fixed",
+                            draft=DraftConfig(k=self.options.k if speculative else 0, k_max=k_max, quant=self.options.quant),
+                            lookahead="fixed",
                             progress=self.options.progress, static_verify=self.options.static_verify)
 
     async def run(self) -> None:

@@ -233,7 +233,8 @@ def markdown_report(payload: dict[str, Any]) -> str:
         f"- machine: {info.get('gpu') or 'no GPU'}; CPU {info['cpu']} ({info['cpu_count']} threads); torch {info['torch']}, CUDA {info['cuda']}",
         f"- commit: {info.get('git_commit')} (sources {info.get('source_digest')})",
         f"- protocol: batch 1, greedy, {payload['options']['max_new_tokens']} new tokens, {payload['options']['repeats']} repeat(s), "
-        f"16-token prompts, warm-up excluded, cache restored per prompt; TPOT = median over requests", "",
+        f"16-token prompts, warm-up excluded, cache restored per prompt; TPOT = median over requests; "
+        f"draft experts {payload['options'].get('quant', 'int4')}", "",
     ]
     lines += table_lines(payload["summary"], markdown=True)
     if payload.get("notes"):
