@@ -7,7 +7,7 @@
 # Done 2026-11-30: validate (gpu tests + CUDA property tests), the reference model's full matrix, fixes + profile
 # (routed sum: 19.5 -> 15.4 ms), paper-qwen / paper-deepseek / paper-phi (merged: results/h200-2026-11-30/paper-3links),
 # the probe back-off and the scout (results/h200-2026-11-30/scout-backoff).
-# Next, in this order: paper-int8 (does an int8 draft, 0.89 against 0.62 acceptance at 2 layers on the CPU, make
+# Next, in this order: scout (the scout alone, scout-k0, after its accounting fix); paper-int8 (does an int8 draft, 0.89 against 0.62 acceptance at 2 layers on the CPU, make
 # speculation pay on the random-weight shapes?); calibration (GPTQ against RTN on the trained reference model: it
 # was only measured on tiny random checkpoints); micro (tile sweep); then item 8 of issue 4 once it exists.
 # Write everything straight under $OUT (a command killed at its limit returns only what is already there).
@@ -86,6 +86,12 @@ case "$stage" in
         --systems ondemand,specter,oracle-specter --quant int8 --time-budget 260 --no-progress --no-plots \
         --out "$out/paper-int8-$shape" 2>&1 | tail -14
     done ;;
+  scout)          # the scout alone (scout-k0) against ondemand, and inside specter, on the three paper shapes at Gen5
+    for spec in qwen1.5-moe-a2.7b:--preset=paper deepseek-v2-lite:--preset=paper phi-3.5-moe:--residents=2; do
+      timeout 150 python -m specter.bench --model "${spec%%:*}" "${spec#*:}" --layers 8 --link native --max-new-tokens 64 \
+        --systems ondemand,scout-k0,specter,specter-scout --time-budget 135 --no-progress --no-plots \
+        --out "$out/scout-${spec%%:*}" 2>&1 | grep -E "ondemand|scout|specter " | tail -8
+    done ;;
   calibration)    # what GPTQ buys the draft of the trained reference model: int4 RTN / gptq4 / int2 acceptance and recall
     [ -e /tmp/reference/config.json ] || timeout 170 python benchmarks/reference_model.py --out /tmp/reference --minutes 1.5 2>&1 | tail -2
     timeout 240 python benchmarks/calibration.py --model /tmp/reference --device cuda --residents 4 --group 128 \
@@ -96,6 +102,6 @@ case "$stage" in
   train)          # the reference model alone
     timeout 170 python benchmarks/reference_model.py --out /tmp/reference --minutes 2 2>&1 | tail -3
     cp /tmp/reference/reference.json "$out/" 2>/dev/null ;;
-  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train|paper-qwen|paper-deepseek|paper-phi|paper-int8|calibration)" >&2; exit 2 ;;
+  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train|paper-qwen|paper-deepseek|paper-phi|paper-int8|calibration|scout)" >&2; exit 2 ;;
 esac
 done

@@ -113,7 +113,8 @@ class Roofline:
     position; positions past the measured ones reuse the last measured, so a depth is tried once the
     measured ones say it pays, and is then measured; `prior_acceptance` when none is) and the 1 is
     the target's own token. Time: draft(k) + verify(k+1 rows) + the part of the new bytes' transfer the draft
-    does not hide, max(0, bytes[k]/bandwidth - draft(k)). k=0 is plain decode: verify(1) + bytes[0]/bandwidth.
+    does not hide, max(0, bytes[k]/bandwidth - draft(k)). k=0 is plain decode: verify(1) + bytes[0]/bandwidth,
+    or with a scout (`state.scout_s` > 0) scout + verify(1) + max(0, bytes[0]/bandwidth - scout).
     Ties go to the smaller k.
 
     The round's measured time outside draft and verify (sampling, acceptance, commit) is added per round,
@@ -165,7 +166,10 @@ class Roofline:
         return best
 
     def observe(self, outcome: RoundOutcome) -> None:
-        return None  # the engine keeps the EMAs and fits this policy reads
+        # The engine keeps the EMAs and fits this policy reads. A probe the engine clamped back to the
+        # depth it replaced (one token left) measured nothing: it must not lengthen the next run.
+        if self._probed_from is not None and outcome.k == self._probed_from:
+            self._probed_from = None
 
     def expected_accepted(self, state: LookaheadState, k: int) -> float:
         """E[k]: expected accepted draft tokens of a depth-k round."""
@@ -179,8 +183,8 @@ class Roofline:
         """Modelled seconds of a depth-k round."""
         transfer_s = _at_or_last(state.predicted_new_bytes, k, default=0.0) / state.bandwidth_bytes_per_s
         verify_s = state.verify_s_fit[0] + state.verify_s_fit[1] * (k + 1)
-        if k == 0:
-            return state.round_overhead_s[0] + verify_s + transfer_s
+        if k == 0:  # a scout, if any, is charged like a one-step draft (its plan's copies overlap what follows)
+            return state.round_overhead_s[0] + state.scout_s + verify_s + max(0.0, transfer_s - state.scout_s)
         draft_s = state.draft_step_s_fit[0] + state.draft_step_s_fit[1] * k
         return state.round_overhead_s[1] + draft_s + verify_s + max(0.0, transfer_s - draft_s)
 

@@ -471,11 +471,12 @@ class Runtime:
             stats.drafted += k
             stats.accepted += acceptance.n_accepted
             stats.accepted_lengths[acceptance.n_accepted] += 1
-        if k or scouted:
+        if k:
             self._observe_recall(record, stats, k, acceptance)
-        if scouted:  # the scout's step is part of a plain round's cost, not a depth-1 draft the fits should see
+        if scouted:  # the scout's time is the plain rounds' own (LookaheadState.scout_s), not a depth-1 draft
             stats.scouted += 1
-            draft_s = 0.0
+            self._observe_scout_recall(record, stats)
+            self.estimates.observe_scout(draft_s)
         if self.cache is not None:
             self.cache.unprotect_all(self.backend.record_event(self.backend.compute_stream))
         self.plan = None
@@ -490,18 +491,30 @@ class Runtime:
         committed = acceptance.n_accepted + 1
         self.lookahead.observe(outcome=RoundOutcome(k=k, accepted=acceptance.n_accepted, tpot_s=round_s / committed, round_s=round_s))
 
+    def _draft_predictions(self, record) -> tuple[np.ndarray, list[tuple[int, set[int], list[int]]]]:
+        """The draft's route counters [L_moe, E] and, per layer the verify used: (compact layer, named, used)."""
+        counts = self.draft.route_counts[self.spec.moe_layers].cpu().numpy()  # after verify: no stall added
+        return counts, [(self.moe_index[layer], set(np.flatnonzero(counts[self.moe_index[layer]]).tolist()), used)
+                        for layer, used in record.used.items()]
+
     def _observe_recall(self, record, stats: RequestStats, k: int, acceptance: Acceptance) -> None:
         if record is None or self.draft is None:
             return
-        counts = self.draft.route_counts[self.spec.moe_layers].cpu().numpy()  # after verify: no stall added
-        for layer, used in record.used.items():
-            compact = self.moe_index[layer]
-            predicted = set(np.flatnonzero(counts[compact]).tolist())
+        counts, predictions = self._draft_predictions(record)
+        for compact, predicted, used in predictions:
             stats.add_recall(compact, predicted, used)
         if self.trace is not None:
             used = [record.used.get(layer, []) for layer in self.spec.moe_layers]
             self.trace.write_round(TraceRound.from_arrays(stats.rounds, k, acceptance.n_accepted,
                                                           self.estimates.draft_step_s or 0.0, counts, used))
+
+    def _observe_scout_recall(self, record, stats: RequestStats) -> None:
+        """A scout's recall, kept apart from the window's (one step ahead of its own token; no trace round)."""
+        if record is None or self.draft is None:
+            return
+        for _compact, predicted, used in self._draft_predictions(record)[1]:
+            stats.scout_recall_hits += len(predicted.intersection(used))
+            stats.scout_recall_total += len(used)
 
     def _start_record(self):
         return self.experts.start_record() if isinstance(self.experts, OffloadedExperts) else None
@@ -547,6 +560,7 @@ class Runtime:
             k_max=self.k_max,
             model_key=f"{self.spec.family}:{self.spec.hidden_size}x{self.spec.num_layers}:{self.memory.slots_per_layer}",
             round_overhead_s=self.estimates.overheads(),
+            scout_s=(self.estimates.scout_s or sum(self.estimates.draft_fit())) if self._scouting() else 0.0,
         )
 
 

@@ -29,6 +29,8 @@ class RequestStats:
     recall_hits: int = 0  # |draft-predicted ∩ target-used| summed over layers and rounds
     recall_total: int = 0  # |target-used| summed likewise
     recall_by_layer: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # layer -> [hits, total]
+    scout_recall_hits: int = 0  # the same for scouted plain rounds (one step ahead, the round's own token), kept apart
+    scout_recall_total: int = 0
     copy_busy_s: float = 0.0  # copy stream busy inside transfer-bound verify windows (see copy_busy_fraction)
     copy_window_s: float = 0.0  # length of those windows
 
@@ -60,6 +62,11 @@ class RequestStats:
         return self.recall_hits / self.recall_total if self.recall_total else 0.0
 
     @property
+    def scout_recall(self) -> float | None:
+        """Share of a scouted round's used experts its one-step scout named; None without scouted rounds."""
+        return self.scout_recall_hits / self.scout_recall_total if self.scout_recall_total else None
+
+    @property
     def copy_busy_fraction(self) -> float | None:
         """Share of transfer-bound verify time the copy stream was busy; None when verify never waited on a copy.
 
@@ -81,7 +88,8 @@ class RequestStats:
         return {
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
             "ttft_s": round(self.ttft_s, 6), "tpot_s": round(self.tpot_s, 6),
-            "rounds": self.rounds, "scouted_rounds": self.scouted, "acceptance_rate": round(self.acceptance_rate, 4),
+            "rounds": self.rounds, "scouted_rounds": self.scouted,
+            "scout_recall": None if self.scout_recall is None else round(self.scout_recall, 4), "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "accepted_length_histogram": {str(n): c for n, c in sorted(self.accepted_lengths.items())},
             "window_recall": round(self.window_recall, 4), "hits": self.hits, "misses": self.misses,
@@ -116,6 +124,7 @@ class Estimates:
         self.round_overhead_s: list[float | None] = [None, None]  # [plain, speculative]: round time outside draft and verify
         self.new_bytes_unit: float | None = None  # speculative rounds' bytes / rows ** union_exponent
         self.new_bytes_plain: float | None = None  # bytes moved per plain-decoding (k = 0) token
+        self.scout_s: float | None = None  # a plain round's one-step scout draft (DraftConfig.scout), EMA
         self.union_exponent: float | None = None  # beta: experts a verify needs grow as rows ** beta (EMA)
 
     def _ema(self, old: float | None, new: float) -> float:
@@ -155,6 +164,9 @@ class Estimates:
         if fit is None:
             return (0.0, self.draft_step_s or 1e-3)
         return fit
+
+    def observe_scout(self, seconds: float) -> None:
+        self.scout_s = self._ema(self.scout_s, seconds)
 
     def observe_round(self, k: int, round_s: float, draft_s: float, verify_s: float) -> None:
         """The round's time outside its draft and its verify (sampling and acceptance, commit, plans, host

@@ -95,6 +95,8 @@ class LookaheadState:
     round_overhead_s: tuple[float, float] = (0.0, 0.0)
     """(plain, speculative): a round's measured time outside its draft and verify (sampling, acceptance,
     commit, plans), which deeper rounds share among more tokens."""
+    scout_s: float = 0.0
+    """Seconds of the one-step scout draft a plain round runs first (DraftConfig.scout); 0: plain rounds do not scout."""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def matrix(tmp_path_factory):
     """One small matrix run through the CLI: every offloaded system that the checks below need."""
     out = tmp_path_factory.mktemp("bench")
-    systems = "resident,ondemand,gate-prefetch,specmoeoff,specter,specter-scout,oracle,oracle-specter"
+    systems = "resident,ondemand,gate-prefetch,specmoeoff,specter,specter-scout,scout-k0,oracle,oracle-specter"
     code = cli.main(["--systems", systems, "--max-new-tokens", "8", "--warmup-tokens", "4", "--link", "1", "--no-progress",
                      "--out", str(out)])
     return code, out, json.loads((out / "results.json").read_text())
@@ -36,7 +36,8 @@ def test_matrix_tokens_equal_baseline_for_every_system(matrix):
     code, _out, results = matrix
     assert code == 0
     systems = {row["system"] for row in results["summary"]}
-    assert systems == {"resident", "ondemand", "gate-prefetch", "specmoeoff", "specter", "specter-scout", "oracle", "oracle-specter"}
+    assert systems == {"resident", "ondemand", "gate-prefetch", "specmoeoff", "specter", "specter-scout", "scout-k0", "oracle",
+                       "oracle-specter"}
     assert all(row["tokens_equal"] for row in results["summary"]), results["summary"]
     assert all(run["new_tokens"] == 8 and run["tpot_s"] > 0 for run in results["runs"])
 
@@ -64,9 +65,12 @@ def test_matrix_writes_plots(matrix):
 def test_specter_scout_scouts_its_plain_rounds(matrix):
     runs = matrix[2]["runs"]
     scout = [run for run in runs if run["system"] == "specter-scout"]
-    assert len(scout) == 3 and all(run["scouted_rounds"] > 0 for run in scout)
+    assert len(scout) == 3 and all(run["scouted_rounds"] > 0 and run["scout_recall"] is not None for run in scout)
     assert all(run["rounds"] - run["scouted_rounds"] == sum(run["accepted_length_histogram"].values()) for run in scout)
     assert all(run["scouted_rounds"] == 0 for run in runs if run["system"] == "specter")
+    alone = [run for run in runs if run["system"] == "scout-k0"]  # every round scouts, none drafts
+    assert len(alone) == 3 and all(run["scouted_rounds"] == run["rounds"] == 7 and run["drafted"] == 0 for run in alone)
+    assert all(0.0 < run["scout_recall"] <= 1.0 and run["tokens_equal"] for run in alone)
 
 
 def test_oracle_predicts_every_used_expert_and_gate_prefetch_some(matrix):
@@ -160,6 +164,8 @@ def test_budgets_give_slots_per_system():
     budget = Setting(budget=6 * 2**30)
     plain, speculative = system_slots(SYSTEMS["ondemand"], budget, *args)[0], system_slots(SYSTEMS["specter"], budget, *args)[0]
     assert plain >= speculative > system_slots(SYSTEMS["specmoeoff"], budget, *args)[0]
+    int8 = system_slots(SYSTEMS["specter"], budget, *args, quant="int8")[0]  # a bigger draft leaves fewer slots
+    assert int8 < speculative and system_slots(SYSTEMS["ondemand"], budget, *args, quant="int8")[0] == plain
     assert initial_state(((1, 2, 3), (4,)), 2) == ((2, 3), (4,))
 
 
@@ -225,12 +231,14 @@ def test_merge_combines_disjoint_runs_and_refuses_overlaps(tmp_path, capsys):
         parts.append(out)
         payload = json.loads((out / "results.json").read_text())
         payload["notes"] += ["shared note", f"note of part {index}"]
+        payload["options"]["quant"] = ("int4", "int8")[index]
         (out / "results.json").write_text(json.dumps(payload))
     merged = tmp_path / "merged"
     assert cli.main(["--merge", str(parts[0]), "--merge", str(parts[1]), "--no-plots", "--out", str(merged)]) == 0
     results = json.loads((merged / "results.json").read_text())
     assert {(row["link"], row["system"]) for row in results["summary"]} == {("1", "ondemand"), ("2", "ondemand")}
     assert [n for n in results["notes"] if "note" in n] == ["shared note", "note of part 0", "note of part 1"]
+    assert "merged parts differ in the draft's expert format: ['int4', 'int8']" in results["notes"]
     assert len(results["runs"]) == 6 and [part["directory"] for part in results["merged_from"]] == [str(p) for p in parts]
     assert "| model | setting | link | system |" in (merged / "results.md").read_text()
     assert cli.main(["--merge", str(parts[0]), "--merge", str(parts[0]), "--no-plots", "--out", str(tmp_path / "bad")]) == 2

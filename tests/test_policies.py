@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -302,6 +303,24 @@ def test_roofline_stays_shallow_when_verify_rows_cost_more_than_acceptance_pays(
 def test_roofline_k0_time_is_verify_plus_transfer():
     state = lookahead_state(verify_s_fit=(0.01, 0.001), predicted_new_bytes=[1e7, 0.0], bandwidth_bytes_per_s=1e9)
     assert Roofline().round_s(state, 0) == pytest.approx(0.011 + 0.01)
+
+
+def test_roofline_charges_a_scout_to_plain_rounds_like_a_one_step_draft():
+    state = lookahead_state(verify_s_fit=(0.01, 0.001), predicted_new_bytes=[1e7, 0.0], bandwidth_bytes_per_s=1e9)
+    scouting = dataclasses.replace(state, scout_s=0.004)
+    assert Roofline().round_s(scouting, 0) == pytest.approx(0.004 + 0.011 + (0.01 - 0.004))
+    assert Roofline().round_s(dataclasses.replace(state, scout_s=0.02), 0) == pytest.approx(0.02 + 0.011)
+    assert Roofline().round_s(scouting, 1) == Roofline().round_s(state, 1)  # speculative rounds are not charged
+
+
+def test_roofline_probe_clamped_by_the_engine_does_not_lengthen_the_next_run():
+    state = lookahead_state(acceptance_by_position=[0.0] * 16, predicted_new_bytes=[20e6] * 17)
+    roofline = Roofline(probe_every=2)
+    assert [roofline.next_k(state) for _ in range(3)] == [0, 0, 1]
+    roofline.observe(RoundOutcome(k=0, accepted=0, tpot_s=0.01, round_s=0.01))  # one token left: the engine ran k = 0
+    assert [roofline.next_k(state) for _ in range(3)] == [0, 0, 1]  # still a run of 2
+    roofline.observe(RoundOutcome(k=1, accepted=0, tpot_s=0.01, round_s=0.01))  # this probe ran
+    assert [roofline.next_k(state) for _ in range(5)] == [0, 0, 0, 0, 1]  # it changed nothing: a run of 4
 
 
 def test_roofline_probes_speculation_after_a_run_of_plain_rounds():

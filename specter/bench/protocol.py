@@ -247,7 +247,8 @@ class ModelBench:
         for system in systems:
             try:
                 slots[system.name] = system_slots(system, setting, runtime.spec, self.target.full_spec, self.dtype, self.max_context,
-                                                  self.options.k_max, expert_graphs=runtime.segmented is not None)
+                                                  self.options.k_max, expert_graphs=runtime.segmented is not None,
+                                                  quant=self.options.quant)
             except BudgetError as error:
                 self.target.notes.append(f"{self.target.label} {setting.label}: {system.name} skipped: {error}")
         if not slots:

@@ -100,6 +100,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
     histogram = accepted_histogram(runs)
     rounds = sum(histogram.values())
     predictor = [r["predictor_recall"] for r in runs if r.get("predictor_recall") is not None]
+    scout = [r["scout_recall"] for r in runs if r.get("scout_recall") is not None]
     copy_window = sum(r.get("copy_window_s", 0.0) for r in runs)
     return {
         "model": model, "setting": setting, "link": link, "system": system, "runs": len(runs),
@@ -111,6 +112,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "accepted_length": round(sum((n + 1) * c for n, c in histogram.items()) / rounds, 3) if rounds else None,
         "window_recall": round(sum(r.get("recall_hits", 0) for r in runs) / recall_total, 4) if recall_total else None,
         "predictor_recall": round(statistics.fmean(predictor), 4) if predictor else None,
+        "scout_recall": round(statistics.fmean(scout), 4) if scout else None,
         "hit_rate": round(hits / lookups, 4) if lookups else None,
         "h2d_mb_per_token": round(sum(r["h2d_bytes"] for r in runs) / tokens / 1e6, 3),
         "stall_ms_per_token": round(1e3 * sum(r["stall_s"] for r in runs) / tokens, 3),
@@ -177,12 +179,15 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
     runs = [run for payload in payloads for run in payload["runs"]]
     parts = [{"directory": str(d), "date": p["machine"].get("date"), "command": p["machine"].get("command"),
               "git_commit": p["machine"].get("git_commit"), "source_digest": p["machine"].get("source_digest"),
-              "max_new_tokens": p["options"].get("max_new_tokens")} for d, p in zip(directories, payloads)]
+              "max_new_tokens": p["options"].get("max_new_tokens"), "quant": p["options"].get("quant", "int4")}
+             for d, p in zip(directories, payloads)]
     machine = dict(payloads[0]["machine"])
     machine["command"] = " && ".join(str(part["command"]) for part in parts)
     notes = list(dict.fromkeys(note for payload in payloads for note in payload.get("notes", [])))
     if len({part["max_new_tokens"] for part in parts}) > 1:
         notes.append(f"merged parts differ in new tokens per request: {[part['max_new_tokens'] for part in parts]}")
+    if len({part["quant"] for part in parts}) > 1:
+        notes.append(f"merged parts differ in the draft's expert format: {[part['quant'] for part in parts]}")
     if len({part["source_digest"] for part in parts}) > 1:
         notes.append("merged parts ran different engine sources (see merged_from)")
     return {"machine": machine, "options": payloads[0]["options"], "args": payloads[0].get("args", {}),

@@ -60,7 +60,8 @@ class System:
 
     @property
     def speculative(self) -> bool:
-        return self.lookahead != "fixed" or self.k != 0
+        """Needs the draft (and its memory): it drafts, or it scouts."""
+        return self.lookahead != "fixed" or self.k != 0 or self.scout
 
 
 SYSTEMS: dict[str, System] = {
@@ -84,6 +85,8 @@ SYSTEMS: dict[str, System] = {
         System("oracle", "same budget and k as specter; before each round the exact experts its verify will use "
                          "(recorded in an untimed pass) are prefetched in layer order, Belady eviction on the future",
                eviction="oracle-belady", k=None, oracle=True),
+        System("scout-k0", "plain decoding (k = 0) whose every round scouts: the scout measured alone, against ondemand",
+               eviction="plan-protect", prefetch="topm-frequency", k=0, scout=True),
         System("oracle-k0", "the oracle without speculation: target alone (k=0), exact experts prefetched before each token",
                eviction="oracle-belady", k=0, oracle=True),
         System("oracle-specter", "the oracle at specter's own depths: each round's k and verify routes as the specter run "
@@ -124,7 +127,7 @@ def separate_draft_bytes(full_spec: ModelSpec, dtype: torch.dtype, max_context: 
 
 
 def system_slots(system: System, setting: Setting, spec: ModelSpec, full_spec: ModelSpec, dtype: torch.dtype,
-                 max_context: int, k_max: int, expert_graphs: bool = False) -> tuple[int, str]:
+                 max_context: int, k_max: int, expert_graphs: bool = False, quant: str = "int4") -> tuple[int, str]:
     """Expert slots per layer the system gets under `setting`, and a note on how they were derived.
 
     Residents: the same count for every system, except that specmoeoff loses the slots its separate draft
@@ -143,7 +146,7 @@ def system_slots(system: System, setting: Setting, spec: ModelSpec, full_spec: M
     assert setting.budget is not None, "a setting has residents or a budget"
     truncated_extra = separate_draft_bytes(spec, dtype, max_context) if system.separate_draft else 0
     config = EngineConfig(budget=setting.budget - truncated_extra if truncated_extra < setting.budget else 1,
-                          max_context=max_context, draft=DraftConfig(k_max=k_max))
+                          max_context=max_context, draft=DraftConfig(k_max=k_max, quant=quant))
     plan = plan_memory(spec, dtype, config, speculative=system.speculative, expert_graphs=expert_graphs)
     return plan.slots_per_layer, (f"budget minus separate draft {truncated_extra / 2**30:.2f} GiB" if truncated_extra else "")
 
