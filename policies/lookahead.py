@@ -167,8 +167,8 @@ class Roofline:
 
     def observe(self, outcome: RoundOutcome) -> None:
         # The engine keeps the EMAs and fits this policy reads. A probe the engine clamped back to the
-        # depth it replaced (one token left) measured nothing: it must not lengthen the next run.
-        if self._probed_from is not None and outcome.k == self._probed_from:
+        # depth it replaced or below (few tokens left) measured nothing new: it must not lengthen the next run.
+        if self._probed_from is not None and outcome.k <= self._probed_from:
             self._probed_from = None
 
     def expected_accepted(self, state: LookaheadState, k: int) -> float:

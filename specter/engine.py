@@ -35,6 +35,7 @@ from specter.loading import (  # noqa: F401  (CheckpointWeights and WeightSource
     load_experts,
     load_policies,
     may_speculate,
+    scout_only,
 )
 from specter.log import get_logger
 from specter.memory import MemoryPlan, plan_memory
@@ -121,8 +122,10 @@ class Runtime:
         device, dtype = resolve_device(config), resolve_dtype(config, spec)
         policies = load_policies(config)
         speculative = may_speculate(config)
-        calibrated = speculative and config.draft.quant == "gptq4"
         expert_graphs = device.type == "cuda" and config.cuda_graphs and _segmented_verify(config, device.type, transformer_for(spec))
+        if speculative and scout_only(config) and plan_memory(spec, dtype, config, False, expert_graphs=expert_graphs).all_resident:
+            speculative = False  # every expert fits without a draft: a scout would have nothing to prefetch
+        calibrated = speculative and config.draft.quant == "gptq4"
         memory = plan_memory(spec, dtype, config, speculative, expert_graphs=expert_graphs)
         check_device_memory(config, device, memory)
         source.validate()

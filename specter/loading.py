@@ -30,10 +30,15 @@ from specter.verify import OffloadedExperts
 Tensor = torch.Tensor
 
 
+def scout_only(config: EngineConfig) -> bool:
+    """The draft would serve only the scout: the depth is fixed at 0."""
+    return config.lookahead == "fixed" and config.draft.k == 0
+
+
 def may_speculate(config: EngineConfig) -> bool:
     """Whether the engine builds a draft: it may draft (k_max > 0) and some round will (a depth above 0, or a scout)."""
     offloaded = config.budget is not None or config.residents is not None  # a scout has nothing to prefetch otherwise
-    plain_only = config.lookahead == "fixed" and config.draft.k == 0 and not (config.draft.scout and offloaded)
+    plain_only = scout_only(config) and not (config.draft.scout and offloaded)
     return config.draft.k_max > 0 and not plain_only
 
 

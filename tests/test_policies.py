@@ -321,6 +321,10 @@ def test_roofline_probe_clamped_by_the_engine_does_not_lengthen_the_next_run():
     assert [roofline.next_k(state) for _ in range(3)] == [0, 0, 1]  # still a run of 2
     roofline.observe(RoundOutcome(k=1, accepted=0, tpot_s=0.01, round_s=0.01))  # this probe ran
     assert [roofline.next_k(state) for _ in range(5)] == [0, 0, 0, 0, 1]  # it changed nothing: a run of 4
+    deep = Roofline()
+    deep._probed_from = 4  # a probe at k = 8 replaced k = 4, and the engine clamped it to 2 (three tokens left)
+    deep.observe(RoundOutcome(k=2, accepted=2, tpot_s=0.01, round_s=0.03))
+    assert deep._probed_from is None
 
 
 def test_roofline_probes_speculation_after_a_run_of_plain_rounds():

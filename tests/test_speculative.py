@@ -134,6 +134,13 @@ def test_scout_prefetches_plain_rounds_from_one_draft_step(root, family):
     from specter.loading import may_speculate  # all resident: nothing to prefetch, so no draft is built for a scout
     assert not may_speculate(EngineConfig(draft=DraftConfig(k=0, scout=True)))
     assert may_speculate(EngineConfig(residents=3, draft=DraftConfig(k=0, scout=True)))
+
+    async def draft_of(config: EngineConfig):
+        async with await Runtime.load(path, config) as runtime:
+            return runtime.draft
+    # a budget (or residents) that holds every expert leaves nothing to scout for: no draft is built
+    assert asyncio.run(draft_of(EngineConfig(device=DEVICE, max_context=96, residents=64, draft=DraftConfig(k=0, scout=True)))) is None
+    assert asyncio.run(draft_of(EngineConfig(device=DEVICE, max_context=96, residents=3, draft=DraftConfig(k=0, scout=True)))) is not None
     assert stats.misses < plain.misses, (stats.as_dict(), plain.as_dict())
 
 

@@ -100,7 +100,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
     histogram = accepted_histogram(runs)
     rounds = sum(histogram.values())
     predictor = [r["predictor_recall"] for r in runs if r.get("predictor_recall") is not None]
-    scout = [r["scout_recall"] for r in runs if r.get("scout_recall") is not None]
+    scout_total = sum(r.get("scout_recall_total", 0) for r in runs)
     copy_window = sum(r.get("copy_window_s", 0.0) for r in runs)
     return {
         "model": model, "setting": setting, "link": link, "system": system, "runs": len(runs),
@@ -112,7 +112,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "accepted_length": round(sum((n + 1) * c for n, c in histogram.items()) / rounds, 3) if rounds else None,
         "window_recall": round(sum(r.get("recall_hits", 0) for r in runs) / recall_total, 4) if recall_total else None,
         "predictor_recall": round(statistics.fmean(predictor), 4) if predictor else None,
-        "scout_recall": round(statistics.fmean(scout), 4) if scout else None,
+        "scout_recall": round(sum(r.get("scout_recall_hits", 0) for r in runs) / scout_total, 4) if scout_total else None,
         "hit_rate": round(hits / lookups, 4) if lookups else None,
         "h2d_mb_per_token": round(sum(r["h2d_bytes"] for r in runs) / tokens / 1e6, 3),
         "stall_ms_per_token": round(1e3 * sum(r["stall_s"] for r in runs) / tokens, 3),
