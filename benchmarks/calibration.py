@@ -1,7 +1,7 @@
 """What GPTQ calibration buys the draft: acceptance and window recall, RTN against GPTQ, per model family.
 
     python benchmarks/calibration.py                      # tiny random checkpoints of every family (CPU)
-    python benchmarks/calibration.py --model PATH         # any checkpoint (e.g. the reference model)
+    python benchmarks/calibration.py --model PATH         # any checkpoint (e.g. the reference model: its prompts.json)
 """
 
 from __future__ import annotations
@@ -18,11 +18,19 @@ from specter.engine import Runtime
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10], [50, 60, 70], [11, 5, 80, 33, 2], [90, 91, 4]]
 
 
+def prompts_for(path: str, per_kind: int = 2) -> list[list[int]]:
+    """The reference model's held-out snippets (prompts.json, written by reference_model.py), else PROMPTS."""
+    listed = Path(path) / "prompts.json"
+    if not listed.exists():
+        return PROMPTS
+    return [list(ids) for snippets in json.loads(listed.read_text())["kinds"].values() for ids in snippets[:per_kind]]
+
+
 async def measure(path: str, quant: str, device: str, residents: int | None, tokens: int, group: int) -> dict:
     config = EngineConfig(device=device, max_context=256, residents=residents, draft=DraftConfig(k=4, quant=quant, group_size=group))
     runtime = await Runtime.load(path, config)
     drafted = accepted = recall_hits = recall_total = 0
-    for prompt in PROMPTS:
+    for prompt in prompts_for(path):
         stats = (await runtime.complete_ids(prompt, GenerationConfig(max_new_tokens=tokens))).stats
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
         recall_hits, recall_total = recall_hits + stats.recall_hits, recall_total + stats.recall_total
@@ -48,7 +56,7 @@ def main() -> None:
     models = {"model": args.model} if args.model else tiny_checkpoints(Path(tempfile.mkdtemp()))
     rows = []
     for name, path in models.items():
-        for quant in ("int4", "gptq4", "int2"):
+        for quant in ("int4", "gptq4", "int8", "int2"):
             row = asyncio.run(measure(path, quant, args.device, args.residents, args.tokens, args.group))
             rows.append({"model": name, "quant": quant, **row})
     if args.out:

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 # 0.07 ms, only 9.7x; width 16384 at hidden 1536 (151 MB per expert) gives about 2.7 ms of copy per expert.
 GPU_SHAPE = dict(hidden_size=1536, num_hidden_layers=6, num_attention_heads=12, num_key_value_heads=4, num_local_experts=8,
                  num_experts_per_tok=2, intermediate_size=16384)
+SMALL_SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                   num_experts_per_tok=2, intermediate_size=512)  # trainable on a CPU in minutes: routing with structure
 TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                   num_experts_per_tok=2, intermediate_size=128)
 GEN5_BYTES_PER_S = 55e9  # measured pinned H2D on the H200 machine (shared/device/README.md)
@@ -203,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tiny", action="store_true", help="a tiny model for tests: CPU, a few steps, seconds")
+    parser.add_argument("--small", action="store_true",
+                        help="a small model a CPU trains in minutes (hidden 256, 4 layers, 8 experts): trained routing off the GPU")
     parser.add_argument("--minutes", type=float, default=5.0, help="training time limit")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
@@ -211,14 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    tiny = args.tiny
+    tiny, small = args.tiny, args.small and not args.tiny
     args.max_steps = args.max_steps or (30 if tiny else 10**9)
-    args.batch, args.length = args.batch or (4 if tiny else 32), args.length or (64 if tiny else 512)
-    args.lr = args.lr or (3e-3 if tiny else 6e-4)
+    args.batch = args.batch or (4 if tiny else 8 if small else 32)
+    args.length = args.length or (64 if tiny else 128 if small else 512)
+    args.lr = args.lr or (3e-3 if tiny or small else 6e-4)
     device = torch.device(args.device)
-    if device.type == "cpu":
+    if device.type == "cpu" and not small:
         torch.set_num_threads(1)  # small matrices: thread hand-offs cost more than they bring
-    shape = TINY_SHAPE if tiny else GPU_SHAPE
+    shape = TINY_SHAPE if tiny else SMALL_SHAPE if small else GPU_SHAPE
     torch.manual_seed(0)
 
     ratio = copy_compute_ratio(shape, device)
@@ -241,11 +246,11 @@ def main(argv: list[str] | None = None) -> int:
           f"held-out loss {stats['held_out_loss']:.3f} nats/byte")
 
     args.out.mkdir(parents=True, exist_ok=True)
-    model.to(torch.float32 if tiny else torch.bfloat16).save_pretrained(args.out)
+    model.to(torch.float32 if tiny or small else torch.bfloat16).save_pretrained(args.out)
     save_tokenizer(args.out)
     (args.out / "prompts.json").write_text(json.dumps({"kinds": prompt_snippets(held)}))
     (args.out / "reference.json").write_text(json.dumps({"shape": shape, "copy_compute": ratio, "training": stats,
-                                                         "corpus_files": len(files), "tiny": tiny}, indent=1))
+                                                         "corpus_files": len(files), "tiny": tiny, "small": small}, indent=1))
     print(f"saved to {args.out}")
     return 0
 

@@ -260,3 +260,22 @@ def test_quant_sets_the_draft_format_of_every_speculative_system(tmp_path):
         runs = results["runs"]
         acceptance[quant] = sum(run["accepted"] for run in runs) / sum(run["drafted"] for run in runs)
     assert acceptance["int8"] > acceptance["int2"], acceptance
+
+
+def test_small_reference_model_and_calibration_prompts(tmp_path):
+    """--small trains the CPU-sized reference shape; calibration.py reads the held-out prompts it writes."""
+    def load_script(name: str):
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    trainer, calibration = load_script("reference_model"), load_script("calibration")
+    assert trainer.main(["--small", "--out", str(tmp_path), "--max-steps", "1", "--device", "cpu"]) == 0
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_local_experts"]) == (256, 4, 8)
+    assert json.loads((tmp_path / "reference.json").read_text())["small"] is True
+    prompts = calibration.prompts_for(str(tmp_path))
+    kinds = json.loads((tmp_path / "prompts.json").read_text())["kinds"]
+    assert prompts == [ids for snippets in kinds.values() for ids in snippets[:2]] and len(prompts) == 6
+    assert calibration.prompts_for(str(tmp_path / "elsewhere")) == calibration.PROMPTS
