@@ -5,6 +5,10 @@ and draft acceptance. Its experts are sized so that copying one over PCIe takes 
 as computing it (printed, and recorded in reference.json). GPU: `python benchmarks/reference_model.py --out DIR`
 (trains for --minutes, default 5). CPU smoke test: `--tiny` (seconds). The checkpoint loads with
 `Runtime.load(DIR)` and `python -m specter.bench --model DIR`, which reads DIR/prompts.json.
+
+`--family qwen2_moe` trains the Qwen1.5-MoE-A2.7B shape instead (first 8 of its 24 layers: hidden 2048,
+60 experts top-4 of width 1408, a shared expert of width 5632; 17.3 MB per bf16 expert): the issue-4
+figures on that shape with learned routing rather than random weights.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ GPU_SHAPE = dict(hidden_size=1536, num_hidden_layers=6, num_attention_heads=12, 
                  num_experts_per_tok=2, intermediate_size=16384)
 SMALL_SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
                    num_experts_per_tok=2, intermediate_size=512)  # trainable on a CPU in minutes: routing with structure
+QWEN_SHAPE = dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16, num_experts=60,
+                  num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632, intermediate_size=5632)
+QWEN_TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128, intermediate_size=128)
 TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                   num_experts_per_tok=2, intermediate_size=128)
 GEN5_BYTES_PER_S = 55e9  # measured pinned H2D on the H200 machine (shared/device/README.md)
@@ -87,18 +95,28 @@ def batches(data: torch.Tensor, batch: int, length: int, generator: torch.Genera
 
 # ---- model -----------------------------------------------------------------------------------------------
 
-def make_model(shape: dict, device: torch.device):
+def make_model(shape: dict, device: torch.device, family: str = "mixtral"):
+    common = dict(vocab_size=256, max_position_embeddings=4096, tie_word_embeddings=False, output_router_logits=True,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None, **shape)
+    if family == "qwen2_moe":  # Qwen1.5-MoE's choices: unnormalised top-k weights, every layer sparse, q/k/v biases
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        config = Qwen2MoeConfig(router_aux_loss_coef=0.001, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+                                use_sliding_window=False, **common)
+        return Qwen2MoeForCausalLM(config).to(device)
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    config = MixtralConfig(vocab_size=256, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
-                           router_aux_loss_coef=0.01, output_router_logits=True, sliding_window=None, bos_token_id=None,
-                           eos_token_id=None, pad_token_id=None, **shape)
+    config = MixtralConfig(rope_theta=10000.0, router_aux_loss_coef=0.01, sliding_window=None, **common)
     return MixtralForCausalLM(config).to(device)
+
+
+def expert_width(shape: dict) -> int:
+    return shape.get("moe_intermediate_size", shape["intermediate_size"])
 
 
 def copy_compute_ratio(shape: dict, device: torch.device) -> dict[str, float]:
     """One expert's PCIe copy time over its compute time at 1 token (measured on CUDA; estimated elsewhere)."""
-    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    hidden, inter = shape["hidden_size"], expert_width(shape)
     expert_bytes = 3 * hidden * inter * 2  # bf16
     if device.type != "cuda":
         return {"expert_bytes": expert_bytes, "copy_ms": 1e3 * expert_bytes / GEN5_BYTES_PER_S, "compute_ms": float("nan"),
@@ -205,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tiny", action="store_true", help="a tiny model for tests: CPU, a few steps, seconds")
+    parser.add_argument("--family", default="mixtral", choices=["mixtral", "qwen2_moe"],
+                        help="mixtral: the reference shape; qwen2_moe: the Qwen1.5-MoE-A2.7B shape, first 8 layers")
     parser.add_argument("--small", action="store_true",
                         help="a small model a CPU trains in minutes (hidden 256, 4 layers, 8 experts): trained routing off the GPU")
     parser.add_argument("--minutes", type=float, default=5.0, help="training time limit")
@@ -216,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     tiny, small = args.tiny, args.small and not args.tiny
+    if small and args.family != "mixtral":
+        parser.error("--small is a mixtral shape; use --tiny or the full shape with --family qwen2_moe")
     args.max_steps = args.max_steps or (30 if tiny else 10**9)
     args.batch = args.batch or (4 if tiny else 8 if small else 32)
     args.length = args.length or (64 if tiny else 128 if small else 512)
@@ -223,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cpu" and not small:
         torch.set_num_threads(1)  # small matrices: thread hand-offs cost more than they bring
-    shape = TINY_SHAPE if tiny else SMALL_SHAPE if small else GPU_SHAPE
+    if args.family == "qwen2_moe":
+        shape = QWEN_TINY_SHAPE if tiny else QWEN_SHAPE
+    else:
+        shape = TINY_SHAPE if tiny else SMALL_SHAPE if small else GPU_SHAPE
     torch.manual_seed(0)
 
     ratio = copy_compute_ratio(shape, device)
@@ -239,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     held_data = torch.frombuffer(bytearray(held_bytes), dtype=torch.uint8).long()
     print(f"corpus: {len(files)} files, {len(train_bytes) / 1e6:.1f} MB training, {len(held_bytes) / 1e6:.2f} MB held out")
 
-    model = make_model(shape, device)
+    model = make_model(shape, device, args.family)
     stats = train(model, data, args, device)
     stats["held_out_loss"] = held_out_loss(model, held_data, args, device)
     print(f"trained {stats['steps']} steps ({stats['tokens'] / 1e6:.1f} M tokens) in {stats['seconds']:.0f} s; "
@@ -250,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     save_tokenizer(args.out)
     (args.out / "prompts.json").write_text(json.dumps({"kinds": prompt_snippets(held)}))
     (args.out / "reference.json").write_text(json.dumps({"shape": shape, "copy_compute": ratio, "training": stats,
-                                                         "corpus_files": len(files), "tiny": tiny, "small": small}, indent=1))
+                                                         "corpus_files": len(files), "tiny": tiny, "small": small,
+                                                         "family": args.family}, indent=1))
     print(f"saved to {args.out}")
     return 0
 

@@ -279,3 +279,26 @@ def test_small_reference_model_and_calibration_prompts(tmp_path):
     kinds = json.loads((tmp_path / "prompts.json").read_text())["kinds"]
     assert prompts == [ids for snippets in kinds.values() for ids in snippets[:2]] and len(prompts) == 6
     assert calibration.prompts_for(str(tmp_path / "elsewhere")) == calibration.PROMPTS
+
+
+def test_qwen_shaped_reference_model_loads_and_decodes_like_transformers(tmp_path):
+    """--family qwen2_moe --tiny: a trained Qwen2-MoE checkpoint the engine decodes exactly as transformers does."""
+    spec = importlib.util.spec_from_file_location("reference_model", ROOT / "benchmarks" / "reference_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--tiny", "--family", "qwen2_moe", "--out", str(tmp_path), "--max-steps", "3", "--device", "cpu"]) == 0
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "qwen2_moe" and config["num_experts"] == 8 and config["shared_expert_intermediate_size"] == 128
+    prompt = json.loads((tmp_path / "prompts.json").read_text())["kinds"]["code"][0]
+
+    async def generate() -> list[int]:
+        config = EngineConfig(device="cpu", dtype="float32", residents=2, max_context=64, draft=DraftConfig(k=3))
+        async with await Runtime.load(tmp_path, config) as runtime:
+            return (await runtime.complete_ids(prompt, GenerationConfig(max_new_tokens=6))).tokens
+
+    from transformers import Qwen2MoeForCausalLM
+
+    hf = Qwen2MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+    assert asyncio.run(generate()) == expected
