@@ -71,6 +71,9 @@ def test_specter_scout_scouts_its_plain_rounds(matrix):
     alone = [run for run in runs if run["system"] == "scout-k0"]  # every round scouts, none drafts
     assert len(alone) == 3 and all(run["scouted_rounds"] == run["rounds"] == 7 and run["drafted"] == 0 for run in alone)
     assert all(0.0 < run["scout_recall"] <= 1.0 and run["tokens_equal"] for run in alone)
+    rows = {row["system"]: row for row in matrix[2]["summary"]}  # pooled over requests, like window recall
+    pooled = sum(run["scout_recall_hits"] for run in alone) / sum(run["scout_recall_total"] for run in alone)
+    assert rows["scout-k0"]["scout_recall"] == round(pooled, 4) and rows["ondemand"]["scout_recall"] is None
 
 
 def test_oracle_predicts_every_used_expert_and_gate_prefetch_some(matrix):
@@ -164,6 +167,7 @@ def test_budgets_give_slots_per_system():
     budget = Setting(budget=6 * 2**30)
     plain, speculative = system_slots(SYSTEMS["ondemand"], budget, *args)[0], system_slots(SYSTEMS["specter"], budget, *args)[0]
     assert plain >= speculative > system_slots(SYSTEMS["specmoeoff"], budget, *args)[0]
+    assert system_slots(SYSTEMS["scout-k0"], budget, *args)[0] == speculative  # a scout pays for the draft too
     int8 = system_slots(SYSTEMS["specter"], budget, *args, quant="int8")[0]  # a bigger draft leaves fewer slots
     assert int8 < speculative and system_slots(SYSTEMS["ondemand"], budget, *args, quant="int8")[0] == plain
     assert initial_state(((1, 2, 3), (4,)), 2) == ((2, 3), (4,))
@@ -277,7 +281,9 @@ def test_small_reference_model_and_calibration_prompts(tmp_path):
     assert json.loads((tmp_path / "reference.json").read_text())["small"] is True
     prompts = calibration.prompts_for(str(tmp_path))
     kinds = json.loads((tmp_path / "prompts.json").read_text())["kinds"]
-    assert prompts == [ids for snippets in kinds.values() for ids in snippets[:2]] and len(prompts) == 6
+    assert len(prompts) == 6 and len({tuple(ids) for ids in prompts}) == 6
+    assert all(len(ids) == 16 and all(isinstance(t, int) and 0 <= t < 256 for t in ids) for ids in prompts)
+    assert prompts[:2] == kinds["code"][:2] and len(calibration.prompts_for(str(tmp_path), per_kind=1)) == 3
     assert calibration.prompts_for(str(tmp_path / "elsewhere")) == calibration.PROMPTS
 
 
