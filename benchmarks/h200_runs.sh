@@ -3,14 +3,15 @@
 # On the development machine: ../shared/device/stage-wheels.sh, then run e.g.
 #   run(command="bash benchmarks/h200_runs.sh gpu-tests", carry=[".whl"])
 # Every stage writes under $OUT and prints a short table last. Several stages run in order in one call:
-#   bash benchmarks/h200_runs.sh fixes profile reference-core memory
+#   bash benchmarks/h200_runs.sh fixes profile      (keep the sum of a call's timeouts under the 600 s limit)
 # Done 2026-11-30: validate (gpu tests + CUDA property tests), the reference model's full matrix, fixes + profile
 # (routed sum: 19.5 -> 15.4 ms), paper-qwen / paper-deepseek / paper-phi (merged: results/h200-2026-11-30/paper-3links),
 # the probe back-off and the scout (results/h200-2026-11-30/scout-backoff).
-# Next, in this order: qwen-reference (issue 4's Qwen-shape figures with learned routing); scout (the scout alone,
-# scout-k0, after its accounting fix); paper-int8 (does an int8 draft, 0.89 against 0.62 acceptance at 2 layers on the CPU, make
-# speculation pay on the random-weight shapes?); calibration (GPTQ against RTN on the trained reference model: it
-# was only measured on tiny random checkpoints); micro (tile sweep); then item 8 of issue 4 once it exists.
+# Next, in this order: qwen-train, then qwen-reference in the next call (issue 4's Qwen-shape figures with learned
+# routing); scout (the scout alone, scout-k0, after its accounting fix); paper-int8 (does an int8 draft, 0.86 against
+# 0.21 acceptance at 8 layers on the CPU, make speculation pay on the random-weight shapes?); calibration (GPTQ
+# against RTN on the GPU reference model; so far tiny random checkpoints and a CPU-trained small model); micro
+# (tile sweep); then item 8 of issue 4 once it exists.
 # Write everything straight under $OUT (a command killed at its limit returns only what is already there).
 set -u
 source benchmarks/h200_setup.sh
@@ -83,8 +84,8 @@ case "$stage" in
       --no-plots --out "$out/$stage" 2>&1 | tail -35 ;;
   paper-int8)     # Qwen and DeepSeek shapes, Gen5 and Gen4, with an int8 draft (compare with paper-3links' int4 cells)
     for shape in qwen1.5-moe-a2.7b deepseek-v2-lite; do
-      timeout 280 python -m specter.bench --model "$shape" --preset paper --layers 8 --link native,gen4 --max-new-tokens 64 \
-        --systems ondemand,specter,oracle-specter --quant int8 --time-budget 260 --no-progress --no-plots \
+      timeout 260 python -m specter.bench --model "$shape" --preset paper --layers 8 --link native,gen4 --max-new-tokens 64 \
+        --systems ondemand,specter,oracle-specter --quant int8 --time-budget 240 --no-progress --no-plots \
         --out "$out/paper-int8-$shape" 2>&1 | tail -14
     done ;;
   scout)          # the scout alone (scout-k0) against ondemand, and inside specter, on the three paper shapes at Gen5
@@ -93,16 +94,18 @@ case "$stage" in
         --systems ondemand,scout-k0,specter,specter-scout --time-budget 135 --no-progress --no-plots \
         --out "$out/scout-${spec%%:*}" 2>&1 | grep -E "ondemand|scout|specter " | tail -8
     done ;;
-  qwen-reference) # the Qwen1.5-MoE shape (8 layers) trained on the stdlib corpus, then specter vs ondemand on it at 15 and 8
-    # residents (issue 4's figures with learned routing instead of random weights). Run alone: it needs the GPU to itself.
-    timeout 300 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 3 --batch 16 2>&1 | tail -3
-    cp /tmp/qwenref/reference.json "$out/qwen-reference.json" 2>/dev/null
-    timeout 270 python -m specter.bench --model /tmp/qwenref --residents 15,8 --link native,gen4 --max-new-tokens 64 \
-      --systems resident,ondemand,specmoeoff,specter,oracle-specter --time-budget 250 --no-progress --no-plots --no-hf \
+  qwen-train)     # the Qwen1.5-MoE shape (8 layers) trained on the stdlib corpus; then qwen-reference in the next call,
+    # right away (the machine keeps /tmp only while warm, about 30 s after a call)
+    timeout 330 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 3.5 2>&1 | tail -3
+    cp /tmp/qwenref/reference.json "$out/qwen-reference.json" 2>/dev/null ;;
+  qwen-reference) # specter vs ondemand on the trained Qwen shape at 15 and 8 residents, Gen5 and Gen4 (issue 4's figures
+    # with learned routing instead of random weights)
+    timeout 420 python -m specter.bench --model /tmp/qwenref --residents 15,8 --link native,gen4 --max-new-tokens 64 \
+      --systems resident,ondemand,specmoeoff,specter,oracle-specter --time-budget 390 --no-progress --no-plots --no-hf \
       --out "$out/qwen-reference" 2>&1 | tail -16 ;;
-  calibration)    # what GPTQ buys the draft of the trained reference model: int4 RTN / gptq4 / int2 acceptance and recall
+  calibration)    # what GPTQ buys the draft of the trained reference model: int4 RTN / gptq4 / int8 / int2 acceptance and recall
     [ -e /tmp/reference/config.json ] || timeout 170 python benchmarks/reference_model.py --out /tmp/reference --minutes 1.5 2>&1 | tail -2
-    timeout 240 python benchmarks/calibration.py --model /tmp/reference --device cuda --residents 4 --group 128 \
+    timeout 240 python benchmarks/calibration.py --model /tmp/reference --device cuda --residents 4 --group 128 --tokens 48 \
       --out "$out/calibration_reference.json" 2>&1 | tail -5 ;;
   retest)         # the GPU tests changed since validate, each alone (no training beside them)
     timeout 60 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_graphed.py -k "garbage" tests/test_gpu_transfer.py -k "garbage or emulation" 2>&1 | tail -3
@@ -110,6 +113,6 @@ case "$stage" in
   train)          # the reference model alone
     timeout 170 python benchmarks/reference_model.py --out /tmp/reference --minutes 2 2>&1 | tail -3
     cp /tmp/reference/reference.json "$out/" 2>/dev/null ;;
-  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train|paper-qwen|paper-deepseek|paper-phi|paper-int8|calibration|scout|qwen-reference)" >&2; exit 2 ;;
+  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train|paper-qwen|paper-deepseek|paper-phi|paper-int8|calibration|scout|qwen-train|qwen-reference)" >&2; exit 2 ;;
 esac
 done
