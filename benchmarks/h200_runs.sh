@@ -7,7 +7,8 @@
 # Done 2026-11-30: validate (gpu tests + CUDA property tests), the reference model's full matrix, fixes + profile
 # (routed sum: 19.5 -> 15.4 ms), paper-qwen / paper-deepseek / paper-phi (merged: results/h200-2026-11-30/paper-3links),
 # the probe back-off and the scout (results/h200-2026-11-30/scout-backoff).
-# Next, in this order: qwen-train, then qwen-reference in the next call (issue 4's Qwen-shape figures with learned
+# Next, in this order: draft-step (the fused norm/RoPE: 5.87 ms draft step predicted to fall to 4.0-4.6 ms);
+# qwen-train, then qwen-reference in the next call (issue 4's Qwen-shape figures with learned
 # routing); scout (the scout alone, scout-k0, after its accounting fix); paper-int8 (does an int8 draft, 0.86 against
 # 0.21 acceptance at 8 layers on the CPU, make speculation pay on the random-weight shapes?); calibration (GPTQ
 # against RTN on the GPU reference model; so far tiny random checkpoints and a CPU-trained small model); micro
@@ -88,6 +89,9 @@ case "$stage" in
         --systems ondemand,specter,oracle-specter --quant int8 --time-budget 240 --no-progress --no-plots \
         --out "$out/paper-int8-$shape" 2>&1 | tail -14
     done ;;
+  draft-step)     # the fused norm/RoPE of the draft: GPU kernel and draft-graph tests, then the graphed draft step vs its floor
+    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fused.py tests/test_gpu_graphed.py 2>&1 | tail -3
+    timeout 200 python benchmarks/graphed_tpot.py --out "$out/graphed" 2>&1 | tail -10 ;;
   scout)          # the scout alone (scout-k0) against ondemand, and inside specter, on the three paper shapes at Gen5
     for spec in qwen1.5-moe-a2.7b:--preset=paper deepseek-v2-lite:--preset=paper phi-3.5-moe:--residents=2; do
       timeout 150 python -m specter.bench --model "${spec%%:*}" "${spec#*:}" --layers 8 --link native --max-new-tokens 64 \
@@ -113,6 +117,6 @@ case "$stage" in
   train)          # the reference model alone
     timeout 170 python benchmarks/reference_model.py --out /tmp/reference --minutes 2 2>&1 | tail -3
     cp /tmp/reference/reference.json "$out/" 2>/dev/null ;;
-  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train|paper-qwen|paper-deepseek|paper-phi|paper-int8|calibration|scout|qwen-train|qwen-reference)" >&2; exit 2 ;;
+  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train|paper-qwen|paper-deepseek|paper-phi|paper-int8|calibration|scout|qwen-train|qwen-reference|draft-step)" >&2; exit 2 ;;
 esac
 done

@@ -1,0 +1,104 @@
+"""The fused RMSNorm and RoPE kernels of the non-exact forward (the draft), run in Triton's interpreter on the CPU
+against torch's op sequence; and the exact forward never takes them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specter.model import fused
+from specter.quant.moe_triton import triton_available
+from tests.interpreter import run_interpreted
+
+SCRIPT = r"""
+import json
+import torch
+from specter.model import fused
+from specter.model.transformer import rms_norm, rotate_half
+
+ULP = {torch.float32: 2.0**-20, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+results = []
+generator = torch.Generator().manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for shape in ((1, 2048), (5, 64), (3, 4, 128), (2, 3, 40)):
+        x = (torch.randn(*shape, generator=generator) * 3).to(dtype)
+        weight = (1 + torch.randn(shape[-1], generator=generator) / 4).to(dtype)
+        reference = rms_norm(x, weight, 1e-6).float()
+        got = fused.rms_norm(x, weight, 1e-6)
+        gap = ((got.float() - reference).abs() / (reference.abs() + 1e-3)).max().item()
+        results.append(["norm", str(dtype), list(shape), got.dtype == x.dtype and got.shape == x.shape, gap, 2 * ULP[dtype]])
+    view = (torch.randn(4, 96, generator=generator)).to(dtype)[:, :64]  # a strided view
+    gap = (fused.rms_norm(view, torch.ones(64, dtype=dtype), 1e-5).float() - rms_norm(view, torch.ones(64, dtype=dtype), 1e-5).float()).abs().max().item()
+    results.append(["norm-view", str(dtype), [4, 64], True, gap, 4 * ULP[dtype]])
+    for rows, heads, kv_heads, head_dim in ((1, 8, 2, 64), (5, 4, 4, 32), (3, 6, 2, 40)):
+        q = torch.randn(rows, heads, head_dim, generator=generator).to(dtype)
+        k = torch.randn(rows, kv_heads, head_dim, generator=generator).to(dtype)
+        angles = torch.rand(100, head_dim // 2, generator=generator) * 6.3
+        cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
+        positions = torch.randperm(100, generator=generator)[:rows]
+        c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+        ref_q, ref_k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+        got_q, got_k = fused.rope(q, k, cos, sin, positions)
+        gap = max((got_q.float() - ref_q.float()).abs().max().item(), (got_k.float() - ref_k.float()).abs().max().item())
+        results.append(["rope", str(dtype), [rows, heads, kv_heads, head_dim], got_q.shape == q.shape and got_k.shape == k.shape,
+                        gap, 4 * ULP[dtype] * 4])
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_fused_norm_and_rope_match_torch_in_the_interpreter():
+    results = run_interpreted(SCRIPT)
+    assert len(results) == 3 * (4 + 1 + 3)
+    for kind, dtype, shape, shapes_ok, gap, tolerance in results:
+        assert shapes_ok, (kind, dtype, shape)
+        assert gap <= tolerance, (kind, dtype, shape, gap, tolerance)
+
+
+DRAFT_SCRIPT = r"""
+import asyncio, json, sys
+import torch
+from specter.config import EngineConfig
+from specter.loader import load_resident
+from specter.model import fused
+
+path = sys.argv[1]
+exact = load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=32))
+fast = load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=32, exact=False))
+calls = {"norm": 0, "rope": 0}
+for name in calls:
+    original = getattr(fused, "rms_norm" if name == "norm" else name)
+    def counted(*args, _original=original, _name=name):
+        calls[_name] += 1
+        return _original(*args)
+    setattr(fused, "rms_norm" if name == "norm" else name, counted)
+
+async def hidden(loaded):
+    kv = loaded.model.new_kv()
+    return await loaded.model.forward(torch.tensor([3, 1, 4, 1, 5]), 0, kv, loaded.experts)
+
+got_exact = asyncio.run(hidden(exact))
+exact_calls = dict(calls)
+got_fast = asyncio.run(hidden(fast))
+print(json.dumps({"exact_calls": exact_calls, "fast_calls": calls,
+                  "gap": ((got_fast - got_exact).abs().max() / got_exact.abs().max()).item()}))
+"""
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_only_the_non_exact_forward_takes_the_fused_kernels(tmp_path):
+    from tests.hf_models import hf_model, save_hf
+
+    path = save_hf(hf_model("qwen3_moe"), tmp_path / "m")  # qk-norm: every norm site of the standard attention
+    result = run_interpreted(DRAFT_SCRIPT, str(path))
+    assert result["exact_calls"] == {"norm": 0, "rope": 0}  # exact mode keeps torch's op sequence
+    import json
+
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    # per layer: input, q, k and post-attention norms and one rope; then the final norm is the head's (not in forward)
+    assert result["fast_calls"] == {"norm": 4 * layers, "rope": layers}, result
+    assert result["gap"] < 1e-4, result
+
+
+def test_the_fused_path_is_off_for_cpu_tensors_outside_the_interpreter():
+    assert not fused.usable(torch.zeros(2)) or fused.moe_triton.interpreting()
