@@ -127,9 +127,9 @@ class Roofline:
     one depth below k_max, one round runs deeper instead: at k = 1 from k = 0 (the cheapest round that
     measures the first position's acceptance), else at 2k; 0 turns probing off. A probe that leaves the
     decision where it was doubles the run before the next one (up to `max_backoff` times `probe_every`);
-    a change of decision, after a probe or not, resets it: on a model where speculation does not pay, a probe costs several
-    plain rounds (its verify loads the experts of k + 1 tokens), so probing every 16 rounds cost 7-16 % of
-    TPOT on the random-weight paper shapes.
+    a change of decision, after a probe or not, resets it. Where speculation does not pay, a probe costs
+    several plain rounds (its verify loads the experts of k + 1 tokens): probing every 16 rounds cost
+    7-16 % of TPOT on the random-weight paper shapes.
     """
 
     def __init__(self, *, prior_acceptance: float = 0.7, probe_every: int = 16, max_backoff: int = 16) -> None:

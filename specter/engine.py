@@ -474,7 +474,6 @@ class Runtime:
             stats.drafted += k
             stats.accepted += acceptance.n_accepted
             stats.accepted_lengths[acceptance.n_accepted] += 1
-        if k:
             self._observe_recall(record, stats, k, acceptance)
         if scouted:  # the scout's time is the plain rounds' own (LookaheadState.scout_s), not a depth-1 draft
             stats.scouted += 1

@@ -158,12 +158,8 @@ class Estimates:
         """Least-squares a + b*k over recent drafts: a is the per-draft cost (the checkpoints' plans, the
         task group), b the cost of a step. Until two depths were seen: (0, seconds per step), which charges
         the fixed part to every step and so never makes an unmeasured depth look cheaper than it is."""
-        if not self.draft_points:
-            return (0.0, self.draft_step_s or 1e-3)
-        fit = _line_fit(self.draft_points)
-        if fit is None:
-            return (0.0, self.draft_step_s or 1e-3)
-        return fit
+        fit = _line_fit(self.draft_points) if self.draft_points else None
+        return fit if fit is not None else (0.0, self.draft_step_s or 1e-3)
 
     def observe_scout(self, seconds: float) -> None:
         self.scout_s = self._ema(self.scout_s, seconds)
