@@ -7,12 +7,14 @@
 # Done 2026-11-30: validate (gpu tests + CUDA property tests), the reference model's full matrix, fixes + profile
 # (routed sum: 19.5 -> 15.4 ms), paper-qwen / paper-deepseek / paper-phi (merged: results/h200-2026-11-30/paper-3links),
 # the probe back-off and the scout (results/h200-2026-11-30/scout-backoff).
-# Next, in this order: draft-step (the fused norm/RoPE: 5.87 ms draft step predicted to fall to 4.0-4.6 ms);
-# qwen-train, then qwen-reference in the next call (issue 4's Qwen-shape figures with learned
-# routing); scout (the scout alone, scout-k0, after its accounting fix); paper-int8 (does an int8 draft, 0.86 against
-# 0.21 acceptance at 8 layers on the CPU, make speculation pay on the random-weight shapes?); calibration (GPTQ
-# against RTN on the GPU reference model; so far tiny random checkpoints and a CPU-trained small model); micro
-# (tile sweep); then item 8 of issue 4 once it exists.
+# Done 2026-11-30, fifth session: draft-step (graphed int4 draft step 5.87 -> 4.73 ms, 4.43x its floor; predicted
+# 4.0-4.6 ms: narrowly missed), qwen-train + qwen-reference (trained Qwen shape: specter 1.87-2.77x ondemand),
+# paper-int8 (int8 draft: specter 0.92-1.40x ondemand, int4 0.84-1.04x); results/h200-2026-11-30/{draft-step,
+# qwen-reference,paper-int8}.
+# Next, in this order: scout (the scout alone, scout-k0, after its accounting fix); calibration (GPTQ against RTN
+# on the GPU reference model; so far tiny random checkpoints and a CPU-trained small model; on the Qwen shape
+# calibration.py at --tokens 48 with its four formats ran past a 280 s call: needs a smaller --tokens or fewer
+# formats there); micro (tile sweep); then item 8 of issue 4 once it exists.
 # Write everything straight under $OUT (a command killed at its limit returns only what is already there).
 set -u
 source benchmarks/h200_setup.sh
