@@ -58,6 +58,8 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     policies.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2", "gptq4"], help="draft expert format")
     policies.add_argument("--scout", action="store_true",
                           help="offloaded plain rounds (k = 0) prefetch the experts of one draft step's routes first")
+    policies.add_argument("--overlap", type=int, default=0, metavar="N",
+                          help="draft up to N steps ahead beside each verify (kept when the verify takes every draft); 0: off")
     sampling = gen.add_argument_group("sampling")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     sampling.add_argument("--top-k", type=int, default=None)
@@ -98,7 +100,8 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig.build(
         device=args.device, dtype=args.dtype, max_context=args.max_context, budget=args.budget, residents=args.residents,
         eviction=args.eviction, prefetch=args.prefetch, lookahead=args.lookahead, link=args.link, progress=args.progress,
-        draft=dict(k=args.k, k_max=args.k_max, quant=args.quant, sampling=args.sampling, scout=args.scout),
+        draft=dict(k=args.k, k_max=args.k_max, quant=args.quant, sampling=args.sampling, scout=args.scout,
+                   overlap=args.overlap),
     )
 
 

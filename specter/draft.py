@@ -9,7 +9,9 @@ feeding the next step's input buffer on the device.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -122,16 +124,25 @@ class Draft:
 
     async def propose(self, x0: Tensor, start: int, k: int, kv: KVCache, params: SamplingParams,
                       after_step: Callable[[int], Awaitable[None]] | None = None,
-                      keep_logits: bool = False) -> tuple[Tensor, Tensor | None]:
+                      keep_logits: bool = False, prefix: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Draft tokens d1..dk [k] (device) from x0 [1] at position `start`, and their logits [k, V] if kept.
 
         after_step(steps_done) runs after each step (the engine plans and prefetches there).
+        prefix [c] (device, c <= k): d1..dc already proposed by `extend` during the last verify; their KV and
+        routes are in place (the counters are not reset), drafting resumes at step c + 1 and after_step(c)
+        runs once before it. Not with keep_logits (their logits were not kept).
         """
-        self.route_counts.zero_()
+        done = 0 if prefix is None else prefix.shape[0]
+        assert done <= k and not (done and keep_logits), f"a prefix of {done} for k = {k} (logits kept: {keep_logits})"
+        if not done:
+            self.route_counts.zero_()
+        elif after_step is not None:
+            await after_step(done)
         if self.static:
-            return await self._propose_static(x0, start, k, kv, params, after_step, keep_logits)
-        token, drafted, kept = x0, [], []
-        for step in range(k):
+            return await self._propose_static(x0, start, k, kv, params, after_step, keep_logits, prefix)
+        token = x0 if prefix is None else prefix[-1:]
+        drafted, kept = ([] if prefix is None else [prefix]), []
+        for step in range(done, k):
             hidden = await self.model.forward(token, start + step, kv, self.experts)
             logits = self.model.logits(hidden)  # [1, V]
             position = torch.full((1,), start + step + 1, dtype=torch.long, device=logits.device)
@@ -141,26 +152,69 @@ class Draft:
                 kept.append(logits)
             if after_step is not None:
                 await after_step(step + 1)
-        return torch.cat(drafted), (torch.cat(kept) if keep_logits else None)
+        return _joined(drafted, x0), (torch.cat(kept) if keep_logits else None)
 
     async def _propose_static(self, x0: Tensor, start: int, k: int, kv: KVCache, params: SamplingParams,
-                              after_step: Callable[[int], Awaitable[None]] | None, keep_logits: bool) -> tuple[Tensor, Tensor | None]:
+                              after_step: Callable[[int], Awaitable[None]] | None, keep_logits: bool,
+                              prefix: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The same proposal as k one-row static steps (graph replays on CUDA); the token never leaves the device."""
         step = self._static_step(kv)
-        drafted, kept = [], []
-        step.load(x0, start)
-        for done in range(1, k + 1):
-            logits, token = step.run(params)  # static outputs: [1, V], [1] sampled for position start + done
+        done = 0 if prefix is None else prefix.shape[0]
+        drafted, kept = ([] if prefix is None else [prefix]), []
+        if done < k:
+            step.load(x0 if prefix is None else prefix[-1:], start + done)
+        for steps_done in range(done + 1, k + 1):
+            logits, token = step.run(params)  # static outputs: [1, V], [1] sampled for position start + steps_done
             drafted.append(token.clone())
             if keep_logits:
                 kept.append(logits.clone())
-            if done < k:
+            if steps_done < k:
                 step.advance(token)
             if after_step is not None:
-                await after_step(done)
-        if not drafted:
-            return torch.empty(0, dtype=torch.long, device=x0.device), None
-        return torch.cat(drafted), (torch.cat(kept) if keep_logits else None)
+                await after_step(steps_done)
+        return _joined(drafted, x0), (torch.cat(kept) if keep_logits else None)
+
+    async def extend(self, token: Tensor, position: int, out: Tensor, kv: KVCache, params: SamplingParams,
+                     stream: Any = None, after: Any = None, backend: Any = None) -> Any:
+        """Draft out.shape[0] steps from `token` [1] at `position`, writing the proposals for position + 1.. into
+        `out` (device) and the KV of positions position.. (scratch beyond the verify's block), with fresh route
+        counters. This is the draft-ahead of DraftConfig.overlap, run beside a verify.
+
+        On CUDA (the static step) every step is enqueued at once on `stream`, after the event `after`; the
+        call returns the event that marks their end (the caller makes its stream wait on it). Elsewhere the
+        steps run eagerly here, yielding at the draft's await points, and the call returns None.
+        """
+        steps = out.shape[0]
+        if self.static and stream is not None:
+            step = self._static_step(kv)
+            backend.stream_wait(stream, after)
+            with torch.cuda.stream(stream):  # no await inside: the stream context must not leak to other tasks
+                self.route_counts.zero_()
+                step.load(token, position)
+                for index in range(steps):
+                    _logits, sampled = step.run(params)
+                    out[index : index + 1].copy_(sampled)
+                    if index + 1 < steps:
+                        step.advance(sampled)
+            return backend.record_event(stream)
+        if self.static:
+            step = self._static_step(kv)
+            self.route_counts.zero_()
+            step.load(token, position)
+            for index in range(steps):
+                _logits, sampled = step.run(params)
+                out[index : index + 1].copy_(sampled)
+                if index + 1 < steps:
+                    step.advance(sampled)
+                await asyncio.sleep(0)  # a verify beside it runs between steps
+            return None
+        self.route_counts.zero_()
+        for index in range(steps):
+            hidden = await self.model.forward(token, position + index, kv, self.experts)
+            logits = self.model.logits(hidden)
+            token = sample(logits, torch.full((1,), position + index + 1, dtype=torch.long, device=logits.device), params)
+            out[index : index + 1].copy_(token)
+        return None
 
     def capture(self, kv: KVCache, params: SamplingParams | None = None) -> None:
         """Capture the graphed step for `kv` now (start-up, while the KV is empty), so decoding allocates nothing."""
@@ -173,3 +227,10 @@ class Draft:
             step = StaticStep(self.model, self.experts.moe, rows=1)
             self._graphed = GraphedStep(step, kv, preserve=(self.experts.route_counts,))
         return self._graphed
+
+
+def _joined(drafted: list[Tensor], like: Tensor) -> Tensor:
+    """The proposals [k] as one new device tensor (empty for k = 0); never a view of a prefix buffer."""
+    if not drafted:
+        return torch.empty(0, dtype=torch.long, device=like.device)
+    return torch.cat(drafted)

@@ -57,6 +57,15 @@ log = get_logger(__name__)
 Tensor = torch.Tensor
 
 
+@dataclasses.dataclass(frozen=True)
+class Carry:
+    """A draft-ahead that can start the next round: its x0 (the guess) at `start`, and its proposals (device)."""
+
+    start: int
+    x0: int
+    tokens: Tensor
+
+
 @dataclasses.dataclass
 class GenerationResult:
     """The new tokens of one request and its statistics."""
@@ -99,6 +108,14 @@ class Runtime:
         self.segmented = _segmented_step(model, experts, self.kv, config)
         self.k_max = config.draft.k_max if draft is not None else 0  # calibrate_draft sets it for gptq4
         self.scout = config.draft.scout  # plain rounds prefetch from one draft step's routes (offloaded, with a draft)
+        self.overlap = config.draft.overlap  # draft-ahead steps beside each verify (DraftConfig.overlap)
+        self._carry: Carry | None = None  # the last verify's draft-ahead, if it can start the next round
+        self._carried = 0  # draft steps this round took from a carry (read by _finish_round)
+        self._ahead_stream: Any = None  # the draft-ahead's CUDA stream, made on first use
+        self._ahead_done: Any = None  # the end of the draft-ahead enqueued beside this round's verify
+        self._ahead_tokens: Tensor | None = None  # [33] device buffer the draft-ahead writes its proposals into
+        self._round_counts: Tensor | None = None  # the round's own route counters, kept when a draft-ahead reuses them
+        self._kept_counts: Tensor | None = None  # their buffer
         self.estimates = Estimates(self.k_max)
         self.trace: TraceWriter | None = None
         self.stages = StageCounters()  # per-stage counts and host wall time (draft, verify), see specter.kernel.stage
@@ -246,6 +263,8 @@ class Runtime:
             self.cache.unprotect_all(fence)
             self.cache.transfer.chunk_log = None
         self.plan = None
+        self._carry = None
+        self._join_ahead()
         self.kv.reset()
 
     async def _generate(self, prompt: list[int], generation: GenerationConfig, stats: RequestStats) -> AsyncIterator[list[int]]:
@@ -272,6 +291,7 @@ class Runtime:
 
     async def _prefill(self, prompt: list[int], params: SamplingParams, stats: RequestStats) -> int:
         self.kv.reset()
+        self._carry = None
         tokens = torch.tensor(prompt, dtype=torch.long, device=self.model.device)
         record = self._start_record()
         hidden = await self.model.forward(tokens, 0, self.kv, self.experts)
@@ -292,6 +312,10 @@ class Runtime:
         """
         start = self.kv.length  # position of x0
         k = self._next_k(remaining)
+        ahead = self._ahead_steps(start, k, remaining, params)  # draft-ahead steps beside this verify (0: none)
+        steps = k + 1 if ahead else k  # with a draft-ahead the draft also guesses the target's own next token
+        prefix = self._take_carry(x0, start, steps)
+        self._round_counts = None
         round_started = time.perf_counter()
         self._round_bytes_at_start = self._bytes_loaded()
         x0_tensor = self._device_ids([x0])
@@ -302,39 +326,121 @@ class Runtime:
         if k or scouted:
             async with stage("draft", counters=self.stages, k=k):
                 # a scout is a draft of one step whose token is dropped: its routes for x0 plan the prefetch
-                drafted, draft_logits = await self._draft_and_transfer(x0_tensor, start, k or 1, params)
+                drafted, draft_logits = await self._draft_and_transfer(x0_tensor, start, steps or 1, params, prefix)
             if scouted:
                 drafted, draft_logits = None, None
+        guess = None
+        if ahead:  # d_{k+1}: not verified, the first token of the draft-ahead; its routes are the verify's last row's
+            drafted, guess = drafted[:k], drafted[k:]
+            self._keep_round_counts()
         draft_s = time.perf_counter() - round_started
         marks.append(self._gpu_mark())
         window = [marks[1] if marks[1] is not None else self._stream_mark()]  # the verify, for the copy-busy measurement
         block = torch.cat([x0_tensor, drafted]) if k else x0_tensor
         record = self._start_record()
         verify_started = time.perf_counter()
-        async with stage("verify", counters=self.stages, rows=k + 1):
-            logits = await self._verify(block, start)  # [k+1, V]
-            marks.append(self._gpu_mark())
-            window.append(marks[2] if marks[2] is not None else self._stream_mark())
-            acceptance = await self._accept(block[1:], logits, draft_logits, start, params)
+        try:
+            async with stage("verify", counters=self.stages, rows=k + 1):
+                if ahead:
+                    logits = await self._verify_beside_draft(block, start, guess, ahead, params)
+                else:
+                    logits = await self._verify(block, start)  # [k+1, V]
+                marks.append(self._gpu_mark())
+                window.append(marks[2] if marks[2] is not None else self._stream_mark())
+                acceptance, guessed = await self._accept(block[1:], logits, draft_logits, start, params, guess)
+        finally:
+            self._join_ahead()
         verify_s = time.perf_counter() - verify_started
         if marks[0] is not None:  # the verdict has been awaited, so every mark has completed: no stall
             draft_s, verify_s = marks[1].elapsed_since(marks[0]), marks[2].elapsed_since(marks[1])
         if chunks is not None:
             self._copy_busy(chunks, window, record, stats)
         self.kv.crop(start + acceptance.n_accepted + 1)
+        if ahead:
+            stats.ahead_rounds += 1
+            stats.ahead_steps += ahead
+            if acceptance.n_accepted == k and acceptance.tokens[-1] == guessed:  # the guess is the next round's x0
+                self._carry = Carry(start=start + k + 1, x0=guessed, tokens=self._ahead_tokens[:ahead])
+        if prefix is not None:
+            stats.carried_rounds += 1
+            stats.carried_steps += prefix.shape[0]
+        self._carried = 0 if prefix is None else prefix.shape[0]
         self._finish_round(k, acceptance, record, stats, draft_s, verify_s, time.perf_counter() - round_started, scouted)
         return acceptance.tokens
+
+    # ---- draft-ahead beside the verify (DraftConfig.overlap, issue 4 item 8) ---------------------------------
+    def _ahead_steps(self, start: int, k: int, remaining: int, params: SamplingParams) -> int:
+        """Draft-ahead steps beside this round's verify: 0 when off, when the round does not speculate, for
+        rejection sampling (the next round would need the steps' logits), for an eager draft on CUDA (no second
+        stream for it), and when nothing would be left to draft after this round."""
+        if not self.overlap or not k or self.draft is None:
+            return 0
+        if params.temperature > 0 and self.config.draft.sampling == "rejection":
+            return 0
+        if self.model.device.type == "cuda" and not self.draft.static:
+            return 0
+        after = remaining - (k + 1)  # tokens left once this round commits all it can; the next round drafts after - 1
+        room = self.kv.capacity - (start + k + 1)  # KV positions from the guess on
+        return max(0, min(self.overlap, k + 1, after - 1, room))
+
+    def _take_carry(self, x0: int, start: int, steps: int) -> Tensor | None:
+        """The last draft-ahead's proposals as this round's first draft steps, if it started from this very
+        token and position (always dropped afterwards)."""
+        carry, self._carry = self._carry, None
+        if carry is None or not steps or carry.x0 != x0 or carry.start != start:
+            return None
+        return carry.tokens[: min(carry.tokens.shape[0], steps)]
+
+    def _keep_round_counts(self) -> None:
+        """Copy the route counters before the draft-ahead resets them (the window recall reads this round's)."""
+        counts = self.draft.route_counts
+        if self._kept_counts is None or self._kept_counts.shape != counts.shape:
+            self._kept_counts = torch.empty_like(counts)
+        self._kept_counts.copy_(counts)
+        self._round_counts = self._kept_counts
+
+    async def _verify_beside_draft(self, block: Tensor, start: int, guess: Tensor, steps: int, params: SamplingParams) -> Tensor:
+        """The verify and the draft-ahead as one task group: `steps` draft steps from the guess at position
+        start + k + 1 (beyond every position the verify writes), on a second stream on CUDA."""
+        if self._ahead_tokens is None:
+            self._ahead_tokens = torch.zeros(33, dtype=torch.long, device=self.model.device)
+        cuda = self.model.device.type == "cuda" and self.draft.static
+        if cuda and self._ahead_stream is None:
+            self._ahead_stream = self.backend.new_stream("draft-ahead")
+        after = self.backend.record_event(self.backend.compute_stream) if cuda else None
+        out = self._ahead_tokens[:steps]
+        try:
+            async with asyncio.TaskGroup() as group:
+                verify = group.create_task(self._verify(block, start), name="specter-verify")
+                group.create_task(self.draft.extend(guess, start + block.shape[0], out, self.kv, params,
+                                                    self._ahead_stream if cuda else None, after, self.backend),
+                                  name="specter-draft-ahead")
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+        finally:
+            if cuda:  # whatever was enqueued there, the compute stream's later work comes after it
+                self._ahead_done = self.backend.record_event(self._ahead_stream)
+        return verify.result()
+
+    def _join_ahead(self) -> None:
+        """Order the compute stream after the draft-ahead (no host wait): the next draft reuses its buffers."""
+        if self._ahead_done is not None:
+            self.backend.stream_wait(self.backend.compute_stream, self._ahead_done)
+            self._ahead_done = None
 
     def _scouting(self) -> bool:
         return self.scout and self.draft is not None and self.cache is not None
 
-    async def _draft_and_transfer(self, x0: Tensor, start: int, k: int, params: SamplingParams) -> tuple[Tensor, Tensor | None]:
+    async def _draft_and_transfer(self, x0: Tensor, start: int, k: int, params: SamplingParams,
+                                  prefix: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """The draft and transfer stages as one task group; a single failure surfaces as itself, not a group."""
         try:
             async with asyncio.TaskGroup() as stages:
                 checkpoints: asyncio.Queue[tuple[int, Tensor, Any] | None] = asyncio.Queue()
                 stages.create_task(self._transfer_stage(checkpoints, k), name="specter-transfer-stage")
-                drafted = await stages.create_task(self._draft(x0, start, k, params, checkpoints), name="specter-draft-stage")
+                drafted = await stages.create_task(self._draft(x0, start, k, params, checkpoints, prefix), name="specter-draft-stage")
                 checkpoints.put_nowait(None)
         except BaseExceptionGroup as group:
             if len(group.exceptions) == 1:  # e.g. a PluginError from a policy: the user should see it as it is
@@ -358,10 +464,14 @@ class Runtime:
         return max(0, min(k, self.k_max, remaining - 1))
 
     async def _draft(self, x0: Tensor, start: int, k: int, params: SamplingParams,
-                     checkpoints: asyncio.Queue) -> tuple[Tensor, Tensor | None]:
-        """The draft stage: k steps; at each prefetch checkpoint, hand a snapshot of the counters to the transfer stage."""
+                     checkpoints: asyncio.Queue, prefix: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """The draft stage: k steps; at each prefetch checkpoint, hand a snapshot of the counters to the transfer stage.
+
+        With a prefix (steps a draft-ahead already took), checkpoints it passed fold into one at its end.
+        """
         assert self.draft is not None
-        planned_at = set(self.prefetch.checkpoints(k=k, timing=self._timing())) if self.cache is not None else set()
+        done = 0 if prefix is None else prefix.shape[0]
+        planned_at = {max(step, done) for step in self.prefetch.checkpoints(k=k, timing=self._timing())} if self.cache is not None else set()
 
         taken = 0
 
@@ -373,7 +483,7 @@ class Runtime:
                 await asyncio.sleep(0)  # let the transfer stage start waiting on the snapshot
 
         keep = params.temperature > 0 and self.config.draft.sampling == "rejection"
-        return await self.draft.propose(x0, start, k, self.kv, params, after_step, keep_logits=keep)
+        return await self.draft.propose(x0, start, k, self.kv, params, after_step, keep_logits=keep, prefix=prefix)
 
     def _snapshot_counts(self, index: int) -> tuple[Tensor, Any]:
         """Copy the route counters [L_moe, E] to host memory without waiting; the event says when they landed.
@@ -407,7 +517,8 @@ class Runtime:
             self.cache.prefetch(layer, planned)
 
     async def _accept(self, drafts: Tensor, logits: Tensor, draft_logits: Tensor | None, start: int,
-                      params: SamplingParams) -> Acceptance:
+                      params: SamplingParams, guess: Tensor | None = None) -> tuple[Acceptance, int | None]:
+        """The verdict, and the draft-ahead's guess (host) in the same copy when there is one."""
         positions = torch.arange(start + 1, start + 2 + drafts.shape[0], device=logits.device)
         if params.greedy:
             verdict = greedy_verdict(drafts, logits)
@@ -416,8 +527,12 @@ class Runtime:
             verdict = rejection_verdict(drafts, probs(draft_logits, params), probs(logits, params), generator)
         else:
             verdict = coupled_verdict(drafts, logits, positions, params)
+        if guess is not None:
+            verdict = torch.cat([verdict, guess.to(verdict.dtype)])
         host = await to_host(self.kernel, verdict)  # await point: the round's one host sync for acceptance
-        return read_verdict(torch.tensor(host))
+        if guess is not None:
+            return read_verdict(torch.tensor(host[:-1])), host[-1]
+        return read_verdict(torch.tensor(host)), None
 
     def _log_chunks(self) -> list | None:
         """Start logging the round's chunks for the copy-busy measurement (offloaded runtimes only)."""
@@ -483,7 +598,8 @@ class Runtime:
             self.cache.unprotect_all(self.backend.record_event(self.backend.compute_stream))
         self.plan = None
         self.estimates.observe_acceptance(k, acceptance.n_accepted)
-        self.estimates.observe_draft(k, draft_s)
+        if not self._carried:  # a round that took steps from a draft-ahead drafted fewer than k itself
+            self.estimates.observe_draft(k, draft_s)
         self.estimates.observe_round(k, round_s, draft_s, verify_s)
         rows = k + 1
         if record is not None and k:
@@ -495,7 +611,8 @@ class Runtime:
 
     def _draft_predictions(self, record) -> tuple[np.ndarray, list[tuple[int, set[int], list[int]]]]:
         """The draft's route counters [L_moe, E] and, per layer the verify used: (compact layer, named, used)."""
-        counts = self.draft.route_counts[self.spec.moe_layers].cpu().numpy()  # after verify: no stall added
+        counts = self.draft.route_counts if self._round_counts is None else self._round_counts  # a draft-ahead resets the former
+        counts = counts[self.spec.moe_layers].cpu().numpy()  # after verify: no stall added
         return counts, [(self.moe_index[layer], set(np.flatnonzero(counts[self.moe_index[layer]]).tolist()), used)
                         for layer, used in record.used.items()]
 

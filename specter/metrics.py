@@ -20,6 +20,10 @@ class RequestStats:
     drafted: int = 0
     accepted: int = 0
     scouted: int = 0  # plain rounds that ran a one-step draft only for its routes (DraftConfig.scout)
+    ahead_rounds: int = 0  # rounds that drafted ahead beside their verify (DraftConfig.overlap)
+    ahead_steps: int = 0  # draft steps run beside verifies
+    carried_rounds: int = 0  # rounds that started with steps a draft-ahead had taken
+    carried_steps: int = 0  # draft steps taken over that way (not drafted again)
     accepted_lengths: Counter = dataclasses.field(default_factory=Counter)  # accepted drafts per speculative round
     hits: int = 0
     misses: int = 0
@@ -89,6 +93,8 @@ class RequestStats:
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
             "ttft_s": round(self.ttft_s, 6), "tpot_s": round(self.tpot_s, 6),
             "rounds": self.rounds, "scouted_rounds": self.scouted,
+            "ahead_rounds": self.ahead_rounds, "ahead_steps": self.ahead_steps,
+            "carried_rounds": self.carried_rounds, "carried_steps": self.carried_steps,
             "scout_recall": None if self.scout_recall is None else round(self.scout_recall, 4), "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "accepted_length_histogram": {str(n): c for n, c in sorted(self.accepted_lengths.items())},

@@ -85,16 +85,17 @@ def test_reference_policies_are_installed():
     seed=st.integers(0, 2**31 - 1),
     quant=st.sampled_from(["int4", "int8", "int2"]),
     scout=st.booleans(),
+    overlap=st.sampled_from([0, 0, 3, 16]),
 )
 def test_speculative_equals_baseline(root, family, prompt, residents, eviction, prefetch, lookahead, k, temperature, top_k, top_p, seed, quant,
-                                     scout):
+                                     scout, overlap):
     path = checkpoint(family, root)
     if residents is not None:  # the minimum is one token's experts per layer
         residents = max(residents, Checkpoint(path).spec.top_k)
     generation = GenerationConfig(max_new_tokens=14, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     expected = baseline(path, prompt, generation, residents)
     config = EngineConfig(device=DEVICE, max_context=96, residents=residents, eviction=eviction, prefetch=prefetch,
-                          lookahead=lookahead, draft=DraftConfig(k=k, k_max=16, quant=quant, scout=scout))
+                          lookahead=lookahead, draft=DraftConfig(k=k, k_max=16, quant=quant, scout=scout, overlap=overlap))
     result = run(path, config, prompt, generation)
     assert result.tokens == expected
     if residents is not None and residents < 6:  # experts do not all fit (6 or 8 per layer): bytes were actually moved

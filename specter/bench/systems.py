@@ -55,6 +55,8 @@ class System:
     """Pays for a separate copy of the non-expert weights and its own KV out of the expert slots."""
     scout: bool = False
     """Plain rounds run one draft step first and prefetch the experts it routes to (DraftConfig.scout)."""
+    overlap: int = 0
+    """Draft-ahead steps beside each verify (DraftConfig.overlap); 0: off."""
     replay_schedule: bool = False
     """An oracle that replays the depth of every round of the `specter` run just before it (same cell)."""
 
@@ -80,6 +82,9 @@ SYSTEMS: dict[str, System] = {
         System("specter-scout", "specter whose plain rounds (k = 0) first run one draft step and prefetch the experts "
                                 "it routes the token to", eviction="plan-protect", prefetch="topm-frequency",
                lookahead="roofline", k=None, scout=True),
+        System("specter-overlap", "specter that drafts ahead beside each verify (up to 16 steps from a guess at the "
+                                  "target's next token, kept when the verify takes every draft)", eviction="plan-protect",
+               prefetch="topm-frequency", lookahead="roofline", k=None, overlap=16),
         System("specter-fixed", "specter with a fixed draft depth (--k)",
                eviction="plan-protect", prefetch="topm-frequency", k=None),
         System("oracle", "same budget and k as specter; before each round the exact experts its verify will use "
@@ -203,6 +208,7 @@ class BenchRuntime(Runtime):
         options = {"k": depth} if system.lookahead == "fixed" else {}
         self.lookahead = plugins.load_policy("lookahead", system.lookahead, **options)
         self.scout = system.scout
+        self.overlap = system.overlap
         self.k_max = self.config.draft.k_max if self.draft is not None else 0
         self.estimates = Estimates(self.k_max)
         self.uses = UseClock(len(self.spec.moe_layers))

@@ -1,0 +1,155 @@
+"""Draft-ahead beside the verify (DraftConfig.overlap, issue 4 item 8).
+
+A speculative round drafts one step more (a guess at the target's next token) and, while its verify runs,
+drafts on from that guess; when the verify takes every draft and its own token equals the guess, the next
+round starts with those steps done. Output stays the target's own; these tests check that the carried
+steps are the ones a fresh draft would have made, that a carry is used only where it belongs, and that a
+cancelled round leaves nothing behind. The same tests run on the GPU (SPECTER_TEST_DEVICE=cuda), where the
+draft-ahead runs on a second stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pydantic
+import pytest
+import torch
+
+from specter.cli import build_parser, engine_config
+from specter.config import DraftConfig, EngineConfig, GenerationConfig
+from specter.engine import Carry, Runtime
+from specter.sampling import SamplingParams
+from tests.test_speculative import DEVICE, baseline, checkpoint, run
+
+FAMILIES = ["mixtral", "qwen2_moe"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("overlap"))
+
+
+def speculative(overlap: int, residents: int | None = None, k: int = 4, lookahead: str = "fixed") -> EngineConfig:
+    return EngineConfig(device=DEVICE, max_context=96, residents=residents, lookahead=lookahead,
+                        draft=DraftConfig(k=k, k_max=16, quant="int8", overlap=overlap))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_carried_steps_are_the_drafts_own_all_resident(root, family, temperature):
+    """All experts resident: the verify never waits, so the draft-ahead reads the verified KV, exactly what the
+    next round's own draft would read. Then every round is as without overlap (same drafts, same verdicts),
+    and the carried rounds drafted fewer steps themselves."""
+    path = checkpoint(family, root)
+    generation = GenerationConfig(max_new_tokens=30, temperature=temperature, seed=11)
+    plain = run(path, speculative(0), [5, 9, 2], generation)
+    ahead = run(path, speculative(6), [5, 9, 2], generation)
+    assert ahead.tokens == plain.tokens == baseline(path, [5, 9, 2], generation)
+    a, p = ahead.stats, plain.stats
+    assert (a.rounds, a.drafted, a.accepted) == (p.rounds, p.drafted, p.accepted), (a.as_dict(), p.as_dict())
+    assert p.ahead_rounds == p.carried_rounds == 0
+    assert a.ahead_rounds > 0 and 0 < a.carried_rounds <= a.ahead_rounds, a.as_dict()
+    assert 0 < a.carried_steps <= a.ahead_steps
+    # a round is carried exactly when the one before it accepted every draft and the guess was the target's token
+    full = sum(count for n, count in a.accepted_lengths.items() if n == 4)
+    assert a.carried_rounds <= full
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["deepseek-v2"])
+def test_draft_ahead_offloaded_is_exact_and_moves_bytes(root, family):
+    """Offloaded (the verify waits on copies, the draft-ahead runs meanwhile): still the baseline's tokens,
+    experts were loaded, and the window recall is measured on the round's own routes (kept before the
+    draft-ahead resets the counters), so it is no worse than without the draft-ahead, which predicts one row less."""
+    path = checkpoint(family, root)
+    generation = GenerationConfig(max_new_tokens=30)
+    plain = run(path, speculative(0, residents=3), [7, 1, 8], generation)
+    ahead = run(path, speculative(5, residents=3), [7, 1, 8], generation)
+    assert ahead.tokens == plain.tokens == baseline(path, [7, 1, 8], generation, residents=3)
+    a = ahead.stats
+    assert a.misses > 0 and a.h2d_bytes > 0
+    if DEVICE == "cpu" or family != "deepseek-v2":  # on CUDA an eager DeepSeek draft (SPECTER_STATIC_MLA=0) has no draft-ahead
+        assert a.ahead_rounds > 0 and a.carried_rounds > 0, a.as_dict()
+    assert a.window_recall >= plain.stats.window_recall - 0.05, (a.as_dict(), plain.stats.as_dict())
+
+
+def test_roofline_with_draft_ahead_is_exact(root):
+    path = checkpoint("mixtral", root)
+    generation = GenerationConfig(max_new_tokens=40, temperature=0.7, top_p=0.9, seed=3)
+    result = run(path, speculative(16, residents=2, lookahead="roofline"), [3, 3, 4], generation)
+    assert result.tokens == baseline(path, [3, 3, 4], generation, residents=2)
+
+
+def runtime_for(root, **draft) -> Runtime:
+    path = checkpoint("mixtral", root)
+    return asyncio.run(Runtime.load(path, EngineConfig(device=DEVICE, max_context=40, residents=3, draft=DraftConfig(**draft))))
+
+
+def test_a_carry_is_taken_only_from_the_same_token_and_position(root):
+    runtime = runtime_for(root, k=4, overlap=4)
+    tokens = torch.arange(10, 14, device=runtime.model.device)
+    try:
+        for x0, start, steps, expected in ((5, 10, 4, [10, 11, 12, 13]), (5, 10, 2, [10, 11]), (5, 10, 6, [10, 11, 12, 13]),
+                                           (6, 10, 4, None), (5, 11, 4, None), (5, 10, 0, None)):
+            runtime._carry = Carry(start=10, x0=5, tokens=tokens)
+            taken = runtime._take_carry(x0, start, steps)
+            assert (None if taken is None else taken.tolist()) == expected, (x0, start, steps)
+            assert runtime._carry is None  # used or not, a carry lives for one round
+    finally:
+        asyncio.run(runtime.aclose())
+
+
+def test_draft_ahead_depth_is_clamped(root):
+    runtime = runtime_for(root, k=4, overlap=6)
+    greedy = SamplingParams(0.0, None, None, 0)
+    try:
+        assert runtime._ahead_steps(start=5, k=4, remaining=30, params=greedy) == 5  # at most k + 1: one round's worth
+        assert runtime._ahead_steps(start=5, k=0, remaining=30, params=greedy) == 0  # no verify block to draft beside
+        assert runtime._ahead_steps(start=5, k=4, remaining=7, params=greedy) == 1  # 2 tokens left after: 1 to draft
+        assert runtime._ahead_steps(start=5, k=4, remaining=6, params=greedy) == 0  # the next round is plain
+        assert runtime._ahead_steps(start=33, k=4, remaining=30, params=greedy) == 2  # KV room: positions 38, 39
+        rejection = runtime_for(root, k=4, overlap=6, sampling="rejection")
+        try:
+            assert rejection._ahead_steps(start=5, k=4, remaining=30, params=SamplingParams(0.8, None, None, 1)) == 0
+            assert rejection._ahead_steps(start=5, k=4, remaining=30, params=greedy) == 5  # greedy keeps no logits
+        finally:
+            asyncio.run(rejection.aclose())
+        runtime.overlap = 0
+        assert runtime._ahead_steps(start=5, k=4, remaining=30, params=greedy) == 0
+    finally:
+        asyncio.run(runtime.aclose())
+
+
+def test_cancelled_round_with_draft_ahead_leaves_nothing_behind(root):
+    path = checkpoint("mixtral", root)
+    generation = GenerationConfig(max_new_tokens=30)
+    expected = baseline(path, [2, 7], generation, residents=2)
+
+    async def main():
+        runtime = await Runtime.load(path, speculative(5, residents=2))
+        try:
+            for delay in (0.0, 0.002, 0.01, 0.03):
+                task = asyncio.create_task(runtime.complete_ids([4, 4, 4], GenerationConfig(max_new_tokens=40)))
+                await asyncio.sleep(delay)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                assert runtime._carry is None and runtime._ahead_done is None and runtime.kv.length == 0
+                round_tasks = {"specter-verify", "specter-draft-ahead", "specter-draft-stage", "specter-transfer-stage"}
+                assert not [t for t in asyncio.all_tasks() if t.get_name() in round_tasks]
+            return await runtime.complete_ids([2, 7], generation)
+        finally:
+            await runtime.aclose()
+
+    result = asyncio.run(main())
+    assert result.tokens == expected and result.stats.carried_rounds > 0
+
+
+def test_overlap_is_validated_and_reaches_the_config_from_the_command_line():
+    with pytest.raises(pydantic.ValidationError, match="overlap"):
+        DraftConfig(overlap=33)
+    with pytest.raises(pydantic.ValidationError, match="overlap"):
+        DraftConfig(overlap=-1)
+    args = build_parser().parse_args(["generate", "--model", "tiny", "--overlap", "8"])
+    assert engine_config(args).draft.overlap == 8
+    assert engine_config(build_parser().parse_args(["generate", "--model", "tiny"])).draft.overlap == 0
