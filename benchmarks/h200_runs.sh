@@ -133,6 +133,19 @@ case "$stage" in
       --systems ondemand,specter,specter-overlap --time-budget 130 --no-progress --no-plots --no-hf --out "$out/overlap-reference" 2>&1 | tail -14
     timeout 130 python -m specter.bench --model qwen1.5-moe-a2.7b --preset paper --layers 8 --link native --max-new-tokens 64 \
       --systems ondemand,specter,specter-overlap --quant int8 --time-budget 110 --no-progress --no-plots --out "$out/overlap-qwen" 2>&1 | tail -8 ;;
-  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train|paper-qwen|paper-deepseek|paper-phi|paper-int8|calibration|scout|qwen-train|qwen-reference|draft-step|overlap)" >&2; exit 2 ;;
+  overlap-fixed)  # the draft-ahead at one depth (the roofline chose other depths with it in stage overlap): specter-fixed
+    # against specter-fixed-overlap, k = 8 on the trained reference model (acceptance about 1), k = 4 on the Qwen shape (int8).
+    # Prediction (written before the run): reference 4 residents 1.15-1.40x faster with the draft-ahead (nearly every
+    # round carried, its 8 serial draft steps run beside the verify instead), 2 residents about the same gain; Qwen int8
+    # k = 4 1.00-1.10x (about 0.8^5 = a third of the rounds carried, one guess step more in every round).
+    timeout 170 python benchmarks/reference_model.py --out /tmp/reference --minutes 1.5 > "$out/train.log" 2>&1
+    tail -1 "$out/train.log"
+    timeout 170 python -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4 --max-new-tokens 64 --k 8 \
+      --systems ondemand,specter-fixed,specter-fixed-overlap,specter,specter-overlap --time-budget 150 --no-progress --no-plots \
+      --no-hf --out "$out/overlap-fixed-reference" 2>&1 | tail -22
+    timeout 120 python -m specter.bench --model qwen1.5-moe-a2.7b --preset paper --layers 8 --link native --max-new-tokens 64 --k 4 \
+      --systems ondemand,specter-fixed,specter-fixed-overlap --quant int8 --time-budget 100 --no-progress --no-plots \
+      --out "$out/overlap-fixed-qwen" 2>&1 | tail -8 ;;
+  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train|paper-qwen|paper-deepseek|paper-phi|paper-int8|calibration|scout|qwen-train|qwen-reference|draft-step|overlap|overlap-fixed)" >&2; exit 2 ;;
 esac
 done

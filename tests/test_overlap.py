@@ -38,16 +38,19 @@ def speculative(overlap: int, residents: int | None = None, k: int = 4, lookahea
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_carried_steps_are_the_drafts_own_all_resident(root, family, temperature):
-    """All experts resident: the verify never waits, so the draft-ahead reads the verified KV, exactly what the
-    next round's own draft would read. Then every round is as without overlap (same drafts, same verdicts),
-    and the carried rounds drafted fewer steps themselves."""
+    """All experts resident. On the CPU the verify never waits, so the draft-ahead runs after it and reads the
+    verified KV, exactly what the next round's own draft would read: every round is as without overlap (same
+    drafts, same verdicts), and the carried rounds drafted fewer steps themselves. On CUDA the draft-ahead runs
+    on its own stream beside the verify and mostly reads the draft's own scratch KV (what one deeper draft
+    would read), so its proposals, and with them the rounds, may differ: only the tokens must not."""
     path = checkpoint(family, root)
     generation = GenerationConfig(max_new_tokens=30, temperature=temperature, seed=11)
     plain = run(path, speculative(0), [5, 9, 2], generation)
     ahead = run(path, speculative(6), [5, 9, 2], generation)
     assert ahead.tokens == plain.tokens == baseline(path, [5, 9, 2], generation)
     a, p = ahead.stats, plain.stats
-    assert (a.rounds, a.drafted, a.accepted) == (p.rounds, p.drafted, p.accepted), (a.as_dict(), p.as_dict())
+    if DEVICE == "cpu":
+        assert (a.rounds, a.drafted, a.accepted) == (p.rounds, p.drafted, p.accepted), (a.as_dict(), p.as_dict())
     assert p.ahead_rounds == p.carried_rounds == 0
     assert a.ahead_rounds > 0 and 0 < a.carried_rounds <= a.ahead_rounds, a.as_dict()
     assert 0 < a.carried_steps <= a.ahead_steps

@@ -87,6 +87,9 @@ SYSTEMS: dict[str, System] = {
                prefetch="topm-frequency", lookahead="roofline", k=None, overlap=16),
         System("specter-fixed", "specter with a fixed draft depth (--k)",
                eviction="plan-protect", prefetch="topm-frequency", k=None),
+        System("specter-fixed-overlap", "specter-fixed that drafts ahead beside each verify: the draft-ahead measured at "
+                                        "one depth, against specter-fixed", eviction="plan-protect", prefetch="topm-frequency",
+               k=None, overlap=16),
         System("oracle", "same budget and k as specter; before each round the exact experts its verify will use "
                          "(recorded in an untimed pass) are prefetched in layer order, Belady eviction on the future",
                eviction="oracle-belady", k=None, oracle=True),
