@@ -146,6 +146,17 @@ case "$stage" in
     timeout 120 python -m specter.bench --model qwen1.5-moe-a2.7b --preset paper --layers 8 --link native --max-new-tokens 64 --k 4 \
       --systems ondemand,specter-fixed,specter-fixed-overlap --quant int8 --time-budget 100 --no-progress --no-plots \
       --out "$out/overlap-fixed-qwen" 2>&1 | tail -8 ;;
-  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train|paper-qwen|paper-deepseek|paper-phi|paper-int8|calibration|scout|qwen-train|qwen-reference|draft-step|overlap|overlap-fixed)" >&2; exit 2 ;;
+  overlap-fit)    # the roofline governor with the draft-ahead after the draft-fit change (a carried round's real draft
+    # time in the fit): the CPU-trained small reference model (carry .refsmall: python benchmarks/reference_model.py --small
+    # --minutes 4 --device cpu --out .refsmall) and the Qwen shape with an int8 draft. Prediction (written before the run):
+    # no collapse to shallow depths any more: specter-overlap at least as deep as specter less one and 1.00-1.20x faster
+    # than specter in every cell; specter-fixed-overlap 1.00-1.15x faster than specter-fixed at k = 8.
+    SPECTER_TEST_DEVICE=cuda timeout 60 python -m pytest -q tests/test_overlap.py -p no:cacheprovider 2>&1 | tail -2
+    timeout 60 python -m specter.bench --model .refsmall --residents 4,2 --link native --max-new-tokens 64 --k 8 \
+      --systems specter-fixed,specter-fixed-overlap,specter,specter-overlap --time-budget 50 --no-progress --no-plots --no-hf \
+      --out "$out/overlap-fit-small" 2>&1 | tail -9
+    timeout 60 python -m specter.bench --model qwen1.5-moe-a2.7b --preset paper --layers 8 --link native --max-new-tokens 64 \
+      --systems specter,specter-overlap --quant int8 --time-budget 50 --no-progress --no-plots --out "$out/overlap-fit-qwen" 2>&1 | tail -5 ;;
+  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train|paper-qwen|paper-deepseek|paper-phi|paper-int8|calibration|scout|qwen-train|qwen-reference|draft-step|overlap|overlap-fixed|overlap-fit)" >&2; exit 2 ;;
 esac
 done

@@ -9,7 +9,7 @@ feeding the next step's input buffer on the device.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -181,14 +181,17 @@ class Draft:
         counters. This is the draft-ahead of DraftConfig.overlap, run beside a verify.
 
         On CUDA (the static step) every step is enqueued at once on `stream`, after the event `after`; the
-        call returns the event that marks their end (the caller makes its stream wait on it). Elsewhere the
-        steps run eagerly here, yielding at the draft's await points, and the call returns None.
+        call returns the event that marks their end (the caller makes its stream wait on it). Without a stream
+        the steps run here (the eager draft yields at its await points, so a verify beside it goes on) and the
+        call returns None.
         """
         steps = out.shape[0]
-        if self.static and stream is not None:
+        if self.static:
             step = self._static_step(kv)
-            backend.stream_wait(stream, after)
-            with torch.cuda.stream(stream):  # no await inside: the stream context must not leak to other tasks
+            if stream is not None:
+                backend.stream_wait(stream, after)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                # no await inside: a stream context must not leak into the verify's task
                 self.route_counts.zero_()
                 step.load(token, position)
                 for index in range(steps):
@@ -196,18 +199,7 @@ class Draft:
                     out[index : index + 1].copy_(sampled)
                     if index + 1 < steps:
                         step.advance(sampled)
-            return backend.record_event(stream)
-        if self.static:
-            step = self._static_step(kv)
-            self.route_counts.zero_()
-            step.load(token, position)
-            for index in range(steps):
-                _logits, sampled = step.run(params)
-                out[index : index + 1].copy_(sampled)
-                if index + 1 < steps:
-                    step.advance(sampled)
-                await asyncio.sleep(0)  # a verify beside it runs between steps
-            return None
+            return backend.record_event(stream) if stream is not None else None
         self.route_counts.zero_()
         for index in range(steps):
             hidden = await self.model.forward(token, position + index, kv, self.experts)

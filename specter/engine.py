@@ -111,6 +111,7 @@ class Runtime:
         self.overlap = config.draft.overlap  # draft-ahead steps beside each verify (DraftConfig.overlap)
         self._carry: Carry | None = None  # the last verify's draft-ahead, if it can start the next round
         self._carried = 0  # draft steps this round took from a carry (read by _finish_round)
+        self._ahead_this_round = False  # this round drafted a guess and ahead (read by _finish_round)
         self._ahead_stream: Any = None  # the draft-ahead's CUDA stream, made on first use
         self._ahead_done: Any = None  # the end of the draft-ahead enqueued beside this round's verify
         self._ahead_tokens: Tensor | None = None  # [33] device buffer the draft-ahead writes its proposals into
@@ -365,6 +366,7 @@ class Runtime:
             stats.carried_rounds += 1
             stats.carried_steps += prefix.shape[0]
         self._carried = 0 if prefix is None else prefix.shape[0]
+        self._ahead_this_round = bool(ahead)
         self._finish_round(k, acceptance, record, stats, draft_s, verify_s, time.perf_counter() - round_started, scouted)
         return acceptance.tokens
 
@@ -598,8 +600,9 @@ class Runtime:
             self.cache.unprotect_all(self.backend.record_event(self.backend.compute_stream))
         self.plan = None
         self.estimates.observe_acceptance(k, acceptance.n_accepted)
-        if not self._carried:  # a round that took steps from a draft-ahead drafted fewer than k itself
-            self.estimates.observe_draft(k, draft_s)
+        # With a draft-ahead the verify's time includes the steps drafted beside it, and a round that took
+        # steps over drafted only the rest: its real draft time goes into the fit (not charging them twice).
+        self.estimates.observe_draft(k, draft_s, steps=self._draft_steps_run(k))
         self.estimates.observe_round(k, round_s, draft_s, verify_s)
         rows = k + 1
         if record is not None and k:
@@ -608,6 +611,12 @@ class Runtime:
                                       self._bytes_loaded() - self._round_bytes_at_start)
         committed = acceptance.n_accepted + 1
         self.lookahead.observe(outcome=RoundOutcome(k=k, accepted=acceptance.n_accepted, tpot_s=round_s / committed, round_s=round_s))
+
+    def _draft_steps_run(self, k: int) -> int:
+        """Draft steps this round ran itself: k, one more with a draft-ahead (the guess), less those taken over."""
+        if not k:
+            return 0
+        return k + (1 if self._ahead_this_round else 0) - self._carried
 
     def _draft_predictions(self, record) -> tuple[np.ndarray, list[tuple[int, set[int], list[int]]]]:
         """The draft's route counters [L_moe, E] and, per layer the verify used: (compact layer, named, used)."""

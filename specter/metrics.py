@@ -155,10 +155,15 @@ class Estimates:
             seen += 1
         return list(self.acceptance[:seen])
 
-    def observe_draft(self, k: int, seconds: float) -> None:
+    def observe_draft(self, k: int, seconds: float, steps: int | None = None) -> None:
+        """A depth-k round's draft took `seconds` running `steps` draft steps (default k). With a draft-ahead
+        a round runs k + 1 steps, or fewer when it took some over: the fit of a depth-k draft keeps what
+        the round really paid, the per-step EMA only rounds that ran steps."""
+        steps = k if steps is None else steps
         if k > 0:
-            self.draft_step_s = self._ema(self.draft_step_s, seconds / k)
             self.draft_points.append((k, seconds))
+        if steps > 0:
+            self.draft_step_s = self._ema(self.draft_step_s, seconds / steps)
 
     def draft_fit(self) -> tuple[float, float]:
         """Least-squares a + b*k over recent drafts: a is the per-draft cost (the checkpoints' plans, the

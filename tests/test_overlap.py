@@ -156,3 +156,34 @@ def test_overlap_is_validated_and_reaches_the_config_from_the_command_line():
     args = build_parser().parse_args(["generate", "--model", "tiny", "--overlap", "8"])
     assert engine_config(args).draft.overlap == 8
     assert engine_config(build_parser().parse_args(["generate", "--model", "tiny"])).draft.overlap == 0
+
+
+def test_the_draft_fit_keeps_what_a_carried_round_paid():
+    """A carried round's draft (the steps it ran itself) enters the depth fit; the per-step time only from
+    rounds that ran steps. Leaving carried rounds out charged the draft-ahead twice (it is in the verify's
+    measured time already) and made the roofline governor choose shallow depths (BENCHMARKS, draft-ahead)."""
+    from specter.metrics import Estimates
+
+    estimates = Estimates(8)
+    estimates.observe_draft(4, 5e-3, steps=5)  # a depth-4 round with a draft-ahead: 4 drafts and the guess
+    assert estimates.draft_step_s == pytest.approx(1e-3)
+    estimates.observe_draft(4, 1e-4, steps=0)  # carried: every step taken over, only the round's fixed cost
+    assert estimates.draft_step_s == pytest.approx(1e-3) and list(estimates.draft_points) == [(4, 5e-3), (4, 1e-4)]
+    estimates.observe_draft(2, 3e-3)  # without a draft-ahead: k steps, 1.5 ms each
+    assert len(estimates.draft_points) == 3 and estimates.draft_step_s > 1e-3
+
+
+def test_every_speculative_round_with_draft_ahead_is_in_the_draft_fit(root):
+    path = checkpoint("mixtral", root)
+
+    async def main():
+        runtime = await Runtime.load(path, speculative(6))
+        try:
+            result = await runtime.complete_ids([5, 9, 2], GenerationConfig(max_new_tokens=30))
+            return result.stats, list(runtime.estimates.draft_points)
+        finally:
+            await runtime.aclose()
+
+    stats, points = asyncio.run(main())
+    assert stats.carried_rounds > 0 and len(points) == sum(stats.accepted_lengths.values())
+    assert all(1 <= k <= 4 for k, _ in points)  # the last rounds are clamped to the tokens left
