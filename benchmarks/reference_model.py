@@ -33,6 +33,9 @@ SMALL_SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, 
                    num_experts_per_tok=2, intermediate_size=512)  # trainable on a CPU in minutes: routing with structure
 QWEN_SHAPE = dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16, num_experts=60,
                   num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632, intermediate_size=5632)
+QWEN_SMALL_SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, num_experts=16,
+                        num_experts_per_tok=4, moe_intermediate_size=256, shared_expert_intermediate_size=512,
+                        intermediate_size=512)  # the Qwen2-MoE layout (fine-grained top-4 + shared expert) a CPU trains in minutes
 QWEN_TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=8,
                        num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128, intermediate_size=128)
 TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
@@ -229,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", default="mixtral", choices=["mixtral", "qwen2_moe"],
                         help="mixtral: the reference shape; qwen2_moe: the Qwen1.5-MoE-A2.7B shape, first 8 layers")
     parser.add_argument("--small", action="store_true",
-                        help="a small model a CPU trains in minutes (hidden 256, 4 layers, 8 experts): trained routing off the GPU")
+                        help="a small model a CPU trains in minutes (hidden 256, 4 layers; mixtral: 8 experts top-2, qwen2_moe: 16 "
+                             "top-4 and a shared expert): trained routing off the GPU")
     parser.add_argument("--minutes", type=float, default=5.0, help="training time limit")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
@@ -239,8 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     tiny, small = args.tiny, args.small and not args.tiny
-    if small and args.family != "mixtral":
-        parser.error("--small is a mixtral shape; use --tiny or the full shape with --family qwen2_moe")
     args.max_steps = args.max_steps or (30 if tiny else 10**9)
     args.batch = args.batch or (4 if tiny else 8 if small else 16 if args.family == "qwen2_moe" else 32)
     args.length = args.length or (64 if tiny else 128 if small else 512)
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu" and not small:
         torch.set_num_threads(1)  # small matrices: thread hand-offs cost more than they bring
     if args.family == "qwen2_moe":
-        shape = QWEN_TINY_SHAPE if tiny else QWEN_SHAPE
+        shape = QWEN_TINY_SHAPE if tiny else QWEN_SMALL_SHAPE if small else QWEN_SHAPE
     else:
         shape = TINY_SHAPE if tiny else SMALL_SHAPE if small else GPU_SHAPE
     torch.manual_seed(0)

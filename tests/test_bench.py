@@ -285,6 +285,10 @@ def test_small_reference_model_and_calibration_prompts(tmp_path):
     assert all(len(ids) == 16 and all(isinstance(t, int) and 0 <= t < 256 for t in ids) for ids in prompts)
     assert prompts[:2] == kinds["code"][:2] and len(calibration.prompts_for(str(tmp_path), per_kind=1)) == 3
     assert calibration.prompts_for(str(tmp_path / "elsewhere")) == calibration.PROMPTS
+    qwen = tmp_path / "qwen"
+    assert trainer.main(["--small", "--family", "qwen2_moe", "--out", str(qwen), "--max-steps", "1", "--device", "cpu"]) == 0
+    config = json.loads((qwen / "config.json").read_text())
+    assert (config["model_type"], config["hidden_size"], config["num_experts"], config["num_experts_per_tok"]) == ("qwen2_moe", 256, 16, 4)
 
 
 def test_qwen_shaped_reference_model_loads_and_decodes_like_transformers(tmp_path):
