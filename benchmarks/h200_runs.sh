@@ -10,11 +10,13 @@
 # Done 2026-11-30, fifth session: draft-step (graphed int4 draft step 5.87 -> 4.73 ms, 4.43x its floor; predicted
 # 4.0-4.6 ms: narrowly missed), qwen-train + qwen-reference (trained Qwen shape: specter 1.87-2.77x ondemand),
 # paper-int8 (int8 draft: specter 0.92-1.40x ondemand, int4 0.84-1.04x); results/h200-2026-11-30/{draft-step,
-# qwen-reference,paper-int8}.
-# Next, in this order: scout (the scout alone, scout-k0, after its accounting fix); calibration (GPTQ against RTN
-# on the GPU reference model; so far tiny random checkpoints and a CPU-trained small model; on the Qwen shape
-# calibration.py at --tokens 48 with its four formats ran past a 280 s call: needs a smaller --tokens or fewer
-# formats there); micro (tile sweep); then item 8 of issue 4 once it exists.
+# qwen-reference,paper-int8}; overlap, overlap-fixed, overlap-fit (issue 4 item 8, the draft-ahead: 1.02-1.36x at one
+# depth; with the roofline 0.70-1.43x before the draft-fit change, 1.19-1.36x after; results/h200-2026-11-30/overlap).
+# Next, in this order: overlap (again, with the draft-fit change: the Mixtral-format reference model at 4 residents,
+# where specter-overlap was 0.70x specter before it, decides whether specter drafts ahead by default); scout (the
+# scout alone, scout-k0, after its accounting fix); calibration (GPTQ against RTN on the GPU reference model; on the
+# Qwen shape calibration.py at --tokens 48 with its four formats ran past a 280 s call: needs a smaller --tokens or
+# fewer formats there); micro (tile sweep).
 # Write everything straight under $OUT (a command killed at its limit returns only what is already there).
 set -u
 source benchmarks/h200_setup.sh
