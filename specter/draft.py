@@ -174,11 +174,13 @@ class Draft:
                 await after_step(steps_done)
         return _joined(drafted, x0), (torch.cat(kept) if keep_logits else None)
 
-    async def extend(self, token: Tensor, position: int, out: Tensor, kv: KVCache, params: SamplingParams,
+    async def extend(self, token: Tensor, position: int, out: Tensor, counts_out: Tensor, kv: KVCache, params: SamplingParams,
                      stream: Any = None, after: Any = None, backend: Any = None) -> Any:
         """Draft out.shape[0] steps from `token` [1] at `position`, writing the proposals for position + 1.. into
         `out` (device) and the KV of positions position.. (scratch beyond the verify's block), with fresh route
-        counters. This is the draft-ahead of DraftConfig.overlap, run beside a verify.
+        counters; counts_out[i] gets the counters after step i + 1, so a round that takes over only the first
+        c steps can restore the routes of exactly those. This is the draft-ahead of DraftConfig.overlap, run
+        beside a verify.
 
         On CUDA (the static step) every step is enqueued at once on `stream`, after the event `after`; the
         call returns the event that marks their end (the caller makes its stream wait on it). Without a stream
@@ -197,6 +199,7 @@ class Draft:
                 for index in range(steps):
                     _logits, sampled = step.run(params)
                     out[index : index + 1].copy_(sampled)
+                    counts_out[index].copy_(self.route_counts)
                     if index + 1 < steps:
                         step.advance(sampled)
             return backend.record_event(stream) if stream is not None else None
@@ -206,6 +209,7 @@ class Draft:
             logits = self.model.logits(hidden)
             token = sample(logits, torch.full((1,), position + index + 1, dtype=torch.long, device=logits.device), params)
             out[index : index + 1].copy_(token)
+            counts_out[index].copy_(self.route_counts)
         return None
 
     def capture(self, kv: KVCache, params: SamplingParams | None = None) -> None:

@@ -115,6 +115,7 @@ class Runtime:
         self._ahead_stream: Any = None  # the draft-ahead's CUDA stream, made on first use
         self._ahead_done: Any = None  # the end of the draft-ahead enqueued beside this round's verify
         self._ahead_tokens: Tensor | None = None  # [33] device buffer the draft-ahead writes its proposals into
+        self._ahead_counts: Tensor | None = None  # [33, L, E] the route counters after each of its steps
         self._round_counts: Tensor | None = None  # the round's own route counters, kept when a draft-ahead reuses them
         self._kept_counts: Tensor | None = None  # their buffer
         self.estimates = Estimates(self.k_max)
@@ -391,7 +392,10 @@ class Runtime:
         carry, self._carry = self._carry, None
         if carry is None or not steps or carry.x0 != x0 or carry.start != start:
             return None
-        return carry.tokens[: min(carry.tokens.shape[0], steps)]
+        taken = min(carry.tokens.shape[0], steps)
+        if taken < carry.tokens.shape[0]:  # the counters hold every step it ran: keep the routes of those taken
+            self.draft.route_counts.copy_(self._ahead_counts[taken - 1])
+        return carry.tokens[:taken]
 
     def _keep_round_counts(self) -> None:
         """Copy the route counters before the draft-ahead resets them (the window recall reads this round's)."""
@@ -405,7 +409,9 @@ class Runtime:
         """The verify and the draft-ahead as one task group: `steps` draft steps from the guess at position
         start + k + 1 (beyond every position the verify writes), on a second stream on CUDA."""
         if self._ahead_tokens is None:
+            counts = self.draft.route_counts
             self._ahead_tokens = torch.zeros(33, dtype=torch.long, device=self.model.device)
+            self._ahead_counts = torch.zeros((33, *counts.shape), dtype=counts.dtype, device=counts.device)
         cuda = self.model.device.type == "cuda" and self.draft.static
         if cuda and self._ahead_stream is None:
             self._ahead_stream = self.backend.new_stream("draft-ahead")
@@ -414,8 +420,8 @@ class Runtime:
         try:
             async with asyncio.TaskGroup() as group:
                 verify = group.create_task(self._verify(block, start), name="specter-verify")
-                group.create_task(self.draft.extend(guess, start + block.shape[0], out, self.kv, params,
-                                                    self._ahead_stream if cuda else None, after, self.backend),
+                group.create_task(self.draft.extend(guess, start + block.shape[0], out, self._ahead_counts[:steps], self.kv,
+                                                    params, self._ahead_stream if cuda else None, after, self.backend),
                                   name="specter-draft-ahead")
         except BaseExceptionGroup as group:
             if len(group.exceptions) == 1:

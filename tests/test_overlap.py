@@ -89,17 +89,87 @@ def runtime_for(root, **draft) -> Runtime:
 
 
 def test_a_carry_is_taken_only_from_the_same_token_and_position(root):
+    """A carry starts the round only from its own token and position; taken in part, the draft's counters
+    become those after the steps taken (the draft-ahead's per-step snapshots)."""
     runtime = runtime_for(root, k=4, overlap=4)
     tokens = torch.arange(10, 14, device=runtime.model.device)
+    counts = runtime.draft.route_counts
+    runtime._ahead_counts = torch.arange(33 * counts.numel(), dtype=counts.dtype, device=counts.device).view(33, *counts.shape)
     try:
         for x0, start, steps, expected in ((5, 10, 4, [10, 11, 12, 13]), (5, 10, 2, [10, 11]), (5, 10, 6, [10, 11, 12, 13]),
                                            (6, 10, 4, None), (5, 11, 4, None), (5, 10, 0, None)):
             runtime._carry = Carry(start=10, x0=5, tokens=tokens)
+            counts.fill_(-1.0)
             taken = runtime._take_carry(x0, start, steps)
             assert (None if taken is None else taken.tolist()) == expected, (x0, start, steps)
             assert runtime._carry is None  # used or not, a carry lives for one round
+            if expected is not None and len(expected) < 4:  # in part: the routes of exactly the steps taken
+                assert torch.equal(counts, runtime._ahead_counts[len(expected) - 1])
+            else:  # whole (the counters already hold its routes) or not at all (the draft resets them)
+                assert bool((counts == -1.0).all())
     finally:
         asyncio.run(runtime.aclose())
+
+
+def test_a_resumed_draft_counts_the_routes_of_the_steps_it_took_over(root, monkeypatch):
+    """At every resume the route counters hold exactly the carried steps' routes: top_k experts per MoE
+    layer per step. Depths alternating 4, 2 (as a governor may change them) make rounds take a carry in part."""
+    from specter.draft import Draft
+
+    path = checkpoint("mixtral", root)
+    expected = baseline(path, [5, 9, 2], GenerationConfig(max_new_tokens=30))  # before the depths are patched
+    seen, carried_lengths = [], []
+    propose, take = Draft.propose, Runtime._take_carry
+
+    async def recording_propose(self, x0, start, k, kv, params, after_step=None, keep_logits=False, prefix=None):
+        if prefix is not None:
+            seen.append((prefix.shape[0], float(self.route_counts.sum())))
+        return await propose(self, x0, start, k, kv, params, after_step, keep_logits, prefix)
+
+    def recording_take(self, x0, start, steps):
+        if self._carry is not None and self._carry.x0 == x0 and self._carry.start == start and steps:
+            carried_lengths.append(self._carry.tokens.shape[0])
+        return take(self, x0, start, steps)
+
+    depths = iter([4, 2] * 40)
+    monkeypatch.setattr(Draft, "propose", recording_propose)
+    monkeypatch.setattr(Runtime, "_take_carry", recording_take)
+    monkeypatch.setattr(Runtime, "_next_k", lambda self, remaining: max(0, min(next(depths), remaining - 1)))
+
+    async def main():
+        runtime = await Runtime.load(path, speculative(6))
+        try:
+            per_step = runtime.spec.top_k * len(runtime.spec.moe_layers)
+            result = await runtime.complete_ids([5, 9, 2], GenerationConfig(max_new_tokens=30))
+            return result, per_step
+        finally:
+            await runtime.aclose()
+
+    result, per_step = asyncio.run(main())
+    assert result.tokens == expected
+    assert seen and all(total == taken * per_step for taken, total in seen), (seen, per_step)
+    assert any(taken < whole for (taken, _), whole in zip(seen, carried_lengths)), (seen, carried_lengths)
+
+
+def test_the_static_draft_resumes_and_drafts_ahead_like_the_eager_one(root):
+    """The static one-row draft step (CUDA's path, run here without graphs) through a prefix and the
+    draft-ahead: all resident, the same rounds as without overlap, steps carried, the baseline's tokens."""
+    path = checkpoint("qwen2_moe", root)
+    generation = GenerationConfig(max_new_tokens=30)
+
+    async def main(overlap: int):
+        runtime = await Runtime.load(path, speculative(overlap))
+        runtime.draft.static = True
+        try:
+            return await runtime.complete_ids([5, 9, 2], generation)
+        finally:
+            await runtime.aclose()
+
+    plain, ahead = asyncio.run(main(0)), asyncio.run(main(6))
+    assert ahead.tokens == plain.tokens == baseline(path, [5, 9, 2], generation)
+    a, p = ahead.stats, plain.stats
+    assert (a.rounds, a.drafted, a.accepted) == (p.rounds, p.drafted, p.accepted), (a.as_dict(), p.as_dict())
+    assert a.carried_rounds > 0 and a.carried_steps > 0
 
 
 def test_draft_ahead_depth_is_clamped(root):
