@@ -143,10 +143,7 @@ class Draft:
         token = x0 if prefix is None else prefix[-1:]
         drafted, kept = ([] if prefix is None else [prefix]), []
         for step in range(done, k):
-            hidden = await self.model.forward(token, start + step, kv, self.experts)
-            logits = self.model.logits(hidden)  # [1, V]
-            position = torch.full((1,), start + step + 1, dtype=torch.long, device=logits.device)
-            token = sample(logits, position, params)  # [1] on the device: no sync between steps
+            logits, token = await self._eager_step(token, start + step, kv, params)
             drafted.append(token)
             if keep_logits:
                 kept.append(logits)
@@ -205,12 +202,16 @@ class Draft:
             return backend.record_event(stream) if stream is not None else None
         self.route_counts.zero_()
         for index in range(steps):
-            hidden = await self.model.forward(token, position + index, kv, self.experts)
-            logits = self.model.logits(hidden)
-            token = sample(logits, torch.full((1,), position + index + 1, dtype=torch.long, device=logits.device), params)
+            _logits, token = await self._eager_step(token, position + index, kv, params)
             out[index : index + 1].copy_(token)
             counts_out[index].copy_(self.route_counts)
         return None
+
+    async def _eager_step(self, token: Tensor, position: int, kv: KVCache, params: SamplingParams) -> tuple[Tensor, Tensor]:
+        """One eager draft step: `token` [1] at `position` -> logits [1, V] and the token sampled for position + 1
+        ([1] on the device: no sync between steps)."""
+        logits = self.model.logits(await self.model.forward(token, position, kv, self.experts))
+        return logits, sample(logits, torch.full((1,), position + 1, dtype=torch.long, device=logits.device), params)
 
     def capture(self, kv: KVCache, params: SamplingParams | None = None) -> None:
         """Capture the graphed step for `kv` now (start-up, while the KV is empty), so decoding allocates nothing."""

@@ -9,9 +9,10 @@ the quantized draft, the KV cache and the expert slots; experts that do not fit 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +117,8 @@ class Runtime:
         self._ahead_done: Any = None  # the end of the draft-ahead enqueued beside this round's verify
         self._ahead_tokens: Tensor | None = None  # [33] device buffer the draft-ahead writes its proposals into
         self._ahead_counts: Tensor | None = None  # [33, L, E] the route counters after each of its steps
-        self._round_counts: Tensor | None = None  # the round's own route counters, kept when a draft-ahead reuses them
-        self._kept_counts: Tensor | None = None  # their buffer
+        self._kept_counts: Tensor | None = None  # [L, E] the round's own route counters, kept before a draft-ahead resets them
+        self._counts_kept = False  # this round's window recall reads _kept_counts
         self.estimates = Estimates(self.k_max)
         self.trace: TraceWriter | None = None
         self.stages = StageCounters()  # per-stage counts and host wall time (draft, verify), see specter.kernel.stage
@@ -317,7 +318,7 @@ class Runtime:
         ahead = self._ahead_steps(start, k, remaining, params)  # draft-ahead steps beside this verify (0: none)
         steps = k + 1 if ahead else k  # with a draft-ahead the draft also guesses the target's own next token
         prefix = self._take_carry(x0, start, steps)
-        self._round_counts = None
+        self._counts_kept = False
         round_started = time.perf_counter()
         self._round_bytes_at_start = self._bytes_loaded()
         x0_tensor = self._device_ids([x0])
@@ -334,7 +335,8 @@ class Runtime:
         guess = None
         if ahead:  # d_{k+1}: not verified, the first token of the draft-ahead; its routes are the verify's last row's
             drafted, guess = drafted[:k], drafted[k:]
-            self._keep_round_counts()
+            self._kept_counts.copy_(self.draft.route_counts)  # the draft-ahead resets them; the window recall reads these
+            self._counts_kept = True
         draft_s = time.perf_counter() - round_started
         marks.append(self._gpu_mark())
         window = [marks[1] if marks[1] is not None else self._stream_mark()]  # the verify, for the copy-busy measurement
@@ -378,6 +380,11 @@ class Runtime:
         stream for it), and when nothing would be left to draft after this round."""
         if not self.overlap or not k or self.draft is None:
             return 0
+        if self._ahead_tokens is None:  # the draft-ahead's buffers, made once (a few KiB)
+            counts = self.draft.route_counts
+            self._ahead_tokens = torch.zeros(33, dtype=torch.long, device=self.model.device)
+            self._ahead_counts = torch.zeros((33, *counts.shape), dtype=counts.dtype, device=counts.device)
+            self._kept_counts = torch.zeros_like(counts)
         if params.temperature > 0 and self.config.draft.sampling == "rejection":
             return 0
         if self.model.device.type == "cuda" and not self.draft.static:
@@ -397,36 +404,21 @@ class Runtime:
             self.draft.route_counts.copy_(self._ahead_counts[taken - 1])
         return carry.tokens[:taken]
 
-    def _keep_round_counts(self) -> None:
-        """Copy the route counters before the draft-ahead resets them (the window recall reads this round's)."""
-        counts = self.draft.route_counts
-        if self._kept_counts is None or self._kept_counts.shape != counts.shape:
-            self._kept_counts = torch.empty_like(counts)
-        self._kept_counts.copy_(counts)
-        self._round_counts = self._kept_counts
-
     async def _verify_beside_draft(self, block: Tensor, start: int, guess: Tensor, steps: int, params: SamplingParams) -> Tensor:
         """The verify and the draft-ahead as one task group: `steps` draft steps from the guess at position
         start + k + 1 (beyond every position the verify writes), on a second stream on CUDA."""
-        if self._ahead_tokens is None:
-            counts = self.draft.route_counts
-            self._ahead_tokens = torch.zeros(33, dtype=torch.long, device=self.model.device)
-            self._ahead_counts = torch.zeros((33, *counts.shape), dtype=counts.dtype, device=counts.device)
         cuda = self.model.device.type == "cuda" and self.draft.static
         if cuda and self._ahead_stream is None:
             self._ahead_stream = self.backend.new_stream("draft-ahead")
         after = self.backend.record_event(self.backend.compute_stream) if cuda else None
         out = self._ahead_tokens[:steps]
         try:
-            async with asyncio.TaskGroup() as group:
-                verify = group.create_task(self._verify(block, start), name="specter-verify")
-                group.create_task(self.draft.extend(guess, start + block.shape[0], out, self._ahead_counts[:steps], self.kv,
-                                                    params, self._ahead_stream if cuda else None, after, self.backend),
-                                  name="specter-draft-ahead")
-        except BaseExceptionGroup as group:
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
+            with _single_failure():
+                async with asyncio.TaskGroup() as group:
+                    verify = group.create_task(self._verify(block, start), name="specter-verify")
+                    group.create_task(self.draft.extend(guess, start + block.shape[0], out, self._ahead_counts[:steps], self.kv,
+                                                        params, self._ahead_stream if cuda else None, after, self.backend),
+                                      name="specter-draft-ahead")
         finally:
             if cuda:  # whatever was enqueued there, the compute stream's later work comes after it
                 self._ahead_done = self.backend.record_event(self._ahead_stream)
@@ -444,16 +436,12 @@ class Runtime:
     async def _draft_and_transfer(self, x0: Tensor, start: int, k: int, params: SamplingParams,
                                   prefix: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """The draft and transfer stages as one task group; a single failure surfaces as itself, not a group."""
-        try:
+        with _single_failure():
             async with asyncio.TaskGroup() as stages:
                 checkpoints: asyncio.Queue[tuple[int, Tensor, Any] | None] = asyncio.Queue()
                 stages.create_task(self._transfer_stage(checkpoints, k), name="specter-transfer-stage")
                 drafted = await stages.create_task(self._draft(x0, start, k, params, checkpoints, prefix), name="specter-draft-stage")
                 checkpoints.put_nowait(None)
-        except BaseExceptionGroup as group:
-            if len(group.exceptions) == 1:  # e.g. a PluginError from a policy: the user should see it as it is
-                raise group.exceptions[0] from None
-            raise
         return drafted
 
     async def _verify(self, block: Tensor, start: int) -> Tensor:
@@ -626,7 +614,7 @@ class Runtime:
 
     def _draft_predictions(self, record) -> tuple[np.ndarray, list[tuple[int, set[int], list[int]]]]:
         """The draft's route counters [L_moe, E] and, per layer the verify used: (compact layer, named, used)."""
-        counts = self.draft.route_counts if self._round_counts is None else self._round_counts  # a draft-ahead resets the former
+        counts = self._kept_counts if self._counts_kept else self.draft.route_counts  # a draft-ahead resets the latter
         counts = counts[self.spec.moe_layers].cpu().numpy()  # after verify: no stall added
         return counts, [(self.moe_index[layer], set(np.flatnonzero(counts[self.moe_index[layer]]).tolist()), used)
                         for layer, used in record.used.items()]
@@ -725,6 +713,18 @@ def _segmented_verify(config: EngineConfig, device_type: str, model: Transformer
 
 def _make_draft(model: Transformer, experts: DraftExperts, config: EngineConfig) -> Draft:
     return Draft(model, experts, static=None if config.cuda_graphs else False)
+
+
+@contextlib.contextmanager
+def _single_failure() -> Iterator[None]:
+    """A task group's one failure surfaces as itself (e.g. a PluginError from a policy, as the user should see
+    it), not wrapped in a group; several stay a group."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
 
 
 def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:
