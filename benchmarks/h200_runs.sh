@@ -115,6 +115,30 @@ case "$stage" in
     [ -e /tmp/reference/config.json ] || timeout 170 python benchmarks/reference_model.py --out /tmp/reference --minutes 1.5 2>&1 | tail -2
     timeout 240 python benchmarks/calibration.py --model /tmp/reference --device cuda --residents 4 --group 128 --tokens 48 \
       --out "$out/calibration_reference.json" 2>&1 | tail -5 ;;
+  pipeline)       # sixth session: the verify's misses ordered on the device (issued, not landed, before their compute;
+    # urgent chunks uncapped; misses started before the residents' launches; the router's choice polled), the Qwen
+    # shape trained beside the GPU tests, then before (.old = git archive of 2b5f20b) against after, random weights.
+    # PREDICTION (written before the run): at Gen5 copy busy up by 0.15-0.30 for ondemand and specter (0.40-0.57
+    # -> 0.60-0.80), oracle-specter to >= 0.85; TPOT 10-30 % lower for ondemand and specter at Gen5 (one host
+    # wake-up less per miss and per layer, ~0.3-0.8 ms per MoE layer); Gen4 (host-paced emulation keeps the host
+    # waits) 0-10 %. Every system's tokens still equal the baseline.
+    mkdir -p "$out/logs"
+    timeout 330 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 3.5 > "$out/logs/train.log" 2>&1 &
+    timeout 180 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_segmented.py tests/test_gpu_transfer.py \
+      tests/test_memory.py > "$out/logs/gpu-tests.log" 2>&1
+    SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 130 python -m pytest -q tests/test_speculative.py tests/test_overlap.py \
+      -p no:cacheprovider > "$out/logs/property.log" 2>&1
+    wait
+    cp /tmp/qwenref/reference.json "$out/qwen-reference.json" 2>/dev/null
+    for side in old new; do
+      dir=$PWD; [ $side = old ] && dir=$PWD/.old
+      (cd "$dir" && export PYTHONPATH=/tmp/site:$dir && python -c "import specter; print(specter.__file__)" &&
+        timeout 140 python -m specter.bench --model qwen1.5-moe-a2.7b --preset paper \
+        --layers 8 --link native --max-new-tokens 64 --systems ondemand,specter,oracle-specter --time-budget 125 \
+        --no-progress --no-plots --out "$out/ab-$side" > "$out/logs/ab-$side.log" 2>&1; echo "$side rc=$?")
+    done
+    tail -2 "$out/logs/train.log"; tail -3 "$out/logs/gpu-tests.log"; tail -3 "$out/logs/property.log"
+    for side in old new; do grep -E "\| (ondemand|specter|oracle-specter) \|" "$out/ab-$side/results.md" | cut -d"|" -f3-7,9-20; done ;;
   retest)         # the GPU tests changed since validate, each alone (no training beside them)
     timeout 60 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_graphed.py -k "garbage" tests/test_gpu_transfer.py -k "garbage or emulation" 2>&1 | tail -3
     SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 100 python -m pytest -q tests/test_speculative.py -p no:cacheprovider 2>&1 | tail -3 ;;

@@ -298,11 +298,12 @@ class Runtime:
         tokens = torch.tensor(prompt, dtype=torch.long, device=self.model.device)
         record = self._start_record()
         hidden = await self.model.forward(tokens, 0, self.kv, self.experts)
-        self._account(record, stats)
         self.kv.crop(len(prompt))
         logits = self.model.logits(hidden[-1:])
         token = sample(logits, torch.tensor([len(prompt)], device=logits.device), params)
-        return int((await to_host(self.kernel, token))[0])
+        first = int((await to_host(self.kernel, token))[0])
+        self._account(record, stats)  # after the host read: the device-side waits have completed
+        return first
 
     # ---- one decode round (DESIGN section 1) ------------------------------------------------------
     async def round(self, x0: int, params: SamplingParams, remaining: int, stats: RequestStats) -> list[int]:
@@ -352,6 +353,8 @@ class Runtime:
                 marks.append(self._gpu_mark())
                 window.append(marks[2] if marks[2] is not None else self._stream_mark())
                 acceptance, guessed = await self._accept(block[1:], logits, draft_logits, start, params, guess)
+                if record is not None:
+                    record.settle()  # the verdict has been read: the verify's device-side waits are complete
         finally:
             self._join_ahead()
         verify_s = time.perf_counter() - verify_started
@@ -644,6 +647,7 @@ class Runtime:
     def _account(self, record, stats: RequestStats) -> None:
         if record is None:
             return
+        record.settle()  # device-side waits into stall_s (idempotent)
         stats.hits += record.hits
         stats.misses += record.misses
         stats.stall_s += record.stall_s

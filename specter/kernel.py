@@ -87,6 +87,8 @@ class WaitStats:
     """Events complete at the first query: no suspension at all."""
     spun: int = 0
     """Events that completed within the spin budget."""
+    polled: int = 0
+    """Events that completed within a wait's poll budget (cooperative polling)."""
     parked: int = 0
     """Events handed to the completion mechanism."""
     dropped: int = 0
@@ -131,10 +133,13 @@ class Kernel:
         if self.settings.mechanism == "host_func" and backend is None:
             raise ConfigError("kernel mechanism 'host_func' needs a backend to launch host functions; pass backend=")
 
-    async def wait(self, event: Event, *, spin_s: float | None = None) -> None:
+    async def wait(self, event: Event, *, spin_s: float | None = None, poll_s: float = 0.0) -> None:
         """Suspend the calling task until `event` completes (the only GPU await point, principle 1).
 
-        `spin_s` overrides the settings' spin budget for this wait. If the task is cancelled while
+        `spin_s` overrides the settings' spin budget for this wait. `poll_s`: after the spin, poll
+        `event.query()` once per loop iteration for up to this long, yielding to the other tasks between
+        polls (a wake-up within one iteration instead of a thread hop, at the price of a busy loop thread;
+        for waits on the critical path that are known to be short). If the task is cancelled while
         suspended, CancelledError propagates and the completion is dropped when it arrives.
         """
         self.stats.waits += 1
@@ -144,6 +149,9 @@ class Kernel:
         if self._spin(event, self.settings.spin_s if spin_s is None else spin_s):
             self.stats.spun += 1
             return
+        if poll_s > 0 and await self._poll(event, poll_s):
+            self.stats.polled += 1
+            return
         await self._park(event)
 
     def _spin(self, event: Event, budget_s: float) -> bool:
@@ -152,6 +160,14 @@ class Kernel:
             if event.query():
                 return True
             time.sleep(0)  # drop the GIL each poll: the thread completing the event may need it (cpu backend)
+        return False
+
+    async def _poll(self, event: Event, budget_s: float) -> bool:
+        deadline = time.perf_counter() + budget_s
+        while time.perf_counter() < deadline:
+            await asyncio.sleep(0)
+            if event.query():
+                return True
         return False
 
     async def _park(self, event: Event) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from backends.base import Event
 from specter.experts.cache import ExpertCache
 from specter.kernel import Kernel
 from specter.model.segmented import SegmentedStep
@@ -23,7 +24,12 @@ from specter.model.transformer import ExpertMLP, RoutingTable, combine_in_expert
 Tensor = torch.Tensor
 
 
-async def to_host(kernel: Kernel, tensor: Tensor) -> list:
+ROUTING_POLL_S = 3e-3
+"""How long a verify polls for its router's choice before parking (CUDA, device-ordered misses): the host is
+then ahead of the device by the layer's misses, and a thread hop would add 0.1-0.3 ms to every MoE layer."""
+
+
+async def to_host(kernel: Kernel, tensor: Tensor, *, poll_s: float = 0.0) -> list:
     """Await point: a small device tensor copied to the host without blocking the event loop."""
     if tensor.device.type == "cpu":
         return tensor.tolist()
@@ -31,7 +37,7 @@ async def to_host(kernel: Kernel, tensor: Tensor) -> list:
     assert backend is not None, "a CUDA tensor needs a kernel bound to a backend"
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     event = backend.copy_d2h(host, tensor, backend.compute_stream)
-    await kernel.wait(event, spin_s=50e-6)
+    await kernel.wait(event, spin_s=50e-6, poll_s=poll_s)
     return host.tolist()
 
 
@@ -44,6 +50,20 @@ class VerifyRecord:
     hits: int = 0  # resident, or its prefetch already issued, when the router chose it (waits show in stall_s)
     misses: int = 0  # loaded on demand
     stall_s: float = 0.0
+    device_waits: list[tuple[Event, Event]] = dataclasses.field(default_factory=list)
+    """Timed (before, after) events around each device-side wait of the compute stream for a copy: the stall
+    of a verify whose misses are ordered on the device (`settle` adds them to stall_s)."""
+
+    def settle(self) -> None:
+        """Add the device-side waits to stall_s. Call once the forward's output has been awaited (every event
+        has completed then); a pair not completed yet stays for a later call."""
+        pending = []
+        for before, after in self.device_waits:
+            if before.query() and after.query():
+                self.stall_s += max(0.0, after.elapsed_since(before))
+            else:
+                pending.append((before, after))
+        self.device_waits = pending
 
 
 ComputeExpert = Callable[[int, Tensor], None]
@@ -52,25 +72,42 @@ RoutedHook = Callable[[int, Tensor, list[int]], None]
 
 
 async def compute_hot_first(cache: ExpertCache, kernel: Kernel, cache_layer: int, needed: Sequence[int],
-                            compute: ComputeExpert, record: VerifyRecord, *, counted: Sequence[int] = ()) -> list[int]:
+                            compute: ComputeExpert, record: VerifyRecord, *, counted: Sequence[int] = (),
+                            on_device: bool = False) -> list[int]:
     """Run `compute` for each needed expert as it becomes ready (resident first, then as copies land).
 
     Each expert's slot is marked used with an event recorded after its compute, so the slot is not
     overwritten before the compute read it. Adds hits, misses and stall to `record` (experts in `counted`
     were already counted by an earlier chunk of the same forward) and returns the experts in compute order.
+
+    on_device: `compute` runs on the backend's compute stream (CUDA), so a miss is computed as soon as its
+    copy is issued, behind a device-side wait for it (`ExpertCache.iter_issued`): no host wake-up per miss,
+    and the stall is measured on the device (`VerifyRecord.settle`). Ignored while a host-paced link
+    emulation holds copies back on the host (the device would not see that delay).
     """
     hot = {e for e in needed if cache.lookup(cache_layer, e) is not None}
     mapped = set(cache.lru_order(cache_layer))  # resident or with a (prefetch) copy already in flight
     backend = kernel.backend
     order: list[int] = []
-    waited = time.perf_counter()
-    async for expert, slot in cache.iter_ready(cache_layer, needed):
-        if expert not in hot:
-            record.stall_s += time.perf_counter() - waited
-        compute(expert, cache.slot_weights(slot))
-        cache.mark_used(cache_layer, expert, backend.record_event(backend.compute_stream))
-        order.append(expert)
+    if on_device and not cache.transfer.host_paced:
+        stream = backend.compute_stream
+        async for expert, slot, ready in cache.iter_issued(cache_layer, needed):
+            if ready is not None:
+                before = backend.record_event(stream, timed=True)
+                backend.stream_wait(stream, ready)
+                record.device_waits.append((before, backend.record_event(stream, timed=True)))
+            compute(expert, cache.slot_weights(slot))
+            cache.mark_used(cache_layer, expert, backend.record_event(stream))
+            order.append(expert)
+    else:
         waited = time.perf_counter()
+        async for expert, slot in cache.iter_ready(cache_layer, needed):
+            if expert not in hot:
+                record.stall_s += time.perf_counter() - waited
+            compute(expert, cache.slot_weights(slot))
+            cache.mark_used(cache_layer, expert, backend.record_event(backend.compute_stream))
+            order.append(expert)
+            waited = time.perf_counter()
     already = set(counted)
     new = [e for e in needed if e not in already]
     prefetched = sum(1 for e in new if e in mapped)
@@ -83,19 +120,27 @@ class OffloadedExperts:
     """ExpertProvider over an ExpertCache; `layer_index` maps model layers to the cache's compact MoE layers."""
 
     def __init__(self, cache: ExpertCache, kernel: Kernel, layer_index: dict[int, int],
-                 on_routed: RoutedHook | None = None) -> None:
+                 on_routed: RoutedHook | None = None, on_device: bool | None = None) -> None:
         self.cache = cache
         self.kernel = kernel
         self.layer_index = layer_index
         self.on_routed = on_routed  # e.g. gate-prefetch: sees each layer's hidden rows and chosen experts
         self.record = VerifyRecord()
+        # Misses ordered on the device (compute_hot_first's on_device): on CUDA, where the forward's compute
+        # runs on the backend's compute stream; elsewhere the host computes and must see each landing.
+        backend = kernel.backend
+        self.on_device = (backend is not None and backend.name == "cuda") if on_device is None else on_device
+
+    @property
+    def routing_poll_s(self) -> float:
+        return ROUTING_POLL_S if self.on_device else 0.0
 
     def start_record(self) -> VerifyRecord:
         self.record = VerifyRecord()
         return self.record
 
     async def run(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor, mlp: ExpertMLP) -> Tensor:
-        chosen = await to_host(self.kernel, ids)  # await point: the router's choice
+        chosen = await to_host(self.kernel, ids, poll_s=self.routing_poll_s)  # await point: the router's choice
         table = RoutingTable(chosen, x.device)
         needed = table.experts
         self.record.first_row.setdefault(layer, len(set(chosen[0])))
@@ -106,18 +151,20 @@ class OffloadedExperts:
         def compute(expert: int, packed: Tensor) -> None:
             parts[expert] = table.weighted_output(expert, x, weights, mlp, packed)
 
-        order = await compute_hot_first(self.cache, self.kernel, self.layer_index[layer], needed, compute, self.record)
+        order = await compute_hot_first(self.cache, self.kernel, self.layer_index[layer], needed, compute, self.record,
+                                        on_device=self.on_device)
         self.record.used[layer] = order
         return combine_in_expert_order(x.shape[0], x.shape[1], parts, x)
 
     async def verify_static(self, step: SegmentedStep, block_tokens: Tensor, start: int) -> Tensor:
         """The verify forward through the segmented static step (see `verify_segmented`), into this record."""
         return await verify_segmented(step, block_tokens, start, self.cache, self.kernel, self.layer_index, self.record,
-                                      on_routed=self.on_routed)
+                                      on_routed=self.on_routed, on_device=self.on_device)
 
 
 async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int, cache: ExpertCache, kernel: Kernel,
-                           layer_index: dict[int, int], record: VerifyRecord, *, on_routed: RoutedHook | None = None) -> Tensor:
+                           layer_index: dict[int, int], record: VerifyRecord, *, on_routed: RoutedHook | None = None,
+                           on_device: bool = False) -> Tensor:
     """Float32 logits [n, V] of n device tokens at positions start.., in R-row chunks, writing their KV.
 
     Per MoE layer: the pre-MoE segment (a graph replay on CUDA), one D2H copy of the router ids, the
@@ -130,16 +177,17 @@ async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int
         count = step.load(block_tokens[first : first + step.rows], start + first)
         for index, layer in enumerate(step.moe_layers):
             step.run_segment(index)
-            await _routed_experts(step, layer, count, cache, kernel, layer_index[layer], record, on_routed)
+            await _routed_experts(step, layer, count, cache, kernel, layer_index[layer], record, on_routed, on_device)
         step.run_segment(len(step.moe_layers))
         parts.append(step.logits[:count].clone())  # the static output is overwritten by the next chunk
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: ExpertCache, kernel: Kernel, cache_layer: int,
-                          record: VerifyRecord, on_routed: RoutedHook | None) -> None:
+                          record: VerifyRecord, on_routed: RoutedHook | None, on_device: bool) -> None:
     """One MoE layer's routed experts for the step's current chunk of `count` real rows, into step.routed."""
-    chosen = await to_host(kernel, step.ids)  # await point: the router's choice, [R, A] in one D2H copy
+    # await point: the router's choice, [R, A] in one D2H copy
+    chosen = await to_host(kernel, step.ids, poll_s=ROUTING_POLL_S if on_device else 0.0)
     needed = sorted({expert for row in chosen[:count] for expert in row})  # padding rows repeat the last real row
     record.first_row.setdefault(layer, len(set(chosen[0])))
     if on_routed is not None:
@@ -148,5 +196,5 @@ async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: Ex
         step.expert_output(expert, packed)  # staged by expert id; the next segment sums them
 
     counted = record.used.get(layer, [])
-    order = await compute_hot_first(cache, kernel, cache_layer, needed, compute, record, counted=counted)
+    order = await compute_hot_first(cache, kernel, cache_layer, needed, compute, record, counted=counted, on_device=on_device)
     record.used[layer] = counted + [e for e in order if e not in counted]

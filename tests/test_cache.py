@@ -16,7 +16,9 @@ from backends.cpu import CPUBackend
 from specter.errors import BudgetError, CheckpointError, PluginError
 from specter.experts import ExpertCache, ExpertPool, TransferEngine
 from specter.experts.pool import experts_per_slab
+from specter.experts.transfer import LinkEmulation
 from specter.kernel import Kernel, run
+from specter.verify import VerifyRecord, compute_hot_first
 
 LAYERS, EXPERTS, SLOTS, NUMEL = 2, 6, 3, 2048  # 8 KiB float32 experts
 
@@ -42,9 +44,12 @@ class Rig:
         self.cache = ExpertCache(self.backend, self.kernel, self.transfer, self.pool, slots, chooser)
         self.bad_reads: list[tuple[int, int, int]] = []
 
-    def read(self, layer: int, expert: int, slot: int, seconds: float = 0.0003) -> None:
-        """Launch a 'compute' that reads the slot a little later, then mark it used after it."""
+    def read(self, layer: int, expert: int, slot: int, seconds: float = 0.0003, ready=None) -> None:
+        """Launch a 'compute' that reads the slot a little later, then mark it used after it. With `ready`
+        (iter_issued), the compute stream first waits for the copy, as a device reader does."""
         weights = self.cache.slot_weights(slot)
+        if ready is not None:
+            self.backend.stream_wait(self.backend.compute_stream, ready)
 
         def compute() -> None:
             time.sleep(seconds)  # a slow reader: an early overwrite of the slot would be seen below
@@ -83,6 +88,7 @@ experts_strategy = st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=SL
 op_strategy = st.one_of(
     st.tuples(st.just("ensure"), st.integers(0, LAYERS - 1), experts_strategy),
     st.tuples(st.just("iter_ready"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=EXPERTS, unique=True)),
+    st.tuples(st.just("iter_issued"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=EXPERTS, unique=True)),
     st.tuples(st.just("prefetch"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS)),
     st.tuples(st.just("protect"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), max_size=SLOTS - 1)),
     st.tuples(st.just("cancel_ensure"), st.integers(0, LAYERS - 1), experts_strategy, st.sampled_from([0.0, 0.0001, 0.0004, 0.001])),
@@ -106,6 +112,11 @@ async def apply(rig: Rig, op: tuple) -> set[tuple[int, int]] | None:
         _, layer, experts = op
         async for expert, slot in cache.iter_ready(layer, experts):
             rig.read(layer, expert, slot)
+        return {(layer, expert) for expert in range(EXPERTS)}
+    if kind == "iter_issued":
+        _, layer, experts = op
+        async for expert, slot, ready in cache.iter_issued(layer, experts):
+            rig.read(layer, expert, slot, ready=ready)
         return {(layer, expert) for expert in range(EXPERTS)}
     if kind == "prefetch":
         issued = cache.prefetch(op[1], op[2])
@@ -146,6 +157,7 @@ def guarded(cache: ExpertCache) -> set[tuple[int, int]]:
 @given(ops=st.lists(op_strategy, min_size=1, max_size=14))
 @example(ops=[("ensure", 0, [0, 1, 2]), ("protect", 0, [0, 1]), ("prefetch", 0, [3, 4]), ("ensure", 0, [5])])
 @example(ops=[("prefetch", 1, [0, 1, 2]), ("cancel_ensure", 1, [3, 4], 0.0001), ("iter_ready", 1, [4, 5, 0, 1])])
+@example(ops=[("prefetch", 0, [0, 1]), ("iter_issued", 0, [1, 2, 3, 4, 5, 0]), ("iter_issued", 0, [0, 5, 4])])
 def test_cache_invariants_hold_under_random_requests(ops):
     rig = Rig()
     evicted_while_protected: list[tuple[int, int]] = []
@@ -201,6 +213,116 @@ def test_iter_ready_yields_residents_first_and_rolls_through_more_experts_than_s
     assert order[:2] == [5, 4] and sorted(order) == list(range(6))
     assert rig.bad_reads == []
     assert rig.cache.stats.layers[0].hits == 2 and rig.cache.stats.layers[0].misses == 2 + 4
+
+
+def test_iter_ready_starts_the_misses_before_it_hands_out_the_residents(rig):
+    async def main() -> list[int]:
+        for expert, slot in (await rig.cache.ensure(0, [4, 5])).items():
+            rig.read(0, expert, slot)
+        await rig.close()
+        transfers_before = rig.transfer.stats.transfers
+        started_at_first_yield = None
+        async for expert, slot in rig.cache.iter_ready(0, [0, 5, 4]):  # one free slot: 0 loads into it
+            if started_at_first_yield is None:
+                assert expert in (4, 5)
+                started_at_first_yield = rig.transfer.stats.transfers - transfers_before
+            rig.read(0, expert, slot)
+        await rig.close()
+        return started_at_first_yield
+
+    assert run(main()) == 1, "the miss's copy must be on its way before the first resident is handed out"
+    assert rig.bad_reads == []
+
+
+def test_iter_issued_hands_out_misses_before_they_land_with_the_event_to_wait_for():
+    rig = Rig(link_gbps=0.002)  # 8 KiB take ~4 ms: a miss is handed out long before it lands
+
+    async def main() -> list[tuple[int, bool]]:
+        seen = []
+        for expert, slot in (await rig.cache.ensure(0, [4])).items():
+            rig.read(0, expert, slot)
+        async for expert, slot, ready in rig.cache.iter_issued(0, [0, 4, 1, 2, 3]):  # 4 misses through 2 free + 1 slot
+            seen.append((expert, ready is None or ready.query()))
+            rig.read(0, expert, slot, seconds=0.0, ready=ready)
+        rig.cache.unprotect_all(rig.backend.record_event(rig.backend.compute_stream))
+        await rig.close()
+        return seen
+
+    try:
+        seen = run(main())
+        assert seen[0] == (4, True), "the resident expert comes first, with nothing to wait for"
+        assert sorted(expert for expert, _ in seen) == [0, 1, 2, 3, 4]
+        assert any(not landed for _, landed in seen[1:]), "a miss must be handed out before its copy landed"
+        assert rig.bad_reads == [], "a reader ran before the copy it waited for, or a slot was overwritten under it"
+        rig.check_consistent()
+    finally:
+        rig.shutdown()
+
+
+@pytest.mark.parametrize("host_paced", [False, True])
+def test_compute_hot_first_on_device_orders_misses_on_the_compute_stream_and_measures_the_stall_there(host_paced):
+    rig = Rig(link_gbps=0.004)  # 8 KiB take ~2 ms
+    if host_paced:  # the emulated link holds copies back on the host: the device could not see that delay
+        rig.transfer.link = LinkEmulation(1.0, mode="host")
+    record = VerifyRecord()
+    early: list[int] = []
+
+    async def main() -> list[int]:
+        for expert, slot in (await rig.cache.ensure(0, [5])).items():
+            rig.read(0, expert, slot)
+        await rig.close()
+
+        def compute(expert: int, weights: torch.Tensor) -> None:  # a reader on the compute stream
+            if rig.cache.lookup(0, expert) is None:
+                early.append(expert)  # launched while its copy was still on the way
+
+            def work() -> None:
+                if not bool((weights == expert_value(0, expert)).all()):
+                    rig.bad_reads.append((0, expert, -1))
+
+            rig.backend.launch(rig.backend.compute_stream, work)
+
+        order = await compute_hot_first(rig.cache, rig.kernel, 0, [0, 1, 5, 2], compute, record, on_device=True)
+        rig.cache.unprotect_all(rig.backend.record_event(rig.backend.compute_stream))
+        await rig.close()
+        rig.backend.synchronize()
+        record.settle()
+        return order
+
+    try:
+        order = run(main())
+        assert order[0] == 5 and sorted(order) == [0, 1, 2, 5]
+        assert (record.hits, record.misses) == (1, 3)
+        assert rig.bad_reads == []
+        if host_paced:
+            assert early == [] and record.stall_s > 0, "host-paced: each miss is computed once it landed, as before"
+        else:
+            assert early, "no miss was launched before its copy landed: the device-side ordering is not used"
+            assert record.device_waits == [], "settle() folds every completed pair into stall_s"
+            assert record.stall_s > 0.002, f"the compute stream waited for three ~2 ms copies: {record.stall_s * 1e3:.2f} ms"
+        rig.check_consistent()
+    finally:
+        rig.shutdown()
+
+
+def test_settle_keeps_the_waits_not_completed_yet():
+    backend = CPUBackend()
+    stream = backend.compute_stream
+    try:
+        first = backend.record_event(stream)
+        backend.stream_sleep(stream, 0.003)
+        second = backend.record_event(stream)
+        second.wait()
+        backend.stream_sleep(stream, 0.2)
+        late = backend.record_event(stream)
+        record = VerifyRecord(device_waits=[(first, second), (second, late)])
+        record.settle()
+        assert 0.002 < record.stall_s < 0.1 and record.device_waits == [(second, late)]
+        late.wait()
+        record.settle()
+        assert record.stall_s > 0.2 and record.device_waits == []
+    finally:
+        backend.close()
 
 
 def test_a_protected_expert_survives_and_too_many_protections_are_a_budget_error(rig):

@@ -60,6 +60,31 @@ def test_completed_event_does_not_suspend_and_spin_catches_short_waits(backend):
     kernel.close()
 
 
+def test_poll_wakes_within_loop_iterations_lets_other_tasks_run_and_falls_back_to_parking(backend):
+    kernel = Kernel(backend)
+    ticks = []
+
+    async def ticker() -> None:
+        while True:
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(0)
+
+    async def main() -> float:
+        task = asyncio.get_running_loop().create_task(ticker())
+        event = delayed_event(backend, 0.004)
+        await kernel.wait(event, spin_s=0.0, poll_s=0.5)
+        woke = time.perf_counter() - event.completed_at
+        assert len(ticks) > 10, "the poll must yield to other tasks between polls"
+        await kernel.wait(delayed_event(backend, 0.03), spin_s=0.0, poll_s=0.002)  # longer than the budget
+        task.cancel()
+        return woke
+
+    woke = run(main())
+    assert (kernel.stats.polled, kernel.stats.parked) == (1, 1)
+    assert woke < 0.02, f"a polled wait woke {woke * 1e3:.1f} ms after its event"
+    kernel.close()
+
+
 def test_the_loop_keeps_running_while_a_task_waits(backend):
     kernel = Kernel(backend)
     ticks = []

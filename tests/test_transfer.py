@@ -76,6 +76,37 @@ def test_urgent_lands_before_queued_prefetches_and_waits_behind_few_chunks():
     assert all(torch.equal(target, source) for target, source in zip(targets, sources))
 
 
+def test_urgent_chunks_are_issued_back_to_back_while_prefetch_chunks_wait_for_room():
+    backend = CPUBackend(link_gbps=0.25)  # a 256 KiB chunk takes 1 ms
+    kernel = Kernel(backend)
+    engine = TransferEngine(backend, kernel, chunk_bytes=MiB // 4, max_chunks_in_flight=1)
+    sources, targets = buffers(8, MiB // 2)  # two chunks each
+
+    async def main() -> tuple[list[bool], list[bool]]:
+        urgent = [engine.submit(targets[i], sources[i], urgent=True) for i in range(4)]
+        for _ in range(12):  # a few loop iterations: far less than one chunk's 1 ms on the link
+            await asyncio.sleep(0)
+        urgent_issued = [transfer.fully_issued for transfer in urgent]
+        landed_yet = urgent[-1].ready_event() is not None and urgent[-1].ready_event().query()
+        prefetch = [engine.submit(targets[i], sources[i]) for i in range(4, 8)]
+        for _ in range(12):
+            await asyncio.sleep(0)
+        prefetch_issued = [transfer.fully_issued for transfer in prefetch]
+        assert not landed_yet
+        await engine.drain()
+        await engine.aclose()
+        return urgent_issued, prefetch_issued
+
+    try:
+        urgent_issued, prefetch_issued = run(main())
+    finally:
+        kernel.close()
+        backend.close()
+    assert urgent_issued == [True] * 4, "urgent misses must not wait for room on the stream"
+    assert prefetch_issued == [False] * 4, "prefetches keep the in-flight cap (behind the urgent chunks)"
+    assert all(torch.equal(target, source) for target, source in zip(targets, sources))
+
+
 def test_every_byte_is_counted_once_and_chunks_are_bounded(rig):
     backend, kernel = rig
     engine = TransferEngine(backend, kernel, chunk_bytes=300_000)

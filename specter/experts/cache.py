@@ -200,23 +200,43 @@ class ExpertCache:
         """Yield (expert, slot) for `experts`: resident ones first, then in the order their copies land.
 
         This is verify's rolling window: the router has chosen, so plan protection of this layer's other
-        experts is lifted; misses load into free or evictable slots as readers `mark_used` earlier ones.
-        Each yielded slot is pinned until the reader calls `mark_used` (or `unprotect_all`).
+        experts is lifted; misses load into free or evictable slots as readers `mark_used` earlier ones
+        (the first of them start before the resident ones are handed out). Each yielded slot is pinned
+        until the reader calls `mark_used` (or `unprotect_all`).
         """
+        async for expert, slot, _ready in self._rolling(layer, experts, on_issue=False):
+            yield expert, slot
+
+    async def iter_issued(self, layer: int, experts: Iterable[int]) -> AsyncIterator[tuple[int, int, Event | None]]:
+        """`iter_ready` for readers whose compute is ordered on a device stream: yield (expert, slot, ready)
+        as soon as a miss's copy is on the copy stream, without waiting for it to land.
+
+        `ready` is None for an expert whose copy has landed; otherwise the reader must make its compute
+        stream wait on it (`backend.stream_wait`) before reading the slot. No host wake-up per miss: the
+        reader can enqueue every expert of the layer at once and the device orders copy and compute.
+        """
+        async for item in self._rolling(layer, experts, on_issue=True):
+            yield item
+
+    async def _rolling(self, layer: int, experts: Iterable[int], on_issue: bool) -> AsyncIterator[tuple[int, int, Event | None]]:
         wanted = list(dict.fromkeys(experts))
         self._protected[layer] &= set(wanted)
         hot = [expert for expert in wanted if self.lookup(layer, expert) is not None]
         owned: dict[int, Slot] = {}  # pinned by this iterator, not yet handed to the reader
+        landed: asyncio.Queue[int] = asyncio.Queue()
         try:
             for expert in hot:  # pinned all at once, so the reader's awaits cannot lose one to eviction
                 owned[expert] = self._residents[layer][expert]
                 self._pin(owned[expert])
                 self.stats.layers[layer].hits += 1
+            # Misses that fit in free or evictable slots start now, before the reader launches the resident
+            # experts' compute: the copy stream works while the host launches.
+            waiting = self._start_what_fits(layer, [e for e in wanted if e not in hot], owned, landed, on_issue)
             for expert in hot:
-                yield expert, owned.pop(expert).index
-            async for expert, slot in self._landings(layer, [e for e in wanted if e not in hot], owned):
+                yield expert, owned.pop(expert).index, None
+            async for expert, slot in self._landings(layer, waiting, owned, landed, on_issue):
                 owned.pop(expert)
-                yield expert, slot.index
+                yield expert, slot.index, self._pending_ready(slot, expert) if on_issue else None
         finally:
             for slot in owned.values():
                 self._unpin(slot)
@@ -442,12 +462,12 @@ class ExpertCache:
             f"slot {slot.index} lost expert {expert} while a reader held it (reset during a round?)"
         )
 
-    async def _landings(self, layer: int, experts: list[int], owned: dict[int, Slot]) -> AsyncIterator[tuple[int, Slot]]:
-        """Load `experts` through the layer's free/evictable slots, yielding each as its copy lands."""
-        landed: asyncio.Queue[int] = asyncio.Queue()
-        waiting = list(experts)
+    async def _landings(self, layer: int, waiting: list[int], owned: dict[int, Slot], landed: asyncio.Queue[int],
+                        on_issue: bool) -> AsyncIterator[tuple[int, Slot]]:
+        """Load `waiting` experts through the layer's free/evictable slots, yielding each (and those already in
+        `owned` and started) as its copy lands, or with `on_issue` as its copy is fully on the copy stream."""
         while waiting or owned:
-            waiting = self._start_what_fits(layer, waiting, owned, landed)
+            waiting = self._start_what_fits(layer, waiting, owned, landed, on_issue)
             if landed.empty() and waiting and not self._loading_among(owned):
                 if not self._room_can_appear(layer, list(owned.values())):
                     raise BudgetError(f"layer {layer}: no slot can be freed for experts {waiting}; raise the budget")
@@ -455,10 +475,12 @@ class ExpertCache:
                 continue
             expert = await landed.get()
             slot = owned[expert]
-            await self._until_landed(slot, expert)
+            if not on_issue:
+                await self._until_landed(slot, expert)
             yield expert, slot
 
-    def _start_what_fits(self, layer: int, waiting: list[int], owned: dict[int, Slot], landed: asyncio.Queue[int]) -> list[int]:
+    def _start_what_fits(self, layer: int, waiting: list[int], owned: dict[int, Slot], landed: asyncio.Queue[int],
+                         on_issue: bool = False) -> list[int]:
         """Pin in-flight or start loads for as many waiting experts as slots allow; return the rest."""
         still_waiting = []
         for expert in waiting:
@@ -479,14 +501,30 @@ class ExpertCache:
                 self.stats.layers[layer].hits += 1
             self._pin(slot)
             owned[expert] = slot
-            self._notify_when_landed(slot, expert, landed)
+            self._notify(slot, expert, landed, on_issue)
         return still_waiting
 
-    def _notify_when_landed(self, slot: Slot, expert: int, landed: asyncio.Queue[int]) -> None:
+    def _notify(self, slot: Slot, expert: int, queue: asyncio.Queue[int], on_issue: bool) -> None:
+        """Put `expert` on `queue` when its copy has landed, or with `on_issue` when it is fully issued."""
         if slot.loading is None:
-            landed.put_nowait(expert)
+            queue.put_nowait(expert)
+        elif on_issue and slot.transfer is not None:
+            slot.transfer.when_issued(lambda: queue.put_nowait(expert))
         else:
-            slot.loading.add_done_callback(lambda _task: landed.put_nowait(expert))
+            slot.loading.add_done_callback(lambda _task: queue.put_nowait(expert))
+
+    def _pending_ready(self, slot: Slot, expert: int) -> Event | None:
+        """For `iter_issued`: None if the copy into `slot` has landed, else its ready event (fully issued)."""
+        assert slot.expert == expert and slot.state is not SlotState.FREE, (
+            f"slot {slot.index} lost expert {expert} while a reader held it (reset during a round?)"
+        )
+        if slot.state is SlotState.RESIDENT:
+            return None
+        transfer = slot.transfer
+        assert transfer is not None and not transfer.cancelled, f"the copy of expert {expert} was dropped (reset during a round?)"
+        ready = transfer.ready_event()
+        assert ready is not None, f"expert {expert} handed out before its copy was issued"
+        return ready
 
     def _loading_among(self, owned: dict[int, Slot]) -> bool:
         return any(slot.state is SlotState.LOADING for slot in owned.values())

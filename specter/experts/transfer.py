@@ -1,8 +1,10 @@
 """The transfer engine: host-to-device expert copies on the copy stream, urgent misses ahead of prefetches.
 
-Copies are split in chunks and issued by one pump task that keeps at most `max_chunks_in_flight` chunks
-on the stream, so an urgent miss waits behind at most that many chunks of a long prefetch queue (a chunk
-is `chunk_bytes`, or up to 1.25 times that when a copy's short tail rides with its last chunk).
+Copies are split in chunks and issued by one pump task that keeps at most `max_chunks_in_flight` prefetch
+chunks on the stream, so an urgent miss waits behind at most that many chunks of a long prefetch queue (a
+chunk is `chunk_bytes`, or up to 1.25 times that when a copy's short tail rides with its last chunk).
+Urgent chunks are not capped: a verify's misses are all wanted now, and issuing them back to back keeps the
+stream busy without a host wake-up between two of them.
 """
 
 from __future__ import annotations
@@ -119,6 +121,10 @@ class Transfer:
         if early_s > 0:  # host-paced emulation: the emulated link has not delivered the last chunk yet
             await asyncio.sleep(early_s)
         return ready
+
+    def when_issued(self, callback: Callable[[], None]) -> None:
+        """Call `callback` on the loop once the last chunk is on the stream (or the transfer was cancelled)."""
+        self._ready.add_done_callback(lambda _future: callback())
 
     def ready_event(self) -> Event | None:
         """The ready event once the last chunk is issued, else None (device-side waits use it)."""
@@ -246,6 +252,11 @@ class TransferEngine:
         return transfer
 
     @property
+    def host_paced(self) -> bool:
+        """A host-paced link emulation holds copies back on the host: readers must wait for landings there."""
+        return self.link is not None and self.link.mode == "host"
+
+    @property
     def bandwidth_bytes_per_s(self) -> float | None:
         """EMA of the sustained copy bandwidth as the engine sees it (emulation included); None until measured."""
         self._retire_completed()
@@ -294,12 +305,16 @@ class TransferEngine:
         """The engine loop: wait for room on the stream, for the emulated link, then issue the next chunk."""
         try:
             while True:
-                await self._room_on_stream()
-                await self._emulated_link_free()
                 transfer = self._next_transfer()
                 if transfer is None:
                     self._wakeup.clear()
                     await self._wakeup.wait()
+                    continue
+                if not transfer.urgent:  # a prefetch waits for room; an urgent miss is wanted now: no cap
+                    await self._room_on_stream()
+                await self._emulated_link_free()
+                transfer = self._next_transfer()  # an urgent miss may have arrived while we waited
+                if transfer is None:
                     continue
                 self._issue_chunk(transfer)
                 # Yield after every chunk: when copies finish faster than Python issues them the room check
