@@ -139,6 +139,22 @@ case "$stage" in
     done
     tail -2 "$out/logs/train.log"; tail -3 "$out/logs/gpu-tests.log"; tail -3 "$out/logs/property.log"
     for side in old new; do grep -E "\| (ondemand|specter|oracle-specter) \|" "$out/ab-$side/results.md" | cut -d"|" -f3-7,9-20; done ;;
+  pipeline-ab)    # pipeline again after its fix (landed urgent chunks were never retired: the copy-busy log grew
+    # with every request), without the training: CUDA property tests, before/after, the host profile
+    mkdir -p "$out/logs"
+    SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 150 python -m pytest -q tests/test_speculative.py tests/test_overlap.py \
+      -p no:cacheprovider > "$out/logs/property.log" 2>&1
+    for side in old new; do
+      dir=$PWD; [ $side = old ] && dir=$PWD/.old
+      (cd "$dir" && export PYTHONPATH=/tmp/site:$dir && python -c "import specter; print(specter.__file__)" &&
+        timeout 140 python -m specter.bench --model qwen1.5-moe-a2.7b --preset paper \
+        --layers 8 --link native --max-new-tokens 64 --systems ondemand,specter,oracle-specter --time-budget 125 \
+        --no-progress --no-plots --out "$out/ab-$side" > "$out/logs/ab-$side.log" 2>&1; echo "$side rc=$?")
+    done
+    timeout 90 python benchmarks/profile_offloaded.py --layers 8 --residents 15 --tokens 32 --static-verify --top 25 \
+      --out "$out/profile" > "$out/logs/profile.log" 2>&1
+    tail -3 "$out/logs/property.log"; head -3 "$out/logs/profile.log" | cut -c1-220
+    for side in old new; do grep -E "\| (ondemand|specter|oracle-specter) \|" "$out/ab-$side/results.md" | cut -d"|" -f3-7,9-20; done ;;
   retest)         # the GPU tests changed since validate, each alone (no training beside them)
     timeout 60 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_graphed.py -k "garbage" tests/test_gpu_transfer.py -k "garbage or emulation" 2>&1 | tail -3
     SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 100 python -m pytest -q tests/test_speculative.py -p no:cacheprovider 2>&1 | tail -3 ;;

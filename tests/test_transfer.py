@@ -107,6 +107,21 @@ def test_urgent_chunks_are_issued_back_to_back_while_prefetch_chunks_wait_for_ro
     assert all(torch.equal(target, source) for target, source in zip(targets, sources))
 
 
+def test_landed_urgent_chunks_are_retired_so_the_chunk_log_starts_small(rig):
+    backend, kernel = rig
+    engine = TransferEngine(backend, kernel, chunk_bytes=4096, max_chunks_in_flight=2)
+    sources, targets = buffers(30, 8192)
+
+    async def main() -> int:
+        for _ in range(3):  # requests after requests: nothing may pile up on the engine
+            await asyncio.gather(*(engine.submit(t, s, urgent=True).landed() for t, s in zip(targets, sources)))
+        started = len(engine.start_chunk_log())
+        await engine.aclose()
+        return started
+
+    assert run(main()) == 0, "chunks that landed must not stay in flight (the copy-busy log would grow without bound)"
+
+
 def test_every_byte_is_counted_once_and_chunks_are_bounded(rig):
     backend, kernel = rig
     engine = TransferEngine(backend, kernel, chunk_bytes=300_000)

@@ -205,6 +205,7 @@ class TransferEngine:
 
     def start_chunk_log(self) -> list[_Chunk]:
         """Log every chunk from now on (`chunk_log`), starting with those still on the stream."""
+        self._retire_completed()
         self.chunk_log = list(self._in_flight)
         return self.chunk_log
 
@@ -305,6 +306,7 @@ class TransferEngine:
         """The engine loop: wait for room on the stream, for the emulated link, then issue the next chunk."""
         try:
             while True:
+                self._retire_completed()  # urgent chunks skip the room check: retire here, or _in_flight only grows
                 transfer = self._next_transfer()
                 if transfer is None:
                     self._wakeup.clear()
