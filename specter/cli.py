@@ -58,8 +58,9 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     policies.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2", "gptq4"], help="draft expert format")
     policies.add_argument("--scout", action="store_true",
                           help="offloaded plain rounds (k = 0) prefetch the experts of one draft step's routes first")
-    policies.add_argument("--overlap", type=int, default=0, metavar="N",
-                          help="draft up to N steps ahead beside each verify (kept when the verify takes every draft); 0: off")
+    policies.add_argument("--overlap", type=int, default=None, metavar="N",
+                          help="draft up to N steps ahead beside each verify (kept when the verify takes every draft); "
+                               "0: off; default: 16 on CUDA, off on the CPU")
     sampling = gen.add_argument_group("sampling")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     sampling.add_argument("--top-k", type=int, default=None)

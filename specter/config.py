@@ -64,6 +64,10 @@ def describe_validation_error(model: str, error: ValidationError) -> str:
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
+DEFAULT_OVERLAP = 16
+"""Draft-ahead steps of `DraftConfig.overlap=None` on CUDA (clamped to k + 1 per round by the runtime)."""
+
+
 class DraftConfig(_Frozen):
     """How the quantized draft is built and how far it looks ahead."""
 
@@ -74,11 +78,18 @@ class DraftConfig(_Frozen):
     sampling: SamplingRule = Field("coupled", description="Acceptance rule when sampling: coupled (token-identical) or rejection.")
     scout: bool = Field(False, description="Offloaded plain rounds (k = 0) first run one draft step for its routes only: the "
                                            "experts it routes the round's token to are prefetched before and during the verify.")
-    overlap: int = Field(0, ge=0, le=32, description="Draft ahead during the verify (issue 4 item 8): a speculative round "
-                                                     "drafts one more step (a guess at the target's own next token) and, while "
-                                                     "the verify runs, up to this many draft steps from that guess on a second "
-                                                     "stream; if the verify accepts every draft and its token equals the "
-                                                     "guess, the next round starts with those steps done. 0 turns it off.")
+    overlap: int | None = Field(None, ge=0, le=32, description="Draft ahead during the verify (issue 4 item 8): a speculative "
+                                "round drafts one more step (a guess at the target's own next token) and, while the verify "
+                                "runs, up to this many draft steps from that guess on a second stream; if the verify accepts "
+                                "every draft and its token equals the guess, the next round starts with those steps done. "
+                                "0 turns it off; None (default): 16 on CUDA with CUDA graphs (measured faster there in every "
+                                "cell, docs/BENCHMARKS.md), 0 elsewhere (no second stream: the steps would run in series).")
+
+    def overlap_steps(self, device_type: str, cuda_graphs: bool) -> int:
+        """The draft-ahead depth on a device of this type (resolves overlap=None)."""
+        if self.overlap is not None:
+            return self.overlap
+        return DEFAULT_OVERLAP if device_type == "cuda" and cuda_graphs else 0
 
     @model_validator(mode="after")
     def _scout_needs_a_draft(self) -> "DraftConfig":

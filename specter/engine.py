@@ -109,7 +109,8 @@ class Runtime:
         self.segmented = _segmented_step(model, experts, self.kv, config)
         self.k_max = config.draft.k_max if draft is not None else 0  # calibrate_draft sets it for gptq4
         self.scout = config.draft.scout  # plain rounds prefetch from one draft step's routes (offloaded, with a draft)
-        self.overlap = config.draft.overlap  # draft-ahead steps beside each verify (DraftConfig.overlap)
+        # draft-ahead steps beside each verify (DraftConfig.overlap; None: on with CUDA graphs, off elsewhere)
+        self.overlap = config.draft.overlap_steps(model.device.type, config.cuda_graphs)
         self._carry: Carry | None = None  # the last verify's draft-ahead, if it can start the next round
         self._carried = 0  # draft steps this round took from a carry (read by _finish_round)
         self._ahead_this_round = False  # this round drafted a guess and ahead (read by _finish_round)

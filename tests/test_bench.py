@@ -97,6 +97,25 @@ def test_oracle_specter_replays_specters_rounds_with_perfect_prefetch(matrix):
         assert run["predictor_recall"] == 1.0
 
 
+def test_specter_and_oracle_specter_take_the_engines_default_draft_ahead(tmp_path, monkeypatch):
+    """`specter` and `oracle-specter` draft ahead as the engine does by default (16 on CUDA, off on the CPU);
+    `specter-serial` never does. Here the default is forced on, as on CUDA: tokens equal, the oracle replays
+    specter's rounds, draft-ahead counted for both and not for specter-serial."""
+    monkeypatch.setattr(DraftConfig, "overlap_steps", lambda self, device_type, cuda_graphs: 16 if self.overlap is None else self.overlap)
+    code = cli.main(["--systems", "specter-serial,specter,oracle-specter", "--max-new-tokens", "12", "--warmup-tokens", "2",
+                     "--link", "1", "--k", "4", "--no-progress", "--no-plots", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert code == 0 and all(row["tokens_equal"] for row in results["summary"]), results["summary"]
+    ahead = {}
+    for run in results["runs"]:
+        ahead[run["system"]] = ahead.get(run["system"], 0) + run["ahead_rounds"]
+    assert ahead["specter-serial"] == 0 and ahead["specter"] > 0 and ahead["oracle-specter"] > 0, ahead
+    by_prompt = {(run["system"], run["prompt_kind"], run["prompt_index"]): run for run in results["runs"]}
+    for run in (run for run in results["runs"] if run["system"] == "oracle-specter"):
+        source = by_prompt[("specter", run["prompt_kind"], run["prompt_index"])]
+        assert (run["rounds"], run["drafted"], run["accepted"]) == (source["rounds"], source["drafted"], source["accepted"])
+
+
 def test_oracle_specter_without_specter_is_skipped_and_says_why(tmp_path):
     code = cli.main(["--systems", "ondemand,oracle-specter", "--max-new-tokens", "4", "--warmup-tokens", "2", "--link", "1",
                      "--no-progress", "--no-plots", "--out", str(tmp_path)])

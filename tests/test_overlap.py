@@ -225,7 +225,10 @@ def test_overlap_is_validated_and_reaches_the_config_from_the_command_line():
         DraftConfig(overlap=-1)
     args = build_parser().parse_args(["generate", "--model", "tiny", "--overlap", "8"])
     assert engine_config(args).draft.overlap == 8
-    assert engine_config(build_parser().parse_args(["generate", "--model", "tiny"])).draft.overlap == 0
+    default = engine_config(build_parser().parse_args(["generate", "--model", "tiny"])).draft
+    assert default.overlap is None  # resolved by the device: on with CUDA graphs (measured faster there), off elsewhere
+    assert (default.overlap_steps("cuda", True), default.overlap_steps("cuda", False), default.overlap_steps("cpu", True)) == (16, 0, 0)
+    assert DraftConfig(overlap=0).overlap_steps("cuda", True) == 0 and DraftConfig(overlap=5).overlap_steps("cpu", False) == 5
 
 
 def test_the_draft_fit_keeps_what_a_carried_round_paid():

@@ -55,8 +55,9 @@ class System:
     """Pays for a separate copy of the non-expert weights and its own KV out of the expert slots."""
     scout: bool = False
     """Plain rounds run one draft step first and prefetch the experts it routes to (DraftConfig.scout)."""
-    overlap: int = 0
-    """Draft-ahead steps beside each verify (DraftConfig.overlap); 0: off."""
+    overlap: int | None = 0
+    """Draft-ahead steps beside each verify (DraftConfig.overlap); 0: off; None: the engine's default (16 on CUDA
+    with CUDA graphs, off on the CPU)."""
     replay_schedule: bool = False
     """An oracle that replays the depth of every round of the `specter` run just before it (same cell)."""
 
@@ -77,8 +78,12 @@ SYSTEMS: dict[str, System] = {
                              "of the draft, LRU; separate draft weights and KV taken out of the expert slots",
                prefetch="topm-frequency", prefetch_options={"fractions": (0.2, 0.6)}, k=3, separate_draft=True),
         # `specter` adapts k with the roofline governor: on the quick CPU matrix it beat fixed k=4 (benchmarks/README.md).
-        System("specter", "this design: plan-protect eviction, link-paced frequency Top-M prefetch, roofline lookahead (k adapted per round)",
-               eviction="plan-protect", prefetch="topm-frequency", lookahead="roofline", k=None),
+        System("specter", "this design: plan-protect eviction, link-paced frequency Top-M prefetch, roofline lookahead (k adapted "
+                          "per round), the engine's default draft-ahead (on CUDA: up to 16 steps beside each verify)",
+               eviction="plan-protect", prefetch="topm-frequency", lookahead="roofline", k=None, overlap=None),
+        System("specter-serial", "specter without the draft-ahead (each round drafts, then verifies): `specter` before "
+                                 "2026-11-30's sixth session", eviction="plan-protect", prefetch="topm-frequency",
+               lookahead="roofline", k=None),
         System("specter-scout", "specter whose plain rounds (k = 0) first run one draft step and prefetch the experts "
                                 "it routes the token to", eviction="plan-protect", prefetch="topm-frequency",
                lookahead="roofline", k=None, scout=True),
@@ -98,8 +103,9 @@ SYSTEMS: dict[str, System] = {
         System("oracle-k0", "the oracle without speculation: target alone (k=0), exact experts prefetched before each token",
                eviction="oracle-belady", k=0, oracle=True),
         System("oracle-specter", "the oracle at specter's own depths: each round's k and verify routes as the specter run "
-                                 "of the same cell had them (same tokens, so the same rounds), exact prefetch, Belady eviction",
-               eviction="oracle-belady", k=None, oracle=True, replay_schedule=True),
+                                 "of the same cell had them (same tokens, so the same rounds), exact prefetch, Belady eviction, "
+                                 "the same draft-ahead as specter",
+               eviction="oracle-belady", k=None, oracle=True, replay_schedule=True, overlap=None),
     )
 }
 DEFAULT_SYSTEMS = ("resident", "ondemand", "gate-prefetch", "specmoeoff", "specter", "specter-fixed", "oracle", "oracle-k0",
@@ -211,7 +217,8 @@ class BenchRuntime(Runtime):
         options = {"k": depth} if system.lookahead == "fixed" else {}
         self.lookahead = plugins.load_policy("lookahead", system.lookahead, **options)
         self.scout = system.scout
-        self.overlap = system.overlap
+        self.overlap = system.overlap if system.overlap is not None else self.config.draft.overlap_steps(
+            self.model.device.type, self.config.cuda_graphs)
         self.k_max = self.config.draft.k_max if self.draft is not None else 0
         self.estimates = Estimates(self.k_max)
         self.uses = UseClock(len(self.spec.moe_layers))
