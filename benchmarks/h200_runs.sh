@@ -22,6 +22,16 @@ set -u
 source benchmarks/h200_setup.sh
 export PYTHONUNBUFFERED=1
 out=${OUT:-out}
+before_after() {  # the Qwen shape (random weights, Gen5) with the code of .old (git archive of an earlier commit), then this code
+  # (since 1936af9 this code's `specter` drafts ahead on CUDA: against an older .old that is two changes at once)
+  for side in old new; do
+    dir=$PWD; [ $side = old ] && dir=$PWD/.old
+    (cd "$dir" && export PYTHONPATH=/tmp/site:$dir && python -c "import specter; print(specter.__file__)" &&
+      timeout 140 python -m specter.bench --model qwen1.5-moe-a2.7b --preset paper \
+      --layers 8 --link native --max-new-tokens 64 --systems ondemand,specter,oracle-specter --time-budget 125 \
+      --no-progress --no-plots --out "$out/ab-$side" > "$out/logs/ab-$side.log" 2>&1; echo "$side rc=$?")
+  done
+}
 for stage in "$@"; do
 case "$stage" in
   gpu-tests)      # every gpu-marked test: exactness, kernels, graphs, segmented verify, soak, budgets
@@ -130,13 +140,7 @@ case "$stage" in
       -p no:cacheprovider > "$out/logs/property.log" 2>&1
     wait
     cp /tmp/qwenref/reference.json "$out/qwen-reference.json" 2>/dev/null
-    for side in old new; do
-      dir=$PWD; [ $side = old ] && dir=$PWD/.old
-      (cd "$dir" && export PYTHONPATH=/tmp/site:$dir && python -c "import specter; print(specter.__file__)" &&
-        timeout 140 python -m specter.bench --model qwen1.5-moe-a2.7b --preset paper \
-        --layers 8 --link native --max-new-tokens 64 --systems ondemand,specter,oracle-specter --time-budget 125 \
-        --no-progress --no-plots --out "$out/ab-$side" > "$out/logs/ab-$side.log" 2>&1; echo "$side rc=$?")
-    done
+    before_after
     tail -2 "$out/logs/train.log"; tail -3 "$out/logs/gpu-tests.log"; tail -3 "$out/logs/property.log"
     for side in old new; do grep -E "\| (ondemand|specter|oracle-specter) \|" "$out/ab-$side/results.md" | cut -d"|" -f3-7,9-20; done ;;
   pipeline-ab)    # pipeline again after its fix (landed urgent chunks were never retired: the copy-busy log grew
@@ -144,13 +148,7 @@ case "$stage" in
     mkdir -p "$out/logs"
     SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 150 python -m pytest -q tests/test_speculative.py tests/test_overlap.py \
       -p no:cacheprovider > "$out/logs/property.log" 2>&1
-    for side in old new; do
-      dir=$PWD; [ $side = old ] && dir=$PWD/.old
-      (cd "$dir" && export PYTHONPATH=/tmp/site:$dir && python -c "import specter; print(specter.__file__)" &&
-        timeout 140 python -m specter.bench --model qwen1.5-moe-a2.7b --preset paper \
-        --layers 8 --link native --max-new-tokens 64 --systems ondemand,specter,oracle-specter --time-budget 125 \
-        --no-progress --no-plots --out "$out/ab-$side" > "$out/logs/ab-$side.log" 2>&1; echo "$side rc=$?")
-    done
+    before_after
     timeout 90 python benchmarks/profile_offloaded.py --layers 8 --residents 15 --tokens 32 --static-verify --top 25 \
       --out "$out/profile" > "$out/logs/profile.log" 2>&1
     tail -3 "$out/logs/property.log"; head -3 "$out/logs/profile.log" | cut -c1-220
