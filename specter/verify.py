@@ -9,6 +9,7 @@ Two forwards use it: the eager exact forward (`OffloadedExperts.run`) and the se
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -91,14 +92,21 @@ async def compute_hot_first(cache: ExpertCache, kernel: Kernel, cache_layer: int
     order: list[int] = []
     if on_device and not cache.transfer.host_paced:
         stream = backend.compute_stream
-        async for expert, slot, ready in cache.iter_issued(cache_layer, needed):
-            if ready is not None:
+        async with contextlib.aclosing(cache.iter_issued(cache_layer, needed)) as experts:
+            while True:
+                # Marked before the host asks for the next expert: if the host has to wait (for a landing to free
+                # a slot), the compute stream runs dry meanwhile, and that idle time is part of the stall.
                 before = backend.record_event(stream, timed=True)
-                backend.stream_wait(stream, ready)
-                record.device_waits.append((before, backend.record_event(stream, timed=True)))
-            compute(expert, cache.slot_weights(slot))
-            cache.mark_used(cache_layer, expert, backend.record_event(stream))
-            order.append(expert)
+                try:
+                    expert, slot, ready = await anext(experts)
+                except StopAsyncIteration:
+                    break
+                if ready is not None:
+                    backend.stream_wait(stream, ready)
+                    record.device_waits.append((before, backend.record_event(stream, timed=True)))
+                compute(expert, cache.slot_weights(slot))
+                cache.mark_used(cache_layer, expert, backend.record_event(stream))
+                order.append(expert)
     else:
         waited = time.perf_counter()
         async for expert, slot in cache.iter_ready(cache_layer, needed):

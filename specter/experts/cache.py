@@ -235,8 +235,9 @@ class ExpertCache:
             for expert in hot:
                 yield expert, owned.pop(expert).index, None
             async for expert, slot in self._landings(layer, waiting, owned, landed, on_issue):
+                ready = self._pending_ready(slot, expert) if on_issue else None  # may raise: the slot stays owned
                 owned.pop(expert)
-                yield expert, slot.index, self._pending_ready(slot, expert) if on_issue else None
+                yield expert, slot.index, ready
         finally:
             for slot in owned.values():
                 self._unpin(slot)
@@ -426,6 +427,10 @@ class ExpertCache:
             after_copy=partial(self._write_table, layer, expert, slot.index),
             tag=(layer, expert, slot.index),
         )
+        # Bytes count once the copy is fully on the stream (or cut short): a device-ordered reader may finish the
+        # round before the host has seen the copy land.
+        transfer = slot.transfer
+        transfer.when_issued(lambda: self._count_bytes(layer, transfer))
         slot.loading = asyncio.get_running_loop().create_task(self._complete_load(slot, slot.generation, slot.transfer))
         self._loads.add(slot.loading)
         slot.loading.add_done_callback(self._loads.discard)
@@ -439,9 +444,10 @@ class ExpertCache:
         except Exception:
             self._settle_load(slot, generation, None)
             raise
-        finally:
-            self.stats.layers[slot.layer].bytes_loaded += transfer.bytes_issued
         self._settle_load(slot, generation, None if transfer.cancelled else ready)
+
+    def _count_bytes(self, layer: int, transfer: Transfer) -> None:
+        self.stats.layers[layer].bytes_loaded += transfer.bytes_issued
 
     def _settle_load(self, slot: Slot, generation: int, ready: Event | None) -> None:
         """Landed: resident. Dropped or failed: free. Unless the slot was reassigned since (generation)."""

@@ -127,8 +127,11 @@ class Transfer:
         self._ready.add_done_callback(lambda _future: callback())
 
     def ready_event(self) -> Event | None:
-        """The ready event once the last chunk is issued, else None (device-side waits use it)."""
-        return self._ready.result() if self._ready.done() and not self._ready.cancelled() else None
+        """The ready event once the last chunk is issued, else None (device-side waits use it; also None when the
+        pump failed: `landed()` raises that error)."""
+        if not self._ready.done() or self._ready.cancelled() or self._ready.exception() is not None:
+            return None
+        return self._ready.result()
 
     def promote(self) -> None:
         """Make a queued prefetch urgent: its remaining chunks jump ahead of other prefetches."""
@@ -316,8 +319,8 @@ class TransferEngine:
                     await self._room_on_stream()
                 await self._emulated_link_free()
                 transfer = self._next_transfer()  # an urgent miss may have arrived while we waited
-                if transfer is None:
-                    continue
+                if transfer is None or (not transfer.urgent and len(self._in_flight) >= self.max_chunks_in_flight):
+                    continue  # (a prefetch picked up here must still find room)
                 self._issue_chunk(transfer)
                 # Yield after every chunk: when copies finish faster than Python issues them the room check
                 # never suspends, and an urgent miss submitted meanwhile would wait behind the whole queue.
