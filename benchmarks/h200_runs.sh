@@ -12,9 +12,13 @@
 # paper-int8 (int8 draft: specter 0.92-1.40x ondemand, int4 0.84-1.04x); results/h200-2026-11-30/{draft-step,
 # qwen-reference,paper-int8}; overlap, overlap-fixed, overlap-fit (issue 4 item 8, the draft-ahead: 1.02-1.36x at one
 # depth; with the roofline 0.70-1.43x before the draft-fit change, 1.19-1.36x after; results/h200-2026-11-30/overlap).
-# Next, in this order: overlap (again, with the draft-fit change: the Mixtral-format reference model at 4 residents,
-# where specter-overlap was 0.70x specter before it, decides whether specter drafts ahead by default); scout (the
-# scout alone, scout-k0, after its accounting fix); calibration (GPTQ against RTN on the GPU reference model; on the
+# Done 2026-11-30, sixth session: pipeline, pipeline-ab (the verify's misses ordered on the device: 1.00-1.18x, copy
+# busy +0.06-0.11), final (trained Qwen: specter-overlap 1.82-2.58x ondemand; the draft-ahead 1.07-1.35x in all eight
+# re-measured cells, now on by default on CUDA); results/h200-2026-11-30/pipeline.
+# Next, in this order: the CUDA property tests in full after 59aff6a (they ran out of device time at 9 passed); a
+# timeline (torch profiler trace, tarred: a call returns at most 8 files) of one transfer-bound verify layer, to
+# see what of the ~0.65 ms serial part per MoE layer is host Python; scout (the scout alone, scout-k0, after its
+# accounting fix); calibration (GPTQ against RTN on the GPU reference model; on the
 # Qwen shape calibration.py at --tokens 48 with its four formats ran past a 280 s call: needs a smaller --tokens or
 # fewer formats there); micro (tile sweep).
 # Write everything straight under $OUT (a command killed at its limit returns only what is already there).
