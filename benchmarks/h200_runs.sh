@@ -15,7 +15,8 @@
 # Done 2026-11-30, sixth session: pipeline, pipeline-ab (the verify's misses ordered on the device: 1.00-1.18x, copy
 # busy +0.06-0.11), final (trained Qwen: specter-overlap 1.82-2.58x ondemand; the draft-ahead 1.07-1.35x in all eight
 # re-measured cells, now on by default on CUDA); results/h200-2026-11-30/pipeline.
-# Next, in this order: the CUDA property tests in full after 59aff6a (they ran out of device time at 9 passed); a
+# Next, in this order: inline-urgent (measures the urgent copies issued by submit, with the CUDA property tests
+# in full, which ran out of device time at 9 passed after 59aff6a); a
 # timeline (torch profiler trace, tarred: a call returns at most 8 files) of one transfer-bound verify layer, to
 # see what of the ~0.65 ms serial part per MoE layer is host Python; scout (the scout alone, scout-k0, after its
 # accounting fix); calibration (GPTQ against RTN on the GPU reference model; on the
@@ -179,6 +180,19 @@ case "$stage" in
     tail -1 "$out/logs/train-qwen.log"; tail -1 "$out/logs/train-reference.log"
     for d in qwen-reference overlap-reference; do grep -E "\| (resident|ondemand|specter|oracle-specter|specter-overlap) \|" \
       "$out/$d/results.md" | cut -d"|" -f3-7,9-20; done ;;
+  inline-urgent)  # NOT RUN YET (written 2026-11-30, sixth session, no device time left). Urgent copies issued by
+    # TransferEngine.submit itself instead of the pump, which ran only once the verify had launched every resident
+    # expert's compute. First: rm -rf .old && mkdir .old && git archive 59aff6a specter policies backends
+    # pyproject.toml | tar -x -C .old, then run(carry=[".whl", ".old"]). PREDICTION: ondemand and specter on the
+    # random-weight Qwen shape at Gen5 1.05-1.20x faster than 59aff6a (the hot experts' launches, about 12 x 25 us
+    # per layer at 15 residents, leave the serial part of each MoE layer), copy busy +0.03-0.10; oracle-specter
+    # within 3 % (its misses are few).
+    mkdir -p "$out/logs"
+    SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 150 python -m pytest -q tests/test_speculative.py tests/test_overlap.py \
+      -p no:cacheprovider > "$out/logs/property.log" 2>&1
+    before_after
+    tail -3 "$out/logs/property.log"
+    for side in old new; do grep -E "\| (ondemand|specter|oracle-specter) \|" "$out/ab-$side/results.md" | cut -d"|" -f3-7,9-20; done ;;
   retest)         # the GPU tests changed since validate, each alone (no training beside them)
     timeout 60 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_graphed.py -k "garbage" tests/test_gpu_transfer.py -k "garbage or emulation" 2>&1 | tail -3
     SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 100 python -m pytest -q tests/test_speculative.py -p no:cacheprovider 2>&1 | tail -3 ;;

@@ -220,12 +220,13 @@ def test_iter_ready_starts_the_misses_before_it_hands_out_the_residents(rig):
         for expert, slot in (await rig.cache.ensure(0, [4, 5])).items():
             rig.read(0, expert, slot)
         await rig.close()
-        transfers_before = rig.transfer.stats.transfers
+        transfers_before, chunks_before = rig.transfer.stats.transfers, rig.transfer.stats.chunks
         started_at_first_yield = None
         async for expert, slot in rig.cache.iter_ready(0, [0, 5, 4]):  # one free slot: 0 loads into it
             if started_at_first_yield is None:
                 assert expert in (4, 5)
                 started_at_first_yield = rig.transfer.stats.transfers - transfers_before
+                assert rig.transfer.stats.chunks - chunks_before == 2, "the miss's two chunks must already be on the stream"
             rig.read(0, expert, slot)
         await rig.close()
         return started_at_first_yield

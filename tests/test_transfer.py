@@ -107,6 +107,28 @@ def test_urgent_chunks_are_issued_back_to_back_while_prefetch_chunks_wait_for_ro
     assert all(torch.equal(target, source) for target, source in zip(targets, sources))
 
 
+def test_an_urgent_copy_is_on_the_stream_when_submit_returns_unless_a_host_paced_link_paces_it(rig):
+    backend, kernel = rig
+    sources, targets = buffers(4, 8192)
+
+    async def main(link) -> tuple[bool, bool, bool]:
+        engine = TransferEngine(backend, kernel, chunk_bytes=4096, link=link)
+        prefetch = engine.submit(targets[0], sources[0])
+        urgent = engine.submit(targets[1], sources[1], urgent=True)
+        urgent_issued = urgent.fully_issued  # no await in between: the pump has not run
+        promoted = engine.submit(targets[2], sources[2])
+        promoted.promote()
+        promoted_issued = promoted.fully_issued
+        await engine.drain()
+        await engine.aclose()
+        return urgent_issued, promoted_issued, prefetch.fully_issued
+
+    assert run(main(None)) == (True, True, True)
+    urgent_issued, promoted_issued, _ = run(main(LinkEmulation(1.0, mode="host")))
+    assert not urgent_issued and not promoted_issued, "a host-paced link issues every chunk from the pump"
+    assert all(torch.equal(target, source) for target, source in zip(targets[:3], sources[:3]))
+
+
 def test_landed_urgent_chunks_are_retired_so_the_chunk_log_starts_small(rig):
     backend, kernel = rig
     engine = TransferEngine(backend, kernel, chunk_bytes=4096, max_chunks_in_flight=2)

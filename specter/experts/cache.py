@@ -522,11 +522,14 @@ class ExpertCache:
     def _pending_ready(self, slot: Slot, expert: int) -> Event | None:
         """For `iter_issued`: None if the copy into `slot` has landed, else its ready event (fully issued)."""
         assert slot.expert == expert and slot.state is not SlotState.FREE, (
-            f"slot {slot.index} lost expert {expert} while a reader held it (reset during a round?)"
+            f"slot {slot.index} lost expert {expert} while a reader held it: its copy failed (logged as "
+            "transfer.issue_failed or transfer.pump_failed) or the cache was reset during a round"
         )
         if slot.state is SlotState.RESIDENT:
             return None
         transfer = slot.transfer
+        if transfer is not None and (error := transfer.error()) is not None:
+            raise error
         assert transfer is not None and not transfer.cancelled, f"the copy of expert {expert} was dropped (reset during a round?)"
         ready = transfer.ready_event()
         assert ready is not None, f"expert {expert} handed out before its copy was issued"

@@ -3,8 +3,9 @@
 Copies are split in chunks and issued by one pump task that keeps at most `max_chunks_in_flight` prefetch
 chunks on the stream, so an urgent miss waits behind at most that many chunks of a long prefetch queue (a
 chunk is `chunk_bytes`, or up to 1.25 times that when a copy's short tail rides with its last chunk).
-Urgent chunks are not capped: a verify's misses are all wanted now, and issuing them back to back keeps the
-stream busy without a host wake-up between two of them.
+Urgent chunks are not capped: a verify's misses are all wanted now. They are issued by `submit` itself (and
+by `promote`), back to back, not by the pump: the copy stream starts on a miss before its caller goes on with
+other work. Only a host-paced link emulation leaves them to the pump, which paces them.
 """
 
 from __future__ import annotations
@@ -121,6 +122,10 @@ class Transfer:
         if early_s > 0:  # host-paced emulation: the emulated link has not delivered the last chunk yet
             await asyncio.sleep(early_s)
         return ready
+
+    def error(self) -> BaseException | None:
+        """The failure that stopped this transfer (a copy that could not be issued), else None."""
+        return self._ready.exception() if self._ready.done() and not self._ready.cancelled() else None
 
     def when_issued(self, callback: Callable[[], None]) -> None:
         """Call `callback` on the loop once the last chunk is on the stream (or the transfer was cancelled)."""
@@ -253,7 +258,23 @@ class TransferEngine:
         self.stats.urgent_transfers += urgent
         self._ensure_pump()
         self._wakeup.set()
+        if urgent:
+            self._flush_urgent()
         return transfer
+
+    def _flush_urgent(self) -> None:
+        """Put every urgent chunk on the stream now, from the caller: the pump would issue them only when the
+        caller next yields to the loop (a verify first launches its resident experts' compute). Not with a
+        host-paced link emulation, whose pacing lives in the pump."""
+        if self.host_paced:
+            return
+        self._retire_completed()
+        try:
+            while self._urgent:
+                self._issue_chunk(self._urgent[0])
+        except Exception as error:  # as in the pump: the owners' landed() raise it, the cache frees the slots
+            log.error("transfer.issue_failed", error=repr(error))
+            self._fail_queued(error)
 
     @property
     def host_paced(self) -> bool:
@@ -327,12 +348,16 @@ class TransferEngine:
                 await asyncio.sleep(0)
         except Exception as error:
             log.error("transfer.pump_failed", error=repr(error))
-            for transfer in [*self._urgent, *self._prefetch]:
-                if not transfer._ready.done():
-                    transfer._ready.set_exception(error)
-            self._urgent.clear()
-            self._prefetch.clear()
+            self._fail_queued(error)
             raise
+
+    def _fail_queued(self, error: Exception) -> None:
+        """Every transfer not fully issued fails with `error` (their owners see it from `landed()`)."""
+        for transfer in [*self._urgent, *self._prefetch]:
+            if not transfer._ready.done():
+                transfer._ready.set_exception(error)
+        self._urgent.clear()
+        self._prefetch.clear()
 
     async def _room_on_stream(self) -> None:
         self._retire_completed()
@@ -410,6 +435,7 @@ class TransferEngine:
             self._urgent.append(transfer)
             transfer.urgent = True
             self.stats.promoted += 1
+            self._flush_urgent()
 
     def _cancel(self, transfer: Transfer) -> None:
         if transfer.fully_issued or transfer.cancelled:
