@@ -8,7 +8,9 @@ Loads go through the transfer engine; eviction choices are delegated to an injec
 #  - A LOADING slot, a pinned slot (handed to a reader that has not called `mark_used`) and a protected
 #    expert (planned for the coming verify) are never evicted.
 #  - A slot is never read before its copy lands: readers get a slot only from `ensure` / `iter_ready`,
-#    which await the copy's ready event (or device code waits on `ready_event`).
+#    which await the copy's ready event, or from `iter_issued`, which hands over that event for the
+#    reader's stream to wait on (device-ordered readers; `mark_used` may then come while the slot is
+#    still LOADING, which is safe: a LOADING slot is never a victim).
 #  - A slot is never overwritten while a reader may still touch it: the copy into a reused slot first
 #    makes the copy stream wait on the slot's last-use event (device-side, no host sync).
 #  - Each (re)assignment bumps the slot's generation, so a late completion of an older load (after
