@@ -56,9 +56,11 @@ case "$stage" in
     timeout 440 python -m specter.bench --preset paper --layers 8 --link native,gen4 --max-new-tokens 64 \
       --systems resident,ondemand,specmoeoff,specter,oracle,oracle-k0 \
       --static-verify --time-budget 400 --no-progress --no-hf --out "$out/paper-core" 2>&1 | tail -45 ;;
-  profile)        # host and GPU profile of one offloaded request (Qwen shape, 8 layers, 15 residents, static verify)
+  profile)        # host and GPU profile of one offloaded request (Qwen shape, 8 layers, 15 residents, static verify);
+    # the timeline (trace.json, too large to come back as is) and the tables in one archive (a call returns <= 8 files)
     timeout 80 python benchmarks/profile_offloaded.py --layers 8 --residents 15 --tokens 32 --static-verify --top 20 \
-      --out "$out/profile" 2>&1 | grep -v Warn | head -12 ;;
+      --out "$out/profile" 2>&1 | grep -v Warn | head -12
+    tar czf "$out/profile.tgz" -C "$out" profile && rm -rf "$out/profile" ;;
   reference-core) # train the reference model, then the core systems on it at Gen5 and Gen4 (static verify if its tests pass)
     verify=--static-verify
     [ -e /tmp/segmented-ok ] || timeout 120 python -m pytest -q -x -m gpu -p no:cacheprovider tests/test_gpu_segmented.py >/dev/null 2>&1 || verify=
