@@ -310,6 +310,37 @@ def test_compute_hot_first_on_device_orders_misses_on_the_compute_stream_and_mea
         rig.shutdown()
 
 
+def test_one_victim_choice_per_batch_of_misses_never_asks_for_more_than_can_be_evicted():
+    calls = []
+
+    def strict(layer, residents, protected, count):  # a guarded policy must return exactly `count` victims
+        evictable = [expert for expert in residents if expert not in protected]
+        assert count <= len(evictable), f"asked for {count} victims among {evictable}"
+        calls.append(count)
+        return evictable[:count]
+
+    rig = Rig(chooser=strict)
+
+    async def main() -> list[int]:
+        for expert, slot in (await rig.cache.ensure(0, [0, 1, 2])).items():
+            rig.read(0, expert, slot)
+        await rig.close()
+        calls.clear()
+        order = []
+        async for expert, slot in rig.cache.iter_ready(0, [0, 3, 4, 5]):  # 0 resident and pinned, 3 misses, 2 evictable
+            order.append(expert)
+            rig.read(0, expert, slot)
+        await rig.close()
+        return order
+
+    try:
+        order = run(main())
+        assert sorted(order) == [0, 3, 4, 5] and rig.bad_reads == []
+        assert calls[0] == 2, f"the first batch asks once for the two evictable slots, not per miss: {calls}"
+    finally:
+        rig.shutdown()
+
+
 def test_settle_keeps_the_waits_not_completed_yet():
     backend = CPUBackend()
     stream = backend.compute_stream

@@ -390,7 +390,8 @@ class ExpertCache:
     def _victims(self, layer: int, count: int) -> list[int]:
         residents = [e for e, slot in self._residents[layer].items() if slot.state is SlotState.RESIDENT]
         protected = self._protected[layer] | {e for e, slot in self._residents[layer].items() if slot.pins}
-        if all(expert in protected for expert in residents):
+        count = min(count, sum(1 for expert in residents if expert not in protected))  # a policy must return exactly count
+        if count == 0:
             return []
         victims = list(self.choose_victims(layer, residents, frozenset(protected), count))
         bad = [e for e in victims if e not in residents or e in protected]
@@ -490,27 +491,30 @@ class ExpertCache:
     def _start_what_fits(self, layer: int, waiting: list[int], owned: dict[int, Slot], landed: asyncio.Queue[int],
                          on_issue: bool = False) -> list[int]:
         """Pin in-flight or start loads for as many waiting experts as slots allow; return the rest."""
-        still_waiting = []
-        for expert in waiting:
+        absent = []
+        for expert in waiting:  # first pin the ones already mapped, so that no victim is chosen among them
             slot = self._residents[layer].get(expert)
             if slot is None:
-                room = self._make_room(layer, 1)
-                if not room:
-                    still_waiting.append(expert)
-                    continue
-                self._start_load(layer, expert, room[0], urgent=True)
-                self.stats.layers[layer].misses += 1
-                slot = room[0]
-            elif slot.state is SlotState.LOADING:
+                absent.append(expert)
+                continue
+            if slot.state is SlotState.LOADING:
                 self.stats.layers[layer].inflight_hits += 1
                 if slot.transfer is not None:
                     slot.transfer.promote()
             else:  # landed while we were busy with earlier experts
                 self.stats.layers[layer].hits += 1
-            self._pin(slot)
-            owned[expert] = slot
-            self._notify(slot, expert, landed, on_issue)
-        return still_waiting
+            self._own(slot, expert, owned, landed, on_issue)
+        room = self._make_room(layer, len(absent)) if absent else []  # one victim choice for all of them
+        for expert, slot in zip(absent, room):
+            self._start_load(layer, expert, slot, urgent=True)
+            self.stats.layers[layer].misses += 1
+            self._own(slot, expert, owned, landed, on_issue)
+        return absent[len(room):]
+
+    def _own(self, slot: Slot, expert: int, owned: dict[int, Slot], landed: asyncio.Queue[int], on_issue: bool) -> None:
+        self._pin(slot)
+        owned[expert] = slot
+        self._notify(slot, expert, landed, on_issue)
 
     def _notify(self, slot: Slot, expert: int, queue: asyncio.Queue[int], on_issue: bool) -> None:
         """Put `expert` on `queue` when its copy has landed, or with `on_issue` when it is fully issued."""
