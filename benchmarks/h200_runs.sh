@@ -184,11 +184,11 @@ case "$stage" in
       "$out/$d/results.md" | cut -d"|" -f3-7,9-20; done ;;
   inline-urgent)  # NOT RUN YET (written 2026-11-30, sixth session, no device time left). Urgent copies issued by
     # TransferEngine.submit itself instead of the pump, which ran only once the verify had launched every resident
-    # expert's compute. First: rm -rf .old && mkdir .old && git archive 59aff6a specter policies backends
+    # expert's compute (c161c44), and one victim choice per batch of misses (e93ce6a). First: rm -rf .old && mkdir .old && git archive 59aff6a specter policies backends
     # pyproject.toml | tar -x -C .old, then run(carry=[".whl", ".old"]). PREDICTION: ondemand and specter on the
     # random-weight Qwen shape at Gen5 1.05-1.20x faster than 59aff6a (the hot experts' launches, about 12 x 25 us
-    # per layer at 15 residents, leave the serial part of each MoE layer), copy busy +0.03-0.10; oracle-specter
-    # within 3 % (its misses are few).
+    # per layer at 15 residents, and ~38 us per miss beyond the first leave the serial part of each MoE layer),
+    # copy busy +0.03-0.10; oracle-specter within 3 % (its misses are few).
     mkdir -p "$out/logs"
     SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 150 python -m pytest -q tests/test_speculative.py tests/test_overlap.py \
       -p no:cacheprovider > "$out/logs/property.log" 2>&1
