@@ -341,6 +341,37 @@ def test_one_victim_choice_per_batch_of_misses_never_asks_for_more_than_can_be_e
         rig.shutdown()
 
 
+@pytest.mark.parametrize("reader", ["iter_ready", "iter_issued"])
+def test_a_copy_that_cannot_be_issued_surfaces_as_its_own_error_and_strands_no_slot(reader):
+    rig = Rig()
+    real_copy = rig.backend.copy_h2d
+    copies = []
+
+    def failing_copy(dst, src, stream):
+        copies.append(1)
+        if len(copies) == 3:
+            raise RuntimeError("injected copy failure")
+        return real_copy(dst, src, stream)
+
+    rig.backend.copy_h2d = failing_copy
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="injected copy failure"):
+            async for item in getattr(rig.cache, reader)(0, [0, 1, 2]):  # 2 chunks each: the second expert fails
+                expert, slot = item[0], item[1]
+                rig.read(0, expert, slot, ready=item[2] if reader == "iter_issued" else None)
+        rig.cache.unprotect_all(rig.backend.record_event(rig.backend.compute_stream))
+        await asyncio.wait_for(rig.cache.aclose(), 5)  # nothing left waiting on a copy that never comes
+
+    try:
+        run(main())
+        states = {slot.state.value for slot in rig.cache._layer_slots(0)}
+        assert "loading" not in states, f"a slot was stranded: {states}"
+        assert rig.cache.pinned_experts(0) == []
+    finally:
+        rig.shutdown()
+
+
 def test_settle_keeps_the_waits_not_completed_yet():
     backend = CPUBackend()
     stream = backend.compute_stream

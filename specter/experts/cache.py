@@ -144,6 +144,7 @@ class ExpertCache:
         self._protected: list[set[int]] = [set() for _ in range(self.num_layers)]
         self._capacity_waiters: list[list[asyncio.Future[None]]] = [[] for _ in range(self.num_layers)]
         self._loads: set[asyncio.Task[None]] = set()  # completion tasks, including ones orphaned by reset
+        self._load_error: Exception | None = None  # the last copy that failed (transfer engine error), for readers
 
     # -- reading ---------------------------------------------------------------------------------------
 
@@ -299,6 +300,7 @@ class ExpertCache:
 
     def reset(self) -> None:
         """Forget every resident: all slots free, queued loads dropped (issued chunks still land)."""
+        self._load_error = None
         for slot in self._slots:
             if slot.transfer is not None:
                 slot.transfer.cancel()
@@ -444,7 +446,8 @@ class ExpertCache:
         """Owned by the cache, not by any reader: the copy's outcome is recorded even if readers left."""
         try:
             ready = await transfer.landed()
-        except Exception:
+        except Exception as error:
+            self._load_error = error  # a reader that held this slot reports it (see _lost)
             self._settle_load(slot, generation, None)
             raise
         self._settle_load(slot, generation, None if transfer.cancelled else ready)
@@ -467,9 +470,14 @@ class ExpertCache:
     async def _until_landed(self, slot: Slot, expert: int) -> None:
         if slot.loading is not None:
             await asyncio.shield(slot.loading)
-        assert slot.expert == expert and slot.state is SlotState.RESIDENT, (
-            f"slot {slot.index} lost expert {expert} while a reader held it (reset during a round?)"
-        )
+        if slot.expert != expert or slot.state is not SlotState.RESIDENT:
+            self._lost(slot, expert)
+
+    def _lost(self, slot: Slot, expert: int) -> None:
+        """A reader's slot no longer holds its expert: the copy failed (raise that error) or the cache was reset."""
+        if self._load_error is not None:
+            raise self._load_error
+        raise AssertionError(f"slot {slot.index} lost expert {expert} while a reader held it (reset during a round?)")
 
     async def _landings(self, layer: int, waiting: list[int], owned: dict[int, Slot], landed: asyncio.Queue[int],
                         on_issue: bool) -> AsyncIterator[tuple[int, Slot]]:
@@ -527,10 +535,8 @@ class ExpertCache:
 
     def _pending_ready(self, slot: Slot, expert: int) -> Event | None:
         """For `iter_issued`: None if the copy into `slot` has landed, else its ready event (fully issued)."""
-        assert slot.expert == expert and slot.state is not SlotState.FREE, (
-            f"slot {slot.index} lost expert {expert} while a reader held it: its copy failed (logged as "
-            "transfer.issue_failed or transfer.pump_failed) or the cache was reset during a round"
-        )
+        if slot.expert != expert or slot.state is SlotState.FREE:
+            self._lost(slot, expert)
         if slot.state is SlotState.RESIDENT:
             return None
         transfer = slot.transfer

@@ -257,9 +257,10 @@ class TransferEngine:
         self.stats.transfers += 1
         self.stats.urgent_transfers += urgent
         self._ensure_pump()
-        self._wakeup.set()
-        if urgent:
+        if urgent and not self.host_paced:
             self._flush_urgent()
+        else:
+            self._wakeup.set()
         return transfer
 
     def _flush_urgent(self) -> None:
@@ -267,14 +268,17 @@ class TransferEngine:
         caller next yields to the loop (a verify first launches its resident experts' compute). Not with a
         host-paced link emulation, whose pacing lives in the pump."""
         if self.host_paced:
+            self._wakeup.set()
             return
-        self._retire_completed()
+        current = None
         try:
+            self._retire_completed()
             while self._urgent:
-                self._issue_chunk(self._urgent[0])
+                current = self._urgent[0]
+                self._issue_chunk(current)
         except Exception as error:  # as in the pump: the owners' landed() raise it, the cache frees the slots
             log.error("transfer.issue_failed", error=repr(error))
-            self._fail_queued(error)
+            self._fail_queued(error, current)
 
     @property
     def host_paced(self) -> bool:
@@ -328,6 +332,7 @@ class TransferEngine:
 
     async def _pump(self) -> None:
         """The engine loop: wait for room on the stream, for the emulated link, then issue the next chunk."""
+        transfer = None
         try:
             while True:
                 self._retire_completed()  # urgent chunks skip the room check: retire here, or _in_flight only grows
@@ -348,12 +353,13 @@ class TransferEngine:
                 await asyncio.sleep(0)
         except Exception as error:
             log.error("transfer.pump_failed", error=repr(error))
-            self._fail_queued(error)
+            self._fail_queued(error, transfer)
             raise
 
-    def _fail_queued(self, error: Exception) -> None:
-        """Every transfer not fully issued fails with `error` (their owners see it from `landed()`)."""
-        for transfer in [*self._urgent, *self._prefetch]:
+    def _fail_queued(self, error: Exception, current: Transfer | None = None) -> None:
+        """Every transfer not fully issued fails with `error` (their owners see it from `landed()`), and `current`,
+        the one being issued when it failed, even if it already left its queue (`_finish` failing part way)."""
+        for transfer in [*self._urgent, *self._prefetch, *([current] if current is not None else [])]:
             if not transfer._ready.done():
                 transfer._ready.set_exception(error)
         self._urgent.clear()
