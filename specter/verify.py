@@ -30,6 +30,10 @@ ROUTING_POLL_S = 3e-3
 then ahead of the device by the layer's misses, and a thread hop would add 0.1-0.3 ms to every MoE layer."""
 
 
+def routing_poll_s(on_device: bool) -> float:
+    return ROUTING_POLL_S if on_device else 0.0
+
+
 async def to_host(kernel: Kernel, tensor: Tensor, *, poll_s: float = 0.0) -> list:
     """Await point: a small device tensor copied to the host without blocking the event loop."""
     if tensor.device.type == "cpu":
@@ -94,14 +98,17 @@ async def compute_hot_first(cache: ExpertCache, kernel: Kernel, cache_layer: int
         stream = backend.compute_stream
         async with contextlib.aclosing(cache.iter_issued(cache_layer, needed)) as experts:
             while True:
-                # Marked before the host asks for the next expert: if the host has to wait (for a landing to free
-                # a slot), the compute stream runs dry meanwhile, and that idle time is part of the stall.
-                before = backend.record_event(stream, timed=True)
+                # Marked before the host asks for the next miss: if the host has to wait (for a landing to free a
+                # slot), the compute stream runs dry meanwhile, and that idle time is part of the stall. The
+                # resident experts come first and never wait: no mark for them.
+                before = backend.record_event(stream, timed=True) if len(order) >= len(hot) else None
                 try:
                     expert, slot, ready = await anext(experts)
                 except StopAsyncIteration:
                     break
                 if ready is not None:
+                    if before is None:  # (not expected: the residents are handed out first)
+                        before = backend.record_event(stream, timed=True)
                     backend.stream_wait(stream, ready)
                     record.device_waits.append((before, backend.record_event(stream, timed=True)))
                 compute(expert, cache.slot_weights(slot))
@@ -139,16 +146,13 @@ class OffloadedExperts:
         backend = kernel.backend
         self.on_device = (backend is not None and backend.name == "cuda") if on_device is None else on_device
 
-    @property
-    def routing_poll_s(self) -> float:
-        return ROUTING_POLL_S if self.on_device else 0.0
 
     def start_record(self) -> VerifyRecord:
         self.record = VerifyRecord()
         return self.record
 
     async def run(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor, mlp: ExpertMLP) -> Tensor:
-        chosen = await to_host(self.kernel, ids, poll_s=self.routing_poll_s)  # await point: the router's choice
+        chosen = await to_host(self.kernel, ids, poll_s=routing_poll_s(self.on_device))  # await point: the router's choice
         table = RoutingTable(chosen, x.device)
         needed = table.experts
         self.record.first_row.setdefault(layer, len(set(chosen[0])))
@@ -195,7 +199,7 @@ async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: Ex
                           record: VerifyRecord, on_routed: RoutedHook | None, on_device: bool) -> None:
     """One MoE layer's routed experts for the step's current chunk of `count` real rows, into step.routed."""
     # await point: the router's choice, [R, A] in one D2H copy
-    chosen = await to_host(kernel, step.ids, poll_s=ROUTING_POLL_S if on_device else 0.0)
+    chosen = await to_host(kernel, step.ids, poll_s=routing_poll_s(on_device))
     needed = sorted({expert for row in chosen[:count] for expert in row})  # padding rows repeat the last real row
     record.first_row.setdefault(layer, len(set(chosen[0])))
     if on_routed is not None:

@@ -134,7 +134,7 @@ class Transfer:
     def ready_event(self) -> Event | None:
         """The ready event once the last chunk is issued, else None (device-side waits use it; also None when the
         pump failed: `landed()` raises that error)."""
-        if not self._ready.done() or self._ready.cancelled() or self._ready.exception() is not None:
+        if not self._ready.done() or self._ready.cancelled() or self.error() is not None:
             return None
         return self._ready.result()
 
@@ -257,7 +257,7 @@ class TransferEngine:
         self.stats.transfers += 1
         self.stats.urgent_transfers += urgent
         self._ensure_pump()
-        if urgent and not self.host_paced:
+        if urgent:
             self._flush_urgent()
         else:
             self._wakeup.set()
