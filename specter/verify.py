@@ -146,7 +146,6 @@ class OffloadedExperts:
         backend = kernel.backend
         self.on_device = (backend is not None and backend.name == "cuda") if on_device is None else on_device
 
-
     def start_record(self) -> VerifyRecord:
         self.record = VerifyRecord()
         return self.record
