@@ -331,7 +331,12 @@ class ExpertCache:
     async def aclose(self) -> None:
         """Wait for every load in flight to complete (shutdown, tests)."""
         while self._loads:
-            await asyncio.gather(*[asyncio.shield(task) for task in self._loads], return_exceptions=True)
+            # Forget the gathered tasks here, not only in their done callbacks: those run from the loop, and on
+            # Python 3.12 gathering tasks that are all done returns without yielding to it, so a loop that
+            # waited for the callbacks to empty `_loads` would spin forever.
+            tasks = list(self._loads)
+            await asyncio.gather(*[asyncio.shield(task) for task in tasks], return_exceptions=True)
+            self._loads.difference_update(tasks)
 
     # -- internals: claiming slots ----------------------------------------------------------------------
 
