@@ -195,6 +195,24 @@ case "$stage" in
     before_after
     tail -3 "$out/logs/property.log"
     for side in old new; do grep -E "\| (ondemand|specter|oracle-specter) \|" "$out/ab-$side/results.md" | cut -d"|" -f3-7,9-20; done ;;
+  split-k)        # seventh session. inline-urgent again (its first run hung: ExpertCache.aclose spun on Python 3.12,
+    # fixed in 2ca9c6f) and the draft MoE kernel's split-K (decode: few pairs left most SMs idle, each program walked
+    # all of K in sequence). .old = 59aff6a as for inline-urgent; `specter` then also carries split-K.
+    # PREDICTION (written before the run): fused MoE, Qwen shape T=1: 70 us -> 25-40 us (auto split 3 / 2 parts),
+    # T=4..16 within 10 % (no split chosen there); graphed int4 draft step 4.73 ms -> 3.8-4.2 ms (24 layers x
+    # 30-45 us); ondemand 1.05-1.20x faster than 59aff6a at Gen5 (inline urgent copies), specter 1.05-1.30x,
+    # copy busy +0.03-0.10.
+    mkdir -p "$out/logs"
+    timeout 75 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_moe_kernel.py tests/test_gpu_graphed.py > "$out/logs/gpu-moe.log" 2>&1
+    timeout 130 python benchmarks/moe_kernel_bench.py --repeats 40 --shapes qwen1.5-moe-a2.7b --out "$out/moe" > "$out/logs/moe.log" 2>&1
+    timeout 110 python benchmarks/graphed_tpot.py --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    tar czf "$out/split-k.tgz" -C "$out" logs moe graphed 2>/dev/null
+    SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 60 python -m pytest -q tests/test_speculative.py tests/test_overlap.py \
+      -p no:cacheprovider > "$out/logs/property.log" 2>&1
+    before_after
+    tar czf "$out/split-k.tgz" -C "$out" logs ab-old ab-new moe graphed 2>/dev/null
+    tail -1 "$out/logs/property.log"; tail -1 "$out/logs/gpu-moe.log"; tail -6 "$out/logs/moe.log"; tail -9 "$out/logs/graphed.log"
+    for side in old new; do grep -E "\| (ondemand|specter|oracle-specter) \|" "$out/ab-$side/results.md" | cut -d"|" -f3-7,9-20; done ;;
   retest)         # the GPU tests changed since validate, each alone (no training beside them)
     timeout 60 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_graphed.py -k "garbage" tests/test_gpu_transfer.py -k "garbage or emulation" 2>&1 | tail -3
     SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 100 python -m pytest -q tests/test_speculative.py -p no:cacheprovider 2>&1 | tail -3 ;;

@@ -43,13 +43,12 @@ SHAPES = {
 }
 TOKENS = (1, 4, 8, 16)
 ROUTE_SETS = 8
-SWEEP = [
-    MoEKernelConfig(block_n_gate_up=bn, block_n_down=bn, block_k=bk, num_warps=warps, num_stages=stages)
-    for bn in (16, 32, 64)
-    for bk in (32, 64, 128)
-    for warps in (2, 4)
-    for stages in (3,)
+SWEEP = [  # tiles with the automatic split-K, then split-K parts by hand on the default tiles
+    *(MoEKernelConfig(block_n_gate_up=bn, block_n_down=bn, block_k=bk, num_warps=warps, num_stages=3)
+      for bn in (16, 32, 64) for bk in (64, 128) for warps in (2, 4)),
+    *(MoEKernelConfig(split_k_gate_up=gu, split_k_down=down) for gu in (1, 2, 4, 8) for down in (1, 2, 4)),
 ]
+NO_SPLIT = MoEKernelConfig(split_k_gate_up=1, split_k_down=1)  # the kernel before split-K (2026-11-29's figures)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -159,6 +158,7 @@ def triton_graphs(qe: QuantizedExperts, x: torch.Tensor, routes: list, config: M
 def bench_triton(qe, x, routes, flush, repeats, sweep: bool) -> dict:
     default = MoEKernelConfig()
     result = {"triton_us": median_us(triton_graphs(qe, x, routes, default), flush, repeats)}
+    result["triton_no_split_us"] = median_us(triton_graphs(qe, x, routes, NO_SPLIT), flush, repeats)
     ids, weights = routes[0]
     result["triton_eager_us"] = median_us([lambda: fused_moe_triton(x, ids, weights, qe, default)], flush, repeats)
     if sweep:
@@ -235,13 +235,14 @@ def bench_shape(name: str, shape: dict, repeats: int, sweep: bool, flush: torch.
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'shape':<20}{'T':>3}{'floor us':>10}{'triton us':>11}{'best us':>9}{'tinygemm us':>13}"
-    print(header + f"{'floor/triton':>14}")
+    header = f"{'shape':<20}{'T':>3}{'floor us':>10}{'triton us':>11}{'no split':>10}{'best us':>9}{'tinygemm us':>13}"
+    print(header + f"{'floor/triton':>14}  best config")
     for r in rows:
         best = r.get("triton_best_us", float("nan"))
         tiny = r.get("tinygemm_us", float("nan"))
-        print(f"{r['shape']:<20}{r['tokens']:>3}{r['floor_us']:>10.1f}{r['triton_us']:>11.1f}{best:>9.1f}"
-              f"{tiny:>13.1f}{r['floor_us'] / r['triton_us']:>14.2f}")  # fmt: skip
+        config = ",".join(str(v) for v in r.get("triton_best_config", {}).values())
+        print(f"{r['shape']:<20}{r['tokens']:>3}{r['floor_us']:>10.1f}{r['triton_us']:>11.1f}{r['triton_no_split_us']:>10.1f}"
+              f"{best:>9.1f}{tiny:>13.1f}{r['floor_us'] / r['triton_us']:>14.2f}  {config}")  # fmt: skip
 
 
 def main() -> None:
