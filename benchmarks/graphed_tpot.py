@@ -10,6 +10,7 @@ weights), next to the eager paths, in one run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import json
 import platform
@@ -107,7 +108,8 @@ def eager_tpot(model, experts, prompt: list[int], count: int) -> tuple[float, li
     return (all_s - one_s) / (count - 1), tokens
 
 
-def draft_rows(runtime, prompt: list[int], k: int, repeats: int) -> dict:
+def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits: tuple[int, ...] = (0,),
+               profile_out: str | None = None) -> dict:
     """The int4 draft's per-step time, graphed (k replays, no host sync) and eager, against its byte floor."""
     from specter.decode import prefill
     from specter.draft import Draft
@@ -128,9 +130,32 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int) -> dict:
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / repeats
 
-    for static in (True, False):
-        step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=static))) / k
-        rows["draft-int4-" + ("graphed" if static else "eager")] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
+    from specter.quant import moe_triton
+
+    default = moe_triton.DEFAULT_CONFIG
+    for static, splits in ((True, graphed_splits), (False, (0,))):
+        for split in splits:  # the fused MoE's split-K parts (0: its automatic choice)
+            moe_triton.DEFAULT_CONFIG = dataclasses.replace(default, split_k_gate_up=split, split_k_down=split)
+            step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=static))) / k
+            name = "draft-int4-" + ("graphed" if static else "eager") + (f"-split{split}" if split else "")
+            rows[name] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
+    moe_triton.DEFAULT_CONFIG = default
+    if profile_out is not None:  # where the graphed draft step's time goes, kernel by kernel (one proposal)
+        from torch.profiler import ProfilerActivity, profile
+
+        draft = Draft(runtime.model, runtime.draft.experts, static=True)
+        asyncio.run(seconds_per_round(draft))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            asyncio.run(draft.propose(x0, len(prompt), k, kv, SamplingParams()))
+            torch.cuda.synchronize()
+        averages = prof.key_averages()
+        for key in ("self_device_time_total", "self_cuda_time_total"):
+            try:
+                table = averages.table(sort_by=key, row_limit=30, max_name_column_width=70)
+                break
+            except (AttributeError, KeyError, ValueError):
+                continue
+        Path(profile_out).write_text(f"one graphed proposal of k={k} draft steps\n{table}")
     return rows
 
 
@@ -143,13 +168,20 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=8, help="draft steps per timed proposal")
     parser.add_argument("--max-context", type=int, default=512)
     parser.add_argument("--out", default="out/graphed")
+    parser.add_argument("--draft-splits", default="0", help="split-K settings of the draft's fused MoE to time the "
+                        "graphed draft step with, comma-separated (0: automatic; 1: no split)")
+    parser.add_argument("--draft-only", action="store_true", help="skip the target's rows")
+    parser.add_argument("--profile-draft", default=None, help="write a kernel table of one graphed proposal here")
     args = parser.parse_args()
     config, hf = build_hf(args.shape, args.layers)
     config_dict, state = config.to_dict(), dict(hf.state_dict())
     prompt = list(range(100, 116))
     runtime = asyncio.run(build_runtime(config_dict, state, args.max_context))
-    rows, agreement = target_rows(runtime, prompt, args.tokens, args.eager_tokens)
-    rows |= draft_rows(runtime, prompt, args.k, repeats=max(2, args.tokens // args.k))
+    rows, agreement = ({}, {"tokens_compared": 0, "identical_prefix": 0}) if args.draft_only else \
+        target_rows(runtime, prompt, args.tokens, args.eager_tokens)
+    splits = tuple(int(split) for split in args.draft_splits.split(","))
+    rows |= draft_rows(runtime, prompt, args.k, repeats=max(2, args.tokens // args.k), graphed_splits=splits,
+                       profile_out=args.profile_draft)
     asyncio.run(runtime.aclose())
     label = f"{args.shape}" + (f" (first {args.layers} layers)" if args.layers else "")
     result = {"shape": label, "rows": rows, "graphed_vs_eager": agreement, "gpu": torch.cuda.get_device_name(),

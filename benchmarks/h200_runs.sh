@@ -213,6 +213,16 @@ case "$stage" in
     tar czf "$out/split-k.tgz" -C "$out" logs ab-old ab-new moe graphed 2>/dev/null
     tail -1 "$out/logs/property.log"; tail -1 "$out/logs/gpu-moe.log"; tail -6 "$out/logs/moe.log"; tail -9 "$out/logs/graphed.log"
     for side in old new; do grep -E "\| (ondemand|specter|oracle-specter) \|" "$out/ab-$side/results.md" | cut -d"|" -f3-7,9-20; done ;;
+  split-k2)       # split-k measured the graphed draft step at 6.31 ms (4.73 ms on 2026-11-30 before split-K and the
+    # draft-ahead's changes) and lost the kernel table (a sweep tile ran out of shared memory). Here, in one process:
+    # the draft step with split-K automatic / off / 2 / 4 parts, a kernel profile of one graphed proposal, then the
+    # kernel bench. PREDICTION: if split-K is the cause, split1 ~4.7 ms and auto ~6.3 ms; else all within 5 %.
+    mkdir -p "$out/logs"
+    timeout 150 python benchmarks/graphed_tpot.py --draft-only --draft-splits 0,1,2,4 --profile-draft "$out/draft-profile.txt" \
+      --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    timeout 200 python benchmarks/moe_kernel_bench.py --repeats 40 --shapes qwen1.5-moe-a2.7b --out "$out/moe" > "$out/logs/moe.log" 2>&1
+    tar czf "$out/split-k2.tgz" -C "$out" logs moe graphed draft-profile.txt 2>/dev/null
+    tail -8 "$out/logs/graphed.log"; head -40 "$out/draft-profile.txt" | cut -c1-160; grep -v "^skipped" "$out/logs/moe.log" | tail -6 ;;
   retest)         # the GPU tests changed since validate, each alone (no training beside them)
     timeout 60 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_graphed.py -k "garbage" tests/test_gpu_transfer.py -k "garbage or emulation" 2>&1 | tail -3
     SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 100 python -m pytest -q tests/test_speculative.py -p no:cacheprovider 2>&1 | tail -3 ;;

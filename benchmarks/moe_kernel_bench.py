@@ -162,9 +162,16 @@ def bench_triton(qe, x, routes, flush, repeats, sweep: bool) -> dict:
     ids, weights = routes[0]
     result["triton_eager_us"] = median_us([lambda: fused_moe_triton(x, ids, weights, qe, default)], flush, repeats)
     if sweep:
-        best = min(((median_us(triton_graphs(qe, x, routes[:2], c), flush, repeats // 2), c) for c in SWEEP),
-                   key=lambda pair: pair[0])  # fmt: skip
-        result.update(triton_best_us=best[0], triton_best_config=asdict(best[1]))
+        timed = []
+        for config in SWEEP:
+            try:
+                timed.append((median_us(triton_graphs(qe, x, routes[:2], config), flush, repeats // 2), config))
+            except Exception as error:  # e.g. triton's OutOfResources: tiles too large for shared memory
+                print(f"skipped {config}: {type(error).__name__}", file=sys.stderr)
+                torch.cuda.synchronize()
+        best = min(timed, key=lambda pair: pair[0])
+        result.update(triton_best_us=best[0], triton_best_config=asdict(best[1]),
+                      triton_sweep=[dict(us=us, **asdict(config)) for us, config in timed])  # fmt: skip
     return result
 
 

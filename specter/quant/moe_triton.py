@@ -55,6 +55,7 @@ class MoEKernelConfig:
     split_k_down: int = 0  # the same for the down GEMM
 
 
+DEFAULT_CONFIG = MoEKernelConfig()  # what `fused_moe` uses when no config is passed (benchmarks may swap it)
 SPLIT_K_PROGRAMS_PER_SM = 4  # auto split-K: aim for about this many programs per SM
 MAX_SPLIT_K = 8
 
@@ -90,7 +91,7 @@ def fused_moe_triton(
     """The Triton path (CUDA, or the interpreter for CPU tensors); four launches, no host sync."""
     check_routes(x, expert_ids, weights, qe.hidden)
     assert kernel_supports(x, expert_ids, qe), f"Triton MoE handles int4/int8 and <= {MAX_PAIRS} pairs"
-    config = config or MoEKernelConfig()
+    config = config or DEFAULT_CONFIG
     assert x.is_cuda or interpreting(), "the Triton MoE needs CUDA tensors (or TRITON_INTERPRET=1 for CPU ones)"
     kernels = _kernels()
     x = x.contiguous()
