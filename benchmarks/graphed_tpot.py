@@ -134,8 +134,8 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
 
     default = moe_triton.DEFAULT_CONFIG
     for static, splits in ((True, graphed_splits), (False, (0,))):
-        for split in splits:  # the fused MoE's split-K parts (0: its automatic choice)
-            moe_triton.DEFAULT_CONFIG = dataclasses.replace(default, split_k_gate_up=split, split_k_down=split)
+        for split in splits:  # the fused MoE's down GEMM in this many K parts (0: its default)
+            moe_triton.DEFAULT_CONFIG = dataclasses.replace(default, split_k_down=split) if split else default
             step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=static))) / k
             name = "draft-int4-" + ("graphed" if static else "eager") + (f"-split{split}" if split else "")
             rows[name] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
@@ -168,8 +168,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=8, help="draft steps per timed proposal")
     parser.add_argument("--max-context", type=int, default=512)
     parser.add_argument("--out", default="out/graphed")
-    parser.add_argument("--draft-splits", default="0", help="split-K settings of the draft's fused MoE to time the "
-                        "graphed draft step with, comma-separated (0: automatic; 1: no split)")
+    parser.add_argument("--draft-splits", default="0", help="K parts of the draft's fused MoE down GEMM to time the "
+                        "graphed draft step with, comma-separated (0: the default; 1: no split)")
     parser.add_argument("--draft-only", action="store_true", help="skip the target's rows")
     parser.add_argument("--profile-draft", default=None, help="write a kernel table of one graphed proposal here")
     args = parser.parse_args()

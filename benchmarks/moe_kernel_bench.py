@@ -43,12 +43,12 @@ SHAPES = {
 }
 TOKENS = (1, 4, 8, 16)
 ROUTE_SETS = 8
-SWEEP = [  # tiles with the automatic split-K, then split-K parts by hand on the default tiles
+SWEEP = [  # tiles with the default split-K, then the down GEMM's parts by hand on the default tiles
     *(MoEKernelConfig(block_n_gate_up=bn, block_n_down=bn, block_k=bk, num_warps=warps, num_stages=3)
       for bn in (16, 32, 64) for bk in (64, 128) for warps in (2, 4)),
-    *(MoEKernelConfig(split_k_gate_up=gu, split_k_down=down) for gu in (1, 2, 4, 8) for down in (1, 2, 4)),
+    *(MoEKernelConfig(split_k_down=down) for down in (1, 3, 4, 8)),
 ]
-NO_SPLIT = MoEKernelConfig(split_k_gate_up=1, split_k_down=1)  # the kernel before split-K (2026-11-29's figures)
+NO_SPLIT = MoEKernelConfig(split_k_down=1)  # the kernel before split-K (2026-11-29's figures)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -133,7 +133,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
             [torch.randperm(e, generator=gen)[:a] for _ in range(t)])
         weights = torch.rand(t, a, generator=gen)
         x = torch.randn(t, d, generator=gen).to(getattr(torch, case["dtype"]))
-        config = MoEKernelConfig(split_k_gate_up=case.get("split_gu", 0), split_k_down=case.get("split_down", 0))
+        config = MoEKernelConfig(split_k_down=case.get("split_down", 2))
         kernel = fused_moe_triton(x, ids, weights, qe, config).double()
         torch_path = moe_forward(x.float(), ids, weights, qe).double()
         results.append(((kernel - torch_path).norm() / torch_path.norm()).item())
@@ -149,18 +149,14 @@ INTERPRETER_CASES = [
     # 18 tokens on 2 experts: runs longer than one 16-row chunk, and repeated ids within a token.
     dict(bits=4, group=32, experts=2, intermediate=32, hidden=64, tokens=18, active=2, dtype="float32", repeat=True),
     dict(bits=4, group=32, experts=4, intermediate=32, hidden=64, tokens=2, active=2, dtype="float16", repeat=False),
-    # split-K: K parts of gate/up added and activated inside the down GEMM, down's parts inside the combine;
-    # parts of uneven length (5 K steps in 2 parts, 3 in 3) and a run longer than one 16-row chunk
-    dict(bits=4, group=32, experts=5, intermediate=96, hidden=160, tokens=3, active=2, dtype="float32", repeat=False,
-         split_gu=2, split_down=3),
+    # split-K of the down GEMM (default 2 parts; parts added in the combine): uneven parts (5 K steps in 3),
+    # more parts than K steps (clamped), a run longer than one 16-row chunk, and no split
+    dict(bits=4, group=32, experts=5, intermediate=160, hidden=96, tokens=3, active=2, dtype="float32", repeat=False,
+         split_down=3),
     dict(bits=8, group=32, experts=2, intermediate=64, hidden=96, tokens=18, active=2, dtype="float32", repeat=True,
-         split_gu=3, split_down=2),
+         split_down=4),
     dict(bits=4, group=32, experts=4, intermediate=64, hidden=128, tokens=1, active=2, dtype="float16", repeat=False,
-         split_gu=4, split_down=1),
-    dict(bits=4, group=32, experts=4, intermediate=32, hidden=64, tokens=2, active=2, dtype="float32", repeat=False,
-         split_gu=1, split_down=1),  # split-K off
-    # the auto choice (interpreter: 32 "SMs"): 4 gate/up parts of 2 K steps, 2 down parts
-    dict(bits=4, group=32, experts=4, intermediate=128, hidden=256, tokens=1, active=2, dtype="float32", repeat=False),
+         split_down=1),
 ]
 
 
