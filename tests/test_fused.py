@@ -45,6 +45,52 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
 print(json.dumps(results))
 """
 
+ROUTER_SCRIPT = r"""
+import json
+import torch
+import torch.nn.functional as F
+from specter.model import fused
+
+results = []
+generator = torch.Generator().manual_seed(3)
+for dtype in (torch.float32, torch.bfloat16):
+    for rows, experts, top_k, renormalize in ((1, 60, 4, False), (5, 64, 6, True), (3, 8, 2, True), (2, 128, 8, False)):
+        logits = (torch.randn(rows, experts, generator=generator) * 2).to(dtype)
+        probs = torch.softmax(logits.float(), dim=-1)
+        ref_weights, ref_ids = torch.topk(probs, top_k, dim=-1)
+        if renormalize:
+            ref_weights = ref_weights / ref_weights.sum(dim=-1, keepdim=True)
+        ids, weights = fused.topk_softmax(logits, top_k, renormalize, dtype)
+        # the same probabilities in the same order (bf16 logits tie: then torch's id order is unspecified)
+        same = torch.equal(probs.gather(-1, ids), torch.topk(probs, top_k, dim=-1).values)
+        results.append(["router", str(dtype), [rows, experts, top_k, renormalize], same,
+                        ids.dtype == torch.int64 and weights.dtype == dtype,
+                        (weights.float() - ref_weights.to(dtype).float()).abs().max().item()])
+    tied = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, -1.0]], dtype=dtype)  # equal probabilities: lower expert id first
+    ids, _ = fused.topk_softmax(tied, 3, False, dtype)
+    results.append(["router-ties", str(dtype), [1, 6, 3, False], ids.tolist() == [[1, 2, 4]], True, 0.0])
+    for rows, width in ((1, 2048), (4, 96), (3, 5000)):  # 5000: more than one 4096-wide block
+        h = torch.randn(rows, width, generator=generator).to(dtype)
+        gate = (torch.randn(1, width, generator=generator) / width**0.5).to(dtype)
+        out = torch.randn(rows, width, generator=generator).to(dtype)
+        reference = torch.sigmoid(F.linear(h, gate)) * out
+        got = fused.sigmoid_gate(h, gate, out)
+        results.append(["gate", str(dtype), [rows, width], got.shape == out.shape and got.dtype == dtype, True,
+                        ((got.float() - reference.float()).abs() / (reference.float().abs() + 1e-2)).max().item()])
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_fused_router_and_shared_gate_match_torch_in_the_interpreter():
+    results = run_interpreted(ROUTER_SCRIPT)
+    assert len(results) == 2 * (4 + 1 + 3)
+    tolerance = {"torch.float32": 1e-5, "torch.bfloat16": 2.0**-7}
+    for kind, dtype, shape, same, types_ok, gap in results:
+        assert same and types_ok, (kind, dtype, shape)  # the same choice in the same order (or shapes and types)
+        # the gate's dot is rounded to the dtype before its sigmoid: a one-ulp difference there moves the product
+        assert gap <= (4 if kind == "gate" else 1) * tolerance[dtype], (kind, dtype, shape, gap)
+
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_fused_norm_and_rope_match_torch_in_the_interpreter():
@@ -65,13 +111,14 @@ from specter.model import fused
 path = sys.argv[1]
 exact = load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=32))
 fast = load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=32, exact=False))
-calls = {"norm": 0, "rope": 0}
+calls = {"norm": 0, "rope": 0, "router": 0, "gate": 0}
+functions = {"norm": "rms_norm", "rope": "rope", "router": "topk_softmax", "gate": "sigmoid_gate"}
 for name in calls:
-    original = getattr(fused, "rms_norm" if name == "norm" else name)
+    original = getattr(fused, functions[name])
     def counted(*args, _original=original, _name=name):
         calls[_name] += 1
         return _original(*args)
-    setattr(fused, "rms_norm" if name == "norm" else name, counted)
+    setattr(fused, functions[name], counted)
 
 async def hidden(loaded):
     kv = loaded.model.new_kv()
@@ -86,17 +133,24 @@ print(json.dumps({"exact_calls": exact_calls, "fast_calls": calls,
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-def test_only_the_non_exact_forward_takes_the_fused_kernels(tmp_path):
-    from tests.hf_models import hf_model, save_hf
-
-    path = save_hf(hf_model("qwen3_moe"), tmp_path / "m")  # qk-norm: every norm site of the standard attention
-    result = run_interpreted(DRAFT_SCRIPT, str(path))
-    assert result["exact_calls"] == {"norm": 0, "rope": 0}  # exact mode keeps torch's op sequence
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_only_the_non_exact_forward_takes_the_fused_kernels(tmp_path, family):
     import json
 
-    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
-    # per layer: input, q, k and post-attention norms and one rope; then the final norm is the head's (not in forward)
-    assert result["fast_calls"] == {"norm": 4 * layers, "rope": layers}, result
+    from tests.hf_models import hf_model, save_hf
+
+    # qwen3_moe: qk-norm (every norm site of the standard attention), renormalised top-k; qwen2_moe: a gated shared expert
+    path = save_hf(hf_model(family), tmp_path / "m")
+    result = run_interpreted(DRAFT_SCRIPT, str(path))
+    assert result["exact_calls"] == {"norm": 0, "rope": 0, "router": 0, "gate": 0}  # exact mode keeps torch's ops
+    config = json.loads((path / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    qk_norms = 2 if family == "qwen3_moe" else 0
+    moe_layers = sum(1 for layer in range(layers) if layer not in config.get("mlp_only_layers", []))
+    # per layer: input, (q, k) and post-attention norms, one rope, one router, a shared gate where there is one;
+    # the final norm is the head's (not in forward)
+    assert result["fast_calls"] == {"norm": (2 + qk_norms) * layers, "rope": layers, "router": moe_layers,
+                                    "gate": moe_layers if family == "qwen2_moe" else 0}, result
     assert result["gap"] < 1e-4, result
 
 

@@ -43,3 +43,33 @@ def test_fused_rope_on_cuda(dtype, rows, heads, kv_heads, head_dim):
     got_q, got_k = fused.rope(q, k, cos, sin, positions)
     assert (got_q.float() - (q * c + rotate_half(q) * s).float()).abs().max().item() <= 16 * ULP[dtype]
     assert (got_k.float() - (k * c + rotate_half(k) * s).float()).abs().max().item() <= 16 * ULP[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, experts, top_k, renormalize", [(1, 60, 4, False), (16, 128, 8, True), (3, 64, 6, False), (2, 8, 2, True)])
+def test_fused_router_on_cuda(dtype, rows, experts, top_k, renormalize):
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    logits = (torch.randn(rows, experts, device="cuda", generator=generator) * 2).to(dtype)
+    probs = torch.softmax(logits.float(), dim=-1)
+    reference, _ = torch.topk(probs, top_k, dim=-1)
+    ids, weights = fused.topk_softmax(logits, top_k, renormalize, dtype)
+    assert ids.dtype == torch.int64 and weights.dtype == dtype and ids.shape == (rows, top_k)
+    assert torch.equal(probs.gather(-1, ids), reference)  # the same choice in the same order (ties: lower id first)
+    if renormalize:
+        reference = reference / reference.sum(dim=-1, keepdim=True)
+    assert (weights.float() - reference.to(dtype).float()).abs().max().item() <= ULP[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, width", [(1, 2048), (16, 4096), (3, 5120)])
+def test_fused_sigmoid_gate_on_cuda(dtype, rows, width):
+    import torch.nn.functional as F
+
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    h = torch.randn(rows, width, device="cuda", generator=generator).to(dtype)
+    gate = (torch.randn(1, width, device="cuda", generator=generator) / width**0.5).to(dtype)
+    out = torch.randn(rows, width, device="cuda", generator=generator).to(dtype)
+    reference = (torch.sigmoid(F.linear(h, gate)) * out).float()
+    got = fused.sigmoid_gate(h, gate, out)
+    assert got.dtype == dtype and got.shape == out.shape
+    assert ((got.float() - reference).abs() / (reference.abs() + 1e-2)).max().item() <= 4 * max(ULP[dtype], 1e-5)

@@ -1,9 +1,13 @@
-"""Fused Triton kernels for the non-exact forward (the draft, and the target's fast mode): RMSNorm and RoPE.
+"""Fused Triton kernels for the non-exact forward (the draft, and the target's fast mode): RMSNorm, RoPE, the
+router's softmax and top-k, and the shared expert's sigmoid gate.
 
 In exact mode every row-wise operation keeps torch's own op sequence, so the target's rounding never
 changes. The draft need not be exact: there each RMSNorm (eight small kernels in torch: cast, square,
 mean, add, rsqrt, multiply, cast, scale) and each RoPE of q and k (two gathers, two multiplies, a negation,
-a concatenation and an add, for each of q and k) is one launch, computed in float32 and rounded once.
+a concatenation and an add, for each of q and k) is one launch, computed in float32 and rounded once. So
+are the router after its matrix product (torch: a cast, softmax, top-k as two kernels, a cast, and for
+renormalising models a sum and a division) and the shared expert's gate (torch: a cuBLAS dot and its
+reduction for the [1, D] product, a sigmoid and a product).
 In a CUDA graph every node costs a few microseconds whatever its size, and the one-row draft step is made
 of such nodes (docs/BENCHMARKS.md: about 64 per layer outside the MoE).
 """
@@ -19,6 +23,10 @@ from torch import Tensor
 from specter.quant import moe_triton
 
 tl: Any = None  # triton.language, bound by _kernels(); the kernel bodies resolve it as a global
+
+
+ROUTER_AND_GATE = True
+"""Whether the non-exact forward fuses the router and the shared gate (benchmarks time it with and without)."""
 
 
 def usable(x: Tensor) -> bool:
@@ -48,6 +56,30 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Tensor) -> t
     return q_out, k_out
 
 
+def topk_softmax(logits: Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Router over `logits` [T, E]: float32 softmax, the top_k probabilities in descending order (ties to the lower
+    expert id) and their ids [T, top_k] int64, renormalised to sum 1 when asked; weights in `dtype`. One launch."""
+    rows, experts = logits.shape
+    assert 1 <= top_k <= experts, f"top_k {top_k} of {experts} experts"
+    logits = logits.contiguous()
+    ids = torch.empty(rows, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(rows, top_k, dtype=dtype, device=logits.device)
+    _kernels().topk_softmax[(rows,)](logits, ids, weights, experts, TOP_K=top_k, TOP_K_POW2=_pow2(top_k),
+                                     RENORMALIZE=renormalize, BLOCK=_pow2(experts))  # fmt: skip
+    return ids, weights
+
+
+def sigmoid_gate(h: Tensor, gate_weight: Tensor, out: Tensor) -> Tensor:
+    """sigmoid(h @ gate_weight.T) * out for h, out [T, D] and gate_weight [1, D] (a bias-free gate): one launch, the
+    dot in float32 rounded to h's dtype as F.linear does, then the sigmoid and the product."""
+    rows, width = h.shape
+    assert gate_weight.shape == (1, width) and out.shape == h.shape, "the gate is a [1, D] linear of [T, D] rows"
+    h, gate_weight, out = h.contiguous(), gate_weight.contiguous(), out.contiguous()
+    result = torch.empty_like(out)
+    _kernels().sigmoid_gate[(rows,)](h, gate_weight, out, result, width, BLOCK=min(_pow2(width), 4096))
+    return result
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -64,6 +96,8 @@ def _kernels() -> Any:
     class Kernels:
         rms_norm = triton.jit(rms_norm_kernel)
         rope = triton.jit(rope_kernel)
+        topk_softmax = triton.jit(topk_softmax_kernel)
+        sigmoid_gate = triton.jit(sigmoid_gate_kernel)
 
     return Kernels
 
@@ -104,3 +138,47 @@ def rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr, h
     sin = tl.load(sin_ptr + position * head_dim + cols, mask=ok, other=0.0).to(tl.float32)
     out = x.to(tl.float32) * cos + rotated * sin
     tl.store(dst + cols, out.to(x.dtype), mask=ok)
+
+
+def topk_softmax_kernel(logits_ptr, ids_ptr, weights_ptr, experts, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr,
+                        RENORMALIZE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """One row: softmax in float32, then TOP_K rounds of (largest, lowest id among equals), masked out once taken."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < experts
+    x = tl.load(logits_ptr + row * experts + cols, mask=ok, other=-float("inf")).to(tl.float32)
+    e = tl.where(ok, tl.exp(x - tl.max(x, axis=0)), 0.0)
+    p = tl.where(ok, e / tl.sum(e, axis=0), -1.0)  # padding below every probability
+    slots = tl.arange(0, TOP_K_POW2)
+    values = tl.zeros((TOP_K_POW2,), dtype=tl.float32)
+    picked = tl.zeros((TOP_K_POW2,), dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        index = tl.min(tl.where(p == best, cols, BLOCK), axis=0)
+        values = tl.where(slots == j, best, values)
+        picked = tl.where(slots == j, index.to(tl.int64), picked)
+        p = tl.where(cols == index, -2.0, p)
+    if RENORMALIZE:
+        values = values / tl.sum(tl.where(slots < TOP_K, values, 0.0), axis=0)
+    keep = slots < TOP_K
+    tl.store(ids_ptr + row * TOP_K + slots, picked, mask=keep)
+    tl.store(weights_ptr + row * TOP_K + slots, values.to(weights_ptr.dtype.element_ty), mask=keep)
+
+
+def sigmoid_gate_kernel(h_ptr, w_ptr, out_ptr, result_ptr, width, BLOCK: tl.constexpr):
+    """One row: g = sigmoid(round(h . w)) rounded to the row's dtype, then result = g * out."""
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < width
+        h = tl.load(h_ptr + row * width + cols, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        acc += h * w
+    dot = tl.sum(acc, axis=0).to(h_ptr.dtype.element_ty).to(tl.float32)
+    gate = tl.sigmoid(dot).to(out_ptr.dtype.element_ty).to(tl.float32)
+    for start in range(0, width, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < width
+        out = tl.load(out_ptr + row * width + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(result_ptr + row * width + cols, (gate * out).to(result_ptr.dtype.element_ty), mask=ok)

@@ -228,6 +228,9 @@ class Transformer:
     def route(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router: softmax over experts in float32, top-A, optional renormalisation. Returns h, ids [T, A], weights [T, A]."""
         logits = F.linear(h, self.w[self.spec.router_name(layer)])  # [T, E]
+        if not self.exact and fused.ROUTER_AND_GATE and fused.usable(logits):  # the draft on CUDA: one launch
+            ids, weights = fused.topk_softmax(logits, self.spec.top_k, self.spec.norm_topk_prob, h.dtype)
+            return h, ids, weights
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
         if self.spec.norm_topk_prob:
@@ -246,7 +249,10 @@ class Transformer:
         prefix = f"{self.spec.layer_prefix(layer)}.mlp"
         out = self.dense_mlp(f"{prefix}.shared_expert", h)
         if self.spec.shared_gate:
-            out = torch.sigmoid(self.linear(h, f"{prefix}.shared_expert_gate")) * out
+            gate = f"{prefix}.shared_expert_gate"
+            if not self.exact and fused.ROUTER_AND_GATE and fused.usable(h) and gate + ".bias" not in self.w:
+                return fused.sigmoid_gate(h, self.w[gate + ".weight"], out)
+            out = torch.sigmoid(self.linear(h, gate)) * out
         return out
 
     def expert_mlp(self, rows: Tensor, packed: Tensor) -> Tensor:
