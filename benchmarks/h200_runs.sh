@@ -15,8 +15,11 @@
 # Done 2026-11-30, sixth session: pipeline, pipeline-ab (the verify's misses ordered on the device: 1.00-1.18x, copy
 # busy +0.06-0.11), final (trained Qwen: specter-overlap 1.82-2.58x ondemand; the draft-ahead 1.07-1.35x in all eight
 # re-measured cells, now on by default on CUDA); results/h200-2026-11-30/pipeline.
-# Next, in this order: inline-urgent (measures the urgent copies issued by submit, with the CUDA property tests
-# in full, which ran out of device time at 9 passed after 59aff6a); a
+# Done 2026-11-30, seventh session: inline-urgent (hung: ExpertCache.aclose spun on Python 3.12, fixed), split-k,
+# split-k2 (split-K of gate/up slower; down in 2 parts kept), final7 (trained Qwen: specter 1.94-2.67x ondemand, copy
+# busy 0.78 / 0.87 at Gen5), router (draft step 4.47 -> 4.05 ms); results/h200-2026-11-30/seventh.
+# Next, in this order: the draft MoE kernel at T = 1 (11x its floor: a GEMV-shaped kernel for one row, not 16-row
+# tiles); the draft step's remaining small nodes; a
 # timeline (torch profiler trace, tarred: a call returns at most 8 files) of one transfer-bound verify layer, to
 # see what of the ~0.65 ms serial part per MoE layer is host Python; scout (the scout alone, scout-k0, after its
 # accounting fix); calibration (GPTQ against RTN on the GPU reference model; on the
@@ -242,6 +245,16 @@ case "$stage" in
     tar czf "$out/final7.tgz" -C "$out" logs graphed qwen-reference 2>/dev/null
     tail -1 "$out/logs/train-qwen.log"; tail -1 "$out/logs/gpu-moe.log"; tail -4 "$out/logs/graphed.log"
     grep -E "\| (ondemand|specter|specter-serial|oracle-specter) \|" "$out/qwen-reference/results.md" | cut -d"|" -f3-7,9-20 ;;
+  router)         # seventh session: the draft's router (softmax + top-k + casts) and the shared expert's sigmoid gate
+    # ([1, D] cuBLAS dot + reduce + sigmoid + product) each one Triton launch (non-exact forward only).
+    # PREDICTION (written before the run): graphed int4 draft step 4.47 -> 3.95-4.25 ms (about 7 nodes and ~19 us of
+    # kernels per layer-step off, from the split-k2 profile); the torch-router row of the same process 4.35-4.6 ms.
+    mkdir -p "$out/logs"
+    timeout 90 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fused.py tests/test_gpu_graphed.py > "$out/logs/gpu-fused.log" 2>&1
+    timeout 90 python benchmarks/graphed_tpot.py --draft-only --router-ab --profile-draft "$out/draft-profile.txt" \
+      --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    tail -1 "$out/logs/gpu-fused.log"; grep -E "FAIL|Error" "$out/logs/gpu-fused.log" | head -5; tail -4 "$out/logs/graphed.log"
+    head -22 "$out/draft-profile.txt" | cut -c1-70,150-175 ;;
   retest)         # the GPU tests changed since validate, each alone (no training beside them)
     timeout 60 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_graphed.py -k "garbage" tests/test_gpu_transfer.py -k "garbage or emulation" 2>&1 | tail -3
     SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 100 python -m pytest -q tests/test_speculative.py -p no:cacheprovider 2>&1 | tail -3 ;;
