@@ -133,19 +133,23 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
     from specter.quant import moe_triton
 
     default = moe_triton.DEFAULT_CONFIG
-    for static, splits in ((True, graphed_splits), (False, (0,))):
-        for split in splits:  # the fused MoE's down GEMM in this many K parts (0: its default)
-            moe_triton.DEFAULT_CONFIG = dataclasses.replace(default, split_k_down=split) if split else default
-            step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=static))) / k
-            name = "draft-int4-" + ("graphed" if static else "eager") + (f"-split{split}" if split else "")
-            rows[name] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
-    moe_triton.DEFAULT_CONFIG = default
+    try:
+        for static, splits in ((True, graphed_splits), (False, (0,))):
+            for split in splits:  # the fused MoE's down GEMM in this many K parts (0: its default)
+                moe_triton.DEFAULT_CONFIG = dataclasses.replace(default, split_k_down=split) if split else default
+                step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=static))) / k
+                name = "draft-int4-" + ("graphed" if static else "eager") + (f"-split{split}" if split else "")
+                rows[name] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
+    finally:
+        moe_triton.DEFAULT_CONFIG = default
     if router_ab:  # the same graphed step with torch's router and shared gate instead of the fused ones
         from specter.model import fused
 
         fused.ROUTER_AND_GATE = False
-        step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=True))) / k
-        fused.ROUTER_AND_GATE = True
+        try:
+            step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=True))) / k
+        finally:
+            fused.ROUTER_AND_GATE = True
         rows["draft-int4-graphed-torch-router"] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
     if profile_out is not None:  # where the graphed draft step's time goes, kernel by kernel (one proposal)
         from torch.profiler import ProfilerActivity, profile

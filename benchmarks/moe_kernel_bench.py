@@ -169,6 +169,8 @@ def bench_triton(qe, x, routes, flush, repeats, sweep: bool) -> dict:
             except Exception as error:  # e.g. triton's OutOfResources: tiles too large for shared memory
                 print(f"skipped {config}: {type(error).__name__}", file=sys.stderr)
                 torch.cuda.synchronize()
+        if not timed:
+            return result
         best = min(timed, key=lambda pair: pair[0])
         result.update(triton_best_us=best[0], triton_best_config=asdict(best[1]),
                       triton_sweep=[dict(us=us, **asdict(config)) for us, config in timed])  # fmt: skip

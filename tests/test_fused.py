@@ -69,6 +69,11 @@ for dtype in (torch.float32, torch.bfloat16):
     tied = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, -1.0]], dtype=dtype)  # equal probabilities: lower expert id first
     ids, _ = fused.topk_softmax(tied, 3, False, dtype)
     results.append(["router-ties", str(dtype), [1, 6, 3, False], ids.tolist() == [[1, 2, 4]], True, 0.0])
+    # not a number: a NaN or infinite logit makes torch's whole row NaN; the ids must still be real, distinct experts
+    broken = torch.tensor([[0.5, float("nan"), 1.0, 2.0, -1.0, 0.0], [0.0, float("inf"), 1.0, 0.0, 0.0, 0.0]], dtype=dtype)
+    ids, weights = fused.topk_softmax(broken, 2, True, dtype)
+    valid = all(0 <= i < 6 for row in ids.tolist() for i in row) and all(len(set(row)) == 2 for row in ids.tolist())
+    results.append(["router-nan", str(dtype), [2, 6, 2, True], valid, bool(weights.float().isnan().all()), 0.0])
     for rows, width in ((1, 2048), (4, 96), (3, 5000)):  # 5000: more than one 4096-wide block
         h = torch.randn(rows, width, generator=generator).to(dtype)
         gate = (torch.randn(1, width, generator=generator) / width**0.5).to(dtype)
@@ -84,7 +89,7 @@ print(json.dumps(results))
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_fused_router_and_shared_gate_match_torch_in_the_interpreter():
     results = run_interpreted(ROUTER_SCRIPT)
-    assert len(results) == 2 * (4 + 1 + 3)
+    assert len(results) == 2 * (4 + 2 + 3)
     tolerance = {"torch.float32": 1e-5, "torch.bfloat16": 2.0**-7}
     for kind, dtype, shape, same, types_ok, gap in results:
         assert same and types_ok, (kind, dtype, shape)  # the same choice in the same order (or shapes and types)

@@ -58,6 +58,8 @@ def test_fused_router_on_cuda(dtype, rows, experts, top_k, renormalize):
     if renormalize:
         reference = reference / reference.sum(dim=-1, keepdim=True)
     assert (weights.float() - reference.to(dtype).float()).abs().max().item() <= ULP[dtype]
+    tied = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, -1.0]], device="cuda", dtype=dtype)
+    assert fused.topk_softmax(tied, 3, False, dtype)[0].tolist() == [[1, 2, 4]]  # equal probabilities: lower id first
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

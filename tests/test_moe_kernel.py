@@ -155,6 +155,10 @@ INTERPRETER_CASES = [
          split_down=3),
     dict(bits=8, group=32, experts=2, intermediate=64, hidden=96, tokens=18, active=2, dtype="float32", repeat=True,
          split_down=4),
+    # 5 K steps in 4 parts of 2: the last part starts past K and must add nothing (fp16 operands; the interpreter
+    # does not emulate bf16 dots: bf16 is covered on the GPU, tests/test_gpu_moe_kernel.py)
+    dict(bits=4, group=32, experts=4, intermediate=160, hidden=64, tokens=2, active=2, dtype="float16", repeat=False,
+         split_down=4),
     dict(bits=4, group=32, experts=4, intermediate=64, hidden=128, tokens=1, active=2, dtype="float16", repeat=False,
          split_down=1),
 ]

@@ -142,22 +142,27 @@ def rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr, h
 
 def topk_softmax_kernel(logits_ptr, ids_ptr, weights_ptr, experts, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr,
                         RENORMALIZE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """One row: softmax in float32, then TOP_K rounds of (largest, lowest id among equals), masked out once taken."""
+    """One row: softmax in float32, then TOP_K rounds of (largest, lowest id among equals), masked out once taken.
+
+    A probability that is not a number (a NaN or infinite logit makes the whole row NaN, as in torch) ranks below
+    every number but above the padding lanes, so the ids stay real experts; its weight stays NaN."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < experts
     x = tl.load(logits_ptr + row * experts + cols, mask=ok, other=-float("inf")).to(tl.float32)
     e = tl.where(ok, tl.exp(x - tl.max(x, axis=0)), 0.0)
-    p = tl.where(ok, e / tl.sum(e, axis=0), -1.0)  # padding below every probability
+    p = e / tl.sum(e, axis=0)
+    score = tl.where(ok, tl.where(p == p, p, -1.0), -2.0)  # NaN below numbers, padding below NaN
     slots = tl.arange(0, TOP_K_POW2)
     values = tl.zeros((TOP_K_POW2,), dtype=tl.float32)
     picked = tl.zeros((TOP_K_POW2,), dtype=tl.int64)
     for j in tl.static_range(TOP_K):
-        best = tl.max(p, axis=0)
-        index = tl.min(tl.where(p == best, cols, BLOCK), axis=0)
-        values = tl.where(slots == j, best, values)
+        best = tl.max(score, axis=0)
+        index = tl.minimum(tl.min(tl.where(score == best, cols, BLOCK), axis=0), experts - 1)
+        value = tl.sum(tl.where(cols == index, p, 0.0), axis=0)  # (NaN stays NaN)
+        values = tl.where(slots == j, value, values)
         picked = tl.where(slots == j, index.to(tl.int64), picked)
-        p = tl.where(cols == index, -2.0, p)
+        score = tl.where(cols == index, -3.0, score)
     if RENORMALIZE:
         values = values / tl.sum(tl.where(slots < TOP_K, values, 0.0), axis=0)
     keep = slots < TOP_K
