@@ -18,8 +18,8 @@
 # Done 2026-11-30, seventh session: inline-urgent (hung: ExpertCache.aclose spun on Python 3.12, fixed), split-k,
 # split-k2 (split-K of gate/up slower; down in 2 parts kept), final7 (trained Qwen: specter 1.94-2.67x ondemand, copy
 # busy 0.78 / 0.87 at Gen5), router (draft step 4.47 -> 4.05 ms); results/h200-2026-11-30/seventh.
-# Next, in this order: the draft MoE kernel at T = 1 (11x its floor: a GEMV-shaped kernel for one row, not 16-row
-# tiles); the draft step's remaining small nodes; a
+# Next, in this order: gemv (the draft MoE's one-token GEMV kernels, written and CPU-tested in the seventh session,
+# off by default until measured); the draft step's remaining small nodes; a
 # timeline (torch profiler trace, tarred: a call returns at most 8 files) of one transfer-bound verify layer, to
 # see what of the ~0.65 ms serial part per MoE layer is host Python; scout (the scout alone, scout-k0, after its
 # accounting fix); calibration (GPTQ against RTN on the GPU reference model; on the
@@ -255,6 +255,20 @@ case "$stage" in
       --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
     tail -1 "$out/logs/gpu-fused.log"; grep -E "FAIL|Error" "$out/logs/gpu-fused.log" | head -5; tail -4 "$out/logs/graphed.log"
     head -22 "$out/draft-profile.txt" | cut -c1-70,150-175 ;;
+  gemv)           # NOT RUN YET (written 2026-11-30, seventh session, no device time left). The draft MoE's one-token
+    # GEMV kernels (MoEKernelConfig.single_token_gemv, off by default until this runs: no route kernel, no 16-row
+    # tiles, products on the CUDA cores, down in K parts, combine in expert-id order), the GPU tests of it and of the
+    # router's NaN mend (c93505a), the kernel bench with the GEMV tile sweep at T = 1, the graphed draft step with it.
+    # PREDICTION: fused MoE at T = 1 (L2 flushed) ~60 us -> 15-30 us; graphed int4 draft step 4.05 -> 3.2-3.6 ms.
+    # If it holds, make single_token_gemv the default (and its best tile).
+    mkdir -p "$out/logs"
+    timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_moe_kernel.py tests/test_gpu_fused.py \
+      tests/test_gpu_graphed.py > "$out/logs/gpu-tests.log" 2>&1
+    timeout 90 python benchmarks/graphed_tpot.py --draft-only --gemv --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    timeout 240 python benchmarks/moe_kernel_bench.py --repeats 40 --shapes qwen1.5-moe-a2.7b --out "$out/moe" > "$out/logs/moe.log" 2>&1
+    tar czf "$out/gemv.tgz" -C "$out" logs graphed moe 2>/dev/null
+    tail -1 "$out/logs/gpu-tests.log"; grep -E "FAIL|Error" "$out/logs/gpu-tests.log" | head -5; tail -4 "$out/logs/graphed.log"
+    grep -v "^skipped" "$out/logs/moe.log" | tail -6 ;;
   retest)         # the GPU tests changed since validate, each alone (no training beside them)
     timeout 60 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_graphed.py -k "garbage" tests/test_gpu_transfer.py -k "garbage or emulation" 2>&1 | tail -3
     SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 100 python -m pytest -q tests/test_speculative.py -p no:cacheprovider 2>&1 | tail -3 ;;
@@ -299,6 +313,6 @@ case "$stage" in
       --out "$out/overlap-fit-small" 2>&1 | tail -9
     timeout 60 python -m specter.bench --model qwen1.5-moe-a2.7b --preset paper --layers 8 --link native --max-new-tokens 64 \
       --systems specter,specter-overlap --quant int8 --time-budget 50 --no-progress --no-plots --out "$out/overlap-fit-qwen" 2>&1 | tail -5 ;;
-  *) echo "usage: $0 STAGE... (gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train|paper-qwen|paper-deepseek|paper-phi|paper-int8|calibration|scout|qwen-train|qwen-reference|draft-step|overlap|overlap-fixed|overlap-fit)" >&2; exit 2 ;;
+  *) echo "usage: $0 STAGE... (gemv|router|final7|split-k|split-k2|inline-urgent|gpu-tests|fixes|memory|profile|reference-core|floor|micro|paper-core|paper|paper-eager|reference|validate|reference-full|retest|train|paper-qwen|paper-deepseek|paper-phi|paper-int8|calibration|scout|qwen-train|qwen-reference|draft-step|overlap|overlap-fixed|overlap-fit)" >&2; exit 2 ;;
 esac
 done

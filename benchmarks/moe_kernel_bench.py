@@ -49,6 +49,9 @@ SWEEP = [  # tiles with the default split-K, then the down GEMM's parts by hand 
     *(MoEKernelConfig(split_k_down=down) for down in (1, 3, 4, 8)),
 ]
 NO_SPLIT = MoEKernelConfig(split_k_down=1)  # the kernel before split-K (2026-11-29's figures)
+GEMV = MoEKernelConfig(single_token_gemv=True)  # one token: the GEMV kernels
+GEMV_SWEEP = [MoEKernelConfig(single_token_gemv=True, block_n_gemv=bn, block_k_gemv=bk, num_warps=warps, split_k_down=down)
+              for bn in (8, 16, 32) for bk in (128, 256, 512) for warps in (2, 4) for down in (1, 2)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -159,11 +162,13 @@ def bench_triton(qe, x, routes, flush, repeats, sweep: bool) -> dict:
     default = MoEKernelConfig()
     result = {"triton_us": median_us(triton_graphs(qe, x, routes, default), flush, repeats)}
     result["triton_no_split_us"] = median_us(triton_graphs(qe, x, routes, NO_SPLIT), flush, repeats)
+    if x.shape[0] == 1:
+        result["triton_gemv_us"] = median_us(triton_graphs(qe, x, routes, GEMV), flush, repeats)
     ids, weights = routes[0]
     result["triton_eager_us"] = median_us([lambda: fused_moe_triton(x, ids, weights, qe, default)], flush, repeats)
     if sweep:
         timed = []
-        for config in SWEEP:
+        for config in SWEEP + (GEMV_SWEEP if x.shape[0] == 1 else []):
             try:
                 timed.append((median_us(triton_graphs(qe, x, routes[:2], config), flush, repeats // 2), config))
             except Exception as error:  # e.g. triton's OutOfResources: tiles too large for shared memory
@@ -232,6 +237,8 @@ def bench_shape(name: str, shape: dict, repeats: int, sweep: bool, flush: torch.
             ids, weights = routes[0]
             kernel_out, torch_out = fused_moe_triton(x, ids, weights, qe), moe_forward(x, ids, weights, qe)
             row["rel_error_vs_torch_path"] = relative_error(kernel_out, torch_out)
+            if tokens == 1:
+                row["gemv_rel_error_vs_torch_path"] = relative_error(fused_moe_triton(x, ids, weights, qe, GEMV), torch_out)
         row.update(bench_triton(qe, x, routes, flush, repeats, sweep))
         if layer is not None:
             row.update(bench_tinygemm(qe, layer, x, routes, flush, repeats))
@@ -244,13 +251,14 @@ def bench_shape(name: str, shape: dict, repeats: int, sweep: bool, flush: torch.
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'shape':<20}{'T':>3}{'floor us':>10}{'triton us':>11}{'no split':>10}{'best us':>9}{'tinygemm us':>13}"
+    header = f"{'shape':<20}{'T':>3}{'floor us':>10}{'triton us':>11}{'no split':>10}{'gemv':>8}{'best us':>9}{'tinygemm us':>13}"
     print(header + f"{'floor/triton':>14}  best config")
     for r in rows:
         best = r.get("triton_best_us", float("nan"))
         tiny = r.get("tinygemm_us", float("nan"))
         config = ",".join(str(v) for v in r.get("triton_best_config", {}).values())
         print(f"{r['shape']:<20}{r['tokens']:>3}{r['floor_us']:>10.1f}{r['triton_us']:>11.1f}{r['triton_no_split_us']:>10.1f}"
+              f"{r.get('triton_gemv_us', float('nan')):>8.1f}"
               f"{best:>9.1f}{tiny:>13.1f}{r['floor_us'] / r['triton_us']:>14.2f}  {config}")  # fmt: skip
 
 

@@ -101,3 +101,25 @@ def test_kernel_replays_in_a_cuda_graph_with_new_routes(qwen_int4: QuantizedExpe
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, fused_moe(static_x, new_ids, new_weights, qwen_int4))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_single_token_gemv_matches_reference_is_order_free_and_replays(qwen_int4: QuantizedExperts, bits: int) -> None:
+    from specter.quant.moe_triton import MoEKernelConfig
+
+    qe = qwen_int4 if bits == 4 else cuda_layer(QWEN["experts"], QWEN["hidden"], QWEN["intermediate"], bits=8, seed=2)
+    config = MoEKernelConfig(single_token_gemv=True)
+    ids, weights = cuda_routes(1, QWEN["active"], QWEN["experts"], seed=7)
+    x = torch.randn(1, QWEN["hidden"], device="cuda", dtype=torch.bfloat16)
+    out = fused_moe(x, ids, weights, qe, config)
+    gate, up, down = (w.cpu() for w in qe.dequantize_experts())
+    assert relative_error(out, moe_reference(x.cpu().double(), ids.cpu(), weights.cpu(), gate, up, down)) < 1e-2
+    assert torch.equal(out, fused_moe(x, ids.flip(1), weights.flip(1), qe, config))  # added in expert-id order
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fused_moe(x, ids, weights, qe, config)
+    new_ids, new_weights = cuda_routes(1, QWEN["active"], QWEN["experts"], seed=8)
+    ids.copy_(new_ids)
+    weights.copy_(new_weights)
+    graph.replay()
+    assert torch.equal(static_out, fused_moe(x, new_ids, new_weights, qe, config))

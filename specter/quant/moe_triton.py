@@ -51,6 +51,9 @@ class MoEKernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k_down: int = 2  # K parts of the down GEMM (at most its K steps); 1: no split
+    single_token_gemv: bool = False  # one token: GEMV kernels without routing or 16-row tiles (not yet measured)
+    block_n_gemv: int = 16  # output rows per GEMV program (gate/up: 2x, gate and up)
+    block_k_gemv: int = 256  # input elements per GEMV step
 
 
 DEFAULT_CONFIG = MoEKernelConfig()  # what `fused_moe` uses when no config is passed (benchmarks may swap it)
@@ -91,6 +94,8 @@ def fused_moe_triton(
     assert x.is_cuda or interpreting(), "the Triton MoE needs CUDA tensors (or TRITON_INTERPRET=1 for CPU ones)"
     kernels = _kernels()
     x = x.contiguous()
+    if config.single_token_gemv and x.shape[0] == 1:
+        return _single_token(kernels, x, expert_ids, weights, qe, config)
     routes = _route(kernels, expert_ids, weights)
     hidden_act = torch.empty(routes.pairs, qe.intermediate, device=x.device, dtype=x.dtype)  # [P, I]
     _launch_gemm(kernels, x, qe, routes, hidden_act, gate_up=True, config=config, split=1)
@@ -154,6 +159,49 @@ def _launch_gemm(
     )  # fmt: skip
 
 
+def _single_token(kernels: Any, x: Tensor, expert_ids: Tensor, weights: Tensor, qe: QuantizedExperts,
+                  config: MoEKernelConfig) -> Tensor:
+    """One token (the draft's step): its A experts are distinct, so no route kernel and no 16-row tiles. Three
+    launches: gate/up GEMV (grid A x cdiv(I, BN)), down GEMV in K parts (A x cdiv(D, BN) x S), and a combine that adds
+    parts and experts in ascending expert id, as the general path does."""
+    active = expert_ids.shape[1]
+    ids = expert_ids.reshape(-1).contiguous()
+    route_weights = weights.reshape(-1).contiguous()
+    hidden_act = torch.empty(active, qe.intermediate, device=x.device, dtype=x.dtype)  # [A, I]
+    _launch_gemv(kernels, x, ids, route_weights, qe, hidden_act, gate_up=True, config=config, split=1)
+    block_k = _block_k(qe.w2_group, config.block_k_gemv)
+    split = max(1, min(config.split_k_down, triton_cdiv(qe.intermediate, block_k)))
+    pair_out = torch.empty(split, active, qe.hidden, device=x.device, dtype=torch.float32)  # [S, A, D]
+    _launch_gemv(kernels, hidden_act, ids, route_weights, qe, pair_out, gate_up=False, config=config, split=split)
+    out = torch.empty(1, qe.hidden, device=x.device, dtype=x.dtype)
+    block_d = 256
+    kernels.gemv_combine[(triton_cdiv(qe.hidden, block_d),)](
+        pair_out, pair_out.stride(0), ids, out, qe.hidden, ACTIVE=active, ACTIVE_POW2=max(2, _next_power_of_2(active)),
+        PARTS=split, BLOCK_D=block_d,
+    )  # fmt: skip
+    return out
+
+
+def _launch_gemv(kernels: Any, a: Tensor, ids: Tensor, route_weights: Tensor, qe: QuantizedExperts, out: Tensor,
+                 gate_up: bool, config: MoEKernelConfig, split: int) -> None:
+    """Gate/up (a = x [1, D], out h [A, I]) or down (a = h [A, I], out [split, A, D] weighted fp32), one expert per
+    program row."""
+    w, scales = (qe.w13, qe.w13_scales) if gate_up else (qe.w2, qe.w2_scales)
+    group, k_dim = (qe.w13_group, qe.hidden) if gate_up else (qe.w2_group, qe.intermediate)
+    n_out = qe.intermediate if gate_up else qe.hidden
+    block_k = _block_k(group, config.block_k_gemv)
+    k_part = triton_cdiv(triton_cdiv(k_dim, block_k), split) * block_k
+    out_part_stride = out.stride(0) if out.dim() == 3 else 0
+    out_row_stride = out.stride(1) if out.dim() == 3 else out.stride(0)
+    grid = (ids.numel(), triton_cdiv(n_out, config.block_n_gemv), split)
+    kernels.gemv[grid](
+        a, 0 if gate_up else a.stride(0), w, w.stride(0), w.stride(1), scales, scales.stride(0), scales.stride(1),
+        out, out_row_stride, out_part_stride, ids, route_weights, n_out, k_dim, k_part, qe.intermediate,
+        GROUP=group, BITS=qe.bits, GATE_UP=gate_up, BLOCK_N=config.block_n_gemv, BLOCK_K=block_k,
+        SCALE_PER_TILE=group % block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
 def _combine(kernels: Any, pair_out: Tensor, routes: _Routes, dtype: torch.dtype) -> Tensor:
     """pair_out [S', P, D]: each token's rows and parts added in a fixed order."""
     num_tokens, hidden = routes.token_slots.shape[0], pair_out.shape[2]
@@ -194,6 +242,8 @@ class _KernelSet:
     route: Any
     gemm: Any
     combine: Any
+    gemv: Any
+    gemv_combine: Any
 
 
 tl: Any = None  # triton.language, bound by _kernels(); the kernel bodies resolve it as a global
@@ -208,7 +258,8 @@ def _kernels() -> _KernelSet:
 
     tl = triton.language
     log.debug("moe.triton.jit", interpret=interpreting())
-    return _KernelSet(triton.jit(route_kernel), triton.jit(gemm_kernel), triton.jit(combine_kernel))
+    return _KernelSet(triton.jit(route_kernel), triton.jit(gemm_kernel), triton.jit(combine_kernel),
+                      triton.jit(gemv_kernel), triton.jit(gemv_combine_kernel))
 
 
 def interpreting() -> bool:
@@ -329,3 +380,80 @@ def combine_kernel(pair_out_ptr, stride_part, token_slots_ptr, out_ptr, hidden, 
             row += tl.load(pair_out_ptr + index * stride_part + slot * hidden + cols, mask=col_ok, other=0.0)
         total += row
     tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def gemv_kernel(a_ptr, stride_a, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg,
+                out_ptr, stride_out, stride_out_part, ids_ptr, weights_ptr, n_out, k_dim, k_part, intermediate,
+                GROUP: tl.constexpr, BITS: tl.constexpr, GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, SCALE_PER_TILE: tl.constexpr):  # fmt: skip
+    """One token's expert (program_id 0) against BLOCK_N output rows over one K part: products and sums in float32
+    on the CUDA cores, no 16-row padding. GATE_UP: a = x (stride_a 0: every expert reads the one row), out = h [A, I]
+    = silu(gate) * up in a's dtype. Else: a = h [A, I], out = [S, A, D] fp32 scaled by the routing weight."""
+    pair = tl.program_id(0)
+    part = tl.program_id(2)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    k_begin = part * k_part
+    k_end = tl.minimum(k_begin + k_part, k_dim)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    if GATE_UP:  # gate row c and up row I + c interleaved: rows 2c and 2c + 1 of the tile
+        half = tl.arange(0, 2)
+        w_rows = tl.reshape(cols[:, None] + intermediate * half[None, :], (2 * BLOCK_N,))
+        w_ok = tl.reshape(col_ok[:, None] & (half[None, :] < 2), (2 * BLOCK_N,))
+        acc = tl.zeros((2 * BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+    else:
+        w_rows = cols
+        w_ok = col_ok
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+    w_base = w_ptr + expert * stride_we + w_rows.to(tl.int64) * stride_wn
+    s_base = s_ptr + expert * stride_se + w_rows
+    a_row = a_ptr + pair.to(tl.int64) * stride_a
+    pair_idx = tl.arange(0, BLOCK_K // 2)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k_even = k0 + 2 * pair_idx
+        even_ok = k_even < k_dim
+        odd_ok = k_even + 1 < k_dim
+        a_even = tl.load(a_row + k_even, mask=even_ok, other=0.0).to(tl.float32)
+        a_odd = tl.load(a_row + k_even + 1, mask=odd_ok, other=0.0).to(tl.float32)
+        w_mask = w_ok[:, None] & even_ok[None, :]
+        if BITS == 4:
+            packed = tl.load(w_base[:, None] + (k0 // 2 + pair_idx)[None, :], mask=w_mask, other=0)
+            q_even = (packed & 0xF).to(tl.float32) - 7.5
+            q_odd = (packed >> 4).to(tl.float32) - 7.5
+        else:
+            q_even = tl.load(w_base[:, None] + k_even[None, :], mask=w_mask, other=0).to(tl.float32) + 0.5
+            q_odd = tl.load(w_base[:, None] + k_even[None, :] + 1, mask=w_ok[:, None] & odd_ok[None, :],
+                            other=0).to(tl.float32) + 0.5  # fmt: skip
+        if SCALE_PER_TILE:
+            scale = tl.load(s_base + (k0 // GROUP) * stride_sg, mask=w_ok, other=0.0).to(tl.float32)[:, None]
+        else:
+            scale = tl.load(s_base[:, None] + ((k_even // GROUP) * stride_sg)[None, :], mask=w_mask,
+                            other=0.0).to(tl.float32)  # fmt: skip
+        acc += (q_even * a_even[None, :] + q_odd * a_odd[None, :]) * scale
+    total = tl.sum(acc, axis=1)
+    out_row = out_ptr + part * stride_out_part + pair.to(tl.int64) * stride_out
+    if GATE_UP:
+        gate, up = tl.split(tl.reshape(total, (BLOCK_N, 2)))
+        tl.store(out_row + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=col_ok)
+    else:
+        tl.store(out_row + cols, total * tl.load(weights_ptr + pair).to(tl.float32), mask=col_ok)
+
+
+def gemv_combine_kernel(pair_out_ptr, stride_part, ids_ptr, out_ptr, hidden, ACTIVE: tl.constexpr,
+                        ACTIVE_POW2: tl.constexpr, PARTS: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """The one token's output: its experts' rows (each the sum of its parts) added in ascending expert id."""
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < hidden
+    lanes = tl.arange(0, ACTIVE_POW2)
+    lane_ok = lanes < ACTIVE
+    ids = tl.load(ids_ptr + lanes, mask=lane_ok, other=0)
+    before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (lanes[None, :] < lanes[:, None]))
+    rank = tl.sum((before & lane_ok[None, :]).to(tl.int32), axis=1)  # [lane]: its place in ascending id order
+    total = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in tl.static_range(0, ACTIVE):
+        pair = tl.sum(tl.where((rank == j) & lane_ok, lanes, 0), axis=0).to(tl.int64)
+        row = tl.load(pair_out_ptr + pair * hidden + cols, mask=col_ok, other=0.0)
+        for index in tl.static_range(1, PARTS):
+            row += tl.load(pair_out_ptr + index * stride_part + pair * hidden + cols, mask=col_ok, other=0.0)
+        total += row
+    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
