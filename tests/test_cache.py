@@ -537,3 +537,48 @@ def test_aclose_returns_while_a_finished_load_is_still_registered():
         run(main())
     finally:
         rig.shutdown()
+
+
+@pytest.mark.parametrize("first_reader", ["ensure", "iter_ready"])
+def test_a_failed_readers_cleanup_leaves_the_next_readers_pin_alone(first_reader):
+    """Reader 1's copy fails: its slot is freed, and reader 2, waiting for room, loads another expert into it and pins
+    it before reader 1 wakes up. Reader 1's cleanup must not drop reader 2's pin (that slot could then be evicted
+    and overwritten while reader 2 still reads it)."""
+    rig = Rig(slots=3)
+    failing, other = 3, 4
+    host = rig.pool.host(0, failing)
+    first, last = host.data_ptr(), host.data_ptr() + host.numel() * host.element_size()
+    real_copy = rig.backend.copy_h2d
+
+    def copy(dst, src, stream):
+        if first <= src.data_ptr() < last:
+            raise RuntimeError("injected copy failure")
+        return real_copy(dst, src, stream)
+
+    rig.backend.copy_h2d = copy
+
+    async def main() -> None:
+        await rig.cache.ensure(0, [0, 1])  # two slots held for the whole test; one left
+
+        async def reader_1() -> None:
+            with pytest.raises(RuntimeError, match="injected copy failure"):
+                if first_reader == "ensure":
+                    await rig.cache.ensure(0, [failing])
+                else:
+                    async for _expert, _slot in rig.cache.iter_ready(0, [failing]):
+                        pass
+
+        async def reader_2() -> dict[int, int]:
+            return await rig.cache.ensure(0, [other])  # waits for room: the slot reader 1's load holds
+
+        _, got = await asyncio.gather(reader_1(), reader_2())
+        assert other in got
+        assert other in rig.cache.pinned_experts(0), "reader 1's cleanup dropped reader 2's pin"
+        assert rig.cache.is_protected(0, other)
+        rig.cache.unprotect_all(rig.backend.record_event(rig.backend.compute_stream))
+        await asyncio.wait_for(rig.cache.aclose(), 5)
+
+    try:
+        run(main())
+    finally:
+        rig.shutdown()

@@ -14,7 +14,8 @@ Loads go through the transfer engine; eviction choices are delegated to an injec
 #  - A slot is never overwritten while a reader may still touch it: the copy into a reused slot first
 #    makes the copy stream wait on the slot's last-use event (device-side, no host sync).
 #  - Each (re)assignment bumps the slot's generation, so a late completion of an older load (after
-#    `reset`) cannot mark a slot resident for the wrong expert.
+#    `reset`) cannot mark a slot resident for the wrong expert, and a reader whose load failed (its slot
+#    freed, maybe taken by another reader since) gives back only the pin of the assignment it pinned.
 #  - A cancelled reader leaves nothing pinned: its copy still lands and the slot becomes resident
 #    (unpinned, evictable), or free when the load was dropped by `reset`.
 
@@ -105,6 +106,19 @@ class CacheSnapshot:
     layers: tuple[tuple[int, ...], ...]
 
 
+class _Owned(dict[int, Slot]):
+    """expert -> slot a reader pinned and has not handed on, with each slot's generation when pinned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generations: dict[int, int] = {}
+
+    def pin(self, slot: Slot, expert: int) -> None:
+        slot.pins += 1
+        self[expert] = slot
+        self.generations[expert] = slot.generation
+
+
 class ExpertCache:
     """L*S device slots (S per MoE layer) over an `ExpertPool`, loaded through a `TransferEngine`.
 
@@ -186,18 +200,20 @@ class ExpertCache:
         """
         wanted = self._distinct_within_budget(layer, experts)
         slots: dict[int, Slot] = {}
+        generations: dict[int, int] = {}  # expert -> its slot's generation when pinned
         succeeded = False
         try:
             for expert in wanted:
                 slots[expert] = await self._claim(layer, expert, urgent, owned=list(slots.values()))
+                generations[expert] = slots[expert].generation
             for expert, slot in slots.items():
                 await self._until_landed(slot, expert)
             succeeded = True
             return {expert: slot.index for expert, slot in slots.items()}
         finally:
             if not succeeded:  # cancelled or failed: give back every pin taken (loads still land)
-                for slot in slots.values():
-                    self._unpin(slot)
+                for expert, slot in slots.items():
+                    self._unpin(slot, generations.get(expert))
 
     async def iter_ready(self, layer: int, experts: Iterable[int]) -> AsyncIterator[tuple[int, int]]:
         """Yield (expert, slot) for `experts`: resident ones first, then in the order their copies land.
@@ -225,12 +241,11 @@ class ExpertCache:
         wanted = list(dict.fromkeys(experts))
         self._protected[layer] &= set(wanted)
         hot = [expert for expert in wanted if self.lookup(layer, expert) is not None]
-        owned: dict[int, Slot] = {}  # pinned by this iterator, not yet handed to the reader
+        owned = _Owned()  # pinned by this iterator, not yet handed to the reader
         landed: asyncio.Queue[int] = asyncio.Queue()
         try:
             for expert in hot:  # pinned all at once, so the reader's awaits cannot lose one to eviction
-                owned[expert] = self._residents[layer][expert]
-                self._pin(owned[expert])
+                owned.pin(self._residents[layer][expert], expert)
                 self.stats.layers[layer].hits += 1
             # Misses that fit in free or evictable slots start now, before the reader launches the resident
             # experts' compute: the copy stream works while the host launches.
@@ -242,8 +257,8 @@ class ExpertCache:
                 owned.pop(expert)
                 yield expert, slot.index, ready
         finally:
-            for slot in owned.values():
-                self._unpin(slot)
+            for expert, slot in owned.items():
+                self._unpin(slot, owned.generations.get(expert))
 
     def mark_used(self, layer: int, expert: int, event: Event) -> None:
         """The reader is done with `expert`: record its last-use event, unpin, lift plan protection."""
@@ -484,7 +499,7 @@ class ExpertCache:
             raise self._load_error
         raise AssertionError(f"slot {slot.index} lost expert {expert} while a reader held it (reset during a round?)")
 
-    async def _landings(self, layer: int, waiting: list[int], owned: dict[int, Slot], landed: asyncio.Queue[int],
+    async def _landings(self, layer: int, waiting: list[int], owned: _Owned, landed: asyncio.Queue[int],
                         on_issue: bool) -> AsyncIterator[tuple[int, Slot]]:
         """Load `waiting` experts through the layer's free/evictable slots, yielding each (and those already in
         `owned` and started) as its copy lands, or with `on_issue` as its copy is fully on the copy stream."""
@@ -501,7 +516,7 @@ class ExpertCache:
                 await self._until_landed(slot, expert)
             yield expert, slot
 
-    def _start_what_fits(self, layer: int, waiting: list[int], owned: dict[int, Slot], landed: asyncio.Queue[int],
+    def _start_what_fits(self, layer: int, waiting: list[int], owned: _Owned, landed: asyncio.Queue[int],
                          on_issue: bool = False) -> list[int]:
         """Pin in-flight or start loads for as many waiting experts as slots allow; return the rest."""
         absent = []
@@ -524,9 +539,8 @@ class ExpertCache:
             self._own(slot, expert, owned, landed, on_issue)
         return absent[len(room):]
 
-    def _own(self, slot: Slot, expert: int, owned: dict[int, Slot], landed: asyncio.Queue[int], on_issue: bool) -> None:
-        self._pin(slot)
-        owned[expert] = slot
+    def _own(self, slot: Slot, expert: int, owned: _Owned, landed: asyncio.Queue[int], on_issue: bool) -> None:
+        owned.pin(slot, expert)
         self._notify(slot, expert, landed, on_issue)
 
     def _notify(self, slot: Slot, expert: int, queue: asyncio.Queue[int], on_issue: bool) -> None:
@@ -568,7 +582,11 @@ class ExpertCache:
     def _pin(self, slot: Slot) -> None:
         slot.pins += 1
 
-    def _unpin(self, slot: Slot) -> None:
+    def _unpin(self, slot: Slot, generation: int | None = None) -> None:
+        """Drop one pin; with `generation`, only if the slot still holds the assignment that was pinned (a failed
+        load frees its slot and drops its pins, and another reader may hold the slot anew since)."""
+        if generation is not None and slot.generation != generation:
+            return
         if slot.pins > 0:
             slot.pins -= 1
             self._signal(slot.layer)
