@@ -133,7 +133,8 @@ INTERPRETER_SCRIPT = textwrap.dedent(
             [torch.randperm(e, generator=gen)[:a] for _ in range(t)])
         weights = torch.rand(t, a, generator=gen)
         x = torch.randn(t, d, generator=gen).to(getattr(torch, case["dtype"]))
-        config = MoEKernelConfig(split_k_down=case.get("split_down", 2), single_token_gemv=case.get("gemv", False))
+        config = MoEKernelConfig(split_k_down=case.get("split_down", 2), single_token_gemv=case.get("gemv", False),
+                                 block_k_gemv=case.get("block_k_gemv", 256))
         kernel = fused_moe_triton(x, ids, weights, qe, config).double()
         torch_path = moe_forward(x.float(), ids, weights, qe).double()
         results.append(((kernel - torch_path).norm() / torch_path.norm()).item())
@@ -161,8 +162,9 @@ INTERPRETER_CASES = [
          split_down=4),
     dict(bits=4, group=32, experts=4, intermediate=64, hidden=128, tokens=1, active=2, dtype="float16", repeat=False,
          split_down=1),
-    # one token through the GEMV kernels (single_token_gemv): int4 and int8, one scale per tile (group 32) and per
-    # element (group 24), down in 1-3 parts, fp16; and a batch with the flag on, which takes the general kernels
+    # one token through the GEMV kernels (single_token_gemv): int4 and int8, K steps of several groups (a scale per
+    # element), of one group (block_k_gemv 32: a scale per tile) and of a group's divisor (group 24), down in 1-3
+    # parts, fp16; and a batch with the flag on, which takes the general kernels
     dict(bits=4, group=32, experts=6, intermediate=96, hidden=160, tokens=1, active=4, dtype="float32", repeat=False,
          gemv=True, split_down=3),
     dict(bits=8, group=32, experts=5, intermediate=64, hidden=96, tokens=1, active=3, dtype="float32", repeat=False,
@@ -171,6 +173,8 @@ INTERPRETER_CASES = [
          gemv=True),
     dict(bits=4, group=32, experts=8, intermediate=64, hidden=128, tokens=1, active=8, dtype="float16", repeat=False,
          gemv=True),
+    dict(bits=4, group=32, experts=5, intermediate=96, hidden=128, tokens=1, active=3, dtype="float32", repeat=False,
+         gemv=True, block_k_gemv=32, split_down=2),
     dict(bits=4, group=32, experts=4, intermediate=32, hidden=64, tokens=3, active=2, dtype="float32", repeat=False,
          gemv=True),
 ]

@@ -169,7 +169,7 @@ def _single_token(kernels: Any, x: Tensor, expert_ids: Tensor, weights: Tensor, 
     route_weights = weights.reshape(-1).contiguous()
     hidden_act = torch.empty(active, qe.intermediate, device=x.device, dtype=x.dtype)  # [A, I]
     _launch_gemv(kernels, x, ids, route_weights, qe, hidden_act, gate_up=True, config=config, split=1)
-    block_k = _block_k(qe.w2_group, config.block_k_gemv)
+    block_k = _gemv_block_k(qe.w2_group, config.block_k_gemv)
     split = max(1, min(config.split_k_down, triton_cdiv(qe.intermediate, block_k)))
     pair_out = torch.empty(split, active, qe.hidden, device=x.device, dtype=torch.float32)  # [S, A, D]
     _launch_gemv(kernels, hidden_act, ids, route_weights, qe, pair_out, gate_up=False, config=config, split=split)
@@ -189,7 +189,7 @@ def _launch_gemv(kernels: Any, a: Tensor, ids: Tensor, route_weights: Tensor, qe
     w, scales = (qe.w13, qe.w13_scales) if gate_up else (qe.w2, qe.w2_scales)
     group, k_dim = (qe.w13_group, qe.hidden) if gate_up else (qe.w2_group, qe.intermediate)
     n_out = qe.intermediate if gate_up else qe.hidden
-    block_k = _block_k(group, config.block_k_gemv)
+    block_k = _gemv_block_k(group, config.block_k_gemv)
     k_part = triton_cdiv(triton_cdiv(k_dim, block_k), split) * block_k
     out_part_stride = out.stride(0) if out.dim() == 3 else 0
     out_row_stride = out.stride(1) if out.dim() == 3 else out.stride(0)
@@ -222,6 +222,12 @@ def _block_k(group: int, preferred: int) -> int:
             return block
         block //= 2
     return 64  # odd-sized groups: the kernel then reads a scale per element
+
+
+def _gemv_block_k(group: int, preferred: int) -> int:
+    """The GEMV's K step: `preferred` when it is a whole number of groups (longer contiguous reads per weight row,
+    a scale per element), else as for the GEMM (a divisor of the group, one scale per row and step)."""
+    return preferred if preferred % group == 0 else _block_k(group, preferred)
 
 
 def _next_power_of_2(n: int) -> int:
