@@ -109,7 +109,8 @@ def eager_tpot(model, experts, prompt: list[int], count: int) -> tuple[float, li
 
 
 def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits: tuple[int, ...] = (0,),
-               profile_out: str | None = None, router_ab: bool = False, gemv: bool = False) -> dict:
+               profile_out: str | None = None, router_ab: bool = False, gemv: bool = False,
+               attention: bool = False) -> dict:
     """The int4 draft's per-step time, graphed (k replays, no host sync) and eager, against its byte floor."""
     from specter.decode import prefill
     from specter.draft import Draft
@@ -149,6 +150,19 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
         finally:
             moe_triton.DEFAULT_CONFIG = default
         rows["draft-int4-graphed-gemv"] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
+    if attention:  # the same graphed step attending with fused.decode_attention (the visible positions only)
+        from specter.model import fused
+
+        fused.DECODE_ATTENTION = True
+        try:
+            step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=True))) / k
+            rows["draft-int4-graphed-attention"] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
+            moe_triton.DEFAULT_CONFIG = dataclasses.replace(default, single_token_gemv=True)
+            step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=True))) / k
+            rows["draft-int4-graphed-attention+gemv"] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
+        finally:
+            fused.DECODE_ATTENTION = False
+            moe_triton.DEFAULT_CONFIG = default
     if router_ab:  # the same graphed step with torch's router and shared gate instead of the fused ones
         from specter.model import fused
 
@@ -192,6 +206,7 @@ def main() -> None:
     parser.add_argument("--profile-draft", default=None, help="write a kernel table of one graphed proposal here")
     parser.add_argument("--router-ab", action="store_true", help="also time the graphed draft step with torch's router and gate")
     parser.add_argument("--gemv", action="store_true", help="also time the graphed draft step with the one-token GEMV MoE")
+    parser.add_argument("--attention", action="store_true", help="also time it with the fused decode attention (and with both)")
     args = parser.parse_args()
     config, hf = build_hf(args.shape, args.layers)
     config_dict, state = config.to_dict(), dict(hf.state_dict())
@@ -201,7 +216,8 @@ def main() -> None:
         target_rows(runtime, prompt, args.tokens, args.eager_tokens)
     splits = tuple(int(split) for split in args.draft_splits.split(","))
     rows |= draft_rows(runtime, prompt, args.k, repeats=max(2, args.tokens // args.k), graphed_splits=splits,
-                       profile_out=args.profile_draft, router_ab=args.router_ab, gemv=args.gemv)
+                       profile_out=args.profile_draft, router_ab=args.router_ab, gemv=args.gemv,
+                       attention=args.attention)
     asyncio.run(runtime.aclose())
     label = f"{args.shape}" + (f" (first {args.layers} layers)" if args.layers else "")
     result = {"shape": label, "rows": rows, "graphed_vs_eager": agreement, "gpu": torch.cuda.get_device_name(),

@@ -260,14 +260,20 @@ case "$stage" in
     # tiles, products on the CUDA cores, down in K parts, combine in expert-id order), the GPU tests of it and of the
     # router's NaN mend (c93505a), the kernel bench with the GEMV tile sweep at T = 1, the graphed draft step with it.
     # PREDICTION: fused MoE at T = 1 (L2 flushed) ~60 us -> 15-30 us; graphed int4 draft step 4.05 -> 3.2-3.6 ms.
-    # If it holds, make single_token_gemv the default (and its best tile).
+    # If it holds, make single_token_gemv the default (and its best tile). Also fused.decode_attention (the draft's
+    # attention in one launch over the visible positions only, off by default): at graphed_tpot's 512-position
+    # cache, 4.05 -> 3.7-3.9 ms alone (about 6 nodes per layer off), both together 2.9-3.4 ms; then also at
+    # --max-context 2048 (the engine's default), where the whole-cache attention it replaces reads 4x more.
     mkdir -p "$out/logs"
     timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_moe_kernel.py tests/test_gpu_fused.py \
       tests/test_gpu_graphed.py > "$out/logs/gpu-tests.log" 2>&1
-    timeout 90 python benchmarks/graphed_tpot.py --draft-only --gemv --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    timeout 90 python benchmarks/graphed_tpot.py --draft-only --gemv --attention --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    timeout 90 python benchmarks/graphed_tpot.py --draft-only --attention --max-context 2048 --out "$out/graphed-2048" \
+      > "$out/logs/graphed-2048.log" 2>&1
     timeout 240 python benchmarks/moe_kernel_bench.py --repeats 40 --shapes qwen1.5-moe-a2.7b --out "$out/moe" > "$out/logs/moe.log" 2>&1
-    tar czf "$out/gemv.tgz" -C "$out" logs graphed moe 2>/dev/null
-    tail -1 "$out/logs/gpu-tests.log"; grep -E "FAIL|Error" "$out/logs/gpu-tests.log" | head -5; tail -4 "$out/logs/graphed.log"
+    tar czf "$out/gemv.tgz" -C "$out" logs graphed graphed-2048 moe 2>/dev/null
+    tail -1 "$out/logs/gpu-tests.log"; grep -E "FAIL|Error" "$out/logs/gpu-tests.log" | head -5; tail -6 "$out/logs/graphed.log"
+    tail -4 "$out/logs/graphed-2048.log"
     grep -v "^skipped" "$out/logs/moe.log" | tail -6 ;;
   retest)         # the GPU tests changed since validate, each alone (no training beside them)
     timeout 60 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_graphed.py -k "garbage" tests/test_gpu_transfer.py -k "garbage or emulation" 2>&1 | tail -3

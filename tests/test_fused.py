@@ -86,6 +86,99 @@ print(json.dumps(results))
 """
 
 
+ATTENTION_SCRIPT = r"""
+import json, math
+import torch
+from specter.model import fused
+
+results = []
+generator = torch.Generator().manual_seed(5)
+cases = [  # rows, heads, kv heads, head dim, capacity, positions, window
+    (1, 4, 4, 64, 40, [17], None),
+    (3, 8, 2, 32, 70, [0, 33, 69], None),  # grouped queries; the first and the last position
+    (2, 6, 2, 40, 50, [45, 12], 8),  # a sliding window, a head dim that is not a power of two
+    (1, 32, 4, 16, 130, [129], None),  # 8 query heads per cache head (smaller key blocks)
+]
+for dtype in (torch.float32, torch.float16):
+    for rows, heads, kv_heads, head_dim, capacity, positions, window in cases:
+        q = torch.randn(rows, heads, head_dim, generator=generator).to(dtype)
+        keys = torch.randn(kv_heads, capacity, head_dim, generator=generator).to(dtype)
+        values = torch.randn(kv_heads, capacity, head_dim, generator=generator).to(dtype)
+        pos = torch.tensor(positions)
+        got = fused.decode_attention(q, keys, values, pos, window)
+        group = heads // kv_heads
+        reference = torch.empty(rows, heads, head_dim, dtype=torch.float64)
+        for r, p in enumerate(positions):
+            first = 0 if window is None else max(0, p - window + 1)
+            for h in range(heads):
+                k, v = keys[h // group, first : p + 1].double(), values[h // group, first : p + 1].double()
+                weights = torch.softmax(k @ q[r, h].double() / math.sqrt(head_dim), dim=0)
+                reference[r, h] = weights @ v
+        gap = (got.double().view(rows, heads, head_dim) - reference).abs().max().item()
+        results.append([str(dtype), [rows, heads, kv_heads, head_dim, capacity, positions, window],
+                        got.shape == (rows, heads * head_dim) and got.dtype == dtype, gap])
+# positions past the visible ones never count: garbage there changes nothing
+q = torch.randn(1, 4, 32, generator=generator)
+keys, values = torch.randn(4, 20, 32, generator=generator), torch.randn(4, 20, 32, generator=generator)
+clean = fused.decode_attention(q, keys, values, torch.tensor([9]), None)
+keys[:, 10:], values[:, 10:] = float("nan"), 1e6
+results.append(["garbage", [1, 4, 4, 32, 20, [9], None], True,
+                (fused.decode_attention(q, keys, values, torch.tensor([9]), None) - clean).abs().max().item()])
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_fused_decode_attention_matches_a_float64_reference_in_the_interpreter():
+    results = run_interpreted(ATTENTION_SCRIPT)
+    assert len(results) == 2 * 4 + 1
+    for dtype, case, shape_ok, gap in results:
+        assert shape_ok, (dtype, case)
+        assert gap <= (2e-3 if dtype == "torch.float16" else 1e-5), (dtype, case, gap)
+
+
+STATIC_ATTENTION_SCRIPT = r"""
+import json, sys
+import torch
+from specter.config import EngineConfig
+from specter.loader import load_resident
+from specter.model import fused
+from specter.model.graphed import ResidentMoE, StaticStep
+
+path = sys.argv[1]
+calls = []
+original = fused.decode_attention
+fused.decode_attention = lambda *args: calls.append(1) or original(*args)
+result = {}
+for exact in (True, False):
+    loaded = load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=32, exact=exact))
+    step = StaticStep(loaded.model, ResidentMoE(loaded.model, loaded.experts, "dense"), 4)
+    tokens, positions = torch.tensor([3, 1, 4, 1]), torch.arange(4)
+    outputs = []
+    for flag in (False, True):
+        fused.DECODE_ATTENTION = flag
+        outputs.append(step.hidden(tokens, positions, loaded.model.new_kv()))
+    result["exact" if exact else "fast"] = {"calls": len(calls),
+        "gap": ((outputs[1] - outputs[0]).abs().max() / outputs[0].abs().max()).item()}
+    calls.clear()
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_only_the_non_exact_static_step_takes_the_fused_attention_when_switched_on(tmp_path):
+    import json
+
+    from tests.hf_models import hf_model, save_hf
+
+    path = save_hf(hf_model("qwen2_moe"), tmp_path / "m")
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    result = run_interpreted(STATIC_ATTENTION_SCRIPT, str(path))
+    assert result["exact"] == {"calls": 0, "gap": 0.0}  # exact mode keeps torch's ops even with the switch on
+    assert result["fast"]["calls"] == layers, result  # once per layer with the switch on, never with it off
+    assert result["fast"]["gap"] < 1e-4, result
+
+
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_fused_router_and_shared_gate_match_torch_in_the_interpreter():
     results = run_interpreted(ROUTER_SCRIPT)

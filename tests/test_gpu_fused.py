@@ -75,3 +75,26 @@ def test_fused_sigmoid_gate_on_cuda(dtype, rows, width):
     got = fused.sigmoid_gate(h, gate, out)
     assert got.dtype == dtype and got.shape == out.shape
     assert ((got.float() - reference).abs() / (reference.abs() + 1e-2)).max().item() <= 4 * max(ULP[dtype], 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, heads, kv_heads, head_dim, capacity, window", [(1, 16, 16, 128, 2048, None),
+                                                                                  (4, 32, 8, 128, 512, None),
+                                                                                  (2, 32, 8, 128, 4096, 1024)])
+def test_fused_decode_attention_on_cuda(dtype, rows, heads, kv_heads, head_dim, capacity, window):
+    import math
+
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(rows, heads, head_dim, device="cuda", generator=generator).to(dtype)
+    keys = torch.randn(kv_heads, capacity, head_dim, device="cuda", generator=generator).to(dtype)
+    values = torch.randn(kv_heads, capacity, head_dim, device="cuda", generator=generator).to(dtype)
+    positions = torch.randint(0, capacity, (rows,), device="cuda", generator=generator)
+    got = fused.decode_attention(q, keys, values, positions, window).view(rows, heads, head_dim).double()
+    group = heads // kv_heads
+    for r, p in enumerate(positions.tolist()):
+        first = 0 if window is None else max(0, p - window + 1)
+        k = keys[:, first : p + 1].double().repeat_interleave(group, dim=0)  # [H, n, hd]
+        v = values[:, first : p + 1].double().repeat_interleave(group, dim=0)
+        weights = torch.softmax(torch.einsum("hd,hnd->hn", q[r].double(), k) / math.sqrt(head_dim), dim=-1)
+        reference = torch.einsum("hn,hnd->hd", weights, v)
+        assert (got[r] - reference).abs().max().item() <= (1e-4 if dtype == torch.float32 else 2e-2)

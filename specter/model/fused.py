@@ -27,6 +27,9 @@ tl: Any = None  # triton.language, bound by _kernels(); the kernel bodies resolv
 
 ROUTER_AND_GATE = True
 """Whether the non-exact forward fuses the router and the shared gate (benchmarks time it with and without)."""
+DECODE_ATTENTION = False
+"""Whether the non-exact static step (the graphed draft) attends with `decode_attention` (off until measured on the
+GPU: `benchmarks/h200_runs.sh gemv`)."""
 
 
 def usable(x: Tensor) -> bool:
@@ -80,6 +83,26 @@ def sigmoid_gate(h: Tensor, gate_weight: Tensor, out: Tensor) -> Tensor:
     return result
 
 
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int | None) -> Tensor:
+    """Attention of rows q [R, H, hd] over one layer's cache keys/values [Hkv, S, hd]: row r sees the positions
+    max(0, p - window + 1)..p of p = positions[r] only (never the rest of the cache), scores in float32 scaled by
+    hd^-0.5, an online softmax. Returns [R, H * hd] in q's dtype. One launch, grid (R, Hkv); no host sync."""
+    rows, heads, head_dim = q.shape
+    kv_heads, capacity, _ = keys.shape
+    assert heads % kv_heads == 0 and values.shape == keys.shape, "q heads must be a multiple of the cache's heads"
+    assert keys.stride(2) == 1 and values.stride(2) == 1, "the cache's head dimension must be contiguous"
+    group = heads // kv_heads
+    group_pow2 = _pow2(group)
+    q = q.contiguous()
+    out = torch.empty(rows, heads * head_dim, dtype=q.dtype, device=q.device)
+    _kernels().decode_attention[(rows, kv_heads)](
+        q, keys, values, positions, out, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+        heads, head_dim, window or 0, head_dim**-0.5,
+        GROUP=group, GROUP_POW2=group_pow2, BLOCK_S=max(8, 64 // group_pow2), BLOCK_D=_pow2(head_dim),
+    )  # fmt: skip
+    return out
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -98,6 +121,7 @@ def _kernels() -> Any:
         rope = triton.jit(rope_kernel)
         topk_softmax = triton.jit(topk_softmax_kernel)
         sigmoid_gate = triton.jit(sigmoid_gate_kernel)
+        decode_attention = triton.jit(decode_attention_kernel)
 
     return Kernels
 
@@ -187,3 +211,44 @@ def sigmoid_gate_kernel(h_ptr, w_ptr, out_ptr, result_ptr, width, BLOCK: tl.cons
         ok = cols < width
         out = tl.load(out_ptr + row * width + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(result_ptr + row * width + cols, (gate * out).to(result_ptr.dtype.element_ty), mask=ok)
+
+
+def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, stride_kh, stride_ks, stride_vh, stride_vs,
+                            heads, head_dim, window, scale, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr,
+                            BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Program (row, kv head): its GROUP query heads over the row's visible positions, BLOCK_S keys at a time."""
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    position = tl.load(pos_ptr + row).to(tl.int32)
+    hi = position + 1
+    lo = tl.where(window > 0, tl.maximum(position - window + 1, 0), 0)
+    g = tl.arange(0, GROUP_POW2)
+    g_ok = g < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    q_heads = kv_head * GROUP + g  # [G]
+    q_mask = g_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + (row * heads + q_heads)[:, None] * head_dim + d[None, :], mask=q_mask, other=0.0)
+    q = q.to(tl.float32) * scale  # [G, D]
+    m = tl.full((GROUP_POW2,), -float("inf"), dtype=tl.float32)
+    total = tl.zeros((GROUP_POW2,), dtype=tl.float32)
+    acc = tl.zeros((GROUP_POW2, BLOCK_D), dtype=tl.float32)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    for start in range(lo, hi, BLOCK_S):
+        s = start + tl.arange(0, BLOCK_S)
+        s_ok = s < hi
+        kv_mask = s_ok[:, None] & d_ok[None, :]
+        keys = tl.load(k_base + s.to(tl.int64)[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2)  # [G, S]
+        scores = tl.where(s_ok[None, :], scores, -float("inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        vals = tl.load(v_base + s.to(tl.int64)[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vals[None, :, :], axis=1)
+        m = m_new
+    out = acc / total[:, None]
+    tl.store(out_ptr + (row * heads + q_heads)[:, None] * head_dim + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=q_mask)

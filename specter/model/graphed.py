@@ -36,6 +36,7 @@ import torch
 from specter.decode import check_prompt, prefill
 from specter.errors import ConfigError
 from specter.log import get_logger
+from specter.model import fused
 from specter.model.deepseek_v2 import DeepseekV2Transformer
 from specter.model.kv import KVCache
 from specter.model.resident import ResidentExperts
@@ -218,7 +219,10 @@ class StaticStep:
         q, k, v = model._qkv(layer, prefix, x, positions)  # [R, H, hd], [R, Hkv, hd] x 2
         kv.k[layer].index_copy_(1, positions, k.transpose(0, 1))
         kv.v[layer].index_copy_(1, positions, v.transpose(0, 1))
-        out = self._attend(q, kv.k[layer], kv.v[layer], blocked)  # [R, H*hd]
+        if not model.exact and fused.DECODE_ATTENTION and fused.usable(q):  # the draft: the visible positions only
+            out = fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, model.spec.sliding_window)
+        else:
+            out = self._attend(q, kv.k[layer], kv.v[layer], blocked)  # [R, H*hd]
         return x + model.linear(out, f"{prefix}.o_proj")
 
     def _attend(self, q: Tensor, keys: Tensor, values: Tensor, blocked: Tensor) -> Tensor:
