@@ -263,6 +263,8 @@ def _kernels() -> _KernelSet:
     import triton.language
 
     tl = triton.language
+    global _dequantized  # the kernels' shared helper: jitted too, under the name they resolve
+    _dequantized = triton.jit(_dequantized)
     log.debug("moe.triton.jit", interpret=interpreting())
     return _KernelSet(triton.jit(route_kernel), triton.jit(gemm_kernel), triton.jit(combine_kernel),
                       triton.jit(gemv_kernel), triton.jit(gemv_combine_kernel))
@@ -342,22 +344,10 @@ def gemm_kernel(a_ptr, stride_a, w_ptr, stride_we, stride_wn, s_ptr, stride_se, 
         odd_ok = k_even + 1 < k_dim
         a_even = tl.load(a_row_base + k_even[None, :], mask=row_ok[:, None] & even_ok[None, :], other=0.0)
         a_odd = tl.load(a_row_base + k_even[None, :] + 1, mask=row_ok[:, None] & odd_ok[None, :], other=0.0)
-        w_mask = w_ok[:, None] & even_ok[None, :]
-        if BITS == 4:
-            packed = tl.load(w_base[:, None] + (k0 // 2 + pair_idx)[None, :], mask=w_mask, other=0)
-            q_even = (packed & 0xF).to(tl.float32) - 7.5  # stored code + 8; level (code + 0.5) * scale
-            q_odd = (packed >> 4).to(tl.float32) - 7.5
-        else:
-            q_even = tl.load(w_base[:, None] + k_even[None, :], mask=w_mask, other=0).to(tl.float32) + 0.5
-            q_odd = tl.load(w_base[:, None] + k_even[None, :] + 1, mask=w_ok[:, None] & odd_ok[None, :],
-                            other=0).to(tl.float32) + 0.5  # fmt: skip
-        if SCALE_PER_TILE:
-            scale = tl.load(s_base + (k0 // GROUP) * stride_sg, mask=w_ok, other=0.0).to(tl.float32)[:, None]
-        else:
-            scale = tl.load(s_base[:, None] + ((k_even // GROUP) * stride_sg)[None, :], mask=w_mask,
-                            other=0.0).to(tl.float32)  # fmt: skip
-        w_even = (q_even * scale).to(a_ptr.dtype.element_ty)
-        w_odd = (q_odd * scale).to(a_ptr.dtype.element_ty)
+        w_even, w_odd = _dequantized(w_base, s_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, stride_sg,
+                                     GROUP, BITS, SCALE_PER_TILE)  # fmt: skip
+        w_even = w_even.to(a_ptr.dtype.element_ty)
+        w_odd = w_odd.to(a_ptr.dtype.element_ty)
         acc += tl.dot(a_even, tl.trans(w_even), input_precision=DOT_PRECISION)
         acc += tl.dot(a_odd, tl.trans(w_odd), input_precision=DOT_PRECISION)
     out_rows = out_ptr + part * stride_out_part + rows[:, None].to(tl.int64) * stride_out
@@ -369,6 +359,26 @@ def gemm_kernel(a_ptr, stride_a, w_ptr, stride_we, stride_wn, s_ptr, stride_se, 
         route_weight = tl.load(weight_ptr + rows, mask=row_ok, other=0.0)
         result = acc * route_weight[:, None]
     tl.store(out_rows + cols[None, :], result.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _dequantized(w_base, s_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, stride_sg, GROUP: tl.constexpr,
+                 BITS: tl.constexpr, SCALE_PER_TILE: tl.constexpr):  # fmt: skip
+    """Float32 weights of one tile at the even and the odd k of a K step: rows w_base [W], scales s_base [W]."""
+    w_mask = w_ok[:, None] & even_ok[None, :]
+    if BITS == 4:
+        packed = tl.load(w_base[:, None] + (k0 // 2 + pair_idx)[None, :], mask=w_mask, other=0)
+        q_even = (packed & 0xF).to(tl.float32) - 7.5  # stored code + 8; level (code + 0.5) * scale
+        q_odd = (packed >> 4).to(tl.float32) - 7.5
+    else:
+        q_even = tl.load(w_base[:, None] + k_even[None, :], mask=w_mask, other=0).to(tl.float32) + 0.5
+        q_odd = tl.load(w_base[:, None] + k_even[None, :] + 1, mask=w_ok[:, None] & odd_ok[None, :],
+                        other=0).to(tl.float32) + 0.5  # fmt: skip
+    if SCALE_PER_TILE:
+        scale = tl.load(s_base + (k0 // GROUP) * stride_sg, mask=w_ok, other=0.0).to(tl.float32)[:, None]
+    else:
+        scale = tl.load(s_base[:, None] + ((k_even // GROUP) * stride_sg)[None, :], mask=w_mask,
+                        other=0.0).to(tl.float32)  # fmt: skip
+    return q_even * scale, q_odd * scale
 
 
 def combine_kernel(pair_out_ptr, stride_part, token_slots_ptr, out_ptr, hidden, ACTIVE: tl.constexpr,
@@ -421,21 +431,9 @@ def gemv_kernel(a_ptr, stride_a, w_ptr, stride_we, stride_wn, s_ptr, stride_se, 
         odd_ok = k_even + 1 < k_dim
         a_even = tl.load(a_row + k_even, mask=even_ok, other=0.0).to(tl.float32)
         a_odd = tl.load(a_row + k_even + 1, mask=odd_ok, other=0.0).to(tl.float32)
-        w_mask = w_ok[:, None] & even_ok[None, :]
-        if BITS == 4:
-            packed = tl.load(w_base[:, None] + (k0 // 2 + pair_idx)[None, :], mask=w_mask, other=0)
-            q_even = (packed & 0xF).to(tl.float32) - 7.5
-            q_odd = (packed >> 4).to(tl.float32) - 7.5
-        else:
-            q_even = tl.load(w_base[:, None] + k_even[None, :], mask=w_mask, other=0).to(tl.float32) + 0.5
-            q_odd = tl.load(w_base[:, None] + k_even[None, :] + 1, mask=w_ok[:, None] & odd_ok[None, :],
-                            other=0).to(tl.float32) + 0.5  # fmt: skip
-        if SCALE_PER_TILE:
-            scale = tl.load(s_base + (k0 // GROUP) * stride_sg, mask=w_ok, other=0.0).to(tl.float32)[:, None]
-        else:
-            scale = tl.load(s_base[:, None] + ((k_even // GROUP) * stride_sg)[None, :], mask=w_mask,
-                            other=0.0).to(tl.float32)  # fmt: skip
-        acc += (q_even * a_even[None, :] + q_odd * a_odd[None, :]) * scale
+        w_even, w_odd = _dequantized(w_base, s_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, stride_sg,
+                                     GROUP, BITS, SCALE_PER_TILE)  # fmt: skip
+        acc += w_even * a_even[None, :] + w_odd * a_odd[None, :]
     total = tl.sum(acc, axis=1)
     out_row = out_ptr + part * stride_out_part + pair.to(tl.int64) * stride_out
     if GATE_UP:
