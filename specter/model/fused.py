@@ -98,7 +98,8 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
     _kernels().decode_attention[(rows, kv_heads)](
         q, keys, values, positions, out, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         heads, head_dim, window or 0, head_dim**-0.5,
-        GROUP=group, GROUP_POW2=group_pow2, BLOCK_S=max(8, 64 // group_pow2), BLOCK_D=_pow2(head_dim),
+        GROUP=group, GROUP_POW2=group_pow2, BLOCK_D=_pow2(head_dim),
+        BLOCK_S=max(2, min(64, 8192 // (group_pow2 * _pow2(head_dim)))),  # the [G, S, D] product in registers
     )  # fmt: skip
     return out
 

@@ -70,9 +70,12 @@ def triton_available() -> bool:
 
 
 def kernel_supports(x: Tensor, expert_ids: Tensor, qe: QuantizedExperts) -> bool:
-    """Whether the Triton path handles this call (else the torch reference does)."""
+    """Whether the Triton path handles this call (else the torch reference does). The kernels read a pair of
+    elements (k, k + 1) under one scale, so a group must be even (int4 groups always are; an int8 group may not)."""
     pairs = expert_ids.shape[0] * expert_ids.shape[1]
-    return qe.bits in KERNEL_BITS and pairs <= MAX_PAIRS and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    even_groups = qe.w13_group % 2 == 0 and qe.w2_group % 2 == 0
+    return (qe.bits in KERNEL_BITS and even_groups and pairs <= MAX_PAIRS
+            and x.dtype in (torch.float16, torch.bfloat16, torch.float32))  # fmt: skip
 
 
 def fused_moe(
@@ -344,7 +347,7 @@ def gemm_kernel(a_ptr, stride_a, w_ptr, stride_we, stride_wn, s_ptr, stride_se, 
         odd_ok = k_even + 1 < k_dim
         a_even = tl.load(a_row_base + k_even[None, :], mask=row_ok[:, None] & even_ok[None, :], other=0.0)
         a_odd = tl.load(a_row_base + k_even[None, :] + 1, mask=row_ok[:, None] & odd_ok[None, :], other=0.0)
-        w_even, w_odd = _dequantized(w_base, s_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, stride_sg,
+        w_even, w_odd = _dequantized(w_base, s_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, k_dim, stride_sg,
                                      GROUP, BITS, SCALE_PER_TILE)  # fmt: skip
         w_even = w_even.to(a_ptr.dtype.element_ty)
         w_odd = w_odd.to(a_ptr.dtype.element_ty)
@@ -361,12 +364,14 @@ def gemm_kernel(a_ptr, stride_a, w_ptr, stride_we, stride_wn, s_ptr, stride_se, 
     tl.store(out_rows + cols[None, :], result.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _dequantized(w_base, s_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, stride_sg, GROUP: tl.constexpr,
+def _dequantized(w_base, s_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, k_dim, stride_sg, GROUP: tl.constexpr,
                  BITS: tl.constexpr, SCALE_PER_TILE: tl.constexpr):  # fmt: skip
-    """Float32 weights of one tile at the even and the odd k of a K step: rows w_base [W], scales s_base [W]."""
+    """Float32 weights of one tile at the even and the odd k of a K step: rows w_base [W], scales s_base [W]. (The
+    pair k, k + 1 shares one scale: groups are even, see kernel_supports.)"""
     w_mask = w_ok[:, None] & even_ok[None, :]
-    if BITS == 4:
-        packed = tl.load(w_base[:, None] + (k0 // 2 + pair_idx)[None, :], mask=w_mask, other=0)
+    if BITS == 4:  # K is even (an even group divides it): a mask on the contiguous byte index keeps loads vectorised
+        byte = k0 // 2 + pair_idx
+        packed = tl.load(w_base[:, None] + byte[None, :], mask=w_ok[:, None] & (byte < k_dim // 2)[None, :], other=0)
         q_even = (packed & 0xF).to(tl.float32) - 7.5  # stored code + 8; level (code + 0.5) * scale
         q_odd = (packed >> 4).to(tl.float32) - 7.5
     else:
@@ -431,7 +436,7 @@ def gemv_kernel(a_ptr, stride_a, w_ptr, stride_we, stride_wn, s_ptr, stride_se, 
         odd_ok = k_even + 1 < k_dim
         a_even = tl.load(a_row + k_even, mask=even_ok, other=0.0).to(tl.float32)
         a_odd = tl.load(a_row + k_even + 1, mask=odd_ok, other=0.0).to(tl.float32)
-        w_even, w_odd = _dequantized(w_base, s_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, stride_sg,
+        w_even, w_odd = _dequantized(w_base, s_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, k_dim, stride_sg,
                                      GROUP, BITS, SCALE_PER_TILE)  # fmt: skip
         acc += w_even * a_even[None, :] + w_odd * a_odd[None, :]
     total = tl.sum(acc, axis=1)
