@@ -131,47 +131,32 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / repeats
 
+    from specter.model import fused
     from specter.quant import moe_triton
 
     default = moe_triton.DEFAULT_CONFIG
-    try:
-        for static, splits in ((True, graphed_splits), (False, (0,))):
-            for split in splits:  # the fused MoE's down GEMM in this many K parts (0: its default)
-                moe_triton.DEFAULT_CONFIG = dataclasses.replace(default, split_k_down=split) if split else default
-                step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=static))) / k
-                name = "draft-int4-" + ("graphed" if static else "eager") + (f"-split{split}" if split else "")
-                rows[name] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
-    finally:
-        moe_triton.DEFAULT_CONFIG = default
-    if gemv:  # the same graphed step with the fused MoE's one-token GEMV kernels
-        moe_triton.DEFAULT_CONFIG = dataclasses.replace(default, single_token_gemv=True)
-        try:
-            step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=True))) / k
-        finally:
-            moe_triton.DEFAULT_CONFIG = default
-        rows["draft-int4-graphed-gemv"] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
-    if attention:  # the same graphed step attending with fused.decode_attention (the visible positions only)
-        from specter.model import fused
 
-        fused.DECODE_ATTENTION = True
+    def measure(name: str, static: bool = True, moe: dict | None = None, attention: bool = False, router: bool = True) -> None:
+        """One row: the step with the fused MoE's config changed by `moe` and the fused switches as given (the
+        module defaults are restored afterwards, whatever happens)."""
+        moe_triton.DEFAULT_CONFIG = dataclasses.replace(default, **(moe or {}))
+        fused.DECODE_ATTENTION, fused.ROUTER_AND_GATE = attention, router
         try:
-            step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=True))) / k
-            rows["draft-int4-graphed-attention"] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
-            moe_triton.DEFAULT_CONFIG = dataclasses.replace(default, single_token_gemv=True)
-            step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=True))) / k
-            rows["draft-int4-graphed-attention+gemv"] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
+            step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=static))) / k
         finally:
-            fused.DECODE_ATTENTION = False
-            moe_triton.DEFAULT_CONFIG = default
-    if router_ab:  # the same graphed step with torch's router and shared gate instead of the fused ones
-        from specter.model import fused
+            moe_triton.DEFAULT_CONFIG, fused.DECODE_ATTENTION, fused.ROUTER_AND_GATE = default, False, True
+        rows[name] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
 
-        fused.ROUTER_AND_GATE = False
-        try:
-            step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=True))) / k
-        finally:
-            fused.ROUTER_AND_GATE = True
-        rows["draft-int4-graphed-torch-router"] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
+    for split in graphed_splits:  # the fused MoE's down GEMM in this many K parts (0: its default)
+        measure("draft-int4-graphed" + (f"-split{split}" if split else ""), moe=dict(split_k_down=split) if split else None)
+    measure("draft-int4-eager", static=False)
+    if gemv:  # the one-token GEMV kernels of the fused MoE
+        measure("draft-int4-graphed-gemv", moe=dict(single_token_gemv=True))
+    if attention:  # fused.decode_attention (the visible positions only), alone and with the GEMV
+        measure("draft-int4-graphed-attention", attention=True)
+        measure("draft-int4-graphed-attention+gemv", moe=dict(single_token_gemv=True), attention=True)
+    if router_ab:  # torch's router and shared gate instead of the fused ones
+        measure("draft-int4-graphed-torch-router", router=False)
     if profile_out is not None:  # where the graphed draft step's time goes, kernel by kernel (one proposal)
         from torch.profiler import ProfilerActivity, profile
 

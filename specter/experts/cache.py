@@ -113,10 +113,14 @@ class _Owned(dict[int, Slot]):
         super().__init__()
         self.generations: dict[int, int] = {}
 
-    def pin(self, slot: Slot, expert: int) -> None:
-        slot.pins += 1
+    def add(self, slot: Slot, expert: int) -> None:
+        """Own `slot` (already pinned) for `expert`, remembering which assignment was pinned."""
         self[expert] = slot
         self.generations[expert] = slot.generation
+
+    def pin(self, slot: Slot, expert: int) -> None:
+        slot.pins += 1
+        self.add(slot, expert)
 
 
 class ExpertCache:
@@ -199,21 +203,18 @@ class ExpertCache:
         experts are promoted when urgent. Raises BudgetError if more experts than slots are asked for.
         """
         wanted = self._distinct_within_budget(layer, experts)
-        slots: dict[int, Slot] = {}
-        generations: dict[int, int] = {}  # expert -> its slot's generation when pinned
+        slots = _Owned()
         succeeded = False
         try:
             for expert in wanted:
-                slots[expert] = await self._claim(layer, expert, urgent, owned=list(slots.values()))
-                generations[expert] = slots[expert].generation
+                slots.add(await self._claim(layer, expert, urgent, owned=list(slots.values())), expert)
             for expert, slot in slots.items():
                 await self._until_landed(slot, expert)
             succeeded = True
             return {expert: slot.index for expert, slot in slots.items()}
         finally:
             if not succeeded:  # cancelled or failed: give back every pin taken (loads still land)
-                for expert, slot in slots.items():
-                    self._unpin(slot, generations.get(expert))
+                self._give_back(slots)
 
     async def iter_ready(self, layer: int, experts: Iterable[int]) -> AsyncIterator[tuple[int, int]]:
         """Yield (expert, slot) for `experts`: resident ones first, then in the order their copies land.
@@ -257,8 +258,7 @@ class ExpertCache:
                 owned.pop(expert)
                 yield expert, slot.index, ready
         finally:
-            for expert, slot in owned.items():
-                self._unpin(slot, owned.generations.get(expert))
+            self._give_back(owned)
 
     def mark_used(self, layer: int, expert: int, event: Event) -> None:
         """The reader is done with `expert`: record its last-use event, unpin, lift plan protection."""
@@ -581,6 +581,11 @@ class ExpertCache:
 
     def _pin(self, slot: Slot) -> None:
         slot.pins += 1
+
+    def _give_back(self, owned: _Owned) -> None:
+        """Unpin what a reader owns, each only if its slot still holds the assignment that was pinned."""
+        for expert, slot in owned.items():
+            self._unpin(slot, owned.generations[expert])
 
     def _unpin(self, slot: Slot, generation: int | None = None) -> None:
         """Drop one pin; with `generation`, only if the slot still holds the assignment that was pinned (a failed

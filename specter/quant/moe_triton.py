@@ -102,8 +102,7 @@ def fused_moe_triton(
     routes = _route(kernels, expert_ids, weights)
     hidden_act = torch.empty(routes.pairs, qe.intermediate, device=x.device, dtype=x.dtype)  # [P, I]
     _launch_gemm(kernels, x, qe, routes, hidden_act, gate_up=True, config=config, split=1)
-    k_steps = triton_cdiv(qe.intermediate, _block_k(qe.w2_group, config.block_k))
-    split = max(1, min(config.split_k_down, k_steps))
+    split = _down_parts(qe, _block_k(qe.w2_group, config.block_k), config)
     pair_out = torch.empty(split, routes.pairs, qe.hidden, device=x.device, dtype=torch.float32)  # [S, P, D]
     _launch_gemm(kernels, hidden_act, qe, routes, pair_out, gate_up=False, config=config, split=split)
     return _combine(kernels, pair_out, routes, x.dtype)
@@ -120,6 +119,37 @@ class _Routes:
     weight: Tensor  # [P] fp32
     run_offset: Tensor  # [P] int32, position within the expert's run
     token_slots: Tensor  # [T, A] int32, each token's slots in ascending expert id
+
+
+@dataclass(frozen=True)
+class _Operand:
+    """One GEMM of the layer as the kernels read it: gate/up (w13, D -> I) or down (w2, I -> D)."""
+
+    w: Tensor
+    scales: Tensor
+    group: int
+    k_dim: int
+    n_out: int
+
+    @staticmethod
+    def of(qe: QuantizedExperts, gate_up: bool) -> _Operand:
+        if gate_up:
+            return _Operand(qe.w13, qe.w13_scales, qe.w13_group, qe.hidden, qe.intermediate)
+        return _Operand(qe.w2, qe.w2_scales, qe.w2_group, qe.intermediate, qe.hidden)
+
+    def k_part(self, block_k: int, split: int) -> int:
+        """Elements of K per part: a whole number of K steps."""
+        return triton_cdiv(triton_cdiv(self.k_dim, block_k), split) * block_k
+
+
+def _down_parts(qe: QuantizedExperts, block_k: int, config: MoEKernelConfig) -> int:
+    """The down GEMM's K parts: config.split_k_down, at most one per K step."""
+    return max(1, min(config.split_k_down, triton_cdiv(qe.intermediate, block_k)))
+
+
+def _out_strides(out: Tensor) -> tuple[int, int]:
+    """(row, part) strides of a GEMM output: [rows, N], or [parts, rows, N] for a split one."""
+    return (out.stride(1), out.stride(0)) if out.dim() == 3 else (out.stride(0), 0)
 
 
 def _route(kernels: Any, expert_ids: Tensor, weights: Tensor) -> _Routes:
@@ -142,22 +172,17 @@ def _launch_gemm(
 ) -> None:
     """Gate/up (a = x, rows by token; out h [P, I]) or down (a = h, rows by slot; out [split, P, D]) over the sorted
     pairs, in `split` K parts."""
-    w, scales = (qe.w13, qe.w13_scales) if gate_up else (qe.w2, qe.w2_scales)
-    group, k_dim = (qe.w13_group, qe.hidden) if gate_up else (qe.w2_group, qe.intermediate)
-    n_out = qe.intermediate if gate_up else qe.hidden
+    op = _Operand.of(qe, gate_up)
     block_n = config.block_n_gate_up if gate_up else config.block_n_down
-    block_k = _block_k(group, config.block_k)
-    k_part = triton_cdiv(triton_cdiv(k_dim, block_k), split) * block_k  # a whole number of K steps per part
-    grid = (routes.pairs, triton_cdiv(n_out, block_n), split)
+    block_k = _block_k(op.group, config.block_k)
+    grid = (routes.pairs, triton_cdiv(op.n_out, block_n), split)
     assert split == 1 or not gate_up, "the gate/up GEMM is not split (its parts would need adding before silu)"
-    out_part_stride = out.stride(0) if out.dim() == 3 else 0
-    out_row_stride = out.stride(1) if out.dim() == 3 else out.stride(0)
     kernels.gemm[grid](
-        a, a.stride(0), w, w.stride(0), w.stride(1), scales, scales.stride(0), scales.stride(1),
-        out, out_row_stride, out_part_stride, routes.token, routes.expert, routes.weight, routes.run_offset,
-        routes.pairs, n_out, k_dim, k_part, qe.intermediate,
-        GROUP=group, BITS=qe.bits, GATE_UP=gate_up, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        SCALE_PER_TILE=group % block_k == 0, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        a, a.stride(0), op.w, op.w.stride(0), op.w.stride(1), op.scales, op.scales.stride(0), op.scales.stride(1),
+        out, *_out_strides(out), routes.token, routes.expert, routes.weight, routes.run_offset,
+        routes.pairs, op.n_out, op.k_dim, op.k_part(block_k, split), qe.intermediate,
+        GROUP=op.group, BITS=qe.bits, GATE_UP=gate_up, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        SCALE_PER_TILE=op.group % block_k == 0, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
@@ -172,8 +197,7 @@ def _single_token(kernels: Any, x: Tensor, expert_ids: Tensor, weights: Tensor, 
     route_weights = weights.reshape(-1).contiguous()
     hidden_act = torch.empty(active, qe.intermediate, device=x.device, dtype=x.dtype)  # [A, I]
     _launch_gemv(kernels, x, ids, route_weights, qe, hidden_act, gate_up=True, config=config, split=1)
-    block_k = _gemv_block_k(qe.w2_group, config.block_k_gemv)
-    split = max(1, min(config.split_k_down, triton_cdiv(qe.intermediate, block_k)))
+    split = _down_parts(qe, _gemv_block_k(qe.w2_group, config.block_k_gemv), config)
     pair_out = torch.empty(split, active, qe.hidden, device=x.device, dtype=torch.float32)  # [S, A, D]
     _launch_gemv(kernels, hidden_act, ids, route_weights, qe, pair_out, gate_up=False, config=config, split=split)
     out = torch.empty(1, qe.hidden, device=x.device, dtype=x.dtype)
@@ -189,19 +213,14 @@ def _launch_gemv(kernels: Any, a: Tensor, ids: Tensor, route_weights: Tensor, qe
                  gate_up: bool, config: MoEKernelConfig, split: int) -> None:
     """Gate/up (a = x [1, D], out h [A, I]) or down (a = h [A, I], out [split, A, D] weighted fp32), one expert per
     program row."""
-    w, scales = (qe.w13, qe.w13_scales) if gate_up else (qe.w2, qe.w2_scales)
-    group, k_dim = (qe.w13_group, qe.hidden) if gate_up else (qe.w2_group, qe.intermediate)
-    n_out = qe.intermediate if gate_up else qe.hidden
-    block_k = _gemv_block_k(group, config.block_k_gemv)
-    k_part = triton_cdiv(triton_cdiv(k_dim, block_k), split) * block_k
-    out_part_stride = out.stride(0) if out.dim() == 3 else 0
-    out_row_stride = out.stride(1) if out.dim() == 3 else out.stride(0)
-    grid = (ids.numel(), triton_cdiv(n_out, config.block_n_gemv), split)
+    op = _Operand.of(qe, gate_up)
+    block_k = _gemv_block_k(op.group, config.block_k_gemv)
+    grid = (ids.numel(), triton_cdiv(op.n_out, config.block_n_gemv), split)
     kernels.gemv[grid](
-        a, 0 if gate_up else a.stride(0), w, w.stride(0), w.stride(1), scales, scales.stride(0), scales.stride(1),
-        out, out_row_stride, out_part_stride, ids, route_weights, n_out, k_dim, k_part, qe.intermediate,
-        GROUP=group, BITS=qe.bits, GATE_UP=gate_up, BLOCK_N=config.block_n_gemv, BLOCK_K=block_k,
-        SCALE_PER_TILE=group % block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages,
+        a, 0 if gate_up else a.stride(0), op.w, op.w.stride(0), op.w.stride(1), op.scales, op.scales.stride(0),
+        op.scales.stride(1), out, *_out_strides(out), ids, route_weights, op.n_out, op.k_dim, op.k_part(block_k, split),
+        qe.intermediate, GROUP=op.group, BITS=qe.bits, GATE_UP=gate_up, BLOCK_N=config.block_n_gemv, BLOCK_K=block_k,
+        SCALE_PER_TILE=op.group % block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
 
