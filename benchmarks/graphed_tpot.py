@@ -109,8 +109,7 @@ def eager_tpot(model, experts, prompt: list[int], count: int) -> tuple[float, li
 
 
 def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits: tuple[int, ...] = (0,),
-               profile_out: str | None = None, router_ab: bool = False, gemv: bool = False,
-               attention: bool = False) -> dict:
+               profile_out: str | None = None, router_ab: bool = False, ab: bool = False) -> dict:
     """The int4 draft's per-step time, graphed (k replays, no host sync) and eager, against its byte floor."""
     from specter.decode import prefill
     from specter.draft import Draft
@@ -134,9 +133,10 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
     from specter.model import fused
     from specter.quant import moe_triton
 
-    default = moe_triton.DEFAULT_CONFIG
+    default, switches = moe_triton.DEFAULT_CONFIG, (fused.DECODE_ATTENTION, fused.ROUTER_AND_GATE)
 
-    def measure(name: str, static: bool = True, moe: dict | None = None, attention: bool = False, router: bool = True) -> None:
+    def measure(name: str, static: bool = True, moe: dict | None = None, attention: bool = switches[0],
+                router: bool = switches[1]) -> None:  # fmt: skip
         """One row: the step with the fused MoE's config changed by `moe` and the fused switches as given (the
         module defaults are restored afterwards, whatever happens)."""
         moe_triton.DEFAULT_CONFIG = dataclasses.replace(default, **(moe or {}))
@@ -144,17 +144,16 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
         try:
             step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=static))) / k
         finally:
-            moe_triton.DEFAULT_CONFIG, fused.DECODE_ATTENTION, fused.ROUTER_AND_GATE = default, False, True
+            moe_triton.DEFAULT_CONFIG, (fused.DECODE_ATTENTION, fused.ROUTER_AND_GATE) = default, switches
         rows[name] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
 
     for split in graphed_splits:  # the fused MoE's down GEMM in this many K parts (0: its default)
         measure("draft-int4-graphed" + (f"-split{split}" if split else ""), moe=dict(split_k_down=split) if split else None)
     measure("draft-int4-eager", static=False)
-    if gemv:  # the one-token GEMV kernels of the fused MoE
-        measure("draft-int4-graphed-gemv", moe=dict(single_token_gemv=True))
-    if attention:  # fused.decode_attention (the visible positions only), alone and with the GEMV
-        measure("draft-int4-graphed-attention", attention=True)
-        measure("draft-int4-graphed-attention+gemv", moe=dict(single_token_gemv=True), attention=True)
+    if ab:  # each default kernel choice undone alone: the general MoE kernels, attention over the whole cache
+        measure("draft-int4-graphed-no-gemv", moe=dict(single_token_gemv=False))
+        measure("draft-int4-graphed-no-attention", attention=False)
+        measure("draft-int4-graphed-neither", moe=dict(single_token_gemv=False), attention=False)
     if router_ab:  # torch's router and shared gate instead of the fused ones
         measure("draft-int4-graphed-torch-router", router=False)
     if profile_out is not None:  # where the graphed draft step's time goes, kernel by kernel (one proposal)
@@ -190,19 +189,21 @@ def main() -> None:
     parser.add_argument("--draft-only", action="store_true", help="skip the target's rows")
     parser.add_argument("--profile-draft", default=None, help="write a kernel table of one graphed proposal here")
     parser.add_argument("--router-ab", action="store_true", help="also time the graphed draft step with torch's router and gate")
-    parser.add_argument("--gemv", action="store_true", help="also time the graphed draft step with the one-token GEMV MoE")
-    parser.add_argument("--attention", action="store_true", help="also time it with the fused decode attention (and with both)")
+    parser.add_argument("--ab", action="store_true", help="also time the graphed draft step without the one-token GEMV "
+                        "MoE, without the fused decode attention, and without both")
+    parser.add_argument("--prompt-length", type=int, default=16, help="positions already in the cache (the draft "
+                        "attends over these; at most --max-context minus k)")
     args = parser.parse_args()
     config, hf = build_hf(args.shape, args.layers)
     config_dict, state = config.to_dict(), dict(hf.state_dict())
-    prompt = list(range(100, 116))
+    assert 1 <= args.prompt_length <= args.max_context - args.k - 1, "--prompt-length must leave room for k steps"
+    prompt = [100 + i % 1000 for i in range(args.prompt_length)]
     runtime = asyncio.run(build_runtime(config_dict, state, args.max_context))
     rows, agreement = ({}, {"tokens_compared": 0, "identical_prefix": 0}) if args.draft_only else \
         target_rows(runtime, prompt, args.tokens, args.eager_tokens)
     splits = tuple(int(split) for split in args.draft_splits.split(","))
     rows |= draft_rows(runtime, prompt, args.k, repeats=max(2, args.tokens // args.k), graphed_splits=splits,
-                       profile_out=args.profile_draft, router_ab=args.router_ab, gemv=args.gemv,
-                       attention=args.attention)
+                       profile_out=args.profile_draft, router_ab=args.router_ab, ab=args.ab)
     asyncio.run(runtime.aclose())
     label = f"{args.shape}" + (f" (first {args.layers} layers)" if args.layers else "")
     result = {"shape": label, "rows": rows, "graphed_vs_eager": agreement, "gpu": torch.cuda.get_device_name(),

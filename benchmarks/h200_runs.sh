@@ -255,7 +255,45 @@ case "$stage" in
       --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
     tail -1 "$out/logs/gpu-fused.log"; grep -E "FAIL|Error" "$out/logs/gpu-fused.log" | head -5; tail -4 "$out/logs/graphed.log"
     head -22 "$out/draft-profile.txt" | cut -c1-70,150-175 ;;
-  gemv)           # NOT RUN YET (written 2026-11-30, seventh session, no device time left). The draft MoE's one-token
+  gemv2a)         # eighth session, first of two calls back to back (gemv2b must follow while the machine is warm:
+    # /tmp/qwenref). `gemv` measured (2026-11-30): GEMV at its old default tile (block_k 256) 60.0 us > the general
+    # kernel's 50.8 us, but 33.3 us at block_k 128; the fused decode attention 3.82 -> 3.49 ms (512) and 4.16 -> 3.48
+    # ms (2048, 16 visible positions). Now both are on by default (GEMV at block_k 128) and the attention cuts the
+    # visible positions into runs (one per 512 cache positions, merged by a second launch).
+    # PREDICTION: graphed draft step (defaults) at a 512 cache, 16 visible: 3.49 - 24 x (50.8 - 33.3) us -> 2.95-3.2 ms;
+    # no-gemv ~3.5, no-attention ~3.4. At 2048 with 2000 visible: defaults 3.1-3.3 ms (4 runs of 500), no-attention
+    # (whole-cache torch) ~3.7. The profile names the nodes left.
+    mkdir -p "$out/logs"
+    timeout 330 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 3.5 > "$out/logs/train-qwen.log" 2>&1 &
+    timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_moe_kernel.py tests/test_gpu_fused.py \
+      tests/test_gpu_graphed.py > "$out/logs/gpu-tests.log" 2>&1
+    wait
+    cp /tmp/qwenref/reference.json "$out/logs/qwen-reference.json"
+    timeout 100 python benchmarks/graphed_tpot.py --draft-only --ab --profile-draft "$out/logs/profile-draft.txt" \
+      --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    timeout 120 python benchmarks/graphed_tpot.py --draft-only --ab --max-context 2048 --prompt-length 2000 \
+      --out "$out/graphed-2048" > "$out/logs/graphed-2048.log" 2>&1
+    tar czf "$out/gemv2a.tgz" -C "$out" logs graphed graphed-2048 2>/dev/null
+    tail -1 "$out/logs/train-qwen.log"; tail -1 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|ERROR)" "$out/logs/gpu-tests.log" | head -5
+    grep -E "^draft" "$out/logs/graphed.log" "$out/logs/graphed-2048.log" ;;
+  gemv2b)         # right after gemv2a: the kernel's T = 1 sweep (GEMV tiles with block_k 64 and 8 warps added), the
+    # draft step at an 8192 cache with 8000 visible, then issue 4's figures on the trained Qwen shape.
+    # PREDICTION: MoE T = 1 default ~33 us (general kernel ~51); 8192/8000: defaults 3.2-3.5 ms, whole-cache ~5 ms.
+    # Trained Qwen specter vs ondemand, Gen5: 2.25x / 1.94x (seventh session) -> 2.4-2.6x / 2.05-2.2x (draft step
+    # 4.05 -> ~3.1 ms, about a quarter off the draft's share of a round).
+    mkdir -p "$out/logs"
+    [ -e /tmp/qwenref/reference.json ] || echo "NO /tmp/qwenref: the machine was released after gemv2a"
+    timeout 150 python -m specter.bench --model /tmp/qwenref --residents 15,8 --link native,gen4 --max-new-tokens 64 \
+      --systems ondemand,specter,specter-serial,oracle-specter --time-budget 140 --no-progress --no-plots --no-hf \
+      --out "$out/qwen-reference" > "$out/logs/qwen-reference.log" 2>&1
+    timeout 120 python benchmarks/moe_kernel_bench.py --repeats 40 --shapes qwen1.5-moe-a2.7b --tokens 1 --out "$out/moe" \
+      > "$out/logs/moe.log" 2>&1
+    timeout 150 python benchmarks/graphed_tpot.py --draft-only --ab --max-context 8192 --prompt-length 8000 \
+      --out "$out/graphed-8192" > "$out/logs/graphed-8192.log" 2>&1
+    tar czf "$out/gemv2b.tgz" -C "$out" logs qwen-reference moe graphed-8192 2>/dev/null
+    grep -E "\| (ondemand|specter|specter-serial|oracle-specter) \|" "$out/qwen-reference/results.md" | cut -d"|" -f3-7,9-20
+    grep -v "^skipped" "$out/logs/moe.log" | tail -3; grep -E "^draft|Error" "$out/logs/graphed-8192.log" | tail -6 ;;
+  gemv)           # RUN 2026-11-30 (eighth session, see gemv2a). WAS NOT RUN (written 2026-11-30, seventh session, no device time left). The draft MoE's one-token
     # GEMV kernels (MoEKernelConfig.single_token_gemv, off by default until this runs: no route kernel, no 16-row
     # tiles, products on the CUDA cores, down in K parts, combine in expert-id order), the GPU tests of it and of the
     # router's NaN mend (c93505a), the kernel bench with the GEMV tile sweep at T = 1, the graphed draft step with it.

@@ -43,15 +43,15 @@ SHAPES = {
 }
 TOKENS = (1, 4, 8, 16)
 ROUTE_SETS = 8
-SWEEP = [  # tiles with the default split-K, then the down GEMM's parts by hand on the default tiles
-    *(MoEKernelConfig(block_n_gate_up=bn, block_n_down=bn, block_k=bk, num_warps=warps, num_stages=3)
-      for bn in (16, 32, 64) for bk in (64, 128) for warps in (2, 4)),
-    *(MoEKernelConfig(split_k_down=down) for down in (1, 3, 4, 8)),
+SWEEP = [  # the general kernel's tiles with the default split-K, then the down GEMM's parts by hand on the default tiles
+    *(MoEKernelConfig(block_n_gate_up=bn, block_n_down=bn, block_k=bk, num_warps=warps, num_stages=3,
+                      single_token_gemv=False) for bn in (16, 32, 64) for bk in (64, 128) for warps in (2, 4)),
+    *(MoEKernelConfig(split_k_down=down, single_token_gemv=False) for down in (1, 3, 4, 8)),
 ]
-NO_SPLIT = MoEKernelConfig(split_k_down=1)  # the kernel before split-K (2026-11-29's figures)
-GEMV = MoEKernelConfig(single_token_gemv=True)  # one token: the GEMV kernels
-GEMV_SWEEP = [MoEKernelConfig(single_token_gemv=True, block_n_gemv=bn, block_k_gemv=bk, num_warps=warps, split_k_down=down)
-              for bn in (8, 16, 32) for bk in (128, 256, 512) for warps in (2, 4) for down in (1, 2)]
+NO_SPLIT = MoEKernelConfig(split_k_down=1, single_token_gemv=False)  # the kernel before split-K (2026-11-29's figures)
+GEMM = MoEKernelConfig(single_token_gemv=False)  # one token through the general (route + 16-row tile) kernels
+GEMV_SWEEP = [MoEKernelConfig(block_n_gemv=bn, block_k_gemv=bk, num_warps=warps, split_k_down=down)
+              for bn in (8, 16, 32) for bk in (64, 128, 256) for warps in (4, 8) for down in (1, 2)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -162,8 +162,8 @@ def bench_triton(qe, x, routes, flush, repeats, sweep: bool) -> dict:
     default = MoEKernelConfig()
     result = {"triton_us": median_us(triton_graphs(qe, x, routes, default), flush, repeats)}
     result["triton_no_split_us"] = median_us(triton_graphs(qe, x, routes, NO_SPLIT), flush, repeats)
-    if x.shape[0] == 1:
-        result["triton_gemv_us"] = median_us(triton_graphs(qe, x, routes, GEMV), flush, repeats)
+    if x.shape[0] == 1:  # the default is the GEMV here: the general kernels alone
+        result["triton_gemm_us"] = median_us(triton_graphs(qe, x, routes, GEMM), flush, repeats)
     ids, weights = routes[0]
     result["triton_eager_us"] = median_us([lambda: fused_moe_triton(x, ids, weights, qe, default)], flush, repeats)
     if sweep:
@@ -224,11 +224,12 @@ def check_tinygemm(qe: QuantizedExperts) -> tuple[list | None, dict]:
     return None, info
 
 
-def bench_shape(name: str, shape: dict, repeats: int, sweep: bool, flush: torch.Tensor) -> list[dict]:
+def bench_shape(name: str, shape: dict, repeats: int, sweep: bool, flush: torch.Tensor,
+                tokens_list: tuple[int, ...] = TOKENS) -> list[dict]:
     qe = make_layer(shape["hidden"], shape["intermediate"], shape["experts"])
     layer, tinygemm_info = check_tinygemm(qe)
     rows = []
-    for tokens in TOKENS:
+    for tokens in tokens_list:
         routes = [make_routes(tokens, shape["active"], shape["experts"], seed) for seed in range(ROUTE_SETS)]
         x = torch.randn(tokens, shape["hidden"], device="cuda", dtype=torch.bfloat16)
         row = dict(shape=name, tokens=tokens, **shape, bytes_per_expert=qe.bytes_per_expert)
@@ -238,7 +239,7 @@ def bench_shape(name: str, shape: dict, repeats: int, sweep: bool, flush: torch.
             kernel_out, torch_out = fused_moe_triton(x, ids, weights, qe), moe_forward(x, ids, weights, qe)
             row["rel_error_vs_torch_path"] = relative_error(kernel_out, torch_out)
             if tokens == 1:
-                row["gemv_rel_error_vs_torch_path"] = relative_error(fused_moe_triton(x, ids, weights, qe, GEMV), torch_out)
+                row["gemm_rel_error_vs_torch_path"] = relative_error(fused_moe_triton(x, ids, weights, qe, GEMM), torch_out)
         row.update(bench_triton(qe, x, routes, flush, repeats, sweep))
         if layer is not None:
             row.update(bench_tinygemm(qe, layer, x, routes, flush, repeats))
@@ -251,14 +252,14 @@ def bench_shape(name: str, shape: dict, repeats: int, sweep: bool, flush: torch.
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'shape':<20}{'T':>3}{'floor us':>10}{'triton us':>11}{'no split':>10}{'gemv':>8}{'best us':>9}{'tinygemm us':>13}"
+    header = f"{'shape':<20}{'T':>3}{'floor us':>10}{'triton us':>11}{'no split':>10}{'gemm':>8}{'best us':>9}{'tinygemm us':>13}"
     print(header + f"{'floor/triton':>14}  best config")
     for r in rows:
         best = r.get("triton_best_us", float("nan"))
         tiny = r.get("tinygemm_us", float("nan"))
         config = ",".join(str(v) for v in r.get("triton_best_config", {}).values())
         print(f"{r['shape']:<20}{r['tokens']:>3}{r['floor_us']:>10.1f}{r['triton_us']:>11.1f}{r['triton_no_split_us']:>10.1f}"
-              f"{r.get('triton_gemv_us', float('nan')):>8.1f}"
+              f"{r.get('triton_gemm_us', float('nan')):>8.1f}"
               f"{best:>9.1f}{tiny:>13.1f}{r['floor_us'] / r['triton_us']:>14.2f}  {config}")  # fmt: skip
 
 
@@ -268,11 +269,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--quick", action="store_true", help="skip the tile-size sweep")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS), help="token counts to time")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_kernel_bench needs a CUDA GPU")
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # 256 MB > L2
-    rows = [row for name in args.shapes for row in bench_shape(name, SHAPES[name], args.repeats, not args.quick, flush)]
+    rows = [row for name in args.shapes
+            for row in bench_shape(name, SHAPES[name], args.repeats, not args.quick, flush, tuple(args.tokens))]
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=datetime.date.today().isoformat(),
                 command=" ".join(sys.argv), hbm_bytes_per_s=HBM_BYTES_PER_S, group=GROUP)  # fmt: skip
     import triton

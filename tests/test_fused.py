@@ -93,19 +93,22 @@ from specter.model import fused
 
 results = []
 generator = torch.Generator().manual_seed(5)
-cases = [  # rows, heads, kv heads, head dim, capacity, positions, window
-    (1, 4, 4, 64, 40, [17], None),
-    (3, 8, 2, 32, 70, [0, 33, 69], None),  # grouped queries; the first and the last position
-    (2, 6, 2, 40, 50, [45, 12], 8),  # a sliding window, a head dim that is not a power of two
-    (1, 32, 4, 16, 130, [129], None),  # 8 query heads per cache head (smaller key blocks)
+cases = [  # rows, heads, kv heads, head dim, capacity, positions, window, splits of the positions
+    (1, 4, 4, 64, 40, [17], None, None),
+    (3, 8, 2, 32, 70, [0, 33, 69], None, None),  # grouped queries; the first and the last position
+    (2, 6, 2, 40, 50, [45, 12], 8, None),  # a sliding window, a head dim that is not a power of two
+    (1, 32, 4, 16, 130, [129], None, None),  # 8 query heads per cache head (smaller key blocks)
+    (3, 8, 2, 32, 70, [0, 33, 69], None, 4),  # runs merged; position 0: every run but the first is empty
+    (2, 6, 2, 40, 50, [45, 12], 8, 3),  # runs of a sliding window
+    (1, 2, 1, 16, 1100, [1099], None, None),  # a long cache: three runs by default (merged)
 ]
 for dtype in (torch.float32, torch.float16):
-    for rows, heads, kv_heads, head_dim, capacity, positions, window in cases:
+    for rows, heads, kv_heads, head_dim, capacity, positions, window, splits in cases:
         q = torch.randn(rows, heads, head_dim, generator=generator).to(dtype)
         keys = torch.randn(kv_heads, capacity, head_dim, generator=generator).to(dtype)
         values = torch.randn(kv_heads, capacity, head_dim, generator=generator).to(dtype)
         pos = torch.tensor(positions)
-        got = fused.decode_attention(q, keys, values, pos, window)
+        got = fused.decode_attention(q, keys, values, pos, window, splits)
         group = heads // kv_heads
         reference = torch.empty(rows, heads, head_dim, dtype=torch.float64)
         for r, p in enumerate(positions):
@@ -115,7 +118,7 @@ for dtype in (torch.float32, torch.float16):
                 weights = torch.softmax(k @ q[r, h].double() / math.sqrt(head_dim), dim=0)
                 reference[r, h] = weights @ v
         gap = (got.double().view(rows, heads, head_dim) - reference).abs().max().item()
-        results.append([str(dtype), [rows, heads, kv_heads, head_dim, capacity, positions, window],
+        results.append([str(dtype), [rows, heads, kv_heads, head_dim, capacity, positions, window, splits],
                         got.shape == (rows, heads * head_dim) and got.dtype == dtype, gap])
 # positions past the visible ones never count: garbage there changes nothing
 q = torch.randn(1, 4, 32, generator=generator)
@@ -124,6 +127,8 @@ clean = fused.decode_attention(q, keys, values, torch.tensor([9]), None)
 keys[:, 10:], values[:, 10:] = float("nan"), 1e6
 results.append(["garbage", [1, 4, 4, 32, 20, [9], None], True,
                 (fused.decode_attention(q, keys, values, torch.tensor([9]), None) - clean).abs().max().item()])
+results.append(["garbage", [1, 4, 4, 32, 20, [9], None, 3], True,
+                (fused.decode_attention(q, keys, values, torch.tensor([9]), None, 3) - clean).abs().max().item()])
 print(json.dumps(results))
 """
 
@@ -131,7 +136,7 @@ print(json.dumps(results))
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_fused_decode_attention_matches_a_float64_reference_in_the_interpreter():
     results = run_interpreted(ATTENTION_SCRIPT)
-    assert len(results) == 2 * 4 + 1
+    assert len(results) == 2 * 7 + 2
     for dtype, case, shape_ok, gap in results:
         assert shape_ok, (dtype, case)
         assert gap <= (2e-3 if dtype == "torch.float16" else 1e-5), (dtype, case, gap)

@@ -80,8 +80,10 @@ def test_fused_sigmoid_gate_on_cuda(dtype, rows, width):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, heads, kv_heads, head_dim, capacity, window", [(1, 16, 16, 128, 2048, None),
                                                                                   (4, 32, 8, 128, 512, None),
-                                                                                  (2, 32, 8, 128, 4096, 1024)])
-def test_fused_decode_attention_on_cuda(dtype, rows, heads, kv_heads, head_dim, capacity, window):
+                                                                                  (2, 32, 8, 128, 4096, 1024),
+                                                                                  (1, 16, 16, 128, 32768, None)])
+@pytest.mark.parametrize("splits", [None, 1, 5])  # None: the default runs for the capacity (1, 4, 8, 32 here)
+def test_fused_decode_attention_on_cuda(dtype, rows, heads, kv_heads, head_dim, capacity, window, splits):
     import math
 
     generator = torch.Generator(device="cuda").manual_seed(5)
@@ -89,7 +91,8 @@ def test_fused_decode_attention_on_cuda(dtype, rows, heads, kv_heads, head_dim, 
     keys = torch.randn(kv_heads, capacity, head_dim, device="cuda", generator=generator).to(dtype)
     values = torch.randn(kv_heads, capacity, head_dim, device="cuda", generator=generator).to(dtype)
     positions = torch.randint(0, capacity, (rows,), device="cuda", generator=generator)
-    got = fused.decode_attention(q, keys, values, positions, window).view(rows, heads, head_dim).double()
+    positions[0] = capacity - 1  # the whole cache visible
+    got = fused.decode_attention(q, keys, values, positions, window, splits).view(rows, heads, head_dim).double()
     group = heads // kv_heads
     for r, p in enumerate(positions.tolist()):
         first = 0 if window is None else max(0, p - window + 1)

@@ -27,9 +27,13 @@ tl: Any = None  # triton.language, bound by _kernels(); the kernel bodies resolv
 
 ROUTER_AND_GATE = True
 """Whether the non-exact forward fuses the router and the shared gate (benchmarks time it with and without)."""
-DECODE_ATTENTION = False
-"""Whether the non-exact static step (the graphed draft) attends with `decode_attention` (off until measured on the
-GPU: `benchmarks/h200_runs.sh gemv`)."""
+DECODE_ATTENTION = True
+"""Whether the non-exact static step (the graphed draft) attends with `decode_attention` (the visible positions
+only) instead of masked attention over the whole cache (H200, 2026-11-30: draft step 3.82 -> 3.49 ms at a 512-position
+cache, 4.16 -> 3.48 ms at 2048; docs/BENCHMARKS.md)."""
+POSITIONS_PER_SPLIT = 512
+"""Cache positions per run of `decode_attention` (its default split is the capacity over this)."""
+MAX_SPLITS = 32
 
 
 def usable(x: Tensor) -> bool:
@@ -83,24 +87,41 @@ def sigmoid_gate(h: Tensor, gate_weight: Tensor, out: Tensor) -> Tensor:
     return result
 
 
-def decode_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int | None) -> Tensor:
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int | None,
+                     splits: int | None = None) -> Tensor:
     """Attention of rows q [R, H, hd] over one layer's cache keys/values [Hkv, S, hd]: row r sees the positions
     max(0, p - window + 1)..p of p = positions[r] only (never the rest of the cache), scores in float32 scaled by
-    hd^-0.5, an online softmax. Returns [R, H * hd] in q's dtype. One launch, grid (R, Hkv); no host sync."""
+    hd^-0.5, an online softmax. Returns [R, H * hd] in q's dtype. No host sync.
+
+    The visible positions are cut into `splits` equal runs (default: one per POSITIONS_PER_SPLIT of the cache's
+    capacity, at most MAX_SPLITS), each a program per (row, cache head): with one run, one launch writes the
+    output; with more (long caches, where one program per head would stream the whole history alone), a second
+    launch merges the runs' partial softmaxes (flash-decoding). The grid depends on the capacity only, so a CUDA
+    graph captured once serves every position."""
     rows, heads, head_dim = q.shape
     kv_heads, capacity, _ = keys.shape
     assert heads % kv_heads == 0 and values.shape == keys.shape, "q heads must be a multiple of the cache's heads"
     assert keys.stride(2) == 1 and values.stride(2) == 1, "the cache's head dimension must be contiguous"
+    splits = splits or max(1, min(MAX_SPLITS, -(-capacity // POSITIONS_PER_SPLIT)))
     group = heads // kv_heads
     group_pow2 = _pow2(group)
     q = q.contiguous()
     out = torch.empty(rows, heads * head_dim, dtype=q.dtype, device=q.device)
-    _kernels().decode_attention[(rows, kv_heads)](
-        q, keys, values, positions, out, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
-        heads, head_dim, window or 0, head_dim**-0.5,
-        GROUP=group, GROUP_POW2=group_pow2, BLOCK_D=_pow2(head_dim),
+    if splits == 1:
+        stats = partial = out  # unused by the kernel
+    else:
+        stats = torch.empty(2, rows, heads, splits, dtype=torch.float32, device=q.device)  # running max, total
+        partial = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    kernels = _kernels()
+    kernels.decode_attention[(rows, kv_heads, splits)](
+        q, keys, values, positions, out, stats, partial, keys.stride(0), keys.stride(1), values.stride(0),
+        values.stride(1), rows * heads * splits, heads, head_dim, window or 0, head_dim**-0.5,
+        GROUP=group, GROUP_POW2=group_pow2, BLOCK_D=_pow2(head_dim), SPLITS=splits,
         BLOCK_S=max(2, min(64, 8192 // (group_pow2 * _pow2(head_dim)))),  # the [G, S, D] product in registers
     )  # fmt: skip
+    if splits > 1:
+        kernels.merge_splits[(rows, heads)](stats, partial, out, rows * heads * splits, head_dim, SPLITS=splits,
+                                            SPLITS_POW2=_pow2(splits), BLOCK_D=_pow2(head_dim))  # fmt: skip
     return out
 
 
@@ -123,6 +144,7 @@ def _kernels() -> Any:
         topk_softmax = triton.jit(topk_softmax_kernel)
         sigmoid_gate = triton.jit(sigmoid_gate_kernel)
         decode_attention = triton.jit(decode_attention_kernel)
+        merge_splits = triton.jit(merge_splits_kernel)
 
     return Kernels
 
@@ -214,15 +236,22 @@ def sigmoid_gate_kernel(h_ptr, w_ptr, out_ptr, result_ptr, width, BLOCK: tl.cons
         tl.store(result_ptr + row * width + cols, (gate * out).to(result_ptr.dtype.element_ty), mask=ok)
 
 
-def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, stride_kh, stride_ks, stride_vh, stride_vs,
-                            heads, head_dim, window, scale, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr,
-                            BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    """Program (row, kv head): its GROUP query heads over the row's visible positions, BLOCK_S keys at a time."""
+def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, stats_ptr, partial_ptr, stride_kh, stride_ks,
+                            stride_vh, stride_vs, stats_plane, heads, head_dim, window, scale, GROUP: tl.constexpr,
+                            GROUP_POW2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                            SPLITS: tl.constexpr):  # fmt: skip
+    """Program (row, kv head, split): its GROUP query heads over one run of the row's visible positions, BLOCK_S
+    keys at a time. SPLITS == 1: the normalised output; else the run's max, total and unnormalised sum (float32)."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
     position = tl.load(pos_ptr + row).to(tl.int32)
     hi = position + 1
     lo = tl.where(window > 0, tl.maximum(position - window + 1, 0), 0)
+    if SPLITS > 1:  # equal runs of whole key blocks; trailing runs may be empty
+        run = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_S) * BLOCK_S
+        lo = lo + split * run
+        hi = tl.minimum(hi, lo + run)
     g = tl.arange(0, GROUP_POW2)
     g_ok = g < GROUP
     d = tl.arange(0, BLOCK_D)
@@ -250,6 +279,31 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, stride_kh, st
         vals = tl.load(v_base + s.to(tl.int64)[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vals[None, :, :], axis=1)
         m = m_new
-    out = acc / total[:, None]
-    tl.store(out_ptr + (row * heads + q_heads)[:, None] * head_dim + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=q_mask)
+    if SPLITS == 1:
+        out = acc / total[:, None]
+        tl.store(out_ptr + (row * heads + q_heads)[:, None] * head_dim + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=q_mask)
+    else:  # stats [2, R, H, SPLITS], partial [R, H, SPLITS, hd]
+        slot = (row * heads + q_heads) * SPLITS + split  # [G]
+        tl.store(stats_ptr + slot, m, mask=g_ok)
+        tl.store(stats_ptr + stats_plane + slot, total, mask=g_ok)
+        tl.store(partial_ptr + slot[:, None] * head_dim + d[None, :], acc, mask=q_mask)
+
+
+def merge_splits_kernel(stats_ptr, partial_ptr, out_ptr, stats_plane, head_dim, SPLITS: tl.constexpr,
+                        SPLITS_POW2: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Program (row, head): the runs' partial softmaxes rescaled to their common max and added (empty runs, max
+    -inf, weigh 0; the first run always holds the row's own position)."""
+    slot = (tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * SPLITS
+    runs = tl.arange(0, SPLITS_POW2)
+    run_ok = runs < SPLITS
+    m = tl.load(stats_ptr + slot + runs, mask=run_ok, other=-float("inf"))
+    total = tl.load(stats_ptr + stats_plane + slot + runs, mask=run_ok, other=0.0)
+    top = tl.max(m, axis=0)
+    weight = tl.where(m > -float("inf"), tl.exp(m - top), 0.0)  # [SPLITS]
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    parts = tl.load(partial_ptr + (slot + runs)[:, None] * head_dim + d[None, :], mask=run_ok[:, None] & d_ok[None, :],
+                    other=0.0)  # fmt: skip
+    out = tl.sum(weight[:, None] * parts, axis=0) / tl.sum(weight * total, axis=0)
+    tl.store(out_ptr + (slot // SPLITS) * head_dim + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
