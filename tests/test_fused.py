@@ -100,7 +100,7 @@ cases = [  # rows, heads, kv heads, head dim, capacity, positions, window, split
     (1, 32, 4, 16, 130, [129], None, None),  # 8 query heads per cache head (smaller key blocks)
     (3, 8, 2, 32, 70, [0, 33, 69], None, 4),  # runs merged; position 0: every run but the first is empty
     (2, 6, 2, 40, 50, [45, 12], 8, 3),  # runs of a sliding window
-    (1, 2, 1, 16, 1100, [1099], None, None),  # a long cache: three runs by default (merged)
+    (1, 2, 1, 16, 1100, [1099], None, None),  # a long cache: nine runs by default (merged)
 ]
 for dtype in (torch.float32, torch.float16):
     for rows, heads, kv_heads, head_dim, capacity, positions, window, splits in cases:
@@ -166,12 +166,25 @@ for exact in (True, False):
     result["exact" if exact else "fast"] = {"calls": len(calls),
         "gap": ((outputs[1] - outputs[0]).abs().max() / outputs[0].abs().max()).item()}
     calls.clear()
+    # the eager model's one-row step (the eager draft) takes the same kernel, and only with one row
+    model, kv = loaded.model, loaded.model.new_kv()
+    spec = model.spec
+    kv.k.normal_(generator=torch.Generator().manual_seed(1))
+    kv.v.normal_(generator=torch.Generator().manual_seed(2))
+    q = torch.randn(2, spec.num_heads, spec.head_dim, generator=torch.Generator().manual_seed(3))
+    eager = []
+    for flag in (False, True):
+        fused.DECODE_ATTENTION = flag
+        eager.append([model._attend(0, q[:1], 7, kv), model._attend(0, q, 7, kv)])
+    result["eager-exact" if exact else "eager-fast"] = {"calls": len(calls),
+        "gap": max(((b - a).abs().max() / a.abs().max()).item() for a, b in zip(*eager))}
+    calls.clear()
 print(json.dumps(result))
 """
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-def test_only_the_non_exact_static_step_takes_the_fused_attention_when_switched_on(tmp_path):
+def test_only_non_exact_one_row_steps_take_the_fused_attention_when_switched_on(tmp_path):
     import json
 
     from tests.hf_models import hf_model, save_hf
@@ -182,6 +195,9 @@ def test_only_the_non_exact_static_step_takes_the_fused_attention_when_switched_
     assert result["exact"] == {"calls": 0, "gap": 0.0}  # exact mode keeps torch's ops even with the switch on
     assert result["fast"]["calls"] == layers, result  # once per layer with the switch on, never with it off
     assert result["fast"]["gap"] < 1e-4, result
+    assert result["eager-exact"] == {"calls": 0, "gap": 0.0}
+    assert result["eager-fast"]["calls"] == 1, result  # the one-row call; the two-row block keeps its masked path
+    assert result["eager-fast"]["gap"] < 1e-4, result
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")

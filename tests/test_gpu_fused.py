@@ -82,7 +82,7 @@ def test_fused_sigmoid_gate_on_cuda(dtype, rows, width):
                                                                                   (4, 32, 8, 128, 512, None),
                                                                                   (2, 32, 8, 128, 4096, 1024),
                                                                                   (1, 16, 16, 128, 32768, None)])
-@pytest.mark.parametrize("splits", [None, 1, 5])  # None: the default runs for the capacity (1, 4, 8, 32 here)
+@pytest.mark.parametrize("splits", [None, 1, 5])  # None: the default runs for the capacity (16, 4, 32, 64 here)
 def test_fused_decode_attention_on_cuda(dtype, rows, heads, kv_heads, head_dim, capacity, window, splits):
     import math
 

@@ -31,9 +31,11 @@ DECODE_ATTENTION = True
 """Whether the non-exact static step (the graphed draft) attends with `decode_attention` (the visible positions
 only) instead of masked attention over the whole cache (H200, 2026-11-30: draft step 3.82 -> 3.49 ms at a 512-position
 cache, 4.16 -> 3.48 ms at 2048; docs/BENCHMARKS.md)."""
-POSITIONS_PER_SPLIT = 512
-"""Cache positions per run of `decode_attention` (its default split is the capacity over this)."""
-MAX_SPLITS = 32
+POSITIONS_PER_SPLIT = 128
+"""Cache positions per run of `decode_attention` (its default split is the capacity over this). H200, 2026-11-30:
+runs of 512 left 64 programs for a 2048-position cache of 16 heads, each streaming its run at ~9 GB/s (latency-bound),
+so 2000 visible positions took 4.17 ms per draft step against 3.62 with torch's attention over the whole cache."""
+MAX_SPLITS = 64
 
 
 def usable(x: Tensor) -> bool:
@@ -270,13 +272,13 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, stats_ptr, pa
         s_ok = s < hi
         kv_mask = s_ok[:, None] & d_ok[None, :]
         keys = tl.load(k_base + s.to(tl.int64)[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        vals = tl.load(v_base + s.to(tl.int64)[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.sum(q[:, None, :] * keys[None, :, :], axis=2)  # [G, S]
         scores = tl.where(s_ok[None, :], scores, -float("inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         total = total * alpha + tl.sum(p, axis=1)
-        vals = tl.load(v_base + s.to(tl.int64)[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vals[None, :, :], axis=1)
         m = m_new
     if SPLITS == 1:

@@ -177,6 +177,10 @@ class Transformer:
 
     def _attend(self, layer: int, q: Tensor, first_position: int, kv: KVCache) -> Tensor:
         """Attention of each query row over the cache up to its own position; [T, H, hd] -> [T, H*hd]."""
+        if not self.exact and q.shape[0] == 1 and fused.DECODE_ATTENTION and fused.usable(q):
+            # the eager draft step attends as its graphed twin does (graphed.StaticStep), so both propose alike
+            positions = torch.arange(first_position, first_position + 1, device=q.device)
+            return fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, self.spec.sliding_window)
         if self.exact or q.shape[0] == 1:
             return torch.cat([self._attend_row(layer, q[t], first_position + t, kv) for t in range(q.shape[0])])
         return self._attend_block(layer, q, first_position, kv)
