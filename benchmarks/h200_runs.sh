@@ -255,6 +255,21 @@ case "$stage" in
       --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
     tail -1 "$out/logs/gpu-fused.log"; grep -E "FAIL|Error" "$out/logs/gpu-fused.log" | head -5; tail -4 "$out/logs/graphed.log"
     head -22 "$out/draft-profile.txt" | cut -c1-70,150-175 ;;
+  final8)         # eighth session's last call: gemv3's two failures (device-mode link emulation at 12 and 25 GB/s measured
+    # 5.2 GB/s) ran beside the reference model's training on the same GPU: the two tests alone; the draft step at an
+    # 8192-position cache with 8000 visible (gemv3's run was cut by its limit during the prefill); a host+GPU timeline
+    # of specter's offloaded decode at 15 residents (Qwen shape, random weights, k = 8, static verify) for the
+    # copy stream's gaps inside transfer-bound verifies.
+    # PREDICTION: both link tests pass alone; 8192/8000 defaults 3.3-3.6 ms (runs of 512: 4.39; whole-cache 3.99).
+    mkdir -p "$out/logs"
+    timeout 90 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_transfer.py > "$out/logs/transfer-tests.log" 2>&1
+    timeout 170 python benchmarks/graphed_tpot.py --draft-only --ab --max-context 8192 --prompt-length 8000 \
+      --out "$out/graphed-8192" > "$out/logs/graphed-8192.log" 2>&1
+    timeout 150 python benchmarks/profile_offloaded.py --layers 8 --residents 15 --k 8 --tokens 32 --static-verify \
+      --top 25 --out "$out/profile" > "$out/logs/profile.log" 2>&1
+    tar czf "$out/final8.tgz" -C "$out" logs graphed-8192 profile 2>/dev/null
+    tail -1 "$out/logs/transfer-tests.log"; grep -E "^(FAILED|ERROR)" "$out/logs/transfer-tests.log" | head -4
+    grep -E "^draft|Error" "$out/logs/graphed-8192.log" | tail -6; grep -E "^TPOT|^qwen" "$out/logs/profile.log" ;;
   gemv3)          # eighth session: gemv2a measured the fused attention slower than torch's whole-cache attention at long
     # visible lengths (2048 cache, 2000 visible: 4.17 vs 3.62 ms; 8192/8000: 4.39 vs 3.99): runs of 512 positions left
     # 64 programs, each latency-bound (~9 GB/s). Now runs of 128 (at most 64), the value load issued beside the key
