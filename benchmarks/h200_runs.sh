@@ -255,6 +255,17 @@ case "$stage" in
       --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
     tail -1 "$out/logs/gpu-fused.log"; grep -E "FAIL|Error" "$out/logs/gpu-fused.log" | head -5; tail -4 "$out/logs/graphed.log"
     head -22 "$out/draft-profile.txt" | cut -c1-70,150-175 ;;
+  gaps)           # eighth session: final8's timeline showed the GPU wholly idle (no kernel, no copy) for 16 % of specter's
+    # decode (Qwen shape, random weights, 15 residents, k = 8), in windows of 0.2-8 ms at round boundaries, with the
+    # host issuing ~1,700 cudaEventQuery calls in one 6 ms window. The same run with python frames, analysed there.
+    # PREDICTION: most idle samples sit in per-round event bookkeeping (engine._copy_busy / busy_intervals /
+    # VerifyRecord.settle) and the prefetch planning, not in the draft or the verify's own launches.
+    mkdir -p "$out/logs"
+    timeout 200 python benchmarks/profile_offloaded.py --layers 8 --residents 15 --k 8 --tokens 32 --static-verify \
+      --top 25 --with-stack --out "$out/profile" > "$out/logs/profile.log" 2>&1
+    timeout 120 python benchmarks/trace_gaps.py "$out/profile/trace.json" --top 30 > "$out/logs/gaps.txt" 2>&1
+    gzip -c "$out/profile/trace.json" > "$out/trace.json.gz"; rm -f "$out/profile/trace.json"
+    grep -E "^TPOT" "$out/logs/profile.log"; cat "$out/logs/gaps.txt" ;;
   final8)         # eighth session's last call: gemv3's two failures (device-mode link emulation at 12 and 25 GB/s measured
     # 5.2 GB/s) ran beside the reference model's training on the same GPU: the two tests alone; the draft step at an
     # 8192-position cache with 8000 visible (gemv3's run was cut by its limit during the prefill); a host+GPU timeline

@@ -49,6 +49,8 @@ def main() -> None:
     verify.add_argument("--eager-verify", dest="static_verify", action="store_const", const=False)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--with-stack", action="store_true", help="record python frames in trace.json (for "
+                        "benchmarks/trace_gaps.py: what the host does while the GPU idles)")
     parser.add_argument("--out", type=Path, default=Path("out/profile"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -85,7 +87,7 @@ def main() -> None:
     if args.device == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.with_stack) as prof:
             loop.run_until_complete(request(runtime, min(args.tokens, 16)))
         prof.export_chrome_trace(str(args.out / "trace.json"))
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top)
