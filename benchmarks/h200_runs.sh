@@ -255,6 +255,23 @@ case "$stage" in
       --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
     tail -1 "$out/logs/gpu-fused.log"; grep -E "FAIL|Error" "$out/logs/gpu-fused.log" | head -5; tail -4 "$out/logs/graphed.log"
     head -22 "$out/draft-profile.txt" | cut -c1-70,150-175 ;;
+  defer)          # eighth session's last call (about 4 min of device time left): the copy-busy reads deferred to the
+    # kernel's idle work, against reading them at each round's end, same process order (inline first), same config
+    # as final8 (Qwen shape, random weights, 15 residents, k = 8, static verify), then the copy-busy GPU test.
+    # PREDICTION: the GPU-idle share of the decode (trace_gaps, windows >= 0.2 ms) 0.16 -> ~0.12-0.14, the >= 1 ms
+    # windows ~40 % shorter; TPOT 30.5 -> 29-30 ms (one run each: within noise unless the drop is > ~3 %).
+    mkdir -p "$out/logs"
+    for mode in inline deferred; do
+      flag=; [ $mode = inline ] && flag=--inline-bookkeeping
+      timeout 95 python benchmarks/profile_offloaded.py --layers 8 --residents 15 --k 8 --tokens 32 --static-verify \
+        --top 10 $flag --out "$out/profile-$mode" > "$out/logs/profile-$mode.log" 2>&1
+      timeout 20 python benchmarks/trace_gaps.py "$out/profile-$mode/trace.json" --min-idle-us 200 > "$out/logs/gaps-$mode.txt" 2>&1
+      timeout 20 python benchmarks/trace_gaps.py "$out/profile-$mode/trace.json" --min-idle-us 1000 >> "$out/logs/gaps-$mode.txt" 2>&1
+      rm -f "$out/profile-$mode/trace.json"
+    done
+    timeout 40 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_transfer.py -k "copy_busy or busy" > "$out/logs/gpu-test.log" 2>&1
+    for mode in inline deferred; do grep -E "^TPOT" "$out/logs/profile-$mode.log"; grep "^decode" "$out/logs/gaps-$mode.txt"; done
+    tail -1 "$out/logs/gpu-test.log" ;;
   gaps)           # eighth session: final8's timeline showed the GPU wholly idle (no kernel, no copy) for 16 % of specter's
     # decode (Qwen shape, random weights, 15 residents, k = 8), in windows of 0.2-8 ms at round boundaries, with the
     # host issuing ~1,700 cudaEventQuery calls in one 6 ms window. The same run with python frames, analysed there.

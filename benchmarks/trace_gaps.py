@@ -10,7 +10,6 @@ sample point, and its caller), when the trace was recorded with stacks (`profile
 from __future__ import annotations
 
 import argparse
-import bisect
 import collections
 import json
 from pathlib import Path
@@ -44,27 +43,35 @@ def idle_windows(busy: list[tuple[float, float]], lo: float, hi: float, min_us: 
     return out
 
 
-def innermost_samples(frames: list[dict], windows: list[tuple[float, float]], step_us: float) -> collections.Counter:
+def innermost_samples(frames: list[dict], windows: list[tuple[float, float]], step_us: float,
+                      own: tuple[str, ...] = ()) -> collections.Counter:
     """Sample each window every step_us; attribute each sample to the innermost python frame covering it
-    (and that frame's caller), on the thread with the most python frames."""
-    by_start = sorted(frames, key=lambda e: e["ts"])
-    starts = [e["ts"] for e in by_start]
-    longest = max((e.get("dur", 0) for e in by_start), default=0)
+    (and that frame's caller), or with `own` to the innermost frame whose name holds one of those strings (the
+    project's code, under the library calls it makes). Frames of one thread nest: one sweep with a stack serves."""
+    frames = sorted(frames, key=lambda e: (e["ts"], -e.get("dur", 0)))
+    points = [t for lo, hi in windows for t in _range(lo + step_us / 2, hi, step_us)]
     counts: collections.Counter = collections.Counter()
-    for lo, hi in windows:
-        t = lo + step_us / 2
-        while t < hi:
-            first = bisect.bisect_left(starts, t - longest)
-            covering = [e for e in by_start[first : bisect.bisect_right(starts, t)] if e["ts"] + e.get("dur", 0) > t]
-            covering.sort(key=lambda e: e.get("dur", 0))
-            if covering:
-                inner = covering[0]["name"]
-                caller = covering[1]["name"] if len(covering) > 1 else "-"
-                counts[(inner, caller)] += 1
-            else:
-                counts[("(no python frame)", "-")] += 1
-            t += step_us
+    stack: list[dict] = []
+    index = 0
+    for t in sorted(points):
+        while index < len(frames) and frames[index]["ts"] <= t:
+            frame = frames[index]
+            while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) <= frame["ts"]:
+                stack.pop()
+            stack.append(frame)
+            index += 1
+        while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) <= t:
+            stack.pop()
+        chain = [f["name"] for f in stack if not own or any(part in f["name"] for part in own)]
+        if chain:
+            counts[(chain[-1], chain[-2] if len(chain) > 1 else "-")] += 1
+        else:
+            counts[("(no python frame)", "-")] += 1
     return counts
+
+
+def _range(start: float, stop: float, step: float) -> list[float]:
+    return [start + i * step for i in range(max(0, int((stop - start) / step) + 1)) if start + i * step < stop]
 
 
 def main() -> None:
@@ -73,6 +80,8 @@ def main() -> None:
     parser.add_argument("--min-idle-us", type=float, default=200.0)
     parser.add_argument("--step-us", type=float, default=20.0)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--own", default="specter/,policies/", help="comma-separated parts of the project's frame "
+                        "names: samples go to the innermost such frame ('' for the innermost frame of any code)")
     args = parser.parse_args()
     events = json.loads(args.trace.read_text())["traceEvents"]
     device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e]
@@ -94,9 +103,11 @@ def main() -> None:
         return
     threads = collections.Counter(e["tid"] for e in frames)
     main_tid = threads.most_common(1)[0][0]
-    counts = innermost_samples([e for e in frames if e["tid"] == main_tid], idle, args.step_us)
+    own = tuple(part for part in args.own.split(",") if part)
+    counts = innermost_samples([e for e in frames if e["tid"] == main_tid], idle, args.step_us, own)
     total = sum(counts.values())
-    print(f"host during GPU-idle windows ({total} samples of {args.step_us:.0f} us), innermost frame <- its caller:")
+    print(f"host during GPU-idle windows ({total} samples of {args.step_us:.0f} us), innermost "
+          f"{'project ' if own else ''}frame <- its caller:")
     for (inner, caller), n in counts.most_common(args.top):
         print(f"{n / total:6.1%}  {inner[:70]}  <-  {caller[:60]}")
 

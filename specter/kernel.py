@@ -25,10 +25,11 @@ Code elsewhere never blocks on the device; it does `await kernel.wait(event)`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -95,6 +96,10 @@ class WaitStats:
     """Completions that arrived after their waiter was cancelled."""
     parked_s: float = 0.0
     """Total seconds tasks spent suspended on parked events."""
+    idle_steps: int = 0
+    """Steps of deferred host work run while a wait's event was pending (`Kernel.defer`)."""
+    idle_completed: int = 0
+    """Events that completed while deferred work ran: no spin, no suspension."""
 
 
 class _StreamWaiter:
@@ -129,6 +134,7 @@ class Kernel:
         self.backend = backend
         self.stats = WaitStats()
         self._waiters: dict[Stream, _StreamWaiter] = {}
+        self._deferred: collections.deque[Iterator[Any]] = collections.deque()
         self._closed = False
         if self.settings.mechanism == "host_func" and backend is None:
             raise ConfigError("kernel mechanism 'host_func' needs a backend to launch host functions; pass backend=")
@@ -146,6 +152,9 @@ class Kernel:
         if event.query():
             self.stats.already_done += 1
             return
+        if self._deferred and self._idle(event):
+            self.stats.idle_completed += 1
+            return
         if self._spin(event, self.settings.spin_s if spin_s is None else spin_s):
             self.stats.spun += 1
             return
@@ -153,6 +162,43 @@ class Kernel:
             self.stats.polled += 1
             return
         await self._park(event)
+
+    def defer(self, work: Iterator[Any]) -> None:
+        """Queue host work that need not run now (bookkeeping that reads completed GPU events, say): an iterator
+        advanced one step at a time while some `wait` finds its event still pending, so it fills host time the
+        loop thread would otherwise spend spinning or parked, never a window in which the GPU waits on the host.
+        Keep each step short (it delays that wait's wake-up by at most one step). `run_deferred` finishes it all.
+        A step that raises is logged and its work dropped: bookkeeping never fails the wait that hosts it."""
+        self._deferred.append(work)
+
+    @property
+    def deferred(self) -> int:
+        """Deferred works not finished yet."""
+        return len(self._deferred)
+
+    def run_deferred(self) -> None:
+        """Finish every deferred work now (at the end of a request, before its statistics are read)."""
+        while self._deferred:
+            self._step(until_done=True)
+
+    def _idle(self, event: Event) -> bool:
+        """Advance deferred work while `event` is pending; True when the event completed meanwhile."""
+        while self._deferred:
+            self._step(until_done=False)
+            self.stats.idle_steps += 1
+            if event.query():
+                return True
+        return False
+
+    def _step(self, until_done: bool) -> None:
+        work = self._deferred[0]
+        try:
+            for _ in work:
+                if not until_done:
+                    return
+        except Exception as error:  # noqa: BLE001 - see defer(): logged, dropped
+            log.warning("kernel.deferred_failed", error=repr(error), hint="deferred bookkeeping raised; its result is lost")
+        self._deferred.popleft()
 
     def _spin(self, event: Event, budget_s: float) -> bool:
         deadline = time.perf_counter() + budget_s

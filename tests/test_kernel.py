@@ -212,3 +212,57 @@ def test_stage_events_are_logged_only_when_debug_is_on():
     with capture_logs() as events:
         asyncio.run(one_stage())
     assert events == []
+
+
+def test_deferred_work_runs_while_a_wait_is_pending_and_stops_when_its_event_completes(backend):
+    """Deferred steps fill a wait whose event is pending; once it completes the wait returns at the next step
+    boundary and the rest waits for later waits or run_deferred; a completed event runs none."""
+    kernel = Kernel(backend, KernelSettings(spin_s=0.0))
+    steps: list[int] = []
+
+    def work(name: int, count: int, pause_s: float):
+        for index in range(count):
+            time.sleep(pause_s)
+            steps.append(name * 100 + index)
+            yield
+
+    async def main() -> None:
+        kernel.defer(work(1, 3, 0.0))
+        done = backend.record_event(backend.compute_stream)
+        done.wait()
+        await kernel.wait(done)
+        assert steps == [] and kernel.deferred == 1  # nothing pending: no deferred step ran
+        event = delayed_event(backend, 0.03)
+        kernel.defer(work(2, 1000, 0.001))  # outlasts the event
+        await kernel.wait(event)
+        assert event.query()
+        assert steps[:3] == [100, 101, 102] and 200 in steps and len(steps) < 3 + 1000
+        assert kernel.deferred == 1  # the second work is not finished
+
+    run(main())
+    assert kernel.stats.idle_completed == 1 and kernel.stats.idle_steps == len(steps) + 1  # + the step ending work 1
+    kernel.run_deferred()
+    assert kernel.deferred == 0 and len(steps) == 3 + 1000 and steps[-1] == 200 + 999
+    kernel.close()
+
+
+def test_a_deferred_step_that_raises_is_logged_and_dropped_not_raised_into_the_wait(backend):
+    kernel = Kernel(backend, KernelSettings(spin_s=0.0))
+    after: list[str] = []
+
+    def broken():
+        yield
+        raise ValueError("bookkeeping bug")
+
+    def fine():
+        after.append("ran")
+        yield
+
+    async def main() -> None:
+        kernel.defer(broken())
+        kernel.defer(fine())
+        await kernel.wait(delayed_event(backend, 0.02))
+
+    run(main())
+    assert kernel.deferred == 0 and after == ["ran"]
+    kernel.close()
