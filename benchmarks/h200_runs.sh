@@ -18,13 +18,14 @@
 # Done 2026-11-30, seventh session: inline-urgent (hung: ExpertCache.aclose spun on Python 3.12, fixed), split-k,
 # split-k2 (split-K of gate/up slower; down in 2 parts kept), final7 (trained Qwen: specter 1.94-2.67x ondemand, copy
 # busy 0.78 / 0.87 at Gen5), router (draft step 4.47 -> 4.05 ms); results/h200-2026-11-30/seventh.
-# Next, in this order: gemv (the draft MoE's one-token GEMV kernels, written and CPU-tested in the seventh session,
-# off by default until measured); the draft step's remaining small nodes; a
-# timeline (torch profiler trace, tarred: a call returns at most 8 files) of one transfer-bound verify layer, to
-# see what of the ~0.65 ms serial part per MoE layer is host Python; scout (the scout alone, scout-k0, after its
-# accounting fix); calibration (GPTQ against RTN on the GPU reference model; on the
-# Qwen shape calibration.py at --tokens 48 with its four formats ran past a 280 s call: needs a smaller --tokens or
-# fewer formats there); micro (tile sweep).
+# Next, in this order (eighth session's end): issue 4's figures on the trained Qwen shape with the deferred copy-busy
+# reads (stage gemv3's training + bench part; prediction 1-3 % lower TPOT than gemv3's); the other GPU-idle host work
+# at round boundaries (VerifyRecord.settle, 13 % of the >= 1 ms windows; planning, victim choice, chunk issue in the
+# 0.2-1 ms ones: trace_gaps with --with-stack again after the deferral); the draft MoE GEMV at ~0.5 TB/s (more bytes
+# in flight per program); the fused decode attention at long visible lengths (3 % behind torch at 8000 of 8192);
+# the draft step's small nodes (KV writes and the route counter: three index kernels per layer); --k-max 16 on the
+# trained Qwen shape (it accepts 9 of 9 at k_max 8: longer rounds are fewer bytes per token at 8 residents, where
+# the link bounds specter below 2.5x); calibration on the Qwen shape (smaller --tokens); micro (tile sweep).
 # Write everything straight under $OUT (a command killed at its limit returns only what is already there).
 set -u
 source benchmarks/h200_setup.sh
