@@ -212,11 +212,11 @@ class Runtime:
 
     async def aclose(self) -> None:
         self._closed = True
+        self._finish_deferred()  # reads events of chunks the cache and its transfer engine still hold
         if self.cache is not None:
             await self.cache.aclose()
             await self.cache.transfer.aclose()
         if self.kernel is not None:
-            self.kernel.run_deferred()
             self.kernel.close()
         if self.backend is not None:
             self.backend.close()
@@ -267,7 +267,9 @@ class Runtime:
         return GenerationResult(tokens, stats)
 
     def _end_request(self) -> None:
-        """Leave the engine consistent whatever happened: no protected slot, no plan, an empty KV."""
+        """Leave the engine consistent whatever happened: no protected slot, no plan, an empty KV, and the
+        request's deferred copy-busy reads done (after its last token's time, before its stats are read)."""
+        self._finish_deferred()
         if self.cache is not None:
             fence = self.backend.record_event(self.backend.compute_stream)
             self.cache.unprotect_all(fence)
@@ -279,7 +281,6 @@ class Runtime:
 
     async def _generate(self, prompt: list[int], generation: GenerationConfig, stats: RequestStats) -> AsyncIterator[list[int]]:
         params = SamplingParams(generation.temperature, generation.top_k, generation.top_p, generation.seed)
-        self._finish_deferred()  # what a request its consumer left early still owed
         stats.prompt_tokens = len(prompt)
         stats.h2d_bytes_at_start = self._bytes_loaded()
         started = time.perf_counter()
@@ -299,7 +300,6 @@ class Runtime:
             stats.token_times.extend([now] * len(tokens))
             stats.new_tokens = len(produced)  # kept current: a consumer may stop iterating at any point
             yield tokens
-        self._finish_deferred()  # the copy-busy reads (after the last token's time, before the stats are read)
 
     async def _prefill(self, prompt: list[int], params: SamplingParams, stats: RequestStats) -> int:
         self.kv.reset()

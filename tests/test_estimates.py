@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from specter.config import DraftConfig, EngineConfig, GenerationConfig
 from specter.engine import Runtime
-from specter.metrics import Estimates
+from specter.metrics import Estimates, RequestStats
 
 
 def test_without_a_measured_union_every_row_costs_the_same():
@@ -123,3 +123,31 @@ def test_a_governor_that_measured_shallow_rounds_tries_deeper_ones():
 
     assert Roofline().next_k(state(list(estimates.acceptance))) <= 3  # the old reading: stuck near the measured depth
     assert Roofline().next_k(state(estimates.measured_acceptance(8))) >= 6
+
+
+def test_the_deferred_copy_busy_reads_are_done_when_a_request_ends_even_one_left_early(tiny):
+    """The copy-busy reads wait for the kernel's idle time (Kernel.defer); whatever is left is read when the
+    request ends, so its stats are whole when read, whether the consumer ran to the end or stopped early."""
+
+    async def go():
+        config = EngineConfig(device="cpu", residents=2, link="0.25", draft=DraftConfig(k=2), lookahead="fixed")
+        runtime = await Runtime.load(tiny, config)
+        try:
+            full = (await runtime.complete_ids([3, 1, 4, 1, 5], GenerationConfig(max_new_tokens=12))).stats
+            left = runtime.kernel.deferred
+            early = RequestStats()
+            stream = runtime.generate_ids([2, 7, 1, 8], GenerationConfig(max_new_tokens=12), stats=early)
+            chunks = 0
+            async for _tokens in stream:
+                chunks += 1
+                if chunks == 3:
+                    break
+            await stream.aclose()
+            return full, left, early, runtime.kernel.deferred
+        finally:
+            await runtime.aclose()
+
+    full, left, early, left_early = asyncio.run(go())
+    assert left == 0 and left_early == 0
+    assert full.copy_window_s > 0 and 0.0 < full.copy_busy_fraction <= 1.0 + 1e-6
+    assert early.rounds >= 2 and early.copy_window_s > 0
