@@ -26,7 +26,7 @@ from specter.decode import check_prompt, greedy_decode
 from specter.draft import Draft, DraftExperts
 from specter.errors import RequestCancelled
 from specter.experts.cache import ExpertCache
-from specter.kernel import Kernel, StageCounters, stage
+from specter.kernel import NOT_READY, Kernel, StageCounters, stage
 from specter.loader import resolve_device, resolve_dtype
 from specter.loading import (  # noqa: F401  (CheckpointWeights and WeightSource are part of this module's API)
     CheckpointWeights,
@@ -269,7 +269,6 @@ class Runtime:
     def _end_request(self) -> None:
         """Leave the engine consistent whatever happened: no protected slot, no plan, an empty KV, and the
         request's deferred copy-busy reads done (after its last token's time, before its stats are read)."""
-        self._finish_deferred()
         if self.cache is not None:
             fence = self.backend.record_event(self.backend.compute_stream)
             self.cache.unprotect_all(fence)
@@ -278,6 +277,7 @@ class Runtime:
         self._carry = None
         self._join_ahead()
         self.kv.reset()
+        self._finish_deferred()  # last: whatever it meets, the engine is consistent already
 
     async def _generate(self, prompt: list[int], generation: GenerationConfig, stats: RequestStats) -> AsyncIterator[list[int]]:
         params = SamplingParams(generation.temperature, generation.top_k, generation.top_p, generation.seed)
@@ -562,31 +562,33 @@ class Runtime:
         verify ended (capped at the verify's end). Reading the chunks' events costs a few microseconds each
         (H200 trace: 42 % of the GPU-idle time in round-boundary gaps of 1 ms or more), so the reading is
         deferred to the kernel's idle work (`Kernel.defer`: it runs while a later wait's event is pending)
-        and finished at the end of the request (`_generate`). Only the chunk list is taken now.
+        and finished when the request ends (`_end_request`). Only the chunk list is taken now. With
+        DEFER_COPY_BUSY off (or no kernel) the events are read here, and a round whose window marks have not
+        completed is left out, as before the deferral.
         """
         transfer = self.cache.transfer
         transfer.chunk_log = None
         if record is None or record.stall_s <= 0 or not chunks:
             return
-        work = self._copy_busy_work(list(chunks), window, stats)
         if self.kernel is None or not DEFER_COPY_BUSY:
-            for _ in work:
-                pass
+            if all(mark.query() for mark in window):
+                for _ in self._copy_busy_work(chunks, window, stats, batch=len(chunks)):
+                    pass
             return
         if self.kernel.deferred >= MAX_DEFERRED_ROUNDS:  # waits found no pending events for them: bound the backlog
             self.kernel.run_deferred()
-        self.kernel.defer(work)
+        self.kernel.defer(self._copy_busy_work(list(chunks), window, stats))
 
-    def _copy_busy_work(self, chunks: list, window: list, stats: RequestStats, batch: int = 8) -> Iterator[None]:
-        """The deferred measurement of `_copy_busy`, a few chunks per step."""
+    def _copy_busy_work(self, chunks: list, window: list, stats: RequestStats, batch: int = 8) -> Iterator[Any]:
+        """The measurement of `_copy_busy`, a few chunks per step (NOT_READY until the window's marks complete)."""
         while not all(mark.query() for mark in window):
-            yield
+            yield NOT_READY
         origin = window[0]
         verify_end = window[1].elapsed_since(origin)
         intervals: list[tuple[float, float]] = []
         for first in range(0, len(chunks), batch):
-            yield
             intervals += self.cache.transfer.busy_intervals(chunks[first : first + batch], origin, open_end=verify_end)
+            yield None
         span = min(max((end for start, end in intervals if start < verify_end), default=0.0), verify_end)
         if span > 0:
             stats.copy_busy_s += busy_within(intervals, 0.0, span)

@@ -47,6 +47,8 @@ TaskGroup = asyncio.TaskGroup
 """One task group per unit of work (principle 5); re-exported so stages import it from here."""
 
 _JOIN_TIMEOUT_S = 5.0
+NOT_READY = object()
+"""What a deferred work's step yields when it cannot progress yet (see Kernel.defer)."""
 
 
 class KernelSettings(BaseModel):
@@ -61,6 +63,10 @@ class KernelSettings(BaseModel):
     )
     spin_s: float = Field(
         0.0, ge=0.0, le=0.01, description="Default seconds to poll event.query() on the loop thread before parking."
+    )
+    idle_s: float = Field(
+        0.0005, ge=0.0, le=0.01, description="At most this long per wait is spent on deferred work (Kernel.defer) "
+        "while the wait's event is pending, so other ready tasks are never held up for longer.",
     )
 
 
@@ -135,6 +141,7 @@ class Kernel:
         self.stats = WaitStats()
         self._waiters: dict[Stream, _StreamWaiter] = {}
         self._deferred: collections.deque[Iterator[Any]] = collections.deque()
+        self._in_deferred = False
         self._closed = False
         if self.settings.mechanism == "host_func" and backend is None:
             raise ConfigError("kernel mechanism 'host_func' needs a backend to launch host functions; pass backend=")
@@ -165,8 +172,9 @@ class Kernel:
 
     def defer(self, work: Iterator[Any]) -> None:
         """Queue host work that need not run now (bookkeeping that reads completed GPU events, say): an iterator
-        advanced one step at a time while some `wait` finds its event still pending, so it fills host time the
-        loop thread would otherwise spend spinning or parked, never a window in which the GPU waits on the host.
+        advanced one step at a time while some `wait` finds its event still pending (at most `settings.idle_s` per
+        wait), so it fills host time the loop thread would otherwise spend spinning or parked. A step that yields
+        `NOT_READY` says the work cannot progress yet (it waits for the device itself): no more steps this wait.
         Keep each step short (it delays that wait's wake-up by at most one step). `run_deferred` finishes it all.
         A step that raises is logged and its work dropped: bookkeeping never fails the wait that hosts it."""
         self._deferred.append(work)
@@ -177,28 +185,48 @@ class Kernel:
         return len(self._deferred)
 
     def run_deferred(self) -> None:
-        """Finish every deferred work now (at the end of a request, before its statistics are read)."""
+        """Finish every deferred work now (at the end of a request, before its statistics are read). Not from
+        inside a deferred step (it returns at once there)."""
+        if self._in_deferred:
+            return
         while self._deferred:
             self._step(until_done=True)
 
     def _idle(self, event: Event) -> bool:
-        """Advance deferred work while `event` is pending; True when the event completed meanwhile."""
-        while self._deferred:
-            self._step(until_done=False)
+        """Advance deferred work while `event` is pending, for at most `settings.idle_s`; True when the event
+        completed meanwhile."""
+        if self._in_deferred:
+            return False
+        deadline = time.perf_counter() + self.settings.idle_s
+        while self._deferred and time.perf_counter() < deadline:
+            progressed = self._step(until_done=False)
             self.stats.idle_steps += 1
             if event.query():
                 return True
+            if not progressed:
+                break
+            time.sleep(0)  # drop the GIL between steps, as _spin does: the thread completing the event may need it
         return False
 
-    def _step(self, until_done: bool) -> None:
+    def _step(self, until_done: bool) -> bool:
+        """One step of the oldest work (all of it when until_done); False when it yielded NOT_READY."""
         work = self._deferred[0]
+        self._in_deferred = True
         try:
-            for _ in work:
-                if not until_done:
-                    return
+            for value in work:
+                if value is NOT_READY:
+                    if not until_done:
+                        return False
+                    time.sleep(0)
+                elif not until_done:
+                    return True
         except Exception as error:  # noqa: BLE001 - see defer(): logged, dropped
             log.warning("kernel.deferred_failed", error=repr(error), hint="deferred bookkeeping raised; its result is lost")
-        self._deferred.popleft()
+        finally:
+            self._in_deferred = False
+        if self._deferred and self._deferred[0] is work:
+            self._deferred.popleft()
+        return True
 
     def _spin(self, event: Event, budget_s: float) -> bool:
         deadline = time.perf_counter() + budget_s

@@ -214,40 +214,110 @@ def test_stage_events_are_logged_only_when_debug_is_on():
     assert events == []
 
 
-def test_deferred_work_runs_while_a_wait_is_pending_and_stops_when_its_event_completes(backend):
-    """Deferred steps fill a wait whose event is pending; once it completes the wait returns at the next step
-    boundary and the rest waits for later waits or run_deferred; a completed event runs none."""
-    kernel = Kernel(backend, KernelSettings(spin_s=0.0))
+def test_deferred_work_fills_a_pending_wait_within_its_idle_budget_and_run_deferred_finishes_it(backend):
+    """Deferred steps run only while a wait's event is pending, for at most idle_s per wait (then the wait parks
+    as usual); a completed event runs none; run_deferred finishes the rest in order."""
+    kernel = Kernel(backend, KernelSettings(spin_s=0.0, idle_s=0.005))
     steps: list[int] = []
 
     def work(name: int, count: int, pause_s: float):
         for index in range(count):
             time.sleep(pause_s)
-            steps.append(name * 100 + index)
+            steps.append(name * 1000 + index)
             yield
 
     async def main() -> None:
         kernel.defer(work(1, 3, 0.0))
+        kernel.defer(work(2, 200, 0.001))
         done = backend.record_event(backend.compute_stream)
         done.wait()
         await kernel.wait(done)
-        assert steps == [] and kernel.deferred == 1  # nothing pending: no deferred step ran
-        event = delayed_event(backend, 0.03)
-        kernel.defer(work(2, 1000, 0.001))  # outlasts the event
+        assert steps == [] and kernel.deferred == 2  # nothing pending: no deferred step ran
+        event = delayed_event(backend, 0.05)
         await kernel.wait(event)
         assert event.query()
-        assert steps[:3] == [100, 101, 102] and 200 in steps and len(steps) < 3 + 1000
-        assert kernel.deferred == 1  # the second work is not finished
+        assert steps[:4] == [1000, 1001, 1002, 2000]
+        assert 4 <= len(steps) <= 3 + 12, steps  # about 5 ms of 1 ms steps, not the 50 ms the event took
 
     run(main())
-    assert kernel.stats.idle_completed == 1 and kernel.stats.idle_steps == len(steps) + 1  # + the step ending work 1
+    assert kernel.stats.parked == 1 and kernel.stats.idle_completed == 0
     kernel.run_deferred()
-    assert kernel.deferred == 0 and len(steps) == 3 + 1000 and steps[-1] == 200 + 999
+    assert kernel.deferred == 0 and steps == [1000, 1001, 1002] + [2000 + i for i in range(200)]
+    kernel.close()
+
+
+def test_a_wait_whose_event_completes_during_deferred_work_returns_without_parking(backend):
+    kernel = Kernel(backend, KernelSettings(spin_s=0.0, idle_s=0.01))
+    steps: list[int] = []
+
+    def work():
+        for index in range(1000):
+            time.sleep(0.0005)
+            steps.append(index)
+            yield
+
+    async def main() -> None:
+        kernel.defer(work())
+        event = delayed_event(backend, 0.001)  # completes well inside the 10 ms idle budget
+        await kernel.wait(event)
+        assert event.query()
+
+    run(main())
+    assert kernel.stats.idle_completed == 1 and kernel.stats.parked == 0
+    assert 1 <= len(steps) < 20 and kernel.deferred == 1
+    kernel.run_deferred()
+    assert len(steps) == 1000
+    kernel.close()
+
+
+def test_a_work_that_is_not_ready_is_stepped_once_per_wait_not_busy_polled(backend):
+    from specter.kernel import NOT_READY
+
+    kernel = Kernel(backend, KernelSettings(spin_s=0.0, idle_s=0.01))
+    ready = threading.Event()
+    polls: list[int] = []
+
+    def work():
+        while not ready.is_set():
+            polls.append(1)
+            yield NOT_READY
+        yield
+
+    async def main() -> None:
+        kernel.defer(work())
+        await kernel.wait(delayed_event(backend, 0.03))
+        assert len(polls) == 1 and kernel.stats.parked == 1  # no busy poll of a work that cannot progress
+
+    run(main())
+    threading.Timer(0.02, ready.set).start()
+    kernel.run_deferred()  # waits (dropping the GIL) until the work can finish
+    assert kernel.deferred == 0 and ready.is_set()
+    kernel.close()
+
+
+def test_run_deferred_from_inside_a_deferred_step_returns_at_once(backend):
+    kernel = Kernel(backend)
+    order: list[str] = []
+
+    def reentrant():
+        order.append("a1")
+        kernel.run_deferred()  # must neither recurse into this work nor pop another
+        order.append("a2")
+        yield
+
+    def other():
+        order.append("b")
+        yield
+
+    kernel.defer(reentrant())
+    kernel.defer(other())
+    kernel.run_deferred()
+    assert order == ["a1", "a2", "b"] and kernel.deferred == 0
     kernel.close()
 
 
 def test_a_deferred_step_that_raises_is_logged_and_dropped_not_raised_into_the_wait(backend):
-    kernel = Kernel(backend, KernelSettings(spin_s=0.0))
+    kernel = Kernel(backend, KernelSettings(spin_s=0.0, idle_s=0.01))
     after: list[str] = []
 
     def broken():

@@ -295,7 +295,7 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, stats_ptr, pa
 def merge_splits_kernel(stats_ptr, partial_ptr, out_ptr, stats_plane, head_dim, SPLITS: tl.constexpr,
                         SPLITS_POW2: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
     """Program (row, head): the runs' partial softmaxes rescaled to their common max and added (empty runs, max
-    -inf, weigh 0; the first run always holds the row's own position)."""
+    -inf, weigh 0; the first run is never empty, so the common max is finite)."""
     slot = (tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * SPLITS
     runs = tl.arange(0, SPLITS_POW2)
     run_ok = runs < SPLITS
