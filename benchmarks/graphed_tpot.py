@@ -109,7 +109,8 @@ def eager_tpot(model, experts, prompt: list[int], count: int) -> tuple[float, li
 
 
 def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits: tuple[int, ...] = (0,),
-               profile_out: str | None = None, router_ab: bool = False, ab: bool = False) -> dict:
+               profile_out: str | None = None, router_ab: bool = False, ab: bool = False,
+               kv_write_ab: bool = False) -> dict:
     """The int4 draft's per-step time, graphed (k replays, no host sync) and eager, against its byte floor."""
     from specter.decode import prefill
     from specter.draft import Draft
@@ -133,18 +134,20 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
     from specter.model import fused
     from specter.quant import moe_triton
 
-    default, switches = moe_triton.DEFAULT_CONFIG, (fused.DECODE_ATTENTION, fused.ROUTER_AND_GATE)
+    default = moe_triton.DEFAULT_CONFIG
+    switches = (fused.DECODE_ATTENTION, fused.ROUTER_AND_GATE, fused.ROPE_WRITES_CACHE)
 
     def measure(name: str, static: bool = True, moe: dict | None = None, attention: bool = switches[0],
-                router: bool = switches[1]) -> None:  # fmt: skip
+                router: bool = switches[1], rope_cache: bool = switches[2]) -> None:  # fmt: skip
         """One row: the step with the fused MoE's config changed by `moe` and the fused switches as given (the
         module defaults are restored afterwards, whatever happens)."""
         moe_triton.DEFAULT_CONFIG = dataclasses.replace(default, **(moe or {}))
-        fused.DECODE_ATTENTION, fused.ROUTER_AND_GATE = attention, router
+        fused.DECODE_ATTENTION, fused.ROUTER_AND_GATE, fused.ROPE_WRITES_CACHE = attention, router, rope_cache
         try:
             step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=static))) / k
         finally:
-            moe_triton.DEFAULT_CONFIG, (fused.DECODE_ATTENTION, fused.ROUTER_AND_GATE) = default, switches
+            moe_triton.DEFAULT_CONFIG = default
+            fused.DECODE_ATTENTION, fused.ROUTER_AND_GATE, fused.ROPE_WRITES_CACHE = switches
         rows[name] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
 
     for split in graphed_splits:  # the fused MoE's down GEMM in this many K parts (0: its default)
@@ -154,6 +157,8 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
         measure("draft-int4-graphed-no-gemv", moe=dict(single_token_gemv=False))
         measure("draft-int4-graphed-no-attention", attention=False)
         measure("draft-int4-graphed-neither", moe=dict(single_token_gemv=False), attention=False)
+    if kv_write_ab:  # the rotation and the KV writes in one launch (fused.rope_and_cache), against the default
+        measure("draft-int4-graphed-rope-cache", rope_cache=not switches[2])
     if router_ab:  # torch's router and shared gate instead of the fused ones
         measure("draft-int4-graphed-torch-router", router=False)
     if profile_out is not None:  # where the graphed draft step's time goes, kernel by kernel (one proposal)
@@ -191,6 +196,8 @@ def main() -> None:
     parser.add_argument("--router-ab", action="store_true", help="also time the graphed draft step with torch's router and gate")
     parser.add_argument("--ab", action="store_true", help="also time the graphed draft step without the one-token GEMV "
                         "MoE, without the fused decode attention, and without both")
+    parser.add_argument("--kv-write", action="store_true", help="also time the step with fused.ROPE_WRITES_CACHE "
+                        "switched (RoPE and the KV writes in one launch)")
     parser.add_argument("--prompt-length", type=int, default=16, help="positions already in the cache (the draft "
                         "attends over these; at most --max-context minus k)")
     args = parser.parse_args()
@@ -203,7 +210,8 @@ def main() -> None:
         target_rows(runtime, prompt, args.tokens, args.eager_tokens)
     splits = tuple(int(split) for split in args.draft_splits.split(","))
     rows |= draft_rows(runtime, prompt, args.k, repeats=max(2, args.tokens // args.k), graphed_splits=splits,
-                       profile_out=args.profile_draft, router_ab=args.router_ab, ab=args.ab)
+                       profile_out=args.profile_draft, router_ab=args.router_ab, ab=args.ab,
+                       kv_write_ab=args.kv_write)
     asyncio.run(runtime.aclose())
     label = f"{args.shape}" + (f" (first {args.layers} layers)" if args.layers else "")
     result = {"shape": label, "rows": rows, "graphed_vs_eager": agreement, "gpu": torch.cuda.get_device_name(),

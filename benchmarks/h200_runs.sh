@@ -18,8 +18,8 @@
 # Done 2026-11-30, seventh session: inline-urgent (hung: ExpertCache.aclose spun on Python 3.12, fixed), split-k,
 # split-k2 (split-K of gate/up slower; down in 2 parts kept), final7 (trained Qwen: specter 1.94-2.67x ondemand, copy
 # busy 0.78 / 0.87 at Gen5), router (draft step 4.47 -> 4.05 ms); results/h200-2026-11-30/seventh.
-# Next, in this order (eighth session's end): issue 4's figures on the trained Qwen shape with the deferred copy-busy
-# reads (stage gemv3's training + bench part; prediction 1-3 % lower TPOT than gemv3's); the other GPU-idle host work
+# Next, in this order (eighth session's end): kv-write (the fused RoPE + KV writes, off until measured, and issue 4's
+# figures on the trained Qwen shape with the deferred copy-busy reads); the other GPU-idle host work
 # at round boundaries (VerifyRecord.settle, 13 % of the >= 1 ms windows; planning, victim choice, chunk issue in the
 # 0.2-1 ms ones: trace_gaps with --with-stack again after the deferral); the draft MoE GEMV at ~0.5 TB/s (more bytes
 # in flight per program); the fused decode attention at long visible lengths (3 % behind torch at 8000 of 8192);
@@ -256,6 +256,27 @@ case "$stage" in
       --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
     tail -1 "$out/logs/gpu-fused.log"; grep -E "FAIL|Error" "$out/logs/gpu-fused.log" | head -5; tail -4 "$out/logs/graphed.log"
     head -22 "$out/draft-profile.txt" | cut -c1-70,150-175 ;;
+  kv-write)       # NOT RUN YET (written 2026-11-30, eighth session, no device time left). fused.rope_and_cache: the
+    # draft's RoPE and its two KV writes (index_copy_, two index kernels per layer in the eighth session's profile)
+    # in one launch, off by default (fused.ROPE_WRITES_CACHE) until this runs; its GPU test first (bit-identical to
+    # rope + index_copy_), then the graphed draft step with it switched, then the trained Qwen figures with the
+    # deferred copy-busy reads (gemv3's training + bench).
+    # PREDICTION: draft step 3.14 -> 3.0-3.1 ms at 512/16 (two launches of ~2.5 us fewer per layer, 24 layers);
+    # trained Qwen specter 1-3 % below gemv3's TPOT (the deferred reads), figures otherwise as gemv3.
+    # If the step prediction holds, make ROPE_WRITES_CACHE the default.
+    mkdir -p "$out/logs"
+    timeout 330 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 3.5 > "$out/logs/train-qwen.log" 2>&1 &
+    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fused.py tests/test_gpu_graphed.py \
+      tests/test_gpu_transfer.py -k "not link_emulation" > "$out/logs/gpu-tests.log" 2>&1
+    wait
+    timeout 80 python benchmarks/graphed_tpot.py --draft-only --kv-write --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    timeout 150 python -m specter.bench --model /tmp/qwenref --residents 15,8 --link native,gen4 --max-new-tokens 64 \
+      --systems ondemand,specter,specter-serial,oracle-specter --time-budget 140 --no-progress --no-plots --no-hf \
+      --out "$out/qwen-reference" > "$out/logs/qwen-reference.log" 2>&1
+    tar czf "$out/kv-write.tgz" -C "$out" logs graphed qwen-reference 2>/dev/null
+    tail -1 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|ERROR)" "$out/logs/gpu-tests.log" | head -5
+    grep -E "^draft" "$out/logs/graphed.log"
+    grep -E "\| (ondemand|specter|specter-serial|oracle-specter) \|" "$out/qwen-reference/results.md" | cut -d"|" -f3-7,9-20 ;;
   defer)          # eighth session's last call (about 4 min of device time left): the copy-busy reads deferred to the
     # kernel's idle work, against reading them at each round's end, same process order (inline first), same config
     # as final8 (Qwen shape, random weights, 15 residents, k = 8, static verify), then the copy-busy GPU test.

@@ -275,3 +275,53 @@ def test_only_the_non_exact_forward_takes_the_fused_kernels(tmp_path, family):
 
 def test_the_fused_path_is_off_for_cpu_tensors_outside_the_interpreter():
     assert not fused.usable(torch.zeros(2)) or fused.moe_triton.interpreting()
+
+
+ROPE_CACHE_SCRIPT = r"""
+import json, sys
+import torch
+from specter.config import EngineConfig
+from specter.loader import load_resident
+from specter.model import fused
+from specter.model.graphed import ResidentMoE, StaticStep
+
+path = sys.argv[1]
+calls = []
+original = fused.rope_and_cache
+fused.rope_and_cache = lambda *args: calls.append(1) or original(*args)
+result = {}
+for exact in (True, False):
+    loaded = load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=32, exact=exact))
+    step = StaticStep(loaded.model, ResidentMoE(loaded.model, loaded.experts, "dense"), 4)
+    tokens, positions = torch.tensor([3, 1, 4, 1]), torch.tensor([5, 6, 7, 9])  # a gap: position 8 stays unwritten
+    outputs, caches = [], []
+    for flag in (False, True):
+        fused.ROPE_WRITES_CACHE = flag
+        kv = loaded.model.new_kv()
+        kv.k.fill_(7.0)
+        kv.v.fill_(7.0)
+        outputs.append(step.hidden(tokens, positions, kv))
+        caches.append((kv.k.clone(), kv.v.clone()))
+    fused.ROPE_WRITES_CACHE = False
+    result["exact" if exact else "fast"] = {
+        "calls": len(calls),
+        "same_output": bool(torch.equal(outputs[0], outputs[1])),
+        "same_cache": bool(torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])),
+        "untouched_kept": bool((caches[1][0][:, :, 8] == 7.0).all() and (caches[1][1][:, :, :5] == 7.0).all()),
+    }
+    calls.clear()
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_rope_and_cache_writes_the_same_kv_and_output_as_rope_plus_index_copy(tmp_path):
+    import json
+
+    from tests.hf_models import hf_model, save_hf
+
+    path = save_hf(hf_model("qwen2_moe"), tmp_path / "m")
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    result = run_interpreted(ROPE_CACHE_SCRIPT, str(path))
+    assert result["exact"] == {"calls": 0, "same_output": True, "same_cache": True, "untouched_kept": True}
+    assert result["fast"] == {"calls": layers, "same_output": True, "same_cache": True, "untouched_kept": True}, result

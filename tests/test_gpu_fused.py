@@ -101,3 +101,23 @@ def test_fused_decode_attention_on_cuda(dtype, rows, heads, kv_heads, head_dim, 
         weights = torch.softmax(torch.einsum("hd,hnd->hn", q[r].double(), k) / math.sqrt(head_dim), dim=-1)
         reference = torch.einsum("hn,hnd->hd", weights, v)
         assert (got[r] - reference).abs().max().item() <= (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, heads, kv_heads, head_dim", [(1, 16, 16, 128), (3, 32, 8, 128), (2, 6, 2, 40)])
+def test_rope_and_cache_equals_rope_then_index_copy_bit_for_bit_on_cuda(dtype, rows, heads, kv_heads, head_dim):
+    generator = torch.Generator(device="cuda").manual_seed(6)
+    capacity = 64
+    q = torch.randn(rows, heads, head_dim, device="cuda", generator=generator).to(dtype)
+    k = torch.randn(rows, kv_heads, head_dim, device="cuda", generator=generator).to(dtype)
+    v = torch.randn(rows, kv_heads, head_dim, device="cuda", generator=generator).to(dtype)
+    cos = torch.randn(capacity, head_dim, device="cuda", generator=generator).to(dtype)
+    sin = torch.randn(capacity, head_dim, device="cuda", generator=generator).to(dtype)
+    positions = torch.randperm(capacity, device="cuda", generator=generator)[:rows]
+    cache = torch.randn(2, kv_heads, capacity, head_dim, device="cuda", generator=generator).to(dtype)
+    expected = cache.clone()
+    q_ref, k_ref = fused.rope(q, k, cos, sin, positions)
+    expected[0].index_copy_(1, positions, k_ref.transpose(0, 1))
+    expected[1].index_copy_(1, positions, v.transpose(0, 1))
+    q_got = fused.rope_and_cache(q, k, v, cos, sin, positions, cache[0], cache[1])
+    assert torch.equal(q_got, q_ref) and torch.equal(cache, expected)

@@ -31,6 +31,10 @@ DECODE_ATTENTION = True
 """Whether the non-exact static step (the graphed draft) attends with `decode_attention` (the visible positions
 only) instead of masked attention over the whole cache (H200, 2026-11-30: draft step 3.82 -> 3.49 ms at a 512-position
 cache, 4.16 -> 3.48 ms at 2048; docs/BENCHMARKS.md)."""
+ROPE_WRITES_CACHE = False
+"""Whether the non-exact static step rotates q and k and writes k and v into the KV cache in one launch
+(`rope_and_cache`) instead of the RoPE launch and two index_copy_ kernels (off until measured on the GPU:
+`benchmarks/h200_runs.sh kv-write`)."""
 POSITIONS_PER_SPLIT = 128
 """Cache positions per run of `decode_attention` (its default split is the capacity over this). H200, 2026-11-30:
 runs of 512 left 64 programs for a 2048-position cache of 16 heads, each streaming its run at ~9 GB/s (latency-bound),
@@ -63,6 +67,24 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Tensor) -> t
     _kernels().rope[(rows, heads + kv_heads)](q, k, q_out, k_out, cos, sin, positions, heads, kv_heads, head_dim,
                                               BLOCK=_pow2(head_dim))
     return q_out, k_out
+
+
+def rope_and_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, k_cache: Tensor,
+                   v_cache: Tensor) -> Tensor:
+    """`rope` of q [T, H, hd] and k [T, Hkv, hd], with the rotated k and v [T, Hkv, hd] written into one layer's
+    cache k_cache / v_cache [Hkv, S, hd] at `positions` [T] (what index_copy_ along S does): one launch. Returns
+    the rotated q."""
+    rows, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    assert v.shape == k.shape and k_cache.shape == v_cache.shape and k_cache.shape[0] == kv_heads
+    assert k_cache.stride(2) == 1 and v_cache.stride(2) == 1, "the cache's head dimension must be contiguous"
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q_out = torch.empty_like(q)
+    _kernels().rope_cache[(rows, heads + 2 * kv_heads)](
+        q, k, v, q_out, k_cache, v_cache, cos, sin, positions, heads, kv_heads, head_dim, k_cache.stride(0),
+        k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), BLOCK=_pow2(head_dim),
+    )  # fmt: skip
+    return q_out
 
 
 def topk_softmax(logits: Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -143,6 +165,7 @@ def _kernels() -> Any:
     class Kernels:
         rms_norm = triton.jit(rms_norm_kernel)
         rope = triton.jit(rope_kernel)
+        rope_cache = triton.jit(rope_cache_kernel)
         topk_softmax = triton.jit(topk_softmax_kernel)
         sigmoid_gate = triton.jit(sigmoid_gate_kernel)
         decode_attention = triton.jit(decode_attention_kernel)
@@ -187,6 +210,36 @@ def rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr, h
     sin = tl.load(sin_ptr + position * head_dim + cols, mask=ok, other=0.0).to(tl.float32)
     out = x.to(tl.float32) * cos + rotated * sin
     tl.store(dst + cols, out.to(x.dtype), mask=ok)
+
+
+def rope_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, pos_ptr, heads,
+                      kv_heads, head_dim, stride_kh, stride_ks, stride_vh, stride_vs, BLOCK: tl.constexpr):  # fmt: skip
+    """Program (row, head): heads below `heads` rotate q into q_out, the next kv_heads rotate k into the key cache
+    at the row's position, the last kv_heads copy v into the value cache there."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    position = tl.load(pos_ptr + row).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < head_dim
+    if head >= heads + kv_heads:  # v: a copy
+        h = (head - heads - kv_heads).to(tl.int64)
+        x = tl.load(v_ptr + (row * kv_heads + h) * head_dim + cols, mask=ok, other=0.0)
+        tl.store(v_cache_ptr + h * stride_vh + position * stride_vs + cols, x.to(v_cache_ptr.dtype.element_ty), mask=ok)
+    else:
+        if head < heads:
+            base, dst = q_ptr + (row * heads + head) * head_dim, q_out_ptr + (row * heads + head) * head_dim
+        else:
+            h = (head - heads).to(tl.int64)
+            base, dst = k_ptr + (row * kv_heads + h) * head_dim, k_cache_ptr + h * stride_kh + position * stride_ks
+        half = head_dim // 2
+        partner = tl.where(cols < half, cols + half, cols - half)
+        x = tl.load(base + cols, mask=ok, other=0.0)
+        rotated = tl.load(base + partner, mask=ok, other=0.0).to(tl.float32)
+        rotated = tl.where(cols < half, -rotated, rotated)
+        cos = tl.load(cos_ptr + position * head_dim + cols, mask=ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + position * head_dim + cols, mask=ok, other=0.0).to(tl.float32)
+        out = x.to(tl.float32) * cos + rotated * sin
+        tl.store(dst + cols, out.to(x.dtype), mask=ok)
 
 
 def topk_softmax_kernel(logits_ptr, ids_ptr, weights_ptr, experts, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr,

@@ -216,9 +216,13 @@ class StaticStep:
         prefix = f"{model.spec.layer_prefix(layer)}.self_attn"
         if self.latent:
             return self._latent_attention(layer, prefix, x, positions, blocked, kv)
-        q, k, v = model._qkv(layer, prefix, x, positions)  # [R, H, hd], [R, Hkv, hd] x 2
-        kv.k[layer].index_copy_(1, positions, k.transpose(0, 1))
-        kv.v[layer].index_copy_(1, positions, v.transpose(0, 1))
+        if not model.exact and fused.ROPE_WRITES_CACHE and fused.usable(x):  # the draft: one launch, no index_copy_
+            q, k, v = model._qkv(layer, prefix, x, positions, rotate=False)
+            q = fused.rope_and_cache(q, k, v, model.cos, model.sin, positions, kv.k[layer], kv.v[layer])
+        else:
+            q, k, v = model._qkv(layer, prefix, x, positions)  # [R, H, hd], [R, Hkv, hd] x 2
+            kv.k[layer].index_copy_(1, positions, k.transpose(0, 1))
+            kv.v[layer].index_copy_(1, positions, v.transpose(0, 1))
         if not model.exact and fused.DECODE_ATTENTION and fused.usable(q):  # the draft: the visible positions only
             out = fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, model.spec.sliding_window)
         else:

@@ -148,7 +148,9 @@ class Transformer:
         (x,) = self.rows(lambda o, res: res + self.linear(o, f"{prefix}.o_proj"), out, x)
         return x
 
-    def _qkv(self, layer: int, prefix: str, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv(self, layer: int, prefix: str, x: Tensor, positions: Tensor, rotate: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+        """q [T, H, hd], k, v [T, Hkv, hd] of x at `positions`, q and k rotated unless `rotate` is False (the
+        caller rotates them itself: fused.rope_and_cache)."""
         spec = self.spec
         h = self.norm(x, f"{spec.layer_prefix(layer)}.input_layernorm")
         q, k, v = (self.linear(h, f"{prefix}.{name}") for name in ("q_proj", "k_proj", "v_proj"))
@@ -162,6 +164,8 @@ class Transformer:
         v = v.view(rows, spec.num_kv_heads, spec.head_dim)
         if spec.qk_norm == "head":
             q, k = self.norm(q, f"{prefix}.q_norm"), self.norm(k, f"{prefix}.k_norm")
+        if not rotate:
+            return q, k, v
         if not self.exact and fused.usable(q):  # the draft on CUDA: one launch for both rotations
             q, k = fused.rope(q, k, self.cos, self.sin, positions)
             return q, k, v
