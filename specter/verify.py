@@ -61,7 +61,15 @@ class VerifyRecord:
 
     def settle(self) -> None:
         """Add the device-side waits to stall_s. Call once the forward's output has been awaited (every event
-        has completed then); a pair not completed yet stays for a later call."""
+        has completed then); a pair not completed yet stays for a later call.
+
+        Every mark is recorded on the compute stream in order (compute_hot_first), so when the last one has
+        completed all have: one query then, instead of two per pair (each a CUDA call at a round's end, where
+        the GPU waits for the host: docs/BENCHMARKS.md, "Where the GPU idles")."""
+        if self.device_waits and self.device_waits[-1][1].query():
+            self.stall_s += sum(max(0.0, after.elapsed_since(before)) for before, after in self.device_waits)
+            self.device_waits = []
+            return
         pending = []
         for before, after in self.device_waits:
             if before.query() and after.query():

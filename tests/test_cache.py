@@ -392,6 +392,29 @@ def test_settle_keeps_the_waits_not_completed_yet():
         backend.close()
 
 
+def test_settle_queries_only_the_last_mark_once_it_has_completed():
+    """Marks of one stream complete in order: a completed last mark settles every pair without querying the
+    others (the CUDA calls at a round's end hold the GPU idle), and the stall is the same sum."""
+
+    class Mark:
+        queries = 0
+
+        def __init__(self, t: float) -> None:
+            self.t = t
+
+        def query(self) -> bool:
+            Mark.queries += 1
+            return True
+
+        def elapsed_since(self, other: "Mark") -> float:
+            return self.t - other.t
+
+    marks = [Mark(t) for t in (0.0, 0.5, 1.0, 1.25, 2.0, 2.0)]
+    record = VerifyRecord(device_waits=[(marks[0], marks[1]), (marks[2], marks[3]), (marks[4], marks[5])])
+    record.settle()
+    assert record.stall_s == 0.75 and record.device_waits == [] and Mark.queries == 1
+
+
 def test_a_protected_expert_survives_and_too_many_protections_are_a_budget_error(rig):
     async def main() -> None:
         for expert, slot in (await rig.cache.ensure(1, [0, 1, 2])).items():
