@@ -161,6 +161,8 @@ def _kernels() -> Any:
     import triton.language
 
     tl = triton.language
+    global _rotated  # the RoPE kernels' shared helper: jitted too, under the name they resolve
+    _rotated = triton.jit(_rotated)
 
     class Kernels:
         rms_norm = triton.jit(rms_norm_kernel)
@@ -199,6 +201,12 @@ def rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr, h
         base = k_ptr + (row * kv_heads + head - heads) * head_dim
         dst = k_out_ptr + (row * kv_heads + head - heads) * head_dim
     position = tl.load(pos_ptr + row).to(tl.int64)
+    _rotated(base, dst, cos_ptr, sin_ptr, position, head_dim, BLOCK)
+
+
+def _rotated(base, dst, cos_ptr, sin_ptr, position, head_dim, BLOCK: tl.constexpr):
+    """dst = x * cos + rotate_half(x) * sin for the head vector x at base, in float32, stored in x's dtype (the
+    kernels' shared helper: jitted under this name by _kernels())."""
     cols = tl.arange(0, BLOCK)
     ok = cols < head_dim
     half = head_dim // 2
@@ -219,27 +227,19 @@ def rope_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, 
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     position = tl.load(pos_ptr + row).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < head_dim
     if head >= heads + kv_heads:  # v: a copy
         h = (head - heads - kv_heads).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < head_dim
         x = tl.load(v_ptr + (row * kv_heads + h) * head_dim + cols, mask=ok, other=0.0)
         tl.store(v_cache_ptr + h * stride_vh + position * stride_vs + cols, x.to(v_cache_ptr.dtype.element_ty), mask=ok)
+    elif head < heads:
+        _rotated(q_ptr + (row * heads + head) * head_dim, q_out_ptr + (row * heads + head) * head_dim, cos_ptr,
+                 sin_ptr, position, head_dim, BLOCK)  # fmt: skip
     else:
-        if head < heads:
-            base, dst = q_ptr + (row * heads + head) * head_dim, q_out_ptr + (row * heads + head) * head_dim
-        else:
-            h = (head - heads).to(tl.int64)
-            base, dst = k_ptr + (row * kv_heads + h) * head_dim, k_cache_ptr + h * stride_kh + position * stride_ks
-        half = head_dim // 2
-        partner = tl.where(cols < half, cols + half, cols - half)
-        x = tl.load(base + cols, mask=ok, other=0.0)
-        rotated = tl.load(base + partner, mask=ok, other=0.0).to(tl.float32)
-        rotated = tl.where(cols < half, -rotated, rotated)
-        cos = tl.load(cos_ptr + position * head_dim + cols, mask=ok, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + position * head_dim + cols, mask=ok, other=0.0).to(tl.float32)
-        out = x.to(tl.float32) * cos + rotated * sin
-        tl.store(dst + cols, out.to(x.dtype), mask=ok)
+        h = (head - heads).to(tl.int64)
+        _rotated(k_ptr + (row * kv_heads + h) * head_dim, k_cache_ptr + h * stride_kh + position * stride_ks,
+                 cos_ptr, sin_ptr, position, head_dim, BLOCK)  # fmt: skip
 
 
 def topk_softmax_kernel(logits_ptr, ids_ptr, weights_ptr, experts, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr,
