@@ -142,7 +142,7 @@ def test_fused_decode_attention_matches_a_float64_reference_in_the_interpreter()
         assert gap <= (2e-3 if dtype == "torch.float16" else 1e-5), (dtype, case, gap)
 
 
-STATIC_ATTENTION_SCRIPT = r"""
+STATIC_STEP_PRELUDE = r"""
 import json, sys
 import torch
 from specter.config import EngineConfig
@@ -150,14 +150,36 @@ from specter.loader import load_resident
 from specter.model import fused
 from specter.model.graphed import ResidentMoE, StaticStep
 
+
+def counted(name):
+    # fused.<name> wrapped to record each call in the returned list
+    calls, original = [], getattr(fused, name)
+    setattr(fused, name, lambda *args: calls.append(1) or original(*args))
+    return calls
+
+
+def static_step(path, exact):
+    loaded = load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=32, exact=exact))
+    return loaded, StaticStep(loaded.model, ResidentMoE(loaded.model, loaded.experts, "dense"), 4)
+"""
+
+
+def run_on_a_small_qwen(script: str, tmp_path) -> tuple[dict, int]:
+    """`script` interpreted on a small saved qwen2_moe checkpoint (its path is argv[1]); its result and layer count."""
+    import json
+
+    from tests.hf_models import hf_model, save_hf
+
+    path = save_hf(hf_model("qwen2_moe"), tmp_path / "m")
+    return run_interpreted(script, str(path)), json.loads((path / "config.json").read_text())["num_hidden_layers"]
+
+
+STATIC_ATTENTION_SCRIPT = STATIC_STEP_PRELUDE + r"""
 path = sys.argv[1]
-calls = []
-original = fused.decode_attention
-fused.decode_attention = lambda *args: calls.append(1) or original(*args)
+calls = counted("decode_attention")
 result = {}
 for exact in (True, False):
-    loaded = load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=32, exact=exact))
-    step = StaticStep(loaded.model, ResidentMoE(loaded.model, loaded.experts, "dense"), 4)
+    loaded, step = static_step(path, exact)
     tokens, positions = torch.tensor([3, 1, 4, 1]), torch.arange(4)
     outputs = []
     for flag in (False, True):
@@ -185,13 +207,7 @@ print(json.dumps(result))
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_only_non_exact_one_row_steps_take_the_fused_attention_when_switched_on(tmp_path):
-    import json
-
-    from tests.hf_models import hf_model, save_hf
-
-    path = save_hf(hf_model("qwen2_moe"), tmp_path / "m")
-    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
-    result = run_interpreted(STATIC_ATTENTION_SCRIPT, str(path))
+    result, layers = run_on_a_small_qwen(STATIC_ATTENTION_SCRIPT, tmp_path)
     assert result["exact"] == {"calls": 0, "gap": 0.0}  # exact mode keeps torch's ops even with the switch on
     assert result["fast"]["calls"] == layers, result  # once per layer with the switch on, never with it off
     assert result["fast"]["gap"] < 1e-4, result
@@ -277,22 +293,12 @@ def test_the_fused_path_is_off_for_cpu_tensors_outside_the_interpreter():
     assert not fused.usable(torch.zeros(2)) or fused.moe_triton.interpreting()
 
 
-ROPE_CACHE_SCRIPT = r"""
-import json, sys
-import torch
-from specter.config import EngineConfig
-from specter.loader import load_resident
-from specter.model import fused
-from specter.model.graphed import ResidentMoE, StaticStep
-
+ROPE_CACHE_SCRIPT = STATIC_STEP_PRELUDE + r"""
 path = sys.argv[1]
-calls = []
-original = fused.rope_and_cache
-fused.rope_and_cache = lambda *args: calls.append(1) or original(*args)
+calls = counted("rope_and_cache")
 result = {}
 for exact in (True, False):
-    loaded = load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=32, exact=exact))
-    step = StaticStep(loaded.model, ResidentMoE(loaded.model, loaded.experts, "dense"), 4)
+    loaded, step = static_step(path, exact)
     tokens, positions = torch.tensor([3, 1, 4, 1]), torch.tensor([5, 6, 7, 9])  # a gap: position 8 stays unwritten
     outputs, caches = [], []
     for flag in (False, True):
@@ -316,12 +322,6 @@ print(json.dumps(result))
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_rope_and_cache_writes_the_same_kv_and_output_as_rope_plus_index_copy(tmp_path):
-    import json
-
-    from tests.hf_models import hf_model, save_hf
-
-    path = save_hf(hf_model("qwen2_moe"), tmp_path / "m")
-    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
-    result = run_interpreted(ROPE_CACHE_SCRIPT, str(path))
+    result, layers = run_on_a_small_qwen(ROPE_CACHE_SCRIPT, tmp_path)
     assert result["exact"] == {"calls": 0, "same_output": True, "same_cache": True, "untouched_kept": True}
     assert result["fast"] == {"calls": layers, "same_output": True, "same_cache": True, "untouched_kept": True}, result
