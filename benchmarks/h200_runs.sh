@@ -273,17 +273,19 @@ case "$stage" in
     timeout 150 python -m specter.bench --model /tmp/qwenref --residents 15,8 --link native,gen4 --max-new-tokens 64 \
       --systems ondemand,specter,specter-serial,oracle-specter --time-budget 140 --no-progress --no-plots --no-hf \
       --out "$out/qwen-reference" > "$out/logs/qwen-reference.log" 2>&1
-    # then the same with the governor allowed 15 steps (k + 1 = 16 verify rows: one chunk of the 16-row static step;
-    # 17 would take a second pass). CPU: 31 % fewer bytes per token from k 8 to 16 at a quarter resident.
+    tar czf "$out/kv-write.tgz" -C "$out" logs graphed qwen-reference 2>/dev/null
+    tail -1 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|ERROR)" "$out/logs/gpu-tests.log" | head -5
+    grep -E "^draft" "$out/logs/graphed.log"
+    grep -E "\| (ondemand|specter|specter-serial|oracle-specter) \|" "$out/qwen-reference/results.md" | cut -d"|" -f3-7,9-20 ;;
+  kmax15)         # right after kv-write, machine warm (/tmp/qwenref kept): the governor allowed 15 steps (k + 1 = 16 verify
+    # rows: one chunk of the 16-row static step; 17 would take a second pass). CPU: 31 % fewer bytes per token from
+    # k 8 to 16 at a quarter resident.
     # PREDICTION: specter at 8 residents Gen5 from ~3.7-4.3 ms to 3.2-3.6 ms (H2D/token -15 to -30 %).
-    # The whole stage is near the 600 s limit: move these last lines into a call of their own if it is cut.
+    mkdir -p "$out/logs"
     timeout 100 python -m specter.bench --model /tmp/qwenref --residents 8 --link native,gen4 --max-new-tokens 64 \
       --systems ondemand,specter --k-max 15 --time-budget 90 --no-progress --no-plots --no-hf \
       --out "$out/qwen-kmax15" > "$out/logs/qwen-kmax15.log" 2>&1
-    tar czf "$out/kv-write.tgz" -C "$out" logs graphed qwen-reference qwen-kmax15 2>/dev/null
-    tail -1 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|ERROR)" "$out/logs/gpu-tests.log" | head -5
-    grep -E "^draft" "$out/logs/graphed.log"
-    grep -E "\| (ondemand|specter|specter-serial|oracle-specter) \|" "$out/qwen-reference/results.md" | cut -d"|" -f3-7,9-20
+    tar czf "$out/kmax15.tgz" -C "$out" logs qwen-kmax15 2>/dev/null
     grep -E "\| (ondemand|specter) \|" "$out/qwen-kmax15/results.md" | cut -d"|" -f3-7,9-20 ;;
   defer)          # eighth session's last call (about 4 min of device time left): the copy-busy reads deferred to the
     # kernel's idle work, against reading them at each round's end, same process order (inline first), same config
