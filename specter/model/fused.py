@@ -35,6 +35,10 @@ ROPE_WRITES_CACHE = False
 """Whether the non-exact static step rotates q and k and writes k and v into the KV cache in one launch
 (`rope_and_cache`) instead of the RoPE launch and two index_copy_ kernels (off until measured on the GPU:
 `benchmarks/h200_runs.sh kv-write`)."""
+PACKED_QKV = True
+"""Whether the non-exact forward projects q, k and v with one product over the packed weights (the target's own
+storage, packed at load: transformer.pack_projections) instead of three (prediction: ~10 us fewer per layer-step at
+the Qwen shape, three 8 MB products at ~6 us each measured against one 24 MB one)."""
 POSITIONS_PER_SPLIT = 128
 """Cache positions per run of `decode_attention` (its default split is the capacity over this). H200, 2026-11-30:
 runs of 512 left 64 programs for a 2048-position cache of 16 heads, each streaming its run at ~9 GB/s (latency-bound),

@@ -65,6 +65,63 @@ def combine_in_expert_order(num_rows: int, hidden: int, parts: dict[int, tuple[T
     return out
 
 
+def pack_projections(w: dict[str, Tensor], prefix: str, names: Sequence[str]) -> None:
+    """Make the projections `prefix.<name>.weight` (and their biases, when all have one) consecutive row blocks of
+    one tensor, in place in `w`: each entry becomes a view of the packed tensor, values unchanged, so every
+    reader of `w` (the target, and the draft that shares its dict) still finds its own tensors, and the draft can
+    run the packed product in one launch (packed_projections). A no-op when any is missing, when their shapes,
+    dtypes or devices differ, or when they are packed already."""
+    weights = [w.get(f"{prefix}.{name}.weight") for name in names]
+    if any(t is None or t.dim() != 2 for t in weights):
+        return
+    first = weights[0]
+    if any(t.shape[1] != first.shape[1] or t.dtype != first.dtype or t.device != first.device for t in weights):
+        return
+    biases = [w.get(f"{prefix}.{name}.bias") for name in names]
+    with_bias = all(b is not None for b in biases)
+    if not with_bias and any(b is not None for b in biases):
+        return
+    if packed_projections(w, prefix, names) is not None:
+        return
+    groups = [("weight", weights)] + ([("bias", biases)] if with_bias else [])
+    for kind, tensors in groups:
+        packed = torch.cat([t.detach() for t in tensors])  # type: ignore[union-attr]
+        offset = 0
+        for name, tensor in zip(names, tensors):
+            rows = tensor.shape[0]  # type: ignore[union-attr]
+            w[f"{prefix}.{name}.{kind}"] = packed[offset : offset + rows]
+            offset += rows
+
+
+def packed_projections(w: dict[str, Tensor], prefix: str, names: Sequence[str]) -> tuple[Tensor, Tensor | None, tuple[int, ...]] | None:
+    """(packed weight, packed bias or None, rows of each) when the projections are consecutive views of one
+    tensor (pack_projections), else None."""
+    weights = [w.get(f"{prefix}.{name}.weight") for name in names]
+    biases = [w.get(f"{prefix}.{name}.bias") for name in names]
+
+    def packed(parts: list[Tensor | None]) -> Tensor | None:
+        if any(t is None for t in parts):
+            return None
+        base = parts[0]._base  # type: ignore[union-attr]
+        if base is None or not base.is_contiguous() or base.dim() != parts[0].dim():  # type: ignore[union-attr]
+            return None
+        offset = 0
+        for part in parts:
+            assert part is not None
+            if part._base is not base or part.storage_offset() != base.storage_offset() + offset or not part.is_contiguous():
+                return None
+            offset += part.numel()
+        return base if offset == base.numel() else None
+
+    weight = packed(weights)
+    if weight is None:
+        return None
+    bias = packed(biases) if any(b is not None for b in biases) else None
+    if bias is None and any(b is not None for b in biases):
+        return None
+    return weight, bias, tuple(t.shape[0] for t in weights)  # type: ignore[union-attr]
+
+
 class Transformer:
     """A loaded MoE decoder: non-expert weights by on-disk name, the spec, and the forward pass."""
 
@@ -77,6 +134,9 @@ class Transformer:
         embed = dense["model.embed_tokens.weight"]
         self.device, self.dtype = embed.device, embed.dtype
         self.cos, self.sin = self._rope_tables(max_context)
+        self._packed: dict[str, tuple[Tensor, Tensor | None, tuple[int, ...]] | None] = {}
+        for layer in range(spec.num_layers):
+            pack_projections(dense, f"{spec.layer_prefix(layer)}.self_attn", ("q_proj", "k_proj", "v_proj"))
 
     # ---- set-up -------------------------------------------------------------------------------
     def _rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
@@ -153,7 +213,12 @@ class Transformer:
         caller rotates them itself: fused.rope_and_cache)."""
         spec = self.spec
         h = self.norm(x, f"{spec.layer_prefix(layer)}.input_layernorm")
-        q, k, v = (self.linear(h, f"{prefix}.{name}") for name in ("q_proj", "k_proj", "v_proj"))
+        packed = self._packed_qkv(prefix) if not self.exact and fused.PACKED_QKV else None
+        if packed is not None:  # the draft: one product over the packed weights (the target's own storage)
+            weight, bias, sizes = packed
+            q, k, v = F.linear(h, weight, bias).split(sizes, dim=-1)
+        else:
+            q, k, v = (self.linear(h, f"{prefix}.{name}") for name in ("q_proj", "k_proj", "v_proj"))
         if spec.clip_qkv is not None:
             q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
         if spec.qk_norm == "full":
@@ -173,6 +238,13 @@ class Transformer:
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         return q, k, v
+
+    def _packed_qkv(self, prefix: str) -> tuple[Tensor, Tensor | None, tuple[int, ...]] | None:
+        """(weight [Nq+Nk+Nv, D], bias or None, (Nq, Nk, Nv)) of a layer whose q/k/v projections are views of one
+        packed tensor (pack_projections did it at load), else None. Looked up once per layer."""
+        if prefix not in self._packed:
+            self._packed[prefix] = packed_projections(self.w, prefix, ("q_proj", "k_proj", "v_proj"))
+        return self._packed[prefix]
 
     def _key_range(self, position: int) -> tuple[int, int]:
         window = self.spec.sliding_window

@@ -1,0 +1,108 @@
+"""Packed projections: at load, each layer's q/k/v weights (and biases) become consecutive views of one tensor, so
+the draft runs one product where the target runs three, on the target's own storage."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specter.config import DraftConfig, EngineConfig
+from specter.engine import Runtime
+from specter.model import transformer as transformer_module
+from specter.model.transformer import pack_projections, packed_projections
+from tests.hf_models import hf_model, save_hf
+
+NAMES = ("q_proj", "k_proj", "v_proj")
+
+
+def projections(bias: bool = True, rows=(8, 4, 4), width: int = 6) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    w = {f"p.{name}.weight": torch.randn(n, width, generator=generator) for name, n in zip(NAMES, rows)}
+    if bias:
+        w.update({f"p.{name}.bias": torch.randn(n, generator=generator) for name, n in zip(NAMES, rows)})
+    w["other.weight"] = torch.randn(3, 3, generator=generator)
+    return w
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_packing_keeps_every_value_and_makes_views_of_one_tensor(bias):
+    w = projections(bias)
+    before = {name: t.clone() for name, t in w.items()}
+    pack_projections(w, "p", NAMES)
+    assert w.keys() == before.keys()
+    for name, tensor in before.items():
+        assert torch.equal(w[name], tensor), name
+    weight, packed_bias, sizes = packed_projections(w, "p", NAMES)
+    assert sizes == (8, 4, 4) and weight.shape == (16, 6)
+    assert all(w[f"p.{n}.weight"].untyped_storage().data_ptr() == weight.untyped_storage().data_ptr() for n in NAMES)
+    assert torch.equal(weight, torch.cat([before[f"p.{n}.weight"] for n in NAMES]))
+    if bias:
+        assert torch.equal(packed_bias, torch.cat([before[f"p.{n}.bias"] for n in NAMES]))
+    else:
+        assert packed_bias is None
+    x = torch.randn(3, 6)
+    q, k, v = F.linear(x, weight, packed_bias).split(sizes, dim=-1)
+    for name, part in zip(NAMES, (q, k, v)):
+        expected = F.linear(x, before[f"p.{name}.weight"], before.get(f"p.{name}.bias"))
+        torch.testing.assert_close(part, expected)
+    # a second packing leaves the packed tensor alone (the draft's construction on the target's dict)
+    pack_projections(w, "p", NAMES)
+    assert packed_projections(w, "p", NAMES)[0].data_ptr() == weight.data_ptr()
+
+
+def test_no_packing_when_the_projections_do_not_fit_together():
+    missing = projections()
+    del missing["p.k_proj.weight"]
+    partial_bias = projections()
+    del partial_bias["p.v_proj.bias"]
+    widths = projections()
+    widths["p.v_proj.weight"] = torch.randn(4, 7)
+    dtypes = projections()
+    dtypes["p.q_proj.weight"] = dtypes["p.q_proj.weight"].double()
+    for w in (missing, partial_bias, widths, dtypes):
+        originals = dict(w)
+        pack_projections(w, "p", NAMES)
+        assert all(w[name] is tensor for name, tensor in originals.items())
+        assert packed_projections(w, "p", NAMES) is None
+    # separate tensors that merely sit side by side are not taken for packed ones
+    assert packed_projections(projections(), "p", NAMES) is None
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_the_draft_projects_once_on_the_targets_packed_storage(family, tmp_path, monkeypatch):
+    """qwen2_moe has q/k/v biases, olmoe normalises q and k after the product: the draft's one product gives what
+    the target's three give, and the target (exact) still runs its own three."""
+    path = save_hf(hf_model(family, seed=7), Path(tmp_path) / family)
+
+    async def go():
+        runtime = await Runtime.load(str(path), EngineConfig(device="cpu", max_context=64, residents=3, draft=DraftConfig(k=2)))
+        try:
+            target, draft = runtime.model, runtime.draft.model
+            prefix = f"{target.spec.layer_prefix(0)}.self_attn"
+            weight, _, sizes = packed_projections(target.w, prefix, NAMES)
+            assert weight.shape[0] == sum(sizes) == sum(target.w[f"{prefix}.{name}.weight"].shape[0] for name in NAMES)
+            x = torch.randn(3, target.spec.hidden_size, dtype=target.dtype)
+            positions = torch.arange(5, 8)
+            shapes: list[tuple[int, ...]] = []
+            linear = F.linear
+
+            def counting(inp, w, b=None):
+                shapes.append(tuple(w.shape))
+                return linear(inp, w, b)
+
+            monkeypatch.setattr(transformer_module.F, "linear", counting)
+            drafted = draft._qkv(0, prefix, x, positions)
+            assert shapes == [tuple(weight.shape)]
+            shapes.clear()
+            targeted = target._qkv(0, prefix, x, positions)
+            assert len(shapes) == 3 and tuple(weight.shape) not in shapes
+            for got, expected in zip(drafted, targeted):
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        finally:
+            await runtime.aclose()
+
+    asyncio.run(go())
