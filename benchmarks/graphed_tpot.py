@@ -16,7 +16,7 @@ import json
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from resident_tpot import HBM_BYTES_PER_S, SHAPES, active_bytes, build_hf  # noqa: E402  (the same model construction)
 
 DEVICE = "cuda"
+FUSED_FLAGS = ("DECODE_ATTENTION", "ROUTER_AND_GATE", "ROPE_WRITES_CACHE", "PACKED_QKV", "PACKED_FFN_INPUT",
+               "RESIDUAL_ADDEND")  # specter.model.fused's switches of the non-exact forward
 
 
 def gpu_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -110,7 +112,7 @@ def eager_tpot(model, experts, prompt: list[int], count: int) -> tuple[float, li
 
 def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits: tuple[int, ...] = (0,),
                profile_out: str | None = None, router_ab: bool = False, ab: bool = False,
-               kv_write_ab: bool = False) -> dict:
+               kv_write_ab: bool = False, without: Sequence[str] = (), moe_configs: Sequence[dict] = ()) -> dict:
     """The int4 draft's per-step time, graphed (k replays, no host sync) and eager, against its byte floor."""
     from specter.decode import prefill
     from specter.draft import Draft
@@ -135,19 +137,20 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
     from specter.quant import moe_triton
 
     default = moe_triton.DEFAULT_CONFIG
-    switches = (fused.DECODE_ATTENTION, fused.ROUTER_AND_GATE, fused.ROPE_WRITES_CACHE)
+    switches = {flag: getattr(fused, flag) for flag in FUSED_FLAGS}
 
-    def measure(name: str, static: bool = True, moe: dict | None = None, attention: bool = switches[0],
-                router: bool = switches[1], rope_cache: bool = switches[2]) -> None:  # fmt: skip
-        """One row: the step with the fused MoE's config changed by `moe` and the fused switches as given (the
+    def measure(name: str, static: bool = True, moe: dict | None = None, **flags: bool) -> None:
+        """One row: the step with the fused MoE's config changed by `moe` and the named fused switches set (the
         module defaults are restored afterwards, whatever happens)."""
         moe_triton.DEFAULT_CONFIG = dataclasses.replace(default, **(moe or {}))
-        fused.DECODE_ATTENTION, fused.ROUTER_AND_GATE, fused.ROPE_WRITES_CACHE = attention, router, rope_cache
+        for flag, value in flags.items():
+            setattr(fused, flag, value)
         try:
             step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=static))) / k
         finally:
             moe_triton.DEFAULT_CONFIG = default
-            fused.DECODE_ATTENTION, fused.ROUTER_AND_GATE, fused.ROPE_WRITES_CACHE = switches
+            for flag, value in switches.items():
+                setattr(fused, flag, value)
         rows[name] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
 
     for split in graphed_splits:  # the fused MoE's down GEMM in this many K parts (0: its default)
@@ -155,12 +158,18 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
     measure("draft-int4-eager", static=False)
     if ab:  # each default kernel choice undone alone: the general MoE kernels, attention over the whole cache
         measure("draft-int4-graphed-no-gemv", moe=dict(single_token_gemv=False))
-        measure("draft-int4-graphed-no-attention", attention=False)
-        measure("draft-int4-graphed-neither", moe=dict(single_token_gemv=False), attention=False)
+        measure("draft-int4-graphed-no-attention", DECODE_ATTENTION=False)
+        measure("draft-int4-graphed-neither", moe=dict(single_token_gemv=False), DECODE_ATTENTION=False)
     if kv_write_ab:  # the rotation and the KV writes in one launch (fused.rope_and_cache), against the default
-        measure("draft-int4-graphed-rope-cache", rope_cache=not switches[2])
+        measure("draft-int4-graphed-rope-cache", ROPE_WRITES_CACHE=not switches["ROPE_WRITES_CACHE"])
     if router_ab:  # torch's router and shared gate instead of the fused ones
-        measure("draft-int4-graphed-torch-router", router=False)
+        measure("draft-int4-graphed-torch-router", ROUTER_AND_GATE=False)
+    for index, changes in enumerate(moe_configs):  # the draft MoE's kernel with these config fields changed
+        measure(f"draft-int4-graphed-moe{index}", moe=changes)
+    for flag in without:  # each fused switch off alone, then all of them at once
+        measure(f"draft-int4-graphed-no-{flag.lower().replace('_', '-')}", **{flag: False})
+    if len(without) > 1:
+        measure("draft-int4-graphed-none-of-them", **{flag: False for flag in without})
     if profile_out is not None:  # where the graphed draft step's time goes, kernel by kernel (one proposal)
         from torch.profiler import ProfilerActivity, profile
 
@@ -198,9 +207,16 @@ def main() -> None:
                         "MoE, without the fused decode attention, and without both")
     parser.add_argument("--kv-write", action="store_true", help="also time the step with fused.ROPE_WRITES_CACHE "
                         "switched (RoPE and the KV writes in one launch)")
+    parser.add_argument("--without", default="", help="fused switches (specter.model.fused: " + ", ".join(FUSED_FLAGS)
+                        + ") to time the graphed draft step without, each alone and, with several, all at once")
+    parser.add_argument("--moe-config", action="append", default=[], help="a JSON object of MoEKernelConfig fields: "
+                        "also time the graphed draft step with them (rows draft-int4-graphed-moe0, -moe1, ...)")
     parser.add_argument("--prompt-length", type=int, default=16, help="positions already in the cache (the draft "
                         "attends over these; at most --max-context minus k)")
     args = parser.parse_args()
+    unknown = sorted(set(filter(None, args.without.split(","))) - set(FUSED_FLAGS))
+    if unknown:
+        parser.error(f"--without: unknown switch(es) {', '.join(unknown)}; known: {', '.join(FUSED_FLAGS)}")
     config, hf = build_hf(args.shape, args.layers)
     config_dict, state = config.to_dict(), dict(hf.state_dict())
     assert 1 <= args.prompt_length <= args.max_context - args.k - 1, "--prompt-length must leave room for k steps"
@@ -211,7 +227,8 @@ def main() -> None:
     splits = tuple(int(split) for split in args.draft_splits.split(","))
     rows |= draft_rows(runtime, prompt, args.k, repeats=max(2, args.tokens // args.k), graphed_splits=splits,
                        profile_out=args.profile_draft, router_ab=args.router_ab, ab=args.ab,
-                       kv_write_ab=args.kv_write)
+                       kv_write_ab=args.kv_write, without=[flag for flag in args.without.split(",") if flag],
+                       moe_configs=[json.loads(text) for text in args.moe_config])
     asyncio.run(runtime.aclose())
     label = f"{args.shape}" + (f" (first {args.layers} layers)" if args.layers else "")
     result = {"shape": label, "rows": rows, "graphed_vs_eager": agreement, "gpu": torch.cuda.get_device_name(),

@@ -277,6 +277,27 @@ case "$stage" in
     tail -1 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|ERROR)" "$out/logs/gpu-tests.log" | head -5
     grep -E "^draft" "$out/logs/graphed.log"
     grep -E "\| (ondemand|specter|specter-serial|oracle-specter) \|" "$out/qwen-reference/results.md" | cut -d"|" -f3-7,9-20 ;;
+  fuse9)          # ninth session: the draft step's new fusions (packed q/k/v product, router + shared gate + shared gate/up
+    # in one packed product with the gated activation in one launch and the down product taking the residual sum as
+    # its addend, the o_proj taking the residual, the route counter inside the MoE kernels, RoPE + KV writes now on)
+    # and the one-token GEMV's new options (K steps of several groups with a scale per group, gate/up in K parts).
+    # PREDICTIONS: GPU tests pass. GEMV at T = 1: 33.9 us -> 15-22 us for the best of the sweep (K parts multiply the
+    # bytes in flight). Graphed draft step at 512/16: 2.99 (kv-write) -> 2.5-2.7 ms with every switch on; each off
+    # alone: PACKED_QKV +0.20-0.25 ms, PACKED_FFN_INPUT +0.15-0.25, RESIDUAL_ADDEND +0.02-0.03; with the sweep's best
+    # GEMV another -0.2 to -0.3 ms.
+    mkdir -p "$out/logs"
+    timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_moe_kernel.py tests/test_gpu_fused.py \
+      tests/test_gpu_graphed.py > "$out/logs/gpu-tests.log" 2>&1
+    timeout 200 python benchmarks/moe_kernel_bench.py --repeats 40 --shapes qwen1.5-moe-a2.7b --tokens 1 --gemv-only \
+      --out "$out/moe" > "$out/logs/moe.log" 2>&1
+    best=$(python -c "import json,sys; r=json.load(open('$out/moe/moe_kernel_bench.json'))['rows'][0]; b=r['triton_best_config']; print(json.dumps({k: b[k] for k in ('block_n_gemv','block_k_gemv','num_warps','split_k_gemv_gate_up','split_k_down')}))" 2>/dev/null || echo '{}')
+    echo "best gemv: $best"
+    timeout 150 python benchmarks/graphed_tpot.py --draft-only --without PACKED_QKV,PACKED_FFN_INPUT,RESIDUAL_ADDEND \
+      --moe-config "$best" --profile-draft "$out/logs/profile-draft.txt" --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    tar czf "$out/fuse9.tgz" -C "$out" logs moe graphed 2>/dev/null
+    tail -1 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|ERROR)" "$out/logs/gpu-tests.log" | head -5
+    grep -E "^qwen|gemv qwen" "$out/logs/moe.log" | head -12
+    grep -E "^draft" "$out/logs/graphed.log" ;;
   kmax15)         # right after kv-write, machine warm (/tmp/qwenref kept): the governor allowed 15 steps (k + 1 = 16 verify
     # rows: one chunk of the 16-row static step; 17 would take a second pass). CPU: 31 % fewer bytes per token from
     # k 8 to 16 at a quarter resident.

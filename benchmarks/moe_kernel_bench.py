@@ -50,8 +50,11 @@ SWEEP = [  # the general kernel's tiles with the default split-K, then the down 
 ]
 NO_SPLIT = MoEKernelConfig(split_k_down=1, single_token_gemv=False)  # the kernel before split-K (2026-11-29's figures)
 GEMM = MoEKernelConfig(single_token_gemv=False)  # one token through the general (route + 16-row tile) kernels
-GEMV_SWEEP = [MoEKernelConfig(block_n_gemv=bn, block_k_gemv=bk, num_warps=warps, split_k_down=down)
-              for bn in (8, 16, 32) for bk in (64, 128, 256) for warps in (4, 8) for down in (1, 2)]
+GEMV_SWEEP = [  # K steps of 1-4 groups (a scale per group), gate/up in 1-4 K parts, down in 2 or 4
+    *(MoEKernelConfig(block_n_gemv=bn, block_k_gemv=bk, num_warps=warps, split_k_gemv_gate_up=parts)
+      for bn in (16, 32) for bk in (128, 256, 512) for warps in (4, 8) for parts in (1, 2, 4)),
+    *(MoEKernelConfig(block_k_gemv=bk, split_k_gemv_gate_up=parts, split_k_down=4) for bk in (128, 256) for parts in (2, 4)),
+]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -158,7 +161,7 @@ def triton_graphs(qe: QuantizedExperts, x: torch.Tensor, routes: list, config: M
     return runs
 
 
-def bench_triton(qe, x, routes, flush, repeats, sweep: bool) -> dict:
+def bench_triton(qe, x, routes, flush, repeats, sweep: bool, gemv_only: bool = False) -> dict:
     default = MoEKernelConfig()
     result = {"triton_us": median_us(triton_graphs(qe, x, routes, default), flush, repeats)}
     result["triton_no_split_us"] = median_us(triton_graphs(qe, x, routes, NO_SPLIT), flush, repeats)
@@ -168,7 +171,7 @@ def bench_triton(qe, x, routes, flush, repeats, sweep: bool) -> dict:
     result["triton_eager_us"] = median_us([lambda: fused_moe_triton(x, ids, weights, qe, default)], flush, repeats)
     if sweep:
         timed = []
-        for config in SWEEP + (GEMV_SWEEP if x.shape[0] == 1 else []):
+        for config in (([] if gemv_only else SWEEP) + GEMV_SWEEP) if x.shape[0] == 1 else SWEEP:
             try:
                 timed.append((median_us(triton_graphs(qe, x, routes[:2], config), flush, repeats // 2), config))
             except Exception as error:  # e.g. triton's OutOfResources: tiles too large for shared memory
@@ -225,7 +228,7 @@ def check_tinygemm(qe: QuantizedExperts) -> tuple[list | None, dict]:
 
 
 def bench_shape(name: str, shape: dict, repeats: int, sweep: bool, flush: torch.Tensor,
-                tokens_list: tuple[int, ...] = TOKENS) -> list[dict]:
+                tokens_list: tuple[int, ...] = TOKENS, gemv_only: bool = False) -> list[dict]:
     qe = make_layer(shape["hidden"], shape["intermediate"], shape["experts"])
     layer, tinygemm_info = check_tinygemm(qe)
     rows = []
@@ -240,7 +243,7 @@ def bench_shape(name: str, shape: dict, repeats: int, sweep: bool, flush: torch.
             row["rel_error_vs_torch_path"] = relative_error(kernel_out, torch_out)
             if tokens == 1:
                 row["gemm_rel_error_vs_torch_path"] = relative_error(fused_moe_triton(x, ids, weights, qe, GEMM), torch_out)
-        row.update(bench_triton(qe, x, routes, flush, repeats, sweep))
+        row.update(bench_triton(qe, x, routes, flush, repeats, sweep, gemv_only))
         if layer is not None:
             row.update(bench_tinygemm(qe, layer, x, routes, flush, repeats))
         row["tinygemm"] = tinygemm_info
@@ -261,6 +264,11 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['shape']:<20}{r['tokens']:>3}{r['floor_us']:>10.1f}{r['triton_us']:>11.1f}{r['triton_no_split_us']:>10.1f}"
               f"{r.get('triton_gemm_us', float('nan')):>8.1f}"
               f"{best:>9.1f}{tiny:>13.1f}{r['floor_us'] / r['triton_us']:>14.2f}  {config}")  # fmt: skip
+    for r in rows:  # the fastest one-token GEMV configs
+        gemv = sorted((e for e in r.get("triton_sweep", []) if r["tokens"] == 1 and e["single_token_gemv"]), key=lambda e: e["us"])
+        for e in gemv[:8]:
+            print(f"  gemv {r['shape']} {e['us']:6.1f} us  bn {e['block_n_gemv']} bk {e['block_k_gemv']} warps {e['num_warps']} "
+                  f"gate/up parts {e['split_k_gemv_gate_up']} down parts {e['split_k_down']}")
 
 
 def main() -> None:
@@ -270,12 +278,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the tile-size sweep")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS), help="token counts to time")
+    parser.add_argument("--gemv-only", action="store_true", help="at one token, sweep the GEMV's configs only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_kernel_bench needs a CUDA GPU")
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # 256 MB > L2
     rows = [row for name in args.shapes
-            for row in bench_shape(name, SHAPES[name], args.repeats, not args.quick, flush, tuple(args.tokens))]
+            for row in bench_shape(name, SHAPES[name], args.repeats, not args.quick, flush, tuple(args.tokens),
+                                   args.gemv_only)]
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=datetime.date.today().isoformat(),
                 command=" ".join(sys.argv), hbm_bytes_per_s=HBM_BYTES_PER_S, group=GROUP)  # fmt: skip
     import triton

@@ -54,7 +54,8 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     policies.add_argument("--prefetch", default="topm-frequency", metavar="NAME", help="specter.prefetch plug-in")
     policies.add_argument("--lookahead", default="fixed", metavar="NAME", help="specter.lookahead plug-in")
     policies.add_argument("--k", type=int, default=4, metavar="N", help="draft depth for the fixed lookahead; 0 turns speculation off")
-    policies.add_argument("--k-max", type=int, default=16, metavar="N", help="largest draft depth any lookahead may choose")
+    policies.add_argument("--k-max", type=int, default=15, metavar="N", help="largest draft depth any lookahead may choose "
+                          "(15: 16 verify rows, one pass of the static verify)")
     policies.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2", "gptq4"], help="draft expert format")
     policies.add_argument("--scout", action="store_true",
                           help="offloaded plain rounds (k = 0) prefetch the experts of one draft step's routes first")

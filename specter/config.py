@@ -74,7 +74,9 @@ class DraftConfig(_Frozen):
     quant: QuantName = Field("int4", description="Weight format of the draft's routed experts (gptq4 = int4 with GPTQ calibration).")
     group_size: int = Field(128, description="Quantization group size along the input dimension; -1 for one group per row.")
     k: int = Field(4, ge=0, le=32, description="Draft depth for the `fixed` lookahead policy; 0 disables speculation.")
-    k_max: int = Field(16, ge=0, le=32, description="Largest draft depth any lookahead policy may choose.")
+    k_max: int = Field(15, ge=0, le=32, description="Largest draft depth any lookahead policy may choose (15: with the "
+                       "token before the drafts, 16 verify rows, one pass of the 16-row static verify; 16 would take a "
+                       "second pass for one more token).")
     sampling: SamplingRule = Field("coupled", description="Acceptance rule when sampling: coupled (token-identical) or rejection.")
     scout: bool = Field(False, description="Offloaded plain rounds (k = 0) first run one draft step for its routes only: the "
                                            "experts it routes the round's token to are prefetched before and during the verify.")

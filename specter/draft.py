@@ -55,7 +55,6 @@ class DraftExperts:
     def __init__(self, layers: dict[int, QuantizedExperts], num_layers: int, num_experts: int, device: torch.device) -> None:
         self.layers = layers
         self.route_counts = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)  # [L, E]
-        self._ones: Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -65,12 +64,9 @@ class DraftExperts:
         return self.moe(layer, x, ids, weights)
 
     def moe(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        """Count the routes (index_add_ on the device: graph-safe) and run the fused quantized MoE; a StaticMoE."""
-        flat = ids.reshape(-1)
-        if self._ones is None or self._ones.numel() < flat.numel():
-            self._ones = torch.ones(max(64, flat.numel()), dtype=torch.float32, device=x.device)
-        self.route_counts[layer].index_add_(0, flat, self._ones[: flat.numel()])
-        return fused_moe(x, ids, weights, self.layers[layer])
+        """Run the fused quantized MoE, which counts the routes into route_counts[layer] (on the device: graph-safe;
+        in the kernels on the Triton path, no launch of its own); a StaticMoE."""
+        return fused_moe(x, ids, weights, self.layers[layer], counts=self.route_counts[layer])
 
 
 def quantize_layers(experts: Iterable[tuple[int, int, Tensor]], spec_hidden: int, spec_inter: int, num_experts: int,

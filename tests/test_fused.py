@@ -82,6 +82,16 @@ for dtype in (torch.float32, torch.bfloat16):
         got = fused.sigmoid_gate(h, gate, out)
         results.append(["gate", str(dtype), [rows, width], got.shape == out.shape and got.dtype == dtype, True,
                         ((got.float() - reference.float()).abs() / (reference.float().abs() + 1e-2)).max().item()])
+    for rows, inter, gated in ((1, 1408, True), (3, 40, True), (2, 1500, False)):  # 1500: two column blocks
+        product = torch.randn(rows, 7 + int(gated) + 2 * inter, generator=generator).to(dtype)  # a packed product
+        shared_input = product[:, 7:]  # a strided view, as packed_route hands it over
+        gate_up = shared_input[:, 1:] if gated else shared_input
+        reference = F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
+        if gated:
+            reference = reference * torch.sigmoid(shared_input[:, :1].float())
+        got = fused.gated_silu(shared_input, inter, gated)
+        results.append(["gated-silu", str(dtype), [rows, inter, gated], got.shape == (rows, inter) and got.dtype == dtype,
+                        True, ((got.float() - reference).abs() / (reference.abs() + 1e-2)).max().item()])
 print(json.dumps(results))
 """
 
@@ -219,7 +229,7 @@ def test_only_non_exact_one_row_steps_take_the_fused_attention_when_switched_on(
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_fused_router_and_shared_gate_match_torch_in_the_interpreter():
     results = run_interpreted(ROUTER_SCRIPT)
-    assert len(results) == 2 * (4 + 2 + 3)
+    assert len(results) == 2 * (4 + 2 + 3 + 3)
     tolerance = {"torch.float32": 1e-5, "torch.bfloat16": 2.0**-7}
     for kind, dtype, shape, same, types_ok, gap in results:
         assert same and types_ok, (kind, dtype, shape)  # the same choice in the same order (or shapes and types)
@@ -246,8 +256,8 @@ from specter.model import fused
 path = sys.argv[1]
 exact = load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=32))
 fast = load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=32, exact=False))
-calls = {"norm": 0, "rope": 0, "router": 0, "gate": 0}
-functions = {"norm": "rms_norm", "rope": "rope", "router": "topk_softmax", "gate": "sigmoid_gate"}
+calls = {"norm": 0, "rope": 0, "router": 0, "gate": 0, "gated": 0}
+functions = {"norm": "rms_norm", "rope": "rope", "router": "topk_softmax", "gate": "sigmoid_gate", "gated": "gated_silu"}
 for name in calls:
     original = getattr(fused, functions[name])
     def counted(*args, _original=original, _name=name):
@@ -277,15 +287,16 @@ def test_only_the_non_exact_forward_takes_the_fused_kernels(tmp_path, family):
     # qwen3_moe: qk-norm (every norm site of the standard attention), renormalised top-k; qwen2_moe: a gated shared expert
     path = save_hf(hf_model(family), tmp_path / "m")
     result = run_interpreted(DRAFT_SCRIPT, str(path))
-    assert result["exact_calls"] == {"norm": 0, "rope": 0, "router": 0, "gate": 0}  # exact mode keeps torch's ops
+    assert result["exact_calls"] == {"norm": 0, "rope": 0, "router": 0, "gate": 0, "gated": 0}  # exact: torch's ops
     config = json.loads((path / "config.json").read_text())
     layers = config["num_hidden_layers"]
     qk_norms = 2 if family == "qwen3_moe" else 0
     moe_layers = sum(1 for layer in range(layers) if layer not in config.get("mlp_only_layers", []))
-    # per layer: input, (q, k) and post-attention norms, one rope, one router, a shared gate where there is one;
-    # the final norm is the head's (not in forward)
-    assert result["fast_calls"] == {"norm": (2 + qk_norms) * layers, "rope": layers, "router": moe_layers,
-                                    "gate": moe_layers if family == "qwen2_moe" else 0}, result
+    # per layer: input, (q, k) and post-attention norms, one rope, one router, a gated shared activation where there
+    # is a gated shared expert (its gate is then a row of the packed product: no sigmoid_gate); the final norm is
+    # the head's (not in forward)
+    assert result["fast_calls"] == {"norm": (2 + qk_norms) * layers, "rope": layers, "router": moe_layers, "gate": 0,
+                                    "gated": moe_layers if family == "qwen2_moe" else 0}, result
     assert result["gap"] < 1e-4, result
 
 

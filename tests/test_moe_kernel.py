@@ -108,6 +108,15 @@ def test_dispatcher_uses_the_torch_path_on_the_cpu() -> None:
     assert torch.equal(fused_moe(x, ids, weights, qe), moe_forward(x, ids, weights, qe))
 
 
+def test_the_torch_path_counts_routes_too() -> None:
+    qe = random_layer(experts=4, intermediate=32, hidden=64, bits=4, group=32, seed=8)
+    ids = torch.tensor([[3, 1], [1, 0], [3, 3]])
+    counts = torch.ones(4)
+    x, weights = torch.randn(3, 64), torch.rand(3, 2)
+    assert torch.equal(fused_moe(x, ids, weights, qe, counts=counts), moe_forward(x, ids, weights, qe))
+    assert counts.tolist() == [2.0, 3.0, 1.0, 4.0]
+
+
 def test_mismatched_routes_raise_config_error() -> None:
     qe = random_layer(experts=4, intermediate=32, hidden=64, bits=4, group=32, seed=10)
     with pytest.raises(ConfigError, match=r"\[T, A\]"):
@@ -134,10 +143,12 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         weights = torch.rand(t, a, generator=gen)
         x = torch.randn(t, d, generator=gen).to(getattr(torch, case["dtype"]))
         config = MoEKernelConfig(split_k_down=case.get("split_down", 2), single_token_gemv=case.get("gemv", False),
-                                 block_k_gemv=case.get("block_k_gemv", 256))
-        kernel = fused_moe_triton(x, ids, weights, qe, config).double()
+                                 block_k_gemv=case.get("block_k_gemv", 256), split_k_gemv_gate_up=case.get("split_gate_up", 1))
+        counts = torch.full((e,), 5.0)  # the draft's route counter: the kernels add one per (token, slot)
+        kernel = fused_moe_triton(x, ids, weights, qe, config, counts=counts).double()
         torch_path = moe_forward(x.float(), ids, weights, qe).double()
-        results.append(((kernel - torch_path).norm() / torch_path.norm()).item())
+        counted = torch.equal(counts, 5.0 + torch.bincount(ids.reshape(-1), minlength=e).float())
+        results.append((((kernel - torch_path).norm() / torch_path.norm()).item(), counted))
     print(json.dumps(results))
     """
 )
@@ -177,6 +188,16 @@ INTERPRETER_CASES = [
          gemv=True, block_k_gemv=32, split_down=2),
     dict(bits=4, group=32, experts=4, intermediate=32, hidden=64, tokens=3, active=2, dtype="float32", repeat=False,
          gemv=True),
+    # K steps of several whole groups (a scale per group: 2 and 4 groups, a K tail of half a step, int8 too), gate/up
+    # in K parts added before the activation (2 and 3 parts, more parts than steps: clamped), fp16
+    dict(bits=4, group=32, experts=6, intermediate=96, hidden=160, tokens=1, active=4, dtype="float32", repeat=False,
+         gemv=True, block_k_gemv=64, split_down=2),
+    dict(bits=4, group=32, experts=5, intermediate=128, hidden=256, tokens=1, active=3, dtype="float32", repeat=False,
+         gemv=True, block_k_gemv=128, split_gate_up=2),
+    dict(bits=8, group=32, experts=5, intermediate=64, hidden=192, tokens=1, active=3, dtype="float32", repeat=False,
+         gemv=True, block_k_gemv=64, split_gate_up=3, split_down=3),
+    dict(bits=4, group=32, experts=4, intermediate=96, hidden=64, tokens=1, active=2, dtype="float16", repeat=False,
+         gemv=True, block_k_gemv=32, split_gate_up=4),
 ]
 
 
@@ -184,8 +205,9 @@ INTERPRETER_CASES = [
 def test_triton_kernel_matches_torch_path_in_the_interpreter() -> None:
     cases = [dict(case, seed=index) for index, case in enumerate(INTERPRETER_CASES)]
     errors = run_interpreted(INTERPRETER_SCRIPT, json.dumps(cases))
-    for case, error in zip(cases, errors):
+    for case, (error, counted) in zip(cases, errors):
         assert error < (2e-3 if case["dtype"] == "float16" else 1e-5), (case, error)
+        assert counted, case  # the route counter got exactly one per (token, slot), repeated ids included
 
 
 def test_odd_groups_are_left_to_the_torch_path() -> None:

@@ -17,6 +17,7 @@ from specter.model.transformer import pack_projections, packed_projections
 from tests.hf_models import hf_model, save_hf
 
 NAMES = ("q_proj", "k_proj", "v_proj")
+FULL = [f"p.{name}" for name in NAMES]
 
 
 def projections(bias: bool = True, rows=(8, 4, 4), width: int = 6) -> dict[str, torch.Tensor]:
@@ -32,11 +33,11 @@ def projections(bias: bool = True, rows=(8, 4, 4), width: int = 6) -> dict[str, 
 def test_packing_keeps_every_value_and_makes_views_of_one_tensor(bias):
     w = projections(bias)
     before = {name: t.clone() for name, t in w.items()}
-    pack_projections(w, "p", NAMES)
+    pack_projections(w, FULL)
     assert w.keys() == before.keys()
     for name, tensor in before.items():
         assert torch.equal(w[name], tensor), name
-    weight, packed_bias, sizes = packed_projections(w, "p", NAMES)
+    weight, packed_bias, sizes = packed_projections(w, FULL)
     assert sizes == (8, 4, 4) and weight.shape == (16, 6)
     assert all(w[f"p.{n}.weight"].untyped_storage().data_ptr() == weight.untyped_storage().data_ptr() for n in NAMES)
     assert torch.equal(weight, torch.cat([before[f"p.{n}.weight"] for n in NAMES]))
@@ -50,8 +51,8 @@ def test_packing_keeps_every_value_and_makes_views_of_one_tensor(bias):
         expected = F.linear(x, before[f"p.{name}.weight"], before.get(f"p.{name}.bias"))
         torch.testing.assert_close(part, expected)
     # a second packing leaves the packed tensor alone (the draft's construction on the target's dict)
-    pack_projections(w, "p", NAMES)
-    assert packed_projections(w, "p", NAMES)[0].data_ptr() == weight.data_ptr()
+    pack_projections(w, FULL)
+    assert packed_projections(w, FULL)[0].data_ptr() == weight.data_ptr()
 
 
 def test_no_packing_when_the_projections_do_not_fit_together():
@@ -65,11 +66,11 @@ def test_no_packing_when_the_projections_do_not_fit_together():
     dtypes["p.q_proj.weight"] = dtypes["p.q_proj.weight"].double()
     for w in (missing, partial_bias, widths, dtypes):
         originals = dict(w)
-        pack_projections(w, "p", NAMES)
+        pack_projections(w, FULL)
         assert all(w[name] is tensor for name, tensor in originals.items())
-        assert packed_projections(w, "p", NAMES) is None
+        assert packed_projections(w, FULL) is None
     # separate tensors that merely sit side by side are not taken for packed ones
-    assert packed_projections(projections(), "p", NAMES) is None
+    assert packed_projections(projections(), FULL) is None
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
@@ -83,7 +84,7 @@ def test_the_draft_projects_once_on_the_targets_packed_storage(family, tmp_path,
         try:
             target, draft = runtime.model, runtime.draft.model
             prefix = f"{target.spec.layer_prefix(0)}.self_attn"
-            weight, _, sizes = packed_projections(target.w, prefix, NAMES)
+            weight, _, sizes = packed_projections(target.w, [f"{prefix}.{name}" for name in NAMES])
             assert weight.shape[0] == sum(sizes) == sum(target.w[f"{prefix}.{name}.weight"].shape[0] for name in NAMES)
             x = torch.randn(3, target.spec.hidden_size, dtype=target.dtype)
             positions = torch.arange(5, 8)

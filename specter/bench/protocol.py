@@ -68,7 +68,7 @@ class Options:
     warmup_tokens: int = 32
     repeats: int = 1
     k: int = 4
-    k_max: int = 8
+    k_max: int = 15
     device: str = "auto"
     dtype: str = "auto"
     progress: bool = True

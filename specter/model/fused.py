@@ -31,14 +31,23 @@ DECODE_ATTENTION = True
 """Whether the non-exact static step (the graphed draft) attends with `decode_attention` (the visible positions
 only) instead of masked attention over the whole cache (H200, 2026-11-30: draft step 3.82 -> 3.49 ms at a 512-position
 cache, 4.16 -> 3.48 ms at 2048; docs/BENCHMARKS.md)."""
-ROPE_WRITES_CACHE = False
+ROPE_WRITES_CACHE = True
 """Whether the non-exact static step rotates q and k and writes k and v into the KV cache in one launch
-(`rope_and_cache`) instead of the RoPE launch and two index_copy_ kernels (off until measured on the GPU:
-`benchmarks/h200_runs.sh kv-write`)."""
+(`rope_and_cache`) instead of the RoPE launch and two index_copy_ kernels (H200, 2026-11-30, ninth session: graphed
+draft step 3.14 -> 2.99 ms at the Qwen shape; `benchmarks/h200_runs.sh kv-write`)."""
 PACKED_QKV = True
 """Whether the non-exact forward projects q, k and v with one product over the packed weights (the target's own
 storage, packed at load: transformer.pack_projections) instead of three (prediction: ~10 us fewer per layer-step at
 the Qwen shape, three 8 MB products at ~6 us each measured against one 24 MB one)."""
+PACKED_FFN_INPUT = True
+"""Whether the non-exact forward of a Qwen2-MoE-style layer runs the router, the shared gate and the shared
+expert's gate and up products as one product over their packed weights (the target's own storage), the gated
+activation in one launch (`gated_silu`) and the down product with the residual and routed sum as its addend
+(prediction: ~10 us fewer per layer-step at the Qwen shape: the router's two cuBLAS kernels, one product launch,
+the sigmoid gate, two elementwise kernels and an add)."""
+RESIDUAL_ADDEND = True
+"""Whether the non-exact forward adds the residual to the attention's output product inside the product (addmm)
+instead of a separate add (prediction: ~1 us fewer per layer-step)."""
 POSITIONS_PER_SPLIT = 128
 """Cache positions per run of `decode_attention` (its default split is the capacity over this). H200, 2026-11-30:
 runs of 512 left 64 programs for a 2048-position cache of 16 heads, each streaming its run at ~9 GB/s (latency-bound),
@@ -115,6 +124,18 @@ def sigmoid_gate(h: Tensor, gate_weight: Tensor, out: Tensor) -> Tensor:
     return result
 
 
+def gated_silu(shared_input: Tensor, inter: int, gated: bool) -> Tensor:
+    """silu(g) * u (times sigmoid(l) when gated) of shared_input [T, (1 +) 2I] = [l,] g [I], u [I] per row (a view
+    into a packed product: any row stride, unit column stride); float32 arithmetic, one rounding. [T, I], one launch."""
+    rows = shared_input.shape[0]
+    assert shared_input.shape[1] == 2 * inter + int(gated) and shared_input.stride(1) == 1
+    out = torch.empty(rows, inter, dtype=shared_input.dtype, device=shared_input.device)
+    block = min(1024, _pow2(inter))
+    _kernels().gated_silu[(rows, -(-inter // block))](shared_input, shared_input.stride(0), out, inter, GATED=gated,
+                                                        BLOCK=block)  # fmt: skip
+    return out
+
+
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int | None,
                      splits: int | None = None) -> Tensor:
     """Attention of rows q [R, H, hd] over one layer's cache keys/values [Hkv, S, hd]: row r sees the positions
@@ -174,6 +195,7 @@ def _kernels() -> Any:
         rope_cache = triton.jit(rope_cache_kernel)
         topk_softmax = triton.jit(topk_softmax_kernel)
         sigmoid_gate = triton.jit(sigmoid_gate_kernel)
+        gated_silu = triton.jit(gated_silu_kernel)
         decode_attention = triton.jit(decode_attention_kernel)
         merge_splits = triton.jit(merge_splits_kernel)
 
@@ -293,6 +315,20 @@ def sigmoid_gate_kernel(h_ptr, w_ptr, out_ptr, result_ptr, width, BLOCK: tl.cons
         ok = cols < width
         out = tl.load(out_ptr + row * width + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(result_ptr + row * width + cols, (gate * out).to(result_ptr.dtype.element_ty), mask=ok)
+
+
+def gated_silu_kernel(in_ptr, stride_row, out_ptr, inter, GATED: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, column block): out = silu(g) * u (* sigmoid(l)) in float32, rounded once."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    base = in_ptr + row * stride_row + (1 if GATED else 0)
+    g = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(base + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    act = g * tl.sigmoid(g) * u
+    if GATED:
+        act = act * tl.sigmoid(tl.load(in_ptr + row * stride_row).to(tl.float32))
+    tl.store(out_ptr + row * inter + cols, act.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, stats_ptr, partial_ptr, stride_kh, stride_ks,

@@ -227,7 +227,7 @@ class StaticStep:
             out = fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, model.spec.sliding_window)
         else:
             out = self._attend(q, kv.k[layer], kv.v[layer], blocked)  # [R, H*hd]
-        return x + model.linear(out, f"{prefix}.o_proj")
+        return model.plus_linear(x, out, f"{prefix}.o_proj")
 
     def _attend(self, q: Tensor, keys: Tensor, values: Tensor, blocked: Tensor) -> Tensor:
         """Every row over the whole cache [Hkv, S, hd]; rows of one GEMM, so each row is computed on its own."""
@@ -256,6 +256,11 @@ class StaticStep:
         norm_name = f"{spec.layer_prefix(layer)}.post_attention_layernorm"
         if layer in spec.dense_layers:
             return x + model.dense_mlp(f"{spec.layer_prefix(layer)}.mlp", model.norm(x, norm_name))
+        packed = model.packed_ffn_input(layer)
+        if packed is not None:  # the draft: router and shared expert's inputs in one product (as the eager draft)
+            h = model.norm(x, norm_name)
+            ids, weights, shared_input = model.packed_route(layer, h, packed)
+            return model.packed_finish(layer, x, self.moe(layer, h, ids, weights), shared_input)
         h, ids, weights = model.route(layer, model.norm(x, norm_name))  # [R, D], [R, A], [R, A]
         routed = self.moe(layer, h, ids, weights)
         if spec.shared_intermediate:

@@ -65,23 +65,23 @@ def combine_in_expert_order(num_rows: int, hidden: int, parts: dict[int, tuple[T
     return out
 
 
-def pack_projections(w: dict[str, Tensor], prefix: str, names: Sequence[str]) -> None:
-    """Make the projections `prefix.<name>.weight` (and their biases, when all have one) consecutive row blocks of
+def pack_projections(w: dict[str, Tensor], names: Sequence[str]) -> None:
+    """Make the projections `<name>.weight` (and their biases, when all have one) consecutive row blocks of
     one tensor, in place in `w`: each entry becomes a view of the packed tensor, values unchanged, so every
     reader of `w` (the target, and the draft that shares its dict) still finds its own tensors, and the draft can
     run the packed product in one launch (packed_projections). A no-op when any is missing, when their shapes,
     dtypes or devices differ, or when they are packed already."""
-    weights = [w.get(f"{prefix}.{name}.weight") for name in names]
+    weights = [w.get(f"{name}.weight") for name in names]
     if any(t is None or t.dim() != 2 for t in weights):
         return
     first = weights[0]
     if any(t.shape[1] != first.shape[1] or t.dtype != first.dtype or t.device != first.device for t in weights):
         return
-    biases = [w.get(f"{prefix}.{name}.bias") for name in names]
+    biases = [w.get(f"{name}.bias") for name in names]
     with_bias = all(b is not None for b in biases)
     if not with_bias and any(b is not None for b in biases):
         return
-    if packed_projections(w, prefix, names) is not None:
+    if packed_projections(w, names) is not None:
         return
     groups = [("weight", weights)] + ([("bias", biases)] if with_bias else [])
     for kind, tensors in groups:
@@ -89,15 +89,15 @@ def pack_projections(w: dict[str, Tensor], prefix: str, names: Sequence[str]) ->
         offset = 0
         for name, tensor in zip(names, tensors):
             rows = tensor.shape[0]  # type: ignore[union-attr]
-            w[f"{prefix}.{name}.{kind}"] = packed[offset : offset + rows]
+            w[f"{name}.{kind}"] = packed[offset : offset + rows]
             offset += rows
 
 
-def packed_projections(w: dict[str, Tensor], prefix: str, names: Sequence[str]) -> tuple[Tensor, Tensor | None, tuple[int, ...]] | None:
-    """(packed weight, packed bias or None, rows of each) when the projections are consecutive views of one
-    tensor (pack_projections), else None."""
-    weights = [w.get(f"{prefix}.{name}.weight") for name in names]
-    biases = [w.get(f"{prefix}.{name}.bias") for name in names]
+def packed_projections(w: dict[str, Tensor], names: Sequence[str]) -> tuple[Tensor, Tensor | None, tuple[int, ...]] | None:
+    """(packed weight, packed bias or None, rows of each) when the projections `<name>.weight` are consecutive views
+    of one tensor (pack_projections), else None."""
+    weights = [w.get(f"{name}.weight") for name in names]
+    biases = [w.get(f"{name}.bias") for name in names]
 
     def packed(parts: list[Tensor | None]) -> Tensor | None:
         if any(t is None for t in parts):
@@ -134,9 +134,11 @@ class Transformer:
         embed = dense["model.embed_tokens.weight"]
         self.device, self.dtype = embed.device, embed.dtype
         self.cos, self.sin = self._rope_tables(max_context)
-        self._packed: dict[str, tuple[Tensor, Tensor | None, tuple[int, ...]] | None] = {}
+        self._packed: dict[tuple[str, int], tuple[Tensor, Tensor | None, tuple[int, ...]] | None] = {}
         for layer in range(spec.num_layers):
-            pack_projections(dense, f"{spec.layer_prefix(layer)}.self_attn", ("q_proj", "k_proj", "v_proj"))
+            for names in (self._qkv_names(layer), self._ffn_input_names(layer)):
+                if names:
+                    pack_projections(dense, names)
 
     # ---- set-up -------------------------------------------------------------------------------
     def _rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
@@ -176,6 +178,13 @@ class Transformer:
         bias = self.w.get(name + ".bias")
         return F.linear(x, self.w[name + ".weight"], bias)
 
+    def plus_linear(self, residual: Tensor, x: Tensor, name: str) -> Tensor:
+        """residual + linear(x, name): outside exact mode (the draft) and without a bias, one product with the
+        residual as its addend (fused.RESIDUAL_ADDEND: one launch fewer per call)."""
+        if not self.exact and fused.RESIDUAL_ADDEND and name + ".bias" not in self.w:
+            return torch.addmm(residual, x, self.w[name + ".weight"].t())
+        return residual + self.linear(x, name)
+
     # ---- the forward --------------------------------------------------------------------------
     async def forward(self, tokens: Tensor, start: int, kv: KVCache, experts: ExpertProvider) -> Tensor:
         """Run T tokens at positions start..start+T-1, writing their KV; returns final hidden [T, D]."""
@@ -205,7 +214,7 @@ class Transformer:
         q, k, v = self.rows(lambda rows, pos: self._qkv(layer, prefix, rows, pos), x, positions)
         kv.write(layer, start, k, v)
         out = self._attend(layer, q, start, kv)  # [T, H*hd]
-        (x,) = self.rows(lambda o, res: res + self.linear(o, f"{prefix}.o_proj"), out, x)
+        (x,) = self.rows(lambda o, res: self.plus_linear(res, o, f"{prefix}.o_proj"), out, x)
         return x
 
     def _qkv(self, layer: int, prefix: str, x: Tensor, positions: Tensor, rotate: bool = True) -> tuple[Tensor, Tensor, Tensor]:
@@ -213,7 +222,7 @@ class Transformer:
         caller rotates them itself: fused.rope_and_cache)."""
         spec = self.spec
         h = self.norm(x, f"{spec.layer_prefix(layer)}.input_layernorm")
-        packed = self._packed_qkv(prefix) if not self.exact and fused.PACKED_QKV else None
+        packed = self._packed_qkv(layer) if not self.exact and fused.PACKED_QKV else None
         if packed is not None:  # the draft: one product over the packed weights (the target's own storage)
             weight, bias, sizes = packed
             q, k, v = F.linear(h, weight, bias).split(sizes, dim=-1)
@@ -239,12 +248,65 @@ class Transformer:
         k = k * cos + rotate_half(k) * sin
         return q, k, v
 
-    def _packed_qkv(self, prefix: str) -> tuple[Tensor, Tensor | None, tuple[int, ...]] | None:
+    # ---- packed projections (the draft's products: one launch where the target runs several) ----------
+    def _qkv_names(self, layer: int) -> tuple[str, ...]:
+        prefix = f"{self.spec.layer_prefix(layer)}.self_attn"
+        return tuple(f"{prefix}.{name}" for name in ("q_proj", "k_proj", "v_proj"))
+
+    def _ffn_input_names(self, layer: int) -> tuple[str, ...]:
+        """The products of a MoE layer's normalised input: router, shared gate, shared expert's gate and up (Qwen2-MoE's
+        layout; families that route or share otherwise pack nothing here)."""
+        spec = self.spec
+        if (not spec.shared_intermediate or layer in spec.dense_layers or type(self).route is not Transformer.route
+                or type(self).shared_expert is not Transformer.shared_expert):  # fmt: skip
+            return ()
+        shared = f"{spec.layer_prefix(layer)}.mlp.shared_expert"
+        gate = (f"{spec.layer_prefix(layer)}.mlp.shared_expert_gate",) if spec.shared_gate else ()
+        return (spec.router_name(layer).removesuffix(".weight"), *gate, f"{shared}.gate_proj", f"{shared}.up_proj")
+
+    def _packed_qkv(self, layer: int) -> tuple[Tensor, Tensor | None, tuple[int, ...]] | None:
         """(weight [Nq+Nk+Nv, D], bias or None, (Nq, Nk, Nv)) of a layer whose q/k/v projections are views of one
         packed tensor (pack_projections did it at load), else None. Looked up once per layer."""
-        if prefix not in self._packed:
-            self._packed[prefix] = packed_projections(self.w, prefix, ("q_proj", "k_proj", "v_proj"))
-        return self._packed[prefix]
+        if ("qkv", layer) not in self._packed:
+            self._packed[("qkv", layer)] = packed_projections(self.w, self._qkv_names(layer))
+        return self._packed[("qkv", layer)]
+
+    def packed_ffn_input(self, layer: int) -> tuple[Tensor, tuple[int, ...]] | None:
+        """(weight, rows of each) of a MoE layer whose router and shared-expert input products are packed without
+        biases (see _ffn_input_names), for the non-exact forward with fused.PACKED_FFN_INPUT; else None."""
+        if self.exact or not fused.PACKED_FFN_INPUT:
+            return None
+        if ("ffn", layer) not in self._packed:
+            names = self._ffn_input_names(layer)
+            found = packed_projections(self.w, names) if names else None
+            has_bias = found is None or found[1] is not None or f"{self.spec.layer_prefix(layer)}.mlp.shared_expert.down_proj.bias" in self.w
+            self._packed[("ffn", layer)] = None if has_bias else found
+        found = self._packed[("ffn", layer)]
+        return None if found is None else (found[0], found[2])
+
+    def packed_route(self, layer: int, h: Tensor, packed: tuple[Tensor, tuple[int, ...]]) -> tuple[Tensor, Tensor, Tensor]:
+        """The non-exact MoE layer's input products in one launch: ids [T, A], weights [T, A] and what the shared
+        expert needs ([T, 1 + 2I] with its gate logit first, or [T, 2I] without a gate), for packed_finish."""
+        weight, sizes = packed
+        product = F.linear(h, weight)  # [T, E (+ 1) + 2I]
+        experts = sizes[0]
+        ids, weights = self._select(product[:, :experts], h.dtype)
+        return ids, weights, product[:, experts:]
+
+    def packed_finish(self, layer: int, x: Tensor, routed: Tensor, shared_input: Tensor) -> Tensor:
+        """x + routed + the shared expert from its packed input (packed_route): the gated activation in one launch
+        (the gate scales the activation instead of the output: the product is linear), and the down product with
+        the sum as its addend (one cuBLAS call)."""
+        inter, gated = self.spec.shared_intermediate, self.spec.shared_gate
+        if fused.usable(shared_input):
+            act = fused.gated_silu(shared_input, inter, gated)
+        else:
+            gate_up = shared_input[:, 1:] if gated else shared_input
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            if gated:
+                act = act * torch.sigmoid(shared_input[:, :1])
+        down = self.w[f"{self.spec.layer_prefix(layer)}.mlp.shared_expert.down_proj.weight"]
+        return torch.addmm(x + routed, act, down.t())
 
     def _key_range(self, position: int) -> tuple[int, int]:
         window = self.spec.sliding_window
@@ -295,6 +357,11 @@ class Transformer:
         if layer in spec.dense_layers:
             (x,) = self.rows(lambda r: r + self.dense_mlp(f"{spec.layer_prefix(layer)}.mlp", self.norm(r, norm_name)), x)
             return x
+        packed = self.packed_ffn_input(layer)
+        if packed is not None:  # the draft: as graphed.StaticStep._feed_forward does it
+            h = self.norm(x, norm_name)
+            ids, weights, shared_input = self.packed_route(layer, h, packed)
+            return self.packed_finish(layer, x, await experts.run(layer, h, ids, weights, self.expert_mlp), shared_input)
         h, ids, weights = self.rows(lambda r: self.route(layer, self.norm(r, norm_name)), x)
         shared = None
         if spec.shared_intermediate:  # launched before the routed experts, so it computes while misses load
@@ -308,14 +375,18 @@ class Transformer:
     def route(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router: softmax over experts in float32, top-A, optional renormalisation. Returns h, ids [T, A], weights [T, A]."""
         logits = F.linear(h, self.w[self.spec.router_name(layer)])  # [T, E]
+        ids, weights = self._select(logits, h.dtype)
+        return h, ids, weights
+
+    def _select(self, logits: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Top-A of the float32 softmax of router logits [T, E]: ids [T, A], weights [T, A] in `dtype`."""
         if not self.exact and fused.ROUTER_AND_GATE and fused.usable(logits):  # the draft on CUDA: one launch
-            ids, weights = fused.topk_softmax(logits, self.spec.top_k, self.spec.norm_topk_prob, h.dtype)
-            return h, ids, weights
+            return fused.topk_softmax(logits, self.spec.top_k, self.spec.norm_topk_prob, dtype)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
         if self.spec.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return h, ids, weights.to(h.dtype)
+        return ids, weights.to(dtype)
 
     def route_logits(self, layer: int, h: Tensor) -> Tensor:
         """Router logits for already-normalised rows (used by gate-based prediction)."""

@@ -53,7 +53,9 @@ class MoEKernelConfig:
     split_k_down: int = 2  # K parts of the down GEMM (at most its K steps); 1: no split
     single_token_gemv: bool = True  # one token: GEMV kernels without routing or 16-row tiles (H200: 33 vs 51 us)
     block_n_gemv: int = 16  # output rows per GEMV program (gate/up: 2x, gate and up)
-    block_k_gemv: int = 128  # input elements per GEMV step (H200 sweep, 2026-11-30: 128 best of 128/256/512)
+    block_k_gemv: int = 128  # input elements per GEMV step (H200 sweep, 2026-11-30: 128 best of 128/256/512 when a
+    # step of several groups read a scale per element; now such a step reads one scale per group)
+    split_k_gemv_gate_up: int = 1  # K parts of the one-token gate/up GEMV (> 1: float32 parts, then an activation launch)
 
 
 DEFAULT_CONFIG = MoEKernelConfig()  # what `fused_moe` uses when no config is passed (benchmarks may swap it)
@@ -79,16 +81,23 @@ def kernel_supports(x: Tensor, expert_ids: Tensor, qe: QuantizedExperts) -> bool
 
 
 def fused_moe(
-    x: Tensor, expert_ids: Tensor, weights: Tensor, qe: QuantizedExperts, config: MoEKernelConfig | None = None
+    x: Tensor, expert_ids: Tensor, weights: Tensor, qe: QuantizedExperts, config: MoEKernelConfig | None = None,
+    counts: Tensor | None = None,
 ) -> Tensor:
-    """[T, D] MoE output; Triton on CUDA for int4/int8, the torch reference otherwise. Never syncs."""
+    """[T, D] MoE output; Triton on CUDA for int4/int8, the torch reference otherwise. Never syncs.
+    counts [E] float32, when given, gets +1 per (token, slot) at its expert (the draft's route counter): inside the
+    kernels on the Triton path, by index_add_ otherwise."""
     if x.is_cuda and kernel_supports(x, expert_ids, qe) and triton_available():
-        return fused_moe_triton(x, expert_ids, weights, qe, config)
+        return fused_moe_triton(x, expert_ids, weights, qe, config, counts)
+    if counts is not None:
+        flat = expert_ids.reshape(-1)
+        counts.index_add_(0, flat, torch.ones(flat.numel(), dtype=counts.dtype, device=counts.device))
     return moe_forward(x, expert_ids, weights, qe)
 
 
 def fused_moe_triton(
-    x: Tensor, expert_ids: Tensor, weights: Tensor, qe: QuantizedExperts, config: MoEKernelConfig | None = None
+    x: Tensor, expert_ids: Tensor, weights: Tensor, qe: QuantizedExperts, config: MoEKernelConfig | None = None,
+    counts: Tensor | None = None,
 ) -> Tensor:
     """The Triton path (CUDA, or the interpreter for CPU tensors); four launches, no host sync."""
     check_routes(x, expert_ids, weights, qe.hidden)
@@ -97,9 +106,10 @@ def fused_moe_triton(
     assert x.is_cuda or interpreting(), "the Triton MoE needs CUDA tensors (or TRITON_INTERPRET=1 for CPU ones)"
     kernels = _kernels()
     x = x.contiguous()
+    assert counts is None or (counts.dtype == torch.float32 and counts.is_contiguous() and counts.device == x.device)
     if config.single_token_gemv and x.shape[0] == 1:
-        return _single_token(kernels, x, expert_ids, weights, qe, config)
-    routes = _route(kernels, expert_ids, weights)
+        return _single_token(kernels, x, expert_ids, weights, qe, config, counts)
+    routes = _route(kernels, expert_ids, weights, counts)
     hidden_act = torch.empty(routes.pairs, qe.intermediate, device=x.device, dtype=x.dtype)  # [P, I]
     _launch_gemm(kernels, x, qe, routes, hidden_act, gate_up=True, config=config, split=1)
     split = _down_parts(qe, _block_k(qe.w2_group, config.block_k), config)
@@ -152,7 +162,7 @@ def _out_strides(out: Tensor) -> tuple[int, int]:
     return (out.stride(1), out.stride(0)) if out.dim() == 3 else (out.stride(0), 0)
 
 
-def _route(kernels: Any, expert_ids: Tensor, weights: Tensor) -> _Routes:
+def _route(kernels: Any, expert_ids: Tensor, weights: Tensor, counts: Tensor | None = None) -> _Routes:
     num_tokens, active = expert_ids.shape
     pairs, device = num_tokens * active, expert_ids.device
     new = functools.partial(torch.empty, device=device, dtype=torch.int32)
@@ -161,7 +171,8 @@ def _route(kernels: Any, expert_ids: Tensor, weights: Tensor) -> _Routes:
     block_pairs = max(16, _next_power_of_2(pairs))
     kernels.route[(1,)](
         expert_ids.contiguous(), weights.contiguous(), routes.token, routes.expert, routes.weight,
-        routes.run_offset, routes.token_slots, pairs, ACTIVE=active, BLOCK_P=block_pairs,
+        routes.run_offset, routes.token_slots, routes.weight if counts is None else counts, pairs, ACTIVE=active,
+        BLOCK_P=block_pairs, COUNT=counts is not None,
     )  # fmt: skip
     return routes
 
@@ -188,7 +199,7 @@ def _launch_gemm(
 
 
 def _single_token(kernels: Any, x: Tensor, expert_ids: Tensor, weights: Tensor, qe: QuantizedExperts,
-                  config: MoEKernelConfig) -> Tensor:
+                  config: MoEKernelConfig, counts: Tensor | None = None) -> Tensor:
     """One token (the draft's step): its A experts are distinct, so no route kernel and no 16-row tiles. Three
     launches: gate/up GEMV (grid A x cdiv(I, BN)), down GEMV in K parts (A x cdiv(D, BN) x S), and a combine that adds
     parts and experts in ascending expert id, as the general path does."""
@@ -196,15 +207,24 @@ def _single_token(kernels: Any, x: Tensor, expert_ids: Tensor, weights: Tensor, 
     ids = expert_ids.reshape(-1).contiguous()
     route_weights = weights.reshape(-1).contiguous()
     hidden_act = torch.empty(active, qe.intermediate, device=x.device, dtype=x.dtype)  # [A, I]
-    _launch_gemv(kernels, x, ids, route_weights, qe, hidden_act, gate_up=True, config=config, split=1)
+    k_steps = triton_cdiv(qe.hidden, _gemv_block_k(qe.w13_group, config.block_k_gemv))
+    split_gate_up = max(1, min(config.split_k_gemv_gate_up, k_steps))
+    if split_gate_up == 1:  # the activation in the GEMV's epilogue
+        _launch_gemv(kernels, x, ids, route_weights, qe, hidden_act, gate_up=True, config=config, split=1)
+    else:  # K parts of gate and up in float32, added (in part order) before the activation by a second launch
+        parts = torch.empty(split_gate_up, active, 2 * qe.intermediate, device=x.device, dtype=torch.float32)
+        _launch_gemv(kernels, x, ids, route_weights, qe, parts, gate_up=True, config=config, split=split_gate_up)
+        block = min(1024, _next_power_of_2(qe.intermediate))
+        kernels.gemv_act[(active, triton_cdiv(qe.intermediate, block))](
+            parts, parts.stride(0), hidden_act, qe.intermediate, PARTS=split_gate_up, BLOCK=block)
     split = _down_parts(qe, _gemv_block_k(qe.w2_group, config.block_k_gemv), config)
     pair_out = torch.empty(split, active, qe.hidden, device=x.device, dtype=torch.float32)  # [S, A, D]
     _launch_gemv(kernels, hidden_act, ids, route_weights, qe, pair_out, gate_up=False, config=config, split=split)
     out = torch.empty(1, qe.hidden, device=x.device, dtype=x.dtype)
     block_d = 256
     kernels.gemv_combine[(triton_cdiv(qe.hidden, block_d),)](
-        pair_out, pair_out.stride(0), ids, out, qe.hidden, ACTIVE=active, ACTIVE_POW2=max(2, _next_power_of_2(active)),
-        PARTS=split, BLOCK_D=block_d,
+        pair_out, pair_out.stride(0), ids, out, pair_out if counts is None else counts, qe.hidden, ACTIVE=active,
+        ACTIVE_POW2=max(2, _next_power_of_2(active)), PARTS=split, BLOCK_D=block_d, COUNT=counts is not None,
     )  # fmt: skip
     return out
 
@@ -216,11 +236,14 @@ def _launch_gemv(kernels: Any, a: Tensor, ids: Tensor, route_weights: Tensor, qe
     op = _Operand.of(qe, gate_up)
     block_k = _gemv_block_k(op.group, config.block_k_gemv)
     grid = (ids.numel(), triton_cdiv(op.n_out, config.block_n_gemv), split)
+    groups = block_k // op.group if block_k % op.group == 0 else 1  # whole groups per K step: a scale per group
     kernels.gemv[grid](
         a, 0 if gate_up else a.stride(0), op.w, op.w.stride(0), op.w.stride(1), op.scales, op.scales.stride(0),
         op.scales.stride(1), out, *_out_strides(out), ids, route_weights, op.n_out, op.k_dim, op.k_part(block_k, split),
         qe.intermediate, GROUP=op.group, BITS=qe.bits, GATE_UP=gate_up, BLOCK_N=config.block_n_gemv, BLOCK_K=block_k,
-        SCALE_PER_TILE=op.group % block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages,
+        SCALE_PER_TILE=op.group % block_k == 0, GROUPS=groups, PARTIAL=gate_up and split > 1,
+        ROWS=config.block_n_gemv * (2 if gate_up else 1),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
 
@@ -248,7 +271,7 @@ def _block_k(group: int, preferred: int) -> int:
 
 def _gemv_block_k(group: int, preferred: int) -> int:
     """The GEMV's K step: `preferred` when it is a whole number of groups (longer contiguous reads per weight row,
-    a scale per element), else as for the GEMM (a divisor of the group, one scale per row and step)."""
+    a scale per group), else as for the GEMM (a divisor of the group, one scale per row and step)."""
     return preferred if preferred % group == 0 else _block_k(group, preferred)
 
 
@@ -272,6 +295,7 @@ class _KernelSet:
     combine: Any
     gemv: Any
     gemv_combine: Any
+    gemv_act: Any
 
 
 tl: Any = None  # triton.language, bound by _kernels(); the kernel bodies resolve it as a global
@@ -285,11 +309,12 @@ def _kernels() -> _KernelSet:
     import triton.language
 
     tl = triton.language
-    global _dequantized  # the kernels' shared helper: jitted too, under the name they resolve
+    global _dequantized, _codes  # the kernels' shared helpers: jitted too, under the names they resolve
+    _codes = triton.jit(_codes)
     _dequantized = triton.jit(_dequantized)
     log.debug("moe.triton.jit", interpret=interpreting())
     return _KernelSet(triton.jit(route_kernel), triton.jit(gemm_kernel), triton.jit(combine_kernel),
-                      triton.jit(gemv_kernel), triton.jit(gemv_combine_kernel))
+                      triton.jit(gemv_kernel), triton.jit(gemv_combine_kernel), triton.jit(gemv_act_kernel))
 
 
 def interpreting() -> bool:
@@ -298,8 +323,9 @@ def interpreting() -> bool:
 
 
 def route_kernel(ids_ptr, weights_ptr, token_ptr, expert_ptr, weight_ptr, run_offset_ptr, token_slots_ptr,
-                 num_pairs, ACTIVE: tl.constexpr, BLOCK_P: tl.constexpr):  # fmt: skip
-    """One program: rank the pairs by (expert id, pair index) and write the sorted route tables."""
+                 counts_ptr, num_pairs, ACTIVE: tl.constexpr, BLOCK_P: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
+    """One program: rank the pairs by (expert id, pair index) and write the sorted route tables (COUNT: and add one
+    per pair to its expert's route counter)."""
     pair = tl.arange(0, BLOCK_P)
     valid = pair < num_pairs
     expert = tl.load(ids_ptr + pair, mask=valid, other=0).to(tl.int32)
@@ -317,6 +343,8 @@ def route_kernel(ids_ptr, weights_ptr, token_ptr, expert_ptr, weight_ptr, run_of
     tl.store(weight_ptr + slot, tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32), mask=valid)
     tl.store(run_offset_ptr + slot, run_offset, mask=valid)
     tl.store(token_slots_ptr + token * ACTIVE + rank_in_token, slot, mask=valid)
+    if COUNT:
+        tl.atomic_add(counts_ptr + expert, tl.full((BLOCK_P,), 1.0, tl.float32), mask=valid)
 
 
 def gemm_kernel(a_ptr, stride_a, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg,
@@ -383,10 +411,8 @@ def gemm_kernel(a_ptr, stride_a, w_ptr, stride_we, stride_wn, s_ptr, stride_se, 
     tl.store(out_rows + cols[None, :], result.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _dequantized(w_base, s_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, k_dim, stride_sg, GROUP: tl.constexpr,
-                 BITS: tl.constexpr, SCALE_PER_TILE: tl.constexpr):  # fmt: skip
-    """Float32 weights of one tile at the even and the odd k of a K step: rows w_base [W], scales s_base [W]. (The
-    pair k, k + 1 shares one scale: groups are even, see kernel_supports.)"""
+def _codes(w_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, k_dim, BITS: tl.constexpr):
+    """Float32 levels (code + 0.5, unscaled) of one tile at the even and the odd k of a K step: rows w_base [W]."""
     w_mask = w_ok[:, None] & even_ok[None, :]
     if BITS == 4:  # K is even (an even group divides it): a mask on the contiguous byte index keeps loads vectorised
         byte = k0 // 2 + pair_idx
@@ -397,10 +423,18 @@ def _dequantized(w_base, s_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, k_
         q_even = tl.load(w_base[:, None] + k_even[None, :], mask=w_mask, other=0).to(tl.float32) + 0.5
         q_odd = tl.load(w_base[:, None] + k_even[None, :] + 1, mask=w_ok[:, None] & odd_ok[None, :],
                         other=0).to(tl.float32) + 0.5  # fmt: skip
+    return q_even, q_odd
+
+
+def _dequantized(w_base, s_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, k_dim, stride_sg, GROUP: tl.constexpr,
+                 BITS: tl.constexpr, SCALE_PER_TILE: tl.constexpr):  # fmt: skip
+    """Float32 weights of one tile at the even and the odd k of a K step: rows w_base [W], scales s_base [W]. (The
+    pair k, k + 1 shares one scale: groups are even, see kernel_supports.)"""
+    q_even, q_odd = _codes(w_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, k_dim, BITS)
     if SCALE_PER_TILE:
         scale = tl.load(s_base + (k0 // GROUP) * stride_sg, mask=w_ok, other=0.0).to(tl.float32)[:, None]
     else:
-        scale = tl.load(s_base[:, None] + ((k_even // GROUP) * stride_sg)[None, :], mask=w_mask,
+        scale = tl.load(s_base[:, None] + ((k_even // GROUP) * stride_sg)[None, :], mask=w_ok[:, None] & even_ok[None, :],
                         other=0.0).to(tl.float32)  # fmt: skip
     return q_even * scale, q_odd * scale
 
@@ -425,10 +459,14 @@ def combine_kernel(pair_out_ptr, stride_part, token_slots_ptr, out_ptr, hidden, 
 def gemv_kernel(a_ptr, stride_a, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg,
                 out_ptr, stride_out, stride_out_part, ids_ptr, weights_ptr, n_out, k_dim, k_part, intermediate,
                 GROUP: tl.constexpr, BITS: tl.constexpr, GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, SCALE_PER_TILE: tl.constexpr):  # fmt: skip
+                BLOCK_K: tl.constexpr, SCALE_PER_TILE: tl.constexpr, GROUPS: tl.constexpr,
+                PARTIAL: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
     """One token's expert (program_id 0) against BLOCK_N output rows over one K part: products and sums in float32
     on the CUDA cores, no 16-row padding. GATE_UP: a = x (stride_a 0: every expert reads the one row), out = h [A, I]
-    = silu(gate) * up in a's dtype. Else: a = h [A, I], out = [S, A, D] fp32 scaled by the routing weight."""
+    = silu(gate) * up in a's dtype, or with PARTIAL the part's raw gate and up, out [S, A, 2I] float32 (gemv_act adds
+    the parts). Else: a = h [A, I], out = [S, A, D] fp32 scaled by the routing weight. GROUPS > 1: a K step spans that
+    many whole groups; levels times activations are summed per group, then scaled (one scale load per group). ROWS:
+    weight rows per program (2 * BLOCK_N for gate/up, else BLOCK_N)."""
     pair = tl.program_id(0)
     part = tl.program_id(2)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -440,11 +478,13 @@ def gemv_kernel(a_ptr, stride_a, w_ptr, stride_we, stride_wn, s_ptr, stride_se, 
         half = tl.arange(0, 2)
         w_rows = tl.reshape(cols[:, None] + intermediate * half[None, :], (2 * BLOCK_N,))
         w_ok = tl.reshape(col_ok[:, None] & (half[None, :] < 2), (2 * BLOCK_N,))
-        acc = tl.zeros((2 * BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
     else:
         w_rows = cols
         w_ok = col_ok
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+    if GROUPS > 1:
+        acc = tl.zeros((ROWS, GROUPS), dtype=tl.float32)
+    else:
+        acc = tl.zeros((ROWS, BLOCK_K // 2), dtype=tl.float32)
     w_base = w_ptr + expert * stride_we + w_rows.to(tl.int64) * stride_wn
     s_base = s_ptr + expert * stride_se + w_rows
     a_row = a_ptr + pair.to(tl.int64) * stride_a
@@ -455,26 +495,59 @@ def gemv_kernel(a_ptr, stride_a, w_ptr, stride_we, stride_wn, s_ptr, stride_se, 
         odd_ok = k_even + 1 < k_dim
         a_even = tl.load(a_row + k_even, mask=even_ok, other=0.0).to(tl.float32)
         a_odd = tl.load(a_row + k_even + 1, mask=odd_ok, other=0.0).to(tl.float32)
-        w_even, w_odd = _dequantized(w_base, s_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, k_dim, stride_sg,
-                                     GROUP, BITS, SCALE_PER_TILE)  # fmt: skip
-        acc += w_even * a_even[None, :] + w_odd * a_odd[None, :]
+        if GROUPS > 1:
+            q_even, q_odd = _codes(w_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, k_dim, BITS)
+            levels = q_even * a_even[None, :] + q_odd * a_odd[None, :]  # [ROWS, BLOCK_K / 2]
+            per_group = tl.sum(tl.reshape(levels, (ROWS, GROUPS, BLOCK_K // (2 * GROUPS))), axis=2)
+            group_idx = k0 // GROUP + tl.arange(0, GROUPS)
+            scale = tl.load(s_base[:, None] + (group_idx * stride_sg)[None, :],
+                            mask=w_ok[:, None] & (group_idx * GROUP < k_dim)[None, :], other=0.0).to(tl.float32)
+            acc += per_group * scale
+        else:
+            w_even, w_odd = _dequantized(w_base, s_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, k_dim,
+                                         stride_sg, GROUP, BITS, SCALE_PER_TILE)  # fmt: skip
+            acc += w_even * a_even[None, :] + w_odd * a_odd[None, :]
     total = tl.sum(acc, axis=1)
     out_row = out_ptr + part * stride_out_part + pair.to(tl.int64) * stride_out
     if GATE_UP:
         gate, up = tl.split(tl.reshape(total, (BLOCK_N, 2)))
-        tl.store(out_row + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=col_ok)
+        if PARTIAL:
+            tl.store(out_row + cols, gate, mask=col_ok)
+            tl.store(out_row + intermediate + cols, up, mask=col_ok)
+        else:
+            tl.store(out_row + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=col_ok)
     else:
         tl.store(out_row + cols, total * tl.load(weights_ptr + pair).to(tl.float32), mask=col_ok)
 
 
-def gemv_combine_kernel(pair_out_ptr, stride_part, ids_ptr, out_ptr, hidden, ACTIVE: tl.constexpr,
-                        ACTIVE_POW2: tl.constexpr, PARTS: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    """The one token's output: its experts' rows (each the sum of its parts) added in ascending expert id."""
+def gemv_act_kernel(parts_ptr, stride_part, out_ptr, intermediate, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (expert of the token, column block): gate and up summed over the K parts in part order, then
+    h = silu(gate) * up in out's dtype."""
+    pair = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < intermediate
+    row = parts_ptr + pair * 2 * intermediate
+    gate = tl.load(row + cols, mask=ok, other=0.0)
+    up = tl.load(row + intermediate + cols, mask=ok, other=0.0)
+    for index in tl.static_range(1, PARTS):
+        gate += tl.load(row + index * stride_part + cols, mask=ok, other=0.0)
+        up += tl.load(row + index * stride_part + intermediate + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + pair * intermediate + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def gemv_combine_kernel(pair_out_ptr, stride_part, ids_ptr, out_ptr, counts_ptr, hidden, ACTIVE: tl.constexpr,
+                        ACTIVE_POW2: tl.constexpr, PARTS: tl.constexpr, BLOCK_D: tl.constexpr,
+                        COUNT: tl.constexpr):  # fmt: skip
+    """The one token's output: its experts' rows (each the sum of its parts) added in ascending expert id (COUNT: the
+    first program adds one to each of its experts' route counters)."""
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < hidden
     lanes = tl.arange(0, ACTIVE_POW2)
     lane_ok = lanes < ACTIVE
     ids = tl.load(ids_ptr + lanes, mask=lane_ok, other=0)
+    if COUNT:
+        if tl.program_id(0) == 0:
+            tl.atomic_add(counts_ptr + ids, tl.full((ACTIVE_POW2,), 1.0, tl.float32), mask=lane_ok)
     before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (lanes[None, :] < lanes[:, None]))
     rank = tl.sum((before & lane_ok[None, :]).to(tl.int32), axis=1)  # [lane]: its place in ascending id order
     total = tl.zeros((BLOCK_D,), dtype=tl.float32)
