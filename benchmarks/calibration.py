@@ -26,8 +26,8 @@ def prompts_for(path: str, per_kind: int = 2) -> list[list[int]]:
     return [list(ids) for snippets in json.loads(listed.read_text())["kinds"].values() for ids in snippets[:per_kind]]
 
 
-async def measure(path: str, quant: str, device: str, residents: int | None, tokens: int, group: int) -> dict:
-    config = EngineConfig(device=device, max_context=256, residents=residents, draft=DraftConfig(k=4, quant=quant, group_size=group))
+async def measure(path: str, quant: str, device: str, residents: int | None, tokens: int, group: int, k: int = 4) -> dict:
+    config = EngineConfig(device=device, max_context=256, residents=residents, draft=DraftConfig(k=k, quant=quant, group_size=group))
     runtime = await Runtime.load(path, config)
     drafted = accepted = recall_hits = recall_total = 0
     for prompt in prompts_for(path):
@@ -51,16 +51,18 @@ def main() -> None:
     parser.add_argument("--residents", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--group", type=int, default=16, help="quantization group (tiny models have hidden 32)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--formats", default="int4,gptq4,int8,int2", help="draft formats to measure, comma-separated")
+    parser.add_argument("--k", type=int, default=4, help="the fixed draft depth")
+    parser.add_argument("--out", default=None, help="JSON rows, rewritten after each format (a run cut short keeps them)")
     args = parser.parse_args()
     models = {"model": args.model} if args.model else tiny_checkpoints(Path(tempfile.mkdtemp()))
     rows = []
     for name, path in models.items():
-        for quant in ("int4", "gptq4", "int8", "int2"):
-            row = asyncio.run(measure(path, quant, args.device, args.residents, args.tokens, args.group))
-            rows.append({"model": name, "quant": quant, **row})
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        for quant in args.formats.split(","):
+            row = asyncio.run(measure(path, quant, args.device, args.residents, args.tokens, args.group, args.k))
+            rows.append({"model": name, "quant": quant, "k": args.k, **row})
+            if args.out:
+                Path(args.out).write_text(json.dumps(rows, indent=1))
     print(f"{'model':<12}{'quant':<8}{'acceptance':>12}{'recall':>9}")
     for row in rows:
         print(f"{row['model']:<12}{row['quant']:<8}{row['acceptance']:>12.3f}{row['window_recall']:>9.3f}")

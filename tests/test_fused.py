@@ -83,13 +83,12 @@ for dtype in (torch.float32, torch.bfloat16):
         results.append(["gate", str(dtype), [rows, width], got.shape == out.shape and got.dtype == dtype, True,
                         ((got.float() - reference.float()).abs() / (reference.float().abs() + 1e-2)).max().item()])
     for rows, inter, gated in ((1, 1408, True), (3, 40, True), (2, 1500, False)):  # 1500: two column blocks
-        product = torch.randn(rows, 7 + int(gated) + 2 * inter, generator=generator).to(dtype)  # a packed product
-        shared_input = product[:, 7:]  # a strided view, as packed_route hands it over
-        gate_up = shared_input[:, 1:] if gated else shared_input
-        reference = F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
+        product = torch.randn(rows, 2 * inter + 7 + int(gated), generator=generator).to(dtype)  # a packed product
+        gate_logit = product[:, 2 * inter + 5 :][:, :1] if gated else None  # strided views, as packed_finish takes them
+        reference = F.silu(product[:, :inter].float()) * product[:, inter : 2 * inter].float()
         if gated:
-            reference = reference * torch.sigmoid(shared_input[:, :1].float())
-        got = fused.gated_silu(shared_input, inter, gated)
+            reference = reference * torch.sigmoid(gate_logit.float())
+        got = fused.gated_silu(product, inter, gate_logit)
         results.append(["gated-silu", str(dtype), [rows, inter, gated], got.shape == (rows, inter) and got.dtype == dtype,
                         True, ((got.float() - reference).abs() / (reference.abs() + 1e-2)).max().item()])
 print(json.dumps(results))

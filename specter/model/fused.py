@@ -124,15 +124,17 @@ def sigmoid_gate(h: Tensor, gate_weight: Tensor, out: Tensor) -> Tensor:
     return result
 
 
-def gated_silu(shared_input: Tensor, inter: int, gated: bool) -> Tensor:
-    """silu(g) * u (times sigmoid(l) when gated) of shared_input [T, (1 +) 2I] = [l,] g [I], u [I] per row (a view
-    into a packed product: any row stride, unit column stride); float32 arithmetic, one rounding. [T, I], one launch."""
-    rows = shared_input.shape[0]
-    assert shared_input.shape[1] == 2 * inter + int(gated) and shared_input.stride(1) == 1
-    out = torch.empty(rows, inter, dtype=shared_input.dtype, device=shared_input.device)
+def gated_silu(gate_up: Tensor, inter: int, gate_logit: Tensor | None) -> Tensor:
+    """silu(g) * u, times sigmoid(l) when gate_logit [T, 1] is given, of gate_up [T, >= 2I] = g [I], u [I], ... per
+    row (views into a packed product: any row stride, unit column stride); float32 arithmetic, one rounding.
+    [T, I], one launch."""
+    rows = gate_up.shape[0]
+    assert gate_up.shape[1] >= 2 * inter and gate_up.stride(1) == 1
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, _pow2(inter))
-    _kernels().gated_silu[(rows, -(-inter // block))](shared_input, shared_input.stride(0), out, inter, GATED=gated,
-                                                        BLOCK=block)  # fmt: skip
+    logit = gate_up if gate_logit is None else gate_logit
+    _kernels().gated_silu[(rows, -(-inter // block))](gate_up, gate_up.stride(0), logit, logit.stride(0), out, inter,
+                                                        GATED=gate_logit is not None, BLOCK=block)  # fmt: skip
     return out
 
 
@@ -317,17 +319,17 @@ def sigmoid_gate_kernel(h_ptr, w_ptr, out_ptr, result_ptr, width, BLOCK: tl.cons
         tl.store(result_ptr + row * width + cols, (gate * out).to(result_ptr.dtype.element_ty), mask=ok)
 
 
-def gated_silu_kernel(in_ptr, stride_row, out_ptr, inter, GATED: tl.constexpr, BLOCK: tl.constexpr):
+def gated_silu_kernel(in_ptr, stride_row, logit_ptr, stride_logit, out_ptr, inter, GATED: tl.constexpr,
+                      BLOCK: tl.constexpr):  # fmt: skip
     """Program (row, column block): out = silu(g) * u (* sigmoid(l)) in float32, rounded once."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
-    base = in_ptr + row * stride_row + (1 if GATED else 0)
-    g = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(base + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(in_ptr + row * stride_row + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(in_ptr + row * stride_row + inter + cols, mask=ok, other=0.0).to(tl.float32)
     act = g * tl.sigmoid(g) * u
     if GATED:
-        act = act * tl.sigmoid(tl.load(in_ptr + row * stride_row).to(tl.float32))
+        act = act * tl.sigmoid(tl.load(logit_ptr + row * stride_logit).to(tl.float32))
     tl.store(out_ptr + row * inter + cols, act.to(out_ptr.dtype.element_ty), mask=ok)
 
 
