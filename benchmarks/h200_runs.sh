@@ -320,6 +320,22 @@ case "$stage" in
     tail -1 "$out/logs/train-qwen.log"; tail -1 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|ERROR)" "$out/logs/gpu-tests.log" | head -8
     grep -E "^draft" "$out/logs/graphed.log"
     grep -E "\| (ondemand|specter|specter-serial|oracle-specter) \|" "$out/qwen-reference/results.md" | cut -d"|" -f3-7,9-20 ;;
+  kcheck9)        # ninth session's last call: final9's specter at 15 residents Gen5 measured 1.78x ondemand (3.01 ms; its
+    # three requests 3.89 / 2.72 / 3.01, Gen4 2.75 ms) against 2.95x at k_max 8 on the kv-write model. A fresh trained
+    # model (2.5 min), three repeats, k_max 15 against 8 on the same model.
+    # PREDICTION: at 15 residents k_max 15 within +-10 % of k_max 8 and specter >= 2.5x ondemand (final9's cell was
+    # one repeat's noise); at 8 residents k_max 15 20-40 % faster than 8.
+    mkdir -p "$out/logs"
+    timeout 260 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
+    for kmax in 15 8; do
+      systems=specter; [ $kmax = 15 ] && systems=ondemand,specter,oracle-specter
+      timeout 130 python -m specter.bench --model /tmp/qwenref --residents 15,8 --link native --max-new-tokens 64 \
+        --systems $systems --k-max $kmax --repeats 3 --time-budget 120 --no-progress --no-plots --no-hf \
+        --out "$out/kmax$kmax" > "$out/logs/kmax$kmax.log" 2>&1
+    done
+    tar czf "$out/kcheck9.tgz" -C "$out" logs kmax15 kmax8 2>/dev/null
+    tail -1 "$out/logs/train-qwen.log"
+    for kmax in 15 8; do echo "k_max $kmax"; grep -E "\| (ondemand|specter|oracle-specter) \|" "$out/kmax$kmax/results.md" | cut -d"|" -f3-7,9-20; done ;;
   calib9)         # right after final9, machine warm (/tmp/qwenref kept): what GPTQ buys the trained Qwen shape's draft (the
     # eighth session's attempt with four formats and 48 tokens ran past its limit). PREDICTION: int4 RTN and gptq4
     # alike (acceptance >= 0.95 both: the model accepts 15.8 of 16 in int4), int2 lower.
