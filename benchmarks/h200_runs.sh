@@ -18,14 +18,16 @@
 # Done 2026-11-30, seventh session: inline-urgent (hung: ExpertCache.aclose spun on Python 3.12, fixed), split-k,
 # split-k2 (split-K of gate/up slower; down in 2 parts kept), final7 (trained Qwen: specter 1.94-2.67x ondemand, copy
 # busy 0.78 / 0.87 at Gen5), router (draft step 4.47 -> 4.05 ms); results/h200-2026-11-30/seventh.
-# Next, in this order (eighth session's end): kv-write (the fused RoPE + KV writes, off until measured, and issue 4's
-# figures on the trained Qwen shape with the deferred copy-busy reads); the other GPU-idle host work
-# at round boundaries (VerifyRecord.settle, 13 % of the >= 1 ms windows; planning, victim choice, chunk issue in the
-# 0.2-1 ms ones: trace_gaps with --with-stack again after the deferral); the draft MoE GEMV at ~0.5 TB/s (more bytes
-# in flight per program); the fused decode attention at long visible lengths (3 % behind torch at 8000 of 8192);
-# the draft step's small nodes (KV writes and the route counter: three index kernels per layer); --k-max 16 on the
-# trained Qwen shape (it accepts 9 of 9 at k_max 8: longer rounds are fewer bytes per token at 8 residents, where
-# the link bounds specter below 2.5x); calibration on the Qwen shape (smaller --tokens); micro (tile sweep).
+# Done 2026-11-30, ninth session: kv-write (RoPE + KV writes in one launch: draft step 3.14 -> 2.99 ms), kmax15
+# (trained Qwen at 8 residents, k_max 8 -> 15: specter 5.00 -> 2.83 ms, 3.63x ondemand), fuse9 (packed products, GEMV
+# sweep: 26.2 vs 33.5 us), final9 (every new default: draft step 2.31 ms, 2.16x its floor), calib9 (int4 only: gptq4
+# ran past the limit), kcheck9 (k_max 15 against 8 with three repeats); results/h200-2026-11-30/ninth.
+# Next, in this order (ninth session's end): the draft MoE GEMV (18 us per layer-step for ~5 us of bytes: more
+# bytes in flight per program, or one launch for gate/up and down); the shared expert's down product (9.2 us + a
+# split-K reduction for 23 MB) and the o_proj's addend copy; the remaining small nodes (two RMSNorms, top-k, combine,
+# the gated activation, one add); GPTQ on the trained Qwen shape alone in a call (gptq4 only, --tokens 16); the GPU-idle
+# host work at round boundaries (trace_gaps with --with-stack after the deferral); the eager draft step (19.9 ms in
+# kv-write, 33.3 in fuse9, 21.4 in final9: noisy or a JIT re-specialisation, unexplained).
 # Write everything straight under $OUT (a command killed at its limit returns only what is already there).
 set -u
 source benchmarks/h200_setup.sh
