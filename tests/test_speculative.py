@@ -175,8 +175,17 @@ def test_draft_shares_the_targets_non_expert_tensors(root):
         try:
             target, draft = runtime.model, runtime.draft.model
             assert draft is not target and draft.w.keys() == target.w.keys()
+            assert draft.w is target.w  # one dict: every tensor the draft reads is the target's own object
             for name, tensor in target.w.items():
                 assert draft.w[name].untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr(), name
+            for layer in range(target.spec.num_layers):  # the draft's packed products read the target's own storage
+                weight, _, _ = draft._packed_qkv(layer)
+                q = target.w[f"{target.spec.layer_prefix(layer)}.self_attn.q_proj.weight"]
+                assert weight.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+                if layer in target.spec.moe_layers:
+                    packed, _ = runtime.draft.model.packed_ffn_input(layer)
+                    router = target.w[target.spec.router_name(layer)]
+                    assert packed.untyped_storage().data_ptr() == router.untyped_storage().data_ptr()
             assert not any(".experts." in name for name in draft.w)
             quantized = runtime.draft.experts.layers
             assert set(quantized) == set(runtime.spec.moe_layers)

@@ -71,25 +71,25 @@ aligned, which cuBLAS's tensor-core kernels need (H200, 2026-11-30: the 11,325-r
 the Qwen shape ran as a plain GEMV at 2.2 TB/s, 20.6 us per layer-step)."""
 
 
-def pack_projections(w: dict[str, Tensor], names: Sequence[str]) -> None:
+def pack_projections(w: dict[str, Tensor], names: Sequence[str]) -> bool:
     """Make the projections `<name>.weight` (and their biases, when all have one) consecutive row blocks of
     one tensor, in place in `w`: each entry becomes a view of the packed tensor, values unchanged, so every
     reader of `w` (the target, and the draft that shares its dict) still finds its own tensors, and the draft can
     run the packed product in one launch (packed_projections). The packed tensor ends in zero rows up to a
     multiple of PACK_ROWS (their outputs are never read). A no-op when any is missing, when their shapes, dtypes
-    or devices differ, or when they are packed already."""
+    or devices differ, or when they are packed already. Returns whether it packed."""
     weights = [w.get(f"{name}.weight") for name in names]
     if any(t is None or t.dim() != 2 for t in weights):
-        return
+        return False
     first = weights[0]
     if any(t.shape[1] != first.shape[1] or t.dtype != first.dtype or t.device != first.device for t in weights):
-        return
+        return False
     biases = [w.get(f"{name}.bias") for name in names]
     with_bias = all(b is not None for b in biases)
     if not with_bias and any(b is not None for b in biases):
-        return
+        return False
     if packed_projections(w, names) is not None:
-        return
+        return False
     groups = [("weight", weights)] + ([("bias", biases)] if with_bias else [])
     for kind, tensors in groups:
         rows_total = sum(t.shape[0] for t in tensors)  # type: ignore[union-attr]
@@ -101,6 +101,7 @@ def pack_projections(w: dict[str, Tensor], names: Sequence[str]) -> None:
             rows = tensor.shape[0]  # type: ignore[union-attr]
             w[f"{name}.{kind}"] = packed[offset : offset + rows]
             offset += rows
+    return True
 
 
 def packed_projections(w: dict[str, Tensor], names: Sequence[str]) -> tuple[Tensor, Tensor | None, tuple[int, ...]] | None:
@@ -146,11 +147,15 @@ class Transformer:
         embed = dense["model.embed_tokens.weight"]
         self.device, self.dtype = embed.device, embed.dtype
         self.cos, self.sin = self._rope_tables(max_context)
+        # The draft looks its packed tensors up once (_packed): the entries of `dense` are fixed from here on.
         self._packed: dict[tuple[str, int], tuple[Tensor, Tensor | None, tuple[int, ...]] | None] = {}
+        packed_any = False
         for layer in range(spec.num_layers):
             for names in (self._qkv_names(layer), self._ffn_input_names(layer)):
                 if names:
-                    pack_projections(dense, names)
+                    packed_any |= pack_projections(dense, names)
+        if packed_any and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the unpacked originals' blocks: too small for the next pack, kept reserved otherwise
 
     # ---- set-up -------------------------------------------------------------------------------
     def _rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
@@ -269,8 +274,9 @@ class Transformer:
         """The products of a MoE layer's normalised input: router, shared gate, shared expert's gate and up (Qwen2-MoE's
         layout; families that route or share otherwise pack nothing here)."""
         spec = self.spec
-        if (not spec.shared_intermediate or layer in spec.dense_layers or type(self).route is not Transformer.route
-                or type(self).shared_expert is not Transformer.shared_expert):  # fmt: skip
+        own = all(getattr(type(self), method) is getattr(Transformer, method)
+                  for method in ("route", "_select", "shared_expert", "dense_mlp", "linear"))  # packed_route/_finish's ops
+        if not spec.shared_intermediate or layer in spec.dense_layers or not own:
             return ()
         shared = f"{spec.layer_prefix(layer)}.mlp.shared_expert"
         gate = (f"{spec.layer_prefix(layer)}.mlp.shared_expert_gate",) if spec.shared_gate else ()
@@ -280,13 +286,15 @@ class Transformer:
         """(weight [Nq+Nk+Nv, D], bias or None, (Nq, Nk, Nv)) of a layer whose q/k/v projections are views of one
         packed tensor (pack_projections did it at load), else None. Looked up once per layer."""
         if ("qkv", layer) not in self._packed:
-            self._packed[("qkv", layer)] = packed_projections(self.w, self._qkv_names(layer))
+            own = type(self).linear is Transformer.linear  # the packed product stands for three calls of linear
+            self._packed[("qkv", layer)] = packed_projections(self.w, self._qkv_names(layer)) if own else None
         return self._packed[("qkv", layer)]
 
     def packed_ffn_input(self, layer: int) -> tuple[Tensor, tuple[int, ...]] | None:
         """(weight, rows of each) of a MoE layer whose router and shared-expert input products are packed without
-        biases (see _ffn_input_names), for the non-exact forward with fused.PACKED_FFN_INPUT; else None."""
-        if self.exact or not fused.PACKED_FFN_INPUT:
+        biases (see _ffn_input_names), for the non-exact forward with fused.PACKED_FFN_INPUT (and ROUTER_AND_GATE: without
+        it the draft runs torch's router and gate as the target does, for A/B timing); else None."""
+        if self.exact or not fused.PACKED_FFN_INPUT or not fused.ROUTER_AND_GATE:
             return None
         if ("ffn", layer) not in self._packed:
             names = self._ffn_input_names(layer)
