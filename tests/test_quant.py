@@ -185,6 +185,30 @@ def test_expert_hessians_accumulate_only_routed_tokens() -> None:
     assert hessians.experts[0].num_rows == 3
 
 
+def test_gptq_batch_equals_one_call_per_weight() -> None:
+    """One column loop for a layer's experts gives each expert exactly what its own call gives: a dead input, a
+    Hessian that needs more damping than the first try, and one with no data at all among them."""
+    from specter.quant.gptq import gptq_quantize_batch
+
+    w = torch.randn(4, 24, 64, generator=torch.Generator().manual_seed(6))
+    hessians = []
+    for seed in range(4):
+        x = correlated_activations(128, 64, seed=10 + seed)
+        if seed == 1:
+            x[:, :3] = 0  # inputs never seen
+        if seed == 2:
+            x = x[:, :1].repeat(1, 64)  # rank one: near-singular
+        hessians.append(x.T.double() @ x.double())
+    hessians[3] = torch.zeros(64, 64, dtype=torch.float64)
+    hessian = torch.stack(hessians)
+    batch = gptq_quantize_batch(w, hessian, bits=4, group=32)
+    for e, got in enumerate(batch):
+        alone = gptq_quantize(w[e], hessian[e], bits=4, group=32)
+        assert torch.equal(got.packed, alone.packed) and torch.equal(got.scales, alone.scales), e
+    with pytest.raises(ConfigError, match=r"\[E, N, K\]"):
+        gptq_quantize_batch(w, hessian[:, :32, :32])
+
+
 def test_gptq_quantize_experts_uses_both_hessians() -> None:
     gate, up, down = make_experts(2, 32, 64)
     x = correlated_activations(256, 64, seed=4)

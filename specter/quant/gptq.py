@@ -62,15 +62,25 @@ class ExpertHessians:
 
 
 def damped_inverse_cholesky(hessian: Tensor, damp: float) -> Tensor:
-    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, in fp64; dead inputs get H_ii = 1."""
-    h = hessian.to(torch.float64).clone()
-    dead = torch.diagonal(h) == 0
-    h[dead, dead] = 1.0
-    ridge = damp * torch.diagonal(h).mean()
+    """Upper Cholesky factors of (H + damp * mean(diag H) * I)^-1 for H [..., K, K], in fp64; dead inputs get
+    H_ii = 1. Each matrix is damped on its own, ten times more per try, until it factors."""
+    k = hessian.shape[-1]
+    h = hessian.to(torch.float64).reshape(-1, k, k).clone()
+    diagonal = torch.diagonal(h, dim1=-2, dim2=-1)  # a view: writes land in h
+    diagonal[diagonal == 0] = 1.0
+    ridge = damp * diagonal.mean(dim=-1)  # [B]
+    eye = torch.eye(k, dtype=h.dtype, device=h.device)
+    result = torch.empty_like(h)
+    pending = torch.arange(h.shape[0], device=h.device)
     for attempt in range(6):  # H from few tokens can be near-singular; more damping always helps
-        factor, info = torch.linalg.cholesky_ex(h + ridge * (10**attempt) * torch.eye(h.shape[0], dtype=h.dtype))
-        if info.item() == 0:  # offline calibration: a host sync here is fine
-            return torch.linalg.cholesky(torch.cholesky_inverse(factor), upper=True)
+        damped = h[pending] + (ridge[pending] * 10**attempt)[:, None, None] * eye
+        factor, info = torch.linalg.cholesky_ex(damped)
+        factored = info == 0  # offline calibration: the host syncs below are fine
+        if bool(factored.any()):
+            result[pending[factored]] = torch.linalg.cholesky(torch.cholesky_inverse(factor[factored]), upper=True)
+        pending = pending[~factored]
+        if pending.numel() == 0:
+            return result.reshape(hessian.shape)
     raise ConfigError("GPTQ: the calibration Hessian is not positive definite even after heavy damping; "
                       "use more calibration tokens or method='rtn'")  # fmt: skip
 
@@ -78,24 +88,25 @@ def damped_inverse_cholesky(hessian: Tensor, damp: float) -> Tensor:
 def gptq_codes(
     w: Tensor, hessian: Tensor, bits: int, group: int, scale_dtype: torch.dtype, damp: float = 0.01
 ) -> tuple[Tensor, Tensor]:
-    """GPTQ codes [N, K] (int8) and scales [N, G] for w [N, K]; groups start at block starts."""
-    n_rows, k = w.shape
+    """GPTQ codes [..., N, K] (int8) and scales [..., N, G] for w [..., N, K] and H [..., K, K]: a batch of weights
+    (one layer's experts) runs its column loop once for all; groups start at block starts."""
+    *batch, n_rows, k = w.shape
     # Unlike GPTQ for dense layers, columns never seen in calibration keep their weights (rounded to
     # nearest): a rarely routed expert still runs in the draft when its router picks it.
-    weights = w.to(torch.float64).clone()
-    inverse_factor = damped_inverse_cholesky(hessian, damp)
+    weights = w.to(torch.float64).reshape(-1, n_rows, k).clone()  # [B, N, K]
+    inverse_factor = damped_inverse_cholesky(hessian.reshape(-1, k, k), damp)  # [B, K, K]
     block = _block_size(group)
-    codes = torch.empty(n_rows, k, dtype=torch.int8)
-    scales = torch.empty(n_rows, k // group, dtype=torch.float32)
+    codes = torch.empty(weights.shape, dtype=torch.int8, device=w.device)
+    scales = torch.empty(weights.shape[0], n_rows, k // group, dtype=torch.float32, device=w.device)
     for start in range(0, k, block):
         end = min(start + block, k)
         if start % group == 0:  # the group's columns already carry every earlier block's feedback
             g = start // group
-            grouped = weights[:, start : start + group].float()[:, None, :]
-            scales[:, g] = choose_scales(grouped, bits, scale_dtype, clip_search=bits <= 3)[:, 0]
-        errors = _quantize_block(weights, inverse_factor, codes, scales[:, start // group], start, end, bits)
-        weights[:, end:] -= errors @ inverse_factor[start:end, end:]
-    return codes, scales
+            grouped = weights[:, :, start : start + group].float()[:, :, None, :]  # [B, N, 1, group]
+            scales[:, :, g] = choose_scales(grouped, bits, scale_dtype, clip_search=bits <= 3)[..., 0]
+        errors = _quantize_block(weights, inverse_factor, codes, scales[:, :, start // group], start, end, bits)
+        weights[:, :, end:] -= errors @ inverse_factor[:, start:end, end:]
+    return codes.reshape(*batch, n_rows, k), scales.reshape(*batch, n_rows, k // group)
 
 
 def _block_size(group: int) -> int:
@@ -106,17 +117,18 @@ def _block_size(group: int) -> int:
 def _quantize_block(
     weights: Tensor, inverse_factor: Tensor, codes: Tensor, scale: Tensor, start: int, end: int, bits: int
 ) -> Tensor:
-    """Quantize columns [start, end) one by one, spreading each error over the block's later columns."""
-    block_weights = weights[:, start:end]  # a view: feedback inside the block lands in `weights`
-    block_factor = inverse_factor[start:end, start:end]
+    """Quantize columns [start, end) of weights [B, N, K] one by one, spreading each error over the block's later
+    columns; scale [B, N]. Returns the block's scaled errors [B, N, end - start]."""
+    block_weights = weights[:, :, start:end]  # a view: feedback inside the block lands in `weights`
+    block_factor = inverse_factor[:, start:end, start:end]  # [B, b, b]
     errors = torch.empty_like(block_weights)
     for i in range(end - start):
-        column = block_weights[:, i].float()
-        q = codes_from_scales(column[:, None], scale, bits)[:, 0]
-        codes[:, start + i] = q
-        error = (column - levels_from_codes(q[:, None], scale)[:, 0]).double() / block_factor[i, i]
-        block_weights[:, i:] -= error[:, None] * block_factor[i, i:][None, :]
-        errors[:, i] = error
+        column = block_weights[:, :, i].float()  # [B, N]
+        q = codes_from_scales(column[..., None], scale, bits)[..., 0]
+        codes[:, :, start + i] = q
+        error = (column - levels_from_codes(q[..., None], scale)[..., 0]).double() / block_factor[:, i, i, None]
+        block_weights[:, :, i:] -= error[:, :, None] * block_factor[:, None, i, i:]
+        errors[:, :, i] = error
     return errors
 
 
@@ -139,6 +151,21 @@ def gptq_quantize(
     return QuantizedTensor(packed, scales.to(scale_dtype).T.contiguous().to(w.device), bits, group, tuple(w.shape))
 
 
+def gptq_quantize_batch(
+    w: Tensor, hessian: Tensor, bits: int = 4, group: int = 128, *, scale_dtype: torch.dtype | None = None,
+    damp: float = 0.01,
+) -> list[QuantizedTensor]:
+    """`gptq_quantize` of each w[e] [N, K] with hessian[e] [K, K], one column loop for the whole batch (a layer's
+    experts: E times fewer Python steps than one call per expert)."""
+    if w.dim() != 3 or hessian.shape != (w.shape[0], w.shape[2], w.shape[2]):
+        raise ConfigError(f"GPTQ needs w [E, N, K] and H [E, K, K]; got w {tuple(w.shape)}, H {tuple(hessian.shape)}")
+    group = resolve_group(w.shape[2], group, bits)
+    scale_dtype = scale_dtype or default_scale_dtype(w.dtype)
+    codes, scales = gptq_codes(w.cpu(), hessian.cpu(), bits, group, scale_dtype, damp)
+    return [QuantizedTensor(pack_codes(codes[e], bits).to(w.device), scales[e].to(scale_dtype).T.contiguous().to(w.device),
+                            bits, group, tuple(w.shape[1:])) for e in range(w.shape[0])]  # fmt: skip
+
+
 def gptq_quantize_experts(
     gate: Tensor,
     up: Tensor,
@@ -157,8 +184,7 @@ def gptq_quantize_experts(
         raise ConfigError(f"GPTQ Hessians must be [E, D, D] and [E, I, I] = [{num_experts}, {hidden}, {hidden}] and "
                           f"[{num_experts}, {intermediate}, {intermediate}]; got {tuple(hessian_in.shape)}, "
                           f"{tuple(hessian_mid.shape)}")  # fmt: skip
-    w13 = [gptq_quantize(torch.cat([gate[e], up[e]]), hessian_in[e], bits, group, scale_dtype=scale_dtype)
-           for e in range(num_experts)]  # fmt: skip
-    w2 = [gptq_quantize(down[e], hessian_mid[e], bits, group, scale_dtype=scale_dtype) for e in range(num_experts)]
+    w13 = gptq_quantize_batch(torch.cat([gate, up], dim=1), hessian_in, bits, group, scale_dtype=scale_dtype)
+    w2 = gptq_quantize_batch(down, hessian_mid, bits, group, scale_dtype=scale_dtype)
     log.debug("quant.gptq.layer", experts=num_experts, bits=bits, group=group)
     return stack_experts(w13, w2)
