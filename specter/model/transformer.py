@@ -299,8 +299,7 @@ class Transformer:
         if ("ffn", layer) not in self._packed:
             names = self._ffn_input_names(layer)
             found = packed_projections(self.w, names) if names else None
-            has_bias = found is None or found[1] is not None or f"{self.spec.layer_prefix(layer)}.mlp.shared_expert.down_proj.bias" in self.w
-            self._packed[("ffn", layer)] = None if has_bias else found
+            self._packed[("ffn", layer)] = None if found is None or found[1] is not None else found
         found = self._packed[("ffn", layer)]
         return None if found is None else (found[0], found[2])
 
@@ -316,8 +315,8 @@ class Transformer:
 
     def packed_finish(self, layer: int, x: Tensor, routed: Tensor, product: Tensor) -> Tensor:
         """x + routed + the shared expert from the packed product (packed_route): the gated activation in one launch
-        (the gate scales the activation instead of the output: the product is linear), and the down product with
-        the sum as its addend (one cuBLAS call)."""
+        (the gate scales the activation instead of the output: the product is linear), then the down product added
+        to the sum (plus_linear)."""
         inter, gated = self.spec.shared_intermediate, self.spec.shared_gate
         gate_logit = product[:, 2 * inter + self.spec.num_experts :][:, :1] if gated else None  # [T, 1]
         if fused.usable(product):
@@ -326,8 +325,7 @@ class Transformer:
             act = F.silu(product[:, :inter]) * product[:, inter : 2 * inter]
             if gate_logit is not None:
                 act = act * torch.sigmoid(gate_logit)
-        down = self.w[f"{self.spec.layer_prefix(layer)}.mlp.shared_expert.down_proj.weight"]
-        return torch.addmm(x + routed, act, down.t())
+        return self.plus_linear(x + routed, act, f"{self.spec.layer_prefix(layer)}.mlp.shared_expert.down_proj")
 
     def _key_range(self, position: int) -> tuple[int, int]:
         window = self.spec.sliding_window
