@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from resident_tpot import HBM_BYTES_PER_S, SHAPES, active_bytes, build_hf  # noqa: E402  (the same model construction)
 
 DEVICE = "cuda"
-FUSED_FLAGS = ("DECODE_ATTENTION", "ROUTER_AND_GATE", "ROPE_WRITES_CACHE", "PACKED_QKV", "PACKED_FFN_INPUT",
+FUSED_FLAGS = ("ROW_KERNELS", "DECODE_ATTENTION", "ROUTER_AND_GATE", "ROPE_WRITES_CACHE", "PACKED_QKV", "PACKED_FFN_INPUT",
                "RESIDUAL_ADDEND")  # specter.model.fused's switches of the non-exact forward
 
 
@@ -112,7 +112,8 @@ def eager_tpot(model, experts, prompt: list[int], count: int) -> tuple[float, li
 
 def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits: tuple[int, ...] = (0,),
                profile_out: str | None = None, router_ab: bool = False, ab: bool = False,
-               kv_write_ab: bool = False, without: Sequence[str] = (), moe_configs: Sequence[dict] = ()) -> dict:
+               kv_write_ab: bool = False, without: Sequence[str] = (), moe_configs: Sequence[dict] = (),
+               row_configs: Sequence[dict] = ()) -> dict:
     """The int4 draft's per-step time, graphed (k replays, no host sync) and eager, against its byte floor."""
     from specter.decode import prefill
     from specter.draft import Draft
@@ -133,22 +134,23 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / repeats
 
-    from specter.model import fused
+    from specter.model import fused, rowfused
     from specter.quant import moe_triton
 
-    default = moe_triton.DEFAULT_CONFIG
+    default, row_default = moe_triton.DEFAULT_CONFIG, rowfused.DEFAULT_CONFIG
     switches = {flag: getattr(fused, flag) for flag in FUSED_FLAGS}
 
-    def measure(name: str, static: bool = True, moe: dict | None = None, **flags: bool) -> None:
-        """One row: the step with the fused MoE's config changed by `moe` and the named fused switches set (the
-        module defaults are restored afterwards, whatever happens)."""
+    def measure(name: str, static: bool = True, moe: dict | None = None, row: dict | None = None, **flags: bool) -> None:
+        """One row: the step with the fused MoE's config changed by `moe`, the one-row kernels' by `row` and the
+        named fused switches set (the module defaults are restored afterwards, whatever happens)."""
         moe_triton.DEFAULT_CONFIG = dataclasses.replace(default, **(moe or {}))
+        rowfused.DEFAULT_CONFIG = dataclasses.replace(row_default, **(row or {}))
         for flag, value in flags.items():
             setattr(fused, flag, value)
         try:
             step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=static))) / k
         finally:
-            moe_triton.DEFAULT_CONFIG = default
+            moe_triton.DEFAULT_CONFIG, rowfused.DEFAULT_CONFIG = default, row_default
             for flag, value in switches.items():
                 setattr(fused, flag, value)
         rows[name] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
@@ -166,6 +168,8 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
         measure("draft-int4-graphed-torch-router", ROUTER_AND_GATE=False)
     for index, changes in enumerate(moe_configs):  # the draft MoE's kernel with these config fields changed
         measure(f"draft-int4-graphed-moe{index}", moe=changes)
+    for index, changes in enumerate(row_configs):  # the one-row kernels (specter.model.rowfused) with these tiles
+        measure(f"draft-int4-graphed-row{index}", row=changes)
     for flag in without:  # each fused switch off alone, then all of them at once
         measure(f"draft-int4-graphed-no-{flag.lower().replace('_', '-')}", **{flag: False})
     if len(without) > 1:
@@ -211,6 +215,8 @@ def main() -> None:
                         + ") to time the graphed draft step without, each alone and, with several, all at once")
     parser.add_argument("--moe-config", action="append", default=[], help="a JSON object of MoEKernelConfig fields: "
                         "also time the graphed draft step with them (rows draft-int4-graphed-moe0, -moe1, ...)")
+    parser.add_argument("--row-config", action="append", default=[], help="a JSON object of RowConfig fields "
+                        "(specter.model.rowfused): also time the graphed draft step with them (repeatable)")
     parser.add_argument("--prompt-length", type=int, default=16, help="positions already in the cache (the draft "
                         "attends over these; at most --max-context minus k)")
     args = parser.parse_args()
@@ -228,7 +234,8 @@ def main() -> None:
     rows |= draft_rows(runtime, prompt, args.k, repeats=max(2, args.tokens // args.k), graphed_splits=splits,
                        profile_out=args.profile_draft, router_ab=args.router_ab, ab=args.ab,
                        kv_write_ab=args.kv_write, without=[flag for flag in args.without.split(",") if flag],
-                       moe_configs=[json.loads(text) for text in args.moe_config])
+                       moe_configs=[json.loads(text) for text in args.moe_config],
+                       row_configs=[json.loads(text) for text in args.row_config])
     asyncio.run(runtime.aclose())
     label = f"{args.shape}" + (f" (first {args.layers} layers)" if args.layers else "")
     result = {"shape": label, "rows": rows, "graphed_vs_eager": agreement, "gpu": torch.cuda.get_device_name(),

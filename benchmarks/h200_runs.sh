@@ -322,6 +322,27 @@ case "$stage" in
     tail -1 "$out/logs/train-qwen.log"; tail -1 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|ERROR)" "$out/logs/gpu-tests.log" | head -8
     grep -E "^draft" "$out/logs/graphed.log"
     grep -E "\| (ondemand|specter|specter-serial|oracle-specter) \|" "$out/qwen-reference/results.md" | cut -d"|" -f3-7,9-20 ;;
+  row10)          # tenth session: the draft step's one-row kernels (specter.model.rowfused, fused.ROW_KERNELS): norms in the
+    # products' prologues, the residual in o_proj's epilogue, the router's top-k in the int4 gate/up GEMV, routed down +
+    # shared down + residual in one launch; seven launches per Qwen2-MoE layer instead of ~18. Tiles swept once.
+    # PREDICTIONS: GPU tests pass (also the ninth session's unrun review fixes and the plus_linear mend). Draft step at
+    # 512/16: 2.31 ms (final9) -> 1.8-2.0 ms with ROW_KERNELS (about 11 launches x ~1.5 us fewer per layer-step, the
+    # shared down's split-K reduction and the routed combine gone, the int4 codes turned into floats without I2F);
+    # without ROW_KERNELS 2.25-2.40 (final9's path, unchanged). The tile sweep moves it by <= 0.1 ms.
+    mkdir -p "$out/logs"
+    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_rowfused.py tests/test_gpu_fused.py \
+      tests/test_gpu_graphed.py tests/test_gpu_moe_kernel.py > "$out/logs/gpu-tests-row.log" 2>&1
+    tail -3 "$out/logs/gpu-tests-row.log"
+    rows=(); for c in '{"block_n":4}' '{"block_n":16}' '{"block_k":256}' '{"block_n_moe":8}' '{"block_k_moe":256}' \
+      '{"block_n_finish":2}' '{"block_n_finish":8}' '{"num_stages":2}' '{"num_warps":8}'; do rows+=(--row-config "$c"); done
+    timeout 200 python benchmarks/graphed_tpot.py --draft-only --without ROW_KERNELS "${rows[@]}" \
+      --profile-draft "$out/logs/profile-draft.txt" --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    tail -25 "$out/logs/graphed.log"
+    tar czf "$out/row10.tgz" -C "$out" logs graphed 2>/dev/null ;;
+  gpu-rest)       # every gpu-marked test but the link-emulation timing tests (after a stage that ran a few of them)
+    mkdir -p "$out/logs"
+    timeout 280 python -m pytest -q -m gpu -p no:cacheprovider -k "not link_emulation" --durations=5 > "$out/logs/gpu-tests.log" 2>&1
+    tail -12 "$out/logs/gpu-tests.log" ;;
   kcheck9)        # ninth session's last call: final9's specter at 15 residents Gen5 measured 1.78x ondemand (3.01 ms; its
     # three requests 3.89 / 2.72 / 3.01, Gen4 2.75 ms) against 2.95x at k_max 8 on the kv-write model. A fresh trained
     # model (2.5 min), three repeats, k_max 15 against 8 on the same model.

@@ -18,6 +18,7 @@ import torch
 from specter.config import DraftConfig
 from specter.errors import ConfigError
 from specter.log import get_logger
+from specter.model import rowfused
 from specter.model.graphed import GraphedStep, StaticStep, static_step_supported
 from specter.model.kv import KVCache
 from specter.model.registry import transformer_for
@@ -67,6 +68,14 @@ class DraftExperts:
         """Run the fused quantized MoE, which counts the routes into route_counts[layer] (on the device: graph-safe;
         in the kernels on the Triton path, no launch of its own); a StaticMoE."""
         return fused_moe(x, ids, weights, self.layers[layer], counts=self.route_counts[layer])
+
+    __call__ = moe  # a StaticMoE itself, so the static step finds row_experts on it
+
+    def row_experts(self, layer: int) -> tuple[QuantizedExperts, Tensor] | None:
+        """(the layer's quantized experts, its route counter [E]) for the one-row kernels (Transformer.row_feed_forward),
+        or None where specter.model.rowfused does not take them (int8, int3, int2, odd shapes)."""
+        quantized = self.layers[layer]
+        return (quantized, self.route_counts[layer]) if rowfused.supports(quantized) else None
 
 
 def quantize_layers(experts: Iterable[tuple[int, int, Tensor]], spec_hidden: int, spec_inter: int, num_experts: int,
@@ -217,7 +226,7 @@ class Draft:
     def _static_step(self, kv: KVCache) -> GraphedStep:
         """One graphed one-row step per KV cache (its graphs bake in the cache's storage)."""
         if self._graphed is None or self._graphed.kv is not kv:
-            step = StaticStep(self.model, self.experts.moe, rows=1)
+            step = StaticStep(self.model, self.experts, rows=1)
             self._graphed = GraphedStep(step, kv, preserve=(self.experts.route_counts,))
         return self._graphed
 

@@ -256,6 +256,9 @@ class StaticStep:
         norm_name = f"{spec.layer_prefix(layer)}.post_attention_layernorm"
         if layer in spec.dense_layers:
             return x + model.dense_mlp(f"{spec.layer_prefix(layer)}.mlp", model.norm(x, norm_name))
+        row = model.row_feed_forward(layer, x, self.moe)
+        if row is not None:  # the draft step: three launches (specter.model.rowfused, as the eager draft)
+            return row
         packed = model.packed_ffn_input(layer)
         if packed is not None:  # the draft: router and shared expert's inputs in one product (as the eager draft)
             h = model.norm(x, norm_name)

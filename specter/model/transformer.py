@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from specter.model import fused
+from specter.model import fused, rowfused
 from specter.model.kv import KVCache
 from specter.model.spec import ModelSpec
 from specter.model.weights import unpack_expert
@@ -198,9 +198,17 @@ class Transformer:
     def plus_linear(self, residual: Tensor, x: Tensor, name: str) -> Tensor:
         """residual + linear(x, name): outside exact mode (the draft) and without a bias, one product with the
         residual as its addend (fused.RESIDUAL_ADDEND: one launch fewer per call)."""
+        if self._row_kernels(x) and name + ".bias" not in self.w:  # the draft step: the add in the GEMV's epilogue
+            return rowfused.linear_residual(x, self.w[name + ".weight"], residual)
         if not self.exact and fused.RESIDUAL_ADDEND and name + ".bias" not in self.w:
             return torch.addmm(residual, x, self.w[name + ".weight"].t())
         return residual + self.linear(x, name)
+
+    def _row_kernels(self, x: Tensor) -> bool:
+        """Whether this product runs through specter.model.rowfused: the non-exact forward of one row on CUDA (or
+        under Triton's interpreter) with fused.ROW_KERNELS, and the family's own RMSNorm."""
+        return (not self.exact and fused.ROW_KERNELS and x.shape[0] == 1 and type(self).norm is Transformer.norm
+                and fused.usable(x))  # fmt: skip
 
     # ---- the forward --------------------------------------------------------------------------
     async def forward(self, tokens: Tensor, start: int, kv: KVCache, experts: ExpertProvider) -> Tensor:
@@ -238,12 +246,17 @@ class Transformer:
         """q [T, H, hd], k, v [T, Hkv, hd] of x at `positions`, q and k rotated unless `rotate` is False (the
         caller rotates them itself: fused.rope_and_cache)."""
         spec = self.spec
-        h = self.norm(x, f"{spec.layer_prefix(layer)}.input_layernorm")
+        norm_name = f"{spec.layer_prefix(layer)}.input_layernorm"
         packed = self._packed_qkv(layer) if not self.exact and fused.PACKED_QKV else None
-        if packed is not None:  # the draft: one product over the packed weights (the target's own storage)
+        if packed is not None and self._row_kernels(x):  # the draft step: the norm in the packed product's prologue
+            weight, bias, sizes = packed
+            q, k, v = rowfused.norm_linear(x, self.w[norm_name + ".weight"], spec.rms_eps, weight, bias, sum(sizes)).split(sizes, dim=-1)
+        elif packed is not None:  # the draft: one product over the packed weights (the target's own storage)
+            h = self.norm(x, norm_name)
             weight, bias, sizes = packed
             q, k, v = F.linear(h, weight, bias)[:, : sum(sizes)].split(sizes, dim=-1)  # (padding rows dropped)
         else:
+            h = self.norm(x, norm_name)
             q, k, v = (self.linear(h, f"{prefix}.{name}") for name in ("q_proj", "k_proj", "v_proj"))
         if spec.clip_qkv is not None:
             q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
@@ -327,6 +340,29 @@ class Transformer:
                 act = act * torch.sigmoid(gate_logit)
         return self.plus_linear(x + routed, act, f"{self.spec.layer_prefix(layer)}.mlp.shared_expert.down_proj")
 
+    def row_feed_forward(self, layer: int, x: Tensor, experts: object) -> Tensor | None:
+        """The draft step's MoE layer (one row, non-exact) in three launches of specter.model.rowfused: the norm and the
+        packed FFN input product (shared gate/up activated, router and gate logits), the top-k and the routed experts'
+        gate/up, then routed down, shared down and residual together. None where that does not apply: more rows, the
+        exact forward, a layer that packs nothing (packed_ffn_input), a shared down bias, or experts that do not offer
+        `row_experts(layer) -> (QuantizedExperts, route counter [E]) | None` (the draft's DraftExperts does)."""
+        if not self._row_kernels(x):
+            return None
+        packed = self.packed_ffn_input(layer)
+        offer = getattr(experts, "row_experts", None)
+        down = f"{self.spec.layer_prefix(layer)}.mlp.shared_expert.down_proj"
+        found = offer(layer) if packed is not None and offer is not None and down + ".bias" not in self.w else None
+        if found is None:
+            return None
+        quantized, counts = found
+        spec, (weight, sizes) = self.spec, packed
+        inter, num_experts = sizes[0], sizes[2]
+        norm = self.w[f"{spec.layer_prefix(layer)}.post_attention_layernorm.weight"]
+        h, act, tail = rowfused.norm_ffn_input(x, norm, spec.rms_eps, weight, inter, sum(sizes[2:]))
+        routed, ids, weights = rowfused.moe_gate_up(h, tail[:, :num_experts], quantized, spec.top_k, spec.norm_topk_prob, counts)
+        gate_logit = tail[:, num_experts : num_experts + 1] if spec.shared_gate else None
+        return rowfused.moe_finish(x, routed, ids, weights, quantized, act, self.w[down + ".weight"], gate_logit)
+
     def _key_range(self, position: int) -> tuple[int, int]:
         window = self.spec.sliding_window
         first = 0 if window is None or window <= 0 else max(0, position - window + 1)
@@ -376,6 +412,9 @@ class Transformer:
         if layer in spec.dense_layers:
             (x,) = self.rows(lambda r: r + self.dense_mlp(f"{spec.layer_prefix(layer)}.mlp", self.norm(r, norm_name)), x)
             return x
+        row = self.row_feed_forward(layer, x, experts)
+        if row is not None:  # the draft step: as graphed.StaticStep._feed_forward does it
+            return row
         packed = self.packed_ffn_input(layer)
         if packed is not None:  # the draft: as graphed.StaticStep._feed_forward does it
             h = self.norm(x, norm_name)

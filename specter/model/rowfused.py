@@ -1,0 +1,397 @@
+"""The draft's one-row layer in few launches (fused.ROW_KERNELS): Triton GEMVs with their neighbours folded in.
+
+The graphed draft step is one row per layer, and in a CUDA graph each node costs about 1-2 us whatever its size
+(docs/BENCHMARKS.md, ninth session: ~18 nodes per Qwen2-MoE layer, ~21 us of them small). Here a Qwen2-MoE-style
+layer (a shared expert, its sigmoid gate, int4 routed experts) runs as seven launches instead of ~18:
+
+1. `norm_linear`: RMSNorm in the GEMV's prologue (each program normalises the row itself, from L2), the q/k/v
+   product over the packed weights, the bias in the epilogue (replaces the norm and cuBLAS's product).
+2. RoPE + KV writes and 3. attention (two launches, specter.model.fused, unchanged).
+4. `linear_residual`: the o_proj product with the residual added in its epilogue (replaces cuBLAS's addend copy
+   and product).
+5. `norm_ffn_input`: RMSNorm prologue, the packed product of the shared expert's gate and up, the router and the
+   shared gate; gate and up rows are read by the same program and leave as silu(gate) * up; the router's and the
+   gate's logits leave as they are; the program 0 also stores the normalised row (the routed experts' input).
+6. `moe_gate_up`: every program takes the router's top-k itself (softmax over E logits, a few lanes), then the
+   int4 gate/up GEMV of its expert with the activation in the epilogue; program 0 writes the picks and counts the
+   routes (replaces top-k, the gate/up GEMV, its K parts' activation launch).
+7. `moe_finish`: per block of output rows, the routed experts' int4 down products (rows of all picks, weighted and
+   added in ascending expert id), the shared expert's bf16 down product times its sigmoid gate, and the residual,
+   rounded once (replaces the down GEMV, the combine, the routed + residual add, the addend copy, the shared down
+   product and its split-K reduction).
+
+The int4 GEMVs read the packed codes as 32-bit words (8 codes each, code k at bits 4 (k % 8) of word k // 8, as
+the bytes lie) and turn a code c into a float by the exponent trick (c | 0x4B000000 is 2^23 + c), not by an
+integer-to-float conversion; a group's sum is scale * (sum c * a - 7.5 * sum a) (stored code c = q + 8, level
+q + 0.5). Every sum is float32; nothing here is exact (the draft never is; the verify is).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specter.model import fused
+from specter.quant.groupwise import QuantizedExperts
+
+tl: Any = None  # triton.language, bound by _kernels()
+_top_k: Any = None  # fused's jitted router selection, bound by _kernels()
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """Tiles of the one-row kernels (benchmarks/graphed_tpot.py --row-config sweeps them)."""
+
+    block_n: int = 8  # output rows per program of the bf16 GEMVs (norm_linear, linear_residual, norm_ffn_input)
+    block_k: int = 512  # elements per K step of the bf16 GEMVs
+    block_n_moe: int = 16  # intermediate columns per program of moe_gate_up (2x weight rows: gate and up)
+    block_k_moe: int = 512  # elements per K step of the int4 GEMVs (a whole number of groups, or a divisor of one)
+    block_n_finish: int = 4  # hidden rows per program of moe_finish
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_CONFIG = RowConfig()  # what the functions use when no config is passed (benchmarks may swap it)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def int4_block_k(k_dim: int, group: int, preferred: int) -> int | None:
+    """The int4 GEMV's K step for rows of k_dim codes in groups of `group`: the largest power of two <= preferred
+    (and <= k_dim rounded up to one) of at least 8 that is a whole number of groups or divides a group; None if none."""
+    block = min(preferred, _pow2(k_dim))
+    while block >= 8:
+        if block % group == 0 or group % block == 0:
+            return block
+        block //= 2
+    return None
+
+
+def supports(qe: QuantizedExperts, config: RowConfig | None = None) -> bool:
+    """Whether moe_gate_up / moe_finish take these experts: int4, rows of whole 32-bit words, a usable K step."""
+    config = config or DEFAULT_CONFIG
+    return (qe.bits == 4 and qe.hidden % 8 == 0 and qe.intermediate % 8 == 0
+            and qe.w13.shape[-1] % 4 == 0 and qe.w2.shape[-1] % 4 == 0
+            and int4_block_k(qe.hidden, qe.w13_group, config.block_k_moe) is not None
+            and int4_block_k(qe.intermediate, qe.w2_group, config.block_k_moe) is not None)  # fmt: skip
+
+
+def _words(packed: Tensor) -> Tensor:
+    """The packed int4 codes [E, N, K/2] uint8 viewed as [E, N, K/8] int32 (no copy)."""
+    return packed.view(torch.int32)
+
+
+def _check_row(x: Tensor, width: int) -> Tensor:
+    assert x.dim() == 2 and x.shape == (1, width), f"a one-row kernel takes [1, {width}], got {tuple(x.shape)}"
+    return x.contiguous()
+
+
+def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None, rows: int,
+                config: RowConfig | None = None) -> Tensor:  # fmt: skip
+    """F.linear(rms_norm(x, norm_weight, eps), weight[:rows], bias[:rows]) for one row x [1, K] -> [1, rows] in x's
+    dtype: one launch (the normalised row rounded as rms_norm rounds it, the product in float32)."""
+    config = config or DEFAULT_CONFIG
+    k_dim = weight.shape[1]
+    x = _check_row(x, k_dim)
+    assert weight.stride(1) == 1 and rows <= weight.shape[0]
+    out = torch.empty(1, rows, dtype=x.dtype, device=x.device)
+    grid = (-(-rows // config.block_n),)
+    _kernels().norm_gemv[grid](
+        x, norm_weight, weight, weight.stride(0), weight if bias is None else bias, x, out, out, out, rows, k_dim, 0,
+        eps, NORM=True, BIAS=bias is not None, RESIDUAL=False, GATED=False, STORE_H=False, BLOCK_N=config.block_n,
+        ROWS=config.block_n, BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, config: RowConfig | None = None) -> Tensor:
+    """residual + F.linear(x, weight) for one row x [1, K], weight [N, K], residual [1, N] -> [1, N] in the residual's
+    dtype, rounded once: one launch."""
+    config = config or DEFAULT_CONFIG
+    rows, k_dim = weight.shape
+    x = _check_row(x, k_dim)
+    residual = _check_row(residual, rows)
+    assert weight.stride(1) == 1
+    out = torch.empty_like(residual)
+    _kernels().norm_gemv[(-(-rows // config.block_n),)](
+        x, x, weight, weight.stride(0), x, residual, out, out, out, rows, k_dim, 0, 0.0, NORM=False, BIAS=False,
+        RESIDUAL=True, GATED=False, STORE_H=False, BLOCK_N=config.block_n, ROWS=config.block_n,
+        BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def norm_ffn_input(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, inter: int, tail: int,
+                   config: RowConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """A packed FFN input product of one row x [1, D]: weight rows [0, I) the shared expert's gate, [I, 2I) its up,
+    then `tail` rows (the router, the shared gate), then padding. Returns h = rms_norm(x) [1, D], silu(gate) * up
+    [1, I] (float32 products, rounded once) and the tail's outputs [1, tail] (rounded to x's dtype, as a product in
+    x's dtype would be): one launch."""
+    config = config or DEFAULT_CONFIG
+    k_dim = weight.shape[1]
+    x = _check_row(x, k_dim)
+    assert weight.stride(1) == 1 and weight.shape[0] >= 2 * inter + tail
+    h = torch.empty_like(x)
+    act = torch.empty(1, inter, dtype=x.dtype, device=x.device)
+    tail_out = torch.empty(1, tail, dtype=x.dtype, device=x.device)
+    block_n = config.block_n
+    grid = (-(-inter // block_n) + -(-tail // (2 * block_n)),)
+    _kernels().norm_gemv[grid](
+        x, norm_weight, weight, weight.stride(0), x, x, act, h, tail_out, 2 * inter + tail, k_dim, inter, eps,
+        NORM=True, BIAS=False, RESIDUAL=False, GATED=True, STORE_H=True, BLOCK_N=block_n, ROWS=2 * block_n,
+        BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    return h, act, tail_out
+
+
+def moe_gate_up(h: Tensor, logits: Tensor, qe: QuantizedExperts, top_k: int, renormalize: bool,
+                counts: Tensor | None = None, config: RowConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The routed experts' first half for one row h [1, D] with router logits [1, E]: the top_k of their float32
+    softmax (renormalised when asked; weights rounded to h's dtype, as the router's are), then per pick
+    silu(gate h) * up h. Returns act [top_k, I] in h's dtype (row j: the j-th pick), the picks' expert ids [top_k]
+    int32 and weights [top_k] float32. counts [E] float32, when given, gets one per pick. One launch."""
+    config = config or DEFAULT_CONFIG
+    h = _check_row(h, qe.hidden)
+    experts = logits.shape[-1]
+    assert logits.numel() == experts == qe.num_experts and 1 <= top_k <= experts and supports(qe, config)
+    assert counts is None or (counts.dtype == torch.float32 and counts.is_contiguous() and counts.numel() == experts)
+    assert qe.w13_scales.stride(2) == 1
+    act = torch.empty(top_k, qe.intermediate, dtype=h.dtype, device=h.device)
+    ids = torch.empty(top_k, dtype=torch.int32, device=h.device)
+    weights = torch.empty(top_k, dtype=torch.float32, device=h.device)
+    block_k = int4_block_k(qe.hidden, qe.w13_group, config.block_k_moe)
+    assert block_k is not None
+    words = _words(qe.w13)
+    grid = (top_k, -(-qe.intermediate // config.block_n_moe))
+    _kernels().moe_gate_up[grid](
+        h, logits.contiguous(), words, words.stride(0), words.stride(1), qe.w13_scales, qe.w13_scales.stride(0),
+        qe.w13_scales.stride(1), act, ids, weights, weights if counts is None else counts, experts, qe.intermediate,
+        qe.hidden, TOP_K=top_k, TOP_K_POW2=max(2, _pow2(top_k)), RENORMALIZE=renormalize, COUNT=counts is not None,
+        BLOCK_E=_pow2(experts), GROUP=qe.w13_group, BLOCK_N=config.block_n_moe, BLOCK_K=block_k,
+        GROUPS=max(1, block_k // qe.w13_group), num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return act, ids, weights
+
+
+def moe_finish(x: Tensor, act: Tensor, ids: Tensor, weights: Tensor, qe: QuantizedExperts, shared_act: Tensor,
+               shared_down: Tensor, gate_logit: Tensor | None, config: RowConfig | None = None) -> Tensor:  # fmt: skip
+    """x + sum over the picks in ascending expert id of weight * down(act row) + sigmoid(gate_logit) *
+    shared_down @ shared_act, for one row x [1, D] (act [A, I], ids [A], weights [A] from moe_gate_up; shared_act
+    [1, S]; shared_down [D, S]; gate_logit [1, 1] or None: no gate). [1, D] in x's dtype, rounded once; one launch."""
+    config = config or DEFAULT_CONFIG
+    x = _check_row(x, qe.hidden)
+    top_k = ids.numel()
+    shared_inter = shared_down.shape[1]
+    shared_act = _check_row(shared_act, shared_inter)
+    assert act.shape == (top_k, qe.intermediate) and act.is_contiguous() and weights.numel() == top_k
+    assert shared_down.shape[0] == qe.hidden and shared_down.stride(1) == 1 and supports(qe, config)
+    assert qe.w2_scales.stride(2) == 1
+    out = torch.empty_like(x)
+    block_k = int4_block_k(qe.intermediate, qe.w2_group, config.block_k_moe)
+    assert block_k is not None
+    words = _words(qe.w2)
+    _kernels().moe_finish[(-(-qe.hidden // config.block_n_finish),)](
+        x, act, ids, weights, words, words.stride(0), words.stride(1), qe.w2_scales, qe.w2_scales.stride(0),
+        qe.w2_scales.stride(1), shared_act, shared_down, shared_down.stride(0), x if gate_logit is None else gate_logit,
+        out, qe.hidden, qe.intermediate, shared_inter, TOP_K=top_k, TOP_K_POW2=max(2, _pow2(top_k)),
+        GATED=gate_logit is not None, GROUP=qe.w2_group, BLOCK_N=config.block_n_finish, BLOCK_K=block_k,
+        GROUPS=max(1, block_k // qe.w2_group), BLOCK_KS=min(config.block_k, _pow2(shared_inter)),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# kernels: plain functions jitted on first use, so that importing this module does not need triton.
+
+
+@functools.cache
+def _kernels() -> Any:
+    global tl, _int4_rows, _top_k
+    import triton
+    import triton.language
+
+    tl = triton.language
+    fused._kernels()  # jits fused's helpers, its router selection among them
+    _top_k = fused._top_k
+    _int4_rows = triton.jit(_int4_rows)
+
+    class Kernels:
+        norm_gemv = triton.jit(norm_gemv_kernel)
+        moe_gate_up = triton.jit(moe_gate_up_kernel)
+        moe_finish = triton.jit(moe_finish_kernel)
+
+    return Kernels
+
+
+def norm_gemv_kernel(x_ptr, norm_ptr, w_ptr, stride_w, bias_ptr, res_ptr, out_ptr, h_ptr, tail_ptr, n_rows, k_dim,
+                     inter, eps, NORM: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+                     GATED: tl.constexpr, STORE_H: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr):  # fmt: skip
+    """One row's GEMV over ROWS weight rows per program. NORM: the input is rms_norm(x) (float32 statistics over the
+    whole row, computed by every program; rounded as rms_norm rounds). GATED (ROWS = 2 * BLOCK_N): programs below
+    cdiv(inter, BLOCK_N) read gate rows c and up rows inter + c and store silu(gate) * up at c; the others store the
+    rows from 2 * inter on (the tail) as they are, into tail_ptr. Else rows [pid * BLOCK_N, ...) plus the bias or the
+    residual. STORE_H: program 0 stores the normalised row."""
+    pid = tl.program_id(0)
+    if NORM:
+        xs = tl.arange(0, BLOCK_X)
+        x_all = tl.load(x_ptr + xs, mask=xs < k_dim, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x_all * x_all, axis=0) / k_dim + eps)
+        if STORE_H:
+            if pid == 0:
+                normed = (x_all * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
+                scale = tl.load(norm_ptr + xs, mask=xs < k_dim, other=0.0).to(tl.float32)
+                tl.store(h_ptr + xs, (scale * normed).to(h_ptr.dtype.element_ty), mask=xs < k_dim)
+    else:
+        inv = 1.0
+    if GATED:
+        act_programs = tl.cdiv(inter, BLOCK_N)
+        is_act = pid < act_programs
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        half = tl.arange(0, 2)
+        pair_rows = tl.reshape(cols[:, None] + inter * half[None, :], (ROWS,))  # gate c, up c, gate c + 1, ...
+        pair_ok = tl.reshape((cols < inter)[:, None] & (half[None, :] < 2), (ROWS,))
+        tail_rows = 2 * inter + (pid - act_programs) * ROWS + tl.arange(0, ROWS)
+        w_rows = tl.where(is_act, pair_rows, tail_rows)
+        w_ok = tl.where(is_act, pair_ok, tail_rows < n_rows)
+    else:
+        w_rows = pid * BLOCK_N + tl.arange(0, ROWS)
+        w_ok = w_rows < n_rows
+    w_base = w_ptr + w_rows.to(tl.int64) * stride_w
+    acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_dim
+        a = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+        if NORM:
+            normed = (a.to(tl.float32) * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
+            scale = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            a = (scale * normed).to(x_ptr.dtype.element_ty)
+        w = tl.load(w_base[:, None] + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+    total = tl.sum(acc, axis=1)  # [ROWS]
+    if BIAS:
+        total += tl.load(bias_ptr + w_rows, mask=w_ok, other=0.0).to(tl.float32)
+    if GATED:
+        if is_act:
+            gate, up = tl.split(tl.reshape(total, (BLOCK_N, 2)))
+            tl.store(out_ptr + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=cols < inter)
+        else:
+            tl.store(tail_ptr + tail_rows - 2 * inter, total.to(tail_ptr.dtype.element_ty), mask=w_ok)
+    else:
+        if RESIDUAL:
+            total += tl.load(res_ptr + w_rows, mask=w_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + w_rows, total.to(out_ptr.dtype.element_ty), mask=w_ok)
+
+
+def _int4_rows(w_rows, s_rows, w_ok, a_rows, k_dim, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+               GROUPS: tl.constexpr, ROWS: tl.constexpr, SHARED_A: tl.constexpr):  # fmt: skip
+    """[ROWS] float32 dot products of int4 weight rows with activations. w_rows [ROWS]: pointers to each row's
+    32-bit words (code k at bits 4 (k % 8) of word k // 8); s_rows [ROWS]: to each row's scale of group 0 (group g
+    at + g * stride_sg); a_rows: one pointer (SHARED_A: every row reads the same activations) or [ROWS] pointers.
+    A K step of BLOCK_K codes spans GROUPS whole groups, or lies inside one (GROUPS = 1)."""
+    words = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
+    per_group: tl.constexpr = BLOCK_K // GROUPS
+    acc = tl.zeros((ROWS, GROUPS), dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        word = k0 // 8 + words
+        packed = tl.load(w_rows[:, None] + word[None, :], mask=w_ok[:, None] & (word < k_dim // 8)[None, :], other=0)
+        codes = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [ROWS, BLOCK_K / 8, 8]
+        levels = tl.reshape((codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0, (ROWS, BLOCK_K))
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if SHARED_A:
+            a = tl.load(a_rows + ks, mask=ks < k_dim, other=0.0).to(tl.float32)
+            dots = tl.sum(tl.reshape(levels * a[None, :], (ROWS, GROUPS, per_group)), axis=2)
+            a_sum = tl.sum(tl.reshape(a, (GROUPS, per_group)), axis=1)[None, :]
+        else:
+            a = tl.load(a_rows[:, None] + ks[None, :], mask=w_ok[:, None] & (ks < k_dim)[None, :], other=0.0)
+            a = a.to(tl.float32)
+            dots = tl.sum(tl.reshape(levels * a, (ROWS, GROUPS, per_group)), axis=2)
+            a_sum = tl.sum(tl.reshape(a, (ROWS, GROUPS, per_group)), axis=2)
+        group = k0 // GROUP + tl.arange(0, GROUPS)
+        scale = tl.load(s_rows[:, None] + (group * stride_sg)[None, :],
+                        mask=w_ok[:, None] & (group * GROUP < k_dim)[None, :], other=0.0).to(tl.float32)
+        acc += (dots - 7.5 * a_sum) * scale
+    return tl.sum(acc, axis=1)
+
+
+def moe_gate_up_kernel(h_ptr, logits_ptr, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, act_ptr,
+                       ids_ptr, weights_ptr, counts_ptr, experts, inter, k_dim, TOP_K: tl.constexpr,
+                       TOP_K_POW2: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr,
+                       BLOCK_E: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUPS: tl.constexpr):  # fmt: skip
+    """Program (pick j, column block): the router's top-k from the logits (fused's selection, every program alike),
+    then silu(gate h) * up h of the j-th pick's expert for BLOCK_N columns. Program (0, 0) stores the picks and
+    counts them."""
+    pick = tl.program_id(0)
+    picked, values = _top_k(logits_ptr, experts, TOP_K, TOP_K_POW2, RENORMALIZE, BLOCK_E)
+    values = values.to(h_ptr.dtype.element_ty).to(tl.float32)  # the router's weights are in the activations' dtype
+    slots = tl.arange(0, TOP_K_POW2)
+    if pick == 0:
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + slots, picked.to(tl.int32), mask=slots < TOP_K)
+            tl.store(weights_ptr + slots, values, mask=slots < TOP_K)
+            if COUNT:
+                tl.atomic_add(counts_ptr + picked, tl.full((TOP_K_POW2,), 1.0, tl.float32), mask=slots < TOP_K)
+    expert = tl.sum(tl.where(slots == pick, picked, 0), axis=0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    half = tl.arange(0, 2)
+    w_rows = tl.reshape(cols[:, None] + inter * half[None, :], (2 * BLOCK_N,))  # gate c, up c, gate c + 1, ...
+    w_ok = tl.reshape((cols < inter)[:, None] & (half[None, :] < 2), (2 * BLOCK_N,))
+    total = _int4_rows(w_ptr + expert * stride_we + w_rows.to(tl.int64) * stride_wn, s_ptr + expert * stride_se + w_rows,
+                       w_ok, h_ptr, k_dim, stride_sg, GROUP, BLOCK_K, GROUPS, 2 * BLOCK_N, True)  # fmt: skip
+    gate, up = tl.split(tl.reshape(total, (BLOCK_N, 2)))
+    tl.store(act_ptr + pick.to(tl.int64) * inter + cols, (gate * tl.sigmoid(gate) * up).to(act_ptr.dtype.element_ty),
+             mask=cols < inter)  # fmt: skip
+
+
+def moe_finish_kernel(x_ptr, act_ptr, ids_ptr, weights_ptr, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+                      stride_sg, shared_ptr, sd_ptr, stride_sd, logit_ptr, out_ptr, hidden, inter, shared_inter,
+                      TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
+                      BLOCK_KS: tl.constexpr):  # fmt: skip
+    """Program (block of BLOCK_N output rows): the routed down products of every pick (TOP_K_POW2 x BLOCK_N int4
+    rows, picks placed in ascending expert id, so the sum over them is one fixed order whatever the picks' order),
+    weighted; the shared down product (bf16 rows) times sigmoid of the gate's logit; plus x; rounded once."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    slots = tl.arange(0, TOP_K_POW2)
+    slot_ok = slots < TOP_K
+    ids = tl.load(ids_ptr + slots, mask=slot_ok, other=0)
+    rank = tl.sum(((ids[None, :] < ids[:, None]) & slot_ok[None, :]).to(tl.int32), axis=1)  # ids are distinct
+    rank = tl.where(slot_ok, rank, slots)  # padding lanes keep their own place, after every pick
+    ordered = tl.sum(tl.where(rank[None, :] == slots[:, None], slots[None, :], 0), axis=1)  # slot of rank r
+    expert = tl.load(ids_ptr + ordered, mask=slot_ok, other=0).to(tl.int64)
+    weight = tl.load(weights_ptr + ordered, mask=slot_ok, other=0.0)
+    rows: tl.constexpr = TOP_K_POW2 * BLOCK_N
+    row_expert = tl.reshape(expert[:, None] + 0 * n[None, :], (rows,))
+    row_slot = tl.reshape(ordered[:, None] + 0 * n[None, :], (rows,)).to(tl.int64)
+    row_n = tl.reshape(n[None, :] + 0 * slots[:, None], (rows,))
+    row_ok = tl.reshape(slot_ok[:, None] & n_ok[None, :], (rows,))
+    dots = _int4_rows(w_ptr + row_expert * stride_we + row_n.to(tl.int64) * stride_wn, s_ptr + row_expert * stride_se + row_n,
+                      row_ok, act_ptr + row_slot * inter, inter, stride_sg, GROUP, BLOCK_K, GROUPS, rows, False)  # fmt: skip
+    routed = tl.sum(tl.reshape(dots, (TOP_K_POW2, BLOCK_N)) * weight[:, None], axis=0)
+    acc = tl.zeros((BLOCK_N, BLOCK_KS), dtype=tl.float32)
+    sd_rows = sd_ptr + n.to(tl.int64) * stride_sd
+    for k0 in range(0, shared_inter, BLOCK_KS):
+        ks = k0 + tl.arange(0, BLOCK_KS)
+        k_ok = ks < shared_inter
+        a = tl.load(shared_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(sd_rows[:, None] + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+    shared = tl.sum(acc, axis=1)
+    if GATED:
+        shared = shared * tl.sigmoid(tl.load(logit_ptr).to(tl.float32))
+    x = tl.load(x_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, (x + routed + shared).to(out_ptr.dtype.element_ty), mask=n_ok)

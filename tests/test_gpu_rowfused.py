@@ -1,0 +1,109 @@
+"""The draft step's one-row kernels (specter.model.rowfused) on a real GPU at the Qwen1.5-MoE shape, bf16: each
+against a float reference (relative error at most 1e-2), the MoE's picks against torch's router, a fixed sum order,
+no host sync, and CUDA-graph replay with new inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specter.model import rowfused
+from specter.model.transformer import rms_norm
+from specter.quant import QuantizedExperts, quantize_experts
+from specter.quant.moe_triton import triton_available
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not triton_available(), reason="triton is not installed"),
+]
+
+D, I, E, A, S = 2048, 1408, 60, 4, 5632  # hidden, expert intermediate, experts, picks, shared intermediate
+
+
+def gap(got: torch.Tensor, expected: torch.Tensor) -> float:
+    got, expected = got.double().cpu(), expected.double().cpu()
+    return ((got - expected).norm() / expected.norm()).item()
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, generator=gen, device="cuda") * scale).bfloat16()
+
+
+@pytest.fixture(scope="module")
+def layer() -> QuantizedExperts:
+    gate, up = randn(E, I, D, seed=1, scale=D**-0.5), randn(E, I, D, seed=2, scale=D**-0.5)
+    return quantize_experts(gate, up, randn(E, D, I, seed=3, scale=I**-0.5), bits=4, group=128)
+
+
+def test_bf16_products_match_float_references() -> None:
+    x, norm = randn(1, D, seed=4, scale=3.0), 1 + randn(D, seed=5, scale=0.25)
+    qkv, bias = randn(6144, D, seed=6, scale=D**-0.5), randn(6144, seed=7)
+    normed = rms_norm(x.float(), norm.float(), 1e-6)
+    assert gap(rowfused.norm_linear(x, norm, 1e-6, qkv, bias, 6144), F.linear(normed, qkv.float(), bias.float())) < 1e-2
+    o_proj, residual = randn(D, D, seed=8, scale=D**-0.5), randn(1, D, seed=9)
+    assert gap(rowfused.linear_residual(x, o_proj, residual), residual.float() + F.linear(x.float(), o_proj.float())) < 1e-2
+    packed = randn(2 * S + E + 1 + 3, D, seed=10, scale=D**-0.5)  # padded to 11,328 rows as at load
+    h, act, tail = rowfused.norm_ffn_input(x, norm, 1e-6, packed, S, E + 1)
+    product = F.linear(normed, packed.float())
+    assert gap(h, normed) < 1e-2
+    assert gap(act, F.silu(product[:, :S]) * product[:, S : 2 * S]) < 1e-2
+    assert gap(tail, product[:, 2 * S : 2 * S + E + 1]) < 1e-2
+
+
+def test_moe_kernels_match_float_references_pick_as_the_router_and_sum_in_id_order(layer: QuantizedExperts) -> None:
+    h, logits = randn(1, D, seed=11), randn(1, E, seed=12, scale=2.0)
+    counts = torch.zeros(E, device="cuda")
+    act, ids, weights = rowfused.moe_gate_up(h, logits, layer, A, False, counts)
+    top_weights, top_ids = torch.softmax(logits.float(), dim=-1).topk(A)
+    assert ids.tolist() == top_ids[0].tolist()
+    assert gap(weights, top_weights[0]) < 1e-2
+    assert torch.equal(counts.cpu(), torch.bincount(top_ids[0].cpu(), minlength=E).float())
+    w13, w2 = layer.dequantize_w13(), layer.dequantize_w2()
+    hf = h.float()[0]
+    assert gap(act, torch.stack([F.silu(w13[e, :I] @ hf) * (w13[e, I:] @ hf) for e in ids.tolist()])) < 1e-2
+    x, shared_act, shared_down, logit = randn(1, D, seed=13), randn(1, S, seed=14), randn(D, S, seed=15, scale=S**-0.5), randn(1, 1, seed=16)
+    out = rowfused.moe_finish(x, act, ids, weights, layer, shared_act, shared_down, logit)
+    routed = sum(weights[j] * (w2[e] @ act[j].float()) for j, e in enumerate(ids.tolist()))
+    shared = F.linear(shared_act.float(), shared_down.float())[0] * torch.sigmoid(logit.float())[0, 0]
+    assert gap(out[0], x.float()[0] + routed + shared) < 1e-2
+    flipped = rowfused.moe_finish(x, act.flip(0).contiguous(), ids.flip(0).contiguous(), weights.flip(0).contiguous(), layer,
+                                  shared_act, shared_down, logit)
+    assert torch.equal(out, flipped)  # the picks' order does not change a bit
+
+
+def test_the_layer_never_syncs_and_replays_in_a_cuda_graph_with_new_inputs(layer: QuantizedExperts) -> None:
+    x, norm = randn(1, D, seed=20), 1 + randn(D, seed=21, scale=0.25)
+    packed, shared_down = randn(2 * S + E + 1 + 3, D, seed=22, scale=D**-0.5), randn(D, S, seed=23, scale=S**-0.5)
+    counts = torch.zeros(E, device="cuda")
+
+    def run() -> torch.Tensor:
+        h, act, tail = rowfused.norm_ffn_input(x, norm, 1e-6, packed, S, E + 1)
+        routed, ids, weights = rowfused.moe_gate_up(h, tail[:, :E], layer, A, False, counts)
+        return rowfused.moe_finish(x, routed, ids, weights, layer, act, shared_down, tail[:, E : E + 1])
+
+    run()  # compile outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = run()
+    x.copy_(randn(1, D, seed=24))
+    counts.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed, replay_counts = static_out.clone(), counts.clone()
+    counts.zero_()
+    assert torch.equal(replayed, run())
+    assert torch.equal(replay_counts, counts) and counts.sum().item() == A

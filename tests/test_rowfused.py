@@ -1,0 +1,197 @@
+"""The draft step's one-row kernels (specter.model.rowfused) in Triton's interpreter on the CPU: each against a float
+reference, the MoE's picks and route counts against torch's router, the sum order fixed by expert id; and the draft's
+one-row layer through them against the same layer through the packed torch/fused path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specter.model import rowfused
+from specter.quant import quantize_experts
+from specter.quant.moe_triton import triton_available
+from tests.interpreter import run_interpreted
+
+KERNEL_SCRIPT = r"""
+import json, sys
+import torch
+import torch.nn.functional as F
+from specter.model import rowfused
+from specter.model.transformer import rms_norm
+from specter.quant import quantize_experts
+
+def gap(got, expected):
+    got, expected = got.double(), expected.double()
+    return ((got - expected).norm() / expected.norm()).item()
+
+results = []
+for case in json.loads(sys.argv[1]):
+    dtype = getattr(torch, case["dtype"])
+    d, i, e, a, s, group = case["hidden"], case["inter"], case["experts"], case["top_k"], case["shared"], case["group"]
+    gen = torch.Generator().manual_seed(case["seed"])
+    rand = lambda *shape: torch.randn(*shape, generator=gen)
+    config = rowfused.RowConfig(block_n=case.get("block_n", 8), block_k=case.get("block_k", 512),
+                                block_n_moe=case.get("block_n_moe", 16), block_k_moe=case.get("block_k_moe", 512),
+                                block_n_finish=case.get("block_n_finish", 4))
+    row = {}
+    x = (rand(1, d) * 2).to(dtype)
+    norm = (1 + rand(d) / 4).to(dtype)
+    weight, bias = (rand(d + 5, d) / d**0.5).to(dtype), rand(d + 5).to(dtype)
+    normed = rms_norm(x.float(), norm.float(), 1e-6)
+    row["norm_linear"] = gap(rowfused.norm_linear(x, norm, 1e-6, weight, bias, d + 3, config), F.linear(normed, weight.float()[: d + 3], bias.float()[: d + 3]))
+    row["norm_linear_no_bias"] = gap(rowfused.norm_linear(x, norm, 1e-6, weight, None, d + 5, config), F.linear(normed, weight.float()))
+    residual = rand(1, d + 5).to(dtype)
+    row["linear_residual"] = gap(rowfused.linear_residual(x, weight, residual, config), residual.float() + F.linear(x.float(), weight.float()))
+    packed = (rand(2 * s + e + 1 + 7, d) / d**0.5).to(dtype)  # gate, up, router, shared gate, padding rows
+    h, act, tail = rowfused.norm_ffn_input(x, norm, 1e-6, packed, s, e + 1, config)
+    product = F.linear(normed, packed.float())
+    row["h"] = gap(h, normed)
+    row["shared_act"] = gap(act, F.silu(product[:, :s]) * product[:, s : 2 * s])
+    row["tail"] = gap(tail, product[:, 2 * s : 2 * s + e + 1])
+    gate, up, down = rand(e, i, d) / d**0.5, rand(e, i, d) / d**0.5, rand(e, d, i) / i**0.5
+    quantized = quantize_experts(gate, up, down, bits=4, group=group)
+    w13, w2 = quantized.dequantize_w13(), quantized.dequantize_w2()
+    logits = (rand(1, e) * 2).to(dtype)
+    counts = torch.full((e,), 3.0)
+    routed, ids, weights = rowfused.moe_gate_up(h, logits, quantized, a, case["renormalize"], counts, config)
+    probs = torch.softmax(logits.float(), dim=-1)
+    top_weights, top_ids = torch.topk(probs, a)
+    if case["renormalize"]:
+        top_weights = top_weights / top_weights.sum(-1, keepdim=True)
+    row["same_picks"] = ids.tolist() == top_ids[0].tolist()
+    row["weights"] = gap(weights, top_weights[0].to(dtype).float())
+    row["counted"] = torch.equal(counts, 3.0 + torch.bincount(top_ids[0], minlength=e).float())
+    hf = h.float()[0]
+    expected = torch.stack([F.silu(w13[x_, :i] @ hf) * (w13[x_, i:] @ hf) for x_ in ids.tolist()])
+    row["routed_act"] = gap(routed, expected)
+    shared_act = rand(1, s).to(dtype)
+    shared_down = (rand(d, s) / s**0.5).to(dtype)
+    logit = rand(1, 1).to(dtype)
+    for gated in (True, False):
+        out = rowfused.moe_finish(x, routed, ids, weights, quantized, shared_act, shared_down, logit if gated else None, config)
+        flipped = rowfused.moe_finish(x, routed.flip(0).contiguous(), ids.flip(0).contiguous(), weights.flip(0).contiguous(),
+                                      quantized, shared_act, shared_down, logit if gated else None, config)
+        routed_sum = sum(weights[j] * (w2[x_] @ routed[j].float()) for j, x_ in enumerate(ids.tolist()))
+        shared = F.linear(shared_act.float(), shared_down.float())[0] * (torch.sigmoid(logit.float())[0, 0] if gated else 1.0)
+        row["finish_gated" if gated else "finish"] = gap(out[0], x.float()[0] + routed_sum + shared)
+        row["order_free_gated" if gated else "order_free"] = torch.equal(out, flipped)
+    results.append(row)
+print(json.dumps(results))
+"""
+
+CASES = [
+    # the Qwen layout in miniature (group 32, 4 of 10 experts, two K steps of several groups), fp32 and fp16
+    dict(hidden=256, inter=96, experts=10, top_k=4, shared=192, group=32, dtype="float32", renormalize=False, block_k=128,
+         block_k_moe=128),
+    dict(hidden=256, inter=96, experts=10, top_k=4, shared=192, group=32, dtype="float16", renormalize=True),
+    # one group per row (a K step inside a group: GROUPS 1), hidden not a power of two, 2 picks
+    dict(hidden=160, inter=48, experts=6, top_k=2, shared=72, group=-1, dtype="float32", renormalize=True),
+    # a group larger than the K step, 5 picks (padding lanes of the 8-lane pick vector), odd row blocks
+    dict(hidden=128, inter=64, experts=8, top_k=5, shared=40, group=64, dtype="float32", renormalize=False, block_k_moe=32,
+         block_n=4, block_n_moe=8, block_n_finish=2),
+    dict(hidden=96, inter=32, experts=5, top_k=5, shared=40, group=32, dtype="float32", renormalize=False, block_n_finish=8),
+]
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_row_kernels_match_float_references_in_the_interpreter():
+    cases = [dict(case, seed=index) for index, case in enumerate(CASES)]
+    results = run_interpreted(KERNEL_SCRIPT, json.dumps(cases))
+    for case, row in zip(cases, results):
+        tolerance = 3e-3 if case["dtype"] == "float16" else 2e-6
+        for key in ("same_picks", "counted", "order_free", "order_free_gated"):
+            assert row.pop(key) is True, (case, key)  # the router's picks in its order; one count per pick; id order
+        for key, value in row.items():
+            assert value < tolerance, (case, key, value)
+
+
+def test_int4_block_k_is_a_whole_number_of_groups_or_inside_one():
+    assert rowfused.int4_block_k(2048, 128, 512) == 512  # four groups per step (the Qwen shape)
+    assert rowfused.int4_block_k(1408, 128, 512) == 512  # the K tail is masked
+    assert rowfused.int4_block_k(24, 24, 512) == 8  # one group per row of 24: steps of 8 inside it
+    assert rowfused.int4_block_k(96, 96, 512) == 32
+    assert rowfused.int4_block_k(64, 12, 512) is None  # 12 neither divides nor is divided by a power of two >= 8
+
+
+def test_only_int4_experts_in_whole_words_take_the_row_kernels():
+    gen = torch.Generator().manual_seed(0)
+    gate, up, down = torch.randn(3, 24, 32, generator=gen), torch.randn(3, 24, 32, generator=gen), torch.randn(3, 32, 24, generator=gen)
+    assert rowfused.supports(quantize_experts(gate, up, down, bits=4, group=-1))
+    assert not rowfused.supports(quantize_experts(gate, up, down, bits=8, group=-1))
+    assert not rowfused.supports(quantize_experts(gate[:, :20], up[:, :20], down[:, :, :20], bits=4, group=-1))  # 20 codes: not whole words
+
+
+DRAFT_SCRIPT = r"""
+import asyncio, json, sys
+import torch
+from specter.config import DraftConfig, EngineConfig
+from specter.engine import Runtime
+from specter.model import fused, rowfused
+from specter.model.graphed import StaticStep
+
+names = ("norm_linear", "linear_residual", "norm_ffn_input", "moe_gate_up", "moe_finish")
+calls = {name: 0 for name in names}
+for name in names:
+    original = getattr(rowfused, name)
+    def counted(*args, _original=original, _name=name, **kwargs):
+        calls[_name] += 1
+        return _original(*args, **kwargs)
+    setattr(rowfused, name, counted)
+
+async def main():
+    runtime = await Runtime.load(sys.argv[1], EngineConfig(device="cpu", dtype="float32", max_context=32, residents=3,
+                                                           draft=DraftConfig(k=2)))
+    try:
+        draft, target = runtime.draft, runtime.model
+        model, experts = draft.model, draft.experts
+        result = {"moe_layers": len(model.spec.moe_layers), "layers": model.spec.num_layers}
+        for flag in (False, True):
+            fused.ROW_KERNELS = flag
+            kv = model.new_kv()
+            experts.route_counts.zero_()
+            await model.forward(torch.tensor([3, 1, 4]), 0, kv, experts)  # three rows: never the row kernels
+            before = dict(calls)
+            experts.route_counts.zero_()
+            eager = await model.forward(torch.tensor([1]), 3, kv, experts)
+            eager_counts = experts.route_counts.clone()
+            static_kv = model.new_kv()
+            static_kv.k.copy_(kv.k)
+            static_kv.v.copy_(kv.v)
+            static = StaticStep(model, experts, rows=1).hidden(torch.tensor([1]), torch.tensor([3]), static_kv)
+            exact = await target.forward(torch.tensor([1]), 3, kv, runtime.experts)  # the exact target: never
+            result[str(flag)] = {"eager": eager[0].tolist(), "static": static[0].tolist(), "counts": eager_counts.tolist(),
+                                 "static_counts": (experts.route_counts - eager_counts).tolist(),
+                                 "three_rows": before, "one_row": dict(calls), "kv": static_kv.k[:, :, 3].flatten().tolist()}
+            for name in names:
+                calls[name] = 0
+        print(json.dumps(result))
+    finally:
+        await runtime.aclose()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_the_drafts_one_row_layer_takes_the_row_kernels_and_matches_the_packed_path(tmp_path):
+    from tests.hf_models import hf_model, save_hf
+
+    path = save_hf(hf_model("qwen2_moe", seed=3), tmp_path / "m")
+    result = run_interpreted(DRAFT_SCRIPT, str(path), timeout=300)
+    layers, moe_layers = result["layers"], result["moe_layers"]
+    off, on = result["False"], result["True"]
+    nothing = dict.fromkeys(("norm_linear", "linear_residual", "norm_ffn_input", "moe_gate_up", "moe_finish"), 0)
+    assert off["three_rows"] == off["one_row"] == nothing  # switched off: never
+    assert on["three_rows"] == nothing  # more than one row: never (nor the exact target's one row, counted after)
+    # one row (eager, then static): per layer the norm + q/k/v product and o_proj + residual, per MoE layer the three
+    # MoE launches (the dense layer keeps its own MLP)
+    assert on["one_row"] == {"norm_linear": 2 * layers, "linear_residual": 2 * layers,
+                             "norm_ffn_input": 2 * moe_layers, "moe_gate_up": 2 * moe_layers, "moe_finish": 2 * moe_layers}, result
+    eager_off, eager_on, static_on = (torch.tensor(v) for v in (off["eager"], on["eager"], on["static"]))
+    assert ((eager_on - eager_off).abs().max() / eager_off.abs().max()).item() < 1e-5  # fp32: sums reordered only
+    torch.testing.assert_close(static_on, eager_on, rtol=1e-5, atol=1e-5)  # the graphed step proposes as the eager one
+    assert on["counts"] == off["counts"] == on["static_counts"]  # the same picks, counted once each
+    assert sum(on["counts"][layer][e] for layer in range(layers) for e in range(len(on["counts"][0]))) == 2 * moe_layers
+    torch.testing.assert_close(torch.tensor(on["kv"]), torch.tensor(off["kv"]), rtol=1e-5, atol=1e-5)
