@@ -20,9 +20,10 @@ layer (a shared expert, its sigmoid gate, int4 routed experts) runs as seven lau
    rounded once (replaces the down GEMV, the combine, the routed + residual add, the addend copy, the shared down
    product and its split-K reduction).
 
-The int4 GEMVs read the packed codes as 32-bit words (8 codes each, code k at bits 4 (k % 8) of word k // 8, as
-the bytes lie) and turn a code c into a float by the exponent trick (c | 0x4B000000 is 2^23 + c), not by an
-integer-to-float conversion; a group's sum is scale * (sum c * a - 7.5 * sum a) (stored code c = q + 8, level
+The int4 GEMVs read the packed codes as bytes (even k in the low nibble) or, with RowConfig.int4_words, as 32-bit
+words (8 codes each, code k at bits 4 (k % 8) of word k // 8, as the bytes lie; H200: far slower at first, a
+[rows, words, 8] tile reshaped), and turn a code c into a float by the exponent trick (c | 0x4B000000 is 2^23 + c),
+not by an integer-to-float conversion; a group's sum is scale * (sum c * a - 7.5 * sum a) (stored code c = q + 8, level
 q + 0.5). Every sum is float32; nothing here is exact (the draft never is; the verify is).
 """
 
@@ -51,6 +52,7 @@ class RowConfig:
     block_n_moe: int = 16  # intermediate columns per program of moe_gate_up (2x weight rows: gate and up)
     block_k_moe: int = 512  # elements per K step of the int4 GEMVs (a whole number of groups, or a divisor of one)
     block_n_finish: int = 4  # hidden rows per program of moe_finish
+    int4_words: bool = False  # read int4 codes as 32-bit words of 8 (else bytes of 2, split into even and odd k)
     num_warps: int = 4
     num_stages: int = 3
 
@@ -170,14 +172,15 @@ def moe_gate_up(h: Tensor, logits: Tensor, qe: QuantizedExperts, top_k: int, ren
     weights = torch.empty(top_k, dtype=torch.float32, device=h.device)
     block_k = int4_block_k(qe.hidden, qe.w13_group, config.block_k_moe)
     assert block_k is not None
-    words = _words(qe.w13)
+    words = _words(qe.w13) if config.int4_words else qe.w13
     grid = (top_k, -(-qe.intermediate // config.block_n_moe))
     _kernels().moe_gate_up[grid](
         h, logits.contiguous(), words, words.stride(0), words.stride(1), qe.w13_scales, qe.w13_scales.stride(0),
         qe.w13_scales.stride(1), act, ids, weights, weights if counts is None else counts, experts, qe.intermediate,
         qe.hidden, TOP_K=top_k, TOP_K_POW2=max(2, _pow2(top_k)), RENORMALIZE=renormalize, COUNT=counts is not None,
         BLOCK_E=_pow2(experts), GROUP=qe.w13_group, BLOCK_N=config.block_n_moe, BLOCK_K=block_k,
-        GROUPS=max(1, block_k // qe.w13_group), num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUPS=max(1, block_k // qe.w13_group), WORDS=config.int4_words, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
     return act, ids, weights
 
@@ -198,13 +201,13 @@ def moe_finish(x: Tensor, act: Tensor, ids: Tensor, weights: Tensor, qe: Quantiz
     out = torch.empty_like(x)
     block_k = int4_block_k(qe.intermediate, qe.w2_group, config.block_k_moe)
     assert block_k is not None
-    words = _words(qe.w2)
+    words = _words(qe.w2) if config.int4_words else qe.w2
     _kernels().moe_finish[(-(-qe.hidden // config.block_n_finish),)](
         x, act, ids, weights, words, words.stride(0), words.stride(1), qe.w2_scales, qe.w2_scales.stride(0),
         qe.w2_scales.stride(1), shared_act, shared_down, shared_down.stride(0), x if gate_logit is None else gate_logit,
         out, qe.hidden, qe.intermediate, shared_inter, TOP_K=top_k, TOP_K_POW2=max(2, _pow2(top_k)),
         GATED=gate_logit is not None, GROUP=qe.w2_group, BLOCK_N=config.block_n_finish, BLOCK_K=block_k,
-        GROUPS=max(1, block_k // qe.w2_group), BLOCK_KS=min(config.block_k, _pow2(shared_inter)),
+        GROUPS=max(1, block_k // qe.w2_group), BLOCK_KS=min(config.block_k, _pow2(shared_inter)), WORDS=config.int4_words,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
@@ -295,30 +298,50 @@ def norm_gemv_kernel(x_ptr, norm_ptr, w_ptr, stride_w, bias_ptr, res_ptr, out_pt
 
 
 def _int4_rows(w_rows, s_rows, w_ok, a_rows, k_dim, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-               GROUPS: tl.constexpr, ROWS: tl.constexpr, SHARED_A: tl.constexpr):  # fmt: skip
+               GROUPS: tl.constexpr, ROWS: tl.constexpr, SHARED_A: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
     """[ROWS] float32 dot products of int4 weight rows with activations. w_rows [ROWS]: pointers to each row's
-    32-bit words (code k at bits 4 (k % 8) of word k // 8); s_rows [ROWS]: to each row's scale of group 0 (group g
-    at + g * stride_sg); a_rows: one pointer (SHARED_A: every row reads the same activations) or [ROWS] pointers.
-    A K step of BLOCK_K codes spans GROUPS whole groups, or lies inside one (GROUPS = 1)."""
-    words = tl.arange(0, BLOCK_K // 8)
-    shifts = tl.arange(0, 8) * 4
-    per_group: tl.constexpr = BLOCK_K // GROUPS
+    packed codes (WORDS: 32-bit words, code k at bits 4 (k % 8) of word k // 8; else bytes, even k in the low
+    nibble); s_rows [ROWS]: to each row's scale of group 0 (group g at + g * stride_sg); a_rows: one pointer
+    (SHARED_A: every row reads the same activations) or [ROWS] pointers. A K step of BLOCK_K codes spans GROUPS whole
+    groups, or lies inside one (GROUPS = 1). A code c becomes the float c by the exponent trick (c | 0x4B000000 is
+    2^23 + c), and a group's sum is scale * (sum c * a - 7.5 * sum a)."""
     acc = tl.zeros((ROWS, GROUPS), dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
-        word = k0 // 8 + words
-        packed = tl.load(w_rows[:, None] + word[None, :], mask=w_ok[:, None] & (word < k_dim // 8)[None, :], other=0)
-        codes = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [ROWS, BLOCK_K / 8, 8]
-        levels = tl.reshape((codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0, (ROWS, BLOCK_K))
-        ks = k0 + tl.arange(0, BLOCK_K)
-        if SHARED_A:
-            a = tl.load(a_rows + ks, mask=ks < k_dim, other=0.0).to(tl.float32)
-            dots = tl.sum(tl.reshape(levels * a[None, :], (ROWS, GROUPS, per_group)), axis=2)
-            a_sum = tl.sum(tl.reshape(a, (GROUPS, per_group)), axis=1)[None, :]
+        if WORDS:
+            word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            packed = tl.load(w_rows[:, None] + word[None, :], mask=w_ok[:, None] & (word < k_dim // 8)[None, :], other=0)
+            codes = (packed[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [ROWS, BLOCK_K / 8, 8]
+            levels = tl.reshape((codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0, (ROWS, BLOCK_K))
+            ks = k0 + tl.arange(0, BLOCK_K)
+            if SHARED_A:
+                a = tl.load(a_rows + ks, mask=ks < k_dim, other=0.0).to(tl.float32)
+                dots = tl.sum(tl.reshape(levels * a[None, :], (ROWS, GROUPS, BLOCK_K // GROUPS)), axis=2)
+                a_sum = tl.sum(tl.reshape(a, (GROUPS, BLOCK_K // GROUPS)), axis=1)[None, :]
+            else:
+                a = tl.load(a_rows[:, None] + ks[None, :], mask=w_ok[:, None] & (ks < k_dim)[None, :], other=0.0)
+                a = a.to(tl.float32)
+                dots = tl.sum(tl.reshape(levels * a, (ROWS, GROUPS, BLOCK_K // GROUPS)), axis=2)
+                a_sum = tl.sum(tl.reshape(a, (ROWS, GROUPS, BLOCK_K // GROUPS)), axis=2)
         else:
-            a = tl.load(a_rows[:, None] + ks[None, :], mask=w_ok[:, None] & (ks < k_dim)[None, :], other=0.0)
-            a = a.to(tl.float32)
-            dots = tl.sum(tl.reshape(levels * a, (ROWS, GROUPS, per_group)), axis=2)
-            a_sum = tl.sum(tl.reshape(a, (ROWS, GROUPS, per_group)), axis=2)
+            pair = tl.arange(0, BLOCK_K // 2)
+            byte = k0 // 2 + pair
+            packed = tl.load(w_rows[:, None] + byte[None, :], mask=w_ok[:, None] & (byte < k_dim // 2)[None, :], other=0)
+            low = ((packed & 0xF).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            high = ((packed >> 4).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            k_even = k0 + 2 * pair
+            if SHARED_A:
+                a_even = tl.load(a_rows + k_even, mask=k_even < k_dim, other=0.0).to(tl.float32)
+                a_odd = tl.load(a_rows + k_even + 1, mask=k_even + 1 < k_dim, other=0.0).to(tl.float32)
+                both = low * a_even[None, :] + high * a_odd[None, :]
+                dots = tl.sum(tl.reshape(both, (ROWS, GROUPS, BLOCK_K // (2 * GROUPS))), axis=2)
+                a_sum = tl.sum(tl.reshape(a_even + a_odd, (GROUPS, BLOCK_K // (2 * GROUPS))), axis=1)[None, :]
+            else:
+                a_ok = w_ok[:, None] & (k_even < k_dim)[None, :]
+                a_even = tl.load(a_rows[:, None] + k_even[None, :], mask=a_ok, other=0.0).to(tl.float32)
+                a_odd = tl.load(a_rows[:, None] + k_even[None, :] + 1, mask=a_ok, other=0.0).to(tl.float32)
+                both = low * a_even + high * a_odd
+                dots = tl.sum(tl.reshape(both, (ROWS, GROUPS, BLOCK_K // (2 * GROUPS))), axis=2)
+                a_sum = tl.sum(tl.reshape(a_even + a_odd, (ROWS, GROUPS, BLOCK_K // (2 * GROUPS))), axis=2)
         group = k0 // GROUP + tl.arange(0, GROUPS)
         scale = tl.load(s_rows[:, None] + (group * stride_sg)[None, :],
                         mask=w_ok[:, None] & (group * GROUP < k_dim)[None, :], other=0.0).to(tl.float32)
@@ -330,7 +353,7 @@ def moe_gate_up_kernel(h_ptr, logits_ptr, w_ptr, stride_we, stride_wn, s_ptr, st
                        ids_ptr, weights_ptr, counts_ptr, experts, inter, k_dim, TOP_K: tl.constexpr,
                        TOP_K_POW2: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr,
                        BLOCK_E: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUPS: tl.constexpr):  # fmt: skip
+                       GROUPS: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
     """Program (pick j, column block): the router's top-k from the logits (fused's selection, every program alike),
     then silu(gate h) * up h of the j-th pick's expert for BLOCK_N columns. Program (0, 0) stores the picks and
     counts them."""
@@ -350,7 +373,7 @@ def moe_gate_up_kernel(h_ptr, logits_ptr, w_ptr, stride_we, stride_wn, s_ptr, st
     w_rows = tl.reshape(cols[:, None] + inter * half[None, :], (2 * BLOCK_N,))  # gate c, up c, gate c + 1, ...
     w_ok = tl.reshape((cols < inter)[:, None] & (half[None, :] < 2), (2 * BLOCK_N,))
     total = _int4_rows(w_ptr + expert * stride_we + w_rows.to(tl.int64) * stride_wn, s_ptr + expert * stride_se + w_rows,
-                       w_ok, h_ptr, k_dim, stride_sg, GROUP, BLOCK_K, GROUPS, 2 * BLOCK_N, True)  # fmt: skip
+                       w_ok, h_ptr, k_dim, stride_sg, GROUP, BLOCK_K, GROUPS, 2 * BLOCK_N, True, WORDS)  # fmt: skip
     gate, up = tl.split(tl.reshape(total, (BLOCK_N, 2)))
     tl.store(act_ptr + pick.to(tl.int64) * inter + cols, (gate * tl.sigmoid(gate) * up).to(act_ptr.dtype.element_ty),
              mask=cols < inter)  # fmt: skip
@@ -360,7 +383,7 @@ def moe_finish_kernel(x_ptr, act_ptr, ids_ptr, weights_ptr, w_ptr, stride_we, st
                       stride_sg, shared_ptr, sd_ptr, stride_sd, logit_ptr, out_ptr, hidden, inter, shared_inter,
                       TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
-                      BLOCK_KS: tl.constexpr):  # fmt: skip
+                      BLOCK_KS: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
     """Program (block of BLOCK_N output rows): the routed down products of every pick (TOP_K_POW2 x BLOCK_N int4
     rows, picks placed in ascending expert id, so the sum over them is one fixed order whatever the picks' order),
     weighted; the shared down product (bf16 rows) times sigmoid of the gate's logit; plus x; rounded once."""
@@ -380,7 +403,7 @@ def moe_finish_kernel(x_ptr, act_ptr, ids_ptr, weights_ptr, w_ptr, stride_we, st
     row_n = tl.reshape(n[None, :] + 0 * slots[:, None], (rows,))
     row_ok = tl.reshape(slot_ok[:, None] & n_ok[None, :], (rows,))
     dots = _int4_rows(w_ptr + row_expert * stride_we + row_n.to(tl.int64) * stride_wn, s_ptr + row_expert * stride_se + row_n,
-                      row_ok, act_ptr + row_slot * inter, inter, stride_sg, GROUP, BLOCK_K, GROUPS, rows, False)  # fmt: skip
+                      row_ok, act_ptr + row_slot * inter, inter, stride_sg, GROUP, BLOCK_K, GROUPS, rows, False, WORDS)  # fmt: skip
     routed = tl.sum(tl.reshape(dots, (TOP_K_POW2, BLOCK_N)) * weight[:, None], axis=0)
     acc = tl.zeros((BLOCK_N, BLOCK_KS), dtype=tl.float32)
     sd_rows = sd_ptr + n.to(tl.int64) * stride_sd
