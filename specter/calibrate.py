@@ -3,6 +3,8 @@
 The target decodes a few local prompts greedily; at every MoE layer a recording provider keeps the rows
 each expert saw. Each expert's gate/up weights are then GPTQ-quantized against H_in = X^T X of its inputs,
 and its down projection against H_mid of silu(gate x) * up x, computed from the full-precision weights.
+The rows stay where the target computed them, and a layer's GPTQ runs on that device (float64 on the GPU
+for a CUDA target, the CPU for a CPU one); the experts' weights are brought there, whatever pool holds them.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ class RecordingExperts:
         self.choices: dict[int, list[Tensor]] = {}
 
     async def run(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor, mlp: ExpertMLP) -> Tensor:
-        self.inputs.setdefault(layer, []).append(x.detach().float().cpu())
-        self.choices.setdefault(layer, []).append(ids.detach().cpu())
+        # Copies on x's own device (no host sync): the target may reuse its buffers.
+        self.inputs.setdefault(layer, []).append(x.detach().to(torch.float32, copy=True))
+        self.choices.setdefault(layer, []).append(ids.detach().clone())
         return await self.inner.run(layer, x, ids, weights, mlp)
 
     def layer(self, layer: int) -> tuple[Tensor, Tensor]:
@@ -50,13 +53,17 @@ def default_prompts(vocab_size: int, count: int = DEFAULT_PROMPTS, length: int =
     return [torch.randint(0, vocab_size, (length,), generator=generator).tolist() for _ in range(count)]
 
 
-def gptq_layer(flats: Sequence[Tensor], inputs: Tensor, choices: Tensor, hidden: int, inter: int, config: DraftConfig) -> QuantizedExperts:
-    """GPTQ-quantize one layer's experts (packed flats) from its recorded inputs [n, D] and choices [n, A]."""
-    gate_up, down = zip(*(unpack_expert(flat.float().cpu(), hidden, inter) for flat in flats))
+def gptq_layer(flats: Sequence[Tensor], inputs: Tensor, choices: Tensor, hidden: int, inter: int, config: DraftConfig,
+               chunk: int | None = None) -> QuantizedExperts:
+    """GPTQ-quantize one layer's experts (packed flats) from its recorded inputs [n, D] and choices [n, A], on the
+    inputs' device (the flats are copied there); `chunk` experts at a time (`gptq_quantize_batch`)."""
+    device = inputs.device
+    gate_up, down = zip(*(unpack_expert(flat.to(device).float(), hidden, inter) for flat in flats))
     gate_up, down = torch.stack(gate_up), torch.stack(down)  # [E, 2I, D], [E, D, I]
-    hessians_in = ExpertHessians(len(flats), hidden)
+    choices = choices.to(device)
+    hessians_in = ExpertHessians(len(flats), hidden, device)
     hessians_in.add(inputs, choices)
-    hessians_mid = ExpertHessians(len(flats), inter)
+    hessians_mid = ExpertHessians(len(flats), inter, device)
     for expert in range(len(flats)):
         routed = (choices == expert).any(dim=1)
         rows = inputs[routed]
@@ -65,8 +72,10 @@ def gptq_layer(flats: Sequence[Tensor], inputs: Tensor, choices: Tensor, hidden:
     group = draft_group(hidden, config.group_size)
     if draft_group(inter, config.group_size) != group:
         group = -1
-    return gptq_quantize_experts(gate_up[:, :inter], gate_up[:, inter:], down, hessians_in.stacked(), hessians_mid.stacked(),
-                                 BITS[config.quant], group)
+    h_in, h_mid = hessians_in.stacked(), hessians_mid.stacked()
+    del hessians_in, hessians_mid  # the stacked copies are all GPTQ needs (on a GPU: 3 GB less at the Qwen shape)
+    return gptq_quantize_experts(gate_up[:, :inter], gate_up[:, inter:], down, h_in, h_mid, BITS[config.quant], group,
+                                 chunk=chunk)
 
 
 async def calibrate(decode: Callable[[list[int]], object], recorder: RecordingExperts, prompts: Sequence[list[int]]) -> None:

@@ -222,3 +222,79 @@ def test_gptq_quantize_experts_uses_both_hessians() -> None:
     assert (mid @ (down[1] - down_q[1]).T).norm() < (mid @ (down[1] - rtn_down[1]).T).norm()
     with pytest.raises(ConfigError, match="Hessians"):
         gptq_quantize_experts(gate, up, down, h_mid, h_in, bits=4, group=32)
+
+
+def hard_hessians(experts: int, k: int, seed: int) -> torch.Tensor:
+    """[E, K, K] calibration Hessians with every special case: dead inputs, a rank-one H, one indefinite enough that
+    the first damping fails (so its expert is factored on a later try than the others), and an empty H."""
+    hessians = []
+    for e in range(experts):
+        x = correlated_activations(2 * k, k, seed=100 * seed + e)
+        if e % 5 == 1:
+            x[:, :3] = 0  # inputs never seen
+        if e % 5 == 2:
+            x = x[:, :1].repeat(1, k)  # rank one: near-singular
+        h = x.T.double() @ x.double()
+        if e % 5 == 3:  # the smallest eigenvalue pushed below -ridge: needs 10x the damping
+            eigenvalues, vectors = torch.linalg.eigh(h)
+            ridge = 0.01 * h.diagonal().mean()
+            h -= (eigenvalues[0] + 5 * ridge) * torch.outer(vectors[:, 0], vectors[:, 0])
+        hessians.append(h if e % 5 != 4 else torch.zeros(k, k, dtype=torch.float64))
+    return torch.stack(hessians)
+
+
+def test_gptq_chunks_give_the_codes_of_one_batch() -> None:
+    """The experts of a layer quantized 1, 3 or all at a time get identical codes and scales: chunking never mixes
+    experts, and an expert that needs more damping is damped alone whichever chunk it falls in."""
+    from specter.quant.gptq import gptq_quantize_batch
+
+    hessian = hard_hessians(7, 64, seed=1)
+    first_try = hessian[3] + 0.01 * hessian[3].diagonal().mean() * torch.eye(64, dtype=torch.float64)
+    assert torch.linalg.cholesky_ex(first_try).info != 0  # the retry path really runs
+    w = torch.randn(7, 24, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    whole = gptq_quantize_batch(w, hessian, bits=4, group=32, chunk=7)
+    assert len(whole) == 7 and whole[0].scales.dtype == torch.bfloat16
+    for chunk in (1, 3, None):
+        chunked = gptq_quantize_batch(w, hessian, bits=4, group=32, chunk=chunk)
+        for e, (got, want) in enumerate(zip(chunked, whole, strict=True)):
+            assert torch.equal(got.packed, want.packed) and torch.equal(got.scales, want.scales), (chunk, e)
+    with pytest.raises(ConfigError, match="positive"):
+        gptq_quantize_batch(w, hessian, group=32, chunk=0)
+
+
+def test_gptq_chunk_size_follows_the_memory_budget() -> None:
+    from specter.quant.gptq import GPTQ_WORKING_BYTES, experts_per_chunk, gptq_bytes_per_expert
+
+    per_expert = gptq_bytes_per_expert(2816, 2048)  # Qwen1.5-MoE gate/up: the inverse's [K, K] temporaries dominate
+    assert 0.2e9 < per_expert < 0.3e9
+    assert experts_per_chunk(60, 2816, 2048, "cpu") == 60 and 60 * per_expert <= GPTQ_WORKING_BYTES  # one chunk
+    assert experts_per_chunk(60, 2816, 2048, "cpu", budget=36 * per_expert) == 30  # evened out: 30 + 30, not 36 + 24
+    assert experts_per_chunk(60, 2816, 2048, "cpu", budget=per_expert - 1) == 1
+    assert experts_per_chunk(3, 2816, 2048, "cpu", budget=100 * per_expert) == 3
+
+
+def test_gptq_stays_on_the_cpu_for_cpu_weights() -> None:
+    from specter.quant.gptq import gptq_quantize_batch
+
+    q = gptq_quantize_batch(torch.randn(2, 8, 32), hard_hessians(2, 32, seed=2), bits=4, group=32)
+    assert all(t.packed.device.type == "cpu" and t.scales.device.type == "cpu" for t in q)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gptq_on_cuda_gives_the_cpu_codes() -> None:
+    """CUDA weights are quantized on the GPU (float64 there too) to the CPU's codes. The GPU orders float64 sums
+    differently (matmuls, Cholesky, the ridge's mean), so a value could in principle land on the other side of a
+    float32 rounding boundary and flip one code, and the error feedback then changes later codes of that row only
+    (rows are independent): allow at most 1 % of rows to differ, and nothing at all in the scales of other rows."""
+    from specter.quant.gptq import gptq_quantize_batch
+
+    hessian = hard_hessians(10, 256, seed=3)
+    w = torch.randn(10, 64, 256, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    on_cpu = gptq_quantize_batch(w, hessian, bits=4, group=128)
+    on_cuda = gptq_quantize_batch(w.cuda(), hessian, bits=4, group=128, chunk=4)  # H on the CPU: moved to w's device
+    assert all(q.packed.device.type == "cuda" and q.scales.device.type == "cuda" for q in on_cuda)
+    rows = torch.cat([(a.packed.cpu() != b.packed).any(dim=1) for a, b in zip(on_cuda, on_cpu, strict=True)])
+    scale_rows = torch.cat([(a.scales.cpu() != b.scales).any(dim=0) for a, b in zip(on_cuda, on_cpu, strict=True)])
+    assert rows.float().mean() <= 0.01, f"{int(rows.sum())} of {rows.numel()} rows differ"
+    assert not (scale_rows & ~rows).any()  # a scale differs only in a row whose codes differ

@@ -2,6 +2,10 @@
 
 Produces exactly the packed format of `groupwise` (same codes, scales and packing), so `dequantize()`,
 the torch reference and the Triton kernel read GPTQ and round-to-nearest experts alike.
+
+Everything runs on the device of the weights `w` (a CUDA caller's GPTQ runs on its GPU in float64; a CPU
+caller's stays on the CPU): the Hessians are moved there chunk by chunk, nothing else picks a device. A
+layer's experts go through the column loop in chunks sized by a working-memory budget (`experts_per_chunk`).
 """
 
 from __future__ import annotations
@@ -69,15 +73,23 @@ def damped_inverse_cholesky(hessian: Tensor, damp: float) -> Tensor:
     diagonal = torch.diagonal(h, dim1=-2, dim2=-1)  # a view: writes land in h
     diagonal[diagonal == 0] = 1.0
     ridge = damp * diagonal.mean(dim=-1)  # [B]
-    eye = torch.eye(k, dtype=h.dtype, device=h.device)
-    result = torch.empty_like(h)
+    result: Tensor | None = None  # made only when some matrix needs a second try
     pending = torch.arange(h.shape[0], device=h.device)
     for attempt in range(6):  # H from few tokens can be near-singular; more damping always helps
-        damped = h[pending] + (ridge[pending] * 10**attempt)[:, None, None] * eye
+        # H + ridge * I with the ridge added on the diagonal in place: the same float64 sums as adding ridge * eye
+        # (off the diagonal x + 0.0 = x), without two more [B, K, K] temporaries.
+        damped = h[pending]
+        torch.diagonal(damped, dim1=-2, dim2=-1).add_((ridge[pending] * 10**attempt)[:, None])
         factor, info = torch.linalg.cholesky_ex(damped)
+        del damped
         factored = info == 0  # offline calibration: the host syncs below are fine
+        if result is None and bool(factored.all()):
+            return torch.linalg.cholesky(torch.cholesky_inverse(factor), upper=True).reshape(hessian.shape)
+        if result is None:
+            result = torch.empty_like(h)
         if bool(factored.any()):
             result[pending[factored]] = torch.linalg.cholesky(torch.cholesky_inverse(factor[factored]), upper=True)
+        del factor
         pending = pending[~factored]
         if pending.numel() == 0:
             return result.reshape(hessian.shape)
@@ -93,8 +105,9 @@ def gptq_codes(
     *batch, n_rows, k = w.shape
     # Unlike GPTQ for dense layers, columns never seen in calibration keep their weights (rounded to
     # nearest): a rarely routed expert still runs in the draft when its router picks it.
-    weights = w.to(torch.float64).reshape(-1, n_rows, k).clone()  # [B, N, K]
+    # The inverse first: its [B, K, K] temporaries are gone before the float64 weights exist (a lower peak).
     inverse_factor = damped_inverse_cholesky(hessian.reshape(-1, k, k), damp)  # [B, K, K]
+    weights = w.to(torch.float64, copy=True).reshape(-1, n_rows, k)  # [B, N, K], one copy (w is never written)
     block = _block_size(group)
     codes = torch.empty(weights.shape, dtype=torch.int8, device=w.device)
     scales = torch.empty(weights.shape[0], n_rows, k // group, dtype=torch.float32, device=w.device)
@@ -146,24 +159,64 @@ def gptq_quantize(
         raise ConfigError(f"GPTQ needs w [N, K] and H [K, K]; got w {tuple(w.shape)}, H {tuple(hessian.shape)}")
     group = resolve_group(w.shape[1], group, bits)
     scale_dtype = scale_dtype or default_scale_dtype(w.dtype)
-    codes, scales = gptq_codes(w.cpu(), hessian.cpu(), bits, group, scale_dtype, damp)
-    packed = pack_codes(codes, bits).to(w.device)
-    return QuantizedTensor(packed, scales.to(scale_dtype).T.contiguous().to(w.device), bits, group, tuple(w.shape))
+    codes, scales = gptq_codes(w, hessian.to(w.device), bits, group, scale_dtype, damp)  # on w's device
+    return QuantizedTensor(pack_codes(codes, bits), scales.to(scale_dtype).T.contiguous(), bits, group, tuple(w.shape))
 
 
 def gptq_quantize_batch(
     w: Tensor, hessian: Tensor, bits: int = 4, group: int = 128, *, scale_dtype: torch.dtype | None = None,
-    damp: float = 0.01,
+    damp: float = 0.01, chunk: int | None = None,
 ) -> list[QuantizedTensor]:
-    """`gptq_quantize` of each w[e] [N, K] with hessian[e] [K, K], one column loop for the whole batch (a layer's
-    experts: E times fewer Python steps than one call per expert)."""
+    """`gptq_quantize` of each w[e] [N, K] with hessian[e] [K, K], on w's device: one column loop per chunk of
+    `chunk` experts (default `experts_per_chunk`), E / chunk times fewer Python steps than one call per expert. The
+    codes do not depend on the chunking: every expert is damped, factored and rounded on its own."""
     if w.dim() != 3 or hessian.shape != (w.shape[0], w.shape[2], w.shape[2]):
         raise ConfigError(f"GPTQ needs w [E, N, K] and H [E, K, K]; got w {tuple(w.shape)}, H {tuple(hessian.shape)}")
-    group = resolve_group(w.shape[2], group, bits)
+    num, n_rows, k = w.shape
+    group = resolve_group(k, group, bits)
     scale_dtype = scale_dtype or default_scale_dtype(w.dtype)
-    codes, scales = gptq_codes(w.cpu(), hessian.cpu(), bits, group, scale_dtype, damp)
-    return [QuantizedTensor(pack_codes(codes[e], bits).to(w.device), scales[e].to(scale_dtype).T.contiguous().to(w.device),
-                            bits, group, tuple(w.shape[1:])) for e in range(w.shape[0])]  # fmt: skip
+    if chunk is None:
+        chunk = experts_per_chunk(num, n_rows, k, w.device)
+    if chunk < 1:
+        raise ConfigError(f"GPTQ chunk must be a positive number of experts, got {chunk}")
+    out: list[QuantizedTensor] = []
+    for start in range(0, num, chunk):
+        end = min(start + chunk, num)
+        codes, scales = gptq_codes(w[start:end], hessian[start:end].to(w.device), bits, group, scale_dtype, damp)
+        packed = pack_codes(codes, bits)
+        out += [QuantizedTensor(packed[e], scales[e].to(scale_dtype).T.contiguous(), bits, group, (n_rows, k))
+                for e in range(end - start)]  # fmt: skip
+        del codes, scales, packed
+    log.debug("quant.gptq.batch", experts=num, rows=n_rows, k=k, chunk=chunk, device=str(w.device))
+    return out
+
+
+# Working memory one gptq_quantize_batch call may take for its chunk of experts. 16 GiB holds a Qwen1.5-MoE layer's
+# 60 gate/up experts (2816 x 2048, ~0.25 GB each) in one chunk: every chunk costs ~20 small launches per column, so
+# on a GPU fewer, larger chunks are faster; on CUDA the budget is also capped at half the free device memory.
+GPTQ_WORKING_BYTES = 16 << 30
+
+
+def gptq_bytes_per_expert(n_rows: int, k: int) -> int:
+    """Peak bytes `gptq_codes` takes per weight [N, K]: the Hessian moved to the device (8 K^2), then the larger of
+    the damped inverse's temporaries (about six [K, K] float64) and the column loop (float64 weights, the block
+    update's product, int8 codes, the [K, K] factor)."""
+    return 8 * k * k + max(8 * 6 * k * k, 8 * 2 * n_rows * k + n_rows * k + 8 * k * k)
+
+
+def experts_per_chunk(num: int, n_rows: int, k: int, device: torch.device | str, budget: int | None = None) -> int:
+    """How many of `num` weights [N, K] to quantize together on `device` within `budget` bytes (default
+    GPTQ_WORKING_BYTES, on CUDA at most half the free memory); the chunks are then evened out (60 at most 36
+    apiece: two chunks of 30, not 36 + 24)."""
+    device = torch.device(device)
+    if budget is None:
+        budget = GPTQ_WORKING_BYTES
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = min(budget, free // 2)
+    most = max(1, min(num, budget // gptq_bytes_per_expert(n_rows, k)))
+    chunks = -(-num // most)
+    return -(-num // chunks)
 
 
 def gptq_quantize_experts(
@@ -176,15 +229,17 @@ def gptq_quantize_experts(
     group: int = 128,
     *,
     scale_dtype: torch.dtype | None = None,
+    chunk: int | None = None,
 ) -> QuantizedExperts:
-    """GPTQ for one layer: hessian_in [E, D, D] from expert inputs, hessian_mid [E, I, I] from silu(g)*u."""
+    """GPTQ for one layer: hessian_in [E, D, D] from expert inputs, hessian_mid [E, I, I] from silu(g)*u; runs on the
+    weights' device, `chunk` experts at a time (`gptq_quantize_batch`)."""
     num_experts, intermediate, hidden = check_expert_shapes(gate, up, down)
     expected_in, expected_mid = (num_experts, hidden, hidden), (num_experts, intermediate, intermediate)
     if hessian_in.shape != expected_in or hessian_mid.shape != expected_mid:
         raise ConfigError(f"GPTQ Hessians must be [E, D, D] and [E, I, I] = [{num_experts}, {hidden}, {hidden}] and "
                           f"[{num_experts}, {intermediate}, {intermediate}]; got {tuple(hessian_in.shape)}, "
                           f"{tuple(hessian_mid.shape)}")  # fmt: skip
-    w13 = gptq_quantize_batch(torch.cat([gate, up], dim=1), hessian_in, bits, group, scale_dtype=scale_dtype)
-    w2 = gptq_quantize_batch(down, hessian_mid, bits, group, scale_dtype=scale_dtype)
+    w13 = gptq_quantize_batch(torch.cat([gate, up], dim=1), hessian_in, bits, group, scale_dtype=scale_dtype, chunk=chunk)
+    w2 = gptq_quantize_batch(down, hessian_mid, bits, group, scale_dtype=scale_dtype, chunk=chunk)
     log.debug("quant.gptq.layer", experts=num_experts, bits=bits, group=group)
     return stack_experts(w13, w2)

@@ -1,0 +1,67 @@
+"""GPTQ calibration of the draft (`specter.calibrate`): where a layer's GPTQ runs, and that chunking changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from specter.calibrate import RecordingExperts, gptq_layer
+from specter.config import DraftConfig
+
+HIDDEN, INTER, EXPERTS = 64, 32, 6
+CONFIG = DraftConfig(quant="gptq4", group_size=16)
+
+
+def layer_inputs(seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Packed bf16 flats of a layer's experts (as a host pool holds them), 200 recorded rows and their top-2 choices;
+    expert 5 is never routed (its Hessians are empty) and inputs 0-2 are always zero (dead)."""
+    generator = torch.Generator().manual_seed(seed)
+    flats = [torch.randn(3 * HIDDEN * INTER, generator=generator).to(torch.bfloat16) for _ in range(EXPERTS)]
+    inputs = torch.randn(200, HIDDEN, generator=generator)
+    inputs[:, :3] = 0
+    choices = torch.stack([torch.randperm(EXPERTS, generator=generator)[:2] for _ in range(200)])
+    choices[choices == 5] = 0
+    return flats, inputs, choices
+
+
+def same_layer(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in ((a.w13, b.w13), (a.w13_scales, b.w13_scales), (a.w2, b.w2), (a.w2_scales, b.w2_scales)))
+
+
+def test_gptq_layer_on_the_cpu_is_chunk_invariant_and_stays_there() -> None:
+    flats, inputs, choices = layer_inputs()
+    whole = gptq_layer(flats, inputs, choices, HIDDEN, INTER, CONFIG)
+    assert whole.w13.device.type == "cpu" and whole.w2_scales.device.type == "cpu"
+    assert whole.w13.shape[0] == EXPERTS and whole.bits == 4
+    for chunk in (1, 4):
+        assert same_layer(gptq_layer(flats, inputs, choices, HIDDEN, INTER, CONFIG, chunk=chunk), whole), chunk
+
+
+def test_recording_keeps_copies_on_the_inputs_device() -> None:
+    class Inner:
+        async def run(self, layer, x, ids, weights, mlp):
+            return x
+
+    recorder = RecordingExperts(Inner())  # type: ignore[arg-type]
+    x, ids = torch.randn(3, HIDDEN), torch.tensor([[0, 1], [2, 3], [1, 4]])
+    asyncio.run(recorder.run(0, x, ids, torch.ones(3, 2), None))  # type: ignore[arg-type]
+    x.zero_()  # the target reusing its buffer must not change what was recorded
+    ids.zero_()
+    inputs, choices = recorder.layer(0)
+    assert inputs.abs().sum() > 0 and choices.sum() > 0 and inputs.device == x.device and inputs.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gptq_layer_runs_on_the_gpu_of_its_activations() -> None:
+    """Activations recorded on CUDA put the layer's GPTQ there (the flats come from the host pool) and give the CPU's
+    codes, up to rows where float64 sums ordered differently flip a code (see test_quant's CUDA test)."""
+    flats, inputs, choices = layer_inputs(seed=1)
+    on_cpu = gptq_layer(flats, inputs, choices, HIDDEN, INTER, CONFIG)
+    on_cuda = gptq_layer(flats, inputs.cuda(), choices.cuda(), HIDDEN, INTER, CONFIG)
+    assert on_cuda.w13.device.type == "cuda" and on_cuda.w2_scales.device.type == "cuda"
+    for got, want in ((on_cuda.w13, on_cpu.w13), (on_cuda.w2, on_cpu.w2)):
+        rows = (got.cpu() != want).any(dim=-1)
+        assert rows.float().mean() <= 0.01, f"{int(rows.sum())} of {rows.numel()} rows differ"
