@@ -390,7 +390,8 @@ case "$stage" in
     # open question). calib9's gptq4 (8 layers, GPTQ on the CPU) ran past 220 s. The table: load s includes the
     # calibration for gptq4 (the target's decode of 8 prompts x 32 tokens, then GPTQ); gptq s is GPTQ alone.
     # PREDICTION: the 24-layer run's wall (both rows) 140 s (100-190 s); GPTQ itself 20 s (10-45 s, about 0.8 s a
-    # layer: ~3,500 columns x ~20 launches, host-bound); peak GPU memory ~30 GiB.
+    # layer: ~3,500 columns at ~150-200 us, launches (~23 a column) and the block update's bytes about even);
+    # peak GPU memory ~30 GiB.
     mkdir -p "$out/logs"
     if [ -e /tmp/qwenref/config.json ]; then
       timeout 200 python benchmarks/calibration.py --model /tmp/qwenref --device cuda --residents 15 --group 128 \
