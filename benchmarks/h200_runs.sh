@@ -356,6 +356,26 @@ case "$stage" in
     head -12 "$out/logs/profile-draft.txt" | cut -c1-72,150-200
     tail -13 "$out/logs/graphed.log"
     tar czf "$out/row10b.tgz" -C "$out" logs graphed 2>/dev/null ;;
+  row10c)         # after row10b (draft step 2.09 ms with the row kernels, 2.29 without; moe_gate_up 14.3 us per layer-step
+    # with bytes, moe_finish 24.5 with bytes against 17.1 with words in row10): gate/up reads bytes, the finish words.
+    # Then issue 4's figures on a fresh trained Qwen (as kcheck9: three repeats, k_max 15).
+    # PREDICTIONS: draft step 2.09 -> 1.85-1.95 ms (moe_finish back to ~17 us); the sweep moves it by <= 0.08 ms.
+    # Trained Qwen: specter at 15 residents 2.18 (kcheck9) -> 1.75-1.95 ms (15 draft steps of ~0.4 ms less per round of
+    # ~15.75 tokens), >= 3.4x ondemand; at 8 residents 3.10 -> 2.7-2.9 ms; every system's tokens equal the baseline.
+    mkdir -p "$out/logs"
+    rows=(); for c in '{"warps_moe":8,"block_k_moe":1024}' '{"warps_moe":8}' '{"block_n_finish":8}' '{"block_n_finish":2}' \
+      '{"block_k":1024}' '{"num_stages":4}' '{"block_n_moe":8,"warps_moe":2}'; do rows+=(--row-config "$c"); done
+    timeout 150 python benchmarks/graphed_tpot.py --draft-only --without ROW_KERNELS "${rows[@]}" \
+      --profile-draft "$out/logs/profile-draft.txt" --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    head -10 "$out/logs/profile-draft.txt" | cut -c1-72,150-200
+    tail -10 "$out/logs/graphed.log"
+    timeout 230 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
+    tail -1 "$out/logs/train-qwen.log"
+    timeout 170 python -m specter.bench --model /tmp/qwenref --residents 15,8 --link native --max-new-tokens 64 \
+      --systems ondemand,specter,oracle-specter --repeats 3 --time-budget 160 --no-progress --no-plots --no-hf \
+      --out "$out/bench" > "$out/logs/bench.log" 2>&1
+    tar czf "$out/row10c.tgz" -C "$out" logs graphed bench 2>/dev/null
+    tail -14 "$out/logs/bench.log" ;;
   gpu-rest)       # every gpu-marked test but the link-emulation timing tests (after a stage that ran a few of them)
     mkdir -p "$out/logs"
     timeout 280 python -m pytest -q -m gpu -p no:cacheprovider -k "not link_emulation" --durations=5 > "$out/logs/gpu-tests.log" 2>&1

@@ -34,7 +34,8 @@ for case in json.loads(sys.argv[1]):
     rand = lambda *shape: torch.randn(*shape, generator=gen)
     config = rowfused.RowConfig(block_n=case.get("block_n", 8), block_k=case.get("block_k", 512),
                                 block_n_moe=case.get("block_n_moe", 16), block_k_moe=case.get("block_k_moe", 512),
-                                block_n_finish=case.get("block_n_finish", 4), int4_words=case.get("words", False))
+                                block_n_finish=case.get("block_n_finish", 4), words_gate_up=case.get("words", False),
+                                words_finish=case.get("words", True))
     row = {}
     x = (rand(1, d) * 2).to(dtype)
     norm = (1 + rand(d) / 4).to(dtype)
@@ -83,14 +84,14 @@ print(json.dumps(results))
 
 CASES = [
     # the Qwen layout in miniature (group 32, 4 of 10 experts, two K steps of several groups), fp32 and fp16; codes
-    # read as bytes (the default) and as 32-bit words
+    # read as the defaults read them (gate/up bytes, finish words), all as words, all as bytes
     dict(hidden=256, inter=96, experts=10, top_k=4, shared=192, group=32, dtype="float32", renormalize=False, block_k=128,
          block_k_moe=128),
     dict(hidden=256, inter=96, experts=10, top_k=4, shared=192, group=32, dtype="float16", renormalize=True),
     dict(hidden=256, inter=96, experts=10, top_k=4, shared=192, group=32, dtype="float32", renormalize=False, words=True),
     # one group per row (a K step inside a group: GROUPS 1), hidden not a power of two, 2 picks
     dict(hidden=160, inter=48, experts=6, top_k=2, shared=72, group=-1, dtype="float32", renormalize=True),
-    dict(hidden=160, inter=48, experts=6, top_k=2, shared=72, group=-1, dtype="float32", renormalize=True, words=True),
+    dict(hidden=160, inter=48, experts=6, top_k=2, shared=72, group=-1, dtype="float32", renormalize=True, words=False),
     # a group larger than the K step, 5 picks (padding lanes of the 8-lane pick vector), odd row blocks
     dict(hidden=128, inter=64, experts=8, top_k=5, shared=40, group=64, dtype="float32", renormalize=False, block_k_moe=32,
          block_n=4, block_n_moe=8, block_n_finish=2),

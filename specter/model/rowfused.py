@@ -20,7 +20,7 @@ layer (a shared expert, its sigmoid gate, int4 routed experts) runs as seven lau
    rounded once (replaces the down GEMV, the combine, the routed + residual add, the addend copy, the shared down
    product and its split-K reduction).
 
-The int4 GEMVs read the packed codes as bytes (even k in the low nibble) or, with RowConfig.int4_words, as 32-bit
+The int4 GEMVs read the packed codes as bytes (even k in the low nibble) or, with RowConfig.words_gate_up / words_finish, as 32-bit
 words (8 codes each, code k at bits 4 (k % 8) of word k // 8, as the bytes lie; H200: far slower at first, a
 [rows, words, 8] tile reshaped), and turn a code c into a float by the exponent trick (c | 0x4B000000 is 2^23 + c),
 not by an integer-to-float conversion; a group's sum is scale * (sum c * a - 7.5 * sum a) (stored code c = q + 8, level
@@ -52,7 +52,9 @@ class RowConfig:
     block_n_moe: int = 16  # intermediate columns per program of moe_gate_up (2x weight rows: gate and up)
     block_k_moe: int = 512  # elements per K step of the int4 GEMVs (a whole number of groups, or a divisor of one)
     block_n_finish: int = 4  # hidden rows per program of moe_finish
-    int4_words: bool = False  # read int4 codes as 32-bit words of 8 (else bytes of 2, split into even and odd k)
+    words_gate_up: bool = False  # moe_gate_up reads int4 codes as 32-bit words of 8 (else bytes: even and odd k)
+    words_finish: bool = True  # moe_finish likewise (H200, row10/row10b: words 17.1 us, bytes 24.5; gate/up 51.9 / 14.3)
+    warps_moe: int = 4  # num_warps of moe_gate_up and moe_finish
     num_warps: int = 4
     num_stages: int = 3
 
@@ -172,14 +174,14 @@ def moe_gate_up(h: Tensor, logits: Tensor, qe: QuantizedExperts, top_k: int, ren
     weights = torch.empty(top_k, dtype=torch.float32, device=h.device)
     block_k = int4_block_k(qe.hidden, qe.w13_group, config.block_k_moe)
     assert block_k is not None
-    words = _words(qe.w13) if config.int4_words else qe.w13
+    words = _words(qe.w13) if config.words_gate_up else qe.w13
     grid = (top_k, -(-qe.intermediate // config.block_n_moe))
     _kernels().moe_gate_up[grid](
         h, logits.contiguous(), words, words.stride(0), words.stride(1), qe.w13_scales, qe.w13_scales.stride(0),
         qe.w13_scales.stride(1), act, ids, weights, weights if counts is None else counts, experts, qe.intermediate,
         qe.hidden, TOP_K=top_k, TOP_K_POW2=max(2, _pow2(top_k)), RENORMALIZE=renormalize, COUNT=counts is not None,
         BLOCK_E=_pow2(experts), GROUP=qe.w13_group, BLOCK_N=config.block_n_moe, BLOCK_K=block_k,
-        GROUPS=max(1, block_k // qe.w13_group), WORDS=config.int4_words, num_warps=config.num_warps,
+        GROUPS=max(1, block_k // qe.w13_group), WORDS=config.words_gate_up, num_warps=config.warps_moe,
         num_stages=config.num_stages,
     )  # fmt: skip
     return act, ids, weights
@@ -201,14 +203,14 @@ def moe_finish(x: Tensor, act: Tensor, ids: Tensor, weights: Tensor, qe: Quantiz
     out = torch.empty_like(x)
     block_k = int4_block_k(qe.intermediate, qe.w2_group, config.block_k_moe)
     assert block_k is not None
-    words = _words(qe.w2) if config.int4_words else qe.w2
+    words = _words(qe.w2) if config.words_finish else qe.w2
     _kernels().moe_finish[(-(-qe.hidden // config.block_n_finish),)](
         x, act, ids, weights, words, words.stride(0), words.stride(1), qe.w2_scales, qe.w2_scales.stride(0),
         qe.w2_scales.stride(1), shared_act, shared_down, shared_down.stride(0), x if gate_logit is None else gate_logit,
         out, qe.hidden, qe.intermediate, shared_inter, TOP_K=top_k, TOP_K_POW2=max(2, _pow2(top_k)),
         GATED=gate_logit is not None, GROUP=qe.w2_group, BLOCK_N=config.block_n_finish, BLOCK_K=block_k,
-        GROUPS=max(1, block_k // qe.w2_group), BLOCK_KS=min(config.block_k, _pow2(shared_inter)), WORDS=config.int4_words,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUPS=max(1, block_k // qe.w2_group), BLOCK_KS=min(config.block_k, _pow2(shared_inter)), WORDS=config.words_finish,
+        num_warps=config.warps_moe, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 
