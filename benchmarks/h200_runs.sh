@@ -376,6 +376,22 @@ case "$stage" in
       --out "$out/bench" > "$out/logs/bench.log" 2>&1
     tar czf "$out/row10c.tgz" -C "$out" logs graphed bench 2>/dev/null
     tail -14 "$out/logs/bench.log" ;;
+  row10d)         # after row10c (draft step 1.91 ms, 1.79x its floor; moe_finish 17.2 us per layer-step for 29 MB, 1.7 TB/s:
+    # its bf16 shared down walks 11 steps of [4 rows, 512] per program). New knobs: the finish's own K step for the
+    # shared product and its own warps; evict-first weight loads. Also the GPU GPTQ test as changed after gpu-rest.
+    # PREDICTIONS: GPU tests pass. block_k_shared 2048: moe_finish 17.2 -> 12-14 us, step -0.08 to -0.12 ms; evict-first
+    # within +-0.02 ms; the norm_gemv tiles (8 warps x 16 rows, 2 warps x 4 rows) no better than the default.
+    mkdir -p "$out/logs"
+    timeout 100 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_rowfused.py tests/test_calibrate.py \
+      tests/test_quant.py > "$out/logs/gpu-tests-row.log" 2>&1
+    tail -2 "$out/logs/gpu-tests-row.log"
+    rows=(); for c in '{"evict_first":true}' '{"block_k_shared":1024}' '{"block_k_shared":2048}' \
+      '{"block_k_shared":2048,"warps_finish":8}' '{"block_n_finish":2,"block_k_shared":2048}' \
+      '{"evict_first":true,"block_k_shared":2048}' '{"num_warps":8,"block_n":16}' '{"num_warps":2,"block_n":4}'; do
+      rows+=(--row-config "$c"); done
+    timeout 150 python benchmarks/graphed_tpot.py --draft-only "${rows[@]}" --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    tail -12 "$out/logs/graphed.log"
+    tar czf "$out/row10d.tgz" -C "$out" logs graphed 2>/dev/null ;;
   gpu-rest)       # every gpu-marked test but the link-emulation timing tests (after a stage that ran a few of them)
     mkdir -p "$out/logs"
     timeout 280 python -m pytest -q -m gpu -p no:cacheprovider -k "not link_emulation" --durations=5 > "$out/logs/gpu-tests.log" 2>&1

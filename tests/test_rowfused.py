@@ -35,7 +35,8 @@ for case in json.loads(sys.argv[1]):
     config = rowfused.RowConfig(block_n=case.get("block_n", 8), block_k=case.get("block_k", 512),
                                 block_n_moe=case.get("block_n_moe", 16), block_k_moe=case.get("block_k_moe", 512),
                                 block_n_finish=case.get("block_n_finish", 4), words_gate_up=case.get("words", False),
-                                words_finish=case.get("words", True))
+                                words_finish=case.get("words", True), block_k_shared=case.get("block_k_shared", 512),
+                                evict_first=case.get("evict", False))
     row = {}
     x = (rand(1, d) * 2).to(dtype)
     norm = (1 + rand(d) / 4).to(dtype)
@@ -95,7 +96,8 @@ CASES = [
     # a group larger than the K step, 5 picks (padding lanes of the 8-lane pick vector), odd row blocks
     dict(hidden=128, inter=64, experts=8, top_k=5, shared=40, group=64, dtype="float32", renormalize=False, block_k_moe=32,
          block_n=4, block_n_moe=8, block_n_finish=2),
-    dict(hidden=96, inter=32, experts=5, top_k=5, shared=40, group=32, dtype="float32", renormalize=False, block_n_finish=8),
+    dict(hidden=96, inter=32, experts=5, top_k=5, shared=40, group=32, dtype="float32", renormalize=False, block_n_finish=8,
+         block_k_shared=16, evict=True),
 ]
 
 

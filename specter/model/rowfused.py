@@ -54,7 +54,10 @@ class RowConfig:
     block_n_finish: int = 4  # hidden rows per program of moe_finish
     words_gate_up: bool = False  # moe_gate_up reads int4 codes as 32-bit words of 8 (else bytes: even and odd k)
     words_finish: bool = True  # moe_finish likewise (H200, row10/row10b: words 17.1 us, bytes 24.5; gate/up 51.9 / 14.3)
-    warps_moe: int = 4  # num_warps of moe_gate_up and moe_finish
+    warps_moe: int = 4  # num_warps of moe_gate_up
+    warps_finish: int = 4  # num_warps of moe_finish
+    block_k_shared: int = 512  # elements per K step of moe_finish's bf16 shared down product
+    evict_first: bool = False  # weight loads marked evict-first (each weight byte is read once per step)
     num_warps: int = 4
     num_stages: int = 3
 
@@ -86,6 +89,11 @@ def supports(qe: QuantizedExperts, config: RowConfig | None = None) -> bool:
             and int4_block_k(qe.intermediate, qe.w2_group, config.block_k_moe) is not None)  # fmt: skip
 
 
+def _evict(config: RowConfig) -> str:
+    """The weight loads' eviction policy (a kernel constant)."""
+    return "evict_first" if config.evict_first else ""
+
+
 def _words(packed: Tensor) -> Tensor:
     """The packed int4 codes [E, N, K/2] uint8 viewed as [E, N, K/8] int32 (no copy)."""
     return packed.view(torch.int32)
@@ -109,7 +117,7 @@ def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias
     _kernels().norm_gemv[grid](
         x, norm_weight, weight, weight.stride(0), weight if bias is None else bias, x, out, out, out, rows, k_dim, 0,
         eps, NORM=True, BIAS=bias is not None, RESIDUAL=False, GATED=False, STORE_H=False, BLOCK_N=config.block_n,
-        ROWS=config.block_n, BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim),
+        ROWS=config.block_n, BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), EVICT=_evict(config),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
@@ -127,7 +135,7 @@ def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, config: RowConf
     _kernels().norm_gemv[(-(-rows // config.block_n),)](
         x, x, weight, weight.stride(0), x, residual, out, out, out, rows, k_dim, 0, 0.0, NORM=False, BIAS=False,
         RESIDUAL=True, GATED=False, STORE_H=False, BLOCK_N=config.block_n, ROWS=config.block_n,
-        BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), num_warps=config.num_warps,
+        BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), EVICT=_evict(config), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
     return out
@@ -151,7 +159,7 @@ def norm_ffn_input(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, i
     _kernels().norm_gemv[grid](
         x, norm_weight, weight, weight.stride(0), x, x, act, h, tail_out, 2 * inter + tail, k_dim, inter, eps,
         NORM=True, BIAS=False, RESIDUAL=False, GATED=True, STORE_H=True, BLOCK_N=block_n, ROWS=2 * block_n,
-        BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), num_warps=config.num_warps,
+        BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), EVICT=_evict(config), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
     return h, act, tail_out
@@ -181,7 +189,7 @@ def moe_gate_up(h: Tensor, logits: Tensor, qe: QuantizedExperts, top_k: int, ren
         qe.w13_scales.stride(1), act, ids, weights, weights if counts is None else counts, experts, qe.intermediate,
         qe.hidden, TOP_K=top_k, TOP_K_POW2=max(2, _pow2(top_k)), RENORMALIZE=renormalize, COUNT=counts is not None,
         BLOCK_E=_pow2(experts), GROUP=qe.w13_group, BLOCK_N=config.block_n_moe, BLOCK_K=block_k,
-        GROUPS=max(1, block_k // qe.w13_group), WORDS=config.words_gate_up, num_warps=config.warps_moe,
+        GROUPS=max(1, block_k // qe.w13_group), WORDS=config.words_gate_up, EVICT=_evict(config), num_warps=config.warps_moe,
         num_stages=config.num_stages,
     )  # fmt: skip
     return act, ids, weights
@@ -209,8 +217,8 @@ def moe_finish(x: Tensor, act: Tensor, ids: Tensor, weights: Tensor, qe: Quantiz
         qe.w2_scales.stride(1), shared_act, shared_down, shared_down.stride(0), x if gate_logit is None else gate_logit,
         out, qe.hidden, qe.intermediate, shared_inter, TOP_K=top_k, TOP_K_POW2=max(2, _pow2(top_k)),
         GATED=gate_logit is not None, GROUP=qe.w2_group, BLOCK_N=config.block_n_finish, BLOCK_K=block_k,
-        GROUPS=max(1, block_k // qe.w2_group), BLOCK_KS=min(config.block_k, _pow2(shared_inter)), WORDS=config.words_finish,
-        num_warps=config.warps_moe, num_stages=config.num_stages,
+        GROUPS=max(1, block_k // qe.w2_group), BLOCK_KS=min(config.block_k_shared, _pow2(shared_inter)), WORDS=config.words_finish,
+        EVICT=_evict(config), num_warps=config.warps_finish, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 
@@ -241,7 +249,7 @@ def _kernels() -> Any:
 def norm_gemv_kernel(x_ptr, norm_ptr, w_ptr, stride_w, bias_ptr, res_ptr, out_ptr, h_ptr, tail_ptr, n_rows, k_dim,
                      inter, eps, NORM: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                      GATED: tl.constexpr, STORE_H: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr):  # fmt: skip
+                     BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
     """One row's GEMV over ROWS weight rows per program. NORM: the input is rms_norm(x) (float32 statistics over the
     whole row, computed by every program; rounded as rms_norm rounds). GATED (ROWS = 2 * BLOCK_N): programs below
     cdiv(inter, BLOCK_N) read gate rows c and up rows inter + c and store silu(gate) * up at c; the others store the
@@ -282,7 +290,7 @@ def norm_gemv_kernel(x_ptr, norm_ptr, w_ptr, stride_w, bias_ptr, res_ptr, out_pt
             normed = (a.to(tl.float32) * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
             scale = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
             a = (scale * normed).to(x_ptr.dtype.element_ty)
-        w = tl.load(w_base[:, None] + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base[:, None] + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy=EVICT)
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
     total = tl.sum(acc, axis=1)  # [ROWS]
     if BIAS:
@@ -300,7 +308,8 @@ def norm_gemv_kernel(x_ptr, norm_ptr, w_ptr, stride_w, bias_ptr, res_ptr, out_pt
 
 
 def _int4_rows(w_rows, s_rows, w_ok, a_rows, k_dim, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-               GROUPS: tl.constexpr, ROWS: tl.constexpr, SHARED_A: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
+               GROUPS: tl.constexpr, ROWS: tl.constexpr, SHARED_A: tl.constexpr, WORDS: tl.constexpr,
+               EVICT: tl.constexpr):  # fmt: skip
     """[ROWS] float32 dot products of int4 weight rows with activations. w_rows [ROWS]: pointers to each row's
     packed codes (WORDS: 32-bit words, code k at bits 4 (k % 8) of word k // 8; else bytes, even k in the low
     nibble); s_rows [ROWS]: to each row's scale of group 0 (group g at + g * stride_sg); a_rows: one pointer
@@ -311,7 +320,8 @@ def _int4_rows(w_rows, s_rows, w_ok, a_rows, k_dim, stride_sg, GROUP: tl.constex
     for k0 in range(0, k_dim, BLOCK_K):
         if WORDS:
             word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            packed = tl.load(w_rows[:, None] + word[None, :], mask=w_ok[:, None] & (word < k_dim // 8)[None, :], other=0)
+            packed = tl.load(w_rows[:, None] + word[None, :], mask=w_ok[:, None] & (word < k_dim // 8)[None, :], other=0,
+                             eviction_policy=EVICT)  # fmt: skip
             codes = (packed[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [ROWS, BLOCK_K / 8, 8]
             levels = tl.reshape((codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0, (ROWS, BLOCK_K))
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -327,7 +337,8 @@ def _int4_rows(w_rows, s_rows, w_ok, a_rows, k_dim, stride_sg, GROUP: tl.constex
         else:
             pair = tl.arange(0, BLOCK_K // 2)
             byte = k0 // 2 + pair
-            packed = tl.load(w_rows[:, None] + byte[None, :], mask=w_ok[:, None] & (byte < k_dim // 2)[None, :], other=0)
+            packed = tl.load(w_rows[:, None] + byte[None, :], mask=w_ok[:, None] & (byte < k_dim // 2)[None, :], other=0,
+                             eviction_policy=EVICT)  # fmt: skip
             low = ((packed & 0xF).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
             high = ((packed >> 4).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
             k_even = k0 + 2 * pair
@@ -355,7 +366,7 @@ def moe_gate_up_kernel(h_ptr, logits_ptr, w_ptr, stride_we, stride_wn, s_ptr, st
                        ids_ptr, weights_ptr, counts_ptr, experts, inter, k_dim, TOP_K: tl.constexpr,
                        TOP_K_POW2: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr,
                        BLOCK_E: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUPS: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
+                       GROUPS: tl.constexpr, WORDS: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
     """Program (pick j, column block): the router's top-k from the logits (fused's selection, every program alike),
     then silu(gate h) * up h of the j-th pick's expert for BLOCK_N columns. Program (0, 0) stores the picks and
     counts them."""
@@ -375,7 +386,7 @@ def moe_gate_up_kernel(h_ptr, logits_ptr, w_ptr, stride_we, stride_wn, s_ptr, st
     w_rows = tl.reshape(cols[:, None] + inter * half[None, :], (2 * BLOCK_N,))  # gate c, up c, gate c + 1, ...
     w_ok = tl.reshape((cols < inter)[:, None] & (half[None, :] < 2), (2 * BLOCK_N,))
     total = _int4_rows(w_ptr + expert * stride_we + w_rows.to(tl.int64) * stride_wn, s_ptr + expert * stride_se + w_rows,
-                       w_ok, h_ptr, k_dim, stride_sg, GROUP, BLOCK_K, GROUPS, 2 * BLOCK_N, True, WORDS)  # fmt: skip
+                       w_ok, h_ptr, k_dim, stride_sg, GROUP, BLOCK_K, GROUPS, 2 * BLOCK_N, True, WORDS, EVICT)  # fmt: skip
     gate, up = tl.split(tl.reshape(total, (BLOCK_N, 2)))
     tl.store(act_ptr + pick.to(tl.int64) * inter + cols, (gate * tl.sigmoid(gate) * up).to(act_ptr.dtype.element_ty),
              mask=cols < inter)  # fmt: skip
@@ -385,7 +396,7 @@ def moe_finish_kernel(x_ptr, act_ptr, ids_ptr, weights_ptr, w_ptr, stride_we, st
                       stride_sg, shared_ptr, sd_ptr, stride_sd, logit_ptr, out_ptr, hidden, inter, shared_inter,
                       TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
-                      BLOCK_KS: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
+                      BLOCK_KS: tl.constexpr, WORDS: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
     """Program (block of BLOCK_N output rows): the routed down products of every pick (TOP_K_POW2 x BLOCK_N int4
     rows, picks placed in ascending expert id, so the sum over them is one fixed order whatever the picks' order),
     weighted; the shared down product (bf16 rows) times sigmoid of the gate's logit; plus x; rounded once."""
@@ -405,7 +416,7 @@ def moe_finish_kernel(x_ptr, act_ptr, ids_ptr, weights_ptr, w_ptr, stride_we, st
     row_n = tl.reshape(n[None, :] + 0 * slots[:, None], (rows,))
     row_ok = tl.reshape(slot_ok[:, None] & n_ok[None, :], (rows,))
     dots = _int4_rows(w_ptr + row_expert * stride_we + row_n.to(tl.int64) * stride_wn, s_ptr + row_expert * stride_se + row_n,
-                      row_ok, act_ptr + row_slot * inter, inter, stride_sg, GROUP, BLOCK_K, GROUPS, rows, False, WORDS)  # fmt: skip
+                      row_ok, act_ptr + row_slot * inter, inter, stride_sg, GROUP, BLOCK_K, GROUPS, rows, False, WORDS, EVICT)  # fmt: skip
     routed = tl.sum(tl.reshape(dots, (TOP_K_POW2, BLOCK_N)) * weight[:, None], axis=0)
     acc = tl.zeros((BLOCK_N, BLOCK_KS), dtype=tl.float32)
     sd_rows = sd_ptr + n.to(tl.int64) * stride_sd
@@ -413,7 +424,7 @@ def moe_finish_kernel(x_ptr, act_ptr, ids_ptr, weights_ptr, w_ptr, stride_we, st
         ks = k0 + tl.arange(0, BLOCK_KS)
         k_ok = ks < shared_inter
         a = tl.load(shared_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(sd_rows[:, None] + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(sd_rows[:, None] + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy=EVICT)
         acc += w.to(tl.float32) * a[None, :]
     shared = tl.sum(acc, axis=1)
     if GATED:
