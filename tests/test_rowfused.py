@@ -52,6 +52,10 @@ for case in json.loads(sys.argv[1]):
     row["h"] = gap(h, normed)
     row["shared_act"] = gap(act, F.silu(product[:, :s]) * product[:, s : 2 * s])
     row["tail"] = gap(tail, product[:, 2 * s : 2 * s + e + 1])
+    router = (rand(e, d) / d**0.5).to(dtype)  # a layer without a shared expert: the norm and the router alone
+    h_alone, logits_alone = rowfused.norm_router(x, norm, 1e-6, router, config)
+    row["router_h"] = gap(h_alone, normed)
+    row["router_logits"] = gap(logits_alone, F.linear(normed, router.float()))
     gate, up, down = rand(e, i, d) / d**0.5, rand(e, i, d) / d**0.5, rand(e, d, i) / i**0.5
     quantized = quantize_experts(gate, up, down, bits=4, group=group)
     w13, w2 = quantized.dequantize_w13(), quantized.dequantize_w2()
@@ -79,6 +83,8 @@ for case in json.loads(sys.argv[1]):
         shared = F.linear(shared_act.float(), shared_down.float())[0] * (torch.sigmoid(logit.float())[0, 0] if gated else 1.0)
         row["finish_gated" if gated else "finish"] = gap(out[0], x.float()[0] + routed_sum + shared)
         row["order_free_gated" if gated else "order_free"] = torch.equal(out, flipped)
+    alone = rowfused.moe_finish(x, routed, ids, weights, quantized, None, None, None, config)  # no shared expert
+    row["finish_alone"] = gap(alone[0], x.float()[0] + routed_sum)
     results.append(row)
 print(json.dumps(results))
 """
@@ -137,7 +143,7 @@ from specter.engine import Runtime
 from specter.model import fused, rowfused
 from specter.model.graphed import StaticStep
 
-names = ("norm_linear", "linear_residual", "norm_ffn_input", "moe_gate_up", "moe_finish")
+names = ("norm_linear", "linear_residual", "norm_ffn_input", "norm_router", "moe_gate_up", "moe_finish")
 calls = {name: 0 for name in names}
 for name in names:
     original = getattr(rowfused, name)
@@ -152,7 +158,7 @@ async def main():
     try:
         draft, target = runtime.draft, runtime.model
         model, experts = draft.model, draft.experts
-        result = {"moe_layers": len(model.spec.moe_layers), "layers": model.spec.num_layers}
+        result = {"moe_layers": len(model.spec.moe_layers), "layers": model.spec.num_layers, "top_k": model.spec.top_k}
         for flag in (False, True):
             fused.ROW_KERNELS = flag
             kv = model.new_kv()
@@ -181,23 +187,29 @@ asyncio.run(main())
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-def test_the_drafts_one_row_layer_takes_the_row_kernels_and_matches_the_packed_path(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe"])
+def test_the_drafts_one_row_layer_takes_the_row_kernels_and_matches_the_packed_path(tmp_path, family):
+    """qwen2_moe: a gated shared expert and a dense layer; qwen3_moe: q/k norms per head, renormalised top-k; mixtral:
+    no q/k/v biases; olmoe: clipped q/k/v and full q/k norms. The norms, clips and biases stay where the family puts
+    them; only the products, the routing and the sums move into the row kernels."""
     from tests.hf_models import hf_model, save_hf
 
-    path = save_hf(hf_model("qwen2_moe", seed=3), tmp_path / "m")
+    path = save_hf(hf_model(family, seed=3), tmp_path / "m")
     result = run_interpreted(DRAFT_SCRIPT, str(path), timeout=300)
     layers, moe_layers = result["layers"], result["moe_layers"]
     off, on = result["False"], result["True"]
-    nothing = dict.fromkeys(("norm_linear", "linear_residual", "norm_ffn_input", "moe_gate_up", "moe_finish"), 0)
+    nothing = dict.fromkeys(("norm_linear", "linear_residual", "norm_ffn_input", "norm_router", "moe_gate_up", "moe_finish"), 0)
+    shared = family == "qwen2_moe"  # the only family here with a shared expert
     assert off["three_rows"] == off["one_row"] == nothing  # switched off: never
     assert on["three_rows"] == nothing  # more than one row: never (nor the exact target's one row, counted after)
     # one row (eager, then static): per layer the norm + q/k/v product and o_proj + residual, per MoE layer the three
     # MoE launches (the dense layer keeps its own MLP)
     assert on["one_row"] == {"norm_linear": 2 * layers, "linear_residual": 2 * layers,
-                             "norm_ffn_input": 2 * moe_layers, "moe_gate_up": 2 * moe_layers, "moe_finish": 2 * moe_layers}, result
+                             "norm_ffn_input": 2 * moe_layers if shared else 0, "norm_router": 0 if shared else 2 * moe_layers,
+                             "moe_gate_up": 2 * moe_layers, "moe_finish": 2 * moe_layers}, result
     eager_off, eager_on, static_on = (torch.tensor(v) for v in (off["eager"], on["eager"], on["static"]))
     assert ((eager_on - eager_off).abs().max() / eager_off.abs().max()).item() < 1e-5  # fp32: sums reordered only
     torch.testing.assert_close(static_on, eager_on, rtol=1e-5, atol=1e-5)  # the graphed step proposes as the eager one
     assert on["counts"] == off["counts"] == on["static_counts"]  # the same picks, counted once each
-    assert sum(on["counts"][layer][e] for layer in range(layers) for e in range(len(on["counts"][0]))) == 2 * moe_layers
+    assert sum(on["counts"][layer][e] for layer in range(layers) for e in range(len(on["counts"][0]))) == result["top_k"] * moe_layers
     torch.testing.assert_close(torch.tensor(on["kv"]), torch.tensor(off["kv"]), rtol=1e-5, atol=1e-5)

@@ -56,8 +56,9 @@ class RowConfig:
     words_finish: bool = True  # moe_finish likewise (H200, row10/row10b: words 17.1 us, bytes 24.5; gate/up 51.9 / 14.3)
     warps_moe: int = 4  # num_warps of moe_gate_up
     warps_finish: int = 4  # num_warps of moe_finish
-    block_k_shared: int = 512  # elements per K step of moe_finish's bf16 shared down product
-    evict_first: bool = False  # weight loads marked evict-first (each weight byte is read once per step)
+    block_k_shared: int = 2048  # elements per K step of moe_finish's bf16 shared down product
+    evict_first: bool = True  # weight loads marked evict-first (each weight byte is read once per step)
+    # (H200, row10d: both together 1.91 -> 1.85 ms per draft step at the Qwen shape; docs/BENCHMARKS.md)
     num_warps: int = 4
     num_stages: int = 3
 
@@ -165,6 +166,26 @@ def norm_ffn_input(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, i
     return h, act, tail_out
 
 
+def norm_router(x: Tensor, norm_weight: Tensor, eps: float, router: Tensor,
+                config: RowConfig | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """h = rms_norm(x) [1, D] and the router's logits F.linear(h, router) [1, E] (rounded to x's dtype) for a layer
+    without a shared expert: `norm_ffn_input`'s kernel with no gate/up rows, one launch."""
+    config = config or DEFAULT_CONFIG
+    k_dim = router.shape[1]
+    x = _check_row(x, k_dim)
+    assert router.stride(1) == 1
+    h = torch.empty_like(x)
+    logits = torch.empty(1, router.shape[0], dtype=x.dtype, device=x.device)
+    block_n = config.block_n
+    _kernels().norm_gemv[(-(-router.shape[0] // (2 * block_n)),)](
+        x, norm_weight, router, router.stride(0), x, x, h, h, logits, router.shape[0], k_dim, 0, eps, NORM=True,
+        BIAS=False, RESIDUAL=False, GATED=True, STORE_H=True, BLOCK_N=block_n, ROWS=2 * block_n,
+        BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), EVICT=_evict(config),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return h, logits
+
+
 def moe_gate_up(h: Tensor, logits: Tensor, qe: QuantizedExperts, top_k: int, renormalize: bool,
                 counts: Tensor | None = None, config: RowConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The routed experts' first half for one row h [1, D] with router logits [1, E]: the top_k of their float32
@@ -195,18 +216,25 @@ def moe_gate_up(h: Tensor, logits: Tensor, qe: QuantizedExperts, top_k: int, ren
     return act, ids, weights
 
 
-def moe_finish(x: Tensor, act: Tensor, ids: Tensor, weights: Tensor, qe: QuantizedExperts, shared_act: Tensor,
-               shared_down: Tensor, gate_logit: Tensor | None, config: RowConfig | None = None) -> Tensor:  # fmt: skip
+def moe_finish(x: Tensor, act: Tensor, ids: Tensor, weights: Tensor, qe: QuantizedExperts, shared_act: Tensor | None,
+               shared_down: Tensor | None, gate_logit: Tensor | None, config: RowConfig | None = None) -> Tensor:  # fmt: skip
     """x + sum over the picks in ascending expert id of weight * down(act row) + sigmoid(gate_logit) *
     shared_down @ shared_act, for one row x [1, D] (act [A, I], ids [A], weights [A] from moe_gate_up; shared_act
-    [1, S]; shared_down [D, S]; gate_logit [1, 1] or None: no gate). [1, D] in x's dtype, rounded once; one launch."""
+    [1, S] and shared_down [D, S], or both None: no shared expert; gate_logit [1, 1] or None: no gate). [1, D] in x's
+    dtype, rounded once; one launch."""
     config = config or DEFAULT_CONFIG
     x = _check_row(x, qe.hidden)
     top_k = ids.numel()
-    shared_inter = shared_down.shape[1]
-    shared_act = _check_row(shared_act, shared_inter)
+    shared = shared_down is not None
+    assert shared == (shared_act is not None), "the shared expert's activation and down weight come together"
+    if shared_down is not None and shared_act is not None:
+        shared_inter = shared_down.shape[1]
+        shared_act = _check_row(shared_act, shared_inter)
+        assert shared_down.shape[0] == qe.hidden and shared_down.stride(1) == 1
+    else:
+        shared_inter, shared_act, shared_down = 1, x, x  # (never read)
     assert act.shape == (top_k, qe.intermediate) and act.is_contiguous() and weights.numel() == top_k
-    assert shared_down.shape[0] == qe.hidden and shared_down.stride(1) == 1 and supports(qe, config)
+    assert supports(qe, config)
     assert qe.w2_scales.stride(2) == 1
     out = torch.empty_like(x)
     block_k = int4_block_k(qe.intermediate, qe.w2_group, config.block_k_moe)
@@ -216,7 +244,7 @@ def moe_finish(x: Tensor, act: Tensor, ids: Tensor, weights: Tensor, qe: Quantiz
         x, act, ids, weights, words, words.stride(0), words.stride(1), qe.w2_scales, qe.w2_scales.stride(0),
         qe.w2_scales.stride(1), shared_act, shared_down, shared_down.stride(0), x if gate_logit is None else gate_logit,
         out, qe.hidden, qe.intermediate, shared_inter, TOP_K=top_k, TOP_K_POW2=max(2, _pow2(top_k)),
-        GATED=gate_logit is not None, GROUP=qe.w2_group, BLOCK_N=config.block_n_finish, BLOCK_K=block_k,
+        SHARED=shared, GATED=gate_logit is not None, GROUP=qe.w2_group, BLOCK_N=config.block_n_finish, BLOCK_K=block_k,
         GROUPS=max(1, block_k // qe.w2_group), BLOCK_KS=min(config.block_k_shared, _pow2(shared_inter)), WORDS=config.words_finish,
         EVICT=_evict(config), num_warps=config.warps_finish, num_stages=config.num_stages,
     )  # fmt: skip
@@ -394,12 +422,14 @@ def moe_gate_up_kernel(h_ptr, logits_ptr, w_ptr, stride_we, stride_wn, s_ptr, st
 
 def moe_finish_kernel(x_ptr, act_ptr, ids_ptr, weights_ptr, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
                       stride_sg, shared_ptr, sd_ptr, stride_sd, logit_ptr, out_ptr, hidden, inter, shared_inter,
-                      TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, GATED: tl.constexpr, GROUP: tl.constexpr,
+                      TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr,
+                      GROUP: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
                       BLOCK_KS: tl.constexpr, WORDS: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
     """Program (block of BLOCK_N output rows): the routed down products of every pick (TOP_K_POW2 x BLOCK_N int4
     rows, picks placed in ascending expert id, so the sum over them is one fixed order whatever the picks' order),
-    weighted; the shared down product (bf16 rows) times sigmoid of the gate's logit; plus x; rounded once."""
+    weighted; SHARED: the shared down product (bf16 rows), GATED: times sigmoid of the gate's logit; plus x; rounded
+    once."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     slots = tl.arange(0, TOP_K_POW2)
@@ -418,16 +448,18 @@ def moe_finish_kernel(x_ptr, act_ptr, ids_ptr, weights_ptr, w_ptr, stride_we, st
     dots = _int4_rows(w_ptr + row_expert * stride_we + row_n.to(tl.int64) * stride_wn, s_ptr + row_expert * stride_se + row_n,
                       row_ok, act_ptr + row_slot * inter, inter, stride_sg, GROUP, BLOCK_K, GROUPS, rows, False, WORDS, EVICT)  # fmt: skip
     routed = tl.sum(tl.reshape(dots, (TOP_K_POW2, BLOCK_N)) * weight[:, None], axis=0)
-    acc = tl.zeros((BLOCK_N, BLOCK_KS), dtype=tl.float32)
-    sd_rows = sd_ptr + n.to(tl.int64) * stride_sd
-    for k0 in range(0, shared_inter, BLOCK_KS):
-        ks = k0 + tl.arange(0, BLOCK_KS)
-        k_ok = ks < shared_inter
-        a = tl.load(shared_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(sd_rows[:, None] + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy=EVICT)
-        acc += w.to(tl.float32) * a[None, :]
-    shared = tl.sum(acc, axis=1)
-    if GATED:
-        shared = shared * tl.sigmoid(tl.load(logit_ptr).to(tl.float32))
     x = tl.load(x_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + n, (x + routed + shared).to(out_ptr.dtype.element_ty), mask=n_ok)
+    if SHARED:
+        acc = tl.zeros((BLOCK_N, BLOCK_KS), dtype=tl.float32)
+        sd_rows = sd_ptr + n.to(tl.int64) * stride_sd
+        for k0 in range(0, shared_inter, BLOCK_KS):
+            ks = k0 + tl.arange(0, BLOCK_KS)
+            k_ok = ks < shared_inter
+            a = tl.load(shared_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(sd_rows[:, None] + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy=EVICT)
+            acc += w.to(tl.float32) * a[None, :]
+        shared = tl.sum(acc, axis=1)
+        if GATED:
+            shared = shared * tl.sigmoid(tl.load(logit_ptr).to(tl.float32))
+        routed += shared
+    tl.store(out_ptr + n, (x + routed).to(out_ptr.dtype.element_ty), mask=n_ok)

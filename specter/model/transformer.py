@@ -287,9 +287,7 @@ class Transformer:
         """The products of a MoE layer's normalised input: router, shared gate, shared expert's gate and up (Qwen2-MoE's
         layout; families that route or share otherwise pack nothing here)."""
         spec = self.spec
-        own = all(getattr(type(self), method) is getattr(Transformer, method)
-                  for method in ("route", "_select", "shared_expert", "dense_mlp", "linear"))  # packed_route/_finish's ops
-        if not spec.shared_intermediate or layer in spec.dense_layers or not own:
+        if not spec.shared_intermediate or layer in spec.dense_layers or not self._base_feed_forward():
             return ()
         shared = f"{spec.layer_prefix(layer)}.mlp.shared_expert"
         gate = (f"{spec.layer_prefix(layer)}.mlp.shared_expert_gate",) if spec.shared_gate else ()
@@ -342,26 +340,41 @@ class Transformer:
 
     def row_feed_forward(self, layer: int, x: Tensor, experts: object) -> Tensor | None:
         """The draft step's MoE layer (one row, non-exact) in three launches of specter.model.rowfused: the norm and the
-        packed FFN input product (shared gate/up activated, router and gate logits), the top-k and the routed experts'
-        gate/up, then routed down, shared down and residual together. None where that does not apply: more rows, the
-        exact forward, a layer that packs nothing (packed_ffn_input), a shared down bias, or experts that do not offer
+        layer's input product (Qwen2-MoE: the packed shared gate/up, router and gate, the shared activation in the
+        epilogue; without a shared expert: the router alone), the top-k and the routed experts' gate/up, then routed
+        down (+ shared down) + residual together. None where that does not apply: more rows, the exact forward, a
+        family with its own routing, shared expert or linear, a shared expert that packs nothing (packed_ffn_input),
+        biases on the router or the shared down, or experts that do not offer
         `row_experts(layer) -> (QuantizedExperts, route counter [E]) | None` (the draft's DraftExperts does)."""
-        if not self._row_kernels(x):
+        if not self._row_kernels(x) or layer in self.spec.dense_layers or not self._base_feed_forward():
             return None
-        packed = self.packed_ffn_input(layer)
+        spec = self.spec
         offer = getattr(experts, "row_experts", None)
-        down = f"{self.spec.layer_prefix(layer)}.mlp.shared_expert.down_proj"
-        found = offer(layer) if packed is not None and offer is not None and down + ".bias" not in self.w else None
-        if found is None:
+        found = offer(layer) if offer is not None else None
+        if found is None or spec.router_name(layer).removesuffix(".weight") + ".bias" in self.w:
             return None
         quantized, counts = found
-        spec, (weight, sizes) = self.spec, packed
-        inter, num_experts = sizes[0], sizes[2]
         norm = self.w[f"{spec.layer_prefix(layer)}.post_attention_layernorm.weight"]
+        if not spec.shared_intermediate:
+            h, logits = rowfused.norm_router(x, norm, spec.rms_eps, self.w[spec.router_name(layer)])
+            routed, ids, weights = rowfused.moe_gate_up(h, logits, quantized, spec.top_k, spec.norm_topk_prob, counts)
+            return rowfused.moe_finish(x, routed, ids, weights, quantized, None, None, None)
+        packed = self.packed_ffn_input(layer)
+        down = f"{spec.layer_prefix(layer)}.mlp.shared_expert.down_proj"
+        if packed is None or down + ".bias" in self.w:
+            return None
+        weight, sizes = packed
+        inter, num_experts = sizes[0], sizes[2]
         h, act, tail = rowfused.norm_ffn_input(x, norm, spec.rms_eps, weight, inter, sum(sizes[2:]))
         routed, ids, weights = rowfused.moe_gate_up(h, tail[:, :num_experts], quantized, spec.top_k, spec.norm_topk_prob, counts)
         gate_logit = tail[:, num_experts : num_experts + 1] if spec.shared_gate else None
         return rowfused.moe_finish(x, routed, ids, weights, quantized, act, self.w[down + ".weight"], gate_logit)
+
+    def _base_feed_forward(self) -> bool:
+        """Whether the family keeps the base class's routing, shared expert, dense MLP and linear (what the packed and
+        one-row paths compute in their place)."""
+        return all(getattr(type(self), method) is getattr(Transformer, method)
+                   for method in ("route", "_select", "shared_expert", "dense_mlp", "linear"))  # fmt: skip
 
     def _key_range(self, position: int) -> tuple[int, int]:
         window = self.spec.sliding_window
