@@ -402,11 +402,25 @@ case "$stage" in
     tail -2 "$out/logs/gpu-tests-row.log"
     timeout 90 python benchmarks/graphed_tpot.py --draft-only --without ROW_KERNELS --out "$out/graphed-qwen" \
       > "$out/logs/graphed-qwen.log" 2>&1; tail -4 "$out/logs/graphed-qwen.log"
-    for shape in qwen3-30b-a3b olmoe-1b-7b; do
+    for shape in olmoe-1b-7b; do  # (graphed_tpot.py knows olmoe-1b-7b and the Qwen shape only)
       timeout 150 python benchmarks/graphed_tpot.py --draft-only --shape $shape --layers 8 --without ROW_KERNELS \
         --out "$out/graphed-$shape" > "$out/logs/graphed-$shape.log" 2>&1; tail -4 "$out/logs/graphed-$shape.log"
     done
-    tar czf "$out/row10e.tgz" -C "$out" logs graphed-qwen graphed-qwen3-30b-a3b graphed-olmoe-1b-7b 2>/dev/null ;;
+    tar czf "$out/row10e.tgz" -C "$out" logs graphed-qwen graphed-olmoe-1b-7b 2>/dev/null ;;
+  row10f)         # after row10e (Qwen draft step 1.84 ms, 1.72x): moe_gate_up reads 11.5 MB in 14.3 us per layer-step (0.8 TB/s;
+    # 352 programs of 4 K steps each, behind a top-k). Fewer rows and longer K steps per program: 1,408 programs of one
+    # or two steps each, as many bytes in flight as the old split-K GEMV had, without its parts.
+    # PREDICTION: one of these 0.05-0.15 ms faster than the default (moe_gate_up 14.3 -> 8-12 us).
+    mkdir -p "$out/logs"
+    rows=(); for c in '{"block_n_moe":4,"block_k_moe":2048}' '{"block_n_moe":4,"block_k_moe":1024}' \
+      '{"block_n_moe":8,"block_k_moe":1024}' '{"block_n_moe":4,"block_k_moe":2048,"warps_moe":8}' \
+      '{"block_n_moe":8,"block_k_moe":2048,"warps_moe":8}' '{"block_n_moe":4,"block_k_moe":1024,"warps_moe":2}'; do
+      rows+=(--row-config "$c"); done
+    timeout 150 python benchmarks/graphed_tpot.py --draft-only "${rows[@]}" --profile-draft "$out/logs/profile-draft.txt" \
+      --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    head -12 "$out/logs/profile-draft.txt" | cut -c1-72,150-200
+    tail -9 "$out/logs/graphed.log"
+    tar czf "$out/row10f.tgz" -C "$out" logs graphed 2>/dev/null ;;
   gpu-rest)       # every gpu-marked test but the link-emulation timing tests (after a stage that ran a few of them)
     mkdir -p "$out/logs"
     timeout 280 python -m pytest -q -m gpu -p no:cacheprovider -k "not link_emulation" --durations=5 > "$out/logs/gpu-tests.log" 2>&1
