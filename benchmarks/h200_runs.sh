@@ -421,6 +421,19 @@ case "$stage" in
     head -12 "$out/logs/profile-draft.txt" | cut -c1-72,150-200
     tail -9 "$out/logs/graphed.log"
     tar czf "$out/row10f.tgz" -C "$out" logs graphed 2>/dev/null ;;
+  row10g)         # after row10f (gate/up tiles no better: its limit is the top-k every program takes before any weight load).
+    # RowConfig.topk_in_router: the router's last program takes the top-k in the input product's launch (a device counter
+    # orders it after the others' stores), moe_gate_up reads the picks. GPU test: 200 runs, eager and graphed.
+    # PREDICTIONS: GPU tests pass. Draft step 1.84 -> 1.77-1.81 ms with topk_in_router (moe_gate_up 14.1 -> 11-12.5 us,
+    # the input product +0-1 us).
+    mkdir -p "$out/logs"
+    timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_rowfused.py > "$out/logs/gpu-tests-row.log" 2>&1
+    tail -2 "$out/logs/gpu-tests-row.log"; grep -E "^(FAILED|E  )" "$out/logs/gpu-tests-row.log" | head -8
+    timeout 120 python benchmarks/graphed_tpot.py --draft-only --row-config '{"topk_in_router":true}' \
+      --profile-draft "$out/logs/profile-draft.txt" --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    head -10 "$out/logs/profile-draft.txt" | cut -c1-72,150-200
+    tail -4 "$out/logs/graphed.log"
+    tar czf "$out/row10g.tgz" -C "$out" logs graphed 2>/dev/null ;;
   gpu-rest)       # every gpu-marked test but the link-emulation timing tests (after a stage that ran a few of them)
     mkdir -p "$out/logs"
     timeout 280 python -m pytest -q -m gpu -p no:cacheprovider -k "not link_emulation" --durations=5 > "$out/logs/gpu-tests.log" 2>&1

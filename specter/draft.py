@@ -56,6 +56,7 @@ class DraftExperts:
     def __init__(self, layers: dict[int, QuantizedExperts], num_layers: int, num_experts: int, device: torch.device) -> None:
         self.layers = layers
         self.route_counts = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)  # [L, E]
+        self.row_sync = torch.zeros(num_layers, dtype=torch.int32, device=device)  # rowfused.Select's counters, kept 0
 
     @property
     def nbytes(self) -> int:
@@ -71,11 +72,14 @@ class DraftExperts:
 
     __call__ = moe  # a StaticMoE itself, so the static step finds row_experts on it
 
-    def row_experts(self, layer: int) -> tuple[QuantizedExperts, Tensor] | None:
-        """(the layer's quantized experts, its route counter [E]) for the one-row kernels (Transformer.row_feed_forward),
-        or None where specter.model.rowfused does not take them (int8, int3, int2, odd shapes)."""
+    def row_experts(self, layer: int) -> tuple[QuantizedExperts, Tensor, Tensor] | None:
+        """(the layer's quantized experts, its route counter [E], its int32 [1] counter for rowfused.Select) for the
+        one-row kernels (Transformer.row_feed_forward), or None where specter.model.rowfused does not take them (int8,
+        int3, int2, odd shapes)."""
         quantized = self.layers[layer]
-        return (quantized, self.route_counts[layer]) if rowfused.supports(quantized) else None
+        if not rowfused.supports(quantized):
+            return None
+        return quantized, self.route_counts[layer], self.row_sync[layer : layer + 1]
 
 
 def quantize_layers(experts: Iterable[tuple[int, int, Tensor]], spec_hidden: int, spec_inter: int, num_experts: int,

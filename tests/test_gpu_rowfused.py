@@ -107,3 +107,46 @@ def test_the_layer_never_syncs_and_replays_in_a_cuda_graph_with_new_inputs(layer
     counts.zero_()
     assert torch.equal(replayed, run())
     assert torch.equal(replay_counts, counts) and counts.sum().item() == A
+
+
+def test_the_top_k_in_the_routers_launch_is_the_routers_every_time(layer: QuantizedExperts) -> None:
+    """rowfused.Select: the router's last program (counted on a device counter) takes the top-k of what the other
+    programs stored. Run 200 times with new inputs, eagerly and as graph replays: each time the picks are torch's top-k
+    of the stored logits, each pick is counted once, and the counter is back at zero (a race would show here)."""
+    norm = 1 + randn(D, seed=30, scale=0.25)
+    packed = randn(2 * S + E + 1 + 3, D, seed=31, scale=D**-0.5)
+    sync, counts = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(E, device="cuda")
+    x = randn(1, D, seed=32)
+
+    def run() -> tuple[torch.Tensor, rowfused.Select, torch.Tensor]:
+        select = rowfused.Select.new(E, A, False, sync, counts)
+        h, _act, tail = rowfused.norm_ffn_input(x, norm, 1e-6, packed, S, E + 1, select=select)
+        rowfused.moe_gate_up(h, None, layer, A, False, picks=select)
+        return tail, select, h
+
+    def check(tail: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        top_weights, top_ids = torch.softmax(tail[:, :E].float(), dim=-1).topk(A)
+        assert ids.tolist() == top_ids[0].tolist()
+        assert torch.equal(weights, top_weights[0].bfloat16().float())
+
+    for seed in range(100):
+        x.copy_(randn(1, D, seed=100 + seed))
+        counts.zero_()
+        tail, select, _ = run()
+        check(tail, select.ids, select.weights)
+        assert counts.sum().item() == A and sync.item() == 0
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_tail, static_select, _ = run()
+    for seed in range(100):
+        x.copy_(randn(1, D, seed=300 + seed))
+        counts.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        check(static_tail, static_select.ids, static_select.weights)
+        assert counts.sum().item() == A and sync.item() == 0

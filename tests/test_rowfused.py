@@ -85,6 +85,19 @@ for case in json.loads(sys.argv[1]):
         row["order_free_gated" if gated else "order_free"] = torch.equal(out, flipped)
     alone = rowfused.moe_finish(x, routed, ids, weights, quantized, None, None, None, config)  # no shared expert
     row["finish_alone"] = gap(alone[0], x.float()[0] + routed_sum)
+    # the top-k taken by the router's last program (Select), with the shared expert's rows and without them
+    for name, run in (("ffn", lambda sel: rowfused.norm_ffn_input(x, norm, 1e-6, packed, s, e + 1, config, select=sel)[::2]),
+                      ("router", lambda sel: rowfused.norm_router(x, norm, 1e-6, router, config, select=sel))):
+        sync, counted = torch.zeros(1, dtype=torch.int32), torch.full((e,), 1.0)
+        select = rowfused.Select.new(e, a, case["renormalize"], sync, counted)
+        h_sel, tail_sel = run(select)
+        logits_sel = tail_sel[:, :e]
+        plain_act, plain_ids, plain_weights = rowfused.moe_gate_up(h_sel, logits_sel, quantized, a, case["renormalize"], None, config)
+        picked_act, picked_ids, picked_weights = rowfused.moe_gate_up(h_sel, None, quantized, a, case["renormalize"], None, config, picks=select)
+        row[f"select_{name}_same"] = (torch.equal(picked_ids, plain_ids) and torch.equal(picked_weights, plain_weights)
+                                      and torch.equal(picked_act, plain_act) and picked_ids.data_ptr() == select.ids.data_ptr())
+        row[f"select_{name}_counted"] = torch.equal(counted, 1.0 + torch.bincount(plain_ids.long(), minlength=e).float())
+        row[f"select_{name}_reset"] = sync.item() == 0
     results.append(row)
 print(json.dumps(results))
 """
@@ -113,7 +126,8 @@ def test_row_kernels_match_float_references_in_the_interpreter():
     results = run_interpreted(KERNEL_SCRIPT, json.dumps(cases))
     for case, row in zip(cases, results):
         tolerance = 3e-3 if case["dtype"] == "float16" else 2e-6
-        for key in ("same_picks", "counted", "order_free", "order_free_gated"):
+        for key in ("same_picks", "counted", "order_free", "order_free_gated", "select_ffn_same", "select_ffn_counted",
+                    "select_ffn_reset", "select_router_same", "select_router_counted", "select_router_reset"):
             assert row.pop(key) is True, (case, key)  # the router's picks in its order; one count per pick; id order
         for key, value in row.items():
             assert value < tolerance, (case, key, value)
@@ -152,6 +166,8 @@ for name in names:
         return _original(*args, **kwargs)
     setattr(rowfused, name, counted)
 
+rowfused.DEFAULT_CONFIG = rowfused.RowConfig(topk_in_router=sys.argv[2] == "router")
+
 async def main():
     runtime = await Runtime.load(sys.argv[1], EngineConfig(device="cpu", dtype="float32", max_context=32, residents=3,
                                                            draft=DraftConfig(k=2)))
@@ -187,15 +203,17 @@ asyncio.run(main())
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe"])
-def test_the_drafts_one_row_layer_takes_the_row_kernels_and_matches_the_packed_path(tmp_path, family):
+@pytest.mark.parametrize("family, top_k_in", [("qwen2_moe", "gate_up"), ("qwen3_moe", "gate_up"), ("mixtral", "gate_up"),
+                                              ("olmoe", "gate_up"), ("qwen2_moe", "router"), ("mixtral", "router")])
+def test_the_drafts_one_row_layer_takes_the_row_kernels_and_matches_the_packed_path(tmp_path, family, top_k_in):
     """qwen2_moe: a gated shared expert and a dense layer; qwen3_moe: q/k norms per head, renormalised top-k; mixtral:
     no q/k/v biases; olmoe: clipped q/k/v and full q/k norms. The norms, clips and biases stay where the family puts
-    them; only the products, the routing and the sums move into the row kernels."""
+    them; only the products, the routing and the sums move into the row kernels. top_k_in: where the router's top-k
+    runs (RowConfig.topk_in_router: the input product's last router program, or every gate/up program)."""
     from tests.hf_models import hf_model, save_hf
 
     path = save_hf(hf_model(family, seed=3), tmp_path / "m")
-    result = run_interpreted(DRAFT_SCRIPT, str(path), timeout=300)
+    result = run_interpreted(DRAFT_SCRIPT, str(path), top_k_in, timeout=300)
     layers, moe_layers = result["layers"], result["moe_layers"]
     off, on = result["False"], result["True"]
     nothing = dict.fromkeys(("norm_linear", "linear_residual", "norm_ffn_input", "norm_router", "moe_gate_up", "moe_finish"), 0)

@@ -280,7 +280,7 @@ def topk_softmax_kernel(logits_ptr, ids_ptr, weights_ptr, experts, TOP_K: tl.con
                         RENORMALIZE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """One row: the router's selection (`_top_k`), stored."""
     row = tl.program_id(0).to(tl.int64)
-    picked, values = _top_k(logits_ptr + row * experts, experts, TOP_K, TOP_K_POW2, RENORMALIZE, BLOCK)
+    picked, values = _top_k(logits_ptr + row * experts, experts, TOP_K, TOP_K_POW2, RENORMALIZE, BLOCK, "")
     slots = tl.arange(0, TOP_K_POW2)
     keep = slots < TOP_K
     tl.store(ids_ptr + row * TOP_K + slots, picked, mask=keep)
@@ -288,17 +288,18 @@ def topk_softmax_kernel(logits_ptr, ids_ptr, weights_ptr, experts, TOP_K: tl.con
 
 
 def _top_k(logits_ptr, experts, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, RENORMALIZE: tl.constexpr,
-           BLOCK: tl.constexpr):  # fmt: skip
+           BLOCK: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
     """The logits at logits_ptr [experts]: softmax in float32, then TOP_K rounds of (largest, lowest id among
     equals), masked out once taken; returns ids [TOP_K_POW2] int64 and probabilities [TOP_K_POW2] float32 (lanes
     from TOP_K on: 0), renormalised to sum 1 when asked (a helper jitted by _kernels(); specter.model.rowfused's
-    MoE kernel takes its picks with it too).
+    MoE kernels take their picks with it too; CACHE: the logits' load cache modifier, ".cg" to read what other
+    programs of the same launch stored).
 
     A probability that is not a number (a NaN or infinite logit makes the whole row NaN, as in torch) ranks below
     every number but above the padding lanes, so the ids stay real experts; its weight stays NaN."""
     cols = tl.arange(0, BLOCK)
     ok = cols < experts
-    x = tl.load(logits_ptr + cols, mask=ok, other=-float("inf")).to(tl.float32)
+    x = tl.load(logits_ptr + cols, mask=ok, other=-float("inf"), cache_modifier=CACHE).to(tl.float32)
     e = tl.where(ok, tl.exp(x - tl.max(x, axis=0)), 0.0)
     p = e / tl.sum(e, axis=0)
     score = tl.where(ok, tl.where(p == p, p, -1.0), -2.0)  # NaN below numbers, padding below NaN

@@ -58,6 +58,7 @@ class RowConfig:
     warps_finish: int = 4  # num_warps of moe_finish
     block_k_shared: int = 2048  # elements per K step of moe_finish's bf16 shared down product
     evict_first: bool = True  # weight loads marked evict-first (each weight byte is read once per step)
+    topk_in_router: bool = False  # the router's top-k in the input product's launch (Select), not in moe_gate_up
     # (H200, row10d: both together 1.91 -> 1.85 ms per draft step at the Qwen shape; docs/BENCHMARKS.md)
     num_warps: int = 4
     num_stages: int = 3
@@ -105,6 +106,43 @@ def _check_row(x: Tensor, width: int) -> Tensor:
     return x.contiguous()
 
 
+@dataclass(frozen=True)
+class Select:
+    """The router's top-k taken inside the input product's launch (RowConfig.topk_in_router): the program that
+    finishes the router's rows last (counted on `sync`, an int32 [1] zero that it sets back to zero) takes the
+    softmax's top_k of the logits the others stored, writes `ids` [top_k] int32 and `weights` [top_k] float32 (rounded
+    to the activations' dtype, as the router's are) and adds one per pick to `counts` [E] float32 when given."""
+
+    experts: int  # the router's rows: the first `experts` of the product's tail
+    top_k: int
+    renormalize: bool
+    sync: Tensor
+    ids: Tensor
+    weights: Tensor
+    counts: Tensor | None = None
+
+    @staticmethod
+    def new(experts: int, top_k: int, renormalize: bool, sync: Tensor, counts: Tensor | None = None) -> Select:
+        assert sync.dtype == torch.int32 and sync.numel() == 1, "the sync counter is an int32 [1] zero"
+        ids = torch.empty(top_k, dtype=torch.int32, device=sync.device)
+        weights = torch.empty(top_k, dtype=torch.float32, device=sync.device)
+        return Select(experts, top_k, renormalize, sync, ids, weights, counts)
+
+    def args(self, dummy: Tensor) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+        """The kernel's (ids, weights, counts, sync) pointers and its SELECT constants."""
+        counts, experts = self.counts, self.experts
+        assert counts is None or (counts.dtype == torch.float32 and counts.is_contiguous() and counts.numel() == experts)
+        assert 1 <= self.top_k <= experts
+        return ((self.ids, self.weights, dummy if counts is None else counts, self.sync),
+                dict(SELECT=True, COUNT=counts is not None, TOP_K=self.top_k, TOP_K_POW2=max(2, _pow2(self.top_k)),
+                     RENORMALIZE=self.renormalize, BLOCK_E=_pow2(experts)))  # fmt: skip
+
+
+def _no_select(dummy: Tensor) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+    return (dummy, dummy, dummy, dummy), dict(SELECT=False, COUNT=False, TOP_K=1, TOP_K_POW2=2, RENORMALIZE=False,
+                                             BLOCK_E=2)  # fmt: skip
+
+
 def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None, rows: int,
                 config: RowConfig | None = None) -> Tensor:  # fmt: skip
     """F.linear(rms_norm(x, norm_weight, eps), weight[:rows], bias[:rows]) for one row x [1, K] -> [1, rows] in x's
@@ -115,9 +153,10 @@ def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias
     assert weight.stride(1) == 1 and rows <= weight.shape[0]
     out = torch.empty(1, rows, dtype=x.dtype, device=x.device)
     grid = (-(-rows // config.block_n),)
+    pointers, constants = _no_select(x)
     _kernels().norm_gemv[grid](
-        x, norm_weight, weight, weight.stride(0), weight if bias is None else bias, x, out, out, out, rows, k_dim, 0,
-        eps, NORM=True, BIAS=bias is not None, RESIDUAL=False, GATED=False, STORE_H=False, BLOCK_N=config.block_n,
+        x, norm_weight, weight, weight.stride(0), weight if bias is None else bias, x, out, out, out, *pointers, rows,
+        k_dim, 0, 1, eps, **constants, NORM=True, BIAS=bias is not None, RESIDUAL=False, GATED=False, STORE_H=False, BLOCK_N=config.block_n,
         ROWS=config.block_n, BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), EVICT=_evict(config),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
@@ -133,8 +172,10 @@ def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, config: RowConf
     residual = _check_row(residual, rows)
     assert weight.stride(1) == 1
     out = torch.empty_like(residual)
+    pointers, constants = _no_select(x)
     _kernels().norm_gemv[(-(-rows // config.block_n),)](
-        x, x, weight, weight.stride(0), x, residual, out, out, out, rows, k_dim, 0, 0.0, NORM=False, BIAS=False,
+        x, x, weight, weight.stride(0), x, residual, out, out, out, *pointers, rows, k_dim, 0, 1, 0.0, **constants,
+        NORM=False, BIAS=False,
         RESIDUAL=True, GATED=False, STORE_H=False, BLOCK_N=config.block_n, ROWS=config.block_n,
         BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), EVICT=_evict(config), num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -143,64 +184,76 @@ def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, config: RowConf
 
 
 def norm_ffn_input(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, inter: int, tail: int,
-                   config: RowConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                   config: RowConfig | None = None, select: Select | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """A packed FFN input product of one row x [1, D]: weight rows [0, I) the shared expert's gate, [I, 2I) its up,
     then `tail` rows (the router, the shared gate), then padding. Returns h = rms_norm(x) [1, D], silu(gate) * up
     [1, I] (float32 products, rounded once) and the tail's outputs [1, tail] (rounded to x's dtype, as a product in
-    x's dtype would be): one launch."""
+    x's dtype would be): one launch. With `select`, the router's top-k of the tail's first select.experts outputs is
+    taken in the same launch."""
     config = config or DEFAULT_CONFIG
-    k_dim = weight.shape[1]
-    x = _check_row(x, k_dim)
-    assert weight.stride(1) == 1 and weight.shape[0] >= 2 * inter + tail
-    h = torch.empty_like(x)
+    x = _check_row(x, weight.shape[1])
+    assert weight.shape[0] >= 2 * inter + tail
     act = torch.empty(1, inter, dtype=x.dtype, device=x.device)
-    tail_out = torch.empty(1, tail, dtype=x.dtype, device=x.device)
-    block_n = config.block_n
-    grid = (-(-inter // block_n) + -(-tail // (2 * block_n)),)
-    _kernels().norm_gemv[grid](
-        x, norm_weight, weight, weight.stride(0), x, x, act, h, tail_out, 2 * inter + tail, k_dim, inter, eps,
-        NORM=True, BIAS=False, RESIDUAL=False, GATED=True, STORE_H=True, BLOCK_N=block_n, ROWS=2 * block_n,
-        BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), EVICT=_evict(config), num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )  # fmt: skip
+    h, tail_out = _input_product(x, norm_weight, eps, weight, inter, tail, act, config, select)
     return h, act, tail_out
 
 
-def norm_router(x: Tensor, norm_weight: Tensor, eps: float, router: Tensor,
-                config: RowConfig | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+def norm_router(x: Tensor, norm_weight: Tensor, eps: float, router: Tensor, config: RowConfig | None = None,
+                select: Select | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """h = rms_norm(x) [1, D] and the router's logits F.linear(h, router) [1, E] (rounded to x's dtype) for a layer
-    without a shared expert: `norm_ffn_input`'s kernel with no gate/up rows, one launch."""
+    without a shared expert: `norm_ffn_input`'s kernel with no gate/up rows, one launch (with `select`, the top-k
+    too)."""
     config = config or DEFAULT_CONFIG
-    k_dim = router.shape[1]
-    x = _check_row(x, k_dim)
-    assert router.stride(1) == 1
+    x = _check_row(x, router.shape[1])
+    assert select is None or select.experts == router.shape[0]
+    return _input_product(x, norm_weight, eps, router, 0, router.shape[0], x, config, select)
+
+
+def _input_product(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, inter: int, tail: int, act: Tensor,
+                   config: RowConfig, select: Select | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The gated launch of norm_gemv: the tail's programs first (the router's rows, then any after them), then the
+    gate/up pairs'. Returns (h, tail outputs)."""
+    assert weight.stride(1) == 1
     h = torch.empty_like(x)
-    logits = torch.empty(1, router.shape[0], dtype=x.dtype, device=x.device)
+    tail_out = torch.empty(1, tail, dtype=x.dtype, device=x.device)
     block_n = config.block_n
-    _kernels().norm_gemv[(-(-router.shape[0] // (2 * block_n)),)](
-        x, norm_weight, router, router.stride(0), x, x, h, h, logits, router.shape[0], k_dim, 0, eps, NORM=True,
-        BIAS=False, RESIDUAL=False, GATED=True, STORE_H=True, BLOCK_N=block_n, ROWS=2 * block_n,
-        BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), EVICT=_evict(config),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+    assert select is None or select.experts <= tail
+    pointers, constants = _no_select(x) if select is None else select.args(x)
+    grid = (-(-inter // block_n) + -(-tail // (2 * block_n)),)
+    _kernels().norm_gemv[grid](
+        x, norm_weight, weight, weight.stride(0), x, x, act, h, tail_out, *pointers, 2 * inter + tail, weight.shape[1],
+        inter, 1 if select is None else select.experts, eps, **constants, NORM=True, BIAS=False, RESIDUAL=False,
+        GATED=True, STORE_H=True,
+        BLOCK_N=block_n, ROWS=2 * block_n, BLOCK_K=min(config.block_k, _pow2(weight.shape[1])),
+        BLOCK_X=_pow2(weight.shape[1]), EVICT=_evict(config), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return h, logits
+    return h, tail_out
 
 
-def moe_gate_up(h: Tensor, logits: Tensor, qe: QuantizedExperts, top_k: int, renormalize: bool,
-                counts: Tensor | None = None, config: RowConfig | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def moe_gate_up(h: Tensor, logits: Tensor | None, qe: QuantizedExperts, top_k: int, renormalize: bool,
+                counts: Tensor | None = None, config: RowConfig | None = None,
+                picks: Select | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The routed experts' first half for one row h [1, D] with router logits [1, E]: the top_k of their float32
     softmax (renormalised when asked; weights rounded to h's dtype, as the router's are), then per pick
     silu(gate h) * up h. Returns act [top_k, I] in h's dtype (row j: the j-th pick), the picks' expert ids [top_k]
-    int32 and weights [top_k] float32. counts [E] float32, when given, gets one per pick. One launch."""
+    int32 and weights [top_k] float32. counts [E] float32, when given, gets one per pick. One launch.
+    With `picks` (a Select the input product filled in), its picks are taken as they are (logits, renormalize and
+    counts unused: the Select counted them)."""
     config = config or DEFAULT_CONFIG
     h = _check_row(h, qe.hidden)
-    experts = logits.shape[-1]
-    assert logits.numel() == experts == qe.num_experts and 1 <= top_k <= experts and supports(qe, config)
+    experts = qe.num_experts if picks is not None else (logits.shape[-1] if logits is not None else -1)
+    assert experts == qe.num_experts and 1 <= top_k <= experts and supports(qe, config)
+    assert picks is not None or (logits is not None and logits.numel() == experts)
+    assert picks is None or (picks.top_k == top_k and picks.experts == experts)
     assert counts is None or (counts.dtype == torch.float32 and counts.is_contiguous() and counts.numel() == experts)
     assert qe.w13_scales.stride(2) == 1
     act = torch.empty(top_k, qe.intermediate, dtype=h.dtype, device=h.device)
-    ids = torch.empty(top_k, dtype=torch.int32, device=h.device)
-    weights = torch.empty(top_k, dtype=torch.float32, device=h.device)
+    if picks is not None:
+        ids, weights, logits, counts = picks.ids, picks.weights, h, None
+    else:
+        ids = torch.empty(top_k, dtype=torch.int32, device=h.device)
+        weights = torch.empty(top_k, dtype=torch.float32, device=h.device)
+    assert logits is not None
     block_k = int4_block_k(qe.hidden, qe.w13_group, config.block_k_moe)
     assert block_k is not None
     words = _words(qe.w13) if config.words_gate_up else qe.w13
@@ -209,7 +262,7 @@ def moe_gate_up(h: Tensor, logits: Tensor, qe: QuantizedExperts, top_k: int, ren
         h, logits.contiguous(), words, words.stride(0), words.stride(1), qe.w13_scales, qe.w13_scales.stride(0),
         qe.w13_scales.stride(1), act, ids, weights, weights if counts is None else counts, experts, qe.intermediate,
         qe.hidden, TOP_K=top_k, TOP_K_POW2=max(2, _pow2(top_k)), RENORMALIZE=renormalize, COUNT=counts is not None,
-        BLOCK_E=_pow2(experts), GROUP=qe.w13_group, BLOCK_N=config.block_n_moe, BLOCK_K=block_k,
+        PICKED=picks is not None, BLOCK_E=_pow2(experts), GROUP=qe.w13_group, BLOCK_N=config.block_n_moe, BLOCK_K=block_k,
         GROUPS=max(1, block_k // qe.w13_group), WORDS=config.words_gate_up, EVICT=_evict(config), num_warps=config.warps_moe,
         num_stages=config.num_stages,
     )  # fmt: skip
@@ -274,15 +327,19 @@ def _kernels() -> Any:
     return Kernels
 
 
-def norm_gemv_kernel(x_ptr, norm_ptr, w_ptr, stride_w, bias_ptr, res_ptr, out_ptr, h_ptr, tail_ptr, n_rows, k_dim,
-                     inter, eps, NORM: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+def norm_gemv_kernel(x_ptr, norm_ptr, w_ptr, stride_w, bias_ptr, res_ptr, out_ptr, h_ptr, tail_ptr, ids_ptr,
+                     sel_w_ptr, counts_ptr, sync_ptr, n_rows, k_dim, inter, experts, eps, SELECT: tl.constexpr,
+                     COUNT: tl.constexpr, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, RENORMALIZE: tl.constexpr,
+                     BLOCK_E: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                      GATED: tl.constexpr, STORE_H: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_X: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
     """One row's GEMV over ROWS weight rows per program. NORM: the input is rms_norm(x) (float32 statistics over the
-    whole row, computed by every program; rounded as rms_norm rounds). GATED (ROWS = 2 * BLOCK_N): programs below
-    cdiv(inter, BLOCK_N) read gate rows c and up rows inter + c and store silu(gate) * up at c; the others store the
-    rows from 2 * inter on (the tail) as they are, into tail_ptr. Else rows [pid * BLOCK_N, ...) plus the bias or the
-    residual. STORE_H: program 0 stores the normalised row."""
+    whole row, computed by every program; rounded as rms_norm rounds). GATED (ROWS = 2 * BLOCK_N): the first
+    cdiv(n_rows - 2 * inter, ROWS) programs store the rows from 2 * inter on (the tail: router, shared gate) as they
+    are, into tail_ptr; the others read gate rows c and up rows inter + c and store silu(gate) * up at c. SELECT: the
+    tail program that finishes last (counted on sync_ptr, which it sets back to 0) takes the router's top-k of the
+    tail's first `experts` outputs (see Select). Else rows [pid * BLOCK_N, ...) plus the bias or the residual. STORE_H:
+    program 0 stores the normalised row."""
     pid = tl.program_id(0)
     if NORM:
         xs = tl.arange(0, BLOCK_X)
@@ -296,13 +353,13 @@ def norm_gemv_kernel(x_ptr, norm_ptr, w_ptr, stride_w, bias_ptr, res_ptr, out_pt
     else:
         inv = 1.0
     if GATED:
-        act_programs = tl.cdiv(inter, BLOCK_N)
-        is_act = pid < act_programs
-        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        tail_programs = tl.cdiv(n_rows - 2 * inter, ROWS)
+        is_act = pid >= tail_programs
+        cols = (pid - tail_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
         half = tl.arange(0, 2)
         pair_rows = tl.reshape(cols[:, None] + inter * half[None, :], (ROWS,))  # gate c, up c, gate c + 1, ...
-        pair_ok = tl.reshape((cols < inter)[:, None] & (half[None, :] < 2), (ROWS,))
-        tail_rows = 2 * inter + (pid - act_programs) * ROWS + tl.arange(0, ROWS)
+        pair_ok = tl.reshape((cols >= 0)[:, None] & (cols < inter)[:, None] & (half[None, :] < 2), (ROWS,))
+        tail_rows = 2 * inter + pid * ROWS + tl.arange(0, ROWS)
         w_rows = tl.where(is_act, pair_rows, tail_rows)
         w_ok = tl.where(is_act, pair_ok, tail_rows < n_rows)
     else:
@@ -329,6 +386,17 @@ def norm_gemv_kernel(x_ptr, norm_ptr, w_ptr, stride_w, bias_ptr, res_ptr, out_pt
             tl.store(out_ptr + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=cols < inter)
         else:
             tl.store(tail_ptr + tail_rows - 2 * inter, total.to(tail_ptr.dtype.element_ty), mask=w_ok)
+            if SELECT:
+                tl.debug_barrier()  # every thread's stores before the count that publishes them
+                if tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") == tail_programs - 1:
+                    tl.debug_barrier()
+                    picked, values = _top_k(tail_ptr, experts, TOP_K, TOP_K_POW2, RENORMALIZE, BLOCK_E, ".cg")
+                    slots = tl.arange(0, TOP_K_POW2)
+                    tl.store(ids_ptr + slots, picked.to(tl.int32), mask=slots < TOP_K)
+                    tl.store(sel_w_ptr + slots, values.to(x_ptr.dtype.element_ty).to(tl.float32), mask=slots < TOP_K)
+                    if COUNT:
+                        tl.atomic_add(counts_ptr + picked, tl.full((TOP_K_POW2,), 1.0, tl.float32), mask=slots < TOP_K)
+                    tl.store(sync_ptr, 0)
     else:
         if RESIDUAL:
             total += tl.load(res_ptr + w_rows, mask=w_ok, other=0.0).to(tl.float32)
@@ -393,22 +461,25 @@ def _int4_rows(w_rows, s_rows, w_ok, a_rows, k_dim, stride_sg, GROUP: tl.constex
 def moe_gate_up_kernel(h_ptr, logits_ptr, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, act_ptr,
                        ids_ptr, weights_ptr, counts_ptr, experts, inter, k_dim, TOP_K: tl.constexpr,
                        TOP_K_POW2: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr,
-                       BLOCK_E: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PICKED: tl.constexpr, BLOCK_E: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUPS: tl.constexpr, WORDS: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
-    """Program (pick j, column block): the router's top-k from the logits (fused's selection, every program alike),
-    then silu(gate h) * up h of the j-th pick's expert for BLOCK_N columns. Program (0, 0) stores the picks and
-    counts them."""
+    """Program (pick j, column block): the router's top-k from the logits (fused's selection, every program alike;
+    PICKED: read from ids_ptr instead), then silu(gate h) * up h of the j-th pick's expert for BLOCK_N columns.
+    Program (0, 0) stores the picks and counts them (not with PICKED)."""
     pick = tl.program_id(0)
-    picked, values = _top_k(logits_ptr, experts, TOP_K, TOP_K_POW2, RENORMALIZE, BLOCK_E)
-    values = values.to(h_ptr.dtype.element_ty).to(tl.float32)  # the router's weights are in the activations' dtype
-    slots = tl.arange(0, TOP_K_POW2)
-    if pick == 0:
-        if tl.program_id(1) == 0:
-            tl.store(ids_ptr + slots, picked.to(tl.int32), mask=slots < TOP_K)
-            tl.store(weights_ptr + slots, values, mask=slots < TOP_K)
-            if COUNT:
-                tl.atomic_add(counts_ptr + picked, tl.full((TOP_K_POW2,), 1.0, tl.float32), mask=slots < TOP_K)
-    expert = tl.sum(tl.where(slots == pick, picked, 0), axis=0).to(tl.int64)
+    if PICKED:  # the input product's launch took the top-k (Select)
+        expert = tl.load(ids_ptr + pick).to(tl.int64)
+    else:
+        picked, values = _top_k(logits_ptr, experts, TOP_K, TOP_K_POW2, RENORMALIZE, BLOCK_E, "")
+        values = values.to(h_ptr.dtype.element_ty).to(tl.float32)  # the router's weights are in the activations' dtype
+        slots = tl.arange(0, TOP_K_POW2)
+        if pick == 0:
+            if tl.program_id(1) == 0:
+                tl.store(ids_ptr + slots, picked.to(tl.int32), mask=slots < TOP_K)
+                tl.store(weights_ptr + slots, values, mask=slots < TOP_K)
+                if COUNT:
+                    tl.atomic_add(counts_ptr + picked, tl.full((TOP_K_POW2,), 1.0, tl.float32), mask=slots < TOP_K)
+        expert = tl.sum(tl.where(slots == pick, picked, 0), axis=0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     half = tl.arange(0, 2)
     w_rows = tl.reshape(cols[:, None] + inter * half[None, :], (2 * BLOCK_N,))  # gate c, up c, gate c + 1, ...

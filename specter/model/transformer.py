@@ -344,8 +344,8 @@ class Transformer:
         epilogue; without a shared expert: the router alone), the top-k and the routed experts' gate/up, then routed
         down (+ shared down) + residual together. None where that does not apply: more rows, the exact forward, a
         family with its own routing, shared expert or linear, a shared expert that packs nothing (packed_ffn_input),
-        biases on the router or the shared down, or experts that do not offer
-        `row_experts(layer) -> (QuantizedExperts, route counter [E]) | None` (the draft's DraftExperts does)."""
+        biases on the router or the shared down, or experts that do not offer `row_experts(layer) -> (QuantizedExperts,
+        route counter [E], int32 [1] zero for rowfused.Select) | None` (the draft's DraftExperts does)."""
         if not self._row_kernels(x) or layer in self.spec.dense_layers or not self._base_feed_forward():
             return None
         spec = self.spec
@@ -353,11 +353,15 @@ class Transformer:
         found = offer(layer) if offer is not None else None
         if found is None or spec.router_name(layer).removesuffix(".weight") + ".bias" in self.w:
             return None
-        quantized, counts = found
+        quantized, counts, sync = found
         norm = self.w[f"{spec.layer_prefix(layer)}.post_attention_layernorm.weight"]
+        select = None  # the router's top-k in the input product's launch (RowConfig.topk_in_router), else in gate/up's
+        if rowfused.DEFAULT_CONFIG.topk_in_router:
+            select = rowfused.Select.new(spec.num_experts, spec.top_k, spec.norm_topk_prob, sync, counts)
         if not spec.shared_intermediate:
-            h, logits = rowfused.norm_router(x, norm, spec.rms_eps, self.w[spec.router_name(layer)])
-            routed, ids, weights = rowfused.moe_gate_up(h, logits, quantized, spec.top_k, spec.norm_topk_prob, counts)
+            h, logits = rowfused.norm_router(x, norm, spec.rms_eps, self.w[spec.router_name(layer)], select=select)
+            routed, ids, weights = rowfused.moe_gate_up(h, logits, quantized, spec.top_k, spec.norm_topk_prob, counts,
+                                                        picks=select)  # fmt: skip
             return rowfused.moe_finish(x, routed, ids, weights, quantized, None, None, None)
         packed = self.packed_ffn_input(layer)
         down = f"{spec.layer_prefix(layer)}.mlp.shared_expert.down_proj"
@@ -365,8 +369,9 @@ class Transformer:
             return None
         weight, sizes = packed
         inter, num_experts = sizes[0], sizes[2]
-        h, act, tail = rowfused.norm_ffn_input(x, norm, spec.rms_eps, weight, inter, sum(sizes[2:]))
-        routed, ids, weights = rowfused.moe_gate_up(h, tail[:, :num_experts], quantized, spec.top_k, spec.norm_topk_prob, counts)
+        h, act, tail = rowfused.norm_ffn_input(x, norm, spec.rms_eps, weight, inter, sum(sizes[2:]), select=select)
+        routed, ids, weights = rowfused.moe_gate_up(h, tail[:, :num_experts], quantized, spec.top_k, spec.norm_topk_prob,
+                                                    counts, picks=select)  # fmt: skip
         gate_logit = tail[:, num_experts : num_experts + 1] if spec.shared_gate else None
         return rowfused.moe_finish(x, routed, ids, weights, quantized, act, self.w[down + ".weight"], gate_logit)
 
