@@ -434,6 +434,17 @@ case "$stage" in
     head -10 "$out/logs/profile-draft.txt" | cut -c1-72,150-200
     tail -4 "$out/logs/graphed.log"
     tar czf "$out/row10g.tgz" -C "$out" logs graphed 2>/dev/null ;;
+  row10h)         # after row10g (topk_in_router: 1.80 ms against 1.84; its GPU test failed on a tie of two bf16 logits, which
+    # torch.topk ordered the other way: the test now orders ties by id, as the router does). topk_in_router now on.
+    # PREDICTIONS: GPU tests pass (the 200-run race test among them). Draft step 1.80 +- 0.02 ms (1.84 with it off).
+    mkdir -p "$out/logs"
+    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_rowfused.py tests/test_gpu_graphed.py \
+      > "$out/logs/gpu-tests-row.log" 2>&1
+    tail -2 "$out/logs/gpu-tests-row.log"; grep -E "^(FAILED|E  )" "$out/logs/gpu-tests-row.log" | head -8
+    timeout 100 python benchmarks/graphed_tpot.py --draft-only --row-config '{"topk_in_router":false}' \
+      --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    tail -4 "$out/logs/graphed.log"
+    tar czf "$out/row10h.tgz" -C "$out" logs graphed 2>/dev/null ;;
   gpu-rest)       # every gpu-marked test but the link-emulation timing tests (after a stage that ran a few of them)
     mkdir -p "$out/logs"
     timeout 280 python -m pytest -q -m gpu -p no:cacheprovider -k "not link_emulation" --durations=5 > "$out/logs/gpu-tests.log" 2>&1

@@ -125,9 +125,13 @@ def test_the_top_k_in_the_routers_launch_is_the_routers_every_time(layer: Quanti
         return tail, select, h
 
     def check(tail: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        top_weights, top_ids = torch.softmax(tail[:, :E].float(), dim=-1).topk(A)
-        assert ids.tolist() == top_ids[0].tolist()
-        assert torch.equal(weights, top_weights[0].bfloat16().float())
+        # the router's order: larger logit first, the lower id among equals (bf16 logits of 60 experts tie often, and
+        # torch.topk orders ties as it likes: H200, row10g, [40, 24, 52, 44] against torch's [40, 52, 24, 44])
+        logits = tail[0, :E].float().cpu()
+        order = sorted(range(E), key=lambda e: (-logits[e].item(), e))[:A]
+        assert ids.tolist() == order
+        expected = torch.softmax(logits, dim=-1)[order].bfloat16().float()
+        torch.testing.assert_close(weights.cpu(), expected, rtol=1e-2, atol=0.0)
 
     for seed in range(100):
         x.copy_(randn(1, D, seed=100 + seed))

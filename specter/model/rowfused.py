@@ -58,7 +58,8 @@ class RowConfig:
     warps_finish: int = 4  # num_warps of moe_finish
     block_k_shared: int = 2048  # elements per K step of moe_finish's bf16 shared down product
     evict_first: bool = True  # weight loads marked evict-first (each weight byte is read once per step)
-    topk_in_router: bool = False  # the router's top-k in the input product's launch (Select), not in moe_gate_up
+    topk_in_router: bool = True  # the router's top-k in the input product's launch (Select), not in moe_gate_up
+    # (H200, row10g: draft step 1.84 -> 1.80 ms at the Qwen shape)
     # (H200, row10d: both together 1.91 -> 1.85 ms per draft step at the Qwen shape; docs/BENCHMARKS.md)
     num_warps: int = 4
     num_stages: int = 3
