@@ -31,7 +31,8 @@
 # reads 11.5 MB in ~12 us (0.9 TB/s) and moe_finish 29 MB in 14.7 us, the three bf16 GEMVs run at ~2.9 TB/s, attention
 # of 16 positions costs 7.6 us in two launches, RoPE + KV writes 1.3 us (could go into the q/k/v GEMV's epilogue with
 # rows c and c + hd/2 in one program); copy busy at 15 residents (0.77: the verify's first layers and the gaps between
-# layers' misses); a Gen4 run of issue 4's figures with the row kernels; the eager draft step (10.9-21.2 ms across
+# layers' misses); the GPU-idle host work at round boundaries (trace_gaps --with-stack after the deferral); a Gen4 run
+# of issue 4's figures with the row kernels; the eager draft step (10.9-21.2 ms across
 # this session's calls: noisy, unexplained; the graphed step is what runs on CUDA).
 # Write everything straight under $OUT (a command killed at its limit returns only what is already there).
 set -u
