@@ -4,6 +4,9 @@ no host sync, and CUDA-graph replay with new inputs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +22,7 @@ pytestmark = [
     pytest.mark.skipif(not triton_available(), reason="triton is not installed"),
 ]
 
+T = TypeVar("T")
 D, I, E, A, S = 2048, 1408, 60, 4, 5632  # hidden, expert intermediate, experts, picks, shared intermediate
 
 
@@ -30,6 +34,19 @@ def gap(got: torch.Tensor, expected: torch.Tensor) -> float:
 def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     return (torch.randn(*shape, generator=gen, device="cuda") * scale).bfloat16()
+
+
+def captured(run: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """A CUDA graph of run() (warmed up once on a side stream first, as capture wants) and its static outputs."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = run()
+    return graph, outputs
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +108,7 @@ def test_the_layer_never_syncs_and_replays_in_a_cuda_graph_with_new_inputs(layer
         run()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = run()
+    graph, static_out = captured(run)
     x.copy_(randn(1, D, seed=24))
     counts.zero_()
     graph.replay()
@@ -139,14 +149,7 @@ def test_the_top_k_in_the_routers_launch_is_the_routers_every_time(layer: Quanti
         tail, select, _ = run()
         check(tail, select.ids, select.weights)
         assert counts.sum().item() == A and sync.item() == 0
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_tail, static_select, _ = run()
+    graph, (static_tail, static_select, _) = captured(run)
     for seed in range(100):
         x.copy_(randn(1, D, seed=300 + seed))
         counts.zero_()
