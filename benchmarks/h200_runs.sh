@@ -451,6 +451,13 @@ case "$stage" in
       --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
     tail -4 "$out/logs/graphed.log"
     tar czf "$out/row10h.tgz" -C "$out" logs graphed 2>/dev/null ;;
+  review10)       # after the review of the tenth session's changes (docs, the row path off with torch's router for layers
+    # without a shared expert, the picks' store in one helper, a 128-expert top-8 race test, GPTQ's chunk from the shapes
+    # alone with a CPU fallback for a layer that does not fit). PREDICTION: every test passes.
+    mkdir -p "$out/logs"
+    timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_rowfused.py tests/test_calibrate.py \
+      tests/test_quant.py tests/test_gpu_graphed.py > "$out/logs/gpu-tests.log" 2>&1
+    tail -2 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|E  )" "$out/logs/gpu-tests.log" | head -8 ;;
   gpu-rest)       # every gpu-marked test but the link-emulation timing tests (after a stage that ran a few of them)
     mkdir -p "$out/logs"
     timeout 280 python -m pytest -q -m gpu -p no:cacheprovider -k "not link_emulation" --durations=5 > "$out/logs/gpu-tests.log" 2>&1

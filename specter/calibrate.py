@@ -56,7 +56,26 @@ def default_prompts(vocab_size: int, count: int = DEFAULT_PROMPTS, length: int =
 def gptq_layer(flats: Sequence[Tensor], inputs: Tensor, choices: Tensor, hidden: int, inter: int, config: DraftConfig,
                chunk: int | None = None) -> QuantizedExperts:
     """GPTQ-quantize one layer's experts (packed flats) from its recorded inputs [n, D] and choices [n, A], on the
-    inputs' device (the flats are copied there); `chunk` experts at a time (`gptq_quantize_batch`)."""
+    inputs' device (the flats are copied there); `chunk` experts at a time (`gptq_quantize_batch`). On a GPU without
+    room for the layer's Hessians and working memory (calibration runs beside the loaded model and its expert cache),
+    the layer runs on the CPU instead, with a warning, and its codes are moved back to the inputs' device."""
+    if _on_gpu(inputs):
+        try:
+            return _gptq_layer(flats, inputs, choices, hidden, inter, config, chunk)
+        except torch.cuda.OutOfMemoryError as error:
+            torch.cuda.empty_cache()
+            log.warning("calibrate.gptq_on_cpu", reason=str(error).splitlines()[0][:200], hint="GPTQ of this layer "
+                        "did not fit beside the loaded model on the GPU; it runs on the CPU (slower, same algorithm)")
+        return _gptq_layer(flats, inputs.cpu(), choices.cpu(), hidden, inter, config, chunk).to(inputs.device)
+    return _gptq_layer(flats, inputs, choices, hidden, inter, config, chunk)
+
+
+def _on_gpu(inputs: Tensor) -> bool:
+    return inputs.device.type == "cuda"
+
+
+def _gptq_layer(flats: Sequence[Tensor], inputs: Tensor, choices: Tensor, hidden: int, inter: int, config: DraftConfig,
+                chunk: int | None) -> QuantizedExperts:
     device = inputs.device
     gate_up, down = zip(*(unpack_expert(flat.to(device).float(), hidden, inter) for flat in flats))
     gate_up, down = torch.stack(gate_up), torch.stack(down)  # [E, 2I, D], [E, D, I]

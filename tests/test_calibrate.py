@@ -39,6 +39,27 @@ def test_gptq_layer_on_the_cpu_is_chunk_invariant_and_stays_there() -> None:
         assert same_layer(gptq_layer(flats, inputs, choices, HIDDEN, INTER, CONFIG, chunk=chunk), whole), chunk
 
 
+def test_a_layer_that_does_not_fit_on_the_gpu_runs_on_the_cpu(monkeypatch) -> None:
+    """Calibration runs beside the loaded model: a GPU out of memory for one layer's GPTQ sends that layer to the CPU
+    (same codes as a CPU run), it does not fail the load."""
+    from specter import calibrate
+
+    flats, inputs, choices = layer_inputs()
+    expected = gptq_layer(flats, inputs, choices, HIDDEN, INTER, CONFIG)
+    real, attempts = calibrate._gptq_layer, []
+
+    def out_of_memory_once(*args):
+        attempts.append(args[1].device.type)
+        if len(attempts) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return real(*args)
+
+    monkeypatch.setattr(calibrate, "_on_gpu", lambda tensor: True)  # (this machine has no GPU: the branch is taken)
+    monkeypatch.setattr(calibrate, "_gptq_layer", out_of_memory_once)
+    assert same_layer(gptq_layer(flats, inputs, choices, HIDDEN, INTER, CONFIG), expected)
+    assert attempts == ["cpu", "cpu"]  # the GPU attempt, then the CPU one
+
+
 def test_recording_keeps_copies_on_the_inputs_device() -> None:
     class Inner:
         async def run(self, layer, x, ids, weights, mlp):

@@ -119,36 +119,49 @@ def test_the_layer_never_syncs_and_replays_in_a_cuda_graph_with_new_inputs(layer
     assert torch.equal(replay_counts, counts) and counts.sum().item() == A
 
 
-def test_the_top_k_in_the_routers_launch_is_the_routers_every_time(layer: QuantizedExperts) -> None:
+@pytest.mark.parametrize("experts, picks", [(E, A), (128, 8)])  # 4 router programs; 8 (Qwen3-MoE's 128 experts, top-8)
+def test_the_top_k_in_the_routers_launch_is_the_routers_every_time(layer: QuantizedExperts, experts: int, picks: int) -> None:
     """rowfused.Select: the router's last program (counted on a device counter) takes the top-k of what the other
-    programs stored. Run 200 times with new inputs, eagerly and as graph replays: each time the picks are torch's top-k
-    of the stored logits, each pick is counted once, and the counter is back at zero (a race would show here)."""
+    programs stored. Run 200 times with new inputs, eagerly and as graph replays: each time the picks are the router's
+    top-k of the stored logits, each pick is counted once at its expert, and the counter is back at zero (a race would
+    show here). With a shared expert (the Qwen layout: norm_ffn_input), and without one (norm_router)."""
     norm = 1 + randn(D, seed=30, scale=0.25)
-    packed = randn(2 * S + E + 1 + 3, D, seed=31, scale=D**-0.5)
-    sync, counts = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(E, device="cuda")
+    sync, counts = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(experts, device="cuda")
     x = randn(1, D, seed=32)
+    if experts == E:
+        packed = randn(2 * S + E + 1 + 3, D, seed=31, scale=D**-0.5)
+        quantized = layer
+    else:
+        router = randn(experts, D, seed=33, scale=D**-0.5)
+        small = (experts, 64, D)  # the gate/up kernel only reads the picks here: narrow experts keep the test light
+        quantized = quantize_experts(randn(*small, seed=34, scale=D**-0.5), randn(*small, seed=35, scale=D**-0.5),
+                                     randn(experts, D, 64, seed=36, scale=0.125), bits=4, group=64)  # fmt: skip
 
     def run() -> tuple[torch.Tensor, rowfused.Select, torch.Tensor]:
-        select = rowfused.Select.new(E, A, False, sync, counts)
-        h, _act, tail = rowfused.norm_ffn_input(x, norm, 1e-6, packed, S, E + 1, select=select)
-        rowfused.moe_gate_up(h, None, layer, A, False, picks=select)
+        select = rowfused.Select.new(experts, picks, False, sync, counts)
+        if experts == E:
+            h, _act, tail = rowfused.norm_ffn_input(x, norm, 1e-6, packed, S, E + 1, select=select)
+        else:
+            h, tail = rowfused.norm_router(x, norm, 1e-6, router, select=select)
+        rowfused.moe_gate_up(h, None, quantized, picks, False, picks=select)
         return tail, select, h
 
     def check(tail: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        # the router's order: larger logit first, the lower id among equals (bf16 logits of 60 experts tie often, and
-        # torch.topk orders ties as it likes: H200, row10g, [40, 24, 52, 44] against torch's [40, 52, 24, 44])
-        logits = tail[0, :E].float().cpu()
-        order = sorted(range(E), key=lambda e: (-logits[e].item(), e))[:A]
+        # the router's order: larger logit first, the lower id among equals (bf16 logits tie often, and torch.topk
+        # orders ties as it likes: H200, row10g, [40, 24, 52, 44] against torch's [40, 52, 24, 44])
+        logits = tail[0, :experts].float().cpu()
+        order = sorted(range(experts), key=lambda e: (-logits[e].item(), e))[:picks]
         assert ids.tolist() == order
         expected = torch.softmax(logits, dim=-1)[order].bfloat16().float()
         torch.testing.assert_close(weights.cpu(), expected, rtol=1e-2, atol=0.0)
+        assert torch.equal(counts.cpu(), torch.bincount(torch.tensor(order), minlength=experts).float())
+        assert sync.item() == 0
 
     for seed in range(100):
         x.copy_(randn(1, D, seed=100 + seed))
         counts.zero_()
         tail, select, _ = run()
         check(tail, select.ids, select.weights)
-        assert counts.sum().item() == A and sync.item() == 0
     graph, (static_tail, static_select, _) = captured(run)
     for seed in range(100):
         x.copy_(randn(1, D, seed=300 + seed))
@@ -156,4 +169,3 @@ def test_the_top_k_in_the_routers_launch_is_the_routers_every_time(layer: Quanti
         graph.replay()
         torch.cuda.synchronize()
         check(static_tail, static_select.ids, static_select.weights)
-        assert counts.sum().item() == A and sync.item() == 0

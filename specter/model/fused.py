@@ -50,9 +50,9 @@ RESIDUAL_ADDEND = True
 instead of a separate add (prediction: ~1 us fewer per layer-step)."""
 ROW_KERNELS = True
 """Whether the non-exact one-row forward (the draft step) runs a Qwen2-MoE-style layer through specter.model.rowfused:
-the norms folded into the products, the residual into the o_proj product, the router's top-k into the int4 gate/up
-GEMV, and the routed down products, the shared expert's down product and the residual into one launch (seven launches
-per layer instead of ~18; prediction at the Qwen shape: draft step 2.31 -> 1.8-2.0 ms)."""
+the norms folded into the products, the residual into the o_proj product, the router's top-k into the router's own
+launch, and the routed down products, the shared expert's down product and the residual into one launch (seven
+launches per layer instead of ~18; H200, tenth session: graphed draft step 2.30 -> 1.81 ms at the Qwen shape)."""
 POSITIONS_PER_SPLIT = 128
 """Cache positions per run of `decode_attention` (its default split is the capacity over this). H200, 2026-11-30:
 runs of 512 left 64 programs for a 2048-position cache of 16 heads, each streaming its run at ~9 GB/s (latency-bound),

@@ -11,19 +11,23 @@ layer (a shared expert, its sigmoid gate, int4 routed experts) runs as seven lau
    and product).
 5. `norm_ffn_input`: RMSNorm prologue, the packed product of the shared expert's gate and up, the router and the
    shared gate; gate and up rows are read by the same program and leave as silu(gate) * up; the router's and the
-   gate's logits leave as they are; the program 0 also stores the normalised row (the routed experts' input).
-6. `moe_gate_up`: every program takes the router's top-k itself (softmax over E logits, a few lanes), then the
-   int4 gate/up GEMV of its expert with the activation in the epilogue; program 0 writes the picks and counts the
-   routes (replaces top-k, the gate/up GEMV, its K parts' activation launch).
+   gate's logits leave as they are; the program 0 also stores the normalised row (the routed experts' input). The
+   router's rows run in the first programs, and the last of them to finish takes the router's top-k, writes the
+   picks and counts the routes (`Select`, RowConfig.topk_in_router). A layer without a shared expert runs
+   `norm_router` instead: the same launch with the router's rows alone.
+6. `moe_gate_up`: the int4 gate/up GEMV of each pick's expert with the activation in the epilogue (replaces top-k,
+   the gate/up GEMV, its K parts' activation launch). With topk_in_router off every program takes the top-k itself
+   (softmax over E logits) before its first weight load, and program 0 writes the picks and counts the routes.
 7. `moe_finish`: per block of output rows, the routed experts' int4 down products (rows of all picks, weighted and
-   added in ascending expert id), the shared expert's bf16 down product times its sigmoid gate, and the residual,
-   rounded once (replaces the down GEMV, the combine, the routed + residual add, the addend copy, the shared down
-   product and its split-K reduction).
+   added in ascending expert id), the shared expert's bf16 down product times its sigmoid gate (none without a shared
+   expert), and the residual, rounded once (replaces the down GEMV, the combine, the routed + residual add, the
+   addend copy, the shared down product and its split-K reduction).
 
-The int4 GEMVs read the packed codes as bytes (even k in the low nibble) or, with RowConfig.words_gate_up / words_finish, as 32-bit
-words (8 codes each, code k at bits 4 (k % 8) of word k // 8, as the bytes lie; H200: far slower at first, a
-[rows, words, 8] tile reshaped), and turn a code c into a float by the exponent trick (c | 0x4B000000 is 2^23 + c),
-not by an integer-to-float conversion; a group's sum is scale * (sum c * a - 7.5 * sum a) (stored code c = q + 8, level
+The int4 GEMVs read the packed codes as bytes (even k in the low nibble: `moe_gate_up` by default) or as 32-bit words
+(8 codes each, code k at bits 4 (k % 8) of word k // 8, as the bytes lie: `moe_finish` by default; RowConfig.
+words_gate_up / words_finish; H200: words cost gate/up 51.9 us against 14.3, bytes cost the finish 24.5 against 17.1),
+and turn a code c into a float by the exponent trick (c | 0x4B000000 is 2^23 + c), not by an integer-to-float
+conversion; a group's sum is scale * (sum c * a - 7.5 * sum a) (stored code c = q + 8, level
 q + 0.5). Every sum is float32; nothing here is exact (the draft never is; the verify is).
 """
 
@@ -58,9 +62,9 @@ class RowConfig:
     warps_finish: int = 4  # num_warps of moe_finish
     block_k_shared: int = 2048  # elements per K step of moe_finish's bf16 shared down product
     evict_first: bool = True  # weight loads marked evict-first (each weight byte is read once per step)
+    # (H200, row10d: block_k_shared 2048 and evict_first together 1.91 -> 1.85 ms per draft step at the Qwen shape)
     topk_in_router: bool = True  # the router's top-k in the input product's launch (Select), not in moe_gate_up
-    # (H200, row10g: draft step 1.84 -> 1.80 ms at the Qwen shape)
-    # (H200, row10d: both together 1.91 -> 1.85 ms per draft step at the Qwen shape; docs/BENCHMARKS.md)
+    # (H200, row10g/h: draft step 1.84 -> 1.80-1.81 ms at the Qwen shape; docs/BENCHMARKS.md)
     num_warps: int = 4
     num_stages: int = 3
 
@@ -87,7 +91,7 @@ def supports(qe: QuantizedExperts, config: RowConfig | None = None) -> bool:
     """Whether moe_gate_up / moe_finish take these experts: int4, rows of whole 32-bit words, a usable K step."""
     config = config or DEFAULT_CONFIG
     return (qe.bits == 4 and qe.hidden % 8 == 0 and qe.intermediate % 8 == 0
-            and qe.w13.shape[-1] % 4 == 0 and qe.w2.shape[-1] % 4 == 0
+            and qe.w13.stride(-1) == 1 and qe.w2.stride(-1) == 1
             and int4_block_k(qe.hidden, qe.w13_group, config.block_k_moe) is not None
             and int4_block_k(qe.intermediate, qe.w2_group, config.block_k_moe) is not None)  # fmt: skip
 
@@ -112,7 +116,10 @@ class Select:
     """The router's top-k taken inside the input product's launch (RowConfig.topk_in_router): the program that
     finishes the router's rows last (counted on `sync`, an int32 [1] zero that it sets back to zero) takes the
     softmax's top_k of the logits the others stored, writes `ids` [top_k] int32 and `weights` [top_k] float32 (rounded
-    to the activations' dtype, as the router's are) and adds one per pick to `counts` [E] float32 when given."""
+    to the activations' dtype, as the router's are) and adds one per pick to `counts` [E] float32 when given.
+
+    A counter serves one launch at a time: two launches sharing it on two streams at once would miscount (like the
+    route counter, the draft's counters serve one draft step at a time)."""
 
     experts: int  # the router's rows: the first `experts` of the product's tail
     top_k: int
@@ -151,7 +158,7 @@ def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias
     config = config or DEFAULT_CONFIG
     k_dim = weight.shape[1]
     x = _check_row(x, k_dim)
-    assert weight.stride(1) == 1 and rows <= weight.shape[0]
+    assert weight.stride(1) == 1 and rows <= weight.shape[0] and norm_weight.dtype == x.dtype
     out = torch.empty(1, rows, dtype=x.dtype, device=x.device)
     grid = (-(-rows // config.block_n),)
     pointers, constants = _no_select(x)
@@ -213,8 +220,9 @@ def norm_router(x: Tensor, norm_weight: Tensor, eps: float, router: Tensor, conf
 def _input_product(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, inter: int, tail: int, act: Tensor,
                    config: RowConfig, select: Select | None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The gated launch of norm_gemv: the tail's programs first (the router's rows, then any after them), then the
-    gate/up pairs'. Returns (h, tail outputs)."""
-    assert weight.stride(1) == 1
+    gate/up pairs'. Returns (h, tail outputs). (The norm weight has x's dtype: the normalised row is rounded to it,
+    where rms_norm would round to the promoted dtype.)"""
+    assert weight.stride(1) == 1 and norm_weight.dtype == x.dtype
     h = torch.empty_like(x)
     tail_out = torch.empty(1, tail, dtype=x.dtype, device=x.device)
     block_n = config.block_n
@@ -242,9 +250,9 @@ def moe_gate_up(h: Tensor, logits: Tensor | None, qe: QuantizedExperts, top_k: i
     counts unused: the Select counted them)."""
     config = config or DEFAULT_CONFIG
     h = _check_row(h, qe.hidden)
-    experts = qe.num_experts if picks is not None else (logits.shape[-1] if logits is not None else -1)
-    assert experts == qe.num_experts and 1 <= top_k <= experts and supports(qe, config)
-    assert picks is not None or (logits is not None and logits.numel() == experts)
+    experts = qe.num_experts
+    assert 1 <= top_k <= experts and supports(qe, config)
+    assert picks is not None or (logits is not None and logits.numel() == experts), "router logits [1, E], or picks"
     assert picks is None or (picks.top_k == top_k and picks.experts == experts)
     assert counts is None or (counts.dtype == torch.float32 and counts.is_contiguous() and counts.numel() == experts)
     assert qe.w13_scales.stride(2) == 1
@@ -311,7 +319,7 @@ def moe_finish(x: Tensor, act: Tensor, ids: Tensor, weights: Tensor, qe: Quantiz
 
 @functools.cache
 def _kernels() -> Any:
-    global tl, _int4_rows, _top_k
+    global tl, _int4_rows, _top_k, _store_picks
     import triton
     import triton.language
 
@@ -319,6 +327,7 @@ def _kernels() -> Any:
     fused._kernels()  # jits fused's helpers, its router selection among them
     _top_k = fused._top_k
     _int4_rows = triton.jit(_int4_rows)
+    _store_picks = triton.jit(_store_picks)
 
     class Kernels:
         norm_gemv = triton.jit(norm_gemv_kernel)
@@ -392,16 +401,23 @@ def norm_gemv_kernel(x_ptr, norm_ptr, w_ptr, stride_w, bias_ptr, res_ptr, out_pt
                 if tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") == tail_programs - 1:
                     tl.debug_barrier()
                     picked, values = _top_k(tail_ptr, experts, TOP_K, TOP_K_POW2, RENORMALIZE, BLOCK_E, ".cg")
-                    slots = tl.arange(0, TOP_K_POW2)
-                    tl.store(ids_ptr + slots, picked.to(tl.int32), mask=slots < TOP_K)
-                    tl.store(sel_w_ptr + slots, values.to(x_ptr.dtype.element_ty).to(tl.float32), mask=slots < TOP_K)
-                    if COUNT:
-                        tl.atomic_add(counts_ptr + picked, tl.full((TOP_K_POW2,), 1.0, tl.float32), mask=slots < TOP_K)
+                    values = values.to(x_ptr.dtype.element_ty).to(tl.float32)  # the router's weights' rounding
+                    _store_picks(ids_ptr, sel_w_ptr, counts_ptr, picked, values, TOP_K, TOP_K_POW2, COUNT)
                     tl.store(sync_ptr, 0)
     else:
         if RESIDUAL:
             total += tl.load(res_ptr + w_rows, mask=w_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + w_rows, total.to(out_ptr.dtype.element_ty), mask=w_ok)
+
+
+def _store_picks(ids_ptr, weights_ptr, counts_ptr, picked, values, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr,
+                 COUNT: tl.constexpr):  # fmt: skip
+    """Store the router's picks (ids int32, weights float32) and, COUNT, add one per pick to its route counter."""
+    slots = tl.arange(0, TOP_K_POW2)
+    tl.store(ids_ptr + slots, picked.to(tl.int32), mask=slots < TOP_K)
+    tl.store(weights_ptr + slots, values, mask=slots < TOP_K)
+    if COUNT:
+        tl.atomic_add(counts_ptr + picked, tl.full((TOP_K_POW2,), 1.0, tl.float32), mask=slots < TOP_K)
 
 
 def _int4_rows(w_rows, s_rows, w_ok, a_rows, k_dim, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -473,14 +489,10 @@ def moe_gate_up_kernel(h_ptr, logits_ptr, w_ptr, stride_we, stride_wn, s_ptr, st
     else:
         picked, values = _top_k(logits_ptr, experts, TOP_K, TOP_K_POW2, RENORMALIZE, BLOCK_E, "")
         values = values.to(h_ptr.dtype.element_ty).to(tl.float32)  # the router's weights are in the activations' dtype
-        slots = tl.arange(0, TOP_K_POW2)
         if pick == 0:
             if tl.program_id(1) == 0:
-                tl.store(ids_ptr + slots, picked.to(tl.int32), mask=slots < TOP_K)
-                tl.store(weights_ptr + slots, values, mask=slots < TOP_K)
-                if COUNT:
-                    tl.atomic_add(counts_ptr + picked, tl.full((TOP_K_POW2,), 1.0, tl.float32), mask=slots < TOP_K)
-        expert = tl.sum(tl.where(slots == pick, picked, 0), axis=0).to(tl.int64)
+                _store_picks(ids_ptr, weights_ptr, counts_ptr, picked, values, TOP_K, TOP_K_POW2, COUNT)
+        expert = tl.sum(tl.where(tl.arange(0, TOP_K_POW2) == pick, picked, 0), axis=0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     half = tl.arange(0, 2)
     w_rows = tl.reshape(cols[:, None] + inter * half[None, :], (2 * BLOCK_N,))  # gate c, up c, gate c + 1, ...

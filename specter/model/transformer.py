@@ -341,12 +341,14 @@ class Transformer:
     def row_feed_forward(self, layer: int, x: Tensor, experts: object) -> Tensor | None:
         """The draft step's MoE layer (one row, non-exact) in three launches of specter.model.rowfused: the norm and the
         layer's input product (Qwen2-MoE: the packed shared gate/up, router and gate, the shared activation in the
-        epilogue; without a shared expert: the router alone), the top-k and the routed experts' gate/up, then routed
-        down (+ shared down) + residual together. None where that does not apply: more rows, the exact forward, a
+        epilogue; without a shared expert: the router alone; its last router program takes the top-k), the routed
+        experts' gate/up, then routed down (+ shared down) + residual together. None where that does not apply: more rows, the exact forward, a
         family with its own routing, shared expert or linear, a shared expert that packs nothing (packed_ffn_input),
         biases on the router or the shared down, or experts that do not offer `row_experts(layer) -> (QuantizedExperts,
         route counter [E], int32 [1] zero for rowfused.Select) | None` (the draft's DraftExperts does)."""
         if not self._row_kernels(x) or layer in self.spec.dense_layers or not self._base_feed_forward():
+            return None
+        if not fused.ROUTER_AND_GATE:  # the A/B switch for torch's router: then the layer is not fused at all
             return None
         spec = self.spec
         offer = getattr(experts, "row_experts", None)

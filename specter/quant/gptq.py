@@ -193,7 +193,9 @@ def gptq_quantize_batch(
 
 # Working memory one gptq_quantize_batch call may take for its chunk of experts. 16 GiB holds a Qwen1.5-MoE layer's
 # 60 gate/up experts (2816 x 2048, ~0.25 GB each) in one chunk: every chunk costs ~20 small launches per column, so
-# on a GPU fewer, larger chunks are faster; on CUDA the budget is also capped at half the free device memory.
+# on a GPU fewer, larger chunks are faster. The chunk depends on the shapes alone, not on the free memory: batched
+# float64 kernels may sum in another order for another batch size, so the codes would depend on what else is on the
+# device (a layer that does not fit falls back to the CPU: specter.calibrate.gptq_layer).
 GPTQ_WORKING_BYTES = 16 << 30
 
 
@@ -205,15 +207,12 @@ def gptq_bytes_per_expert(n_rows: int, k: int) -> int:
 
 
 def experts_per_chunk(num: int, n_rows: int, k: int, device: torch.device | str, budget: int | None = None) -> int:
-    """How many of `num` weights [N, K] to quantize together on `device` within `budget` bytes (default
-    GPTQ_WORKING_BYTES, on CUDA at most half the free memory); the chunks are then evened out (60 at most 36
-    apiece: two chunks of 30, not 36 + 24)."""
-    device = torch.device(device)
+    """How many of `num` weights [N, K] to quantize together within `budget` bytes (default GPTQ_WORKING_BYTES, on
+    any device: the shapes alone decide); the chunks are then evened out (60 at most 36 apiece: two chunks of 30, not
+    36 + 24). `device` is kept for the callers' symmetry."""
+    del device
     if budget is None:
         budget = GPTQ_WORKING_BYTES
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = min(budget, free // 2)
     most = max(1, min(num, budget // gptq_bytes_per_expert(n_rows, k)))
     chunks = -(-num // most)
     return -(-num // chunks)
