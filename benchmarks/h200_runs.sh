@@ -32,7 +32,9 @@
 # of 16 positions costs 7.6 us in two launches, RoPE + KV writes 1.3 us (could go into the q/k/v GEMV's epilogue with
 # rows c and c + hd/2 in one program); copy busy at 15 residents (0.77: the verify's first layers and the gaps between
 # layers' misses); the GPU-idle host work at round boundaries (trace_gaps --with-stack after the deferral); a Gen4 run
-# of issue 4's figures with the row kernels; the eager draft step (10.9-21.2 ms across
+# of issue 4's figures with the row kernels; the row kernels on Qwen3-30B-A3B and Mixtral-8x7B (graphed_tpot.py
+# --shape qwen3-30b-a3b --layers 8 --without ROW_KERNELS; the shapes are new, not yet built on the GPU); the eager
+# draft step (10.9-21.2 ms across
 # this session's calls: noisy, unexplained; the graphed step is what runs on CUDA).
 # Write everything straight under $OUT (a command killed at its limit returns only what is already there).
 set -u
