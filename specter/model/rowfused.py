@@ -146,6 +146,13 @@ class Select:
                      RENORMALIZE=self.renormalize, BLOCK_E=_pow2(experts)))  # fmt: skip
 
 
+def _gemv_launch(config: RowConfig, k_dim: int) -> dict[str, Any]:
+    """norm_gemv's K step, the row's padded width, the weight loads' policy and the launch parameters (every caller
+    alike)."""
+    return dict(BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), EVICT=_evict(config),
+                num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
+
+
 def _no_select(dummy: Tensor) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
     return (dummy, dummy, dummy, dummy), dict(SELECT=False, COUNT=False, TOP_K=1, TOP_K_POW2=2, RENORMALIZE=False,
                                              BLOCK_E=2)  # fmt: skip
@@ -164,9 +171,8 @@ def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias
     pointers, constants = _no_select(x)
     _kernels().norm_gemv[grid](
         x, norm_weight, weight, weight.stride(0), weight if bias is None else bias, x, out, out, out, *pointers, rows,
-        k_dim, 0, 1, eps, **constants, NORM=True, BIAS=bias is not None, RESIDUAL=False, GATED=False, STORE_H=False, BLOCK_N=config.block_n,
-        ROWS=config.block_n, BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), EVICT=_evict(config),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        k_dim, 0, 1, eps, **constants, NORM=True, BIAS=bias is not None, RESIDUAL=False, GATED=False, STORE_H=False,
+        BLOCK_N=config.block_n, ROWS=config.block_n, **_gemv_launch(config, k_dim),
     )  # fmt: skip
     return out
 
@@ -183,10 +189,8 @@ def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, config: RowConf
     pointers, constants = _no_select(x)
     _kernels().norm_gemv[(-(-rows // config.block_n),)](
         x, x, weight, weight.stride(0), x, residual, out, out, out, *pointers, rows, k_dim, 0, 1, 0.0, **constants,
-        NORM=False, BIAS=False,
-        RESIDUAL=True, GATED=False, STORE_H=False, BLOCK_N=config.block_n, ROWS=config.block_n,
-        BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), EVICT=_evict(config), num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        NORM=False, BIAS=False, RESIDUAL=True, GATED=False, STORE_H=False, BLOCK_N=config.block_n, ROWS=config.block_n,
+        **_gemv_launch(config, k_dim),
     )  # fmt: skip
     return out
 
@@ -232,9 +236,7 @@ def _input_product(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, i
     _kernels().norm_gemv[grid](
         x, norm_weight, weight, weight.stride(0), x, x, act, h, tail_out, *pointers, 2 * inter + tail, weight.shape[1],
         inter, 1 if select is None else select.experts, eps, **constants, NORM=True, BIAS=False, RESIDUAL=False,
-        GATED=True, STORE_H=True,
-        BLOCK_N=block_n, ROWS=2 * block_n, BLOCK_K=min(config.block_k, _pow2(weight.shape[1])),
-        BLOCK_X=_pow2(weight.shape[1]), EVICT=_evict(config), num_warps=config.num_warps, num_stages=config.num_stages,
+        GATED=True, STORE_H=True, BLOCK_N=block_n, ROWS=2 * block_n, **_gemv_launch(config, weight.shape[1]),
     )  # fmt: skip
     return h, tail_out
 
