@@ -113,7 +113,8 @@ def eager_tpot(model, experts, prompt: list[int], count: int) -> tuple[float, li
 def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits: tuple[int, ...] = (0,),
                profile_out: str | None = None, router_ab: bool = False, ab: bool = False,
                kv_write_ab: bool = False, without: Sequence[str] = (), moe_configs: Sequence[dict] = (),
-               row_configs: Sequence[dict] = ()) -> dict:
+               row_configs: Sequence[dict] = (), profile_row: dict | None = None,
+               positions_per_split: Sequence[int] = ()) -> dict:
     """The int4 draft's per-step time, graphed (k replays, no host sync) and eager, against its byte floor."""
     from specter.decode import prefill
     from specter.draft import Draft
@@ -170,6 +171,12 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
         measure(f"draft-int4-graphed-moe{index}", moe=changes)
     for index, changes in enumerate(row_configs):  # the one-row kernels (specter.model.rowfused) with these tiles
         measure(f"draft-int4-graphed-row{index}", row=changes)
+    for positions in positions_per_split:  # decode_attention's runs of this many cache positions
+        fused.POSITIONS_PER_SPLIT, saved = positions, fused.POSITIONS_PER_SPLIT
+        try:
+            measure(f"draft-int4-graphed-split-positions{positions}")
+        finally:
+            fused.POSITIONS_PER_SPLIT = saved
     for flag in without:  # each fused switch off alone, then all of them at once
         measure(f"draft-int4-graphed-no-{flag.lower().replace('_', '-')}", **{flag: False})
     if len(without) > 1:
@@ -177,11 +184,15 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
     if profile_out is not None:  # where the graphed draft step's time goes, kernel by kernel (one proposal)
         from torch.profiler import ProfilerActivity, profile
 
-        draft = Draft(runtime.model, runtime.draft.experts, static=True)
-        asyncio.run(seconds_per_round(draft))
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            asyncio.run(draft.propose(x0, len(prompt), k, kv, SamplingParams()))
-            torch.cuda.synchronize()
+        rowfused.DEFAULT_CONFIG = dataclasses.replace(row_default, **(profile_row or {}))  # the profiled tiles
+        try:
+            draft = Draft(runtime.model, runtime.draft.experts, static=True)
+            asyncio.run(seconds_per_round(draft))
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                asyncio.run(draft.propose(x0, len(prompt), k, kv, SamplingParams()))
+                torch.cuda.synchronize()
+        finally:
+            rowfused.DEFAULT_CONFIG = row_default
         averages = prof.key_averages()
         for key in ("self_device_time_total", "self_cuda_time_total"):
             try:
@@ -217,6 +228,10 @@ def main() -> None:
                         "also time the graphed draft step with them (rows draft-int4-graphed-moe0, -moe1, ...)")
     parser.add_argument("--row-config", action="append", default=[], help="a JSON object of RowConfig fields "
                         "(specter.model.rowfused): also time the graphed draft step with them (repeatable)")
+    parser.add_argument("--profile-row-config", default=None, help="a JSON object of RowConfig fields for the "
+                        "--profile-draft table (default: the module's tiles)")
+    parser.add_argument("--positions-per-split", default="", help="also time the step with fused.POSITIONS_PER_SPLIT "
+                        "set to each of these (comma-separated; decode_attention's runs, one launch when one run)")
     parser.add_argument("--prompt-length", type=int, default=16, help="positions already in the cache (the draft "
                         "attends over these; at most --max-context minus k)")
     args = parser.parse_args()
@@ -235,7 +250,9 @@ def main() -> None:
                        profile_out=args.profile_draft, router_ab=args.router_ab, ab=args.ab,
                        kv_write_ab=args.kv_write, without=[flag for flag in args.without.split(",") if flag],
                        moe_configs=[json.loads(text) for text in args.moe_config],
-                       row_configs=[json.loads(text) for text in args.row_config])
+                       row_configs=[json.loads(text) for text in args.row_config],
+                       profile_row=json.loads(args.profile_row_config) if args.profile_row_config else None,
+                       positions_per_split=[int(p) for p in args.positions_per_split.split(",") if p])
     asyncio.run(runtime.aclose())
     label = f"{args.shape}" + (f" (first {args.layers} layers)" if args.layers else "")
     result = {"shape": label, "rows": rows, "graphed_vs_eager": agreement, "gpu": torch.cuda.get_device_name(),

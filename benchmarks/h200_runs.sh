@@ -453,6 +453,47 @@ case "$stage" in
       --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
     tail -4 "$out/logs/graphed.log"
     tar czf "$out/row10h.tgz" -C "$out" logs graphed 2>/dev/null ;;
+  pdl11)          # (RESULT: 1.82 ms with PDL against 1.80 without; the code was reverted, its diff is in
+    # results/h200-2026-11-30/eleventh/pdl11/pdl.diff, so this stage no longer runs as written)
+    # eleventh session: programmatic dependent launch (fused.PDL) for the draft step's Triton kernels (the
+    # three rowfused kernels, rope_and_cache, decode_attention and its merge): each launches while its predecessor runs,
+    # hints the first RowConfig.prefetch_bytes of its fixed weight rows into L2, then waits (griddepcontrol.wait).
+    # ~8 launch boundaries per layer-step at ~1-2 us each of launch latency and first-load latency.
+    # PREDICTIONS: GPU tests pass (the new PDL bit-identity test among them). Draft step 1.81 -> 1.55-1.70 ms with PDL;
+    # without PDL 1.81 +- 0.02; prefetch_bytes 0 / 1024 / 4096 within 0.03 ms of 2048 (the launch overlap is most of it).
+    mkdir -p "$out/logs"
+    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_rowfused.py > "$out/logs/gpu-tests-row.log" 2>&1
+    tail -2 "$out/logs/gpu-tests-row.log"; grep -E "^(FAILED|E  )" "$out/logs/gpu-tests-row.log" | head -12
+    timeout 220 python benchmarks/graphed_tpot.py --draft-only --without PDL --row-config '{"prefetch_bytes":0}' \
+      --row-config '{"prefetch_bytes":1024}' --row-config '{"prefetch_bytes":4096}' --profile-draft "$out/profile.txt" \
+      --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    tail -9 "$out/logs/graphed.log"
+    tar czf "$out/pdl11.tgz" -C "$out" logs graphed profile.txt 2>/dev/null ;;
+  dbl11)          # (RESULT: double buffering 1.85-2.06 ms against 1.80, reverted: results/h200-2026-11-30/eleventh/dbl11/
+    # double-buffer.diff; one attention run 1.75 ms)
+    # after pdl11 (PDL: 1.82 ms against 1.80 without; no gain). Triton pipelines none of the row kernels' loops
+    # (their loads feed no dot: no cp.async in the PTX), so a program has one K step of weights in flight at a time.
+    # RowConfig.double_buffer / double_buffer_moe load step i + 1's weights (and the int4 scales) before step i's
+    # arithmetic. And decode_attention with one run (POSITIONS_PER_SPLIT 512: one launch, no merge, 16 positions).
+    # PREDICTIONS: double_buffer 1.81 -> 1.71-1.76 ms (the bf16 GEMVs 28.5 -> 24-26 us per layer-step); double_buffer_moe
+    # 1.81 -> 1.69-1.76 (gate/up 12 -> 8-10 us, finish 14.7 -> 12-13); both 1.62-1.72; one attention run -0.03 to -0.06.
+    mkdir -p "$out/logs"
+    timeout 300 python benchmarks/graphed_tpot.py --draft-only --row-config '{"double_buffer":true}' \
+      --row-config '{"double_buffer_moe":true}' --row-config '{"double_buffer":true,"double_buffer_moe":true}' \
+      --row-config '{"double_buffer":true,"double_buffer_moe":true,"block_k":256,"block_k_moe":256}' \
+      --positions-per-split 512 --profile-draft "$out/profile.txt" \
+      --profile-row-config '{"double_buffer":true,"double_buffer_moe":true}' --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    tail -10 "$out/logs/graphed.log"
+    tar czf "$out/dbl11.tgz" -C "$out" logs graphed profile.txt 2>/dev/null ;;
+  kern11)         # after dbl11 (double buffering slower: 1.85-2.06 ms; one attention run 1.75 against 1.80; the profile's
+    # kernel times add up to the step's wall: the launch boundaries cost little). Each row kernel alone, 24 weight copies,
+    # over a grid of tiles (benchmarks/row_kernels_bench.py): which kernel is far from its bytes, which tiles suit it
+    # (RowConfig's block_n / block_k / num_warps serve q/k/v, o_proj and the FFN input alike).
+    # PREDICTIONS: o_proj (256 programs at block_n 8) far below the others' TB/s and fastest at block_n 2-4; attention
+    # with one run 2-3 us below four runs (plus its merge); gate_up at ~1 TB/s whatever the tiles.
+    mkdir -p "$out/logs"
+    timeout 480 python benchmarks/row_kernels_bench.py --out "$out/row-kernels" > "$out/logs/row-kernels.log" 2>&1
+    tail -12 "$out/logs/row-kernels.log" ;;
   review10)       # after the review of the tenth session's changes (docs, the row path off with torch's router for layers
     # without a shared expert, the picks' store in one helper, a 128-expert top-8 race test, GPTQ's chunk from the shapes
     # alone with a CPU fallback for a layer that does not fit). PREDICTION: every test passes.
