@@ -494,6 +494,25 @@ case "$stage" in
     mkdir -p "$out/logs"
     timeout 480 python benchmarks/row_kernels_bench.py --out "$out/row-kernels" > "$out/logs/row-kernels.log" 2>&1
     tail -12 "$out/logs/row-kernels.log" ;;
+  int8g11)        # after kern11 (alone: gate_up 13.96 us for 11.8 MB whatever the tiles, ~1,000 PTX instructions per K step
+    # per thread: issue-bound; o_proj 5.16 -> 4.09 us at block_n 2 / block_k 1024; the FFN input 15.0 -> 14.3 at
+    # block_n 4). RowConfig.int8_gate_up: h quantised to int8 per group, codes x activations summed by dp4a (~300
+    # instructions per K step); o_proj and the FFN input with their own tiles (block_n_residual 2, block_k_residual 1024,
+    # block_n_input 4).
+    # PREDICTIONS: GPU tests pass (dp4a bit-equal to its emulation). gate_up alone (picks given) 12-14 -> 5-7 us; the
+    # draft step 1.80 -> 1.60-1.66 ms; with int8_gate_up off 1.74-1.78 (the tiles alone); with the old tiles 1.64-1.70.
+    mkdir -p "$out/logs"
+    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_rowfused.py tests/test_gpu_graphed.py \
+      > "$out/logs/gpu-tests.log" 2>&1
+    tail -2 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|E  )" "$out/logs/gpu-tests.log" | head -12
+    timeout 200 python benchmarks/row_kernels_bench.py --kernels gate_up,o_proj,ffn_input --out "$out/row-kernels" \
+      > "$out/logs/row-kernels.log" 2>&1
+    tail -4 "$out/logs/row-kernels.log"
+    timeout 200 python benchmarks/graphed_tpot.py --draft-only --row-config '{"int8_gate_up":false}' \
+      --row-config '{"block_n_residual":8,"block_k_residual":512,"block_n_input":8}' --positions-per-split 512 \
+      --profile-draft "$out/profile.txt" --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    tail -7 "$out/logs/graphed.log"
+    tar czf "$out/int8g11.tgz" -C "$out" logs graphed row-kernels profile.txt 2>/dev/null ;;
   review10)       # after the review of the tenth session's changes (docs, the row path off with torch's router for layers
     # without a shared expert, the picks' store in one helper, a 128-expert top-8 race test, GPTQ's chunk from the shapes
     # alone with a CPU fallback for a layer that does not fit). PREDICTION: every test passes.

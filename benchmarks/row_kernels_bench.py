@@ -66,10 +66,13 @@ def kernels(stack: list[Layer]) -> dict[str, tuple[Callable[[Layer, rowfused.Row
     """name -> (one launch on a layer with a config, the bytes it reads from its layer's weights)."""
     x, residual = bf16(1, D), bf16(1, D)
     sync, counts = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(E, device="cuda")
-    h, logits = bf16(1, D), bf16(1, E)
+    h = bf16(1, D)
     act = bf16(A, I, scale=0.1)
     ids = torch.tensor([3, 17, 29, 41], dtype=torch.int32, device="cuda")
     weights = torch.full((A,), 0.25, device="cuda")
+    picks = rowfused.Select.new(E, A, False, sync)  # what the router's launch leaves for gate/up in the step
+    picks.ids.copy_(ids)
+    picks.weights.copy_(weights)
     shared_act, gate_logit = bf16(1, S, scale=0.1), bf16(1, 1)
     q, k, v = bf16(1, HEADS, HEAD_DIM), bf16(1, HEADS, HEAD_DIM), bf16(1, HEADS, HEAD_DIM)
     angles = torch.arange(CAPACITY, device="cuda")[:, None] * torch.linspace(0, 1, HEAD_DIM, device="cuda")[None, :]
@@ -88,7 +91,7 @@ def kernels(stack: list[Layer]) -> dict[str, tuple[Callable[[Layer, rowfused.Row
                 3 * D * D * 2),
         "o_proj": (lambda layer, config: rowfused.linear_residual(x, layer.o_proj, residual, config), D * D * 2),
         "ffn_input": (ffn_input, (2 * S + E + 1) * D * 2),
-        "gate_up": (lambda layer, config: rowfused.moe_gate_up(h, logits, layer.experts, A, False, None, config),
+        "gate_up": (lambda layer, config: rowfused.moe_gate_up(h, None, layer.experts, A, False, None, config, picks),
                     routed_bytes),
         "finish": (lambda layer, config: rowfused.moe_finish(x, act, ids, weights, layer.experts, shared_act,
                                                              layer.shared_down, gate_logit, config), finish_bytes),
@@ -122,8 +125,11 @@ def time_launches(run: Callable[[Layer, rowfused.RowConfig], object], stack: lis
 
 
 SWEEPS: dict[str, list[dict]] = {
-    "gemv": [dict(block_n=n, block_k=k, num_warps=w) for n, k, w in itertools.product((2, 4, 8, 16), (512, 1024), (4, 8))],
-    "gate_up": [dict(block_n_moe=n, block_k_moe=k, warps_moe=w) for n, k, w in itertools.product((8, 16, 32), (512, 1024), (4, 8))],
+    "gemv": [dict(block_n=n, block_k=k, num_warps=w) for n, k, w in itertools.product((2, 4, 8, 16), (512, 1024), (4, 8))]
+    + [dict(block_n_residual=n, block_k_residual=k) for n, k in itertools.product((1, 2, 4), (512, 1024, 2048))]
+    + [dict(block_n_input=n) for n in (2, 4, 8)],
+    "gate_up": [dict(int8_gate_up=False)]
+    + [dict(block_n_moe=n, block_k_moe=k, warps_moe=w) for n, k, w in itertools.product((8, 16, 32), (512, 1024), (4, 8))],
     "finish": [dict(block_n_finish=n, warps_finish=w, block_k_shared=s) for n, w, s in itertools.product((1, 2, 4, 8), (2, 4, 8), (1024, 2048))],
 }  # fmt: skip
 SWEEP_OF = {"qkv": "gemv", "o_proj": "gemv", "ffn_input": "gemv", "gate_up": "gate_up", "finish": "finish"}

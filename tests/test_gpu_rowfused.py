@@ -169,3 +169,22 @@ def test_the_top_k_in_the_routers_launch_is_the_routers_every_time(layer: Quanti
         graph.replay()
         torch.cuda.synchronize()
         check(static_tail, static_select.ids, static_select.weights)
+
+
+def test_int8_gate_up_by_dp4a_equals_its_integer_emulation_and_the_float_path_within_1_percent(layer: QuantizedExperts) -> None:
+    """RowConfig.int8_gate_up: h in int8 per group and the codes x activations summed in int32 by dp4a. The sums are
+    integers, so the instruction and its plain-integer emulation (what the CPU's interpreter tests run) give the same
+    bits; against the float path (bf16 h, float32 sums) the activations differ by at most 1e-2 relative."""
+    import dataclasses
+
+    counts = torch.zeros(E, device="cuda")
+    for seed in range(5):
+        h, logits = randn(1, D, seed=60 + seed, scale=2.0), randn(1, E, seed=70 + seed, scale=2.0)
+        runs = {}
+        for name, changes in (("dp4a", {}), ("emulated", {"dp4a": False}), ("float", {"int8_gate_up": False})):
+            config = dataclasses.replace(rowfused.DEFAULT_CONFIG, **changes)
+            runs[name] = rowfused.moe_gate_up(h, logits, layer, A, False, counts, config)
+        assert rowfused.DEFAULT_CONFIG.int8_gate_up and rowfused.DEFAULT_CONFIG.dp4a  # what the draft step runs
+        assert torch.equal(runs["dp4a"][0], runs["emulated"][0])
+        assert torch.equal(runs["dp4a"][1], runs["float"][1])  # the same picks
+        assert 1e-5 < gap(runs["dp4a"][0], runs["float"][0]) < 1e-2

@@ -34,6 +34,7 @@ q + 0.5). Every sum is float32; nothing here is exact (the draft never is; the v
 from __future__ import annotations
 
 import functools
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,14 @@ class RowConfig:
     # (H200, row10g/h: draft step 1.84 -> 1.80-1.81 ms at the Qwen shape; docs/BENCHMARKS.md)
     num_warps: int = 4
     num_stages: int = 3
+    block_n_residual: int = 2  # output rows per program of linear_residual (o_proj: 2048 rows, 1,024 programs)
+    block_k_residual: int = 1024  # its K step (H200, kern11, o_proj alone: 5.16 us at 8 / 512, 4.09 at 2 / 1024)
+    block_n_input: int = 4  # gate/up column pairs per program of the FFN input product (kern11: 15.0 us at 8, 14.3 at 4)
+    int8_gate_up: bool = True  # moe_gate_up quantises h to int8 (per group of the weights' K, absmax) and sums codes x
+    # activations as 32-bit integers, four products per dp4a instruction (the float path spends ~8 instructions per code:
+    # H200, kern11, 13.96 us for 11.8 MB whatever the tiles)
+    dp4a: bool = True  # int8_gate_up's integer sums by the dp4a instruction on CUDA (False: in plain integer
+    # operations, as Triton's interpreter runs them; the GPU test holds the two to the same bits)
 
 
 DEFAULT_CONFIG = RowConfig()  # what the functions use when no config is passed (benchmarks may swap it)
@@ -187,10 +196,12 @@ def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, config: RowConf
     assert weight.stride(1) == 1
     out = torch.empty_like(residual)
     pointers, constants = _no_select(x)
-    _kernels().norm_gemv[(-(-rows // config.block_n),)](
+    block_n = config.block_n_residual
+    tiles = dataclasses.replace(config, block_k=config.block_k_residual)
+    _kernels().norm_gemv[(-(-rows // block_n),)](
         x, x, weight, weight.stride(0), x, residual, out, out, out, *pointers, rows, k_dim, 0, 1, 0.0, **constants,
-        NORM=False, BIAS=False, RESIDUAL=True, GATED=False, STORE_H=False, BLOCK_N=config.block_n, ROWS=config.block_n,
-        **_gemv_launch(config, k_dim),
+        NORM=False, BIAS=False, RESIDUAL=True, GATED=False, STORE_H=False, BLOCK_N=block_n, ROWS=block_n,
+        **_gemv_launch(tiles, k_dim),
     )  # fmt: skip
     return out
 
@@ -229,7 +240,7 @@ def _input_product(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, i
     assert weight.stride(1) == 1 and norm_weight.dtype == x.dtype
     h = torch.empty_like(x)
     tail_out = torch.empty(1, tail, dtype=x.dtype, device=x.device)
-    block_n = config.block_n
+    block_n = config.block_n_input
     assert select is None or select.experts <= tail
     pointers, constants = _no_select(x) if select is None else select.args(x)
     grid = (-(-inter // block_n) + -(-tail // (2 * block_n)),)
@@ -267,14 +278,16 @@ def moe_gate_up(h: Tensor, logits: Tensor | None, qe: QuantizedExperts, top_k: i
     assert logits is not None
     block_k = int4_block_k(qe.hidden, qe.w13_group, config.block_k_moe)
     assert block_k is not None
-    words = _words(qe.w13) if config.words_gate_up else qe.w13
+    int8 = config.int8_gate_up
+    words = _words(qe.w13) if config.words_gate_up or int8 else qe.w13
     grid = (top_k, -(-qe.intermediate // config.block_n_moe))
     _kernels().moe_gate_up[grid](
         h, logits.contiguous(), words, words.stride(0), words.stride(1), qe.w13_scales, qe.w13_scales.stride(0),
         qe.w13_scales.stride(1), act, ids, weights, weights if counts is None else counts, experts, qe.intermediate,
         qe.hidden, TOP_K=top_k, TOP_K_POW2=max(2, _pow2(top_k)), RENORMALIZE=renormalize, COUNT=counts is not None,
         PICKED=picks is not None, BLOCK_E=_pow2(experts), GROUP=qe.w13_group, BLOCK_N=config.block_n_moe, BLOCK_K=block_k,
-        GROUPS=max(1, block_k // qe.w13_group), WORDS=config.words_gate_up, EVICT=_evict(config), num_warps=config.warps_moe,
+        GROUPS=max(1, block_k // qe.w13_group), WORDS=config.words_gate_up or int8, INT8_A=int8, DP4A=h.is_cuda and config.dp4a,
+        EVICT=_evict(config), num_warps=config.warps_moe,
         num_stages=config.num_stages,
     )  # fmt: skip
     return act, ids, weights
@@ -321,7 +334,7 @@ def moe_finish(x: Tensor, act: Tensor, ids: Tensor, weights: Tensor, qe: Quantiz
 
 @functools.cache
 def _kernels() -> Any:
-    global tl, _int4_rows, _top_k, _store_picks
+    global tl, _int4_rows, _int4_rows_int8, _dp4a, _top_k, _store_picks
     import triton
     import triton.language
 
@@ -329,6 +342,8 @@ def _kernels() -> Any:
     fused._kernels()  # jits fused's helpers, its router selection among them
     _top_k = fused._top_k
     _int4_rows = triton.jit(_int4_rows)
+    _int4_rows_int8 = triton.jit(_int4_rows_int8)
+    _dp4a = triton.jit(_dp4a)
     _store_picks = triton.jit(_store_picks)
 
     class Kernels:
@@ -477,14 +492,66 @@ def _int4_rows(w_rows, s_rows, w_ok, a_rows, k_dim, stride_sg, GROUP: tl.constex
     return tl.sum(acc, axis=1)
 
 
+def _dp4a(a, b, c, DP4A: tl.constexpr):
+    """c + the sum over the four bytes i of a's byte i (unsigned) times b's byte i (signed), int32 (the dp4a
+    instruction; without DP4A, the same sum in plain integer operations, as Triton's interpreter needs)."""
+    if DP4A:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)  # fmt: skip
+    else:
+        total = c
+        for lane in tl.static_range(4):
+            total += ((a >> (8 * lane)) & 0xFF) * ((b << (24 - 8 * lane)) >> 24)
+        return total
+
+
+def _int4_rows_int8(w_rows, s_rows, w_ok, a_ptr, k_dim, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUPS: tl.constexpr, ROWS: tl.constexpr, DP4A: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
+    """`_int4_rows` of rows that share one activation vector (a_ptr [k_dim]), with the activations quantised to int8:
+    per K step, each of its GROUPS parts of BLOCK_K / GROUPS values (a weight group, or the step inside one) gets the
+    scale sa = max |a| / 127 and a8 = round(a / sa); the codes c (stored q + 8) and a8 are multiplied and summed in
+    int32, four at a time (`_dp4a`: codes 8j + 2i as word j's low nibbles against the activations' even lanes, the
+    high nibbles against the odd ones), and a part's sum is scale * sa * (sum c a8 - 7.5 sum a8). w_rows [ROWS]:
+    pointers to each row's packed codes as 32-bit words."""
+    WORDS_PER_STEP: tl.constexpr = BLOCK_K // 8
+    lanes = tl.arange(0, 4)
+    acc = tl.zeros((ROWS, GROUPS), dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.reshape(tl.load(a_ptr + ks, mask=ks < k_dim, other=0.0).to(tl.float32), (GROUPS, BLOCK_K // GROUPS))
+        top = tl.max(tl.abs(a), axis=1)  # [GROUPS]
+        sa = tl.where(top > 0, top / 127.0, 1.0)
+        a8 = ((a / sa[:, None] + 12582912.0) - 12582912.0).to(tl.int32)  # to the nearest, ties to even (|.| <= 127)
+        a8_sum = tl.sum(a8, axis=1)  # [GROUPS]
+        even, odd = tl.split(tl.reshape(a8, (WORDS_PER_STEP, 4, 2)))  # lanes i: a8[8j + 2i], a8[8j + 2i + 1]
+        a_even = tl.sum((even & 0xFF) << (8 * lanes)[None, :], axis=1)  # [WORDS_PER_STEP] int32, disjoint bytes
+        a_odd = tl.sum((odd & 0xFF) << (8 * lanes)[None, :], axis=1)
+        word = k0 // 8 + tl.arange(0, WORDS_PER_STEP)
+        packed = tl.load(w_rows[:, None] + word[None, :], mask=w_ok[:, None] & (word < k_dim // 8)[None, :], other=0,
+                         eviction_policy=EVICT)  # fmt: skip
+        low = packed & 0x0F0F0F0F
+        high = (packed >> 4) & 0x0F0F0F0F
+        shape: tl.constexpr = (ROWS, WORDS_PER_STEP)
+        dots = _dp4a(low, tl.broadcast_to(a_even[None, :], shape), tl.zeros(shape, dtype=tl.int32), DP4A)
+        dots = _dp4a(high, tl.broadcast_to(a_odd[None, :], shape), dots, DP4A)
+        dots = tl.sum(tl.reshape(dots, (ROWS, GROUPS, WORDS_PER_STEP // GROUPS)), axis=2)  # [ROWS, GROUPS]
+        group = k0 // GROUP + tl.arange(0, GROUPS)
+        scale = tl.load(s_rows[:, None] + (group * stride_sg)[None, :],
+                        mask=w_ok[:, None] & (group * GROUP < k_dim)[None, :], other=0.0).to(tl.float32)
+        acc += (dots.to(tl.float32) - 7.5 * a8_sum.to(tl.float32)[None, :]) * (scale * sa[None, :])
+    return tl.sum(acc, axis=1)
+
+
 def moe_gate_up_kernel(h_ptr, logits_ptr, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, act_ptr,
                        ids_ptr, weights_ptr, counts_ptr, experts, inter, k_dim, TOP_K: tl.constexpr,
                        TOP_K_POW2: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr,
                        PICKED: tl.constexpr, BLOCK_E: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUPS: tl.constexpr, WORDS: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
+                       GROUPS: tl.constexpr, WORDS: tl.constexpr, INT8_A: tl.constexpr, DP4A: tl.constexpr,
+                       EVICT: tl.constexpr):  # fmt: skip
     """Program (pick j, column block): the router's top-k from the logits (fused's selection, every program alike;
     PICKED: read from ids_ptr instead), then silu(gate h) * up h of the j-th pick's expert for BLOCK_N columns.
-    Program (0, 0) stores the picks and counts them (not with PICKED)."""
+    Program (0, 0) stores the picks and counts them (not with PICKED). INT8_A: h quantised to int8 and the products
+    summed as integers (`_int4_rows_int8`; DP4A: with the dp4a instruction, else its emulation)."""
     pick = tl.program_id(0)
     if PICKED:  # the input product's launch took the top-k (Select)
         expert = tl.load(ids_ptr + pick).to(tl.int64)
@@ -499,8 +566,13 @@ def moe_gate_up_kernel(h_ptr, logits_ptr, w_ptr, stride_we, stride_wn, s_ptr, st
     half = tl.arange(0, 2)
     w_rows = tl.reshape(cols[:, None] + inter * half[None, :], (2 * BLOCK_N,))  # gate c, up c, gate c + 1, ...
     w_ok = tl.reshape((cols < inter)[:, None] & (half[None, :] < 2), (2 * BLOCK_N,))
-    total = _int4_rows(w_ptr + expert * stride_we + w_rows.to(tl.int64) * stride_wn, s_ptr + expert * stride_se + w_rows,
-                       w_ok, h_ptr, k_dim, stride_sg, GROUP, BLOCK_K, GROUPS, 2 * BLOCK_N, True, WORDS, EVICT)  # fmt: skip
+    if INT8_A:
+        total = _int4_rows_int8(w_ptr + expert * stride_we + w_rows.to(tl.int64) * stride_wn,
+                                s_ptr + expert * stride_se + w_rows, w_ok, h_ptr, k_dim, stride_sg, GROUP, BLOCK_K, GROUPS,
+                                2 * BLOCK_N, DP4A, EVICT)  # fmt: skip
+    else:
+        total = _int4_rows(w_ptr + expert * stride_we + w_rows.to(tl.int64) * stride_wn, s_ptr + expert * stride_se + w_rows,
+                           w_ok, h_ptr, k_dim, stride_sg, GROUP, BLOCK_K, GROUPS, 2 * BLOCK_N, True, WORDS, EVICT)  # fmt: skip
     gate, up = tl.split(tl.reshape(total, (BLOCK_N, 2)))
     tl.store(act_ptr + pick.to(tl.int64) * inter + cols, (gate * tl.sigmoid(gate) * up).to(act_ptr.dtype.element_ty),
              mask=cols < inter)  # fmt: skip
