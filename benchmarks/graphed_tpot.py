@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from resident_tpot import HBM_BYTES_PER_S, SHAPES, active_bytes, build_hf  # noqa: E402  (the same model construction)
 
 DEVICE = "cuda"
-FUSED_FLAGS = ("ROW_KERNELS", "DECODE_ATTENTION", "ROUTER_AND_GATE", "ROPE_WRITES_CACHE", "PACKED_QKV", "PACKED_FFN_INPUT",
+FUSED_FLAGS = ("MERGE_IN_LAUNCH", "ROW_KERNELS", "DECODE_ATTENTION", "ROUTER_AND_GATE", "ROPE_WRITES_CACHE", "PACKED_QKV", "PACKED_FFN_INPUT",
                "RESIDUAL_ADDEND")  # specter.model.fused's switches of the non-exact forward
 
 

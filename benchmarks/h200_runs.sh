@@ -513,6 +513,24 @@ case "$stage" in
       --profile-draft "$out/profile.txt" --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
     tail -7 "$out/logs/graphed.log"
     tar czf "$out/int8g11.tgz" -C "$out" logs graphed row-kernels profile.txt 2>/dev/null ;;
+  attn11)         # after int8g11 (int8 gate/up + own tiles: draft step 1.66 ms; with attention in one run 1.60). Now:
+    # decode_attention merges its runs in its own launch (fused.MERGE_IN_LAUNCH: per-layer counters; where the visible
+    # positions fit in the first run, that run writes the output alone), gate/up at block_k_gate_up 1024 / 8 warps.
+    # PREDICTIONS: GPU tests pass (the merged attention's 300-replay race test among them). Draft step 1.66 -> 1.56-1.60
+    # ms; without MERGE_IN_LAUNCH 1.60-1.64; gate/up's old tiles +0.02-0.04; runs of 512 (one launch) within 0.01 of the
+    # default. OLMoE-1B-7B's shape (8 layers) 0.60 -> 0.50-0.56 ms.
+    mkdir -p "$out/logs"
+    timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_fused.py tests/test_gpu_rowfused.py \
+      tests/test_gpu_graphed.py > "$out/logs/gpu-tests.log" 2>&1
+    tail -2 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|E  )" "$out/logs/gpu-tests.log" | head -12
+    timeout 200 python benchmarks/graphed_tpot.py --draft-only --without MERGE_IN_LAUNCH \
+      --row-config '{"block_k_gate_up":512,"warps_moe":4}' --positions-per-split 512 \
+      --profile-draft "$out/profile.txt" --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    tail -7 "$out/logs/graphed.log"
+    timeout 120 python benchmarks/graphed_tpot.py --draft-only --shape olmoe-1b-7b --layers 8 --out "$out/graphed-olmoe" \
+      > "$out/logs/graphed-olmoe.log" 2>&1
+    tail -3 "$out/logs/graphed-olmoe.log"
+    tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
   review10)       # after the review of the tenth session's changes (docs, the row path off with torch's router for layers
     # without a shared expert, the picks' store in one helper, a 128-expert top-8 race test, GPTQ's chunk from the shapes
     # alone with a CPU fallback for a layer that does not fit). PREDICTION: every test passes.

@@ -129,7 +129,7 @@ SWEEPS: dict[str, list[dict]] = {
     + [dict(block_n_residual=n, block_k_residual=k) for n, k in itertools.product((1, 2, 4), (512, 1024, 2048))]
     + [dict(block_n_input=n) for n in (2, 4, 8)],
     "gate_up": [dict(int8_gate_up=False)]
-    + [dict(block_n_moe=n, block_k_moe=k, warps_moe=w) for n, k, w in itertools.product((8, 16, 32), (512, 1024), (4, 8))],
+    + [dict(block_n_moe=n, block_k_gate_up=k, warps_moe=w) for n, k, w in itertools.product((8, 16, 32), (512, 1024), (4, 8))],
     "finish": [dict(block_n_finish=n, warps_finish=w, block_k_shared=s) for n, w, s in itertools.product((1, 2, 4, 8), (2, 4, 8), (1024, 2048))],
 }  # fmt: skip
 SWEEP_OF = {"qkv": "gemv", "o_proj": "gemv", "ffn_input": "gemv", "gate_up": "gate_up", "finish": "finish"}

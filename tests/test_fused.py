@@ -110,6 +110,11 @@ cases = [  # rows, heads, kv heads, head dim, capacity, positions, window, split
     (3, 8, 2, 32, 70, [0, 33, 69], None, 4),  # runs merged; position 0: every run but the first is empty
     (2, 6, 2, 40, 50, [45, 12], 8, 3),  # runs of a sliding window
     (1, 2, 1, 16, 1100, [1099], None, None),  # a long cache: nine runs by default (merged)
+    # merged in the launch (counters): rows whose positions fit in the first run (written by it alone) beside rows
+    # that need several runs, grouped queries, a sliding window, the long cache
+    (3, 8, 2, 32, 300, [0, 150, 299], None, "merged"),
+    (2, 6, 2, 40, 300, [280, 12], 100, "merged"),
+    (1, 2, 1, 16, 1100, [1099], None, "merged"),
 ]
 for dtype in (torch.float32, torch.float16):
     for rows, heads, kv_heads, head_dim, capacity, positions, window, splits in cases:
@@ -117,7 +122,11 @@ for dtype in (torch.float32, torch.float16):
         keys = torch.randn(kv_heads, capacity, head_dim, generator=generator).to(dtype)
         values = torch.randn(kv_heads, capacity, head_dim, generator=generator).to(dtype)
         pos = torch.tensor(positions)
-        got = fused.decode_attention(q, keys, values, pos, window, splits)
+        merged = splits == "merged"  # the runs merged in the same launch (counters), the default runs
+        counters = torch.zeros(rows * kv_heads, dtype=torch.int32) if merged else None
+        got = fused.decode_attention(q, keys, values, pos, window, None if merged else splits, counters)
+        if merged:
+            assert counters.eq(0).all().item(), "the counters are back at zero"
         group = heads // kv_heads
         reference = torch.empty(rows, heads, head_dim, dtype=torch.float64)
         for r, p in enumerate(positions):
@@ -145,7 +154,7 @@ print(json.dumps(results))
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_fused_decode_attention_matches_a_float64_reference_in_the_interpreter():
     results = run_interpreted(ATTENTION_SCRIPT)
-    assert len(results) == 2 * 7 + 2
+    assert len(results) == 2 * 10 + 2
     for dtype, case, shape_ok, gap in results:
         assert shape_ok, (dtype, case)
         assert gap <= (2e-3 if dtype == "torch.float16" else 1e-5), (dtype, case, gap)

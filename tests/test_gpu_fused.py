@@ -82,7 +82,8 @@ def test_fused_sigmoid_gate_on_cuda(dtype, rows, width):
                                                                                   (4, 32, 8, 128, 512, None),
                                                                                   (2, 32, 8, 128, 4096, 1024),
                                                                                   (1, 16, 16, 128, 32768, None)])
-@pytest.mark.parametrize("splits", [None, 1, 5])  # None: the default runs for the capacity (16, 4, 32, 64 here)
+@pytest.mark.parametrize("splits", [None, 1, 5, "merged"])  # None: the default runs for the capacity (16, 4, 32, 64 here);
+# merged: the default runs merged in the same launch (counters)
 def test_fused_decode_attention_on_cuda(dtype, rows, heads, kv_heads, head_dim, capacity, window, splits):
     import math
 
@@ -92,7 +93,10 @@ def test_fused_decode_attention_on_cuda(dtype, rows, heads, kv_heads, head_dim, 
     values = torch.randn(kv_heads, capacity, head_dim, device="cuda", generator=generator).to(dtype)
     positions = torch.randint(0, capacity, (rows,), device="cuda", generator=generator)
     positions[0] = capacity - 1  # the whole cache visible
-    got = fused.decode_attention(q, keys, values, positions, window, splits).view(rows, heads, head_dim).double()
+    counters = torch.zeros(rows * kv_heads, dtype=torch.int32, device="cuda") if splits == "merged" else None
+    got = fused.decode_attention(q, keys, values, positions, window, None if counters is not None else splits, counters)
+    got = got.view(rows, heads, head_dim).double()
+    assert counters is None or counters.eq(0).all().item()
     group = heads // kv_heads
     for r, p in enumerate(positions.tolist()):
         first = 0 if window is None else max(0, p - window + 1)
@@ -121,3 +125,30 @@ def test_rope_and_cache_equals_rope_then_index_copy_bit_for_bit_on_cuda(dtype, r
     expected[1].index_copy_(1, positions, v.transpose(0, 1))
     q_got = fused.rope_and_cache(q, k, v, cos, sin, positions, cache[0], cache[1])
     assert torch.equal(q_got, q_ref) and torch.equal(cache, expected)
+
+
+def test_attention_merged_in_its_launch_is_the_two_launch_result_at_every_position_of_graph_replays() -> None:
+    """fused.decode_attention with counters, captured once in a CUDA graph (as the draft step runs it) and replayed
+    at 300 positions from 0 to the cache's end: rows that fit in the first run (written by it alone) and rows merged
+    by the last of their runs to finish. Each replay matches the two-launch merge within float32 rounding and leaves
+    every counter at zero (a race in the count would show as a wrong or missing output)."""
+    rows, heads, kv_heads, head_dim, capacity = 2, 32, 8, 128, 2048
+    generator = torch.Generator(device="cuda").manual_seed(8)
+    q = torch.randn(rows, heads, head_dim, device="cuda", generator=generator)
+    keys = torch.randn(kv_heads, capacity, head_dim, device="cuda", generator=generator)
+    values = torch.randn(kv_heads, capacity, head_dim, device="cuda", generator=generator)
+    positions = torch.zeros(rows, dtype=torch.int64, device="cuda")
+    counters = torch.zeros(rows * kv_heads, dtype=torch.int32, device="cuda")
+    fused.decode_attention(q, keys, values, positions, None, None, counters)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused.decode_attention(q, keys, values, positions, None, None, counters)
+    for step in range(300):
+        positions.copy_(torch.tensor([step * 7 % capacity, capacity - 1 - step], device="cuda"))
+        q.copy_(torch.randn(rows, heads, head_dim, device="cuda", generator=generator))
+        graph.replay()
+        expected = fused.decode_attention(q, keys, values, positions, None)
+        torch.cuda.synchronize()
+        assert (out - expected).abs().max().item() <= 1e-5, step
+        assert counters.eq(0).all().item(), step

@@ -34,6 +34,7 @@ for case in json.loads(sys.argv[1]):
     rand = lambda *shape: torch.randn(*shape, generator=gen)
     config = rowfused.RowConfig(block_n=case.get("block_n", 8), block_k=case.get("block_k", 512),
                                 block_n_moe=case.get("block_n_moe", 16), block_k_moe=case.get("block_k_moe", 512),
+                                block_k_gate_up=case.get("block_k_moe", 512),
                                 block_n_finish=case.get("block_n_finish", 4), words_gate_up=case.get("words", False),
                                 words_finish=case.get("words", True), block_k_shared=case.get("block_k_shared", 512),
                                 evict_first=case.get("evict", False), int8_gate_up=case.get("int8", False))

@@ -53,6 +53,10 @@ ROW_KERNELS = True
 the norms folded into the products, the residual into the o_proj product, the router's top-k into the router's own
 launch, and the routed down products, the shared expert's down product and the residual into one launch (seven
 launches per layer instead of ~18; H200, tenth session: graphed draft step 2.30 -> 1.81 ms at the Qwen shape)."""
+MERGE_IN_LAUNCH = True
+"""Whether the graphed draft step's `decode_attention` merges its runs in the same launch (per-layer counters; one
+run alone where the visible positions fit in it) instead of a second launch (H200, eleventh session: with runs of
+512, i.e. one launch, the Qwen-shape draft step took 1.60 ms against 1.66)."""
 POSITIONS_PER_SPLIT = 128
 """Cache positions per run of `decode_attention` (its default split is the capacity over this). H200, 2026-11-30:
 runs of 512 left 64 programs for a 2048-position cache of 16 heads, each streaming its run at ~9 GB/s (latency-bound),
@@ -144,7 +148,7 @@ def gated_silu(gate_up: Tensor, inter: int, gate_logit: Tensor | None) -> Tensor
 
 
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int | None,
-                     splits: int | None = None) -> Tensor:
+                     splits: int | None = None, counters: Tensor | None = None) -> Tensor:
     """Attention of rows q [R, H, hd] over one layer's cache keys/values [Hkv, S, hd]: row r sees the positions
     max(0, p - window + 1)..p of p = positions[r] only (never the rest of the cache), scores in float32 scaled by
     hd^-0.5, an online softmax. Returns [R, H * hd] in q's dtype. No host sync.
@@ -153,7 +157,12 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
     capacity, at most MAX_SPLITS), each a program per (row, cache head): with one run, one launch writes the
     output; with more (long caches, where one program per head would stream the whole history alone), a second
     launch merges the runs' partial softmaxes (flash-decoding). The grid depends on the capacity only, so a CUDA
-    graph captured once serves every position."""
+    graph captured once serves every position.
+
+    With `counters` (int32 zeros, one per row and cache head, that no other launch uses at the same time: the graphed
+    draft step keeps one set per layer), the merge happens in the same launch: where a row's visible positions fit in
+    the first run, its first program writes the output alone and the others do nothing; else the program that finishes
+    a (row, cache head) last (counted, and the count set back to zero) merges the runs' partials."""
     rows, heads, head_dim = q.shape
     kv_heads, capacity, _ = keys.shape
     assert heads % kv_heads == 0 and values.shape == keys.shape, "q heads must be a multiple of the cache's heads"
@@ -168,14 +177,18 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
     else:
         stats = torch.empty(2, rows, heads, splits, dtype=torch.float32, device=q.device)  # running max, total
         partial = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    merged = counters is not None and splits > 1
+    if merged:
+        assert counters is not None and counters.dtype == torch.int32 and counters.numel() >= rows * kv_heads
     kernels = _kernels()
     kernels.decode_attention[(rows, kv_heads, splits)](
-        q, keys, values, positions, out, stats, partial, keys.stride(0), keys.stride(1), values.stride(0),
-        values.stride(1), rows * heads * splits, heads, head_dim, window or 0, head_dim**-0.5,
-        GROUP=group, GROUP_POW2=group_pow2, BLOCK_D=_pow2(head_dim), SPLITS=splits,
+        q, keys, values, positions, out, stats, partial, out if counters is None else counters, keys.stride(0),
+        keys.stride(1), values.stride(0), values.stride(1), rows * heads * splits, heads, head_dim, window or 0,
+        head_dim**-0.5, GROUP=group, GROUP_POW2=group_pow2, BLOCK_D=_pow2(head_dim), SPLITS=splits,
+        SPLITS_POW2=_pow2(splits), MERGE=merged,
         BLOCK_S=max(2, min(64, 8192 // (group_pow2 * _pow2(head_dim)))),  # the [G, S, D] product in registers
     )  # fmt: skip
-    if splits > 1:
+    if splits > 1 and not merged:
         kernels.merge_splits[(rows, heads)](stats, partial, out, rows * heads * splits, head_dim, SPLITS=splits,
                                             SPLITS_POW2=_pow2(splits), BLOCK_D=_pow2(head_dim))  # fmt: skip
     return out
@@ -351,22 +364,31 @@ def gated_silu_kernel(in_ptr, stride_row, logit_ptr, stride_logit, out_ptr, inte
     tl.store(out_ptr + row * inter + cols, act.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, stats_ptr, partial_ptr, stride_kh, stride_ks,
-                            stride_vh, stride_vs, stats_plane, heads, head_dim, window, scale, GROUP: tl.constexpr,
-                            GROUP_POW2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                            SPLITS: tl.constexpr):  # fmt: skip
+def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, stats_ptr, partial_ptr, count_ptr, stride_kh,
+                            stride_ks, stride_vh, stride_vs, stats_plane, heads, head_dim, window, scale,
+                            GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                            SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, MERGE: tl.constexpr):  # fmt: skip
     """Program (row, kv head, split): its GROUP query heads over one run of the row's visible positions, BLOCK_S
-    keys at a time. SPLITS == 1: the normalised output; else the run's max, total and unnormalised sum (float32)."""
+    keys at a time. SPLITS == 1: the normalised output; else the run's max, total and unnormalised sum (float32).
+    MERGE (SPLITS > 1): where the visible positions fit in one run, split 0 writes the normalised output and the
+    others do nothing; else the last program of the (row, kv head) to finish (counted at count_ptr, set back to 0)
+    merges the runs' partials into the output."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     position = tl.load(pos_ptr + row).to(tl.int32)
     hi = position + 1
     lo = tl.where(window > 0, tl.maximum(position - window + 1, 0), 0)
+    alone = SPLITS == 1
     if SPLITS > 1:  # equal runs of whole key blocks; trailing runs may be empty
         run = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_S) * BLOCK_S
-        lo = lo + split * run
-        hi = tl.minimum(hi, lo + run)
+        run_lo = lo + split * run
+        run_hi = tl.minimum(hi, run_lo + run)
+        if MERGE:
+            alone = hi - lo <= run  # split 0 sees every position: the others have nothing to add
+            run_hi = tl.where(alone, tl.where(split == 0, hi, lo), run_hi)
+            run_lo = tl.where(alone, lo, run_lo)
+        lo, hi = run_lo, run_hi
     g = tl.arange(0, GROUP_POW2)
     g_ok = g < GROUP
     d = tl.arange(0, BLOCK_D)
@@ -394,15 +416,37 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, stats_ptr, pa
         total = total * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vals[None, :, :], axis=1)
         m = m_new
-    if SPLITS == 1:
-        out = acc / total[:, None]
-        tl.store(out_ptr + (row * heads + q_heads)[:, None] * head_dim + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=q_mask)
+    out_at = out_ptr + (row * heads + q_heads)[:, None] * head_dim + d[None, :]
+    if alone:
+        if split == 0:
+            tl.store(out_at, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
     else:  # stats [2, R, H, SPLITS], partial [R, H, SPLITS, hd]
         slot = (row * heads + q_heads) * SPLITS + split  # [G]
         tl.store(stats_ptr + slot, m, mask=g_ok)
         tl.store(stats_ptr + stats_plane + slot, total, mask=g_ok)
         tl.store(partial_ptr + slot[:, None] * head_dim + d[None, :], acc, mask=q_mask)
+        if MERGE:
+            tl.debug_barrier()  # every thread's stores before the count that publishes them
+            counter = count_ptr + row * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                tl.debug_barrier()
+                first = (row * heads + q_heads) * SPLITS  # [G]
+                runs = tl.arange(0, SPLITS_POW2)
+                run_mask = g_ok[:, None] & (runs < SPLITS)[None, :]
+                run_m = tl.load(stats_ptr + first[:, None] + runs[None, :], mask=run_mask, other=-float("inf"),
+                                cache_modifier=".cg")  # fmt: skip
+                run_total = tl.load(stats_ptr + stats_plane + first[:, None] + runs[None, :], mask=run_mask, other=0.0,
+                                    cache_modifier=".cg")  # fmt: skip
+                top = tl.max(run_m, axis=1)  # [G]; the first run is never empty, so finite for real heads
+                weight = tl.where(run_m > -float("inf"), tl.exp(run_m - top[:, None]), 0.0)  # [G, SPLITS]
+                merged = tl.zeros((GROUP_POW2, BLOCK_D), dtype=tl.float32)
+                for r in range(SPLITS):
+                    part = tl.load(partial_ptr + (first + r)[:, None] * head_dim + d[None, :], mask=q_mask, other=0.0,
+                                   cache_modifier=".cg")  # fmt: skip
+                    merged += tl.sum(tl.where(runs[None, :] == r, weight, 0.0), axis=1)[:, None] * part
+                norm = tl.sum(weight * run_total, axis=1)
+                tl.store(out_at, (merged / norm[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+                tl.store(counter, 0)
 
 
 def merge_splits_kernel(stats_ptr, partial_ptr, out_ptr, stats_plane, head_dim, SPLITS: tl.constexpr,

@@ -185,6 +185,9 @@ class StaticStep:
         self.model, self.moe, self.rows = model, moe, rows
         self.latent = _is_latent_attention(model)  # DeepSeek-V2's MLA over a LatentKVCache
         self.key_positions = torch.arange(model.max_context, device=model.device)  # [S]
+        spec = model.spec  # decode_attention's counters, one set per layer (fused.MERGE_IN_LAUNCH)
+        self.attention_counters = torch.zeros(spec.num_layers, rows * spec.num_kv_heads, dtype=torch.int32,
+                                              device=model.device)  # fmt: skip
 
     def logits(self, tokens: Tensor, positions: Tensor, kv: KVCache) -> Tensor:
         """Float32 logits [R, V] of tokens [R] at positions [R] (int64), writing their KV."""
@@ -224,7 +227,8 @@ class StaticStep:
             kv.k[layer].index_copy_(1, positions, k.transpose(0, 1))
             kv.v[layer].index_copy_(1, positions, v.transpose(0, 1))
         if not model.exact and fused.DECODE_ATTENTION and fused.usable(q):  # the draft: the visible positions only
-            out = fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, model.spec.sliding_window)
+            counters = self.attention_counters[layer] if fused.MERGE_IN_LAUNCH else None
+            out = fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, model.spec.sliding_window, None, counters)
         else:
             out = self._attend(q, kv.k[layer], kv.v[layer], blocked)  # [R, H*hd]
         return model.plus_linear(x, out, f"{prefix}.o_proj")
