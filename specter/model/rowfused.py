@@ -6,7 +6,8 @@ layer (a shared expert, its sigmoid gate, int4 routed experts) runs as seven lau
 
 1. `norm_linear`: RMSNorm in the GEMV's prologue (each program normalises the row itself, from L2), the q/k/v
    product over the packed weights, the bias in the epilogue (replaces the norm and cuBLAS's product).
-2. RoPE + KV writes and 3. attention (two launches, specter.model.fused, unchanged).
+2. RoPE + KV writes and 3. attention (specter.model.fused; attention merges its runs in its own launch with the
+   static step's per-layer counters, fused.MERGE_IN_LAUNCH).
 4. `linear_residual`: the o_proj product with the residual added in its epilogue (replaces cuBLAS's addend copy
    and product).
 5. `norm_ffn_input`: RMSNorm prologue, the packed product of the shared expert's gate and up, the router and the
@@ -16,25 +17,28 @@ layer (a shared expert, its sigmoid gate, int4 routed experts) runs as seven lau
    picks and counts the routes (`Select`, RowConfig.topk_in_router). A layer without a shared expert runs
    `norm_router` instead: the same launch with the router's rows alone.
 6. `moe_gate_up`: the int4 gate/up GEMV of each pick's expert with the activation in the epilogue (replaces top-k,
-   the gate/up GEMV, its K parts' activation launch). With topk_in_router off every program takes the top-k itself
-   (softmax over E logits) before its first weight load, and program 0 writes the picks and counts the routes.
+   the gate/up GEMV, its K parts' activation launch). With RowConfig.int8_gate_up (on) each K step quantises h to
+   int8 per weight group and sums codes x activations in int32 by dp4a, four per instruction (`_int4_rows_int8`):
+   the float path spent ~8 instructions per code and was issue-bound (H200: 12.5 -> 7.2 us alone). With
+   topk_in_router off every program takes the top-k itself (softmax over E logits) before its first weight load, and
+   program 0 writes the picks and counts the routes.
 7. `moe_finish`: per block of output rows, the routed experts' int4 down products (rows of all picks, weighted and
    added in ascending expert id), the shared expert's bf16 down product times its sigmoid gate (none without a shared
    expert), and the residual, rounded once (replaces the down GEMV, the combine, the routed + residual add, the
    addend copy, the shared down product and its split-K reduction).
 
-The int4 GEMVs read the packed codes as bytes (even k in the low nibble: `moe_gate_up` by default) or as 32-bit words
-(8 codes each, code k at bits 4 (k % 8) of word k // 8, as the bytes lie: `moe_finish` by default; RowConfig.
+The float int4 GEMVs read the packed codes as bytes (even k in the low nibble: `moe_gate_up` without int8) or as
+32-bit words (8 codes each, code k at bits 4 (k % 8) of word k // 8, as the bytes lie: `moe_finish` by default; RowConfig.
 words_gate_up / words_finish; H200: words cost gate/up 51.9 us against 14.3, bytes cost the finish 24.5 against 17.1),
 and turn a code c into a float by the exponent trick (c | 0x4B000000 is 2^23 + c), not by an integer-to-float
 conversion; a group's sum is scale * (sum c * a - 7.5 * sum a) (stored code c = q + 8, level
-q + 0.5). Every sum is float32; nothing here is exact (the draft never is; the verify is).
+q + 0.5). Every float sum is float32; nothing here is exact (the draft never is; the verify is).
 """
 
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
