@@ -555,6 +555,18 @@ case "$stage" in
       tar czf "$out/final11.tgz" -C "$out" logs $(ls -d "$out"/bench-* | xargs -n1 basename) 2>/dev/null
     done
     tail -14 "$out/logs/bench-native.log"; tail -14 "$out/logs/bench-gen4.log" ;;
+  final11b)       # after final11 (Gen5: 3.16x / 2.64x ondemand, copy busy 0.857 / 0.883 at 15 / 8 residents, on a model
+    # accepting 0.934; row10c's model gave 0.773 at 15 residents): the same cells on a second freshly trained model,
+    # Gen5 only, to see how much the figures move with the model (2 minutes of training to fit the budget).
+    # PREDICTIONS: every system's tokens equal the baseline; specter >= 2.5x ondemand at both; copy busy at 15
+    # residents 0.78-0.88, at 8 >= 0.86.
+    mkdir -p "$out/logs"
+    timeout 170 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.0 > "$out/logs/train-qwen.log" 2>&1
+    tail -1 "$out/logs/train-qwen.log"
+    timeout 160 python -m specter.bench --model /tmp/qwenref --residents 15,8 --link native --max-new-tokens 64 \
+      --systems ondemand,specter,oracle-specter --repeats 3 --time-budget 150 --no-progress --no-plots --no-hf \
+      --out "$out/bench-native" > "$out/logs/bench-native.log" 2>&1
+    tail -9 "$out/logs/bench-native.log" ;;
   review10)       # after the review of the tenth session's changes (docs, the row path off with torch's router for layers
     # without a shared expert, the picks' store in one helper, a 128-expert top-8 race test, GPTQ's chunk from the shapes
     # alone with a CPU fallback for a layer that does not fit). PREDICTION: every test passes.
