@@ -567,6 +567,15 @@ case "$stage" in
       --systems ondemand,specter,oracle-specter --repeats 3 --time-budget 150 --no-progress --no-plots --no-hf \
       --out "$out/bench-native" > "$out/logs/bench-native.log" 2>&1
     tail -9 "$out/logs/bench-native.log" ;;
+  finish11)       # RowConfig.int8_finish (gate/up's output in int8, the finish's routed rows by dp4a; off until measured).
+    # PREDICTIONS: the GPU tests pass (dp4a bit-equal to its emulation, within 1e-2 of the float finish); the finish
+    # 14.7 -> 9-11 us alone; the draft step 1.56 -> 1.45-1.50 ms with it.
+    mkdir -p "$out/logs"
+    timeout 90 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_rowfused.py -k "int8" > "$out/logs/gpu-tests.log" 2>&1
+    tail -2 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|E  )" "$out/logs/gpu-tests.log" | head -8
+    timeout 120 python benchmarks/graphed_tpot.py --draft-only --row-config '{"int8_finish":true}' --out "$out/graphed" \
+      > "$out/logs/graphed.log" 2>&1
+    tail -4 "$out/logs/graphed.log" ;;
   review10)       # after the review of the tenth session's changes (docs, the row path off with torch's router for layers
     # without a shared expert, the picks' store in one helper, a 128-expert top-8 race test, GPTQ's chunk from the shapes
     # alone with a CPU fallback for a layer that does not fit). PREDICTION: every test passes.

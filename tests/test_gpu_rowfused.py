@@ -188,3 +188,29 @@ def test_int8_gate_up_by_dp4a_equals_its_integer_emulation_and_the_float_path_wi
         assert torch.equal(runs["dp4a"][0], runs["emulated"][0])
         assert torch.equal(runs["dp4a"][1], runs["float"][1])  # the same picks
         assert 1e-5 < gap(runs["dp4a"][0], runs["float"][0]) < 1e-2
+
+
+def test_int8_finish_by_dp4a_equals_its_integer_emulation_and_the_float_finish_within_1_percent(layer: QuantizedExperts) -> None:
+    """RowConfig.int8_finish: gate/up's output leaves in int8 too (a scale per 16 columns) and the finish sums the
+    routed int4 down rows against it by dp4a. The instruction and its emulation give the same bits; against the float
+    finish the layer's output differs by at most 1e-2 relative, and the picks' order changes no bit."""
+    import dataclasses
+
+    assert rowfused.int8_finish_fits(layer)
+    x, shared_act = randn(1, D, seed=80), randn(1, S, seed=81)
+    shared_down, logit = randn(D, S, seed=82, scale=S**-0.5), randn(1, 1, seed=83)
+    for seed in range(5):
+        h, logits = randn(1, D, seed=90 + seed, scale=2.0), randn(1, E, seed=95 + seed, scale=2.0)
+        act, ids, weights, q8 = rowfused.moe_gate_up(h, logits, layer, A, False, None, int8_act=True)
+        outs = {name: rowfused.moe_finish(x, act, ids, weights, layer, shared_act, shared_down, logit,
+                                          dataclasses.replace(rowfused.DEFAULT_CONFIG, dp4a=dp4a), act_int8=q8)
+                for name, dp4a in (("dp4a", True), ("emulated", False))}  # fmt: skip
+        assert torch.equal(outs["dp4a"], outs["emulated"])
+        float_out = rowfused.moe_finish(x, act, ids, weights, layer, shared_act, shared_down, logit)
+        routed_int8, routed_float = outs["dp4a"].float() - x.float(), float_out.float() - x.float()
+        assert 1e-6 < gap(routed_int8, routed_float) < 1e-2
+        flip = lambda t: t.flip(0).contiguous()  # noqa: E731
+        flipped = rowfused.Int8Act(flip(q8.even), flip(q8.odd), flip(q8.scale), flip(q8.bias), q8.group)
+        again = rowfused.moe_finish(x, flip(act), flip(ids), flip(weights), layer, shared_act, shared_down, logit,
+                                    act_int8=flipped)  # fmt: skip
+        assert torch.equal(again, outs["dp4a"])

@@ -80,7 +80,10 @@ class RowConfig:
     int8_gate_up: bool = True  # moe_gate_up quantises h to int8 (per group of the weights' K, absmax) and sums codes x
     # activations as 32-bit integers, four products per dp4a instruction (the float path spends ~8 instructions per code:
     # H200, kern11, 13.96 us for 11.8 MB whatever the tiles)
-    dp4a: bool = True  # int8_gate_up's integer sums by the dp4a instruction on CUDA (False: in plain integer
+    int8_finish: bool = False  # moe_gate_up also stores its output in int8 (a scale per block_n_moe columns, words in
+    # the weights' even/odd nibble order) and moe_finish sums the routed int4 down rows against it by dp4a (where
+    # int8_finish_fits; not yet measured on the GPU, so off)
+    dp4a: bool = True  # int8_gate_up's and int8_finish's integer sums by the dp4a instruction on CUDA (False: in plain integer
     # operations, as Triton's interpreter runs them; the GPU test holds the two to the same bits)
 
 
@@ -109,6 +112,37 @@ def supports(qe: QuantizedExperts, config: RowConfig | None = None) -> bool:
             and qe.w13.stride(-1) == 1 and qe.w2.stride(-1) == 1
             and int4_block_k(qe.hidden, qe.w13_group, config.block_k_gate_up) is not None
             and int4_block_k(qe.intermediate, qe.w2_group, config.block_k_moe) is not None)  # fmt: skip
+
+
+def int8_finish_fits(qe: QuantizedExperts, config: RowConfig | None = None) -> bool:
+    """Whether moe_finish can take gate/up's output in int8 (RowConfig.int8_finish): a scale group of block_n_moe
+    columns (a multiple of 8: whole words) that divides the intermediate size, the finish's K step and the down
+    weights' group."""
+    config = config or DEFAULT_CONFIG
+    group = config.block_n_moe
+    block_k = int4_block_k(qe.intermediate, qe.w2_group, config.block_k_moe)
+    return (supports(qe, config) and group % 8 == 0 and qe.intermediate % group == 0 and block_k is not None
+            and block_k % group == 0 and qe.w2_group % group == 0)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Int8Act:
+    """gate/up's output [A, I] in int8 for moe_finish's dp4a path: per pick, word j holds codes a8[8j + 2i] (`even`)
+    and a8[8j + 2i + 1] (`odd`) in byte i, the order in which the int4 down weights' word j splits into low and high
+    nibbles; `scale` [A, I / group] float32 per block of `group` columns (absmax / 127) and `bias` = 7.5 * scale *
+    (the block's sum of codes), the stored codes' offset."""
+
+    even: Tensor  # [A, I / 8] int32
+    odd: Tensor  # [A, I / 8] int32
+    scale: Tensor  # [A, I / group] float32
+    bias: Tensor  # [A, I / group] float32
+    group: int
+
+    @staticmethod
+    def empty(picks: int, inter: int, group: int, device: torch.device) -> Int8Act:
+        words = torch.empty(2, picks, inter // 8, dtype=torch.int32, device=device)
+        blocks = torch.empty(2, picks, inter // group, dtype=torch.float32, device=device)
+        return Int8Act(words[0], words[1], blocks[0], blocks[1], group)
 
 
 def _evict(config: RowConfig) -> str:
@@ -259,14 +293,15 @@ def _input_product(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, i
 
 
 def moe_gate_up(h: Tensor, logits: Tensor | None, qe: QuantizedExperts, top_k: int, renormalize: bool,
-                counts: Tensor | None = None, config: RowConfig | None = None,
-                picks: Select | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                counts: Tensor | None = None, config: RowConfig | None = None, picks: Select | None = None,
+                int8_act: bool = False) -> tuple[Tensor, ...]:  # fmt: skip
     """The routed experts' first half for one row h [1, D] with router logits [1, E]: the top_k of their float32
     softmax (renormalised when asked; weights rounded to h's dtype, as the router's are), then per pick
     silu(gate h) * up h. Returns act [top_k, I] in h's dtype (row j: the j-th pick), the picks' expert ids [top_k]
     int32 and weights [top_k] float32. counts [E] float32, when given, gets one per pick. One launch.
     With `picks` (a Select the input product filled in), its picks are taken as they are (logits, renormalize and
-    counts unused: the Select counted them)."""
+    counts unused: the Select counted them). With `int8_act` (int8_finish_fits), a fourth result: the output in int8
+    for moe_finish (Int8Act), stored by the same launch."""
     config = config or DEFAULT_CONFIG
     h = _check_row(h, qe.hidden)
     experts = qe.num_experts
@@ -287,24 +322,28 @@ def moe_gate_up(h: Tensor, logits: Tensor | None, qe: QuantizedExperts, top_k: i
     int8 = config.int8_gate_up
     words = _words(qe.w13) if config.words_gate_up or int8 else qe.w13
     grid = (top_k, -(-qe.intermediate // config.block_n_moe))
+    assert not int8_act or int8_finish_fits(qe, config), "int8_act: block_n_moe must fit the shapes (int8_finish_fits)"
+    quantized = Int8Act.empty(top_k, qe.intermediate, config.block_n_moe, h.device) if int8_act else None
+    q8 = (weights,) * 4 if quantized is None else (quantized.even, quantized.odd, quantized.scale, quantized.bias)
     _kernels().moe_gate_up[grid](
         h, logits.contiguous(), words, words.stride(0), words.stride(1), qe.w13_scales, qe.w13_scales.stride(0),
-        qe.w13_scales.stride(1), act, ids, weights, weights if counts is None else counts, experts, qe.intermediate,
+        qe.w13_scales.stride(1), act, *q8, ids, weights, weights if counts is None else counts, experts, qe.intermediate,
         qe.hidden, TOP_K=top_k, TOP_K_POW2=max(2, _pow2(top_k)), RENORMALIZE=renormalize, COUNT=counts is not None,
         PICKED=picks is not None, BLOCK_E=_pow2(experts), GROUP=qe.w13_group, BLOCK_N=config.block_n_moe, BLOCK_K=block_k,
         GROUPS=max(1, block_k // qe.w13_group), WORDS=config.words_gate_up or int8, INT8_A=int8, DP4A=h.is_cuda and config.dp4a,
-        EVICT=_evict(config), num_warps=config.warps_moe,
-        num_stages=config.num_stages,
+        STORE_Q8=int8_act, EVICT=_evict(config), num_warps=config.warps_moe, num_stages=config.num_stages,
     )  # fmt: skip
-    return act, ids, weights
+    return (act, ids, weights) if quantized is None else (act, ids, weights, quantized)
 
 
 def moe_finish(x: Tensor, act: Tensor, ids: Tensor, weights: Tensor, qe: QuantizedExperts, shared_act: Tensor | None,
-               shared_down: Tensor | None, gate_logit: Tensor | None, config: RowConfig | None = None) -> Tensor:  # fmt: skip
+               shared_down: Tensor | None, gate_logit: Tensor | None, config: RowConfig | None = None,
+               act_int8: Int8Act | None = None) -> Tensor:  # fmt: skip
     """x + sum over the picks in ascending expert id of weight * down(act row) + sigmoid(gate_logit) *
     shared_down @ shared_act, for one row x [1, D] (act [A, I], ids [A], weights [A] from moe_gate_up; shared_act
     [1, S] and shared_down [D, S], or both None: no shared expert; gate_logit [1, 1] or None: no gate). [1, D] in x's
-    dtype, rounded once; one launch."""
+    dtype, rounded once; one launch. With `act_int8` (moe_gate_up's int8_act result) the routed rows are summed
+    against it in int32 by dp4a instead of against act in float."""
     config = config or DEFAULT_CONFIG
     x = _check_row(x, qe.hidden)
     top_k = ids.numel()
@@ -322,14 +361,22 @@ def moe_finish(x: Tensor, act: Tensor, ids: Tensor, weights: Tensor, qe: Quantiz
     out = torch.empty_like(x)
     block_k = int4_block_k(qe.intermediate, qe.w2_group, config.block_k_moe)
     assert block_k is not None
-    words = _words(qe.w2) if config.words_finish else qe.w2
+    int8 = act_int8 is not None
+    if act_int8 is not None:
+        assert act_int8.group % 8 == 0 and block_k % act_int8.group == 0 and qe.w2_group % act_int8.group == 0
+        assert act_int8.even.shape == (top_k, qe.intermediate // 8) and act_int8.even.is_contiguous()
+        q8 = (act_int8.even, act_int8.odd, act_int8.scale, act_int8.bias)
+    else:
+        q8 = (weights,) * 4  # (never read)
+    words = _words(qe.w2) if config.words_finish or int8 else qe.w2
     _kernels().moe_finish[(-(-qe.hidden // config.block_n_finish),)](
-        x, act, ids, weights, words, words.stride(0), words.stride(1), qe.w2_scales, qe.w2_scales.stride(0),
+        x, act, *q8, ids, weights, words, words.stride(0), words.stride(1), qe.w2_scales, qe.w2_scales.stride(0),
         qe.w2_scales.stride(1), shared_act, shared_down, shared_down.stride(0), x if gate_logit is None else gate_logit,
         out, qe.hidden, qe.intermediate, shared_inter, TOP_K=top_k, TOP_K_POW2=max(2, _pow2(top_k)),
         SHARED=shared, GATED=gate_logit is not None, GROUP=qe.w2_group, BLOCK_N=config.block_n_finish, BLOCK_K=block_k,
-        GROUPS=max(1, block_k // qe.w2_group), BLOCK_KS=min(config.block_k_shared, _pow2(shared_inter)), WORDS=config.words_finish,
-        EVICT=_evict(config), num_warps=config.warps_finish, num_stages=config.num_stages,
+        GROUPS=max(1, block_k // qe.w2_group), BLOCK_KS=min(config.block_k_shared, _pow2(shared_inter)),
+        WORDS=config.words_finish or int8, INT8_A=int8, AGROUP=act_int8.group if act_int8 is not None else 8,
+        DP4A=x.is_cuda and config.dp4a, EVICT=_evict(config), num_warps=config.warps_finish, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 
@@ -340,7 +387,7 @@ def moe_finish(x: Tensor, act: Tensor, ids: Tensor, weights: Tensor, qe: Quantiz
 
 @functools.cache
 def _kernels() -> Any:
-    global tl, _int4_rows, _int4_rows_int8, _dp4a, _top_k, _store_picks
+    global tl, _int4_rows, _int4_rows_int8, _int4_rows_q8, _pack_int8, _dp4a, _top_k, _store_picks
     import triton
     import triton.language
 
@@ -350,6 +397,8 @@ def _kernels() -> Any:
     _int4_rows = triton.jit(_int4_rows)
     _int4_rows_int8 = triton.jit(_int4_rows_int8)
     _dp4a = triton.jit(_dp4a)
+    _int4_rows_q8 = triton.jit(_int4_rows_q8)
+    _pack_int8 = triton.jit(_pack_int8)
     _store_picks = triton.jit(_store_picks)
 
     class Kernels:
@@ -520,7 +569,6 @@ def _int4_rows_int8(w_rows, s_rows, w_ok, a_ptr, k_dim, stride_sg, GROUP: tl.con
     high nibbles against the odd ones), and a part's sum is scale * sa * (sum c a8 - 7.5 sum a8). w_rows [ROWS]:
     pointers to each row's packed codes as 32-bit words."""
     WORDS_PER_STEP: tl.constexpr = BLOCK_K // 8
-    lanes = tl.arange(0, 4)
     acc = tl.zeros((ROWS, GROUPS), dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -529,9 +577,7 @@ def _int4_rows_int8(w_rows, s_rows, w_ok, a_ptr, k_dim, stride_sg, GROUP: tl.con
         sa = tl.where(top > 0, top / 127.0, 1.0)
         a8 = ((a / sa[:, None] + 12582912.0) - 12582912.0).to(tl.int32)  # to the nearest, ties to even (|.| <= 127)
         a8_sum = tl.sum(a8, axis=1)  # [GROUPS]
-        even, odd = tl.split(tl.reshape(a8, (WORDS_PER_STEP, 4, 2)))  # lanes i: a8[8j + 2i], a8[8j + 2i + 1]
-        a_even = tl.sum((even & 0xFF) << (8 * lanes)[None, :], axis=1)  # [WORDS_PER_STEP] int32, disjoint bytes
-        a_odd = tl.sum((odd & 0xFF) << (8 * lanes)[None, :], axis=1)
+        a_even, a_odd = _pack_int8(tl.reshape(a8, (BLOCK_K,)), WORDS_PER_STEP)  # [WORDS_PER_STEP] int32
         word = k0 // 8 + tl.arange(0, WORDS_PER_STEP)
         packed = tl.load(w_rows[:, None] + word[None, :], mask=w_ok[:, None] & (word < k_dim // 8)[None, :], other=0,
                          eviction_policy=EVICT)  # fmt: skip
@@ -548,16 +594,57 @@ def _int4_rows_int8(w_rows, s_rows, w_ok, a_ptr, k_dim, stride_sg, GROUP: tl.con
     return tl.sum(acc, axis=1)
 
 
+def _pack_int8(a8, WORDS: tl.constexpr):
+    """int32 codes a8 [8 * WORDS] -> (even, odd) [WORDS] int32: byte i of word j holds a8[8j + 2i] (even) and
+    a8[8j + 2i + 1] (odd), the order in which an int4 weight word's low and high nibbles lie."""
+    lanes = tl.arange(0, 4)
+    even, odd = tl.split(tl.reshape(a8, (WORDS, 4, 2)))
+    return (tl.sum((even & 0xFF) << (8 * lanes)[None, :], axis=1),  # disjoint bytes: the sum is their OR
+            tl.sum((odd & 0xFF) << (8 * lanes)[None, :], axis=1))  # fmt: skip
+
+
+def _int4_rows_q8(w_rows, s_rows, w_ok, even_rows, odd_rows, scale_rows, bias_rows, k_dim, stride_sg,
+                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, AGROUP: tl.constexpr, ROWS: tl.constexpr,
+                  DP4A: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
+    """`_int4_rows` against activations already in int8 (an Int8Act's rows: even_rows / odd_rows [ROWS] pointers to
+    each row's words, scale_rows / bias_rows [ROWS] to its blocks of AGROUP values): per block, scale * (sum c a8) -
+    bias, with sum c a8 in int32 by dp4a; times the weights' scale of the group holding the block (AGROUP divides
+    GROUP and BLOCK_K)."""
+    WORDS_PER_STEP: tl.constexpr = BLOCK_K // 8
+    BLOCKS: tl.constexpr = BLOCK_K // AGROUP
+    shape: tl.constexpr = (ROWS, WORDS_PER_STEP)
+    acc = tl.zeros((ROWS, BLOCKS), dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        word = k0 // 8 + tl.arange(0, WORDS_PER_STEP)
+        word_ok = w_ok[:, None] & (word < k_dim // 8)[None, :]
+        packed = tl.load(w_rows[:, None] + word[None, :], mask=word_ok, other=0, eviction_policy=EVICT)
+        a_even = tl.load(even_rows[:, None] + word[None, :], mask=word_ok, other=0)
+        a_odd = tl.load(odd_rows[:, None] + word[None, :], mask=word_ok, other=0)
+        dots = _dp4a(packed & 0x0F0F0F0F, a_even, tl.zeros(shape, dtype=tl.int32), DP4A)
+        dots = _dp4a((packed >> 4) & 0x0F0F0F0F, a_odd, dots, DP4A)
+        dots = tl.sum(tl.reshape(dots, (ROWS, BLOCKS, AGROUP // 8)), axis=2)  # [ROWS, BLOCKS]
+        block = k0 // AGROUP + tl.arange(0, BLOCKS)
+        block_ok = w_ok[:, None] & (block * AGROUP < k_dim)[None, :]
+        a_scale = tl.load(scale_rows[:, None] + block[None, :], mask=block_ok, other=0.0)
+        a_bias = tl.load(bias_rows[:, None] + block[None, :], mask=block_ok, other=0.0)
+        w_scale = tl.load(s_rows[:, None] + ((block * AGROUP // GROUP) * stride_sg)[None, :], mask=block_ok,
+                          other=0.0).to(tl.float32)  # fmt: skip
+        acc += (dots.to(tl.float32) * a_scale - a_bias) * w_scale
+    return tl.sum(acc, axis=1)
+
+
 def moe_gate_up_kernel(h_ptr, logits_ptr, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sg, act_ptr,
+                       q8_even_ptr, q8_odd_ptr, q8_scale_ptr, q8_bias_ptr,
                        ids_ptr, weights_ptr, counts_ptr, experts, inter, k_dim, TOP_K: tl.constexpr,
                        TOP_K_POW2: tl.constexpr, RENORMALIZE: tl.constexpr, COUNT: tl.constexpr,
                        PICKED: tl.constexpr, BLOCK_E: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUPS: tl.constexpr, WORDS: tl.constexpr, INT8_A: tl.constexpr, DP4A: tl.constexpr,
-                       EVICT: tl.constexpr):  # fmt: skip
+                       STORE_Q8: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
     """Program (pick j, column block): the router's top-k from the logits (fused's selection, every program alike;
     PICKED: read from ids_ptr instead), then silu(gate h) * up h of the j-th pick's expert for BLOCK_N columns.
     Program (0, 0) stores the picks and counts them (not with PICKED). INT8_A: h quantised to int8 and the products
-    summed as integers (`_int4_rows_int8`; DP4A: with the dp4a instruction, else its emulation)."""
+    summed as integers (`_int4_rows_int8`; DP4A: with the dp4a instruction, else its emulation). STORE_Q8: the
+    program's BLOCK_N outputs also leave in int8 (an Int8Act block: scale absmax / 127, words, bias)."""
     pick = tl.program_id(0)
     if PICKED:  # the input product's launch took the top-k (Select)
         expert = tl.load(ids_ptr + pick).to(tl.int64)
@@ -580,20 +667,33 @@ def moe_gate_up_kernel(h_ptr, logits_ptr, w_ptr, stride_we, stride_wn, s_ptr, st
         total = _int4_rows(w_ptr + expert * stride_we + w_rows.to(tl.int64) * stride_wn, s_ptr + expert * stride_se + w_rows,
                            w_ok, h_ptr, k_dim, stride_sg, GROUP, BLOCK_K, GROUPS, 2 * BLOCK_N, True, WORDS, EVICT)  # fmt: skip
     gate, up = tl.split(tl.reshape(total, (BLOCK_N, 2)))
-    tl.store(act_ptr + pick.to(tl.int64) * inter + cols, (gate * tl.sigmoid(gate) * up).to(act_ptr.dtype.element_ty),
-             mask=cols < inter)  # fmt: skip
+    act = gate * tl.sigmoid(gate) * up
+    tl.store(act_ptr + pick.to(tl.int64) * inter + cols, act.to(act_ptr.dtype.element_ty), mask=cols < inter)
+    if STORE_Q8:  # int8_finish_fits: inter is a whole number of blocks of BLOCK_N, a multiple of 8
+        top = tl.max(tl.abs(act), axis=0)
+        scale = tl.where(top > 0, top / 127.0, 1.0)
+        a8 = ((act / scale + 12582912.0) - 12582912.0).to(tl.int32)  # to the nearest, ties to even (|.| <= 127)
+        even, odd = _pack_int8(a8, BLOCK_N // 8)
+        words = pick.to(tl.int64) * (inter // 8) + tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        tl.store(q8_even_ptr + words, even)
+        tl.store(q8_odd_ptr + words, odd)
+        block = pick.to(tl.int64) * (inter // BLOCK_N) + tl.program_id(1)
+        tl.store(q8_scale_ptr + block, scale)
+        tl.store(q8_bias_ptr + block, 7.5 * scale * tl.sum(a8, axis=0).to(tl.float32))
 
 
-def moe_finish_kernel(x_ptr, act_ptr, ids_ptr, weights_ptr, w_ptr, stride_we, stride_wn, s_ptr, stride_se,
+def moe_finish_kernel(x_ptr, act_ptr, q8_even_ptr, q8_odd_ptr, q8_scale_ptr, q8_bias_ptr, ids_ptr, weights_ptr, w_ptr,
+                      stride_we, stride_wn, s_ptr, stride_se,
                       stride_sg, shared_ptr, sd_ptr, stride_sd, logit_ptr, out_ptr, hidden, inter, shared_inter,
                       TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr,
                       GROUP: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr,
-                      BLOCK_KS: tl.constexpr, WORDS: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
+                      BLOCK_KS: tl.constexpr, WORDS: tl.constexpr, INT8_A: tl.constexpr, AGROUP: tl.constexpr,
+                      DP4A: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
     """Program (block of BLOCK_N output rows): the routed down products of every pick (TOP_K_POW2 x BLOCK_N int4
     rows, picks placed in ascending expert id, so the sum over them is one fixed order whatever the picks' order),
     weighted; SHARED: the shared down product (bf16 rows), GATED: times sigmoid of the gate's logit; plus x; rounded
-    once."""
+    once. INT8_A: the routed rows against gate/up's int8 output (`_int4_rows_q8`, blocks of AGROUP values)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     slots = tl.arange(0, TOP_K_POW2)
@@ -609,8 +709,15 @@ def moe_finish_kernel(x_ptr, act_ptr, ids_ptr, weights_ptr, w_ptr, stride_we, st
     row_slot = tl.reshape(ordered[:, None] + 0 * n[None, :], (rows,)).to(tl.int64)
     row_n = tl.reshape(n[None, :] + 0 * slots[:, None], (rows,))
     row_ok = tl.reshape(slot_ok[:, None] & n_ok[None, :], (rows,))
-    dots = _int4_rows(w_ptr + row_expert * stride_we + row_n.to(tl.int64) * stride_wn, s_ptr + row_expert * stride_se + row_n,
-                      row_ok, act_ptr + row_slot * inter, inter, stride_sg, GROUP, BLOCK_K, GROUPS, rows, False, WORDS, EVICT)  # fmt: skip
+    if INT8_A:
+        dots = _int4_rows_q8(w_ptr + row_expert * stride_we + row_n.to(tl.int64) * stride_wn,
+                             s_ptr + row_expert * stride_se + row_n, row_ok, q8_even_ptr + row_slot * (inter // 8),
+                             q8_odd_ptr + row_slot * (inter // 8), q8_scale_ptr + row_slot * (inter // AGROUP),
+                             q8_bias_ptr + row_slot * (inter // AGROUP), inter, stride_sg, GROUP, BLOCK_K, AGROUP, rows,
+                             DP4A, EVICT)  # fmt: skip
+    else:
+        dots = _int4_rows(w_ptr + row_expert * stride_we + row_n.to(tl.int64) * stride_wn, s_ptr + row_expert * stride_se + row_n,
+                          row_ok, act_ptr + row_slot * inter, inter, stride_sg, GROUP, BLOCK_K, GROUPS, rows, False, WORDS, EVICT)  # fmt: skip
     routed = tl.sum(tl.reshape(dots, (TOP_K_POW2, BLOCK_N)) * weight[:, None], axis=0)
     x = tl.load(x_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     if SHARED:

@@ -360,11 +360,12 @@ class Transformer:
         select = None  # the router's top-k in the input product's launch (RowConfig.topk_in_router), else in gate/up's
         if rowfused.DEFAULT_CONFIG.topk_in_router:
             select = rowfused.Select.new(spec.num_experts, spec.top_k, spec.norm_topk_prob, sync, counts)
+        int8 = rowfused.DEFAULT_CONFIG.int8_finish and rowfused.int8_finish_fits(quantized)  # gate/up's output in int8
         if not spec.shared_intermediate:
             h, logits = rowfused.norm_router(x, norm, spec.rms_eps, self.w[spec.router_name(layer)], select=select)
-            routed, ids, weights = rowfused.moe_gate_up(h, logits, quantized, spec.top_k, spec.norm_topk_prob, counts,
-                                                        picks=select)  # fmt: skip
-            return rowfused.moe_finish(x, routed, ids, weights, quantized, None, None, None)
+            routed, ids, weights, *q8 = rowfused.moe_gate_up(h, logits, quantized, spec.top_k, spec.norm_topk_prob,
+                                                             counts, picks=select, int8_act=int8)  # fmt: skip
+            return rowfused.moe_finish(x, routed, ids, weights, quantized, None, None, None, act_int8=q8[0] if q8 else None)
         packed = self.packed_ffn_input(layer)
         down = f"{spec.layer_prefix(layer)}.mlp.shared_expert.down_proj"
         if packed is None or down + ".bias" in self.w:
@@ -372,10 +373,11 @@ class Transformer:
         weight, sizes = packed
         inter, num_experts = sizes[0], sizes[2]
         h, act, tail = rowfused.norm_ffn_input(x, norm, spec.rms_eps, weight, inter, sum(sizes[2:]), select=select)
-        routed, ids, weights = rowfused.moe_gate_up(h, tail[:, :num_experts], quantized, spec.top_k, spec.norm_topk_prob,
-                                                    counts, picks=select)  # fmt: skip
+        routed, ids, weights, *q8 = rowfused.moe_gate_up(h, tail[:, :num_experts], quantized, spec.top_k,
+                                                         spec.norm_topk_prob, counts, picks=select, int8_act=int8)  # fmt: skip
         gate_logit = tail[:, num_experts : num_experts + 1] if spec.shared_gate else None
-        return rowfused.moe_finish(x, routed, ids, weights, quantized, act, self.w[down + ".weight"], gate_logit)
+        return rowfused.moe_finish(x, routed, ids, weights, quantized, act, self.w[down + ".weight"], gate_logit,
+                                   act_int8=q8[0] if q8 else None)
 
     def _base_feed_forward(self) -> bool:
         """Whether the family keeps the base class's routing, shared expert, dense MLP and linear (what the packed and
