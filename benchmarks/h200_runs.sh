@@ -32,10 +32,13 @@
 # int8g11 (int8 gate/up by dp4a, own tiles: draft step 1.80 -> 1.66 ms), attn11 (attention merged in its launch, gate/up
 # tiles: 1.56 ms, 1.46x its floor; OLMoE 8 layers 0.51 ms; 124 GPU tests passed), final11 (trained Qwen: specter 3.16x /
 # 2.64x ondemand at 15 / 8 residents Gen5, copy busy 0.857 / 0.883; Gen4 3.08x / 2.77x, copy busy 0.69 / 0.70),
-# ab-int8 (int8 gate/up costs no acceptance on the same model); results/h200-2026-11-30/eleventh.
-# Next (eleventh session's end): moe_finish (14.7 us per layer-step, 2.0 TB/s: its routed int4 rows still take the
-# float path with per-row activations; gate/up could store act in int8 for a dp4a finish); copy busy at Gen4 (0.69-0.70:
-# the verify's layer-by-layer walk, see the closing note); the three bf16 GEMVs at ~3 TB/s; the rest of the list below.
+# ab-int8 (int8 gate/up costs no acceptance on the same model), final11b (a second trained model: 2.78x / 2.86x,
+# copy busy 0.838 / 0.884), finish11 (RowConfig.int8_finish: draft step 1.56 -> 1.49 ms; left off);
+# results/h200-2026-11-30/eleventh.
+# Next (eleventh session's end): an end-to-end A/B of RowConfig.int8_finish on a trained model (acceptance, TPOT),
+# on if it costs no acceptance; copy busy at 15 residents (0.838-0.857 this session: at the target's edge; the idle
+# time is at the hand-over between layers, see the closing note) and at Gen4 (0.69-0.70: host-paced emulation's
+# jitter between chunks is counted idle); the three bf16 GEMVs at ~3 TB/s; the rest of the list below.
 # Next, in this order (tenth session's end): the draft step's remaining gap to 1.5x (1.60 ms; 1.81 now): moe_gate_up
 # reads 11.5 MB in ~12 us (0.9 TB/s) and moe_finish 29 MB in 14.7 us, the three bf16 GEMVs run at ~2.9 TB/s, attention
 # of 16 positions costs 7.6 us in two launches, RoPE + KV writes 1.3 us (could go into the q/k/v GEMV's epilogue with
