@@ -37,8 +37,8 @@
 # results/h200-2026-11-30/eleventh.
 # Next (eleventh session's end): an end-to-end A/B of RowConfig.int8_finish on a trained model (acceptance, TPOT),
 # on if it costs no acceptance; copy busy at 15 residents (0.838-0.857 this session: at the target's edge; the idle
-# time is at the hand-over between layers, see the closing note) and at Gen4 (0.69-0.70: host-paced emulation's
-# jitter between chunks is counted idle); the three bf16 GEMVs at ~3 TB/s; the rest of the list below.
+# time is at the hand-over between layers, see the closing note) and at Gen4 (0.69-0.70: likely host-paced
+# emulation's wake-up lateness between chunks counted as idle; not verified); the three bf16 GEMVs at ~3 TB/s; the rest of the list below.
 # Next, in this order (tenth session's end): the draft step's remaining gap to 1.5x (1.60 ms; 1.81 now): moe_gate_up
 # reads 11.5 MB in ~12 us (0.9 TB/s) and moe_finish 29 MB in 14.7 us, the three bf16 GEMVs run at ~2.9 TB/s, attention
 # of 16 positions costs 7.6 us in two launches, RoPE + KV writes 1.3 us (could go into the q/k/v GEMV's epilogue with
