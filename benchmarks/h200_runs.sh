@@ -48,6 +48,9 @@
 # --shape qwen3-30b-a3b --layers 8 --without ROW_KERNELS; the shapes are new, not yet built on the GPU); the eager
 # draft step (10.9-21.2 ms across
 # this session's calls: noisy, unexplained; the graphed step is what runs on CUDA).
+# Stages before the eleventh session's name RowConfig fields as they were then: block_k_moe was gate/up's K step as
+# well as the finish's (now block_k_gate_up is gate/up's), and block_n / block_k covered o_proj and the FFN input too
+# (now block_n_residual / block_k_residual / block_n_input). Re-running them as written measures something else.
 # Write everything straight under $OUT (a command killed at its limit returns only what is already there).
 set -u
 source benchmarks/h200_setup.sh

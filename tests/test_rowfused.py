@@ -33,6 +33,8 @@ for case in json.loads(sys.argv[1]):
     gen = torch.Generator().manual_seed(case["seed"])
     rand = lambda *shape: torch.randn(*shape, generator=gen)
     config = rowfused.RowConfig(block_n=case.get("block_n", 8), block_k=case.get("block_k", 512),
+                                block_n_residual=case.get("block_n", 2), block_k_residual=case.get("block_k", 1024),
+                                block_n_input=case.get("block_n", 4),
                                 block_n_moe=case.get("block_n_moe", 16), block_k_moe=case.get("block_k_moe", 512),
                                 block_k_gate_up=case.get("block_k_moe", 512),
                                 block_n_finish=case.get("block_n_finish", 4), words_gate_up=case.get("words", False),
@@ -231,6 +233,13 @@ for name in names:
         return _original(*args, **kwargs)
     setattr(rowfused, name, counted)
 
+merged_attention = []  # per decode_attention call: whether it merged its runs in its launch (was given counters)
+plain_attention = fused.decode_attention
+def recorded_attention(*args, **kwargs):
+    merged_attention.append((args[6] if len(args) > 6 else kwargs.get("counters")) is not None)
+    return plain_attention(*args, **kwargs)
+fused.decode_attention = recorded_attention
+
 rowfused.DEFAULT_CONFIG = rowfused.RowConfig(topk_in_router=sys.argv[2] == "router", int8_gate_up=sys.argv[4] != "float",
                                              int8_finish=sys.argv[4] == "int8+finish", block_n_moe=8)
 quant = sys.argv[3]
@@ -259,8 +268,9 @@ async def main():
             result[str(flag)] = {"eager": eager[0].tolist(), "static": static[0].tolist(), "counts": eager_counts.tolist(),
                                  "static_counts": (experts.route_counts - eager_counts).tolist(),
                                  "three_rows": before, "one_row": dict(calls), "kv": static_kv.k[:, :, 3].flatten().tolist(),
-                                 "int8_finishes": int8_finishes[0]}
+                                 "int8_finishes": int8_finishes[0], "merged_attention": list(merged_attention)}
             int8_finishes[0] = 0
+            merged_attention.clear()
             for name in names:
                 calls[name] = 0
         print(json.dumps(result))
@@ -308,7 +318,11 @@ def test_the_drafts_one_row_layer_takes_the_row_kernels_and_matches_the_packed_p
     eager_off, eager_on, static_on = (torch.tensor(v) for v in (off["eager"], on["eager"], on["static"]))
     gap = ((eager_on - eager_off).abs().max() / eager_off.abs().max()).item()
     assert gap < (1e-5 if activations == "float" else 2e-2)  # fp32: sums reordered only, unless h is in int8
+    assert activations == "float" or gap > 1e-7  # ... and then the int8 path did run
     assert on["int8_finishes"] == (2 * moe if activations == "int8+finish" else 0) and off["int8_finishes"] == 0
+    # the one-row attention (eager and static, with and without the row kernels) merges its runs in its own launch,
+    # with counters (fused.MERGE_IN_LAUNCH): the same kernel path in both, so the two steps propose alike
+    assert on["merged_attention"] == off["merged_attention"] == [True] * (2 * layers)
     torch.testing.assert_close(static_on, eager_on, rtol=1e-5, atol=1e-5)  # the graphed step proposes as the eager one
     assert on["counts"] == off["counts"] == on["static_counts"]  # the same picks, counted once each
     assert sum(on["counts"][layer][e] for layer in range(layers) for e in range(len(on["counts"][0]))) == result["top_k"] * moe_layers

@@ -160,7 +160,7 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
     graph captured once serves every position.
 
     With `counters` (int32 zeros, one per row and cache head, that no other launch uses at the same time: the graphed
-    draft step keeps one set per layer), the merge happens in the same launch: where a row's visible positions fit in
+    draft step and the eager one-row step each keep one set per layer), the merge happens in the same launch: where a row's visible positions fit in
     the first run, its first program writes the output alone and the others do nothing; else the program that finishes
     a (row, cache head) last (counted, and the count set back to zero) merges the runs' partials."""
     rows, heads, head_dim = q.shape

@@ -56,8 +56,8 @@ _top_k: Any = None  # fused's jitted router selection, bound by _kernels()
 class RowConfig:
     """Tiles of the one-row kernels (benchmarks/graphed_tpot.py --row-config sweeps them)."""
 
-    block_n: int = 8  # output rows per program of the bf16 GEMVs (norm_linear, linear_residual, norm_ffn_input)
-    block_k: int = 512  # elements per K step of the bf16 GEMVs
+    block_n: int = 8  # output rows per program of norm_linear (the q/k/v product)
+    block_k: int = 512  # elements per K step of norm_linear and of the input product (linear_residual: block_k_residual)
     block_n_moe: int = 16  # intermediate columns per program of moe_gate_up (2x weight rows: gate and up)
     block_k_moe: int = 512  # elements per K step of moe_finish's int4 GEMV (a whole number of groups, or a divisor of one)
     block_k_gate_up: int = 1024  # likewise moe_gate_up's (H200, int8g11, gate/up alone with int8 h: 7.19 us at 16 rows /
@@ -76,7 +76,8 @@ class RowConfig:
     num_stages: int = 3
     block_n_residual: int = 2  # output rows per program of linear_residual (o_proj: 2048 rows, 1,024 programs)
     block_k_residual: int = 1024  # its K step (H200, kern11, o_proj alone: 5.16 us at 8 / 512, 4.09 at 2 / 1024)
-    block_n_input: int = 4  # gate/up column pairs per program of the FFN input product (kern11: 15.0 us at 8, 14.3 at 4)
+    block_n_input: int = 4  # gate/up column pairs (tail rows: twice as many) per program of the input product, i.e.
+    # norm_ffn_input and norm_router (kern11, the FFN input alone: 15.0 us at 8, 14.3 at 4)
     int8_gate_up: bool = True  # moe_gate_up quantises h to int8 (per group of the weights' K, absmax) and sums codes x
     # activations as 32-bit integers, four products per dp4a instruction (the float path spends ~8 instructions per code:
     # H200, kern11, 13.96 us for 11.8 MB whatever the tiles)
@@ -574,7 +575,7 @@ def _int4_rows_int8(w_rows, s_rows, w_ok, a_ptr, k_dim, stride_sg, GROUP: tl.con
         ks = k0 + tl.arange(0, BLOCK_K)
         a = tl.reshape(tl.load(a_ptr + ks, mask=ks < k_dim, other=0.0).to(tl.float32), (GROUPS, BLOCK_K // GROUPS))
         top = tl.max(tl.abs(a), axis=1)  # [GROUPS]
-        sa = tl.where(top > 0, top / 127.0, 1.0)
+        sa = tl.where(top > 1e-30, top / 127.0, 1.0)  # (a tinier top would flush the scale to zero)
         a8 = ((a / sa[:, None] + 12582912.0) - 12582912.0).to(tl.int32)  # to the nearest, ties to even (|.| <= 127)
         a8_sum = tl.sum(a8, axis=1)  # [GROUPS]
         a_even, a_odd = _pack_int8(tl.reshape(a8, (BLOCK_K,)), WORDS_PER_STEP)  # [WORDS_PER_STEP] int32
@@ -671,7 +672,7 @@ def moe_gate_up_kernel(h_ptr, logits_ptr, w_ptr, stride_we, stride_wn, s_ptr, st
     tl.store(act_ptr + pick.to(tl.int64) * inter + cols, act.to(act_ptr.dtype.element_ty), mask=cols < inter)
     if STORE_Q8:  # int8_finish_fits: inter is a whole number of blocks of BLOCK_N, a multiple of 8
         top = tl.max(tl.abs(act), axis=0)
-        scale = tl.where(top > 0, top / 127.0, 1.0)
+        scale = tl.where(top > 1e-30, top / 127.0, 1.0)  # (a tinier top would flush the scale to zero)
         a8 = ((act / scale + 12582912.0) - 12582912.0).to(tl.int32)  # to the nearest, ties to even (|.| <= 127)
         even, odd = _pack_int8(a8, BLOCK_N // 8)
         words = pick.to(tl.int64) * (inter // 8) + tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)

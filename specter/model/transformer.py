@@ -385,6 +385,15 @@ class Transformer:
         return all(getattr(type(self), method) is getattr(Transformer, method)
                    for method in ("route", "_select", "shared_expert", "dense_mlp", "linear"))  # fmt: skip
 
+    def _attention_counters(self) -> Tensor:
+        """The eager one-row step's decode_attention counters, one set per layer (int32 zeros, made on first use; the
+        graphed step keeps its own)."""
+        counters = getattr(self, "_one_row_counters", None)
+        if counters is None:
+            counters = torch.zeros(self.spec.num_layers, self.spec.num_kv_heads, dtype=torch.int32, device=self.device)
+            self._one_row_counters = counters
+        return counters
+
     def _key_range(self, position: int) -> tuple[int, int]:
         window = self.spec.sliding_window
         first = 0 if window is None or window <= 0 else max(0, position - window + 1)
@@ -393,9 +402,11 @@ class Transformer:
     def _attend(self, layer: int, q: Tensor, first_position: int, kv: KVCache) -> Tensor:
         """Attention of each query row over the cache up to its own position; [T, H, hd] -> [T, H*hd]."""
         if not self.exact and q.shape[0] == 1 and fused.DECODE_ATTENTION and fused.usable(q):
-            # the eager draft step attends as its graphed twin does (graphed.StaticStep), so both propose alike
+            # the eager draft step attends as its graphed twin does (graphed.StaticStep: the same launch, the runs merged
+            # in it with a counter per layer), so both propose alike
             positions = torch.arange(first_position, first_position + 1, device=q.device)
-            return fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, self.spec.sliding_window)
+            counters = self._attention_counters()[layer] if fused.MERGE_IN_LAUNCH else None
+            return fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, self.spec.sliding_window, None, counters)
         if self.exact or q.shape[0] == 1:
             return torch.cat([self._attend_row(layer, q[t], first_position + t, kv) for t in range(q.shape[0])])
         return self._attend_block(layer, q, first_position, kv)
