@@ -125,7 +125,7 @@ def host_plan(ids: torch.Tensor, weights: torch.Tensor) -> Plan:
 # timing
 
 
-def capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

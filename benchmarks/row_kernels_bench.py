@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_kernel_bench import capture  # noqa: E402  (the same warm-up and capture)
 from specter.model import fused, rowfused  # noqa: E402
 from specter.quant import QuantizedExperts  # noqa: E402
 
@@ -104,16 +106,7 @@ def kernels(stack: list[Layer]) -> dict[str, tuple[Callable[[Layer, rowfused.Row
 def time_launches(run: Callable[[Layer, rowfused.RowConfig], object], stack: list[Layer], config: rowfused.RowConfig,
                   replays: int) -> float:
     """Microseconds per launch: a graph of one launch per layer, replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in stack:
-            run(layer, config)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in stack:
-            run(layer, config)
+    graph, _ = capture(lambda: [run(layer, config) for layer in stack])
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

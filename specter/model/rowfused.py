@@ -388,7 +388,8 @@ def moe_finish(x: Tensor, act: Tensor, ids: Tensor, weights: Tensor, qe: Quantiz
 
 @functools.cache
 def _kernels() -> Any:
-    global tl, _int4_rows, _int4_rows_int8, _int4_rows_q8, _pack_int8, _dp4a, _top_k, _store_picks
+    global tl, _int4_rows, _int4_rows_int8, _int4_rows_q8, _pack_int8, _dp4a, _dot_words, _quantize_int8, _top_k
+    global _store_picks
     import triton
     import triton.language
 
@@ -400,6 +401,8 @@ def _kernels() -> Any:
     _dp4a = triton.jit(_dp4a)
     _int4_rows_q8 = triton.jit(_int4_rows_q8)
     _pack_int8 = triton.jit(_pack_int8)
+    _dot_words = triton.jit(_dot_words)
+    _quantize_int8 = triton.jit(_quantize_int8)
     _store_picks = triton.jit(_store_picks)
 
     class Kernels:
@@ -561,6 +564,23 @@ def _dp4a(a, b, c, DP4A: tl.constexpr):
         return total
 
 
+def _quantize_int8(a):
+    """float32 rows a [G, n] -> (codes [G, n] int32 in [-127, 127], scales [G]): scale = max |a| / 127 per row (1 for
+    a row of zeros, or one so tiny its scale would flush to zero), each value rounded to the nearest code, ties to
+    even (adding and taking away 1.5 * 2^23)."""
+    top = tl.max(tl.abs(a), axis=1)
+    scale = tl.where(top > 1e-30, top / 127.0, 1.0)
+    return ((a / scale[:, None] + 12582912.0) - 12582912.0).to(tl.int32), scale
+
+
+def _dot_words(packed, a_even, a_odd, DP4A: tl.constexpr):
+    """int32 sums, per word of int4 codes (packed [..., W] words of 8 codes), of codes x int8 activations: the low
+    nibbles against a_even's bytes, the high ones against a_odd's (words as `_pack_int8` makes them; broadcast to
+    packed's shape), by two dp4a."""
+    dots = _dp4a(packed & 0x0F0F0F0F, tl.broadcast_to(a_even, packed.shape), tl.zeros(packed.shape, dtype=tl.int32), DP4A)
+    return _dp4a((packed >> 4) & 0x0F0F0F0F, tl.broadcast_to(a_odd, packed.shape), dots, DP4A)
+
+
 def _int4_rows_int8(w_rows, s_rows, w_ok, a_ptr, k_dim, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUPS: tl.constexpr, ROWS: tl.constexpr, DP4A: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
     """`_int4_rows` of rows that share one activation vector (a_ptr [k_dim]), with the activations quantised to int8:
@@ -574,19 +594,13 @@ def _int4_rows_int8(w_rows, s_rows, w_ok, a_ptr, k_dim, stride_sg, GROUP: tl.con
     for k0 in range(0, k_dim, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         a = tl.reshape(tl.load(a_ptr + ks, mask=ks < k_dim, other=0.0).to(tl.float32), (GROUPS, BLOCK_K // GROUPS))
-        top = tl.max(tl.abs(a), axis=1)  # [GROUPS]
-        sa = tl.where(top > 1e-30, top / 127.0, 1.0)  # (a tinier top would flush the scale to zero)
-        a8 = ((a / sa[:, None] + 12582912.0) - 12582912.0).to(tl.int32)  # to the nearest, ties to even (|.| <= 127)
+        a8, sa = _quantize_int8(a)  # [GROUPS, BLOCK_K / GROUPS], [GROUPS]
         a8_sum = tl.sum(a8, axis=1)  # [GROUPS]
         a_even, a_odd = _pack_int8(tl.reshape(a8, (BLOCK_K,)), WORDS_PER_STEP)  # [WORDS_PER_STEP] int32
         word = k0 // 8 + tl.arange(0, WORDS_PER_STEP)
         packed = tl.load(w_rows[:, None] + word[None, :], mask=w_ok[:, None] & (word < k_dim // 8)[None, :], other=0,
                          eviction_policy=EVICT)  # fmt: skip
-        low = packed & 0x0F0F0F0F
-        high = (packed >> 4) & 0x0F0F0F0F
-        shape: tl.constexpr = (ROWS, WORDS_PER_STEP)
-        dots = _dp4a(low, tl.broadcast_to(a_even[None, :], shape), tl.zeros(shape, dtype=tl.int32), DP4A)
-        dots = _dp4a(high, tl.broadcast_to(a_odd[None, :], shape), dots, DP4A)
+        dots = _dot_words(packed, a_even[None, :], a_odd[None, :], DP4A)
         dots = tl.sum(tl.reshape(dots, (ROWS, GROUPS, WORDS_PER_STEP // GROUPS)), axis=2)  # [ROWS, GROUPS]
         group = k0 // GROUP + tl.arange(0, GROUPS)
         scale = tl.load(s_rows[:, None] + (group * stride_sg)[None, :],
@@ -613,7 +627,6 @@ def _int4_rows_q8(w_rows, s_rows, w_ok, even_rows, odd_rows, scale_rows, bias_ro
     GROUP and BLOCK_K)."""
     WORDS_PER_STEP: tl.constexpr = BLOCK_K // 8
     BLOCKS: tl.constexpr = BLOCK_K // AGROUP
-    shape: tl.constexpr = (ROWS, WORDS_PER_STEP)
     acc = tl.zeros((ROWS, BLOCKS), dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         word = k0 // 8 + tl.arange(0, WORDS_PER_STEP)
@@ -621,9 +634,7 @@ def _int4_rows_q8(w_rows, s_rows, w_ok, even_rows, odd_rows, scale_rows, bias_ro
         packed = tl.load(w_rows[:, None] + word[None, :], mask=word_ok, other=0, eviction_policy=EVICT)
         a_even = tl.load(even_rows[:, None] + word[None, :], mask=word_ok, other=0)
         a_odd = tl.load(odd_rows[:, None] + word[None, :], mask=word_ok, other=0)
-        dots = _dp4a(packed & 0x0F0F0F0F, a_even, tl.zeros(shape, dtype=tl.int32), DP4A)
-        dots = _dp4a((packed >> 4) & 0x0F0F0F0F, a_odd, dots, DP4A)
-        dots = tl.sum(tl.reshape(dots, (ROWS, BLOCKS, AGROUP // 8)), axis=2)  # [ROWS, BLOCKS]
+        dots = tl.sum(tl.reshape(_dot_words(packed, a_even, a_odd, DP4A), (ROWS, BLOCKS, AGROUP // 8)), axis=2)  # [ROWS, BLOCKS]
         block = k0 // AGROUP + tl.arange(0, BLOCKS)
         block_ok = w_ok[:, None] & (block * AGROUP < k_dim)[None, :]
         a_scale = tl.load(scale_rows[:, None] + block[None, :], mask=block_ok, other=0.0)
@@ -671,9 +682,9 @@ def moe_gate_up_kernel(h_ptr, logits_ptr, w_ptr, stride_we, stride_wn, s_ptr, st
     act = gate * tl.sigmoid(gate) * up
     tl.store(act_ptr + pick.to(tl.int64) * inter + cols, act.to(act_ptr.dtype.element_ty), mask=cols < inter)
     if STORE_Q8:  # int8_finish_fits: inter is a whole number of blocks of BLOCK_N, a multiple of 8
-        top = tl.max(tl.abs(act), axis=0)
-        scale = tl.where(top > 1e-30, top / 127.0, 1.0)  # (a tinier top would flush the scale to zero)
-        a8 = ((act / scale + 12582912.0) - 12582912.0).to(tl.int32)  # to the nearest, ties to even (|.| <= 127)
+        a8, scale = _quantize_int8(act[None, :])
+        a8 = tl.reshape(a8, (BLOCK_N,))
+        scale = tl.sum(scale, axis=0)  # the one row's scale
         even, odd = _pack_int8(a8, BLOCK_N // 8)
         words = pick.to(tl.int64) * (inter // 8) + tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
         tl.store(q8_even_ptr + words, even)

@@ -147,6 +147,9 @@ class Transformer:
         embed = dense["model.embed_tokens.weight"]
         self.device, self.dtype = embed.device, embed.dtype
         self.cos, self.sin = self._rope_tables(max_context)
+        # the eager one-row step's decode_attention counters, one set per layer (fused.MERGE_IN_LAUNCH; the graphed
+        # step keeps its own)
+        self.attention_counters = torch.zeros(spec.num_layers, spec.num_kv_heads, dtype=torch.int32, device=self.device)
         # The draft looks its packed tensors up once (_packed): the entries of `dense` are fixed from here on.
         self._packed: dict[tuple[str, int], tuple[Tensor, Tensor | None, tuple[int, ...]] | None] = {}
         packed_any = False
@@ -385,15 +388,6 @@ class Transformer:
         return all(getattr(type(self), method) is getattr(Transformer, method)
                    for method in ("route", "_select", "shared_expert", "dense_mlp", "linear"))  # fmt: skip
 
-    def _attention_counters(self) -> Tensor:
-        """The eager one-row step's decode_attention counters, one set per layer (int32 zeros, made on first use; the
-        graphed step keeps its own)."""
-        counters = getattr(self, "_one_row_counters", None)
-        if counters is None:
-            counters = torch.zeros(self.spec.num_layers, self.spec.num_kv_heads, dtype=torch.int32, device=self.device)
-            self._one_row_counters = counters
-        return counters
-
     def _key_range(self, position: int) -> tuple[int, int]:
         window = self.spec.sliding_window
         first = 0 if window is None or window <= 0 else max(0, position - window + 1)
@@ -405,7 +399,7 @@ class Transformer:
             # the eager draft step attends as its graphed twin does (graphed.StaticStep: the same launch, the runs merged
             # in it with a counter per layer), so both propose alike
             positions = torch.arange(first_position, first_position + 1, device=q.device)
-            counters = self._attention_counters()[layer] if fused.MERGE_IN_LAUNCH else None
+            counters = self.attention_counters[layer] if fused.MERGE_IN_LAUNCH else None
             return fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, self.spec.sliding_window, None, counters)
         if self.exact or q.shape[0] == 1:
             return torch.cat([self._attend_row(layer, q[t], first_position + t, kv) for t in range(q.shape[0])])
