@@ -40,7 +40,7 @@ from specter.loading import (  # noqa: F401  (CheckpointWeights and WeightSource
 )
 from specter.log import get_logger
 from specter.memory import MemoryPlan, plan_memory
-from specter.metrics import Estimates, RequestStats, busy_within
+from specter.metrics import Estimates, RequestStats, busy_within, idle_causes
 from specter.model.checkpoint import Checkpoint
 from specter.model.graphed import GraphedTarget, static_step_supported
 from specter.model.kv import KVCache
@@ -585,14 +585,16 @@ class Runtime:
             yield NOT_READY
         origin = window[0]
         verify_end = window[1].elapsed_since(origin)
-        intervals: list[tuple[float, float]] = []
+        times = []
         for first in range(0, len(chunks), batch):
-            intervals += self.cache.transfer.busy_intervals(chunks[first : first + batch], origin, open_end=verify_end)
+            times += self.cache.transfer.chunk_times(chunks[first : first + batch], origin, open_end=verify_end)
             yield None
-        span = min(max((end for start, end in intervals if start < verify_end), default=0.0), verify_end)
+        span = min(max((t.end for t in times if t.start < verify_end), default=0.0), verify_end)
         if span > 0:
-            stats.copy_busy_s += busy_within(intervals, 0.0, span)
+            stats.copy_busy_s += busy_within([(t.start, t.end) for t in times], 0.0, span)
             stats.copy_window_s += span
+            for cause, seconds in (idle_causes(times, span) or {}).items():
+                stats.copy_idle_s[cause] = stats.copy_idle_s.get(cause, 0.0) + seconds
 
     def _gpu_mark(self):
         """A timed event on the compute stream (CUDA only; None elsewhere, where host wall time is exact)."""

@@ -5,7 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specter.experts.transfer import ChunkTimes
 
 
 @dataclasses.dataclass
@@ -37,6 +41,7 @@ class RequestStats:
     scout_recall_total: int = 0
     copy_busy_s: float = 0.0  # copy stream busy inside transfer-bound verify windows (see copy_busy_fraction)
     copy_window_s: float = 0.0  # length of those windows
+    copy_idle_s: dict[str, float] = dataclasses.field(default_factory=dict)  # their idle time by cause (idle_causes)
 
     @property
     def tpot_s(self) -> float:
@@ -115,6 +120,38 @@ def busy_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> f
             total += b - max(a, reach)
             reach = b
     return total
+
+
+IDLE_CAUSES = ("head", "handover", "issue", "slot")
+
+
+def idle_causes(chunks: Sequence[ChunkTimes], span: float) -> dict[str, float] | None:
+    """The copy stream's idle time inside [0, span] split by what held up the chunk that ended each gap.
+
+    For a gap [a, b] before chunk C: the part before C's issue mark was the host not having issued C yet,
+    `head` when no chunk ran since the window began, `handover` when C belongs to another layer than the
+    chunk before it (its misses were known only after its router ran), else `issue`; the rest of the gap
+    (the mark reached, the copy not started) is `slot`: the copy waited on its slot's last reader. None
+    when a chunk lacks its issue mark (`transfer.ISSUE_MARKS` off).
+    """
+    ordered = sorted((c for c in chunks if c.start < span), key=lambda c: c.start)
+    if any(c.issued is None for c in ordered):
+        return None
+    causes = dict.fromkeys(IDLE_CAUSES, 0.0)
+    reach, layer, seen = 0.0, None, False
+    for chunk in ordered:
+        if chunk.start > reach:
+            end = min(chunk.start, span)
+            issued = min(max(chunk.issued, reach), end)
+            kind = "head" if not seen else ("handover" if chunk.layer != layer else "issue")
+            causes[kind] += issued - reach
+            causes["slot"] += end - issued
+        if chunk.end > 0:
+            seen = True
+        reach, layer = max(reach, chunk.end), chunk.layer
+    if reach < span:  # (the window ends at a chunk's end: only a chunk cut short leaves a tail)
+        causes["issue"] += span - reach
+    return causes
 
 
 class Estimates:

@@ -331,3 +331,18 @@ def test_qwen_shaped_reference_model_loads_and_decodes_like_transformers(tmp_pat
     with torch.no_grad():
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
     assert asyncio.run(generate()) == expected
+
+
+def test_copy_gaps_splits_the_copy_idle_time_by_cause(tmp_path, monkeypatch, capsys):
+    """--copy-gaps turns the issue marks on: each stalled cell reports its idle shares, which add up to 1 - copy busy."""
+    from specter.experts import transfer
+
+    monkeypatch.setattr(transfer, "ISSUE_MARKS", False)  # the flag sets it (monkeypatch restores it afterwards)
+    out = tmp_path / "gaps"
+    assert cli.main(["--systems", "specter-fixed", "--k", "4", "--max-new-tokens", "12", "--warmup-tokens", "2", "--link", "0.25",
+                     "--copy-gaps", "--no-progress", "--no-plots", "--out", str(out)]) == 0
+    assert transfer.ISSUE_MARKS
+    (row,) = json.loads((out / "results.json").read_text())["summary"]
+    assert row["copy_busy"] is not None and set(row["copy_idle"]) == {"head", "handover", "issue", "slot"}
+    assert row["copy_busy"] + sum(row["copy_idle"].values()) == pytest.approx(1.0, abs=2e-3)
+    assert "idle: handover" in (out / "results.md").read_text() and "idle: handover" in capsys.readouterr().out

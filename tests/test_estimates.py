@@ -151,3 +151,66 @@ def test_the_deferred_copy_busy_reads_are_done_when_a_request_ends_even_one_left
     assert left == 0 and left_early == 0
     assert full.copy_window_s > 0 and 0.0 < full.copy_busy_fraction <= 1.0 + 1e-6
     assert early.rounds >= 2 and early.copy_window_s > 0
+
+
+# ---- the copy stream's idle time by cause (transfer.ISSUE_MARKS, bench --copy-gaps) ---------------------------
+def _chunk(start, end, issued, layer):
+    from specter.experts.transfer import ChunkTimes
+
+    return ChunkTimes(start, end, issued, layer)
+
+
+def test_idle_causes_name_each_gap_by_what_held_the_next_chunk():
+    from specter.metrics import idle_causes
+
+    chunks = [
+        _chunk(0.2, 1.0, 0.1, 0),  # head: 0.1 not issued, 0.1 waiting on its slot
+        _chunk(1.5, 2.0, 1.0, 0),  # same layer, issued at once: 0.5 slot wait
+        _chunk(2.4, 3.0, 2.3, 1),  # another layer: 0.3 hand-over, 0.1 slot
+        _chunk(3.2, 4.0, 3.2, 1),  # same layer, issued late: 0.2 issue
+    ]
+    causes = idle_causes(chunks, span=4.0)
+    assert causes == pytest.approx({"head": 0.1, "handover": 0.3, "issue": 0.2, "slot": 0.7})
+    assert idle_causes([_chunk(0.2, 1.0, None, 0)], span=1.0) is None  # no issue marks: no split
+
+
+def test_a_chunk_running_into_the_window_is_no_head_gap_but_one_that_ended_before_it_is():
+    from specter.metrics import idle_causes
+
+    assert idle_causes([_chunk(-0.5, 0.3, -0.6, 0), _chunk(0.5, 1.0, 0.5, 0)], 1.0) == pytest.approx(
+        {"head": 0.0, "handover": 0.0, "issue": 0.2, "slot": 0.0})
+    assert idle_causes([_chunk(-0.5, -0.1, -0.6, 0), _chunk(0.5, 1.0, 0.4, 0)], 1.0) == pytest.approx(
+        {"head": 0.4, "handover": 0.0, "issue": 0.0, "slot": 0.1})
+
+
+@given(st.lists(st.tuples(st.floats(-1, 5), st.floats(0, 2), st.floats(0, 1), st.integers(0, 2)), max_size=12),
+       st.floats(0.01, 6))
+def test_busy_and_idle_by_cause_add_up_to_the_window(raw, span):
+    """However the chunks overlap, the causes are non-negative and busy + idle = the window."""
+    from specter.metrics import busy_within, idle_causes
+
+    chunks = [_chunk(start, start + length, start - lead, layer) for start, length, lead, layer in raw]
+    causes = idle_causes(chunks, span)
+    assert all(seconds >= -1e-12 for seconds in causes.values())
+    busy = busy_within([(c.start, c.end) for c in chunks], 0.0, span)
+    assert busy + sum(causes.values()) == pytest.approx(span, abs=1e-9)
+
+
+def test_an_offloaded_run_with_issue_marks_splits_its_copy_idle_time(tiny, monkeypatch):
+    """With issue marks on, a stalled run's idle copy time is split by cause, adding up to window - busy."""
+    from specter.experts import transfer
+
+    monkeypatch.setattr(transfer, "ISSUE_MARKS", True)
+
+    async def go():
+        config = EngineConfig(device="cpu", residents=2, link="0.25", draft=DraftConfig(k=2), lookahead="fixed")
+        runtime = await Runtime.load(tiny, config)
+        try:
+            return (await runtime.complete_ids([3, 1, 4, 1, 5], GenerationConfig(max_new_tokens=12))).stats
+        finally:
+            await runtime.aclose()
+
+    stats = asyncio.run(go())
+    assert stats.copy_window_s > 0 and set(stats.copy_idle_s) == {"head", "handover", "issue", "slot"}
+    idle = sum(stats.copy_idle_s.values())
+    assert idle == pytest.approx(stats.copy_window_s - stats.copy_busy_s, abs=1e-6)

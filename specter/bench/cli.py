@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--merge", type=Path, action="append", default=None, metavar="DIR",
                         help="run nothing: merge the results.json of these bench outputs (repeatable, disjoint cells) into --out")
+    parser.add_argument("--copy-gaps", action="store_true",
+                        help="split the copy stream's idle time in transfer-bound verifies by cause (head, layer hand-over, "
+                             "issue, slot wait; one more GPU event per chunk): the copy_idle columns of results.json")
     verify = parser.add_mutually_exclusive_group()
     verify.add_argument("--static-verify", dest="static_verify", action="store_const", const=True, default=None,
                         help="offloaded verify through the segmented static step (EngineConfig.static_verify; default on CUDA)")
@@ -164,6 +167,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"\nmerged {len(args.merge)} result sets ({len(payload['runs'])} requests) into {args.out}/")
         return 0
     started = time.monotonic()
+    if args.copy_gaps:
+        from specter.experts import transfer
+
+        transfer.ISSUE_MARKS = True
     targets, notes = targets_from_args(args)
     options = options_from_args(args)
     records, cells = run_matrix(targets, options, args.time_budget)
@@ -174,7 +181,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                "models": [_model_info(t) for t in targets], "cells": cells, "summary": summary, "runs": records, "notes": notes,
                "elapsed_s": round(time.monotonic() - started, 1)}
     write_outputs(args.out, payload, plots=not args.no_plots)
-    print("\n".join(report.table_lines(summary, report.SHORT_COLUMNS)))
+    print("\n".join(report.table_lines(summary, report.SHORT_COLUMNS) + report.copy_idle_lines(summary)))
     print(f"\n{len(records)} requests in {payload['elapsed_s']} s; results in {args.out}/ (results.json, results.md"
           f"{', plots' if not args.no_plots else ''})")
     return 0 if all(row["tokens_equal"] for row in summary if row["system"] != "hf-accelerate") else 1

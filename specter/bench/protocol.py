@@ -332,7 +332,7 @@ def request_record(tokens: list[int], expected: list[int] | None, stats) -> dict
         **stats.as_dict(), "tokens_equal": expected is not None and mismatch is None, "first_mismatch": mismatch,
         "recall_hits": stats.recall_hits, "recall_total": stats.recall_total,
         "scout_recall_hits": stats.scout_recall_hits, "scout_recall_total": stats.scout_recall_total, "drafted": stats.drafted, "accepted": stats.accepted,
-        "copy_busy_s": stats.copy_busy_s, "copy_window_s": stats.copy_window_s,
+        "copy_busy_s": stats.copy_busy_s, "copy_window_s": stats.copy_window_s, "copy_idle_s": dict(stats.copy_idle_s),
         "recall_by_layer": {str(layer): list(counts) for layer, counts in sorted(stats.recall_by_layer.items())},
     }
 

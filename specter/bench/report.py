@@ -117,6 +117,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "h2d_mb_per_token": round(sum(r["h2d_bytes"] for r in runs) / tokens / 1e6, 3),
         "stall_ms_per_token": round(1e3 * sum(r["stall_s"] for r in runs) / tokens, 3),
         "copy_busy": round(sum(r.get("copy_busy_s", 0.0) for r in runs) / copy_window, 4) if copy_window else None,
+        "copy_idle": _copy_idle(runs, copy_window),
         "peak_gib": _peak(runs),
         "tokens_equal": all(r["tokens_equal"] for r in runs),
         "accepted_length_histogram": {str(n): c for n, c in sorted(histogram.items())},
@@ -197,6 +198,15 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
             "merged_from": parts}
 
 
+def _copy_idle(runs: Sequence[dict], copy_window: float) -> dict[str, float] | None:
+    """The copy stream's idle time by cause as shares of the verify windows (bench --copy-gaps), else None."""
+    causes: dict[str, float] = defaultdict(float)
+    for run in runs:
+        for cause, seconds in (run.get("copy_idle_s") or {}).items():
+            causes[cause] += seconds
+    return {cause: round(seconds / copy_window, 4) for cause, seconds in causes.items()} if causes and copy_window else None
+
+
 # ---- writing ----------------------------------------------------------------------------------------------
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
@@ -229,6 +239,20 @@ SHORT_COLUMNS = (("model", "model"), ("setting", "setting"), ("link", "link"), (
                  ("acceptance", "accept"), ("window_recall", "recall"), ("copy_busy", "copy busy"), ("tokens_equal", "= baseline"))
 
 
+def copy_idle_lines(summary: Sequence[dict], markdown: bool = False) -> list[str]:
+    """The copy stream's idle time in verify windows by cause, one row per cell measured with --copy-gaps."""
+    from specter.metrics import IDLE_CAUSES
+
+    rows = [dict(row, **{f"idle_{cause}": row["copy_idle"].get(cause) for cause in IDLE_CAUSES})
+            for row in summary if row.get("copy_idle")]
+    if not rows:
+        return []
+    columns = (("model", "model"), ("setting", "setting"), ("link", "link"), ("system", "system"), ("copy_busy", "copy busy"),
+               *((f"idle_{cause}", f"idle: {cause}") for cause in IDLE_CAUSES))
+    return ["", "Copy stream idle in verify windows, share of the windows by cause (--copy-gaps):", ""] + table_lines(
+        rows, columns, markdown=markdown)
+
+
 def markdown_report(payload: dict[str, Any]) -> str:
     """The Markdown page: machine, command, date, the summary table and the notes."""
     info = payload["machine"]
@@ -242,6 +266,7 @@ def markdown_report(payload: dict[str, Any]) -> str:
         f"draft experts {payload['options'].get('quant', 'int4')}", "",
     ]
     lines += table_lines(payload["summary"], markdown=True)
+    lines += copy_idle_lines(payload["summary"], markdown=True)
     if payload.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {note}" for note in payload["notes"]]
     lines += ["", "Columns: x S = TPOT of S / TPOT of this row (same model, setting, link); accept = accepted drafts / drafted; "

@@ -26,6 +26,11 @@ from specter.log import debug_enabled, get_logger
 
 log = get_logger(__name__)
 
+ISSUE_MARKS = False
+"""Record a timed event on the copy stream as each chunk is issued, before the copy waits on its slot's last
+reader, while a chunk log is kept: the copy-busy measurement then splits the copy stream's idle time by cause
+(`metrics.idle_causes`; `python -m specter.bench --copy-gaps`). One more event per chunk, so off by default."""
+
 LINK_PRESETS: dict[str, float] = {
     "gen5": 55.0,
     "gen4": 25.0,
@@ -165,12 +170,24 @@ class Transfer:
         return f"Transfer({self.tag}, {self.nbytes} B, urgent={self.urgent}, issued={self.bytes_issued})"
 
 
+@dataclass(frozen=True)
+class ChunkTimes:
+    """One chunk on the copy stream's clock, in seconds after a reference event."""
+
+    start: float
+    end: float
+    issued: float | None = None  # when the stream reached the chunk's issue mark (ISSUE_MARKS), before its waits
+    layer: Any = None
+
+
 @dataclass
 class _Chunk:
     nbytes: int
     start: Event
     copied: Event
     end: Event
+    issued: Event | None = None  # recorded before the copy's waits, with ISSUE_MARKS
+    layer: Any = None  # the transfer tag's first item (the cache's MoE layer)
 
 
 class TransferEngine:
@@ -224,7 +241,11 @@ class TransferEngine:
         emulation holds the link for nbytes / rate from the chunk's start; device-mode emulation's sleep is
         inside `end`. Never waits.
         """
-        intervals = []
+        return [(times.start, times.end) for times in self.chunk_times(chunks, reference, open_end)]
+
+    def chunk_times(self, chunks: Sequence[_Chunk], reference: Event, open_end: float) -> list[ChunkTimes]:
+        """`busy_intervals` with each chunk's issue mark (None without ISSUE_MARKS) and layer."""
+        times = []
         for chunk in chunks:
             if not chunk.start.query():
                 continue
@@ -232,8 +253,9 @@ class TransferEngine:
             end = chunk.end.elapsed_since(reference) if chunk.end.query() else max(open_end, start)
             if self.link is not None and self.link.mode == "host":
                 end = max(end, start + chunk.nbytes / (self.link.gbps * 1e9))
-            intervals.append((start, end))
-        return intervals
+            issued = chunk.issued.elapsed_since(reference) if chunk.issued is not None and chunk.issued.query() else None
+            times.append(ChunkTimes(start, end, issued, chunk.layer))
+        return times
 
     # -- the API the cache uses ---------------------------------------------------------------------
 
@@ -382,6 +404,7 @@ class TransferEngine:
         return queue[0] if queue else None
 
     def _issue_chunk(self, transfer: Transfer) -> None:
+        issued = self.backend.record_event(self.stream, timed=True) if ISSUE_MARKS and self.chunk_log is not None else None
         if transfer.bytes_issued == 0:
             for event in transfer._wait_for:
                 if not event.query():
@@ -392,7 +415,7 @@ class TransferEngine:
         self.backend.copy_h2d(dst, src, self.stream)
         copied = self.backend.record_event(self.stream, timed=True)
         end = self._emulate_link(transfer, nbytes) or copied
-        chunk = _Chunk(nbytes, start, copied, end)
+        chunk = _Chunk(nbytes, start, copied, end, issued, transfer.tag[0] if isinstance(transfer.tag, tuple) else None)
         self._in_flight.append(chunk)
         if self.chunk_log is not None:
             self.chunk_log.append(chunk)
