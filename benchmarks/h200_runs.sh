@@ -546,6 +546,32 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  gaps12)         # twelfth session, first call: where the copy stream idles in transfer-bound verifies (bench --copy-gaps:
+    # idle time split into head / layer hand-over / issue / slot wait), the int8 finish end to end, and the GPU tests
+    # of the eleventh session's last refactor (rowfused helpers, the eager step's attention counters), run beside the
+    # training. PREDICTIONS: the tests pass; Gen5 15 residents: copy busy 0.83-0.87, hand-over the largest idle cause
+    # (>= half of the idle time), head second; Gen4: busy ~0.69 with "issue" the largest cause (host-paced emulation
+    # issues each chunk when its emulated link frees: wake-up lateness); int8_finish: acceptance within 0.01 of the
+    # float finish, TPOT within noise.
+    mkdir -p "$out/logs"
+    timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_rowfused.py tests/test_gpu_fused.py \
+      tests/test_gpu_graphed.py > "$out/logs/gpu-tests.log" 2>&1 &
+    tests=$!
+    timeout 200 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
+    tail -1 "$out/logs/train-qwen.log"
+    wait $tests; tail -2 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|E  )" "$out/logs/gpu-tests.log" | head -8
+    for link in native gen4; do
+      systems=specter; [ $link = native ] && systems=ondemand,specter
+      timeout 100 python -m specter.bench --model /tmp/qwenref --residents 15 --link $link --max-new-tokens 64 \
+        --systems $systems --repeats 3 --copy-gaps --no-progress --no-plots --no-hf --out "$out/gaps-$link" > "$out/logs/gaps-$link.log" 2>&1
+    done
+    timeout 80 python -c "import runpy, sys, dataclasses; from specter.model import rowfused
+rowfused.DEFAULT_CONFIG = dataclasses.replace(rowfused.DEFAULT_CONFIG, int8_finish=True)
+sys.argv = ['specter.bench', '--model', '/tmp/qwenref', '--residents', '15', '--link', 'native', '--max-new-tokens', '64',
+            '--systems', 'specter', '--repeats', '3', '--copy-gaps', '--no-progress', '--no-plots', '--no-hf', '--out', '$out/finish-on']
+runpy.run_module('specter.bench', run_name='__main__')" > "$out/logs/finish-on.log" 2>&1
+    tar czf "$out/gaps12.tgz" -C "$out" logs $(ls -d "$out"/gaps-* "$out"/finish-* | xargs -n1 basename) 2>/dev/null
+    for part in gaps-native gaps-gen4 finish-on; do echo "$part"; tail -8 "$out/logs/$part.log"; done ;;
   final11)        # after attn11 (draft step 1.56 ms, 1.46x its floor). Issue 4's figures with every new default on a fresh
     # trained Qwen shape (8 layers), Gen5 (native) and Gen4, three repeats each.
     # PREDICTIONS: every system's tokens equal the baseline; acceptance >= 0.98 (int8 h in the draft's gate/up), mean
