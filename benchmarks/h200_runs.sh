@@ -546,6 +546,40 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  roll12)         # after gaps12 (Gen5, 15 residents, with issue marks: copy busy 0.752 = 1 - hand-over 0.131 - issue 0.102
+    # - slot 0.015; Gen4 0.681 with issue 0.225). Three changes, each A/B'd on one fresh model, 15 residents, 3 repeats:
+    # ROLL_INTO_HOT (a waiting miss starts as soon as a resident is launched, not after all of them), no deferred work
+    # in polled waits (kernel.IDLE_IN_POLLED_WAITS off), sleep_until for the host-paced emulation (Gen4); and the int8
+    # finish at a fixed depth (specter-fixed k 15), on against off, for acceptance.
+    # PREDICTIONS: Gen5 with marks: issue share 0.10 -> <= 0.04 with ROLL_INTO_HOT (off: ~0.10 again), copy busy
+    # 0.75 -> 0.80-0.84; IDLE_IN_POLLED_WAITS on: hand-over share +0.01-0.03; without marks copy busy 0.01-0.03 higher
+    # than with them; Gen4 copy busy 0.68 -> >= 0.78 (issue share <= 0.10); specter TPOT at Gen5 2.05 -> 1.85-2.00 ms;
+    # int8 finish: acceptance within 0.01 of the float finish at k 15. Every cell's tokens equal the baseline.
+    mkdir -p "$out/logs"
+    timeout 200 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
+    tail -1 "$out/logs/train-qwen.log"
+    common="--model /tmp/qwenref --residents 15 --max-new-tokens 64 --repeats 3 --no-progress --no-plots --no-hf"
+    ab() { name=$1; shift; timeout 70 python benchmarks/ab_bench.py "$@" > "$out/logs/$name.log" 2>&1; echo "$name rc=$?"; }
+    ab new --  $common --link native --systems ondemand,specter --copy-gaps --out "$out/new"
+    ab noroll --set specter.experts.cache.ROLL_INTO_HOT=false -- $common --link native --systems specter --copy-gaps --out "$out/noroll"
+    ab idlepoll --set specter.kernel.IDLE_IN_POLLED_WAITS=true -- $common --link native --systems specter --copy-gaps --out "$out/idlepoll"
+    ab nomarks -- $common --link native --systems specter --out "$out/nomarks"
+    ab gen4 -- $common --link gen4 --systems specter --copy-gaps --out "$out/gen4"
+    ab fixed-float -- $common --link native --systems specter-fixed --k 15 --out "$out/fixed-float"
+    ab fixed-int8 --row-config '{"int8_finish": true}' -- $common --link native --systems specter-fixed --k 15 --out "$out/fixed-int8"
+    tar czf "$out/roll12.tgz" -C "$out" logs new noroll idlepoll nomarks gen4 fixed-float fixed-int8 2>/dev/null
+    python - "$out" <<'PY'
+import json, sys, pathlib
+for name in ["new", "noroll", "idlepoll", "nomarks", "gen4", "fixed-float", "fixed-int8"]:
+    path = pathlib.Path(sys.argv[1]) / name / "results.json"
+    if not path.exists():
+        print(name, "missing"); continue
+    for row in json.loads(path.read_text())["summary"]:
+        idle = row.get("copy_idle") or {}
+        print(f"{name:12s} {row['system']:14s} tpot {row['tpot_ms']:6.2f} acc {row['acceptance']} len {row['accepted_length']} "
+              f"busy {row['copy_busy']} idle {idle} equal {row['tokens_equal']}")
+PY
+    ;;
   gaps12)         # twelfth session, first call: where the copy stream idles in transfer-bound verifies (bench --copy-gaps:
     # idle time split into head / layer hand-over / issue / slot wait), the int8 finish end to end, and the GPU tests
     # of the eleventh session's last refactor (rowfused helpers, the eager step's attention counters), run beside the

@@ -108,6 +108,13 @@ class WaitStats:
     """Events that completed while deferred work ran: no spin, no suspension."""
 
 
+IDLE_IN_POLLED_WAITS = False
+"""Whether deferred work (`Kernel.defer`) may run in a wait that polls (`poll_s` > 0). A polled wait is one on the
+critical path that is known to be short: the verify's router choice per MoE layer, which the copy stream idles on
+(the layer hand-over, `bench --copy-gaps`); a deferred step there delays the wake-up by up to one step. Off: such
+work runs in the other waits (the draft's checkpoints, the verdict, the transfer pump's). A switch for A/B."""
+
+
 class _StreamWaiter:
     """One thread per stream: blocks on each event in turn (events of one stream complete in order)."""
 
@@ -152,14 +159,15 @@ class Kernel:
         `spin_s` overrides the settings' spin budget for this wait. `poll_s`: after the spin, poll
         `event.query()` once per loop iteration for up to this long, yielding to the other tasks between
         polls (a wake-up within one iteration instead of a thread hop, at the price of a busy loop thread;
-        for waits on the critical path that are known to be short). If the task is cancelled while
+        for waits on the critical path that are known to be short; no deferred work runs in them unless
+        IDLE_IN_POLLED_WAITS). If the task is cancelled while
         suspended, CancelledError propagates and the completion is dropped when it arrives.
         """
         self.stats.waits += 1
         if event.query():
             self.stats.already_done += 1
             return
-        if self._deferred and self._idle(event):
+        if self._deferred and (poll_s <= 0 or IDLE_IN_POLLED_WAITS) and self._idle(event):
             self.stats.idle_completed += 1
             return
         if self._spin(event, self.settings.spin_s if spin_s is None else spin_s):

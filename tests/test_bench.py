@@ -346,3 +346,22 @@ def test_copy_gaps_splits_the_copy_idle_time_by_cause(tmp_path, monkeypatch, cap
     assert row["copy_busy"] is not None and set(row["copy_idle"]) == {"head", "handover", "issue", "slot"}
     assert row["copy_busy"] + sum(row["copy_idle"].values()) == pytest.approx(1.0, abs=2e-3)
     assert "idle: handover" in (out / "results.md").read_text() and "idle: handover" in capsys.readouterr().out
+
+
+def test_ab_bench_sets_switches_and_row_config_and_refuses_unknown_names(monkeypatch):
+    """benchmarks/ab_bench.py: --set changes a module constant, --row-config a RowConfig field; typos are refused."""
+    from specter.experts import cache
+    from specter.model import rowfused
+
+    spec = importlib.util.spec_from_file_location("ab_bench", ROOT / "benchmarks" / "ab_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(cache, "ROLL_INTO_HOT", True)
+    monkeypatch.setattr(rowfused, "DEFAULT_CONFIG", rowfused.DEFAULT_CONFIG)
+    flipped = not rowfused.DEFAULT_CONFIG.int8_finish
+    module.apply(["specter.experts.cache.ROLL_INTO_HOT=false"], json.dumps({"int8_finish": flipped}))
+    assert cache.ROLL_INTO_HOT is False and rowfused.DEFAULT_CONFIG.int8_finish is flipped
+    with pytest.raises(SystemExit, match="has no"):
+        module.apply(["specter.experts.cache.ROLL_INTO_HTO=false"], None)
+    with pytest.raises(SystemExit, match="MODULE.NAME=VALUE"):
+        module.apply(["ROLL_INTO_HOT"], None)

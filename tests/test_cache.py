@@ -235,6 +235,33 @@ def test_iter_ready_starts_the_misses_before_it_hands_out_the_residents(rig):
     assert rig.bad_reads == []
 
 
+@pytest.mark.parametrize("reader", ["iter_ready", "iter_issued"])
+def test_a_waiting_miss_starts_in_a_residents_slot_as_soon_as_that_resident_is_launched(reader):
+    """Every slot holds a wanted resident: the first miss cannot start before the reader has launched (and marked
+    used) a resident; it must start right then, not after the reader has launched all of them (ROLL_INTO_HOT)."""
+    rig = Rig()
+
+    async def main() -> list[int]:
+        for expert, slot in (await rig.cache.ensure(0, [0, 1, 2])).items():
+            rig.read(0, expert, slot)
+        await rig.close()
+        before = rig.transfer.stats.transfers
+        started = []  # loads started when each expert is handed out
+        async for item in getattr(rig.cache, reader)(0, [0, 1, 2, 3]):
+            expert, slot, ready = item if reader == "iter_issued" else (*item, None)
+            started.append(rig.transfer.stats.transfers - before)
+            rig.read(0, expert, slot, ready=ready)
+        await rig.close()
+        return started
+
+    try:
+        started = run(main())
+        assert started[:3] == [0, 1, 1], f"the miss must start once the first resident is launched: {started}"
+        assert rig.bad_reads == [], "the miss overwrote a resident before its compute read it"
+    finally:
+        rig.shutdown()
+
+
 def test_iter_issued_hands_out_misses_before_they_land_with_the_event_to_wait_for():
     rig = Rig(link_gbps=0.002)  # 8 KiB take ~4 ms: a miss is handed out long before it lands
 

@@ -336,3 +336,28 @@ def test_a_deferred_step_that_raises_is_logged_and_dropped_not_raised_into_the_w
     run(main())
     assert kernel.deferred == 0 and after == ["ran"]
     kernel.close()
+
+
+def test_a_polled_wait_runs_no_deferred_work(backend):
+    """A wait that polls is on the critical path (the verify's router choice): deferred steps must not delay its
+    wake-up; the next plain wait runs them."""
+    kernel = Kernel(backend, KernelSettings(spin_s=0.0, idle_s=0.005))
+    steps: list[int] = []
+
+    def work():
+        for index in range(100):
+            time.sleep(0.0005)
+            steps.append(index)
+            yield
+
+    async def main() -> None:
+        kernel.defer(work())
+        await kernel.wait(delayed_event(backend, 0.01), poll_s=0.05)
+        assert steps == [], "a polled wait ran deferred work"
+        await kernel.wait(delayed_event(backend, 0.01))
+        assert steps, "a plain wait with a pending event runs deferred work"
+
+    run(main())
+    kernel.run_deferred()
+    assert len(steps) == 100
+    kernel.close()

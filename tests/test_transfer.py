@@ -382,3 +382,25 @@ def test_cpu_stream_work_enqueued_from_the_stream_itself_keeps_stream_order():
         assert order == ["inner", "later"] and table.tolist() == [-1, -1, 7, -1]
     finally:
         backend.close()
+
+
+def test_sleep_until_wakes_at_its_deadline_however_late_the_timers_are(monkeypatch):
+    """Timers that wake 0.9 ms late (a millisecond-granular loop): sleep_until still ends within a loop
+    iteration of its deadline, never before it, so a host-paced emulated link does not idle between chunks."""
+    from specter.experts import transfer as module
+
+    clock = {"now": 0.0, "sleeps": []}
+
+    async def late_sleep(delay):
+        clock["sleeps"].append(delay)
+        clock["now"] += delay + 0.9e-3 if delay > 0 else 10e-6  # a timer wakes late; a bare yield costs 10 us
+
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(module.asyncio, "sleep", late_sleep)
+    for deadline in (5e-3, 2.5e-3, 0.4e-3):
+        clock["now"], clock["sleeps"] = 0.0, []
+        asyncio.run(module.sleep_until(deadline))
+        assert deadline <= clock["now"] <= deadline + 20e-6, (deadline, clock["now"], clock["sleeps"])
+    clock["now"], clock["sleeps"] = 1.0, []
+    asyncio.run(module.sleep_until(0.5))  # a deadline already past: no sleep at all
+    assert clock["sleeps"] == []

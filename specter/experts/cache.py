@@ -39,6 +39,12 @@ from specter.log import debug_enabled, get_logger
 
 log = get_logger(__name__)
 
+ROLL_INTO_HOT = True
+"""The rolling window starts a waiting miss as soon as the reader has launched a resident expert and marked it
+used (its slot is evictable then; the copy waits for that compute on the device), instead of after the reader has
+launched every resident expert of the layer: the host's launches of the residents no longer hold the copy stream
+idle once the misses that fit at the start have landed (`bench --copy-gaps`: the "issue" share). A switch for A/B."""
+
 VictimChooser = Callable[[int, Sequence[int], Set[int], int], list[int]]
 """choose_victims(layer, residents (least recently used first), protected, count) -> experts to evict."""
 
@@ -253,6 +259,8 @@ class ExpertCache:
             waiting = self._start_what_fits(layer, [e for e in wanted if e not in hot], owned, landed, on_issue)
             for expert in hot:
                 yield expert, owned.pop(expert).index, None
+                if waiting and ROLL_INTO_HOT:  # the reader launched it and marked it used: its slot can take a miss now
+                    waiting = self._start_what_fits(layer, waiting, owned, landed, on_issue)
             async for expert, slot in self._landings(layer, waiting, owned, landed, on_issue):
                 ready = self._pending_ready(slot, expert) if on_issue else None  # may raise: the slot stays owned
                 owned.pop(expert)

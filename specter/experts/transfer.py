@@ -123,9 +123,8 @@ class Transfer:
         ready = await asyncio.shield(self._ready)
         if ready is not None:
             await self._engine.kernel.wait(ready)
-        early_s = self.emulated_landing - time.perf_counter()
-        if early_s > 0:  # host-paced emulation: the emulated link has not delivered the last chunk yet
-            await asyncio.sleep(early_s)
+        # host-paced emulation: the emulated link may not have delivered the last chunk yet
+        await sleep_until(self.emulated_landing)
         return ready
 
     def error(self) -> BaseException | None:
@@ -395,9 +394,7 @@ class TransferEngine:
 
     async def _emulated_link_free(self) -> None:
         if self.link is not None and self.link.mode == "host":
-            delay = self._link_free_at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            await sleep_until(self._link_free_at)
 
     def _next_transfer(self) -> Transfer | None:
         queue = self._urgent or self._prefetch
@@ -474,6 +471,19 @@ class TransferEngine:
         self.stats.cancelled += 1
         # Chunks already on the stream still land; the event tells the owner when the slot is quiet.
         transfer._ready.set_result(self.backend.record_event(self.stream) if transfer.bytes_issued else None)
+
+
+TIMER_SLACK_S = 1e-3
+"""Event-loop timers wake up to about a millisecond late (uvloop counts in whole milliseconds): `sleep_until`
+sleeps on a timer only until this long before its deadline, then yields to the loop until the deadline."""
+
+
+async def sleep_until(deadline: float) -> None:
+    """Suspend until `time.perf_counter()` reaches `deadline`, within one loop iteration rather than a timer's
+    granularity (the host-paced link emulation: a late wake-up between chunks would leave the emulated link idle,
+    which a real link is not). Other tasks run meanwhile."""
+    while (delay := deadline - time.perf_counter()) > 0:
+        await asyncio.sleep(delay - TIMER_SLACK_S if delay > 2 * TIMER_SLACK_S else 0)
 
 
 def _ema(previous: float | None, sample: float, weight: float) -> float:
