@@ -546,6 +546,43 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  final12)        # after roll12 (ROLL_INTO_HOT as first built, one policy call per launched resident: 1.75 -> 2.27 ms per
+    # token against it off, issue share 0.07 -> 0.22: host work; sleep_until: Gen4 copy busy 0.68 -> 0.91). ROLL_INTO_HOT
+    # now asks the policy once per layer which residents give way and hands those out first. A/B on/off/on at 15
+    # residents Gen5 with marks, then issue 4's figures (no marks), Gen5 15 and 8 residents, Gen4 15; GPU tests of the
+    # cache and the segmented verify beside the training.
+    # PREDICTIONS: tests pass; batched roll on against off: issue share 0.07 -> <= 0.04, TPOT 3-8 % lower, copy busy
+    # +0.02-0.05; Gen5 copy busy at 15 residents 0.84-0.88, at 8 >= 0.88; specter >= 2.5x ondemand in every cell;
+    # Gen4 at 15 residents copy busy >= 0.85. Every cell's tokens equal the baseline.
+    mkdir -p "$out/logs"
+    timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_segmented.py tests/test_gpu_transfer.py \
+      -k "not link_emulation" > "$out/logs/gpu-tests.log" 2>&1 &
+    tests=$!
+    timeout 200 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
+    tail -1 "$out/logs/train-qwen.log"
+    wait $tests; tail -1 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|E  )" "$out/logs/gpu-tests.log" | head -8
+    common="--model /tmp/qwenref --max-new-tokens 64 --repeats 3 --no-progress --no-plots --no-hf"
+    ab() { name=$1; shift; timeout 70 python benchmarks/ab_bench.py "$@" > "$out/logs/$name.log" 2>&1; echo "$name rc=$?"; }
+    ab roll-on1 -- $common --residents 15 --link native --systems specter --copy-gaps --out "$out/roll-on1"
+    ab roll-off --set specter.experts.cache.ROLL_INTO_HOT=false -- $common --residents 15 --link native --systems specter --copy-gaps --out "$out/roll-off"
+    ab roll-on2 -- $common --residents 15 --link native --systems specter --copy-gaps --out "$out/roll-on2"
+    timeout 130 python -m specter.bench $common --residents 15,8 --link native --systems ondemand,specter --out "$out/final-native" > "$out/logs/final-native.log" 2>&1
+    echo "final-native rc=$?"
+    timeout 75 python -m specter.bench $common --residents 15 --link gen4 --systems ondemand,specter --copy-gaps --out "$out/final-gen4" > "$out/logs/final-gen4.log" 2>&1
+    echo "final-gen4 rc=$?"
+    tar czf "$out/final12.tgz" -C "$out" logs roll-on1 roll-off roll-on2 final-native final-gen4 2>/dev/null
+    python - "$out" <<'PY'
+import json, sys, pathlib
+for name in ["roll-on1", "roll-off", "roll-on2", "final-native", "final-gen4"]:
+    path = pathlib.Path(sys.argv[1]) / name / "results.json"
+    if not path.exists():
+        print(name, "missing"); continue
+    for row in json.loads(path.read_text())["summary"]:
+        idle = row.get("copy_idle") or {}
+        print(f"{name:12s} {row['setting']:13s} {row['system']:9s} tpot {row['tpot_ms']:6.2f} x {row.get('x_ondemand')} acc {row['acceptance']} "
+              f"len {row['accepted_length']} busy {row['copy_busy']} idle {idle} equal {row['tokens_equal']}")
+PY
+    ;;
   roll12)         # after gaps12 (Gen5, 15 residents, with issue marks: copy busy 0.752 = 1 - hand-over 0.131 - issue 0.102
     # - slot 0.015; Gen4 0.681 with issue 0.225). Three changes, each A/B'd on one fresh model, 15 residents, 3 repeats:
     # ROLL_INTO_HOT (a waiting miss starts as soon as a resident is launched, not after all of them), no deferred work
