@@ -546,6 +546,31 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  last12)         # after final12: runs of one configuration in separate processes differed by up to 1.4x (TTFT 64 -> 120
+    # ms, host speed), so ROLL_INTO_HOT's A/B alternates it between the requests of one process (ab_bench --alternate,
+    # 4 repeats). RowConfig.int8_finish is now on (roll12: no acceptance lost at k 15): its GPU tests run beside the
+    # training. Then issue 4's figures again (no marks), Gen5 15 and 8 residents, Gen4 15.
+    # PREDICTIONS: the tests pass; in one process ROLL_INTO_HOT on against off: issue share >= 0.03 lower at 15
+    # residents, TPOT 2-8 % lower, the same direction at 8; Gen5 copy busy at 15 residents 0.82-0.88, at 8 0.80-0.88;
+    # specter >= 2.5x ondemand in every cell; Gen4 at 15 copy busy >= 0.85. Every cell's tokens equal the baseline.
+    mkdir -p "$out/logs"
+    timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_rowfused.py tests/test_gpu_graphed.py \
+      tests/test_gpu_segmented.py > "$out/logs/gpu-tests.log" 2>&1 &
+    tests=$!
+    timeout 200 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
+    tail -1 "$out/logs/train-qwen.log"
+    wait $tests; tail -1 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|E  )" "$out/logs/gpu-tests.log" | head -8
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    timeout 110 python benchmarks/ab_bench.py --alternate "specter.experts.cache.ROLL_INTO_HOT=true|false" -- $common --repeats 4 \
+      --residents 15,8 --link native --systems specter --copy-gaps --out "$out/roll-ab" > "$out/logs/roll-ab.log" 2>&1
+    echo "roll-ab rc=$?"
+    timeout 130 python -m specter.bench $common --repeats 3 --residents 15,8 --link native --systems ondemand,specter --out "$out/final-native" > "$out/logs/final-native.log" 2>&1
+    echo "final-native rc=$?"
+    timeout 75 python -m specter.bench $common --repeats 3 --residents 15 --link gen4 --systems ondemand,specter --copy-gaps --out "$out/final-gen4" > "$out/logs/final-gen4.log" 2>&1
+    echo "final-gen4 rc=$?"
+    tar czf "$out/last12.tgz" -C "$out" logs roll-ab final-native final-gen4 2>/dev/null
+    tail -5 "$out/logs/roll-ab.log"
+    for name in final-native final-gen4; do grep -E "\| (ondemand|specter) \|" "$out/$name/results.md" | cut -d"|" -f3-6,8,11-13,17-19; done ;;
   final12)        # after roll12 (ROLL_INTO_HOT as first built, one policy call per launched resident: 1.75 -> 2.27 ms per
     # token against it off, issue share 0.07 -> 0.22: host work; sleep_until: Gen4 copy busy 0.68 -> 0.91). ROLL_INTO_HOT
     # now asks the policy once per layer which residents give way and hands those out first. A/B on/off/on at 15
