@@ -546,6 +546,11 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  gpu-all12)      # the session's last call: every gpu-marked test on the final code (the host-paced emulation's sleep_until
+    # reaches the link-emulation tests; int8_finish is on). PREDICTION: every test passes.
+    mkdir -p "$out/logs"
+    timeout 330 python -m pytest -q -m gpu -p no:cacheprovider --durations=5 > "$out/logs/gpu-tests.log" 2>&1
+    tail -12 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|E  )" "$out/logs/gpu-tests.log" | head -8 ;;
   last12)         # after final12: runs of one configuration in separate processes differed by up to 1.4x (TTFT 64 -> 120
     # ms, host speed), so ROLL_INTO_HOT's A/B alternates it between the requests of one process (ab_bench --alternate,
     # 4 repeats). RowConfig.int8_finish is now on (roll12: no acceptance lost at k 15): its GPU tests run beside the
