@@ -45,8 +45,10 @@ which of the resident experts the reader is about to use will give up their slot
 starts a waiting miss in each as soon as the reader has launched it and marked it used (the copy waits for that
 compute on the device), instead of after the reader has launched every resident expert of the layer: the host's
 launches of the residents no longer hold the copy stream idle once the misses that fit at the start have landed
-(`bench --copy-gaps`: the "issue" share). A switch for A/B. (Its first form asked the policy once per launched
-resident: on the H200 that host work cost more than it gained, 1.75 -> 2.27 ms per token.)"""
+(`bench --copy-gaps`: the "issue" share). A switch for A/B. H200, twelfth session, on against off in one process
+(`benchmarks/ab_bench.py --alternate`): 15 residents 2.633 -> 2.522 ms per token, copy busy 0.761 -> 0.802; 8
+residents 3.415 -> 3.528 ms, 0.852 -> 0.842. (Its first form asked the policy once per launched resident, about
+10 us per guarded call on the CPU: one call per layer is cheaper, though that alone was too small to show.)"""
 
 VictimChooser = Callable[[int, Sequence[int], Set[int], int], list[int]]
 """choose_victims(layer, residents (least recently used first), protected, count) -> experts to evict."""
