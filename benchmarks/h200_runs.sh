@@ -35,6 +35,19 @@
 # ab-int8 (int8 gate/up costs no acceptance on the same model), final11b (a second trained model: 2.78x / 2.86x,
 # copy busy 0.838 / 0.884), finish11 (RowConfig.int8_finish: draft step 1.56 -> 1.49 ms; left off);
 # results/h200-2026-11-30/eleventh.
+# Done 2026-11-30, twelfth session: gaps12 (bench --copy-gaps: the copy stream's idle time in verify windows by cause;
+# Gen5 15 residents: hand-over 0.131, issue 0.102; Gen4: issue 0.225, host timers' lateness), roll12 (sleep_until:
+# Gen4 copy busy 0.68 -> 0.91; int8 finish costs no acceptance at k 15, now on; the per-call roll looked slower, across
+# processes), final12 (separate processes of one configuration differ by up to 1.4x: specter 3.20x / 3.28x ondemand,
+# copy busy 0.83 / 0.81, Gen4 3.03x / 0.86), last12 (ab_bench --alternate in one process: the batched roll 4 % faster
+# at 15 residents, 3 % slower at 8; specter 2.82x / 2.42x ondemand, copy busy 0.879 / 0.883, Gen4 2.67x / 0.903),
+# gpu-all12 (every gpu-marked test: 214 passed); results/h200-2026-11-30/twelfth.
+# Next (twelfth session's end): the verify is partly host-bound and the host's speed moves from process to process,
+# so A/B every change inside one process (ab_bench --alternate) and quote issue 4's figures from several processes;
+# less host work per verified expert (the segmented expert graph's id fill and staging copy inside the graph, fewer
+# events per chunk and per miss, a reused pinned buffer for the router's ids); the layer hand-over (0.05-0.13 of the
+# windows: copies for a layer start only after its router; a prediction from the draft's routes would be needed);
+# then the eleventh session's list below.
 # Next (eleventh session's end): an end-to-end A/B of RowConfig.int8_finish on a trained model (acceptance, TPOT),
 # on if it costs no acceptance; copy busy at 15 residents (0.838-0.857 this session: at the target's edge; the idle
 # time is at the hand-over between layers, see the closing note) and at Gen4 (0.69-0.70: likely host-paced
