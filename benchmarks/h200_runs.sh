@@ -79,6 +79,26 @@ before_after() {  # the Qwen shape (random weights, Gen5) with the code of .old 
       --no-progress --no-plots --out "$out/ab-$side" > "$out/logs/ab-$side.log" 2>&1; echo "$side rc=$?")
   done
 }
+train_beside() {  # train a fresh Qwen shape into /tmp/qwenref while the given GPU test files run, then report both
+  timeout 240 python -m pytest -q -m gpu -p no:cacheprovider "$@" > "$out/logs/gpu-tests.log" 2>&1 &
+  local tests=$!
+  timeout 200 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
+  tail -1 "$out/logs/train-qwen.log"
+  wait $tests; tail -1 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|E  )" "$out/logs/gpu-tests.log" | head -8
+}
+print_summaries() {  # one line per summary row of each named bench output under $out (TPOT, ratio, copy busy and idle)
+  python - "$out" "$@" <<'PY'
+import json, sys, pathlib
+for name in sys.argv[2:]:
+    path = pathlib.Path(sys.argv[1]) / name / "results.json"
+    if not path.exists():
+        print(name, "missing"); continue
+    for row in json.loads(path.read_text())["summary"]:
+        print(f"{name:12s} {row['setting']:13s} {row['system']:14s} tpot {row['tpot_ms']:6.2f} x {row.get('x_ondemand')} "
+              f"acc {row['acceptance']} len {row['accepted_length']} busy {row['copy_busy']} idle {row.get('copy_idle') or {}} "
+              f"equal {row['tokens_equal']}")
+PY
+}
 for stage in "$@"; do
 case "$stage" in
   gpu-tests)      # every gpu-marked test: exactness, kernels, graphs, segmented verify, soak, budgets
@@ -572,12 +592,7 @@ case "$stage" in
     # residents, TPOT 2-8 % lower, the same direction at 8; Gen5 copy busy at 15 residents 0.82-0.88, at 8 0.80-0.88;
     # specter >= 2.5x ondemand in every cell; Gen4 at 15 copy busy >= 0.85. Every cell's tokens equal the baseline.
     mkdir -p "$out/logs"
-    timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_rowfused.py tests/test_gpu_graphed.py \
-      tests/test_gpu_segmented.py > "$out/logs/gpu-tests.log" 2>&1 &
-    tests=$!
-    timeout 200 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
-    tail -1 "$out/logs/train-qwen.log"
-    wait $tests; tail -1 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|E  )" "$out/logs/gpu-tests.log" | head -8
+    train_beside tests/test_gpu_rowfused.py tests/test_gpu_graphed.py tests/test_gpu_segmented.py
     common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
     timeout 110 python benchmarks/ab_bench.py --alternate "specter.experts.cache.ROLL_INTO_HOT=true|false" -- $common --repeats 4 \
       --residents 15,8 --link native --systems specter --copy-gaps --out "$out/roll-ab" > "$out/logs/roll-ab.log" 2>&1
@@ -598,12 +613,7 @@ case "$stage" in
     # +0.02-0.05; Gen5 copy busy at 15 residents 0.84-0.88, at 8 >= 0.88; specter >= 2.5x ondemand in every cell;
     # Gen4 at 15 residents copy busy >= 0.85. Every cell's tokens equal the baseline.
     mkdir -p "$out/logs"
-    timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_segmented.py tests/test_gpu_transfer.py \
-      -k "not link_emulation" > "$out/logs/gpu-tests.log" 2>&1 &
-    tests=$!
-    timeout 200 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
-    tail -1 "$out/logs/train-qwen.log"
-    wait $tests; tail -1 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|E  )" "$out/logs/gpu-tests.log" | head -8
+    train_beside tests/test_gpu_segmented.py tests/test_gpu_transfer.py -k "not link_emulation"
     common="--model /tmp/qwenref --max-new-tokens 64 --repeats 3 --no-progress --no-plots --no-hf"
     ab() { name=$1; shift; timeout 70 python benchmarks/ab_bench.py "$@" > "$out/logs/$name.log" 2>&1; echo "$name rc=$?"; }
     ab roll-on1 -- $common --residents 15 --link native --systems specter --copy-gaps --out "$out/roll-on1"
@@ -614,17 +624,7 @@ case "$stage" in
     timeout 75 python -m specter.bench $common --residents 15 --link gen4 --systems ondemand,specter --copy-gaps --out "$out/final-gen4" > "$out/logs/final-gen4.log" 2>&1
     echo "final-gen4 rc=$?"
     tar czf "$out/final12.tgz" -C "$out" logs roll-on1 roll-off roll-on2 final-native final-gen4 2>/dev/null
-    python - "$out" <<'PY'
-import json, sys, pathlib
-for name in ["roll-on1", "roll-off", "roll-on2", "final-native", "final-gen4"]:
-    path = pathlib.Path(sys.argv[1]) / name / "results.json"
-    if not path.exists():
-        print(name, "missing"); continue
-    for row in json.loads(path.read_text())["summary"]:
-        idle = row.get("copy_idle") or {}
-        print(f"{name:12s} {row['setting']:13s} {row['system']:9s} tpot {row['tpot_ms']:6.2f} x {row.get('x_ondemand')} acc {row['acceptance']} "
-              f"len {row['accepted_length']} busy {row['copy_busy']} idle {idle} equal {row['tokens_equal']}")
-PY
+    print_summaries roll-on1 roll-off roll-on2 final-native final-gen4
     ;;
   roll12)         # after gaps12 (Gen5, 15 residents, with issue marks: copy busy 0.752 = 1 - hand-over 0.131 - issue 0.102
     # - slot 0.015; Gen4 0.681 with issue 0.225). Three changes, each A/B'd on one fresh model, 15 residents, 3 repeats:
@@ -648,17 +648,7 @@ PY
     ab fixed-float -- $common --link native --systems specter-fixed --k 15 --out "$out/fixed-float"
     ab fixed-int8 --row-config '{"int8_finish": true}' -- $common --link native --systems specter-fixed --k 15 --out "$out/fixed-int8"
     tar czf "$out/roll12.tgz" -C "$out" logs new noroll idlepoll nomarks gen4 fixed-float fixed-int8 2>/dev/null
-    python - "$out" <<'PY'
-import json, sys, pathlib
-for name in ["new", "noroll", "idlepoll", "nomarks", "gen4", "fixed-float", "fixed-int8"]:
-    path = pathlib.Path(sys.argv[1]) / name / "results.json"
-    if not path.exists():
-        print(name, "missing"); continue
-    for row in json.loads(path.read_text())["summary"]:
-        idle = row.get("copy_idle") or {}
-        print(f"{name:12s} {row['system']:14s} tpot {row['tpot_ms']:6.2f} acc {row['acceptance']} len {row['accepted_length']} "
-              f"busy {row['copy_busy']} idle {idle} equal {row['tokens_equal']}")
-PY
+    print_summaries new noroll idlepoll nomarks gen4 fixed-float fixed-int8
     ;;
   gaps12)         # twelfth session, first call: where the copy stream idles in transfer-bound verifies (bench --copy-gaps:
     # idle time split into head / layer hand-over / issue / slot wait), the int8 finish end to end, and the GPU tests
@@ -668,12 +658,7 @@ PY
     # issues each chunk when its emulated link frees: wake-up lateness); int8_finish: acceptance within 0.01 of the
     # float finish, TPOT within noise.
     mkdir -p "$out/logs"
-    timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_rowfused.py tests/test_gpu_fused.py \
-      tests/test_gpu_graphed.py > "$out/logs/gpu-tests.log" 2>&1 &
-    tests=$!
-    timeout 200 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
-    tail -1 "$out/logs/train-qwen.log"
-    wait $tests; tail -2 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|E  )" "$out/logs/gpu-tests.log" | head -8
+    train_beside tests/test_gpu_rowfused.py tests/test_gpu_fused.py tests/test_gpu_graphed.py
     for link in native gen4; do
       systems=specter; [ $link = native ] && systems=ondemand,specter
       timeout 100 python -m specter.bench --model /tmp/qwenref --residents 15 --link $link --max-new-tokens 64 \

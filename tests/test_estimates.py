@@ -71,18 +71,23 @@ def test_an_offloaded_speculative_run_measures_the_union_exponent(tiny):
     assert estimates.new_bytes_unit is not None and estimates.new_bytes_unit > 0
 
 
-def test_an_offloaded_run_on_the_cpu_measures_the_copy_busy_fraction(tiny):
-    """On a slow emulated link the verify waits for copies; the copy stream was busy for part of that time."""
+def slow_link_stats(model) -> RequestStats:
+    """One speculative request over a 0.25 GB/s emulated link with 2 slots per layer: its verifies stall on copies."""
 
     async def go():
         config = EngineConfig(device="cpu", residents=2, link="0.25", draft=DraftConfig(k=2), lookahead="fixed")
-        runtime = await Runtime.load(tiny, config)
+        runtime = await Runtime.load(model, config)
         try:
             return (await runtime.complete_ids([3, 1, 4, 1, 5], GenerationConfig(max_new_tokens=12))).stats
         finally:
             await runtime.aclose()
 
-    stats = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_an_offloaded_run_on_the_cpu_measures_the_copy_busy_fraction(tiny):
+    """On a slow emulated link the verify waits for copies; the copy stream was busy for part of that time."""
+    stats = slow_link_stats(tiny)
     assert stats.stall_s > 0 and stats.copy_window_s > 0
     assert 0.0 < stats.copy_busy_fraction <= 1.0 + 1e-6
     assert stats.as_dict()["copy_busy_fraction"] == round(stats.copy_busy_fraction, 4)
@@ -201,16 +206,7 @@ def test_an_offloaded_run_with_issue_marks_splits_its_copy_idle_time(tiny, monke
     from specter.experts import transfer
 
     monkeypatch.setattr(transfer, "ISSUE_MARKS", True)
-
-    async def go():
-        config = EngineConfig(device="cpu", residents=2, link="0.25", draft=DraftConfig(k=2), lookahead="fixed")
-        runtime = await Runtime.load(tiny, config)
-        try:
-            return (await runtime.complete_ids([3, 1, 4, 1, 5], GenerationConfig(max_new_tokens=12))).stats
-        finally:
-            await runtime.aclose()
-
-    stats = asyncio.run(go())
+    stats = slow_link_stats(tiny)
     assert stats.copy_window_s > 0 and set(stats.copy_idle_s) == {"head", "handover", "issue", "slot"}
     idle = sum(stats.copy_idle_s.values())
     assert idle == pytest.approx(stats.copy_window_s - stats.copy_busy_s, abs=1e-6)
