@@ -6,11 +6,16 @@
 `--set MODULE.NAME=VALUE` (repeatable) sets a module-level constant (VALUE read as JSON: true, 3, "x");
 `--row-config JSON` replaces fields of `rowfused.DEFAULT_CONFIG`. Everything after `--` goes to the bench.
 
-`--alternate MODULE.NAME=A|B` flips a constant between A and B before each measured request of one bench process
-(warm-ups excluded), so the two sides share the process, the machine's moment and the cache's restored state; each
-request's record in results.json carries `variant` ("NAME=A" or "NAME=B"), and the end of the output compares them.
-Use an even --repeats so each prompt gets both sides equally often. Runs of separate processes differed by up to
-1.4x on the H200 (host speed), more than most changes this is meant to measure.
+`--alternate MODULE.NAME=A|B` sets a constant to A or B for each measured request of one bench process, in the
+order A B B A for the repeats of each prompt of each cell (warm-ups run with the constant as it was), so the two
+sides share the process, the machine's moment and the cache's restored state; each request's record in
+results.json carries `variant` ("NAME=A" or "NAME=B"), and the end of the output compares them per cell. Use
+--repeats 4 (or another multiple of two; a multiple of four balances the order too). Runs of separate processes
+differed by up to 1.4x on the H200 (host speed), more than most changes this is meant to measure.
+
+Only a constant read at run time can be switched this way: one read when a graph is captured or a runtime is
+built (a `RowConfig` field of the draft step's CUDA graph, say), or copied elsewhere by `from X import NAME`, keeps
+its first value; use `--set` / `--row-config` in separate processes for those.
 """
 
 from __future__ import annotations
@@ -20,21 +25,16 @@ import dataclasses
 import importlib
 import json
 import sys
+from typing import Any
 
 
 def apply(settings: list[str], row_config: str | None) -> list[str]:
     """Set each MODULE.NAME=VALUE; returns what was set, for the log."""
     done = []
     for setting in settings:
-        target, _, text = setting.partition("=")
-        module_name, _, name = target.rpartition(".")
-        if not module_name or not text:
-            raise SystemExit(f"--set expects MODULE.NAME=VALUE, got {setting!r}")
-        module = importlib.import_module(module_name)
-        if not hasattr(module, name):
-            raise SystemExit(f"--set: {module_name} has no {name}")
-        setattr(module, name, json.loads(text))
-        done.append(f"{target}={getattr(module, name)!r}")
+        module, name, (value,) = _switch("--set", setting, count=1)
+        setattr(module, name, value)
+        done.append(f"{module.__name__}.{name}={value!r}")
     if row_config:
         from specter.model import rowfused
 
@@ -43,28 +43,49 @@ def apply(settings: list[str], row_config: str | None) -> list[str]:
     return done
 
 
-def alternate(setting: str) -> str:
-    """Make each measured request flip MODULE.NAME between the two values and tag its record; returns a label."""
-    from specter.bench import protocol
-
+def _switch(option: str, setting: str, count: int) -> tuple[Any, str, list[Any]]:
+    """MODULE.NAME=V1|V2.. -> (module, NAME, values as JSON), with a clear error for each way it can be wrong."""
     target, _, text = setting.partition("=")
     module_name, _, name = target.rpartition(".")
-    values = [json.loads(part) for part in text.split("|")]
-    if not module_name or len(values) != 2:
-        raise SystemExit(f"--alternate expects MODULE.NAME=A|B, got {setting!r}")
+    shape = "MODULE.NAME=VALUE" if count == 1 else "MODULE.NAME=A|B"
+    parts = text.split("|") if text else []
+    if not module_name or len(parts) != count:
+        raise SystemExit(f"{option} expects {shape}, got {setting!r}")
+    try:
+        values = [json.loads(part) for part in parts]
+    except json.JSONDecodeError:
+        raise SystemExit(f"{option}: values are JSON (true, 3, \"text\"), got {text!r}") from None
     module = importlib.import_module(module_name)
     if not hasattr(module, name):
-        raise SystemExit(f"--alternate: {module_name} has no {name}")
+        raise SystemExit(f"{option}: {module_name} has no {name}")
+    return module, name, values
+
+
+ORDER = (0, 1, 1, 0)
+"""Which value each repeat of a prompt takes (A B B A ...): both sides equally often and, over four, equally often
+first."""
+
+
+def alternate(setting: str) -> str:
+    """Make each measured request run with one of the two values of MODULE.NAME (ORDER, counted per cell and
+    prompt) and tag its record; the constant goes back to its value after each request. Returns NAME."""
+    from specter.bench import protocol
+
+    module, name, values = _switch("--alternate", setting, count=2)
     measure = protocol.ModelBench._request
-    turn = {"next": 0}
+    turns: dict[tuple, int] = {}
 
     async def request(self, runtime, system, prompt, start_state, cell, warm=False):
         if warm:
             return await measure(self, runtime, system, prompt, start_state, cell, warm=True)
-        value = values[turn["next"] % 2]
-        turn["next"] += 1
+        key = (*cell, system.name, prompt.kind, prompt.index)
+        turn = turns[key] = turns.get(key, -1) + 1
+        value, original = values[ORDER[turn % len(ORDER)]], getattr(module, name)
         setattr(module, name, value)
-        record = await measure(self, runtime, system, prompt, start_state, cell)
+        try:
+            record = await measure(self, runtime, system, prompt, start_state, cell)
+        finally:
+            setattr(module, name, original)
         return record | {"variant": f"{name}={json.dumps(value)}"}
 
     protocol.ModelBench._request = request
@@ -80,7 +101,7 @@ def compare(out: str) -> list[str]:
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
         if "variant" in run:
-            groups.setdefault((run["setting"], run["link"], run["system"], run["variant"]), []).append(run)
+            groups.setdefault((run["model"], run["setting"], run["link"], run["system"], run["variant"]), []).append(run)
     lines = []
     for key, group in sorted(groups.items()):
         window = sum(r["copy_window_s"] for r in group)
@@ -110,14 +131,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.alternate:
         alternate(args.alternate)
     bench_args = argv[split + 1 :]
-    try:
-        from specter.bench import cli
+    from specter.bench import cli
 
-        code = cli.main(bench_args)
-    finally:
-        if args.alternate:
-            out = bench_args[bench_args.index("--out") + 1] if "--out" in bench_args else "bench-out"
-            print("\n".join(["", "A/B, same process:"] + compare(out)))
+    out = cli.build_parser().parse_args(bench_args).out  # (exits with the bench's own message if they are wrong)
+    code = cli.main(bench_args)
+    if args.alternate and code in (0, 1):  # 1: some tokens differed; the comparison shows which side
+        print("\n".join(["", "A/B, same process:"] + compare(out)))
     raise SystemExit(code)
 
 

@@ -131,16 +131,18 @@ def idle_causes(chunks: Sequence[ChunkTimes], span: float) -> dict[str, float] |
     For a gap [a, b] before chunk C: the part before C's issue mark was the host not having issued C yet,
     `head` when no chunk ran since the window began, `handover` when C belongs to another layer than the
     chunk before it (its misses were known only after its router ran), else `issue`; the rest of the gap
-    (the mark reached, the copy not started) is `slot`: the copy waited on its slot's last reader. None
-    when a chunk lacks its issue mark (`transfer.ISSUE_MARKS` off).
+    (the mark reached, the copy not started) is `slot`: the copy waited on its slot's last reader. A chunk
+    of another layer is a hand-over whatever it carries (a prefetch left over from the draft, say). None when a
+    chunk that ends a gap lacks its issue mark (`transfer.ISSUE_MARKS` off). Idle time after the last chunk
+    (none in the engine's windows, which end at a chunk's end) counts as `head` if no chunk ran, else `issue`.
     """
     ordered = sorted((c for c in chunks if c.start < span), key=lambda c: c.start)
-    if any(c.issued is None for c in ordered):
-        return None
     causes = dict.fromkeys(IDLE_CAUSES, 0.0)
     reach, layer, seen = 0.0, None, False
     for chunk in ordered:
         if chunk.start > reach:
+            if chunk.issued is None:
+                return None
             end = min(chunk.start, span)
             issued = min(max(chunk.issued, reach), end)
             kind = "head" if not seen else ("handover" if chunk.layer != layer else "issue")
@@ -149,8 +151,8 @@ def idle_causes(chunks: Sequence[ChunkTimes], span: float) -> dict[str, float] |
         if chunk.end > 0:
             seen = True
         reach, layer = max(reach, chunk.end), chunk.layer
-    if reach < span:  # (the window ends at a chunk's end: only a chunk cut short leaves a tail)
-        causes["issue"] += span - reach
+    if reach < span:
+        causes["issue" if seen else "head"] += span - reach
     return causes
 
 

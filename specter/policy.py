@@ -139,6 +139,11 @@ class EvictionPolicy(Protocol):
         current round's plan, or None outside speculation. The caller guarantees at least `count`
         residents are unprotected, else it does not call.
 
+        The verify also asks, when a layer's misses outnumber its free and evictable slots, which of the
+        residents the pass is about to use should give up their slots: then every resident but those is in
+        `protected`, the chosen ones are used first, and each is evicted once used (if nothing else holds it
+        by then; a choice may therefore go unused).
+
         Must return exactly `count` distinct ids from `residents`, none in `protected`. Must not mutate
         its inputs; may keep its own state.
         """

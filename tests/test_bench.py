@@ -365,11 +365,13 @@ def test_ab_bench_sets_switches_and_row_config_and_refuses_unknown_names(monkeyp
         module.apply(["specter.experts.cache.ROLL_INTO_HTO=false"], None)
     with pytest.raises(SystemExit, match="MODULE.NAME=VALUE"):
         module.apply(["ROLL_INTO_HOT"], None)
+    with pytest.raises(SystemExit, match="values are JSON"):
+        module.apply(["specter.experts.cache.ROLL_INTO_HOT=yes"], None)
 
 
 def test_ab_bench_alternates_a_switch_between_the_requests_of_one_process(tmp_path, monkeypatch):
-    """--alternate: the measured requests take the two values in turn (each prompt both, with two repeats), each
-    record names its value, and the switch really changes between them."""
+    """--alternate: each measured request runs with the value its record names (A B B A per prompt), warm-ups with
+    the original, which is back after every request."""
     from specter.bench import protocol
     from specter.experts import cache
 
@@ -377,24 +379,23 @@ def test_ab_bench_alternates_a_switch_between_the_requests_of_one_process(tmp_pa
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setattr(cache, "ROLL_INTO_HOT", True)
-    monkeypatch.setattr(protocol.ModelBench, "_request", protocol.ModelBench._request)
-    seen = []
-    real = cache.ExpertCache._rolling
+    real = protocol.ModelBench._request
+    during = []  # (warm, the switch's value while the request ran)
 
-    def spy(self, *args, **kwargs):
-        seen.append(cache.ROLL_INTO_HOT)
-        return real(self, *args, **kwargs)
+    async def spy(self, runtime, system, prompt, start_state, cell, warm=False):
+        during.append((warm, cache.ROLL_INTO_HOT))
+        return await real(self, runtime, system, prompt, start_state, cell, warm=warm)
 
-    monkeypatch.setattr(cache.ExpertCache, "_rolling", spy)
+    monkeypatch.setattr(protocol.ModelBench, "_request", spy)
     out = tmp_path / "ab"
     with pytest.raises(SystemExit) as exit_:
-        module.main(["--alternate", "specter.experts.cache.ROLL_INTO_HOT=true|false", "--", "--systems", "specter-fixed", "--k", "4",
-                     "--max-new-tokens", "6", "--warmup-tokens", "2", "--link", "1", "--repeats", "2", "--no-progress", "--no-plots",
-                     "--out", str(out)])
+        module.main(["--alternate", "specter.experts.cache.ROLL_INTO_HOT=false|true", "--", "--systems", "specter-fixed",
+                     "--k", "4", "--max-new-tokens", "6", "--warmup-tokens", "2", "--link", "1", "--repeats", "4",
+                     "--no-progress", "--no-plots", f"--out={out}"])
     assert exit_.value.code == 0
     runs = json.loads((out / "results.json").read_text())["runs"]
-    assert [run["variant"] for run in runs] == ["ROLL_INTO_HOT=true", "ROLL_INTO_HOT=false"] * (len(runs) // 2)
-    assert {(run["prompt_kind"], run["variant"]) for run in runs} == {(run["prompt_kind"], v) for run in runs
-                                                                       for v in ("ROLL_INTO_HOT=true", "ROLL_INTO_HOT=false")}
-    assert True in seen and False in seen
-    assert module.compare(str(out))[0].startswith("residents=6 1 specter-fixed ROLL_INTO_HOT=false: 3 requests")
+    measured = [value for warm, value in during if not warm]
+    assert [run["variant"] for run in runs] == [f"ROLL_INTO_HOT={json.dumps(v)}" for v in measured]
+    assert measured == [False, True, True, False] * (len(runs) // 4)
+    assert all(value is True for warm, value in during if warm) and cache.ROLL_INTO_HOT is True
+    assert module.compare(str(out))[0].startswith("tiny residents=6 1 specter-fixed ROLL_INTO_HOT=false: 6 requests")

@@ -295,6 +295,64 @@ def test_the_residents_that_give_way_to_misses_are_chosen_in_one_policy_call_and
         rig.shutdown()
 
 
+def test_a_reader_that_marks_used_late_delays_the_misses_but_loses_nothing():
+    """A reader that asks for the next expert before marking the last one used: the chosen resident's slot is not
+    taken while the reader may still read it; the miss starts once it is marked, and every read is right."""
+    rig = Rig()
+
+    async def main() -> list[int]:
+        for expert, slot in (await rig.cache.ensure(0, [0, 1, 2])).items():
+            rig.read(0, expert, slot)
+        await rig.close()
+        before = rig.transfer.stats.transfers
+        held, order, started = [], [], []
+        async for expert, slot in rig.cache.iter_ready(0, [0, 1, 2, 3]):
+            order.append(expert)
+            started.append(rig.transfer.stats.transfers - before)
+            held.append((expert, slot))
+            if len(held) == 2 or expert == 3:  # marks the first two used only after taking the second
+                for item in held:
+                    rig.read(0, *item)
+                held.clear()
+        for item in held:
+            rig.read(0, *item)
+        await rig.close()
+        return order, started
+
+    try:
+        order, started = run(main())
+        assert sorted(order) == [0, 1, 2, 3] and rig.bad_reads == []
+        assert started[:2] == [0, 0], f"no miss may start while the chosen resident is unmarked: {started}"
+        assert rig.cache.pinned_experts(0) == []
+    finally:
+        rig.shutdown()
+
+
+@pytest.mark.parametrize("reader", ["iter_ready", "iter_issued"])
+def test_closing_a_reader_mid_roll_gives_its_pins_back_at_once(reader):
+    """A reader that stops after one expert (closing the iterator) leaves no pin behind, before the loop runs again:
+    a new reader may pin the same slots at once."""
+    rig = Rig()
+
+    async def main():
+        for expert, slot in (await rig.cache.ensure(0, [0, 1, 2])).items():
+            rig.read(0, expert, slot)
+        await rig.close()
+        items = getattr(rig.cache, reader)(0, [0, 1, 2, 3])
+        first = await anext(items)
+        rig.read(0, first[0], first[1], ready=first[2] if reader == "iter_issued" else None)
+        await items.aclose()
+        pinned = {slot.index: slot.pins for slot in rig.cache._layer_slots(0) if slot.pins}
+        await rig.close()
+        return pinned
+
+    try:
+        assert run(main()) == {}, "pins held after the reader was closed"
+        assert rig.bad_reads == []
+    finally:
+        rig.shutdown()
+
+
 def test_iter_issued_hands_out_misses_before_they_land_with_the_event_to_wait_for():
     rig = Rig(link_gbps=0.002)  # 8 KiB take ~4 ms: a miss is handed out long before it lands
 

@@ -6,6 +6,7 @@ import asyncio
 import math
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -188,6 +189,48 @@ def test_a_chunk_running_into_the_window_is_no_head_gap_but_one_that_ended_befor
         {"head": 0.4, "handover": 0.0, "issue": 0.0, "slot": 0.1})
 
 
+def test_chunks_without_a_mark_only_void_the_split_where_they_end_a_gap():
+    from specter.metrics import idle_causes
+
+    in_flight = _chunk(-0.5, 0.2, None, 0)  # issued before the marks (or the log) began: it ends no gap
+    assert idle_causes([in_flight, _chunk(0.5, 1.0, 0.3, 1)], 1.0) == pytest.approx(
+        {"head": 0.0, "handover": 0.1, "issue": 0.0, "slot": 0.2})
+    assert idle_causes([], 1.0) == {"head": 1.0, "handover": 0.0, "issue": 0.0, "slot": 0.0}  # nothing ran: all head
+
+
+def test_chunk_times_carry_each_chunks_layer_and_issue_mark(monkeypatch):
+    """With ISSUE_MARKS the transfer engine's chunks carry the cache's layer (the tag's first item) and an issue
+    mark no later than their start; without, no mark."""
+    from backends.cpu import CPUBackend
+    from specter.experts import transfer
+    from specter.kernel import Kernel, run
+
+    backend = CPUBackend(link_gbps=1.0)
+    kernel = Kernel(backend)
+    sources = [torch.ones(1 << 16) for _ in range(3)]
+    targets = [torch.zeros(1 << 16) for _ in range(3)]
+
+    async def main(marks: bool):
+        monkeypatch.setattr(transfer, "ISSUE_MARKS", marks)
+        engine = transfer.TransferEngine(backend, kernel, chunk_bytes=1 << 18)
+        reference = backend.record_event(backend.copy_stream, timed=True)
+        engine.chunk_log = []
+        for layer, (source, target) in enumerate(zip(sources, targets)):
+            engine.submit(target, source, urgent=True, tag=(layer, 0, layer))
+        await engine.drain()
+        times = engine.chunk_times(engine.chunk_log, reference, open_end=0.0)
+        await engine.aclose()
+        return times
+
+    try:
+        marked, plain = run(main(True)), run(main(False))
+    finally:
+        kernel.close()
+        backend.close()
+    assert [t.layer for t in marked] == [0, 1, 2] and all(t.issued is not None and t.issued <= t.start + 1e-9 for t in marked)
+    assert all(t.issued is None for t in plain)
+
+
 @given(st.lists(st.tuples(st.floats(-1, 5), st.floats(0, 2), st.floats(0, 1), st.integers(0, 2)), max_size=12),
        st.floats(0.01, 6))
 def test_busy_and_idle_by_cause_add_up_to_the_window(raw, span):
@@ -208,5 +251,6 @@ def test_an_offloaded_run_with_issue_marks_splits_its_copy_idle_time(tiny, monke
     monkeypatch.setattr(transfer, "ISSUE_MARKS", True)
     stats = slow_link_stats(tiny)
     assert stats.copy_window_s > 0 and set(stats.copy_idle_s) == {"head", "handover", "issue", "slot"}
+    assert stats.copy_idle_s["handover"] > 0, "each layer's misses wait for its router: some hand-over gap must show"
     idle = sum(stats.copy_idle_s.values())
     assert idle == pytest.approx(stats.copy_window_s - stats.copy_busy_s, abs=1e-6)

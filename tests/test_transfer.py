@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 import time
 
 import pytest
@@ -395,12 +396,14 @@ def test_sleep_until_wakes_at_its_deadline_however_late_the_timers_are(monkeypat
         clock["sleeps"].append(delay)
         clock["now"] += delay + 0.9e-3 if delay > 0 else 10e-6  # a timer wakes late; a bare yield costs 10 us
 
-    monkeypatch.setattr(module.time, "perf_counter", lambda: clock["now"])
-    monkeypatch.setattr(module.asyncio, "sleep", late_sleep)
-    for deadline in (5e-3, 2.5e-3, 0.4e-3):
+    monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: clock["now"]))  # this module's names only
+    monkeypatch.setattr(module, "asyncio", SimpleNamespace(sleep=late_sleep))
+    for deadline in (5e-3, 2.5e-3, 1.8e-3, 0.4e-3):
         clock["now"], clock["sleeps"] = 0.0, []
         asyncio.run(module.sleep_until(deadline))
         assert deadline <= clock["now"] <= deadline + 20e-6, (deadline, clock["now"], clock["sleeps"])
+        spun = sum(1 for delay in clock["sleeps"] if delay == 0) * 10e-6
+        assert spun <= module.TIMER_SLACK_S, f"busy-waited {spun * 1e3:.2f} ms, more than a timer's lateness"
     clock["now"], clock["sleeps"] = 1.0, []
     asyncio.run(module.sleep_until(0.5))  # a deadline already past: no sleep at all
     assert clock["sleeps"] == []

@@ -22,6 +22,7 @@ Loads go through the transfer engine; eviction choices are delegated to an injec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence, Set
@@ -235,8 +236,9 @@ class ExpertCache:
         (the first of them start before the resident ones are handed out). Each yielded slot is pinned
         until the reader calls `mark_used` (or `unprotect_all`).
         """
-        async for expert, slot, _ready in self._rolling(layer, experts, on_issue=False):
-            yield expert, slot
+        async with contextlib.aclosing(self._rolling(layer, experts, on_issue=False)) as items:
+            async for expert, slot, _ready in items:  # closed with this iterator: its pins go back at once
+                yield expert, slot
 
     async def iter_issued(self, layer: int, experts: Iterable[int]) -> AsyncIterator[tuple[int, int, Event | None]]:
         """`iter_ready` for readers whose compute is ordered on a device stream: yield (expert, slot, ready)
@@ -246,8 +248,9 @@ class ExpertCache:
         stream wait on it (`backend.stream_wait`) before reading the slot. No host wake-up per miss: the
         reader can enqueue every expert of the layer at once and the device orders copy and compute.
         """
-        async for item in self._rolling(layer, experts, on_issue=True):
-            yield item
+        async with contextlib.aclosing(self._rolling(layer, experts, on_issue=True)) as items:
+            async for item in items:
+                yield item
 
     async def _rolling(self, layer: int, experts: Iterable[int], on_issue: bool) -> AsyncIterator[tuple[int, int, Event | None]]:
         wanted = list(dict.fromkeys(experts))
@@ -570,13 +573,15 @@ class ExpertCache:
         slot = self._residents[layer].get(victim)
         if slot is None or slot.pins or slot.state is not SlotState.RESIDENT or victim in self._protected[layer]:
             return waiting  # not marked used (or gone): the rolling window will find room later
-        expert, rest = waiting[0], waiting[1:]
-        if expert in self._residents[layer]:  # mapped since (a prefetch landed or is loading): pin it, keep the slot
-            return self._start_what_fits(layer, [expert], owned, landed, on_issue) + rest
-        self._start_load(layer, expert, self._evict(layer, victim), urgent=True)
-        self.stats.layers[layer].misses += 1
-        self._own(self._residents[layer][expert], expert, owned, landed, on_issue)
-        return rest
+        for index, expert in enumerate(waiting):
+            if expert in self._residents[layer]:  # mapped since (a prefetch landed or is loading): pin it, go on
+                self._start_what_fits(layer, [expert], owned, landed, on_issue)
+                continue
+            self._start_load(layer, expert, self._evict(layer, victim), urgent=True)
+            self.stats.layers[layer].misses += 1
+            self._own(self._residents[layer][expert], expert, owned, landed, on_issue)
+            return waiting[index + 1 :]
+        return []
 
     def _own(self, slot: Slot, expert: int, owned: _Owned, landed: asyncio.Queue[int], on_issue: bool) -> None:
         owned.pin(slot, expert)

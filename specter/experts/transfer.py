@@ -28,7 +28,8 @@ log = get_logger(__name__)
 
 ISSUE_MARKS = False
 """Record a timed event on the copy stream as each chunk is issued, before the copy waits on its slot's last
-reader, while a chunk log is kept: the copy-busy measurement then splits the copy stream's idle time by cause
+reader (every chunk, so those still in flight when a round's chunk log starts have one too): the copy-busy
+measurement then splits the copy stream's idle time by cause
 (`metrics.idle_causes`; `python -m specter.bench --copy-gaps`). One more event per chunk, so off by default."""
 
 LINK_PRESETS: dict[str, float] = {
@@ -401,7 +402,7 @@ class TransferEngine:
         return queue[0] if queue else None
 
     def _issue_chunk(self, transfer: Transfer) -> None:
-        issued = self.backend.record_event(self.stream, timed=True) if ISSUE_MARKS and self.chunk_log is not None else None
+        issued = self.backend.record_event(self.stream, timed=True) if ISSUE_MARKS else None
         if transfer.bytes_issued == 0:
             for event in transfer._wait_for:
                 if not event.query():
@@ -481,9 +482,10 @@ sleeps on a timer only until this long before its deadline, then yields to the l
 async def sleep_until(deadline: float) -> None:
     """Suspend until `time.perf_counter()` reaches `deadline`, within one loop iteration rather than a timer's
     granularity (the host-paced link emulation: a late wake-up between chunks would leave the emulated link idle,
-    which a real link is not). Other tasks run meanwhile."""
+    which a real link is not). It busy-waits for the last TIMER_SLACK_S or so (the loop thread stays busy; other
+    tasks run between its yields), so use it only where that precision is the point."""
     while (delay := deadline - time.perf_counter()) > 0:
-        await asyncio.sleep(delay - TIMER_SLACK_S if delay > 2 * TIMER_SLACK_S else 0)
+        await asyncio.sleep(delay - TIMER_SLACK_S if delay > TIMER_SLACK_S else 0)
 
 
 def _ema(previous: float | None, sample: float, weight: float) -> float:
