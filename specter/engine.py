@@ -25,6 +25,7 @@ from specter.config import EngineConfig, GenerationConfig
 from specter.decode import check_prompt, greedy_decode
 from specter.draft import Draft, DraftExperts
 from specter.errors import RequestCancelled
+from specter.experts import transfer as transfer_engine
 from specter.experts.cache import ExpertCache
 from specter.kernel import NOT_READY, Kernel, StageCounters, stage
 from specter.loader import resolve_device, resolve_dtype
@@ -593,8 +594,9 @@ class Runtime:
         if span > 0:
             stats.copy_busy_s += busy_within([(t.start, t.end) for t in times], 0.0, span)
             stats.copy_window_s += span
-            for cause, seconds in (idle_causes(times, span) or {}).items():
-                stats.copy_idle_s[cause] = stats.copy_idle_s.get(cause, 0.0) + seconds
+            if transfer_engine.ISSUE_MARKS:  # (without the marks there is nothing to split)
+                for cause, seconds in (idle_causes(times, span) or {}).items():
+                    stats.copy_idle_s[cause] = stats.copy_idle_s.get(cause, 0.0) + seconds
 
     def _gpu_mark(self):
         """A timed event on the compute stream (CUDA only; None elsewhere, where host wall time is exact)."""

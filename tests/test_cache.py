@@ -44,6 +44,11 @@ class Rig:
         self.cache = ExpertCache(self.backend, self.kernel, self.transfer, self.pool, slots, chooser)
         self.bad_reads: list[tuple[int, int, int]] = []
 
+    async def load_residents(self, layer: int, experts: list[int]) -> None:
+        """Make `experts` resident in `layer` and read each once (so each has a last use, and no pin is left)."""
+        for expert, slot in (await self.cache.ensure(layer, experts)).items():
+            self.read(layer, expert, slot)
+
     def read(self, layer: int, expert: int, slot: int, seconds: float = 0.0003, ready=None) -> None:
         """Launch a 'compute' that reads the slot a little later, then mark it used after it. With `ready`
         (iter_issued), the compute stream first waits for the copy, as a device reader does."""
@@ -200,8 +205,7 @@ def rig():
 
 def test_iter_ready_yields_residents_first_and_rolls_through_more_experts_than_slots(rig):
     async def main() -> list[int]:
-        for expert, slot in (await rig.cache.ensure(0, [4, 5])).items():
-            rig.read(0, expert, slot)
+        await rig.load_residents(0, [4, 5])
         order = []
         async for expert, slot in rig.cache.iter_ready(0, [0, 1, 5, 2, 3, 4]):
             order.append(expert)
@@ -217,8 +221,7 @@ def test_iter_ready_yields_residents_first_and_rolls_through_more_experts_than_s
 
 def test_iter_ready_starts_the_misses_before_it_hands_out_the_residents(rig):
     async def main() -> list[int]:
-        for expert, slot in (await rig.cache.ensure(0, [4, 5])).items():
-            rig.read(0, expert, slot)
+        await rig.load_residents(0, [4, 5])
         await rig.close()
         transfers_before, chunks_before = rig.transfer.stats.transfers, rig.transfer.stats.chunks
         started_at_first_yield = None
@@ -242,8 +245,7 @@ def test_a_waiting_miss_starts_in_a_residents_slot_as_soon_as_that_resident_is_l
     rig = Rig()
 
     async def main() -> list[int]:
-        for expert, slot in (await rig.cache.ensure(0, [0, 1, 2])).items():
-            rig.read(0, expert, slot)
+        await rig.load_residents(0, [0, 1, 2])
         await rig.close()
         before = rig.transfer.stats.transfers
         started = []  # loads started when each expert is handed out
@@ -274,8 +276,7 @@ def test_the_residents_that_give_way_to_misses_are_chosen_in_one_policy_call_and
     rig = Rig(chooser=counting)
 
     async def main() -> list[tuple[int, int]]:
-        for expert, slot in (await rig.cache.ensure(0, [0, 1, 2])).items():
-            rig.read(0, expert, slot)
+        await rig.load_residents(0, [0, 1, 2])
         await rig.close()
         calls.clear()
         before, seen = rig.transfer.stats.transfers, []
@@ -301,8 +302,7 @@ def test_a_reader_that_marks_used_late_delays_the_misses_but_loses_nothing():
     rig = Rig()
 
     async def main() -> list[int]:
-        for expert, slot in (await rig.cache.ensure(0, [0, 1, 2])).items():
-            rig.read(0, expert, slot)
+        await rig.load_residents(0, [0, 1, 2])
         await rig.close()
         before = rig.transfer.stats.transfers
         held, order, started = [], [], []
@@ -335,8 +335,7 @@ def test_closing_a_reader_mid_roll_gives_its_pins_back_at_once(reader):
     rig = Rig()
 
     async def main():
-        for expert, slot in (await rig.cache.ensure(0, [0, 1, 2])).items():
-            rig.read(0, expert, slot)
+        await rig.load_residents(0, [0, 1, 2])
         await rig.close()
         items = getattr(rig.cache, reader)(0, [0, 1, 2, 3])
         first = await anext(items)
@@ -358,8 +357,7 @@ def test_iter_issued_hands_out_misses_before_they_land_with_the_event_to_wait_fo
 
     async def main() -> list[tuple[int, bool]]:
         seen = []
-        for expert, slot in (await rig.cache.ensure(0, [4])).items():
-            rig.read(0, expert, slot)
+        await rig.load_residents(0, [4])
         async for expert, slot, ready in rig.cache.iter_issued(0, [0, 4, 1, 2, 3]):  # 4 misses through 2 free + 1 slot
             seen.append((expert, ready is None or ready.query()))
             rig.read(0, expert, slot, seconds=0.0, ready=ready)
@@ -391,8 +389,7 @@ def test_compute_hot_first_on_device_orders_misses_on_the_compute_stream_and_mea
     early: list[int] = []
 
     async def main() -> list[int]:
-        for expert, slot in (await rig.cache.ensure(0, [5])).items():
-            rig.read(0, expert, slot)
+        await rig.load_residents(0, [5])
         await rig.close()
 
         def compute(expert: int, weights: torch.Tensor) -> None:  # a reader on the compute stream
@@ -440,8 +437,7 @@ def test_one_victim_choice_per_batch_of_misses_never_asks_for_more_than_can_be_e
     rig = Rig(chooser=strict)
 
     async def main() -> list[int]:
-        for expert, slot in (await rig.cache.ensure(0, [0, 1, 2])).items():
-            rig.read(0, expert, slot)
+        await rig.load_residents(0, [0, 1, 2])
         await rig.close()
         calls.clear()
         order = []
@@ -535,8 +531,7 @@ def test_settle_queries_only_the_last_mark_once_it_has_completed():
 
 def test_a_protected_expert_survives_and_too_many_protections_are_a_budget_error(rig):
     async def main() -> None:
-        for expert, slot in (await rig.cache.ensure(1, [0, 1, 2])).items():
-            rig.read(1, expert, slot)
+        await rig.load_residents(1, [0, 1, 2])
         rig.cache.protect(1, [0, 1, 2])
         assert rig.cache.prefetch(1, [3, 4]) == []
         with pytest.raises(BudgetError, match="protected"):
@@ -551,8 +546,7 @@ def test_a_protected_expert_survives_and_too_many_protections_are_a_budget_error
 
 def test_a_later_plan_replaces_the_protection_of_an_earlier_one(rig):
     async def main() -> None:
-        for expert, slot in (await rig.cache.ensure(1, [0, 1, 2])).items():
-            rig.read(1, expert, slot)
+        await rig.load_residents(1, [0, 1, 2])
         rig.cache.protect(1, [0, 1, 2])  # the first checkpoint's plan
         assert rig.cache.prefetch(1, [3]) == []
         rig.cache.protect(1, [3, 1], replace=True)  # a later plan of the same round no longer wants 0 and 2
@@ -573,8 +567,7 @@ def test_a_policy_choosing_a_protected_expert_is_a_plugin_error():
     rig = Rig(chooser=lambda layer, residents, protected, count: list(residents)[:count])
 
     async def main() -> None:
-        for expert, slot in (await rig.cache.ensure(0, [0, 1, 2])).items():
-            rig.read(0, expert, slot)
+        await rig.load_residents(0, [0, 1, 2])
         rig.cache.protect(0, [0])
         with pytest.raises(PluginError, match="unprotected"):
             rig.cache.prefetch(0, [5])
@@ -604,8 +597,7 @@ def test_cancelled_reader_leaves_its_copy_resident_and_nothing_pinned(rig):
 def test_snapshot_and_restore_bring_back_residents_and_lru_order(rig):
     async def main() -> None:
         for layer, experts in ((0, [3, 1]), (1, [5, 0, 2])):
-            for expert, slot in (await rig.cache.ensure(layer, experts)).items():
-                rig.read(layer, expert, slot)
+            await rig.load_residents(layer, experts)
         snapshot = rig.cache.snapshot()
         rig.cache.reset()
         assert rig.cache.lookup(0, 3) is None

@@ -48,8 +48,8 @@ compute on the device), instead of after the reader has launched every resident 
 launches of the residents no longer hold the copy stream idle once the misses that fit at the start have landed
 (`bench --copy-gaps`: the "issue" share). A switch for A/B. H200, twelfth session, on against off in one process
 (`benchmarks/ab_bench.py --alternate`): 15 residents 2.633 -> 2.522 ms per token, copy busy 0.761 -> 0.802; 8
-residents 3.415 -> 3.528 ms, 0.852 -> 0.842. (Its first form asked the policy once per launched resident, 10-38 us per guarded call: one call per layer is
-cheaper.)"""
+residents 3.415 -> 3.528 ms, 0.852 -> 0.842. (Its first form asked the policy once per launched resident, 10-38 us
+per guarded call: one call per layer is cheaper.)"""
 
 VictimChooser = Callable[[int, Sequence[int], Set[int], int], list[int]]
 """choose_victims(layer, residents (least recently used first), protected, count) -> experts to evict."""
