@@ -85,7 +85,9 @@ class Backend(Protocol):
         ...
 
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> Event:
-        """Enqueue a device -> host copy (router choices, small); the caller awaits the event."""
+        """Enqueue a device -> host copy (router choices, small); the caller awaits the event.
+
+        `dst` must stay alive until then: the cuda backend may issue a raw cudaMemcpyAsync into it."""
         ...
 
     def stream_wait(self, stream: Stream, event: Event) -> None:

@@ -83,10 +83,14 @@ class CUDABackend:
         return CUDAEvent(stream, timed)
 
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> CUDAEvent:
+        self.enqueue_h2d(dst, src, stream)
+        return CUDAEvent(stream, timed=False)
+
+    def enqueue_h2d(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """`copy_h2d` without its event (optional backend method): the transfer engine records its own per chunk."""
         if not self._raw_copy(dst, src, stream):
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
-        return CUDAEvent(stream, timed=False)
 
     def set_int32(self, flat: torch.Tensor, index: int, value: int, stream: torch.cuda.Stream) -> None:
         """flat[index] = value in `stream` order: 4 bytes copied from an immutable pinned table of values (with
@@ -121,8 +125,16 @@ class CUDABackend:
         return True
 
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> CUDAEvent:
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+        """dst (pinned host) <- src (device) in `stream` order. With cupy and both sides contiguous and alike, one raw
+        cudaMemcpyAsync: the caller must then keep `dst` alive until the returned event completes (torch's host
+        allocator does not know of the copy)."""
+        memcpy = self._memcpy_async
+        if (memcpy is not None and dst.dtype == src.dtype and dst.numel() == src.numel() and dst.is_contiguous()
+                and src.is_contiguous() and src.device == self.device and dst.device.type == "cpu" and dst.is_pinned()):
+            memcpy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
+        else:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
         return CUDAEvent(stream, timed=False)
 
     def stream_wait(self, stream: torch.cuda.Stream, event: CUDAEvent) -> None:

@@ -7,11 +7,14 @@
 `--row-config JSON` replaces fields of `rowfused.DEFAULT_CONFIG`. Everything after `--` goes to the bench.
 
 `--alternate MODULE.NAME=A|B` sets a constant to A or B for each measured request of one bench process, in the
-order A B B A for the repeats of each prompt of each cell (warm-ups run with the constant as it was), so the two
-sides share the process, the machine's moment and the cache's restored state; each request's record in
-results.json carries `variant` ("NAME=A" or "NAME=B"), and the end of the output compares them per cell. Use
---repeats 4 (or another multiple of two; a multiple of four balances the order too). Runs of separate processes
-differed by up to 1.4x on the H200 (host speed), more than most changes this is meant to measure.
+order A B B A for the repeats of each prompt of each cell, so the two sides share the process, the machine's moment
+and the cache's restored state; each request's record in results.json carries `variant` ("NAME=A" or "NAME=B"),
+and the end of the output compares them per cell. Repeat `--alternate` to flip several constants together (side A
+takes every first value; the variant names the first constant). Each system's warm-up runs once per side (A, then
+B; the constants go back to their values after each), so what a side builds on first use (a graph captured
+lazily) is built before anything is measured. Use --repeats 4 (or another multiple of two; a multiple of four
+balances the order too). Runs of separate processes differed by up to 1.4x on the H200 (host speed), more than
+most changes this is meant to measure.
 
 Only a constant read at run time can be switched this way: one read when a graph is captured or a runtime is
 built (a `RowConfig` field of the draft step's CUDA graph, say), or copied elsewhere by `from X import NAME`, keeps
@@ -66,30 +69,40 @@ ORDER = (0, 1, 1, 0)
 first."""
 
 
-def alternate(setting: str) -> str:
-    """Make each measured request run with one of the two values of MODULE.NAME (ORDER, counted per cell and
-    prompt) and tag its record; the constant goes back to its value after each request. Returns NAME."""
+def alternate(settings: str | list[str]) -> str:
+    """Make each measured request run with side A or B of every MODULE.NAME=A|B in `settings` (ORDER, counted per
+    cell and prompt) and tag its record with the first one's value; warm-ups run once per side; the constants go
+    back to their values after each request. Returns the first NAME."""
     from specter.bench import protocol
 
-    module, name, values = _switch("--alternate", setting, count=2)
+    switches = [_switch("--alternate", setting, count=2) for setting in ([settings] if isinstance(settings, str) else settings)]
     measure = protocol.ModelBench._request
     turns: dict[tuple, int] = {}
 
+    async def with_side(side: int, request):
+        originals = [getattr(module, name) for module, name, _values in switches]
+        for module, name, values in switches:
+            setattr(module, name, values[side])
+        try:
+            return await request()
+        finally:
+            for (module, name, _values), original in zip(switches, originals):
+                setattr(module, name, original)
+
     async def request(self, runtime, system, prompt, start_state, cell, warm=False):
         if warm:
-            return await measure(self, runtime, system, prompt, start_state, cell, warm=True)
+            for side in (0, 1):
+                record = await with_side(side, lambda: measure(self, runtime, system, prompt, start_state, cell, warm=True))
+            return record
         key = (*cell, system.name, prompt.kind, prompt.index)
         turn = turns[key] = turns.get(key, -1) + 1
-        value, original = values[ORDER[turn % len(ORDER)]], getattr(module, name)
-        setattr(module, name, value)
-        try:
-            record = await measure(self, runtime, system, prompt, start_state, cell)
-        finally:
-            setattr(module, name, original)
-        return record | {"variant": f"{name}={json.dumps(value)}"}
+        side = ORDER[turn % len(ORDER)]
+        record = await with_side(side, lambda: measure(self, runtime, system, prompt, start_state, cell))
+        _module, name, values = switches[0]
+        return record | {"variant": f"{name}={json.dumps(values[side])}"}
 
     protocol.ModelBench._request = request
-    return name
+    return switches[0][1]
 
 
 def compare(out: str) -> list[str]:
@@ -124,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
     parser.add_argument("--row-config", default=None, metavar="JSON")
-    parser.add_argument("--alternate", default=None, metavar="MODULE.NAME=A|B")
+    parser.add_argument("--alternate", action="append", default=[], metavar="MODULE.NAME=A|B",
+                        help="repeat to flip several constants together")
     args = parser.parse_args(argv[:split])
     for line in apply(args.set, args.row_config):
         print(f"ab_bench: {line}", flush=True)

@@ -579,6 +579,32 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  lean13)         # thirteenth session, first call: less host work per verified expert, four switches flipped together
+    # in one process (ab_bench --alternate, A = on = this code, B = off = the earlier host path): segmented.STAGE_IN_GRAPH
+    # (one launch per expert: the id by a 4-byte copy, the staging write inside the expert graph; was a fill kernel,
+    # the replay and a copy), verify.REUSE_USE_MARKS (a waited miss's stall timed from the last use mark: one event
+    # fewer per miss), transfer.READY_ON_LAST_CHUNK (a copy's ready event is its last chunk's end: one event fewer per
+    # copy), verify.REUSE_PINNED (the router read's pinned buffer reused). Always on: no event per chunk from the
+    # backend's copy (enqueue_h2d), raw D2H copies, cached slot views. Then a cProfile of the trained model's decode
+    # at 15 residents (k 15) for what is left on the host, and the machine's topology (process noise).
+    # PREDICTIONS: tests pass; about 10 us of host time less per verified expert and 5-8 us per miss, about 2.5 ms
+    # per round at 15 residents: TPOT 3-7 % lower with the switches on at 15 residents, 2-5 % at 8; copy busy +0.01-0.04
+    # (the `issue` share lower); acceptance equal; every token equal to the baseline.
+    mkdir -p "$out/logs"
+    (nproc; taskset -p $$; lscpu | grep -E "Model name|MHz|NUMA"; cat /proc/loadavg; nvidia-smi topo -m; cat /sys/class/drm/card*/device/numa_node) > "$out/logs/machine.log" 2>&1
+    train_beside tests/test_gpu_segmented.py tests/test_gpu_transfer.py tests/test_gpu_graphed.py -k "not link_emulation"
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    timeout 170 python benchmarks/ab_bench.py --alternate "specter.model.segmented.STAGE_IN_GRAPH=true|false" \
+      --alternate "specter.verify.REUSE_USE_MARKS=true|false" --alternate "specter.experts.transfer.READY_ON_LAST_CHUNK=true|false" \
+      --alternate "specter.verify.REUSE_PINNED=true|false" -- $common --repeats 4 --residents 15,8 --link native \
+      --systems specter --copy-gaps --out "$out/lean-ab" > "$out/logs/lean-ab.log" 2>&1
+    echo "lean-ab rc=$?"
+    timeout 100 python benchmarks/profile_offloaded.py --model /tmp/qwenref --residents 15 --k 15 --tokens 64 --top 30 \
+      --static-verify --out "$out/profile" > "$out/logs/profile.log" 2>&1
+    echo "profile rc=$?"
+    tar czf "$out/lean13.tgz" -C "$out" logs lean-ab profile 2>/dev/null
+    head -3 "$out/logs/machine.log"; grep -E "^TPOT" "$out/logs/profile.log"; grep -A14 "host, by tottime" "$out/logs/profile.log" | cut -c1-150
+    tail -5 "$out/logs/lean-ab.log" ;;
   gpu-all12)      # the session's last call: every gpu-marked test on the final code (the host-paced emulation's sleep_until
     # reaches the link-emulation tests; int8_finish is on). PREDICTION: every test passes.
     mkdir -p "$out/logs"

@@ -24,22 +24,33 @@ async def build(args):
     from specter.config import DraftConfig, EngineConfig
     from specter.engine import Runtime
 
-    source = synthetic_source(args.shape, args.layers)
+    if args.model is not None:  # a checkpoint (the trained reference model): real routing, real acceptance
+        from specter.loading import CheckpointWeights
+        from specter.model.checkpoint import Checkpoint
+
+        source = CheckpointWeights(Checkpoint(args.model))
+    else:
+        source = synthetic_source(args.shape, args.layers)
     config = EngineConfig(device=args.device, dtype="bfloat16", residents=args.residents, max_context=512, lookahead="fixed",
                           draft=DraftConfig(k=args.k, k_max=args.k), static_verify=args.static_verify, progress=False)
     return await Runtime.build(source, config)
 
 
+PROMPT = list(range(100, 116))
+
+
 async def request(runtime, tokens: int):
     from specter.config import GenerationConfig
 
-    return await runtime.complete_ids(list(range(100, 116)), GenerationConfig(max_new_tokens=tokens))
+    return await runtime.complete_ids(PROMPT, GenerationConfig(max_new_tokens=tokens))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen1.5-moe-a2.7b")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--model", type=Path, default=None, help="a checkpoint directory instead of the synthetic "
+                        "shape (its prompts.json's first prompt, when there, is the prompt)")
     parser.add_argument("--residents", type=int, default=15)
     parser.add_argument("--k", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=32)
@@ -62,6 +73,12 @@ def main() -> None:
     from specter import engine
 
     engine.DEFER_COPY_BUSY = not args.inline_bookkeeping
+    if args.model is not None and (args.model / "prompts.json").exists():
+        import json
+
+        global PROMPT
+        kinds = json.loads((args.model / "prompts.json").read_text())["kinds"]
+        PROMPT = [int(t) for t in next(iter(kinds.values()))[0][:16]]
 
     loop = asyncio.new_event_loop()
     runtime = loop.run_until_complete(build(args))
@@ -71,7 +88,7 @@ def main() -> None:
     plain_s = time.perf_counter() - started
     stats = plain.stats
     expert_bytes = runtime.memory.expert_bytes
-    print(f"{args.shape} L={args.layers} residents={args.residents} k={args.k} static_verify={args.static_verify} "
+    print(f"{args.model or args.shape} L={args.layers} residents={args.residents} k={args.k} static_verify={args.static_verify} "
           f"copy-busy reads {'inline' if args.inline_bookkeeping else 'deferred'}")
     print(f"TPOT {stats.tpot_s * 1e3:.2f} ms; wall {plain_s:.2f} s for {stats.new_tokens} tokens; misses/token "
           f"{stats.misses / max(stats.new_tokens, 1):.1f}; H2D {stats.h2d_bytes / max(stats.new_tokens, 1) / 1e6:.1f} MB/token "

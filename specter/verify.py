@@ -25,6 +25,13 @@ from specter.model.transformer import ExpertMLP, RoutingTable, combine_in_expert
 Tensor = torch.Tensor
 
 
+REUSE_USE_MARKS = True
+"""On the device-ordered path, a waited miss's stall is timed from the previous expert's use mark (one event fewer per
+miss). False: an event of its own before each miss, as before. A switch for A/B."""
+
+REUSE_PINNED = True
+"""`to_host` takes its pinned buffer from a free list. False: a fresh pinned tensor per call, as before. For A/B."""
+
 ROUTING_POLL_S = 3e-3
 """How long a verify polls for its router's choice before parking (CUDA, device-ordered misses): the host is
 then ahead of the device by the layer's misses, and a thread hop would add 0.1-0.3 ms to every MoE layer."""
@@ -40,10 +47,40 @@ async def to_host(kernel: Kernel, tensor: Tensor, *, poll_s: float = 0.0) -> lis
         return tensor.tolist()
     backend = kernel.backend
     assert backend is not None, "a CUDA tensor needs a kernel bound to a backend"
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    key = (tuple(tensor.shape), tensor.dtype)
+    free = _PINNED_FREE.setdefault(key, [])
+    if _PINNED_ABANDONED:
+        _recycle_abandoned()
+    host = free.pop() if free and REUSE_PINNED else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     event = backend.copy_d2h(host, tensor, backend.compute_stream)
-    await kernel.wait(event, spin_s=50e-6, poll_s=poll_s)
-    return host.tolist()
+    try:
+        await kernel.wait(event, spin_s=50e-6, poll_s=poll_s)
+    except BaseException:  # cancelled: the copy may still be writing into the buffer; reuse it only once it landed
+        _PINNED_ABANDONED.append((key, host, event))
+        raise
+    values = host.tolist()
+    if REUSE_PINNED:
+        free.append(host)
+    return values
+
+
+_PINNED_FREE: dict[tuple, list[Tensor]] = {}
+"""Pinned host buffers for `to_host`, by (shape, dtype), reused: a fresh pinned tensor per call costs the caching
+host allocator's bookkeeping and an event on its free (the verify reads its router's ids once per MoE layer).
+A buffer is out of the list while a call uses it, so concurrent calls never share one."""
+_PINNED_ABANDONED: list[tuple[tuple, Tensor, Event]] = []
+"""Buffers of cancelled `to_host` calls with their copies' events: kept alive until the copy landed (a raw copy
+is unknown to torch's host allocator), then back to `_PINNED_FREE`."""
+
+
+def _recycle_abandoned() -> None:
+    keep = []
+    for key, host, event in _PINNED_ABANDONED:
+        if event.query():
+            _PINNED_FREE.setdefault(key, []).append(host)
+        else:
+            keep.append((key, host, event))
+    _PINNED_ABANDONED[:] = keep
 
 
 @dataclasses.dataclass
@@ -105,23 +142,25 @@ async def compute_hot_first(cache: ExpertCache, kernel: Kernel, cache_layer: int
     if on_device and not cache.transfer.host_paced:
         stream = backend.compute_stream
         async with contextlib.aclosing(cache.iter_issued(cache_layer, needed)) as experts:
+            used, used_timed = None, False  # the last expert's use mark: where the stream is when the host asks for the next
             while True:
-                # Marked before the host asks for the next miss: if the host has to wait (for a landing to free a
-                # slot), the compute stream runs dry meanwhile, and that idle time is part of the stall. The
-                # resident experts come first and never wait: no mark for them.
-                before = backend.record_event(stream, timed=True) if len(order) >= len(hot) else None
+                # The wait for a miss is timed from there: if the host has to wait (for a landing to free a slot),
+                # the compute stream runs dry meanwhile, and that idle time is part of the stall. One event is both
+                # the slot's last use and that mark (nothing is enqueued on this stream in between). The resident
+                # experts come first and never wait: their marks are untimed, except the last one's.
                 try:
                     expert, slot, ready = await anext(experts)
                 except StopAsyncIteration:
                     break
                 if ready is not None:
-                    if before is None:  # (not expected: the residents are handed out first)
-                        before = backend.record_event(stream, timed=True)
+                    before = used if used_timed and REUSE_USE_MARKS else backend.record_event(stream, timed=True)
                     backend.stream_wait(stream, ready)
                     record.device_waits.append((before, backend.record_event(stream, timed=True)))
                 compute(expert, cache.slot_weights(slot))
-                cache.mark_used(cache_layer, expert, backend.record_event(stream))
                 order.append(expert)
+                used_timed = len(order) >= len(hot) and REUSE_USE_MARKS
+                used = backend.record_event(stream, timed=used_timed)
+                cache.mark_used(cache_layer, expert, used)
     else:
         waited = time.perf_counter()
         async for expert, slot in cache.iter_ready(cache_layer, needed):

@@ -370,8 +370,9 @@ def test_ab_bench_sets_switches_and_row_config_and_refuses_unknown_names(monkeyp
 
 
 def test_ab_bench_alternates_a_switch_between_the_requests_of_one_process(tmp_path, monkeypatch):
-    """--alternate: each measured request runs with the value its record names (A B B A per prompt), warm-ups with
-    the original, which is back after every request."""
+    """--alternate: each measured request runs with the value its record names (A B B A per prompt), a second switch
+    flips with the first, each warm-up runs once per side, and the originals are back after every request."""
+    from specter import verify
     from specter.bench import protocol
     from specter.experts import cache
 
@@ -379,17 +380,20 @@ def test_ab_bench_alternates_a_switch_between_the_requests_of_one_process(tmp_pa
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setattr(cache, "ROLL_INTO_HOT", True)
+    monkeypatch.setattr(verify, "REUSE_PINNED", True)
     real = protocol.ModelBench._request
     during = []  # (warm, the switch's value while the request ran)
 
     async def spy(self, runtime, system, prompt, start_state, cell, warm=False):
+        assert verify.REUSE_PINNED is cache.ROLL_INTO_HOT, "the second switch did not flip with the first"
         during.append((warm, cache.ROLL_INTO_HOT))
         return await real(self, runtime, system, prompt, start_state, cell, warm=warm)
 
     monkeypatch.setattr(protocol.ModelBench, "_request", spy)
     out = tmp_path / "ab"
     with pytest.raises(SystemExit) as exit_:
-        module.main(["--alternate", "specter.experts.cache.ROLL_INTO_HOT=false|true", "--", "--systems", "specter-fixed",
+        module.main(["--alternate", "specter.experts.cache.ROLL_INTO_HOT=false|true",
+                     "--alternate", "specter.verify.REUSE_PINNED=false|true", "--", "--systems", "specter-fixed",
                      "--k", "4", "--max-new-tokens", "6", "--warmup-tokens", "2", "--link", "1", "--repeats", "4",
                      "--no-progress", "--no-plots", f"--out={out}"])
     assert exit_.value.code == 0
@@ -397,5 +401,7 @@ def test_ab_bench_alternates_a_switch_between_the_requests_of_one_process(tmp_pa
     measured = [value for warm, value in during if not warm]
     assert [run["variant"] for run in runs] == [f"ROLL_INTO_HOT={json.dumps(v)}" for v in measured]
     assert measured == [False, True, True, False] * (len(runs) // 4)
-    assert all(value is True for warm, value in during if warm) and cache.ROLL_INTO_HOT is True
+    warm_values = [value for warm, value in during if warm]
+    assert warm_values and warm_values == [False, True] * (len(warm_values) // 2), "each warm-up runs once per side"
+    assert cache.ROLL_INTO_HOT is True and verify.REUSE_PINNED is True
     assert module.compare(str(out))[0].startswith("tiny residents=6 1 specter-fixed ROLL_INTO_HOT=false: 6 requests")

@@ -425,6 +425,55 @@ def test_compute_hot_first_on_device_orders_misses_on_the_compute_stream_and_mea
         rig.shutdown()
 
 
+def test_on_device_a_waited_miss_costs_one_event_more_than_a_hit_its_wait_timed_from_the_last_use_mark():
+    """Each computed expert records one use mark on the compute stream; a miss the stream must wait for adds one
+    timed event after the wait, and the wait's start is the previous expert's mark (the same stream position),
+    not an event of its own."""
+    rig = Rig(link_gbps=0.004)  # 8 KiB take ~2 ms: the misses are handed out before they land
+    record = VerifyRecord()
+    compute_events: list[object] = []
+    marks: list[object] = []
+
+    async def main() -> list[int]:
+        await rig.load_residents(0, [4, 5])
+        await rig.close()
+        record_event, mark_used = rig.backend.record_event, rig.cache.mark_used
+
+        def counting(stream, timed=False):
+            event = record_event(stream, timed)
+            if stream is rig.backend.compute_stream:
+                compute_events.append(event)
+            return event
+
+        def marking(layer, expert, event):
+            marks.append(event)
+            mark_used(layer, expert, event)
+
+        rig.backend.record_event, rig.cache.mark_used = counting, marking
+        try:
+            return await compute_hot_first(rig.cache, rig.kernel, 0, [0, 5, 1, 4], lambda expert, weights: None, record,
+                                           on_device=True)
+        finally:
+            rig.backend.record_event, rig.cache.mark_used = record_event, mark_used
+            rig.cache.unprotect_all(rig.backend.record_event(rig.backend.compute_stream))
+            await rig.close()
+
+    try:
+        order = run(main())
+        waits = list(record.device_waits)
+        assert sorted(order[:2]) == [4, 5] and sorted(order) == [0, 1, 4, 5]
+        assert waits, "no miss was waited for on the device: the link is too fast for this test"
+        assert len(compute_events) == len(order) + len(waits), "a waited miss recorded more than one extra event"
+        for before, after in waits:
+            assert any(before is mark for mark in marks[:-1]), "a wait was timed from an event of its own"
+            assert not any(after is mark for mark in marks)
+        record.settle()
+        assert record.stall_s > 0.001
+        rig.check_consistent()
+    finally:
+        rig.shutdown()
+
+
 def test_one_victim_choice_per_batch_of_misses_never_asks_for_more_than_can_be_evicted():
     calls = []
 

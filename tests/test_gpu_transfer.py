@@ -172,3 +172,33 @@ def test_an_offloaded_speculative_run_measures_the_copy_stream_busy_fraction(tin
     assert stats.stall_s > 0 and stats.copy_window_s > 0
     assert 0.0 < stats.copy_busy_fraction <= 1.0 + 1e-6
     assert stats.as_dict()["copy_busy_fraction"] == round(stats.copy_busy_fraction, 4)
+
+
+def test_to_host_reuses_its_pinned_buffer_and_parks_a_cancelled_ones_until_its_copy_landed(cuda):
+    """The router read (`verify.to_host`) takes a pinned buffer from a free list and gives it back after the read; a
+    call cancelled while its raw copy may still write is parked, and reused only once that copy completed."""
+    from specter import verify
+
+    backend, kernel = cuda
+    ids = torch.arange(12, device=backend.device, dtype=torch.long).view(3, 4)
+    key = ((3, 4), torch.long)
+
+    async def main() -> None:
+        verify._PINNED_FREE.pop(key, None)
+        assert await verify.to_host(kernel, ids) == ids.tolist()
+        (first,) = [buffer.data_ptr() for buffer in verify._PINNED_FREE[key]]
+        assert await verify.to_host(kernel, ids + 1) == (ids + 1).tolist()
+        assert [b.data_ptr() for b in verify._PINNED_FREE[key]] == [first], "the second read allocated a new pinned buffer"
+        torch.cuda._sleep(200_000_000)  # keep the stream busy: the next read cannot land before it is cancelled
+        task = asyncio.get_running_loop().create_task(verify.to_host(kernel, ids + 2))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert verify._PINNED_FREE[key] == [] and [entry[1].data_ptr() for entry in verify._PINNED_ABANDONED] == [first]
+        torch.cuda.synchronize()
+        assert await verify.to_host(kernel, ids + 3) == (ids + 3).tolist()
+        assert verify._PINNED_ABANDONED == [], "the parked buffer stayed parked after its copy landed"
+        assert [b.data_ptr() for b in verify._PINNED_FREE[key]] == [first], "the parked buffer was not reused"
+
+    run(main())

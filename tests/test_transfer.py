@@ -145,6 +145,49 @@ def test_landed_urgent_chunks_are_retired_so_the_chunk_log_starts_small(rig):
     assert run(main()) == 0, "chunks that landed must not stay in flight (the copy-busy log would grow without bound)"
 
 
+def test_a_copy_without_emulation_records_two_events_per_chunk_and_its_ready_event_follows_after_copy(rig):
+    """Without a link emulation the last chunk's timed `copied` event is the ready event too (no third event per
+    copy), recorded after the work `after_copy` enqueued on the copy stream: when landed() returns, that work ran."""
+    backend, kernel = rig
+    engine = TransferEngine(backend, kernel, chunk_bytes=1 << 30)
+    source, target = torch.ones(4096), torch.zeros(4096)
+    table = torch.full((2,), -1, dtype=torch.int32)
+    recorded: list[object] = []
+    record, copy = backend.record_event, backend.copy_h2d
+    copying = False
+
+    def counting(stream, timed=False):
+        if stream is engine.stream and not copying:  # the cpu backend's copy_h2d returns an event of its own
+            recorded.append(timed)
+        return record(stream, timed)
+
+    def copy_h2d(*args):
+        nonlocal copying
+        copying = True
+        try:
+            return copy(*args)
+        finally:
+            copying = False
+
+    def slow_write() -> None:
+        time.sleep(0.05)
+        table[1] = 5
+
+    async def main() -> tuple[object, list]:
+        log = engine.start_chunk_log()
+        transfer = engine.submit(target, source, urgent=True, after_copy=lambda: backend.launch(engine.stream, slow_write))
+        ready = await transfer.landed()
+        assert table.tolist() == [-1, 5], "the ready event came before after_copy's work on the copy stream"
+        await engine.aclose()
+        return ready, log
+
+    backend.record_event = counting
+    backend.copy_h2d = copy_h2d
+    ready, log = run(main())
+    assert recorded == [True, True], f"one copy, one chunk: start and copied (= ready) only, got {recorded}"
+    assert len(log) == 1 and ready is log[0].copied and bool((target == 1).all())
+
+
 def test_every_byte_is_counted_once_and_chunks_are_bounded(rig):
     backend, kernel = rig
     engine = TransferEngine(backend, kernel, chunk_bytes=300_000)

@@ -164,6 +164,7 @@ class ExpertCache:
         self.choose_victims = choose_victims
         # [L*S, N] one flat expert per row; [L, E] slot index or -1. Allocated once, here.
         self.weights = backend.alloc_device((self.num_layers * slots_per_layer, pool.expert_numel), pool.dtype)
+        self._slot_views = list(self.weights.unbind(0))  # slot_weights without an indexing op per call
         self.slot_table = backend.alloc_device((self.num_layers, self.num_experts), torch.int32)
         self.slot_table.fill_(-1)
         self._flat_table = self.slot_table.view(-1)
@@ -185,7 +186,7 @@ class ExpertCache:
 
     def slot_weights(self, slot: int) -> torch.Tensor:
         """The flat device weights in `slot` ([N] view of one row)."""
-        return self.weights[slot]
+        return self._slot_views[slot]
 
     def ready_event(self, slot: int) -> Event | None:
         """The event after which `slot`'s data is on the device (for device-side waits)."""

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from backends.cuda import _CUDA_MEMCPY_DEFAULT, _cupy_memcpy_async
 from specter.log import get_logger
 from specter.model.graphed import (
     RESIDENT_KERNEL_CONFIG,
@@ -46,6 +47,12 @@ from specter.quant.moe_triton import MoEKernelConfig
 
 log = get_logger(__name__)
 Tensor = torch.Tensor
+
+STAGE_IN_GRAPH = True
+"""Each expert graph writes its output into the staging buffer itself (device index) and the expert id goes in by
+a 4-byte copy from a pinned table: one launch per verified expert. False: the earlier form, a fill kernel for the
+id, the replay, then a copy of the graph's output into place (three launches; its graphs captured on first use).
+A switch for A/B (benchmarks/ab_bench.py --alternate); both are bit-identical."""
 
 
 def _no_static_moe(layer: int, h: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
@@ -70,7 +77,9 @@ class SegmentedStep:
         self._segment_layers = self._split_layers()
         self._allocate_buffers()
         self._graphs: list[Any] = []
-        self._expert_graphs: dict[int, tuple[Any, Tensor]] = {}  # weight buffer address -> (graph, its [R, D] output)
+        self._expert_graphs: dict[int, Any] = {}  # weight buffer address -> its graph
+        self._expert_outputs: list[Tensor] = []  # each expert graph's [R, D] output, kept alive with it
+        self._split_graphs: dict[int, tuple[Any, Tensor]] = {}  # STAGE_IN_GRAPH = False: address -> (graph, output)
         self._expert_pool = torch.cuda.graph_pool_handle() if self.use_graph else None
         self._capture_stream = torch.cuda.Stream(model.device) if self.use_graph else None  # one for every capture
 
@@ -94,6 +103,11 @@ class SegmentedStep:
         self._no_weight = torch.zeros_like(self.weights)
         self._single_expert = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [R, 1] ids for the triton path
         self._expert_id = torch.zeros(1, dtype=torch.long, device=device)  # [1] the expert graphs' input
+        # Every expert id as an int32 in pinned memory (immutable): `_set_expert_id` copies one into the low 4 bytes
+        # of the int64 _expert_id (little-endian; ids are >= 0 and < 2**31, and its high half stays 0).
+        self._memcpy_async = _cupy_memcpy_async() if self.use_graph else None
+        self._id_values = (torch.arange(spec.num_experts, dtype=torch.int32).pin_memory()
+                           if self._memcpy_async is not None else None)
 
     def _split_layers(self) -> list[list[int]]:
         """Layers each segment runs in full (dense) before its MoE layer's pre-MoE part; the last: trailing layers."""
@@ -164,20 +178,34 @@ class SegmentedStep:
         ResidentMoE's per-expert arithmetic, bit for bit.
 
         With graphs, one small CUDA graph per weight buffer (an expert-cache slot, captured by
-        `prepare_experts` at start-up or on first use) runs it: the expert id goes in as a device scalar, so a
-        replay and a copy of its output replace the eager path's dozen launches.
+        `prepare_experts` at start-up or on first use) runs it and stages its output: the expert id goes in as a
+        device scalar (a 4-byte copy), so a replay replaces the eager path's dozen launches.
         """
         staged = self._staged[expert]
         if not self.use_graph:
             return staged.copy_(self._expert_compute(expert, packed))
-        graph, out = self._expert_graphs.get(packed.data_ptr()) or self._capture_expert(packed)
-        self._expert_id.fill_(expert)
-        graph.replay()
-        return staged.copy_(out)  # the slot may serve another expert of this layer before the sum
+        if not STAGE_IN_GRAPH:
+            graph, out = self._split_graphs.get(packed.data_ptr()) or self._capture_split(packed)
+            self._expert_id.fill_(expert)
+            graph.replay()
+            return staged.copy_(out)  # the slot may serve another expert of this layer before the sum
+        graph = self._expert_graphs.get(packed.data_ptr()) or self._capture_expert(packed)
+        self._set_expert_id(expert)
+        graph.replay()  # computes and stages in one launch (the slot may serve another expert of this layer before the sum)
+        return staged
+
+    def _set_expert_id(self, expert: int) -> None:
+        """_expert_id[0] = expert in the current stream's order: a 4-byte copy from a pinned table of ids (with
+        cupy; torch's fill otherwise), a few microseconds of host time less than a fill kernel's launch."""
+        if self._memcpy_async is None:
+            self._expert_id.fill_(expert)
+            return
+        self._memcpy_async(self._expert_id.data_ptr(), self._id_values.data_ptr() + 4 * expert, 4, _CUDA_MEMCPY_DEFAULT,
+                           torch.cuda.current_stream().cuda_stream)
 
     def reset_experts(self) -> None:
         """Drop every expert graph (the cache's slots were reallocated); their outputs go with them."""
-        self._expert_graphs = {}
+        self._expert_graphs, self._expert_outputs, self._split_graphs = {}, [], {}
         self._expert_pool = torch.cuda.graph_pool_handle() if self.use_graph else None
 
     def prepare_experts(self, buffers: Sequence[Tensor]) -> None:
@@ -187,18 +215,36 @@ class SegmentedStep:
                 if packed.data_ptr() not in self._expert_graphs:
                     self._capture_expert(packed)
 
-    def _capture_expert(self, packed: Tensor) -> tuple[Any, Tensor]:
-        """Warm up (Triton compilation) and capture `_expert_compute` on `packed` with the device expert id.
+    def _capture_expert(self, packed: Tensor) -> Any:
+        """Warm up (Triton compilation) and capture `_stage_expert` on `packed` with the device expert id.
 
-        The graphs share one pool: each keeps its output alive, and its temporaries are dead once it returns.
+        The graphs share one pool: each keeps its output alive (the memory plan charges each slot for it), and
+        its temporaries are dead once it returns.
         """
+        side = self._capture_stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the compute alone: staging now would overwrite the staged output of the
+            self._expert_compute(self._expert_id, packed)  # expert the id still names (a capture on first use mid-layer)
+        graph, out = capture_graph(lambda: self._stage_expert(packed), self._expert_pool, side)
+        self._expert_graphs[packed.data_ptr()] = graph
+        self._expert_outputs.append(out)
+        return graph
+
+    def _capture_split(self, packed: Tensor) -> tuple[Any, Tensor]:
+        """The STAGE_IN_GRAPH = False form's graph: `_expert_compute` alone, its output copied into place by the host."""
         side = self._capture_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._expert_compute(self._expert_id, packed)
-        graph, out = capture_graph(lambda: self._expert_compute(self._expert_id, packed), self._expert_pool, side)
-        self._expert_graphs[packed.data_ptr()] = (graph, out)
-        return graph, out
+        self._split_graphs[packed.data_ptr()] = captured = capture_graph(
+            lambda: self._expert_compute(self._expert_id, packed), self._expert_pool, side)
+        return captured
+
+    def _stage_expert(self, packed: Tensor) -> Tensor:
+        """The expert of the device id on all rows, written into its place in the staging buffer (device index)."""
+        out = self._expert_compute(self._expert_id, packed)
+        self._staged.index_copy_(0, self._expert_id, out[None])
+        return out
 
     def _expert_compute(self, expert: int | Tensor, packed: Tensor) -> Tensor:
         """The per-expert arithmetic; `expert` a Python int (eager) or the [1] device id (graphs): same values."""
