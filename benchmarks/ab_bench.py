@@ -128,7 +128,41 @@ def compare(out: str) -> list[str]:
                      f", idle {({c: round(s / window, 3) for c, s in idle.items()} if window else {})}"
                      f", acceptance {sum(r.get('accepted', 0) for r in group) / drafted if drafted else float('nan'):.3f}"
                      f", equal {all(r['tokens_equal'] for r in group)}")
+    lines += paired(runs)
     return lines
+
+
+def paired(runs: list[dict]) -> list[str]:
+    """Per cell: the geometric mean over prompts of (mean TPOT of side A) / (mean TPOT of side B), each prompt's
+    two sides from the same process and cache state. A median over all of a side's requests mixes prompts whose
+    TPOTs differ by 2x; this ratio compares each prompt with itself. Below 1: side A faster."""
+    import math
+
+    cells: dict[tuple, dict[tuple, dict[str, list[float]]]] = {}
+    for run in runs:
+        if "variant" in run:
+            cell = (run["model"], run["setting"], run["link"], run["system"])
+            prompt = (run["prompt_kind"], run["prompt_index"])
+            cells.setdefault(cell, {}).setdefault(prompt, {}).setdefault(run["variant"], []).append(run["tpot_s"])
+    lines = []
+    for cell, prompts in sorted(cells.items()):
+        variants = sorted({variant for sides in prompts.values() for variant in sides})
+        if len(variants) != 2:
+            continue
+        first = _first_side(runs, variants)
+        second = next(v for v in variants if v != first)
+        ratios = [(sum(sides[first]) / len(sides[first])) / (sum(sides[second]) / len(sides[second]))
+                  for sides in prompts.values() if sides.get(first) and sides.get(second)]
+        if ratios:
+            mean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+            lines.append(" ".join(cell) + f": TPOT {first} / {second}, geometric mean over {len(ratios)} prompts "
+                         f"{mean:.3f} (per prompt {', '.join(f'{r:.3f}' for r in ratios)})")
+    return lines
+
+
+def _first_side(runs: list[dict], variants: list[str]) -> str:
+    """Side A: the variant of the first measured request (ORDER starts with A)."""
+    return next(run["variant"] for run in runs if run.get("variant") in variants)
 
 
 def main(argv: list[str] | None = None) -> None:

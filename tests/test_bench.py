@@ -405,3 +405,19 @@ def test_ab_bench_alternates_a_switch_between_the_requests_of_one_process(tmp_pa
     assert warm_values and warm_values == [False, True] * (len(warm_values) // 2), "each warm-up runs once per side"
     assert cache.ROLL_INTO_HOT is True and verify.REUSE_PINNED is True
     assert module.compare(str(out))[0].startswith("tiny residents=6 1 specter-fixed ROLL_INTO_HOT=false: 6 requests")
+
+
+def test_ab_bench_pairs_each_prompt_with_itself():
+    """The paired ratio compares each prompt's two sides, so a prompt twice as slow as another does not swamp it."""
+    spec = importlib.util.spec_from_file_location("ab_bench", ROOT / "benchmarks" / "ab_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cell = {"model": "m", "setting": "residents=8", "link": "native", "system": "specter"}
+    tpots = {("code", "X=true"): [1.0, 1.0], ("code", "X=false"): [1.25, 1.25],
+             ("docs", "X=true"): [4.0, 4.2], ("docs", "X=false"): [4.1, 4.1]}
+    runs = [cell | {"prompt_kind": kind, "prompt_index": 0, "variant": variant, "tpot_s": t}
+            for (kind, variant), values in tpots.items() for t in values]
+    runs.insert(0, runs.pop(2))  # the first measured request is side A (X=false here)
+    (line,) = module.paired(runs)
+    assert "X=false / X=true" in line and "over 2 prompts" in line
+    assert "per prompt 1.250, 1.000" in line and f"{(1.25 * 1.0) ** 0.5:.3f} (per" in line
