@@ -421,3 +421,26 @@ def test_ab_bench_pairs_each_prompt_with_itself():
     (line,) = module.paired(runs)
     assert "X=false / X=true" in line and "over 2 prompts" in line
     assert "per prompt 1.250, 1.000" in line and f"{(1.25 * 1.0) ** 0.5:.3f} (per" in line
+
+
+def test_row_bucket_reaches_every_engine_the_bench_builds(tmp_path, monkeypatch):
+    """--row-bucket sets EngineConfig.row_bucket of every system (the baseline's too, so exactness holds)."""
+    from specter.bench import protocol
+
+    built = []
+    real = protocol.EngineConfig
+
+    def spy(**kwargs):
+        config = real(**kwargs)
+        if "draft" in kwargs:  # an engine's config (not the one that only resolves the dtype)
+            built.append(config.row_bucket)
+        return config
+
+    monkeypatch.setattr(protocol, "EngineConfig", spy)
+    out = tmp_path / "bucket"
+    assert cli.main(["--systems", "ondemand,specter-fixed", "--k", "7", "--k-max", "7", "--row-bucket", "8",
+                     "--max-new-tokens", "12", "--warmup-tokens", "2", "--link", "1", "--no-progress", "--no-plots",
+                     "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["options"]["row_bucket"] == 8 and built and set(built) == {8}, built
+    assert all(run["tokens_equal"] for run in results["runs"])

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--k-max", type=int, default=15, help="largest depth the roofline governor may pick (15: 16 "
                         "verify rows, one pass of the 16-row static verify; H200 2026-11-30, trained Qwen shape at 8 "
                         "residents: specter 5.0 -> 2.83 ms from 8 to 15)")
+    parser.add_argument("--row-bucket", type=int, default=16, help="every system's exact row block, also the static "
+                        "verify's rows per pass (16; 32 lets a k-max of 31 verify in one pass)")
     parser.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2"],
                         help="weight format of the draft's experts, for every speculative system (default int4)")
     parser.add_argument("--device", default="auto")
@@ -142,7 +144,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
     quick = args.preset == "quick" and not args.model
     max_new = args.max_new_tokens or (32 if quick else 128)
     return Options(systems=args.systems, links=links, max_new_tokens=max_new, warmup_tokens=min(args.warmup_tokens, max_new),
-                   repeats=args.repeats, k=args.k, k_max=max(args.k_max, args.k), device=args.device, dtype=args.dtype,
+                   repeats=args.repeats, k=args.k, k_max=max(args.k_max, args.k), row_bucket=args.row_bucket,
+                   device=args.device, dtype=args.dtype,
                    progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=args.quant)
 
 

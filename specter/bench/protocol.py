@@ -69,6 +69,8 @@ class Options:
     repeats: int = 1
     k: int = 4
     k_max: int = 15
+    row_bucket: int = 16
+    """EngineConfig.row_bucket of every system (the exact row block; the static verify's rows per pass)."""
     device: str = "auto"
     dtype: str = "auto"
     progress: bool = True
@@ -165,7 +167,7 @@ class ModelBench:
         residents = None if resident else self.target.spec.top_k
         return EngineConfig(device=self.options.device, dtype=self.options.dtype, residents=residents, max_context=self.max_context,
                             draft=DraftConfig(k=self.options.k if speculative else 0, k_max=k_max, quant=self.options.quant),
-                            lookahead="fixed",
+                            lookahead="fixed", row_bucket=self.options.row_bucket,
                             progress=self.options.progress, static_verify=self.options.static_verify)
 
     async def run(self) -> None:
@@ -248,7 +250,7 @@ class ModelBench:
             try:
                 slots[system.name] = system_slots(system, setting, runtime.spec, self.target.full_spec, self.dtype, self.max_context,
                                                   self.options.k_max, expert_graphs=runtime.segmented is not None,
-                                                  quant=self.options.quant)
+                                                  quant=self.options.quant, row_bucket=self.options.row_bucket)
             except BudgetError as error:
                 self.target.notes.append(f"{self.target.label} {setting.label}: {system.name} skipped: {error}")
         if not slots:

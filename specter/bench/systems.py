@@ -141,7 +141,8 @@ def separate_draft_bytes(full_spec: ModelSpec, dtype: torch.dtype, max_context: 
 
 
 def system_slots(system: System, setting: Setting, spec: ModelSpec, full_spec: ModelSpec, dtype: torch.dtype,
-                 max_context: int, k_max: int, expert_graphs: bool = False, quant: str = "int4") -> tuple[int, str]:
+                 max_context: int, k_max: int, expert_graphs: bool = False, quant: str = "int4",
+                 row_bucket: int = 16) -> tuple[int, str]:
     """Expert slots per layer the system gets under `setting`, and a note on how they were derived.
 
     Residents: the same count for every system, except that specmoeoff loses the slots its separate draft
@@ -160,7 +161,7 @@ def system_slots(system: System, setting: Setting, spec: ModelSpec, full_spec: M
     assert setting.budget is not None, "a setting has residents or a budget"
     truncated_extra = separate_draft_bytes(spec, dtype, max_context) if system.separate_draft else 0
     config = EngineConfig(budget=setting.budget - truncated_extra if truncated_extra < setting.budget else 1,
-                          max_context=max_context, draft=DraftConfig(k_max=k_max, quant=quant))
+                          max_context=max_context, draft=DraftConfig(k_max=k_max, quant=quant), row_bucket=row_bucket)
     plan = plan_memory(spec, dtype, config, speculative=system.speculative, expert_graphs=expert_graphs)
     return plan.slots_per_layer, (f"budget minus separate draft {truncated_extra / 2**30:.2f} GiB" if truncated_extra else "")
 
