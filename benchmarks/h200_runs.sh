@@ -95,7 +95,7 @@ for name in sys.argv[2:]:
         print(name, "missing"); continue
     for row in json.loads(path.read_text())["summary"]:
         print(f"{name:12s} {row['setting']:13s} {row['system']:14s} tpot {row['tpot_ms']:6.2f} x {row.get('x_ondemand')} "
-              f"acc {row['acceptance']} len {row['accepted_length']} busy {row['copy_busy']} idle {row.get('copy_idle') or {}} "
+              f"acc {row['acceptance']} len {row['accepted_length']} MB/tok {row['h2d_mb_per_token']} busy {row['copy_busy']} idle {row.get('copy_idle') or {}} "
               f"equal {row['tokens_equal']}")
 PY
 }
@@ -579,6 +579,31 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  pump13)         # after lean13 (the four switches on against off in one process: copy busy 0.763 -> 0.851 at 15
+    # residents, 0.881 -> 0.907 at 8; TPOT per prompt 0.912x / 0.975x; a lazily captured expert graph's warm-up staged
+    # a stale output: fixed, its GPU tests run again beside the training). Now the copy idle split names `pump` (a
+    # prefetch chunk the pump issued late: it waits for room, two chunks on the stream). A/B in one process:
+    # transfer.MAX_CHUNKS_IN_FLIGHT 4 against 2. Then deeper drafts: k-max 31 with a 32-row bucket (one verify pass)
+    # against k-max 15 / 16 rows, ondemand and specter, separate processes.
+    # PREDICTIONS: tests pass; `pump` is a visible share (>= 0.02) with 2 and falls by half or more with 4; copy busy
+    # +0.02-0.05 at 15 residents; TPOT 1-4 % lower. k-max 31: at 8 residents H2D bytes per token 20-30 % lower and
+    # specter 10-25 % faster if acceptance stays >= 0.9; at 15 residents a smaller gain; ondemand within 10 %; every
+    # token equal to the baseline.
+    mkdir -p "$out/logs"
+    train_beside tests/test_gpu_segmented.py tests/test_gpu_transfer.py -k "not link_emulation"
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    timeout 130 python benchmarks/ab_bench.py --alternate "specter.experts.transfer.MAX_CHUNKS_IN_FLIGHT=4|2" -- $common \
+      --repeats 4 --residents 15,8 --link native --systems specter --copy-gaps --out "$out/pump-ab" > "$out/logs/pump-ab.log" 2>&1
+    echo "pump-ab rc=$?"
+    timeout 110 python -m specter.bench $common --repeats 2 --residents 15,8 --link native --systems ondemand,specter \
+      --k-max 31 --row-bucket 32 --out "$out/kmax31" > "$out/logs/kmax31.log" 2>&1
+    echo "kmax31 rc=$?"
+    timeout 100 python -m specter.bench $common --repeats 2 --residents 15,8 --link native --systems ondemand,specter \
+      --out "$out/kmax15" > "$out/logs/kmax15.log" 2>&1
+    echo "kmax15 rc=$?"
+    tar czf "$out/pump13.tgz" -C "$out" logs pump-ab kmax31 kmax15 2>/dev/null
+    print_summaries kmax31 kmax15
+    tail -8 "$out/logs/pump-ab.log" ;;
   lean13)         # thirteenth session, first call: less host work per verified expert, four switches flipped together
     # in one process (ab_bench --alternate, A = on = this code, B = off = the earlier host path): segmented.STAGE_IN_GRAPH
     # (one launch per expert: the id by a 4-byte copy, the staging write inside the expert graph; was a fill kernel,

@@ -122,17 +122,17 @@ def busy_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> f
     return total
 
 
-IDLE_CAUSES = ("head", "handover", "issue", "slot")
+IDLE_CAUSES = ("head", "handover", "issue", "pump", "slot")
 
 
 def idle_causes(chunks: Sequence[ChunkTimes], span: float) -> dict[str, float] | None:
     """The copy stream's idle time inside [0, span] split by what held up the chunk that ended each gap.
 
     For a gap [a, b] before chunk C: the part before C's issue mark was the host not having issued C yet,
-    `head` when no chunk ran since the window began, `handover` when C belongs to another layer than the
-    chunk before it (its misses were known only after its router ran), else `issue`; the rest of the gap
-    (the mark reached, the copy not started) is `slot`: the copy waited on its slot's last reader. A chunk
-    of another layer is a hand-over whatever it carries (a prefetch left over from the draft, say). None when a
+    `head` when no chunk ran since the window began, `pump` when C is a prefetch chunk (the transfer engine's
+    pump issued it late: it waits for room on the stream), `handover` when C is an urgent chunk of another
+    layer than the chunk before it (its misses were known only after its router ran), else `issue`; the rest of the gap
+    (the mark reached, the copy not started) is `slot`: the copy waited on its slot's last reader. None when a
     chunk that ends a gap lacks its issue mark (`transfer.ISSUE_MARKS` off). Idle time after the last chunk
     (none in the engine's windows, which end at a chunk's end) counts as `head` if no chunk ran, else `issue`.
     """
@@ -145,7 +145,7 @@ def idle_causes(chunks: Sequence[ChunkTimes], span: float) -> dict[str, float] |
                 return None
             end = min(chunk.start, span)
             issued = min(max(chunk.issued, reach), end)
-            kind = "head" if not seen else ("handover" if chunk.layer != layer else "issue")
+            kind = "head" if not seen else "pump" if not chunk.urgent else ("handover" if chunk.layer != layer else "issue")
             causes[kind] += issued - reach
             causes["slot"] += end - issued
         if chunk.end > 0:

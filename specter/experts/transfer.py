@@ -32,6 +32,12 @@ reader (every chunk, so those still in flight when a round's chunk log starts ha
 measurement then splits the copy stream's idle time by cause
 (`metrics.idle_causes`; `python -m specter.bench --copy-gaps`). One more event per chunk, so off by default."""
 
+MAX_CHUNKS_IN_FLIGHT = 2
+"""The pump's default cap on chunks on the copy stream (urgent ones count too) before it issues another prefetch
+chunk; read at run time by engines built without `max_chunks_in_flight`. Each chunk it keeps beyond the one being
+copied is slack for the host's wake-up when the stream is about to run dry (the loop thread may be busy launching a
+layer's experts then), and one more chunk an urgent miss may wait behind."""
+
 READY_ON_LAST_CHUNK = True
 """Without a link emulation, a copy's ready event is its last chunk's timed end event, recorded after `after_copy`:
 two events per single-chunk copy instead of three. False: a ready event of its own, as before. For A/B."""
@@ -182,6 +188,7 @@ class ChunkTimes:
     end: float
     issued: float | None = None  # when the stream reached the chunk's issue mark (ISSUE_MARKS), before its waits
     layer: Any = None
+    urgent: bool = True  # False: a prefetch chunk, issued by the pump
 
 
 @dataclass
@@ -192,6 +199,7 @@ class _Chunk:
     end: Event
     issued: Event | None = None  # recorded before the copy's waits, with ISSUE_MARKS
     layer: Any = None  # the transfer tag's first item (the cache's MoE layer)
+    urgent: bool = True  # the transfer was urgent when this chunk was issued
 
 
 class TransferEngine:
@@ -207,18 +215,18 @@ class TransferEngine:
         kernel: Kernel,
         *,
         chunk_bytes: int = 16 << 20,
-        max_chunks_in_flight: int = 2,
+        max_chunks_in_flight: int | None = None,
         link: LinkEmulation | None = None,
         ema_alpha: float = 0.2,
     ) -> None:
-        if chunk_bytes <= 0 or max_chunks_in_flight < 1:
+        if chunk_bytes <= 0 or (max_chunks_in_flight is not None and max_chunks_in_flight < 1):
             raise ConfigError(
                 f"transfer engine needs chunk_bytes > 0 and max_chunks_in_flight >= 1, got {chunk_bytes}, {max_chunks_in_flight}"
             )
         self.backend, self.kernel = backend, kernel
         self.stream = backend.copy_stream
         self.chunk_bytes = chunk_bytes
-        self.max_chunks_in_flight = max_chunks_in_flight
+        self._max_chunks_in_flight = max_chunks_in_flight
         self.link = link
         self.ema_alpha = ema_alpha
         self.stats = TransferStats()
@@ -231,6 +239,11 @@ class TransferEngine:
         self._wakeup: asyncio.Event | None = None
         self._pump_task: asyncio.Task[None] | None = None
         self.chunk_log: list[_Chunk] | None = None  # when a list: every chunk issued is appended (busy measurement)
+
+    @property
+    def max_chunks_in_flight(self) -> int:
+        """The cap given at construction, else MAX_CHUNKS_IN_FLIGHT as it is now."""
+        return self._max_chunks_in_flight if self._max_chunks_in_flight is not None else max(1, MAX_CHUNKS_IN_FLIGHT)
 
     def start_chunk_log(self) -> list[_Chunk]:
         """Log every chunk from now on (`chunk_log`), starting with those still on the stream."""
@@ -258,7 +271,7 @@ class TransferEngine:
             if self.link is not None and self.link.mode == "host":
                 end = max(end, start + chunk.nbytes / (self.link.gbps * 1e9))
             issued = chunk.issued.elapsed_since(reference) if chunk.issued is not None and chunk.issued.query() else None
-            times.append(ChunkTimes(start, end, issued, chunk.layer))
+            times.append(ChunkTimes(start, end, issued, chunk.layer, chunk.urgent))
         return times
 
     # -- the API the cache uses ---------------------------------------------------------------------
@@ -423,7 +436,8 @@ class TransferEngine:
             transfer._after_copy()
         copied = self.backend.record_event(self.stream, timed=True)
         end = self._emulate_link(transfer, nbytes) or copied
-        chunk = _Chunk(nbytes, start, copied, end, issued, transfer.tag[0] if isinstance(transfer.tag, tuple) else None)
+        chunk = _Chunk(nbytes, start, copied, end, issued, transfer.tag[0] if isinstance(transfer.tag, tuple) else None,
+                       transfer.urgent)
         self._in_flight.append(chunk)
         if self.chunk_log is not None:
             self.chunk_log.append(chunk)
