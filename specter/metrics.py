@@ -122,15 +122,16 @@ def busy_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> f
     return total
 
 
-IDLE_CAUSES = ("head", "handover", "issue", "pump", "slot")
+IDLE_CAUSES = ("head", "handover", "issue", "pump", "plan", "slot")
 
 
 def idle_causes(chunks: Sequence[ChunkTimes], span: float) -> dict[str, float] | None:
     """The copy stream's idle time inside [0, span] split by what held up the chunk that ended each gap.
 
     For a gap [a, b] before chunk C: the part before C's issue mark was the host not having issued C yet,
-    `head` when no chunk ran since the window began, `pump` when C is a prefetch chunk (the transfer engine's
-    pump issued it late: it waits for room on the stream), `handover` when C is an urgent chunk of another
+    `head` when no chunk ran since the window began; when C is a prefetch chunk, `pump` for the part it waited
+    in the transfer engine's queue (the pump issues prefetches as room on the stream appears) and `plan` for the
+    rest (it was not submitted yet: its plan came after the stream ran dry); `handover` when C is an urgent chunk of another
     layer than the chunk before it (its misses were known only after its router ran), else `issue`; the rest of the gap
     (the mark reached, the copy not started) is `slot`: the copy waited on its slot's last reader. None when a
     chunk that ends a gap lacks its issue mark (`transfer.ISSUE_MARKS` off). Idle time after the last chunk
@@ -145,8 +146,13 @@ def idle_causes(chunks: Sequence[ChunkTimes], span: float) -> dict[str, float] |
                 return None
             end = min(chunk.start, span)
             issued = min(max(chunk.issued, reach), end)
-            kind = "head" if not seen else "pump" if not chunk.urgent else ("handover" if chunk.layer != layer else "issue")
-            causes[kind] += issued - reach
+            late = issued - reach
+            if seen and not chunk.urgent and chunk.queued is not None:
+                causes["pump"] += min(late, chunk.queued)
+                causes["plan"] += late - min(late, chunk.queued)
+            else:
+                kind = "head" if not seen else "pump" if not chunk.urgent else ("handover" if chunk.layer != layer else "issue")
+                causes[kind] += late
             causes["slot"] += end - issued
         if chunk.end > 0:
             seen = True

@@ -343,7 +343,7 @@ def test_copy_gaps_splits_the_copy_idle_time_by_cause(tmp_path, monkeypatch):
                      "--copy-gaps", "--no-progress", "--no-plots", "--out", str(out)]) == 0
     assert transfer.ISSUE_MARKS
     (row,) = json.loads((out / "results.json").read_text())["summary"]
-    assert row["copy_busy"] is not None and set(row["copy_idle"]) == {"head", "handover", "issue", "pump", "slot"}
+    assert row["copy_busy"] is not None and set(row["copy_idle"]) == {"head", "handover", "issue", "pump", "plan", "slot"}
     assert row["copy_busy"] + sum(row["copy_idle"].values()) == pytest.approx(1.0, abs=2e-3)
     assert "idle: handover" in (out / "results.md").read_text()
 

@@ -160,10 +160,10 @@ def test_the_deferred_copy_busy_reads_are_done_when_a_request_ends_even_one_left
 
 
 # ---- the copy stream's idle time by cause (transfer.ISSUE_MARKS, bench --copy-gaps) ---------------------------
-def _chunk(start, end, issued, layer, urgent=True):
+def _chunk(start, end, issued, layer, urgent=True, queued=None):
     from specter.experts.transfer import ChunkTimes
 
-    return ChunkTimes(start, end, issued, layer, urgent)
+    return ChunkTimes(start, end, issued, layer, urgent, queued)
 
 
 def test_idle_causes_name_each_gap_by_what_held_the_next_chunk():
@@ -175,9 +175,10 @@ def test_idle_causes_name_each_gap_by_what_held_the_next_chunk():
         _chunk(2.4, 3.0, 2.3, 1),  # another layer: 0.3 hand-over, 0.1 slot
         _chunk(3.2, 4.0, 3.2, 1),  # same layer, issued late: 0.2 issue
         _chunk(4.5, 5.0, 4.4, 2, urgent=False),  # a prefetch chunk (another layer even): 0.4 pump, 0.1 slot
+        _chunk(5.6, 6.0, 5.5, 2, urgent=False, queued=0.2),  # queued 0.2 of its 0.5 late: 0.2 pump, 0.3 plan, 0.1 slot
     ]
-    causes = idle_causes(chunks, span=5.0)
-    assert causes == pytest.approx({"head": 0.1, "handover": 0.3, "issue": 0.2, "pump": 0.4, "slot": 0.8})
+    causes = idle_causes(chunks, span=6.0)
+    assert causes == pytest.approx({"head": 0.1, "handover": 0.3, "issue": 0.2, "pump": 0.6, "plan": 0.3, "slot": 0.9})
     assert idle_causes([_chunk(0.2, 1.0, None, 0)], span=1.0) is None  # no issue marks: no split
 
 
@@ -185,9 +186,9 @@ def test_a_chunk_running_into_the_window_is_no_head_gap_but_one_that_ended_befor
     from specter.metrics import idle_causes
 
     assert idle_causes([_chunk(-0.5, 0.3, -0.6, 0), _chunk(0.5, 1.0, 0.5, 0)], 1.0) == pytest.approx(
-        {"head": 0.0, "handover": 0.0, "issue": 0.2, "pump": 0.0, "slot": 0.0})
+        {"head": 0.0, "handover": 0.0, "issue": 0.2, "pump": 0.0, "plan": 0.0, "slot": 0.0})
     assert idle_causes([_chunk(-0.5, -0.1, -0.6, 0), _chunk(0.5, 1.0, 0.4, 0)], 1.0) == pytest.approx(
-        {"head": 0.4, "handover": 0.0, "issue": 0.0, "pump": 0.0, "slot": 0.1})
+        {"head": 0.4, "handover": 0.0, "issue": 0.0, "pump": 0.0, "plan": 0.0, "slot": 0.1})
 
 
 def test_chunks_without_a_mark_only_void_the_split_where_they_end_a_gap():
@@ -195,8 +196,8 @@ def test_chunks_without_a_mark_only_void_the_split_where_they_end_a_gap():
 
     in_flight = _chunk(-0.5, 0.2, None, 0)  # issued before the marks (or the log) began: it ends no gap
     assert idle_causes([in_flight, _chunk(0.5, 1.0, 0.3, 1)], 1.0) == pytest.approx(
-        {"head": 0.0, "handover": 0.1, "issue": 0.0, "pump": 0.0, "slot": 0.2})
-    assert idle_causes([], 1.0) == {"head": 1.0, "handover": 0.0, "issue": 0.0, "pump": 0.0, "slot": 0.0}  # nothing ran: all head
+        {"head": 0.0, "handover": 0.1, "issue": 0.0, "pump": 0.0, "plan": 0.0, "slot": 0.2})
+    assert idle_causes([], 1.0) == {"head": 1.0, "handover": 0.0, "issue": 0.0, "pump": 0.0, "plan": 0.0, "slot": 0.0}  # nothing ran: all head
 
 
 def test_chunk_times_carry_each_chunks_layer_and_issue_mark(monkeypatch):
@@ -229,17 +230,19 @@ def test_chunk_times_carry_each_chunks_layer_and_issue_mark(monkeypatch):
         kernel.close()
         backend.close()
     assert [t.layer for t in marked] == [0, 1, 2] and all(t.issued is not None and t.issued <= t.start + 1e-9 for t in marked)
-    assert [t.urgent for t in marked] == [True, True, False]
+    assert [t.urgent for t in marked] == [True, True, False] and all(t.queued is not None and t.queued >= 0 for t in marked)
     assert all(t.issued is None for t in plain)
 
 
-@given(st.lists(st.tuples(st.floats(-1, 5), st.floats(0, 2), st.floats(0, 1), st.integers(0, 2), st.booleans()), max_size=12),
+@given(st.lists(st.tuples(st.floats(-1, 5), st.floats(0, 2), st.floats(0, 1), st.integers(0, 2), st.booleans(),
+                          st.none() | st.floats(0, 2)), max_size=12),
        st.floats(0.01, 6))
 def test_busy_and_idle_by_cause_add_up_to_the_window(raw, span):
     """However the chunks overlap, the causes are non-negative and busy + idle = the window."""
     from specter.metrics import busy_within, idle_causes
 
-    chunks = [_chunk(start, start + length, start - lead, layer, urgent) for start, length, lead, layer, urgent in raw]
+    chunks = [_chunk(start, start + length, start - lead, layer, urgent, queued)
+              for start, length, lead, layer, urgent, queued in raw]
     causes = idle_causes(chunks, span)
     assert all(seconds >= -1e-12 for seconds in causes.values())
     busy = busy_within([(c.start, c.end) for c in chunks], 0.0, span)
@@ -252,7 +255,7 @@ def test_an_offloaded_run_with_issue_marks_splits_its_copy_idle_time(tiny, monke
 
     monkeypatch.setattr(transfer, "ISSUE_MARKS", True)
     stats = slow_link_stats(tiny)
-    assert stats.copy_window_s > 0 and set(stats.copy_idle_s) == {"head", "handover", "issue", "pump", "slot"}
+    assert stats.copy_window_s > 0 and set(stats.copy_idle_s) == {"head", "handover", "issue", "pump", "plan", "slot"}
     assert stats.copy_idle_s["handover"] > 0, "each layer's misses wait for its router: some hand-over gap must show"
     idle = sum(stats.copy_idle_s.values())
     assert idle == pytest.approx(stats.copy_window_s - stats.copy_busy_s, abs=1e-6)

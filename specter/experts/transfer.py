@@ -32,7 +32,7 @@ reader (every chunk, so those still in flight when a round's chunk log starts ha
 measurement then splits the copy stream's idle time by cause
 (`metrics.idle_causes`; `python -m specter.bench --copy-gaps`). One more event per chunk, so off by default."""
 
-MAX_CHUNKS_IN_FLIGHT = 2
+MAX_CHUNKS_IN_FLIGHT = 4
 """The pump's default cap on chunks on the copy stream (urgent ones count too) before it issues another prefetch
 chunk; read at run time by engines built without `max_chunks_in_flight`. Each chunk it keeps beyond the one being
 copied is slack for the host's wake-up when the stream is about to run dry (the loop thread may be busy launching a
@@ -116,6 +116,7 @@ class Transfer:
         self.bytes_issued = 0
         self.cancelled = False
         self.submitted_at = time.perf_counter()
+        self.issuable_since = self.submitted_at  # host time since its next chunk could go (submitted, or its last chunk issued)
         self.emulated_landing = 0.0
         """perf_counter time the emulated link delivers the last chunk (host-paced emulation only)."""
         self._engine = engine
@@ -189,6 +190,7 @@ class ChunkTimes:
     issued: float | None = None  # when the stream reached the chunk's issue mark (ISSUE_MARKS), before its waits
     layer: Any = None
     urgent: bool = True  # False: a prefetch chunk, issued by the pump
+    queued: float | None = None  # host seconds it waited in the engine's queue before its issue (ISSUE_MARKS)
 
 
 @dataclass
@@ -200,6 +202,7 @@ class _Chunk:
     issued: Event | None = None  # recorded before the copy's waits, with ISSUE_MARKS
     layer: Any = None  # the transfer tag's first item (the cache's MoE layer)
     urgent: bool = True  # the transfer was urgent when this chunk was issued
+    queued: float | None = None  # host seconds between when it could have been issued and its issue (ISSUE_MARKS)
 
 
 class TransferEngine:
@@ -271,7 +274,7 @@ class TransferEngine:
             if self.link is not None and self.link.mode == "host":
                 end = max(end, start + chunk.nbytes / (self.link.gbps * 1e9))
             issued = chunk.issued.elapsed_since(reference) if chunk.issued is not None and chunk.issued.query() else None
-            times.append(ChunkTimes(start, end, issued, chunk.layer, chunk.urgent))
+            times.append(ChunkTimes(start, end, issued, chunk.layer, chunk.urgent, chunk.queued))
         return times
 
     # -- the API the cache uses ---------------------------------------------------------------------
@@ -420,7 +423,11 @@ class TransferEngine:
         return queue[0] if queue else None
 
     def _issue_chunk(self, transfer: Transfer) -> None:
-        issued = self.backend.record_event(self.stream, timed=True) if ISSUE_MARKS else None
+        issued = queued = None
+        if ISSUE_MARKS:
+            issued = self.backend.record_event(self.stream, timed=True)
+            now = time.perf_counter()
+            queued, transfer.issuable_since = now - transfer.issuable_since, now
         if transfer.bytes_issued == 0:
             for event in transfer._wait_for:
                 if not event.query():
@@ -437,7 +444,7 @@ class TransferEngine:
         copied = self.backend.record_event(self.stream, timed=True)
         end = self._emulate_link(transfer, nbytes) or copied
         chunk = _Chunk(nbytes, start, copied, end, issued, transfer.tag[0] if isinstance(transfer.tag, tuple) else None,
-                       transfer.urgent)
+                       transfer.urgent, queued)
         self._in_flight.append(chunk)
         if self.chunk_log is not None:
             self.chunk_log.append(chunk)
