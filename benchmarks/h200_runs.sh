@@ -42,6 +42,12 @@
 # copy busy 0.83 / 0.81, Gen4 3.03x / 0.86), last12 (ab_bench --alternate in one process: the batched roll 4 % faster
 # at 15 residents, 3 % slower at 8; specter 2.82x / 2.42x ondemand, copy busy 0.879 / 0.883, Gen4 2.67x / 0.903),
 # gpu-all12 (every gpu-marked test: 214 passed); results/h200-2026-11-30/twelfth.
+# Done 2026-11-30, thirteenth session: lean13 (less host work per verified expert, four switches in one process: copy
+# busy 0.763 -> 0.851 / 0.881 -> 0.907 at 15 / 8 residents, TPOT per prompt 0.912x / 0.975x; a lazily captured expert
+# graph's warm-up bug found by the GPU tests, fixed), pump13 (MAX_CHUNKS_IN_FLIGHT 4 against 2: copy busy +0.022 /
+# +0.004, TPOT 0.985x / 0.981x, the `pump` share unchanged: the late prefetches were planned late, now split as `plan`;
+# k-max 31 with 32 rows: bytes per token -11 % / -15 %, specter not faster, not adopted), final13 (see BENCHMARKS.md);
+# results/h200-2026-11-30/thirteenth.
 # Next (twelfth session's end): the verify is partly host-bound and the host's speed moves from process to process,
 # so A/B every change inside one process (ab_bench --alternate) and quote issue 4's figures from several processes;
 # less host work per verified expert (the segmented expert graph's id fill and staging copy inside the graph, fewer
@@ -579,6 +585,22 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  final13)        # the thirteenth session's figures on its final code (the lean host path, MAX_CHUNKS_IN_FLIGHT 4):
+    # every gpu-marked test beside the training (the link-emulation timing tests alone, last); issue 4's figures in
+    # two processes at Gen5 (15 and 8 residents) and one at Gen4 (15); the idle split with `plan` told from `pump`.
+    # PREDICTIONS: every test passes; specter >= 2.5x ondemand in every cell of both Gen5 processes and at Gen4;
+    # copy busy >= 0.85 in every cell (0.86-0.92); every token equal to the baseline; `plan` larger than `pump`.
+    mkdir -p "$out/logs"
+    train_beside -k "not link_emulation"
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    fig() { name=$1; shift; timeout "$@" > "$out/logs/$name.log" 2>&1; echo "$name rc=$?"; }
+    fig final-a 90 python -m specter.bench $common --repeats 3 --residents 15,8 --link native --systems ondemand,specter --out "$out/final-a"
+    fig final-gen4 75 python -m specter.bench $common --repeats 3 --residents 15 --link gen4 --systems ondemand,specter --out "$out/final-gen4"
+    fig final-b 90 python -m specter.bench $common --repeats 3 --residents 15,8 --link native --systems ondemand,specter --out "$out/final-b"
+    fig gaps 60 python -m specter.bench $common --repeats 2 --residents 15,8 --link native --systems specter --copy-gaps --out "$out/gaps"
+    fig gpu-emu 45 python -m pytest -q -m gpu -p no:cacheprovider -k link_emulation
+    tar czf "$out/final13.tgz" -C "$out" logs final-a final-gen4 final-b gaps 2>/dev/null
+    print_summaries final-a final-gen4 final-b gaps; tail -1 "$out/logs/gpu-emu.log" ;;
   pump13)         # after lean13 (the four switches on against off in one process: copy busy 0.763 -> 0.851 at 15
     # residents, 0.881 -> 0.907 at 8; TPOT per prompt 0.912x / 0.975x; a lazily captured expert graph's warm-up staged
     # a stale output: fixed, its GPU tests run again beside the training). Now the copy idle split names `pump` (a
