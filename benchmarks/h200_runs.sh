@@ -585,6 +585,27 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  lane13)         # after final13 (every GPU test passed, 215; Gen5 specter 3.01x / 2.49x and 3.47x / 2.90x ondemand at
+    # 15 / 8 residents in two processes, copy busy 0.862-0.937; Gen4 3.23x, 0.888; the idle left is mostly `pump`
+    # (0.085 / 0.030) and none of it `plan`: queued prefetches waited while the stream ran dry). Cause found on the
+    # CPU: the pump's wait for room (the oldest chunk's end) was parked in the copy stream's one waiter lane behind the
+    # landings of a verify's misses issued after that chunk (head-of-line), so it heard of the room only when they had
+    # all landed. transfer.PUMP_LANE: the pump's waits in a lane of their own. A/B in one process, then the figures in
+    # a third process.
+    # PREDICTIONS: `pump` 0.03-0.085 -> <= 0.03 with the lane; copy busy +0.03-0.06 at 15 residents, +0.01-0.03 at 8;
+    # TPOT per prompt 2-5 % lower at 15, 1-3 % at 8; specter >= 2.5x ondemand in every cell, copy busy >= 0.88; every
+    # token equal to the baseline.
+    mkdir -p "$out/logs"
+    train_beside tests/test_gpu_transfer.py tests/test_gpu_segmented.py
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    timeout 100 python benchmarks/ab_bench.py --alternate "specter.experts.transfer.PUMP_LANE=true|false" -- $common \
+      --repeats 4 --residents 15,8 --link native --systems specter --copy-gaps --out "$out/lane-ab" > "$out/logs/lane-ab.log" 2>&1
+    echo "lane-ab rc=$?"
+    timeout 90 python -m specter.bench $common --repeats 3 --residents 15,8 --link native --systems ondemand,specter \
+      --out "$out/final-c" > "$out/logs/final-c.log" 2>&1
+    echo "final-c rc=$?"
+    tar czf "$out/lane13.tgz" -C "$out" logs lane-ab final-c 2>/dev/null
+    print_summaries final-c; tail -8 "$out/logs/lane-ab.log" ;;
   final13)        # the thirteenth session's figures on its final code (the lean host path, MAX_CHUNKS_IN_FLIGHT 4):
     # every gpu-marked test beside the training (the link-emulation timing tests alone, last); issue 4's figures in
     # two processes at Gen5 (15 and 8 residents) and one at Gen4 (15); the idle split with `plan` told from `pump`.

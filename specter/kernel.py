@@ -146,14 +146,14 @@ class Kernel:
         self.settings = settings or KernelSettings()
         self.backend = backend
         self.stats = WaitStats()
-        self._waiters: dict[Stream, _StreamWaiter] = {}
+        self._waiters: dict[tuple[Stream, str | None], _StreamWaiter] = {}  # one per (stream, lane)
         self._deferred: collections.deque[Iterator[Any]] = collections.deque()
         self._in_deferred = False
         self._closed = False
         if self.settings.mechanism == "host_func" and backend is None:
             raise ConfigError("kernel mechanism 'host_func' needs a backend to launch host functions; pass backend=")
 
-    async def wait(self, event: Event, *, spin_s: float | None = None, poll_s: float = 0.0) -> None:
+    async def wait(self, event: Event, *, spin_s: float | None = None, poll_s: float = 0.0, lane: str | None = None) -> None:
         """Suspend the calling task until `event` completes (the only GPU await point, principle 1).
 
         `spin_s` overrides the settings' spin budget for this wait. `poll_s`: after the spin, poll
@@ -162,6 +162,12 @@ class Kernel:
         for waits on the critical path that are known to be short; no deferred work runs in them unless
         IDLE_IN_POLLED_WAITS). If the task is cancelled while
         suspended, CancelledError propagates and the completion is dropped when it arrives.
+
+        `lane`: a parked wait goes to the waiter thread of (stream, lane). A waiter takes its events in the order
+        they were parked and blocks on each in turn, so a wait parked behind an event recorded later on the same
+        stream is told only when that later event completes (head-of-line). A task that waits on older events
+        than the others parked on its stream (the transfer pump, on the oldest chunk on the stream) takes a lane
+        of its own. Ignored by the host_func mechanism (the backend calls back per event).
         """
         self.stats.waits += 1
         if event.query():
@@ -176,7 +182,7 @@ class Kernel:
         if poll_s > 0 and await self._poll(event, poll_s):
             self.stats.polled += 1
             return
-        await self._park(event)
+        await self._park(event, lane)
 
     def defer(self, work: Iterator[Any]) -> None:
         """Queue host work that need not run now (bookkeeping that reads completed GPU events, say): an iterator
@@ -252,7 +258,7 @@ class Kernel:
                 return True
         return False
 
-    async def _park(self, event: Event) -> None:
+    async def _park(self, event: Event, lane: str | None = None) -> None:
         assert not self._closed, "Kernel.wait after Kernel.close"
         loop = asyncio.get_running_loop()
         completion = loop.create_future()
@@ -260,7 +266,7 @@ class Kernel:
         if self.settings.mechanism == "host_func":
             self.backend.launch_host_func(event.stream, notify)
         else:
-            self._waiter_for(event.stream).add(event, notify)
+            self._waiter_for(event.stream, lane).add(event, notify)
         self.stats.parked += 1
         started = time.perf_counter()
         try:
@@ -285,10 +291,11 @@ class Kernel:
 
         return notify
 
-    def _waiter_for(self, stream: Stream) -> _StreamWaiter:
-        waiter = self._waiters.get(stream)
+    def _waiter_for(self, stream: Stream, lane: str | None = None) -> _StreamWaiter:
+        key = (stream, lane)
+        waiter = self._waiters.get(key)
         if waiter is None:
-            waiter = self._waiters[stream] = _StreamWaiter(stream)
+            waiter = self._waiters[key] = _StreamWaiter(stream)
         return waiter
 
     @property

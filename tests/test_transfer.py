@@ -188,6 +188,47 @@ def test_a_copy_without_emulation_records_two_events_per_chunk_and_its_ready_eve
     assert len(log) == 1 and ready is log[0].copied and bool((target == 1).all())
 
 
+@pytest.mark.parametrize("own_lane", [True, False])
+def test_the_pump_hears_of_room_before_later_copies_land(rig, monkeypatch, own_lane):
+    """The pump waits for room on the oldest chunk on the stream. In a lane of its own (PUMP_LANE) it issues the next
+    prefetch as soon as that chunk lands, though the landing of an urgent copy issued after it was parked first."""
+    from specter.experts import transfer
+
+    monkeypatch.setattr(transfer, "PUMP_LANE", own_lane)
+    backend, kernel = rig  # 1 GB/s
+    engine = TransferEngine(backend, kernel, chunk_bytes=1 << 30, max_chunks_in_flight=2)
+    sources, targets = buffers(3, 10 * MiB)
+    big_source, big_target = torch.ones(25 * MiB), torch.zeros(25 * MiB)  # 100 MiB: about 0.1 s
+    issued_at: dict[int, float] = {}
+    issue = engine._issue_chunk
+
+    def spy(transfer_):
+        issued_at.setdefault(id(transfer_), time.perf_counter())
+        issue(transfer_)
+
+    engine._issue_chunk = spy
+
+    async def main() -> tuple[float, float]:
+        first = engine.submit(targets[0], sources[0])  # a prefetch: the pump issues it
+        while not first.fully_issued:
+            await asyncio.sleep(0)
+        urgent = engine.submit(big_target, big_source, urgent=True)  # on the stream at once, behind the first
+        landing = asyncio.get_running_loop().create_task(urgent.landed())  # parks on the urgent copy's ready event
+        await asyncio.sleep(0)
+        second = engine.submit(targets[1], sources[1])  # no room (two on the stream): the pump waits on the first
+        await landing
+        landed = time.perf_counter()
+        await second.landed()
+        await engine.aclose()
+        return issued_at[id(second)], landed
+
+    second_issued, urgent_landed = run(main())
+    if own_lane:
+        assert second_issued < urgent_landed - 0.03, "the pump heard of the room only when the later urgent copy landed"
+    else:
+        assert second_issued > urgent_landed - 0.01, "the shared lane reported the room early (the premise changed)"
+
+
 def test_every_byte_is_counted_once_and_chunks_are_bounded(rig):
     backend, kernel = rig
     engine = TransferEngine(backend, kernel, chunk_bytes=300_000)

@@ -38,6 +38,12 @@ chunk; read at run time by engines built without `max_chunks_in_flight`. Each ch
 copied is slack for the host's wake-up when the stream is about to run dry (the loop thread may be busy launching a
 layer's experts then), and one more chunk an urgent miss may wait behind."""
 
+PUMP_LANE = True
+"""The pump parks its waits for room in a waiter lane of its own (`Kernel.wait(lane=...)`). It waits on the oldest
+chunk on the stream; in the stream's shared lane that wait sat behind the landings of copies issued after that
+chunk (a verify's misses), so the pump heard of the room only once they had all landed and the stream had run dry
+(`bench --copy-gaps`: the `pump` share). False: the shared lane, as before. For A/B."""
+
 READY_ON_LAST_CHUNK = True
 """Without a link emulation, a copy's ready event is its last chunk's timed end event, recorded after `after_copy`:
 two events per single-chunk copy instead of three. False: a ready event of its own, as before. For A/B."""
@@ -411,7 +417,7 @@ class TransferEngine:
     async def _room_on_stream(self) -> None:
         self._retire_completed()
         while len(self._in_flight) >= self.max_chunks_in_flight:
-            await self.kernel.wait(self._in_flight[0].end)
+            await self.kernel.wait(self._in_flight[0].end, lane="pump" if PUMP_LANE else None)
             self._retire_completed()
 
     async def _emulated_link_free(self) -> None:
