@@ -585,6 +585,22 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  poll13)         # after lane13 (PUMP_LANE on against off in one process: `pump` 0.112 -> 0.106 at 15 residents, 0.048 ->
+    # 0.063 at 8, TPOT per prompt 1.09x / 1.03x: the head-of-line wait was not what held the pump on the GPU; now off.
+    # A harder model there: acceptance 0.93, specter 2.19x / 2.12x ondemand, the docs and prose prompts moving as many
+    # bytes per token as ondemand at 15 residents). Next guess: the pump's wake-up itself (a thread hop while the loop
+    # thread is busy with the verify). transfer.PUMP_POLL_S: the pump polls for room for up to 1 ms before parking. A/B
+    # in one process with --copy-gaps, 15 and 8 residents.
+    # PREDICTIONS: `pump` share halved or less with polling (to <= 0.03-0.05); copy busy +0.02-0.06; TPOT per prompt
+    # 1-4 % lower; every token equal to the baseline.
+    mkdir -p "$out/logs"
+    train_beside tests/test_gpu_transfer.py
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    timeout 120 python benchmarks/ab_bench.py --alternate "specter.experts.transfer.PUMP_POLL_S=0.001|0.0" -- $common \
+      --repeats 4 --residents 15,8 --link native --systems ondemand,specter --copy-gaps --out "$out/poll-ab" > "$out/logs/poll-ab.log" 2>&1
+    echo "poll-ab rc=$?"
+    tar czf "$out/poll13.tgz" -C "$out" logs poll-ab 2>/dev/null
+    print_summaries poll-ab; tail -12 "$out/logs/poll-ab.log" ;;
   lane13)         # after final13 (every GPU test passed, 215; Gen5 specter 3.01x / 2.49x and 3.47x / 2.90x ondemand at
     # 15 / 8 residents in two processes, copy busy 0.862-0.937; Gen4 3.23x, 0.888; the idle left is mostly `pump`
     # (0.085 / 0.030) and none of it `plan`: queued prefetches waited while the stream ran dry). Cause found on the

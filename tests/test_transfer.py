@@ -188,13 +188,16 @@ def test_a_copy_without_emulation_records_two_events_per_chunk_and_its_ready_eve
     assert len(log) == 1 and ready is log[0].copied and bool((target == 1).all())
 
 
-@pytest.mark.parametrize("own_lane", [True, False])
-def test_the_pump_hears_of_room_before_later_copies_land(rig, monkeypatch, own_lane):
-    """The pump waits for room on the oldest chunk on the stream. In a lane of its own (PUMP_LANE) it issues the next
-    prefetch as soon as that chunk lands, though the landing of an urgent copy issued after it was parked first."""
+@pytest.mark.parametrize("mode", ["lane", "poll", "shared"])
+def test_the_pump_hears_of_room_before_later_copies_land(rig, monkeypatch, mode):
+    """The pump waits for room on the oldest chunk on the stream. In a lane of its own (PUMP_LANE) or polling for it
+    (PUMP_POLL_S) it issues the next prefetch as soon as that chunk lands, though the landing of an urgent copy issued
+    after it was parked first; parked in the stream's shared lane it hears of the room only after that landing."""
     from specter.experts import transfer
 
-    monkeypatch.setattr(transfer, "PUMP_LANE", own_lane)
+    monkeypatch.setattr(transfer, "PUMP_LANE", mode == "lane")
+    monkeypatch.setattr(transfer, "PUMP_POLL_S", 0.5 if mode == "poll" else 0.0)
+    told_at_once = mode != "shared"
     backend, kernel = rig  # 1 GB/s
     engine = TransferEngine(backend, kernel, chunk_bytes=1 << 30, max_chunks_in_flight=2)
     sources, targets = buffers(3, 10 * MiB)
@@ -223,7 +226,7 @@ def test_the_pump_hears_of_room_before_later_copies_land(rig, monkeypatch, own_l
         return issued_at[id(second)], landed
 
     second_issued, urgent_landed = run(main())
-    if own_lane:
+    if told_at_once:
         assert second_issued < urgent_landed - 0.03, "the pump heard of the room only when the later urgent copy landed"
     else:
         assert second_issued > urgent_landed - 0.01, "the shared lane reported the room early (the premise changed)"

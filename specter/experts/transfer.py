@@ -38,11 +38,18 @@ chunk; read at run time by engines built without `max_chunks_in_flight`. Each ch
 copied is slack for the host's wake-up when the stream is about to run dry (the loop thread may be busy launching a
 layer's experts then), and one more chunk an urgent miss may wait behind."""
 
-PUMP_LANE = True
+PUMP_LANE = False
 """The pump parks its waits for room in a waiter lane of its own (`Kernel.wait(lane=...)`). It waits on the oldest
-chunk on the stream; in the stream's shared lane that wait sat behind the landings of copies issued after that
-chunk (a verify's misses), so the pump heard of the room only once they had all landed and the stream had run dry
-(`bench --copy-gaps`: the `pump` share). False: the shared lane, as before. For A/B."""
+chunk on the stream; in the stream's shared lane that wait can sit behind the landings of copies issued after that
+chunk (a verify's misses), so that the pump hears of the room only once they have all landed (tests/test_transfer.py
+shows it on the cpu backend). Off: on the H200 (thirteenth session, `lane13`, one process) the lane left the `pump`
+share where it was (0.112 -> 0.106 at 15 residents, 0.048 -> 0.063 at 8) and TPOT per prompt moved 1.09x / 1.03x,
+within noise. For A/B."""
+
+PUMP_POLL_S = 0.0
+"""Seconds the pump polls for room (`Kernel.wait(poll_s=...)`: one `query` per loop iteration, the other tasks run
+between) before it parks its wait on a waiter thread: a wake-up within one loop iteration instead of a thread hop.
+0: park at once, as before. A switch for A/B (`bench --copy-gaps`: the `pump` share)."""
 
 READY_ON_LAST_CHUNK = True
 """Without a link emulation, a copy's ready event is its last chunk's timed end event, recorded after `after_copy`:
@@ -417,7 +424,7 @@ class TransferEngine:
     async def _room_on_stream(self) -> None:
         self._retire_completed()
         while len(self._in_flight) >= self.max_chunks_in_flight:
-            await self.kernel.wait(self._in_flight[0].end, lane="pump" if PUMP_LANE else None)
+            await self.kernel.wait(self._in_flight[0].end, poll_s=PUMP_POLL_S, lane="pump" if PUMP_LANE else None)
             self._retire_completed()
 
     async def _emulated_link_free(self) -> None:
