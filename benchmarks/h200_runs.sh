@@ -585,6 +585,21 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  topup13)        # after poll13 (PUMP_POLL_S 1 ms against 0: `pump` 0.099 -> 0.104 at 15 residents, 0.032 -> 0.032 at 8:
+    # the pump's wake-up is not it either; lane and poll both leave it). Guess: the pump task is not run at all while
+    # the verify launches a layer's experts without yielding (about a millisecond), and the stream drains meanwhile.
+    # transfer.TOP_UP: the verify feeds queued prefetch chunks to the stream after each expert it launches. A/B in one
+    # process (the session's last call: about 5 minutes of device time left).
+    # PREDICTIONS: `pump` share <= 0.03 at 15 residents (from about 0.10) and lower at 8; copy busy +0.03-0.08 at 15;
+    # TPOT per prompt 2-6 % lower at 15, 0-3 % at 8; every token equal to the baseline.
+    mkdir -p "$out/logs"
+    train_beside tests/test_gpu_transfer.py
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    timeout 90 python benchmarks/ab_bench.py --alternate "specter.experts.transfer.TOP_UP=true|false" -- $common \
+      --repeats 4 --residents 15,8 --link native --systems specter --copy-gaps --out "$out/topup-ab" > "$out/logs/topup-ab.log" 2>&1
+    echo "topup-ab rc=$?"
+    tar czf "$out/topup13.tgz" -C "$out" logs topup-ab 2>/dev/null
+    tail -8 "$out/logs/topup-ab.log" ;;
   poll13)         # after lane13 (PUMP_LANE on against off in one process: `pump` 0.112 -> 0.106 at 15 residents, 0.048 ->
     # 0.063 at 8, TPOT per prompt 1.09x / 1.03x: the head-of-line wait was not what held the pump on the GPU; now off.
     # A harder model there: acceptance 0.93, specter 2.19x / 2.12x ondemand, the docs and prose prompts moving as many

@@ -161,6 +161,7 @@ async def compute_hot_first(cache: ExpertCache, kernel: Kernel, cache_layer: int
                 used_timed = len(order) >= len(hot) and REUSE_USE_MARKS
                 used = backend.record_event(stream, timed=used_timed)
                 cache.mark_used(cache_layer, expert, used)
+                cache.transfer.top_up()  # this loop does not yield to the pump: feed the stream from here
     else:
         waited = time.perf_counter()
         async for expert, slot in cache.iter_ready(cache_layer, needed):

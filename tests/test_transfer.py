@@ -232,6 +232,30 @@ def test_the_pump_hears_of_room_before_later_copies_land(rig, monkeypatch, mode)
         assert second_issued > urgent_landed - 0.01, "the shared lane reported the room early (the premise changed)"
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_top_up_issues_prefetch_chunks_from_its_caller_while_there_is_room(rig, monkeypatch, on):
+    """A caller that does not yield to the loop (the verify launching a layer's experts) can feed the stream itself:
+    top_up issues queued prefetch chunks up to the cap, before the pump has run; with TOP_UP off it does nothing."""
+    from specter.experts import transfer
+
+    monkeypatch.setattr(transfer, "TOP_UP", on)
+    backend, kernel = rig
+    engine = TransferEngine(backend, kernel, chunk_bytes=MiB, max_chunks_in_flight=2)
+    sources, targets = buffers(3, MiB)
+
+    async def main() -> tuple[int, list[bool]]:
+        transfers = [engine.submit(t, s) for t, s in zip(targets, sources)]  # prefetches: the pump has not run yet
+        engine.top_up()
+        issued = engine.stats.chunks, [t.fully_issued for t in transfers]
+        await engine.drain()
+        await engine.aclose()
+        return issued
+
+    chunks, fully = run(main())
+    assert (chunks, fully) == ((2, [True, True, False]) if on else (0, [False, False, False]))
+    assert all(bool((t == float(i)).all()) for i, t in enumerate(targets)), "every copy still lands"
+
+
 def test_every_byte_is_counted_once_and_chunks_are_bounded(rig):
     backend, kernel = rig
     engine = TransferEngine(backend, kernel, chunk_bytes=300_000)

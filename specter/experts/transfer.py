@@ -46,6 +46,12 @@ shows it on the cpu backend). Off: on the H200 (thirteenth session, `lane13`, on
 share where it was (0.112 -> 0.106 at 15 residents, 0.048 -> 0.063 at 8) and TPOT per prompt moved 1.09x / 1.03x,
 within noise. For A/B."""
 
+TOP_UP = True
+"""`top_up` issues prefetch chunks from its caller while there is room: the verify calls it after each expert it
+launches, since it launches a layer's experts without yielding to the loop (about a millisecond), which starves
+the pump while the stream drains (`bench --copy-gaps`: the `pump` share, untouched by PUMP_LANE and PUMP_POLL_S).
+A switch for A/B."""
+
 PUMP_POLL_S = 0.0
 """Seconds the pump polls for room (`Kernel.wait(poll_s=...)`: one `query` per loop iteration, the other tasks run
 between) before it parks its wait on a waiter thread: a wake-up within one loop iteration instead of a thread hop.
@@ -331,6 +337,22 @@ class TransferEngine:
             self._retire_completed()
             while self._urgent:
                 current = self._urgent[0]
+                self._issue_chunk(current)
+        except Exception as error:  # as in the pump: the owners' landed() raise it, the cache frees the slots
+            log.error("transfer.issue_failed", error=repr(error))
+            self._fail_queued(error, current)
+
+    def top_up(self) -> None:
+        """Issue queued prefetch chunks while fewer than `max_chunks_in_flight` are on the stream, from the caller
+        (TOP_UP): for a caller that runs long without yielding to the loop, where the pump would issue them. No-op
+        with urgent copies queued, with a host-paced link emulation, or with nothing queued (one truth test)."""
+        if not self._prefetch or self._urgent or not TOP_UP or self.host_paced:
+            return
+        current = None
+        try:
+            self._retire_completed()
+            while self._prefetch and not self._urgent and len(self._in_flight) < self.max_chunks_in_flight:
+                current = self._prefetch[0]
                 self._issue_chunk(current)
         except Exception as error:  # as in the pump: the owners' landed() raise it, the cache frees the slots
             log.error("transfer.issue_failed", error=repr(error))
