@@ -46,8 +46,16 @@
 # busy 0.763 -> 0.851 / 0.881 -> 0.907 at 15 / 8 residents, TPOT per prompt 0.912x / 0.975x; a lazily captured expert
 # graph's warm-up bug found by the GPU tests, fixed), pump13 (MAX_CHUNKS_IN_FLIGHT 4 against 2: copy busy +0.022 /
 # +0.004, TPOT 0.985x / 0.981x, the `pump` share unchanged: the late prefetches were planned late, now split as `plan`;
-# k-max 31 with 32 rows: bytes per token -11 % / -15 %, specter not faster, not adopted), final13 (see BENCHMARKS.md);
-# results/h200-2026-11-30/thirteenth.
+# k-max 31 with 32 rows: bytes per token -11 % / -15 %, specter not faster, not adopted), final13 (every GPU test
+# passed, 215; specter 3.01x / 2.49x and 3.47x / 2.90x ondemand at 15 / 8 residents in two processes, Gen4 3.23x;
+# copy busy 0.862-0.937; the idle left is `pump`, none `plan`), lane13 (PUMP_LANE: no gain, off; a harder model,
+# acceptance 0.93: 2.19x / 2.12x, copy busy 0.92 / 0.95), poll13 (PUMP_POLL_S: no gain, 0), topup13 (TOP_UP: every
+# prompt 1.6-4.2 % slower, off); results/h200-2026-11-30/thirteenth.
+# Next (thirteenth session's end): the `pump` share (0.03-0.11 of the windows) with a per-chunk trace of the pump's
+# state when the stream runs dry (the cap, the wake-up, the lane and the launch loop are ruled out); bytes per token on
+# models whose acceptance is below 1 (lane13: at 15 residents specter moved as many bytes per token as ondemand; the
+# TPOT target needs fewer reloads per round there: eviction that keeps next round's experts, or depths the governor
+# sizes to the cache); then the twelfth session's list below.
 # Next (twelfth session's end): the verify is partly host-bound and the host's speed moves from process to process,
 # so A/B every change inside one process (ab_bench --alternate) and quote issue 4's figures from several processes;
 # less host work per verified expert (the segmented expert graph's id fill and staging copy inside the graph, fewer

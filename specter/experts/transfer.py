@@ -46,16 +46,19 @@ shows it on the cpu backend). Off: on the H200 (thirteenth session, `lane13`, on
 share where it was (0.112 -> 0.106 at 15 residents, 0.048 -> 0.063 at 8) and TPOT per prompt moved 1.09x / 1.03x,
 within noise. For A/B."""
 
-TOP_UP = True
+TOP_UP = False
 """`top_up` issues prefetch chunks from its caller while there is room: the verify calls it after each expert it
 launches, since it launches a layer's experts without yielding to the loop (about a millisecond), which starves
 the pump while the stream drains (`bench --copy-gaps`: the `pump` share, untouched by PUMP_LANE and PUMP_POLL_S).
+Off: on the H200 (thirteenth session, `topup13`, one process) it left the `pump` share where it was (0.074 -> 0.063 at
+15 residents, 0.029 -> 0.037 at 8) and every prompt was slower, by 1.6-4.2 % (TPOT per prompt 1.033x / 1.035x).
 A switch for A/B."""
 
 PUMP_POLL_S = 0.0
 """Seconds the pump polls for room (`Kernel.wait(poll_s=...)`: one `query` per loop iteration, the other tasks run
 between) before it parks its wait on a waiter thread: a wake-up within one loop iteration instead of a thread hop.
-0: park at once, as before. A switch for A/B (`bench --copy-gaps`: the `pump` share)."""
+0: park at once, as before. Measured on the H200 (thirteenth session, `poll13`, one process), 1 ms against 0: the
+`pump` share did not move (0.099 -> 0.104 at 15 residents, 0.032 -> 0.032 at 8), so 0 stays. A switch for A/B."""
 
 READY_ON_LAST_CHUNK = True
 """Without a link emulation, a copy's ready event is its last chunk's timed end event, recorded after `after_copy`:
