@@ -24,7 +24,7 @@ class Event(Protocol):
     """
 
     stream: Stream
-    """The stream the event was recorded on (the kernel keeps one waiter thread per stream)."""
+    """The stream the event was recorded on (the kernel keeps one waiter thread per stream and lane)."""
 
     def query(self) -> bool:
         """True once complete. Never blocks; safe to call from any thread."""
@@ -108,6 +108,8 @@ class Backend(Protocol):
 
     # Optional: set_int32(flat, index, value, stream) enqueues flat[index] = value (an int32 device tensor) in
     # `stream` order. The expert cache uses it for slot-table writes when present, else `launch`.
+    # Optional: enqueue_h2d(dst, src, stream): copy_h2d without an event of its own (the transfer engine records its
+    # own per chunk); the engine falls back to copy_h2d.
 
     def launch_host_func(self, stream: Stream, callback: Callable[[], None]) -> None:
         """Call `callback` on a backend thread once `stream` reaches this point.

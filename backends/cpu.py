@@ -63,7 +63,7 @@ class CPUStream:
 
     def enqueue(self, work: Callable[[], None]) -> None:
         """Run `work` after everything enqueued before. From the stream's own thread (an item enqueuing more
-        work, e.g. after_copy's slot-table write) it runs at once, inside that item: ahead of items queued
+        work) it runs at once, inside that item: ahead of items queued
         behind it, as on CUDA, where such work is enqueued at that point of the stream."""
         if self._thread is not None and threading.current_thread() is self._thread:
             work()

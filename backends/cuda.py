@@ -127,10 +127,11 @@ class CUDABackend:
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> CUDAEvent:
         """dst (pinned host) <- src (device) in `stream` order. With cupy and both sides contiguous and alike, one raw
         cudaMemcpyAsync: the caller must then keep `dst` alive until the returned event completes (torch's host
-        allocator does not know of the copy)."""
+        allocator does not know of the copy). `dst` is not checked for being pinned (a driver query per call): a
+        pageable one would still be correct, only synchronous."""
         memcpy = self._memcpy_async
         if (memcpy is not None and dst.dtype == src.dtype and dst.numel() == src.numel() and dst.is_contiguous()
-                and src.is_contiguous() and src.device == self.device and dst.device.type == "cpu" and dst.is_pinned()):
+                and src.is_contiguous() and src.device == self.device and dst.device.type == "cpu"):
             memcpy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
         else:
             with torch.cuda.stream(stream):

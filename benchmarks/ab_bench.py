@@ -11,8 +11,9 @@ order A B B A for the repeats of each prompt of each cell, so the two sides shar
 and the cache's restored state; each request's record in results.json carries `variant` ("NAME=A" or "NAME=B"),
 and the end of the output compares them per cell. Repeat `--alternate` to flip several constants together (side A
 takes every first value; the variant names the first constant). Each system's warm-up runs once per side (A, then
-B; the constants go back to their values after each), so what a side builds on first use (a graph captured
-lazily) is built before anything is measured. Use --repeats 4 (or another multiple of two; a multiple of four
+B; the constants go back to their values after each), so what a side builds on first use is built for what the
+warm-up touches; a switch whose other side captures graphs lazily has a start-up switch of its own to capture both
+(`--set specter.model.segmented.PREPARE_BOTH=true` for STAGE_IN_GRAPH). Use --repeats 4 (or another multiple of two; a multiple of four
 balances the order too). Runs of separate processes differed by up to 1.4x on the H200 (host speed), more than
 most changes this is meant to measure.
 
@@ -152,7 +153,8 @@ def paired(runs: list[dict]) -> list[str]:
         first = _first_side(runs, variants)
         second = next(v for v in variants if v != first)
         ratios = [(sum(sides[first]) / len(sides[first])) / (sum(sides[second]) / len(sides[second]))
-                  for sides in prompts.values() if sides.get(first) and sides.get(second)]
+                  for sides in prompts.values() if sides.get(first) and sides.get(second) and sum(sides[second]) > 0
+                  and sum(sides[first]) > 0]  # (a request with no new tokens has no TPOT)
         if ratios:
             mean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
             lines.append(" ".join(cell) + f": TPOT {first} / {second}, geometric mean over {len(ratios)} prompts "

@@ -43,7 +43,9 @@
 # at 15 residents, 3 % slower at 8; specter 2.82x / 2.42x ondemand, copy busy 0.879 / 0.883, Gen4 2.67x / 0.903),
 # gpu-all12 (every gpu-marked test: 214 passed); results/h200-2026-11-30/twelfth.
 # Done 2026-11-30, thirteenth session: lean13 (less host work per verified expert, four switches in one process: copy
-# busy 0.763 -> 0.851 / 0.881 -> 0.907 at 15 / 8 residents, TPOT per prompt 0.912x / 0.975x; a lazily captured expert
+# busy 0.763 -> 0.851 / 0.881 -> 0.907 at 15 / 8 residents, TPOT per prompt 0.912x / 0.975x, but biased: the off
+# side captured its expert graphs lazily in its first requests; without those, 0.847 -> 0.851 / 0.888 -> 0.907 and
+# about 1.02x / 0.97x, i.e. no gain shown at 15 residents (segmented.PREPARE_BOTH for the next such A/B); a lazily captured expert
 # graph's warm-up bug found by the GPU tests, fixed), pump13 (MAX_CHUNKS_IN_FLIGHT 4 against 2: copy busy +0.022 /
 # +0.004, TPOT 0.985x / 0.981x, the `pump` share unchanged: the late prefetches were planned late, now split as `plan`;
 # k-max 31 with 32 rows: bytes per token -11 % / -15 %, specter not faster, not adopted), final13 (every GPU test

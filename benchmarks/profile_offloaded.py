@@ -88,7 +88,7 @@ def main() -> None:
     plain_s = time.perf_counter() - started
     stats = plain.stats
     expert_bytes = runtime.memory.expert_bytes
-    print(f"{args.model or args.shape} L={args.layers} residents={args.residents} k={args.k} static_verify={args.static_verify} "
+    print(f"{args.model or f'{args.shape} L={args.layers}'} residents={args.residents} k={args.k} static_verify={args.static_verify} "
           f"copy-busy reads {'inline' if args.inline_bookkeeping else 'deferred'}")
     print(f"TPOT {stats.tpot_s * 1e3:.2f} ms; wall {plain_s:.2f} s for {stats.new_tokens} tokens; misses/token "
           f"{stats.misses / max(stats.new_tokens, 1):.1f}; H2D {stats.h2d_bytes / max(stats.new_tokens, 1) / 1e6:.1f} MB/token "

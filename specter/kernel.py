@@ -17,7 +17,7 @@ Code elsewhere never blocks on the device; it does `await kernel.wait(event)`.
 #     the round that started it.
 #  6. The loop thread never blocks on the device. The one exception is the spin budget: a bounded,
 #     explicit poll of `event.query()` for waits known to be short (cheaper than two thread hops).
-#  7. The completion mechanism is a setting: `waiter` (one thread per stream blocking on a
+#  7. The completion mechanism is a setting: `waiter` (one thread per stream and lane blocking on a
 #     blocking-sync event, GIL released) or `host_func` (the backend calls back from the stream itself).
 #     benchmarks/transfer_bench.py measures both; `waiter` is the default because it needs no cupy.
 #  8. Everything that waits is counted (`Kernel.stats`), and every stage is a structured event.
@@ -58,7 +58,7 @@ class KernelSettings(BaseModel):
 
     mechanism: Literal["waiter", "host_func"] = Field(
         "waiter",
-        description="'waiter': a thread per stream blocks on the event; 'host_func': the backend calls back "
+        description="'waiter': a thread per stream (and lane) blocks on the event; 'host_func': the backend calls back "
         "when the stream reaches it (cupy launch_host_func on cuda).",
     )
     spin_s: float = Field(
@@ -116,7 +116,8 @@ work runs in the other waits (the draft's checkpoints, the verdict, the transfer
 
 
 class _StreamWaiter:
-    """One thread per stream: blocks on each event in turn (events of one stream complete in order)."""
+    """One thread per (stream, lane): blocks on each event in the order they were parked (events of one stream complete
+    in the order they were recorded, which is not always the order they were parked: see `Kernel.wait`'s lane)."""
 
     def __init__(self, stream: Stream) -> None:
         self._pending: queue.SimpleQueue[tuple[Event, Callable[[], None]] | None] = queue.SimpleQueue()

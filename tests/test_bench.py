@@ -443,4 +443,6 @@ def test_row_bucket_reaches_every_engine_the_bench_builds(tmp_path, monkeypatch)
                      "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["options"]["row_bucket"] == 8 and built and set(built) == {8}, built
+    with pytest.raises(SystemExit):  # argparse's error: a clear message, exit status 2
+        cli.main(["--row-bucket", "0", "--no-progress", "--out", str(tmp_path / "bad")])
     assert all(run["tokens_equal"] for run in results["runs"])

@@ -151,7 +151,10 @@ def options_from_args(args: argparse.Namespace) -> Options:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 1 <= args.row_bucket <= 256:
+        parser.error(f"--row-bucket must be 1..256 (rows per exact block and per verify pass), got {args.row_bucket}")
     from specter import log
 
     log.configure(level="ERROR")

@@ -60,7 +60,7 @@ def gpu_bytes(target, bench, setting) -> int:
     """The device bytes the engine would use for this setting, without a draft."""
     if setting.budget is not None:
         return setting.budget
-    plan = plan_memory(target.spec, bench.dtype, EngineConfig(max_context=bench.max_context), speculative=False)
+    plan = plan_memory(target.spec, bench.dtype, EngineConfig(max_context=bench.max_context, row_bucket=bench.options.row_bucket), speculative=False)
     return plan.fixed_bytes + setting.residents * plan.moe_layers * plan.expert_bytes
 
 

@@ -477,8 +477,12 @@ class TransferEngine:
         # Without a link emulation the last chunk's `copied` event is also the transfer's ready event, recorded after
         # `after_copy` (a 4-byte table write: the bandwidth estimate barely sees it): one event fewer per copy.
         last = transfer._remaining == 0 and self.link is None and READY_ON_LAST_CHUNK
+        failed = None
         if last and transfer._after_copy is not None:
-            transfer._after_copy()
+            try:
+                transfer._after_copy()
+            except Exception as error:  # the copy is on the stream: track its chunk, then fail the transfer
+                failed = error
         copied = self.backend.record_event(self.stream, timed=True)
         end = self._emulate_link(transfer, nbytes) or copied
         chunk = _Chunk(nbytes, start, copied, end, issued, transfer.tag[0] if isinstance(transfer.tag, tuple) else None,
@@ -488,6 +492,8 @@ class TransferEngine:
             self.chunk_log.append(chunk)
         self.stats.chunks += 1
         self.stats.bytes_copied += nbytes
+        if failed is not None:
+            raise failed
         if transfer._remaining == 0:
             self._finish(transfer, copied if last else None)
 

@@ -54,6 +54,12 @@ a 4-byte copy from a pinned table: one launch per verified expert. False: the ea
 id, the replay, then a copy of the graph's output into place (three launches; its graphs captured on first use).
 A switch for A/B (benchmarks/ab_bench.py --alternate); both are bit-identical."""
 
+PREPARE_BOTH = False
+"""`prepare_experts` captures both forms' graphs at start-up, for an A/B that flips STAGE_IN_GRAPH: otherwise the
+form not selected at start-up captures its graphs on first use, inside measured requests (thirteenth session,
+`lean13`: its first request per prompt ran 8-30 % slow). The second form keeps one more [R, D] output per slot,
+which the memory plan does not charge."""
+
 
 def _no_static_moe(layer: int, h: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
     raise AssertionError("a SegmentedStep computes routed experts through expert_output and routed_sum, never in a segment")
@@ -178,7 +184,7 @@ class SegmentedStep:
         ResidentMoE's per-expert arithmetic, bit for bit.
 
         With graphs, one small CUDA graph per weight buffer (an expert-cache slot, captured by
-        `prepare_experts` at start-up or on first use) runs it and stages its output: the expert id goes in as a
+        `prepare_experts` at start-up, else on first use; see PREPARE_BOTH for an A/B) runs it and stages its output: the expert id goes in as a
         device scalar (a 4-byte copy), so a replay replaces the eager path's dozen launches.
         """
         staged = self._staged[expert]
@@ -209,11 +215,14 @@ class SegmentedStep:
         self._expert_pool = torch.cuda.graph_pool_handle() if self.use_graph else None
 
     def prepare_experts(self, buffers: Sequence[Tensor]) -> None:
-        """Capture the expert graph of each weight buffer now (start-up). Nothing to do without graphs."""
+        """Capture the expert graph of each weight buffer now (start-up), in the form STAGE_IN_GRAPH selects, or in
+        both with PREPARE_BOTH. Nothing to do without graphs."""
         if self.use_graph:
             for packed in buffers:
-                if packed.data_ptr() not in self._expert_graphs:
+                if (STAGE_IN_GRAPH or PREPARE_BOTH) and packed.data_ptr() not in self._expert_graphs:
                     self._capture_expert(packed)
+                if (not STAGE_IN_GRAPH or PREPARE_BOTH) and packed.data_ptr() not in self._split_graphs:
+                    self._capture_split(packed)
 
     def _capture_expert(self, packed: Tensor) -> Any:
         """Warm up (Triton compilation) and capture `_stage_expert` on `packed` with the device expert id.
