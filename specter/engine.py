@@ -41,7 +41,7 @@ from specter.loading import (  # noqa: F401  (CheckpointWeights and WeightSource
 )
 from specter.log import get_logger
 from specter.memory import MemoryPlan, plan_memory
-from specter.metrics import Estimates, RequestStats, busy_within, idle_causes
+from specter.metrics import Estimates, RequestStats, busy_within, idle_causes, pump_gaps
 from specter.model.checkpoint import Checkpoint
 from specter.model.graphed import GraphedTarget, static_step_supported
 from specter.model.kv import KVCache
@@ -597,6 +597,7 @@ class Runtime:
             if transfer_engine.ISSUE_MARKS:  # (without the marks there is nothing to split)
                 for cause, seconds in (idle_causes(times, span) or {}).items():
                     stats.copy_idle_s[cause] = stats.copy_idle_s.get(cause, 0.0) + seconds
+                stats.pump_gaps += pump_gaps(times, span)
 
     def _gpu_mark(self):
         """A timed event on the compute stream (CUDA only; None elsewhere, where host wall time is exact)."""

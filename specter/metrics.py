@@ -42,6 +42,7 @@ class RequestStats:
     copy_busy_s: float = 0.0  # copy stream busy inside transfer-bound verify windows (see copy_busy_fraction)
     copy_window_s: float = 0.0  # length of those windows
     copy_idle_s: dict[str, float] = dataclasses.field(default_factory=dict)  # their idle time by cause (idle_causes)
+    pump_gaps: list[tuple[float, float | None]] = dataclasses.field(default_factory=list)  # (late, lag from room): pump_gaps
 
     @property
     def tpot_s(self) -> float:
@@ -160,6 +161,25 @@ def idle_causes(chunks: Sequence[ChunkTimes], span: float) -> dict[str, float] |
     if reach < span:
         causes["issue" if seen else "head"] += span - reach
     return causes
+
+
+def pump_gaps(chunks: Sequence[ChunkTimes], span: float) -> list[tuple[float, float | None]]:
+    """For each gap inside [0, span] that a prefetch chunk ends late (the `pump` and `plan` causes of `idle_causes`):
+    (seconds from the stream running dry to the chunk's issue, seconds from the room the pump last waited for to
+    that issue, or None when the pump did not wait for room before it). A lag much longer than a gap says the pump
+    had room long before it issued; None says it was not waiting for room at all."""
+    ordered = sorted((c for c in chunks if c.start < span), key=lambda c: c.start)
+    gaps: list[tuple[float, float | None]] = []
+    reach, seen = 0.0, False
+    for chunk in ordered:
+        if chunk.start > reach and seen and not chunk.urgent and chunk.issued is not None and chunk.issued > reach:
+            end = min(chunk.start, span)
+            issued = min(chunk.issued, end)
+            gaps.append((issued - reach, None if chunk.room is None else issued - chunk.room))
+        if chunk.end > 0:
+            seen = True
+        reach = max(reach, chunk.end)
+    return gaps
 
 
 class Estimates:

@@ -346,6 +346,12 @@ def test_copy_gaps_splits_the_copy_idle_time_by_cause(tmp_path, monkeypatch):
     assert row["copy_busy"] is not None and set(row["copy_idle"]) == {"head", "handover", "issue", "pump", "plan", "slot"}
     assert row["copy_busy"] + sum(row["copy_idle"].values()) == pytest.approx(1.0, abs=2e-3)
     assert "idle: handover" in (out / "results.md").read_text()
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert all(isinstance(run["pump_gaps"], list) for run in runs)  # (late, lag) per gap a late prefetch ended
+    gaps = [gap for run in runs for gap in run["pump_gaps"]]
+    assert (row["pump_gaps"] is None) == (not gaps)
+    if gaps:
+        assert row["pump_gaps"]["gaps"] == len(gaps) and 0 <= row["pump_gaps"]["waited_for_room"] <= 1
 
 
 def test_ab_bench_sets_switches_and_row_config_and_refuses_unknown_names(monkeypatch):

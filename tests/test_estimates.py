@@ -160,10 +160,26 @@ def test_the_deferred_copy_busy_reads_are_done_when_a_request_ends_even_one_left
 
 
 # ---- the copy stream's idle time by cause (transfer.ISSUE_MARKS, bench --copy-gaps) ---------------------------
-def _chunk(start, end, issued, layer, urgent=True, queued=None):
+def _chunk(start, end, issued, layer, urgent=True, queued=None, room=None):
     from specter.experts.transfer import ChunkTimes
 
-    return ChunkTimes(start, end, issued, layer, urgent, queued)
+    return ChunkTimes(start, end, issued, layer, urgent, queued, room)
+
+
+def test_pump_gaps_say_how_late_each_late_prefetch_was_and_how_long_after_its_room():
+    from specter.metrics import pump_gaps
+
+    chunks = [
+        _chunk(0.0, 1.0, 0.0, 0),
+        _chunk(1.5, 2.0, 1.3, 0, urgent=False, queued=2.0, room=0.4),  # late by 0.3, 0.9 after its room
+        _chunk(2.0, 3.0, 1.9, 0, urgent=False, queued=1.0),  # back to back: no gap
+        _chunk(3.5, 4.0, 3.1, 1),  # an urgent chunk: not the pump's
+        _chunk(4.2, 5.0, 4.2, 1, urgent=False, queued=0.5),  # late by 0.2, no wait for room
+        _chunk(5.3, 6.0, 5.0, 1, urgent=False, room=4.9),  # issued before the stream ran dry: a slot wait, not late
+    ]
+    gaps = pump_gaps(chunks, 6.0)
+    assert [late for late, _ in gaps] == pytest.approx([0.3, 0.2]) and gaps[0][1] == pytest.approx(0.9) and gaps[1][1] is None
+    assert pump_gaps([_chunk(0.5, 1.0, 0.5, 0, urgent=False)], 1.0) == []  # before any chunk ran: the head
 
 
 def test_idle_causes_name_each_gap_by_what_held_the_next_chunk():
@@ -231,6 +247,7 @@ def test_chunk_times_carry_each_chunks_layer_and_issue_mark(monkeypatch):
         backend.close()
     assert [t.layer for t in marked] == [0, 1, 2] and all(t.issued is not None and t.issued <= t.start + 1e-9 for t in marked)
     assert [t.urgent for t in marked] == [True, True, False] and all(t.queued is not None and t.queued >= 0 for t in marked)
+    assert all(t.room is None for t in marked)  # the prefetch found room: the pump did not wait
     assert all(t.issued is None for t in plain)
 
 

@@ -208,9 +208,9 @@ def test_the_pump_hears_of_room_before_later_copies_land(rig, monkeypatch, mode)
     issued_at: dict[int, float] = {}
     issue = engine._issue_chunk
 
-    def spy(transfer_):
+    def spy(transfer_, **kwargs):
         issued_at.setdefault(id(transfer_), time.perf_counter())
-        issue(transfer_)
+        issue(transfer_, **kwargs)
 
     engine._issue_chunk = spy
 
@@ -257,6 +257,32 @@ def test_top_up_issues_prefetch_chunks_from_its_caller_while_there_is_room(rig, 
     chunks, fully = run(main())
     assert (chunks, fully) == ((2, [True, True, False]) if on else (0, [False, False, False]))
     assert all(bool((t == float(i)).all()) for i, t in enumerate(targets)), "every copy still lands"
+
+
+def test_a_prefetch_chunk_the_pump_waited_room_for_carries_when_that_room_appeared(rig, monkeypatch):
+    """With ISSUE_MARKS, a chunk the pump issued after waiting for room carries the end of the chunk it waited on
+    (the pump trace: room at or before its issue mark); one issued without waiting carries none."""
+    from specter.experts import transfer
+
+    monkeypatch.setattr(transfer, "ISSUE_MARKS", True)
+    backend, kernel = rig
+    engine = TransferEngine(backend, kernel, chunk_bytes=1 << 30, max_chunks_in_flight=1)
+    sources, targets = buffers(2, 4 * MiB)  # about 4 ms each at 1 GB/s
+
+    async def main():
+        reference = backend.record_event(backend.copy_stream, timed=True)
+        log = engine.start_chunk_log()
+        for source, target in zip(sources, targets):
+            engine.submit(target, source)
+        await engine.drain()
+        times = engine.chunk_times(log, reference, open_end=0.0)
+        await engine.aclose()
+        return times
+
+    first, second = run(main())
+    assert first.room is None, "the first prefetch found room"
+    assert second.room is not None and second.room == pytest.approx(first.end, abs=1e-6)
+    assert second.room <= second.issued + 1e-6
 
 
 def test_every_byte_is_counted_once_and_chunks_are_bounded(rig):

@@ -335,6 +335,7 @@ def request_record(tokens: list[int], expected: list[int] | None, stats) -> dict
         "recall_hits": stats.recall_hits, "recall_total": stats.recall_total,
         "scout_recall_hits": stats.scout_recall_hits, "scout_recall_total": stats.scout_recall_total, "drafted": stats.drafted, "accepted": stats.accepted,
         "copy_busy_s": stats.copy_busy_s, "copy_window_s": stats.copy_window_s, "copy_idle_s": dict(stats.copy_idle_s),
+        "pump_gaps": [[round(late, 7), None if lag is None else round(lag, 7)] for late, lag in stats.pump_gaps],
         "recall_by_layer": {str(layer): list(counts) for layer, counts in sorted(stats.recall_by_layer.items())},
     }
 

@@ -118,6 +118,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "stall_ms_per_token": round(1e3 * sum(r["stall_s"] for r in runs) / tokens, 3),
         "copy_busy": round(sum(r.get("copy_busy_s", 0.0) for r in runs) / copy_window, 4) if copy_window else None,
         "copy_idle": _copy_idle(runs, copy_window),
+        "pump_gaps": _pump_gaps(runs),
         "peak_gib": _peak(runs),
         "tokens_equal": all(r["tokens_equal"] for r in runs),
         "accepted_length_histogram": {str(n): c for n, c in sorted(histogram.items())},
@@ -207,6 +208,22 @@ def _copy_idle(runs: Sequence[dict], copy_window: float) -> dict[str, float] | N
     return {cause: round(seconds / copy_window, 4) for cause, seconds in causes.items()} if causes and copy_window else None
 
 
+def _pump_gaps(runs: Sequence[dict]) -> dict[str, float] | None:
+    """The gaps a late prefetch chunk ended (bench --copy-gaps): how many, the share where the pump had waited for
+    room, and the median / 90th percentile of the lag from that room to the issue, in ms; None without any."""
+    gaps = [gap for run in runs for gap in run.get("pump_gaps") or []]
+    if not gaps:
+        return None
+    lags = sorted(lag for _late, lag in gaps if lag is not None)
+    lates = sorted(late for late, _lag in gaps)
+
+    def pick(values: list[float], q: float) -> float | None:
+        return round(1e3 * values[min(len(values) - 1, int(q * len(values)))], 3) if values else None
+
+    return {"gaps": len(gaps), "waited_for_room": round(len(lags) / len(gaps), 3), "late_p50_ms": pick(lates, 0.5),
+            "lag_p50_ms": pick(lags, 0.5), "lag_p90_ms": pick(lags, 0.9)}
+
+
 # ---- writing ----------------------------------------------------------------------------------------------
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
@@ -249,8 +266,16 @@ def copy_idle_lines(summary: Sequence[dict], markdown: bool = False) -> list[str
         return []
     columns = (("model", "model"), ("setting", "setting"), ("link", "link"), ("system", "system"), ("copy_busy", "copy busy"),
                *((f"idle_{cause}", f"idle: {cause}") for cause in IDLE_CAUSES))
-    return ["", "Copy stream idle in verify windows, share of the windows by cause (--copy-gaps):", ""] + table_lines(
+    lines = ["", "Copy stream idle in verify windows, share of the windows by cause (--copy-gaps):", ""] + table_lines(
         rows, columns, markdown=markdown)
+    pumped = [dict(row, **{f"pump_{key}": value for key, value in row["pump_gaps"].items()}) for row in rows if row.get("pump_gaps")]
+    if pumped:
+        columns = (("model", "model"), ("setting", "setting"), ("link", "link"), ("system", "system"),
+                   ("pump_gaps", "gaps"), ("pump_waited_for_room", "waited for room"), ("pump_late_p50_ms", "late p50 ms"),
+                   ("pump_lag_p50_ms", "room to issue p50 ms"), ("pump_lag_p90_ms", "p90 ms"))
+        lines += ["", "Gaps a late prefetch chunk ended (the pump's): did it wait for room, and how long after room appeared "
+                  "did it issue:", ""] + table_lines(pumped, columns, markdown=markdown)
+    return lines
 
 
 def markdown_report(payload: dict[str, Any]) -> str:

@@ -213,6 +213,7 @@ class ChunkTimes:
     layer: Any = None
     urgent: bool = True  # False: a prefetch chunk, issued by the pump
     queued: float | None = None  # host seconds it waited in the engine's queue before its issue (ISSUE_MARKS)
+    room: float | None = None  # when the chunk the pump last waited on for room ended (ISSUE_MARKS; None: no wait)
 
 
 @dataclass
@@ -225,6 +226,7 @@ class _Chunk:
     layer: Any = None  # the transfer tag's first item (the cache's MoE layer)
     urgent: bool = True  # the transfer was urgent when this chunk was issued
     queued: float | None = None  # host seconds between when it could have been issued and its issue (ISSUE_MARKS)
+    room: Event | None = None  # the end of the chunk the pump last waited on for room before issuing it (ISSUE_MARKS)
 
 
 class TransferEngine:
@@ -263,6 +265,7 @@ class TransferEngine:
         self._link_free_at = 0.0
         self._wakeup: asyncio.Event | None = None
         self._pump_task: asyncio.Task[None] | None = None
+        self._room_waited: Event | None = None  # the event the pump last waited on for room (ISSUE_MARKS)
         self.chunk_log: list[_Chunk] | None = None  # when a list: every chunk issued is appended (busy measurement)
 
     @property
@@ -296,7 +299,8 @@ class TransferEngine:
             if self.link is not None and self.link.mode == "host":
                 end = max(end, start + chunk.nbytes / (self.link.gbps * 1e9))
             issued = chunk.issued.elapsed_since(reference) if chunk.issued is not None and chunk.issued.query() else None
-            times.append(ChunkTimes(start, end, issued, chunk.layer, chunk.urgent, chunk.queued))
+            room = chunk.room.elapsed_since(reference) if chunk.room is not None and chunk.room.query() else None
+            times.append(ChunkTimes(start, end, issued, chunk.layer, chunk.urgent, chunk.queued, room))
         return times
 
     # -- the API the cache uses ---------------------------------------------------------------------
@@ -428,7 +432,8 @@ class TransferEngine:
                 transfer = self._next_transfer()  # an urgent miss may have arrived while we waited
                 if transfer is None or (not transfer.urgent and len(self._in_flight) >= self.max_chunks_in_flight):
                     continue  # (a prefetch picked up here must still find room)
-                self._issue_chunk(transfer)
+                self._issue_chunk(transfer, room=self._room_waited)
+                self._room_waited = None
                 # Yield after every chunk: when copies finish faster than Python issues them the room check
                 # never suspends, and an urgent miss submitted meanwhile would wait behind the whole queue.
                 await asyncio.sleep(0)
@@ -447,9 +452,12 @@ class TransferEngine:
         self._prefetch.clear()
 
     async def _room_on_stream(self) -> None:
+        self._room_waited = None  # (only a wait for this chunk's room counts)
         self._retire_completed()
         while len(self._in_flight) >= self.max_chunks_in_flight:
-            await self.kernel.wait(self._in_flight[0].end, poll_s=PUMP_POLL_S, lane="pump" if PUMP_LANE else None)
+            room = self._in_flight[0].end
+            await self.kernel.wait(room, poll_s=PUMP_POLL_S, lane="pump" if PUMP_LANE else None)
+            self._room_waited = room if ISSUE_MARKS else None  # (for the pump trace: when room appeared)
             self._retire_completed()
 
     async def _emulated_link_free(self) -> None:
@@ -460,7 +468,7 @@ class TransferEngine:
         queue = self._urgent or self._prefetch
         return queue[0] if queue else None
 
-    def _issue_chunk(self, transfer: Transfer) -> None:
+    def _issue_chunk(self, transfer: Transfer, room: Event | None = None) -> None:
         issued = queued = None
         if ISSUE_MARKS:
             issued = self.backend.record_event(self.stream, timed=True)
@@ -486,7 +494,7 @@ class TransferEngine:
         copied = self.backend.record_event(self.stream, timed=True)
         end = self._emulate_link(transfer, nbytes) or copied
         chunk = _Chunk(nbytes, start, copied, end, issued, transfer.tag[0] if isinstance(transfer.tag, tuple) else None,
-                       transfer.urgent, queued)
+                       transfer.urgent, queued, room)
         self._in_flight.append(chunk)
         if self.chunk_log is not None:
             self.chunk_log.append(chunk)
