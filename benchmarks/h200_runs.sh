@@ -53,8 +53,10 @@
 # copy busy 0.862-0.937; the idle left is `pump`, none `plan`), lane13 (PUMP_LANE: no gain, off; a harder model,
 # acceptance 0.93: 2.19x / 2.12x, copy busy 0.92 / 0.95), poll13 (PUMP_POLL_S: no gain, 0), topup13 (TOP_UP: every
 # prompt 1.6-4.2 % slower, off); results/h200-2026-11-30/thirteenth.
-# Next (thirteenth session's end): the `pump` share (0.03-0.11 of the windows) with a per-chunk trace of the pump's
-# state when the stream runs dry (the cap, the wake-up, the lane and the launch loop are ruled out); bytes per token on
+# Next (thirteenth session's end): the `pump` share (0.03-0.11 of the windows; the cap, the wake-up, the lane and the
+# launch loop are ruled out): read the pump trace that `bench --copy-gaps` now prints (built after the device time was
+# spent, CPU-tested only: did the pump wait for room before each late prefetch, and how long after the room did it
+# issue), e.g. `python -m specter.bench --model /tmp/qwenref --residents 15,8 --systems specter --copy-gaps`; bytes per token on
 # models whose acceptance is below 1 (lane13: at 15 residents specter moved as many bytes per token as ondemand; the
 # TPOT target needs fewer reloads per round there: eviction that keeps next round's experts, or depths the governor
 # sizes to the cache); then the twelfth session's list below.
