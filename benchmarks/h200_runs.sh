@@ -59,7 +59,9 @@
 # issue), e.g. `python -m specter.bench --model /tmp/qwenref --residents 15,8 --systems specter --copy-gaps`; bytes per token on
 # models whose acceptance is below 1 (lane13: at 15 residents specter moved as many bytes per token as ondemand; the
 # TPOT target needs fewer reloads per round there: eviction that keeps next round's experts, or depths the governor
-# sizes to the cache); then the twelfth session's list below.
+# sizes to the cache: record routing traces on the H200, `python -m specter generate --model /tmp/qwenref --trace FILE`
+# on the docs and prose prompts of a model that accepts below 1, and replay eviction and prefetch policies on the CPU,
+# `python -m specter.replay FILE --slots 15`); then the twelfth session's list below.
 # Next (twelfth session's end): the verify is partly host-bound and the host's speed moves from process to process,
 # so A/B every change inside one process (ab_bench --alternate) and quote issue 4's figures from several processes;
 # less host work per verified expert (the segmented expert graph's id fill and staging copy inside the graph, fewer
