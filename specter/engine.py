@@ -595,9 +595,11 @@ class Runtime:
             stats.copy_busy_s += busy_within([(t.start, t.end) for t in times], 0.0, span)
             stats.copy_window_s += span
             if transfer_engine.ISSUE_MARKS:  # (without the marks there is nothing to split)
-                for cause, seconds in (idle_causes(times, span) or {}).items():
-                    stats.copy_idle_s[cause] = stats.copy_idle_s.get(cause, 0.0) + seconds
-                stats.pump_gaps += pump_gaps(times, span)
+                causes = idle_causes(times, span)
+                if causes is not None:  # (the pump trace covers the same windows as the split)
+                    for cause, seconds in causes.items():
+                        stats.copy_idle_s[cause] = stats.copy_idle_s.get(cause, 0.0) + seconds
+                    stats.pump_gaps += pump_gaps(times, span)
 
     def _gpu_mark(self):
         """A timed event on the compute stream (CUDA only; None elsewhere, where host wall time is exact)."""

@@ -352,6 +352,7 @@ def test_copy_gaps_splits_the_copy_idle_time_by_cause(tmp_path, monkeypatch):
     assert (row["pump_gaps"] is None) == (not gaps)
     if gaps:
         assert row["pump_gaps"]["gaps"] == len(gaps) and 0 <= row["pump_gaps"]["waited_for_room"] <= 1
+        assert "Gaps a late prefetch chunk ended" in (out / "results.md").read_text()
 
 
 def test_ab_bench_sets_switches_and_row_config_and_refuses_unknown_names(monkeypatch):

@@ -285,6 +285,32 @@ def test_a_prefetch_chunk_the_pump_waited_room_for_carries_when_that_room_appear
     assert second.room <= second.issued + 1e-6
 
 
+def test_the_pump_trace_records_no_room_for_urgent_chunks_nor_under_a_host_paced_link(rig, monkeypatch):
+    """A room is a prefetch's: an urgent chunk the pump issues (a host-paced link) carries none, and under a host-paced
+    emulation no chunk does (its chunks end at their emulated time, not at the events a room would be read from)."""
+    from specter.experts import transfer
+
+    monkeypatch.setattr(transfer, "ISSUE_MARKS", True)
+    backend, kernel = rig
+    engine = TransferEngine(backend, kernel, chunk_bytes=1 << 30, max_chunks_in_flight=1, link=LinkEmulation(0.5, mode="host"))
+    sources, targets = buffers(3, 2 * MiB)
+
+    async def main():
+        reference = backend.record_event(backend.copy_stream, timed=True)
+        log = engine.start_chunk_log()
+        engine.submit(targets[0], sources[0])
+        engine.submit(targets[1], sources[1])  # waits for room behind the first
+        await asyncio.sleep(0.001)
+        engine.submit(targets[2], sources[2], urgent=True)  # issued by the pump (host-paced), maybe after a room wait
+        await engine.drain()
+        times = engine.chunk_times(log, reference, open_end=0.0)
+        await engine.aclose()
+        return times
+
+    times = run(main())
+    assert len(times) == 3 and all(t.room is None for t in times), [t.room for t in times]
+
+
 def test_every_byte_is_counted_once_and_chunks_are_bounded(rig):
     backend, kernel = rig
     engine = TransferEngine(backend, kernel, chunk_bytes=300_000)

@@ -431,8 +431,9 @@ class TransferEngine:
                 await self._emulated_link_free()
                 transfer = self._next_transfer()  # an urgent miss may have arrived while we waited
                 if transfer is None or (not transfer.urgent and len(self._in_flight) >= self.max_chunks_in_flight):
+                    self._room_waited = None
                     continue  # (a prefetch picked up here must still find room)
-                self._issue_chunk(transfer, room=self._room_waited)
+                self._issue_chunk(transfer, room=None if transfer.urgent else self._room_waited)  # (a room is a prefetch's)
                 self._room_waited = None
                 # Yield after every chunk: when copies finish faster than Python issues them the room check
                 # never suspends, and an urgent miss submitted meanwhile would wait behind the whole queue.
@@ -457,7 +458,9 @@ class TransferEngine:
         while len(self._in_flight) >= self.max_chunks_in_flight:
             room = self._in_flight[0].end
             await self.kernel.wait(room, poll_s=PUMP_POLL_S, lane="pump" if PUMP_LANE else None)
-            self._room_waited = room if ISSUE_MARKS else None  # (for the pump trace: when room appeared)
+            # (the pump trace: when room appeared, on the stream's clock; not with a host-paced emulation, whose
+            # chunks end at their emulated time, not at their events)
+            self._room_waited = room if ISSUE_MARKS and not self.host_paced else None
             self._retire_completed()
 
     async def _emulated_link_free(self) -> None:
