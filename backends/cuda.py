@@ -114,12 +114,15 @@ class CUDABackend:
         return table.data_ptr() + 4 * (value + 1)
 
     def _raw_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> bool:
-        """One cudaMemcpyAsync through cupy when both sides are contiguous and alike (pinned pool -> slot):
-        a few microseconds of host time instead of torch's stream switch and dispatch. False: not taken."""
+        """One cudaMemcpyAsync through cupy when both sides are contiguous and alike, one on this device and the
+        other on the host (pinned pool -> slot, router ids -> pinned buffer): a few microseconds of host time
+        instead of torch's stream switch and dispatch. False: not taken."""
         memcpy = self._memcpy_async
         if memcpy is None or dst.dtype != src.dtype or dst.numel() != src.numel():
             return False
-        if not (dst.is_contiguous() and src.is_contiguous() and dst.device == self.device and src.device.type == "cpu"):
+        if not (dst.is_contiguous() and src.is_contiguous()):
+            return False
+        if not ((dst.device == self.device and src.device.type == "cpu") or (src.device == self.device and dst.device.type == "cpu")):
             return False
         memcpy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
         return True
@@ -129,11 +132,7 @@ class CUDABackend:
         cudaMemcpyAsync: the caller must then keep `dst` alive until the returned event completes (torch's host
         allocator does not know of the copy). `dst` is not checked for being pinned (a driver query per call): a
         pageable one would still be correct, only synchronous."""
-        memcpy = self._memcpy_async
-        if (memcpy is not None and dst.dtype == src.dtype and dst.numel() == src.numel() and dst.is_contiguous()
-                and src.is_contiguous() and src.device == self.device and dst.device.type == "cpu"):
-            memcpy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
-        else:
+        if not self._raw_copy(dst, src, stream):
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
         return CUDAEvent(stream, timed=False)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from specter.experts.transfer import ChunkTimes
@@ -126,6 +126,22 @@ def busy_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> f
 IDLE_CAUSES = ("head", "handover", "issue", "pump", "plan", "slot")
 
 
+def _gaps(chunks: Sequence[ChunkTimes], span: float) -> Iterator[tuple[ChunkTimes | None, float, bool, Any]]:
+    """The copy stream's idle gaps inside [0, span]: (the chunk that ends the gap, where the gap began, whether a
+    chunk ran before it, the layer of the chunk before it), in time order; a last item with chunk None for idle
+    time after the last chunk."""
+    ordered = sorted((c for c in chunks if c.start < span), key=lambda c: c.start)
+    reach, layer, seen = 0.0, None, False
+    for chunk in ordered:
+        if chunk.start > reach:
+            yield chunk, reach, seen, layer
+        if chunk.end > 0:
+            seen = True
+        reach, layer = max(reach, chunk.end), chunk.layer
+    if reach < span:
+        yield None, reach, seen, layer
+
+
 def idle_causes(chunks: Sequence[ChunkTimes], span: float) -> dict[str, float] | None:
     """The copy stream's idle time inside [0, span] split by what held up the chunk that ended each gap.
 
@@ -138,28 +154,23 @@ def idle_causes(chunks: Sequence[ChunkTimes], span: float) -> dict[str, float] |
     chunk that ends a gap lacks its issue mark (`transfer.ISSUE_MARKS` off). Idle time after the last chunk
     (none in the engine's windows, which end at a chunk's end) counts as `head` if no chunk ran, else `issue`.
     """
-    ordered = sorted((c for c in chunks if c.start < span), key=lambda c: c.start)
     causes = dict.fromkeys(IDLE_CAUSES, 0.0)
-    reach, layer, seen = 0.0, None, False
-    for chunk in ordered:
-        if chunk.start > reach:
-            if chunk.issued is None:
-                return None
-            end = min(chunk.start, span)
-            issued = min(max(chunk.issued, reach), end)
-            late = issued - reach
-            if seen and not chunk.urgent and chunk.queued is not None:
-                causes["pump"] += min(late, chunk.queued)
-                causes["plan"] += late - min(late, chunk.queued)
-            else:
-                kind = "head" if not seen else "pump" if not chunk.urgent else ("handover" if chunk.layer != layer else "issue")
-                causes[kind] += late
-            causes["slot"] += end - issued
-        if chunk.end > 0:
-            seen = True
-        reach, layer = max(reach, chunk.end), chunk.layer
-    if reach < span:
-        causes["issue" if seen else "head"] += span - reach
+    for chunk, reach, seen, layer in _gaps(chunks, span):
+        if chunk is None:
+            causes["issue" if seen else "head"] += span - reach
+            continue
+        if chunk.issued is None:
+            return None
+        end = min(chunk.start, span)
+        issued = min(max(chunk.issued, reach), end)
+        late = issued - reach
+        if seen and not chunk.urgent and chunk.queued is not None:
+            causes["pump"] += min(late, chunk.queued)
+            causes["plan"] += late - min(late, chunk.queued)
+        else:
+            kind = "head" if not seen else "pump" if not chunk.urgent else ("handover" if chunk.layer != layer else "issue")
+            causes[kind] += late
+        causes["slot"] += end - issued
     return causes
 
 
@@ -168,17 +179,11 @@ def pump_gaps(chunks: Sequence[ChunkTimes], span: float) -> list[tuple[float, fl
     (seconds from the stream running dry to the chunk's issue, seconds from the room the pump last waited for to
     that issue, or None when the pump did not wait for room before it). A lag much longer than a gap says the pump
     had room long before it issued; None says it was not waiting for room at all."""
-    ordered = sorted((c for c in chunks if c.start < span), key=lambda c: c.start)
     gaps: list[tuple[float, float | None]] = []
-    reach, seen = 0.0, False
-    for chunk in ordered:
-        if chunk.start > reach and seen and not chunk.urgent and chunk.issued is not None and chunk.issued > reach:
-            end = min(chunk.start, span)
-            issued = min(chunk.issued, end)
+    for chunk, reach, seen, _layer in _gaps(chunks, span):
+        if chunk is not None and seen and not chunk.urgent and chunk.issued is not None and chunk.issued > reach:
+            issued = min(chunk.issued, min(chunk.start, span))
             gaps.append((issued - reach, None if chunk.room is None else issued - chunk.room))
-        if chunk.end > 0:
-            seen = True
-        reach = max(reach, chunk.end)
     return gaps
 
 

@@ -153,7 +153,7 @@ async def compute_hot_first(cache: ExpertCache, kernel: Kernel, cache_layer: int
                 except StopAsyncIteration:
                     break
                 if ready is not None:
-                    before = used if used_timed and REUSE_USE_MARKS else backend.record_event(stream, timed=True)
+                    before = used if used_timed else backend.record_event(stream, timed=True)
                     backend.stream_wait(stream, ready)
                     record.device_waits.append((before, backend.record_event(stream, timed=True)))
                 compute(expert, cache.slot_weights(slot))

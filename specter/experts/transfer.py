@@ -352,8 +352,8 @@ class TransferEngine:
     def top_up(self) -> None:
         """Issue queued prefetch chunks while fewer than `max_chunks_in_flight` are on the stream, from the caller
         (TOP_UP): for a caller that runs long without yielding to the loop, where the pump would issue them. No-op
-        with urgent copies queued, with a host-paced link emulation, or with nothing queued (one truth test)."""
-        if not self._prefetch or self._urgent or not TOP_UP or self.host_paced:
+        with urgent copies queued, with a host-paced link emulation, or with nothing queued (off: one truth test)."""
+        if not TOP_UP or not self._prefetch or self._urgent or self.host_paced:
             return
         current = None
         try:
