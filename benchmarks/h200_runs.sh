@@ -599,6 +599,26 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  trace14)        # fourteenth session, first call: every gpu-marked test on a9d26d0's code (the review fixes, the pump
+    # trace and the CUDA raw-copy mend were CPU-checked only), the pump trace's first reading (bench --copy-gaps), and
+    # routing traces of the specter system at 15 and 8 residents (benchmarks/record_traces.py) for the CPU replay:
+    # why a round reloads about what ondemand loads per token when the verify's experts outnumber the slots.
+    # PREDICTIONS: every test passes; the pump trace shows most late prefetch gaps after a wait for room, issued within
+    # 50 us of the room (so the stream, not the pump, ran dry first); traces: the distinct experts per layer per round
+    # exceed the 15 slots in most rounds, and the replay's bytes for plan-protect x topm-frequency land within 25 % of
+    # the measured bytes per token.
+    mkdir -p "$out/logs"
+    train_beside -k "not link_emulation"
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    timeout 150 python benchmarks/record_traces.py --model /tmp/qwenref --residents 15,8 --out "$out/traces" > "$out/logs/traces.log" 2>&1
+    echo "traces rc=$?"
+    timeout 80 python -m specter.bench $common --repeats 2 --residents 15,8 --link native --systems ondemand,specter --copy-gaps \
+      --out "$out/gaps" > "$out/logs/gaps.log" 2>&1
+    echo "gaps rc=$?"
+    timeout 45 python -m pytest -q -m gpu -p no:cacheprovider -k link_emulation > "$out/logs/gpu-emu.log" 2>&1
+    tail -1 "$out/logs/gpu-emu.log"
+    tar czf "$out/trace14.tgz" -C "$out" logs traces gaps 2>/dev/null
+    print_summaries gaps; tail -4 "$out/logs/traces.log"; grep -A14 -i "pump" "$out/logs/gaps.log" | tail -30 ;;
   topup13)        # after poll13 (PUMP_POLL_S 1 ms against 0: `pump` 0.099 -> 0.104 at 15 residents, 0.032 -> 0.032 at 8:
     # the pump's wake-up is not it either; lane and poll both leave it). Guess: the pump task is not run at all while
     # the verify launches a layer's experts without yielding (about a millisecond), and the stream drains meanwhile.

@@ -1,0 +1,65 @@
+"""Record routing traces of the `specter` bench system on a checkpoint's prompts, for `python -m specter.replay`.
+
+One engine per cache size (`--residents 15,8`); its prompts (the checkpoint's prompts.json, as the bench takes
+them) run one after another from the cache the previous one left, each round written to
+`OUT/trace-r{N}.jsonl`. `OUT/stats-r{N}.json` keeps each request's measured stats (H2D bytes per token,
+acceptance, rounds), the figures a replay of the same trace is checked against.
+
+    python benchmarks/record_traces.py --model /tmp/qwenref --residents 15,8 --out traces
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from specter.bench.protocol import checkpoint_prompts
+from specter.config import EngineConfig, GenerationConfig
+from specter.engine import Runtime
+from specter.kernel import run
+from specter.model.checkpoint import Checkpoint
+
+
+async def record(model: Path, residents: int, out: Path, per_kind: int, max_new_tokens: int, k_max: int) -> list[dict]:
+    checkpoint = Checkpoint(model)
+    spec = checkpoint.spec
+    checkpoint.close()
+    prompts = checkpoint_prompts(model, spec.vocab_size, per_kind)
+    config = EngineConfig.build(residents=residents, eviction="plan-protect", prefetch="topm-frequency",
+                                lookahead="roofline", draft=dict(k_max=k_max))
+    runtime = await Runtime.load(model, config)
+    rows = []
+    try:
+        await runtime.complete_ids(prompts[0].ids, GenerationConfig(max_new_tokens=16))  # warm-up, not traced
+        runtime.record_trace(out / f"trace-r{residents}.jsonl")
+        for prompt in prompts:
+            result = await runtime.complete_ids(prompt.ids, GenerationConfig(max_new_tokens=max_new_tokens))
+            stats = result.stats.as_dict()
+            rows.append({"kind": prompt.kind, "index": prompt.index, **{key: stats.get(key) for key in (
+                "new_tokens", "rounds", "acceptance_rate", "mean_accepted_length", "window_recall", "h2d_bytes",
+                "h2d_bytes_per_token", "tpot_s", "copy_busy_fraction")}})
+            print(residents, prompt.kind, prompt.index, rows[-1]["h2d_bytes_per_token"], rows[-1]["acceptance_rate"],
+                  rows[-1]["tpot_s"], flush=True)
+    finally:
+        await runtime.aclose()
+    (out / f"stats-r{residents}.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--residents", default="15,8", help="comma-separated cache slots per layer")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--per-kind", type=int, default=2, help="prompts per kind (as bench --prompts-per-kind)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--k-max", type=int, default=15)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for residents in (int(n) for n in args.residents.split(",")):
+        run(record(args.model, residents, args.out, args.per_kind, args.max_new_tokens, args.k_max))
+
+
+if __name__ == "__main__":
+    main()
