@@ -107,8 +107,10 @@ def alternate(settings: str | list[str]) -> str:
 
 
 def compare(out: str) -> list[str]:
-    """Per cell and variant: median TPOT, copy busy and idle shares, acceptance, from results.json."""
+    """Per cell and variant: median TPOT, copy busy and idle shares, acceptance, decode bytes, from results.json."""
     import statistics
+
+    from specter.bench.report import decode_mb_per_token
     from pathlib import Path
 
     runs = json.loads((Path(out) / "results.json").read_text())["runs"]
@@ -128,6 +130,7 @@ def compare(out: str) -> list[str]:
                      f", copy busy {sum(r['copy_busy_s'] for r in group) / window if window else float('nan'):.3f}"
                      f", idle {({c: round(s / window, 3) for c, s in idle.items()} if window else {})}"
                      f", acceptance {sum(r.get('accepted', 0) for r in group) / drafted if drafted else float('nan'):.3f}"
+                     f", decode MB/tok {decode_mb_per_token(group)}"
                      f", equal {all(r['tokens_equal'] for r in group)}")
     lines += paired(runs)
     return lines

@@ -599,6 +599,33 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  window14)       # after trace14 (every gpu-marked test passed on a9d26d0, 215; a model accepting 0.953: specter 2.42x /
+    # 2.29x ondemand, below 2.5x; the pump trace: 30-35 % of the late prefetch gaps came after a wait for room, issued
+    # 1.6-2.0 ms (p50) after it; the CPU replay of its routing traces: the verify's rolling window, when a round wants
+    # more experts than the slots, gives every hot expert's slot to a miss (and the misses left then take as many used
+    # slots as they need at once), so the experts the next round wants most are evicted and prefetched again).
+    # cache.ROLL_HOT_WINDOW = 2, now the default: the misses hold at most 2 slots at once, the rest roll through slots
+    # the eviction policy frees (plan-protect keeps the planned hot ones). Replay of trace14 (plan-protect x
+    # topm-frequency): 24.4 -> 22.8 GB at 15 residents (-6.6 %), 47.8 -> 41.4 GB at 8 (-13 %). A/B in one process,
+    # then traces with each round's recorded bytes (the replay against the engine), then issue 4's figures.
+    # PREDICTIONS: tests pass; decode MB/token -5-8 % at 15 residents and -9-14 % at 8 with the window; TPOT per
+    # prompt -3-6 % at 15 and -6-11 % at 8; copy busy within 0.02; every token equal to the baseline; the replay's
+    # bytes within 15 % of each trace's recorded bytes; specter >= 2.5x ondemand at 15 and 8 residents.
+    mkdir -p "$out/logs"
+    train_beside tests/test_gpu_transfer.py tests/test_gpu_segmented.py -k "not link_emulation"
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    timeout 110 python benchmarks/ab_bench.py --alternate "specter.experts.cache.ROLL_HOT_WINDOW=2|null" -- $common \
+      --repeats 4 --residents 15,8 --link native --systems specter --out "$out/window-ab" > "$out/logs/window-ab.log" 2>&1
+    echo "window-ab rc=$?"
+    timeout 80 python benchmarks/record_traces.py --model /tmp/qwenref --residents 15,8 --out "$out/traces" > "$out/logs/traces.log" 2>&1
+    echo "traces rc=$?"
+    for n in 15 8; do python -m specter.replay "$out/traces/trace-r$n.jsonl" --link 55 --eviction plan-protect \
+      --prefetch topm-frequency 2>/dev/null; done
+    timeout 90 python -m specter.bench $common --repeats 3 --residents 15,8 --link native --systems ondemand,specter \
+      --out "$out/final-a" > "$out/logs/final-a.log" 2>&1
+    echo "final-a rc=$?"
+    tar czf "$out/window14.tgz" -C "$out" logs window-ab traces final-a 2>/dev/null
+    print_summaries final-a; tail -8 "$out/logs/window-ab.log" ;;
   trace14)        # fourteenth session, first call: every gpu-marked test on a9d26d0's code (the review fixes, the pump
     # trace and the CUDA raw-copy mend were CPU-checked only), the pump trace's first reading (bench --copy-gaps), and
     # routing traces of the specter system at 15 and 8 residents (benchmarks/record_traces.py) for the CPU replay:

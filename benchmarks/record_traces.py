@@ -38,8 +38,8 @@ async def record(model: Path, residents: int, out: Path, per_kind: int, max_new_
             stats = result.stats.as_dict()
             rows.append({"kind": prompt.kind, "index": prompt.index, **{key: stats.get(key) for key in (
                 "new_tokens", "rounds", "acceptance_rate", "mean_accepted_length", "window_recall", "h2d_bytes",
-                "h2d_bytes_per_token", "tpot_s", "copy_busy_fraction")}})
-            print(residents, prompt.kind, prompt.index, rows[-1]["h2d_bytes_per_token"], rows[-1]["acceptance_rate"],
+                "h2d_bytes_per_token", "h2d_prefill_bytes", "h2d_decode_bytes_per_token", "tpot_s", "copy_busy_fraction")}})
+            print(residents, prompt.kind, prompt.index, rows[-1]["h2d_decode_bytes_per_token"], rows[-1]["acceptance_rate"],
                   rows[-1]["tpot_s"], flush=True)
     finally:
         await runtime.aclose()

@@ -287,6 +287,7 @@ class Runtime:
         started = time.perf_counter()
         first = await self._prefill(prompt, params, stats)
         stats.ttft_s = time.perf_counter() - started
+        stats.h2d_prefill_bytes = self._bytes_loaded() - stats.h2d_bytes_at_start
         produced = [first]
         stats.token_times.append(time.perf_counter())
         stats.new_tokens = 1
@@ -670,7 +671,8 @@ class Runtime:
         if self.trace is not None:
             used = [record.used.get(layer, []) for layer in self.spec.moe_layers]
             self.trace.write_round(TraceRound.from_arrays(stats.rounds, k, acceptance.n_accepted,
-                                                          self.estimates.draft_step_s or 0.0, counts, used))
+                                                          self.estimates.draft_step_s or 0.0, counts, used,
+                                                          loaded_bytes=self._bytes_loaded() - self._round_bytes_at_start))
 
     def _observe_scout_recall(self, record, stats: RequestStats) -> None:
         """A scout's recall, kept apart from the window's (one step ahead of its own token; no trace round)."""

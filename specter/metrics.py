@@ -33,6 +33,7 @@ class RequestStats:
     misses: int = 0
     h2d_bytes: int = 0  # copied host-to-device during this request
     h2d_bytes_at_start: int = 0  # the cache's running total when the request started
+    h2d_prefill_bytes: int = 0  # of h2d_bytes, those copied before the first token (the prompt's forward)
     stall_s: float = 0.0
     recall_hits: int = 0  # |draft-predicted ∩ target-used| summed over layers and rounds
     recall_total: int = 0  # |target-used| summed likewise
@@ -50,6 +51,11 @@ class RequestStats:
         if len(self.token_times) < 2:
             return 0.0
         return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def h2d_decode_bytes_per_token(self) -> float:
+        """H2D bytes after the first token per token after it: the bytes that go with `tpot_s`."""
+        return (self.h2d_bytes - self.h2d_prefill_bytes) / (self.new_tokens - 1) if self.new_tokens > 1 else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -107,6 +113,8 @@ class RequestStats:
             "window_recall": round(self.window_recall, 4), "hits": self.hits, "misses": self.misses,
             "hit_rate": round(self.hit_rate, 4), "h2d_bytes": self.h2d_bytes,
             "h2d_bytes_per_token": round(self.h2d_bytes / self.new_tokens, 1) if self.new_tokens else 0.0,
+            "h2d_prefill_bytes": self.h2d_prefill_bytes,
+            "h2d_decode_bytes_per_token": round(self.h2d_decode_bytes_per_token, 1),
             "stall_s": round(self.stall_s, 6),
             "copy_busy_fraction": None if self.copy_busy_fraction is None else round(self.copy_busy_fraction, 4),
         }

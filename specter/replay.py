@@ -100,6 +100,19 @@ class CacheModel:
         residents.append(expert)
         return True
 
+    def victims_among(self, layer: int, among: Sequence[int], count: int, plan: Plan | None) -> list[int]:
+        """`count` victims the policy picks among `among` alone (every other resident protected)."""
+        if count <= 0:
+            return []
+        others = frozenset(e for e in self.residents[layer] if e not in among)
+        return list(self.eviction.victims(layer=layer, residents=tuple(self.residents[layer]), protected=others,
+                                          count=count, history=self.history(layer), plan=plan))
+
+    def replace(self, layer: int, victim: int, expert: int) -> None:
+        """Load `expert` into `victim`'s slot."""
+        self.residents[layer].remove(victim)
+        self.residents[layer].append(expert)
+
     def use(self, layer: int, expert: int) -> None:
         self.clock += 1
         self.last_use[layer][expert] = self.clock
@@ -123,13 +136,16 @@ def replay(
     link_gbps: float = DEFAULT_LINK_GBPS,
     *,
     slots_per_layer: int | None = None,
+    roll: int | str = "engine",
 ) -> ReplayResult:
     """Replay `rounds` through one policy pair (objects, or installed names) with a cache starting empty.
 
     Per round: at each of prefetch's checkpoints, plan from the round's predicted counts scaled to the
     steps done (the trace keeps only the round's totals) and load the plan layer by layer, protecting it;
-    then each layer's verify uses its experts hot first, loading misses on demand.
+    then each layer's verify uses its experts hot first, loading misses on demand through a rolling window
+    (`roll`, see `_verify_round`; "engine": as the engine's switches are set now, `engine_roll()`).
     """
+    roll = engine_roll() if roll == "engine" else roll
     eviction = _as_policy("eviction", eviction)
     prefetch = _as_policy("prefetch", prefetch)
     slots = slots_per_layer or header.slots_per_layer
@@ -139,7 +155,7 @@ def replay(
     for trace_round in rounds:
         timing = LinkTiming(bandwidth, trace_round.draft_step_s, header.expert_bytes)
         plan, prefetched = _prefetch_round(cache, trace_round, header, prefetch, timing)
-        _verify_round(cache, trace_round, plan, prefetched, tally)
+        _verify_round(cache, trace_round, plan, prefetched, tally, roll)
         hidden_bytes = trace_round.k * trace_round.draft_step_s * bandwidth
         tally.stall_s += max(0.0, len(prefetched) * header.expert_bytes - hidden_bytes) / bandwidth
     tally.stall_s += tally.misses * header.expert_bytes / bandwidth
@@ -155,6 +171,13 @@ def replay(
         miss_bytes=tally.misses * header.expert_bytes,
         stall_s=tally.stall_s,
     )
+
+
+def engine_roll() -> int:
+    """The engine's rolling window as `_verify_round`'s `roll` (-1: no limit)."""
+    from specter.experts import cache
+
+    return -1 if cache.ROLL_HOT_WINDOW is None else cache.ROLL_HOT_WINDOW
 
 
 def _as_policy(group: str, policy: Any) -> Any:
@@ -185,22 +208,118 @@ def _prefetch_round(
 
 
 def _verify_round(
-    cache: CacheModel, trace_round: TraceRound, plan: Plan | None, prefetched: set[tuple[int, int]], tally: _Tally
+    cache: CacheModel,
+    trace_round: TraceRound,
+    plan: Plan | None,
+    prefetched: set[tuple[int, int]],
+    tally: _Tally,
+    roll: int = -1,
 ) -> None:
-    """Walk the target's used experts layer by layer: hits first (hot first), then misses on demand."""
+    """Walk the target's used experts layer by layer: hits first (hot first), then misses on demand.
+
+    As the engine's rolling window (`specter.experts.cache`): the misses that fit in free slots or in the slots of
+    residents the layer does not use start first; then hot experts give their slots to the waiting misses, chosen
+    by the eviction policy among the hot ones, until the misses hold `roll` slots (`ROLL_HOT_WINDOW`; -1: every
+    waiting miss takes one while any is left); each miss left takes a slot the policy frees once used.
+    """
     tally.prefetched_experts += len(prefetched)
     for layer, routes in enumerate(trace_round.layers):
         used = list(dict.fromkeys(routes.used))  # one verify pass pays for each expert once
         hits = [expert for expert in used if cache.is_resident(layer, expert)]
+        misses = [expert for expert in used if expert not in hits]
+        fits = cache.slots_per_layer - len(hits)  # free slots and those of residents this layer does not use
+        doomed: list[int] = []
+        if len(misses) > fits and hits:
+            wanted = len(misses) - fits if roll < 0 else max(0, roll - fits)
+            doomed = cache.victims_among(layer, hits, min(wanted, len(misses) - fits, len(hits)), plan)
         for expert in hits:
             cache.use(layer, expert)
             tally.prefetched_used += (layer, expert) in prefetched
-        for expert in used:
-            if expert not in hits:
+        for index, expert in enumerate(misses):
+            if index < fits:
+                cache.load(layer, expert, frozenset(hits), plan)
+            elif index - fits < len(doomed):
+                cache.replace(layer, doomed[index - fits], expert)
+            else:
                 cache.load(layer, expert, frozenset(), plan)
-                cache.use(layer, expert)
+            cache.use(layer, expert)
         tally.hits += len(hits)
-        tally.misses += len(used) - len(hits)
+        tally.misses += len(misses)
+
+
+def engine_roll() -> int:
+    """The engine's rolling window as `_verify_round`'s `roll` (-1: no limit)."""
+    from specter.experts import cache
+
+    return -1 if cache.ROLL_HOT_WINDOW is None else cache.ROLL_HOT_WINDOW
+
+
+def _as_policy(group: str, policy: Any) -> Any:
+    return load_policy(group, policy) if isinstance(policy, str) else guarded(policy, group)
+
+
+def _prefetch_round(
+    cache: CacheModel, trace_round: TraceRound, header: TraceHeader, prefetch: PrefetchPolicy, timing: LinkTiming
+) -> tuple[Plan | None, set[tuple[int, int]]]:
+    """Run the round's checkpoints; return the last plan and the (layer, expert) pairs it loaded."""
+    k, plan, prefetched = trace_round.k, None, set()
+    if k < 1:
+        return None, prefetched
+    round_counts = trace_round.predicted_counts(header.num_experts)  # [L, E]
+    for steps_done in prefetch.checkpoints(k=k, timing=timing):
+        plan = prefetch.plan(
+            route_counts=round_counts * (steps_done / k),
+            resident=cache.resident_mask(header.num_experts),
+            steps_done=steps_done,
+            k=k,
+            timing=timing,
+            slots_per_layer=cache.slots_per_layer,
+        )
+        for layer in sorted(plan.experts):
+            planned = frozenset(plan.experts[layer])
+            prefetched |= {(layer, e) for e in plan.experts[layer] if cache.load(layer, e, planned, plan)}
+    return plan, prefetched
+
+
+def _verify_round(
+    cache: CacheModel,
+    trace_round: TraceRound,
+    plan: Plan | None,
+    prefetched: set[tuple[int, int]],
+    tally: _Tally,
+    roll: int | None = None,
+) -> None:
+    """Walk the target's used experts layer by layer: hits first (hot first), then misses on demand.
+
+    As the engine's rolling window (`specter.experts.cache`): the misses that fit in free slots or in the slots of
+    residents the layer does not use start first; with `roll` (the window's size, `ROLL_HOT_WINDOW`; -1: no
+    limit), hot experts give their slots to the waiting misses until the window holds `roll` slots, chosen by the
+    eviction policy among the hot ones; the rest take slots the policy frees among every resident once used.
+    `roll=None` models no roll into hot slots.
+    """
+    tally.prefetched_experts += len(prefetched)
+    for layer, routes in enumerate(trace_round.layers):
+        used = list(dict.fromkeys(routes.used))  # one verify pass pays for each expert once
+        hits = [expert for expert in used if cache.is_resident(layer, expert)]
+        misses = [expert for expert in used if expert not in hits]
+        fits = cache.slots_per_layer - len(hits)  # free slots and those of residents this layer does not use
+        doomed: list[int] = []
+        if roll is not None and len(misses) > fits and hits:
+            wanted = len(misses) - fits if roll < 0 else max(0, roll - fits)
+            doomed = cache.victims_among(layer, hits, min(wanted, len(misses) - fits, len(hits)), plan)
+        for expert in hits:
+            cache.use(layer, expert)
+            tally.prefetched_used += (layer, expert) in prefetched
+        for index, expert in enumerate(misses):
+            if index < fits:
+                cache.load(layer, expert, frozenset(hits), plan)
+            elif index - fits < len(doomed):
+                cache.replace(layer, doomed[index - fits], expert)
+            else:
+                cache.load(layer, expert, frozenset(), plan)
+            cache.use(layer, expert)
+        tally.hits += len(hits)
+        tally.misses += len(misses)
 
 
 def replay_all(
@@ -211,6 +330,7 @@ def replay_all(
     slots_per_layer: int | None = None,
     evictions: Sequence[str] | None = None,
     prefetches: Sequence[str] | None = None,
+    roll: int | str = "engine",
 ) -> tuple[list[ReplayResult], list[str]]:
     """Replay every pair of the named (default: all allowed, installed) policies; results sorted by stall.
 
@@ -223,7 +343,8 @@ def replay_all(
     for eviction in eviction_names:
         for prefetch in prefetch_names:  # fresh policy objects per pair: policies may keep state
             try:
-                results.append(replay(header, rounds, eviction, prefetch, link_gbps, slots_per_layer=slots_per_layer))
+                results.append(replay(header, rounds, eviction, prefetch, link_gbps, slots_per_layer=slots_per_layer,
+                                      roll=roll))
             except SpecterError as exc:
                 skipped.append(f"{eviction} x {prefetch}: {exc}")
     results.sort(key=lambda result: (result.stall_s, result.eviction, result.prefetch))
@@ -262,6 +383,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=None, help="cache slots per layer (default: the trace header's)")
     parser.add_argument("--eviction", default=None, help="comma-separated eviction plug-ins (default: all installed)")
     parser.add_argument("--prefetch", default=None, help="comma-separated prefetch plug-ins (default: all installed)")
+    parser.add_argument("--roll", type=_roll, default="engine", metavar="W|all|engine",
+                        help="the verify's rolling window: a layer's waiting misses hold at most W slots at once (hot "
+                             "experts give theirs only up to it); all: no limit; engine: as the engine is set (the default)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     if args.link <= 0 or (args.slots is not None and args.slots < 1):
@@ -270,13 +394,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         header, rounds = read_trace(args.trace)
         evictions, prefetches = _names(args.eviction), _names(args.prefetch)
         results, skipped = replay_all(
-            header, rounds, args.link, slots_per_layer=args.slots, evictions=evictions, prefetches=prefetches
+            header, rounds, args.link, slots_per_layer=args.slots, evictions=evictions, prefetches=prefetches,
+            roll=args.roll,
         )
     except SpecterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    _print_results(header, results, skipped, args)
+    _print_results(header, rounds, results, skipped, args)
     return 0 if results else 1
+
+
+def _roll(text: str) -> int | str:
+    named = {"all": -1, "engine": "engine"}
+    if text in named:
+        return named[text]
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a window size >= 0, all or engine")
+    return int(text)
+
+
+def recorded_bytes(rounds: Sequence[TraceRound]) -> int | None:
+    """What the recording engine moved over the rounds (their `loaded_bytes`); None unless every round says."""
+    loaded = [trace_round.loaded_bytes for trace_round in rounds]
+    return None if not loaded or None in loaded else sum(loaded)
 
 
 def _names(csv: str | None) -> list[str] | None:
@@ -284,15 +424,23 @@ def _names(csv: str | None) -> list[str] | None:
 
 
 def _print_results(
-    header: TraceHeader, results: list[ReplayResult], skipped: list[str], args: argparse.Namespace
+    header: TraceHeader, rounds: Sequence[TraceRound], results: list[ReplayResult], skipped: list[str],
+    args: argparse.Namespace,
 ) -> None:
+    recorded = recorded_bytes(rounds)
+    roll = engine_roll() if args.roll == "engine" else args.roll
     if args.json:
         slots = args.slots or header.slots_per_layer
-        report = {"model": header.model, "link_gbps": args.link, "slots_per_layer": slots, "skipped": skipped}
+        report = {"model": header.model, "link_gbps": args.link, "slots_per_layer": slots, "roll": roll,
+                  "recorded_h2d_bytes": recorded, "skipped": skipped}
         report["results"] = [result.to_json() for result in results]
         print(json.dumps(report, indent=1))
     else:
-        print(f"{header.model}: {header.num_layers} layers x {header.num_experts} experts, link {args.link} GB/s")
+        window = "no limit" if roll < 0 else roll
+        print(f"{header.model}: {header.num_layers} layers x {header.num_experts} experts, link {args.link} GB/s, "
+              f"rolling window {window}")
+        if recorded is not None:
+            print(f"the recording engine moved {recorded / 1e9:.3f} GB over these {len(rounds)} rounds")
         print(format_table(results))
     for reason in skipped:
         print(f"skipped {reason}", file=sys.stderr)

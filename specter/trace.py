@@ -17,7 +17,8 @@ Then one line per decode round::
      "layers": [{"predicted": {"<expert>": count, ...}, "used": [expert, ...]}, ...]}
 
 `k` is the draft depth (0: plain decode), `accepted` the accepted draft tokens (0..k), `draft_step_s` the
-seconds one draft step took. `layers` has exactly L entries in layer order: `predicted` maps expert id
+seconds one draft step took. Optional: `loaded_bytes`, the H2D bytes the engine moved in the round (its
+prefetches and its verify's misses), for checking a replay against the run that recorded the trace. `layers` has exactly L entries in layer order: `predicted` maps expert id
 (a JSON key, so a string) to the draft's top-k hits on it over the round's k steps (zero counts may be
 left out); `used` lists the distinct experts the target's verify pass used at that layer, in the order it
 first used them. Unknown keys are ignored, so version 1 may grow optional fields.
@@ -78,6 +79,8 @@ class TraceRound:
     accepted: int
     draft_step_s: float
     layers: list[LayerRoutes]
+    loaded_bytes: int | None = None
+    """The H2D bytes the recording engine moved in this round; None where the trace does not say."""
 
     @classmethod
     def from_arrays(
@@ -88,13 +91,14 @@ class TraceRound:
         draft_step_s: float,
         route_counts: np.ndarray,  # [L, E]
         used: Iterable[Iterable[int]],
+        loaded_bytes: int | None = None,
     ) -> TraceRound:
         """Build a round from the draft's `[L, E]` route counters and the target's per-layer used experts."""
         layers = [
             LayerRoutes({int(e): float(row[e]) for e in np.flatnonzero(row)}, [int(e) for e in layer_used])
             for row, layer_used in zip(np.asarray(route_counts), used, strict=True)
         ]
-        return cls(round=round, k=k, accepted=accepted, draft_step_s=draft_step_s, layers=layers)
+        return cls(round=round, k=k, accepted=accepted, draft_step_s=draft_step_s, layers=layers, loaded_bytes=loaded_bytes)
 
     def predicted_counts(self, num_experts: int) -> np.ndarray:
         """The predicted counts as a dense `[L, E]` float array."""
@@ -110,6 +114,8 @@ class TraceRound:
             for r in self.layers
         ]
         scalars = {"round": self.round, "k": self.k, "accepted": self.accepted, "draft_step_s": self.draft_step_s}
+        if self.loaded_bytes is not None:
+            scalars["loaded_bytes"] = self.loaded_bytes
         return {**scalars, "layers": layers}
 
 
@@ -195,7 +201,10 @@ def _round_from_json(obj: dict[str, Any], header: TraceHeader) -> TraceRound:
     draft_step_s = float(obj["draft_step_s"])
     if not draft_step_s >= 0:
         raise ValueError(f"draft_step_s={draft_step_s} must be >= 0")
-    return TraceRound(round=int(obj["round"]), k=k, accepted=accepted, draft_step_s=draft_step_s, layers=routes)
+    loaded = obj.get("loaded_bytes")
+    loaded_bytes = None if loaded is None else _int_at_least(loaded, "loaded_bytes", 0)
+    return TraceRound(round=int(obj["round"]), k=k, accepted=accepted, draft_step_s=draft_step_s, layers=routes,
+                      loaded_bytes=loaded_bytes)
 
 
 def _layer_from_json(obj: Any, layer: int, num_experts: int) -> LayerRoutes:

@@ -65,6 +65,10 @@ def test_h2d_bytes_are_per_request(tiny):
 
     first, second, lifetime = run(main())
     assert 0 < first.h2d_bytes and 0 < second.h2d_bytes and first.h2d_bytes + second.h2d_bytes <= lifetime
+    # The prompt's forward loads from a cold cache; the decode's bytes per token leave those out.
+    assert 0 < first.h2d_prefill_bytes < first.h2d_bytes
+    assert first.h2d_decode_bytes_per_token == (first.h2d_bytes - first.h2d_prefill_bytes) / (first.new_tokens - 1)
+    assert first.as_dict()["h2d_prefill_bytes"] == first.h2d_prefill_bytes
 
 
 def test_text_prompt_and_await_form(tiny):

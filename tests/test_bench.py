@@ -49,6 +49,11 @@ def test_matrix_records_protocol_and_machine(matrix):
     offloaded = [run for run in results["runs"] if run["system"] != "resident"]
     assert all(run["link"] == "1" and run["setting"] == "residents=6" for run in offloaded)
     assert any(run["h2d_bytes"] > 0 for run in offloaded)
+    assert all(0 <= run["h2d_prefill_bytes"] <= run["h2d_bytes"] for run in offloaded)
+    for row in results["summary"]:  # decode bytes per token: each run's bytes after its first token, per token after it
+        cell = [run for run in results["runs"] if (run["system"], run["setting"]) == (row["system"], row["setting"])]
+        decode = sum(run["h2d_bytes"] - run["h2d_prefill_bytes"] for run in cell) / sum(run["new_tokens"] - 1 for run in cell)
+        assert row["h2d_decode_mb_per_token"] == pytest.approx(decode / 1e6, abs=1e-3)
     drafting = [run for run in results["runs"] if run["system"] == "specmoeoff"]  # fixed k=3: always drafts
     assert drafting and all(run["drafted"] > 0 and 0 < run["recall_hits"] <= run["recall_total"] for run in drafting)
     table = (out / "results.md").read_text()

@@ -219,6 +219,38 @@ def test_iter_ready_yields_residents_first_and_rolls_through_more_experts_than_s
     assert rig.cache.stats.layers[0].hits == 2 and rig.cache.stats.layers[0].misses == 2 + 4
 
 
+@pytest.mark.parametrize("window, kept", [(None, {0, 1, 2}), (1, {4, 5, 2}), (0, {4, 5, 2})])
+def test_the_roll_window_keeps_the_hot_experts_the_policy_keeps(monkeypatch, window, kept):
+    """A layer that wants twice its slots: with no window every hot expert gives its slot to a miss; with a window
+    the misses roll through that many slots and the hot experts the policy prefers stay for the next round."""
+    from specter.experts import cache as cache_module
+
+    def keep_four_and_five(layer, residents, protected, count):  # plan-protect-like: 4 and 5 are the planned ones
+        free = [e for e in residents if e not in protected]
+        return sorted(free, key=lambda e: e in (4, 5))[:count]
+
+    monkeypatch.setattr(cache_module, "ROLL_INTO_HOT", True)
+    monkeypatch.setattr(cache_module, "ROLL_HOT_WINDOW", window)
+    rig = Rig(chooser=keep_four_and_five)
+    try:
+        async def main() -> list[int]:
+            await rig.load_residents(0, [3, 4, 5])
+            order = []
+            async for expert, slot in rig.cache.iter_ready(0, [3, 4, 5, 0, 1, 2]):
+                order.append(expert)
+                rig.read(0, expert, slot)
+            await rig.close()
+            return order
+
+        order = run(main())
+        assert sorted(order) == list(range(6)) and set(order[:3]) == {3, 4, 5}
+        assert set(rig.cache.lru_order(0)) == kept
+        assert rig.bad_reads == []
+        assert rig.cache.stats.layers[0].hits == 3 and rig.cache.stats.layers[0].misses == 3 + 3
+    finally:
+        rig.shutdown()
+
+
 def test_iter_ready_starts_the_misses_before_it_hands_out_the_residents(rig):
     async def main() -> list[int]:
         await rig.load_residents(0, [4, 5])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from importlib.metadata import EntryPoint
 
@@ -11,7 +12,7 @@ import pytest
 from policies.eviction import LRU, BeladyLookahead, PlanProtect
 from policies.prefetch import NoPrefetch, TopMFrequency
 from specter import plugins
-from specter.replay import main, replay, replay_all
+from specter.replay import main, recorded_bytes, replay, replay_all
 from specter.trace import LayerRoutes, TraceError, TraceHeader, TraceRound, TraceWriter, read_trace
 
 EXPERT_BYTES = 10_000_000
@@ -66,6 +67,18 @@ def test_trace_round_trips_through_a_file(tmp_path):
     assert first_line["format"] == "specter-trace" and first_line["version"] == 1
 
 
+def test_a_rounds_recorded_bytes_round_trip_and_add_up(tmp_path):
+    path = tmp_path / "loaded.jsonl"
+    rounds = [dataclasses.replace(r, loaded_bytes=(r.round + 1) * EXPERT_BYTES) for r in rotating_rounds(3)]
+    with TraceWriter(path, HEADER) as writer:
+        for trace_round in rounds:
+            writer.write_round(trace_round)
+    _, read_back = read_trace(path)
+    assert read_back == rounds and recorded_bytes(read_back) == 6 * EXPERT_BYTES
+    assert recorded_bytes(rotating_rounds(3)) is None  # older traces do not say
+    assert recorded_bytes(rotating_rounds(2) + rounds) is None  # nor does a trace where some rounds do not
+
+
 def test_round_from_arrays_keeps_nonzero_counts():
     counts = np.array([[0, 2, 0, 1], [3, 0, 0, 0]], dtype=float)
     trace_round = TraceRound.from_arrays(0, 3, 1, 0.02, counts, [[1, 3], [0]])
@@ -85,6 +98,7 @@ GOOD_ROUND = {"round": 0, "k": 2, "accepted": 1, "draft_step_s": 0.01, "layers":
         (json.dumps({**GOOD_ROUND, "layers": [{"predicted": {"9": 1}, "used": []}]}), "expert id '9'"),
         (json.dumps({**GOOD_ROUND, "layers": [{"predicted": {}, "used": [-1]}]}), "expert id -1"),
         (json.dumps({key: v for key, v in GOOD_ROUND.items() if key != "k"}), "missing key 'k'"),
+        (json.dumps({**GOOD_ROUND, "loaded_bytes": -5}), "loaded_bytes"),
     ],
 )
 def test_malformed_rounds_are_reported_with_their_line(tmp_path, bad_line, complaint):
@@ -168,6 +182,24 @@ def test_belady_keeps_a_scored_expert_the_plan_left_out():
     assert misses == {"lru": 4 * 3, "plan-protect": 4 * 3, "belady-lookahead": 4 * 2}
 
 
+def test_a_roll_window_keeps_the_planned_hot_experts_for_the_next_round():
+    # Two slots. Round 1 loads the planned 0 and 1. Round 2 wants them and three misses: with no window both hot
+    # experts give their slots to misses; with a window of one slot, plan-protect keeps one planned expert
+    # (the misses roll through the other slot), so round 3, which wants 0 and 1 again, loads one expert, not two.
+    header = TraceHeader("toy", 1, 16, EXPERT_BYTES, 2, 2)
+    hot = {0: 5.0, 1: 5.0}
+    rounds = [
+        TraceRound(0, 2, 2, 0.0, [LayerRoutes(hot, [0, 1])]),
+        TraceRound(1, 4, 4, 0.0, [LayerRoutes({**hot, 2: 1.0, 3: 1.0, 4: 1.0}, [0, 1, 2, 3, 4])]),
+        TraceRound(2, 2, 2, 0.0, [LayerRoutes(hot, [0, 1])]),
+    ]
+    unlimited = replay(header, rounds, PlanProtect(), TopMFrequency(), link_gbps=1.0, roll=-1)
+    window = replay(header, rounds, PlanProtect(), TopMFrequency(), link_gbps=1.0, roll=1)
+    assert (unlimited.misses, unlimited.prefetched_experts) == (3, 2 + 2)
+    assert (window.misses, window.prefetched_experts) == (3, 2 + 1)
+    assert window.h2d_bytes == unlimited.h2d_bytes - EXPERT_BYTES
+
+
 def test_slots_override_the_header():
     rounds = rotating_rounds(4)
     assert replay(HEADER, rounds, LRU(), NoPrefetch(), slots_per_layer=8).hits == 0  # all first uses
@@ -189,9 +221,10 @@ def test_cli_prints_a_table_and_json(tmp_path, capsys, reference_plugins):
     with TraceWriter(path, HEADER) as writer:
         for trace_round in rotating_rounds(4):
             writer.write_round(trace_round)
-    assert main([str(path), "--link", "1"]) == 0
+    assert main([str(path), "--link", "1", "--roll", "2"]) == 0
     table = capsys.readouterr().out
     assert "plan-protect" in table and "topm-frequency" in table and "stall s" in table
+    assert "rolling window 2" in table and "recording engine" not in table  # the toy rounds record no bytes
     assert main([str(path), "--json", "--eviction", "lru", "--prefetch", "none,topm-frequency"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [(r["eviction"], r["prefetch"]) for r in report["results"]] == [("lru", "topm-frequency"), ("lru", "none")]
@@ -205,5 +238,8 @@ def test_cli_reports_a_bad_trace_and_unknown_plugins(tmp_path, capsys, reference
     good = tmp_path / "good.jsonl"
     with TraceWriter(good, HEADER) as writer:
         writer.write_round(rotating_rounds(1)[0])
+    with pytest.raises(SystemExit):
+        main([str(good), "--roll", "wide"])
+    assert "expected a window size" in capsys.readouterr().err
     assert main([str(good), "--eviction", "nope"]) == 1
     assert "installed: lru, plan-protect" in capsys.readouterr().err

@@ -25,7 +25,8 @@ COLUMNS = (
     ("model", "model"), ("setting", "setting"), ("link", "link"), ("system", "system"),
     ("tpot_ms", "TPOT ms"), ("ttft_ms", "TTFT ms"), ("x_ondemand", "x ondemand"), ("x_specmoeoff", "x specmoeoff"),
     ("x_oracle", "x oracle"), ("acceptance", "accept"), ("accepted_length", "acc len"), ("window_recall", "recall"),
-    ("hit_rate", "hit rate"), ("h2d_mb_per_token", "H2D MB/tok"), ("stall_ms_per_token", "stall ms/tok"),
+    ("hit_rate", "hit rate"), ("h2d_mb_per_token", "H2D MB/tok"), ("h2d_decode_mb_per_token", "decode MB/tok"),
+    ("stall_ms_per_token", "stall ms/tok"),
     ("copy_busy", "copy busy"), ("peak_gib", "peak GiB"), ("tokens_equal", "= baseline"),
 )
 
@@ -115,6 +116,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "scout_recall": round(sum(r.get("scout_recall_hits", 0) for r in runs) / scout_total, 4) if scout_total else None,
         "hit_rate": round(hits / lookups, 4) if lookups else None,
         "h2d_mb_per_token": round(sum(r["h2d_bytes"] for r in runs) / tokens / 1e6, 3),
+        "h2d_decode_mb_per_token": decode_mb_per_token(runs),
         "stall_ms_per_token": round(1e3 * sum(r["stall_s"] for r in runs) / tokens, 3),
         "copy_busy": round(sum(r.get("copy_busy_s", 0.0) for r in runs) / copy_window, 4) if copy_window else None,
         "copy_idle": _copy_idle(runs, copy_window),
@@ -206,6 +208,15 @@ def _copy_idle(runs: Sequence[dict], copy_window: float) -> dict[str, float] | N
         for cause, seconds in (run.get("copy_idle_s") or {}).items():
             causes[cause] += seconds
     return {cause: round(seconds / copy_window, 4) for cause, seconds in causes.items()} if causes and copy_window else None
+
+
+def decode_mb_per_token(runs: Sequence[dict]) -> float | None:
+    """H2D MB per token after the first (the prompt's loads left out: the bytes that go with TPOT); None for runs
+    recorded before the prefill's bytes were kept apart."""
+    if any("h2d_prefill_bytes" not in r for r in runs):
+        return None
+    tokens = sum(max(0, r["new_tokens"] - 1) for r in runs)
+    return round(sum(r["h2d_bytes"] - r["h2d_prefill_bytes"] for r in runs) / tokens / 1e6, 3) if tokens else None
 
 
 def _pump_gaps(runs: Sequence[dict]) -> dict[str, float] | None:

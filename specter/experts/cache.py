@@ -51,6 +51,15 @@ launches of the residents no longer hold the copy stream idle once the misses th
 residents 3.415 -> 3.528 ms, 0.852 -> 0.842. (Its first form asked the policy once per launched resident, 10-38 us
 per guarded call: one call per layer is cheaper.)"""
 
+ROLL_HOT_WINDOW: int | None = 2
+"""The most slots a layer's waiting misses hold at once in the rolling window (those that fit at the start count):
+with `ROLL_INTO_HOT`, hot experts give their slots to waiting misses only up to it, and each later miss starts in
+a slot the eviction policy frees among the experts already used (at least one at a time), so the hot experts the
+policy keeps stay for the next round. None: every waiting miss takes a hot expert's slot while any is left, then
+the misses left take as many used slots as they need at once (the policy picks which, but must pick that many),
+which on a round that needs more experts than the layer has slots evicts the hot ones, the experts the next round
+is likeliest to want (`python -m specter.replay TRACE --roll W` models both)."""
+
 VictimChooser = Callable[[int, Sequence[int], Set[int], int], list[int]]
 """choose_victims(layer, residents (least recently used first), protected, count) -> experts to evict."""
 
@@ -265,10 +274,14 @@ class ExpertCache:
                 self.stats.layers[layer].hits += 1
             # Misses that fit in free or evictable slots start now, before the reader launches the resident
             # experts' compute: the copy stream works while the host launches.
-            waiting = self._start_what_fits(layer, [e for e in wanted if e not in hot], owned, landed, on_issue)
+            absent = [e for e in wanted if e not in hot]
+            waiting = self._start_what_fits(layer, absent, owned, landed, on_issue)
             doomed: set[int] = set()
             if waiting and hot and ROLL_INTO_HOT:  # one victim choice among the residents for the misses left
-                chosen = self._victims(layer, len(waiting), among=hot)
+                count = len(waiting)
+                if ROLL_HOT_WINDOW is not None:  # the misses already in slots count towards the window
+                    count = min(count, max(0, ROLL_HOT_WINDOW - (len(absent) - len(waiting))))
+                chosen = self._victims(layer, count, among=hot) if count else []
                 doomed = set(chosen)
                 hot = chosen + [expert for expert in hot if expert not in doomed]  # handed out first
             for expert in hot:
@@ -532,8 +545,11 @@ class ExpertCache:
         """Load `waiting` experts through the layer's free/evictable slots, yielding each (and those already in
         `owned` and started) as its copy lands, or with `on_issue` as its copy is fully on the copy stream."""
         while waiting or owned:
-            waiting = self._start_what_fits(layer, waiting, owned, landed, on_issue)
-            if landed.empty() and waiting and not self._loading_among(owned):
+            limit = None if ROLL_HOT_WINDOW is None else max(0 if owned else 1, ROLL_HOT_WINDOW - len(owned))
+            waiting = self._start_what_fits(layer, waiting, owned, landed, on_issue, limit)
+            # An owned expert is always announced on `landed` (as it lands, or is issued): wait for it. Only with
+            # none owned can the rest wait on room that may never come.
+            if landed.empty() and waiting and not owned:
                 if not self._room_can_appear(layer, list(owned.values())):
                     raise BudgetError(f"layer {layer}: no slot can be freed for experts {waiting}; raise the budget")
                 await self._capacity_changed(layer)
@@ -545,8 +561,9 @@ class ExpertCache:
             yield expert, slot
 
     def _start_what_fits(self, layer: int, waiting: list[int], owned: _Owned, landed: asyncio.Queue[int],
-                         on_issue: bool = False) -> list[int]:
-        """Pin in-flight or start loads for as many waiting experts as slots allow; return the rest."""
+                         on_issue: bool = False, limit: int | None = None) -> list[int]:
+        """Pin in-flight or start loads for as many waiting experts as slots allow (at most `limit` new loads);
+        return the rest."""
         absent = []
         for expert in waiting:  # first pin the ones already mapped, so that no victim is chosen among them
             slot = self._residents[layer].get(expert)
@@ -560,7 +577,8 @@ class ExpertCache:
             else:  # landed while we were busy with earlier experts
                 self.stats.layers[layer].hits += 1
             self._own(slot, expert, owned, landed, on_issue)
-        room = self._make_room(layer, len(absent)) if absent else []  # one victim choice for all of them
+        wanted = len(absent) if limit is None else min(len(absent), limit)
+        room = self._make_room(layer, wanted) if wanted else []  # one victim choice for all of them
         for expert, slot in zip(absent, room):
             self._start_load(layer, expert, slot, urgent=True)
             self.stats.layers[layer].misses += 1
@@ -610,9 +628,6 @@ class ExpertCache:
         ready = transfer.ready_event()
         assert ready is not None, f"expert {expert} handed out before its copy was issued"
         return ready
-
-    def _loading_among(self, owned: dict[int, Slot]) -> bool:
-        return any(slot.state is SlotState.LOADING for slot in owned.values())
 
     # -- internals: bookkeeping ------------------------------------------------------------------------
 
