@@ -599,6 +599,27 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  fifo14)         # after window14 (ROLL_HOT_WINDOW 2 against no window, one process, a model accepting 1.0: decode MB/token
+    # 56.2 -> 49.6 at 15 residents (-11.7 %), 108.8 -> 99.2 at 8 (-8.8 %), as the replay predicted; TPOT per prompt
+    # 0.949x at 15, at 8 about 1.0x once one request's hiccup (4.69 ms) is left out; copy busy fell 0.86 -> 0.81 and
+    # 0.93 -> 0.84 while the verify windows kept their length at 8: the host, not the link, paced those windows. A
+    # later miss asked the eviction plug-in for its slot, one guarded call per miss (10-38 us each, measured in the
+    # twelfth session), where the unlimited window made one call per layer). Now each later miss takes the slot of the
+    # layer's miss handed out first, without a policy call (the replay: the same bytes). A/B in one process with the
+    # idle split, then issue 4's figures (Gen5 15 / 8, Gen4 15).
+    # PREDICTIONS: tests pass; decode MB/token -8-12 % at both sizes as in window14; copy busy within 0.03 of the
+    # unlimited window's; TPOT per prompt -4-8 % at 15 and -3-7 % at 8; every token equal; specter >= 2.5x ondemand.
+    mkdir -p "$out/logs"
+    train_beside tests/test_gpu_transfer.py tests/test_gpu_segmented.py -k "not link_emulation"
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    timeout 120 python benchmarks/ab_bench.py --alternate "specter.experts.cache.ROLL_HOT_WINDOW=2|null" -- $common \
+      --repeats 4 --residents 15,8 --link native --systems specter --copy-gaps --out "$out/fifo-ab" > "$out/logs/fifo-ab.log" 2>&1
+    echo "fifo-ab rc=$?"
+    fig() { name=$1; shift; timeout "$@" > "$out/logs/$name.log" 2>&1; echo "$name rc=$?"; }
+    fig final-a 90 python -m specter.bench $common --repeats 3 --residents 15,8 --link native --systems ondemand,specter --out "$out/final-a"
+    fig final-gen4 75 python -m specter.bench $common --repeats 3 --residents 15 --link gen4 --systems ondemand,specter --out "$out/final-gen4"
+    tar czf "$out/fifo14.tgz" -C "$out" logs fifo-ab final-a final-gen4 2>/dev/null
+    print_summaries final-a final-gen4; tail -8 "$out/logs/fifo-ab.log" ;;
   window14)       # after trace14 (every gpu-marked test passed on a9d26d0, 215; a model accepting 0.953: specter 2.42x /
     # 2.29x ondemand, below 2.5x; the pump trace: 30-35 % of the late prefetch gaps came after a wait for room, issued
     # 1.6-2.0 ms (p50) after it; the CPU replay of its routing traces: the verify's rolling window, when a round wants

@@ -6,6 +6,7 @@ CLI: `python -m specter.replay TRACE [--link GBPS] [--slots S] [--eviction a,b] 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 from collections.abc import Sequence
@@ -219,8 +220,9 @@ def _verify_round(
 
     As the engine's rolling window (`specter.experts.cache`): the misses that fit in free slots or in the slots of
     residents the layer does not use start first; then hot experts give their slots to the waiting misses, chosen
-    by the eviction policy among the hot ones, until the misses hold `roll` slots (`ROLL_HOT_WINDOW`; -1: every
-    waiting miss takes one while any is left); each miss left takes a slot the policy frees once used.
+    by the eviction policy among the hot ones, until the misses hold `roll` slots (`ROLL_HOT_WINDOW`); each miss
+    left takes the slot of the layer's oldest miss. With `roll` -1 (no window) every waiting miss takes a hot
+    expert's slot while any is left, and the rest take slots the policy frees.
     """
     tally.prefetched_experts += len(prefetched)
     for layer, routes in enumerate(trace_round.layers):
@@ -235,11 +237,14 @@ def _verify_round(
         for expert in hits:
             cache.use(layer, expert)
             tally.prefetched_used += (layer, expert) in prefetched
+        rolled = collections.deque(misses)  # the window's slots, oldest miss first
         for index, expert in enumerate(misses):
-            if index < fits:
-                cache.load(layer, expert, frozenset(hits), plan)
+            if index < fits:  # the engine pins the misses it starts: they cannot take each other's slots
+                cache.load(layer, expert, frozenset(hits + misses[:index]), plan)
             elif index - fits < len(doomed):
                 cache.replace(layer, doomed[index - fits], expert)
+            elif roll >= 0 and rolled and cache.is_resident(layer, rolled[0]):
+                cache.replace(layer, rolled.popleft(), expert)
             else:
                 cache.load(layer, expert, frozenset(), plan)
             cache.use(layer, expert)
@@ -310,11 +315,14 @@ def _verify_round(
         for expert in hits:
             cache.use(layer, expert)
             tally.prefetched_used += (layer, expert) in prefetched
+        rolled = collections.deque(misses)  # the window's slots, oldest miss first
         for index, expert in enumerate(misses):
-            if index < fits:
-                cache.load(layer, expert, frozenset(hits), plan)
+            if index < fits:  # the engine pins the misses it starts: they cannot take each other's slots
+                cache.load(layer, expert, frozenset(hits + misses[:index]), plan)
             elif index - fits < len(doomed):
                 cache.replace(layer, doomed[index - fits], expert)
+            elif roll >= 0 and rolled and cache.is_resident(layer, rolled[0]):
+                cache.replace(layer, rolled.popleft(), expert)
             else:
                 cache.load(layer, expert, frozenset(), plan)
             cache.use(layer, expert)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 from collections.abc import Sequence, Set
@@ -247,6 +248,32 @@ def test_the_roll_window_keeps_the_hot_experts_the_policy_keeps(monkeypatch, win
         assert set(rig.cache.lru_order(0)) == kept
         assert rig.bad_reads == []
         assert rig.cache.stats.layers[0].hits == 3 and rig.cache.stats.layers[0].misses == 3 + 3
+    finally:
+        rig.shutdown()
+
+
+def test_room_comes_from_the_oldest_recycled_expert_before_the_policy():
+    """The rolling window's later misses take the slot of the layer's miss handed out first (`recycle`), not the one
+    the policy would choose (the miss just launched: a copy into its slot would wait on the device for its compute);
+    while the oldest is still held by the reader, the policy chooses."""
+    def highest_id(layer, residents, protected, count):
+        return sorted((e for e in residents if e not in protected), reverse=True)[:count]
+
+    rig = Rig(chooser=highest_id)
+    try:
+        async def main() -> None:
+            await rig.load_residents(0, [0, 1, 2])
+            recycle = collections.deque([1, 2])
+            assert len(rig.cache._make_room(0, 1, recycle)) == 1  # the policy alone would evict 2
+            assert rig.cache.lru_order(0) == [0, 2] and list(recycle) == [2]
+            rig.cache._residents[0][0].pins += 1  # the reader still holds expert 0
+            recycle = collections.deque([0, 2])
+            assert len(rig.cache._make_room(0, 2, recycle)) == 2  # the slot freed above, then the policy's choice
+            assert rig.cache.lru_order(0) == [0] and list(recycle) == [0, 2]
+            rig.cache._residents[0][0].pins -= 1
+            await rig.close()
+
+        run(main())
     finally:
         rig.shutdown()
 

@@ -22,6 +22,7 @@ Loads go through the transfer engine; eviction choices are delegated to an injec
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 from collections import OrderedDict
@@ -54,8 +55,9 @@ per guarded call: one call per layer is cheaper.)"""
 ROLL_HOT_WINDOW: int | None = 2
 """The most slots a layer's waiting misses hold at once in the rolling window (those that fit at the start count):
 with `ROLL_INTO_HOT`, hot experts give their slots to waiting misses only up to it, and each later miss starts in
-a slot the eviction policy frees among the experts already used (at least one at a time), so the hot experts the
-policy keeps stay for the next round. None: every waiting miss takes a hot expert's slot while any is left, then
+the slot of the layer's miss handed out first (once the reader has used it; else in a slot the eviction policy
+frees), at least one at a time, so the hot experts stay for the next round, and a copy waits on the device for the
+compute of a miss handed out a window earlier, not for the one just launched. None: every waiting miss takes a hot expert's slot while any is left, then
 the misses left take as many used slots as they need at once (the policy picks which, but must pick that many),
 which on a round that needs more experts than the layer has slots evicts the hot ones, the experts the next round
 is likeliest to want (`python -m specter.replay TRACE --roll W` models both)."""
@@ -437,9 +439,17 @@ class ExpertCache:
             slot.state is SlotState.LOADING or (slot.pins and slot.index not in ours) for slot in self._layer_slots(layer)
         )
 
-    def _make_room(self, layer: int, count: int) -> list[Slot]:
-        """Up to `count` slots of `layer` ready for a new load: free ones first, then evicted victims."""
+    def _make_room(self, layer: int, count: int, recycle: collections.deque[int] | None = None) -> list[Slot]:
+        """Up to `count` slots of `layer` ready for a new load: free ones first, then those of the experts in
+        `recycle` (oldest first, while the oldest is used and unprotected), then victims the policy chooses."""
         room = [slot for slot in self._layer_slots(layer) if slot.state is SlotState.FREE][:count]
+        while recycle and len(room) < count:
+            slot = self._residents[layer].get(recycle[0])
+            if slot is not None and slot.state is SlotState.RESIDENT and (slot.pins or recycle[0] in self._protected[layer]):
+                break  # the oldest is not used yet: the policy chooses instead
+            expert = recycle.popleft()
+            if slot is not None and slot.state is SlotState.RESIDENT:  # else gone already (a reset): skip it
+                room.append(self._evict(layer, expert))
         if len(room) < count:
             room += [self._evict(layer, expert) for expert in self._victims(layer, count - len(room))]
         return room
@@ -544,9 +554,10 @@ class ExpertCache:
                         on_issue: bool) -> AsyncIterator[tuple[int, Slot]]:
         """Load `waiting` experts through the layer's free/evictable slots, yielding each (and those already in
         `owned` and started) as its copy lands, or with `on_issue` as its copy is fully on the copy stream."""
+        rolled: collections.deque[int] | None = None if ROLL_HOT_WINDOW is None else collections.deque()
         while waiting or owned:
             limit = None if ROLL_HOT_WINDOW is None else max(0 if owned else 1, ROLL_HOT_WINDOW - len(owned))
-            waiting = self._start_what_fits(layer, waiting, owned, landed, on_issue, limit)
+            waiting = self._start_what_fits(layer, waiting, owned, landed, on_issue, limit, rolled)
             # An owned expert is always announced on `landed` (as it lands, or is issued): wait for it. Only with
             # none owned can the rest wait on room that may never come.
             if landed.empty() and waiting and not owned:
@@ -558,12 +569,15 @@ class ExpertCache:
             slot = owned[expert]
             if not on_issue:
                 await self._until_landed(slot, expert)
+            if rolled is not None:  # a later miss of the layer takes the slot of the miss handed out first
+                rolled.append(expert)
             yield expert, slot
 
     def _start_what_fits(self, layer: int, waiting: list[int], owned: _Owned, landed: asyncio.Queue[int],
-                         on_issue: bool = False, limit: int | None = None) -> list[int]:
-        """Pin in-flight or start loads for as many waiting experts as slots allow (at most `limit` new loads);
-        return the rest."""
+                         on_issue: bool = False, limit: int | None = None,
+                         recycle: collections.deque[int] | None = None) -> list[int]:
+        """Pin in-flight or start loads for as many waiting experts as slots allow (at most `limit` new loads,
+        in slots of the experts in `recycle` first, see `_make_room`); return the rest."""
         absent = []
         for expert in waiting:  # first pin the ones already mapped, so that no victim is chosen among them
             slot = self._residents[layer].get(expert)
@@ -578,7 +592,7 @@ class ExpertCache:
                 self.stats.layers[layer].hits += 1
             self._own(slot, expert, owned, landed, on_issue)
         wanted = len(absent) if limit is None else min(len(absent), limit)
-        room = self._make_room(layer, wanted) if wanted else []  # one victim choice for all of them
+        room = self._make_room(layer, wanted, recycle) if wanted else []  # one victim choice for all of them
         for expert, slot in zip(absent, room):
             self._start_load(layer, expert, slot, urgent=True)
             self.stats.layers[layer].misses += 1
