@@ -599,6 +599,22 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  final14)        # the fourteenth session's final code (ROLL_HOT_WINDOW 2 with the oldest miss's slot recycled), a second
+    # process after fifo14 (A/B in one process: decode MB/token -7.0 % / -3.4 % at 15 / 8 residents, TPOT per prompt
+    # 0.927x / 0.989x, copy busy 0.887 -> 0.887 / 0.943 -> 0.929; figures: specter 3.17x / 2.51x ondemand, Gen4 3.02x):
+    # every gpu-marked test beside the training (the link-emulation tests alone, last), issue 4's figures, the idle
+    # split and the pump trace.
+    # PREDICTIONS: every test passes; specter >= 2.5x ondemand at 15 and 8 residents; copy busy >= 0.85; every token
+    # equal to the baseline.
+    mkdir -p "$out/logs"
+    train_beside -k "not link_emulation"
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    fig() { name=$1; shift; timeout "$@" > "$out/logs/$name.log" 2>&1; echo "$name rc=$?"; }
+    fig final-b 90 python -m specter.bench $common --repeats 3 --residents 15,8 --link native --systems ondemand,specter --out "$out/final-b"
+    fig gaps 60 python -m specter.bench $common --repeats 2 --residents 15,8 --link native --systems specter --copy-gaps --out "$out/gaps"
+    fig gpu-emu 45 python -m pytest -q -m gpu -p no:cacheprovider -k link_emulation
+    tar czf "$out/final14.tgz" -C "$out" logs final-b gaps 2>/dev/null
+    print_summaries final-b gaps; tail -1 "$out/logs/gpu-emu.log"; grep -A6 "late prefetch" "$out/logs/gaps.log" | tail -4 ;;
   fifo14)         # after window14 (ROLL_HOT_WINDOW 2 against no window, one process, a model accepting 1.0: decode MB/token
     # 56.2 -> 49.6 at 15 residents (-11.7 %), 108.8 -> 99.2 at 8 (-8.8 %), as the replay predicted; TPOT per prompt
     # 0.949x at 15, at 8 about 1.0x once one request's hiccup (4.69 ms) is left out; copy busy fell 0.86 -> 0.81 and
