@@ -599,6 +599,20 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  recheck14)      # after final14 (every GPU test passed, 215; a model accepting 0.989: specter 2.66x / 2.88x ondemand, copy
+    # busy 0.794 / 0.805, below the 0.85 target, with more hand-over idle (0.076 / 0.106) than fifo14's model): is it
+    # the window? The fifo14 A/B again on a fresh model, with the idle split.
+    # PREDICTIONS: decode MB/token -3-12 % with the window; copy busy within 0.03 of no window; TPOT per prompt
+    # 0.90-1.00x; every token equal.
+    mkdir -p "$out/logs"
+    timeout 200 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
+    tail -1 "$out/logs/train-qwen.log"
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    timeout 120 python benchmarks/ab_bench.py --alternate "specter.experts.cache.ROLL_HOT_WINDOW=2|null" -- $common \
+      --repeats 4 --residents 15,8 --link native --systems specter --copy-gaps --out "$out/recheck-ab" > "$out/logs/recheck-ab.log" 2>&1
+    echo "recheck-ab rc=$?"
+    tar czf "$out/recheck14.tgz" -C "$out" logs recheck-ab 2>/dev/null
+    tail -8 "$out/logs/recheck-ab.log" ;;
   final14)        # the fourteenth session's final code (ROLL_HOT_WINDOW 2 with the oldest miss's slot recycled), a second
     # process after fifo14 (A/B in one process: decode MB/token -7.0 % / -3.4 % at 15 / 8 residents, TPOT per prompt
     # 0.927x / 0.989x, copy busy 0.887 -> 0.887 / 0.943 -> 0.929; figures: specter 3.17x / 2.51x ondemand, Gen4 3.02x):
