@@ -53,6 +53,20 @@
 # copy busy 0.862-0.937; the idle left is `pump`, none `plan`), lane13 (PUMP_LANE: no gain, off; a harder model,
 # acceptance 0.93: 2.19x / 2.12x, copy busy 0.92 / 0.95), poll13 (PUMP_POLL_S: no gain, 0), topup13 (TOP_UP: every
 # prompt 1.6-4.2 % slower, off); results/h200-2026-11-30/thirteenth.
+# Done 2026-11-30, fourteenth session: trace14 (every GPU test passed on a9d26d0; routing traces of a model accepting
+# 0.953, specter 2.42x / 2.29x ondemand; the replay: the rolling window evicted the hot experts on rounds wanting more
+# experts than slots; the pump trace: most late prefetch chunks never waited for room, the rest were issued ~2 ms after
+# it), window14 (cache.ROLL_HOT_WINDOW 2: decode MB/token -11.7 % / -8.8 %, TPOT 0.949x at 15 residents, at 8 the host
+# paced the verify: a policy call per miss), fifo14 (later misses take the oldest miss's slot, no policy call: decode
+# MB/token -7.0 % / -3.4 %, TPOT 0.927x / 0.989x; figures 3.17x / 2.51x, Gen4 3.02x), final14 (every GPU test passed;
+# 2.66x / 2.88x, copy busy 0.79 / 0.81), recheck14 (another model: -10.3 % / -7.3 % bytes, TPOT 0.953x / 0.972x, copy
+# busy -0.04 / -0.06, more hand-over idle); results/h200-2026-11-30/fourteenth.
+# Next (fourteenth session's end): the pump task runs milliseconds late while prefetch chunks wait (final14: 92-97 %
+# of late chunks never waited for room; p50 ~2 ms from room to issue): find what holds the loop thread (the verify's
+# launch loop, the draft's) and issue prefetch chunks from there or from a thread; the hand-over idle the window
+# exposes (0.05-0.11): queue the next layer's predicted misses before its router (the draft's routes name them); the
+# replay's offline bound is 35-40 % below the engine's bytes at 15 residents (821 against 1317 loads on trace14):
+# retention across rounds (keep the experts next used soonest) is the lever left for bytes; then the older list.
 # Next (thirteenth session's end): the `pump` share (0.03-0.11 of the windows; the cap, the wake-up, the lane and the
 # launch loop are ruled out): read the pump trace that `bench --copy-gaps` now prints (built after the device time was
 # spent, CPU-tested only: did the pump wait for room before each late prefetch, and how long after the room did it
