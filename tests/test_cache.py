@@ -204,17 +204,22 @@ def rig():
     rig.shutdown()
 
 
-def test_iter_ready_yields_residents_first_and_rolls_through_more_experts_than_slots(rig):
+def roll_through(rig: Rig, residents: list[int], wanted: list[int]) -> list[int]:
+    """Make `residents` resident in layer 0, read `wanted` through iter_ready, close; the order they came in."""
     async def main() -> list[int]:
-        await rig.load_residents(0, [4, 5])
+        await rig.load_residents(0, residents)
         order = []
-        async for expert, slot in rig.cache.iter_ready(0, [0, 1, 5, 2, 3, 4]):
+        async for expert, slot in rig.cache.iter_ready(0, wanted):
             order.append(expert)
             rig.read(0, expert, slot)
         await rig.close()
         return order
 
-    order = run(main())
+    return run(main())
+
+
+def test_iter_ready_yields_residents_first_and_rolls_through_more_experts_than_slots(rig):
+    order = roll_through(rig, [4, 5], [0, 1, 5, 2, 3, 4])
     assert set(order[:2]) == {4, 5} and sorted(order) == list(range(6))  # residents first (in the order they give way)
     assert rig.bad_reads == []
     assert rig.cache.stats.layers[0].hits == 2 and rig.cache.stats.layers[0].misses == 2 + 4
@@ -234,16 +239,7 @@ def test_the_roll_window_keeps_the_hot_experts_the_policy_keeps(monkeypatch, win
     monkeypatch.setattr(cache_module, "ROLL_HOT_WINDOW", window)
     rig = Rig(chooser=keep_four_and_five)
     try:
-        async def main() -> list[int]:
-            await rig.load_residents(0, [3, 4, 5])
-            order = []
-            async for expert, slot in rig.cache.iter_ready(0, [3, 4, 5, 0, 1, 2]):
-                order.append(expert)
-                rig.read(0, expert, slot)
-            await rig.close()
-            return order
-
-        order = run(main())
+        order = roll_through(rig, [3, 4, 5], [3, 4, 5, 0, 1, 2])
         assert sorted(order) == list(range(6)) and set(order[:3]) == {3, 4, 5}
         assert set(rig.cache.lru_order(0)) == kept
         assert rig.bad_reads == []
