@@ -57,11 +57,14 @@
 # 0.953, specter 2.42x / 2.29x ondemand; the replay: the rolling window evicted the hot experts on rounds wanting more
 # experts than slots; the pump trace: most late prefetch chunks never waited for room, the rest were issued ~2 ms after
 # it), window14 (cache.ROLL_HOT_WINDOW 2: decode MB/token -11.7 % / -8.8 %, TPOT 0.949x at 15 residents, at 8 the host
-# paced the verify: a policy call per miss), fifo14 (later misses take the oldest miss's slot, no policy call: decode
-# MB/token -7.0 % / -3.4 %, TPOT 0.927x / 0.989x; figures 3.17x / 2.51x, Gen4 3.02x), final14 (every GPU test passed;
+# paced the verify: a policy call per miss), fifo14 (later misses take the oldest miss's slot, no policy call, where
+# it has landed: on CUDA it rarely has, a review found after the device time, so the policy still chose most slots;
+# decode MB/token -7.0 % / -3.4 %, TPOT 0.927x / 0.989x; figures 3.17x / 2.51x, Gen4 3.02x), final14 (every GPU test passed;
 # 2.66x / 2.88x, copy busy 0.79 / 0.81), recheck14 (another model: -10.3 % / -7.3 % bytes, TPOT 0.953x / 0.972x, copy
 # busy -0.04 / -0.06, more hand-over idle); results/h200-2026-11-30/fourteenth.
-# Next (fourteenth session's end): the pump task runs milliseconds late while prefetch chunks wait (final14: 92-97 %
+# Next (fourteenth session's end): on CUDA the window's later misses mostly still ask the policy for a slot (the oldest
+# miss is still loading when handed out on issue): recycle a loading slot too (its copy and the next are ordered on
+# the copy stream, the next waits on the device for the oldest's compute) and A/B it; the pump task runs milliseconds late while prefetch chunks wait (final14: 92-97 %
 # of late chunks never waited for room; p50 ~2 ms from room to issue): find what holds the loop thread (the verify's
 # launch loop, the draft's) and issue prefetch chunks from there or from a thread; the hand-over idle the window
 # exposes (0.05-0.11): queue the next layer's predicted misses before its router (the draft's routes name them); the

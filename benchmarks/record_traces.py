@@ -2,8 +2,10 @@
 
 One engine per cache size (`--residents 15,8`); its prompts (the checkpoint's prompts.json, as the bench takes
 them) run one after another from the cache the previous one left, each round written to
-`OUT/trace-r{N}.jsonl`. `OUT/stats-r{N}.json` keeps each request's measured stats (H2D bytes per token,
-acceptance, rounds), the figures a replay of the same trace is checked against.
+`OUT/trace-r{N}.jsonl`. Each traced round (one that drafted) carries the bytes the engine moved in it
+(`loaded_bytes`, which `python -m specter.replay` prints beside its own figure). `OUT/stats-r{N}.json` keeps each
+request's stats (H2D bytes with the prompt's forward apart, acceptance, rounds): whole requests, so their bytes
+include rounds that did not draft and the prompt's loads.
 
     python benchmarks/record_traces.py --model /tmp/qwenref --residents 15,8 --out traces
 """

@@ -1,6 +1,8 @@
 """Replay a routing trace on the CPU through eviction x prefetch policy pairs; compare hits, bytes and stall.
 
-CLI: `python -m specter.replay TRACE [--link GBPS] [--slots S] [--eviction a,b] [--prefetch a,b] [--json]`.
+CLI: `python -m specter.replay TRACE [--link GBPS] [--slots S] [--eviction a,b] [--prefetch a,b] [--roll W|all]
+[--json]`. The rolling window is modelled as on the engine's host-waiting path (`iter_ready`: later misses recycle
+the oldest miss's slot); on CUDA the engine's policy picks most of those slots (see `cache.ROLL_HOT_WINDOW`).
 """
 
 from __future__ import annotations
@@ -175,7 +177,8 @@ def replay(
 
 
 def engine_roll() -> int:
-    """The engine's rolling window as `_verify_round`'s `roll` (-1: no limit)."""
+    """The engine's rolling window as `_verify_round`'s `roll` (-1: no limit), with `ROLL_INTO_HOT` on (the
+    default; the replay does not model it off)."""
     from specter.experts import cache
 
     return -1 if cache.ROLL_HOT_WINDOW is None else cache.ROLL_HOT_WINDOW

@@ -67,8 +67,29 @@ def test_h2d_bytes_are_per_request(tiny):
     assert 0 < first.h2d_bytes and 0 < second.h2d_bytes and first.h2d_bytes + second.h2d_bytes <= lifetime
     # The prompt's forward loads from a cold cache; the decode's bytes per token leave those out.
     assert 0 < first.h2d_prefill_bytes < first.h2d_bytes
-    assert first.h2d_decode_bytes_per_token == (first.h2d_bytes - first.h2d_prefill_bytes) / (first.new_tokens - 1)
     assert first.as_dict()["h2d_prefill_bytes"] == first.h2d_prefill_bytes
+
+
+def test_prefill_bytes_are_the_first_tokens_and_traced_rounds_carry_their_bytes(tiny, tmp_path):
+    from specter.replay import recorded_bytes
+    from specter.trace import read_trace
+
+    config = EngineConfig(device="cpu", residents=2, lookahead="fixed", draft=dict(k=3))
+
+    async def main():
+        async with Engine.from_pretrained(tiny, config) as engine:
+            one = await engine.complete(PROMPT, max_new_tokens=1)
+            engine.runtime.record_trace(tmp_path / "t.jsonl")
+            many = await engine.complete(PROMPT, max_new_tokens=12)
+            return one.stats, many.stats
+
+    one, many = run(main())
+    assert one.new_tokens == 1 and one.h2d_prefill_bytes == one.h2d_bytes > 0 and one.h2d_decode_bytes_per_token == 0
+    _, rounds = read_trace(tmp_path / "t.jsonl")
+    assert rounds and all(r.k == 3 and r.loaded_bytes is not None and r.loaded_bytes >= 0 for r in rounds)
+    # every round of this request drafts, so the traced rounds' bytes are its bytes after the first token (less a
+    # prefetch that lands between a round's end and the next round's start, counted in neither)
+    assert 0 < recorded_bytes(rounds) <= many.h2d_bytes - many.h2d_prefill_bytes
 
 
 def test_text_prompt_and_await_form(tiny):

@@ -250,8 +250,7 @@ def test_the_roll_window_keeps_the_hot_experts_the_policy_keeps(monkeypatch, win
 
 def test_room_comes_from_the_oldest_recycled_expert_before_the_policy():
     """The rolling window's later misses take the slot of the layer's miss handed out first (`recycle`), not the one
-    the policy would choose (the miss just launched: a copy into its slot would wait on the device for its compute);
-    while the oldest is still held by the reader, the policy chooses."""
+    the policy would choose, with no policy call; while the oldest is still held by the reader, the policy chooses."""
     def highest_id(layer, residents, protected, count):
         return sorted((e for e in residents if e not in protected), reverse=True)[:count]
 

@@ -54,10 +54,11 @@ per guarded call: one call per layer is cheaper.)"""
 
 ROLL_HOT_WINDOW: int | None = 2
 """The most slots a layer's waiting misses hold at once in the rolling window (those that fit at the start count):
-with `ROLL_INTO_HOT`, hot experts give their slots to waiting misses only up to it, and each later miss starts in
-the slot of the layer's miss handed out first (once the reader has used it; else in a slot the eviction policy
-frees), at least one at a time, so the hot experts stay for the next round, and a copy waits on the device for the
-compute of a miss handed out a window earlier, not for the one just launched. None: every waiting miss takes a hot expert's slot while any is left, then
+with `ROLL_INTO_HOT`, hot experts give their slots to waiting misses only up to it, and each later miss starts (at
+least one at a time) in the slot of the layer's miss handed out first once the reader has used it and its copy has
+landed, else in a slot the eviction policy frees among the used residents (so, with plan-protect, an unplanned miss's
+before a planned hot expert's): the hot experts the policy keeps stay for the next round. On CUDA the reader takes a
+miss as soon as its copy is issued, so there the policy makes most of these choices, one call per later miss. None: every waiting miss takes a hot expert's slot while any is left, then
 the misses left take as many used slots as they need at once (the policy picks which, but must pick that many),
 which on a round that needs more experts than the layer has slots evicts the hot ones, the experts the next round
 is likeliest to want (`python -m specter.replay TRACE --roll W` models both)."""
@@ -448,8 +449,11 @@ class ExpertCache:
             if slot is not None and slot.state is SlotState.RESIDENT and (slot.pins or recycle[0] in self._protected[layer]):
                 break  # the oldest is not used yet: the policy chooses instead
             expert = recycle.popleft()
-            if slot is not None and slot.state is SlotState.RESIDENT:  # else gone already (a reset): skip it
+            if slot is not None and slot.state is SlotState.RESIDENT:
                 room.append(self._evict(layer, expert))
+            # else dropped: gone, or still loading. A device-ordered reader (`iter_issued`) takes each miss as its
+            # copy is issued, so on CUDA the miss handed out last is usually still loading here and the policy
+            # chooses instead; the slots are recycled oldest first on the host-waiting path (`iter_ready`).
         if len(room) < count:
             room += [self._evict(layer, expert) for expert in self._victims(layer, count - len(room))]
         return room
