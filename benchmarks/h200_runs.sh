@@ -62,7 +62,9 @@
 # decode MB/token -7.0 % / -3.4 %, TPOT 0.927x / 0.989x; figures 3.17x / 2.51x, Gen4 3.02x), final14 (every GPU test passed;
 # 2.66x / 2.88x, copy busy 0.79 / 0.81), recheck14 (another model: -10.3 % / -7.3 % bytes, TPOT 0.953x / 0.972x, copy
 # busy -0.04 / -0.06, more hand-over idle); results/h200-2026-11-30/fourteenth.
-# Next (fourteenth session's end): on CUDA the window's later misses mostly still ask the policy for a slot (the oldest
+# Next (fourteenth session's end): topm-keep (a prefetch that never displaces a routed resident; the CPU replay of
+# this session's four traces: 15-16 % fewer experts moved, the same misses): `--systems ondemand,specter,specter-keep`
+# at 15 and 8 residents, and the default if it wins; on CUDA the window's later misses mostly still ask the policy for a slot (the oldest
 # miss is still loading when handed out on issue): recycle a loading slot too (its copy and the next are ordered on
 # the copy stream, the next waits on the device for the oldest's compute) and A/B it; the pump task runs milliseconds late while prefetch chunks wait (final14: 92-97 %
 # of late chunks never waited for room; p50 ~2 ms from room to issue): find what holds the loop thread (the verify's

@@ -60,7 +60,7 @@ class TopMFrequency:
 
     Options: `m` (default: all of the layer's slots), `fractions` (plan at these fractions of k instead of
     link-paced checkpoints), `first_fraction` (default 0.2) and `experts_per_chunk` (default 1.0) for the
-    link-paced schedule.
+    link-paced schedule, `keep_predicted` (default False; see `TopMKeep`).
     """
 
     def __init__(
@@ -70,6 +70,7 @@ class TopMFrequency:
         fractions: Sequence[float] | None = None,
         first_fraction: float = 0.2,
         experts_per_chunk: float = 1.0,
+        keep_predicted: bool = False,
     ) -> None:
         if m is not None and m < 1:
             raise ConfigError(f"topm-frequency: m={m} is invalid; expected an int >= 1, or None for all slots")
@@ -80,6 +81,7 @@ class TopMFrequency:
         self.fractions = tuple(fractions) if fractions is not None else None
         self.first_fraction = first_fraction
         self.experts_per_chunk = experts_per_chunk
+        self.keep_predicted = keep_predicted
 
     def checkpoints(self, k: int, timing: LinkTiming) -> list[int]:
         if self.fractions is not None:
@@ -104,6 +106,35 @@ class TopMFrequency:
                 continue
             # lexsort sorts by the last key first: descending count, then ascending expert id.
             ranked = routed[np.lexsort((routed, -counts[routed]))]
-            experts[layer] = [int(e) for e in ranked[:m]]
+            if self.keep_predicted:
+                experts[layer] = _keeping_predicted(ranked, np.asarray(resident[layer], dtype=bool), m)
+            else:
+                experts[layer] = [int(e) for e in ranked[:m]]
             scores[layer] = {int(e): float(counts[e]) for e in ranked}
         return Plan(experts=experts, scores=scores)
+
+
+def _keeping_predicted(ranked: np.ndarray, resident: np.ndarray, m: int) -> list[int]:
+    """Every routed resident (best first), then the best routed non-residents, as many as there are slots that
+    hold no routed expert (`m` in all, or the routed residents alone where they are more)."""
+    kept = [int(e) for e in ranked if resident[e]]
+    new = [int(e) for e in ranked if not resident[e]]
+    return kept + new[: max(0, m - len(kept))]
+
+
+class TopMKeep(TopMFrequency):
+    """Top-M that never displaces an expert the draft routed to (entry point `topm-keep`).
+
+    The plan lists every routed resident (so plan-protect and the cache's protection keep them), then the best
+    routed non-residents, only as many as the layer has slots free or held by experts the draft did not route
+    to. When a round wants more experts than a layer has slots, plain Top-M loads a routed expert in place of
+    another routed one that the verify then loads back on demand: two copies where one would do. The CPU replay
+    of four H200 routing traces (2026-11-30, fourteenth session; `python -m specter.replay TRACE --prefetch
+    topm-frequency,topm-keep`) moved 15-16 % fewer experts at 15 and 8 residents with the same misses. Not yet
+    measured on the GPU: the replay plans from a round's whole counts at every checkpoint, while the engine's
+    first checkpoints see only the steps drafted so far (a resident routed to later may be evicted first).
+    """
+
+    def __init__(self, **options) -> None:
+        super().__init__(**{"keep_predicted": True, **options})
+        self.name = "topm-keep"

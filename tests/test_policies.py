@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from policies.eviction import LFU, LRU, BeladyLookahead, PlanProtect
 from policies.lookahead import Fixed, Profiled, Roofline
-from policies.prefetch import NoPrefetch, TopMFrequency
+from policies.prefetch import NoPrefetch, TopMFrequency, TopMKeep
 from specter.errors import ConfigError
 from specter.policy import (
     EvictionPolicy,
@@ -66,7 +66,7 @@ def test_eviction_policies_satisfy_protocol(policy):
     assert protocol_problems(policy, "eviction") == []
 
 
-@pytest.mark.parametrize("policy", [NoPrefetch(), TopMFrequency(m=2)])
+@pytest.mark.parametrize("policy", [NoPrefetch(), TopMFrequency(m=2), TopMKeep()])
 def test_prefetch_policies_satisfy_protocol(policy):
     assert isinstance(policy, PrefetchPolicy)
     assert protocol_problems(policy, "prefetch") == []
@@ -173,6 +173,21 @@ def test_topm_takes_most_counted_with_ties_to_lower_id_and_no_zero_counts():
     plan = TopMFrequency(m=3).plan(counts, np.zeros_like(counts, bool), 4, 8, TIMING, 4)
     assert plan.experts == {0: [1, 3, 5], 1: [5]}
     assert plan.scores[0] == {1: 3.0, 3: 3.0, 5: 2.0, 2: 1.0}  # unplanned but routed experts keep a score
+
+
+def test_topm_keep_never_plans_a_routed_resident_out():
+    # Four slots hold 0 (routed once), 1 (routed 3 times), 4 and 5 (never routed); 2 and 3 are routed more than 0.
+    counts = np.array([[1, 3, 4, 2, 0, 0]], dtype=float)
+    resident = np.array([[True, True, False, False, True, True]])
+    assert TopMFrequency().plan(counts, resident, 4, 8, TIMING, 4).experts == {0: [2, 1, 3, 0]}
+    keep = TopMKeep().plan(counts, resident, 4, 8, TIMING, 4)
+    assert keep.experts == {0: [1, 0, 2, 3]}  # the routed residents, then the new ones into the slots of 4 and 5
+    assert keep.scores == TopMFrequency().plan(counts, resident, 4, 8, TIMING, 4).scores
+    # one slot not held by a routed expert: only the best new one
+    resident_more = np.array([[True, True, False, True, True, False]])  # 0, 1, 3 routed and resident; 4 not routed
+    assert TopMKeep().plan(counts, resident_more, 4, 8, TIMING, 4).experts == {0: [1, 3, 0, 2]}
+    assert TopMKeep(m=2).plan(counts, resident_more, 4, 8, TIMING, 4).experts == {0: [1, 3, 0]}  # never plans one out
+    assert TopMKeep().name == "topm-keep" and TopMKeep(fractions=(0.5,)).checkpoints(8, TIMING) == [4]
 
 
 def test_topm_defaults_to_and_never_exceeds_the_slots():

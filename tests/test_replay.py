@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from policies.eviction import LRU, BeladyLookahead, PlanProtect
-from policies.prefetch import NoPrefetch, TopMFrequency
+from policies.prefetch import NoPrefetch, TopMFrequency, TopMKeep
 from specter import plugins
 from specter.replay import main, recorded_bytes, replay, replay_all
 from specter.trace import LayerRoutes, TraceError, TraceHeader, TraceRound, TraceWriter, read_trace
@@ -198,6 +198,21 @@ def test_a_roll_window_keeps_the_planned_hot_experts_for_the_next_round():
     assert (unlimited.misses, unlimited.prefetched_experts) == (3, 2 + 2)
     assert (window.misses, window.prefetched_experts) == (3, 2 + 1)
     assert window.h2d_bytes == unlimited.h2d_bytes - EXPERT_BYTES
+
+
+def test_topm_keep_loads_one_expert_where_topm_loads_two():
+    # Two slots hold 1 and 2 after the first round. The second round routes 0 most, then 1, then 2, and uses all
+    # three: Top-M loads 0 in place of 2, which the verify then loads back; topm-keep leaves both and loads 0 once.
+    header = TraceHeader("toy", 1, 16, EXPERT_BYTES, 2, 2)
+    rounds = [
+        TraceRound(0, 2, 2, 0.0, [LayerRoutes({1: 3.0, 2: 3.0}, [1, 2])]),
+        TraceRound(1, 4, 4, 0.0, [LayerRoutes({0: 3.0, 1: 2.0, 2: 1.0}, [0, 1, 2])]),
+    ]
+    topm = replay(header, rounds, PlanProtect(), TopMFrequency(), link_gbps=1.0)
+    keep = replay(header, rounds, PlanProtect(), TopMKeep(), link_gbps=1.0)
+    assert (topm.prefetched_experts, topm.misses) == (2 + 1, 1)
+    assert (keep.prefetched_experts, keep.misses) == (2, 1)
+    assert keep.h2d_bytes == topm.h2d_bytes - EXPERT_BYTES
 
 
 def test_slots_override_the_header():

@@ -24,7 +24,7 @@ from tests.hf_models import FAMILIES, hf_model, save_hf
 DEVICE = os.environ.get("SPECTER_TEST_DEVICE", "cpu")
 EXAMPLES = int(os.environ.get("SPECTER_TEST_EXAMPLES", "35"))  # fewer where each example costs more (graph captures)
 REFERENCE_EVICTION = ["lru", "lfu", "plan-protect", "belady-lookahead"]
-REFERENCE_PREFETCH = ["none", "topm-frequency"]
+REFERENCE_PREFETCH = ["none", "topm-frequency", "topm-keep"]
 REFERENCE_LOOKAHEAD = ["fixed", "profiled", "roofline"]
 
 

@@ -90,6 +90,9 @@ SYSTEMS: dict[str, System] = {
         System("specter-overlap", "specter that drafts ahead beside each verify (up to 16 steps from a guess at the "
                                   "target's next token, kept when the verify takes every draft)", eviction="plan-protect",
                prefetch="topm-frequency", lookahead="roofline", k=None, overlap=16),
+        System("specter-keep", "specter whose prefetch never displaces an expert the draft routed to (topm-keep): "
+                               "fewer copies when a round wants more experts than a layer has slots",
+               eviction="plan-protect", prefetch="topm-keep", lookahead="roofline", k=None, overlap=None),
         System("specter-fixed", "specter with a fixed draft depth (--k)",
                eviction="plan-protect", prefetch="topm-frequency", k=None),
         System("specter-fixed-overlap", "specter-fixed that drafts ahead beside each verify: the draft-ahead measured at "
