@@ -618,6 +618,16 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  keep14)         # the session's last device minutes (about 4.5): no time to train a model, so the random-weight Qwen
+    # shape (8 layers): topm-keep on CUDA, beside specter and ondemand in one process.
+    # PREDICTIONS: every token equal to the baseline; specter-keep's decode MB/token 0-15 % below specter's (random
+    # weights accept less, so rounds are shorter and want fewer experts than the slots more often); TPOT 0-8 % lower.
+    mkdir -p "$out/logs"
+    timeout 190 python -m specter.bench --model qwen1.5-moe-a2.7b --layers 8 --residents 15,8 --link native \
+      --max-new-tokens 64 --systems ondemand,specter,specter-keep --no-hf --no-progress --no-plots --time-budget 150 \
+      --out "$out/keep" > "$out/logs/keep.log" 2>&1
+    echo "keep rc=$?"
+    print_summaries keep ;;
   recheck14)      # after final14 (every GPU test passed, 215; a model accepting 0.989: specter 2.66x / 2.88x ondemand, copy
     # busy 0.794 / 0.805, below the 0.85 target, with more hand-over idle (0.076 / 0.106) than fifo14's model): is it
     # the window? The fifo14 A/B again on a fresh model, with the idle split.
