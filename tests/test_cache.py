@@ -225,7 +225,7 @@ def test_iter_ready_yields_residents_first_and_rolls_through_more_experts_than_s
     assert rig.cache.stats.layers[0].hits == 2 and rig.cache.stats.layers[0].misses == 2 + 4
 
 
-@pytest.mark.parametrize("window, kept", [(None, {0, 1, 2}), (1, {4, 5, 2}), (0, {4, 5, 2})])
+@pytest.mark.parametrize("window, kept", [(None, {0, 1, 2}), (2, {5, 1, 2}), (1, {4, 5, 2}), (0, {4, 5, 2})])
 def test_the_roll_window_keeps_the_hot_experts_the_policy_keeps(monkeypatch, window, kept):
     """A layer that wants twice its slots: with no window every hot expert gives its slot to a miss; with a window
     the misses roll through that many slots and the hot experts the policy prefers stay for the next round."""
