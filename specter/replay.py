@@ -177,11 +177,14 @@ def replay(
 
 
 def engine_roll() -> int:
-    """The engine's rolling window as `_verify_round`'s `roll` (-1: no limit), with `ROLL_INTO_HOT` on (the
-    default; the replay does not model it off)."""
+    """The engine's rolling window as `_verify_round`'s `roll` (-1: no limit). With `ROLL_INTO_HOT` off no hot
+    expert gives way up front (a window of 0 up front; later misses still recycle the oldest miss's slot); off with
+    no window, the engine's all-at-once policy choice is modelled as no limit."""
     from specter.experts import cache
 
-    return -1 if cache.ROLL_HOT_WINDOW is None else cache.ROLL_HOT_WINDOW
+    if cache.ROLL_HOT_WINDOW is None:
+        return -1
+    return cache.ROLL_HOT_WINDOW if cache.ROLL_INTO_HOT else 0
 
 
 def _as_policy(group: str, policy: Any) -> Any:

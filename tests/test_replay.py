@@ -215,6 +215,20 @@ def test_topm_keep_loads_one_expert_where_topm_loads_two():
     assert keep.h2d_bytes == topm.h2d_bytes - EXPERT_BYTES
 
 
+def test_the_replay_takes_the_engines_window(monkeypatch):
+    from specter.experts import cache
+    from specter.replay import engine_roll
+
+    monkeypatch.setattr(cache, "ROLL_INTO_HOT", True)
+    for window, roll in ((None, -1), (2, 2), (0, 0)):
+        monkeypatch.setattr(cache, "ROLL_HOT_WINDOW", window)
+        assert engine_roll() == roll
+    monkeypatch.setattr(cache, "ROLL_INTO_HOT", False)
+    assert engine_roll() == 0  # no hot expert gives way up front
+    monkeypatch.setattr(cache, "ROLL_HOT_WINDOW", None)
+    assert engine_roll() == -1
+
+
 def test_slots_override_the_header():
     rounds = rotating_rounds(4)
     assert replay(HEADER, rounds, LRU(), NoPrefetch(), slots_per_layer=8).hits == 0  # all first uses
