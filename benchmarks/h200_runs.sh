@@ -64,7 +64,8 @@
 # busy -0.04 / -0.06, more hand-over idle); results/h200-2026-11-30/fourteenth.
 # Next (fourteenth session's end): topm-keep (a prefetch that never displaces a routed resident; the CPU replay of
 # this session's four traces: 15-16 % fewer experts moved, the same misses): `--systems ondemand,specter,specter-keep`
-# at 15 and 8 residents, and the default if it wins; on CUDA the window's later misses mostly still ask the policy for a slot (the oldest
+# at 15 and 8 residents, and the default if it wins; record traces again (record_traces.py: rounds now carry the
+# counts each prefetch plan saw, so the replay judges topm-keep on the early checkpoints' partial counts); on CUDA the window's later misses mostly still ask the policy for a slot (the oldest
 # miss is still loading when handed out on issue): recycle a loading slot too (its copy and the next are ordered on
 # the copy stream, the next waits on the device for the oldest's compute) and A/B it; the pump task runs milliseconds late while prefetch chunks wait (final14: 92-97 %
 # of late chunks never waited for room; p50 ~2 ms from room to issue): find what holds the loop thread (the verify's

@@ -128,6 +128,7 @@ class Runtime:
         self._counts_kept = False  # this round's window recall reads _kept_counts
         self.estimates = Estimates(self.k_max)
         self.trace: TraceWriter | None = None
+        self._trace_checkpoints: list[tuple[int, np.ndarray]] = []  # the round's plans' counts, for a trace
         self.stages = StageCounters()  # per-stage counts and host wall time (draft, verify), see specter.kernel.stage
         self._counts_host: list[Tensor] = []  # pinned snapshots of the draft's route counters, one per checkpoint (CUDA)
         self._generator: torch.Generator | None = None  # rejection sampling, re-seeded every round
@@ -333,6 +334,7 @@ class Runtime:
         self._counts_kept = False
         round_started = time.perf_counter()
         self._round_bytes_at_start = self._bytes_loaded()
+        self._trace_checkpoints = []
         x0_tensor = self._device_ids([x0])
         marks = [self._gpu_mark()]  # GPU-timeline marks: host wall time misses work graph replays leave queued
         chunks = self._log_chunks()
@@ -519,6 +521,8 @@ class Runtime:
 
     def _plan_and_prefetch(self, counts: np.ndarray, steps_done: int, k: int) -> None:
         assert self.cache is not None
+        if self.trace is not None:
+            self._trace_checkpoints.append((steps_done, counts.copy()))
         self.plan = self.prefetch.plan(route_counts=counts, resident=self._residency(), steps_done=steps_done, k=k,
                                        timing=self._timing(), slots_per_layer=self.memory.slots_per_layer)
         for layer in range(len(self.spec.moe_layers)):
@@ -672,7 +676,8 @@ class Runtime:
             used = [record.used.get(layer, []) for layer in self.spec.moe_layers]
             self.trace.write_round(TraceRound.from_arrays(stats.rounds, k, acceptance.n_accepted,
                                                           self.estimates.draft_step_s or 0.0, counts, used,
-                                                          loaded_bytes=self._bytes_loaded() - self._round_bytes_at_start))
+                                                          loaded_bytes=self._bytes_loaded() - self._round_bytes_at_start,
+                                                          checkpoints=self._trace_checkpoints))
 
     def _observe_scout_recall(self, record, stats: RequestStats) -> None:
         """A scout's recall, kept apart from the window's (one step ahead of its own token; no trace round)."""

@@ -143,8 +143,9 @@ def replay(
 ) -> ReplayResult:
     """Replay `rounds` through one policy pair (objects, or installed names) with a cache starting empty.
 
-    Per round: at each of prefetch's checkpoints, plan from the round's predicted counts scaled to the
-    steps done (the trace keeps only the round's totals) and load the plan layer by layer, protecting it;
+    Per round: at each checkpoint the recording engine planned at, plan from the counts it saw (a trace
+    with `checkpoints`); else at each of prefetch's checkpoints, from the round's predicted counts scaled to
+    the steps done. Load the plan layer by layer, protecting it;
     then each layer's verify uses its experts hot first, loading misses on demand through a rolling window
     (`roll`, see `_verify_round`; "engine": as the engine's switches are set now, `engine_roll()`).
     """
@@ -198,10 +199,14 @@ def _prefetch_round(
     k, plan, prefetched = trace_round.k, None, set()
     if k < 1:
         return None, prefetched
-    round_counts = trace_round.predicted_counts(header.num_experts)  # [L, E]
-    for steps_done in prefetch.checkpoints(k=k, timing=timing):
+    if trace_round.checkpoints is not None:  # the recording engine's own plans' counts
+        schedule = trace_round.checkpoint_counts(header.num_experts)
+    else:
+        round_counts = trace_round.predicted_counts(header.num_experts)  # [L, E]
+        schedule = [(steps, round_counts * (steps / k)) for steps in prefetch.checkpoints(k=k, timing=timing)]
+    for steps_done, counts in schedule:
         plan = prefetch.plan(
-            route_counts=round_counts * (steps_done / k),
+            route_counts=counts,
             resident=cache.resident_mask(header.num_experts),
             steps_done=steps_done,
             k=k,

@@ -18,7 +18,13 @@ Then one line per decode round::
 
 `k` is the draft depth (0: plain decode), `accepted` the accepted draft tokens (0..k), `draft_step_s` the
 seconds one draft step took. Optional: `loaded_bytes`, the H2D bytes the engine moved in the round (its
-prefetches and its verify's misses), for checking a replay against the run that recorded the trace. `layers` has exactly L entries in layer order: `predicted` maps expert id
+prefetches and its verify's misses), for checking a replay against the run that recorded the trace; and
+`checkpoints`, the counts each of the engine's prefetch plans saw, in order::
+
+    "checkpoints": [{"steps": s, "predicted": [{"<expert>": count, ...}, ...one per layer]}, ...]
+
+(`steps`: draft steps done when the plan was made; a replay plans from these instead of scaling the round's
+totals). `layers` has exactly L entries in layer order: `predicted` maps expert id
 (a JSON key, so a string) to the draft's top-k hits on it over the round's k steps (zero counts may be
 left out); `used` lists the distinct experts the target's verify pass used at that layer, in the order it
 first used them. Unknown keys are ignored, so version 1 may grow optional fields.
@@ -81,6 +87,8 @@ class TraceRound:
     layers: list[LayerRoutes]
     loaded_bytes: int | None = None
     """The H2D bytes the recording engine moved in this round; None where the trace does not say."""
+    checkpoints: tuple[tuple[int, tuple[Mapping[int, float], ...]], ...] | None = None
+    """(steps done, per-layer counts) of each prefetch plan the recording engine made; None where not recorded."""
 
     @classmethod
     def from_arrays(
@@ -92,21 +100,26 @@ class TraceRound:
         route_counts: np.ndarray,  # [L, E]
         used: Iterable[Iterable[int]],
         loaded_bytes: int | None = None,
+        checkpoints: Iterable[tuple[int, np.ndarray]] | None = None,  # (steps done, [L, E] counts)
     ) -> TraceRound:
         """Build a round from the draft's `[L, E]` route counters and the target's per-layer used experts."""
         layers = [
-            LayerRoutes({int(e): float(row[e]) for e in np.flatnonzero(row)}, [int(e) for e in layer_used])
+            LayerRoutes(_nonzero(row), [int(e) for e in layer_used])
             for row, layer_used in zip(np.asarray(route_counts), used, strict=True)
         ]
-        return cls(round=round, k=k, accepted=accepted, draft_step_s=draft_step_s, layers=layers, loaded_bytes=loaded_bytes)
+        planned = None if checkpoints is None else tuple(
+            (int(steps), tuple(_nonzero(row) for row in np.asarray(counts))) for steps, counts in checkpoints
+        )
+        return cls(round=round, k=k, accepted=accepted, draft_step_s=draft_step_s, layers=layers,
+                   loaded_bytes=loaded_bytes, checkpoints=planned)
 
     def predicted_counts(self, num_experts: int) -> np.ndarray:
         """The predicted counts as a dense `[L, E]` float array."""
-        counts = np.zeros((len(self.layers), num_experts), dtype=np.float64)
-        for layer, routes in enumerate(self.layers):
-            for expert, count in routes.predicted.items():
-                counts[layer, expert] = count
-        return counts
+        return _dense([routes.predicted for routes in self.layers], num_experts)
+
+    def checkpoint_counts(self, num_experts: int) -> list[tuple[int, np.ndarray]]:
+        """The recorded checkpoints as (steps done, dense `[L, E]` counts); empty where none were recorded."""
+        return [(steps, _dense(layers, num_experts)) for steps, layers in self.checkpoints or ()]
 
     def to_json(self) -> dict[str, Any]:
         layers = [
@@ -116,7 +129,25 @@ class TraceRound:
         scalars = {"round": self.round, "k": self.k, "accepted": self.accepted, "draft_step_s": self.draft_step_s}
         if self.loaded_bytes is not None:
             scalars["loaded_bytes"] = self.loaded_bytes
+        if self.checkpoints is not None:
+            scalars["checkpoints"] = [
+                {"steps": steps, "predicted": [{str(e): _plain_number(c) for e, c in sorted(row.items())} for row in rows]}
+                for steps, rows in self.checkpoints
+            ]
         return {**scalars, "layers": layers}
+
+
+def _nonzero(row: np.ndarray) -> dict[int, float]:
+    return {int(e): float(row[e]) for e in np.flatnonzero(row)}
+
+
+def _dense(rows: Iterable[Mapping[int, float]], num_experts: int) -> np.ndarray:
+    rows = list(rows)
+    counts = np.zeros((len(rows), num_experts), dtype=np.float64)
+    for layer, row in enumerate(rows):
+        for expert, count in row.items():
+            counts[layer, expert] = count
+    return counts
 
 
 def _plain_number(count: float) -> float | int:
@@ -203,8 +234,26 @@ def _round_from_json(obj: dict[str, Any], header: TraceHeader) -> TraceRound:
         raise ValueError(f"draft_step_s={draft_step_s} must be >= 0")
     loaded = obj.get("loaded_bytes")
     loaded_bytes = None if loaded is None else _int_at_least(loaded, "loaded_bytes", 0)
+    checkpoints = None if obj.get("checkpoints") is None else _checkpoints_from_json(obj["checkpoints"], k, header)
     return TraceRound(round=int(obj["round"]), k=k, accepted=accepted, draft_step_s=draft_step_s, layers=routes,
-                      loaded_bytes=loaded_bytes)
+                      loaded_bytes=loaded_bytes, checkpoints=checkpoints)
+
+
+def _checkpoints_from_json(items: Any, k: int, header: TraceHeader) -> tuple[tuple[int, tuple[dict[int, float], ...]], ...]:
+    if not isinstance(items, list):
+        raise ValueError("'checkpoints' must be a list of {'steps': s, 'predicted': [one {expert: count} per layer]}")
+    checkpoints = []
+    for item in items:
+        steps = _int_at_least(item["steps"], "checkpoint steps", 0)
+        if steps > k + 1:  # a draft-ahead round drafts one step past k (its guess)
+            raise ValueError(f"checkpoint steps={steps} exceeds k + 1 = {k + 1}")
+        rows = item["predicted"]
+        if not isinstance(rows, list) or len(rows) != header.num_layers:
+            raise ValueError(f"a checkpoint's 'predicted' must list num_layers={header.num_layers} entries")
+        layers = tuple(_layer_from_json({"predicted": row, "used": []}, layer, header.num_experts).predicted
+                       for layer, row in enumerate(rows))
+        checkpoints.append((steps, layers))
+    return tuple(checkpoints)
 
 
 def _layer_from_json(obj: Any, layer: int, num_experts: int) -> LayerRoutes:

@@ -87,6 +87,10 @@ def test_prefill_bytes_are_the_first_tokens_and_traced_rounds_carry_their_bytes(
     assert one.new_tokens == 1 and one.h2d_prefill_bytes == one.h2d_bytes > 0 and one.h2d_decode_bytes_per_token == 0
     _, rounds = read_trace(tmp_path / "t.jsonl")
     assert rounds and all(r.k == 3 and r.loaded_bytes is not None and r.loaded_bytes >= 0 for r in rounds)
+    for r in rounds:  # the plans' counts: made during the draft, never more than the round's totals
+        assert r.checkpoints and all(1 <= steps <= 3 for steps, _ in r.checkpoints)
+        totals = r.predicted_counts(16)
+        assert all((counts <= totals).all() for _, counts in r.checkpoint_counts(16))
     # every round of this request drafts, so the traced rounds' bytes are its bytes after the first token (less a
     # prefetch that lands between a round's end and the next round's start, counted in neither)
     assert 0 < recorded_bytes(rounds) <= many.h2d_bytes - many.h2d_prefill_bytes

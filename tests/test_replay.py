@@ -79,6 +79,24 @@ def test_a_rounds_recorded_bytes_round_trip_and_add_up(tmp_path):
     assert recorded_bytes(rotating_rounds(2) + rounds) is None  # nor does a trace where some rounds do not
 
 
+def test_a_rounds_checkpoints_round_trip_and_drive_the_replays_plans(tmp_path):
+    counts = np.zeros((2, 8))
+    counts[:, 5] = 1.0  # the engine's one plan saw only expert 5; the round's totals name 0 and 1
+    trace_round = TraceRound.from_arrays(0, 4, 3, 0.01, np.array([[3, 2, 0, 0, 0, 1, 0, 0]] * 2, dtype=float),
+                                         [[0, 1], [0, 1]], checkpoints=[(1, counts)])
+    path = tmp_path / "checkpoints.jsonl"
+    with TraceWriter(path, HEADER) as writer:
+        writer.write_round(trace_round)
+    _, [read_back] = read_trace(path)
+    assert read_back == trace_round and read_back.checkpoints == ((1, ({5: 1.0}, {5: 1.0})),)
+    recorded = replay(HEADER, [read_back], PlanProtect(), TopMFrequency(), link_gbps=1.0)
+    scaled = replay(HEADER, [dataclasses.replace(read_back, checkpoints=None)], PlanProtect(), TopMFrequency(), link_gbps=1.0)
+    assert (recorded.prefetched_experts, recorded.prefetched_used, recorded.misses) == (2, 0, 4)  # 5 per layer, unused
+    assert (scaled.prefetched_experts, scaled.prefetched_used, scaled.misses) == (4, 4, 0)
+    none = replay(HEADER, [dataclasses.replace(read_back, checkpoints=())], PlanProtect(), TopMFrequency(), link_gbps=1.0)
+    assert none.prefetched_experts == 0 and none.misses == 4  # recorded: the engine made no plan
+
+
 def test_round_from_arrays_keeps_nonzero_counts():
     counts = np.array([[0, 2, 0, 1], [3, 0, 0, 0]], dtype=float)
     trace_round = TraceRound.from_arrays(0, 3, 1, 0.02, counts, [[1, 3], [0]])
@@ -99,6 +117,9 @@ GOOD_ROUND = {"round": 0, "k": 2, "accepted": 1, "draft_step_s": 0.01, "layers":
         (json.dumps({**GOOD_ROUND, "layers": [{"predicted": {}, "used": [-1]}]}), "expert id -1"),
         (json.dumps({key: v for key, v in GOOD_ROUND.items() if key != "k"}), "missing key 'k'"),
         (json.dumps({**GOOD_ROUND, "loaded_bytes": -5}), "loaded_bytes"),
+        (json.dumps({**GOOD_ROUND, "checkpoints": [{"steps": 4, "predicted": [{}]}]}), "exceeds k + 1"),
+        (json.dumps({**GOOD_ROUND, "checkpoints": [{"steps": 1, "predicted": []}]}), "num_layers=1"),
+        (json.dumps({**GOOD_ROUND, "checkpoints": [{"steps": 1, "predicted": [{"1": -1}]}]}), "must be >= 0"),
     ],
 )
 def test_malformed_rounds_are_reported_with_their_line(tmp_path, bad_line, complaint):
