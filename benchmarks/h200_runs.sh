@@ -62,7 +62,8 @@
 # decode MB/token -7.0 % / -3.4 %, TPOT 0.927x / 0.989x; figures 3.17x / 2.51x, Gen4 3.02x), final14 (every GPU test passed;
 # 2.66x / 2.88x, copy busy 0.79 / 0.81), recheck14 (another model: -10.3 % / -7.3 % bytes, TPOT 0.953x / 0.972x, copy
 # busy -0.04 / -0.06, more hand-over idle); results/h200-2026-11-30/fourteenth.
-# Next (fourteenth session's end): topm-keep (a prefetch that never displaces a routed resident; the CPU replay of
+# Next (fourteenth session's end): stage next15 (prepared, with its predictions): cache.RECYCLE_LOADING and topm-keep;
+# topm-keep (a prefetch that never displaces a routed resident; the CPU replay of
 # this session's four traces: 15-16 % fewer experts moved, the same misses): `--systems ondemand,specter,specter-keep`
 # at 15 and 8 residents, and the default if it wins; record traces again (record_traces.py: rounds now carry the
 # counts each prefetch plan saw, so the replay judges topm-keep on the early checkpoints' partial counts); on CUDA the window's later misses mostly still ask the policy for a slot (the oldest
@@ -619,6 +620,25 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  next15)         # prepared at the fourteenth session's end, not yet run: the two changes that session could not
+    # measure. (1) cache.RECYCLE_LOADING (off): on CUDA a later miss of the rolling window takes the oldest miss's slot
+    # while its copy is in flight, instead of a policy call that may evict a hot expert. (2) topm-keep (bench system
+    # specter-keep): the CPU replay of four traces moved 15-16 % fewer experts. Every GPU test beside the training
+    # (test_gpu_transfer and test_gpu_segmented run with the switch as set in the code: flip it there first to test it on).
+    # PREDICTIONS: (1) decode MB/token -2-6 % with the switch, TPOT per prompt 0.95-1.0x, copy busy within 0.03;
+    # (2) specter-keep's decode MB/token 8-15 % below specter's at 15 and 8 residents, TPOT 3-10 % lower; every token
+    # equal to the baseline.
+    mkdir -p "$out/logs"
+    train_beside tests/test_gpu_transfer.py tests/test_gpu_segmented.py -k "not link_emulation"
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    timeout 110 python benchmarks/ab_bench.py --alternate "specter.experts.cache.RECYCLE_LOADING=true|false" -- $common \
+      --repeats 4 --residents 15,8 --link native --systems specter --copy-gaps --out "$out/recycle-ab" > "$out/logs/recycle-ab.log" 2>&1
+    echo "recycle-ab rc=$?"
+    timeout 120 python -m specter.bench $common --repeats 3 --residents 15,8 --link native \
+      --systems ondemand,specter,specter-keep --out "$out/keep" > "$out/logs/keep.log" 2>&1
+    echo "keep rc=$?"
+    tar czf "$out/next15.tgz" -C "$out" logs recycle-ab keep 2>/dev/null
+    print_summaries keep; tail -8 "$out/logs/recycle-ab.log" ;;
   keep14)         # the session's last device minutes (about 4.5): no time to train a model, so the random-weight Qwen
     # shape (8 layers): topm-keep on CUDA, beside specter and ondemand in one process.
     # PREDICTIONS: every token equal to the baseline; specter-keep's decode MB/token 0-15 % below specter's (random

@@ -248,6 +248,39 @@ def test_the_roll_window_keeps_the_hot_experts_the_policy_keeps(monkeypatch, win
         rig.shutdown()
 
 
+@pytest.mark.parametrize("window", [1, 2])
+def test_recycle_loading_takes_the_oldest_misss_slot_while_its_copy_is_in_flight(monkeypatch, window):
+    """A device-ordered reader (iter_issued) takes each miss as its copy is issued, so the oldest miss is still
+    loading when the next needs a slot. With RECYCLE_LOADING its slot is taken anyway (the copy waits on the device
+    for the reader's compute): the hot experts the policy keeps stay, and every read sees its own expert."""
+    from specter.experts import cache as cache_module
+
+    def keep_four_and_five(layer, residents, protected, count):
+        return sorted((e for e in residents if e not in protected), key=lambda e: e in (4, 5))[:count]
+
+    monkeypatch.setattr(cache_module, "ROLL_INTO_HOT", True)
+    monkeypatch.setattr(cache_module, "ROLL_HOT_WINDOW", window)
+    monkeypatch.setattr(cache_module, "RECYCLE_LOADING", True)
+    rig = Rig(link_gbps=0.004, chooser=keep_four_and_five)  # 8 KiB take ~2 ms: each miss is in flight when used
+    try:
+        async def main() -> list[int]:
+            await rig.load_residents(0, [3, 4, 5])
+            order = []
+            async for expert, slot, ready in rig.cache.iter_issued(0, [3, 4, 5, 0, 1, 2]):
+                order.append(expert)
+                rig.read(0, expert, slot, ready=ready)
+            await rig.close()
+            return order
+
+        order = run(main())
+        assert sorted(order) == list(range(6))
+        kept = set(rig.cache.lru_order(0))
+        assert {4, 5} <= kept if window == 1 else 5 in kept and 4 not in kept  # window 2: 3 and 4 give way at once
+        assert rig.bad_reads == []
+    finally:
+        rig.shutdown()
+
+
 def test_room_comes_from_the_oldest_recycled_expert_before_the_policy():
     """The rolling window's later misses take the slot of the layer's miss handed out first (`recycle`), not the one
     the policy would choose, with no policy call; while the oldest is still held by the reader, the policy chooses."""

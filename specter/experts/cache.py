@@ -63,6 +63,14 @@ the misses left take as many used slots as they need at once (the policy picks w
 which on a round that needs more experts than the layer has slots evicts the hot ones, the experts the next round
 is likeliest to want (`python -m specter.replay TRACE --roll W` models both)."""
 
+RECYCLE_LOADING = False
+"""With `ROLL_HOT_WINDOW`: a later miss may also take the slot of the layer's oldest handed-out miss while that one's
+copy is still in flight, once the reader has used it (launched its compute): the new copy follows it on the copy
+stream and waits on the device for that compute (the slot's last-use event), and the old load's completion is
+orphaned (its bytes were counted at issue). On CUDA a miss is handed out as its copy is issued, so without this the
+policy picks most later slots, one guarded call each, and may pick a hot expert. Off: not yet measured on the GPU
+(CPU-tested: `tests/test_cache.py`)."""
+
 VictimChooser = Callable[[int, Sequence[int], Set[int], int], list[int]]
 """choose_victims(layer, residents (least recently used first), protected, count) -> experts to evict."""
 
@@ -446,17 +454,25 @@ class ExpertCache:
         room = [slot for slot in self._layer_slots(layer) if slot.state is SlotState.FREE][:count]
         while recycle and len(room) < count:
             slot = self._residents[layer].get(recycle[0])
-            if slot is not None and slot.state is SlotState.RESIDENT and (slot.pins or recycle[0] in self._protected[layer]):
+            usable = slot is not None and (slot.state is SlotState.RESIDENT or (RECYCLE_LOADING and self._issued(slot)))
+            if usable and (slot.pins or recycle[0] in self._protected[layer]):
                 break  # the oldest is not used yet: the policy chooses instead
             expert = recycle.popleft()
-            if slot is not None and slot.state is SlotState.RESIDENT:
+            if usable:
                 room.append(self._evict(layer, expert))
             # else dropped: gone, or still loading. A device-ordered reader (`iter_issued`) takes each miss as its
             # copy is issued, so on CUDA the miss handed out last is usually still loading here and the policy
-            # chooses instead; the slots are recycled oldest first on the host-waiting path (`iter_ready`).
+            # chooses instead (unless `RECYCLE_LOADING`); the slots are recycled oldest first on the host-waiting
+            # path (`iter_ready`).
         if len(room) < count:
             room += [self._evict(layer, expert) for expert in self._victims(layer, count - len(room))]
         return room
+
+    @staticmethod
+    def _issued(slot: Slot) -> bool:
+        """A load whose every chunk is on the copy stream (not cancelled): a reader handed it out on issue."""
+        return slot.state is SlotState.LOADING and slot.transfer is not None and slot.transfer.fully_issued \
+            and not slot.transfer.cancelled
 
     def _victims(self, layer: int, count: int, among: Sequence[int] | None = None) -> list[int]:
         """`count` victims chosen by the policy among the unprotected, unpinned residents; or, given `among`
