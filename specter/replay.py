@@ -144,8 +144,9 @@ def replay(
     """Replay `rounds` through one policy pair (objects, or installed names) with a cache starting empty.
 
     Per round: at each checkpoint the recording engine planned at, plan from the counts it saw (a trace
-    with `checkpoints`); else at each of prefetch's checkpoints, from the round's predicted counts scaled to
-    the steps done. Load the plan layer by layer, protecting it;
+    with `checkpoints`: the recording policy's schedule, not the replayed policy's, so policies that plan at
+    other steps are not compared on their own schedules); else at each of prefetch's checkpoints, from the
+    round's predicted counts scaled to the steps done. Load the plan layer by layer, protecting it;
     then each layer's verify uses its experts hot first, loading misses on demand through a rolling window
     (`roll`, see `_verify_round`; "engine": as the engine's switches are set now, `engine_roll()`).
     """

@@ -261,6 +261,16 @@ def test_recycle_loading_takes_the_oldest_misss_slot_while_its_copy_is_in_flight
     monkeypatch.setattr(cache_module, "ROLL_INTO_HOT", True)
     monkeypatch.setattr(cache_module, "ROLL_HOT_WINDOW", window)
     monkeypatch.setattr(cache_module, "RECYCLE_LOADING", True)
+    in_flight = []  # experts whose slot was found recyclable while their copy was in flight
+    issued = cache_module.ExpertCache._issued
+
+    def watched(slot) -> bool:
+        if issued(slot):
+            in_flight.append(slot.expert)
+            return True
+        return False
+
+    monkeypatch.setattr(cache_module.ExpertCache, "_issued", staticmethod(watched))
     rig = Rig(link_gbps=0.004, chooser=keep_four_and_five)  # 8 KiB take ~2 ms: each miss is in flight when used
     try:
         async def main() -> list[int]:
@@ -276,7 +286,10 @@ def test_recycle_loading_takes_the_oldest_misss_slot_while_its_copy_is_in_flight
         assert sorted(order) == list(range(6))
         kept = set(rig.cache.lru_order(0))
         assert {4, 5} <= kept if window == 1 else 5 in kept and 4 not in kept  # window 2: 3 and 4 give way at once
+        assert in_flight, "no slot was recycled while its copy was in flight: the test did not reach that path"
         assert rig.bad_reads == []
+        rig.check_consistent()  # every mapped expert resident with its bytes; the slot table agrees
+        assert rig.cache.stats.total().bytes_loaded == rig.backend.h2d_bytes
     finally:
         rig.shutdown()
 

@@ -6,11 +6,14 @@ Loads go through the transfer engine; eviction choices are delegated to an injec
 # How a slot stays safe (the invariants the property tests check):
 #  - A slot is FREE, LOADING (a copy into it is queued or in flight) or RESIDENT (its copy landed).
 #  - A LOADING slot, a pinned slot (handed to a reader that has not called `mark_used`) and a protected
-#    expert (planned for the coming verify) are never evicted.
+#    expert (planned for the coming verify) are never evicted. One exception, with `RECYCLE_LOADING` (off):
+#    the rolling window may recycle the slot of a miss it handed out on issue, once fully issued, unpinned
+#    (its reader's compute is its last use) and unprotected; the new copy follows on the copy stream and
+#    waits for that compute, and the old load's completion is orphaned by the generation bump.
 #  - A slot is never read before its copy lands: readers get a slot only from `ensure` / `iter_ready`,
 #    which await the copy's ready event, or from `iter_issued`, which hands over that event for the
 #    reader's stream to wait on (device-ordered readers; `mark_used` may then come while the slot is
-#    still LOADING, which is safe: a LOADING slot is never a victim).
+#    still LOADING, which is safe: such a slot is a victim only as above, after that reader's compute).
 #  - A slot is never overwritten while a reader may still touch it: the copy into a reused slot first
 #    makes the copy stream wait on the slot's last-use event (device-side, no host sync).
 #  - Each (re)assignment bumps the slot's generation, so a late completion of an older load (after
@@ -471,8 +474,9 @@ class ExpertCache:
     @staticmethod
     def _issued(slot: Slot) -> bool:
         """A load whose every chunk is on the copy stream (not cancelled): a reader handed it out on issue."""
-        return slot.state is SlotState.LOADING and slot.transfer is not None and slot.transfer.fully_issued \
-            and not slot.transfer.cancelled
+        transfer = slot.transfer
+        return (slot.state is SlotState.LOADING and transfer is not None and transfer.fully_issued
+                and not transfer.cancelled and transfer.error() is None)
 
     def _victims(self, layer: int, count: int, among: Sequence[int] | None = None) -> list[int]:
         """`count` victims chosen by the policy among the unprotected, unpinned residents; or, given `among`
