@@ -123,7 +123,7 @@ class TraceRound:
 
     def to_json(self) -> dict[str, Any]:
         layers = [
-            {"predicted": {str(e): _plain_number(c) for e, c in sorted(r.predicted.items())}, "used": list(r.used)}
+            {"predicted": _counts_json(r.predicted), "used": list(r.used)}
             for r in self.layers
         ]
         scalars = {"round": self.round, "k": self.k, "accepted": self.accepted, "draft_step_s": self.draft_step_s}
@@ -131,7 +131,7 @@ class TraceRound:
             scalars["loaded_bytes"] = self.loaded_bytes
         if self.checkpoints is not None:
             scalars["checkpoints"] = [
-                {"steps": steps, "predicted": [{str(e): _plain_number(c) for e, c in sorted(row.items())} for row in rows]}
+                {"steps": steps, "predicted": [_counts_json(row) for row in rows]}
                 for steps, rows in self.checkpoints
             ]
         return {**scalars, "layers": layers}
@@ -148,6 +148,11 @@ def _dense(rows: Iterable[Mapping[int, float]], num_experts: int) -> np.ndarray:
         for expert, count in row.items():
             counts[layer, expert] = count
     return counts
+
+
+def _counts_json(row: Mapping[int, float]) -> dict[str, float | int]:
+    """{expert: count} as JSON wants it: string keys in expert order, whole counts as ints."""
+    return {str(e): _plain_number(c) for e, c in sorted(row.items())}
 
 
 def _plain_number(count: float) -> float | int:

@@ -59,12 +59,13 @@ ROLL_HOT_WINDOW: int | None = 2
 """The most slots a layer's waiting misses hold at once in the rolling window (those that fit at the start count):
 with `ROLL_INTO_HOT`, hot experts give their slots to waiting misses only up to it, and each later miss starts (at
 least one at a time) in the slot of the layer's miss handed out first once the reader has used it and its copy has
-landed, else in a slot the eviction policy frees among the used residents (so, with plan-protect, an unplanned miss's
-before a planned hot expert's): the hot experts the policy keeps stay for the next round. On CUDA the reader takes a
-miss as soon as its copy is issued, so there the policy makes most of these choices, one call per later miss. None: every waiting miss takes a hot expert's slot while any is left, then
-the misses left take as many used slots as they need at once (the policy picks which, but must pick that many),
-which on a round that needs more experts than the layer has slots evicts the hot ones, the experts the next round
-is likeliest to want (`python -m specter.replay TRACE --roll W` models both)."""
+landed, else in a slot the eviction policy frees among the used residents (so, with plan-protect, an unplanned
+miss's before a planned hot expert's): the hot experts the policy keeps stay for the next round. On CUDA the reader
+takes a miss as soon as its copy is issued, so there the policy makes most of these choices, one call per later
+miss (see RECYCLE_LOADING). None: every waiting miss takes a hot expert's slot while any is left, then the misses
+left take as many used slots as they need at once (the policy picks which, but must pick that many), which on a
+round that needs more experts than the layer has slots evicts the hot ones, the experts the next round is likeliest
+to want (`python -m specter.replay TRACE --roll W` models both)."""
 
 RECYCLE_LOADING = False
 """With `ROLL_HOT_WINDOW`: a later miss may also take the slot of the layer's oldest handed-out miss while that one's
@@ -585,7 +586,7 @@ class ExpertCache:
             # An owned expert is always announced on `landed` (as it lands, or is issued): wait for it. Only with
             # none owned can the rest wait on room that may never come.
             if landed.empty() and waiting and not owned:
-                if not self._room_can_appear(layer, list(owned.values())):
+                if not self._room_can_appear(layer, ()):  # (nothing owned here)
                     raise BudgetError(f"layer {layer}: no slot can be freed for experts {waiting}; raise the budget")
                 await self._capacity_changed(layer)
                 continue
