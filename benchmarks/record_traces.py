@@ -1,4 +1,4 @@
-"""Record routing traces of the `specter` bench system on a checkpoint's prompts, for `python -m specter.replay`.
+"""Record routing traces of a bench system (`specter` unless `--system`) on a checkpoint's prompts, for `python -m specter.replay`.
 
 One engine per cache size (`--residents 15,8`); its prompts (the checkpoint's prompts.json, as the bench takes
 them) run one after another from the cache the previous one left, each round written to
@@ -19,19 +19,24 @@ import json
 from pathlib import Path
 
 from specter.bench.protocol import checkpoint_prompts
+from specter.bench.systems import get_system
 from specter.config import EngineConfig, GenerationConfig
 from specter.engine import Runtime
 from specter.kernel import run
 from specter.model.checkpoint import Checkpoint
 
 
-async def record(model: Path, residents: int, out: Path, per_kind: int, max_new_tokens: int, k_max: int) -> list[dict]:
+async def record(model: Path, residents: int, out: Path, per_kind: int, max_new_tokens: int, k_max: int,
+                 system: str = "specter") -> list[dict]:
     checkpoint = Checkpoint(model)
     spec = checkpoint.spec
     checkpoint.close()
     prompts = checkpoint_prompts(model, spec.vocab_size, per_kind)
-    config = EngineConfig.build(residents=residents, eviction="plan-protect", prefetch="topm-frequency",
-                                lookahead="roofline", draft=dict(k_max=k_max))
+    chosen = get_system(system)
+    if chosen.prefetch_options or chosen.lookahead == "fixed" or chosen.oracle or chosen.resident:
+        raise SystemExit(f"record_traces runs systems with plain plug-ins and an adaptive depth; {system!r} is not one")
+    config = EngineConfig.build(residents=residents, eviction=chosen.eviction, prefetch=chosen.prefetch,
+                                lookahead=chosen.lookahead, draft=dict(k_max=k_max))
     runtime = await Runtime.load(model, config)
     rows = []
     try:
@@ -59,10 +64,12 @@ def main() -> None:
     parser.add_argument("--per-kind", type=int, default=2, help="prompts per kind (as bench --prompts-per-kind)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--k-max", type=int, default=15)
+    parser.add_argument("--system", default="specter", help="the bench system whose eviction, prefetch and lookahead "
+                        "plug-ins run (its depth adapts: a fixed-k system is not supported here)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for residents in (int(n) for n in args.residents.split(",")):
-        run(record(args.model, residents, args.out, args.per_kind, args.max_new_tokens, args.k_max))
+        run(record(args.model, residents, args.out, args.per_kind, args.max_new_tokens, args.k_max, args.system))
 
 
 if __name__ == "__main__":

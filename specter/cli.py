@@ -51,7 +51,7 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     memory.add_argument("--link", default=None, metavar="PRESET|GBPS", help="emulate a slower link: gen5, gen4, gen3, ddr4-desktop or GB/s")
     policies = gen.add_argument_group("speculation and policies")
     policies.add_argument("--eviction", default="plan-protect", metavar="NAME", help="specter.eviction plug-in")
-    policies.add_argument("--prefetch", default="topm-frequency", metavar="NAME", help="specter.prefetch plug-in")
+    policies.add_argument("--prefetch", default="topm-keep", metavar="NAME", help="specter.prefetch plug-in")
     policies.add_argument("--lookahead", default="fixed", metavar="NAME", help="specter.lookahead plug-in")
     policies.add_argument("--k", type=int, default=4, metavar="N", help="draft depth for the fixed lookahead; 0 turns speculation off")
     policies.add_argument("--k-max", type=int, default=15, metavar="N", help="largest draft depth any lookahead may choose "

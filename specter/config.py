@@ -123,7 +123,7 @@ class EngineConfig(_Frozen):
     max_context: int = Field(2048, ge=8, description="Longest prompt plus generation, in tokens; sizes the static KV cache.")
     draft: DraftConfig = Field(default_factory=DraftConfig, description="Draft model settings.")
     eviction: str = Field("plan-protect", min_length=1, description="Name of the `specter.eviction` plug-in.")
-    prefetch: str = Field("topm-frequency", min_length=1, description="Name of the `specter.prefetch` plug-in.")
+    prefetch: str = Field("topm-keep", min_length=1, description="Name of the `specter.prefetch` plug-in.")
     lookahead: str = Field("fixed", min_length=1, description="Name of the `specter.lookahead` plug-in.")
     backend: str = Field("auto", min_length=1, description="Name of the `specter.backends` plug-in; 'auto' follows the device.")
     link: str | None = Field(None, description="Link emulation for host-to-device copies: gen5, gen4, gen3, ddr4-desktop or GB/s.")

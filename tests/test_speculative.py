@@ -220,7 +220,7 @@ def test_a_plugin_failing_in_the_transfer_stage_surfaces_as_plugin_error(root, m
     monkeypatch.setattr(TopMFrequency, "plan", broken_plan)
     path = checkpoint("mixtral", root)
     config = EngineConfig(device=DEVICE, max_context=96, residents=2, draft=DraftConfig(k=4))
-    with pytest.raises(PluginError, match="topm-frequency"):
+    with pytest.raises(PluginError, match="topm-keep"):  # the default prefetch, a TopMFrequency
         run(path, config, [1, 2, 3], GenerationConfig(max_new_tokens=8))
 
 

@@ -78,31 +78,32 @@ SYSTEMS: dict[str, System] = {
                              "of the draft, LRU; separate draft weights and KV taken out of the expert slots",
                prefetch="topm-frequency", prefetch_options={"fractions": (0.2, 0.6)}, k=3, separate_draft=True),
         # `specter` adapts k with the roofline governor: on the quick CPU matrix it beat fixed k=4 (benchmarks/README.md).
-        System("specter", "this design: plan-protect eviction, link-paced frequency Top-M prefetch, roofline lookahead (k adapted "
-                          "per round), the engine's default draft-ahead (on CUDA: up to 16 steps beside each verify)",
-               eviction="plan-protect", prefetch="topm-frequency", lookahead="roofline", k=None, overlap=None),
+        System("specter", "this design: plan-protect eviction, link-paced frequency Top-M prefetch that never displaces an "
+                          "expert the draft routed to (topm-keep), roofline lookahead (k adapted per round), the engine's "
+                          "default draft-ahead (on CUDA: up to 16 steps beside each verify)",
+               eviction="plan-protect", prefetch="topm-keep", lookahead="roofline", k=None, overlap=None),
         System("specter-serial", "specter without the draft-ahead (each round drafts, then verifies): `specter` before "
-                                 "2026-11-30's sixth session", eviction="plan-protect", prefetch="topm-frequency",
+                                 "2026-11-30's sixth session", eviction="plan-protect", prefetch="topm-keep",
                lookahead="roofline", k=None),
         System("specter-scout", "specter whose plain rounds (k = 0) first run one draft step and prefetch the experts "
-                                "it routes the token to", eviction="plan-protect", prefetch="topm-frequency",
+                                "it routes the token to", eviction="plan-protect", prefetch="topm-keep",
                lookahead="roofline", k=None, scout=True),
         System("specter-overlap", "specter that drafts ahead beside each verify (up to 16 steps from a guess at the "
                                   "target's next token, kept when the verify takes every draft)", eviction="plan-protect",
-               prefetch="topm-frequency", lookahead="roofline", k=None, overlap=16),
-        System("specter-keep", "specter whose prefetch never displaces an expert the draft routed to (topm-keep): "
-                               "fewer copies when a round wants more experts than a layer has slots",
-               eviction="plan-protect", prefetch="topm-keep", lookahead="roofline", k=None, overlap=None),
+               prefetch="topm-keep", lookahead="roofline", k=None, overlap=16),
+        System("specter-topm", "specter with plain frequency Top-M prefetch (topm-frequency), which may load a routed expert "
+                               "in place of another routed one: `specter` before 2026-11-30's fifteenth session",
+               eviction="plan-protect", prefetch="topm-frequency", lookahead="roofline", k=None, overlap=None),
         System("specter-fixed", "specter with a fixed draft depth (--k)",
-               eviction="plan-protect", prefetch="topm-frequency", k=None),
+               eviction="plan-protect", prefetch="topm-keep", k=None),
         System("specter-fixed-overlap", "specter-fixed that drafts ahead beside each verify: the draft-ahead measured at "
-                                        "one depth, against specter-fixed", eviction="plan-protect", prefetch="topm-frequency",
+                                        "one depth, against specter-fixed", eviction="plan-protect", prefetch="topm-keep",
                k=None, overlap=16),
         System("oracle", "same budget and k as specter; before each round the exact experts its verify will use "
                          "(recorded in an untimed pass) are prefetched in layer order, Belady eviction on the future",
                eviction="oracle-belady", k=None, oracle=True),
         System("scout-k0", "plain decoding (k = 0) whose every round scouts: the scout measured alone, against ondemand",
-               eviction="plan-protect", prefetch="topm-frequency", k=0, scout=True),
+               eviction="plan-protect", prefetch="topm-keep", k=0, scout=True),
         System("oracle-k0", "the oracle without speculation: target alone (k=0), exact experts prefetched before each token",
                eviction="oracle-belady", k=0, oracle=True),
         System("oracle-specter", "the oracle at specter's own depths: each round's k and verify routes as the specter run "
