@@ -238,6 +238,22 @@ class Runtime:
     def _layer_plan(self) -> Plan | None:
         return self.plan
 
+    def _predicted(self) -> dict[int, list[int]] | None:
+        """Per cache layer, the experts this round's plan expects the verify to use, likeliest first: the planned
+        ones in the plan's order, then the other experts it scores above zero (the draft routed to them), by score.
+        None when the round made no plan (it did not draft)."""
+        plan = self.plan
+        if plan is None:
+            return None
+        predicted = {}
+        for layer in range(len(self.spec.moe_layers)):
+            planned = plan.for_layer(layer)
+            scores, chosen = plan.scores.get(layer, {}), set(planned)
+            rest = sorted((e for e, score in scores.items() if score > 0 and e not in chosen), key=lambda e: (-scores[e], e))
+            if planned or rest:
+                predicted[layer] = planned + rest
+        return predicted
+
     def record_trace(self, path: str | Path) -> None:
         """Write a routing trace (see specter.trace) of every speculative round from now on."""
         header = TraceHeader(model=self.spec.family, num_layers=len(self.spec.moe_layers), num_experts=self.spec.num_experts,
@@ -356,6 +372,8 @@ class Runtime:
         window = [marks[1] if marks[1] is not None else self._stream_mark()]  # the verify, for the copy-busy measurement
         block = torch.cat([x0_tensor, drafted]) if k else x0_tensor
         record = self._start_record()
+        if record is not None:
+            self.experts.predicted = self._predicted()  # the verify starts each layer's likely misses early (LEAD_MISSES)
         verify_started = time.perf_counter()
         try:
             async with stage("verify", counters=self.stages, rows=k + 1):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
@@ -31,6 +31,13 @@ miss). False: an event of its own before each miss, as before. A switch for A/B.
 
 REUSE_PINNED = True
 """`to_host` takes its pinned buffer from a free list. False: a fresh pinned tensor per call, as before. For A/B."""
+
+LEAD_MISSES = 2
+"""Per MoE layer of a segmented verify, before the host reads the layer's routing: start up to this many of the
+misses the round's prefetch plan predicts (`ExpertCache.lead`), each in a free slot or in the slot of a predicted
+resident computed first, so the copy stream goes on from the previous layer's misses to this layer's without waiting
+for the router's choice to reach the host (`bench --copy-gaps`: the "handover" share). The experts computed early are
+skipped when the routing comes. 0: off. A switch for A/B."""
 
 ROUTING_POLL_S = 3e-3
 """How long a verify polls for its router's choice before parking (CUDA, device-ordered misses): the host is
@@ -123,7 +130,7 @@ RoutedHook = Callable[[int, Tensor, list[int]], None]
 
 async def compute_hot_first(cache: ExpertCache, kernel: Kernel, cache_layer: int, needed: Sequence[int],
                             compute: ComputeExpert, record: VerifyRecord, *, counted: Sequence[int] = (),
-                            on_device: bool = False) -> list[int]:
+                            on_device: bool = False, started: Collection[int] = ()) -> list[int]:
     """Run `compute` for each needed expert as it becomes ready (resident first, then as copies land).
 
     Each expert's slot is marked used with an event recorded after its compute, so the slot is not
@@ -173,7 +180,7 @@ async def compute_hot_first(cache: ExpertCache, kernel: Kernel, cache_layer: int
             waited = time.perf_counter()
     already = set(counted)
     new = [e for e in needed if e not in already]
-    prefetched = sum(1 for e in new if e in mapped)
+    prefetched = sum(1 for e in new if e in mapped and e not in started)
     record.hits += prefetched
     record.misses += len(new) - prefetched
     return order
@@ -189,6 +196,9 @@ class OffloadedExperts:
         self.layer_index = layer_index
         self.on_routed = on_routed  # e.g. gate-prefetch: sees each layer's hidden rows and chosen experts
         self.record = VerifyRecord()
+        self.predicted: Mapping[int, Sequence[int]] | None = None
+        """Cache layer -> experts the coming verify will likely need, likeliest first (the engine sets it from the
+        round's prefetch plan; None: no prediction), for `LEAD_MISSES`."""
         # Misses ordered on the device (compute_hot_first's on_device): on CUDA, where the forward's compute
         # runs on the backend's compute stream; elsewhere the host computes and must see each landing.
         backend = kernel.backend
@@ -218,17 +228,19 @@ class OffloadedExperts:
     async def verify_static(self, step: SegmentedStep, block_tokens: Tensor, start: int) -> Tensor:
         """The verify forward through the segmented static step (see `verify_segmented`), into this record."""
         return await verify_segmented(step, block_tokens, start, self.cache, self.kernel, self.layer_index, self.record,
-                                      on_routed=self.on_routed, on_device=self.on_device)
+                                      on_routed=self.on_routed, on_device=self.on_device, predicted=self.predicted)
 
 
 async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int, cache: ExpertCache, kernel: Kernel,
                            layer_index: dict[int, int], record: VerifyRecord, *, on_routed: RoutedHook | None = None,
-                           on_device: bool = False) -> Tensor:
+                           on_device: bool = False, predicted: Mapping[int, Sequence[int]] | None = None) -> Tensor:
     """Float32 logits [n, V] of n device tokens at positions start.., in R-row chunks, writing their KV.
 
     Per MoE layer: the pre-MoE segment (a graph replay on CUDA), one D2H copy of the router ids, the
     routed experts hot first from the cache, their sum in expert-id order, then the next segment. The
-    logits are bit-identical to the resident GraphedTarget's with the same R and MoE kernel.
+    logits are bit-identical to the resident GraphedTarget's with the same R and MoE kernel. `predicted` (cache
+    layer -> likely experts) lets the first chunk start each layer's predicted misses before its routing is read
+    (`LEAD_MISSES`): an expert's staged output is the same whether or not a row chose it.
     """
     assert block_tokens.shape[0] >= 1, "nothing to verify: pass at least one token"
     parts = []
@@ -236,15 +248,33 @@ async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int
         count = step.load(block_tokens[first : first + step.rows], start + first)
         for index, layer in enumerate(step.moe_layers):
             step.run_segment(index)
-            await _routed_experts(step, layer, count, cache, kernel, layer_index[layer], record, on_routed, on_device)
+            likely = predicted.get(layer_index[layer]) if predicted and first == 0 else None
+            lead = _lead(step, cache, kernel, layer_index[layer], likely) if likely else ([], [])
+            await _routed_experts(step, layer, count, cache, kernel, layer_index[layer], record, on_routed, on_device, lead)
         step.run_segment(len(step.moe_layers))
         parts.append(step.logits[:count].clone())  # the static output is overwritten by the next chunk
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _lead(step: SegmentedStep, cache: ExpertCache, kernel: Kernel, cache_layer: int,
+          likely: Sequence[int]) -> tuple[list[int], list[int]]:
+    """`ExpertCache.lead` for a layer whose segment is enqueued: the experts computed early and the loads started."""
+    if LEAD_MISSES <= 0:
+        return [], []
+    backend = kernel.backend
+
+    def launch(expert: int, slot: int) -> Event:
+        step.expert_output(expert, cache.slot_weights(slot))
+        return backend.record_event(backend.compute_stream)
+
+    return cache.lead(cache_layer, likely, LEAD_MISSES, launch)
+
+
 async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: ExpertCache, kernel: Kernel, cache_layer: int,
-                          record: VerifyRecord, on_routed: RoutedHook | None, on_device: bool) -> None:
-    """One MoE layer's routed experts for the step's current chunk of `count` real rows, into step.routed."""
+                          record: VerifyRecord, on_routed: RoutedHook | None, on_device: bool,
+                          lead: tuple[list[int], list[int]] = ([], [])) -> None:
+    """One MoE layer's routed experts for the step's current chunk of `count` real rows, into step.routed; `lead`:
+    the experts `_lead` computed already (skipped) and the loads it started."""
     # await point: the router's choice, [R, A] in one D2H copy
     chosen = await to_host(kernel, step.ids, poll_s=routing_poll_s(on_device))
     needed = sorted({expert for row in chosen[:count] for expert in row})  # padding rows repeat the last real row
@@ -255,5 +285,10 @@ async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: Ex
         step.expert_output(expert, packed)  # staged by expert id; the next segment sums them
 
     counted = record.used.get(layer, [])
-    order = await compute_hot_first(cache, kernel, cache_layer, needed, compute, record, counted=counted, on_device=on_device)
-    record.used[layer] = counted + [e for e in order if e not in counted]
+    computed, started = lead
+    early = [e for e in computed if e in needed]  # resident when chosen: hits, computed before the routing was read
+    rest = [e for e in needed if e not in computed]
+    order = await compute_hot_first(cache, kernel, cache_layer, rest, compute, record, counted=counted, on_device=on_device,
+                                    started=started)
+    record.hits += sum(1 for e in early if e not in counted)
+    record.used[layer] = counted + [e for e in early + order if e not in counted]

@@ -65,6 +65,21 @@ class Rig:
         self.backend.launch(self.backend.compute_stream, compute)
         self.cache.mark_used(layer, expert, self.backend.record_event(self.backend.compute_stream))
 
+    def launcher(self, layer: int, seconds: float = 0.0003):
+        """`ExpertCache.lead`'s launch for `layer`: a checking read of the slot, returning the event after it."""
+        def launch(expert: int, slot: int):
+            weights = self.cache.slot_weights(slot)
+
+            def compute() -> None:
+                time.sleep(seconds)
+                if not bool((weights == expert_value(layer, expert)).all()):
+                    self.bad_reads.append((layer, expert, slot))
+
+            self.backend.launch(self.backend.compute_stream, compute)
+            return self.backend.record_event(self.backend.compute_stream)
+
+        return launch
+
     async def close(self) -> None:
         await self.cache.aclose()
         await self.transfer.aclose()
@@ -97,6 +112,8 @@ op_strategy = st.one_of(
     st.tuples(st.just("iter_issued"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), min_size=1, max_size=EXPERTS, unique=True)),
     st.tuples(st.just("prefetch"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS)),
     st.tuples(st.just("protect"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), max_size=SLOTS - 1)),
+    st.tuples(st.just("lead"), st.integers(0, LAYERS - 1), st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS, unique=True),
+              st.integers(1, SLOTS)),
     st.tuples(st.just("cancel_ensure"), st.integers(0, LAYERS - 1), experts_strategy, st.sampled_from([0.0, 0.0001, 0.0004, 0.001])),
     st.tuples(st.just("unprotect_all")),
     st.tuples(st.just("reset")),
@@ -131,6 +148,14 @@ async def apply(rig: Rig, op: tuple) -> set[tuple[int, int]] | None:
     if kind == "protect":
         cache.protect(op[1], op[2])
         return set()
+    if kind == "lead":
+        _, layer, predicted, count = op
+        mapped = set(cache.lru_order(layer))
+        computed, started = cache.lead(layer, predicted, count, rig.launcher(layer))
+        assert set(started) <= set(predicted) - mapped and len(started) <= count
+        assert set(computed) <= set(predicted) & mapped and len(computed) <= len(started)
+        assert all(cache.lookup(layer, e) is None for e in computed), "a computed resident kept its slot"
+        return {(layer, e) for e in computed}  # computed: their use for the round, which lifts protection
     if kind == "cancel_ensure":
         return await cancel_ensure(rig, *op[1:])
     cache.unprotect_all() if kind == "unprotect_all" else cache.reset()
@@ -164,6 +189,7 @@ def guarded(cache: ExpertCache) -> set[tuple[int, int]]:
 @example(ops=[("ensure", 0, [0, 1, 2]), ("protect", 0, [0, 1]), ("prefetch", 0, [3, 4]), ("ensure", 0, [5])])
 @example(ops=[("prefetch", 1, [0, 1, 2]), ("cancel_ensure", 1, [3, 4], 0.0001), ("iter_ready", 1, [4, 5, 0, 1])])
 @example(ops=[("prefetch", 0, [0, 1]), ("iter_issued", 0, [1, 2, 3, 4, 5, 0]), ("iter_issued", 0, [0, 5, 4])])
+@example(ops=[("ensure", 0, [0, 1, 2]), ("protect", 0, [0, 1]), ("lead", 0, [0, 3, 1, 4], 2), ("iter_issued", 0, [1, 3, 4, 5])])
 def test_cache_invariants_hold_under_random_requests(ops):
     rig = Rig()
     evicted_while_protected: list[tuple[int, int]] = []

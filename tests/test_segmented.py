@@ -69,8 +69,9 @@ class Offloaded:
         self.cache = ExpertCache(self.backend, self.kernel, self.transfer, pool, slots, lru_victims)
         self.experts = OffloadedExperts(self.cache, self.kernel, self.moe_index)
 
-    async def verify(self, step: SegmentedStep, tokens: torch.Tensor, start: int, record: VerifyRecord) -> torch.Tensor:
-        logits = await verify_segmented(step, tokens, start, self.cache, self.kernel, self.moe_index, record)
+    async def verify(self, step: SegmentedStep, tokens: torch.Tensor, start: int, record: VerifyRecord,
+                     predicted: dict[int, list[int]] | None = None) -> torch.Tensor:
+        logits = await verify_segmented(step, tokens, start, self.cache, self.kernel, self.moe_index, record, predicted=predicted)
         self.cache.unprotect_all(self.backend.record_event(self.backend.compute_stream))
         return logits
 
@@ -165,6 +166,56 @@ def test_greedy_decoding_through_the_offloaded_segmented_step_equals_the_residen
         tokens, moved = asyncio.run(decode(slots))
         assert tokens == expected, f"{slots} slots"
         assert moved > 0
+
+
+@pytest.mark.parametrize("guess", ["right", "wrong", "mixed"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_predicted_misses_start_before_the_routing_is_read_and_the_logits_stay_bit_identical(load, family, guess, monkeypatch):
+    """LEAD_MISSES: each layer's predicted misses start early, in free slots or in the slots of predicted residents
+    computed first (skipped when the routing comes). Right, wrong or mixed predictions: the same logits, KV and used
+    experts as the resident static step, every used expert counted once, and the early path was taken."""
+    import specter.verify as verify
+
+    monkeypatch.setattr(verify, "LEAD_MISSES", 2)
+    loaded = load(family, "float32")
+    start, experts = len(PROMPT), loaded.spec.num_experts
+    leads: list[tuple[list[int], list[int]]] = []
+
+    async def go() -> None:
+        offloaded = Offloaded(loaded, 3)
+        lead = offloaded.cache.lead
+
+        def spy(*args, **kwargs):
+            leads.append(lead(*args, **kwargs))
+            return leads[-1]
+
+        offloaded.cache.lead = spy
+        try:
+            for first in range(20, 60, 8):  # later blocks meet a full cache: the slots of computed residents
+                block = torch.arange(first, first + 3) % loaded.spec.vocab_size
+                kv_resident, kv_offloaded = await after_prompt(loaded), await after_prompt(loaded)
+                used = chosen_experts(loaded, kv_resident, block)
+                expected = GraphedTarget(loaded.model, loaded.experts, kv_resident).logits(block, start)
+                predicted = {}
+                for layer, chosen in used.items():
+                    others = [e for e in range(experts) if e not in chosen]
+                    turn = first % max(1, len(others))
+                    right, wrong = sorted(chosen), others[turn:] + others[:turn]
+                    predicted[offloaded.moe_index[layer]] = {"right": right, "wrong": wrong,
+                                                             "mixed": [x for pair in zip(wrong, right) for x in pair]}[guess]
+                record = VerifyRecord()
+                got = await offloaded.verify(SegmentedStep(loaded.model, kv_offloaded), block, start, record, predicted)
+                assert torch.equal(got, expected), first
+                assert torch.equal(kv_offloaded.k, kv_resident.k) and torch.equal(kv_offloaded.v, kv_resident.v), first
+                assert {layer: set(e) for layer, e in record.used.items()} == used, first
+                assert all(len(e) == len(set(e)) for e in record.used.values()), first
+                assert record.hits + record.misses == sum(len(e) for e in used.values()), first
+        finally:
+            await offloaded.close()
+
+    asyncio.run(go())
+    assert sum(len(started) for _, started in leads) > 0, "no predicted miss started early"
+    assert sum(len(computed) for computed, _ in leads) > 0, "no resident was computed ahead of its routing"
 
 
 def test_a_verify_longer_than_the_row_bucket_runs_in_chunks_and_counts_each_expert_once(load):

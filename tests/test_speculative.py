@@ -197,8 +197,19 @@ def test_draft_shares_the_targets_non_expert_tensors(root):
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
-def test_static_verify_offloaded_equals_resident_static(root, family):
-    """With static_verify the offloaded verify shares the resident static step's numerics: same tokens."""
+def test_static_verify_offloaded_equals_resident_static(root, family, monkeypatch):
+    """With static_verify the offloaded verify shares the resident static step's numerics: same tokens, also
+    when the verify starts each layer's predicted misses before reading its routing (verify.LEAD_MISSES)."""
+    from specter.experts.cache import ExpertCache
+
+    lead, started = ExpertCache.lead, []
+
+    def spy(self, *args, **kwargs):
+        computed, loads = lead(self, *args, **kwargs)
+        started.extend(loads)
+        return computed, loads
+
+    monkeypatch.setattr(ExpertCache, "lead", spy)
     path = checkpoint(family, root)
     generation = GenerationConfig(max_new_tokens=16, temperature=0.8, seed=5)
     resident = run(path, EngineConfig(device=DEVICE, max_context=96, static_verify=True, draft=DraftConfig(k=0)), [3, 1, 4], generation)
@@ -207,6 +218,7 @@ def test_static_verify_offloaded_equals_resident_static(root, family):
         result = run(path, config, [3, 1, 4], generation)
         assert result.tokens == resident.tokens
         assert result.stats.h2d_bytes > 0
+    assert started, "no verify started a predicted miss early"
 
 
 def test_a_plugin_failing_in_the_transfer_stage_surfaces_as_plugin_error(root, monkeypatch):
