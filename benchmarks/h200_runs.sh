@@ -620,6 +620,30 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  lead15b)        # after lead15 (the lead's first form: handover share 0.174 -> 0.133 at 15 residents, 0.149 -> 0.097 at 8,
+    # but the issue share rose at 8, 0.122 -> 0.188, and TPOT per prompt was 1.12x / 1.02x: missed). Its first two misses
+    # started early, but the third still waited for the routing's host read, which now also came after the lead's
+    # compute, and for the host's launches of every resident. Now the routing's copy is enqueued first and the lead
+    # computes every predicted resident, so the later misses start as soon as the routing reaches the host.
+    # PREDICTIONS: every test passes and every token equals the baseline; handover + issue shares together fall by
+    # >= 0.05 at both sizes (lead15, off: 0.274 at 15, 0.271 at 8); copy busy +0.03-0.08; decode MB/token within
+    # +-5 %; TPOT per prompt 0.93-0.98x with the lead.
+    mkdir -p "$out/logs"
+    ( timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_segmented.py tests/test_gpu_transfer.py \
+        -k "not link_emulation" > "$out/logs/gpu-tests.log" 2>&1
+      SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 100 python -m pytest -q -x tests/test_speculative.py \
+        -p no:cacheprovider > "$out/logs/spec-cuda.log" 2>&1 ) &
+    tests=$!
+    timeout 200 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
+    tail -1 "$out/logs/train-qwen.log"
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    timeout 110 python benchmarks/ab_bench.py --alternate "specter.verify.LEAD_MISSES=2|0" -- $common \
+      --repeats 4 --residents 15,8 --link native --systems specter --copy-gaps --out "$out/lead-ab" > "$out/logs/lead-ab.log" 2>&1
+    echo "lead-ab rc=$?"
+    wait $tests; tail -1 "$out/logs/gpu-tests.log"; tail -1 "$out/logs/spec-cuda.log"
+    grep -hE "^(FAILED|E  )" "$out/logs/gpu-tests.log" "$out/logs/spec-cuda.log" | head -8
+    tar czf "$out/lead15b.tgz" -C "$out" logs lead-ab 2>/dev/null
+    tail -8 "$out/logs/lead-ab.log" ;;
   lead15)         # verify.LEAD_MISSES (2, new): before the host reads a layer's routing, the verify starts up to 2 of the
     # misses the round's plan predicts, each in a free slot or in the slot of a predicted resident computed first, so
     # the copy stream goes on from one layer's misses to the next layer's without the router's round trip to the host.

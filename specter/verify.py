@@ -33,11 +33,12 @@ REUSE_PINNED = True
 """`to_host` takes its pinned buffer from a free list. False: a fresh pinned tensor per call, as before. For A/B."""
 
 LEAD_MISSES = 2
-"""Per MoE layer of a segmented verify, before the host reads the layer's routing: start up to this many of the
-misses the round's prefetch plan predicts (`ExpertCache.lead`), each in a free slot or in the slot of a predicted
-resident computed first, so the copy stream goes on from the previous layer's misses to this layer's without waiting
-for the router's choice to reach the host (`bench --copy-gaps`: the "handover" share). The experts computed early are
-skipped when the routing comes. 0: off. A switch for A/B."""
+"""Per MoE layer of a segmented verify, while the layer's routing is on its way to the host: compute every resident
+the round's prefetch plan predicts, and start up to this many of the misses it predicts (`ExpertCache.lead`), each
+in a free slot or in the slot of one of those residents, so the copy stream goes on from the previous layer's misses
+to this layer's without waiting for the router's choice to reach the host (`bench --copy-gaps`: the "handover"
+share), and the host starts the other misses as soon as the choice arrives (the "issue" share). The experts computed
+early are skipped when the routing comes. 0: off. A switch for A/B."""
 
 ROUTING_POLL_S = 3e-3
 """How long a verify polls for its router's choice before parking (CUDA, device-ordered misses): the host is
@@ -50,8 +51,14 @@ def routing_poll_s(on_device: bool) -> float:
 
 async def to_host(kernel: Kernel, tensor: Tensor, *, poll_s: float = 0.0) -> list:
     """Await point: a small device tensor copied to the host without blocking the event loop."""
+    return await host_values(kernel, copy_to_host(kernel, tensor), poll_s=poll_s)
+
+
+def copy_to_host(kernel: Kernel, tensor: Tensor) -> Tensor | tuple[tuple, Tensor, Event]:
+    """Enqueue `to_host`'s copy on the compute stream now (a CPU tensor is returned as it is); `host_values` awaits
+    it. Between the two the caller may enqueue more work: the copy does not wait for it."""
     if tensor.device.type == "cpu":
-        return tensor.tolist()
+        return tensor
     backend = kernel.backend
     assert backend is not None, "a CUDA tensor needs a kernel bound to a backend"
     key = (tuple(tensor.shape), tensor.dtype)
@@ -59,16 +66,29 @@ async def to_host(kernel: Kernel, tensor: Tensor, *, poll_s: float = 0.0) -> lis
     if _PINNED_ABANDONED:
         _recycle_abandoned()
     host = free.pop() if free and REUSE_PINNED else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    event = backend.copy_d2h(host, tensor, backend.compute_stream)
+    return key, host, backend.copy_d2h(host, tensor, backend.compute_stream)
+
+
+async def host_values(kernel: Kernel, pending: Tensor | tuple[tuple, Tensor, Event], *, poll_s: float = 0.0) -> list:
+    """The values of a `copy_to_host`, once its copy has landed."""
+    if isinstance(pending, Tensor):
+        return pending.tolist()
+    key, host, event = pending
     try:
         await kernel.wait(event, spin_s=50e-6, poll_s=poll_s)
     except BaseException:  # cancelled: the copy may still be writing into the buffer; reuse it only once it landed
-        _PINNED_ABANDONED.append((key, host, event))
+        abandon(pending)
         raise
     values = host.tolist()
     if REUSE_PINNED:
-        free.append(host)
+        _PINNED_FREE.setdefault(key, []).append(host)
     return values
+
+
+def abandon(pending: Tensor | tuple[tuple, Tensor, Event]) -> None:
+    """A `copy_to_host` whose values are not wanted: its buffer is reused once the copy has landed."""
+    if not isinstance(pending, Tensor):
+        _PINNED_ABANDONED.append(pending)
 
 
 _PINNED_FREE: dict[tuple, list[Tensor]] = {}
@@ -239,8 +259,9 @@ async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int
     Per MoE layer: the pre-MoE segment (a graph replay on CUDA), one D2H copy of the router ids, the
     routed experts hot first from the cache, their sum in expert-id order, then the next segment. The
     logits are bit-identical to the resident GraphedTarget's with the same R and MoE kernel. `predicted` (cache
-    layer -> likely experts) lets the first chunk start each layer's predicted misses before its routing is read
-    (`LEAD_MISSES`): an expert's staged output is the same whether or not a row chose it.
+    layer -> likely experts) lets the first chunk compute each layer's predicted residents and start its predicted
+    misses while the routing is on its way to the host (`LEAD_MISSES`): an expert's staged output is the same
+    whether or not a row chose it.
     """
     assert block_tokens.shape[0] >= 1, "nothing to verify: pass at least one token"
     parts = []
@@ -249,8 +270,7 @@ async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int
         for index, layer in enumerate(step.moe_layers):
             step.run_segment(index)
             likely = predicted.get(layer_index[layer]) if predicted and first == 0 else None
-            lead = _lead(step, cache, kernel, layer_index[layer], likely) if likely else ([], [])
-            await _routed_experts(step, layer, count, cache, kernel, layer_index[layer], record, on_routed, on_device, lead)
+            await _routed_experts(step, layer, count, cache, kernel, layer_index[layer], record, on_routed, on_device, likely)
         step.run_segment(len(step.moe_layers))
         parts.append(step.logits[:count].clone())  # the static output is overwritten by the next chunk
     return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -272,11 +292,16 @@ def _lead(step: SegmentedStep, cache: ExpertCache, kernel: Kernel, cache_layer: 
 
 async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: ExpertCache, kernel: Kernel, cache_layer: int,
                           record: VerifyRecord, on_routed: RoutedHook | None, on_device: bool,
-                          lead: tuple[list[int], list[int]] = ([], [])) -> None:
-    """One MoE layer's routed experts for the step's current chunk of `count` real rows, into step.routed; `lead`:
-    the experts `_lead` computed already (skipped) and the loads it started."""
-    # await point: the router's choice, [R, A] in one D2H copy
-    chosen = await to_host(kernel, step.ids, poll_s=routing_poll_s(on_device))
+                          likely: Sequence[int] | None = None) -> None:
+    """One MoE layer's routed experts for the step's current chunk of `count` real rows, into step.routed. `likely`:
+    the experts the round's plan predicts, for `_lead` while the router's choice is on its way to the host."""
+    pending = copy_to_host(kernel, step.ids)  # the router's choice, [R, A] in one D2H copy, ahead of the lead's compute
+    try:
+        computed, started = _lead(step, cache, kernel, cache_layer, likely) if likely else ([], [])
+    except BaseException:
+        abandon(pending)
+        raise
+    chosen = await host_values(kernel, pending, poll_s=routing_poll_s(on_device))  # await point
     needed = sorted({expert for row in chosen[:count] for expert in row})  # padding rows repeat the last real row
     record.first_row.setdefault(layer, len(set(chosen[0])))
     if on_routed is not None:
@@ -285,7 +310,6 @@ async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: Ex
         step.expert_output(expert, packed)  # staged by expert id; the next segment sums them
 
     counted = record.used.get(layer, [])
-    computed, started = lead
     early = [e for e in computed if e in needed]  # resident when chosen: hits, computed before the routing was read
     rest = [e for e in needed if e not in computed]
     order = await compute_hot_first(cache, kernel, cache_layer, rest, compute, record, counted=counted, on_device=on_device,

@@ -11,7 +11,7 @@ Loads go through the transfer engine; eviction choices are delegated to an injec
 #    (its reader's compute is its last use) and unprotected; the new copy follows on the copy stream and
 #    waits for that compute, and the old load's completion is orphaned by the generation bump.
 #  - `lead` evicts a planned (protected) resident only after launching its compute, which is then that expert's
-#    use for the round: the reader skips it, as the rolling window's doomed hot experts are used before their
+#    use for the round (the reader skips it), as the rolling window's doomed hot experts are used before their
 #    slots take misses.
 #  - A slot is never read before its copy lands: readers get a slot only from `ensure` / `iter_ready`,
 #    which await the copy's ready event, or from `iter_issued`, which hands over that event for the
@@ -282,34 +282,36 @@ class ExpertCache:
 
     def lead(self, layer: int, predicted: Sequence[int], count: int,
              launch: Callable[[int, int], Event]) -> tuple[list[int], list[int]]:
-        """Start up to `count` predicted misses before the reader knows the layer's routing (`verify.LEAD_MISSES`).
+        """Before a reader knows the layer's routing (`verify.LEAD_MISSES`): compute the predicted residents and start
+        up to `count` predicted misses.
 
-        `predicted`: the experts the reader will likely need, likeliest first (the draft's routes); those not
-        mapped to a slot are the predicted misses. Each starts in a free slot, else in the slot of an unplanned
-        resident the prediction does not name, else in the slot of a predicted resident: `launch(expert, slot)`
-        computes that one first (its output must stand whether or not the routing chooses it) and returns the
-        event after it, which becomes the slot's last use, so the copy waits for it on the device. So the copy
-        stream need not wait for the router's choice to reach the host. Loads count as prefetches. Returns the
-        residents computed and the experts whose loads started; the reader skips the former and finds the latter
-        loading (so its misses still count them). Synchronous: nothing else runs between a launch and its load.
+        `predicted`: the experts the reader will likely need, likeliest first (the draft's routes). Every predicted
+        resident not held by a reader is computed now, `launch(expert, slot)` (its output must stand whether or not
+        the routing chooses it), and marked used with the event `launch` returns. Then those not mapped to a slot,
+        the predicted misses, start: each in a free slot, else in the slot of an unplanned resident the prediction
+        does not name, else in the slot of a computed resident the policy chooses (its copy waits for that compute
+        on the device). So the copy stream need not wait for the router's choice to reach the host, nor the reader's
+        later misses for its launches of the residents. Loads count as prefetches. Returns the residents computed
+        and the experts whose loads started; the reader skips the former and finds the latter loading (its misses
+        still count them). Synchronous: nothing else runs between a launch and its load.
         """
         predicted = list(dict.fromkeys(predicted))
         mapped = self._residents[layer]
+        computed = [e for e in predicted if (slot := mapped.get(e)) is not None and slot.state is SlotState.RESIDENT
+                    and not slot.pins]
+        for expert in computed:
+            self.mark_used(layer, expert, launch(expert, mapped[expert].index))
         misses = [e for e in predicted if e not in mapped][:count]
         if not misses:
-            return [], []
+            return computed, []
         named = set(predicted)
         spare = [e for e, slot in mapped.items()
                  if e not in named and slot.state is SlotState.RESIDENT and not slot.pins and e not in self._protected[layer]]
         room = [slot for slot in self._layer_slots(layer) if slot.state is SlotState.FREE][: len(misses)]
         if len(room) < len(misses) and spare:
             room += [self._evict(layer, e) for e in self._victims(layer, len(misses) - len(room), among=spare)]
-        hot = [e for e in predicted if (slot := mapped.get(e)) is not None and slot.state is SlotState.RESIDENT and not slot.pins]
-        computed = self._victims(layer, len(misses) - len(room), among=hot) if len(room) < len(misses) and hot else []
-        for expert in computed:
-            slot = mapped[expert]
-            self.mark_used(layer, expert, launch(expert, slot.index))
-            room.append(self._evict(layer, expert))
+        if len(room) < len(misses) and computed:
+            room += [self._evict(layer, e) for e in self._victims(layer, len(misses) - len(room), among=computed)]
         for expert, slot in zip(misses, room):
             self._start_load(layer, expert, slot, urgent=True)
             self.stats.layers[layer].prefetched += 1
