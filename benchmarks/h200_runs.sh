@@ -620,6 +620,33 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  lead15c)        # after lead15b (the lead's second form against none, one process: handover + issue 0.137 -> 0.058 at 15
+    # residents, 0.159 -> 0.039 at 8; copy busy 0.784 -> 0.815, 0.790 -> 0.852; TPOT per prompt 0.926x / 0.957x; decode
+    # MB/token +0.7 % / +4.6 %: every prediction held). The idle left moved to `slot` (0.021 -> 0.107, 0.018 -> 0.099):
+    # the early copies wait for their slots' compute, launched after every predicted resident's. cache.LEAD_VICTIMS_FIRST
+    # computes the residents whose slots take misses first and starts each copy right after its own. Every gpu-marked
+    # test and the exactness property test on CUDA beside the training, the A/B, then issue 4's figures (Gen5).
+    # PREDICTIONS: every test passes, every token equals the baseline; `slot` share <= 0.06 at both sizes with the
+    # switch; copy busy +0.02-0.05; TPOT per prompt 0.95-1.00x; decode MB/token within +-3 %; figures: specter >= 3x
+    # ondemand at 15 and 8 residents, copy busy >= 0.82.
+    mkdir -p "$out/logs"
+    ( timeout 200 python -m pytest -q -m gpu -p no:cacheprovider -k "not link_emulation" > "$out/logs/gpu-tests.log" 2>&1
+      SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 100 python -m pytest -q -x tests/test_speculative.py \
+        -p no:cacheprovider > "$out/logs/spec-cuda.log" 2>&1 ) &
+    tests=$!
+    timeout 200 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
+    tail -1 "$out/logs/train-qwen.log"
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    timeout 110 python benchmarks/ab_bench.py --alternate "specter.experts.cache.LEAD_VICTIMS_FIRST=true|false" -- $common \
+      --repeats 4 --residents 15,8 --link native --systems specter --copy-gaps --out "$out/first-ab" > "$out/logs/first-ab.log" 2>&1
+    echo "first-ab rc=$?"
+    wait $tests; tail -1 "$out/logs/gpu-tests.log"; tail -1 "$out/logs/spec-cuda.log"
+    grep -hE "^(FAILED|E  )" "$out/logs/gpu-tests.log" "$out/logs/spec-cuda.log" | head -8
+    timeout 100 python -m specter.bench $common --repeats 3 --residents 15,8 --link native \
+      --systems ondemand,specter,specter-topm --out "$out/figs" > "$out/logs/figs.log" 2>&1
+    echo "figs rc=$?"
+    tar czf "$out/lead15c.tgz" -C "$out" logs first-ab figs 2>/dev/null
+    print_summaries figs; tail -8 "$out/logs/first-ab.log" ;;
   lead15b)        # after lead15 (the lead's first form: handover share 0.174 -> 0.133 at 15 residents, 0.149 -> 0.097 at 8,
     # but the issue share rose at 8, 0.122 -> 0.188, and TPOT per prompt was 1.12x / 1.02x: missed). Its first two misses
     # started early, but the third still waited for the routing's host read, which now also came after the lead's

@@ -78,6 +78,12 @@ orphaned (its bytes were counted at issue). On CUDA a miss is handed out as its 
 policy picks most later slots, one guarded call each, and may pick a hot expert. Off: not yet measured on the GPU
 (CPU-tested: `tests/test_cache.py`)."""
 
+LEAD_VICTIMS_FIRST = True
+"""`lead` computes the residents whose slots take predicted misses first, and starts each such copy right after its
+slot's compute is launched, before it launches the other predicted residents: the copy waits on the device for that
+one compute, not for the host's launches of them all. False: every predicted resident computed first, then the
+copies (lead15b on the H200: the `slot` share of the copy stream's idle time rose to 0.10). A switch for A/B."""
+
 VictimChooser = Callable[[int, Sequence[int], Set[int], int], list[int]]
 """choose_victims(layer, residents (least recently used first), protected, count) -> experts to evict."""
 
@@ -290,32 +296,40 @@ class ExpertCache:
         the routing chooses it), and marked used with the event `launch` returns. Then those not mapped to a slot,
         the predicted misses, start: each in a free slot, else in the slot of an unplanned resident the prediction
         does not name, else in the slot of a computed resident the policy chooses (its copy waits for that compute
-        on the device). So the copy stream need not wait for the router's choice to reach the host, nor the reader's
+        on the device; with `LEAD_VICTIMS_FIRST` those residents are computed first, each copy started after its own). So the copy stream need not wait for the router's choice to reach the host, nor the reader's
         later misses for its launches of the residents. Loads count as prefetches. Returns the residents computed
         and the experts whose loads started; the reader skips the former and finds the latter loading (its misses
         still count them). Synchronous: nothing else runs between a launch and its load.
         """
         predicted = list(dict.fromkeys(predicted))
         mapped = self._residents[layer]
-        computed = [e for e in predicted if (slot := mapped.get(e)) is not None and slot.state is SlotState.RESIDENT
-                    and not slot.pins]
-        for expert in computed:
-            self.mark_used(layer, expert, launch(expert, mapped[expert].index))
+        hot = [e for e in predicted if (slot := mapped.get(e)) is not None and slot.state is SlotState.RESIDENT and not slot.pins]
         misses = [e for e in predicted if e not in mapped][:count]
-        if not misses:
-            return computed, []
         named = set(predicted)
         spare = [e for e, slot in mapped.items()
                  if e not in named and slot.state is SlotState.RESIDENT and not slot.pins and e not in self._protected[layer]]
         room = [slot for slot in self._layer_slots(layer) if slot.state is SlotState.FREE][: len(misses)]
         if len(room) < len(misses) and spare:
             room += [self._evict(layer, e) for e in self._victims(layer, len(misses) - len(room), among=spare)]
-        if len(room) < len(misses) and computed:
-            room += [self._evict(layer, e) for e in self._victims(layer, len(misses) - len(room), among=computed)]
-        for expert, slot in zip(misses, room):
+        started = misses[: len(room)]
+        for expert, slot in zip(started, room):
             self._start_load(layer, expert, slot, urgent=True)
-            self.stats.layers[layer].prefetched += 1
-        return computed, misses[: len(room)]
+        doomed = self._victims(layer, len(misses) - len(room), among=hot) if len(room) < len(misses) and hot else []
+        if not LEAD_VICTIMS_FIRST:
+            for expert in hot:
+                self.mark_used(layer, expert, launch(expert, mapped[expert].index))
+        for expert, miss in zip(doomed, misses[len(room):]):
+            if LEAD_VICTIMS_FIRST:  # its copy waits for this compute only, not for the other residents'
+                self.mark_used(layer, expert, launch(expert, mapped[expert].index))
+            self._start_load(layer, miss, self._evict(layer, expert), urgent=True)
+            started.append(miss)
+        if LEAD_VICTIMS_FIRST:
+            for expert in hot:
+                if expert not in doomed:
+                    self.mark_used(layer, expert, launch(expert, mapped[expert].index))
+        self.stats.layers[layer].prefetched += len(started)
+        computed = doomed + [e for e in hot if e not in doomed] if LEAD_VICTIMS_FIRST else hot
+        return computed, started
 
     async def _rolling(self, layer: int, experts: Iterable[int], on_issue: bool) -> AsyncIterator[tuple[int, int, Event | None]]:
         wanted = list(dict.fromkeys(experts))
