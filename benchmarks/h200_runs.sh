@@ -620,6 +620,21 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  final15)        # the fifteenth session's final code: topm-keep, LEAD_MISSES 2, LEAD_VICTIMS_FIRST off (lead15c: not faster).
+    # Every gpu-marked test beside the training, then issue 4's figures at Gen5 15 / 8 and Gen4 15 residents.
+    # PREDICTIONS: every test passes, every token equals the baseline; specter >= 3x ondemand at every cell; copy busy
+    # >= 0.85 at Gen5 (lead15c's figures, with the switch on: 0.890 / 0.902).
+    mkdir -p "$out/logs"
+    train_beside -k "not link_emulation"
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    timeout 90 python -m specter.bench $common --repeats 3 --residents 15,8 --link native \
+      --systems ondemand,specter --out "$out/figs" > "$out/logs/figs.log" 2>&1
+    echo "figs rc=$?"
+    timeout 60 python -m specter.bench $common --repeats 2 --residents 15 --link gen4 \
+      --systems ondemand,specter --out "$out/gen4" > "$out/logs/gen4.log" 2>&1
+    echo "gen4 rc=$?"
+    tar czf "$out/final15.tgz" -C "$out" logs figs gen4 2>/dev/null
+    print_summaries figs gen4 ;;
   lead15c)        # after lead15b (the lead's second form against none, one process: handover + issue 0.137 -> 0.058 at 15
     # residents, 0.159 -> 0.039 at 8; copy busy 0.784 -> 0.815, 0.790 -> 0.852; TPOT per prompt 0.926x / 0.957x; decode
     # MB/token +0.7 % / +4.6 %: every prediction held). The idle left moved to `slot` (0.021 -> 0.107, 0.018 -> 0.099):

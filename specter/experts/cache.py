@@ -78,11 +78,13 @@ orphaned (its bytes were counted at issue). On CUDA a miss is handed out as its 
 policy picks most later slots, one guarded call each, and may pick a hot expert. Off: not yet measured on the GPU
 (CPU-tested: `tests/test_cache.py`)."""
 
-LEAD_VICTIMS_FIRST = True
+LEAD_VICTIMS_FIRST = False
 """`lead` computes the residents whose slots take predicted misses first, and starts each such copy right after its
 slot's compute is launched, before it launches the other predicted residents: the copy waits on the device for that
-one compute, not for the host's launches of them all. False: every predicted resident computed first, then the
-copies (lead15b on the H200: the `slot` share of the copy stream's idle time rose to 0.10). A switch for A/B."""
+one compute, not for the host's launches of them all. False (default): every predicted resident computed first, then
+the copies. On the H200 (fifteenth session, `lead15c`, one process, on against off) the `slot` share did not move
+(0.044 -> 0.043 at 15 residents, 0.037 -> 0.046 at 8), the hand-over idle became issue idle, and TPOT per prompt was
+1.04x, 1.00x, 1.45x at 15 and 1.01x, 0.97x, 1.02x at 8: not faster, so off. A switch for A/B."""
 
 VictimChooser = Callable[[int, Sequence[int], Set[int], int], list[int]]
 """choose_victims(layer, residents (least recently used first), protected, count) -> experts to evict."""
