@@ -62,6 +62,19 @@
 # decode MB/token -7.0 % / -3.4 %, TPOT 0.927x / 0.989x; figures 3.17x / 2.51x, Gen4 3.02x), final14 (every GPU test passed;
 # 2.66x / 2.88x, copy busy 0.79 / 0.81), recheck14 (another model: -10.3 % / -7.3 % bytes, TPOT 0.953x / 0.972x, copy
 # busy -0.04 / -0.06, more hand-over idle); results/h200-2026-11-30/fourteenth.
+# Done 2026-11-30, fifteenth session: next15 (topm-keep against topm-frequency: decode MB/token -13 % / -16 %, TPOT
+# -16 % / -19 %, now the default; RECYCLE_LOADING: no gain, stays off), lead15 (verify.LEAD_MISSES, first form: the
+# idle moved from hand-over to issue, TPOT 1.12x / 1.02x: missed), lead15b (second form, the routing's copy first and
+# every predicted resident computed early: hand-over + issue 0.137 -> 0.058 / 0.159 -> 0.039, copy busy +0.03 / +0.06,
+# TPOT 0.926x / 0.957x: the default), lead15c (LEAD_VICTIMS_FIRST: not faster, off; figures 3.63x / 3.84x, copy busy
+# 0.890 / 0.902), final15 (every GPU test passed; 3.60x / 2.96x, Gen4 3.61x; copy busy 0.82 / 0.80, Gen4 0.92);
+# results/h200-2026-11-30/fifteenth.
+# Next (fifteenth session's end): copy busy at Gen5 is 0.80-0.90 from process to process; read the idle split on the
+# final code with the plain bench's timing (the --copy-gaps A/Bs read lower busy and higher TPOT than the plain bench
+# in the same process: measure ISSUE_MARKS' own cost); start more than 2 predicted misses in the lead (LEAD_MISSES 4,
+# all) and weigh the bytes; record traces again (record_traces.py: the specter system with topm-keep; rounds carry
+# their checkpoints) and replay retention (the offline bound); the segmented step's own pinned id table (mend with a GPU
+# to test it); then the older list below.
 # Next (fourteenth session's end): stage next15 (prepared, with its predictions): cache.RECYCLE_LOADING and topm-keep;
 # topm-keep (a prefetch that never displaces a routed resident; the CPU replay of
 # this session's four traces: 15-16 % fewer experts moved, the same misses): `--systems ondemand,specter,specter-keep`
