@@ -69,10 +69,10 @@
 # TPOT 0.926x / 0.957x: the default), lead15c (LEAD_VICTIMS_FIRST: not faster, off; figures 3.63x / 3.84x, copy busy
 # 0.890 / 0.902), final15 (every GPU test passed; 3.60x / 2.96x, Gen4 3.61x; copy busy 0.82 / 0.80, Gen4 0.92);
 # results/h200-2026-11-30/fifteenth.
-# Next (fifteenth session's end): copy busy at Gen5 is 0.80-0.90 from process to process; read the idle split on the
-# final code with the plain bench's timing (the --copy-gaps A/Bs read lower busy and higher TPOT than the plain bench
-# in the same process: measure ISSUE_MARKS' own cost); start more than 2 predicted misses in the lead (LEAD_MISSES 4,
-# all) and weigh the bytes; record traces again (record_traces.py: the specter system with topm-keep; rounds carry
+# Next (fifteenth session's end): copy busy at Gen5 is 0.80-0.90 from process to process; the A/Bs of lead15 and
+# lead15c shared the GPU with the CUDA exactness test (started in the background, waited for after the A/B): repeat
+# LEAD_VICTIMS_FIRST's A/B alone, and in every new stage wait for the tests before an A/B; start more than 2 predicted
+# misses in the lead (LEAD_MISSES 4, all) and weigh the bytes; record traces again (record_traces.py: the specter system with topm-keep; rounds carry
 # their checkpoints) and replay retention (the offline bound); the segmented step's own pinned id table (mend with a GPU
 # to test it); then the older list below.
 # Next (fourteenth session's end): stage next15 (prepared, with its predictions): cache.RECYCLE_LOADING and topm-keep;
@@ -633,6 +633,10 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  leadtest15)     # after a review: the lead on CUDA in test_gpu_segmented (bit-identical logits with right, wrong and mixed
+    # predictions, misses ordered on the device, both LEAD_VICTIMS_FIRST orders), then the rest of that file.
+    # PREDICTIONS: every test passes.
+    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_segmented.py 2>&1 | tail -15 ;;
   final15)        # the fifteenth session's final code: topm-keep, LEAD_MISSES 2, LEAD_VICTIMS_FIRST off (lead15c: not faster).
     # Every gpu-marked test beside the training, then issue 4's figures at Gen5 15 / 8 and Gen4 15 residents.
     # PREDICTIONS: every test passes, every token equals the baseline; specter >= 3x ondemand at every cell; copy busy

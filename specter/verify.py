@@ -259,17 +259,20 @@ async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int
     Per MoE layer: the pre-MoE segment (a graph replay on CUDA), one D2H copy of the router ids, the
     routed experts hot first from the cache, their sum in expert-id order, then the next segment. The
     logits are bit-identical to the resident GraphedTarget's with the same R and MoE kernel. `predicted` (cache
-    layer -> likely experts) lets the first chunk compute each layer's predicted residents and start its predicted
+    layer -> likely experts; used when the block fits in one chunk) lets the verify compute each layer's predicted residents and start its predicted
     misses while the routing is on its way to the host (`LEAD_MISSES`): an expert's staged output is the same
     whether or not a row chose it.
     """
     assert block_tokens.shape[0] >= 1, "nothing to verify: pass at least one token"
     parts = []
+    # A verify of more rows than the step's runs in chunks; the prediction covers the whole block, so a lead in one
+    # chunk would compute (and may evict) experts only a later chunk's rows choose: none then.
+    lead = predicted if block_tokens.shape[0] <= step.rows else None
     for first in range(0, block_tokens.shape[0], step.rows):
         count = step.load(block_tokens[first : first + step.rows], start + first)
         for index, layer in enumerate(step.moe_layers):
             step.run_segment(index)
-            likely = predicted.get(layer_index[layer]) if predicted and first == 0 else None
+            likely = lead.get(layer_index[layer]) if lead else None
             await _routed_experts(step, layer, count, cache, kernel, layer_index[layer], record, on_routed, on_device, likely)
         step.run_segment(len(step.moe_layers))
         parts.append(step.logits[:count].clone())  # the static output is overwritten by the next chunk

@@ -82,6 +82,58 @@ def test_graphed_segments_with_offloaded_experts_equal_the_resident_graph(load, 
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("victims_first", [False, True])
+@pytest.mark.parametrize("guess", ["right", "wrong", "mixed"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_the_lead_over_the_routing_keeps_graphed_segments_bit_identical_on_the_device(load, family, guess, victims_first,
+                                                                                     monkeypatch):
+    """verify.LEAD_MISSES on CUDA, misses ordered on the device (on_device): predicted residents computed through
+    their slots' expert graphs before the routing is read, predicted misses copied into slots behind those computes;
+    right, wrong and mixed predictions, both orders of the lead's launches (cache.LEAD_VICTIMS_FIRST)."""
+    import specter.experts.cache as cache_module
+    from tests.test_segmented import chosen_experts
+
+    monkeypatch.setattr(cache_module, "LEAD_VICTIMS_FIRST", victims_first)
+    loaded = load(family, "bfloat16")
+    start, experts = len(PROMPT), loaded.spec.num_experts
+    leads = []
+
+    async def go() -> None:
+        offloaded = cuda_offloaded(loaded, 3)
+        lead = offloaded.cache.lead
+
+        def spy(*args, **kwargs):
+            leads.append(lead(*args, **kwargs))
+            return leads[-1]
+
+        offloaded.cache.lead = spy
+        step = None
+        try:
+            for first in range(20, 60, 8):
+                block = torch.arange(first, first + 3, device="cuda") % loaded.spec.vocab_size
+                kv_resident, kv_offloaded = await after_prompt(loaded), await after_prompt(loaded)
+                used = chosen_experts(loaded, kv_resident, block)
+                expected = GraphedTarget(loaded.model, loaded.experts, kv_resident, use_graph=True).logits(block, start)
+                predicted = {}
+                for layer, chosen in used.items():
+                    others = [e for e in range(experts) if e not in chosen]
+                    turn = first % max(1, len(others))
+                    right, wrong = sorted(chosen), others[turn:] + others[:turn]
+                    predicted[offloaded.moe_index[layer]] = {"right": right, "wrong": wrong,
+                                                             "mixed": [x for pair in zip(wrong, right) for x in pair]}[guess]
+                step = SegmentedStep(loaded.model, kv_offloaded, use_graph=True)
+                record = VerifyRecord()
+                got = await offloaded.verify(step, block, start, record, predicted, on_device=True)
+                assert torch.equal(got, expected), f"block at {first}: largest difference {(got - expected).abs().max().item()}"
+                assert torch.equal(kv_offloaded.k, kv_resident.k) and torch.equal(kv_offloaded.v, kv_resident.v), first
+                assert {layer: set(e) for layer, e in record.used.items()} == used, first
+        finally:
+            await offloaded.close()
+
+    asyncio.run(go())
+    assert sum(len(started) for _, started in leads) > 0 and sum(len(computed) for computed, _ in leads) > 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_offloaded_graphed_greedy_decode_equals_the_resident_graphed_decode(load, family, dtype):

@@ -70,8 +70,9 @@ class Offloaded:
         self.experts = OffloadedExperts(self.cache, self.kernel, self.moe_index)
 
     async def verify(self, step: SegmentedStep, tokens: torch.Tensor, start: int, record: VerifyRecord,
-                     predicted: dict[int, list[int]] | None = None) -> torch.Tensor:
-        logits = await verify_segmented(step, tokens, start, self.cache, self.kernel, self.moe_index, record, predicted=predicted)
+                     predicted: dict[int, list[int]] | None = None, on_device: bool = False) -> torch.Tensor:
+        logits = await verify_segmented(step, tokens, start, self.cache, self.kernel, self.moe_index, record, predicted=predicted,
+                                        on_device=on_device)
         self.cache.unprotect_all(self.backend.record_event(self.backend.compute_stream))
         return logits
 
@@ -203,8 +204,10 @@ def test_predicted_misses_start_before_the_routing_is_read_and_the_logits_stay_b
                     right, wrong = sorted(chosen), others[turn:] + others[:turn]
                     predicted[offloaded.moe_index[layer]] = {"right": right, "wrong": wrong,
                                                              "mixed": [x for pair in zip(wrong, right) for x in pair]}[guess]
-                record = VerifyRecord()
+                record, before = VerifyRecord(), len(leads)
                 got = await offloaded.verify(SegmentedStep(loaded.model, kv_offloaded), block, start, record, predicted)
+                needed_started = sum(len(set(loads) & used[layer]) for (_, loads), layer in zip(leads[before:], sorted(used)))  # one lead per layer, in order
+                assert record.misses >= needed_started, "a load the lead started for a chosen expert counted as a hit"
                 assert torch.equal(got, expected), first
                 assert torch.equal(kv_offloaded.k, kv_resident.k) and torch.equal(kv_offloaded.v, kv_resident.v), first
                 assert {layer: set(e) for layer, e in record.used.items()} == used, first
@@ -218,17 +221,23 @@ def test_predicted_misses_start_before_the_routing_is_read_and_the_logits_stay_b
     assert sum(len(computed) for computed, _ in leads) > 0, "no resident was computed ahead of its routing"
 
 
-def test_a_verify_longer_than_the_row_bucket_runs_in_chunks_and_counts_each_expert_once(load):
+@pytest.mark.parametrize("predict", [False, True])
+def test_a_verify_longer_than_the_row_bucket_runs_in_chunks_and_counts_each_expert_once(load, predict, monkeypatch):
+    """Also with a prediction: a block longer than the step's rows runs no lead (its chunks' rows differ)."""
     loaded = load("qwen2_moe", "float32")
     block = torch.arange(30, 50)  # 20 rows: a 16-row chunk, then a 4-row one
     kv_resident, kv_offloaded = prefilled(loaded), prefilled(loaded)
     expected = GraphedTarget(loaded.model, loaded.experts, kv_resident).logits(block, len(PROMPT))
+    experts = loaded.spec.num_experts
+    predicted = {i: list(range(experts)) for i in range(len(loaded.spec.moe_layers))} if predict else None
 
     async def go() -> VerifyRecord:
         offloaded = Offloaded(loaded, 3)
+        monkeypatch.setattr(offloaded.cache, "lead", lambda *a, **k: pytest.fail("a lead in a chunked verify"))
         record = VerifyRecord()
         try:
-            assert torch.equal(await offloaded.verify(SegmentedStep(loaded.model, kv_offloaded), block, len(PROMPT), record), expected)
+            got = await offloaded.verify(SegmentedStep(loaded.model, kv_offloaded), block, len(PROMPT), record, predicted)
+            assert torch.equal(got, expected)
         finally:
             await offloaded.close()
         return record

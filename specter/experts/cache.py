@@ -84,7 +84,8 @@ slot's compute is launched, before it launches the other predicted residents: th
 one compute, not for the host's launches of them all. False (default): every predicted resident computed first, then
 the copies. On the H200 (fifteenth session, `lead15c`, one process, on against off) the `slot` share did not move
 (0.044 -> 0.043 at 15 residents, 0.037 -> 0.046 at 8), the hand-over idle became issue idle, and TPOT per prompt was
-1.04x, 1.00x, 1.45x at 15 and 1.01x, 0.97x, 1.02x at 8: not faster, so off. A switch for A/B."""
+1.04x, 1.00x, 1.45x at 15 and 1.01x, 0.97x, 1.02x at 8: not faster, so off. That A/B shared the GPU with a test
+run for most of its time (docs/BENCHMARKS.md, fifteenth session): weak evidence, to repeat alone. A switch for A/B."""
 
 VictimChooser = Callable[[int, Sequence[int], Set[int], int], list[int]]
 """choose_victims(layer, residents (least recently used first), protected, count) -> experts to evict."""
@@ -299,7 +300,9 @@ class ExpertCache:
         the predicted misses, start: each in a free slot, else in the slot of an unplanned resident the prediction
         does not name, else in the slot of a computed resident the policy chooses (its copy waits for that compute
         on the device; with `LEAD_VICTIMS_FIRST` those residents are computed first, each copy started after its own). So the copy stream need not wait for the router's choice to reach the host, nor the reader's
-        later misses for its launches of the residents. Loads count as prefetches. Returns the residents computed
+        later misses for its launches of the residents. Loads count as prefetches. A predicted miss the routing does
+        not choose still takes its slot (and a resident's, perhaps): the rolling window's `ROLL_HOT_WINDOW` counts
+        only the misses the reader asks for, so a layer may give up to `count` more residents than it. Returns the residents computed
         and the experts whose loads started; the reader skips the former and finds the latter loading (its misses
         still count them). Synchronous: nothing else runs between a launch and its load.
         """
@@ -316,6 +319,7 @@ class ExpertCache:
         started = misses[: len(room)]
         for expert, slot in zip(started, room):
             self._start_load(layer, expert, slot, urgent=True)
+            self.stats.layers[layer].prefetched += 1
         doomed = self._victims(layer, len(misses) - len(room), among=hot) if len(room) < len(misses) and hot else []
         if not LEAD_VICTIMS_FIRST:
             for expert in hot:
@@ -324,12 +328,12 @@ class ExpertCache:
             if LEAD_VICTIMS_FIRST:  # its copy waits for this compute only, not for the other residents'
                 self.mark_used(layer, expert, launch(expert, mapped[expert].index))
             self._start_load(layer, miss, self._evict(layer, expert), urgent=True)
+            self.stats.layers[layer].prefetched += 1
             started.append(miss)
         if LEAD_VICTIMS_FIRST:
             for expert in hot:
                 if expert not in doomed:
                     self.mark_used(layer, expert, launch(expert, mapped[expert].index))
-        self.stats.layers[layer].prefetched += len(started)
         computed = doomed + [e for e in hot if e not in doomed] if LEAD_VICTIMS_FIRST else hot
         return computed, started
 
