@@ -91,7 +91,7 @@ def test_the_lead_over_the_routing_keeps_graphed_segments_bit_identical_on_the_d
     their slots' expert graphs before the routing is read, predicted misses copied into slots behind those computes;
     right, wrong and mixed predictions, both orders of the lead's launches (cache.LEAD_VICTIMS_FIRST)."""
     import specter.experts.cache as cache_module
-    from tests.test_segmented import chosen_experts
+    from tests.test_segmented import chosen_experts, guessed, spy_leads
 
     monkeypatch.setattr(cache_module, "LEAD_VICTIMS_FIRST", victims_first)
     loaded = load(family, "bfloat16")
@@ -99,28 +99,16 @@ def test_the_lead_over_the_routing_keeps_graphed_segments_bit_identical_on_the_d
     leads = []
 
     async def go() -> None:
+        nonlocal leads
         offloaded = cuda_offloaded(loaded, 3)
-        lead = offloaded.cache.lead
-
-        def spy(*args, **kwargs):
-            leads.append(lead(*args, **kwargs))
-            return leads[-1]
-
-        offloaded.cache.lead = spy
-        step = None
+        leads = spy_leads(offloaded)
         try:
             for first in range(20, 60, 8):
                 block = torch.arange(first, first + 3, device="cuda") % loaded.spec.vocab_size
                 kv_resident, kv_offloaded = await after_prompt(loaded), await after_prompt(loaded)
                 used = chosen_experts(loaded, kv_resident, block)
                 expected = GraphedTarget(loaded.model, loaded.experts, kv_resident, use_graph=True).logits(block, start)
-                predicted = {}
-                for layer, chosen in used.items():
-                    others = [e for e in range(experts) if e not in chosen]
-                    turn = first % max(1, len(others))
-                    right, wrong = sorted(chosen), others[turn:] + others[:turn]
-                    predicted[offloaded.moe_index[layer]] = {"right": right, "wrong": wrong,
-                                                             "mixed": [x for pair in zip(wrong, right) for x in pair]}[guess]
+                predicted = guessed(used, offloaded.moe_index, experts, first, guess)
                 step = SegmentedStep(loaded.model, kv_offloaded, use_graph=True)
                 record = VerifyRecord()
                 got = await offloaded.verify(step, block, start, record, predicted, on_device=True)

@@ -169,6 +169,32 @@ def test_greedy_decoding_through_the_offloaded_segmented_step_equals_the_residen
         assert moved > 0
 
 
+def guessed(used: dict[int, set[int]], moe_index: dict[int, int], experts: int, turn: int, guess: str) -> dict[int, list[int]]:
+    """A verify's predictions per cache layer from the experts each MoE layer chose: those (right), only others, from
+    `turn` on (wrong), or the two interleaved (mixed)."""
+    predicted = {}
+    for layer, chosen in used.items():
+        others = [e for e in range(experts) if e not in chosen]
+        turn_at = turn % max(1, len(others))
+        right, wrong = sorted(chosen), others[turn_at:] + others[:turn_at]
+        predicted[moe_index[layer]] = {"right": right, "wrong": wrong,
+                                       "mixed": [x for pair in zip(wrong, right) for x in pair]}[guess]
+    return predicted
+
+
+def spy_leads(offloaded: "Offloaded") -> list[tuple[list[int], list[int]]]:
+    """Every (computed, started) that the offloaded cache's `lead` returns from now on, in call order."""
+    leads: list[tuple[list[int], list[int]]] = []
+    lead = offloaded.cache.lead
+
+    def spy(*args, **kwargs):
+        leads.append(lead(*args, **kwargs))
+        return leads[-1]
+
+    offloaded.cache.lead = spy
+    return leads
+
+
 @pytest.mark.parametrize("guess", ["right", "wrong", "mixed"])
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
 def test_predicted_misses_start_before_the_routing_is_read_and_the_logits_stay_bit_identical(load, family, guess, monkeypatch):
@@ -183,30 +209,20 @@ def test_predicted_misses_start_before_the_routing_is_read_and_the_logits_stay_b
     leads: list[tuple[list[int], list[int]]] = []
 
     async def go() -> None:
+        nonlocal leads
         offloaded = Offloaded(loaded, 3)
-        lead = offloaded.cache.lead
-
-        def spy(*args, **kwargs):
-            leads.append(lead(*args, **kwargs))
-            return leads[-1]
-
-        offloaded.cache.lead = spy
+        leads = spy_leads(offloaded)
         try:
             for first in range(20, 60, 8):  # later blocks meet a full cache: the slots of computed residents
                 block = torch.arange(first, first + 3) % loaded.spec.vocab_size
                 kv_resident, kv_offloaded = await after_prompt(loaded), await after_prompt(loaded)
                 used = chosen_experts(loaded, kv_resident, block)
                 expected = GraphedTarget(loaded.model, loaded.experts, kv_resident).logits(block, start)
-                predicted = {}
-                for layer, chosen in used.items():
-                    others = [e for e in range(experts) if e not in chosen]
-                    turn = first % max(1, len(others))
-                    right, wrong = sorted(chosen), others[turn:] + others[:turn]
-                    predicted[offloaded.moe_index[layer]] = {"right": right, "wrong": wrong,
-                                                             "mixed": [x for pair in zip(wrong, right) for x in pair]}[guess]
+                predicted = guessed(used, offloaded.moe_index, experts, first, guess)
                 record, before = VerifyRecord(), len(leads)
                 got = await offloaded.verify(SegmentedStep(loaded.model, kv_offloaded), block, start, record, predicted)
-                needed_started = sum(len(set(loads) & used[layer]) for (_, loads), layer in zip(leads[before:], sorted(used)))  # one lead per layer, in order
+                # one lead per layer, in layer order
+                needed_started = sum(len(set(loads) & used[layer]) for (_, loads), layer in zip(leads[before:], sorted(used)))
                 assert record.misses >= needed_started, "a load the lead started for a chosen expert counted as a hit"
                 assert torch.equal(got, expected), first
                 assert torch.equal(kv_offloaded.k, kv_resident.k) and torch.equal(kv_offloaded.v, kv_resident.v), first
