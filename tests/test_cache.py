@@ -244,6 +244,58 @@ def roll_through(rig: Rig, residents: list[int], wanted: list[int]) -> list[int]
     return run(main())
 
 
+def test_the_lead_leaves_a_readers_pinned_slot_alone_and_takes_unpredicted_slots_first(rig):
+    """`ExpertCache.lead`: a slot a reader holds (pinned) is neither computed nor given to a miss; an unplanned
+    resident the prediction does not name gives its slot before a predicted one, which gives it only once computed;
+    with no slot left for it, a predicted miss (4) does not start; the reads check their bytes."""
+    cache = rig.cache
+    launched: list[int] = []
+
+    def launch(expert: int, slot: int):
+        launched.append(expert)
+        return rig.launcher(0)(expert, slot)
+
+    async def main() -> None:
+        await rig.load_residents(0, [0, 1, 5])
+        held = await cache.ensure(0, [1])  # a reader holds expert 1 (pinned until it marks it used)
+        computed, started = cache.lead(0, [1, 2, 0, 3, 4], 3, launch)
+        assert started == [2, 3] and computed == [0] and launched == [0]  # 1 is pinned: neither computed nor evicted
+        assert cache.lookup(0, 1) == held[1]
+        assert cache.lru_order(0)[-2:] == [2, 3] and 0 not in cache.lru_order(0) and 5 not in cache.lru_order(0)
+        rig.read(0, 1, held[1])
+        async for expert, slot, ready in cache.iter_issued(0, [2, 3]):
+            rig.read(0, expert, slot, ready=ready)
+        await rig.close()
+
+    run(main())
+    assert rig.bad_reads == []
+    rig.check_consistent()
+
+
+def test_the_lead_evicts_a_predicted_resident_only_after_computing_it_and_reports_the_loads_it_started(rig):
+    cache = rig.cache
+    launched: list[int] = []
+
+    def launch(expert: int, slot: int):
+        launched.append(expert)
+        return rig.launcher(0, seconds=0.002)(expert, slot)  # a slow compute: an early copy would be seen
+
+    async def main() -> None:
+        await rig.load_residents(0, [0, 1, 2])
+        cache.protect(0, [0, 1, 2])  # planned
+        computed, started = cache.lead(0, [0, 1, 2, 4, 5], 1, launch)
+        assert started == [4] and sorted(computed) == [0, 1, 2] and sorted(launched) == [0, 1, 2]
+        assert len([e for e in computed if e in cache.lru_order(0)]) == 2  # one computed resident gave its slot
+        assert cache.stats.layers[0].prefetched == 1
+        async for expert, slot, ready in cache.iter_issued(0, [4]):
+            rig.read(0, expert, slot, ready=ready)
+        await rig.close()
+
+    run(main())
+    assert rig.bad_reads == [], "a copy overwrote a slot before the lead's compute read it"
+    rig.check_consistent()
+
+
 def test_iter_ready_yields_residents_first_and_rolls_through_more_experts_than_slots(rig):
     order = roll_through(rig, [4, 5], [0, 1, 5, 2, 3, 4])
     assert set(order[:2]) == {4, 5} and sorted(order) == list(range(6))  # residents first (in the order they give way)
