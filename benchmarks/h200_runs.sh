@@ -69,7 +69,8 @@
 # TPOT 0.926x / 0.957x: the default), lead15c (LEAD_VICTIMS_FIRST: not faster, off; figures 3.63x / 3.84x, copy busy
 # 0.890 / 0.902), final15 (every GPU test passed; 3.60x / 2.96x, Gen4 3.61x; copy busy 0.82 / 0.80, Gen4 0.92);
 # results/h200-2026-11-30/fifteenth.
-# Next (fifteenth session's end): copy busy at Gen5 is 0.80-0.90 from process to process; the A/Bs of lead15 and
+# Next (fifteenth session's end): stage next16 (prepared, with its predictions); copy busy at Gen5 is 0.80-0.90 from
+# process to process; the A/Bs of lead15 and
 # lead15c shared the GPU with the CUDA exactness test (started in the background, waited for after the A/B): repeat
 # LEAD_VICTIMS_FIRST's A/B alone, and in every new stage wait for the tests before an A/B; start more than 2 predicted
 # misses in the lead (LEAD_MISSES 4, all) and weigh the bytes; record traces again (record_traces.py: the specter system with topm-keep; rounds carry
@@ -115,6 +116,8 @@
 # --shape qwen3-30b-a3b --layers 8 --without ROW_KERNELS; the shapes are new, not yet built on the GPU); the eager
 # draft step (10.9-21.2 ms across
 # this session's calls: noisy, unexplained; the graphed step is what runs on CUDA).
+# Stages next15 and keep14 name the bench system `specter-keep`, gone since the fifteenth session: `specter` now runs
+# topm-keep and `specter-topm` is the `specter` they compared it with (as written they stop at the unknown name).
 # Stages before the eleventh session's name RowConfig fields as they were then: block_k_moe was gate/up's K step as
 # well as the finish's (now block_k_gate_up is gate/up's), and block_n / block_k covered o_proj and the FFN input too
 # (now block_n_residual / block_k_residual / block_n_input). Re-running them as written measures something else.
@@ -633,6 +636,26 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  next16)         # prepared at the fifteenth session's end, not yet run. (1) LEAD_MISSES 2 against all the predicted misses
+    # (64): the fourteenth session's traces say 0.99 of the experts the draft routes to are used by the verify (0.97 of
+    # those routed once), so starting every predicted miss before the routing wastes about 1 % of the bytes, and after
+    # the routing the rolling window starts the misses left at once anyway (on CUDA, hand-out on issue). (2) the
+    # LEAD_VICTIMS_FIRST A/B again, alone (lead15c's shared the GPU with a test run). The tests run beside the training
+    # and are waited for before either A/B.
+    # PREDICTIONS: every test passes, every token equals the baseline; (1) with 64: the `issue` share -0.01-0.03, copy
+    # busy +0.01-0.04, decode MB/token within +-3 %, TPOT per prompt 0.95-1.00x; (2) with the switch: `slot` share
+    # -0.02-0.06 where it is above 0.05 without it, TPOT per prompt 0.97-1.02x.
+    mkdir -p "$out/logs"
+    train_beside -k "not link_emulation"
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    timeout 110 python benchmarks/ab_bench.py --alternate "specter.verify.LEAD_MISSES=64|2" -- $common \
+      --repeats 4 --residents 15,8 --link native --systems specter --copy-gaps --out "$out/many-ab" > "$out/logs/many-ab.log" 2>&1
+    echo "many-ab rc=$?"
+    timeout 110 python benchmarks/ab_bench.py --alternate "specter.experts.cache.LEAD_VICTIMS_FIRST=true|false" -- $common \
+      --repeats 4 --residents 15,8 --link native --systems specter --copy-gaps --out "$out/first-ab" > "$out/logs/first-ab.log" 2>&1
+    echo "first-ab rc=$?"
+    tar czf "$out/next16.tgz" -C "$out" logs many-ab first-ab 2>/dev/null
+    tail -8 "$out/logs/many-ab.log"; tail -8 "$out/logs/first-ab.log" ;;
   leadtest15)     # after a review: the lead on CUDA in test_gpu_segmented (bit-identical logits with right, wrong and mixed
     # predictions, misses ordered on the device, both LEAD_VICTIMS_FIRST orders), then the rest of that file.
     # PREDICTIONS: every test passes.
