@@ -195,15 +195,17 @@ def spy_leads(offloaded: "Offloaded") -> list[tuple[list[int], list[int]]]:
     return leads
 
 
+@pytest.mark.parametrize("many", [2, 64])
 @pytest.mark.parametrize("guess", ["right", "wrong", "mixed"])
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
-def test_predicted_misses_start_before_the_routing_is_read_and_the_logits_stay_bit_identical(load, family, guess, monkeypatch):
+def test_predicted_misses_start_before_the_routing_is_read_and_the_logits_stay_bit_identical(load, family, guess, many,
+                                                                                           monkeypatch):
     """LEAD_MISSES: each layer's predicted misses start early, in free slots or in the slots of predicted residents
     computed first (skipped when the routing comes). Right, wrong or mixed predictions: the same logits, KV and used
     experts as the resident static step, every used expert counted once, and the early path was taken."""
     import specter.verify as verify
 
-    monkeypatch.setattr(verify, "LEAD_MISSES", 2)
+    monkeypatch.setattr(verify, "LEAD_MISSES", many)
     loaded = load(family, "float32")
     start, experts = len(PROMPT), loaded.spec.num_experts
     leads: list[tuple[list[int], list[int]]] = []
