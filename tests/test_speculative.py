@@ -59,9 +59,11 @@ def run(path: str, config: EngineConfig, prompt: list[int], generation: Generati
     return asyncio.run(go())
 
 
-def baseline(path: str, prompt: list[int], generation: GenerationConfig, residents: int | None = None) -> list[int]:
+def baseline(path: str, prompt: list[int], generation: GenerationConfig, residents: int | None = None,
+             static_verify: bool | None = None) -> list[int]:
     """The same engine with speculation off, at the same memory setting (DESIGN section 5)."""
-    config = EngineConfig(device=DEVICE, max_context=96, residents=residents, lookahead="fixed", draft=DraftConfig(k=0))
+    config = EngineConfig(device=DEVICE, max_context=96, residents=residents, lookahead="fixed", draft=DraftConfig(k=0),
+                          static_verify=static_verify)
     return run(path, config, prompt, generation).tokens
 
 
@@ -86,16 +88,19 @@ def test_reference_policies_are_installed():
     quant=st.sampled_from(["int4", "int8", "int2"]),
     scout=st.booleans(),
     overlap=st.sampled_from([0, 0, 3, 16]),
+    static=st.sampled_from([None, None, True]),
 )
 def test_speculative_equals_baseline(root, family, prompt, residents, eviction, prefetch, lookahead, k, temperature, top_k, top_p, seed, quant,
-                                     scout, overlap):
+                                     scout, overlap, static):
+    """static: the segmented static verify (the default on CUDA, with the lead over the routing) on the CPU too."""
     path = checkpoint(family, root)
     if residents is not None:  # the minimum is one token's experts per layer
         residents = max(residents, Checkpoint(path).spec.top_k)
     generation = GenerationConfig(max_new_tokens=14, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    expected = baseline(path, prompt, generation, residents)
+    expected = baseline(path, prompt, generation, residents, static)
     config = EngineConfig(device=DEVICE, max_context=96, residents=residents, eviction=eviction, prefetch=prefetch,
-                          lookahead=lookahead, draft=DraftConfig(k=k, k_max=16, quant=quant, scout=scout, overlap=overlap))
+                          lookahead=lookahead, draft=DraftConfig(k=k, k_max=16, quant=quant, scout=scout, overlap=overlap),
+                          static_verify=static)
     result = run(path, config, prompt, generation)
     assert result.tokens == expected
     if residents is not None and residents < 6:  # experts do not all fit (6 or 8 per layer): bytes were actually moved
