@@ -53,6 +53,7 @@ from specter.model.transformer import ExpertProvider, Transformer
 from specter.policy import LinkTiming, LookaheadState, Plan, RoundOutcome, UseHistory
 from specter.sampling import SamplingParams, probs, sample
 from specter.trace import TraceHeader, TraceRound, TraceWriter
+from specter import verify as verify_module
 from specter.verify import OffloadedExperts, to_host
 
 log = get_logger(__name__)
@@ -372,8 +373,8 @@ class Runtime:
         window = [marks[1] if marks[1] is not None else self._stream_mark()]  # the verify, for the copy-busy measurement
         block = torch.cat([x0_tensor, drafted]) if k else x0_tensor
         record = self._start_record()
-        if record is not None:
-            self.experts.predicted = self._predicted()  # the verify starts each layer's likely misses early (LEAD_MISSES)
+        if record is not None:  # the segmented verify leads each layer's routing with these (LEAD_MISSES)
+            self.experts.predicted = self._predicted() if self.segmented is not None and verify_module.LEAD_MISSES > 0 else None
         verify_started = time.perf_counter()
         try:
             async with stage("verify", counters=self.stages, rows=k + 1):

@@ -279,15 +279,15 @@ async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _lead(step: SegmentedStep, cache: ExpertCache, kernel: Kernel, cache_layer: int,
-          likely: Sequence[int]) -> tuple[list[int], list[int]]:
+def _lead(cache: ExpertCache, kernel: Kernel, cache_layer: int, likely: Sequence[int],
+          compute: ComputeExpert) -> tuple[list[int], list[int]]:
     """`ExpertCache.lead` for a layer whose segment is enqueued: the experts computed early and the loads started."""
     if LEAD_MISSES <= 0:
         return [], []
     backend = kernel.backend
 
     def launch(expert: int, slot: int) -> Event:
-        step.expert_output(expert, cache.slot_weights(slot))
+        compute(expert, cache.slot_weights(slot))
         return backend.record_event(backend.compute_stream)
 
     return cache.lead(cache_layer, likely, LEAD_MISSES, launch)
@@ -298,9 +298,12 @@ async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: Ex
                           likely: Sequence[int] | None = None) -> None:
     """One MoE layer's routed experts for the step's current chunk of `count` real rows, into step.routed. `likely`:
     the experts the round's plan predicts, for `_lead` while the router's choice is on its way to the host."""
+    def compute(expert: int, packed: Tensor) -> None:
+        step.expert_output(expert, packed)  # staged by expert id; the next segment sums them
+
     pending = copy_to_host(kernel, step.ids)  # the router's choice, [R, A] in one D2H copy, ahead of the lead's compute
     try:
-        computed, started = _lead(step, cache, kernel, cache_layer, likely) if likely else ([], [])
+        computed, started = _lead(cache, kernel, cache_layer, likely, compute) if likely else ([], [])
     except BaseException:
         abandon(pending)
         raise
@@ -309,9 +312,6 @@ async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: Ex
     record.first_row.setdefault(layer, len(set(chosen[0])))
     if on_routed is not None:
         on_routed(layer, step.normed[:count], needed)
-    def compute(expert: int, packed: Tensor) -> None:
-        step.expert_output(expert, packed)  # staged by expert id; the next segment sums them
-
     counted = record.used.get(layer, [])
     early = [e for e in computed if e in needed]  # resident when chosen: hits, computed before the routing was read
     rest = [e for e in needed if e not in computed]

@@ -316,25 +316,24 @@ class ExpertCache:
         room = [slot for slot in self._layer_slots(layer) if slot.state is SlotState.FREE][: len(misses)]
         if len(room) < len(misses) and spare:
             room += [self._evict(layer, e) for e in self._victims(layer, len(misses) - len(room), among=spare)]
-        started = misses[: len(room)]
-        for expert, slot in zip(started, room):
-            self._start_load(layer, expert, slot, urgent=True)
-            self.stats.layers[layer].prefetched += 1
-        doomed = self._victims(layer, len(misses) - len(room), among=hot) if len(room) < len(misses) and hot else []
-        if not LEAD_VICTIMS_FIRST:
-            for expert in hot:
-                self.mark_used(layer, expert, launch(expert, mapped[expert].index))
-        for expert, miss in zip(doomed, misses[len(room):]):
-            if LEAD_VICTIMS_FIRST:  # its copy waits for this compute only, not for the other residents'
-                self.mark_used(layer, expert, launch(expert, mapped[expert].index))
-            self._start_load(layer, miss, self._evict(layer, expert), urgent=True)
+        started: list[int] = []
+
+        def load(miss: int, slot: Slot) -> None:
+            self._start_load(layer, miss, slot, urgent=True)
             self.stats.layers[layer].prefetched += 1
             started.append(miss)
-        if LEAD_VICTIMS_FIRST:
-            for expert in hot:
-                if expert not in doomed:
-                    self.mark_used(layer, expert, launch(expert, mapped[expert].index))
-        computed = doomed + [e for e in hot if e not in doomed] if LEAD_VICTIMS_FIRST else hot
+
+        for miss, slot in zip(misses, room):
+            load(miss, slot)
+        doomed = self._victims(layer, len(misses) - len(room), among=hot) if len(room) < len(misses) and hot else []
+        takes = dict(zip(doomed, misses[len(room):]))  # computed resident -> the miss that takes its slot
+        computed = doomed + [e for e in hot if e not in takes] if LEAD_VICTIMS_FIRST else hot
+        for expert in computed:
+            self.mark_used(layer, expert, launch(expert, mapped[expert].index))
+            if LEAD_VICTIMS_FIRST and expert in takes:  # its copy waits for this compute only, not the later ones
+                load(takes.pop(expert), self._evict(layer, expert))
+        for expert, miss in takes.items():
+            load(miss, self._evict(layer, expert))
         return computed, started
 
     async def _rolling(self, layer: int, experts: Iterable[int], on_issue: bool) -> AsyncIterator[tuple[int, int, Event | None]]:
