@@ -139,8 +139,12 @@ before_after() {  # the Qwen shape (random weights, Gen5) with the code of .old 
 train_beside() {  # train a fresh Qwen shape into /tmp/qwenref while the given GPU test files run, then report both
   timeout 240 python -m pytest -q -m gpu -p no:cacheprovider "$@" > "$out/logs/gpu-tests.log" 2>&1 &
   local tests=$!
-  timeout 200 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
-  tail -1 "$out/logs/train-qwen.log"
+  if [ -n "${REUSE_MODEL:-}" ] && [ -f /tmp/qwenref/config.json ]; then  # a warm machine keeps the last call's model
+    echo "reusing /tmp/qwenref (REUSE_MODEL)"
+  else
+    timeout 200 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
+    tail -1 "$out/logs/train-qwen.log"
+  fi
   wait $tests; tail -1 "$out/logs/gpu-tests.log"; grep -E "^(FAILED|E  )" "$out/logs/gpu-tests.log" | head -8
 }
 print_summaries() {  # one line per summary row of each named bench output under $out (TPOT, ratio, copy busy and idle)
