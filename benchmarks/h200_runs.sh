@@ -640,6 +640,51 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  relay16)        # after figs16 (three processes, LEAD_VICTIMS_FIRST on: copy busy 0.841 / 0.842 / 0.835 at 15 residents, 0.905 /
+    # 0.903 / 0.863 at 8, Gen4 0.949; the idle left at 15 is mostly `slot`, 0.075-0.078: each layer's first predicted
+    # miss waits on the device for that layer's attention, router and first computed resident). cache.LEAD_RELAY: the
+    # layer before lends the lead one slot, whose copy waits only for that layer's (earlier) compute. Every gpu-marked
+    # test (test_gpu_segmented covers the lead) and the exactness property test on CUDA beside the training, waited for;
+    # then the A/B in one process; then issue 4's figures in two processes.
+    # PREDICTIONS: every test passes, every token equals the baseline; with the relay the `slot` share 0.02-0.04 at 15
+    # residents (layer 0 and each layer's second miss still wait), copy busy +0.03-0.05 (0.87-0.89), TPOT per prompt
+    # 0.95-0.99x, decode MB/token within +-3 %; at 8 residents copy busy +0.01-0.04; figures >= 3x ondemand, copy busy
+    # >= 0.85 at 15 and 8 residents.
+    mkdir -p "$out/logs"
+    ( SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 150 python -m pytest -q -x tests/test_speculative.py \
+        -p no:cacheprovider > "$out/logs/spec-cuda.log" 2>&1 ) &
+    spec=$!
+    train_beside -k "not link_emulation"
+    wait $spec; tail -1 "$out/logs/spec-cuda.log"; grep -hE "^(FAILED|E  )" "$out/logs/spec-cuda.log" | head -5
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf"
+    timeout 110 python benchmarks/ab_bench.py --alternate "specter.experts.cache.LEAD_RELAY=true|false" -- $common \
+      --repeats 4 --residents 15,8 --link native --systems specter --copy-gaps --out "$out/relay-ab" > "$out/logs/relay-ab.log" 2>&1
+    echo "relay-ab rc=$?"
+    for i in 1 2; do
+      timeout 80 python -m specter.bench $common --copy-gaps --repeats 3 --residents 15,8 --link native \
+        --systems ondemand,specter --out "$out/figs$i" > "$out/logs/figs$i.log" 2>&1
+      echo "figs$i rc=$?"
+    done
+    tar czf "$out/relay16.tgz" -C "$out" logs relay-ab figs1 figs2 2>/dev/null
+    print_summaries figs1 figs2; tail -8 "$out/logs/relay-ab.log" ;;
+  figs16)         # after next16 (LEAD_VICTIMS_FIRST on: TPOT per prompt 0.941x / 0.956x, copy busy 0.768 -> 0.840 / 0.864 ->
+    # 0.905, now the default; LEAD_MISSES 64 slower, 1.044x / 1.076x, +2 % bytes: stays 2). Run right after next16 on the
+    # warm machine (REUSE_MODEL: the same trained model). Issue 4's figures in three separate processes, with the idle split.
+    # PREDICTIONS: every token equals the baseline; specter >= 3x ondemand in every cell; copy busy 0.83-0.90 at 15
+    # residents and 0.88-0.93 at 8 (Gen5), the `slot` share 0.05-0.08; Gen4 copy busy >= 0.88.
+    mkdir -p "$out/logs"
+    [ -f /tmp/qwenref/config.json ] || timeout 200 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf --copy-gaps"
+    for i in 1 2 3; do
+      timeout 100 python -m specter.bench $common --repeats 3 --residents 15,8 --link native \
+        --systems ondemand,specter --out "$out/figs$i" > "$out/logs/figs$i.log" 2>&1
+      echo "figs$i rc=$?"
+    done
+    timeout 70 python -m specter.bench $common --repeats 2 --residents 15 --link gen4 \
+      --systems ondemand,specter --out "$out/gen4" > "$out/logs/gen4.log" 2>&1
+    echo "gen4 rc=$?"
+    tar czf "$out/figs16.tgz" -C "$out" logs figs1 figs2 figs3 gen4 2>/dev/null
+    print_summaries figs1 figs2 figs3 gen4 ;;
   next16)         # prepared at the fifteenth session's end, not yet run. (1) LEAD_MISSES 2 against all the predicted misses
     # (64): the fourteenth session's traces say 0.99 of the experts the draft routes to are used by the verify (0.97 of
     # those routed once), so starting every predicted miss before the routing wastes about 1 % of the bytes, and after

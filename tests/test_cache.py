@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from backends.cpu import CPUBackend
 from specter.errors import BudgetError, CheckpointError, PluginError
 from specter.experts import ExpertCache, ExpertPool, TransferEngine
+from specter.experts import cache as cache_module
 from specter.experts.pool import experts_per_slab
 from specter.experts.transfer import LinkEmulation
 from specter.kernel import Kernel, run
@@ -92,9 +93,11 @@ class Rig:
     def check_consistent(self) -> None:
         """After close(): every mapped expert is resident with the right bytes; the slot table agrees."""
         table = self.cache.slot_table
+        counts = self.cache.slot_counts()
+        assert sum(counts) == LAYERS * self.cache.slots_per_layer, counts
         for layer in range(LAYERS):
             mapped = self.cache.lru_order(layer)
-            assert len(mapped) <= self.cache.slots_per_layer
+            assert len(mapped) <= counts[layer] and abs(counts[layer] - self.cache.slots_per_layer) <= 1, counts
             for expert in range(EXPERTS):
                 slot = self.cache.lookup(layer, expert)
                 assert (slot is not None) == (expert in mapped), (layer, expert)
@@ -190,6 +193,8 @@ def guarded(cache: ExpertCache) -> set[tuple[int, int]]:
 @example(ops=[("prefetch", 1, [0, 1, 2]), ("cancel_ensure", 1, [3, 4], 0.0001), ("iter_ready", 1, [4, 5, 0, 1])])
 @example(ops=[("prefetch", 0, [0, 1]), ("iter_issued", 0, [1, 2, 3, 4, 5, 0]), ("iter_issued", 0, [0, 5, 4])])
 @example(ops=[("ensure", 0, [0, 1, 2]), ("protect", 0, [0, 1]), ("lead", 0, [0, 3, 1, 4], 2), ("iter_issued", 0, [1, 3, 4, 5])])
+@example(ops=[("ensure", 0, [0, 1, 2]), ("ensure", 1, [0, 1, 2]), ("protect", 1, [0, 1]), ("lead", 1, [0, 1, 2, 3, 4], 2),
+              ("iter_issued", 1, [0, 3, 4]), ("ensure", 0, [0, 1, 5])])
 def test_cache_invariants_hold_under_random_requests(ops):
     rig = Rig()
     evicted_while_protected: list[tuple[int, int]] = []
@@ -201,10 +206,14 @@ def test_cache_invariants_hold_under_random_requests(ops):
             if lifted is not None:
                 after = {(l, e) for l in range(LAYERS) for e in rig.cache.lru_order(l)}
                 evicted_while_protected.extend(sorted((before - lifted) - after))
+            counts = rig.cache.slot_counts()
+            assert sum(counts) == LAYERS * SLOTS and all(abs(c - SLOTS) <= 1 for c in counts), counts
             for layer in range(LAYERS):
-                assert len(rig.cache.lru_order(layer)) <= SLOTS
+                assert len(rig.cache.lru_order(layer)) <= counts[layer]
         rig.cache.unprotect_all(rig.backend.record_event(rig.backend.compute_stream))
         await rig.close()
+        rig.cache.unprotect_all()  # every load has landed: the slots a lead borrowed go back
+        assert rig.cache.slot_counts() == [SLOTS] * LAYERS
 
     try:
         run(scenario())
@@ -294,6 +303,78 @@ def test_the_lead_evicts_a_predicted_resident_only_after_computing_it_and_report
     run(main())
     assert rig.bad_reads == [], "a copy overwrote a slot before the lead's compute read it"
     rig.check_consistent()
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_the_lead_borrows_a_slot_of_the_layer_before_and_the_round_end_gives_it_back(monkeypatch, rig, relay):
+    """`LEAD_RELAY`: with every slot of layer 1 predicted, its first predicted miss takes a slot layer 0 lends (the
+    policy's victim there, after layer 0's slow compute of it: the copy must wait for that read), the second one a
+    computed resident's; layer 1 then holds one slot more and layer 0 one fewer, until `unprotect_all` balances
+    them. Off, both misses take computed residents' slots."""
+    monkeypatch.setattr(cache_module, "LEAD_RELAY", relay)
+    cache = rig.cache
+
+    async def main() -> None:
+        await rig.load_residents(1, [0, 1, 2])
+        for expert, slot in (await cache.ensure(0, [3, 4, 5])).items():
+            rig.read(0, expert, slot, seconds=0.003)  # layer 0's compute, still running when the lead starts
+        layer0_slots = {cache.lookup(0, e) for e in (3, 4, 5)}
+        cache.protect(1, [0, 1, 2])
+        computed, started = cache.lead(1, [0, 1, 2, 4, 5], 2, rig.launcher(1))
+        assert started == [4, 5] and sorted(computed) == [0, 1, 2]
+        if relay:
+            assert cache.slot_counts() == [SLOTS - 1, SLOTS + 1]
+            assert cache.lru_order(0) == [4, 5]  # the policy (LRU) chose expert 3 of layer 0
+            assert cache._residents[1][4].index in layer0_slots  # the first miss took the lent slot
+            assert len([e for e in computed if e in cache.lru_order(1)]) == 2  # the second took a computed one's
+            assert cache.stats.layers[0].evictions == 1
+        else:
+            assert cache.slot_counts() == [SLOTS, SLOTS] and cache.lru_order(0) == [3, 4, 5]
+            assert len([e for e in computed if e in cache.lru_order(1)]) == 1
+        async for expert, slot, ready in cache.iter_issued(1, [4, 5]):
+            rig.read(1, expert, slot, ready=ready)
+        await rig.close()
+        cache.unprotect_all()
+        assert cache.slot_counts() == [SLOTS, SLOTS]
+        assert len(cache.lru_order(1)) == SLOTS and len(cache.lru_order(0)) == (SLOTS - 1 if relay else SLOTS)
+
+    run(main())
+    assert rig.bad_reads == [], "a copy overwrote a lent slot before the layer before had read it"
+    rig.check_consistent()
+
+
+def test_a_layer_short_of_a_lent_slot_gets_it_back_only_when_its_borrower_can_give_one():
+    """`_balance` at the round's end: a borrower whose slots are all loading keeps them until a later call."""
+    rig = Rig()
+    cache = rig.cache
+    try:
+        async def main() -> None:
+            await rig.load_residents(0, [0, 1, 2])
+            await rig.load_residents(1, [0, 1, 2])
+            cache.protect(1, [0, 1, 2])
+            _computed, started = cache.lead(1, [0, 1, 2, 3], 1, rig.launcher(1))
+            assert started == [3] and cache.slot_counts() == [SLOTS - 1, SLOTS + 1]
+            held = await cache.ensure(1, [0, 1, 2, 3][:SLOTS])  # a reader pins three of layer 1's four slots
+            cache.protect(1, [3])
+            cache._balance()  # nothing layer 1 may give: all pinned or protected
+            assert cache.slot_counts() == [SLOTS - 1, SLOTS + 1]
+            for expert, slot in held.items():
+                rig.read(1, expert, slot)
+            await rig.close()
+            cache.unprotect_all()
+            assert cache.slot_counts() == [SLOTS, SLOTS]
+            snapshot = cache.snapshot()
+            cache.reset()
+            assert cache.slot_counts() == [SLOTS, SLOTS]
+            await cache.restore(snapshot)
+            assert cache.snapshot() == snapshot
+            await rig.close()
+
+        run(main())
+        assert rig.bad_reads == []
+        rig.check_consistent()
+    finally:
+        rig.shutdown()
 
 
 def test_iter_ready_yields_residents_first_and_rolls_through_more_experts_than_slots(rig):

@@ -78,14 +78,23 @@ orphaned (its bytes were counted at issue). On CUDA a miss is handed out as its 
 policy picks most later slots, one guarded call each, and may pick a hot expert. Off: not yet measured on the GPU
 (CPU-tested: `tests/test_cache.py`)."""
 
-LEAD_VICTIMS_FIRST = False
+LEAD_VICTIMS_FIRST = True
 """`lead` computes the residents whose slots take predicted misses first, and starts each such copy right after its
 slot's compute is launched, before it launches the other predicted residents: the copy waits on the device for that
-one compute, not for the host's launches of them all. False (default): every predicted resident computed first, then
-the copies. On the H200 (fifteenth session, `lead15c`, one process, on against off) the `slot` share did not move
-(0.044 -> 0.043 at 15 residents, 0.037 -> 0.046 at 8), the hand-over idle became issue idle, and TPOT per prompt was
-1.04x, 1.00x, 1.45x at 15 and 1.01x, 0.97x, 1.02x at 8: not faster, so off. That A/B shared the GPU with a test
-run for most of its time (docs/BENCHMARKS.md, fifteenth session): weak evidence, to repeat alone. A switch for A/B."""
+one compute, not for the host's launches of them all. False: every predicted resident computed first, then the
+copies. On the H200, alone in one process (sixteenth session, `next16`, on against off): the `slot` share 0.154 ->
+0.072 at 15 residents and 0.110 -> 0.074 at 8, copy busy 0.768 -> 0.840 and 0.864 -> 0.905, TPOT per prompt 0.941x
+and 0.956x: on. (`lead15c`'s A/B, which found no gain, shared the GPU with a test run.) A switch for A/B."""
+
+LEAD_RELAY = True
+"""`lead` may borrow one slot from the layer before (which the verify has computed already) when the layer has no
+free or unpredicted slot for a predicted miss: the policy evicts one of that layer's residents and the slot moves to
+this layer, free. Its copy then waits on the device only for the earlier layer's compute of that slot, which is
+done by the time the copy stream reaches it, instead of for this layer's own compute (its attention, router and
+the resident computed first): that wait is the `slot` idle at each layer's start. Each layer lends at most one
+slot and holds at most one more than `slots_per_layer`, so counts stay within one of it; `unprotect_all` (the end
+of each round) gives surplus slots back to the layers short of them (`_balance`), and `reset` puts every slot home.
+The total never changes: a layer's extra resident is paid for by the earlier layer's eviction. A switch for A/B."""
 
 VictimChooser = Callable[[int, Sequence[int], Set[int], int], list[int]]
 """choose_victims(layer, residents (least recently used first), protected, count) -> experts to evict."""
@@ -207,6 +216,7 @@ class ExpertCache:
         self._set_int32 = getattr(backend, "set_int32", None)  # optional backend fast path for table writes
         self.stats = CacheStats([LayerStats() for _ in range(self.num_layers)])
         self._slots = [Slot(index, index // slots_per_layer) for index in range(self.num_layers * slots_per_layer)]
+        self._by_layer = self._home_slots()  # each layer's slots: `slots_per_layer` each but while `LEAD_RELAY` lends
         self._residents: list[OrderedDict[int, Slot]] = [OrderedDict() for _ in range(self.num_layers)]
         self._protected: list[set[int]] = [set() for _ in range(self.num_layers)]
         self._capacity_waiters: list[list[asyncio.Future[None]]] = [[] for _ in range(self.num_layers)]
@@ -298,8 +308,9 @@ class ExpertCache:
         resident not held by a reader is computed now, `launch(expert, slot)` (its output must stand whether or not
         the routing chooses it), and marked used with the event `launch` returns. Then those not mapped to a slot,
         the predicted misses, start: each in a free slot, else in the slot of an unplanned resident the prediction
-        does not name, else in the slot of a computed resident the policy chooses (its copy waits for that compute
-        on the device; with `LEAD_VICTIMS_FIRST` those residents are computed first, each copy started after its own). So the copy stream need not wait for the router's choice to reach the host, nor the reader's
+        does not name, else (with `LEAD_RELAY`, one) in a slot the layer before lends, else in the slot of a computed
+        resident the policy chooses (its copy waits for that compute on the device; with `LEAD_VICTIMS_FIRST` those
+        residents are computed first, each copy started after its own). So the copy stream need not wait for the router's choice to reach the host, nor the reader's
         later misses for its launches of the residents. Loads count as prefetches. A predicted miss the routing does
         not choose still takes its slot (and a resident's, perhaps): the rolling window's `ROLL_HOT_WINDOW` counts
         only the misses the reader asks for, so a layer may give up to `count` more residents than it. Returns the residents computed
@@ -316,6 +327,10 @@ class ExpertCache:
         room = [slot for slot in self._layer_slots(layer) if slot.state is SlotState.FREE][: len(misses)]
         if len(room) < len(misses) and spare:
             room += [self._evict(layer, e) for e in self._victims(layer, len(misses) - len(room), among=spare)]
+        per = self.slots_per_layer
+        if (len(room) < len(misses) and LEAD_RELAY and layer > 0 and per > 1 and len(self._by_layer[layer]) <= per
+                and len(self._by_layer[layer - 1]) >= per and (lent := self._lend(layer - 1, layer)) is not None):
+            room.append(lent)
         started: list[int] = []
 
         def load(miss: int, slot: Slot) -> None:
@@ -411,7 +426,8 @@ class ExpertCache:
 
     def unprotect_all(self, fence: Event | None = None) -> None:
         """End of round: lift every protection and pin. `fence` (recorded on the compute stream after the
-        round's last compute) becomes the last-use event of slots still pinned, e.g. by a cancelled reader."""
+        round's last compute) becomes the last-use event of slots still pinned, e.g. by a cancelled reader. Then
+        the slots `LEAD_RELAY` lent go back to their layers (`_balance`)."""
         for slot in self._slots:
             if slot.pins and fence is not None:
                 slot.last_use = fence
@@ -419,6 +435,7 @@ class ExpertCache:
         for layer in range(self.num_layers):
             self._protected[layer].clear()
             self._signal(layer)
+        self._balance()
 
     # -- state -----------------------------------------------------------------------------------------
 
@@ -429,6 +446,7 @@ class ExpertCache:
             if slot.transfer is not None:
                 slot.transfer.cancel()
             self._release(slot)
+        self._by_layer = self._home_slots()
         for layer in range(self.num_layers):
             self._residents[layer].clear()
             self._protected[layer].clear()
@@ -445,8 +463,8 @@ class ExpertCache:
         assert len(snapshot.layers) == self.num_layers, "snapshot of a cache with another layer count"
         self.reset()
         for layer, experts in enumerate(snapshot.layers):
-            assert len(experts) <= self.slots_per_layer, f"snapshot holds {len(experts)} experts for {self.slots_per_layer} slots"
-            for expert in experts:
+            assert len(experts) <= self.slots_per_layer + 1, f"snapshot holds {len(experts)} experts for {self.slots_per_layer} slots"
+            for expert in experts[-self.slots_per_layer :]:  # the most recent: a layer may hold a slot lent in a round
                 self._start_load(layer, expert, self._make_room(layer, 1)[0], urgent=False)
         for slot in self._slots:
             if slot.loading is not None:
@@ -507,8 +525,12 @@ class ExpertCache:
     def _room_can_appear(self, layer: int, owned: Sequence[Slot]) -> bool:
         """A slot may become evictable later: a load will land or a reader other than us will unpin."""
         ours = {slot.index for slot in owned}
+        layers = [layer]
+        if len(self._by_layer[layer]) < self.slots_per_layer:  # short of a lent slot: the borrower's may free up
+            layers += [d for d in range(self.num_layers) if len(self._by_layer[d]) > self.slots_per_layer]
         return any(
-            slot.state is SlotState.LOADING or (slot.pins and slot.index not in ours) for slot in self._layer_slots(layer)
+            slot.state is SlotState.LOADING or (slot.pins and slot.index not in ours)
+            for donor in layers for slot in self._layer_slots(donor)
         )
 
     def _make_room(self, layer: int, count: int, recycle: collections.deque[int] | None = None) -> list[Slot]:
@@ -527,6 +549,9 @@ class ExpertCache:
             # copy is issued, so on CUDA the miss handed out last is usually still loading here and the policy
             # chooses instead (unless `RECYCLE_LOADING`); the slots are recycled oldest first on the host-waiting
             # path (`iter_ready`).
+        if len(room) < count and len(self._by_layer[layer]) < self.slots_per_layer:  # take back a lent slot first
+            self._balance()
+            room += [slot for slot in self._layer_slots(layer) if slot.state is SlotState.FREE and slot not in room][: count - len(room)]
         if len(room) < count:
             room += [self._evict(layer, expert) for expert in self._victims(layer, count - len(room))]
         return room
@@ -569,8 +594,45 @@ class ExpertCache:
         return slot
 
     def _layer_slots(self, layer: int) -> list[Slot]:
-        first = layer * self.slots_per_layer
-        return self._slots[first : first + self.slots_per_layer]
+        return self._by_layer[layer]
+
+    def _home_slots(self) -> list[list[Slot]]:
+        """Every slot in the layer it was allocated to (`slots_per_layer` consecutive rows each)."""
+        per = self.slots_per_layer
+        for slot in self._slots:
+            slot.layer = slot.index // per
+        return [self._slots[layer * per : (layer + 1) * per] for layer in range(self.num_layers)]
+
+    def slot_counts(self) -> list[int]:
+        """How many slots each layer holds now (`slots_per_layer` each, but for `LEAD_RELAY`'s loans in a round)."""
+        return [len(slots) for slots in self._by_layer]
+
+    def _lend(self, donor: int, layer: int) -> Slot | None:
+        """Move one of `donor`'s slots to `layer`, free: a free one, else the slot of a resident the policy evicts
+        among the donor's unprotected, unpinned ones (its last use stays: a copy into it waits for that compute).
+        None when the donor has neither."""
+        slot = next((slot for slot in self._by_layer[donor] if slot.state is SlotState.FREE), None)
+        if slot is None:
+            victims = self._victims(donor, 1)
+            if not victims:
+                return None
+            slot = self._evict(donor, victims[0])
+        self._by_layer[donor].remove(slot)
+        self._by_layer[layer].append(slot)
+        slot.layer = layer
+        self._signal(layer)
+        return slot
+
+    def _balance(self) -> None:
+        """Give the slots `LEAD_RELAY` lent back: each layer short of `slots_per_layer` takes one from a layer over
+        it (free, or the policy's victim there). A layer over it whose slots are all loading or held keeps them
+        until the next call."""
+        per = self.slots_per_layer
+        for layer in range(self.num_layers):
+            while len(self._by_layer[layer]) < per:
+                donors = [d for d in range(self.num_layers) if len(self._by_layer[d]) > per]
+                if not any(self._lend(donor, layer) for donor in donors):
+                    break
 
     # -- internals: loads ------------------------------------------------------------------------------
 
@@ -766,6 +828,10 @@ class ExpertCache:
         await waiter
 
     def _signal(self, layer: int) -> None:
+        if len(self._by_layer[layer]) > self.slots_per_layer:  # a layer short of the slot it lent may take it back
+            for short in range(self.num_layers):
+                if short != layer and len(self._by_layer[short]) < self.slots_per_layer:
+                    self._signal(short)
         waiters, self._capacity_waiters[layer] = self._capacity_waiters[layer], []
         for waiter in waiters:
             if not waiter.done():
