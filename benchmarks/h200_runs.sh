@@ -640,6 +640,13 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  draft16)        # issue 4's third figure on the final code (last measured in finish11: 1.49 ms, 1.40x its floor, with
+    # RowConfig.int8_finish, on since the twelfth session): the graphed int4 draft step at the Qwen shape (24 layers).
+    # PREDICTION: 1.45-1.55 ms, 1.36-1.46x its floor (nothing in the draft step changed since).
+    mkdir -p "$out/logs"
+    timeout 200 python benchmarks/graphed_tpot.py --draft-only --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+    echo "graphed rc=$?"; tar czf "$out/draft16.tgz" -C "$out" logs graphed 2>/dev/null
+    tail -6 "$out/logs/graphed.log" ;;
   relay16)        # after figs16 (three processes, LEAD_VICTIMS_FIRST on: copy busy 0.841 / 0.842 / 0.835 at 15 residents, 0.905 /
     # 0.903 / 0.863 at 8, Gen4 0.949; the idle left at 15 is mostly `slot`, 0.075-0.078: each layer's first predicted
     # miss waits on the device for that layer's attention, router and first computed resident). cache.LEAD_RELAY: the
