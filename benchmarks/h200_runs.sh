@@ -69,6 +69,15 @@
 # TPOT 0.926x / 0.957x: the default), lead15c (LEAD_VICTIMS_FIRST: not faster, off; figures 3.63x / 3.84x, copy busy
 # 0.890 / 0.902), final15 (every GPU test passed; 3.60x / 2.96x, Gen4 3.61x; copy busy 0.82 / 0.80, Gen4 0.92);
 # results/h200-2026-11-30/fifteenth.
+# Done 2026-11-30, sixteenth session: next16 (LEAD_MISSES 64: slower, +2 % bytes, stays 2; LEAD_VICTIMS_FIRST alone:
+# TPOT 0.941x / 0.956x, copy busy 0.768 -> 0.840 / 0.864 -> 0.905, now on), figs16 (three processes: copy busy
+# 0.835-0.842 at 15 residents, `slot` idle 0.075-0.078), relay16 (cache.LEAD_RELAY: slot 0.058 -> 0.029 / 0.062 ->
+# 0.017, copy busy 0.852 -> 0.881 / 0.880 -> 0.899, TPOT 0.967x / 0.999x, on; 223 GPU tests + 18 CUDA property tests
+# passed), figs16 again on relay16's model (five processes on the final code: 3.09-3.91x ondemand, copy busy
+# 0.868-0.951), draft16 (draft step 1.50 ms, 1.40x its floor); results/h200-2026-11-30/sixteenth.
+# Next (sixteenth session's end): the `handover` idle (0.045-0.052 at 15 residents: a layer's misses beyond the lead's
+# two wait for its routing's host read); record traces again (record_traces.py, the specter system) and replay
+# retention against the offline bound (bytes); the segmented step's own pinned id table; then the older list below.
 # Next (fifteenth session's end): stage next16 (prepared, with its predictions); copy busy at Gen5 is 0.80-0.90 from
 # process to process; the A/Bs of lead15 and
 # lead15c shared the GPU with the CUDA exactness test (started in the background, waited for after the A/B): repeat
