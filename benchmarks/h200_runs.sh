@@ -649,6 +649,28 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  final16)        # the sixteenth session's final code (after a review: the relay's loads start after the free/spare ones,
+    # the round-end balance survives a policy error, readers check a slot's layer). Every gpu-marked test and the
+    # exactness property test on CUDA beside the training, waited for; then issue 4's figures in two processes and Gen4.
+    # PREDICTIONS: every test passes, every token equals the baseline; specter >= 3x ondemand in every cell; copy busy
+    # >= 0.85 in every cell (relay16 / figs16 on the relay: 0.868-0.951).
+    mkdir -p "$out/logs"
+    ( SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 150 python -m pytest -q -x tests/test_speculative.py \
+        -p no:cacheprovider > "$out/logs/spec-cuda.log" 2>&1 ) &
+    spec=$!
+    train_beside -k "not link_emulation"
+    wait $spec; tail -1 "$out/logs/spec-cuda.log"; grep -hE "^(FAILED|E  )" "$out/logs/spec-cuda.log" | head -5
+    common="--model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf --copy-gaps"
+    for i in 1 2; do
+      timeout 80 python -m specter.bench $common --repeats 3 --residents 15,8 --link native \
+        --systems ondemand,specter --out "$out/figs$i" > "$out/logs/figs$i.log" 2>&1
+      echo "figs$i rc=$?"
+    done
+    timeout 70 python -m specter.bench $common --repeats 2 --residents 15 --link gen4 \
+      --systems ondemand,specter --out "$out/gen4" > "$out/logs/gen4.log" 2>&1
+    echo "gen4 rc=$?"
+    tar czf "$out/final16.tgz" -C "$out" logs figs1 figs2 gen4 2>/dev/null
+    print_summaries figs1 figs2 gen4 ;;
   draft16)        # issue 4's third figure on the final code (last measured in finish11: 1.49 ms, 1.40x its floor, with
     # RowConfig.int8_finish, on since the twelfth session): the graphed int4 draft step at the Qwen shape (24 layers).
     # PREDICTION: 1.45-1.55 ms, 1.36-1.46x its floor (nothing in the draft step changed since).

@@ -288,15 +288,17 @@ class Runtime:
     def _end_request(self) -> None:
         """Leave the engine consistent whatever happened: no protected slot, no plan, an empty KV, and the
         request's deferred copy-busy reads done (after its last token's time, before its stats are read)."""
-        if self.cache is not None:
-            fence = self.backend.record_event(self.backend.compute_stream)
-            self.cache.unprotect_all(fence)
-            self.cache.transfer.chunk_log = None
-        self.plan = None
-        self._carry = None
-        self._join_ahead()
-        self.kv.reset()
-        self._finish_deferred()  # last: whatever it meets, the engine is consistent already
+        try:
+            if self.cache is not None:
+                fence = self.backend.record_event(self.backend.compute_stream)
+                self.cache.transfer.chunk_log = None
+                self.cache.unprotect_all(fence)
+        finally:  # whatever the cache raised, the rest still runs
+            self.plan = None
+            self._carry = None
+            self._join_ahead()
+            self.kv.reset()
+            self._finish_deferred()  # last: whatever it meets, the engine is consistent already
 
     async def _generate(self, prompt: list[int], generation: GenerationConfig, stats: RequestStats) -> AsyncIterator[list[int]]:
         params = SamplingParams(generation.temperature, generation.top_k, generation.top_p, generation.seed)

@@ -92,6 +92,7 @@ class Rig:
 
     def check_consistent(self) -> None:
         """After close(): every mapped expert is resident with the right bytes; the slot table agrees."""
+        self.backend.synchronize()  # table writes enqueued since close() (evictions of `unprotect_all`'s balance)
         table = self.cache.slot_table
         counts = self.cache.slot_counts()
         assert sum(counts) == LAYERS * self.cache.slots_per_layer, counts
@@ -208,6 +209,10 @@ def test_cache_invariants_hold_under_random_requests(ops):
                 evicted_while_protected.extend(sorted((before - lifted) - after))
             counts = rig.cache.slot_counts()
             assert sum(counts) == LAYERS * SLOTS and all(abs(c - SLOTS) <= 1 for c in counts), counts
+            for layer in range(LAYERS):
+                owned = rig.cache._layer_slots(layer)
+                assert all(slot.layer == layer for slot in owned)
+                assert all(slot in owned for slot in rig.cache._residents[layer].values()), "a resident outside its layer's slots"
             for layer in range(LAYERS):
                 assert len(rig.cache.lru_order(layer)) <= counts[layer]
         rig.cache.unprotect_all(rig.backend.record_event(rig.backend.compute_stream))
@@ -373,6 +378,99 @@ def test_a_layer_short_of_a_lent_slot_gets_it_back_only_when_its_borrower_can_gi
         run(main())
         assert rig.bad_reads == []
         rig.check_consistent()
+    finally:
+        rig.shutdown()
+
+
+def test_a_layer_short_of_its_lent_slot_waits_for_the_borrowers_load_and_takes_the_slot_back():
+    """A reader of the layer that lent a slot, asking for all `slots_per_layer` experts while every slot of the
+    borrower is loading or protected, waits (no budget error) and is woken when the borrower's load lands; it then
+    takes the slot back. A snapshot holding the borrower's extra expert restores its most recent ones."""
+    rig = Rig()
+    cache = rig.cache
+    try:
+        async def main() -> None:
+            await rig.load_residents(0, [0, 1, 2])
+            await rig.load_residents(1, [0, 1, 2])
+            cache.protect(1, [0, 1, 2])
+            _computed, started = cache.lead(1, [0, 1, 2, 3], 1, rig.launcher(1))
+            assert started == [3] and cache.slot_counts() == [SLOTS - 1, SLOTS + 1]
+            extra = cache.snapshot()
+            assert len(extra.layers[1]) == SLOTS + 1
+            cache.protect(1, [0, 1, 2])  # computed by the lead (which lifted their protection), planned again
+            assert cache.lru_order(0) == [1, 2] and cache._residents[1][3].state.value == "loading"
+            # 1 and 2 pinned by this reader, so 5 needs the lent slot back: only the borrower's load can free it
+            held = await asyncio.wait_for(cache.ensure(0, [1, 2, 5]), timeout=5)
+            assert cache.slot_counts() == [SLOTS, SLOTS] and sorted(held) == [1, 2, 5]
+            assert sorted(cache.lru_order(1)) == [0, 1, 2]  # the borrower gave its only unprotected one, the landed miss
+            for expert, slot in held.items():
+                rig.read(0, expert, slot)
+            cache.unprotect_all()
+            await cache.restore(extra)
+            assert cache.lru_order(1) == list(extra.layers[1][-SLOTS:]) and cache.slot_counts() == [SLOTS, SLOTS]
+            await rig.close()
+
+        run(main())
+        assert rig.bad_reads == []
+        rig.check_consistent()
+    finally:
+        rig.shutdown()
+
+
+def test_a_policy_error_while_balancing_at_the_rounds_end_does_not_stop_the_cleanup():
+    """`unprotect_all` lifts every pin and protection even when the policy fails while giving a lent slot back;
+    the slot goes back once the policy answers again."""
+    failing = {"on": False}
+
+    def chooser(layer, residents, protected, count):
+        if failing["on"]:  # as the engine's guard reports a failing plug-in
+            raise PluginError("eviction policy 'flaky' raised RuntimeError: policy down")
+        return lru_victims(layer, residents, protected, count)
+
+    rig = Rig(chooser=chooser)
+    cache = rig.cache
+    try:
+        async def main() -> None:
+            await rig.load_residents(0, [0, 1, 2])
+            await rig.load_residents(1, [0, 1, 2])
+            cache.protect(1, [0, 1, 2])
+            cache.lead(1, [0, 1, 2, 3], 1, rig.launcher(1))
+            await rig.close()
+            failing["on"] = True
+            with pytest.raises(PluginError):
+                cache._balance()
+            cache.unprotect_all()  # no raise
+            assert cache.protected_experts(1) == set() and cache.slot_counts() == [SLOTS - 1, SLOTS + 1]
+            failing["on"] = False
+            cache.unprotect_all()
+            assert cache.slot_counts() == [SLOTS, SLOTS]
+
+        run(main())
+        rig.check_consistent()
+    finally:
+        rig.shutdown()
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_the_relay_leaves_a_donor_at_least_one_slot(slots):
+    """With one slot per layer no layer lends (it would be left with none); with two, a donor keeps one."""
+    rig = Rig(slots=slots)
+    cache = rig.cache
+    try:
+        async def main() -> None:
+            await rig.load_residents(0, [0, 1][:slots])
+            await rig.load_residents(1, [0, 1][:slots])
+            _computed, started = cache.lead(1, [0, 1][:slots] + [4], 1, rig.launcher(1))
+            assert started == [4]
+            assert cache.slot_counts() == ([1, 1] if slots == 1 else [1, 3])
+            async for expert, slot, ready in cache.iter_issued(1, [4]):
+                rig.read(1, expert, slot, ready=ready)
+            await rig.close()
+            cache.unprotect_all()
+            assert cache.slot_counts() == [slots, slots]
+
+        run(main())
+        assert rig.bad_reads == []
     finally:
         rig.shutdown()
 

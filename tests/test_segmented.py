@@ -201,19 +201,29 @@ def spy_leads(offloaded: "Offloaded") -> list[tuple[list[int], list[int]]]:
 def test_predicted_misses_start_before_the_routing_is_read_and_the_logits_stay_bit_identical(load, family, guess, many,
                                                                                            monkeypatch):
     """LEAD_MISSES: each layer's predicted misses start early, in free slots or in the slots of predicted residents
-    computed first (skipped when the routing comes). Right, wrong or mixed predictions: the same logits, KV and used
-    experts as the resident static step, every used expert counted once, and the early path was taken."""
+    computed first (skipped when the routing comes), or in a slot the layer before lends (every layer back at its
+    slots after the round). Right, wrong or mixed predictions: the same logits, KV and used experts as the resident
+    static step, every used expert counted once, and the early path was taken."""
     import specter.verify as verify
 
     monkeypatch.setattr(verify, "LEAD_MISSES", many)
     loaded = load(family, "float32")
     start, experts = len(PROMPT), loaded.spec.num_experts
     leads: list[tuple[list[int], list[int]]] = []
+    loans: list[tuple[int, int, bool]] = []
 
     async def go() -> None:
         nonlocal leads
         offloaded = Offloaded(loaded, 3)
         leads = spy_leads(offloaded)
+        lend = offloaded.cache._lend
+
+        def spy_lend(donor: int, layer: int):
+            slot = lend(donor, layer)
+            loans.append((donor, layer, slot is not None))
+            return slot
+
+        offloaded.cache._lend = spy_lend
         try:
             for first in range(20, 60, 8):  # later blocks meet a full cache: the slots of computed residents
                 block = torch.arange(first, first + 3) % loaded.spec.vocab_size
@@ -231,10 +241,15 @@ def test_predicted_misses_start_before_the_routing_is_read_and_the_logits_stay_b
                 assert {layer: set(e) for layer, e in record.used.items()} == used, first
                 assert all(len(e) == len(set(e)) for e in record.used.values()), first
                 assert record.hits + record.misses == sum(len(e) for e in used.values()), first
+                offloaded.cache.unprotect_all()  # the round's end: slots lent between layers (LEAD_RELAY) go back
+                assert offloaded.cache.slot_counts() == [3] * len(used), first
         finally:
             await offloaded.close()
 
     asyncio.run(go())
+    if guess != "wrong":  # the layers before lent slots to the predicted misses (LEAD_RELAY, on)
+        assert any(done for _donor, _layer, done in loans), "no layer lent a slot to the next one's lead"
+    assert all(layer == donor + 1 for donor, layer, _ in loans if layer > donor), "a lead borrowed from another layer than the one before"
     assert sum(len(started) for _, started in leads) > 0, "no predicted miss started early"
     assert sum(len(computed) for computed, _ in leads) > 0, "no resident was computed ahead of its routing"
 

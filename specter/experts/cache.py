@@ -268,7 +268,7 @@ class ExpertCache:
             for expert in wanted:
                 slots.add(await self._claim(layer, expert, urgent, owned=list(slots.values())), expert)
             for expert, slot in slots.items():
-                await self._until_landed(slot, expert)
+                await self._until_landed(slot, expert, layer)
             succeeded = True
             return {expert: slot.index for expert, slot in slots.items()}
         finally:
@@ -327,10 +327,6 @@ class ExpertCache:
         room = [slot for slot in self._layer_slots(layer) if slot.state is SlotState.FREE][: len(misses)]
         if len(room) < len(misses) and spare:
             room += [self._evict(layer, e) for e in self._victims(layer, len(misses) - len(room), among=spare)]
-        per = self.slots_per_layer
-        if (len(room) < len(misses) and LEAD_RELAY and layer > 0 and per > 1 and len(self._by_layer[layer]) <= per
-                and len(self._by_layer[layer - 1]) >= per and (lent := self._lend(layer - 1, layer)) is not None):
-            room.append(lent)
         started: list[int] = []
 
         def load(miss: int, slot: Slot) -> None:
@@ -338,8 +334,13 @@ class ExpertCache:
             self.stats.layers[layer].prefetched += 1
             started.append(miss)
 
-        for miss, slot in zip(misses, room):
+        for miss, slot in zip(misses, room):  # these copies start before the relay's policy call below
             load(miss, slot)
+        per = self.slots_per_layer
+        if (len(room) < len(misses) and LEAD_RELAY and layer > 0 and per > 1 and len(self._by_layer[layer]) <= per
+                and len(self._by_layer[layer - 1]) >= per and (lent := self._lend(layer - 1, layer)) is not None):
+            load(misses[len(room)], lent)
+            room.append(lent)
         doomed = self._victims(layer, len(misses) - len(room), among=hot) if len(room) < len(misses) and hot else []
         takes = dict(zip(doomed, misses[len(room):]))  # computed resident -> the miss that takes its slot
         computed = doomed + [e for e in hot if e not in takes] if LEAD_VICTIMS_FIRST else hot
@@ -378,7 +379,7 @@ class ExpertCache:
                 if waiting and expert in doomed:  # the reader launched it and marked it used: its slot takes a miss
                     waiting = self._reuse(layer, expert, waiting, owned, landed, on_issue)
             async for expert, slot in self._landings(layer, waiting, owned, landed, on_issue):
-                ready = self._pending_ready(slot, expert) if on_issue else None  # may raise: the slot stays owned
+                ready = self._pending_ready(slot, expert, layer) if on_issue else None  # may raise: the slot stays owned
                 owned.pop(expert)
                 yield expert, slot.index, ready
         finally:
@@ -435,7 +436,10 @@ class ExpertCache:
         for layer in range(self.num_layers):
             self._protected[layer].clear()
             self._signal(layer)
-        self._balance()
+        try:
+            self._balance()
+        except PluginError as error:  # cleanup must finish; a short layer retries when it next needs room
+            log.warning("cache.balance_failed", error=str(error))
 
     # -- state -----------------------------------------------------------------------------------------
 
@@ -514,9 +518,12 @@ class ExpertCache:
     async def _room_or_wait(self, layer: int, owned: list[Slot]) -> Slot:
         while not (room := self._make_room(layer, 1)):
             if not self._room_can_appear(layer, owned):
+                held = len(self._by_layer[layer])
+                lent = (f" (it holds {held}: one is lent to a layer whose slots are all protected until the round "
+                        "ends, `unprotect_all`)") if held < self.slots_per_layer else ""
                 raise BudgetError(
                     f"layer {layer}: all {self.slots_per_layer} slots hold protected experts "
-                    f"{sorted(self._protected[layer])} and none is loading or in use; plan at most "
+                    f"{sorted(self._protected[layer])} and none is loading or in use{lent}; plan at most "
                     f"{self.slots_per_layer - 1} experts per layer or raise the budget"
                 )
             await self._capacity_changed(layer)
@@ -684,11 +691,11 @@ class ExpertCache:
             slot.state, slot.ready = SlotState.RESIDENT, ready
         self._signal(slot.layer)
 
-    async def _until_landed(self, slot: Slot, expert: int) -> None:
+    async def _until_landed(self, slot: Slot, expert: int, layer: int) -> None:
         if slot.loading is not None:
             await asyncio.shield(slot.loading)
-        if slot.expert != expert or slot.state is not SlotState.RESIDENT:
-            self._lost(slot, expert)
+        if slot.expert != expert or slot.layer != layer or slot.state is not SlotState.RESIDENT:
+            self._lost(slot, expert)  # the layer too: a slot `LEAD_RELAY` lent may hold another layer's expert of that id
 
     def _lost(self, slot: Slot, expert: int) -> None:
         """A reader's slot no longer holds its expert: the copy failed (raise that error) or the cache was reset."""
@@ -714,7 +721,7 @@ class ExpertCache:
             expert = await landed.get()
             slot = owned[expert]
             if not on_issue:
-                await self._until_landed(slot, expert)
+                await self._until_landed(slot, expert, layer)
             if rolled is not None:  # a later miss of the layer takes the slot of the miss handed out first
                 rolled.append(expert)
             yield expert, slot
@@ -775,9 +782,9 @@ class ExpertCache:
         else:
             slot.loading.add_done_callback(lambda _task: queue.put_nowait(expert))
 
-    def _pending_ready(self, slot: Slot, expert: int) -> Event | None:
+    def _pending_ready(self, slot: Slot, expert: int, layer: int) -> Event | None:
         """For `iter_issued`: None if the copy into `slot` has landed, else its ready event (fully issued)."""
-        if slot.expert != expert or slot.state is SlotState.FREE:
+        if slot.expert != expert or slot.layer != layer or slot.state is SlotState.FREE:
             self._lost(slot, expert)
         if slot.state is SlotState.RESIDENT:
             return None
