@@ -74,7 +74,8 @@
 # 0.835-0.842 at 15 residents, `slot` idle 0.075-0.078), relay16 (cache.LEAD_RELAY: slot 0.058 -> 0.029 / 0.062 ->
 # 0.017, copy busy 0.852 -> 0.881 / 0.880 -> 0.899, TPOT 0.967x / 0.999x, on; 223 GPU tests + 18 CUDA property tests
 # passed), figs16 again on relay16's model (five processes on the final code: 3.09-3.91x ondemand, copy busy
-# 0.868-0.951), draft16 (draft step 1.50 ms, 1.40x its floor); results/h200-2026-11-30/sixteenth.
+# 0.868-0.951), draft16 (draft step 1.50 ms, 1.40x its floor), final16 (after a review: 223 GPU tests + 18 CUDA
+# property tests passed; 3.16-3.56x ondemand at Gen5, 2.80x at Gen4, copy busy 0.917-0.953); results/h200-2026-11-30/sixteenth.
 # Next (sixteenth session's end): the `handover` idle (0.045-0.052 at 15 residents: a layer's misses beyond the lead's
 # two wait for its routing's host read); record traces again (record_traces.py, the specter system) and replay
 # retention against the offline bound (bytes); the segmented step's own pinned id table; then the older list below.
