@@ -650,6 +650,21 @@ case "$stage" in
       > "$out/logs/graphed-olmoe.log" 2>&1
     tail -3 "$out/logs/graphed-olmoe.log"
     tar czf "$out/attn11.tgz" -C "$out" logs graphed graphed-olmoe profile.txt 2>/dev/null ;;
+  trace16)        # the sixteenth session's last call: routing traces of the final code (specter: topm-keep, the lead, the
+    # relay) on a fresh model for the next session's CPU replay of retention (the offline bound), then issue 4's
+    # figures once more on that model. The code is final16's (every GPU test passed there), so no tests here.
+    # PREDICTIONS: the traces record (rc 0); every token equals the baseline; specter >= 3x ondemand at Gen5, copy busy
+    # >= 0.85.
+    mkdir -p "$out/logs"
+    timeout 200 python benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 > "$out/logs/train-qwen.log" 2>&1
+    tail -1 "$out/logs/train-qwen.log"
+    timeout 150 python benchmarks/record_traces.py --model /tmp/qwenref --residents 15,8 --out "$out/traces" > "$out/logs/traces.log" 2>&1
+    echo "traces rc=$?"
+    timeout 80 python -m specter.bench --model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf --copy-gaps \
+      --repeats 3 --residents 15,8 --link native --systems ondemand,specter --out "$out/figs" > "$out/logs/figs.log" 2>&1
+    echo "figs rc=$?"
+    tar czf "$out/trace16.tgz" -C "$out" logs traces figs 2>/dev/null
+    print_summaries figs; tail -4 "$out/logs/traces.log" ;;
   final16)        # the sixteenth session's final code (after a review: the relay's loads start after the free/spare ones,
     # the round-end balance survives a policy error, readers check a slot's layer). Every gpu-marked test and the
     # exactness property test on CUDA beside the training, waited for; then issue 4's figures in two processes and Gen4.
