@@ -355,6 +355,37 @@ def _roll(text: str) -> int | str:
     return int(text)
 
 
+def offline_bound(header: TraceHeader, rounds: Sequence[TraceRound], slots_per_layer: int | None = None) -> int:
+    """The fewest expert loads a cache of `slots_per_layer` per layer could make on `rounds` (from empty), knowing
+    the future: per layer and round, the resident experts the round uses are served first (a verify computes its
+    hits first, and a hit never costs a load), then each other one is loaded, evicting the resident whose next use
+    (the next round that uses it) is farthest: Belady's MIN with the order inside a round free. Prefetching cannot
+    go below it (each load still fills one of the layer's slots), so it bounds what retention and prefetch together
+    can save; no engine reaches it, since it knows which rounds come."""
+    slots = slots_per_layer or header.slots_per_layer
+    loads = 0
+    never = len(rounds)
+    for layer in range(header.num_layers):
+        used = [list(dict.fromkeys(trace_round.layers[layer].used)) for trace_round in rounds]
+        following: list[dict[int, int]] = [{} for _ in rounds]  # round -> expert -> the next round using it
+        later: dict[int, int] = {}
+        for index in range(len(rounds) - 1, -1, -1):
+            following[index] = dict(later)
+            later.update(dict.fromkeys(used[index], index))
+        held: dict[int, int] = {}  # resident expert -> the next round using it
+        for index, experts in enumerate(used):
+            misses = [expert for expert in experts if expert not in held]
+            for expert in experts:
+                if expert in held:  # hits first: used now, so evictable by this round's misses
+                    held[expert] = following[index].get(expert, never)
+            for expert in misses:
+                loads += 1
+                if len(held) >= slots:
+                    del held[max(held, key=held.__getitem__)]
+                held[expert] = following[index].get(expert, never)
+    return loads
+
+
 def recorded_bytes(rounds: Sequence[TraceRound]) -> int | None:
     """What the recording engine moved over the rounds (their `loaded_bytes`); None unless every round says."""
     loaded = [trace_round.loaded_bytes for trace_round in rounds]
@@ -371,10 +402,12 @@ def _print_results(
 ) -> None:
     recorded = recorded_bytes(rounds)
     roll = engine_roll() if args.roll == "engine" else args.roll
+    bound = offline_bound(header, rounds, args.slots)
     if args.json:
         slots = args.slots or header.slots_per_layer
         report = {"model": header.model, "link_gbps": args.link, "slots_per_layer": slots, "roll": roll,
-                  "recorded_h2d_bytes": recorded, "skipped": skipped}
+                  "recorded_h2d_bytes": recorded, "offline_bound_loads": bound,
+                  "offline_bound_h2d_bytes": bound * header.expert_bytes, "skipped": skipped}
         report["results"] = [result.to_json() for result in results]
         print(json.dumps(report, indent=1))
     else:
@@ -383,6 +416,8 @@ def _print_results(
               f"rolling window {window}")
         if recorded is not None:
             print(f"the recording engine moved {recorded / 1e9:.3f} GB over these {len(rounds)} rounds")
+        print(f"offline bound (Belady's MIN on the verify's uses, knowing the future): {bound} loads, "
+              f"{bound * header.expert_bytes / 1e9:.3f} GB")
         print(format_table(results))
     for reason in skipped:
         print(f"skipped {reason}", file=sys.stderr)

@@ -8,11 +8,13 @@ from importlib.metadata import EntryPoint
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from policies.eviction import LRU, BeladyLookahead, PlanProtect
 from policies.prefetch import NoPrefetch, TopMFrequency, TopMKeep
 from specter import plugins
-from specter.replay import main, recorded_bytes, replay, replay_all
+from specter.replay import main, offline_bound, recorded_bytes, replay, replay_all
 from specter.trace import LayerRoutes, TraceError, TraceHeader, TraceRound, TraceWriter, read_trace
 
 EXPERT_BYTES = 10_000_000
@@ -250,6 +252,36 @@ def test_the_replay_takes_the_engines_window(monkeypatch):
     assert engine_roll() == -1
 
 
+def test_the_offline_bound_is_beladys_min_worked_by_hand():
+    """One layer, two slots, rounds using {0, 1} {2, 0} {1, 2} {0}: load 0 and 1; round 2 serves its hit 0 first,
+    then 2 evicts 0 (next used in round 4, 1 in round 3); round 3 hits 1 and 2; round 4 loads 0: 4 loads. With
+    three slots, only the 3 first uses; with one slot, {0, 1} three times costs 2, then 1 a round (the hit first)."""
+    header = dataclasses.replace(HEADER, num_layers=1)
+    rounds = [TraceRound(round=r, k=2, accepted=1, draft_step_s=0.01, layers=[LayerRoutes(predicted={}, used=used)])
+              for r, used in enumerate([[0, 1], [2, 0], [1, 2], [0]])]
+    assert offline_bound(header, rounds) == 4
+    assert offline_bound(header, rounds, slots_per_layer=3) == 3
+    assert offline_bound(header, rounds[:1] * 3, slots_per_layer=1) == 4
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(uses=st.lists(st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=6, unique=True), min_size=2, max_size=2),
+                     min_size=1, max_size=8),
+       guesses=st.lists(st.lists(st.integers(0, 7), max_size=4, unique=True), min_size=16, max_size=16),
+       slots=st.integers(2, 4))
+def test_no_replayed_policy_pair_loads_fewer_experts_than_the_offline_bound(uses, guesses, slots):
+    rounds = []
+    for r, layers in enumerate(uses):
+        routes = [LayerRoutes(predicted={e: 1.0 for e in guesses[(2 * r + l) % 16]}, used=used) for l, used in enumerate(layers)]
+        rounds.append(TraceRound(round=r, k=4, accepted=3, draft_step_s=0.001, layers=routes))
+    bound = offline_bound(HEADER, rounds, slots_per_layer=slots)
+    assert bound >= len({(l, e) for layers in uses for l, used in enumerate(layers) for e in used})  # first uses
+    for eviction in (LRU(), PlanProtect(), BeladyLookahead()):
+        for prefetch in (NoPrefetch(), TopMFrequency(), TopMKeep()):
+            result = replay(HEADER, rounds, eviction, prefetch, slots_per_layer=slots)
+            assert result.misses + result.prefetched_experts >= bound, (type(eviction).__name__, type(prefetch).__name__)
+
+
 def test_slots_override_the_header():
     rounds = rotating_rounds(4)
     assert replay(HEADER, rounds, LRU(), NoPrefetch(), slots_per_layer=8).hits == 0  # all first uses
@@ -275,9 +307,11 @@ def test_cli_prints_a_table_and_json(tmp_path, capsys, reference_plugins):
     table = capsys.readouterr().out
     assert "plan-protect" in table and "topm-frequency" in table and "stall s" in table
     assert "rolling window 2" in table and "recording engine" not in table  # the toy rounds record no bytes
+    assert f"offline bound (Belady's MIN on the verify's uses, knowing the future): {offline_bound(HEADER, rotating_rounds(4))} loads" in table
     assert main([str(path), "--json", "--eviction", "lru", "--prefetch", "none,topm-frequency"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [(r["eviction"], r["prefetch"]) for r in report["results"]] == [("lru", "topm-frequency"), ("lru", "none")]
+    assert report["offline_bound_loads"] == 16 and report["offline_bound_h2d_bytes"] == 16 * EXPERT_BYTES  # all first uses
 
 
 def test_cli_reports_a_bad_trace_and_unknown_plugins(tmp_path, capsys, reference_plugins):
