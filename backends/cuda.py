@@ -17,10 +17,10 @@ from specter.log import get_logger
 log = get_logger(__name__)
 
 
-_CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
+CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
 
 
-def _cupy_memcpy_async() -> Callable[..., None] | None:
+def cupy_memcpy_async() -> Callable[..., None] | None:
     """cupy's cudaMemcpyAsync binding, or None without cupy (torch's copy_ is used then)."""
     try:
         from cupy.cuda import runtime
@@ -65,7 +65,7 @@ class CUDABackend:
         self.copy_stream = self.new_stream("copy")
         self._cycles_per_s: float | None = None
         self._host_streams: dict[int, Any] = {}
-        self._memcpy_async = _cupy_memcpy_async()
+        self._memcpy_async = cupy_memcpy_async()
         self._value_tables: list[torch.Tensor] = []  # pinned int32 -1..n, for set_int32
 
     def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -101,7 +101,7 @@ class CUDABackend:
                 flat[index : index + 1].fill_(value)
             return
         source = self._int32_values(value)
-        self._memcpy_async(flat.data_ptr() + 4 * index, source, 4, _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
+        self._memcpy_async(flat.data_ptr() + 4 * index, source, 4, CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
 
     def _int32_values(self, value: int) -> int:
         """Host address of `value` in a pinned int32 table of -1..n (grown by replacement; old tables stay
@@ -124,7 +124,7 @@ class CUDABackend:
             return False
         if not ((dst.device == self.device and src.device.type == "cpu") or (src.device == self.device and dst.device.type == "cpu")):
             return False
-        memcpy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), _CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
+        memcpy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), CUDA_MEMCPY_DEFAULT, stream.cuda_stream)
         return True
 
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> CUDAEvent:

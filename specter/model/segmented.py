@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from backends.cuda import _CUDA_MEMCPY_DEFAULT, _cupy_memcpy_async
+from backends.cuda import CUDA_MEMCPY_DEFAULT, cupy_memcpy_async
 from specter.log import get_logger
 from specter.model.graphed import (
     RESIDENT_KERNEL_CONFIG,
@@ -111,7 +111,7 @@ class SegmentedStep:
         self._expert_id = torch.zeros(1, dtype=torch.long, device=device)  # [1] the expert graphs' input
         # Every expert id as an int32 in pinned memory (immutable): `_set_expert_id` copies one into the low 4 bytes
         # of the int64 _expert_id (little-endian; ids are >= 0 and < 2**31, and its high half stays 0).
-        self._memcpy_async = _cupy_memcpy_async() if self.use_graph else None
+        self._memcpy_async = cupy_memcpy_async() if self.use_graph else None
         self._id_values = (torch.arange(spec.num_experts, dtype=torch.int32).pin_memory()
                            if self._memcpy_async is not None else None)
 
@@ -206,7 +206,7 @@ class SegmentedStep:
         if self._memcpy_async is None:
             self._expert_id.fill_(expert)
             return
-        self._memcpy_async(self._expert_id.data_ptr(), self._id_values.data_ptr() + 4 * expert, 4, _CUDA_MEMCPY_DEFAULT,
+        self._memcpy_async(self._expert_id.data_ptr(), self._id_values.data_ptr() + 4 * expert, 4, CUDA_MEMCPY_DEFAULT,
                            torch.cuda.current_stream().cuda_stream)
 
     def reset_experts(self) -> None:
