@@ -76,9 +76,11 @@
 # passed), figs16 again on relay16's model (five processes on the final code: 3.09-3.91x ondemand, copy busy
 # 0.868-0.951), draft16 (draft step 1.50 ms, 1.40x its floor), final16 (after a review: 223 GPU tests + 18 CUDA
 # property tests passed; 3.16-3.56x ondemand at Gen5, 2.80x at Gen4, copy busy 0.917-0.953); results/h200-2026-11-30/sixteenth.
-# Next (sixteenth session's end): the `handover` idle (0.045-0.052 at 15 residents: a layer's misses beyond the lead's
-# two wait for its routing's host read); record traces again (record_traces.py, the specter system) and replay
-# retention against the offline bound (bytes); the segmented step's own pinned id table; then the older list below.
+# Next (sixteenth session's end): bytes: `python -m specter.replay` now prints the offline bound (trace16: 0.69 / 0.82
+# of the engine's bytes at 15 / 8 residents; history-based eviction closes 0.4-3.7 % in the replay): let the verify's
+# eviction see the draft-ahead's counts of the next round, replay it, then A/B it; teach the replay the lead and the
+# relay (it reads 3-7 % under the engine); the `handover` idle (0.015-0.052 at 15 residents, model-dependent); the
+# segmented step's own pinned id table; then the older list below.
 # Next (fifteenth session's end): stage next16 (prepared, with its predictions); copy busy at Gen5 is 0.80-0.90 from
 # process to process; the A/Bs of lead15 and
 # lead15c shared the GPU with the CUDA exactness test (started in the background, waited for after the A/B): repeat
