@@ -348,73 +348,68 @@ def test_the_lead_borrows_a_slot_of_the_layer_before_and_the_round_end_gives_it_
     rig.check_consistent()
 
 
-def test_a_layer_short_of_a_lent_slot_gets_it_back_only_when_its_borrower_can_give_one():
+async def borrow_one(rig: Rig) -> None:
+    """Both layers full (layer 1 planned), then layer 1's lead borrows layer 0's LRU slot for predicted miss 3."""
+    await rig.load_residents(0, [0, 1, 2])
+    await rig.load_residents(1, [0, 1, 2])
+    rig.cache.protect(1, [0, 1, 2])
+    _computed, started = rig.cache.lead(1, [0, 1, 2, 3], 1, rig.launcher(1))
+    assert started == [3] and rig.cache.slot_counts() == [SLOTS - 1, SLOTS + 1]
+
+
+def test_a_layer_short_of_a_lent_slot_gets_it_back_only_when_its_borrower_can_give_one(rig):
     """`_balance` at the round's end: a borrower whose slots are all loading keeps them until a later call."""
-    rig = Rig()
     cache = rig.cache
-    try:
-        async def main() -> None:
-            await rig.load_residents(0, [0, 1, 2])
-            await rig.load_residents(1, [0, 1, 2])
-            cache.protect(1, [0, 1, 2])
-            _computed, started = cache.lead(1, [0, 1, 2, 3], 1, rig.launcher(1))
-            assert started == [3] and cache.slot_counts() == [SLOTS - 1, SLOTS + 1]
-            held = await cache.ensure(1, [0, 1, 2, 3][:SLOTS])  # a reader pins three of layer 1's four slots
-            cache.protect(1, [3])
-            cache._balance()  # nothing layer 1 may give: all pinned or protected
-            assert cache.slot_counts() == [SLOTS - 1, SLOTS + 1]
-            for expert, slot in held.items():
-                rig.read(1, expert, slot)
-            await rig.close()
-            cache.unprotect_all()
-            assert cache.slot_counts() == [SLOTS, SLOTS]
-            snapshot = cache.snapshot()
-            cache.reset()
-            assert cache.slot_counts() == [SLOTS, SLOTS]
-            await cache.restore(snapshot)
-            assert cache.snapshot() == snapshot
-            await rig.close()
 
-        run(main())
-        assert rig.bad_reads == []
-        rig.check_consistent()
-    finally:
-        rig.shutdown()
+    async def main() -> None:
+        await borrow_one(rig)
+        held = await cache.ensure(1, [0, 1, 2, 3][:SLOTS])  # a reader pins three of layer 1's four slots
+        cache.protect(1, [3])
+        cache._balance()  # nothing layer 1 may give: all pinned or protected
+        assert cache.slot_counts() == [SLOTS - 1, SLOTS + 1]
+        for expert, slot in held.items():
+            rig.read(1, expert, slot)
+        await rig.close()
+        cache.unprotect_all()
+        assert cache.slot_counts() == [SLOTS, SLOTS]
+        snapshot = cache.snapshot()
+        cache.reset()
+        assert cache.slot_counts() == [SLOTS, SLOTS]
+        await cache.restore(snapshot)
+        assert cache.snapshot() == snapshot
+        await rig.close()
+
+    run(main())
+    assert rig.bad_reads == []
+    rig.check_consistent()
 
 
-def test_a_layer_short_of_its_lent_slot_waits_for_the_borrowers_load_and_takes_the_slot_back():
+def test_a_layer_short_of_its_lent_slot_waits_for_the_borrowers_load_and_takes_the_slot_back(rig):
     """A reader of the layer that lent a slot, asking for all `slots_per_layer` experts while every slot of the
     borrower is loading or protected, waits (no budget error) and is woken when the borrower's load lands; it then
     takes the slot back. A snapshot holding the borrower's extra expert restores its most recent ones."""
-    rig = Rig()
     cache = rig.cache
-    try:
-        async def main() -> None:
-            await rig.load_residents(0, [0, 1, 2])
-            await rig.load_residents(1, [0, 1, 2])
-            cache.protect(1, [0, 1, 2])
-            _computed, started = cache.lead(1, [0, 1, 2, 3], 1, rig.launcher(1))
-            assert started == [3] and cache.slot_counts() == [SLOTS - 1, SLOTS + 1]
-            extra = cache.snapshot()
-            assert len(extra.layers[1]) == SLOTS + 1
-            cache.protect(1, [0, 1, 2])  # computed by the lead (which lifted their protection), planned again
-            assert cache.lru_order(0) == [1, 2] and cache._residents[1][3].state.value == "loading"
-            # 1 and 2 pinned by this reader, so 5 needs the lent slot back: only the borrower's load can free it
-            held = await asyncio.wait_for(cache.ensure(0, [1, 2, 5]), timeout=5)
-            assert cache.slot_counts() == [SLOTS, SLOTS] and sorted(held) == [1, 2, 5]
-            assert sorted(cache.lru_order(1)) == [0, 1, 2]  # the borrower gave its only unprotected one, the landed miss
-            for expert, slot in held.items():
-                rig.read(0, expert, slot)
-            cache.unprotect_all()
-            await cache.restore(extra)
-            assert cache.lru_order(1) == list(extra.layers[1][-SLOTS:]) and cache.slot_counts() == [SLOTS, SLOTS]
-            await rig.close()
 
-        run(main())
-        assert rig.bad_reads == []
-        rig.check_consistent()
-    finally:
-        rig.shutdown()
+    async def main() -> None:
+        await borrow_one(rig)
+        extra = cache.snapshot()
+        assert len(extra.layers[1]) == SLOTS + 1
+        cache.protect(1, [0, 1, 2])  # computed by the lead (which lifted their protection), planned again
+        assert cache.lru_order(0) == [1, 2] and cache._residents[1][3].state.value == "loading"
+        # 1 and 2 pinned by this reader, so 5 needs the lent slot back: only the borrower's load can free it
+        held = await asyncio.wait_for(cache.ensure(0, [1, 2, 5]), timeout=5)
+        assert cache.slot_counts() == [SLOTS, SLOTS] and sorted(held) == [1, 2, 5]
+        assert sorted(cache.lru_order(1)) == [0, 1, 2]  # the borrower gave its only unprotected one, the landed miss
+        for expert, slot in held.items():
+            rig.read(0, expert, slot)
+        cache.unprotect_all()
+        await cache.restore(extra)
+        assert cache.lru_order(1) == list(extra.layers[1][-SLOTS:]) and cache.slot_counts() == [SLOTS, SLOTS]
+        await rig.close()
+
+    run(main())
+    assert rig.bad_reads == []
+    rig.check_consistent()
 
 
 def test_a_policy_error_while_balancing_at_the_rounds_end_does_not_stop_the_cleanup():
@@ -431,10 +426,7 @@ def test_a_policy_error_while_balancing_at_the_rounds_end_does_not_stop_the_clea
     cache = rig.cache
     try:
         async def main() -> None:
-            await rig.load_residents(0, [0, 1, 2])
-            await rig.load_residents(1, [0, 1, 2])
-            cache.protect(1, [0, 1, 2])
-            cache.lead(1, [0, 1, 2, 3], 1, rig.launcher(1))
+            await borrow_one(rig)
             await rig.close()
             failing["on"] = True
             with pytest.raises(PluginError):
