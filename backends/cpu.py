@@ -60,12 +60,18 @@ class CPUStream:
         self._thread: threading.Thread | None = None
         self._errors = errors
         self._sleep_debt = 0.0
+        self.modeled_until: float | None = None
+        """The link-model time at which this stream's last copy landed, while nothing but event records ran
+        after it; None once other work ran. Read by the copy after it."""
+        self.previous_modeled_until: float | None = None
 
     def enqueue(self, work: Callable[[], None]) -> None:
         """Run `work` after everything enqueued before. From the stream's own thread (an item enqueuing more
         work) it runs at once, inside that item: ahead of items queued
         behind it, as on CUDA, where such work is enqueued at that point of the stream."""
         if self._thread is not None and threading.current_thread() is self._thread:
+            if not getattr(work, "keeps_model_time", False):
+                self.previous_modeled_until = self.modeled_until = None  # the enclosing item held the stream
             work()
             return
         if self._thread is None:
@@ -75,6 +81,8 @@ class CPUStream:
 
     def _run(self) -> None:
         while (work := self._work.get()) is not None:
+            if not getattr(work, "keeps_model_time", False):
+                self.previous_modeled_until, self.modeled_until = self.modeled_until, None
             try:
                 work()
             except Exception as error:  # a failing item must not kill the stream; synchronize() re-raises it
@@ -115,17 +123,21 @@ class LinkModel:
         self._free_at = 0.0
         self._lock = threading.Lock()
 
-    def occupy(self, nbytes: int, enqueued: float, started: float) -> None:
-        """Sleep the calling worker until a copy of `nbytes` would have landed.
+    def occupy(self, nbytes: int, enqueued: float, started: float, held_until: float | None = None) -> float:
+        """Sleep the calling worker until a copy of `nbytes` would have landed; return that model time.
 
         A queue model: the copy begins when it was enqueued or when the link frees, whichever is later,
-        unless the stream held it longer. Model times, not wake-up times, so late wake-ups of the worker
-        do not accumulate into lost bandwidth."""
+        unless the stream held it longer. `held_until` is the model time at which the stream's previous
+        copy landed when nothing else ran on the stream since: the stream was then free at that model time,
+        however late its worker woke. Model times, not wake-up times, so late wake-ups of the worker (many
+        milliseconds on a loaded machine) do not accumulate into lost bandwidth."""
         with self._lock:
-            begin = max(enqueued, self._free_at, started - _WAKE_UP_TOLERANCE_S)
+            stream_free = held_until if held_until is not None else started - _WAKE_UP_TOLERANCE_S
+            begin = max(enqueued, self._free_at, stream_free)
             self._free_at = begin + self.latency_s + nbytes / self.bytes_per_s
             deadline = self._free_at
         sleep_until(deadline)
+        return deadline
 
 
 def sleep_until(deadline: float) -> None:
@@ -165,7 +177,12 @@ class CPUBackend:
 
     def record_event(self, stream: CPUStream, timed: bool = False) -> CPUEvent:
         event = CPUEvent(stream)
-        stream.enqueue(event.complete)
+
+        def complete() -> None:
+            event.complete()
+
+        complete.keeps_model_time = True  # type: ignore[attr-defined]  # a record does not hold the stream
+        stream.enqueue(complete)
         return event
 
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, stream: CPUStream) -> CPUEvent:
@@ -177,7 +194,8 @@ class CPUBackend:
             with self._count_lock:  # several copy streams may finish at once
                 self.h2d_bytes += src.numel() * src.element_size()
             if self.link is not None:
-                self.link.occupy(src.numel() * src.element_size(), enqueued, started)
+                nbytes = src.numel() * src.element_size()
+                stream.modeled_until = self.link.occupy(nbytes, enqueued, started, stream.previous_modeled_until)
 
         stream.enqueue(copy)
         return self.record_event(stream)
