@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Regenerates the tables of docs/BENCHMARKS.md, one target per table, with the commands the tables state.
+# GPU targets run on the H200 machine, one device call each (each fits its 10-minute limit); stage the wheels first
+# (../shared/device/stage-wheels.sh) and carry .whl:
+#   run(command="bash benchmarks/reproduce.sh qwen", carry=[".whl"])
+# CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
+# Targets: gpu-tests qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
+#          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick
+set -u
+out=${OUT:-out}
+mkdir -p "$out/logs"
+export PYTHONUNBUFFERED=1
+
+gpu_setup() {  # the GPU machine has no registry: install the staged wheels and the project, no network
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . ./tests/dummy_plugin >/dev/null 2>&1 \
+    || echo "editable install failed" >&2
+  export SPECTER_CACHE=/tmp/specter-cache
+}
+
+train_qwen() {  # the Qwen1.5-MoE shape, 8 layers, trained on the stdlib corpus, into /tmp/qwenref (kept while warm)
+  [ -f /tmp/qwenref/config.json ] && return
+  timeout 200 python3 benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 \
+    > "$out/logs/train-qwen.log" 2>&1
+  tail -1 "$out/logs/train-qwen.log"
+}
+
+train_reference() {  # the Mixtral-format reference model (6 layers, 8 experts top-2) into /tmp/reference
+  [ -f /tmp/reference/config.json ] && return
+  timeout 200 python3 benchmarks/reference_model.py --out /tmp/reference --minutes 1.5 > "$out/logs/train-ref.log" 2>&1
+  tail -1 "$out/logs/train-ref.log"
+}
+
+qwen_bench() {  # NAME ARGS...: specter against ondemand on the trained Qwen shape, one process
+  local name=$1; shift
+  timeout 100 python3 -m specter.bench --model /tmp/qwenref --max-new-tokens 64 --no-progress --no-plots --no-hf \
+    --copy-gaps --systems ondemand,specter "$@" --out "$out/$name" > "$out/logs/$name.log" 2>&1
+  echo "$name rc=$?"; grep -E "\| (ondemand|specter) \|" "$out/$name/results.md" | cut -d"|" -f3-8
+}
+
+gpu_tests() {  # table "GPU tests": every gpu-marked test, then the exactness property test on CUDA
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider > "$out/logs/gpu-tests.log" 2>&1
+  tail -1 "$out/logs/gpu-tests.log"
+  SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 200 python3 -m pytest -q -x tests/test_speculative.py \
+    -p no:cacheprovider > "$out/logs/spec-cuda.log" 2>&1
+  tail -1 "$out/logs/spec-cuda.log"
+}
+
+qwen() {  # table "Trained Qwen1.5-MoE shape": PROCESSES separate processes at Gen5 (default 2), one at Gen4
+  train_qwen
+  for i in $(seq 1 "${PROCESSES:-2}"); do qwen_bench "figs$i" --repeats 3 --residents 15,8 --link native; done
+  qwen_bench gen4 --repeats 2 --residents 15 --link gen4
+}
+
+qwen_traces() {  # tables "Trained Qwen1.5-MoE shape" (one more process) and "Routing traces": traces, then figures
+  train_qwen
+  timeout 150 python3 benchmarks/record_traces.py --model /tmp/qwenref --residents 15,8 --out "$out/traces" \
+    > "$out/logs/traces.log" 2>&1
+  echo "traces rc=$?"
+  qwen_bench figs --repeats 3 --residents 15,8 --link native
+}
+
+replay() {  # table "Routing traces", on the CPU: every policy pair and the offline bound over the traces
+  local traces=${TRACES:-benchmarks/results/h200-2026-11-30/sixteenth/trace16/traces}
+  for r in 15 8; do python -m specter.replay "$traces/trace-r$r.jsonl" --link 55 | tee "$out/replay-r$r.txt"; done
+}
+
+draft_step() {  # table "Draft step": the graphed int4 draft step against its HBM floor, Qwen (24 layers) and OLMoE (8)
+  timeout 200 python3 benchmarks/graphed_tpot.py --draft-only --out "$out/graphed" > "$out/logs/graphed.log" 2>&1
+  tail -4 "$out/logs/graphed.log"
+  timeout 150 python3 benchmarks/graphed_tpot.py --draft-only --shape olmoe-1b-7b --layers 8 --out "$out/graphed-olmoe" \
+    > "$out/logs/graphed-olmoe.log" 2>&1
+  tail -3 "$out/logs/graphed-olmoe.log"
+}
+
+floor() {  # table "Resident decoding": full-depth resident TPOT against the HBM floor, three families
+  timeout 300 python3 benchmarks/resident_floor.py --out "$out/floor" 2>&1 | tail -6
+}
+
+resident_hf() {  # table "Resident decoding", transformers row: transformers' generate on the same shape
+  timeout 400 python3 benchmarks/resident_tpot.py --out "$out/resident" 2>&1 | tail -6
+}
+
+transfer() {  # table "Transfer engine and microkernel"
+  timeout 200 python3 benchmarks/transfer_bench.py --out "$out/transfer" 2>&1 | tail -20
+}
+
+kernels() {  # table "Kernels": the draft step's row kernels alone, and the draft's fused MoE kernel
+  timeout 240 python3 benchmarks/row_kernels_bench.py --out "$out/row-kernels" > "$out/logs/row-kernels.log" 2>&1
+  tail -12 "$out/logs/row-kernels.log"
+  timeout 150 python3 benchmarks/moe_kernel_bench.py --repeats 40 --shapes qwen1.5-moe-a2.7b --out "$out/moe" 2>&1 | tail -8
+  timeout 150 python3 benchmarks/moe_kernel_bench.py --quick --repeats 50 --shapes mixtral-8x7b --out "$out/moe-mixtral" \
+    2>&1 | tail -6
+}
+
+reference() {  # table "Mixtral-format reference model": every baseline, three links, 128 tokens
+  train_reference
+  timeout 380 python3 -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4,ddr4-desktop \
+    --max-new-tokens 128 --systems resident,ondemand,specmoeoff,specter,specter-fixed,oracle,oracle-k0,oracle-specter \
+    --time-budget 290 --no-progress --no-plots --out "$out/reference-full" 2>&1 | tail -50
+}
+
+reference_overlap() {  # table "Mixtral-format reference model", the draft-ahead: specter-serial against specter
+  train_reference
+  timeout 200 python3 -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4 --max-new-tokens 64 \
+    --systems ondemand,specter-serial,specter --time-budget 140 --no-progress --no-plots --no-hf \
+    --out "$out/reference-overlap" 2>&1 | tail -16
+}
+
+paper() {  # SHAPE: table "The paper's shapes, random weights": one shape per call, 8 layers, three links
+  timeout 570 python3 -m specter.bench --model "$1" --preset paper --layers 8 --link native,gen4,ddr4-desktop \
+    --max-new-tokens 64 --systems resident,ondemand,specmoeoff,specter,oracle-specter --time-budget 530 --no-progress \
+    --no-plots --out "$out/paper-$1" 2>&1 | tail -35
+}
+
+paper_merge() {  # on the development machine, after the three paper calls' outputs were copied under $out
+  python -m specter.bench --merge "$out/paper-qwen1.5-moe-a2.7b" --merge "$out/paper-deepseek-v2-lite" \
+    --merge "$out/paper-phi-3.5-moe" --out "$out/paper-3links"
+}
+
+cpu_quick() {  # table "CPU quick matrix": the default matrix on the built-in tiny model, on the CPU
+  python -m specter.bench --no-progress --no-plots --out "$out/cpu-quick" | tail -20
+}
+
+[ $# -gt 0 ] || { sed -n 2,9p "$0"; exit 2; }
+for target in "$@"; do
+  case "$target" in
+    replay|cpu-quick|paper-merge) ;;
+    *) [ -n "${GPU_READY:-}" ] || { gpu_setup; GPU_READY=1; } ;;
+  esac
+  case "$target" in
+    gpu-tests) gpu_tests ;;
+    qwen) qwen ;;
+    qwen-traces) qwen_traces ;;
+    replay) replay ;;
+    draft-step) draft_step ;;
+    floor) floor ;;
+    resident-hf) resident_hf ;;
+    transfer) transfer ;;
+    kernels) kernels ;;
+    reference) reference ;;
+    reference-overlap) reference_overlap ;;
+    paper-qwen) paper qwen1.5-moe-a2.7b ;;
+    paper-deepseek) paper deepseek-v2-lite ;;
+    paper-phi) paper phi-3.5-moe ;;
+    paper-merge) paper_merge ;;
+    cpu-quick) cpu_quick ;;
+    *) echo "unknown target: $target" >&2; exit 2 ;;
+  esac
+done
