@@ -26,6 +26,7 @@ from specter.config import EngineConfig
 from specter.decode import greedy_decode, run_sync
 from specter.errors import ConfigError
 from specter.loader import load_resident
+from specter.loading import CheckpointWeights
 from specter.model.checkpoint import Checkpoint
 from specter.model.spec import spec_from_config
 from tests.hf_models import hf_model, save_fused, save_hf
@@ -198,7 +199,7 @@ def test_cli_widens_into_shards_and_copies_the_tokenizer(tmp_path, capsys):
     save_hf(hf_model("mixtral"), src)  # per-expert tensors under block_sparse_moe, as released Mixtral checkpoints
     (src / "tokenizer.json").write_text("{}")
     dst = tmp_path / "dst"
-    assert widen.main(["--factor", "2", "--src", str(src), "--dst", str(dst), "--shard-gb", str(40_000 / 2**30)]) == 0
+    assert widen.main(["--factor", "2", "--src", str(src), "--dst", str(dst), "--shard-gb", str(40_000 / 2**30), "--dtype", "source"]) == 0
     assert (dst / "model.safetensors.index.json").is_file() and len(list(dst.glob("model-*-of-*.safetensors"))) > 1
     assert (dst / "tokenizer.json").read_text() == "{}"
     written, in_memory = Checkpoint(dst), widen.WidenedCheckpoint(src, 2)
@@ -206,6 +207,14 @@ def test_cli_widens_into_shards_and_copies_the_tokenizer(tmp_path, capsys):
     assert all(torch.equal(written.tensor(name), in_memory.tensor(name)) for name in written.index)
     exact, _ = run(src, "float32", PROMPT)
     assert fp32_gap(exact, run(dst, "float32", PROMPT)[0]) < FP32_TOLERANCE
+    source = CheckpointWeights(widen.WidenedCheckpoint(src, 2))  # the engine's loaders reading the widening directly
+    assert all(torch.equal(t, written.tensor(name)) for name, t in source.dense(torch.float32, torch.device("cpu"), False).items())
+    on_disk = list(CheckpointWeights(written).experts(torch.float32, False))
+    assert all(torch.equal(a[2], b[2]) and a[:2] == b[:2] for a, b in zip(source.experts(torch.float32, False), on_disk, strict=True))
+
+    assert widen.main(["--factor", "3", "--src", str(src), "--dst", str(tmp_path / "bf16")]) == 0  # bfloat16 by default
+    assert Checkpoint(tmp_path / "bf16").spec.dtype == "bfloat16"
+    assert Checkpoint(tmp_path / "bf16").tensor("lm_head.weight").dtype == torch.bfloat16
 
     assert widen.main(["--shape", "mixtral-8x7b", "--src", str(src), "--dst", str(tmp_path / "no")]) == 2
     assert "not mixtral-8x7b at 1/8 width: hidden_size = 32 (expected 512)" in capsys.readouterr().err

@@ -76,6 +76,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 """Files copied from the narrow checkpoint as they are (the vocabulary does not change; prompts.json is the bench's)."""
 
 SHARD_BYTES = 4 << 30
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "source": None}
 
 
 # ---- configs ------------------------------------------------------------------------------------
@@ -298,13 +299,17 @@ class WidenedCheckpoint:
 
     Duck-types specter.model.checkpoint.Checkpoint (config, spec, index, has, shape, tensor, close), so the
     engine's own loaders read it (`CheckpointWeights(WidenedCheckpoint(path, F))`) without the wide copy on disk.
+    `dtype`: the narrow tensors are cast to it before widening (a float32 trainer's checkpoint read as bfloat16 has
+    the real model's bytes); None keeps the checkpoint's.
     """
 
-    def __init__(self, path: str | Path, factor: int) -> None:
+    def __init__(self, path: str | Path, factor: int, dtype: torch.dtype | None = None) -> None:
         self.narrow = Checkpoint(path)
-        self.factor = check_factor(factor)
+        self.factor, self.dtype = check_factor(factor), dtype
         self.path, self.files = self.narrow.path, self.narrow.files
         self.config = widen_config(self.narrow.config, factor)
+        for key in ([key for key in ("torch_dtype", "dtype") if key in self.config] or ["torch_dtype"]) if dtype else []:
+            self.config[key] = str(dtype).removeprefix("torch.")  # transformers v4 and v5 spellings
         self.spec: ModelSpec = spec_from_config(self.config, f"{self.path}/config.json widened x{factor}")
         self.index = dict(self.narrow.index)
         self.tied = self.narrow.spec.tie_word_embeddings and "lm_head.weight" not in self.index
@@ -321,7 +326,8 @@ class WidenedCheckpoint:
 
     def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> Tensor:
         source = "model.embed_tokens.weight" if self.tied and name == "lm_head.weight" else name
-        wide = widen_tensor(name, self.narrow.tensor(source), self.narrow.spec, self.factor)
+        narrow = self.narrow.tensor(source)
+        wide = widen_tensor(name, narrow if self.dtype is None else narrow.to(self.dtype), self.narrow.spec, self.factor)
         assert name not in self._expected or tuple(wide.shape) == self._expected[name], \
             f"widened '{name}' has shape {list(wide.shape)}, the wide config implies {list(self._expected[name])}"
         if shape is not None and tuple(wide.shape) != tuple(shape):
@@ -335,14 +341,15 @@ class WidenedCheckpoint:
         self.narrow.close()
 
 
-def widen_checkpoint(src_dir: str | Path, dst_dir: str | Path, factor: int, shard_bytes: int = SHARD_BYTES) -> Path:
+def widen_checkpoint(src_dir: str | Path, dst_dir: str | Path, factor: int, shard_bytes: int = SHARD_BYTES,
+                     dtype: torch.dtype | None = None) -> Path:
     """Write the widened model of the narrow checkpoint `src_dir` to `dst_dir` (config.json, safetensors shards of at
-    most `shard_bytes` with an index when there are several, tokenizer files); one tensor in memory at a time beyond
-    the shard being filled."""
+    most `shard_bytes` with an index when there are several, tokenizer files), in `dtype` (None: the checkpoint's);
+    one tensor in memory at a time beyond the shard being filled."""
     src, dst = Path(src_dir), Path(dst_dir)
     if dst.resolve() == src.resolve():
         raise ConfigError(f"--dst {dst} is the source checkpoint; write the widened model to another directory")
-    wide = WidenedCheckpoint(src, factor)
+    wide = WidenedCheckpoint(src, factor, dtype)
     dst.mkdir(parents=True, exist_ok=True)
     shards = list(_write_shards(wide, dst, shard_bytes))
     _name_shards(dst, shards)
@@ -350,7 +357,8 @@ def widen_checkpoint(src_dir: str | Path, dst_dir: str | Path, factor: int, shar
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
-    (dst / "widened.json").write_text(json.dumps({"source": str(src.resolve()), "factor": factor}, indent=2) + "\n")
+    provenance = {"source": str(src.resolve()), "factor": factor, "dtype": str(dtype).removeprefix("torch.") if dtype else "as source"}
+    (dst / "widened.json").write_text(json.dumps(provenance, indent=2) + "\n")
     wide.close()
     return dst
 
@@ -452,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--factor", type=int, default=None, help="F; default: the shape's DEFAULT_FACTORS entry")
     parser.add_argument("--src", type=Path, help="the narrow checkpoint directory")
     parser.add_argument("--dst", type=Path, help="where to write the widened checkpoint")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
+                        help="the widened tensors' dtype ('source' keeps the checkpoint's; the real models ship in bfloat16)")
     parser.add_argument("--shard-gb", type=float, default=SHARD_BYTES / 2**30, help="largest safetensors shard, GiB")
     parser.add_argument("--narrow-config", action="store_true", help="print the narrow config.json of --shape and exit")
     parser.add_argument("--vocab-size", type=int, default=None, help="with --narrow-config: a smaller vocabulary")
@@ -477,11 +487,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         factor = args.factor if args.factor is not None else DEFAULT_FACTORS[args.shape]
         if args.shape is not None:
             check_matches_shape(Checkpoint(args.src).config, args.shape, check_factor(factor))
-        out = widen_checkpoint(args.src, args.dst, check_factor(factor), int(args.shard_gb * 2**30))
+        out = widen_checkpoint(args.src, args.dst, check_factor(factor), int(args.shard_gb * 2**30), _DTYPES[args.dtype])
     except SpecterError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"widened {args.src} x{factor} -> {out}")
+    print(f"widened {args.src} x{factor} ({args.dtype}) -> {out}")
     return 0
 
 
