@@ -24,7 +24,7 @@ from specter.bench import widen
 from specter.bench.synthetic import SHAPES
 from specter.config import EngineConfig
 from specter.decode import greedy_decode, run_sync
-from specter.errors import ConfigError
+from specter.errors import CheckpointError, ConfigError
 from specter.loader import load_resident
 from specter.loading import CheckpointWeights
 from specter.model.checkpoint import Checkpoint
@@ -221,3 +221,12 @@ def test_cli_widens_into_shards_and_copies_the_tokenizer(tmp_path, capsys):
     assert widen.main(["--shape", "deepseek-v2-lite", "--factor", "8", "--narrow-config", "--vocab-size", "256"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert (printed["hidden_size"], printed["kv_lora_rank"], printed["vocab_size"]) == (256, 64, 256)
+
+
+def test_a_tensor_without_a_rule_is_refused_not_copied():
+    config = widen.shape_narrow_config("deepseek-v2-lite", vocab_size=256)
+    config["num_hidden_layers"] = 2
+    narrow_sd = {name: torch.empty(dims, device="meta") for name, dims in widen.expected_shapes(spec_from_config(config)).items()}
+    narrow_sd["model.layers.1.mlp.gate.e_score_correction_bias"] = torch.empty(64, device="meta")  # DeepSeek-V3's, say
+    with pytest.raises(CheckpointError, match="'model.layers.1.mlp.gate.e_score_correction_bias': no widening rule"):
+        widen.widen_state_dict(narrow_sd, config, 4)

@@ -56,6 +56,7 @@ import specter.model  # noqa: F401  (registers the extra families: phimoe, deeps
 from specter.bench.synthetic import SHAPES
 from specter.errors import CheckpointError, ConfigError, SpecterError
 from specter.model.checkpoint import Checkpoint
+from specter.model.deepseek_v2 import DeepseekSpec
 from specter.model.spec import ModelSpec, spec_from_config
 from specter.model.weights import dense_shapes
 
@@ -220,8 +221,9 @@ _LINEARS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_
             "w1", "w2", "w3"}
 # Heads: q_proj's rows are H whole heads; tiling the whole row block makes wide head j*H + h narrow head h and wide kv
 # head j*Hkv + g narrow kv head g, so query head i = j*H + h still reads kv head i // G = j*Hkv + h // G (G = H / Hkv,
-# unchanged), i.e. narrow kv head h // G; hd (and the softmax scale) is unchanged. MLA's kv_b_proj / q_b_proj rows are
-# H heads too, the same way.
+# unchanged), i.e. narrow kv head h // G; hd (and the softmax scale) is unchanged. MLA's q_proj / q_b_proj / kv_b_proj
+# rows are H heads too, the same way: kv_b_proj (a `linear`) gives each head's no-rope key and value, W_uk c and W_uv c,
+# unchanged from the tiled latent, so the engine's absorbed score (W_uk^T q_nope) . c is too, and the rope key is kept.
 
 
 def tensor_rule(name: str, spec: ModelSpec) -> Rule:
@@ -243,7 +245,8 @@ def tensor_rule(name: str, spec: ModelSpec) -> Rule:
     if module in ("q_norm", "k_norm"):
         return kept if spec.qk_norm == "head" else tiled_vector  # OLMoE's norm the whole projection: tiled like a norm
     if module == "kv_a_proj_with_mqa":
-        return latent_then_rope(int(getattr(spec, "kv_lora_rank")))
+        assert isinstance(spec, DeepseekSpec), f"'{name}' is an MLA tensor, but the checkpoint is {spec.family}"
+        return latent_then_rope(spec.kv_lora_rank)
     if module == "shared_expert_gate" or (module == "gate" and parts[-3] in ("mlp", "block_sparse_moe")):
         return reader if kind == "weight" else kept
     if module in _LINEARS:
