@@ -182,8 +182,7 @@ async def _pieces(state: ServerState, job: Job) -> AsyncIterator[Piece]:
         reason = "error"
         raise
     finally:
-        if stats is not None:
-            state.metrics.request_done(stats, reason)
+        state.metrics.request_done(stats, reason)
 
 
 async def _collect(state: ServerState, job: Job) -> tuple[str, FinishReason, int]:

@@ -60,9 +60,11 @@ class ServerMetrics:
     def response(self, endpoint: str, status: int) -> None:
         self.responses[(endpoint, str(status))] += 1
 
-    def request_done(self, stats: RequestStats, reason: str) -> None:
-        """A request that held the engine ended (finished, cancelled or failed): add what it did."""
+    def request_done(self, stats: RequestStats | None, reason: str) -> None:
+        """An admitted request ended (finished, cancelled or failed); `stats` when it reached the engine."""
         self.finished[reason] += 1
+        if stats is None:
+            return
         self.prompt_tokens += stats.prompt_tokens
         self.new_tokens += stats.new_tokens
         self.drafted += stats.drafted
@@ -82,7 +84,7 @@ class ServerMetrics:
             lines += histogram.lines()
         lines += _family("specter_http_responses_total", "counter", "HTTP responses by endpoint and status code.",
                          {f'endpoint="{endpoint}",status="{status}"': n for (endpoint, status), n in sorted(self.responses.items())})
-        lines += _family("specter_requests_finished_total", "counter", "Requests that held the engine, by how they ended "
+        lines += _family("specter_requests_finished_total", "counter", "Admitted requests by how they ended "
                          "(stop, length, cancelled, error).", {f'reason="{r}"': n for r, n in sorted(self.finished.items())})
         counters = {
             "specter_prompt_tokens_total": ("Prompt tokens of requests that held the engine.", self.prompt_tokens),

@@ -15,6 +15,9 @@ from specter.api import FinishReason
 
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; more only slows the detokenizer's search, so be a little generous
 SEED_LIMIT = 2**63  # the engine's seed is a non-negative int64
+# Unknown fields are ignored (clients send ones we have no use for); known ones take JSON types strictly, as
+# OpenAI does: "yes" is not true and "0.5" is not a number.
+WIRE = ConfigDict(extra="ignore", strict=True)
 
 
 class APIRequestError(Exception):
@@ -31,7 +34,7 @@ class APIRequestError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = WIRE
 
     include_usage: bool = Field(False, description="Send one more chunk before [DONE] with the request's usage.")
 
@@ -39,7 +42,7 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """Fields both endpoints share. Defaults follow OpenAI's: temperature 1, top_p 1, a fresh seed per request."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = WIRE
 
     model: str = Field(description="The served model name (GET /v1/models).")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 is greedy; None means OpenAI's default, 1.")
@@ -104,14 +107,14 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = WIRE
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = WIRE
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
