@@ -42,7 +42,8 @@ class LiveServer:
 
     def __init__(self, model: Path, *extra: str) -> None:
         env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # one thread: the reference runs with one
-        command = [sys.executable, "-m", "specter", "serve", "--model", str(model), "--port", "0", *ENGINE_ARGS, *extra]
+        self.model = str(model)  # the served name, without --served-model-name
+        command = [sys.executable, "-m", "specter", "serve", "--model", self.model, "--port", "0", *ENGINE_ARGS, *extra]
         self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                                         preexec_fn=_die_with_parent)
         self.log: list[str] = []
@@ -155,7 +156,7 @@ def stream_text(stream) -> tuple[str, str | None, object]:
 # ---- answers equal the Python API's ---------------------------------------------------------------------
 def test_models_and_health(server):
     models = server.client().models.list()
-    assert [model.id for model in models.data] == [str(server.process.args[5])]
+    assert [model.id for model in models.data] == [server.model]
     assert server.health() | {"tasks": 0} == {"status": "ok", "model": models.data[0].id, "queue_depth": 0, "running": 0,
                                              "held_slots": 0, "tasks": 0}
 
