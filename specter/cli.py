@@ -1,4 +1,4 @@
-"""The command line: `specter generate` and `specter info`. Errors exit non-zero with the message on stderr."""
+"""The command line: `specter generate`, `specter info` and `specter serve`. Errors exit non-zero with the message on stderr."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from specter.errors import SpecterError
+from specter.server.cli import add_serve_parser, cmd_serve
 
 DEFAULT_PROMPT_IDS = [1, 2, 3, 4]  # when neither --prompt nor --prompt-ids is given
 
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2", "gptq4"], help="draft quantization")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     _add_logging(info)
+    add_serve_parser(commands)
     return parser
 
 
@@ -86,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     log.configure(json=args.log_json, level=args.log_level)
     try:
-        return {"generate": cmd_generate, "info": cmd_info}[args.command](args)
+        return {"generate": cmd_generate, "info": cmd_info, "serve": cmd_serve}[args.command](args)
     except SpecterError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,0 +1,315 @@
+"""The OpenAI-compatible routes over one `Engine`: models, completions, chat completions, health, metrics.
+
+A request flows: the gate (API key) -> validate the body (pydantic) -> check the model name -> encode the prompt
+(chat template for messages) -> check it fits the context -> take a place in the queue (or 429) -> wait for the
+engine's turn -> stream pieces as server-sent events, or gather them into one answer. A client that hangs up
+cancels its request wherever it is (queued or mid-round).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from specter.api import Engine, FinishReason, Piece, Prompt
+from specter.config import GenerationConfig
+from specter.errors import ConfigError, PromptError, SpecterError
+from specter.log import get_logger
+from specter.server.admission import AdmissionQueue, QueueFull, Ticket
+from specter.server.asgi import ClientGone, EventStream, Gate, NoResponse, sse, unless_hangup
+from specter.server.metrics import CONTENT_TYPE, ServerMetrics
+from specter.server.protocol import (
+    Answer,
+    APIRequestError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+)
+
+log = get_logger(__name__)
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+
+
+@dataclass
+class ServerState:
+    """Everything the routes share: the one engine, its queue, the metrics and the names it answers to."""
+
+    engine: Engine
+    model_name: str
+    queue: AdmissionQueue
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def max_context(self) -> int:
+        """Prompt plus generation must fit both the engine's KV cache and the model's positions."""
+        return min(self.engine.config.max_context, self.engine.spec.max_position)
+
+
+@dataclass
+class Job:
+    """One admitted request: its prompt ids, decoding settings and place in the queue."""
+
+    prompt_ids: list[int]
+    generation: GenerationConfig
+    ticket: Ticket
+    arrived: float
+
+
+def create_app(engine: Engine, *, model_name: str, max_queue: int = 64, api_key: str | None = None) -> Gate:
+    """The ASGI application serving `engine` as `model_name` (uvicorn runs it; tests may too)."""
+    state = ServerState(engine, model_name, AdmissionQueue(max_queue))
+    routes = [
+        Route("/v1/models", _handler(state, list_models), methods=["GET"]),
+        Route("/v1/completions", _handler(state, completions), methods=["POST"]),
+        Route("/v1/chat/completions", _handler(state, chat_completions), methods=["POST"]),
+        Route("/health", _handler(state, health), methods=["GET"]),
+        Route("/metrics", _handler(state, metrics), methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app.state.server = state
+    return Gate(app, state.metrics, api_key)
+
+
+def _handler(state: ServerState, route: Any) -> Any:
+    async def endpoint(request: Request) -> Response | EventStream | NoResponse:
+        try:
+            return await route(state, request)
+        except APIRequestError as error:
+            return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    endpoint.__name__ = route.__name__
+    return endpoint
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (unknown path, wrong method) in OpenAI's error shape."""
+    assert isinstance(exc, HTTPException), "registered for HTTPException only"
+    error = APIRequestError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                            code="not_found" if exc.status_code == 404 else None)
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+# ---- routes -------------------------------------------------------------------------------------------
+async def list_models(state: ServerState, request: Request) -> Response:
+    card = {"id": state.model_name, "object": "model", "created": state.started, "owned_by": "specter",
+            "max_model_len": state.max_context}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def health(state: ServerState, request: Request) -> Response:
+    return JSONResponse({"status": "ok", "model": state.model_name, **live_values(state)})
+
+
+async def metrics(state: ServerState, request: Request) -> Response:
+    live = live_values(state)
+    gauges = {
+        "specter_queue_depth": ("Requests waiting for the engine.", live["queue_depth"]),
+        "specter_requests_running": ("Requests holding the engine.", live["running"]),
+        "specter_event_loop_tasks": ("Tasks alive on the server's event loop.", live["tasks"]),
+        "specter_expert_slots_held": ("Expert cache slots protected or pinned (0 between requests).", live["held_slots"]),
+    }
+    return Response(state.metrics.render(gauges), media_type=CONTENT_TYPE)
+
+
+async def completions(state: ServerState, request: Request) -> Response | EventStream | NoResponse:
+    body = await _parse(request, CompletionRequest)
+    _check_model(state, body)
+    prompt_ids = _encode(state, body.single_prompt(), "prompt")
+    max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
+    return await _serve(state, request, body, prompt_ids, max_tokens, "prompt", Answer(False, state.model_name, _id("cmpl")))
+
+
+async def chat_completions(state: ServerState, request: Request) -> Response | EventStream | NoResponse:
+    body = await _parse(request, ChatCompletionRequest)
+    _check_model(state, body)
+    prompt_ids = _encode(state, [message.as_template_message() for message in body.messages], "messages")
+    limit = body.token_limit()
+    max_tokens = limit if limit is not None else max(1, state.max_context - len(prompt_ids))  # OpenAI: up to the context
+    answer = Answer(True, state.model_name, _id("chatcmpl"))
+    return await _serve(state, request, body, prompt_ids, max_tokens, "messages", answer)
+
+
+# ---- a request, from checked body to answer ----------------------------------------------------------
+async def _serve(state: ServerState, request: Request, body: SamplingRequest, prompt_ids: list[int], max_tokens: int,
+                 prompt_param: str, answer: Answer) -> Response | EventStream | NoResponse:
+    arrived = time.monotonic()
+    _check_context(state, len(prompt_ids), max_tokens, prompt_param)
+    generation = _generation(body, max_tokens)
+    job = Job(prompt_ids, generation, _admit(state), arrived)
+    if body.stream:
+        return EventStream(_events(state, job, answer, body.include_usage()), job.ticket)
+    try:
+        text, reason, new_tokens = await unless_hangup(_collect(state, job), request.receive)
+    except ClientGone:
+        log.debug("server.client_gone", path=request.url.path)
+        return NoResponse()
+    finally:
+        job.ticket.close()
+    return JSONResponse(answer.whole(text, reason, len(prompt_ids), new_tokens))
+
+
+async def _pieces(state: ServerState, job: Job) -> AsyncIterator[Piece]:
+    """The request's pieces, once it has the engine; what it did goes into the metrics however it ends."""
+    reason: str = "cancelled"  # unless it finishes or fails: a hang-up, or shutdown after the drain timeout
+    stats = None
+    try:
+        async with job.ticket:
+            state.metrics.queue_wait.observe(time.monotonic() - job.arrived)
+            async with state.engine.generate(job.prompt_ids, job.generation) as stream:
+                stats = stream.stats
+                first = True
+                async for piece in stream:
+                    if first and piece.token_ids:
+                        state.metrics.ttft.observe(time.monotonic() - job.arrived)
+                        first = False
+                    yield piece
+                reason = stream.finish_reason or "error"
+    except Exception:
+        reason = "error"
+        raise
+    finally:
+        state.metrics.request_done(stats, reason)
+
+
+async def _collect(state: ServerState, job: Job) -> tuple[str, FinishReason, int]:
+    texts: list[str] = []
+    new_tokens = 0
+    reason: FinishReason = "length"
+    async with contextlib.aclosing(_pieces(state, job)) as pieces:
+        async for piece in pieces:
+            texts.append(piece.text)
+            new_tokens += len(piece.token_ids)
+            reason = piece.finish_reason or reason
+    return "".join(texts), reason, new_tokens
+
+
+async def _events(state: ServerState, job: Job, answer: Answer, include_usage: bool) -> AsyncIterator[bytes]:
+    """Server-sent events: a chunk per piece with text, the last with finish_reason, usage if asked, [DONE]."""
+    new_tokens = 0
+    if answer.chat:  # OpenAI opens a chat stream with the assistant's role
+        yield sse(answer.chunk(None, first=True, with_usage=include_usage))
+    try:
+        async with contextlib.aclosing(_pieces(state, job)) as pieces:
+            async for piece in pieces:
+                new_tokens += len(piece.token_ids)
+                if piece.text or piece.finished:
+                    yield sse(answer.chunk(piece.text, piece.finish_reason, with_usage=include_usage))
+    except SpecterError as error:  # e.g. the engine closed under a request past the drain timeout
+        log.warning("server.stream_ended", error=str(error))
+        yield sse(APIRequestError(503, str(error), type="server_error").body())
+        return
+    except Exception:
+        log.exception("server.stream_failed")
+        yield sse(APIRequestError(500, "internal server error; the server logged the cause", type="server_error").body())
+        return
+    if include_usage:
+        yield sse(answer.usage_chunk(len(job.prompt_ids), new_tokens))
+    yield sse("[DONE]")
+
+
+# ---- checks -------------------------------------------------------------------------------------------
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as error:
+        raise _validation_error(error) from None
+
+
+def _validation_error(error: ValidationError) -> APIRequestError:
+    """The first problem, named by its field (OpenAI's `param`), with pydantic's reason and the value given."""
+    item = error.errors(include_url=False)[0]
+    if item["type"] == "json_invalid":
+        return APIRequestError(400, f"the body is not valid JSON: {item.get('ctx', {}).get('error', item['msg'])}",
+                               code="invalid_json")
+    if item["type"] in ("model_type", "model_attributes_type"):
+        return APIRequestError(400, "the body must be a JSON object", code="invalid_json")
+    where = ".".join(str(part) for part in item["loc"])
+    param = str(item["loc"][0]) if item["loc"] else None  # OpenAI names the top-level field
+    if item["type"] == "missing":
+        return APIRequestError(400, f"'{where}' is required", param=param, code="missing_required_parameter")
+    return APIRequestError(400, f"'{where}': {item['msg']} (got {item.get('input')!r:.80})", param=param,
+                           code="invalid_value")
+
+
+def _check_model(state: ServerState, body: SamplingRequest) -> None:
+    if body.model != state.model_name:
+        raise APIRequestError(404, f"the model '{body.model}' does not exist; this server serves '{state.model_name}'",
+                              param="model", code="model_not_found")
+
+
+def _encode(state: ServerState, prompt: Prompt, param: str) -> list[int]:
+    try:
+        prompt_ids = state.engine.encode(prompt)
+    except (PromptError, ConfigError) as error:  # no tokenizer, no chat template, a template that refuses
+        raise APIRequestError(400, str(error), param=param) from None
+    if not prompt_ids:
+        raise APIRequestError(400, f"the {param} is empty; give at least one token", param=param)
+    vocab = state.engine.spec.vocab_size
+    if any(not 0 <= token < vocab for token in prompt_ids):
+        raise APIRequestError(400, f"token ids must lie in 0..{vocab - 1}", param=param, code="invalid_value")
+    return prompt_ids
+
+
+def _check_context(state: ServerState, prompt_tokens: int, max_tokens: int, prompt_param: str) -> None:
+    limit = state.max_context
+    if prompt_tokens >= limit:
+        raise APIRequestError(400, f"the {prompt_param} has {prompt_tokens} tokens; this model's context is {limit} "
+                                   "tokens and must hold the prompt plus at least one new token",
+                              param=prompt_param, code="context_length_exceeded")
+    if prompt_tokens + max_tokens > limit:
+        raise APIRequestError(400, f"max_tokens {max_tokens} plus the {prompt_tokens}-token {prompt_param} exceeds this "
+                                   f"model's context of {limit} tokens; ask for at most {limit - prompt_tokens}",
+                              param="max_tokens", code="context_length_exceeded")
+
+
+def _generation(body: SamplingRequest, max_tokens: int) -> GenerationConfig:
+    """The engine's settings for the request: the same fields the Python API takes, so the tokens are the same."""
+    try:
+        return GenerationConfig.build(
+            max_new_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+            top_k=body.top_k, top_p=body.top_p, seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
+            stop_strings=body.stop_strings())
+    except ConfigError as error:
+        raise APIRequestError(400, str(error)) from None
+
+
+def _admit(state: ServerState) -> Ticket:
+    try:
+        return state.queue.admit()
+    except QueueFull as full:
+        raise APIRequestError(429, f"the server is busy: {full.waiting} requests are waiting (--max-queue "
+                                   f"{state.queue.max_waiting}); retry after {full.retry_after_s} s",
+                              type="rate_limit_error", code="queue_full",
+                              headers={"Retry-After": str(full.retry_after_s)}) from None
+
+
+def live_values(state: ServerState) -> dict[str, int]:
+    return {"queue_depth": state.queue.waiting, "running": state.queue.running, "tasks": len(asyncio.all_tasks()),
+            "held_slots": held_expert_slots(state.engine)}
+
+
+def held_expert_slots(engine: Engine) -> int:
+    """Cache slots a request still protects or pins: 0 whenever no request runs, or something leaked."""
+    cache = engine.runtime.cache
+    if cache is None:  # every expert resident: there are no slots to hold
+        return 0
+    return sum(len(cache.protected_experts(layer)) + len(cache.pinned_experts(layer)) for layer in range(cache.num_layers))
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

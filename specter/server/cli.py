@@ -1,0 +1,109 @@
+"""`specter serve`: its command-line options (the engine's are `generate`'s own) and the uvicorn process."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Any
+
+ENGINE_GROUPS = ("memory and device", "speculation and policies")  # generate's option groups that build the engine
+ENGINE_OPTIONS = ("--sampling", "--progress")  # engine options generate files under other groups
+
+
+def add_serve_parser(commands: Any) -> None:
+    """Add `serve` to the CLI's subcommands. The engine options are taken from `generate`'s parser, so an option
+    added there (read by cli.engine_config) is served too without being written twice."""
+    from specter.cli import _add_generate, _add_logging
+
+    serve = commands.add_parser("serve", help="serve the OpenAI API (completions, chat, streaming, metrics)")
+    serve.add_argument("--model", default="tiny", help="checkpoint directory, or the name of a built-in model (default: tiny)")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model name clients send and /v1/models lists (default: --model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (printed on start)")
+    serve.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--max-queue", type=_non_negative, default=64, metavar="N",
+                       help="requests that may wait for the engine; one more gets 429 with Retry-After (default 64)")
+    serve.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
+                       help="on SIGTERM, wait this long for admitted requests to finish, then end them (default 60)")
+    generate = argparse.ArgumentParser(add_help=False)
+    _add_generate(generate)
+    for group in generate._action_groups:  # argparse has no public way to copy a group
+        if group.title in ENGINE_GROUPS:
+            copy = serve.add_argument_group(group.title)
+            for action in group._group_actions:
+                copy._add_action(action)
+    extra = serve.add_argument_group("engine (other)")
+    for action in generate._actions:
+        if any(flag in ENGINE_OPTIONS for flag in action.option_strings):
+            extra._add_action(action)
+    _add_logging(serve)
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def engine_args(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` completed with generate's defaults for what serve does not take, so cli.engine_config reads it as is."""
+    from specter.cli import _add_generate
+
+    generate = argparse.ArgumentParser(add_help=False)
+    _add_generate(generate)
+    return argparse.Namespace(**(vars(generate.parse_args([])) | vars(args)))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specter.cli import engine_config
+    from specter.kernel import run
+
+    config = engine_config(engine_args(args))  # validated before anything loads
+    return run(serve(args, config))
+
+
+async def serve(args: argparse.Namespace, config: Any) -> int:
+    from specter.api import Engine
+    from specter.server.app import create_app
+
+    uvicorn = _require_server_packages()
+    async with Engine.from_pretrained(args.model, config) as engine:
+        name = args.served_model_name or args.model
+        app = create_app(engine, model_name=name, max_queue=args.max_queue, api_key=args.api_key)
+        settings = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                                  lifespan="off", timeout_graceful_shutdown=args.drain_timeout,
+                                  timeout_keep_alive=5)
+        server = _announcing_server(settings, name)
+        # uvicorn re-raises the signal it drained on once it is done; a handler that does nothing lets the
+        # process leave through its normal exit (status 0) after the engine is closed below.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        await server.serve()
+    return 0
+
+
+def _require_server_packages() -> Any:
+    try:
+        import starlette  # noqa: F401
+        import uvicorn
+    except ImportError as error:
+        from specter.errors import ConfigError
+
+        raise ConfigError(f"`specter serve` needs {error.name}; install the server extra: pip install 'specter[serve]'") from None
+    return uvicorn
+
+
+def _announcing_server(settings: Any, name: str) -> Any:
+    """uvicorn's Server, saying on stderr where it listens once it does (the real port when --port 0)."""
+    import uvicorn
+
+    class AnnouncingServer(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                print(f"specter serve: {name} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+
+    return AnnouncingServer(settings)

@@ -1,0 +1,196 @@
+"""The OpenAI wire format: pydantic models of the requests the server takes and builders of its answers.
+
+Only what Specter can honour is accepted; a field it cannot honour (n > 1, logprobs, echo, tools) is refused
+by name rather than silently ignored, and fields it has no use for (user, metadata) are ignored as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from specter.api import FinishReason
+
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; more only slows the detokenizer's search, so be a little generous
+SEED_LIMIT = 2**63  # the engine's seed is a non-negative int64
+# Unknown fields are ignored (clients send ones we have no use for); known ones take JSON types strictly, as
+# OpenAI does: "yes" is not true and "0.5" is not a number.
+WIRE = ConfigDict(extra="ignore", strict=True)
+
+
+class APIRequestError(Exception):
+    """A request the server refuses: the HTTP status and the fields of OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = WIRE
+
+    include_usage: bool = Field(False, description="Send one more chunk before [DONE] with the request's usage.")
+
+
+class SamplingRequest(BaseModel):
+    """Fields both endpoints share. Defaults follow OpenAI's: temperature 1, top_p 1, a fresh seed per request."""
+
+    model_config = WIRE
+
+    model: str = Field(description="The served model name (GET /v1/models).")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 is greedy; None means OpenAI's default, 1.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling; 1 (or None) keeps every token.")
+    top_k: int | None = Field(None, ge=1, description="Keep the k most likely tokens (not in OpenAI's API; vLLM's name).")
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="Same seed and parameters, same tokens; None draws one.")
+    stop: str | list[str] | None = Field(None, description="Stop strings; the text ends before the first one found.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="One choice per request (n > 1 is not supported).")
+    logprobs: Any = Field(None, description="Not supported: must be absent, null or false.")
+    presence_penalty: float | None = Field(None, description="Not supported: must be absent or 0.")
+    frequency_penalty: float | None = Field(None, description="Not supported: must be absent or 0.")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        return value
+
+    @field_validator("logprobs", "presence_penalty", "frequency_penalty")
+    @classmethod
+    def _unsupported(cls, value: Any) -> Any:
+        if value not in (None, False, 0):
+            raise ValueError("not supported by this server; leave it out")
+        return value
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions. The prompt is text or token ids; a batch of one is taken, larger batches refused."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most; OpenAI's default is 16.")
+    echo: bool = Field(False, description="Not supported: must be false.")
+    best_of: int | None = Field(None, ge=1, le=1, description="Not supported beyond 1.")
+    suffix: None = Field(None, description="Not supported: must be absent.")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported by this server")
+        return value
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIRequestError(400, f"got a batch of {len(prompt)} prompts; send one prompt per request",
+                                      param="prompt")
+            return prompt[0]  # type: ignore[return-value]
+        return prompt  # type: ignore[return-value]
+
+
+class TextPart(BaseModel):
+    model_config = WIRE
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = WIRE
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        """What the chat template sees: content parts joined into one string, as most templates expect."""
+        content = self.content if not isinstance(self.content, list) else "".join(part.text for part in self.content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions: messages rendered by the checkpoint's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most; None: up to the context.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
+    tools: list[Any] | None = Field(None, description="Not supported: must be absent or empty.")
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("tools are not supported by this server")
+        return value
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---- answers ------------------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def wire_finish_reason(reason: FinishReason | None) -> str | None:
+    """OpenAI knows 'stop' and 'length'; a request that ends otherwise never reaches the client as finished."""
+    return reason if reason in ("stop", "length") else None
+
+
+class Answer:
+    """The fixed fields of one request's answer or chunks: id, object type, creation time and model name."""
+
+    def __init__(self, chat: bool, model: str, request_id: str) -> None:
+        self.chat, self.model, self.id = chat, model, request_id
+        self.created = int(time.time())
+
+    def _head(self, object_name: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish_reason: FinishReason, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": wire_finish_reason(finish_reason)}
+            return self._head("chat.completion") | {"choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": wire_finish_reason(finish_reason)}
+        return self._head("text_completion") | {"choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+
+    def chunk(self, text: str | None, finish_reason: FinishReason | None = None, *, first: bool = False,
+              with_usage: bool = False) -> dict[str, Any]:
+        """One streamed piece; with include_usage every chunk carries `usage: null`, as OpenAI's do."""
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": wire_finish_reason(finish_reason)}
+            chunk = self._head("chat.completion.chunk") | {"choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": wire_finish_reason(finish_reason)}
+            chunk = self._head("text_completion") | {"choices": [choice]}
+        return chunk | {"usage": None} if with_usage else chunk
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        object_name = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._head(object_name) | {"choices": [], "usage": usage(prompt_tokens, completion_tokens)}

@@ -1,0 +1,451 @@
+"""`specter serve` as a client sees it: live servers on loopback (subprocesses, so hang-ups and SIGTERM are
+real), driven by the official openai client and raw httpx; answers compared with the Python API's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from specter import EngineConfig, SyncEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_ARGS = ["--device", "cpu", "--residents", "2", "--max-context", "256"]  # speculation on, 2 of 16 experts resident
+ENGINE = EngineConfig(device="cpu", residents=2, max_context=256)  # the same engine in this process, for reference
+KEY = "test-key"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def _die_with_parent() -> None:
+    """A server outlives no test run, even one killed before its fixtures' teardown (Linux: PR_SET_PDEATHSIG)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+
+
+class LiveServer:
+    """`python -m specter serve` in a subprocess on an ephemeral loopback port; its stderr is kept."""
+
+    def __init__(self, model: Path, *extra: str) -> None:
+        env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # one thread: the reference runs with one
+        self.model = str(model)  # the served name, without --served-model-name
+        command = [sys.executable, "-m", "specter", "serve", "--model", self.model, "--port", "0", *ENGINE_ARGS, *extra]
+        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                                        preexec_fn=_die_with_parent)
+        self.log: list[str] = []
+        self._ready = threading.Event()
+        self.url = ""
+        threading.Thread(target=self._read_log, daemon=True).start()
+        if not self._ready.wait(120) or not self.url:
+            self.stop()
+            raise RuntimeError("the server did not start:\n" + "".join(self.log))
+
+    def _read_log(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.log.append(line)
+            if match := re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line):
+                self.url = match.group(1)
+                self._ready.set()
+        self._ready.set()  # exited
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def client(self, key: str = "none", **options: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60, **options)
+
+    def async_client(self, key: str = "none") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {name: float(value) for name, _, value in (line.rpartition(" ") for line in text.splitlines())
+                if name and not name.startswith("#")}
+
+    def wait_idle(self, within_s: float) -> float:
+        """Seconds until no request runs or waits; fails after `within_s`."""
+        start = time.monotonic()
+        while time.monotonic() - start < within_s:
+            health = self.health()
+            if health["running"] == 0 and health["queue_depth"] == 0:
+                return time.monotonic() - start
+            time.sleep(0.02)
+        raise AssertionError(f"the server still holds requests after {within_s} s: {self.health()}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(30)
+        if self.process.stderr is not None:
+            self.process.stderr.close()
+
+
+def proc_usage(pid: int) -> dict[str, int]:
+    """RSS (bytes), threads and open file descriptors of a process, from /proc."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {"rss": int(status["VmRSS"].split()[0]) * 1024, "threads": int(status["Threads"]),
+            "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny, tmp_path_factory) -> Path:
+    """The tiny checkpoint with a chat template: the fixture checkpoint the chat endpoint is tested on."""
+    directory = shutil.copytree(tiny, tmp_path_factory.mktemp("chat") / "model")
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings | {"chat_template": CHAT_TEMPLATE}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    live = LiveServer(tiny, "--max-queue", "64")
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def chat_server(chat_model):
+    """A keyed server with room for one waiting request, under another name."""
+    live = LiveServer(chat_model, "--api-key", KEY, "--max-queue", "1", "--served-model-name", "fixture-chat")
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, one_thread):
+    with SyncEngine(tiny, ENGINE) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def chat_reference(chat_model, one_thread):
+    with SyncEngine(chat_model, ENGINE) as engine:
+        yield engine
+
+
+def stream_text(stream) -> tuple[str, str | None, object]:
+    """Text, finish_reason and usage of a streamed completion (completions or chat)."""
+    texts, finish, usage = [], None, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts.append(choice.delta.content or "" if hasattr(choice, "delta") else choice.text)
+            finish = choice.finish_reason or finish
+    return "".join(texts), finish, usage
+
+
+# ---- answers equal the Python API's ---------------------------------------------------------------------
+def test_models_and_health(server):
+    models = server.client().models.list()
+    assert [model.id for model in models.data] == [server.model]
+    assert server.health() | {"tasks": 0} == {"status": "ok", "model": models.data[0].id, "queue_depth": 0, "running": 0,
+                                             "held_slots": 0, "tasks": 0}
+
+
+@pytest.mark.parametrize("prompt", ["hello world", [5, 17, 300, 42]], ids=["text", "token-ids"])
+def test_completion_equals_engine_streamed_and_not(server, reference, prompt):
+    model = server.client().models.list().data[0].id
+    expected = reference.complete(prompt, max_new_tokens=8, temperature=0)
+    whole = server.client().completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    assert whole.choices[0].text == expected.text and whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(expected.prompt_ids), 8)
+    streamed = server.client().completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                                  stream_options={"include_usage": True})
+    text, finish, usage = stream_text(streamed)
+    assert (text, finish, usage.completion_tokens) == (expected.text, "length", 8)
+
+
+def test_seeded_sampling_is_reproducible_and_matches_engine(server, reference):
+    client, model = server.client(), server.client().models.list().data[0].id
+    params = dict(temperature=0.9, top_p=0.95, seed=11)
+    expected = reference.complete("the quick brown fox", max_new_tokens=10, top_k=40, **params)
+    answers = [client.completions.create(model=model, prompt="the quick brown fox", max_tokens=10, extra_body={"top_k": 40},
+                                         **params).choices[0].text for _ in range(2)]
+    streamed, _, _ = stream_text(client.completions.create(model=model, prompt="the quick brown fox", max_tokens=10,
+                                                           extra_body={"top_k": 40}, stream=True, **params))
+    assert answers == [expected.text, expected.text] and streamed == expected.text
+    other = client.completions.create(model=model, prompt="the quick brown fox", max_tokens=10, extra_body={"top_k": 40},
+                                      **(params | {"seed": 12}))
+    assert other.choices[0].text != expected.text  # the seed is used, not ignored
+
+
+def test_stop_string_ends_the_text_with_finish_reason_stop(server, reference):
+    model = server.client().models.list().data[0].id
+    full = reference.complete("hello world", max_new_tokens=12, temperature=0).text
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    expected = reference.complete("hello world", max_new_tokens=12, temperature=0, stop_strings=(stop,))
+    whole = server.client().completions.create(model=model, prompt="hello world", max_tokens=12, temperature=0, stop=[stop])
+    streamed = stream_text(server.client().completions.create(model=model, prompt="hello world", max_tokens=12,
+                                                              temperature=0, stop=stop, stream=True))
+    assert expected.finish_reason == "stop" and stop not in expected.text
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (expected.text, "stop")
+    assert streamed[:2] == (expected.text, "stop")
+
+
+def test_chat_uses_the_template_and_equals_engine(chat_server, chat_reference):
+    client = chat_server.client(KEY)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    expected = chat_reference.complete(messages, max_new_tokens=6, temperature=0)
+    assert expected.prompt_ids == chat_reference.engine.encode("system: be brief\nuser: hello\nassistant:")
+    whole = client.chat.completions.create(model="fixture-chat", messages=messages, max_tokens=6, temperature=0)
+    assert whole.choices[0].message.content == expected.text and whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(expected.prompt_ids) and whole.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model="fixture-chat", messages=messages, max_completion_tokens=6,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+# ---- bad requests -----------------------------------------------------------------------------------------
+BAD = {
+    "malformed JSON": ("/v1/completions", b'{"model": "M", "prompt": "hi",', 400, None),
+    "not an object": ("/v1/completions", b"[1, 2]", 400, None),
+    "missing prompt": ("/v1/completions", {"model": "M"}, 400, "prompt"),
+    "missing model": ("/v1/completions", {"prompt": "hi"}, 400, "model"),
+    "missing messages": ("/v1/chat/completions", {"model": "M"}, 400, "messages"),
+    "temperature < 0": ("/v1/completions", {"model": "M", "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    "top_p > 1": ("/v1/completions", {"model": "M", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    "max_tokens 0": ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    "n > 1": ("/v1/completions", {"model": "M", "prompt": "hi", "n": 2}, 400, "n"),
+    "negative seed": ("/v1/completions", {"model": "M", "prompt": "hi", "seed": -3}, 400, "seed"),
+    "logprobs": ("/v1/completions", {"model": "M", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    "stream not a bool": ("/v1/completions", {"model": "M", "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    "unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    "prompt past the context": ("/v1/completions", {"model": "M", "prompt": [7] * 300, "max_tokens": 1}, 400, "prompt"),
+    "max_tokens past the context": ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 256}, 400, "max_tokens"),
+    "token id outside the vocabulary": ("/v1/completions", {"model": "M", "prompt": [1, 99999]}, 400, "prompt"),
+    "empty prompt": ("/v1/completions", {"model": "M", "prompt": ""}, 400, "prompt"),
+    "batch of prompts": ("/v1/completions", {"model": "M", "prompt": ["a", "b"]}, 400, "prompt"),
+    "chat without a template": ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi"}]},
+                                400, "messages"),
+    "unknown role": ("/v1/chat/completions", {"model": "M", "messages": [{"role": "robot", "content": "hi"}]}, 400,
+                     "messages"),
+    "unknown path": ("/v1/embeddings", {"model": "M", "input": "hi"}, 404, None),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, case):
+    path, body, status, param = BAD[case]
+    model = server.client().models.list().data[0].id
+    content = body if isinstance(body, bytes) else json.dumps({k: model if v == "M" else v for k, v in body.items()}).encode()
+    response = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["param"] == param
+    assert "Traceback" not in response.text and "File \"" not in response.text
+    assert server.client().completions.create(model=model, prompt="hi", max_tokens=1, temperature=0).choices[0].text is not None
+
+
+def test_the_openai_client_reads_the_errors(server):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=client.models.list().data[0].id, prompt="hi", max_tokens=400)
+    assert bad.value.code == "context_length_exceeded" and bad.value.param == "max_tokens"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="nope", prompt="hi")
+    assert missing.value.code == "model_not_found"
+    assert httpx.delete(f"{server.url}/v1/completions", timeout=10).status_code == 405
+
+
+def test_api_key_is_required_on_the_api_only(chat_server):
+    with pytest.raises(openai.AuthenticationError):
+        chat_server.client("wrong").models.list()
+    response = httpx.post(f"{chat_server.url}/v1/chat/completions", json={"model": "fixture-chat", "messages": []}, timeout=10)
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert response.headers["www-authenticate"] == "Bearer"
+    assert chat_server.client(KEY).models.list().data[0].id == "fixture-chat"
+    assert httpx.get(f"{chat_server.url}/health", timeout=10).status_code == 200  # probes need no key
+
+
+# ---- hang-ups, a full queue, a storm ---------------------------------------------------------------------
+def test_hanging_up_cancels_the_request_at_once(server):
+    model = server.client().models.list().data[0].id
+    before = server.metrics()
+    stream = server.client().completions.create(model=model, prompt="hello", max_tokens=240, temperature=0, stream=True)
+    for _, _chunk in zip(range(2), stream):
+        pass
+    stream.close()  # the connection goes: 240 tokens would take seconds more
+    server.wait_idle(within_s=5)
+    with pytest.raises(httpx.TimeoutException):  # unstreamed: the client gives up before the answer
+        httpx.post(f"{server.url}/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 240}, timeout=0.5)
+    server.wait_idle(within_s=5)
+    after = server.metrics()
+    assert after['specter_requests_finished_total{reason="cancelled"}'] - before.get(
+        'specter_requests_finished_total{reason="cancelled"}', 0) == 2
+    assert after["specter_generation_tokens_total"] - before["specter_generation_tokens_total"] < 2 * 240
+    assert server.health()["held_slots"] == 0
+
+
+def test_a_full_queue_answers_429_with_retry_after(chat_server):
+    client = chat_server.client(KEY)
+    messages = [{"role": "user", "content": "hello"}]
+    running = client.chat.completions.create(model="fixture-chat", messages=messages, max_tokens=200, stream=True)
+    next(iter(running))  # holds the engine
+    waiting = client.chat.completions.create(model="fixture-chat", messages=messages, max_tokens=4, stream=True)
+    try:
+        assert chat_server.health()["queue_depth"] == 1
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.chat.completions.create(model="fixture-chat", messages=messages, max_tokens=4)
+        assert int(refused.value.response.headers["retry-after"]) >= 1
+        assert refused.value.code == "queue_full"
+    finally:
+        running.close()
+        waiting.close()
+    chat_server.wait_idle(within_s=5)
+    answer = client.chat.completions.create(model="fixture-chat", messages=messages, max_tokens=2)
+    assert answer.choices[0].finish_reason == "length"
+
+
+STORM_PROMPTS = [("hello world", {}), ("the draft proposes", {}), ([5, 17, 300, 42], {}), ("café 🙂", {}),
+                 ("once upon a time", {"temperature": 0.8, "seed": 3}), ("experts", {"temperature": 1.0, "seed": 9}),
+                 ("memory budget", {"temperature": 0.7, "top_p": 0.9, "seed": 1}), ("a b c", {"temperature": 0.0})]
+STORM_TOKENS = 6
+
+
+async def storm(server: LiveServer, streams: int, hang_up_every: int = 0) -> list[tuple[int, str | None]]:
+    """`streams` concurrent streamed completions; every `hang_up_every`-th hangs up after its first chunk and every
+    7th after 50 ms (before its first chunk while it queues). Returns (prompt index, text or None if hung up)."""
+    async with server.async_client() as client:
+        model = (await client.models.list()).data[0].id
+
+        async def one(i: int) -> tuple[int, str | None]:
+            prompt, params = STORM_PROMPTS[i % len(STORM_PROMPTS)]
+            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=STORM_TOKENS, stream=True,
+                                                     **({"temperature": 0} | params))
+            if hang_up_every and i % 7 == 3:
+                await asyncio.sleep(0.05)
+                await stream.close()
+                return i, None
+            texts = []
+            async for chunk in stream:
+                texts.append(chunk.choices[0].text)
+                if hang_up_every and i % hang_up_every == 1:
+                    await stream.close()
+                    return i, None
+            return i, "".join(texts)
+
+        return await asyncio.gather(*(one(i) for i in range(streams)))
+
+
+def test_storm_of_streams_with_hang_ups_leaks_nothing(server, reference):
+    solo = [reference.complete(prompt, max_new_tokens=STORM_TOKENS, **({"temperature": 0} | params)).text
+            for prompt, params in STORM_PROMPTS]
+    asyncio.run(storm(server, 12, hang_up_every=4))  # warm-up: lazily made threads and buffers exist before the baseline
+    server.wait_idle(within_s=30)
+    baseline, tasks_before, before = proc_usage(server.pid), server.health()["tasks"], server.metrics()
+
+    results = asyncio.run(storm(server, 40, hang_up_every=4))
+    server.wait_idle(within_s=30)
+    finished = [(i, text) for i, text in results if text is not None]
+    assert len(finished) >= 25
+    assert all(text == solo[i % len(STORM_PROMPTS)] for i, text in finished), "a stream differs from its solo answer"
+
+    time.sleep(0.5)  # closed connections reach the server's loop
+    after, health = proc_usage(server.pid), server.health()
+    assert health["held_slots"] == 0 and health["tasks"] <= tasks_before
+    assert after["threads"] <= baseline["threads"] + 1
+    assert after["fds"] <= baseline["fds"] + 2
+    assert after["rss"] <= baseline["rss"] + 48 * 2**20, (baseline, after)
+
+    metrics = server.metrics()
+    new = {name: metrics[name] - before.get(name, 0) for name in metrics}
+    assert new["specter_time_to_first_token_seconds_count"] >= len(finished)
+    assert new["specter_time_per_output_token_seconds_count"] >= len(finished)
+    assert new['specter_requests_finished_total{reason="length"}'] == len(finished)
+    assert new['specter_requests_finished_total{reason="cancelled"}'] >= 40 - len(finished) - 2  # unstarted ones may slip
+    assert new['specter_http_responses_total{endpoint="/v1/completions",status="200"}'] == 40
+    assert new["specter_draft_tokens_total"] > 0 and new["specter_h2d_bytes_total"] > 0
+    assert 0 < metrics["specter_acceptance_rate"] <= 1 and metrics["specter_mean_accepted_length"] >= 1
+    assert 0 < metrics["specter_expert_hit_rate"] <= 1 and metrics["specter_h2d_bytes_per_token"] > 0
+    assert metrics["specter_stall_seconds_total"] >= 0 and metrics["specter_queue_depth"] == 0
+    assert metrics["specter_requests_running"] == 0 and metrics["specter_expert_slots_held"] == 0
+
+
+# ---- shutdown ---------------------------------------------------------------------------------------------
+def read_events(url: str, body: dict, first_chunk: threading.Event, out: list) -> None:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                out.append(line.removeprefix("data: "))
+                first_chunk.set()
+
+
+def test_sigterm_drains_streams_then_exits(tiny, reference):
+    live = LiveServer(tiny)
+    try:
+        lengths = (48, 24)  # the first runs while the second waits for the engine
+        expected = [reference.complete("hello world", max_new_tokens=n, temperature=0).text for n in lengths]
+        outs: list[list[str]] = [[], []]
+        started = [threading.Event(), threading.Event()]
+        readers = [threading.Thread(target=read_events, args=(live.url, {"model": str(tiny), "prompt": "hello world",
+                                                                         "max_tokens": n, "temperature": 0, "stream": True},
+                                                              started[i], outs[i]), daemon=True)
+                   for i, n in enumerate(lengths)]
+        readers[0].start()
+        assert started[0].wait(30)
+        readers[1].start()
+        deadline = time.monotonic() + 10
+        while live.health()["queue_depth"] < 1 and not started[1].is_set():  # the second is admitted (or already runs)
+            assert time.monotonic() < deadline, live.health()
+            time.sleep(0.005)
+        live.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(httpx.ConnectError):  # no new connections while draining
+            httpx.get(f"{live.url}/health", timeout=5)
+        for reader in readers:
+            reader.join(60)
+        assert live.process.wait(60) == 0, "".join(live.log)
+        for out, text in zip(outs, expected):
+            assert out[-1] == "[DONE]"
+            assert "".join(json.loads(event)["choices"][0]["text"] for event in out[:-1]) == text
+        assert not any("Traceback" in line for line in live.log), "".join(live.log)
+    finally:
+        live.stop()
+
+
+# ---- the command line and the load generator ---------------------------------------------------------------
+def test_serve_takes_generate_engine_options():
+    from specter.cli import build_parser, engine_config
+    from specter.server.cli import engine_args
+
+    args = build_parser().parse_args(["serve", "--budget", "1GiB", "--k", "2", "--quant", "int8", "--link", "gen4",
+                                      "--eviction", "lru", "--sampling", "rejection", "--max-queue", "3"])
+    config = engine_config(engine_args(args))
+    assert (config.budget, config.draft.k, config.draft.quant, config.link, config.eviction, config.draft.sampling) == (
+        2**30, 2, "int8", "gen4", "lru", "rejection")
+    assert (args.host, args.max_queue) == ("127.0.0.1", 3)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-queue", "-1"])
+
+
+def test_serve_load_benchmark_against_a_running_server(server, tmp_path):
+    out = tmp_path / "load.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--url", server.url, "--concurrency", "1", "3",
+               "--requests", "1", "--max-tokens", "3", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())
+    assert [level["clients"] for level in results["levels"]] == [1, 3]
+    assert all(level["tokens"] == 3 * level["requests"] and level["tokens_per_s"] > 0 for level in results["levels"])
+    assert "TTFT p50 ms" in done.stdout
