@@ -94,7 +94,8 @@ def alternate(settings: str | list[str]) -> str:
     async def request(self, runtime, system, prompt, start_state, cell, warm=False):
         if warm:
             for side in (0, 1):
-                record = await with_side(side, runtime, lambda: measure(self, runtime, system, prompt, start_state, cell, warm=True))
+                record = await with_side(side, runtime,
+                                         lambda: measure(self, runtime, system, prompt, start_state, cell, warm=True))
             return record
         key = (*cell, system.name, prompt.kind, prompt.index)
         turn = turns[key] = turns.get(key, -1) + 1

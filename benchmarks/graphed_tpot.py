@@ -216,8 +216,8 @@ def main() -> None:
                         "MoE, without the fused decode attention, and without both")
     parser.add_argument("--kv-write", action="store_true", help="also time the step with KernelTuning.rope_writes_cache "
                         "switched (RoPE and the KV writes in one launch)")
-    parser.add_argument("--without", default="", help="KernelTuning fields (EngineConfig.tuning.kernels: " + ", ".join(FUSED_FLAGS)
-                        + ") to time the graphed draft step without, each alone and, with several, all at once")
+    parser.add_argument("--without", default="", help="KernelTuning fields (EngineConfig.tuning.kernels: "
+                        + ", ".join(FUSED_FLAGS) + ") to time the graphed draft step without, each alone and, with several, all at once")
     parser.add_argument("--moe-config", action="append", default=[], help="a JSON object of MoEKernelConfig fields: "
                         "also time the graphed draft step with them (rows draft-int4-graphed-moe0, -moe1, ...)")
     parser.add_argument("--row-config", action="append", default=[], help="a JSON object of RowConfig fields "
