@@ -1,68 +1,71 @@
-"""`python -m specter.bench` with module switches changed first, for A/B runs of one switch on the same model.
+"""`python -m specter.bench` with tuning fields changed, for A/B runs of one knob on the same model.
 
-    python benchmarks/ab_bench.py --set specter.experts.cache.ROLL_INTO_HOT=false \
+    python benchmarks/ab_bench.py --set cache.lead_relay=false \
         --row-config '{"int8_finish": true}' -- --model /tmp/qwenref --residents 15 --systems specter
 
-`--set MODULE.NAME=VALUE` (repeatable) sets a module-level constant (VALUE read as JSON: true, 3, "x");
-`--row-config JSON` replaces fields of `rowfused.DEFAULT_CONFIG`. Everything after `--` goes to the bench.
+`--set SECTION.FIELD=VALUE` (repeatable) sets a field of EngineConfig.tuning (specter/config.py: cache, transfer,
+verify, kernels; VALUE read as JSON: true, 3, null) for the whole run: the bench's `--tune`. `--row-config JSON`
+replaces fields of `rowfused.DEFAULT_CONFIG` (the one-row kernels' tiles). Everything after `--` goes to the bench.
 
-`--alternate MODULE.NAME=A|B` sets a constant to A or B for each measured request of one bench process, in the
-order A B B A for the repeats of each prompt of each cell, so the two sides share the process, the machine's moment
-and the cache's restored state; each request's record in results.json carries `variant` ("NAME=A" or "NAME=B"),
-and the end of the output compares them per cell. Repeat `--alternate` to flip several constants together (side A
-takes every first value; the variant names the first constant). Each system's warm-up runs once per side (A, then
-B; the constants go back to their values after each), so what a side builds on first use is built for what the
-warm-up touches; a switch whose other side captures graphs lazily has a start-up switch of its own to capture both
-(`--set specter.model.segmented.PREPARE_BOTH=true` for STAGE_IN_GRAPH). Use --repeats 4 (or another multiple of two; a multiple of four
-balances the order too). Runs of separate processes differed by up to 1.4x on the H200 (host speed), more than
-most changes this is meant to measure.
+`--alternate SECTION.FIELD=A|B` sets a field to A or B for each measured request of one bench process
+(`Runtime.retune`), in the order A B B A for the repeats of each prompt of each cell, so the two sides share the
+process, the machine's moment and the cache's restored state; each request's record in results.json carries
+`variant` ("SECTION.FIELD=A" or "SECTION.FIELD=B"), and the end of the output compares them per cell. Repeat
+`--alternate` to flip several fields together (side A takes every first value; the variant names the first field).
+Each system's warm-up runs once per side (A, then B); the tuning goes back to its value after each request. Use
+--repeats 4 (or another multiple of two; a multiple of four balances the order too). Runs of separate processes
+differed by up to 1.4x on the H200 (host speed), more than most changes this is meant to measure.
 
-Only a constant read at run time can be switched this way: one read when a graph is captured or a runtime is
-built (a `RowConfig` field of the draft step's CUDA graph, say), or copied elsewhere by `from X import NAME`, keeps
-its first value; use `--set` / `--row-config` in separate processes for those.
+Only the cache, transfer and verify fields can alternate: the kernels' are fixed when the runtime captures its CUDA
+graphs; use `--set` in separate processes for those (and for `--row-config`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import sys
 from typing import Any
 
-
-def apply(settings: list[str], row_config: str | None) -> list[str]:
-    """Set each MODULE.NAME=VALUE; returns what was set, for the log."""
-    done = []
-    for setting in settings:
-        module, name, (value,) = _switch("--set", setting, count=1)
-        setattr(module, name, value)
-        done.append(f"{module.__name__}.{name}={value!r}")
-    if row_config:
-        from specter.model import rowfused
-
-        rowfused.DEFAULT_CONFIG = dataclasses.replace(rowfused.DEFAULT_CONFIG, **json.loads(row_config))
-        done.append(f"rowfused.DEFAULT_CONFIG={rowfused.DEFAULT_CONFIG}")
-    return done
+from specter.config import TuningConfig
+from specter.errors import ConfigError
 
 
-def _switch(option: str, setting: str, count: int) -> tuple[Any, str, list[Any]]:
-    """MODULE.NAME=V1|V2.. -> (module, NAME, values as JSON), with a clear error for each way it can be wrong."""
-    target, _, text = setting.partition("=")
-    module_name, _, name = target.rpartition(".")
-    shape = "MODULE.NAME=VALUE" if count == 1 else "MODULE.NAME=A|B"
-    parts = text.split("|") if text else []
-    if not module_name or len(parts) != count:
-        raise SystemExit(f"{option} expects {shape}, got {setting!r}")
+def tune_args(settings: list[str]) -> list[str]:
+    """The bench's `--tune` arguments for each SECTION.FIELD=VALUE, checked first (a typo exits with its message)."""
     try:
-        values = [json.loads(part) for part in parts]
-    except json.JSONDecodeError:
-        raise SystemExit(f"{option}: values are JSON (true, 3, \"text\"), got {text!r}") from None
-    module = importlib.import_module(module_name)
-    if not hasattr(module, name):
-        raise SystemExit(f"{option}: {module_name} has no {name}")
-    return module, name, values
+        TuningConfig().with_overrides(settings)
+    except ConfigError as error:
+        raise SystemExit(f"--set: {error}") from None
+    return [arg for setting in settings for arg in ("--tune", setting)]
+
+
+def apply_row_config(row_config: str | None) -> list[str]:
+    """Replace fields of rowfused.DEFAULT_CONFIG; returns what was set, for the log."""
+    if not row_config:
+        return []
+    from specter.model import rowfused
+
+    rowfused.DEFAULT_CONFIG = dataclasses.replace(rowfused.DEFAULT_CONFIG, **json.loads(row_config))
+    return [f"rowfused.DEFAULT_CONFIG={rowfused.DEFAULT_CONFIG}"]
+
+
+def _sides(setting: str) -> tuple[str, list[str], list[Any]]:
+    """SECTION.FIELD=A|B -> (SECTION.FIELD, the two overrides, the two values), each side checked against the tuning."""
+    target, _, text = setting.partition("=")
+    parts = text.split("|") if text else []
+    if len(parts) != 2:
+        raise SystemExit(f"--alternate expects SECTION.FIELD=A|B, got {setting!r}")
+    if target.strip().startswith("kernels."):
+        raise SystemExit(f"--alternate {setting!r}: kernels fields are fixed when the graphs are captured; use --set")
+    overrides = [f"{target}={part}" for part in parts]
+    try:
+        tunings = [TuningConfig().with_overrides([override]) for override in overrides]
+    except ConfigError as error:
+        raise SystemExit(f"--alternate: {error}") from None
+    section, _, name = target.strip().partition(".")
+    return target.strip(), overrides, [getattr(getattr(tuning, section), name) for tuning in tunings]
 
 
 ORDER = (0, 1, 1, 0)
@@ -71,39 +74,38 @@ first."""
 
 
 def alternate(settings: str | list[str]) -> str:
-    """Make each measured request run with side A or B of every MODULE.NAME=A|B in `settings` (ORDER, counted per
-    cell and prompt) and tag its record with the first one's value; warm-ups run once per side; the constants go
-    back to their values after each request. Returns the first NAME."""
+    """Make each measured request run with side A or B of every SECTION.FIELD=A|B in `settings` (ORDER, counted per
+    cell and prompt) and tag its record with the first one's value; warm-ups run once per side; the runtime's tuning
+    goes back to its value after each request. Returns the first SECTION.FIELD."""
     from specter.bench import protocol
 
-    switches = [_switch("--alternate", setting, count=2) for setting in ([settings] if isinstance(settings, str) else settings)]
+    switches = [_sides(setting) for setting in ([settings] if isinstance(settings, str) else settings)]
     measure = protocol.ModelBench._request
     turns: dict[tuple, int] = {}
 
-    async def with_side(side: int, request):
-        originals = [getattr(module, name) for module, name, _values in switches]
-        for module, name, values in switches:
-            setattr(module, name, values[side])
+    async def with_side(side: int, runtime, request):
+        original = runtime.config.tuning
+        runtime.retune(original.with_overrides([overrides[side] for _name, overrides, _values in switches]))
         try:
             return await request()
         finally:
-            for (module, name, _values), original in zip(switches, originals):
-                setattr(module, name, original)
+            runtime.retune(original)
 
     async def request(self, runtime, system, prompt, start_state, cell, warm=False):
         if warm:
             for side in (0, 1):
-                record = await with_side(side, lambda: measure(self, runtime, system, prompt, start_state, cell, warm=True))
+                record = await with_side(side, runtime,
+                                         lambda: measure(self, runtime, system, prompt, start_state, cell, warm=True))
             return record
         key = (*cell, system.name, prompt.kind, prompt.index)
         turn = turns[key] = turns.get(key, -1) + 1
         side = ORDER[turn % len(ORDER)]
-        record = await with_side(side, lambda: measure(self, runtime, system, prompt, start_state, cell))
-        _module, name, values = switches[0]
+        record = await with_side(side, runtime, lambda: measure(self, runtime, system, prompt, start_state, cell))
+        name, _overrides, values = switches[0]
         return record | {"variant": f"{name}={json.dumps(values[side])}"}
 
     protocol.ModelBench._request = request
-    return switches[0][1]
+    return switches[0][0]
 
 
 def compare(out: str) -> list[str]:
@@ -174,16 +176,16 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     parser.add_argument("--row-config", default=None, metavar="JSON")
-    parser.add_argument("--alternate", action="append", default=[], metavar="MODULE.NAME=A|B",
-                        help="repeat to flip several constants together")
+    parser.add_argument("--alternate", action="append", default=[], metavar="SECTION.FIELD=A|B",
+                        help="repeat to flip several fields together")
     args = parser.parse_args(argv[:split])
-    for line in apply(args.set, args.row_config):
+    bench_args = tune_args(args.set) + argv[split + 1 :]
+    for line in args.set + apply_row_config(args.row_config):
         print(f"ab_bench: {line}", flush=True)
     if args.alternate:
         alternate(args.alternate)
-    bench_args = argv[split + 1 :]
     from specter.bench import cli
 
     out = cli.build_parser().parse_args(bench_args).out  # (exits with the bench's own message if they are wrong)
@@ -191,7 +193,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.alternate and code in (0, 1):  # 1: some tokens differed; the comparison shows which side
         print("\n".join(["", "A/B, same process:"] + compare(out)))
     raise SystemExit(code)
-
 
 if __name__ == "__main__":
     main()

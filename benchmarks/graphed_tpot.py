@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from resident_tpot import HBM_BYTES_PER_S, SHAPES, active_bytes, build_hf  # noqa: E402  (the same model construction)
 
 DEVICE = "cuda"
-FUSED_FLAGS = ("MERGE_IN_LAUNCH", "ROW_KERNELS", "DECODE_ATTENTION", "ROUTER_AND_GATE", "ROPE_WRITES_CACHE", "PACKED_QKV", "PACKED_FFN_INPUT",
-               "RESIDUAL_ADDEND")  # specter.model.fused's switches of the non-exact forward
+FUSED_FLAGS = ("merge_in_launch", "row_kernels", "decode_attention", "router_and_gate", "rope_writes_cache", "packed_qkv",
+               "packed_ffn_input", "residual_addend")  # KernelTuning's fused paths of the non-exact forward
 
 
 def gpu_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -135,25 +135,23 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / repeats
 
-    from specter.model import fused, rowfused
+    from specter.model import rowfused
     from specter.quant import moe_triton
 
     default, row_default = moe_triton.DEFAULT_CONFIG, rowfused.DEFAULT_CONFIG
-    switches = {flag: getattr(fused, flag) for flag in FUSED_FLAGS}
+    kernels = runtime.model.kernels
 
-    def measure(name: str, static: bool = True, moe: dict | None = None, row: dict | None = None, **flags: bool) -> None:
+    def measure(name: str, static: bool = True, moe: dict | None = None, row: dict | None = None, **fields: object) -> None:
         """One row: the step with the fused MoE's config changed by `moe`, the one-row kernels' by `row` and the
-        named fused switches set (the module defaults are restored afterwards, whatever happens)."""
+        named KernelTuning fields set (the draft built here takes the target's; restored afterwards)."""
         moe_triton.DEFAULT_CONFIG = dataclasses.replace(default, **(moe or {}))
         rowfused.DEFAULT_CONFIG = dataclasses.replace(row_default, **(row or {}))
-        for flag, value in flags.items():
-            setattr(fused, flag, value)
+        runtime.model.kernels = kernels.model_copy(update=fields)
         try:
             step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=static))) / k
         finally:
             moe_triton.DEFAULT_CONFIG, rowfused.DEFAULT_CONFIG = default, row_default
-            for flag, value in switches.items():
-                setattr(fused, flag, value)
+            runtime.model.kernels = kernels
         rows[name] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
 
     for split in graphed_splits:  # the fused MoE's down GEMM in this many K parts (0: its default)
@@ -161,24 +159,20 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
     measure("draft-int4-eager", static=False)
     if ab:  # each default kernel choice undone alone: the general MoE kernels, attention over the whole cache
         measure("draft-int4-graphed-no-gemv", moe=dict(single_token_gemv=False))
-        measure("draft-int4-graphed-no-attention", DECODE_ATTENTION=False)
-        measure("draft-int4-graphed-neither", moe=dict(single_token_gemv=False), DECODE_ATTENTION=False)
+        measure("draft-int4-graphed-no-attention", decode_attention=False)
+        measure("draft-int4-graphed-neither", moe=dict(single_token_gemv=False), decode_attention=False)
     if kv_write_ab:  # the rotation and the KV writes in one launch (fused.rope_and_cache), against the default
-        measure("draft-int4-graphed-rope-cache", ROPE_WRITES_CACHE=not switches["ROPE_WRITES_CACHE"])
+        measure("draft-int4-graphed-rope-cache", rope_writes_cache=not kernels.rope_writes_cache)
     if router_ab:  # torch's router and shared gate instead of the fused ones
-        measure("draft-int4-graphed-torch-router", ROUTER_AND_GATE=False)
+        measure("draft-int4-graphed-torch-router", router_and_gate=False)
     for index, changes in enumerate(moe_configs):  # the draft MoE's kernel with these config fields changed
         measure(f"draft-int4-graphed-moe{index}", moe=changes)
     for index, changes in enumerate(row_configs):  # the one-row kernels (specter.model.rowfused) with these tiles
         measure(f"draft-int4-graphed-row{index}", row=changes)
     for positions in positions_per_split:  # decode_attention's runs of this many cache positions
-        fused.POSITIONS_PER_SPLIT, saved = positions, fused.POSITIONS_PER_SPLIT
-        try:
-            measure(f"draft-int4-graphed-split-positions{positions}")
-        finally:
-            fused.POSITIONS_PER_SPLIT = saved
-    for flag in without:  # each fused switch off alone, then all of them at once
-        measure(f"draft-int4-graphed-no-{flag.lower().replace('_', '-')}", **{flag: False})
+        measure(f"draft-int4-graphed-split-positions{positions}", positions_per_split=positions)
+    for flag in without:  # each fused path off alone, then all of them at once
+        measure(f"draft-int4-graphed-no-{flag.replace('_', '-')}", **{flag: False})
     if len(without) > 1:
         measure("draft-int4-graphed-none-of-them", **{flag: False for flag in without})
     if profile_out is not None:  # where the graphed draft step's time goes, kernel by kernel (one proposal)
@@ -220,24 +214,24 @@ def main() -> None:
     parser.add_argument("--router-ab", action="store_true", help="also time the graphed draft step with torch's router and gate")
     parser.add_argument("--ab", action="store_true", help="also time the graphed draft step without the one-token GEMV "
                         "MoE, without the fused decode attention, and without both")
-    parser.add_argument("--kv-write", action="store_true", help="also time the step with fused.ROPE_WRITES_CACHE "
+    parser.add_argument("--kv-write", action="store_true", help="also time the step with KernelTuning.rope_writes_cache "
                         "switched (RoPE and the KV writes in one launch)")
-    parser.add_argument("--without", default="", help="fused switches (specter.model.fused: " + ", ".join(FUSED_FLAGS)
-                        + ") to time the graphed draft step without, each alone and, with several, all at once")
+    parser.add_argument("--without", default="", help="KernelTuning fields (EngineConfig.tuning.kernels: "
+                        + ", ".join(FUSED_FLAGS) + ") to time the graphed draft step without, each alone and, with several, all at once")
     parser.add_argument("--moe-config", action="append", default=[], help="a JSON object of MoEKernelConfig fields: "
                         "also time the graphed draft step with them (rows draft-int4-graphed-moe0, -moe1, ...)")
     parser.add_argument("--row-config", action="append", default=[], help="a JSON object of RowConfig fields "
                         "(specter.model.rowfused): also time the graphed draft step with them (repeatable)")
     parser.add_argument("--profile-row-config", default=None, help="a JSON object of RowConfig fields for the "
                         "--profile-draft table (default: the module's tiles)")
-    parser.add_argument("--positions-per-split", default="", help="also time the step with fused.POSITIONS_PER_SPLIT "
+    parser.add_argument("--positions-per-split", default="", help="also time the step with KernelTuning.positions_per_split "
                         "set to each of these (comma-separated; decode_attention's runs, one launch when one run)")
     parser.add_argument("--prompt-length", type=int, default=16, help="positions already in the cache (the draft "
                         "attends over these; at most --max-context minus k)")
     args = parser.parse_args()
     unknown = sorted(set(filter(None, args.without.split(","))) - set(FUSED_FLAGS))
     if unknown:
-        parser.error(f"--without: unknown switch(es) {', '.join(unknown)}; known: {', '.join(FUSED_FLAGS)}")
+        parser.error(f"--without: unknown field(s) {', '.join(unknown)}; known: {', '.join(FUSED_FLAGS)}")
     config, hf = build_hf(args.shape, args.layers)
     config_dict, state = config.to_dict(), dict(hf.state_dict())
     assert 1 <= args.prompt_length <= args.max_context - args.k - 1, "--prompt-length must leave room for k steps"

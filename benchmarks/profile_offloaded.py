@@ -60,8 +60,6 @@ def main() -> None:
     verify.add_argument("--eager-verify", dest="static_verify", action="store_const", const=False)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--inline-bookkeeping", action="store_true", help="read the copy-busy measurement's events "
-                        "at each round's end instead of in the kernel's idle time (engine.DEFER_COPY_BUSY = False)")
     parser.add_argument("--with-stack", action="store_true", help="record python frames in trace.json (for "
                         "benchmarks/trace_gaps.py: what the host does while the GPU idles)")
     parser.add_argument("--out", type=Path, default=Path("out/profile"))
@@ -70,9 +68,6 @@ def main() -> None:
 
     import torch
 
-    from specter import engine
-
-    engine.DEFER_COPY_BUSY = not args.inline_bookkeeping
     if args.model is not None and (args.model / "prompts.json").exists():
         import json
 
@@ -88,8 +83,7 @@ def main() -> None:
     plain_s = time.perf_counter() - started
     stats = plain.stats
     expert_bytes = runtime.memory.expert_bytes
-    print(f"{args.model or f'{args.shape} L={args.layers}'} residents={args.residents} k={args.k} static_verify={args.static_verify} "
-          f"copy-busy reads {'inline' if args.inline_bookkeeping else 'deferred'}")
+    print(f"{args.model or f'{args.shape} L={args.layers}'} residents={args.residents} k={args.k} static_verify={args.static_verify}")
     print(f"TPOT {stats.tpot_s * 1e3:.2f} ms; wall {plain_s:.2f} s for {stats.new_tokens} tokens; misses/token "
           f"{stats.misses / max(stats.new_tokens, 1):.1f}; H2D {stats.h2d_bytes / max(stats.new_tokens, 1) / 1e6:.1f} MB/token "
           f"(= {stats.h2d_bytes / max(stats.new_tokens, 1) / 53e9 * 1e3:.2f} ms at 53 GB/s); stall/token "

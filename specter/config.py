@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
+import json
 import re
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -107,6 +108,102 @@ class DraftConfig(_Frozen):
         return value
 
 
+class CacheTuning(_Frozen):
+    """The expert cache's rolling window and lead (specter/experts/cache.py)."""
+
+    roll_hot_window: int | None = Field(2, ge=0, le=256, description="Most slots a layer's waiting misses hold at once "
+                                        "in the verify's rolling window, so the hot experts the policy keeps stay for "
+                                        "the next round; None: every hot expert gives way (decode MB/token -11.7 % at "
+                                        "15 residents, -8.8 % at 8; journal, Fourteenth session).")
+    lead_relay: bool = Field(True, description="A layer's lead may borrow one slot from the layer before for a "
+                             "predicted miss, so its copy waits only for that layer's compute (slot idle 0.058 -> 0.029 "
+                             "and TPOT 0.967x at 15 residents, neutral at 8; journal, Sixteenth session).")
+
+
+class TransferTuning(_Frozen):
+    """The transfer engine's pump (specter/experts/transfer.py)."""
+
+    max_chunks_in_flight: int = Field(4, ge=1, le=64, description="Chunks on the copy stream (urgent ones count) before "
+                                      "the pump issues another prefetch chunk (4 against 2: copy busy 0.884 -> 0.906, "
+                                      "TPOT 0.985x / 0.981x; journal, Thirteenth session).")
+    issue_marks: bool = Field(False, description="Record a timed event per chunk as it is issued, so the copy-busy "
+                              "measurement splits the copy stream's idle time by cause (`bench --copy-gaps`); costs "
+                              "0.01-0.02 of copy busy, so off (journal, Twelfth session).")
+
+
+class VerifyTuning(_Frozen):
+    """The offloaded verify (specter/verify.py)."""
+
+    lead_misses: int = Field(2, ge=0, le=256, description="Predicted misses each MoE layer of a segmented verify starts "
+                             "while its routing travels to the host; 0: no lead (hand-over + issue idle 0.137 -> 0.058, "
+                             "TPOT 0.926x at 15 residents; 64 was 1.044x slower; journal, Fifteenth and Sixteenth "
+                             "sessions).")
+    routing_poll_s: float = Field(3e-3, ge=0.0, le=0.1, description="Seconds the verify polls for its router's choice "
+                                  "before parking on a waiter thread (CUDA, misses ordered on the device): a thread hop "
+                                  "would add 0.1-0.3 ms per MoE layer (journal, The verify's misses ordered on the device).")
+
+
+class KernelTuning(_Frozen):
+    """The static steps and the draft's fused kernels (specter/model). Fixed when the CUDA graphs are captured."""
+
+    static_mla: bool = Field(True, description="Run DeepSeek-V2's multi-head latent attention through the static "
+                             "(CUDA-graph) step; off: DeepSeek runs the eager forward everywhere (target, verify, "
+                             "draft). Measured on the H200 (tests/test_gpu_graphed_mla.py; journal, GPU test runs, "
+                             "2026-11-30).")
+    positions_per_split: int = Field(128, ge=1, description="Cache positions per run of the draft's decode attention "
+                                     "(runs of 512 left a 2048-position cache at 4.17 ms per draft step against 3.36; "
+                                     "journal, Eighth session).")
+    max_splits: int = Field(64, ge=1, le=1024, description="Most runs one decode attention is cut into (programs per "
+                            "row and cache head; journal, Eighth session).")
+    merge_in_launch: bool = Field(True, description="The draft's decode attention merges its runs in its own launch "
+                                  "(1.56 against 1.61 ms per draft step; journal, Eleventh session). Off: a second "
+                                  "launch, for A/B and the kernel tests.")
+    decode_attention: bool = Field(True, description="The non-exact one-row step attends over the visible positions "
+                                   "only (draft step 4.16 -> 3.48 ms at a 2048-position cache; journal, Eighth "
+                                   "session). Off: torch's masked attention, for A/B and the kernel tests.")
+    rope_writes_cache: bool = Field(True, description="The draft's static step rotates q and k and writes the KV cache "
+                                    "in one launch (draft step 3.14 -> 2.99 ms; journal, Ninth session). Off: RoPE and "
+                                    "two index_copy_, for A/B and the kernel tests.")
+    router_and_gate: bool = Field(True, description="The non-exact forward fuses the router's softmax + top-k and the "
+                                  "shared expert's gate, one launch each (journal, Seventh session). Off: torch's ops, for A/B.")
+    packed_qkv: bool = Field(True, description="The non-exact forward projects q, k and v with one product over the "
+                             "packed weights (0.22 ms per draft step; journal, Ninth session). Off: three products, for A/B.")
+    packed_ffn_input: bool = Field(True, description="The non-exact Qwen2-MoE-style layer runs its router, shared gate "
+                                   "and shared gate/up as one packed product (0.12 ms per draft step; journal, Ninth "
+                                   "session). Off: separate products, for A/B.")
+    residual_addend: bool = Field(True, description="The non-exact forward adds the residual inside the attention's "
+                                  "output product: one launch fewer, no measurable change (2.60 ms either way; journal, Ninth "
+                                  "session). Off: a separate add, for A/B.")
+    row_kernels: bool = Field(True, description="The draft step runs Qwen2-MoE-style layers through the one-row "
+                              "kernels of specter/model/rowfused.py (draft step 2.30 -> 1.81 ms; journal, Tenth "
+                              "session). Off: the general non-exact forward, for A/B and the kernel tests.")
+
+
+class TuningConfig(_Frozen):
+    """Measured knobs of the runtime, by the part they tune; every default is the measured best (docs/journal.md)."""
+
+    cache: CacheTuning = Field(default_factory=CacheTuning, description="The expert cache's rolling window and lead.")
+    transfer: TransferTuning = Field(default_factory=TransferTuning, description="The transfer engine's pump.")
+    verify: VerifyTuning = Field(default_factory=VerifyTuning, description="The offloaded verify.")
+    kernels: KernelTuning = Field(default_factory=KernelTuning, description="The static steps and the draft's kernels.")
+
+    def with_overrides(self, overrides: Sequence[str]) -> "TuningConfig":
+        """This tuning with each `SECTION.FIELD=VALUE` applied (VALUE as JSON: true, 3, null; a bare word is a
+        string), e.g. `cache.lead_relay=false`: what A/B runs set. A bad name or value raises ConfigError naming it."""
+        values = self.model_dump()
+        for override in overrides:
+            target, sep, text = override.partition("=")
+            section, _, name = target.strip().partition(".")
+            if not sep or section not in values or name not in values[section]:
+                fields = ", ".join(f"{s}.{n}" for s, group in values.items() for n in group)
+                raise ConfigError(f"tuning override {override!r}: expected SECTION.FIELD=VALUE with one of {fields}")
+            try:
+                values[section][name] = json.loads(text)
+            except json.JSONDecodeError:
+                values[section][name] = text.strip()
+        return type(self).build(**values)
+
+
 class EngineConfig(_Frozen):
     """Everything fixed for the life of an engine: device, memory, numerics, draft and plug-ins."""
 
@@ -129,9 +226,7 @@ class EngineConfig(_Frozen):
     link: str | None = Field(None, description="Link emulation for host-to-device copies: gen5, gen4, gen3, ddr4-desktop or GB/s.")
     progress: bool = Field(False, description="Show progress bars while loading (checkpoints over 1 GiB show them on a terminal anyway).")
     cuda_graphs: bool = Field(
-        default_factory=lambda: os.environ.get("SPECTER_CUDA_GRAPHS", "1") != "0",
-        description="On CUDA, replay the resident decode/verify step and the draft step as CUDA graphs "
-        "(default on; SPECTER_CUDA_GRAPHS=0 turns it off).",
+        True, description="On CUDA, replay the resident decode/verify step and the draft step as CUDA graphs.",
     )
     static_verify: bool | None = Field(
         None,
@@ -140,6 +235,8 @@ class EngineConfig(_Frozen):
         "experts hot first from the cache. True also runs the resident target through the static step on the CPU, "
         "so both agree. None (default): on where CUDA graphs run (measured faster on the H200), off on the CPU.",
     )
+    tuning: TuningConfig = Field(default_factory=TuningConfig, description="Measured knobs of the cache, transfer "
+                                 "engine, verify and kernels; the defaults are the measured best.")
 
     def verify_is_static(self, device_type: str) -> bool:
         """Whether the verify runs the static step on a device of this type (resolves static_verify=None)."""

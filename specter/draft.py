@@ -119,7 +119,8 @@ class Draft:
     def __init__(self, target: Transformer, experts: DraftExperts, *, static: bool | None = None) -> None:
         spec = target.spec
         # The same tensors dict: every non-expert tensor is the target's own (storage-identical).
-        self.model = transformer_for(spec)(spec, target.w, exact=False, row_bucket=target.bucket, max_context=target.max_context)
+        self.model = transformer_for(spec)(spec, target.w, exact=False, row_bucket=target.bucket, max_context=target.max_context,
+                                           kernels=target.kernels)
         self.experts = experts
         supported = static_step_supported(self.model)
         if static and not supported:

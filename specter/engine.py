@@ -21,11 +21,10 @@ import torch
 
 from specter import calibrate
 from specter.accept import Acceptance, coupled_verdict, greedy_verdict, read_verdict, rejection_verdict
-from specter.config import EngineConfig, GenerationConfig
+from specter.config import EngineConfig, GenerationConfig, TuningConfig
 from specter.decode import check_prompt, greedy_decode
 from specter.draft import Draft, DraftExperts
-from specter.errors import RequestCancelled
-from specter.experts import transfer as transfer_engine
+from specter.errors import ConfigError, RequestCancelled
 from specter.experts.cache import ExpertCache
 from specter.kernel import NOT_READY, Kernel, StageCounters, stage
 from specter.loader import resolve_device, resolve_dtype
@@ -53,16 +52,12 @@ from specter.model.transformer import ExpertProvider, Transformer
 from specter.policy import LinkTiming, LookaheadState, Plan, RoundOutcome, UseHistory
 from specter.sampling import SamplingParams, probs, sample
 from specter.trace import TraceHeader, TraceRound, TraceWriter
-from specter import verify as verify_module
 from specter.verify import OffloadedExperts, to_host
 
 log = get_logger(__name__)
 Tensor = torch.Tensor
 MAX_DEFERRED_ROUNDS = 64
 """Rounds of copy-busy measurement that may wait for the kernel's idle time before one is finished in line."""
-DEFER_COPY_BUSY = True
-"""Whether the copy-busy measurement's event reads wait for the kernel's idle time (False: read at the round's end,
-as before; benchmarks/profile_offloaded.py --inline-bookkeeping times both)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +156,8 @@ class Runtime:
         backend = load_backend(config, device)
         kernel = Kernel(backend)
         dense = source.dense(dtype, device, config.progress)
-        model = transformer_for(spec)(spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context)
+        model = transformer_for(spec)(spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context,
+                                      kernels=config.tuning.kernels)
         quantize_now = speculative and not calibrated
         experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now)
         source.close()
@@ -231,6 +227,18 @@ class Runtime:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    def retune(self, tuning: TuningConfig) -> None:
+        """Take `tuning` from the next request on: the cache, transfer and verify knobs are read at run time (A/B
+        runs flip them between the requests of one process). The kernels' are fixed when the graphs are captured."""
+        if tuning.kernels != self.config.tuning.kernels:
+            raise ConfigError("tuning.kernels is fixed when the runtime is built (its CUDA graphs are captured then); "
+                              "build another runtime to change it")
+        self.config = self.config.model_copy(update={"tuning": tuning})
+        if self.cache is not None:
+            self.cache.tuning, self.cache.transfer.tuning = tuning.cache, tuning.transfer
+        if isinstance(self.experts, OffloadedExperts):
+            self.experts.tuning = tuning.verify
 
     def _choose_victims(self, layer: int, residents: Sequence[int], protected: set[int], count: int) -> list[int]:
         return self.eviction.victims(layer=layer, residents=list(residents), protected=frozenset(protected), count=count,
@@ -375,8 +383,8 @@ class Runtime:
         window = [marks[1] if marks[1] is not None else self._stream_mark()]  # the verify, for the copy-busy measurement
         block = torch.cat([x0_tensor, drafted]) if k else x0_tensor
         record = self._start_record()
-        if record is not None:  # the segmented verify leads each layer's routing with these (LEAD_MISSES)
-            self.experts.predicted = self._predicted() if self.segmented is not None and verify_module.LEAD_MISSES > 0 else None
+        if record is not None:  # the segmented verify leads each layer's routing with these (VerifyTuning.lead_misses)
+            self.experts.predicted = self._predicted() if self.segmented is not None and self.experts.tuning.lead_misses > 0 else None
         verify_started = time.perf_counter()
         try:
             async with stage("verify", counters=self.stages, rows=k + 1):
@@ -589,15 +597,14 @@ class Runtime:
         verify ended (capped at the verify's end). Reading the chunks' events costs a few microseconds each
         (H200 trace: 42 % of the GPU-idle time in round-boundary gaps of 1 ms or more), so the reading is
         deferred to the kernel's idle work (`Kernel.defer`: it runs while a later wait's event is pending)
-        and finished when the request ends (`_end_request`). Only the chunk list is taken now. With
-        DEFER_COPY_BUSY off (or no kernel) the events are read here, and a round whose window marks have not
-        completed is left out, as before the deferral.
+        and finished when the request ends (`_end_request`). Only the chunk list is taken now. Without a kernel
+        the events are read here, and a round whose window marks have not completed is left out.
         """
         transfer = self.cache.transfer
         transfer.chunk_log = None
         if record is None or record.stall_s <= 0 or not chunks:
             return
-        if self.kernel is None or not DEFER_COPY_BUSY:
+        if self.kernel is None:
             if all(mark.query() for mark in window):
                 for _ in self._copy_busy_work(chunks, window, stats, batch=len(chunks)):
                     pass
@@ -620,7 +627,7 @@ class Runtime:
         if span > 0:
             stats.copy_busy_s += busy_within([(t.start, t.end) for t in times], 0.0, span)
             stats.copy_window_s += span
-            if transfer_engine.ISSUE_MARKS:  # (without the marks there is nothing to split)
+            if self.cache.transfer.issue_marks:  # (without the marks there is nothing to split)
                 causes = idle_causes(times, span)
                 if causes is not None:  # (the pump trace covers the same windows as the split)
                     for cause, seconds in causes.items():
@@ -765,7 +772,8 @@ def _graphed_target(model: Transformer, experts: ExpertProvider, kv: KVCache, co
     """
     graphs = model.device.type == "cuda" and config.cuda_graphs
     static = config.verify_is_static(model.device.type)
-    if not (graphs or static) or not isinstance(experts, ResidentExperts) or not static_step_supported(model):
+    supported = static_step_supported(model, config.tuning.kernels.static_mla)
+    if not (graphs or static) or not isinstance(experts, ResidentExperts) or not supported:
         return None
     return GraphedTarget(model, experts, kv, use_graph=graphs)
 
@@ -779,7 +787,7 @@ def _segmented_step(model: Transformer, experts: ExpertProvider, kv: KVCache, co
 
 def _segmented_verify(config: EngineConfig, device_type: str, model: Transformer | type[Transformer]) -> bool:
     """Whether an offloaded verify runs the segmented static step (the memory plan asks before the model exists)."""
-    return config.verify_is_static(device_type) and static_step_supported(model)
+    return config.verify_is_static(device_type) and static_step_supported(model, config.tuning.kernels.static_mla)
 
 
 def _make_draft(model: Transformer, experts: DraftExperts, config: EngineConfig) -> Draft:

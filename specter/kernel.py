@@ -17,7 +17,7 @@ Code elsewhere never blocks on the device; it does `await kernel.wait(event)`.
 #     the round that started it.
 #  6. The loop thread never blocks on the device. The one exception is the spin budget: a bounded,
 #     explicit poll of `event.query()` for waits known to be short (cheaper than two thread hops).
-#  7. The completion mechanism is a setting: `waiter` (one thread per stream and lane blocking on a
+#  7. The completion mechanism is a setting: `waiter` (one thread per stream blocking on a
 #     blocking-sync event, GIL released) or `host_func` (the backend calls back from the stream itself).
 #     benchmarks/transfer_bench.py measures both; `waiter` is the default because it needs no cupy.
 #  8. Everything that waits is counted (`Kernel.stats`), and every stage is a structured event.
@@ -58,7 +58,7 @@ class KernelSettings(BaseModel):
 
     mechanism: Literal["waiter", "host_func"] = Field(
         "waiter",
-        description="'waiter': a thread per stream (and lane) blocks on the event; 'host_func': the backend calls back "
+        description="'waiter': a thread per stream blocks on the event; 'host_func': the backend calls back "
         "when the stream reaches it (cupy launch_host_func on cuda).",
     )
     spin_s: float = Field(
@@ -108,16 +108,9 @@ class WaitStats:
     """Events that completed while deferred work ran: no spin, no suspension."""
 
 
-IDLE_IN_POLLED_WAITS = False
-"""Whether deferred work (`Kernel.defer`) may run in a wait that polls (`poll_s` > 0). A polled wait is one on the
-critical path that is known to be short: the verify's router choice per MoE layer, which the copy stream idles on
-(the layer hand-over, `bench --copy-gaps`); a deferred step there delays the wake-up by up to one step. Off: such
-work runs in the other waits (the draft's checkpoints, the verdict, the transfer pump's). A switch for A/B."""
-
-
 class _StreamWaiter:
-    """One thread per (stream, lane): blocks on each event in the order they were parked (events of one stream complete
-    in the order they were recorded, which is not always the order they were parked: see `Kernel.wait`'s lane)."""
+    """One thread per stream: blocks on each event in the order they were parked (head-of-line: a wait parked behind
+    an event recorded later on the same stream is told only when that later event completes)."""
 
     def __init__(self, stream: Stream) -> None:
         self._pending: queue.SimpleQueue[tuple[Event, Callable[[], None]] | None] = queue.SimpleQueue()
@@ -147,34 +140,28 @@ class Kernel:
         self.settings = settings or KernelSettings()
         self.backend = backend
         self.stats = WaitStats()
-        self._waiters: dict[tuple[Stream, str | None], _StreamWaiter] = {}  # one per (stream, lane)
+        self._waiters: dict[Stream, _StreamWaiter] = {}  # one per stream
         self._deferred: collections.deque[Iterator[Any]] = collections.deque()
         self._in_deferred = False
         self._closed = False
         if self.settings.mechanism == "host_func" and backend is None:
             raise ConfigError("kernel mechanism 'host_func' needs a backend to launch host functions; pass backend=")
 
-    async def wait(self, event: Event, *, spin_s: float | None = None, poll_s: float = 0.0, lane: str | None = None) -> None:
+    async def wait(self, event: Event, *, spin_s: float | None = None, poll_s: float = 0.0) -> None:
         """Suspend the calling task until `event` completes (the only GPU await point, principle 1).
 
         `spin_s` overrides the settings' spin budget for this wait. `poll_s`: after the spin, poll
         `event.query()` once per loop iteration for up to this long, yielding to the other tasks between
         polls (a wake-up within one iteration instead of a thread hop, at the price of a busy loop thread;
-        for waits on the critical path that are known to be short; no deferred work runs in them unless
-        IDLE_IN_POLLED_WAITS). If the task is cancelled while
-        suspended, CancelledError propagates and the completion is dropped when it arrives.
-
-        `lane`: a parked wait goes to the waiter thread of (stream, lane). A waiter takes its events in the order
-        they were parked and blocks on each in turn, so a wait parked behind an event recorded later on the same
-        stream is told only when that later event completes (head-of-line). A task that waits on older events
-        than the others parked on its stream (the transfer pump, on the oldest chunk on the stream) takes a lane
-        of its own. Ignored by the host_func mechanism (the backend calls back per event).
+        for waits on the critical path that are known to be short; no deferred work runs in them, since a step
+        there would delay the wake-up). If the task is cancelled while suspended, CancelledError propagates and the
+        completion is dropped when it arrives.
         """
         self.stats.waits += 1
         if event.query():
             self.stats.already_done += 1
             return
-        if self._deferred and (poll_s <= 0 or IDLE_IN_POLLED_WAITS) and self._idle(event):
+        if self._deferred and poll_s <= 0 and self._idle(event):
             self.stats.idle_completed += 1
             return
         if self._spin(event, self.settings.spin_s if spin_s is None else spin_s):
@@ -183,7 +170,7 @@ class Kernel:
         if poll_s > 0 and await self._poll(event, poll_s):
             self.stats.polled += 1
             return
-        await self._park(event, lane)
+        await self._park(event)
 
     def defer(self, work: Iterator[Any]) -> None:
         """Queue host work that need not run now (bookkeeping that reads completed GPU events, say): an iterator
@@ -259,7 +246,7 @@ class Kernel:
                 return True
         return False
 
-    async def _park(self, event: Event, lane: str | None = None) -> None:
+    async def _park(self, event: Event) -> None:
         assert not self._closed, "Kernel.wait after Kernel.close"
         loop = asyncio.get_running_loop()
         completion = loop.create_future()
@@ -267,7 +254,7 @@ class Kernel:
         if self.settings.mechanism == "host_func":
             self.backend.launch_host_func(event.stream, notify)
         else:
-            self._waiter_for(event.stream, lane).add(event, notify)
+            self._waiter_for(event.stream).add(event, notify)
         self.stats.parked += 1
         started = time.perf_counter()
         try:
@@ -292,11 +279,10 @@ class Kernel:
 
         return notify
 
-    def _waiter_for(self, stream: Stream, lane: str | None = None) -> _StreamWaiter:
-        key = (stream, lane)
-        waiter = self._waiters.get(key)
+    def _waiter_for(self, stream: Stream) -> _StreamWaiter:
+        waiter = self._waiters.get(stream)
         if waiter is None:
-            waiter = self._waiters[key] = _StreamWaiter(stream)
+            waiter = self._waiters[stream] = _StreamWaiter(stream)
         return waiter
 
     @property

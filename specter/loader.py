@@ -51,7 +51,8 @@ def load_resident(path: str | Path, config: EngineConfig | None = None) -> Loade
     device, dtype = resolve_device(config), resolve_dtype(config, ckpt.spec)
     check_no_unknown_experts(ckpt)
     dense = load_dense(ckpt, dtype, device, progress=config.progress)
-    model = transformer_for(ckpt.spec)(ckpt.spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context)
+    model = transformer_for(ckpt.spec)(ckpt.spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context,
+                                       kernels=config.tuning.kernels)
     experts = ResidentExperts.from_iter(iter_experts(ckpt, dtype, progress=config.progress), ckpt.spec.num_experts, device)
     ckpt.close()
     return LoadedModel(Path(path), ckpt.spec, model, experts, config)

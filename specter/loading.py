@@ -134,6 +134,7 @@ async def load_experts(source: WeightSource, config: EngineConfig, memory: Memor
     pool.check_complete()
     gbps = parse_link(config.link)
     link = LinkEmulation(gbps) if gbps is not None and device.type == "cuda" else None
-    transfer = TransferEngine(backend, kernel, link=link)
-    cache = ExpertCache(backend, kernel, transfer, pool, memory.slots_per_layer, choose_victims=lambda *a: [])
-    return OffloadedExperts(cache, kernel, {}), cache, draft
+    tuning = config.tuning
+    transfer = TransferEngine(backend, kernel, link=link, tuning=tuning.transfer)
+    cache = ExpertCache(backend, kernel, transfer, pool, memory.slots_per_layer, choose_victims=lambda *a: [], tuning=tuning.cache)
+    return OffloadedExperts(cache, kernel, {}, tuning=tuning.verify), cache, draft

@@ -159,7 +159,7 @@ def idle_causes(chunks: Sequence[ChunkTimes], span: float) -> dict[str, float] |
     rest (it was not submitted yet: its plan came after the stream ran dry); `handover` when C is an urgent chunk of another
     layer than the chunk before it (its misses were known only after its router ran), else `issue`; the rest of the gap
     (the mark reached, the copy not started) is `slot`: the copy waited on its slot's last reader. None when a
-    chunk that ends a gap lacks its issue mark (`transfer.ISSUE_MARKS` off). Idle time after the last chunk
+    chunk that ends a gap lacks its issue mark (`TransferTuning.issue_marks` off). Idle time after the last chunk
     (none in the engine's windows, which end at a chunk's end) counts as `head` if no chunk ran, else `issue`.
     """
     causes = dict.fromkeys(IDLE_CAUSES, 0.0)

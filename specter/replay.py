@@ -2,7 +2,7 @@
 
 CLI: `python -m specter.replay TRACE [--link GBPS] [--slots S] [--eviction a,b] [--prefetch a,b] [--roll W|all]
 [--json]`. The rolling window is modelled as on the engine's host-waiting path (`iter_ready`: later misses recycle
-the oldest miss's slot); on CUDA the engine's policy picks most of those slots (see `cache.ROLL_HOT_WINDOW`).
+the oldest miss's slot); on CUDA the engine's policy picks most of those slots (see `CacheTuning.roll_hot_window`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from specter.config import CacheTuning
 from specter.errors import SpecterError
 from specter.log import get_logger
 from specter.plugins import available, guarded, load_policy
@@ -148,7 +149,7 @@ def replay(
     other steps are not compared on their own schedules); else at each of prefetch's checkpoints, from the
     round's predicted counts scaled to the steps done. Load the plan layer by layer, protecting it;
     then each layer's verify uses its experts hot first, loading misses on demand through a rolling window
-    (`roll`, see `_verify_round`; "engine": as the engine's switches are set now, `engine_roll()`).
+    (`roll`, see `_verify_round`; "engine": the engine's default window, `engine_roll()`).
     """
     roll = engine_roll() if roll == "engine" else roll
     eviction = _as_policy("eviction", eviction)
@@ -178,15 +179,11 @@ def replay(
     )
 
 
-def engine_roll() -> int:
-    """The engine's rolling window as `_verify_round`'s `roll` (-1: no limit). With `ROLL_INTO_HOT` off no hot
-    expert gives way up front (a window of 0 up front; later misses still recycle the oldest miss's slot); off with
-    no window, the engine's all-at-once policy choice is modelled as no limit."""
-    from specter.experts import cache
-
-    if cache.ROLL_HOT_WINDOW is None:
-        return -1
-    return cache.ROLL_HOT_WINDOW if cache.ROLL_INTO_HOT else 0
+def engine_roll(tuning: CacheTuning | None = None) -> int:
+    """The engine's rolling window (`tuning.roll_hot_window`, default the engine's) as `_verify_round`'s `roll`
+    (-1: no limit: the engine's all-at-once policy choice)."""
+    window = (tuning or CacheTuning()).roll_hot_window
+    return -1 if window is None else window
 
 
 def _as_policy(group: str, policy: Any) -> Any:
@@ -232,7 +229,7 @@ def _verify_round(
 
     As the engine's rolling window (`specter.experts.cache`): the misses that fit in free slots or in the slots of
     residents the layer does not use start first; then hot experts give their slots to the waiting misses, chosen
-    by the eviction policy among the hot ones, until the misses hold `roll` slots (`ROLL_HOT_WINDOW`); each miss
+    by the eviction policy among the hot ones, until the misses hold `roll` slots (`CacheTuning.roll_hot_window`); each miss
     left takes the slot of the layer's oldest miss. With `roll` -1 (no window) every waiting miss takes a hot
     expert's slot while any is left, and the rest take slots the policy frees.
     """

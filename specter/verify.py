@@ -17,36 +17,13 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 import torch
 
 from backends.base import Event
+from specter.config import VerifyTuning
 from specter.experts.cache import ExpertCache
 from specter.kernel import Kernel
 from specter.model.segmented import SegmentedStep
 from specter.model.transformer import ExpertMLP, RoutingTable, combine_in_expert_order
 
 Tensor = torch.Tensor
-
-
-REUSE_USE_MARKS = True
-"""On the device-ordered path, a waited miss's stall is timed from the previous expert's use mark (one event fewer per
-miss). False: an event of its own before each miss, as before. A switch for A/B."""
-
-REUSE_PINNED = True
-"""`to_host` takes its pinned buffer from a free list. False: a fresh pinned tensor per call, as before. For A/B."""
-
-LEAD_MISSES = 2
-"""Per MoE layer of a segmented verify, while the layer's routing is on its way to the host: compute every resident
-the round's prefetch plan predicts, and start up to this many of the misses it predicts (`ExpertCache.lead`), each
-in a free slot or in the slot of one of those residents, so the copy stream goes on from the previous layer's misses
-to this layer's without waiting for the router's choice to reach the host (`bench --copy-gaps`: the "handover"
-share), and the host starts the other misses as soon as the choice arrives (the "issue" share). The experts computed
-early are skipped when the routing comes. 0: off. A switch for A/B."""
-
-ROUTING_POLL_S = 3e-3
-"""How long a verify polls for its router's choice before parking (CUDA, device-ordered misses): the host is
-then ahead of the device by the layer's misses, and a thread hop would add 0.1-0.3 ms to every MoE layer."""
-
-
-def routing_poll_s(on_device: bool) -> float:
-    return ROUTING_POLL_S if on_device else 0.0
 
 
 async def to_host(kernel: Kernel, tensor: Tensor, *, poll_s: float = 0.0) -> list:
@@ -65,7 +42,7 @@ def copy_to_host(kernel: Kernel, tensor: Tensor) -> Tensor | tuple[tuple, Tensor
     free = _PINNED_FREE.setdefault(key, [])
     if _PINNED_ABANDONED:
         _recycle_abandoned()
-    host = free.pop() if free and REUSE_PINNED else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host = free.pop() if free else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return key, host, backend.copy_d2h(host, tensor, backend.compute_stream)
 
 
@@ -80,8 +57,7 @@ async def host_values(kernel: Kernel, pending: Tensor | tuple[tuple, Tensor, Eve
         abandon(pending)
         raise
     values = host.tolist()
-    if REUSE_PINNED:
-        _PINNED_FREE.setdefault(key, []).append(host)
+    _PINNED_FREE.setdefault(key, []).append(host)
     return values
 
 
@@ -185,10 +161,9 @@ async def compute_hot_first(cache: ExpertCache, kernel: Kernel, cache_layer: int
                     record.device_waits.append((before, backend.record_event(stream, timed=True)))
                 compute(expert, cache.slot_weights(slot))
                 order.append(expert)
-                used_timed = len(order) >= len(hot) and REUSE_USE_MARKS
+                used_timed = len(order) >= len(hot)
                 used = backend.record_event(stream, timed=used_timed)
                 cache.mark_used(cache_layer, expert, used)
-                cache.transfer.top_up()  # this loop does not yield to the pump: feed the stream from here
     else:
         waited = time.perf_counter()
         async for expert, slot in cache.iter_ready(cache_layer, needed):
@@ -210,15 +185,17 @@ class OffloadedExperts:
     """ExpertProvider over an ExpertCache; `layer_index` maps model layers to the cache's compact MoE layers."""
 
     def __init__(self, cache: ExpertCache, kernel: Kernel, layer_index: dict[int, int],
-                 on_routed: RoutedHook | None = None, on_device: bool | None = None) -> None:
+                 on_routed: RoutedHook | None = None, on_device: bool | None = None,
+                 tuning: VerifyTuning | None = None) -> None:
         self.cache = cache
+        self.tuning = tuning or VerifyTuning()  # EngineConfig.tuning.verify; read at run time
         self.kernel = kernel
         self.layer_index = layer_index
         self.on_routed = on_routed  # e.g. gate-prefetch: sees each layer's hidden rows and chosen experts
         self.record = VerifyRecord()
         self.predicted: Mapping[int, Sequence[int]] | None = None
         """Cache layer -> experts the coming verify will likely need, likeliest first (the engine sets it from the
-        round's prefetch plan; None: no prediction), for `LEAD_MISSES`."""
+        round's prefetch plan; None: no prediction), for the lead (`VerifyTuning.lead_misses`)."""
         # Misses ordered on the device (compute_hot_first's on_device): on CUDA, where the forward's compute
         # runs on the backend's compute stream; elsewhere the host computes and must see each landing.
         backend = kernel.backend
@@ -229,7 +206,8 @@ class OffloadedExperts:
         return self.record
 
     async def run(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor, mlp: ExpertMLP) -> Tensor:
-        chosen = await to_host(self.kernel, ids, poll_s=routing_poll_s(self.on_device))  # await point: the router's choice
+        poll_s = self.tuning.routing_poll_s if self.on_device else 0.0
+        chosen = await to_host(self.kernel, ids, poll_s=poll_s)  # await point: the router's choice
         table = RoutingTable(chosen, x.device)
         needed = table.experts
         self.record.first_row.setdefault(layer, len(set(chosen[0])))
@@ -248,21 +226,24 @@ class OffloadedExperts:
     async def verify_static(self, step: SegmentedStep, block_tokens: Tensor, start: int) -> Tensor:
         """The verify forward through the segmented static step (see `verify_segmented`), into this record."""
         return await verify_segmented(step, block_tokens, start, self.cache, self.kernel, self.layer_index, self.record,
-                                      on_routed=self.on_routed, on_device=self.on_device, predicted=self.predicted)
+                                      on_routed=self.on_routed, on_device=self.on_device, predicted=self.predicted,
+                                      tuning=self.tuning)
 
 
 async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int, cache: ExpertCache, kernel: Kernel,
                            layer_index: dict[int, int], record: VerifyRecord, *, on_routed: RoutedHook | None = None,
-                           on_device: bool = False, predicted: Mapping[int, Sequence[int]] | None = None) -> Tensor:
+                           on_device: bool = False, predicted: Mapping[int, Sequence[int]] | None = None,
+                           tuning: VerifyTuning | None = None) -> Tensor:
     """Float32 logits [n, V] of n device tokens at positions start.., in R-row chunks, writing their KV.
 
     Per MoE layer: the pre-MoE segment (a graph replay on CUDA), one D2H copy of the router ids, the
     routed experts hot first from the cache, their sum in expert-id order, then the next segment. The
     logits are bit-identical to the resident GraphedTarget's with the same R and MoE kernel. `predicted` (cache
     layer -> likely experts; used when the block fits in one chunk) lets the verify compute each layer's predicted residents and start its predicted
-    misses while the routing is on its way to the host (`LEAD_MISSES`): an expert's staged output is the same
-    whether or not a row chose it.
+    misses while the routing is on its way to the host (`tuning.lead_misses`): an expert's staged output is the
+    same whether or not a row chose it. `tuning.routing_poll_s`: how long each routing read polls on CUDA.
     """
+    tuning = tuning or VerifyTuning()
     assert block_tokens.shape[0] >= 1, "nothing to verify: pass at least one token"
     parts = []
     # A verify of more rows than the step's runs in chunks; the prediction covers the whole block, so a lead in one
@@ -273,16 +254,17 @@ async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int
         for index, layer in enumerate(step.moe_layers):
             step.run_segment(index)
             likely = lead.get(layer_index[layer]) if lead else None
-            await _routed_experts(step, layer, count, cache, kernel, layer_index[layer], record, on_routed, on_device, likely)
+            await _routed_experts(step, layer, count, cache, kernel, layer_index[layer], record, on_routed, on_device,
+                                  tuning, likely)
         step.run_segment(len(step.moe_layers))
         parts.append(step.logits[:count].clone())  # the static output is overwritten by the next chunk
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _lead(cache: ExpertCache, kernel: Kernel, cache_layer: int, likely: Sequence[int],
-          compute: ComputeExpert) -> tuple[list[int], list[int]]:
+def _lead(cache: ExpertCache, kernel: Kernel, cache_layer: int, likely: Sequence[int], compute: ComputeExpert,
+          misses: int) -> tuple[list[int], list[int]]:
     """`ExpertCache.lead` for a layer whose segment is enqueued: the experts computed early and the loads started."""
-    if LEAD_MISSES <= 0:
+    if misses <= 0:
         return [], []
     backend = kernel.backend
 
@@ -290,11 +272,11 @@ def _lead(cache: ExpertCache, kernel: Kernel, cache_layer: int, likely: Sequence
         compute(expert, cache.slot_weights(slot))
         return backend.record_event(backend.compute_stream)
 
-    return cache.lead(cache_layer, likely, LEAD_MISSES, launch)
+    return cache.lead(cache_layer, likely, misses, launch)
 
 
 async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: ExpertCache, kernel: Kernel, cache_layer: int,
-                          record: VerifyRecord, on_routed: RoutedHook | None, on_device: bool,
+                          record: VerifyRecord, on_routed: RoutedHook | None, on_device: bool, tuning: VerifyTuning,
                           likely: Sequence[int] | None = None) -> None:
     """One MoE layer's routed experts for the step's current chunk of `count` real rows, into step.routed. `likely`:
     the experts the round's plan predicts, for `_lead` while the router's choice is on its way to the host."""
@@ -303,11 +285,11 @@ async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: Ex
 
     pending = copy_to_host(kernel, step.ids)  # the router's choice, [R, A] in one D2H copy, ahead of the lead's compute
     try:
-        computed, started = _lead(cache, kernel, cache_layer, likely, compute) if likely else ([], [])
+        computed, started = _lead(cache, kernel, cache_layer, likely, compute, tuning.lead_misses) if likely else ([], [])
     except BaseException:
         abandon(pending)
         raise
-    chosen = await host_values(kernel, pending, poll_s=routing_poll_s(on_device))  # await point
+    chosen = await host_values(kernel, pending, poll_s=tuning.routing_poll_s if on_device else 0.0)  # await point
     needed = sorted({expert for row in chosen[:count] for expert in row})  # padding rows repeat the last real row
     record.first_row.setdefault(layer, len(set(chosen[0])))
     if on_routed is not None:

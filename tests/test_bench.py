@@ -338,15 +338,12 @@ def test_qwen_shaped_reference_model_loads_and_decodes_like_transformers(tmp_pat
     assert asyncio.run(generate()) == expected
 
 
-def test_copy_gaps_splits_the_copy_idle_time_by_cause(tmp_path, monkeypatch):
+def test_copy_gaps_splits_the_copy_idle_time_by_cause(tmp_path):
     """--copy-gaps turns the issue marks on: each stalled cell reports its idle shares, which add up to 1 - copy busy."""
-    from specter.experts import transfer
-
-    monkeypatch.setattr(transfer, "ISSUE_MARKS", False)  # the flag sets it (monkeypatch restores it afterwards)
     out = tmp_path / "gaps"
     assert cli.main(["--systems", "specter-fixed", "--k", "4", "--max-new-tokens", "12", "--warmup-tokens", "2", "--link", "0.25",
                      "--copy-gaps", "--no-progress", "--no-plots", "--out", str(out)]) == 0
-    assert transfer.ISSUE_MARKS
+    assert json.loads((out / "results.json").read_text())["options"]["tuning"]["transfer"]["issue_marks"] is True
     (row,) = json.loads((out / "results.json").read_text())["summary"]
     assert row["copy_busy"] is not None and set(row["copy_idle"]) == {"head", "handover", "issue", "pump", "plan", "slot"}
     assert row["copy_busy"] + sum(row["copy_idle"].values()) == pytest.approx(1.0, abs=2e-3)
@@ -360,63 +357,105 @@ def test_copy_gaps_splits_the_copy_idle_time_by_cause(tmp_path, monkeypatch):
         assert "Gaps a late prefetch chunk ended" in (out / "results.md").read_text()
 
 
-def test_ab_bench_sets_switches_and_row_config_and_refuses_unknown_names(monkeypatch):
-    """benchmarks/ab_bench.py: --set changes a module constant, --row-config a RowConfig field; typos are refused."""
-    from specter.experts import cache
+def test_ab_bench_sets_tuning_fields_and_row_config_and_refuses_unknown_names(monkeypatch):
+    """benchmarks/ab_bench.py: --set becomes the bench's --tune of a tuning field, --row-config a RowConfig field;
+    typos and bad values are refused with the field named."""
     from specter.model import rowfused
 
     spec = importlib.util.spec_from_file_location("ab_bench", ROOT / "benchmarks" / "ab_bench.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    monkeypatch.setattr(cache, "ROLL_INTO_HOT", True)
     monkeypatch.setattr(rowfused, "DEFAULT_CONFIG", rowfused.DEFAULT_CONFIG)
     flipped = not rowfused.DEFAULT_CONFIG.int8_finish
-    module.apply(["specter.experts.cache.ROLL_INTO_HOT=false"], json.dumps({"int8_finish": flipped}))
-    assert cache.ROLL_INTO_HOT is False and rowfused.DEFAULT_CONFIG.int8_finish is flipped
-    with pytest.raises(SystemExit, match="has no"):
-        module.apply(["specter.experts.cache.ROLL_INTO_HTO=false"], None)
-    with pytest.raises(SystemExit, match="MODULE.NAME=VALUE"):
-        module.apply(["ROLL_INTO_HOT"], None)
-    with pytest.raises(SystemExit, match="values are JSON"):
-        module.apply(["specter.experts.cache.ROLL_INTO_HOT=yes"], None)
+    assert module.tune_args(["cache.lead_relay=false", "verify.lead_misses=0"]) == [
+        "--tune", "cache.lead_relay=false", "--tune", "verify.lead_misses=0"]
+    module.apply_row_config(json.dumps({"int8_finish": flipped}))
+    assert rowfused.DEFAULT_CONFIG.int8_finish is flipped
+    with pytest.raises(SystemExit, match="cache.lead_relay"):
+        module.tune_args(["cache.lead_rleay=false"])
+    with pytest.raises(SystemExit, match="SECTION.FIELD=VALUE"):
+        module.tune_args(["lead_relay"])
+    with pytest.raises(SystemExit, match="lead_misses"):
+        module.tune_args(["verify.lead_misses=-1"])
+    with pytest.raises(SystemExit, match="SECTION.FIELD=A|B"):
+        module.alternate(["cache.lead_relay=false"])
+    with pytest.raises(SystemExit, match="fixed when the graphs are captured"):
+        module.alternate(["kernels.row_kernels=false|true"])
 
 
-def test_ab_bench_alternates_a_switch_between_the_requests_of_one_process(tmp_path, monkeypatch):
-    """--alternate: each measured request runs with the value its record names (A B B A per prompt), a second switch
-    flips with the first, each warm-up runs once per side, and the originals are back after every request."""
-    from specter import verify
+def test_bench_tune_sets_the_tuning_of_every_system_and_refuses_a_bad_field(tmp_path):
+    """`python -m specter.bench --tune SECTION.FIELD=VALUE` reaches the runtimes' EngineConfig; a bad one is refused."""
     from specter.bench import protocol
-    from specter.experts import cache
+
+    built = []
+    real = protocol.ModelBench.engine_config
+
+    def spy(self, **kwargs):
+        built.append(real(self, **kwargs))
+        return built[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(protocol.ModelBench, "engine_config", spy)
+        out = tmp_path / "tuned"
+        assert cli.main(["--systems", "specter-fixed", "--k", "4", "--max-new-tokens", "4", "--warmup-tokens", "2", "--link", "1",
+                         "--tune", "cache.lead_relay=false", "--tune", "verify.lead_misses=1", "--no-progress", "--no-plots",
+                         "--no-hf", "--out", str(out)]) == 0
+    assert built and all(not c.tuning.cache.lead_relay and c.tuning.verify.lead_misses == 1 for c in built)
+    assert cli.main(["--tune", "cache.nothing=1", "--no-progress", "--no-plots", "--out", str(tmp_path / "bad")]) == 2
+
+
+def test_ab_bench_alternates_a_tuning_field_between_the_requests_of_one_process(tmp_path, monkeypatch):
+    """--alternate: each measured request runs with the value its record names (A B B A per prompt), a second field
+    flips with the first, each warm-up runs once per side, and the tuning is back after every request."""
+    from specter.bench import protocol
+    from specter.config import TuningConfig
 
     spec = importlib.util.spec_from_file_location("ab_bench", ROOT / "benchmarks" / "ab_bench.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    monkeypatch.setattr(cache, "ROLL_INTO_HOT", True)
-    monkeypatch.setattr(verify, "REUSE_PINNED", True)
     real = protocol.ModelBench._request
-    during = []  # (warm, the switch's value while the request ran)
+    during = []  # (warm, the field's value while the request ran)
+    after = []  # the runtime's tuning once each request is done
 
     async def spy(self, runtime, system, prompt, start_state, cell, warm=False):
-        assert verify.REUSE_PINNED is cache.ROLL_INTO_HOT, "the second switch did not flip with the first"
-        during.append((warm, cache.ROLL_INTO_HOT))
+        tuning = runtime.config.tuning
+        assert tuning.verify.lead_misses == (2 if tuning.cache.lead_relay else 0), "the second field did not flip with the first"
+        if runtime.cache is not None:  # the components read what the config says
+            assert runtime.cache.tuning == tuning.cache and runtime.experts.tuning == tuning.verify
+        during.append((warm, tuning.cache.lead_relay))
         return await real(self, runtime, system, prompt, start_state, cell, warm=warm)
 
     monkeypatch.setattr(protocol.ModelBench, "_request", spy)
+    original = module.alternate
+
+    def alternate_and_watch(settings):
+        name = original(settings)
+        wrapped = protocol.ModelBench._request
+
+        async def watched(self, runtime, *args, **kwargs):
+            record = await wrapped(self, runtime, *args, **kwargs)
+            after.append(runtime.config.tuning)
+            return record
+
+        monkeypatch.setattr(protocol.ModelBench, "_request", watched)
+        return name
+
+    monkeypatch.setattr(module, "alternate", alternate_and_watch)
     out = tmp_path / "ab"
     with pytest.raises(SystemExit) as exit_:
-        module.main(["--alternate", "specter.experts.cache.ROLL_INTO_HOT=false|true",
-                     "--alternate", "specter.verify.REUSE_PINNED=false|true", "--", "--systems", "specter-fixed",
+        module.main(["--alternate", "cache.lead_relay=false|true",
+                     "--alternate", "verify.lead_misses=0|2", "--", "--systems", "specter-fixed",
                      "--k", "4", "--max-new-tokens", "6", "--warmup-tokens", "2", "--link", "1", "--repeats", "4",
                      "--no-progress", "--no-plots", f"--out={out}"])
     assert exit_.value.code == 0
     runs = json.loads((out / "results.json").read_text())["runs"]
     measured = [value for warm, value in during if not warm]
-    assert [run["variant"] for run in runs] == [f"ROLL_INTO_HOT={json.dumps(v)}" for v in measured]
+    assert [run["variant"] for run in runs] == [f"cache.lead_relay={json.dumps(v)}" for v in measured]
     assert measured == [False, True, True, False] * (len(runs) // 4)
     warm_values = [value for warm, value in during if warm]
     assert warm_values and warm_values == [False, True] * (len(warm_values) // 2), "each warm-up runs once per side"
-    assert cache.ROLL_INTO_HOT is True and verify.REUSE_PINNED is True
-    assert module.compare(str(out))[0].startswith("tiny residents=6 1 specter-fixed ROLL_INTO_HOT=false: 6 requests")
+    assert after and all(tuning == TuningConfig() for tuning in after)
+    assert module.compare(str(out))[0].startswith("tiny residents=6 1 specter-fixed cache.lead_relay=false: 6 requests")
 
 
 def test_ab_bench_pairs_each_prompt_with_itself():

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from backends.cpu import CPUBackend
+from specter.config import CacheTuning
 from specter.errors import BudgetError, CheckpointError, PluginError
 from specter.experts import ExpertCache, ExpertPool, TransferEngine
-from specter.experts import cache as cache_module
 from specter.experts.pool import experts_per_slab
 from specter.experts.transfer import LinkEmulation
 from specter.kernel import Kernel, run
@@ -37,13 +37,13 @@ def lru_victims(layer: int, residents: Sequence[int], protected: Set[int], count
 class Rig:
     """backend + kernel + pool + transfer engine + cache, with reader helpers that check what they read."""
 
-    def __init__(self, slots: int = SLOTS, link_gbps: float = 0.05, chooser=lru_victims) -> None:
+    def __init__(self, slots: int = SLOTS, link_gbps: float = 0.05, chooser=lru_victims, tuning: CacheTuning | None = None) -> None:
         self.backend = CPUBackend(link_gbps=link_gbps)  # 8 KiB take ~0.16 ms: copies overlap readers
         self.kernel = Kernel(self.backend)
         self.pool = ExpertPool(self.backend, LAYERS, EXPERTS, NUMEL, torch.float32)
         self.pool.load((l, e, torch.full((NUMEL,), expert_value(l, e))) for l in range(LAYERS) for e in range(EXPERTS))
         self.transfer = TransferEngine(self.backend, self.kernel, chunk_bytes=NUMEL * 2)  # 2 chunks per expert
-        self.cache = ExpertCache(self.backend, self.kernel, self.transfer, self.pool, slots, chooser)
+        self.cache = ExpertCache(self.backend, self.kernel, self.transfer, self.pool, slots, chooser, tuning)
         self.bad_reads: list[tuple[int, int, int]] = []
 
     async def load_residents(self, layer: int, experts: list[int]) -> None:
@@ -311,13 +311,13 @@ def test_the_lead_evicts_a_predicted_resident_only_after_computing_it_and_report
 
 
 @pytest.mark.parametrize("relay", [True, False])
-def test_the_lead_borrows_a_slot_of_the_layer_before_and_the_round_end_gives_it_back(monkeypatch, rig, relay):
-    """`LEAD_RELAY`: with every slot of layer 1 predicted, its first predicted miss takes a slot layer 0 lends (the
+def test_the_lead_borrows_a_slot_of_the_layer_before_and_the_round_end_gives_it_back(rig, relay):
+    """`CacheTuning.lead_relay`: with every slot of layer 1 predicted, its first predicted miss takes a slot layer 0 lends (the
     policy's victim there, after layer 0's slow compute of it: the copy must wait for that read), the second one a
     computed resident's; layer 1 then holds one slot more and layer 0 one fewer, until `unprotect_all` balances
     them. Off, both misses take computed residents' slots."""
-    monkeypatch.setattr(cache_module, "LEAD_RELAY", relay)
     cache = rig.cache
+    cache.tuning = CacheTuning(lead_relay=relay)
 
     async def main() -> None:
         await rig.load_residents(1, [0, 1, 2])
@@ -475,70 +475,20 @@ def test_iter_ready_yields_residents_first_and_rolls_through_more_experts_than_s
 
 
 @pytest.mark.parametrize("window, kept", [(None, {0, 1, 2}), (2, {5, 1, 2}), (1, {4, 5, 2}), (0, {4, 5, 2})])
-def test_the_roll_window_keeps_the_hot_experts_the_policy_keeps(monkeypatch, window, kept):
+def test_the_roll_window_keeps_the_hot_experts_the_policy_keeps(window, kept):
     """A layer that wants twice its slots: with no window every hot expert gives its slot to a miss; with a window
     the misses roll through that many slots and the hot experts the policy prefers stay for the next round."""
-    from specter.experts import cache as cache_module
-
     def keep_four_and_five(layer, residents, protected, count):  # plan-protect-like: 4 and 5 are the planned ones
         free = [e for e in residents if e not in protected]
         return sorted(free, key=lambda e: e in (4, 5))[:count]
 
-    monkeypatch.setattr(cache_module, "ROLL_INTO_HOT", True)
-    monkeypatch.setattr(cache_module, "ROLL_HOT_WINDOW", window)
-    rig = Rig(chooser=keep_four_and_five)
+    rig = Rig(chooser=keep_four_and_five, tuning=CacheTuning(roll_hot_window=window))
     try:
         order = roll_through(rig, [3, 4, 5], [3, 4, 5, 0, 1, 2])
         assert sorted(order) == list(range(6)) and set(order[:3]) == {3, 4, 5}
         assert set(rig.cache.lru_order(0)) == kept
         assert rig.bad_reads == []
         assert rig.cache.stats.layers[0].hits == 3 and rig.cache.stats.layers[0].misses == 3 + 3
-    finally:
-        rig.shutdown()
-
-
-@pytest.mark.parametrize("window", [1, 2])
-def test_recycle_loading_takes_the_oldest_misss_slot_while_its_copy_is_in_flight(monkeypatch, window):
-    """A device-ordered reader (iter_issued) takes each miss as its copy is issued, so the oldest miss is still
-    loading when the next needs a slot. With RECYCLE_LOADING its slot is taken anyway (the copy waits on the device
-    for the reader's compute): the hot experts the policy keeps stay, and every read sees its own expert."""
-    from specter.experts import cache as cache_module
-
-    def keep_four_and_five(layer, residents, protected, count):
-        return sorted((e for e in residents if e not in protected), key=lambda e: e in (4, 5))[:count]
-
-    monkeypatch.setattr(cache_module, "ROLL_INTO_HOT", True)
-    monkeypatch.setattr(cache_module, "ROLL_HOT_WINDOW", window)
-    monkeypatch.setattr(cache_module, "RECYCLE_LOADING", True)
-    in_flight = []  # experts whose slot was found recyclable while their copy was in flight
-    issued = cache_module.ExpertCache._issued
-
-    def watched(slot) -> bool:
-        if issued(slot):
-            in_flight.append(slot.expert)
-            return True
-        return False
-
-    monkeypatch.setattr(cache_module.ExpertCache, "_issued", staticmethod(watched))
-    rig = Rig(link_gbps=0.004, chooser=keep_four_and_five)  # 8 KiB take ~2 ms: each miss is in flight when used
-    try:
-        async def main() -> list[int]:
-            await rig.load_residents(0, [3, 4, 5])
-            order = []
-            async for expert, slot, ready in rig.cache.iter_issued(0, [3, 4, 5, 0, 1, 2]):
-                order.append(expert)
-                rig.read(0, expert, slot, ready=ready)
-            await rig.close()
-            return order
-
-        order = run(main())
-        assert sorted(order) == list(range(6))
-        kept = set(rig.cache.lru_order(0))
-        assert {4, 5} <= kept if window == 1 else 5 in kept and 4 not in kept  # window 2: 3 and 4 give way at once
-        assert in_flight, "no slot was recycled while its copy was in flight: the test did not reach that path"
-        assert rig.bad_reads == []
-        rig.check_consistent()  # every mapped expert resident with its bytes; the slot table agrees
-        assert rig.cache.stats.total().bytes_loaded == rig.backend.h2d_bytes
     finally:
         rig.shutdown()
 
@@ -590,7 +540,7 @@ def test_iter_ready_starts_the_misses_before_it_hands_out_the_residents(rig):
 @pytest.mark.parametrize("reader", ["iter_ready", "iter_issued"])
 def test_a_waiting_miss_starts_in_a_residents_slot_as_soon_as_that_resident_is_launched(reader):
     """Every slot holds a wanted resident: the first miss cannot start before the reader has launched (and marked
-    used) a resident; it must start right then, not after the reader has launched all of them (ROLL_INTO_HOT)."""
+    used) a resident; it must start right then, not after the reader has launched all of them."""
     rig = Rig()
 
     async def main() -> list[int]:

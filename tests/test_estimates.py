@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specter.config import DraftConfig, EngineConfig, GenerationConfig
+from specter.config import DraftConfig, EngineConfig, GenerationConfig, TransferTuning, TuningConfig
 from specter.engine import Runtime
 from specter.metrics import Estimates, RequestStats
 
@@ -72,11 +72,12 @@ def test_an_offloaded_speculative_run_measures_the_union_exponent(tiny):
     assert estimates.new_bytes_unit is not None and estimates.new_bytes_unit > 0
 
 
-def slow_link_stats(model) -> RequestStats:
+def slow_link_stats(model, tuning: TuningConfig | None = None) -> RequestStats:
     """One speculative request over a 0.25 GB/s emulated link with 2 slots per layer: its verifies stall on copies."""
 
     async def go():
-        config = EngineConfig(device="cpu", residents=2, link="0.25", draft=DraftConfig(k=2), lookahead="fixed")
+        config = EngineConfig(device="cpu", residents=2, link="0.25", draft=DraftConfig(k=2), lookahead="fixed",
+                              tuning=tuning or TuningConfig())
         runtime = await Runtime.load(model, config)
         try:
             return (await runtime.complete_ids([3, 1, 4, 1, 5], GenerationConfig(max_new_tokens=12))).stats
@@ -159,7 +160,7 @@ def test_the_deferred_copy_busy_reads_are_done_when_a_request_ends_even_one_left
     assert early.rounds >= 2 and early.copy_window_s > 0
 
 
-# ---- the copy stream's idle time by cause (transfer.ISSUE_MARKS, bench --copy-gaps) ---------------------------
+# ---- the copy stream's idle time by cause (TransferTuning.issue_marks, bench --copy-gaps) ---------------------------
 def _chunk(start, end, issued, layer, urgent=True, queued=None, room=None):
     from specter.experts.transfer import ChunkTimes
 
@@ -216,8 +217,8 @@ def test_chunks_without_a_mark_only_void_the_split_where_they_end_a_gap():
     assert idle_causes([], 1.0) == {"head": 1.0, "handover": 0.0, "issue": 0.0, "pump": 0.0, "plan": 0.0, "slot": 0.0}  # nothing ran: all head
 
 
-def test_chunk_times_carry_each_chunks_layer_and_issue_mark(monkeypatch):
-    """With ISSUE_MARKS the transfer engine's chunks carry the cache's layer (the tag's first item), whether they were
+def test_chunk_times_carry_each_chunks_layer_and_issue_mark():
+    """With issue marks the transfer engine's chunks carry the cache's layer (the tag's first item), whether they were
     urgent, and an issue mark no later than their start; without, no mark."""
     from backends.cpu import CPUBackend
     from specter.experts import transfer
@@ -229,8 +230,7 @@ def test_chunk_times_carry_each_chunks_layer_and_issue_mark(monkeypatch):
     targets = [torch.zeros(1 << 16) for _ in range(3)]
 
     async def main(marks: bool):
-        monkeypatch.setattr(transfer, "ISSUE_MARKS", marks)
-        engine = transfer.TransferEngine(backend, kernel, chunk_bytes=1 << 18)
+        engine = transfer.TransferEngine(backend, kernel, chunk_bytes=1 << 18, tuning=TransferTuning(issue_marks=marks))
         reference = backend.record_event(backend.copy_stream, timed=True)
         engine.chunk_log = []
         for layer, (source, target) in enumerate(zip(sources, targets)):
@@ -266,12 +266,9 @@ def test_busy_and_idle_by_cause_add_up_to_the_window(raw, span):
     assert busy + sum(causes.values()) == pytest.approx(span, abs=1e-9)
 
 
-def test_an_offloaded_run_with_issue_marks_splits_its_copy_idle_time(tiny, monkeypatch):
+def test_an_offloaded_run_with_issue_marks_splits_its_copy_idle_time(tiny):
     """With issue marks on, a stalled run's idle copy time is split by cause, adding up to window - busy."""
-    from specter.experts import transfer
-
-    monkeypatch.setattr(transfer, "ISSUE_MARKS", True)
-    stats = slow_link_stats(tiny)
+    stats = slow_link_stats(tiny, TuningConfig(transfer=TransferTuning(issue_marks=True)))
     assert stats.copy_window_s > 0 and set(stats.copy_idle_s) == {"head", "handover", "issue", "pump", "plan", "slot"}
     assert stats.copy_idle_s["handover"] > 0, "each layer's misses wait for its router: some hand-over gap must show"
     idle = sum(stats.copy_idle_s.values())

@@ -176,6 +176,11 @@ def counted(name):
     return calls
 
 
+def tune(model, **fields):
+    # the model's KernelTuning (EngineConfig.tuning.kernels) with these fields changed
+    model.kernels = model.kernels.model_copy(update=fields)
+
+
 def static_step(path, exact):
     loaded = load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=32, exact=exact))
     return loaded, StaticStep(loaded.model, ResidentMoE(loaded.model, loaded.experts, "dense"), 4)
@@ -201,7 +206,7 @@ for exact in (True, False):
     tokens, positions = torch.tensor([3, 1, 4, 1]), torch.arange(4)
     outputs = []
     for flag in (False, True):
-        fused.DECODE_ATTENTION = flag
+        tune(loaded.model, decode_attention=flag)
         outputs.append(step.hidden(tokens, positions, loaded.model.new_kv()))
     result["exact" if exact else "fast"] = {"calls": len(calls),
         "gap": ((outputs[1] - outputs[0]).abs().max() / outputs[0].abs().max()).item()}
@@ -214,7 +219,7 @@ for exact in (True, False):
     q = torch.randn(2, spec.num_heads, spec.head_dim, generator=torch.Generator().manual_seed(3))
     eager = []
     for flag in (False, True):
-        fused.DECODE_ATTENTION = flag
+        tune(model, decode_attention=flag)
         eager.append([model._attend(0, q[:1], 7, kv), model._attend(0, q, 7, kv)])
     result["eager-exact" if exact else "eager-fast"] = {"calls": len(calls),
         "gap": max(((b - a).abs().max() / a.abs().max()).item() for a, b in zip(*eager))}
@@ -321,13 +326,12 @@ for exact in (True, False):
     tokens, positions = torch.tensor([3, 1, 4, 1]), torch.tensor([5, 6, 7, 9])  # a gap: position 8 stays unwritten
     outputs, caches = [], []
     for flag in (False, True):
-        fused.ROPE_WRITES_CACHE = flag
+        tune(loaded.model, rope_writes_cache=flag)
         kv = loaded.model.new_kv()
         kv.k.fill_(7.0)
         kv.v.fill_(7.0)
         outputs.append(step.hidden(tokens, positions, kv))
         caches.append((kv.k.clone(), kv.v.clone()))
-    fused.ROPE_WRITES_CACHE = False
     result["exact" if exact else "fast"] = {
         "calls": len(calls),
         "same_output": bool(torch.equal(outputs[0], outputs[1])),

@@ -82,18 +82,14 @@ def test_graphed_segments_with_offloaded_experts_equal_the_resident_graph(load, 
     asyncio.run(go())
 
 
-@pytest.mark.parametrize("victims_first", [False, True])
 @pytest.mark.parametrize("guess", ["right", "wrong", "mixed"])
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
-def test_the_lead_over_the_routing_keeps_graphed_segments_bit_identical_on_the_device(load, family, guess, victims_first,
-                                                                                     monkeypatch):
-    """verify.LEAD_MISSES on CUDA, misses ordered on the device (on_device): predicted residents computed through
-    their slots' expert graphs before the routing is read, predicted misses copied into slots behind those computes;
-    right, wrong and mixed predictions, both orders of the lead's launches (cache.LEAD_VICTIMS_FIRST)."""
-    import specter.experts.cache as cache_module
+def test_the_lead_over_the_routing_keeps_graphed_segments_bit_identical_on_the_device(load, family, guess):
+    """VerifyTuning.lead_misses on CUDA, misses ordered on the device (on_device): predicted residents computed through
+    their slots' expert graphs before the routing is read, predicted misses copied into slots behind those computes
+    (the residents whose slots they take computed first); right, wrong and mixed predictions."""
     from tests.test_segmented import chosen_experts, guessed, spy_leads
 
-    monkeypatch.setattr(cache_module, "LEAD_VICTIMS_FIRST", victims_first)
     loaded = load(family, "bfloat16")
     start, experts = len(PROMPT), loaded.spec.num_experts
     leads = []

@@ -1,4 +1,4 @@
-"""DeepSeek-V2's multi-head latent attention in the static step on the CPU (on by default; SPECTER_STATIC_MLA=0 switches it off):
+"""DeepSeek-V2's multi-head latent attention in the static step on the CPU (on by default; KernelTuning.static_mla switches it off):
 batch invariance, parity with the eager exact path, the static draft, and the offloaded segmented verify."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import functools
 import pytest
 import torch
 
-from specter.config import EngineConfig
+from specter.config import EngineConfig, KernelTuning
 from specter.decode import greedy_decode, prefill, run_sync
 from specter.errors import ConfigError
 from specter.loader import LoadedModel, load_resident
 from specter.model.deepseek_v2 import LatentKVCache
-from specter.model.graphed import (STATIC_MLA_ENV, GraphedStep, GraphedTarget, ResidentMoE, StaticStep, decode_resident_graphed,
+from specter.model.graphed import (GraphedStep, GraphedTarget, ResidentMoE, StaticStep, decode_resident_graphed,
                                    static_step_supported)
 from specter.model.segmented import SegmentedStep
 from specter.sampling import SamplingParams
@@ -62,15 +62,11 @@ def dense_step(loaded: LoadedModel, kv: LatentKVCache, rows: int = 16) -> Graphe
 def test_the_static_mla_is_on_unless_switched_off(load, monkeypatch):
     loaded = load("deepseek-lite", "float32")
     model = loaded.model
-    for value in (None, "1", "true"):
-        if value is None:
-            monkeypatch.delenv(STATIC_MLA_ENV, raising=False)
-        else:
-            monkeypatch.setenv(STATIC_MLA_ENV, value)
-        assert static_step_supported(model), value
-    monkeypatch.setenv(STATIC_MLA_ENV, "0")
+    assert static_step_supported(model) and static_step_supported(type(model)) and static_step_supported(model, True)
+    assert not static_step_supported(type(model), False)  # the engine asks with EngineConfig.tuning.kernels
+    monkeypatch.setattr(model, "kernels", KernelTuning(static_mla=False))
     assert not static_step_supported(model)
-    with pytest.raises(ConfigError, match=STATIC_MLA_ENV):
+    with pytest.raises(ConfigError, match="static_mla"):
         StaticStep(model, ResidentMoE(model, loaded.experts, "dense"), 16)
 
 

@@ -105,10 +105,9 @@ def test_the_loop_keeps_running_while_a_task_waits(backend):
     kernel.close()
 
 
-@pytest.mark.parametrize("lane", [None, "pump"])
-def test_a_wait_parked_behind_a_later_event_of_its_stream_is_told_late_unless_in_a_lane_of_its_own(backend, lane):
+def test_a_wait_parked_behind_a_later_event_of_its_stream_is_told_late(backend):
     """A stream's waiter blocks on its events in the order they were parked: an early event parked after a later one
-    is reported only when the later one completes (head-of-line); a lane of its own reports it on time."""
+    is reported only when the later one completes (head-of-line)."""
     kernel = Kernel(backend)
 
     async def main() -> float:
@@ -118,17 +117,14 @@ def test_a_wait_parked_behind_a_later_event_of_its_stream_is_told_late_unless_in
         behind = loop.create_task(kernel.wait(late))  # parked first
         await asyncio.sleep(0)
         started = time.perf_counter()
-        await kernel.wait(early, lane=lane)
+        await kernel.wait(early)
         elapsed = time.perf_counter() - started
         await behind
         return elapsed
 
     elapsed = run(main())
     kernel.close()
-    if lane is None:
-        assert elapsed > 0.25, "the shared lane reported the early event before the later one (the premise changed)"
-    else:
-        assert elapsed < 0.2, f"a wait in its own lane waited {elapsed:.3f} s for a later event of its stream"
+    assert elapsed > 0.25, "the shared lane reported the early event before the later one (the premise changed)"
 
 
 def test_cancellation_is_not_swallowed_by_except_exception_and_completion_is_dropped(backend):

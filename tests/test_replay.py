@@ -238,18 +238,13 @@ def test_topm_keep_loads_one_expert_where_topm_loads_two():
     assert keep.h2d_bytes == topm.h2d_bytes - EXPERT_BYTES
 
 
-def test_the_replay_takes_the_engines_window(monkeypatch):
-    from specter.experts import cache
+def test_the_replay_takes_the_engines_window():
+    from specter.config import CacheTuning
     from specter.replay import engine_roll
 
-    monkeypatch.setattr(cache, "ROLL_INTO_HOT", True)
+    assert engine_roll() == CacheTuning().roll_hot_window == 2
     for window, roll in ((None, -1), (2, 2), (0, 0)):
-        monkeypatch.setattr(cache, "ROLL_HOT_WINDOW", window)
-        assert engine_roll() == roll
-    monkeypatch.setattr(cache, "ROLL_INTO_HOT", False)
-    assert engine_roll() == 0  # no hot expert gives way up front
-    monkeypatch.setattr(cache, "ROLL_HOT_WINDOW", None)
-    assert engine_roll() == -1
+        assert engine_roll(CacheTuning(roll_hot_window=window)) == roll
 
 
 def test_the_offline_bound_is_beladys_min_worked_by_hand():

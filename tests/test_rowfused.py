@@ -252,7 +252,7 @@ async def main():
         model, experts = draft.model, draft.experts
         result = {"moe_layers": len(model.spec.moe_layers), "layers": model.spec.num_layers, "top_k": model.spec.top_k}
         for flag in (False, True):
-            fused.ROW_KERNELS = flag
+            model.kernels = model.kernels.model_copy(update={"row_kernels": flag})  # EngineConfig.tuning.kernels
             kv = model.new_kv()
             experts.route_counts.zero_()
             await model.forward(torch.tensor([3, 1, 4]), 0, kv, experts)  # three rows: never the row kernels
@@ -321,7 +321,7 @@ def test_the_drafts_one_row_layer_takes_the_row_kernels_and_matches_the_packed_p
     assert activations == "float" or gap > 1e-7  # ... and then the int8 path did run
     assert on["int8_finishes"] == (2 * moe if activations == "int8+finish" else 0) and off["int8_finishes"] == 0
     # the one-row attention (eager and static, with and without the row kernels) merges its runs in its own launch,
-    # with counters (fused.MERGE_IN_LAUNCH): the same kernel path in both, so the two steps propose alike
+    # with counters (KernelTuning.merge_in_launch): the same kernel path in both, so the two steps propose alike
     assert on["merged_attention"] == off["merged_attention"] == [True] * (2 * layers)
     torch.testing.assert_close(static_on, eager_on, rtol=1e-5, atol=1e-5)  # the graphed step proposes as the eager one
     assert on["counts"] == off["counts"] == on["static_counts"]  # the same picks, counted once each

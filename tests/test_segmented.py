@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from backends.cpu import CPUBackend
-from specter.config import EngineConfig
+from specter.config import EngineConfig, VerifyTuning
 from specter.decode import prefill, run_sync
 from specter.experts import ExpertCache, ExpertPool, TransferEngine
 from specter.kernel import Kernel
@@ -55,7 +55,7 @@ def lru_victims(layer: int, residents: Sequence[int], protected: Set[int], count
 class Offloaded:
     """The engine's offloaded set-up (specter.loading.load_experts), on the cpu backend unless given one, filled from resident experts."""
 
-    def __init__(self, loaded: LoadedModel, slots: int, backend=None) -> None:
+    def __init__(self, loaded: LoadedModel, slots: int, backend=None, tuning: VerifyTuning | None = None) -> None:
         spec = loaded.spec
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
         self.backend = backend or CPUBackend()
@@ -67,12 +67,12 @@ class Offloaded:
         pool.check_complete()
         self.transfer = TransferEngine(self.backend, self.kernel)
         self.cache = ExpertCache(self.backend, self.kernel, self.transfer, pool, slots, lru_victims)
-        self.experts = OffloadedExperts(self.cache, self.kernel, self.moe_index)
+        self.experts = OffloadedExperts(self.cache, self.kernel, self.moe_index, tuning=tuning)
 
     async def verify(self, step: SegmentedStep, tokens: torch.Tensor, start: int, record: VerifyRecord,
                      predicted: dict[int, list[int]] | None = None, on_device: bool = False) -> torch.Tensor:
         logits = await verify_segmented(step, tokens, start, self.cache, self.kernel, self.moe_index, record, predicted=predicted,
-                                        on_device=on_device)
+                                        on_device=on_device, tuning=self.experts.tuning)
         self.cache.unprotect_all(self.backend.record_event(self.backend.compute_stream))
         return logits
 
@@ -198,15 +198,11 @@ def spy_leads(offloaded: "Offloaded") -> list[tuple[list[int], list[int]]]:
 @pytest.mark.parametrize("many", [2, 64])
 @pytest.mark.parametrize("guess", ["right", "wrong", "mixed"])
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
-def test_predicted_misses_start_before_the_routing_is_read_and_the_logits_stay_bit_identical(load, family, guess, many,
-                                                                                           monkeypatch):
-    """LEAD_MISSES: each layer's predicted misses start early, in free slots or in the slots of predicted residents
+def test_predicted_misses_start_before_the_routing_is_read_and_the_logits_stay_bit_identical(load, family, guess, many):
+    """VerifyTuning.lead_misses: each layer's predicted misses start early, in free slots or in the slots of predicted residents
     computed first (skipped when the routing comes), or in a slot the layer before lends (every layer back at its
     slots after the round). Right, wrong or mixed predictions: the same logits, KV and used experts as the resident
     static step, every used expert counted once, and the early path was taken."""
-    import specter.verify as verify
-
-    monkeypatch.setattr(verify, "LEAD_MISSES", many)
     loaded = load(family, "float32")
     start, experts = len(PROMPT), loaded.spec.num_experts
     leads: list[tuple[list[int], list[int]]] = []
@@ -214,7 +210,7 @@ def test_predicted_misses_start_before_the_routing_is_read_and_the_logits_stay_b
 
     async def go() -> None:
         nonlocal leads
-        offloaded = Offloaded(loaded, 3)
+        offloaded = Offloaded(loaded, 3, tuning=VerifyTuning(lead_misses=many))
         leads = spy_leads(offloaded)
         lend = offloaded.cache._lend
 
@@ -241,13 +237,13 @@ def test_predicted_misses_start_before_the_routing_is_read_and_the_logits_stay_b
                 assert {layer: set(e) for layer, e in record.used.items()} == used, first
                 assert all(len(e) == len(set(e)) for e in record.used.values()), first
                 assert record.hits + record.misses == sum(len(e) for e in used.values()), first
-                offloaded.cache.unprotect_all()  # the round's end: slots lent between layers (LEAD_RELAY) go back
+                offloaded.cache.unprotect_all()  # the round's end: slots lent between layers (the relay) go back
                 assert offloaded.cache.slot_counts() == [3] * len(used), first
         finally:
             await offloaded.close()
 
     asyncio.run(go())
-    if guess != "wrong":  # the layers before lent slots to the predicted misses (LEAD_RELAY, on)
+    if guess != "wrong":  # the layers before lent slots to the predicted misses (CacheTuning.lead_relay, on)
         assert any(done for _donor, _layer, done in loans), "no layer lent a slot to the next one's lead"
     assert all(layer == donor + 1 for donor, layer, _ in loans if layer > donor), "a lead borrowed from another layer than the one before"
     assert sum(len(started) for _, started in leads) > 0, "no predicted miss started early"
@@ -318,7 +314,7 @@ TRITON_SCRIPT = textwrap.dedent(
     """
     import asyncio, json, sys, tempfile, torch
     from pathlib import Path
-    from specter.config import EngineConfig
+    from specter.config import EngineConfig, VerifyTuning
     from specter.decode import prefill
     from specter.loader import load_resident
     from specter.model.graphed import GraphedTarget

@@ -204,7 +204,7 @@ def test_draft_shares_the_targets_non_expert_tensors(root):
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
 def test_static_verify_offloaded_equals_resident_static(root, family, monkeypatch):
     """With static_verify the offloaded verify shares the resident static step's numerics: same tokens, also
-    when the verify starts each layer's predicted misses before reading its routing (verify.LEAD_MISSES)."""
+    when the verify starts each layer's predicted misses before reading its routing (VerifyTuning.lead_misses)."""
     from specter.experts.cache import ExpertCache
 
     lead, started = ExpertCache.lead, []

@@ -12,7 +12,7 @@ from specter.bench import report
 from specter.bench.protocol import ModelTarget, Options, checkpoint_target, run_matrix, synthetic_prompts, warmup_prompt
 from specter.bench.synthetic import SHAPES, family_available, shape_config, shape_label, synthetic_source
 from specter.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, Setting
-from specter.config import parse_bytes
+from specter.config import TuningConfig, parse_bytes
 from specter.errors import ConfigError, SpecterError
 from specter.model.spec import spec_from_config
 
@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--copy-gaps", action="store_true",
                         help="split the copy stream's idle time in transfer-bound verifies by cause (head, layer hand-over, "
                              "issue, slot wait; one more GPU event per chunk): the copy_idle columns of results.json")
+    parser.add_argument("--tune", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="set a field of EngineConfig.tuning for every system, e.g. cache.lead_relay=false (repeatable)")
     verify = parser.add_mutually_exclusive_group()
     verify.add_argument("--static-verify", dest="static_verify", action="store_const", const=True, default=None,
                         help="offloaded verify through the segmented static step (EngineConfig.static_verify; default on CUDA)")
@@ -143,10 +145,12 @@ def options_from_args(args: argparse.Namespace) -> Options:
     links = args.link or (["native"] if on_cuda else list(QUICK_LINKS))
     quick = args.preset == "quick" and not args.model
     max_new = args.max_new_tokens or (32 if quick else 128)
+    tuning = TuningConfig().with_overrides([*args.tune, *(["transfer.issue_marks=true"] if args.copy_gaps else [])])
     return Options(systems=args.systems, links=links, max_new_tokens=max_new, warmup_tokens=min(args.warmup_tokens, max_new),
                    repeats=args.repeats, k=args.k, k_max=max(args.k_max, args.k), row_bucket=args.row_bucket,
                    device=args.device, dtype=args.dtype,
-                   progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=args.quant)
+                   progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=args.quant,
+                   tuning=tuning)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -173,17 +177,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"\nmerged {len(args.merge)} result sets ({len(payload['runs'])} requests) into {args.out}/")
         return 0
     started = time.monotonic()
-    if args.copy_gaps:
-        from specter.experts import transfer
-
-        transfer.ISSUE_MARKS = True
     targets, notes = targets_from_args(args)
     options = options_from_args(args)
     records, cells = run_matrix(targets, options, args.time_budget)
     summary = report.summarize(records)
     notes += [note for target in targets for note in target.notes]
     notes += [f"{c['model']} {c['setting']} {c['link']} {c['system']}: {c['status']}" for c in cells if c["status"] != "ok"]
-    payload = {"machine": report.machine(argv), "options": vars(options), "args": {k: str(v) for k, v in vars(args).items()},
+    payload = {"machine": report.machine(argv), "options": vars(options) | {"tuning": options.tuning.model_dump()}, "args": {k: str(v) for k, v in vars(args).items()},
                "models": [_model_info(t) for t in targets], "cells": cells, "summary": summary, "runs": records, "notes": notes,
                "elapsed_s": round(time.monotonic() - started, 1)}
     write_outputs(args.out, payload, plots=not args.no_plots)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from specter.config import DraftConfig, EngineConfig, GenerationConfig
+from specter.config import DraftConfig, EngineConfig, GenerationConfig, TuningConfig
 from specter.engine import CheckpointWeights, WeightSource
 from specter.errors import BudgetError, SpecterError
 from specter.experts.cache import CacheSnapshot, CacheStats, LayerStats
@@ -78,6 +78,8 @@ class Options:
     static_verify: bool | None = None
     quant: str = "int4"
     """The draft's expert format (DraftConfig.quant) for every speculative system."""
+    tuning: TuningConfig = dataclasses.field(default_factory=TuningConfig)
+    """EngineConfig.tuning of every system (`--tune SECTION.FIELD=VALUE`, `--copy-gaps`)."""
 
 
 class Clock:
@@ -168,7 +170,8 @@ class ModelBench:
         return EngineConfig(device=self.options.device, dtype=self.options.dtype, residents=residents, max_context=self.max_context,
                             draft=DraftConfig(k=self.options.k if speculative else 0, k_max=k_max, quant=self.options.quant),
                             lookahead="fixed", row_bucket=self.options.row_bucket,
-                            progress=self.options.progress, static_verify=self.options.static_verify)
+                            progress=self.options.progress, static_verify=self.options.static_verify,
+                            tuning=self.options.tuning)
 
     async def run(self) -> None:
         try:

@@ -247,8 +247,9 @@ class BenchRuntime(Runtime):
         self.cache = self.experts = old = None  # free the old slots before allocating the new ones
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        self.cache = ExpertCache(self.backend, self.kernel, transfer, pool, slots, self._choose_victims)
-        self.experts = OffloadedExperts(self.cache, self.kernel, self.moe_index)
+        tuning = self.config.tuning
+        self.cache = ExpertCache(self.backend, self.kernel, transfer, pool, slots, self._choose_victims, tuning.cache)
+        self.experts = OffloadedExperts(self.cache, self.kernel, self.moe_index, tuning=tuning.verify)
         self.memory = dataclasses.replace(self.memory, slots_per_layer=slots)
         if self.segmented is not None:  # the old slots' expert graphs are stale: capture the new ones now, untimed
             self.segmented.reset_experts()

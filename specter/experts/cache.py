@@ -6,10 +6,7 @@ Loads go through the transfer engine; eviction choices are delegated to an injec
 # How a slot stays safe (the invariants the property tests check):
 #  - A slot is FREE, LOADING (a copy into it is queued or in flight) or RESIDENT (its copy landed).
 #  - A LOADING slot, a pinned slot (handed to a reader that has not called `mark_used`) and a protected
-#    expert (planned for the coming verify) are never evicted. One exception, with `RECYCLE_LOADING` (off):
-#    the rolling window may recycle the slot of a miss it handed out on issue, once fully issued, unpinned
-#    (its reader's compute is its last use) and unprotected; the new copy follows on the copy stream and
-#    waits for that compute, and the old load's completion is orphaned by the generation bump.
+#    expert (planned for the coming verify) are never evicted.
 #  - `lead` evicts a planned (protected) resident only after launching its compute, which is then that expert's
 #    use for the round (the reader skips it), as the rolling window's doomed hot experts are used before their
 #    slots take misses.
@@ -39,6 +36,7 @@ from functools import partial
 import torch
 
 from backends.base import Backend, Event
+from specter.config import CacheTuning
 from specter.errors import BudgetError, PluginError
 from specter.experts.pool import ExpertPool
 from specter.experts.transfer import Transfer, TransferEngine
@@ -46,55 +44,6 @@ from specter.kernel import Kernel
 from specter.log import debug_enabled, get_logger
 
 log = get_logger(__name__)
-
-ROLL_INTO_HOT = True
-"""When a layer's misses outnumber its free and evictable slots, the rolling window asks the eviction policy once
-which of the resident experts the reader is about to use will give up their slots, hands those out first, and
-starts a waiting miss in each as soon as the reader has launched it and marked it used (the copy waits for that
-compute on the device), instead of after the reader has launched every resident expert of the layer: the host's
-launches of the residents no longer hold the copy stream idle once the misses that fit at the start have landed
-(`bench --copy-gaps`: the "issue" share). A switch for A/B. H200, twelfth session, on against off in one process
-(`benchmarks/ab_bench.py --alternate`): 15 residents 2.633 -> 2.522 ms per token, copy busy 0.761 -> 0.802; 8
-residents 3.415 -> 3.528 ms, 0.852 -> 0.842. (Its first form asked the policy once per launched resident, 10-38 us
-per guarded call: one call per layer is cheaper.)"""
-
-ROLL_HOT_WINDOW: int | None = 2
-"""The most slots a layer's waiting misses hold at once in the rolling window (those that fit at the start count):
-with `ROLL_INTO_HOT`, hot experts give their slots to waiting misses only up to it, and each later miss starts (at
-least one at a time) in the slot of the layer's miss handed out first once the reader has used it and its copy has
-landed, else in a slot the eviction policy frees among the used residents (so, with plan-protect, an unplanned
-miss's before a planned hot expert's): the hot experts the policy keeps stay for the next round. On CUDA the reader
-takes a miss as soon as its copy is issued, so there the policy makes most of these choices, one call per later
-miss (see RECYCLE_LOADING). None: every waiting miss takes a hot expert's slot while any is left, then the misses
-left take as many used slots as they need at once (the policy picks which, but must pick that many), which on a
-round that needs more experts than the layer has slots evicts the hot ones, the experts the next round is likeliest
-to want (`python -m specter.replay TRACE --roll W` models both)."""
-
-RECYCLE_LOADING = False
-"""With `ROLL_HOT_WINDOW`: a later miss may also take the slot of the layer's oldest handed-out miss while that one's
-copy is still in flight, once the reader has used it (launched its compute): the new copy follows it on the copy
-stream and waits on the device for that compute (the slot's last-use event), and the old load's completion is
-orphaned (its bytes were counted at issue). On CUDA a miss is handed out as its copy is issued, so without this the
-policy picks most later slots, one guarded call each, and may pick a hot expert. Off: not yet measured on the GPU
-(CPU-tested: `tests/test_cache.py`)."""
-
-LEAD_VICTIMS_FIRST = True
-"""`lead` computes the residents whose slots take predicted misses first, and starts each such copy right after its
-slot's compute is launched, before it launches the other predicted residents: the copy waits on the device for that
-one compute, not for the host's launches of them all. False: every predicted resident computed first, then the
-copies. On the H200, alone in one process (sixteenth session, `next16`, on against off): the `slot` share 0.154 ->
-0.072 at 15 residents and 0.110 -> 0.074 at 8, copy busy 0.768 -> 0.840 and 0.864 -> 0.905, TPOT per prompt 0.941x
-and 0.956x: on. (`lead15c`'s A/B, which found no gain, shared the GPU with a test run.) A switch for A/B."""
-
-LEAD_RELAY = True
-"""`lead` may borrow one slot from the layer before (which the verify has computed already) when the layer has no
-free or unpredicted slot for a predicted miss: the policy evicts one of that layer's residents and the slot moves to
-this layer, free. Its copy then waits on the device only for the earlier layer's compute of that slot, which is
-done by the time the copy stream reaches it, instead of for this layer's own compute (its attention, router and
-the resident computed first): that wait is the `slot` idle at each layer's start. Each layer lends at most one
-slot and holds at most one more than `slots_per_layer`, so counts stay within one of it; `unprotect_all` (the end
-of each round) gives surplus slots back to the layers short of them (`_balance`), and `reset` puts every slot home.
-The total never changes: a layer's extra resident is paid for by the earlier layer's eviction. A switch for A/B."""
 
 VictimChooser = Callable[[int, Sequence[int], Set[int], int], list[int]]
 """choose_victims(layer, residents (least recently used first), protected, count) -> experts to evict."""
@@ -197,7 +146,9 @@ class ExpertCache:
         pool: ExpertPool,
         slots_per_layer: int,
         choose_victims: VictimChooser,
+        tuning: CacheTuning | None = None,
     ) -> None:
+        """`tuning`: the rolling window's and the lead's knobs (EngineConfig.tuning.cache); read at run time."""
         if not 1 <= slots_per_layer <= pool.num_experts:
             raise BudgetError(
                 f"the expert cache needs 1..{pool.num_experts} slots per layer, got {slots_per_layer}; "
@@ -207,6 +158,7 @@ class ExpertCache:
         self.num_layers, self.num_experts = pool.num_layers, pool.num_experts
         self.slots_per_layer = slots_per_layer
         self.choose_victims = choose_victims
+        self.tuning = tuning or CacheTuning()
         # [L*S, N] one flat expert per row; [L, E] slot index or -1. Allocated once, here.
         self.weights = backend.alloc_device((self.num_layers * slots_per_layer, pool.expert_numel), pool.dtype)
         self._slot_views = list(self.weights.unbind(0))  # slot_weights without an indexing op per call
@@ -216,7 +168,7 @@ class ExpertCache:
         self._set_int32 = getattr(backend, "set_int32", None)  # optional backend fast path for table writes
         self.stats = CacheStats([LayerStats() for _ in range(self.num_layers)])
         self._slots = [Slot(index, index // slots_per_layer) for index in range(self.num_layers * slots_per_layer)]
-        self._by_layer = self._home_slots()  # each layer's slots: `slots_per_layer` each but while `LEAD_RELAY` lends
+        self._by_layer = self._home_slots()  # each layer's slots: `slots_per_layer` each but while the relay lends
         self._residents: list[OrderedDict[int, Slot]] = [OrderedDict() for _ in range(self.num_layers)]
         self._protected: list[set[int]] = [set() for _ in range(self.num_layers)]
         self._capacity_waiters: list[list[asyncio.Future[None]]] = [[] for _ in range(self.num_layers)]
@@ -301,18 +253,18 @@ class ExpertCache:
 
     def lead(self, layer: int, predicted: Sequence[int], count: int,
              launch: Callable[[int, int], Event]) -> tuple[list[int], list[int]]:
-        """Before a reader knows the layer's routing (`verify.LEAD_MISSES`): compute the predicted residents and start
+        """Before a reader knows the layer's routing (`VerifyTuning.lead_misses`): compute the predicted residents and start
         up to `count` predicted misses.
 
         `predicted`: the experts the reader will likely need, likeliest first (the draft's routes). Every predicted
         resident not held by a reader is computed now, `launch(expert, slot)` (its output must stand whether or not
         the routing chooses it), and marked used with the event `launch` returns. Then those not mapped to a slot,
         the predicted misses, start: each in a free slot, else in the slot of an unplanned resident the prediction
-        does not name, else (with `LEAD_RELAY`, one) in a slot the layer before lends, else in the slot of a computed
-        resident the policy chooses (its copy waits for that compute on the device; with `LEAD_VICTIMS_FIRST` those
-        residents are computed first, each copy started after its own). So the copy stream need not wait for the router's choice to reach the host, nor the reader's
+        does not name, else (with `CacheTuning.lead_relay`, one) in a slot the layer before lends, else in the slot of
+        a computed resident the policy chooses (those residents are computed first, each copy started right after its
+        own compute, so it waits on the device for that compute only). So the copy stream need not wait for the router's choice to reach the host, nor the reader's
         later misses for its launches of the residents. Loads count as prefetches. A predicted miss the routing does
-        not choose still takes its slot (and a resident's, perhaps): the rolling window's `ROLL_HOT_WINDOW` counts
+        not choose still takes its slot (and a resident's, perhaps): the rolling window's `roll_hot_window` counts
         only the misses the reader asks for, so a layer may give up to `count` more residents than it. Returns the residents computed
         and the experts whose loads started; the reader skips the former and finds the latter loading (its misses
         still count them). Synchronous: nothing else runs between a launch and its load.
@@ -337,19 +289,17 @@ class ExpertCache:
         for miss, slot in zip(misses, room):  # these copies start before the relay's policy call below
             load(miss, slot)
         per = self.slots_per_layer
-        if (len(room) < len(misses) and LEAD_RELAY and layer > 0 and per > 1 and len(self._by_layer[layer]) <= per
+        if (len(room) < len(misses) and self.tuning.lead_relay and layer > 0 and per > 1 and len(self._by_layer[layer]) <= per
                 and len(self._by_layer[layer - 1]) >= per and (lent := self._lend(layer - 1, layer)) is not None):
             load(misses[len(room)], lent)
             room.append(lent)
         doomed = self._victims(layer, len(misses) - len(room), among=hot) if len(room) < len(misses) and hot else []
         takes = dict(zip(doomed, misses[len(room):]))  # computed resident -> the miss that takes its slot
-        computed = doomed + [e for e in hot if e not in takes] if LEAD_VICTIMS_FIRST else hot
+        computed = doomed + [e for e in hot if e not in takes]  # victims first
         for expert in computed:
             self.mark_used(layer, expert, launch(expert, mapped[expert].index))
-            if LEAD_VICTIMS_FIRST and expert in takes:  # its copy waits for this compute only, not the later ones
+            if expert in takes:  # its copy waits for this compute only, not the later ones
                 load(takes.pop(expert), self._evict(layer, expert))
-        for expert, miss in takes.items():
-            load(miss, self._evict(layer, expert))
         return computed, started
 
     async def _rolling(self, layer: int, experts: Iterable[int], on_issue: bool) -> AsyncIterator[tuple[int, int, Event | None]]:
@@ -367,10 +317,12 @@ class ExpertCache:
             absent = [e for e in wanted if e not in hot]
             waiting = self._start_what_fits(layer, absent, owned, landed, on_issue)
             doomed: set[int] = set()
-            if waiting and hot and ROLL_INTO_HOT:  # one victim choice among the residents for the misses left
-                count = len(waiting)
-                if ROLL_HOT_WINDOW is not None:  # the misses already in slots count towards the window
-                    count = min(count, max(0, ROLL_HOT_WINDOW - (len(absent) - len(waiting))))
+            if waiting and hot:  # one victim choice among the residents for the misses left
+                # A doomed resident's slot takes a miss as soon as the reader has launched it, not after every
+                # resident's launch: the host's launches no longer hold the copy stream idle.
+                count, window = len(waiting), self.tuning.roll_hot_window
+                if window is not None:  # the misses already in slots count towards the window
+                    count = min(count, max(0, window - (len(absent) - len(waiting))))
                 chosen = self._victims(layer, count, among=hot) if count else []
                 doomed = set(chosen)
                 hot = chosen + [expert for expert in hot if expert not in doomed]  # handed out first
@@ -428,7 +380,7 @@ class ExpertCache:
     def unprotect_all(self, fence: Event | None = None) -> None:
         """End of round: lift every protection and pin. `fence` (recorded on the compute stream after the
         round's last compute) becomes the last-use event of slots still pinned, e.g. by a cancelled reader. Then
-        the slots `LEAD_RELAY` lent go back to their layers (`_balance`)."""
+        the slots the relay (`CacheTuning.lead_relay`) lent go back to their layers (`_balance`)."""
         for slot in self._slots:
             if slot.pins and fence is not None:
                 slot.last_use = fence
@@ -546,7 +498,7 @@ class ExpertCache:
         room = [slot for slot in self._layer_slots(layer) if slot.state is SlotState.FREE][:count]
         while recycle and len(room) < count:
             slot = self._residents[layer].get(recycle[0])
-            usable = slot is not None and (slot.state is SlotState.RESIDENT or (RECYCLE_LOADING and self._issued(slot)))
+            usable = slot is not None and slot.state is SlotState.RESIDENT
             if usable and (slot.pins or recycle[0] in self._protected[layer]):
                 break  # the oldest is not used yet: the policy chooses instead
             expert = recycle.popleft()
@@ -554,21 +506,13 @@ class ExpertCache:
                 room.append(self._evict(layer, expert))
             # else dropped: gone, or still loading. A device-ordered reader (`iter_issued`) takes each miss as its
             # copy is issued, so on CUDA the miss handed out last is usually still loading here and the policy
-            # chooses instead (unless `RECYCLE_LOADING`); the slots are recycled oldest first on the host-waiting
-            # path (`iter_ready`).
+            # chooses instead; the slots are recycled oldest first on the host-waiting path (`iter_ready`).
         if len(room) < count and len(self._by_layer[layer]) < self.slots_per_layer:  # take back a lent slot first
             self._balance()
             room += [slot for slot in self._layer_slots(layer) if slot.state is SlotState.FREE and slot not in room][: count - len(room)]
         if len(room) < count:
             room += [self._evict(layer, expert) for expert in self._victims(layer, count - len(room))]
         return room
-
-    @staticmethod
-    def _issued(slot: Slot) -> bool:
-        """A load whose every chunk is on the copy stream (not cancelled): a reader handed it out on issue."""
-        transfer = slot.transfer
-        return (slot.state is SlotState.LOADING and transfer is not None and transfer.fully_issued
-                and not transfer.cancelled and transfer.error() is None)
 
     def _victims(self, layer: int, count: int, among: Sequence[int] | None = None) -> list[int]:
         """`count` victims chosen by the policy among the unprotected, unpinned residents; or, given `among`
@@ -611,7 +555,7 @@ class ExpertCache:
         return [self._slots[layer * per : (layer + 1) * per] for layer in range(self.num_layers)]
 
     def slot_counts(self) -> list[int]:
-        """How many slots each layer holds now (`slots_per_layer` each, but for `LEAD_RELAY`'s loans in a round)."""
+        """How many slots each layer holds now (`slots_per_layer` each, but for the relay's loans in a round)."""
         return [len(slots) for slots in self._by_layer]
 
     def _lend(self, donor: int, layer: int) -> Slot | None:
@@ -631,7 +575,7 @@ class ExpertCache:
         return slot
 
     def _balance(self) -> None:
-        """Give the slots `LEAD_RELAY` lent back: each layer short of `slots_per_layer` takes one from a layer over
+        """Give the slots the relay lent back: each layer short of `slots_per_layer` takes one from a layer over
         it (free, or the policy's victim there). A layer over it whose slots are all loading or held keeps them
         until the next call."""
         per = self.slots_per_layer
@@ -695,7 +639,7 @@ class ExpertCache:
         if slot.loading is not None:
             await asyncio.shield(slot.loading)
         if slot.expert != expert or slot.layer != layer or slot.state is not SlotState.RESIDENT:
-            self._lost(slot, expert)  # the layer too: a slot `LEAD_RELAY` lent may hold another layer's expert of that id
+            self._lost(slot, expert)  # the layer too: a slot the relay lent may hold another layer's expert of that id
 
     def _lost(self, slot: Slot, expert: int) -> None:
         """A reader's slot no longer holds its expert: the copy failed (raise that error) or the cache was reset."""
@@ -707,9 +651,10 @@ class ExpertCache:
                         on_issue: bool) -> AsyncIterator[tuple[int, Slot]]:
         """Load `waiting` experts through the layer's free/evictable slots, yielding each (and those already in
         `owned` and started) as its copy lands, or with `on_issue` as its copy is fully on the copy stream."""
-        rolled: collections.deque[int] | None = None if ROLL_HOT_WINDOW is None else collections.deque()
+        window = self.tuning.roll_hot_window
+        rolled: collections.deque[int] | None = None if window is None else collections.deque()
         while waiting or owned:
-            limit = None if ROLL_HOT_WINDOW is None else max(0 if owned else 1, ROLL_HOT_WINDOW - len(owned))
+            limit = None if window is None else max(0 if owned else 1, window - len(owned))
             waiting = self._start_what_fits(layer, waiting, owned, landed, on_issue, limit, rolled)
             # An owned expert is always announced on `landed` (as it lands, or is issued): wait for it. Only with
             # none owned can the rest wait on room that may never come.

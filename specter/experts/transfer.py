@@ -20,49 +20,12 @@ from typing import Any, Literal
 import torch
 
 from backends.base import Backend, Event
+from specter.config import TransferTuning
 from specter.errors import ConfigError
 from specter.kernel import Kernel
 from specter.log import debug_enabled, get_logger
 
 log = get_logger(__name__)
-
-ISSUE_MARKS = False
-"""Record a timed event on the copy stream as each chunk is issued, before the copy waits on its slot's last
-reader (every chunk, so those still in flight when a round's chunk log starts have one too): the copy-busy
-measurement then splits the copy stream's idle time by cause
-(`metrics.idle_causes`; `python -m specter.bench --copy-gaps`). One more event per chunk, so off by default."""
-
-MAX_CHUNKS_IN_FLIGHT = 4
-"""The pump's default cap on chunks on the copy stream (urgent ones count too) before it issues another prefetch
-chunk; read at run time by engines built without `max_chunks_in_flight`. Each chunk it keeps beyond the one being
-copied is slack for the host's wake-up when the stream is about to run dry (the loop thread may be busy launching a
-layer's experts then), and one more chunk an urgent miss may wait behind."""
-
-PUMP_LANE = False
-"""The pump parks its waits for room in a waiter lane of its own (`Kernel.wait(lane=...)`). It waits on the oldest
-chunk on the stream; in the stream's shared lane that wait can sit behind the landings of copies issued after that
-chunk (a verify's misses), so that the pump hears of the room only once they have all landed (tests/test_transfer.py
-shows it on the cpu backend). Off: on the H200 (thirteenth session, `lane13`, one process) the lane left the `pump`
-share where it was (0.112 -> 0.106 at 15 residents, 0.048 -> 0.063 at 8) and TPOT per prompt moved 1.09x / 1.03x,
-within noise. For A/B."""
-
-TOP_UP = False
-"""`top_up` issues prefetch chunks from its caller while there is room: the verify calls it after each expert it
-launches, since it launches a layer's experts without yielding to the loop (about a millisecond), which starves
-the pump while the stream drains (`bench --copy-gaps`: the `pump` share, untouched by PUMP_LANE and PUMP_POLL_S).
-Off: on the H200 (thirteenth session, `topup13`, one process) it left the `pump` share where it was (0.074 -> 0.063 at
-15 residents, 0.029 -> 0.037 at 8) and every prompt was slower, by 1.6-4.2 % (TPOT per prompt 1.033x / 1.035x).
-A switch for A/B."""
-
-PUMP_POLL_S = 0.0
-"""Seconds the pump polls for room (`Kernel.wait(poll_s=...)`: one `query` per loop iteration, the other tasks run
-between) before it parks its wait on a waiter thread: a wake-up within one loop iteration instead of a thread hop.
-0: park at once, as before. Measured on the H200 (thirteenth session, `poll13`, one process), 1 ms against 0: the
-`pump` share did not move (0.099 -> 0.104 at 15 residents, 0.032 -> 0.032 at 8), so 0 stays. A switch for A/B."""
-
-READY_ON_LAST_CHUNK = True
-"""Without a link emulation, a copy's ready event is its last chunk's timed end event, recorded after `after_copy`:
-two events per single-chunk copy instead of three. False: a ready event of its own, as before. For A/B."""
 
 LINK_PRESETS: dict[str, float] = {
     "gen5": 55.0,
@@ -209,11 +172,11 @@ class ChunkTimes:
 
     start: float
     end: float
-    issued: float | None = None  # when the stream reached the chunk's issue mark (ISSUE_MARKS), before its waits
+    issued: float | None = None  # when the stream reached the chunk's issue mark (TransferTuning.issue_marks), before its waits
     layer: Any = None
     urgent: bool = True  # False: a prefetch chunk, issued by the pump
-    queued: float | None = None  # host seconds it waited in the engine's queue before its issue (ISSUE_MARKS)
-    room: float | None = None  # when the chunk the pump last waited on for room ended (ISSUE_MARKS; None: no wait)
+    queued: float | None = None  # host seconds it waited in the engine's queue before its issue (TransferTuning.issue_marks)
+    room: float | None = None  # when the chunk the pump last waited on for room ended (TransferTuning.issue_marks; None: no wait)
 
 
 @dataclass
@@ -222,11 +185,11 @@ class _Chunk:
     start: Event
     copied: Event
     end: Event
-    issued: Event | None = None  # recorded before the copy's waits, with ISSUE_MARKS
+    issued: Event | None = None  # recorded before the copy's waits, with issue marks
     layer: Any = None  # the transfer tag's first item (the cache's MoE layer)
     urgent: bool = True  # the transfer was urgent when this chunk was issued
-    queued: float | None = None  # host seconds between when it could have been issued and its issue (ISSUE_MARKS)
-    room: Event | None = None  # the end of the chunk the pump last waited on for room before issuing it (ISSUE_MARKS)
+    queued: float | None = None  # host seconds between when it could have been issued and its issue (TransferTuning.issue_marks)
+    room: Event | None = None  # the end of the chunk the pump last waited on for room before issuing it (TransferTuning.issue_marks)
 
 
 class TransferEngine:
@@ -245,7 +208,9 @@ class TransferEngine:
         max_chunks_in_flight: int | None = None,
         link: LinkEmulation | None = None,
         ema_alpha: float = 0.2,
+        tuning: TransferTuning | None = None,
     ) -> None:
+        """`tuning`: the pump's knobs (EngineConfig.tuning.transfer); `max_chunks_in_flight` overrides its cap."""
         if chunk_bytes <= 0 or (max_chunks_in_flight is not None and max_chunks_in_flight < 1):
             raise ConfigError(
                 f"transfer engine needs chunk_bytes > 0 and max_chunks_in_flight >= 1, got {chunk_bytes}, {max_chunks_in_flight}"
@@ -253,6 +218,7 @@ class TransferEngine:
         self.backend, self.kernel = backend, kernel
         self.stream = backend.copy_stream
         self.chunk_bytes = chunk_bytes
+        self.tuning = tuning or TransferTuning()
         self._max_chunks_in_flight = max_chunks_in_flight
         self.link = link
         self.ema_alpha = ema_alpha
@@ -265,13 +231,18 @@ class TransferEngine:
         self._link_free_at = 0.0
         self._wakeup: asyncio.Event | None = None
         self._pump_task: asyncio.Task[None] | None = None
-        self._room_waited: Event | None = None  # the event the pump last waited on for room (ISSUE_MARKS)
+        self._room_waited: Event | None = None  # the event the pump last waited on for room (TransferTuning.issue_marks)
         self.chunk_log: list[_Chunk] | None = None  # when a list: every chunk issued is appended (busy measurement)
 
     @property
     def max_chunks_in_flight(self) -> int:
-        """The cap given at construction, else MAX_CHUNKS_IN_FLIGHT as it is now."""
-        return self._max_chunks_in_flight if self._max_chunks_in_flight is not None else max(1, MAX_CHUNKS_IN_FLIGHT)
+        """The cap given at construction, else the tuning's (which may change between requests: `Runtime.retune`)."""
+        return self._max_chunks_in_flight if self._max_chunks_in_flight is not None else self.tuning.max_chunks_in_flight
+
+    @property
+    def issue_marks(self) -> bool:
+        """Whether each chunk records an issue mark (TransferTuning.issue_marks), for the idle split by cause."""
+        return self.tuning.issue_marks
 
     def start_chunk_log(self) -> list[_Chunk]:
         """Log every chunk from now on (`chunk_log`), starting with those still on the stream."""
@@ -289,7 +260,7 @@ class TransferEngine:
         return [(times.start, times.end) for times in self.chunk_times(chunks, reference, open_end)]
 
     def chunk_times(self, chunks: Sequence[_Chunk], reference: Event, open_end: float) -> list[ChunkTimes]:
-        """`busy_intervals` with each chunk's issue mark (None without ISSUE_MARKS) and layer."""
+        """`busy_intervals` with each chunk's issue mark (None without issue marks) and layer."""
         times = []
         for chunk in chunks:
             if not chunk.start.query():
@@ -344,22 +315,6 @@ class TransferEngine:
             self._retire_completed()
             while self._urgent:
                 current = self._urgent[0]
-                self._issue_chunk(current)
-        except Exception as error:  # as in the pump: the owners' landed() raise it, the cache frees the slots
-            log.error("transfer.issue_failed", error=repr(error))
-            self._fail_queued(error, current)
-
-    def top_up(self) -> None:
-        """Issue queued prefetch chunks while fewer than `max_chunks_in_flight` are on the stream, from the caller
-        (TOP_UP): for a caller that runs long without yielding to the loop, where the pump would issue them. No-op
-        with urgent copies queued, with a host-paced link emulation, or with nothing queued (off: one truth test)."""
-        if not TOP_UP or not self._prefetch or self._urgent or self.host_paced:
-            return
-        current = None
-        try:
-            self._retire_completed()
-            while self._prefetch and not self._urgent and len(self._in_flight) < self.max_chunks_in_flight:
-                current = self._prefetch[0]
                 self._issue_chunk(current)
         except Exception as error:  # as in the pump: the owners' landed() raise it, the cache frees the slots
             log.error("transfer.issue_failed", error=repr(error))
@@ -457,10 +412,10 @@ class TransferEngine:
         self._retire_completed()
         while len(self._in_flight) >= self.max_chunks_in_flight:
             room = self._in_flight[0].end
-            await self.kernel.wait(room, poll_s=PUMP_POLL_S, lane="pump" if PUMP_LANE else None)
+            await self.kernel.wait(room)
             # (the pump trace: when room appeared, on the stream's clock; not with a host-paced emulation, whose
             # chunks end at their emulated time, not at their events)
-            self._room_waited = room if ISSUE_MARKS and not self.host_paced else None
+            self._room_waited = room if self.issue_marks and not self.host_paced else None
             self._retire_completed()
 
     async def _emulated_link_free(self) -> None:
@@ -473,7 +428,7 @@ class TransferEngine:
 
     def _issue_chunk(self, transfer: Transfer, room: Event | None = None) -> None:
         issued = queued = None
-        if ISSUE_MARKS:
+        if self.issue_marks:
             issued = self.backend.record_event(self.stream, timed=True)
             now = time.perf_counter()
             queued, transfer.issuable_since = now - transfer.issuable_since, now
@@ -487,7 +442,7 @@ class TransferEngine:
         self._enqueue_h2d(dst, src)
         # Without a link emulation the last chunk's `copied` event is also the transfer's ready event, recorded after
         # `after_copy` (a 4-byte table write: the bandwidth estimate barely sees it): one event fewer per copy.
-        last = transfer._remaining == 0 and self.link is None and READY_ON_LAST_CHUNK
+        last = transfer._remaining == 0 and self.link is None
         failed = None
         if last and transfer._after_copy is not None:
             try:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specter.config import KernelTuning
 from specter.errors import CheckpointError
 from specter.model.kv import KVCache
 from specter.model.registry import register_transformer
@@ -208,8 +209,8 @@ class DeepseekV2Transformer(Transformer):
     spec: DeepseekSpec
 
     def __init__(self, spec: ModelSpec, dense: dict[str, Tensor], *, exact: bool = True, row_bucket: int = 16,
-                 max_context: int = 2048) -> None:
-        super().__init__(spec, dense, exact=exact, row_bucket=row_bucket, max_context=max_context)
+                 max_context: int = 2048, kernels: KernelTuning | None = None) -> None:
+        super().__init__(spec, dense, exact=exact, row_bucket=row_bucket, max_context=max_context, kernels=kernels)
         yarn = self.spec.yarn
         self.softmax_scale = self.spec.qk_head_dim**-0.5
         if yarn is not None and yarn["mscale_all_dim"]:

@@ -9,7 +9,8 @@ are the router after its matrix product (torch: a cast, softmax, top-k as two ke
 renormalising models a sum and a division) and the shared expert's gate (torch: a cuBLAS dot and its
 reduction for the [1, D] product, a sigmoid and a product).
 In a CUDA graph every node costs a few microseconds whatever its size, and the one-row draft step is made
-of such nodes (docs/BENCHMARKS.md: about 64 per layer outside the MoE).
+of such nodes (about 64 per layer outside the MoE: journal, Eighth session). Which fused paths the non-exact
+forward takes is `KernelTuning` (EngineConfig.tuning.kernels), held by the model.
 """
 
 from __future__ import annotations
@@ -20,48 +21,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specter.config import KernelTuning
 from specter.quant import moe_triton
 
 tl: Any = None  # triton.language, bound by _kernels(); the kernel bodies resolve it as a global
 
 
-ROUTER_AND_GATE = True
-"""Whether the non-exact forward fuses the router and the shared gate (benchmarks time it with and without)."""
-DECODE_ATTENTION = True
-"""Whether the non-exact static step (the graphed draft) attends with `decode_attention` (the visible positions
-only) instead of masked attention over the whole cache (H200, 2026-11-30: draft step 3.82 -> 3.49 ms at a 512-position
-cache, 4.16 -> 3.48 ms at 2048; docs/BENCHMARKS.md)."""
-ROPE_WRITES_CACHE = True
-"""Whether the non-exact static step rotates q and k and writes k and v into the KV cache in one launch
-(`rope_and_cache`) instead of the RoPE launch and two index_copy_ kernels (H200, 2026-11-30, ninth session: graphed
-draft step 3.14 -> 2.99 ms at the Qwen shape; `benchmarks/h200_runs.sh kv-write`)."""
-PACKED_QKV = True
-"""Whether the non-exact forward projects q, k and v with one product over the packed weights (the target's own
-storage, packed at load: transformer.pack_projections) instead of three (prediction: ~10 us fewer per layer-step at
-the Qwen shape, three 8 MB products at ~6 us each measured against one 24 MB one)."""
-PACKED_FFN_INPUT = True
-"""Whether the non-exact forward of a Qwen2-MoE-style layer runs the router, the shared gate and the shared
-expert's gate and up products as one product over their packed weights (the target's own storage), the gated
-activation in one launch (`gated_silu`) and the down product with the residual and routed sum as its addend
-(prediction: ~10 us fewer per layer-step at the Qwen shape: the router's two cuBLAS kernels, one product launch,
-the sigmoid gate, two elementwise kernels and an add)."""
-RESIDUAL_ADDEND = True
-"""Whether the non-exact forward adds the residual to the attention's output product inside the product (addmm)
-instead of a separate add (prediction: ~1 us fewer per layer-step)."""
-ROW_KERNELS = True
-"""Whether the non-exact one-row forward (the draft step) runs a Qwen2-MoE-style layer through specter.model.rowfused:
-the norms folded into the products, the residual into the o_proj product, the router's top-k into the router's own
-launch, and the routed down products, the shared expert's down product and the residual into one launch (seven
-launches per layer instead of ~18; H200, tenth session: graphed draft step 2.30 -> 1.81 ms at the Qwen shape)."""
-MERGE_IN_LAUNCH = True
-"""Whether the graphed draft step's `decode_attention` merges its runs in the same launch (per-layer counters; one
-run alone where the visible positions fit in it) instead of a second launch (H200, eleventh session: with runs of
-512, i.e. one launch, the Qwen-shape draft step took 1.60 ms against 1.66)."""
-POSITIONS_PER_SPLIT = 128
-"""Cache positions per run of `decode_attention` (its default split is the capacity over this). H200, 2026-11-30:
-runs of 512 left 64 programs for a 2048-position cache of 16 heads, each streaming its run at ~9 GB/s (latency-bound),
-so 2000 visible positions took 4.17 ms per draft step against 3.62 with torch's attention over the whole cache."""
-MAX_SPLITS = 64
+def split_count(capacity: int, kernels: KernelTuning) -> int:
+    """How many runs `decode_attention` cuts a cache of `capacity` positions into: one per
+    `kernels.positions_per_split`, at most `kernels.max_splits`. Depends on the capacity only, so a graph captured
+    once serves every position."""
+    return max(1, min(kernels.max_splits, -(-capacity // kernels.positions_per_split)))
 
 
 def usable(x: Tensor) -> bool:
@@ -153,8 +123,8 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
     max(0, p - window + 1)..p of p = positions[r] only (never the rest of the cache), scores in float32 scaled by
     hd^-0.5, an online softmax. Returns [R, H * hd] in q's dtype. No host sync.
 
-    The visible positions are cut into `splits` equal runs (default: one per POSITIONS_PER_SPLIT of the cache's
-    capacity, at most MAX_SPLITS), each a program per (row, cache head): with one run, one launch writes the
+    The visible positions are cut into `splits` equal runs (default: `split_count` with the default KernelTuning),
+    each a program per (row, cache head): with one run, one launch writes the
     output; with more (long caches, where one program per head would stream the whole history alone), a second
     launch merges the runs' partial softmaxes (flash-decoding). The grid depends on the capacity only, so a CUDA
     graph captured once serves every position.
@@ -167,7 +137,7 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
     kv_heads, capacity, _ = keys.shape
     assert heads % kv_heads == 0 and values.shape == keys.shape, "q heads must be a multiple of the cache's heads"
     assert keys.stride(2) == 1 and values.stride(2) == 1, "the cache's head dimension must be contiguous"
-    splits = splits or max(1, min(MAX_SPLITS, -(-capacity // POSITIONS_PER_SPLIT)))
+    splits = splits or split_count(capacity, KernelTuning())
     group = heads // kv_heads
     group_pow2 = _pow2(group)
     q = q.contiguous()

@@ -16,7 +16,7 @@ Design principles of the static step:
 5. Routed experts never read the routing table on the host: all-resident experts run either densely (every
    expert on all R rows, masked: the eager exact path's own arithmetic) or in a Triton kernel over the
    packed bf16 experts that reads each active expert once (CUDA).
-6. DeepSeek-V2's multi-head latent attention (opt-in, see static_step_supported) follows 2-4 over its
+6. DeepSeek-V2's multi-head latent attention (on by default, KernelTuning.static_mla) follows 2-4 over its
    LatentKVCache: the kv latent and rope key are written with `index_copy_`, and every row's absorbed-form
    query attends over the whole cache [0, S) under the same mask.
 """
@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import gc
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol, TypeVar, cast
 
@@ -62,7 +61,6 @@ class StaticMoE(Protocol):
         ...
 
 
-STATIC_MLA_ENV = "SPECTER_STATIC_MLA"
 _STANDARD_METHODS = ("forward", "attention", "_attend", "_attend_row", "feed_forward", "new_kv")
 # What the static MLA reimplements (the KV layout, the writes and the attention); the projections it reuses.
 _MLA_METHODS = ("forward", "attention", "_attend_latent", "_attend_latent_row", "feed_forward", "new_kv")
@@ -99,15 +97,17 @@ def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> 
     return graph, result
 
 
-def static_step_supported(model: Transformer | type[Transformer]) -> bool:
+def static_step_supported(model: Transformer | type[Transformer], static_mla: bool | None = None) -> bool:
     """Whether the model (or a Transformer class) uses an attention and forward the static step reimplements.
 
     Standard attention: always. DeepSeek-V2's multi-head latent attention (family deepseek_v2): yes, unless
-    the environment variable SPECTER_STATIC_MLA=0 switches it off (then DeepSeek runs the eager forward
-    everywhere: target, verify and draft). Measured on the H200 on 2026-11-30 (tests/test_gpu_graphed_mla.py).
+    `static_mla` (KernelTuning.static_mla; None: the model's own setting, on for a class) is off: then DeepSeek runs
+    the eager forward everywhere (target, verify and draft).
     """
     if _is_latent_attention(model):
-        return os.environ.get(STATIC_MLA_ENV) != "0"
+        if static_mla is None:
+            static_mla = True if isinstance(model, type) else model.kernels.static_mla
+        return static_mla
     return _inherits(model, Transformer, _STANDARD_METHODS)
 
 
@@ -128,7 +128,8 @@ def check_static_support(model: Transformer) -> None:
     family = model.spec.family
     if _is_latent_attention(model):
         raise ConfigError(f"the static (CUDA-graph) decode step for model family '{family}' (multi-head latent attention) is "
-                          f"switched off by {STATIC_MLA_ENV}=0; unset it to use the static step, or run the eager forward")
+                          f"switched off (EngineConfig.tuning.kernels.static_mla = False); turn it on to use the static "
+                          f"step, or run the eager forward")
     raise ConfigError(f"the static (CUDA-graph) decode step supports standard attention and DeepSeek-V2's latent "
                       f"attention only; model family '{family}' ({type(model).__name__}) has its own; run it with the eager forward")
 
@@ -185,7 +186,7 @@ class StaticStep:
         self.model, self.moe, self.rows = model, moe, rows
         self.latent = _is_latent_attention(model)  # DeepSeek-V2's MLA over a LatentKVCache
         self.key_positions = torch.arange(model.max_context, device=model.device)  # [S]
-        spec = model.spec  # decode_attention's counters, one set per layer (fused.MERGE_IN_LAUNCH)
+        spec = model.spec  # decode_attention's counters, one set per layer (kernels.merge_in_launch)
         self.attention_counters = torch.zeros(spec.num_layers, rows * spec.num_kv_heads, dtype=torch.int32,
                                               device=model.device)  # fmt: skip
 
@@ -219,16 +220,17 @@ class StaticStep:
         prefix = f"{model.spec.layer_prefix(layer)}.self_attn"
         if self.latent:
             return self._latent_attention(layer, prefix, x, positions, blocked, kv)
-        if not model.exact and fused.ROPE_WRITES_CACHE and fused.usable(x):  # the draft: one launch, no index_copy_
+        if not model.exact and model.kernels.rope_writes_cache and fused.usable(x):  # the draft: one launch, no index_copy_
             q, k, v = model._qkv(layer, prefix, x, positions, rotate=False)
             q = fused.rope_and_cache(q, k, v, model.cos, model.sin, positions, kv.k[layer], kv.v[layer])
         else:
             q, k, v = model._qkv(layer, prefix, x, positions)  # [R, H, hd], [R, Hkv, hd] x 2
             kv.k[layer].index_copy_(1, positions, k.transpose(0, 1))
             kv.v[layer].index_copy_(1, positions, v.transpose(0, 1))
-        if not model.exact and fused.DECODE_ATTENTION and fused.usable(q):  # the draft: the visible positions only
-            counters = self.attention_counters[layer] if fused.MERGE_IN_LAUNCH else None
-            out = fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, model.spec.sliding_window, None, counters)
+        if not model.exact and model.kernels.decode_attention and fused.usable(q):  # the draft: the visible positions only
+            counters = self.attention_counters[layer] if model.kernels.merge_in_launch else None
+            splits = fused.split_count(kv.k[layer].shape[1], model.kernels)
+            out = fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, model.spec.sliding_window, splits, counters)
         else:
             out = self._attend(q, kv.k[layer], kv.v[layer], blocked)  # [R, H*hd]
         return model.plus_linear(x, out, f"{prefix}.o_proj")

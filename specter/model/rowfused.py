@@ -1,4 +1,4 @@
-"""The draft's one-row layer in few launches (fused.ROW_KERNELS): Triton GEMVs with their neighbours folded in.
+"""The draft's one-row layer in few launches (KernelTuning.row_kernels): Triton GEMVs with their neighbours folded in.
 
 The graphed draft step is one row per layer, and in a CUDA graph each node costs about 1-2 us whatever its size
 (docs/BENCHMARKS.md, ninth session: ~18 nodes per Qwen2-MoE layer, ~21 us of them small). Here a Qwen2-MoE-style
@@ -7,7 +7,7 @@ layer (a shared expert, its sigmoid gate, int4 routed experts) runs as seven lau
 1. `norm_linear`: RMSNorm in the GEMV's prologue (each program normalises the row itself, from L2), the q/k/v
    product over the packed weights, the bias in the epilogue (replaces the norm and cuBLAS's product).
 2. RoPE + KV writes and 3. attention (specter.model.fused; attention merges its runs in its own launch with the
-   static step's per-layer counters, fused.MERGE_IN_LAUNCH).
+   static step's per-layer counters, KernelTuning.merge_in_launch).
 4. `linear_residual`: the o_proj product with the residual added in its epilogue (replaces cuBLAS's addend copy
    and product).
 5. `norm_ffn_input`: RMSNorm prologue, the packed product of the shared expert's gate and up, the router and the

@@ -48,19 +48,6 @@ from specter.quant.moe_triton import MoEKernelConfig
 log = get_logger(__name__)
 Tensor = torch.Tensor
 
-STAGE_IN_GRAPH = True
-"""Each expert graph writes its output into the staging buffer itself (device index) and the expert id goes in by
-a 4-byte copy from a pinned table: one launch per verified expert. False: the earlier form, a fill kernel for the
-id, the replay, then a copy of the graph's output into place (three launches; its graphs captured on first use).
-A switch for A/B (benchmarks/ab_bench.py --alternate); both are bit-identical."""
-
-PREPARE_BOTH = False
-"""`prepare_experts` captures both forms' graphs at start-up, for an A/B that flips STAGE_IN_GRAPH: otherwise the
-form not selected at start-up captures its graphs on first use, inside measured requests (thirteenth session,
-`lean13`: its first request per prompt ran 8-30 % slow). The second form keeps one more [R, D] output per slot,
-which the memory plan does not charge."""
-
-
 def _no_static_moe(layer: int, h: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
     raise AssertionError("a SegmentedStep computes routed experts through expert_output and routed_sum, never in a segment")
 
@@ -85,7 +72,6 @@ class SegmentedStep:
         self._graphs: list[Any] = []
         self._expert_graphs: dict[int, Any] = {}  # weight buffer address -> its graph
         self._expert_outputs: list[Tensor] = []  # each expert graph's [R, D] output, kept alive with it
-        self._split_graphs: dict[int, tuple[Any, Tensor]] = {}  # STAGE_IN_GRAPH = False: address -> (graph, output)
         self._expert_pool = torch.cuda.graph_pool_handle() if self.use_graph else None
         self._capture_stream = torch.cuda.Stream(model.device) if self.use_graph else None  # one for every capture
 
@@ -183,18 +169,13 @@ class SegmentedStep:
         (zero where the row did not choose it), staged for the next segment's sum; returns the staged [R, D] view.
         ResidentMoE's per-expert arithmetic, bit for bit.
 
-        With graphs, one small CUDA graph per weight buffer (an expert-cache slot, captured by
-        `prepare_experts` at start-up, else on first use; see PREPARE_BOTH for an A/B) runs it and stages its output: the expert id goes in as a
-        device scalar (a 4-byte copy), so a replay replaces the eager path's dozen launches.
+        With graphs, one small CUDA graph per weight buffer (an expert-cache slot, captured by `prepare_experts` at
+        start-up, else on first use) runs it and stages its output itself: the expert id goes in as a device scalar
+        (a 4-byte copy from a pinned table), so one launch per verified expert replaces the eager path's dozen.
         """
         staged = self._staged[expert]
         if not self.use_graph:
             return staged.copy_(self._expert_compute(expert, packed))
-        if not STAGE_IN_GRAPH:
-            graph, out = self._split_graphs.get(packed.data_ptr()) or self._capture_split(packed)
-            self._expert_id.fill_(expert)
-            graph.replay()
-            return staged.copy_(out)  # the slot may serve another expert of this layer before the sum
         graph = self._expert_graphs.get(packed.data_ptr()) or self._capture_expert(packed)
         self._set_expert_id(expert)
         graph.replay()  # computes and stages in one launch (the slot may serve another expert of this layer before the sum)
@@ -211,18 +192,15 @@ class SegmentedStep:
 
     def reset_experts(self) -> None:
         """Drop every expert graph (the cache's slots were reallocated); their outputs go with them."""
-        self._expert_graphs, self._expert_outputs, self._split_graphs = {}, [], {}
+        self._expert_graphs, self._expert_outputs = {}, []
         self._expert_pool = torch.cuda.graph_pool_handle() if self.use_graph else None
 
     def prepare_experts(self, buffers: Sequence[Tensor]) -> None:
-        """Capture the expert graph of each weight buffer now (start-up), in the form STAGE_IN_GRAPH selects, or in
-        both with PREPARE_BOTH. Nothing to do without graphs."""
+        """Capture the expert graph of each weight buffer now (start-up). Nothing to do without graphs."""
         if self.use_graph:
             for packed in buffers:
-                if (STAGE_IN_GRAPH or PREPARE_BOTH) and packed.data_ptr() not in self._expert_graphs:
+                if packed.data_ptr() not in self._expert_graphs:
                     self._capture_expert(packed)
-                if (not STAGE_IN_GRAPH or PREPARE_BOTH) and packed.data_ptr() not in self._split_graphs:
-                    self._capture_split(packed)
 
     def _capture_expert(self, packed: Tensor) -> Any:
         """Warm up (Triton compilation) and capture `_stage_expert` on `packed` with the device expert id.
@@ -238,16 +216,6 @@ class SegmentedStep:
         self._expert_graphs[packed.data_ptr()] = graph
         self._expert_outputs.append(out)
         return graph
-
-    def _capture_split(self, packed: Tensor) -> tuple[Any, Tensor]:
-        """The STAGE_IN_GRAPH = False form's graph: `_expert_compute` alone, its output copied into place by the host."""
-        side = self._capture_stream
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._expert_compute(self._expert_id, packed)
-        self._split_graphs[packed.data_ptr()] = captured = capture_graph(
-            lambda: self._expert_compute(self._expert_id, packed), self._expert_pool, side)
-        return captured
 
     def _stage_expert(self, packed: Tensor) -> Tensor:
         """The expert of the device id on all rows, written into its place in the staging buffer (device index)."""

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from specter.config import KernelTuning
 from specter.model import fused, rowfused
 from specter.model.kv import KVCache
 from specter.model.spec import ModelSpec
@@ -138,8 +139,10 @@ def packed_projections(w: dict[str, Tensor], names: Sequence[str]) -> tuple[Tens
 class Transformer:
     """A loaded MoE decoder: non-expert weights by on-disk name, the spec, and the forward pass."""
 
-    def __init__(self, spec: ModelSpec, dense: dict[str, Tensor], *, exact: bool = True, row_bucket: int = 16, max_context: int = 2048) -> None:
+    def __init__(self, spec: ModelSpec, dense: dict[str, Tensor], *, exact: bool = True, row_bucket: int = 16, max_context: int = 2048,
+                 kernels: KernelTuning | None = None) -> None:
         self.spec = spec
+        self.kernels = kernels or KernelTuning()  # EngineConfig.tuning.kernels: the non-exact forward's fused paths
         self.w = dense
         self.exact = exact
         self.bucket = row_bucket
@@ -147,7 +150,7 @@ class Transformer:
         embed = dense["model.embed_tokens.weight"]
         self.device, self.dtype = embed.device, embed.dtype
         self.cos, self.sin = self._rope_tables(max_context)
-        # the eager one-row step's decode_attention counters, one set per layer (fused.MERGE_IN_LAUNCH; the graphed
+        # the eager one-row step's decode_attention counters, one set per layer (kernels.merge_in_launch; the graphed
         # step keeps its own)
         self.attention_counters = torch.zeros(spec.num_layers, spec.num_kv_heads, dtype=torch.int32, device=self.device)
         # The draft looks its packed tensors up once (_packed): the entries of `dense` are fixed from here on.
@@ -200,17 +203,17 @@ class Transformer:
 
     def plus_linear(self, residual: Tensor, x: Tensor, name: str) -> Tensor:
         """residual + linear(x, name): outside exact mode (the draft) and without a bias, one product with the
-        residual as its addend (fused.RESIDUAL_ADDEND: one launch fewer per call)."""
+        residual as its addend (kernels.residual_addend: one launch fewer per call)."""
         if self._row_kernels(x) and name + ".bias" not in self.w:  # the draft step: the add in the GEMV's epilogue
             return rowfused.linear_residual(x, self.w[name + ".weight"], residual)
-        if not self.exact and fused.RESIDUAL_ADDEND and name + ".bias" not in self.w:
+        if not self.exact and self.kernels.residual_addend and name + ".bias" not in self.w:
             return torch.addmm(residual, x, self.w[name + ".weight"].t())
         return residual + self.linear(x, name)
 
     def _row_kernels(self, x: Tensor) -> bool:
         """Whether this product runs through specter.model.rowfused: the non-exact forward of one row on CUDA (or
-        under Triton's interpreter) with fused.ROW_KERNELS, and the family's own RMSNorm."""
-        return (not self.exact and fused.ROW_KERNELS and x.shape[0] == 1 and type(self).norm is Transformer.norm
+        under Triton's interpreter) with kernels.row_kernels, and the family's own RMSNorm."""
+        return (not self.exact and self.kernels.row_kernels and x.shape[0] == 1 and type(self).norm is Transformer.norm
                 and fused.usable(x))  # fmt: skip
 
     # ---- the forward --------------------------------------------------------------------------
@@ -250,7 +253,7 @@ class Transformer:
         caller rotates them itself: fused.rope_and_cache)."""
         spec = self.spec
         norm_name = f"{spec.layer_prefix(layer)}.input_layernorm"
-        packed = self._packed_qkv(layer) if not self.exact and fused.PACKED_QKV else None
+        packed = self._packed_qkv(layer) if not self.exact and self.kernels.packed_qkv else None
         if packed is not None and self._row_kernels(x):  # the draft step: the norm in the packed product's prologue
             weight, bias, sizes = packed
             q, k, v = rowfused.norm_linear(x, self.w[norm_name + ".weight"], spec.rms_eps, weight, bias, sum(sizes)).split(sizes, dim=-1)
@@ -306,9 +309,9 @@ class Transformer:
 
     def packed_ffn_input(self, layer: int) -> tuple[Tensor, tuple[int, ...]] | None:
         """(weight, rows of each) of a MoE layer whose router and shared-expert input products are packed without
-        biases (see _ffn_input_names), for the non-exact forward with fused.PACKED_FFN_INPUT (and ROUTER_AND_GATE: without
-        it the draft runs torch's router and gate as the target does, for A/B timing); else None."""
-        if self.exact or not fused.PACKED_FFN_INPUT or not fused.ROUTER_AND_GATE:
+        biases (see _ffn_input_names), for the non-exact forward with kernels.packed_ffn_input (and router_and_gate:
+        without it the draft runs torch's router and gate as the target does, for A/B timing); else None."""
+        if self.exact or not self.kernels.packed_ffn_input or not self.kernels.router_and_gate:
             return None
         if ("ffn", layer) not in self._packed:
             names = self._ffn_input_names(layer)
@@ -351,7 +354,7 @@ class Transformer:
         route counter [E], int32 [1] zero for rowfused.Select) | None` (the draft's DraftExperts does)."""
         if not self._row_kernels(x) or layer in self.spec.dense_layers or not self._base_feed_forward():
             return None
-        if not fused.ROUTER_AND_GATE:  # the A/B switch for torch's router: then the layer is not fused at all
+        if not self.kernels.router_and_gate:  # torch's router (A/B): then the layer is not fused at all
             return None
         spec = self.spec
         offer = getattr(experts, "row_experts", None)
@@ -395,12 +398,13 @@ class Transformer:
 
     def _attend(self, layer: int, q: Tensor, first_position: int, kv: KVCache) -> Tensor:
         """Attention of each query row over the cache up to its own position; [T, H, hd] -> [T, H*hd]."""
-        if not self.exact and q.shape[0] == 1 and fused.DECODE_ATTENTION and fused.usable(q):
+        if not self.exact and q.shape[0] == 1 and self.kernels.decode_attention and fused.usable(q):
             # the eager draft step attends as its graphed twin does (graphed.StaticStep: the same launch, the runs merged
             # in it with a counter per layer), so both propose alike
             positions = torch.arange(first_position, first_position + 1, device=q.device)
-            counters = self.attention_counters[layer] if fused.MERGE_IN_LAUNCH else None
-            return fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, self.spec.sliding_window, None, counters)
+            counters = self.attention_counters[layer] if self.kernels.merge_in_launch else None
+            splits = fused.split_count(kv.k[layer].shape[1], self.kernels)
+            return fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, self.spec.sliding_window, splits, counters)
         if self.exact or q.shape[0] == 1:
             return torch.cat([self._attend_row(layer, q[t], first_position + t, kv) for t in range(q.shape[0])])
         return self._attend_block(layer, q, first_position, kv)
@@ -465,7 +469,7 @@ class Transformer:
 
     def _select(self, logits: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Top-A of the float32 softmax of router logits [T, E]: ids [T, A], weights [T, A] in `dtype`."""
-        if not self.exact and fused.ROUTER_AND_GATE and fused.usable(logits):  # the draft on CUDA: one launch
+        if not self.exact and self.kernels.router_and_gate and fused.usable(logits):  # the draft on CUDA: one launch
             return fused.topk_softmax(logits, self.spec.top_k, self.spec.norm_topk_prob, dtype)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
@@ -486,7 +490,7 @@ class Transformer:
         out = self.dense_mlp(f"{prefix}.shared_expert", h)
         if self.spec.shared_gate:
             gate = f"{prefix}.shared_expert_gate"
-            if not self.exact and fused.ROUTER_AND_GATE and fused.usable(h) and gate + ".bias" not in self.w:
+            if not self.exact and self.kernels.router_and_gate and fused.usable(h) and gate + ".bias" not in self.w:
                 return fused.sigmoid_gate(h, self.w[gate + ".weight"], out)
             out = torch.sigmoid(self.linear(h, gate)) * out
         return out
