@@ -24,9 +24,10 @@ QUICK_LINKS = ("0.02", "0.1")
 """The quick matrix's emulated links in GB/s. tiny's routing is random (random weights), so speculation can win only
 by verifying many tokens per pass (each expert crosses once for all of them) while the link, not the CPU's compute,
 sets the pace: one 384 KiB expert takes 19 ms at 0.02 GB/s and 3.9 ms at 0.1 GB/s, against 4-18 ms per token of
-compute on a shared 2-core CPU. Measured there (2026-12-01): specter 1.37x lower TPOT than ondemand at 0.02 GB/s,
-0.80x at 0.1 GB/s, where the draft's CPU time (on a GPU a small fraction of a verify) costs more than the bytes it
-saves."""
+compute on a shared 2-core CPU. Measured there (2026-12-01, two runs): specter vs ondemand 1.72x and 1.37x lower
+TPOT at 0.02 GB/s; at 0.1 GB/s 1.41x in one run and 0.80x in the other, a link fast enough that the draft's CPU time
+(on a GPU a small fraction of a verify) can cost as much as the bytes it saves, so the busier the machine the smaller
+the win there."""
 PLAIN_CPU_LINKS = ("0.25", "1")
 """The CPU's emulated links outside the quick matrix: slow enough that tiny's experts cost about as much as its compute."""
 QUICK_SYSTEMS = ("resident", "ondemand", "specter")
