@@ -5,7 +5,18 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def quiet_logs_after():
+    """specter.cli.main binds the logs to the stderr of the moment (capsys's, closed after the test): rebind them."""
+    yield
+    from specter import log
+
+    log.configure()
 
 
 def quick_start_commands() -> list[str]:
