@@ -111,6 +111,19 @@ def _random_tensors(config: dict, generator: torch.Generator) -> dict[str, torch
     return tensors
 
 
+def builtin_note(name_or_path: str) -> str | None:
+    """The one-line notice the CLI prints on stderr when `name_or_path` is a built-in model, else None.
+
+    Built-in models have random weights: without the notice a first user reads their gibberish as a bug.
+    """
+    if not is_builtin(name_or_path):
+        return None
+    config = BUILTIN[name_or_path]
+    return (f"note: {name_or_path!r} is a built-in model with random weights ({config['model_type']}, "
+            f"{config['num_hidden_layers']} layers, {config['num_experts']} experts, made in code): its text is gibberish. "
+            f"It shows the engine at work; for real text pass --model a checkpoint directory (README: Run a real model).")
+
+
 def resolve_model(name_or_path: str) -> Path:
     """A checkpoint path, or the path of a built-in model given by name."""
     return builtin_path(name_or_path) if is_builtin(name_or_path) else Path(name_or_path)

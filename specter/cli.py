@@ -119,8 +119,12 @@ def generation_config(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from specter.kernel import run
 
+    from specter.builtin import builtin_note
+
     # Validate everything the user typed before loading anything.
     config, generation = engine_config(args), generation_config(args)
+    if note := builtin_note(args.model):
+        print(note, file=sys.stderr)
     return run(_generate(args, config, generation))
 
 
@@ -169,6 +173,10 @@ def summary_line(stats: dict) -> str:
 
 # ---- info ---------------------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
+    from specter.builtin import builtin_note
+
+    if note := builtin_note(args.model):
+        print(note, file=sys.stderr)
     summary = checkpoint_summary(args.model, dtype=args.dtype, max_context=args.max_context, quant=args.quant)
     if args.json:
         print(json.dumps(summary))

@@ -2,8 +2,65 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
+import tempfile
+import tomllib
+from importlib.metadata import PackageNotFoundError, distribution
+from pathlib import Path
+
 import pytest
 import torch
+
+DUMMY_PLUGIN = Path(__file__).resolve().parent / "dummy_plugin"
+DUMMY_DIST = "specter-dummy-policy"
+
+
+def dummy_dist_info(pyproject: Path, into: Path) -> Path:
+    """Write the `*.dist-info` (METADATA, entry_points.txt) that `pip install` would write for `pyproject`.
+
+    With it and the package's folder on sys.path, importlib.metadata finds the package's entry points as if it
+    were installed, so the plug-in tests see a third-party plug-in without the quick start installing one into
+    the user's environment (where `dummy-broken` would show in every error and replay).
+    """
+    project = tomllib.loads(pyproject.read_text())["project"]
+    dist_info = into / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    sections = [f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in points.items())
+                for group, points in project["entry-points"].items()]
+    (dist_info / "entry_points.txt").write_text("\n".join(sections))
+    return dist_info
+
+
+def _installed(name: str) -> bool:
+    try:
+        distribution(name)
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+_added_paths: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Runs before any test module imports specter.plugins, whose entry-point scan is cached per process.
+    if _installed(DUMMY_DIST):
+        return  # someone installed the example package (pip install ./tests/dummy_plugin): use that copy
+    metadata_root = Path(tempfile.mkdtemp(prefix="specter-dummy-plugin-"))
+    dummy_dist_info(DUMMY_PLUGIN / "pyproject.toml", metadata_root)
+    _added_paths.extend([str(metadata_root), str(DUMMY_PLUGIN)])
+    sys.path[:0] = _added_paths
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for path in _added_paths:
+        if path in sys.path:
+            sys.path.remove(path)
+    if _added_paths:
+        shutil.rmtree(_added_paths[0], ignore_errors=True)
+    _added_paths.clear()
 
 
 @pytest.fixture(scope="module")

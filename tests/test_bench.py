@@ -497,3 +497,94 @@ def test_row_bucket_reaches_every_engine_the_bench_builds(tmp_path, monkeypatch)
     with pytest.raises(SystemExit):  # argparse's error: a clear message, exit status 2
         cli.main(["--row-bucket", "0", "--no-progress", "--out", str(tmp_path / "bad")])
     assert all(run["tokens_equal"] for run in results["runs"])
+
+
+# ---- the quick matrix's output: plots a reader can read, and one line that says what it found --------------
+
+def _plot_payload() -> dict:
+    """A summary and runs shaped like the quick matrix's (two links, ondemand and specter), without running it."""
+    summary, runs = [], []
+    for link, ondemand, specter in (("0.02", 80.0, 40.0), ("0.1", 20.0, 16.0)):
+        for system, tpot in (("ondemand", ondemand), ("specter", specter)):
+            row = {"model": "tiny", "setting": "residents=6", "link": link, "system": system, "tpot_ms": tpot,
+                   "acceptance": 0.9 if system == "specter" else None}
+            if system == "specter":
+                row["x_ondemand"] = round(ondemand / specter, 3)
+            summary.append(row)
+            runs.append({"model": "tiny", "setting": "residents=6", "link": link, "system": system,
+                         "accepted_length_histogram": {"0": 1, "3": 2, "4": 5} if system == "specter" else {},
+                         "recall_by_layer": {str(layer): [3, 4] for layer in range(4)} if system == "specter" else {}})
+    summary.append({"model": "tiny", "setting": "all", "link": "-", "system": "resident", "tpot_ms": 4.0, "acceptance": None})
+    return {"summary": summary, "runs": runs}
+
+
+def _drawn(figure):
+    figure.canvas.draw()
+    return figure
+
+
+def test_every_plot_axis_has_its_unit_integer_ticks_where_it_counts_and_the_legend_outside_the_data():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from specter.bench import plots
+
+    payload = _plot_payload()
+    figures = {name: _drawn(plot(payload["summary"], payload["runs"])) for name, plot in (
+        ("tpot", plots._tpot_by_system), ("speedup", plots._speedups), ("acceptance", plots._acceptance),
+        ("lengths", plots._accepted_lengths), ("recall", plots._recall_by_layer), ("link", plots._tpot_vs_link))}
+    for name in ("tpot", "speedup", "acceptance"):  # bar groups: every link with its unit
+        ax = figures[name].axes[0]
+        assert [label.get_text().split("\n")[-1] for label in ax.get_xticklabels()] == ["0.02 GB/s", "0.1 GB/s"], name
+        assert "GB/s" in ax.get_xlabel()
+    assert "ms" in figures["tpot"].axes[0].get_ylabel() and "ms" in figures["link"].axes[0].get_ylabel()
+    assert "GB/s" in figures["link"].axes[0].get_xlabel()
+    for ax in (figures["lengths"].axes[0], figures["recall"].axes[0]):  # counts and layer indices: whole numbers
+        ticks = [tick for tick in ax.get_xticks() if ax.get_xlim()[0] <= tick <= ax.get_xlim()[1]]
+        assert ticks and all(float(tick).is_integer() for tick in ticks), (ax.get_xlabel(), ticks)
+    for name in ("tpot", "speedup", "acceptance", "recall", "link"):  # legends right of the data, not over it
+        ax = figures[name].axes[-1]
+        legend, frame = ax.get_legend().get_window_extent(), ax.get_window_extent()
+        assert legend.x0 >= frame.x1, name
+    import matplotlib.pyplot as plt
+
+    for figure in figures.values():
+        plt.close(figure)
+
+
+def test_the_reading_line_states_the_ratios_of_the_medians():
+    from specter.bench import report
+
+    line = report.reading(_plot_payload()["summary"])
+    assert line == ("specter vs ondemand (tiny, 6 resident experts/layer): 2.00x lower TPOT at 0.02 GB/s (40 vs 80 ms), "
+                    "1.25x lower TPOT at 0.1 GB/s (16 vs 20 ms)")
+    slower = [dict(row, tpot_ms=25.0) if row["system"] == "specter" and row["link"] == "0.1" else row for row in _plot_payload()["summary"]]
+    assert "1.25x higher TPOT at 0.1 GB/s (25 vs 20 ms)" in report.reading(slower)
+    assert report.reading([row for row in _plot_payload()["summary"] if row["system"] != "ondemand"]) is None
+
+
+def test_the_matrix_prints_its_reading_consistent_with_its_table(tmp_path):
+    import contextlib
+    import io
+
+    # stdout only: capsys would also swap stderr, and the bench's log.configure would keep writing to it once closed
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert cli.main(["--systems", "ondemand,specter", "--max-new-tokens", "4", "--warmup-tokens", "2", "--link", "1",
+                         "--no-progress", "--no-plots", "--out", str(tmp_path)]) == 0
+    printed = stdout.getvalue().strip().splitlines()
+    summary = json.loads((tmp_path / "results.json").read_text())["summary"]
+    tpot = {row["system"]: row["tpot_ms"] for row in summary}
+    ratio = tpot["ondemand"] / tpot["specter"]
+    assert printed[-1].startswith("specter vs ondemand (tiny, 6 resident experts/layer): ")
+    assert f"{max(ratio, 1 / ratio):.2f}x {'lower' if ratio >= 1 else 'higher'} TPOT at 1 GB/s" in printed[-1]
+
+
+def test_the_bare_quick_matrix_shows_the_idea_with_repeats_and_a_draft_that_agrees():
+    options = cli.options_from_args(cli.build_parser().parse_args([]))
+    assert options.systems == ["resident", "ondemand", "specter"] and options.repeats >= 2 and options.quant == "int8"
+    if not torch.cuda.is_available():
+        assert options.links == list(cli.QUICK_LINKS)
+    shaped = cli.options_from_args(cli.build_parser().parse_args(["--systems", "ondemand"]))
+    assert (shaped.repeats, shaped.quant) == (1, "int4")  # a matrix of the user's own keeps the plain defaults

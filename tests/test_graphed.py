@@ -243,11 +243,51 @@ INTERPRETER_CASES = [
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_triton_resident_moe_in_the_interpreter_is_accurate_and_batch_invariant():
+    """A token's output row is bit-identical whether it shares a 16-row tile with others or runs alone.
+
+    The kernel's part of batch invariance (grouping tokens by expert, padding chunks to 16 rows, masking, rounding
+    where eager rounds) is what this checks. tl.dot itself runs through tests/interpreter.py's fixed-order
+    reduction, row-independent by construction, because the interpreter's own dot is numpy's BLAS, whose rounding
+    of one row may depend on its position in the tile on some CPUs (AMD EPYC). The GPU's dot is checked for the
+    same property on the GPU: tests/test_gpu_graphed.py::test_triton_resident_moe_on_qwen_shapes_is_accurate_and_batch_invariant.
+    """
     cases = [dict(case, seed=index) for index, case in enumerate(INTERPRETER_CASES)]
     results = run_interpreted(INTERPRETER_SCRIPT, json.dumps(cases))
     for case, (error, invariant) in zip(cases, results):
         assert error < (2e-3 if case["dtype"] == "float16" else 1e-5), (case, error)
         assert invariant, f"rows of one call differ from one-row calls: {case}"
+
+
+# numpy.matmul as a BLAS that rounds a row by its position in the tile may (the AMD EPYC failure, made to
+# happen on every CPU): odd rows sum k in descending order, even rows ascending, each in float32.
+POSITION_DEPENDENT_MATMUL = textwrap.dedent(
+    """
+    import numpy
+
+    def _position_dependent_matmul(a, b, dtype=None, **kwargs):
+        assert a.ndim == 2 and b.ndim == 2 and not kwargs, "tl.dot in these kernels is 2-D"
+        dtype = dtype or numpy.result_type(a, b)
+        a, b = a.astype(dtype), b.astype(dtype)
+        out = numpy.zeros((a.shape[0], b.shape[1]), dtype)
+        for row in range(a.shape[0]):
+            order = range(a.shape[1]) if row % 2 == 0 else reversed(range(a.shape[1]))
+            for k in order:
+                out[row] += a[row, k] * b[k]
+        return out
+
+    numpy.matmul = _position_dependent_matmul
+    """
+)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_interpreter_checks_do_not_depend_on_how_numpy_rounds_a_row_in_a_tile():
+    """The batch-invariance check above holds even when numpy's matmul rounds by row position: the tests'
+    tl.dot never reaches numpy's BLAS. Without tests/interpreter.py's fixed-order dot this fails here as it
+    failed on AMD EPYC."""
+    cases = [dict(case, seed=index) for index, case in enumerate(INTERPRETER_CASES) if case["dtype"] == "float32"][:2]
+    results = run_interpreted(INTERPRETER_SCRIPT, json.dumps(cases), prelude=POSITION_DEPENDENT_MATMUL)
+    assert [invariant for _, invariant in results] == [True] * len(cases), results
 
 
 DECODE_SCRIPT = textwrap.dedent(

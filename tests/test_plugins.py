@@ -23,9 +23,6 @@ def _dist_installed(name: str) -> bool:
     return True
 
 
-needs_dummy = pytest.mark.skipif(
-    not _dist_installed(DUMMY_DIST), reason=f"{DUMMY_DIST} not installed; run `pip install ./tests/dummy_plugin`"
-)
 needs_specter_dist = pytest.mark.skipif(
     not _dist_installed("specter"), reason="specter not pip-installed, so its entry points are not registered"
 )
@@ -272,14 +269,32 @@ def test_reference_policies_are_registered_by_entry_point():
     assert origin.dist == "specter"
 
 
-@needs_dummy
+def test_the_test_session_sees_the_dummy_plugin_without_an_install():
+    """tests/conftest.py puts the dummy package and its metadata on sys.path (unless it is pip-installed), so
+    these tests never skip for want of it and the quick start need not install it."""
+    assert _dist_installed(DUMMY_DIST)
+    assert {"dummy-random", "dummy-broken"} <= set(plugins.installed("eviction", refresh=True))
+
+
+def test_the_generated_metadata_carries_every_entry_point_of_the_example_package(tmp_path):
+    import tomllib
+    from importlib.metadata import PathDistribution
+
+    from tests.conftest import DUMMY_PLUGIN, dummy_dist_info
+
+    declared = tomllib.loads((DUMMY_PLUGIN / "pyproject.toml").read_text())["project"]["entry-points"]
+    found = PathDistribution(dummy_dist_info(DUMMY_PLUGIN / "pyproject.toml", tmp_path))
+    assert found.metadata["Name"] == DUMMY_DIST
+    assert {(ep.group, ep.name, ep.value) for ep in found.entry_points} == {
+        (group, name, target) for group, points in declared.items() for name, target in points.items()}
+
+
 def test_dummy_plugin_is_discovered_with_its_distribution():
     entry_point = plugins.installed("eviction")["dummy-random"]
     origin = plugins.PluginOrigin.of("eviction", entry_point)
     assert (origin.dist, origin.version) == (DUMMY_DIST, distribution(DUMMY_DIST).version)
 
 
-@needs_dummy
 def test_dummy_random_is_loaded_and_used_deterministically():
     residents, protected = [3, 5, 8, 13, 21], frozenset({8})
     answers = []
@@ -290,7 +305,6 @@ def test_dummy_random_is_loaded_and_used_deterministically():
     assert len(set(answers[0])) == 2 and set(answers[0]) <= set(residents) - protected
 
 
-@needs_dummy
 def test_dummy_random_drives_a_replay():
     from policies.prefetch import NoPrefetch
     from specter.replay import replay
@@ -302,7 +316,6 @@ def test_dummy_random_drives_a_replay():
     assert result.eviction == "dummy-random" and result.hits + result.misses == 8
 
 
-@needs_dummy
 def test_dummy_broken_is_rejected_naming_it_and_its_distribution():
     with pytest.raises(PluginError) as caught:
         plugins.load_policy("eviction", "dummy-broken")
@@ -312,7 +325,6 @@ def test_dummy_broken_is_rejected_naming_it_and_its_distribution():
     assert "victims() missing" in message
 
 
-@needs_dummy
 def test_allow_list_hides_the_dummy_plugin(monkeypatch):
     monkeypatch.setenv(plugins.ALLOW_LIST_ENV, "lru,plan-protect")
     assert "dummy-random" not in plugins.available("eviction")

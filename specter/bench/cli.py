@@ -20,8 +20,23 @@ PAPER_SETTINGS = {"deepseek-v2-lite": (16, 4), "qwen1.5-moe-a2.7b": (15, 8), "ph
 """Resident experts per layer in the Specter paper's two memory settings per model."""
 
 QUICK_RESIDENTS = 6
-QUICK_LINKS = ("0.25", "1")
-"""The CPU's emulated links in GB/s: slow enough that tiny's 384 KiB experts cost about as much as its compute."""
+QUICK_LINKS = ("0.02", "0.1")
+"""The quick matrix's emulated links in GB/s. tiny's routing is random (random weights), so speculation can win only
+by verifying many tokens per pass (each expert crosses once for all of them) while the link, not the CPU's compute,
+sets the pace: one 384 KiB expert takes 19 ms at 0.02 GB/s and 3.9 ms at 0.1 GB/s, against 4-18 ms per token of
+compute on a shared 2-core CPU. Measured there (2026-12-01, two runs): specter vs ondemand 1.72x and 1.37x lower
+TPOT at 0.02 GB/s; at 0.1 GB/s 1.41x in one run and 0.80x in the other, a link fast enough that the draft's CPU time
+(on a GPU a small fraction of a verify) can cost as much as the bytes it saves, so the busier the machine the smaller
+the win there."""
+PLAIN_CPU_LINKS = ("0.25", "1")
+"""The CPU's emulated links outside the quick matrix: slow enough that tiny's experts cost about as much as its compute."""
+QUICK_SYSTEMS = ("resident", "ondemand", "specter")
+"""The ceiling, plain offloading and specter: the comparison the quick matrix exists to show (--systems for more)."""
+QUICK_QUANT = "int8"
+"""The quick draft: int8 agrees with tiny's target on about 9 tokens in 10 (int4: about 1 in 2), as a trained model's
+int4 draft does; with random weights int4 is a worst case, not the idea."""
+QUICK_REPEATS = 2
+"""Requests per prompt in the quick matrix: a median over 6 requests (3 prompts x 2) per cell, within 2 minutes."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,21 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=None, help="truncate synthetic shapes to N decoder layers (labelled)")
     parser.add_argument("--residents", type=_int_list, default=None, help="expert slots per MoE layer, e.g. 16,4")
     parser.add_argument("--budget", type=_size_list, default=None, help="GPU budgets instead of residents, e.g. 8GiB,4GiB")
-    parser.add_argument("--systems", type=_name_list, default=list(DEFAULT_SYSTEMS), help=f"of: {', '.join(SYSTEMS)}")
+    parser.add_argument("--systems", type=_name_list, default=None,
+                        help=f"of: {', '.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)}; quick: {','.join(QUICK_SYSTEMS)})")
     parser.add_argument("--link", type=_name_list, default=None,
-                        help="links to emulate: gen5, gen4, gen3, ddr4-desktop, native or GB/s (default: native on CUDA, 0.25,1 on the CPU)")
+                        help=f"links to emulate: gen5, gen4, gen3, ddr4-desktop, native or GB/s (default: native on CUDA, "
+                             f"{','.join(PLAIN_CPU_LINKS)} on the CPU; quick: {','.join(QUICK_LINKS)})")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="output tokens per request (default 128; quick: 32)")
     parser.add_argument("--warmup-tokens", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=1, help="prompts per kind (kinds: uniform/zipf/motif, or code/prose/docs)")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=None, help=f"requests per prompt (default 1; quick: {QUICK_REPEATS})")
     parser.add_argument("--k", type=int, default=4, help="draft depth of specter (fixed) and oracle")
     parser.add_argument("--k-max", type=int, default=15, help="largest depth the roofline governor may pick (15: 16 "
                         "verify rows, one pass of the 16-row static verify; H200 2026-11-30, trained Qwen shape at 8 "
                         "residents: specter 5.0 -> 2.83 ms from 8 to 15)")
     parser.add_argument("--row-bucket", type=int, default=16, help="every system's exact row block, also the static "
                         "verify's rows per pass (16; 32 lets a k-max of 31 verify in one pass)")
-    parser.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2"],
-                        help="weight format of the draft's experts, for every speculative system (default int4)")
+    parser.add_argument("--quant", default=None, choices=["int4", "int8", "int3", "int2"],
+                        help=f"weight format of the draft's experts, for every speculative system (default int4; quick: {QUICK_QUANT})")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--threads", type=int, default=None,
@@ -136,20 +153,26 @@ def _synthetic_target(name: str, layers: int | None, settings: list[Setting], pe
 def options_from_args(args: argparse.Namespace) -> Options:
     import torch
 
-    unknown = [name for name in args.systems if name not in SYSTEMS]
+    quick = args.preset == "quick" and not args.model
+    # The quick matrix's own choices (systems, draft format, repeats, links) hold only while the user shapes
+    # no matrix of their own: `--systems X` gets the plain defaults, as every run but the bare command does.
+    quick_matrix = quick and args.systems is None
+    systems = args.systems or list(QUICK_SYSTEMS if quick_matrix else DEFAULT_SYSTEMS)
+    unknown = [name for name in systems if name not in SYSTEMS]
     if unknown:
         raise ConfigError(f"unknown system(s) {unknown}; systems: {', '.join(SYSTEMS)}")
     on_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     if args.threads or not on_cuda:
         torch.set_num_threads(args.threads or 1)
-    links = args.link or (["native"] if on_cuda else list(QUICK_LINKS))
-    quick = args.preset == "quick" and not args.model
+    links = args.link or (["native"] if on_cuda else list(QUICK_LINKS if quick_matrix else PLAIN_CPU_LINKS))
     max_new = args.max_new_tokens or (32 if quick else 128)
     tuning = TuningConfig().with_overrides([*args.tune, *(["transfer.issue_marks=true"] if args.copy_gaps else [])])
-    return Options(systems=args.systems, links=links, max_new_tokens=max_new, warmup_tokens=min(args.warmup_tokens, max_new),
-                   repeats=args.repeats, k=args.k, k_max=max(args.k_max, args.k), row_bucket=args.row_bucket,
+    repeats = args.repeats or (QUICK_REPEATS if quick_matrix else 1)
+    quant = args.quant or (QUICK_QUANT if quick_matrix else "int4")
+    return Options(systems=systems, links=links, max_new_tokens=max_new, warmup_tokens=min(args.warmup_tokens, max_new),
+                   repeats=repeats, k=args.k, k_max=max(args.k_max, args.k), row_bucket=args.row_bucket,
                    device=args.device, dtype=args.dtype,
-                   progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=args.quant,
+                   progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=quant,
                    tuning=tuning)
 
 
@@ -190,6 +213,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print("\n".join(report.table_lines(summary, report.SHORT_COLUMNS) + report.copy_idle_lines(summary)))
     print(f"\n{len(records)} requests in {payload['elapsed_s']} s; results in {args.out}/ (results.json, results.md"
           f"{', plots' if not args.no_plots else ''})")
+    if line := report.reading(summary):
+        print(line)
     return 0 if all(row["tokens_equal"] for row in summary if row["system"] != "hf-accelerate") else 1
 
 

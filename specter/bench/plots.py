@@ -24,7 +24,7 @@ def write_plots(payload: dict, out: Path) -> list[str]:
         figure = plot(summary, runs)
         if figure is not None:
             figure.tight_layout()
-            figure.savefig(out / name, dpi=120)
+            figure.savefig(out / name, dpi=120, bbox_inches="tight")  # "tight": the legends sit outside the axes
             written.append(name)
             import matplotlib.pyplot as plt
 
@@ -40,13 +40,48 @@ def _systems(summary: list[dict]) -> list[str]:
     return list(dict.fromkeys(r["system"] for r in summary))
 
 
+def link_label(link: str) -> str:
+    """'0.25' -> '0.25 GB/s', 'gen4' -> 'gen4 (25 GB/s)': every link with its unit."""
+    gbps = link_gbps(link)
+    if gbps is None:
+        return link
+    return f"{gbps:g} GB/s" if _is_number(link) else f"{link} ({gbps:g} GB/s)"
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def cell_label(model: str, setting: str, link: str) -> str:
+    """One bar group's label: the model, its memory setting in words, the link with its unit."""
+    setting = setting.replace("residents=", "") + " resident experts/layer" if setting.startswith("residents=") else setting
+    return f"{model}\n{setting}\n{link_label(link)}" if link != "-" else f"{model}\n{setting}"
+
+
+def _legend_outside(ax) -> None:
+    """The legend right of the axes, so it never hides a bar or a line."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def _integer_axis(axis) -> None:
+    """Counts (layers, accepted drafts, rounds) get whole-number ticks only."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _bars(ax, groups: list[str], series: dict[str, list[float | None]]) -> None:
     width = 0.8 / max(1, len(series))
     for index, (label, values) in enumerate(series.items()):
         xs = [g + index * width for g in range(len(groups))]
         ax.bar(xs, [v or 0.0 for v in values], width, label=label)
-    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, rotation=20, ha="right", fontsize=7)
-    ax.legend(fontsize=7)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, fontsize=7)
+    ax.set_xlabel("model, memory setting, host link (GB/s)")
+    _legend_outside(ax)
 
 
 def _tpot_by_system(summary: list[dict], runs: list[dict]):
@@ -62,7 +97,7 @@ def _tpot_by_system(summary: list[dict], runs: list[dict]):
     if resident:
         series["resident"] = [resident.get(cell[0]) for cell in cells]
     figure, ax = plt.subplots(figsize=(max(6, 1.6 * len(cells)), 4))
-    _bars(ax, [" ".join(cell) for cell in cells], series)
+    _bars(ax, [cell_label(*cell) for cell in cells], series)
     ax.set_ylabel("TPOT (ms, lower is better)")
     ax.set_title("Time per output token by system")
     return figure
@@ -76,9 +111,9 @@ def _speedups(summary: list[dict], runs: list[dict]):
         return None
     baselines = ["x_ondemand", "x_gate-prefetch", "x_specmoeoff", "x_oracle", "x_resident"]
     figure, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
-    _bars(ax, [f"{r['model']} {r['setting']} {r['link']}" for r in rows], {b[2:]: [r.get(b) for r in rows] for b in baselines})
+    _bars(ax, [cell_label(r["model"], r["setting"], r["link"]) for r in rows], {b[2:]: [r.get(b) for r in rows] for b in baselines})
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_ylabel("specter speedup (baseline TPOT / specter TPOT)")
+    ax.set_ylabel("specter speedup (x; baseline TPOT / specter TPOT)")
     ax.set_title("Speedup of specter over each baseline")
     return figure
 
@@ -93,9 +128,9 @@ def _acceptance(summary: list[dict], runs: list[dict]):
     systems = list(dict.fromkeys(r["system"] for r in rows))
     by_key = {(r["model"], r["setting"], r["link"], r["system"]): r for r in rows}
     figure, ax = plt.subplots(figsize=(max(6, 1.6 * len(cells)), 4))
-    _bars(ax, [" ".join(c) for c in cells], {s: [by_key.get((*c, s), {}).get("acceptance") for c in cells] for s in systems})
+    _bars(ax, [cell_label(*c) for c in cells], {s: [by_key.get((*c, s), {}).get("acceptance") for c in cells] for s in systems})
     ax.set_ylim(0, 1)
-    ax.set_ylabel("acceptance (accepted / drafted)")
+    ax.set_ylabel("acceptance (fraction of drafted tokens)")
     ax.set_title("Draft acceptance")
     return figure
 
@@ -115,6 +150,8 @@ def _accepted_lengths(summary: list[dict], runs: list[dict]):
         ax.bar(list(histogram), list(histogram.values()))
         ax.set_title(system, fontsize=9)
         ax.set_xlabel("accepted drafts per round")
+        _integer_axis(ax.xaxis)
+        _integer_axis(ax.yaxis)
     axes[0][0].set_ylabel("rounds")
     return figure
 
@@ -136,10 +173,11 @@ def _recall_by_layer(summary: list[dict], runs: list[dict]):
         order = sorted(layers)
         ax.plot(order, [layers[l][0] / layers[l][1] if layers[l][1] else 0.0 for l in order], marker="o", label=label)
     ax.set_ylim(0, 1.05)
-    ax.set_xlabel("MoE layer")
-    ax.set_ylabel("window recall")
+    ax.set_xlabel("MoE layer (index)")
+    _integer_axis(ax.xaxis)
+    ax.set_ylabel("window recall (fraction)")
     ax.set_title("Draft-predicted experts that verify used, by layer")
-    ax.legend(fontsize=7)
+    _legend_outside(ax)
     return figure
 
 
@@ -166,8 +204,12 @@ def _tpot_vs_link(summary: list[dict], runs: list[dict]):
                             if r["model"] == model and r["setting"] == setting and r["system"] == system and link_gbps(r["link"]))
             if points:
                 ax.plot(*zip(*points), marker="o", label=system)
-        ax.set_xlabel("link GB/s")
-        ax.set_title(f"{model} {setting}", fontsize=9)
-    axes[0][0].set_ylabel("TPOT (ms)")
-    axes[0][-1].legend(fontsize=7)
+        measured = sorted({link_gbps(r["link"]) for r in summary if r["model"] == model and link_gbps(r["link"])})
+        ax.set_xscale("log")  # links span decades (0.02 GB/s emulated to 55 GB/s native); ticks where measured
+        ax.set_xticks(measured, [f"{gbps:g}" for gbps in measured])
+        ax.minorticks_off()
+        ax.set_xlabel("host link bandwidth (GB/s)")
+        ax.set_title(cell_label(model, setting, "-").replace("\n", ", "), fontsize=9)
+    axes[0][0].set_ylabel("TPOT (ms, lower is better)")
+    _legend_outside(axes[0][-1])
     return figure

@@ -91,6 +91,37 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def reading(summary: Sequence[dict[str, Any]], system: str = "specter", baseline: str = "ondemand") -> str | None:
+    """The matrix in one line: `system`'s median TPOT against `baseline`'s in every cell that ran both.
+
+    e.g. "specter vs ondemand (tiny, 6 resident experts/layer): 2.10x lower TPOT at 0.05 GB/s (20.1 vs 42.2 ms), ...".
+    None when no cell has both systems.
+    """
+    by_key = {(r["model"], r["setting"], r["link"], r["system"]): r for r in summary}
+    parts: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for (model, setting, link, name), row in by_key.items():
+        other = by_key.get((model, setting, link, baseline))
+        if name != system or other is None or not row["tpot_ms"]:
+            continue
+        ratio = other["tpot_ms"] / row["tpot_ms"]
+        change = f"{ratio:.2f}x lower TPOT" if ratio >= 1 else f"{1 / ratio:.2f}x higher TPOT"
+        unit = " GB/s" if _is_number(link) else ""
+        parts[(model, setting)].append(f"{change} at {link}{unit} ({row['tpot_ms']:.3g} vs {other['tpot_ms']:.3g} ms)")
+    if not parts:
+        return None
+    cells = [f"({model}, {setting.replace('residents=', '')} resident experts/layer): " if setting.startswith("residents=")
+             else f"({model}, {setting}): " for model, setting in parts]
+    return f"{system} vs {baseline} " + "; ".join(cell + ", ".join(found) for cell, found in zip(cells, parts.values()))
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
     model, setting, link, system = key
     tokens = sum(r["new_tokens"] for r in runs) or 1

@@ -1,0 +1,91 @@
+"""The README's quick start as a contract: what it installs, what CI runs, and what `tiny` says it is."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def quiet_logs_after():
+    """specter.cli.main binds the logs to the stderr of the moment (capsys's, closed after the test): rebind them."""
+    yield
+    from specter import log
+
+    log.configure()
+
+
+def quick_start_commands() -> list[str]:
+    """The lines of the README's quick-start bash block."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block, "the README's quick start has no bash block"
+    return [line.strip() for line in block.group(1).splitlines() if line.strip()]
+
+
+def ci_script() -> list[str]:
+    return [line.strip() for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_the_quick_start_and_ci_do_not_install_the_test_plugin():
+    """A user following the README must not get dummy-* plug-ins in their errors and replay tables."""
+    installs = [command for line in quick_start_commands() for command in line.split("&&") if "pip install" in command]
+    installs += [line for line in ci_script() if "pip install" in line]
+    assert any('".[test,bench]"' in command for command in installs), installs
+    assert not [command for command in installs if "dummy_plugin" in command], installs
+
+
+def test_ci_runs_exactly_the_readmes_install_and_test_commands():
+    commands = quick_start_commands()
+    readme_install = next(part.strip() for part in commands[0].split("&&") if "pip install" in part)
+    readme_tests = [line for line in commands if line.startswith("python -m pytest")]
+    assert readme_tests == ["python -m pytest -q"], commands
+    ci = ci_script()
+    assert [line for line in ci if "pytest" in line and not line.startswith("echo")] == readme_tests, ci
+    # CI spells pip as `python -m pip` and quietens it; otherwise the same install
+    assert _plain(readme_install) in [_plain(line) for line in ci], (readme_install, ci)
+
+
+def _plain(command: str) -> str:
+    return " ".join(word for word in command.split() if word != "-q").removeprefix("python -m ")
+
+
+def test_the_readme_says_tiny_has_random_weights():
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert "random weights" in readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "## Run a real model" in readme
+
+
+def test_generate_and_info_say_once_that_tiny_has_random_weights(tiny, capsys):
+    from specter.cli import main
+
+    assert main(["generate", "--model", "tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json"]) == 0
+    generated = capsys.readouterr()
+    assert generated.err.count("random weights") == 1 and "gibberish" in generated.err
+    assert "random weights" not in generated.out  # --json output stays one clean object
+    assert main(["info", "tiny"]) == 0
+    assert capsys.readouterr().err.count("random weights") == 1
+
+
+def test_a_checkpoint_directory_gets_no_builtin_note(tiny, capsys):
+    from specter.cli import main
+
+    assert main(["info", str(tiny)]) == 0
+    assert "random weights" not in capsys.readouterr().err
+
+
+def test_the_architecture_page_stands_alone():
+    """It refers to nothing a reader of the repository cannot open: no paths above it, no issue numbers."""
+    page = (REPO_ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    assert "../shared" not in page and "DESIGN.md" not in page
+    assert not re.search(r"\bissues? #?\d+", page, re.I), re.search(r"\bissues? #?\d+", page, re.I)
+    for target in re.findall(r"\]\(([^)#]+)", page):
+        if not target.startswith("http"):
+            assert (REPO_ROOT / "docs" / target).resolve().is_relative_to(REPO_ROOT), target
+            assert (REPO_ROOT / "docs" / target).exists(), target
