@@ -317,6 +317,8 @@ def train(model, data: torch.Tensor, args: argparse.Namespace, device: torch.dev
              "last_loss": float(loss.detach())}
     if balance is not None:
         stats["last_balance_loss"] = float(aux)
+    if device.type == "cuda":
+        stats["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return stats
 
 
@@ -486,7 +488,7 @@ def main_shape(args: argparse.Namespace) -> int:
     balance.close()
     print(f"trained {stats['steps']} steps ({stats['tokens'] / 1e6:.1f} M tokens, {stats['tokens_per_s']:,.0f} tokens/s) in "
           f"{stats['seconds']:.0f} s; held-out loss {stats['held_out_loss']:.3f} nats/byte; per-layer balance loss "
-          f"{stats['held_out_balance']['mean']:.3f} (1 is balanced)")
+          f"{stats['held_out_balance']['mean']:.3f} (1 is balanced); peak GPU {stats.get('peak_gpu_gib', 0):.1f} GiB")
     save_shape_run(args.out, model, config, held, held_data, args, {**settings, "training": stats, "params": params,
                                                                     "corpus_files": file_count, "device": str(device),
                                                                     "balance_coef": balance.coef,
