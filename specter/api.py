@@ -268,7 +268,7 @@ class Engine:
         self._check_open()
         generation = make_generation_config(generation_config, overrides)
         prompt_ids = self.encode(prompt)
-        check_prompt(prompt_ids, generation.max_new_tokens, self.spec.vocab_size, self.config.max_context)
+        check_prompt(prompt_ids, generation.max_new_tokens, self.spec.vocab_size, self.config.max_context, self.spec.max_position)
         stream = GenerationStream(self, prompt_ids, generation, self.eos_token_ids | set(generation.stop_token_ids))
         self._streams.add(stream)
         return stream
@@ -283,6 +283,9 @@ class Engine:
         """Token ids of a prompt: ids as they are, text through the tokenizer, messages through the chat template."""
         if isinstance(prompt, str):
             return self._need_tokenizer("a text prompt").encode(prompt)
+        if isinstance(prompt, (bytes, bytearray)):  # list() would make token ids of its bytes
+            raise PromptError(f"a prompt is a str, token ids or chat messages, not {type(prompt).__name__}; "
+                              "decode the bytes first (prompt.decode('utf-8'))")
         items = list(prompt)
         if items and all(isinstance(item, Mapping) for item in items):
             return self._need_tokenizer("chat messages").encode_chat(items)
