@@ -51,7 +51,7 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     memory.add_argument("--max-context", type=int, default=None,
                         help="longest prompt plus generation, in tokens (default: min(2048, the model's max_position_embeddings))")
     memory.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="torch CPU threads for the whole process (default: 1 on CUDA or with at most 4 cores, else 4)")
+                        help="torch CPU threads for the whole process (default: 1 on CUDA, else half the cores, 1 to 4)")
     memory.add_argument("--link", default=None, metavar="PRESET|GBPS", help="emulate a slower link: gen5, gen4, gen3, ddr4-desktop or GB/s")
     policies = gen.add_argument_group("speculation and policies")
     policies.add_argument("--eviction", default="plan-protect", metavar="NAME", help="specter.eviction plug-in")

@@ -145,9 +145,10 @@ class EngineConfig(_Frozen):
                                     "Above max_position_embeddings is an error; so is a context whose KV does not fit in memory.")
     threads: int | None = Field(None, ge=1, description="Torch intra-op CPU threads, set once when the engine loads "
                                 "(torch.set_num_threads is process-wide: it applies to all torch work in the process). "
-                                "None (default): 1 when the model runs on CUDA or the CPU has at most 4 cores, else 4 "
-                                "(measured: with other processes busy, a tiny model's TPOT grows 2.5x and more with "
-                                "torch's default of one thread per core, docs in the README's command-line section).")
+                                "None (default): 1 on CUDA (the host only enqueues work); on the CPU half the cores, "
+                                "1 to 4. Torch's own default, one thread per core, spins its workers against any other "
+                                "busy process: on 2 shared cores, tiny's TPOT was 1.1 s with 2 threads against 54 ms "
+                                "with 1 (benchmarks/threads_tpot.py).")
     draft: DraftConfig = Field(default_factory=DraftConfig, description="Draft model settings.")
     eviction: str = Field("plan-protect", min_length=1, description="Name of the `specter.eviction` plug-in.")
     prefetch: str = Field("topm-keep", min_length=1, description="Name of the `specter.prefetch` plug-in.")

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 import specter
 from specter import Engine, EngineConfig, GenerationConfig, SyncEngine
@@ -270,8 +271,10 @@ def test_leaving_a_bare_async_for_early_does_not_hang_the_next_request(tiny, bas
             stream = engine.generate(PROMPT, max_new_tokens=30)
             async for _ in stream:  # no `async with`: the stream still holds the engine after the break
                 break
-            async with asyncio.timeout(60):  # the same task asks again: the abandoned stream is closed
-                second = await engine.complete(PROMPT, max_new_tokens=6)
+            with capture_logs() as logs:
+                async with asyncio.timeout(60):  # the same task asks again: the abandoned stream is closed
+                    second = await engine.complete(PROMPT, max_new_tokens=6)
+            assert [entry["event"] for entry in logs if entry["log_level"] == "warning"] == ["stream.abandoned"]
             assert stream.finish_reason == "cancelled"
             with pytest.raises(RequestCancelled, match="loop was left early"):
                 await anext(stream)
