@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import weakref
 from collections.abc import AsyncIterator, Generator, Mapping, Sequence
@@ -61,8 +62,11 @@ class GenerationStream:
     """One request: an async iterator of `Piece`s, live `stats`, and `result` once finished.
 
     The request joins the engine's queue (first come, first served) when iteration starts and holds the
-    engine until it finishes, is closed, or its task is cancelled. Leaving a loop early without closing
-    keeps the engine busy until the stream is garbage-collected: use `async with`, or `await aclose()`.
+    engine until it finishes, is closed, or its task is cancelled. Leave a loop early inside `async with`
+    (or `await aclose()`), so the engine is free at once. A bare `async for` left early keeps the engine
+    until the next request finds it abandoned: started by the task that read it (which cannot read both),
+    or after that task ended and nothing references the stream any more. The first is closed with a
+    warning (`stream.abandoned`) and raises RequestCancelled if read again.
     """
 
     def __init__(self, engine: Engine, prompt_ids: list[int], generation: GenerationConfig, stop_ids: frozenset[int]) -> None:
@@ -78,6 +82,7 @@ class GenerationStream:
         self._text: list[str] = []
         self._pieces = self._run()
         self._consumer: asyncio.Task[Any] | None = None  # the task inside __anext__, if any
+        self._reader: weakref.ref[asyncio.Task[Any]] | None = None  # the task that last read a piece
         self._abort_reason: str | None = None
         self._h2d_before = 0
 
@@ -90,6 +95,7 @@ class GenerationStream:
 
     async def __anext__(self) -> Piece:
         self._consumer = asyncio.current_task()
+        self._reader = weakref.ref(self._consumer) if self._consumer is not None else None
         try:
             return await anext(self._pieces)
         except StopAsyncIteration:
@@ -129,7 +135,9 @@ class GenerationStream:
     async def _run(self) -> AsyncIterator[Piece]:
         """Hold the engine's turn for the whole request; the last piece is yielded after letting go of it."""
         final: Piece | None = None
+        await self._engine._reclaim_abandoned()
         async with self._engine._turn:
+            self._engine._holder = weakref.ref(self)
             self._engine._check_open()
             self._h2d_before = self._engine._bytes_loaded()
             committed_rounds = self._engine.runtime.generate_ids(self.prompt_ids, self._runtime_generation(), self.stats)
@@ -183,6 +191,14 @@ class GenerationStream:
             self.finish_reason = reason
             self.stats.new_tokens = len(self.token_ids)
 
+    def _abandoned_by(self, task: asyncio.Task[Any] | None) -> bool:
+        """Between pieces, and last read by `task` (which is now busy elsewhere, so it cannot read this one)."""
+        return self._consumer is None and self.finish_reason is None and self._reader is not None and self._reader() is task
+
+    def _reader_ended(self) -> bool:
+        reader = self._reader() if self._reader is not None else None
+        return self._consumer is None and (reader is None or reader.done())
+
     async def _abort(self, reason: str) -> None:
         """Engine shutdown: end this request whether it runs in another task or sits between pieces."""
         self._abort_reason = reason
@@ -220,6 +236,7 @@ class Engine:
         self.eos_token_ids = frozenset(int(token) for token in eos_token_ids)
         self._turn = asyncio.Lock()  # FIFO: asyncio wakes waiters in order and lets no newcomer jump the queue
         self._streams: weakref.WeakSet[GenerationStream] = weakref.WeakSet()
+        self._holder: weakref.ref[GenerationStream] | None = None  # the stream that last took the turn
         self._closed = False
 
     @classmethod
@@ -261,6 +278,21 @@ class Engine:
             await self.runtime.aclose()
         log.debug("engine.closed")
 
+    async def _reclaim_abandoned(self) -> None:
+        """Before queueing: free the turn from a stream left early by a bare `async for` (see GenerationStream)."""
+        holder = self._holder() if self._holder is not None else None
+        if holder is None or not self._turn.locked():
+            return
+        if holder._abandoned_by(asyncio.current_task()):
+            log.warning("stream.abandoned", prompt_tokens=len(holder.prompt_ids), new_tokens=len(holder.token_ids),
+                        advice="leave a stream early inside `async with engine.generate(...) as stream:` or call aclose()")
+            holder._abort_reason = ("this stream was closed because its loop was left early and the same task started "
+                                    "another request; use `async with engine.generate(...)` to stop a stream early")
+            await holder.aclose()
+        elif holder._reader_ended():
+            del holder
+            gc.collect()  # an unreferenced stream is in a cycle with its generator; collecting it gives the turn back
+
     # ---- requests ------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None,
                  **overrides: Any) -> GenerationStream:
@@ -268,7 +300,7 @@ class Engine:
         self._check_open()
         generation = make_generation_config(generation_config, overrides)
         prompt_ids = self.encode(prompt)
-        check_prompt(prompt_ids, generation.max_new_tokens, self.spec.vocab_size, self.config.max_context)
+        check_prompt(prompt_ids, generation.max_new_tokens, self.spec.vocab_size, self.config.max_context, self.spec.max_position)
         stream = GenerationStream(self, prompt_ids, generation, self.eos_token_ids | set(generation.stop_token_ids))
         self._streams.add(stream)
         return stream
@@ -283,6 +315,9 @@ class Engine:
         """Token ids of a prompt: ids as they are, text through the tokenizer, messages through the chat template."""
         if isinstance(prompt, str):
             return self._need_tokenizer("a text prompt").encode(prompt)
+        if isinstance(prompt, (bytes, bytearray)):  # list() would make token ids of its bytes
+            raise PromptError(f"a prompt is a str, token ids or chat messages, not {type(prompt).__name__}; "
+                              "decode the bytes first (prompt.decode('utf-8'))")
         items = list(prompt)
         if items and all(isinstance(item, Mapping) for item in items):
             return self._need_tokenizer("chat messages").encode_chat(items)

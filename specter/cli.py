@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="summarise a checkpoint: family, parameters, expert bytes, budgets")
     info.add_argument("model", help="checkpoint directory, or the name of a built-in model (e.g. tiny)")
     info.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    info.add_argument("--max-context", type=int, default=2048, help="context the budgets are planned for")
+    info.add_argument("--max-context", type=int, default=None,
+                      help="context the budgets are planned for (default: min(2048, the model's max_position_embeddings))")
     info.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2", "gptq4"], help="draft quantization")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     _add_logging(info)
@@ -49,13 +50,17 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     memory.add_argument("--residents", type=int, default=None, metavar="N", help="expert cache slots per MoE layer (instead of --budget)")
     memory.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     memory.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    memory.add_argument("--max-context", type=int, default=2048, help="longest prompt plus generation, in tokens")
+    memory.add_argument("--max-context", type=int, default=None,
+                        help="longest prompt plus generation, in tokens (default: min(2048, the model's max_position_embeddings))")
+    memory.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch CPU threads for the whole process (default: 1 on CUDA, else half the cores, 1 to 4)")
     memory.add_argument("--link", default=None, metavar="PRESET|GBPS", help="emulate a slower link: gen5, gen4, gen3, ddr4-desktop or GB/s")
     policies = gen.add_argument_group("speculation and policies")
     policies.add_argument("--eviction", default="plan-protect", metavar="NAME", help="specter.eviction plug-in")
     policies.add_argument("--prefetch", default="topm-keep", metavar="NAME", help="specter.prefetch plug-in")
     policies.add_argument("--lookahead", default="fixed", metavar="NAME", help="specter.lookahead plug-in")
-    policies.add_argument("--k", type=int, default=4, metavar="N", help="draft depth for the fixed lookahead; 0 turns speculation off")
+    policies.add_argument("--k", type=int, default=None, metavar="N",
+                          help="draft depth for the fixed lookahead (default 4, at most --k-max); 0 turns speculation off")
     policies.add_argument("--k-max", type=int, default=15, metavar="N", help="largest draft depth any lookahead may choose "
                           "(15: 16 verify rows, one pass of the static verify)")
     policies.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2", "gptq4"], help="draft expert format")
@@ -104,8 +109,9 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig.build(
         device=args.device, dtype=args.dtype, max_context=args.max_context, budget=args.budget, residents=args.residents,
         eviction=args.eviction, prefetch=args.prefetch, lookahead=args.lookahead, link=args.link, progress=args.progress,
-        draft=dict(k=args.k, k_max=args.k_max, quant=args.quant, sampling=args.sampling, scout=args.scout,
-                   overlap=args.overlap),
+        threads=args.threads,
+        draft=dict(k_max=args.k_max, quant=args.quant, sampling=args.sampling, scout=args.scout, overlap=args.overlap)
+        | ({} if args.k is None else {"k": args.k}),  # no --k: the default depth, within --k-max
     )
 
 
@@ -122,10 +128,40 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specter.builtin import builtin_note
 
     # Validate everything the user typed before loading anything.
+    check_generate_inputs(args)
     config, generation = engine_config(args), generation_config(args)
+    check_context(args, config)
     if note := builtin_note(args.model):
         print(note, file=sys.stderr)
     return run(_generate(args, config, generation))
+
+
+def check_context(args: argparse.Namespace, config: Any) -> None:
+    """The context against the model's positions, from its config.json alone (before any weight is read); a
+    text prompt counts as one token here, its real length is checked once it is tokenized."""
+    from specter.builtin import resolve_model
+    from specter.decode import check_context_length
+    from specter.memory import with_model_context
+    from specter.model.checkpoint import Checkpoint
+
+    checkpoint = Checkpoint(resolve_model(args.model))
+    checkpoint.close()
+    context = with_model_context(config, checkpoint.spec).max_context
+    prompt_tokens = 1 if args.prompt is not None else len(args.prompt_ids if args.prompt_ids is not None else DEFAULT_PROMPT_IDS)
+    check_context_length(prompt_tokens, args.max_new_tokens, context, checkpoint.spec.max_position)
+
+
+def check_generate_inputs(args: argparse.Namespace) -> None:
+    """The text and the output paths the user typed (the model's limits are checked when its config is read)."""
+    from specter.paths import check_output_file
+    from specter.tokenizer import check_text
+
+    if args.prompt is not None:
+        check_text(args.prompt, "--prompt")
+    for index, stop in enumerate(args.stop):
+        check_text(stop, f"--stop {index + 1}", instead="")
+    if args.trace:
+        check_output_file(args.trace, "--trace")
 
 
 async def _generate(args: argparse.Namespace, config: Any, generation: Any) -> int:
@@ -185,12 +221,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def checkpoint_summary(model: str, dtype: str = "auto", max_context: int = 2048, quant: str = "int4") -> dict:
+def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None = None, quant: str = "int4") -> dict:
     """What `specter info` prints: family, shape, parameter counts, expert bytes and the two budgets."""
     from specter.builtin import resolve_model
     from specter.config import EngineConfig
     from specter.loader import resolve_dtype
-    from specter.memory import plan_memory
+    from specter.memory import plan_memory, with_model_context
     from specter.model.checkpoint import Checkpoint
     from specter.model.weights import dense_shapes
 
@@ -198,7 +234,7 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int = 2048,
     checkpoint = Checkpoint(path)
     checkpoint.close()
     spec = checkpoint.spec
-    config = EngineConfig.build(max_context=max_context, dtype=dtype, draft=dict(quant=quant))
+    config = with_model_context(EngineConfig.build(max_context=max_context, dtype=dtype, draft=dict(quant=quant)), spec)
     torch_dtype = resolve_dtype(config, spec)
     plan = plan_memory(spec, torch_dtype, config, speculative=True)
     dense = sum(_numel(shape) for shape in dense_shapes(spec).values())
@@ -211,7 +247,7 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int = 2048,
         "active_parameters": dense + moe_layers * spec.top_k * spec.expert_numel,
         "expert_bytes": plan.expert_bytes, "all_expert_bytes": plan.expert_bytes * moe_layers * spec.num_experts,
         "dense_bytes": plan.dense_bytes, "draft_bytes": plan.draft_bytes, "kv_bytes": plan.kv_bytes,
-        "max_context": max_context, "draft_quant": quant,
+        "max_context": config.max_context, "max_position_embeddings": spec.max_position, "draft_quant": quant,
         "minimum_budget": plan.minimum_budget, "resident_budget": plan.resident_budget,
     }
 

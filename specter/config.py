@@ -65,6 +65,9 @@ def describe_validation_error(model: str, error: ValidationError) -> str:
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
+DEFAULT_K = 4
+"""Draft depth of the `fixed` lookahead when `DraftConfig.k` is not given (k_max when that is smaller)."""
+
 DEFAULT_OVERLAP = 16
 """Draft-ahead steps of `DraftConfig.overlap=None` on CUDA (clamped to k + 1 per round by the runtime)."""
 
@@ -74,7 +77,8 @@ class DraftConfig(_Frozen):
 
     quant: QuantName = Field("int4", description="Weight format of the draft's routed experts (gptq4 = int4 with GPTQ calibration).")
     group_size: int = Field(128, description="Quantization group size along the input dimension; -1 for one group per row.")
-    k: int = Field(4, ge=0, le=32, description="Draft depth for the `fixed` lookahead policy; 0 disables speculation.")
+    k: int = Field(DEFAULT_K, ge=0, le=32, description="Draft depth for the `fixed` lookahead policy; 0 disables speculation. "
+                   "Default 4, or k_max when that is smaller; a k above k_max is an error (it would be cut to k_max).")
     k_max: int = Field(15, ge=0, le=32, description="Largest draft depth any lookahead policy may choose (15: with the "
                        "token before the drafts, 16 verify rows, one pass of the 16-row static verify; 16 would take a "
                        "second pass for one more token).")
@@ -93,6 +97,21 @@ class DraftConfig(_Frozen):
         if self.overlap is not None:
             return self.overlap
         return DEFAULT_OVERLAP if device_type == "cuda" and cuda_graphs else 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_k_within_k_max(cls, values: object) -> object:
+        # Only the default follows k_max; a k the user gave is checked against it below, never cut silently.
+        if isinstance(values, dict) and "k" not in values and isinstance(values.get("k_max"), int):
+            return values | {"k": max(0, min(DEFAULT_K, values["k_max"]))}
+        return values
+
+    @model_validator(mode="after")
+    def _k_within_k_max(self) -> "DraftConfig":
+        if self.k > self.k_max:
+            raise ValueError(f"k = {self.k} is above k_max = {self.k_max}, so the fixed lookahead would draft only {self.k_max}; "
+                             f"lower k to {self.k_max} or less, or raise k_max to {self.k}")
+        return self
 
     @model_validator(mode="after")
     def _scout_needs_a_draft(self) -> "DraftConfig":
@@ -214,10 +233,19 @@ class EngineConfig(_Frozen):
     budget: ByteCount | None = Field(
         None, description="GPU memory budget in bytes or with a unit ('24GiB', '512MiB'); expert slots get what is left. None: all experts resident."
     )
-    residents: int | None = Field(None, ge=1, description="Expert cache slots per MoE layer; an alternative to `budget`.")
+    residents: int | None = Field(None, description="Expert cache slots per MoE layer; an alternative to `budget`. At least "
+                                  "the model's top-k (one token's active experts), at most its experts per layer (checked at load).")
     exact: bool = Field(True, description="Batch-invariant numerics, so speculative output is token-identical to plain decoding.")
     row_bucket: int = Field(16, ge=1, le=256, description="Row bucket for exact mode: every matrix product runs on blocks of this many rows.")
-    max_context: int = Field(2048, ge=8, description="Longest prompt plus generation, in tokens; sizes the static KV cache.")
+    max_context: int | None = Field(None, ge=8, description="Longest prompt plus generation, in tokens; sizes the static KV cache "
+                                    "and the attention workspace. None (default): min(2048, the model's max_position_embeddings). "
+                                    "Above max_position_embeddings is an error; so is a context whose KV does not fit in memory.")
+    threads: int | None = Field(None, ge=1, description="Torch intra-op CPU threads, set once when the engine loads "
+                                "(torch.set_num_threads is process-wide: it applies to all torch work in the process). "
+                                "None (default): 1 on CUDA (the host only enqueues work); on the CPU half the cores, "
+                                "1 to 4. Torch's own default, one thread per core, spins its workers against any other "
+                                "busy process: on 2 shared cores, tiny's TPOT was 1.1 s with 2 threads against 54 ms "
+                                "with 1 (benchmarks/threads_tpot.py).")
     draft: DraftConfig = Field(default_factory=DraftConfig, description="Draft model settings.")
     eviction: str = Field("plan-protect", min_length=1, description="Name of the `specter.eviction` plug-in.")
     prefetch: str = Field("topm-keep", min_length=1, description="Name of the `specter.prefetch` plug-in.")
@@ -268,3 +296,14 @@ class GenerationConfig(_Frozen):
     seed: int = Field(0, ge=0, description="Seed of the per-position sampling noise; same seed, same tokens.")
     stop_token_ids: tuple[int, ...] = Field((), description="Generation stops after emitting any of these ids.")
     stop_strings: tuple[str, ...] = Field((), description="Generation stops once the text contains any of these.")
+
+    @field_validator("stop_strings")
+    @classmethod
+    def _stop_strings_are_text(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for index, stop in enumerate(value):
+            try:
+                stop.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise ValueError(f"stop string {index} is not valid Unicode: character {error.start} is "
+                                 f"U+{ord(stop[error.start]):04X}, a lone surrogate; give stop strings as UTF-8 text") from None
+        return value

@@ -15,18 +15,29 @@ from specter.model.transformer import ExpertProvider, Transformer
 T = TypeVar("T")
 
 
-def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, vocab_size: int, max_context: int) -> None:
-    """Refuse a prompt before any work: empty, ids outside the vocabulary, or longer than the context."""
+def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, vocab_size: int, max_context: int,
+                 positions: int | None = None) -> None:
+    """Refuse a prompt before any work: empty, ids outside the vocabulary, or longer than the context.
+    `positions`: the model's max_position_embeddings, so the advice says whether max_context can grow."""
     if len(prompt_ids) == 0:
         raise PromptError("the prompt is empty; give at least one token")
     bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise PromptError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab_size - 1}")
-    if len(prompt_ids) + max_new_tokens > max_context:
-        raise PromptError(
-            f"prompt of {len(prompt_ids)} tokens plus max_new_tokens {max_new_tokens} exceeds the maximum context "
-            f"of {max_context} tokens; shorten the prompt, lower max_new_tokens or raise EngineConfig.max_context"
-        )
+    check_context_length(len(prompt_ids), max_new_tokens, max_context, positions)
+
+
+def check_context_length(prompt_tokens: int, max_new_tokens: int, max_context: int, positions: int | None = None) -> None:
+    """Refuse a request whose prompt plus max_new_tokens does not fit the context, with the numbers and the way out."""
+    if prompt_tokens + max_new_tokens <= max_context:
+        return
+    if positions is not None and max_context >= positions:
+        advice = f"shorten the prompt or lower max_new_tokens (the model's max_position_embeddings is {positions})"
+    else:
+        limit = f" (at most the model's max_position_embeddings, {positions})" if positions is not None else ""
+        advice = f"shorten the prompt, lower max_new_tokens or raise max_context (--max-context){limit}"
+    raise PromptError(f"prompt of {prompt_tokens} tokens plus max_new_tokens {max_new_tokens} exceeds the maximum context "
+                      f"of {max_context} tokens; {advice}")
 
 
 async def prefill(model: Transformer, kv: KVCache, experts: ExpertProvider, prompt_ids: Sequence[int]) -> torch.Tensor:

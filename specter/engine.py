@@ -31,6 +31,7 @@ from specter.loader import resolve_device, resolve_dtype
 from specter.loading import (  # noqa: F401  (CheckpointWeights and WeightSource are part of this module's API)
     CheckpointWeights,
     WeightSource,
+    apply_threads,
     check_device_memory,
     load_backend,
     load_experts,
@@ -39,7 +40,7 @@ from specter.loading import (  # noqa: F401  (CheckpointWeights and WeightSource
     scout_only,
 )
 from specter.log import get_logger
-from specter.memory import MemoryPlan, plan_memory
+from specter.memory import MemoryPlan, plan_memory, with_model_context
 from specter.metrics import Estimates, RequestStats, busy_within, idle_causes, pump_gaps
 from specter.model.checkpoint import Checkpoint
 from specter.model.graphed import GraphedTarget, static_step_supported
@@ -48,6 +49,7 @@ from specter.model.registry import transformer_for
 from specter.model.resident import ResidentExperts
 from specter.model.segmented import SegmentedStep
 from specter.model.spec import ModelSpec
+from specter.paths import check_output_file
 from specter.model.transformer import ExpertProvider, Transformer
 from specter.policy import LinkTiming, LookaheadState, Plan, RoundOutcome, UseHistory
 from specter.sampling import SamplingParams, probs, sample
@@ -141,8 +143,8 @@ class Runtime:
     @classmethod
     async def build(cls, source: WeightSource, config: EngineConfig | None = None) -> Runtime:
         """Plan memory (refusing a budget below the minimum before allocating), then load from `source`."""
-        config = config or EngineConfig()
         spec = source.spec
+        config = with_model_context(config or EngineConfig(), spec)  # max_context=None becomes a number here
         device, dtype = resolve_device(config), resolve_dtype(config, spec)
         policies = load_policies(config)
         speculative = may_speculate(config)
@@ -152,6 +154,7 @@ class Runtime:
         calibrated = speculative and config.draft.quant == "gptq4"
         memory = plan_memory(spec, dtype, config, speculative, expert_graphs=expert_graphs)
         check_device_memory(config, device, memory)
+        apply_threads(config, device)  # once the configuration is known to load: a refused one changes nothing
         source.validate()
         backend = load_backend(config, device)
         kernel = Kernel(backend)
@@ -265,6 +268,7 @@ class Runtime:
 
     def record_trace(self, path: str | Path) -> None:
         """Write a routing trace (see specter.trace) of every speculative round from now on."""
+        check_output_file(path, "trace path")  # a clear ConfigError instead of an OSError from open()
         header = TraceHeader(model=self.spec.family, num_layers=len(self.spec.moe_layers), num_experts=self.spec.num_experts,
                              expert_bytes=self.memory.expert_bytes, top_k=self.spec.top_k, slots_per_layer=self.memory.slots_per_layer)
         self.trace = TraceWriter(path, header)

@@ -9,6 +9,7 @@ import torch
 
 from specter.config import EngineConfig
 from specter.errors import ConfigError
+from specter.memory import with_model_context
 from specter.model.checkpoint import Checkpoint
 from specter.model.resident import ResidentExperts
 from specter.model.spec import ModelSpec
@@ -48,6 +49,7 @@ def load_resident(path: str | Path, config: EngineConfig | None = None) -> Loade
     """Load every weight onto the device (the resident mode; offloading builds on the same reader)."""
     config = config or EngineConfig()
     ckpt = Checkpoint(path)
+    config = with_model_context(config, ckpt.spec)
     device, dtype = resolve_device(config), resolve_dtype(config, ckpt.spec)
     check_no_unknown_experts(ckpt)
     dense = load_dense(ckpt, dtype, device, progress=config.progress)

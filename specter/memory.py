@@ -7,12 +7,13 @@ refused with the minimum it needs, and the expert cache gets exactly what is lef
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
 from specter.config import EngineConfig
 from specter.draft import draft_expert_bytes
-from specter.errors import BudgetError
+from specter.errors import BudgetError, ConfigError
 from specter.model.spec import ModelSpec
 from specter.model.weights import dense_shapes
 
@@ -23,6 +24,22 @@ CUDA_LIBRARY_BYTES = 64 * MiB
 """On CUDA: cuBLAS/cuBLASLt workspaces (torch reserves 32 MiB per stream on sm90; the compute stream and a
 graph-capture stream use one each) and the graphs' private pools. Measured on the H200 (tests/test_memory.py):
 a tiny model's peak reserved memory exceeded a budget without this by 7 MiB at k = 0 and 54 MiB at k = 4."""
+
+
+DEFAULT_CONTEXT = 2048
+"""The context `EngineConfig.max_context=None` plans for, when the model's positions allow it."""
+
+
+def with_model_context(config: EngineConfig, spec: ModelSpec) -> EngineConfig:
+    """The config with max_context resolved for this model: None becomes min(DEFAULT_CONTEXT, max_position_embeddings);
+    a context beyond the model's positions is refused (its rotary positions were never trained)."""
+    if config.max_context is None:
+        return config.model_copy(update={"max_context": min(DEFAULT_CONTEXT, spec.max_position)})
+    if config.max_context > spec.max_position:
+        raise ConfigError(f"max_context {config.max_context} is more than the model's max_position_embeddings {spec.max_position}; "
+                          f"use --max-context {spec.max_position} or less (or leave it unset for min({DEFAULT_CONTEXT}, "
+                          f"{spec.max_position}))")
+    return config
 
 
 def on_cuda(config: EngineConfig) -> bool:
@@ -77,6 +94,18 @@ class MemoryPlan:
     def all_resident(self) -> bool:
         return self.slots_per_layer >= self.num_experts
 
+    @property
+    def device_bytes(self) -> int:
+        """What the plan puts on the device: the fixed parts and the experts resident there (all, or the slots)."""
+        if self.all_resident:
+            return self.resident_budget
+        return self.fixed_bytes + self.moe_layers * self.slots_per_layer * self.slot_bytes
+
+    @property
+    def host_pool_bytes(self) -> int:
+        """The pinned host copy of every expert, when they do not all fit on the device."""
+        return 0 if self.all_resident else self.moe_layers * self.num_experts * self.expert_bytes
+
 
 def _numel(shape: tuple[int, ...]) -> int:
     total = 1
@@ -92,6 +121,7 @@ def plan_memory(spec: ModelSpec, dtype: torch.dtype, config: EngineConfig, specu
     `expert_graphs`: whether the offloaded verify will keep one expert graph per slot (the engine knows,
     from the model family); None derives it from the configuration alone.
     """
+    config = with_model_context(config, spec)
     element = torch.empty((), dtype=dtype).element_size()
     dense = sum(_numel(shape) for shape in dense_shapes(spec).values()) * element
     kv = 2 * spec.num_layers * spec.num_kv_heads * config.max_context * spec.head_dim * element
@@ -119,9 +149,14 @@ def _slot_overhead(spec: ModelSpec, config: EngineConfig, element: int, expert_g
 def _slots(plan: MemoryPlan, config: EngineConfig) -> int:
     if config.residents is not None:
         if config.residents < plan.min_slots_per_layer:
-            raise BudgetError(f"residents={config.residents} slots per layer is below the minimum of {plan.min_slots_per_layer} "
-                              "(one token's active experts); raise --residents")
-        return min(config.residents, plan.num_experts)
+            raise BudgetError(f"residents={config.residents} slots per layer is below this model's minimum of "
+                              f"{plan.min_slots_per_layer} (one token's active experts, its top-k); use --residents "
+                              f"{plan.min_slots_per_layer} or more")
+        if config.residents > plan.num_experts:
+            raise BudgetError(f"residents={config.residents} slots per layer is more than this model's {plan.num_experts} experts "
+                              f"per layer; use --residents {plan.num_experts} or less ({plan.num_experts}, or no --residents "
+                              "and no --budget, keeps every expert resident)")
+        return config.residents
     if config.budget is None or config.budget >= plan.resident_budget:
         return plan.num_experts  # all resident: no cache, so no per-slot overhead either
     if config.budget < plan.minimum_budget:
@@ -140,3 +175,15 @@ def fmt(size: int) -> str:
     if abs(size) >= GiB:
         return f"{size / GiB:.2f} GiB"
     return f"{size / MiB:.1f} MiB"
+
+
+def available_host_bytes() -> int:
+    """Host memory the OS can give this process now (MemAvailable; free pages where /proc/meminfo is missing)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

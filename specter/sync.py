@@ -2,12 +2,15 @@
 
     with SyncEngine("tiny", EngineConfig(residents=2)) as engine:
         print(engine.complete("hello", max_new_tokens=16).text)
+
+    SyncEngine("tiny").complete("hello").text   # also safe: closed when garbage-collected or at exit
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections.abc import Coroutine, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -25,7 +28,8 @@ class SyncEngine:
     """Blocking `complete` and `generate` over an `Engine`; works where a loop already runs (Jupyter).
 
     The engine lives on a private event loop in a daemon thread, so the caller's thread never needs a loop.
-    Close it (or use `with`) to release the device and stop the thread.
+    Close it (or use `with`) to release the device and stop the thread; an engine that is not closed is
+    closed when it is garbage-collected or, at the latest, when the interpreter exits.
     """
 
     def __init__(self, path: str | Path, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None) -> None:
@@ -35,8 +39,10 @@ class SyncEngine:
         try:
             self.engine: Engine = self._call(Engine.load(path, config, tokenizer=tokenizer))
         except BaseException:
-            self._stop_loop()
+            _shutdown(self._loop, self._thread, None)
             raise
+        # Holds the loop, the thread and the engine but not self, so that dropping the SyncEngine runs it.
+        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread, self.engine)
 
     def __enter__(self) -> SyncEngine:
         return self
@@ -46,12 +52,7 @@ class SyncEngine:
 
     def close(self) -> None:
         """Release the engine and stop the loop thread. Idempotent."""
-        if self._loop.is_closed():
-            return
-        try:
-            self._call(self.engine.aclose())
-        finally:
-            self._stop_loop()
+        self._finalizer()
 
     def complete(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None,
                  **overrides: Any) -> Result:
@@ -97,7 +98,18 @@ class SyncEngine:
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+
+def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, engine: Engine | None) -> None:
+    """Close the engine on its loop, stop the loop and join its thread (close(), garbage collection or exit)."""
+    if loop.is_closed():
+        return
+    if threading.current_thread() is thread:  # dropped on its own loop: it cannot wait for itself
+        loop.call_soon(loop.stop)
+        return
+    try:
+        if engine is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(engine.aclose(), loop).result()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()

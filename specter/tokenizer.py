@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specter.errors import CheckpointError, ConfigError
+from specter.errors import CheckpointError, ConfigError, PromptError
 
 TOKENIZER_FILE = "tokenizer.json"
 REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
@@ -41,6 +41,7 @@ class Tokenizer:
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_text(text, "the prompt text")
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -54,6 +55,10 @@ class Tokenizer:
         if self.chat_template is None:
             raise ConfigError(f"the tokenizer at {self.source} has no chat template (tokenizer_config.json `chat_template`); "
                               "pass the prompt as text or token ids instead of messages")
+        for index, message in enumerate(messages):
+            for key, value in message.items():
+                if isinstance(value, str):
+                    check_text(value, f"chat message {index}'s {key!r}")
         template = _jinja_environment().from_string(self.chat_template)
         return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens)
 
@@ -63,6 +68,20 @@ class Tokenizer:
 
     def detokenizer(self, stop_strings: Iterable[str] = ()) -> Detokenizer:
         return Detokenizer(self, stop_strings)
+
+
+def check_text(text: str, what: str, instead: str = ", or the prompt as token ids") -> None:
+    """Refuse text that is not valid Unicode (lone surrogates, which is what Python makes of bytes that are not
+    UTF-8 in command-line arguments and file names), naming the character's position: a tokenizer cannot encode it."""
+    if not isinstance(text, str):
+        raise PromptError(f"{what} must be a str, got {type(text).__name__}; decode bytes first (data.decode('utf-8'))")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(text[error.start])
+        origin = f", which stands for the byte 0x{code - 0xDC00:02X} that is not UTF-8" if 0xDC80 <= code <= 0xDCFF else ""
+        raise PromptError(f"{what} is not valid Unicode: character {error.start} is U+{code:04X}, a lone surrogate{origin}; "
+                          f"give the text as UTF-8 (check the terminal's or the file's encoding){instead}") from None
 
 
 class Detokenizer:

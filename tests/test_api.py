@@ -6,8 +6,10 @@ import asyncio
 import json
 import shutil
 import threading
+from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 import specter
 from specter import Engine, EngineConfig, GenerationConfig, SyncEngine
@@ -261,3 +263,100 @@ def test_chat_messages_go_through_the_template(tiny, tmp_path):
 
     chat, text = run(main())
     assert chat.prompt_ids == text.prompt_ids and chat.token_ids == text.token_ids
+
+
+def test_leaving_a_bare_async_for_early_does_not_hang_the_next_request(tiny, baseline):
+    async def main():
+        async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
+            stream = engine.generate(PROMPT, max_new_tokens=30)
+            async for _ in stream:  # no `async with`: the stream still holds the engine after the break
+                break
+            with capture_logs() as logs:
+                async with asyncio.timeout(60):  # the same task asks again: the abandoned stream is closed
+                    second = await engine.complete(PROMPT, max_new_tokens=6)
+            assert [entry["event"] for entry in logs if entry["log_level"] == "warning"] == ["stream.abandoned"]
+            assert stream.finish_reason == "cancelled"
+            with pytest.raises(RequestCancelled, match="loop was left early"):
+                await anext(stream)
+            assert_engine_clean(engine)
+
+            async def leave_early():
+                async for _ in engine.generate([1, 2], max_new_tokens=30):  # unreferenced once the task ends
+                    break
+
+            await asyncio.create_task(leave_early())
+            async with asyncio.timeout(60):  # another task: the collector closes the dropped stream
+                third = await engine.complete(PROMPT, max_new_tokens=6)
+            return second, third
+
+    second, third = run(main())
+    assert second.token_ids == third.token_ids == baseline(PROMPT, 6)
+
+
+def test_a_reader_between_pieces_keeps_its_turn(tiny, baseline):
+    """The reclaim must not take the engine from a live reader in another task that is merely slow."""
+    async def main():
+        async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
+            first_piece, release = asyncio.Event(), asyncio.Event()
+
+            async def slow_reader():
+                async with engine.generate(PROMPT, max_new_tokens=8) as stream:
+                    async for _ in stream:
+                        first_piece.set()
+                        await release.wait()
+                return stream.result
+
+            reader = asyncio.create_task(slow_reader())
+            await first_piece.wait()
+            other = asyncio.create_task(engine.complete([1, 2], max_new_tokens=4))
+            await asyncio.sleep(0.2)
+            assert not other.done()
+            release.set()
+            return await reader, await other
+
+    slow, other = run(main())
+    assert slow.token_ids == baseline(PROMPT, 8) and other.token_ids == baseline([1, 2], 4)
+
+
+def test_sync_engine_closes_when_dropped_and_on_close(tiny):
+    engine = SyncEngine(tiny, OFFLOADED)
+    thread, runtime = engine._thread, engine.engine.runtime
+    engine.complete(PROMPT, max_new_tokens=2)
+    del engine  # never closed: the finalizer releases the engine and stops the thread
+    assert not thread.is_alive() and runtime._closed
+    engine = SyncEngine(tiny, OFFLOADED)
+    engine.close()
+    engine.close()  # idempotent
+    assert not engine._thread.is_alive() and engine.engine.runtime._closed
+
+
+def test_the_readme_one_liner_exits_cleanly(tmp_path):
+    import subprocess
+    import sys
+
+    code = 'from specter import SyncEngine; print(SyncEngine("tiny").complete("hello", max_new_tokens=4).text != "")'
+    marker = ("import atexit, threading; atexit.register(lambda: print('loop-threads', "
+              "sum(t.name == 'specter-sync-loop' for t in threading.enumerate())))")
+    env = {"SPECTER_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(specter.__file__).parents[1])}
+    result = subprocess.run([sys.executable, "-W", "error", "-c", f"{marker}\n{code}"], capture_output=True, text=True,
+                            env=env, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "loop-threads", "0"] and result.stderr == ""
+
+
+def test_threads_are_set_once_at_load(tiny):
+    import torch
+
+    from specter.loading import default_threads
+
+    before = torch.get_num_threads()
+    try:
+        async def load(config):
+            async with Engine.from_pretrained(tiny, config):
+                return torch.get_num_threads()
+
+        assert run(load(EngineConfig(device="cpu", threads=3))) == 3
+        assert run(load(EngineConfig(device="cpu"))) == default_threads(torch.device("cpu"))
+        assert default_threads(torch.device("cuda")) == 1
+    finally:
+        torch.set_num_threads(before)

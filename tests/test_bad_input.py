@@ -181,3 +181,109 @@ def test_plugin_raising_inside_a_decision(tiny, monkeypatch, expected):
 
     assert with_engine(tiny, OFFLOADED, check) == expected
     assert flaky.calls > 1  # the next request went through the same plug-in
+
+
+# ---- issue 25: text that is not Unicode, the model's context, clamped settings, output paths ----------------
+import json  # noqa: E402
+import shutil  # noqa: E402
+
+from specter.errors import SpecterError  # noqa: E402
+from specter.memory import with_model_context  # noqa: E402
+
+
+def checkpoint_with_positions(tiny, folder, positions: int):
+    """The tiny checkpoint with another max_position_embeddings (the weights do not depend on it)."""
+    directory = shutil.copytree(tiny, folder)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"max_position_embeddings": positions}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def short_model(tiny, tmp_path_factory):
+    return checkpoint_with_positions(tiny, tmp_path_factory.mktemp("short") / "m", 64)
+
+
+@pytest.mark.parametrize("prompt, where", [
+    ("a\udcff", "character 1 is U+DCFF"), ("\ud800 hi", "character 0 is U+D800"),
+    ([{"role": "user", "content": "ok \udcfe"}], "chat message 0's 'content' is not valid Unicode: character 3"),
+])
+def test_text_that_is_not_unicode_is_a_prompt_error(tiny, expected, prompt, where):
+    async def check(engine):
+        engine.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        with pytest.raises(PromptError, match="not valid Unicode") as error:
+            await engine.complete(prompt, max_new_tokens=2)
+        assert where in str(error.value) and "UTF-8" in str(error.value) and "\n" not in str(error.value)
+        with pytest.raises(ConfigError, match=r"stop string 1 is not valid Unicode: character 2 is U\+DCFF"):
+            await engine.complete(PROMPT, max_new_tokens=2, stop_strings=("ok", "ab\udcff"))
+        with pytest.raises(PromptError, match=r"not bytes; decode the bytes first"):
+            await engine.complete(b"\xff\xfe")  # would otherwise be token ids 255, 254
+
+    assert with_engine(tiny, OFFLOADED, check) == expected
+
+
+def test_context_follows_the_models_positions(tiny, short_model):
+    spec64 = Checkpoint(short_model).spec
+    assert with_model_context(EngineConfig(), spec64).max_context == 64  # min(2048, 64)
+    assert with_model_context(EngineConfig(), Checkpoint(tiny).spec).max_context == 2048
+    assert with_model_context(EngineConfig(max_context=32), spec64).max_context == 32
+    with pytest.raises(ConfigError, match="max_context 100000 is more than the model's max_position_embeddings 64"):
+        run(Engine.load(short_model, EngineConfig(device="cpu", max_context=100_000)))
+    assert plan_memory(spec64, torch.float32, EngineConfig()).kv_bytes * 32 == plan_memory(
+        Checkpoint(tiny).spec, torch.float32, EngineConfig()).kv_bytes  # KV for 64 tokens, not 2048
+
+
+@pytest.mark.parametrize("length, new", [(100, 4), (4, 100), (30, 35)])
+def test_requests_beyond_the_models_positions_are_refused(short_model, length, new):
+    async def main():
+        async with Engine.from_pretrained(short_model, EngineConfig(device="cpu", residents=2)) as engine:
+            assert engine.config.max_context == 64
+            with pytest.raises(PromptError) as error:
+                engine.generate([1] * length, max_new_tokens=new)
+            assert engine.runtime.kv.length == 0
+            return str(error.value)
+
+    message = run(main())
+    assert f"prompt of {length} tokens plus max_new_tokens {new} exceeds the maximum context of 64 tokens" in message
+    assert "max_position_embeddings is 64" in message and "raise" not in message  # no advice that cannot work
+
+
+def test_a_context_the_memory_cannot_hold_is_refused_before_allocation(tiny, monkeypatch):
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated before refusing the context")
+
+    monkeypatch.setattr(CheckpointWeights, "dense", no_allocation)
+    monkeypatch.setattr("specter.loading.available_host_bytes", lambda: 8 * 2**20)
+    with pytest.raises(BudgetError) as error:
+        run(Engine.load(tiny, EngineConfig(device="cpu", max_context=4096)))
+    message = str(error.value)
+    assert "the host's available memory is 8.0 MiB" in message and "KV for max_context 4096 tokens 8.0 MiB" in message
+    assert "lower --max-context" in message
+
+
+@pytest.mark.parametrize("residents, says", [
+    (0, "below this model's minimum of 2"), (1, "below this model's minimum of 2"), (999, "more than this model's 16 experts"),
+])
+def test_residents_outside_the_model_are_refused_with_one_minimum(tiny, residents, says):
+    with pytest.raises(BudgetError, match=says) as error:
+        run(Engine.load(tiny, EngineConfig(device="cpu", residents=residents)))
+    assert "--residents 2 or more" in str(error.value) or "--residents 16 or less" in str(error.value)
+
+
+def test_k_above_k_max_is_an_error_and_the_default_k_follows_k_max():
+    from specter.config import DraftConfig
+
+    with pytest.raises(ConfigError, match="k = 8 is above k_max = 2"):
+        EngineConfig.build(draft=dict(k=8, k_max=2))
+    assert DraftConfig(k_max=2).k == 2 and DraftConfig().k == 4 and DraftConfig(k_max=0).k == 0
+    assert DraftConfig(k=3, k_max=3).k == 3
+
+
+def test_an_unwritable_trace_path_is_a_config_error(tiny, tmp_path):
+    async def check(engine):
+        for path, says in [(tmp_path / "missing" / "x.trace", "does not exist"), (tmp_path, "is a directory")]:
+            with pytest.raises(ConfigError, match=says) as error:
+                engine.runtime.record_trace(path)
+            assert isinstance(error.value, SpecterError)
+
+    with_engine(tiny, OFFLOADED, check)

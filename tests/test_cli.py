@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -150,3 +151,74 @@ def test_logs_are_json_on_request(capsys):
     from specter import log
 
     log.configure()  # back to the quiet console default for the tests that follow
+
+
+# ---- issue 25: bad input refused before the model loads, in one line ---------------------------------------
+def _refuse_loading(monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr("specter.api.Engine.load", no_load)
+
+
+def test_text_that_is_not_utf8_exits_2_with_one_line(tmp_path):
+    env = {"SPECTER_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    for args in (["--prompt", b"ab\xff"], ["--prompt", "hi", "--stop", b"\xfe"]):
+        argv = [arg if isinstance(arg, bytes) else arg.encode() for arg in [sys.executable, "-m", "specter", "generate", *args]]
+        result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+        assert "is not valid Unicode" in result.stderr and "UTF-8" in result.stderr
+    assert "--stop 1 is not valid Unicode: character 0 is U+DCFE" in result.stderr
+
+
+def test_output_paths_are_checked_before_loading(capsys, monkeypatch, tmp_path):
+    _refuse_loading(monkeypatch)
+    assert main(["generate", "--trace", "/nonexistent/x.trace", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == "error: --trace /nonexistent/x.trace: the folder /nonexistent does not exist; create it or choose another path\n"
+    assert main(["generate", "--trace", str(tmp_path), "--device", "cpu"]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_bench_out_is_checked_before_any_run(capsys, tmp_path):
+    from specter.bench.cli import main as bench_main
+
+    (tmp_path / "file").write_text("")
+    assert bench_main(["--out", str(tmp_path / "file" / "results")]) == 2
+    assert "cannot write into" in capsys.readouterr().err
+
+
+def _short_model(tmp_path, positions=64):
+    directory = shutil.copytree(builtin_path("tiny"), tmp_path / "short")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"max_position_embeddings": positions}))
+    return str(directory)
+
+
+def test_context_beyond_the_model_is_refused_before_loading(capsys, monkeypatch, tmp_path):
+    model = _short_model(tmp_path)
+    _refuse_loading(monkeypatch)
+    cases = [(["--max-new-tokens", "100"], "prompt of 4 tokens plus max_new_tokens 100 exceeds the maximum context of 64"),
+             (["--max-context", "100000"], "max_context 100000 is more than the model's max_position_embeddings 64"),
+             (["--prompt-ids", ",".join(["1"] * 100)], "prompt of 100 tokens plus max_new_tokens 32 exceeds")]
+    for args, says in cases:
+        assert main(["generate", "--model", model, "--device", "cpu", *args]) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1
+
+
+def test_info_reports_kv_for_the_context_used(capsys, tmp_path):
+    assert main(["info", _short_model(tmp_path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["max_context"] == 64 and summary["max_position_embeddings"] == 64
+    assert summary["kv_bytes"] == 2 * 4 * 2 * 64 * 32 * 4  # K and V, 4 layers, 2 KV heads, 64 tokens, head 32, fp32
+    assert main(["info", _short_model(tmp_path / "b"), "--max-context", "65"]) == 2
+    assert "max_position_embeddings 64" in capsys.readouterr().err
+
+
+def test_clamped_settings_are_errors(capsys, monkeypatch):
+    _refuse_loading(monkeypatch)
+    assert main(["generate", "--k", "8", "--k-max", "2", "--device", "cpu"]) == 2
+    assert "k = 8 is above k_max = 2" in capsys.readouterr().err
+    args = build_parser().parse_args(["generate", "--k-max", "2", "--threads", "3"])
+    assert engine_config(args).draft.k == 2 and engine_config(args).threads == 3  # no --k: the default within --k-max

@@ -143,3 +143,48 @@ def test_template_can_refuse(tmp_path):
     tokenizer = Tokenizer(train_byte_level_bpe(["abc"], 300), chat_template="{{ raise_exception('only user turns') }}")
     with pytest.raises(ConfigError, match="only user turns"):
         tokenizer.apply_chat_template([{"role": "system", "content": "x"}])
+
+
+def byte_tokenizer() -> Tokenizer:
+    """Byte-level BPE without merges: one token per byte, so every multi-byte character spans several tokens."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {symbol: index for index, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Backend(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return Tokenizer(backend)
+
+
+def test_characters_split_over_byte_tokens_are_held_until_complete():
+    tokenizer = byte_tokenizer()
+    ids = tokenizer.encode("a🙂é日")
+    assert len(ids) == 1 + 4 + 2 + 3
+    pieces, text, _ = stream(tokenizer, ids)
+    assert pieces == ["a", "", "", "", "🙂", "", "é", "", "", "日", ""] and text == "a🙂é日"
+    pieces, text, _ = stream(tokenizer, ids[:3])  # generation ends inside the emoji: one U+FFFD, at the end only
+    assert pieces == ["a", "", "", REPLACEMENT] and text == "a" + REPLACEMENT
+
+
+def test_streamed_text_never_shows_a_character_that_later_tokens_complete(tiny):
+    """Through the engine's stream: with one token per byte, the pieces join to the final decode, so no piece
+    released a U+FFFD for bytes the next tokens completed (a genuinely invalid byte stays U+FFFD in both)."""
+    from specter import Engine, EngineConfig
+    from specter.kernel import run
+
+    tokenizer = byte_tokenizer()
+    prompt = tokenizer.encode("日本")
+
+    async def main():
+        async with Engine.from_pretrained(tiny, EngineConfig(device="cpu"), tokenizer=tokenizer) as engine:
+            async with engine.generate(prompt, max_new_tokens=40) as stream_:
+                return [piece async for piece in stream_], stream_.result
+
+    pieces, result = run(main())
+    decoded = tokenizer.decode(result.token_ids)
+    assert "".join(piece.text for piece in pieces) == result.text == decoded
+    released = ""
+    for piece in pieces[:-1]:
+        released += piece.text
+        assert decoded.startswith(released)

@@ -15,6 +15,7 @@ from specter.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, Setting
 from specter.config import TuningConfig, parse_bytes
 from specter.errors import ConfigError, SpecterError
 from specter.model.spec import spec_from_config
+from specter.paths import check_output_folder
 
 PAPER_SETTINGS = {"deepseek-v2-lite": (16, 4), "qwen1.5-moe-a2.7b": (15, 8), "phi-3.5-moe": (2, 1)}
 """Resident experts per layer in the Specter paper's two memory settings per model."""
@@ -193,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    check_output_folder(args.out, "--out")  # before minutes of measurement, not after
     if args.merge:
         payload = report.merge(args.merge)
         write_outputs(args.out, payload, plots=not args.no_plots)
