@@ -176,9 +176,15 @@ ALLOWED_CONSTANTS = {
     "specter/trace.py": {"TRACE_VERSION"},  # the trace format's version
     "specter/builtin.py": {"VERSION"},  # the built-in checkpoints' version
     "specter/calibrate.py": {"DEFAULT_PROMPTS", "DEFAULT_PROMPT_LEN", "DEFAULT_NEW_TOKENS"},  # calibrate_draft's defaults
-    "specter/config.py": {"DEFAULT_OVERLAP"},  # DraftConfig.overlap=None's depth on CUDA
+    "specter/config.py": {"DEFAULT_OVERLAP", "DEFAULT_K"},  # DraftConfig.overlap=None's depth on CUDA; k's default
+    "specter/memory.py": {"ALLOCATOR_SLACK_BYTES", "CUDA_LIBRARY_BYTES", "DEFAULT_CONTEXT"},  # measured reserves; max_context's default
+    "specter/bench/cli.py": {"QUICK_REPEATS"},  # the quick matrix's repeats (a CLI default, not an engine knob)
+    "specter/bench/realism.py": {"BALANCED_ENTROPY", "NEW_TOKENS", "TEMPERATURE", "REUSE_WINDOW", "PROMPTS_PER_KIND"},  # the report's definition
+    "specter/bench/widen.py": {"SHARD_BYTES"},  # the written checkpoint's shard size
+    "specter/server/app.py": {"DEFAULT_COMPLETION_TOKENS"},  # OpenAI's default max_tokens
+    "specter/server/asgi.py": {"CLIENT_GONE"},  # the status counted for a hang-up
+    "specter/server/protocol.py": {"MAX_STOP_STRINGS", "SEED_LIMIT"},  # request limits of the API
     "specter/replay.py": {"DEFAULT_LINK_GBPS"},  # the replay CLI's default link
-    "specter/memory.py": {"ALLOCATOR_SLACK_BYTES", "CUDA_LIBRARY_BYTES"},  # the memory plan's measured reserves
     "specter/sampling.py": {"_MASK32"},  # a bit mask of the noise hash
     "specter/loading.py": {"LARGE_CHECKPOINT_BYTES"},  # when loading shows progress on a terminal
     "specter/engine.py": {"MAX_DEFERRED_ROUNDS"},  # bounds the deferred copy-busy backlog (memory), never A/B'd

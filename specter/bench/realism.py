@@ -261,8 +261,9 @@ def checkpoint_inputs(path: Path, per_kind: int = PROMPTS_PER_KIND) -> tuple[lis
     return prompts, held
 
 
-def realism_config(device: str = "auto", quant: str = "int4", max_context: int = 2048) -> EngineConfig:
-    """Every expert resident, a speculative draft of `quant` experts (the fixed lookahead drafts every round)."""
+def realism_config(device: str = "auto", quant: str = "int4", max_context: int | None = None) -> EngineConfig:
+    """Every expert resident, a speculative draft of `quant` experts (the fixed lookahead drafts every round);
+    max_context None: the model's own positions, up to the engine's default."""
     return EngineConfig(device=device, max_context=max_context, draft=DraftConfig(quant=quant))  # type: ignore[arg-type]
 
 
