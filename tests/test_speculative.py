@@ -146,7 +146,8 @@ def test_scout_prefetches_plain_rounds_from_one_draft_step(root, family):
             await runtime.complete_ids([4, 5, 6], GenerationConfig(max_new_tokens=4))
             return runtime.draft, runtime.estimates, runtime._lookahead_state().scout_s
     # a budget (or residents) that holds every expert leaves nothing to scout for: no draft is built
-    draft, _, charged = asyncio.run(built(EngineConfig(device=DEVICE, max_context=96, residents=6, draft=DraftConfig(k=0, scout=True))))
+    every = Checkpoint(path).spec.num_experts  # (more residents than experts is refused)
+    draft, _, charged = asyncio.run(built(EngineConfig(device=DEVICE, max_context=96, residents=every, draft=DraftConfig(k=0, scout=True))))
     assert draft is None and charged == 0.0
     draft, estimates, charged = asyncio.run(built(EngineConfig(device=DEVICE, max_context=96, residents=3, draft=DraftConfig(k=0, scout=True))))
     # the scout's time is the plain rounds' own: measured apart, not a depth-1 draft in the draft fit
