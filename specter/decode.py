@@ -1,18 +1,25 @@
-"""Plain decoding with the target alone, one token at a time: the baseline every mode is held to."""
+"""Plain decoding with the target alone, one token at a time: the baseline every mode is held to.
+
+One greedy loop (`_greedy`) with two steps: the eager forward (`greedy_decode`) and the resident graphed R-row
+step (`decode_resident_graphed`, which the GPU tests hold to the eager one). The engine's speculative round
+(specter.engine.Runtime.round) is the third way to decode, and the one that serves requests."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from specter.errors import PromptError
+from specter.model.graphed import GraphedTarget, MoEKernel
 from specter.model.kv import KVCache
+from specter.model.resident import ResidentExperts
 from specter.model.transformer import ExpertProvider, Transformer
 
 T = TypeVar("T")
+Step = Callable[[torch.Tensor, int, KVCache], Awaitable[torch.Tensor]]
 
 
 def check_prompt(prompt_ids: Sequence[int], max_new_tokens: int, vocab_size: int, max_context: int,
@@ -50,20 +57,42 @@ async def prefill(model: Transformer, kv: KVCache, experts: ExpertProvider, prom
 
 async def greedy_decode(model: Transformer, experts: ExpertProvider, prompt_ids: Sequence[int], max_new_tokens: int,
                         stop_token_ids: Sequence[int] = (), kv: KVCache | None = None) -> list[int]:
-    """Greedy decoding one token per forward; returns the new token ids. Uses (and resets) `kv` if given."""
+    """Greedy decoding one token per eager forward; returns the new token ids. Uses (and resets) `kv` if given."""
+
+    async def step(token: torch.Tensor, position: int, kv: KVCache) -> torch.Tensor:
+        return model.logits(await model.forward(token, position, kv, experts))  # [1, V]
+
+    return await _greedy(model, experts, prompt_ids, max_new_tokens, stop_token_ids, kv, step)
+
+
+async def decode_resident_graphed(model: Transformer, experts: ResidentExperts, prompt_ids: Sequence[int], max_new_tokens: int,
+                                  *, kernel: MoEKernel = "auto", use_graph: bool | None = None) -> list[int]:
+    """Greedy decoding with all experts resident: eager exact prefill, then one graphed R-row step per token
+    (GraphedTarget). Tokens stay on the device between steps; the only host sync is the final read."""
+    kv = model.new_kv()
+    target = GraphedTarget(model, experts, kv, kernel=kernel, use_graph=use_graph)
+
+    async def step(token: torch.Tensor, position: int, kv: KVCache) -> torch.Tensor:
+        return target.logits(token, position)  # [1, V]
+
+    return await _greedy(model, experts, prompt_ids, max_new_tokens, (), kv, step)
+
+
+async def _greedy(model: Transformer, experts: ExpertProvider, prompt_ids: Sequence[int], max_new_tokens: int,
+                  stop_token_ids: Sequence[int], kv: KVCache | None, step: Step) -> list[int]:
+    """The one greedy loop: eager exact prefill, then `step(token [1], position, kv) -> logits [1, V]` per new token.
+    Tokens stay on the device; with stop tokens each one crosses to the host to be checked."""
     check_prompt(prompt_ids, max_new_tokens, model.spec.vocab_size, model.max_context)
     kv = kv if kv is not None else model.new_kv()
     kv.reset()
-    logits = await prefill(model, kv, experts, prompt_ids)
-    out: list[int] = []
-    while True:
-        token = int(torch.argmax(logits))  # await point: one token id crosses to the host
-        out.append(token)
-        if len(out) >= max_new_tokens or token in stop_token_ids:
-            return out
-        hidden = await model.forward(torch.tensor([token], device=model.device), kv.length, kv, experts)
+    token = (await prefill(model, kv, experts, prompt_ids)).argmax(dim=-1, keepdim=True)  # [1]
+    tokens = [token]
+    stop = set(stop_token_ids)
+    while len(tokens) < max_new_tokens and not (stop and int(token) in stop):  # await point with stop tokens: the id
+        token = (await step(token, kv.length, kv)).argmax(dim=-1)  # [1]
         kv.crop(kv.length + 1)
-        logits = model.logits(hidden)[0]
+        tokens.append(token)
+    return torch.cat(tokens).tolist()  # await point: the new tokens cross to the host
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from specter.config import DraftConfig, EngineConfig
-from specter.decode import greedy_decode, prefill, run_sync
+from specter.decode import decode_resident_graphed, greedy_decode, prefill, run_sync
 from specter.draft import Draft, DraftExperts, quantize_layers
 from specter.loader import LoadedModel, load_resident
-from specter.model.graphed import GraphedStep, GraphedTarget, ResidentMoE, StaticStep, decode_resident_graphed, resident_moe_triton
+from specter.model.graphed import GraphedStep, GraphedTarget, ResidentMoE, StaticStep, resident_moe_triton
 from specter.model.weights import pack_expert
 from specter.quant.moe_triton import triton_available
 from specter.sampling import SamplingParams

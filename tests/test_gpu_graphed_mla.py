@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from specter.config import EngineConfig
-from specter.decode import greedy_decode, prefill, run_sync
+from specter.decode import decode_resident_graphed, greedy_decode, prefill, run_sync
 from specter.loader import LoadedModel, load_resident
-from specter.model.graphed import GraphedStep, GraphedTarget, ResidentMoE, StaticStep, decode_resident_graphed
+from specter.model.graphed import GraphedStep, GraphedTarget, ResidentMoE, StaticStep
 from specter.model.kv import KVCache
 from specter.model.segmented import SegmentedStep
 from specter.quant.moe_triton import triton_available

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from specter.config import EngineConfig
-from specter.decode import prefill, run_sync
+from specter.decode import decode_resident_graphed, prefill, run_sync
 from specter.loader import LoadedModel, load_resident
-from specter.model.graphed import GraphedTarget, decode_resident_graphed
+from specter.model.graphed import GraphedTarget
 from specter.model.kv import KVCache
 from specter.model.segmented import SegmentedStep
 from specter.quant.moe_triton import triton_available

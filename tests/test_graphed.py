@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from specter.config import DraftConfig, EngineConfig
-from specter.decode import greedy_decode, prefill, run_sync
+from specter.decode import decode_resident_graphed, greedy_decode, prefill, run_sync
 from specter.draft import Draft, DraftExperts, quantize_layers
 from specter.errors import ConfigError
 from specter.loader import LoadedModel, load_resident
-from specter.model.graphed import GraphedStep, GraphedTarget, ResidentMoE, StaticStep, decode_resident_graphed
+from specter.model.graphed import GraphedStep, GraphedTarget, ResidentMoE, StaticStep
 from specter.model.transformer import Transformer
 from specter.quant.moe_triton import triton_available
 from specter.sampling import SamplingParams, sample
@@ -295,9 +295,9 @@ DECODE_SCRIPT = textwrap.dedent(
     import json, tempfile, torch
     from pathlib import Path
     from specter.config import EngineConfig
-    from specter.decode import greedy_decode, run_sync
+    from specter.decode import decode_resident_graphed, greedy_decode, run_sync
     from specter.loader import load_resident
-    from specter.model.graphed import ResidentMoE, decode_resident_graphed
+    from specter.model.graphed import ResidentMoE
     from tests.hf_models import hf_model, save_hf
     torch.set_num_threads(1)
     results = []

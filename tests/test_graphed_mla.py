@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from specter.config import EngineConfig, KernelTuning
-from specter.decode import greedy_decode, prefill, run_sync
+from specter.decode import decode_resident_graphed, greedy_decode, prefill, run_sync
 from specter.errors import ConfigError
 from specter.loader import LoadedModel, load_resident
 from specter.model.deepseek_v2 import LatentKVCache
-from specter.model.graphed import (GraphedStep, GraphedTarget, ResidentMoE, StaticStep, decode_resident_graphed,
+from specter.model.graphed import (GraphedStep, GraphedTarget, ResidentMoE, StaticStep,
                                    static_step_supported)
 from specter.model.segmented import SegmentedStep
 from specter.sampling import SamplingParams

@@ -14,11 +14,11 @@ import torch
 
 from backends.cpu import CPUBackend
 from specter.config import EngineConfig, VerifyTuning
-from specter.decode import prefill, run_sync
+from specter.decode import decode_resident_graphed, prefill, run_sync
 from specter.experts import ExpertCache, ExpertPool, TransferEngine
 from specter.kernel import Kernel
 from specter.loader import LoadedModel, load_resident
-from specter.model.graphed import GraphedTarget, decode_resident_graphed
+from specter.model.graphed import GraphedTarget
 from specter.model.kv import KVCache
 from specter.model.segmented import SegmentedStep
 from specter.quant.moe_triton import triton_available

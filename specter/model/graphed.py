@@ -32,7 +32,6 @@ from typing import Any, Literal, Protocol, TypeVar, cast
 
 import torch
 
-from specter.decode import check_prompt, prefill
 from specter.errors import ConfigError
 from specter.log import get_logger
 from specter.model import fused
@@ -451,23 +450,6 @@ class GraphedTarget:
             logits, _ = self.step.run()
             parts.append(logits[: chunk.shape[0]].clone())  # the static output is overwritten by the next replay
         return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-async def decode_resident_graphed(model: Transformer, experts: ResidentExperts, prompt_ids: Sequence[int], max_new_tokens: int,
-                                  *, kernel: MoEKernel = "auto", use_graph: bool | None = None) -> list[int]:
-    """Greedy decoding with all experts resident: eager exact prefill, then one graphed R-row step per token.
-
-    Tokens stay on the device between steps; the only host sync is the final read of all new tokens.
-    """
-    check_prompt(prompt_ids, max_new_tokens, model.spec.vocab_size, model.max_context)
-    kv = model.new_kv()
-    target = GraphedTarget(model, experts, kv, kernel=kernel, use_graph=use_graph)
-    token = (await prefill(model, kv, experts, prompt_ids)).argmax(dim=-1, keepdim=True)  # [1]
-    new_tokens = [token]
-    for step in range(1, max_new_tokens):
-        token = target.logits(token, len(prompt_ids) + step - 1).argmax(dim=-1)
-        new_tokens.append(token)
-    return torch.cat(new_tokens).tolist()  # await point: the one host sync of the decode
 
 
 # ---- Triton kernel over packed bf16 experts ------------------------------------------------------------
