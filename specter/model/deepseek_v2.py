@@ -19,7 +19,7 @@ from specter.errors import CheckpointError
 from specter.model.kv import KVCache
 from specter.model.registry import register_transformer
 from specter.model.spec import ModelSpec, _common, _Fields, register_family
-from specter.model.transformer import Tensor, Transformer, rms_norm
+from specter.model.transformer import FamilySpec, Tensor, Transformer, rms_norm
 from specter.model.weights import DENSE_SHAPES, standard_dense_shapes
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use the RMSNorm default, not rms_norm_eps
@@ -207,6 +207,7 @@ class DeepseekV2Transformer(Transformer):
     """DeepSeek-V2: MLA with the kv_b projection absorbed into queries and outputs, DeepSeek's gate, shared experts."""
 
     spec: DeepseekSpec
+    family = FamilySpec(attention="mla", routing="group_limited")
 
     def __init__(self, spec: ModelSpec, dense: dict[str, Tensor], *, exact: bool = True, row_bucket: int = 16,
                  max_context: int = 2048, kernels: KernelTuning | None = None) -> None:

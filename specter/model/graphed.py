@@ -38,7 +38,7 @@ from specter.model import fused
 from specter.model.deepseek_v2 import DeepseekV2Transformer
 from specter.model.kv import KVCache
 from specter.model.resident import ResidentExperts
-from specter.model.transformer import Transformer
+from specter.model.transformer import Transformer, declared
 from specter.quant import moe_triton
 from specter.quant.moe_triton import MoEKernelConfig, triton_available
 from specter.sampling import SamplingLike, sample
@@ -58,11 +58,6 @@ class StaticMoE(Protocol):
     def __call__(self, layer: int, h: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """h [R, D], ids [R, A], weights [R, A] (device) -> [R, D]; row r depends only on row r's inputs."""
         ...
-
-
-_STANDARD_METHODS = ("forward", "attention", "_attend", "_attend_row", "feed_forward", "new_kv")
-# What the static MLA reimplements (the KV layout, the writes and the attention); the projections it reuses.
-_MLA_METHODS = ("forward", "attention", "_attend_latent", "_attend_latent_row", "feed_forward", "new_kv")
 
 
 def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
@@ -97,28 +92,20 @@ def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> 
 
 
 def static_step_supported(model: Transformer | type[Transformer], static_mla: bool | None = None) -> bool:
-    """Whether the model (or a Transformer class) uses an attention and forward the static step reimplements.
+    """Whether the model (or a Transformer class) declares a family the static step runs (FamilySpec.static).
 
-    Standard attention: always. DeepSeek-V2's multi-head latent attention (family deepseek_v2): yes, unless
+    Standard attention: always. DeepSeek-V2's multi-head latent attention (attention "mla"): yes, unless
     `static_mla` (KernelTuning.static_mla; None: the model's own setting, on for a class) is off: then DeepSeek runs
     the eager forward everywhere (target, verify and draft).
     """
-    if _is_latent_attention(model):
+    family = declared(model)
+    if family is None or not family.static:
+        return False
+    if family.attention == "mla":
         if static_mla is None:
             static_mla = True if isinstance(model, type) else model.kernels.static_mla
         return static_mla
-    return _inherits(model, Transformer, _STANDARD_METHODS)
-
-
-def _is_latent_attention(model: Transformer | type[Transformer]) -> bool:
-    """A DeepseekV2Transformer whose MLA, cache and forward are DeepseekV2Transformer's own."""
-    cls = model if isinstance(model, type) else type(model)
-    return issubclass(cls, DeepseekV2Transformer) and _inherits(cls, DeepseekV2Transformer, _MLA_METHODS)
-
-
-def _inherits(model: Transformer | type[Transformer], base: type, names: Sequence[str]) -> bool:
-    cls = model if isinstance(model, type) else type(model)
-    return all(getattr(cls, name) is getattr(base, name) for name in names)
+    return True
 
 
 def check_static_support(model: Transformer) -> None:
@@ -129,8 +116,14 @@ def check_static_support(model: Transformer) -> None:
         raise ConfigError(f"the static (CUDA-graph) decode step for model family '{family}' (multi-head latent attention) is "
                           f"switched off (EngineConfig.tuning.kernels.static_mla = False); turn it on to use the static "
                           f"step, or run the eager forward")
-    raise ConfigError(f"the static (CUDA-graph) decode step supports standard attention and DeepSeek-V2's latent "
-                      f"attention only; model family '{family}' ({type(model).__name__}) has its own; run it with the eager forward")
+    raise ConfigError(f"the static (CUDA-graph) decode step supports families that declare standard attention or DeepSeek-V2's "
+                      f"latent attention (a `family = FamilySpec(...)` in the Transformer class); model family '{family}' "
+                      f"({type(model).__name__}) declares none; run it with the eager forward")
+
+
+def _is_latent_attention(model: Transformer | type[Transformer]) -> bool:
+    family = declared(model)
+    return family is not None and family.attention == "mla"
 
 
 # ---- routed experts without a host sync -------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from specter.errors import CheckpointError
 from specter.model.registry import register_transformer
 from specter.model.spec import ModelSpec, _common, _Fields, register_family
-from specter.model.transformer import Tensor, Transformer
+from specter.model.transformer import FamilySpec, Tensor, Transformer
 from specter.model.weights import DENSE_SHAPES, standard_dense_shapes
 
 
@@ -106,6 +106,7 @@ class PhimoeTransformer(Transformer):
     """Phi-3.5-MoE: LayerNorm (with bias) everywhere, sparsemixer routing, LongRoPE tables."""
 
     spec: PhimoeSpec
+    family = FamilySpec(norm="layer", routing="sparsemixer")
 
     def _rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
         spec = self.spec

@@ -12,8 +12,9 @@ steps, which is what lets a k+1-row verify reproduce plain decoding token for to
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import ClassVar, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,33 @@ class ExpertProvider(Protocol):
         (use `combine_in_expert_order`) so the result does not depend on arrival order.
         """
         ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilySpec:
+    """What a Transformer class declares about its forward, read by `declared` (the one place support is decided).
+
+    attention: "standard" (q/k/v, rope, grouped heads over a KVCache) or "mla" (DeepSeek-V2's latent attention
+      over a LatentKVCache); norm: "rms" (rms_norm) or "layer" (LayerNorm with bias); routing: "softmax_topk"
+      (float32 softmax, top-A, optional renormalisation: the base class's route, shared expert, dense MLP and
+      linear, which the draft's packed and one-row paths compute in their place), "sparsemixer" (Phi-MoE) or
+      "group_limited" (DeepSeek's float32 gate, group-limited when configured, and its shared experts);
+      static: whether graphed.StaticStep runs this family (through the family's `static_attention`).
+    """
+
+    attention: Literal["standard", "mla"] = "standard"
+    norm: Literal["rms", "layer"] = "rms"
+    routing: Literal["softmax_topk", "sparsemixer", "group_limited"] = "softmax_topk"
+    static: bool = True
+
+
+def declared(model: Transformer | type[Transformer]) -> FamilySpec | None:
+    """The FamilySpec the model's own class declares (`family = FamilySpec(...)` in its body), or None: a subclass
+    that does not declare its own is not assumed to keep its base's forward, so it runs the eager forward with
+    torch's ops only (no static step, no packed or one-row draft paths)."""
+    cls = model if isinstance(model, type) else type(model)
+    found = cls.__dict__.get("family")
+    return found if isinstance(found, FamilySpec) else None
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -139,6 +167,8 @@ def packed_projections(w: dict[str, Tensor], names: Sequence[str]) -> tuple[Tens
 class Transformer:
     """A loaded MoE decoder: non-expert weights by on-disk name, the spec, and the forward pass."""
 
+    family: ClassVar[FamilySpec] = FamilySpec()  # qwen2_moe, qwen3_moe, mixtral, olmoe
+
     def __init__(self, spec: ModelSpec, dense: dict[str, Tensor], *, exact: bool = True, row_bucket: int = 16, max_context: int = 2048,
                  kernels: KernelTuning | None = None) -> None:
         self.spec = spec
@@ -213,7 +243,8 @@ class Transformer:
     def _row_kernels(self, x: Tensor) -> bool:
         """Whether this product runs through specter.model.rowfused: the non-exact forward of one row on CUDA (or
         under Triton's interpreter) with kernels.row_kernels, and the family's own RMSNorm."""
-        return (not self.exact and self.kernels.row_kernels and x.shape[0] == 1 and type(self).norm is Transformer.norm
+        family = declared(self)
+        return (not self.exact and self.kernels.row_kernels and x.shape[0] == 1 and family is not None and family.norm == "rms"
                 and fused.usable(x))  # fmt: skip
 
     # ---- the forward --------------------------------------------------------------------------
@@ -303,7 +334,8 @@ class Transformer:
         """(weight [Nq+Nk+Nv, D], bias or None, (Nq, Nk, Nv)) of a layer whose q/k/v projections are views of one
         packed tensor (pack_projections did it at load), else None. Looked up once per layer."""
         if ("qkv", layer) not in self._packed:
-            own = type(self).linear is Transformer.linear  # the packed product stands for three calls of linear
+            family = declared(self)  # the packed product stands for three calls of the base class's linear
+            own = family is not None and family.attention == "standard"
             self._packed[("qkv", layer)] = packed_projections(self.w, self._qkv_names(layer)) if own else None
         return self._packed[("qkv", layer)]
 
@@ -388,8 +420,8 @@ class Transformer:
     def _base_feed_forward(self) -> bool:
         """Whether the family keeps the base class's routing, shared expert, dense MLP and linear (what the packed and
         one-row paths compute in their place)."""
-        return all(getattr(type(self), method) is getattr(Transformer, method)
-                   for method in ("route", "_select", "shared_expert", "dense_mlp", "linear"))  # fmt: skip
+        family = declared(self)
+        return family is not None and family.routing == "softmax_topk"
 
     def _key_range(self, position: int) -> tuple[int, int]:
         window = self.spec.sliding_window
