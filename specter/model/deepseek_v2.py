@@ -202,6 +202,20 @@ class LatentKVCache(KVCache):
         return (self.k.numel() + self.v.numel()) * self.k.element_size()
 
 
+def attend_latent(q_latent: Tensor, q_rope: Tensor, latents: Tensor, rope_keys: Tensor, blocked: Tensor, softmax_scale: float) -> Tensor:
+    """MLA's absorbed attention of R rows over the whole latent cache: q [R, H, r] and [R, H, dr], cache [S, r] and
+    [S, dr], blocked [R, 1, S] -> context [R, H, r]. Every (row, head) is a row of one GEMM, so rows are independent.
+
+    The arithmetic of DeepseekV2Transformer._attend_latent_row: latent and rope scores summed, times the
+    softmax scale (yarn's mscale included), softmax in float32, probabilities back in the model's dtype.
+    """
+    rows, heads, rank = q_latent.shape
+    scores = q_latent.reshape(rows * heads, rank) @ latents.T + q_rope.reshape(rows * heads, -1) @ rope_keys.T  # [R*H, S]
+    scores = (scores * softmax_scale).float().view(rows, heads, -1).masked_fill(blocked, -math.inf)
+    probs = torch.softmax(scores, dim=-1).to(q_latent.dtype).view(rows * heads, -1)
+    return (probs @ latents).view(rows, heads, rank)
+
+
 # ---- the model ----------------------------------------------------------------------------------
 class DeepseekV2Transformer(Transformer):
     """DeepSeek-V2: MLA with the kv_b projection absorbed into queries and outputs, DeepSeek's gate, shared experts."""
@@ -296,6 +310,18 @@ class DeepseekV2Transformer(Transformer):
         allowed = torch.arange(end, device=scores.device)[None, :] <= query_pos  # [T, L]
         probs = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), dim=-1).to(q_latent.dtype)
         return torch.einsum("htl,lr->thr", probs, latents)
+
+    def static_attention(self, layer: int, x: Tensor, positions: Tensor, blocked: Tensor, kv: KVCache, counters: Tensor) -> Tensor:
+        """attention at device positions [R] for graphed.StaticStep (principle 6), with the same projections (W_uk
+        absorbed) and output (W_uv, o_proj): the latent and rope key written with index_copy_, every row's query over
+        the whole cache under `blocked` [1, R, 1, S] (attend_latent). `counters` is the standard draft's, unused."""
+        prefix = f"{self.spec.layer_prefix(layer)}.self_attn"
+        # [R, H, r] queries with W_uk absorbed, [R, H, dr] rotated, [R, 1, r] normalised latent, [R, 1, dr] rotated rope key
+        q_latent, q_rope, latent, k_rope = self._mla_project(layer, prefix, x, positions)
+        kv.k[layer].index_copy_(1, positions, latent.transpose(0, 1))  # latents [1, S, r]
+        kv.v[layer].index_copy_(1, positions, k_rope.transpose(0, 1))  # rotated rope keys [1, S, dr]
+        context = attend_latent(q_latent, q_rope, kv.k[layer, 0], kv.v[layer, 0], blocked[0], self.softmax_scale)  # [R, H, r]
+        return x + self._mla_output(layer, prefix, context)
 
     # ---- DeepSeek's gate and shared experts -----------------------------------------------------
     def route_logits(self, layer: int, h: Tensor) -> Tensor:

@@ -26,19 +26,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
-import math
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol, TypeVar, cast
+from typing import Any, Literal, TypeVar
 
 import torch
 
 from specter.errors import ConfigError
 from specter.log import get_logger
-from specter.model import fused
-from specter.model.deepseek_v2 import DeepseekV2Transformer
 from specter.model.kv import KVCache
 from specter.model.resident import ResidentExperts
-from specter.model.transformer import Transformer, declared
+from specter.model.transformer import StaticMoE, Transformer, declared
 from specter.quant import moe_triton
 from specter.quant.moe_triton import MoEKernelConfig, triton_available
 from specter.sampling import SamplingLike, sample
@@ -50,14 +47,6 @@ MoEKernel = Literal["auto", "dense", "triton"]
 
 # Resident bf16 experts: narrow column blocks give a one-row decode enough programs to fill the GPU.
 RESIDENT_KERNEL_CONFIG = MoEKernelConfig(block_n_gate_up=16, block_n_down=16, block_k=128, num_warps=4, num_stages=3)
-
-
-class StaticMoE(Protocol):
-    """Routed experts of one layer for R rows, without a host sync; per-token sums in ascending expert id."""
-
-    def __call__(self, layer: int, h: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        """h [R, D], ids [R, A], weights [R, A] (device) -> [R, D]; row r depends only on row r's inputs."""
-        ...
 
 
 def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
@@ -176,7 +165,6 @@ class StaticStep:
         check_static_support(model)
         assert rows >= 1, f"a static step needs at least one row, got {rows}"
         self.model, self.moe, self.rows = model, moe, rows
-        self.latent = _is_latent_attention(model)  # DeepSeek-V2's MLA over a LatentKVCache
         self.key_positions = torch.arange(model.max_context, device=model.device)  # [S]
         spec = model.spec  # decode_attention's counters, one set per layer (kernels.merge_in_launch)
         self.attention_counters = torch.zeros(spec.num_layers, rows * spec.num_kv_heads, dtype=torch.int32,
@@ -192,13 +180,13 @@ class StaticStep:
             f"a {self.rows}-row step takes tokens and positions of shape [{self.rows}], got {tuple(tokens.shape)}, {tuple(positions.shape)}")
         assert kv.capacity == self.key_positions.numel(), f"KV capacity {kv.capacity} != model context {self.key_positions.numel()}"
         hidden_states = self.model.w["model.embed_tokens.weight"][tokens]  # [R, D]
-        blocked = ~self._allowed(positions)[None, :, None, :]  # [1, R, 1, S]
+        blocked = ~self.allowed(positions)[None, :, None, :]  # [1, R, 1, S]
         for layer in range(self.model.spec.num_layers):
-            hidden_states = self._attention(layer, hidden_states, positions, blocked, kv)
-            hidden_states = self._feed_forward(layer, hidden_states)
+            hidden_states = self.attention(layer, hidden_states, positions, blocked, kv)
+            hidden_states = self.feed_forward(layer, hidden_states)
         return hidden_states
 
-    def _allowed(self, positions: Tensor) -> Tensor:
+    def allowed(self, positions: Tensor) -> Tensor:
         """[R, S]: key position <= the row's position (and inside the sliding window, if any)."""
         keys, queries = self.key_positions[None, :], positions[:, None]
         allowed = keys <= queries
@@ -207,80 +195,13 @@ class StaticStep:
             allowed &= keys > queries - window
         return allowed
 
-    def _attention(self, layer: int, x: Tensor, positions: Tensor, blocked: Tensor, kv: KVCache) -> Tensor:
-        model = self.model
-        prefix = f"{model.spec.layer_prefix(layer)}.self_attn"
-        if self.latent:
-            return self._latent_attention(layer, prefix, x, positions, blocked, kv)
-        if not model.exact and model.kernels.rope_writes_cache and fused.usable(x):  # the draft: one launch, no index_copy_
-            q, k, v = model._qkv(layer, prefix, x, positions, rotate=False)
-            q = fused.rope_and_cache(q, k, v, model.cos, model.sin, positions, kv.k[layer], kv.v[layer])
-        else:
-            q, k, v = model._qkv(layer, prefix, x, positions)  # [R, H, hd], [R, Hkv, hd] x 2
-            kv.k[layer].index_copy_(1, positions, k.transpose(0, 1))
-            kv.v[layer].index_copy_(1, positions, v.transpose(0, 1))
-        if not model.exact and model.kernels.decode_attention and fused.usable(q):  # the draft: the visible positions only
-            counters = self.attention_counters[layer] if model.kernels.merge_in_launch else None
-            splits = fused.split_count(kv.k[layer].shape[1], model.kernels)
-            out = fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, model.spec.sliding_window, splits, counters)
-        else:
-            out = self._attend(q, kv.k[layer], kv.v[layer], blocked)  # [R, H*hd]
-        return model.plus_linear(x, out, f"{prefix}.o_proj")
+    def attention(self, layer: int, x: Tensor, positions: Tensor, blocked: Tensor, kv: KVCache) -> Tensor:
+        """The family's own static attention (Transformer.static_attention: standard or DeepSeek-V2's MLA)."""
+        return self.model.static_attention(layer, x, positions, blocked, kv, self.attention_counters[layer])
 
-    def _attend(self, q: Tensor, keys: Tensor, values: Tensor, blocked: Tensor) -> Tensor:
-        """Every row over the whole cache [Hkv, S, hd]; rows of one GEMM, so each row is computed on its own."""
-        spec = self.model.spec
-        rows, kv_heads, head_dim = q.shape[0], spec.num_kv_heads, spec.head_dim
-        group = spec.num_heads // kv_heads
-        q = q.view(rows, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads, rows * group, head_dim)
-        scores = torch.matmul(q, keys.transpose(1, 2)) * head_dim**-0.5  # [Hkv, R*G, S]
-        scores = scores.float().view(kv_heads, rows, group, -1).masked_fill(blocked, -math.inf)
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads, rows * group, -1)
-        out = torch.matmul(probs, values)  # [Hkv, R*G, hd]
-        return out.view(kv_heads, rows, group, head_dim).transpose(0, 1).reshape(rows, spec.num_heads * head_dim)
-
-    def _latent_attention(self, layer: int, prefix: str, x: Tensor, positions: Tensor, blocked: Tensor, kv: KVCache) -> Tensor:
-        """DeepseekV2Transformer.attention at device positions, reusing its projections (W_uk absorbed) and output (W_uv, o_proj)."""
-        model = cast(DeepseekV2Transformer, self.model)
-        # [R, H, r] queries with W_uk absorbed, [R, H, dr] rotated, [R, 1, r] normalised latent, [R, 1, dr] rotated rope key
-        q_latent, q_rope, latent, k_rope = model._mla_project(layer, prefix, x, positions)
-        kv.k[layer].index_copy_(1, positions, latent.transpose(0, 1))  # latents [1, S, r]
-        kv.v[layer].index_copy_(1, positions, k_rope.transpose(0, 1))  # rotated rope keys [1, S, dr]
-        context = attend_latent(q_latent, q_rope, kv.k[layer, 0], kv.v[layer, 0], blocked[0], model.softmax_scale)  # [R, H, r]
-        return x + model._mla_output(layer, prefix, context)
-
-    def _feed_forward(self, layer: int, x: Tensor) -> Tensor:
-        model, spec = self.model, self.model.spec
-        norm_name = f"{spec.layer_prefix(layer)}.post_attention_layernorm"
-        if layer in spec.dense_layers:
-            return x + model.dense_mlp(f"{spec.layer_prefix(layer)}.mlp", model.norm(x, norm_name))
-        row = model.row_feed_forward(layer, x, self.moe)
-        if row is not None:  # the draft step: three launches (specter.model.rowfused, as the eager draft)
-            return row
-        packed = model.packed_ffn_input(layer)
-        if packed is not None:  # the draft: router and shared expert's inputs in one product (as the eager draft)
-            h = model.norm(x, norm_name)
-            ids, weights, shared_input = model.packed_route(layer, h, packed)
-            return model.packed_finish(layer, x, self.moe(layer, h, ids, weights), shared_input)
-        h, ids, weights = model.route(layer, model.norm(x, norm_name))  # [R, D], [R, A], [R, A]
-        routed = self.moe(layer, h, ids, weights)
-        if spec.shared_intermediate:
-            routed = routed + model.shared_expert(layer, h)
-        return x + routed
-
-
-def attend_latent(q_latent: Tensor, q_rope: Tensor, latents: Tensor, rope_keys: Tensor, blocked: Tensor, softmax_scale: float) -> Tensor:
-    """MLA's absorbed attention of R rows over the whole latent cache: q [R, H, r] and [R, H, dr], cache [S, r] and
-    [S, dr], blocked [R, 1, S] -> context [R, H, r]. Every (row, head) is a row of one GEMM, so rows are independent.
-
-    The arithmetic of DeepseekV2Transformer._attend_latent_row: latent and rope scores summed, times the
-    softmax scale (yarn's mscale included), softmax in float32, probabilities back in the model's dtype.
-    """
-    rows, heads, rank = q_latent.shape
-    scores = q_latent.reshape(rows * heads, rank) @ latents.T + q_rope.reshape(rows * heads, -1) @ rope_keys.T  # [R*H, S]
-    scores = (scores * softmax_scale).float().view(rows, heads, -1).masked_fill(blocked, -math.inf)
-    probs = torch.softmax(scores, dim=-1).to(q_latent.dtype).view(rows * heads, -1)
-    return (probs @ latents).view(rows, heads, rank)
+    def feed_forward(self, layer: int, x: Tensor) -> Tensor:
+        """The family's static feed-forward (Transformer.static_feed_forward) with this step's routed experts."""
+        return self.model.static_feed_forward(layer, x, self.moe)
 
 
 # ---- graph capture and replay -------------------------------------------------------------------------

@@ -133,12 +133,12 @@ class SegmentedStep:
         if index == 0:
             assert self.kv.capacity == step.key_positions.numel(), f"KV capacity {self.kv.capacity} != model context {step.key_positions.numel()}"
             x = model.w["model.embed_tokens.weight"][self.tokens]  # [R, D]
-            self.blocked.copy_(~step._allowed(self.positions)[None, :, None, :])
+            self.blocked.copy_(~step.allowed(self.positions)[None, :, None, :])
         else:
             x = self._finish_moe_layer()
         for layer in self._segment_layers[index]:
-            x = step._attention(layer, x, self.positions, self.blocked, self.kv)
-            x = step._feed_forward(layer, x)  # a dense layer: StaticStep's own MLP, never its MoE
+            x = step.attention(layer, x, self.positions, self.blocked, self.kv)
+            x = step.feed_forward(layer, x)  # a dense layer: the family's static MLP, never its MoE
         if index == len(self.moe_layers):
             self.logits.copy_(model.logits(x))
         else:
@@ -147,7 +147,7 @@ class SegmentedStep:
     def _before_experts(self, layer: int, x: Tensor) -> None:
         """Attention, post-attention norm, router and shared expert of MoE layer `layer` (StaticStep's order)."""
         model, spec = self.model, self.model.spec
-        x = self.static._attention(layer, x, self.positions, self.blocked, self.kv)
+        x = self.static.attention(layer, x, self.positions, self.blocked, self.kv)
         self.residual.copy_(x)
         h, ids, weights = model.route(layer, model.norm(x, f"{spec.layer_prefix(layer)}.post_attention_layernorm"))
         self.normed.copy_(h)

@@ -13,6 +13,7 @@ steps, which is what lets a k+1-row verify reproduce plain decoding token for to
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import ClassVar, Literal, Protocol
 
@@ -67,6 +68,14 @@ def declared(model: Transformer | type[Transformer]) -> FamilySpec | None:
     cls = model if isinstance(model, type) else type(model)
     found = cls.__dict__.get("family")
     return found if isinstance(found, FamilySpec) else None
+
+
+class StaticMoE(Protocol):
+    """Routed experts of one layer for R rows, without a host sync; per-token sums in ascending expert id."""
+
+    def __call__(self, layer: int, h: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """h [R, D], ids [R, A], weights [R, A] (device) -> [R, D]; row r depends only on row r's inputs."""
+        ...
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -468,6 +477,40 @@ class Transformer:
         )  # [H, T, hd]
         return out.transpose(0, 1).reshape(rows, spec.num_heads * spec.head_dim)
 
+    # ---- the static step's attention (graphed.StaticStep: R rows at device positions, whole cache) ----
+    def static_attention(self, layer: int, x: Tensor, positions: Tensor, blocked: Tensor, kv: KVCache, counters: Tensor) -> Tensor:
+        """Attention of R rows at device positions [R] for graphed.StaticStep: KV written with index_copy_, every row
+        over the whole cache [0, S) under `blocked` [1, R, 1, S] (graphed.py's principles 2-4); x [R, D] -> [R, D].
+        The draft (non-exact, CUDA) ropes and writes in one launch and attends the visible positions only,
+        merging its runs in the launch with `counters` [R*Hkv] (kernels.merge_in_launch)."""
+        prefix = f"{self.spec.layer_prefix(layer)}.self_attn"
+        if not self.exact and self.kernels.rope_writes_cache and fused.usable(x):  # the draft: one launch, no index_copy_
+            q, k, v = self._qkv(layer, prefix, x, positions, rotate=False)
+            q = fused.rope_and_cache(q, k, v, self.cos, self.sin, positions, kv.k[layer], kv.v[layer])
+        else:
+            q, k, v = self._qkv(layer, prefix, x, positions)  # [R, H, hd], [R, Hkv, hd] x 2
+            kv.k[layer].index_copy_(1, positions, k.transpose(0, 1))
+            kv.v[layer].index_copy_(1, positions, v.transpose(0, 1))
+        if not self.exact and self.kernels.decode_attention and fused.usable(q):  # the draft: the visible positions only
+            merged = counters if self.kernels.merge_in_launch else None
+            splits = fused.split_count(kv.k[layer].shape[1], self.kernels)
+            out = fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, self.spec.sliding_window, splits, merged)
+        else:
+            out = self._attend_all(q, kv.k[layer], kv.v[layer], blocked)  # [R, H*hd]
+        return self.plus_linear(x, out, f"{prefix}.o_proj")
+
+    def _attend_all(self, q: Tensor, keys: Tensor, values: Tensor, blocked: Tensor) -> Tensor:
+        """Every row over the whole cache [Hkv, S, hd]; rows of one GEMM, so each row is computed on its own."""
+        spec = self.spec
+        rows, kv_heads, head_dim = q.shape[0], spec.num_kv_heads, spec.head_dim
+        group = spec.num_heads // kv_heads
+        q = q.view(rows, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads, rows * group, head_dim)
+        scores = torch.matmul(q, keys.transpose(1, 2)) * head_dim**-0.5  # [Hkv, R*G, S]
+        scores = scores.float().view(kv_heads, rows, group, -1).masked_fill(blocked, -math.inf)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads, rows * group, -1)
+        out = torch.matmul(probs, values)  # [Hkv, R*G, hd]
+        return out.view(kv_heads, rows, group, head_dim).transpose(0, 1).reshape(rows, spec.num_heads * head_dim)
+
     # ---- feed-forward: routed experts, shared expert, or dense MLP ----------------------------
     async def feed_forward(self, layer: int, x: Tensor, experts: ExpertProvider) -> Tensor:
         spec = self.spec
@@ -492,6 +535,27 @@ class Transformer:
             (routed,) = self.rows(torch.add, routed, shared)
         (x,) = self.rows(torch.add, x, routed)
         return x
+
+    def static_feed_forward(self, layer: int, x: Tensor, moe: StaticMoE) -> Tensor:
+        """feed_forward for graphed.StaticStep: the same pieces over all R rows at once (no row blocks: the step's
+        rows are the block), routed experts through `moe` without a host sync."""
+        spec = self.spec
+        norm_name = f"{spec.layer_prefix(layer)}.post_attention_layernorm"
+        if layer in spec.dense_layers:
+            return x + self.dense_mlp(f"{spec.layer_prefix(layer)}.mlp", self.norm(x, norm_name))
+        row = self.row_feed_forward(layer, x, moe)
+        if row is not None:  # the draft step: three launches (specter.model.rowfused, as the eager draft)
+            return row
+        packed = self.packed_ffn_input(layer)
+        if packed is not None:  # the draft: router and shared expert's inputs in one product (as the eager draft)
+            h = self.norm(x, norm_name)
+            ids, weights, shared_input = self.packed_route(layer, h, packed)
+            return self.packed_finish(layer, x, moe(layer, h, ids, weights), shared_input)
+        h, ids, weights = self.route(layer, self.norm(x, norm_name))  # [R, D], [R, A], [R, A]
+        routed = moe(layer, h, ids, weights)
+        if spec.shared_intermediate:
+            routed = routed + self.shared_expert(layer, h)
+        return x + routed
 
     def route(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router: softmax over experts in float32, top-A, optional renormalisation. Returns h, ids [T, A], weights [T, A]."""
