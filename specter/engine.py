@@ -43,16 +43,15 @@ from specter.log import get_logger
 from specter.memory import MemoryPlan, plan_memory, with_model_context
 from specter.metrics import Estimates, RequestStats, busy_within, idle_causes, pump_gaps
 from specter.model.checkpoint import Checkpoint
-from specter.model.graphed import GraphedTarget, static_step_supported
 from specter.model.kv import KVCache
 from specter.model.registry import transformer_for
 from specter.model.resident import ResidentExperts
-from specter.model.segmented import SegmentedStep
 from specter.model.spec import ModelSpec
 from specter.paths import check_output_file
 from specter.model.transformer import ExpertProvider, Transformer
 from specter.policy import LinkTiming, LookaheadState, Plan, RoundOutcome, UseHistory
 from specter.sampling import SamplingParams, probs, sample
+from specter.tiers import choose_steps, make_draft, segmented_verify
 from specter.trace import TraceHeader, TraceRound, TraceWriter
 from specter.verify import OffloadedExperts, to_host
 
@@ -109,8 +108,7 @@ class Runtime:
         self.uses = UseClock(len(spec.moe_layers))
         self.plan: Plan | None = None
         self.kv: KVCache = model.new_kv()
-        self.graphed = _graphed_target(model, experts, self.kv, config)
-        self.segmented = _segmented_step(model, experts, self.kv, config)
+        self.graphed, self.segmented = choose_steps(model, experts, self.kv, config)
         self.k_max = config.draft.k_max if draft is not None else 0  # calibrate_draft sets it for gptq4
         self.scout = config.draft.scout  # plain rounds prefetch from one draft step's routes (offloaded, with a draft)
         # draft-ahead steps beside each verify (DraftConfig.overlap; None: on with CUDA graphs, off elsewhere)
@@ -148,7 +146,7 @@ class Runtime:
         device, dtype = resolve_device(config), resolve_dtype(config, spec)
         policies = load_policies(config)
         speculative = may_speculate(config)
-        expert_graphs = device.type == "cuda" and config.cuda_graphs and _segmented_verify(config, device.type, transformer_for(spec))
+        expert_graphs = device.type == "cuda" and config.cuda_graphs and segmented_verify(config, device.type, transformer_for(spec))
         if speculative and scout_only(config) and plan_memory(spec, dtype, config, False, expert_graphs=expert_graphs).all_resident:
             speculative = False  # every expert fits without a draft: a scout would have nothing to prefetch
         calibrated = speculative and config.draft.quant == "gptq4"
@@ -164,7 +162,7 @@ class Runtime:
         quantize_now = speculative and not calibrated
         experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now)
         source.close()
-        draft = _make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device), config) if quantize_now else None
+        draft = make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device), config) if quantize_now else None
         engine = cls(config, spec, model, memory, backend, kernel, experts, cache, draft, policies)
         engine._capture_graphs()
         if cache is not None:
@@ -190,7 +188,7 @@ class Runtime:
             flats = [self._full_expert(layer, e) for e in range(spec.num_experts)]
             layers[layer] = calibrate.gptq_layer(flats, inputs, choices, spec.hidden_size, spec.expert_intermediate, self.config.draft)
             layers[layer] = layers[layer].to(self.model.device)
-        self.draft = _make_draft(self.model, DraftExperts(layers, spec.num_layers, spec.num_experts, self.model.device), self.config)
+        self.draft = make_draft(self.model, DraftExperts(layers, spec.num_layers, spec.num_experts, self.model.device), self.config)
         self.draft.capture(self.kv)
         self.k_max = self.config.draft.k_max
         self.estimates = Estimates(self.k_max)
@@ -766,36 +764,6 @@ class Runtime:
             round_overhead_s=self.estimates.overheads(),
             scout_s=(self.estimates.scout_s or sum(self.estimates.draft_fit())) if self._scouting() else 0.0,
         )
-
-
-def _graphed_target(model: Transformer, experts: ExpertProvider, kv: KVCache, config: EngineConfig) -> GraphedTarget | None:
-    """All experts resident with the standard attention: decode and verify run one R-row static step.
-
-    Replayed as a CUDA graph on CUDA with cuda_graphs; also built (run directly) with static_verify on
-    any device, so the resident and the offloaded configurations share the static step's numerics.
-    """
-    graphs = model.device.type == "cuda" and config.cuda_graphs
-    static = config.verify_is_static(model.device.type)
-    supported = static_step_supported(model, config.tuning.kernels.static_mla)
-    if not (graphs or static) or not isinstance(experts, ResidentExperts) or not supported:
-        return None
-    return GraphedTarget(model, experts, kv, use_graph=graphs)
-
-
-def _segmented_step(model: Transformer, experts: ExpertProvider, kv: KVCache, config: EngineConfig) -> SegmentedStep | None:
-    """Offloaded experts with static_verify: verify runs GraphedTarget's numerics, cut at each MoE layer's routing."""
-    if not isinstance(experts, OffloadedExperts) or not _segmented_verify(config, model.device.type, model):
-        return None
-    return SegmentedStep(model, kv, use_graph=model.device.type == "cuda" and config.cuda_graphs)
-
-
-def _segmented_verify(config: EngineConfig, device_type: str, model: Transformer | type[Transformer]) -> bool:
-    """Whether an offloaded verify runs the segmented static step (the memory plan asks before the model exists)."""
-    return config.verify_is_static(device_type) and static_step_supported(model, config.tuning.kernels.static_mla)
-
-
-def _make_draft(model: Transformer, experts: DraftExperts, config: EngineConfig) -> Draft:
-    return Draft(model, experts, static=None if config.cuda_graphs else False)
 
 
 @contextlib.contextmanager
