@@ -113,7 +113,8 @@ class Draft:
     region is scratch (the verify overwrites it, and `crop` discards the rest), so no second cache exists.
 
     static: run each step as the one-row static step (graphed on CUDA); None means "on CUDA, when the
-    model family has the standard attention". The eager forward is used otherwise.
+    model's class declares the static step" (graphed.static_step_supported; the engine decides in specter.tiers).
+    The eager forward is used otherwise.
     """
 
     def __init__(self, target: Transformer, experts: DraftExperts, *, static: bool | None = None) -> None:
