@@ -199,6 +199,23 @@ def test_models_with_their_own_attention_are_refused(load):
         ResidentMoE(loaded.model, loaded.experts, "fastest")  # type: ignore[arg-type]
 
 
+def test_each_family_declares_what_the_static_step_and_the_draft_read():
+    from specter.model.deepseek_v2 import DeepseekV2Transformer
+    from specter.model.graphed import static_step_supported
+    from specter.model.phimoe import PhimoeTransformer
+    from specter.model.transformer import FamilySpec, declared
+
+    assert declared(Transformer) == FamilySpec("standard", "rms", "softmax_topk", True)
+    assert declared(PhimoeTransformer) == FamilySpec("standard", "layer", "sparsemixer", True)
+    assert declared(DeepseekV2Transformer) == FamilySpec("mla", "rms", "group_limited", True)
+
+    class Undeclared(Transformer):  # a declaration is not inherited: a subclass may change what its base computes
+        pass
+
+    assert declared(Undeclared) is None and not static_step_supported(Undeclared)
+    assert all(static_step_supported(cls) for cls in (Transformer, PhimoeTransformer, DeepseekV2Transformer))
+
+
 # The interpreter must be chosen before triton is imported, so this runs in a fresh process. Its tl.dot
 # mishandles bfloat16 (numpy has no bf16), so bf16 is covered by tests/test_gpu_graphed.py only.
 INTERPRETER_SCRIPT = textwrap.dedent(
