@@ -253,8 +253,13 @@ class Transformer:
         """Whether this product runs through specter.model.rowfused: the non-exact forward of one row on CUDA (or
         under Triton's interpreter) with kernels.row_kernels, and the family's own RMSNorm."""
         family = declared(self)
-        return (not self.exact and self.kernels.row_kernels and x.shape[0] == 1 and family is not None and family.norm == "rms"
-                and fused.usable(x))  # fmt: skip
+        return x.shape[0] == 1 and family is not None and family.norm == "rms" and self._fused(x, self.kernels.row_kernels)
+
+    def _fused(self, x: Tensor, switch: bool = True) -> bool:
+        """The kernel tier of one product of the forward over x: True runs specter.model.fused's Triton launch in place
+        of torch's ops, for the non-exact forward (the draft) on CUDA (or under Triton's interpreter) with its
+        KernelTuning `switch` on. The exact target always runs torch's ops. (The one-row tier: _row_kernels.)"""
+        return switch and not self.exact and fused.usable(x)
 
     # ---- the forward --------------------------------------------------------------------------
     async def forward(self, tokens: Tensor, start: int, kv: KVCache, experts: ExpertProvider) -> Tensor:
@@ -275,7 +280,7 @@ class Transformer:
     def norm(self, x: Tensor, name: str) -> Tensor:
         """The model's normalisation layer `name` (RMSNorm here; families with LayerNorm override this).
         Outside exact mode (the draft) on CUDA: one fused launch instead of eight (specter.model.fused)."""
-        if not self.exact and fused.usable(x):
+        if self._fused(x):
             return fused.rms_norm(x, self.w[name + ".weight"], self.spec.rms_eps)
         return rms_norm(x, self.w[name + ".weight"], self.spec.rms_eps)
 
@@ -316,7 +321,7 @@ class Transformer:
             q, k = self.norm(q, f"{prefix}.q_norm"), self.norm(k, f"{prefix}.k_norm")
         if not rotate:
             return q, k, v
-        if not self.exact and fused.usable(q):  # the draft on CUDA: one launch for both rotations
+        if self._fused(q):  # the draft on CUDA: one launch for both rotations
             q, k = fused.rope(q, k, self.cos, self.sin, positions)
             return q, k, v
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, hd]
@@ -377,7 +382,7 @@ class Transformer:
         to the sum (plus_linear)."""
         inter, gated = self.spec.shared_intermediate, self.spec.shared_gate
         gate_logit = product[:, 2 * inter + self.spec.num_experts :][:, :1] if gated else None  # [T, 1]
-        if fused.usable(product):
+        if self._fused(product):  # (the packed product is the draft's alone)
             act = fused.gated_silu(product, inter, gate_logit)
         else:
             act = F.silu(product[:, :inter]) * product[:, inter : 2 * inter]
@@ -439,7 +444,7 @@ class Transformer:
 
     def _attend(self, layer: int, q: Tensor, first_position: int, kv: KVCache) -> Tensor:
         """Attention of each query row over the cache up to its own position; [T, H, hd] -> [T, H*hd]."""
-        if not self.exact and q.shape[0] == 1 and self.kernels.decode_attention and fused.usable(q):
+        if q.shape[0] == 1 and self._fused(q, self.kernels.decode_attention):
             # the eager draft step attends as its graphed twin does (graphed.StaticStep: the same launch, the runs merged
             # in it with a counter per layer), so both propose alike
             positions = torch.arange(first_position, first_position + 1, device=q.device)
@@ -484,14 +489,14 @@ class Transformer:
         The draft (non-exact, CUDA) ropes and writes in one launch and attends the visible positions only,
         merging its runs in the launch with `counters` [R*Hkv] (kernels.merge_in_launch)."""
         prefix = f"{self.spec.layer_prefix(layer)}.self_attn"
-        if not self.exact and self.kernels.rope_writes_cache and fused.usable(x):  # the draft: one launch, no index_copy_
+        if self._fused(x, self.kernels.rope_writes_cache):  # the draft: one launch, no index_copy_
             q, k, v = self._qkv(layer, prefix, x, positions, rotate=False)
             q = fused.rope_and_cache(q, k, v, self.cos, self.sin, positions, kv.k[layer], kv.v[layer])
         else:
             q, k, v = self._qkv(layer, prefix, x, positions)  # [R, H, hd], [R, Hkv, hd] x 2
             kv.k[layer].index_copy_(1, positions, k.transpose(0, 1))
             kv.v[layer].index_copy_(1, positions, v.transpose(0, 1))
-        if not self.exact and self.kernels.decode_attention and fused.usable(q):  # the draft: the visible positions only
+        if self._fused(q, self.kernels.decode_attention):  # the draft: the visible positions only
             merged = counters if self.kernels.merge_in_launch else None
             splits = fused.split_count(kv.k[layer].shape[1], self.kernels)
             out = fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, self.spec.sliding_window, splits, merged)
@@ -565,7 +570,7 @@ class Transformer:
 
     def _select(self, logits: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Top-A of the float32 softmax of router logits [T, E]: ids [T, A], weights [T, A] in `dtype`."""
-        if not self.exact and self.kernels.router_and_gate and fused.usable(logits):  # the draft on CUDA: one launch
+        if self._fused(logits, self.kernels.router_and_gate):  # the draft on CUDA: one launch
             return fused.topk_softmax(logits, self.spec.top_k, self.spec.norm_topk_prob, dtype)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
@@ -586,7 +591,7 @@ class Transformer:
         out = self.dense_mlp(f"{prefix}.shared_expert", h)
         if self.spec.shared_gate:
             gate = f"{prefix}.shared_expert_gate"
-            if not self.exact and self.kernels.router_and_gate and fused.usable(h) and gate + ".bias" not in self.w:
+            if self._fused(h, self.kernels.router_and_gate) and gate + ".bias" not in self.w:
                 return fused.sigmoid_gate(h, self.w[gate + ".weight"], out)
             out = torch.sigmoid(self.linear(h, gate)) * out
         return out
