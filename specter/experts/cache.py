@@ -165,7 +165,6 @@ class ExpertCache:
         self.slot_table = backend.alloc_device((self.num_layers, self.num_experts), torch.int32)
         self.slot_table.fill_(-1)
         self._flat_table = self.slot_table.view(-1)
-        self._set_int32 = getattr(backend, "set_int32", None)  # optional backend fast path for table writes
         self.stats = CacheStats([LayerStats() for _ in range(self.num_layers)])
         self._slots = [Slot(index, index // slots_per_layer) for index in range(self.num_layers * slots_per_layer)]
         self._by_layer = self._home_slots()  # each layer's slots: `slots_per_layer` each but while the relay lends
@@ -746,10 +745,7 @@ class ExpertCache:
     def _write_table(self, layer: int, expert: int, value: int) -> None:
         """Enqueue slot_table[layer, expert] = value on the copy stream (a 4-byte copy; no host sync)."""
         index = layer * self.num_experts + expert
-        if self._set_int32 is not None:
-            self._set_int32(self._flat_table, index, value, self.transfer.stream)
-        else:
-            self.backend.launch(self.transfer.stream, partial(self._flat_table.__setitem__, index, value))
+        self.backend.set_int32(self._flat_table, index, value, self.transfer.stream)
 
     def _pin(self, slot: Slot) -> None:
         slot.pins += 1
