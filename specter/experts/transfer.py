@@ -464,9 +464,9 @@ class TransferEngine:
             self._finish(transfer, copied if last else None)
 
     def _enqueue_h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """The backend's optional copy without an event of its own (the engine records its own per chunk), else its
-        copy_h2d. Looked up per chunk: a test may replace the backend's method after the engine was built."""
-        (getattr(self.backend, "enqueue_h2d", None) or self.backend.copy_h2d)(dst, src, self.stream)
+        """The backend's copy without an event of its own (the engine records its own per chunk). Looked up per
+        chunk: a test may replace the backend's method after the engine was built."""
+        self.backend.enqueue_h2d(dst, src, self.stream)
 
     def _emulate_link(self, transfer: Transfer, nbytes: int) -> Event | None:
         """Account the chunk on the emulated link; in device mode pad the stream and return the pad's end."""
