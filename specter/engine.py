@@ -27,34 +27,22 @@ from specter.draft import Draft, DraftExperts
 from specter.errors import ConfigError, RequestCancelled
 from specter.experts.cache import ExpertCache
 from specter.kernel import NOT_READY, Kernel, StageCounters, stage
-from specter.loader import resolve_device, resolve_dtype
-from specter.loading import (  # noqa: F401  (CheckpointWeights and WeightSource are part of this module's API)
-    CheckpointWeights,
-    WeightSource,
-    apply_threads,
-    check_device_memory,
-    load_backend,
-    load_experts,
-    load_policies,
-    may_speculate,
-    scout_only,
-)
+from specter.build import CheckpointWeights, TargetSteps, WeightSource, build_runtime  # noqa: F401  (part of this module's API)
 from specter.log import get_logger
-from specter.memory import MemoryPlan, plan_memory, with_model_context
+from specter.memory import MemoryPlan
 from specter.metrics import Estimates, RequestStats, busy_within, idle_causes, pump_gaps
 from specter.model.checkpoint import Checkpoint
-from specter.model.graphed import GraphedTarget, static_step_supported
 from specter.model.kv import KVCache
-from specter.model.registry import transformer_for
 from specter.model.resident import ResidentExperts
-from specter.model.segmented import SegmentedStep
 from specter.model.spec import ModelSpec
 from specter.paths import check_output_file
 from specter.model.transformer import ExpertProvider, Transformer
-from specter.policy import LinkTiming, LookaheadState, Plan, RoundOutcome, UseHistory
+from specter.policy import LinkTiming, LookaheadState, Plan, RoundOutcome
+from specter.steps import make_draft
 from specter.sampling import SamplingParams, probs, sample
 from specter.trace import TraceHeader, TraceRound, TraceWriter
 from specter.verify import OffloadedExperts, to_host
+from specter.victims import UseClock, Victims  # noqa: F401  (UseClock is part of this module's API)
 
 log = get_logger(__name__)
 Tensor = torch.Tensor
@@ -79,38 +67,21 @@ class GenerationResult:
     stats: RequestStats
 
 
-class UseClock:
-    """The target's per-layer use history on a logical clock (what eviction policies read)."""
-
-    def __init__(self, layers: int) -> None:
-        self.clock = 0
-        self.last_use: list[dict[int, int]] = [{} for _ in range(layers)]
-        self.use_count: list[dict[int, int]] = [{} for _ in range(layers)]
-
-    def used(self, layer: int, experts: Sequence[int]) -> None:
-        for expert in experts:
-            self.clock += 1
-            self.last_use[layer][expert] = self.clock
-            self.use_count[layer][expert] = self.use_count[layer].get(expert, 0) + 1
-
-    def history(self, layer: int) -> UseHistory:
-        return UseHistory(last_use=dict(self.last_use[layer]), use_count=dict(self.use_count[layer]), clock=self.clock)
-
-
 class Runtime:
     """One model on one device, serving one request at a time."""
 
     def __init__(self, config: EngineConfig, spec: ModelSpec, model: Transformer, memory: MemoryPlan, backend, kernel: Kernel | None,
-                 experts: ExpertProvider, cache: ExpertCache | None, draft: Draft | None, policies: dict) -> None:
+                 experts: ExpertProvider, cache: ExpertCache | None, draft: Draft | None, policies: dict, victims: Victims,
+                 steps: TargetSteps) -> None:
+        """Made by `specter.build.build_runtime` (through `load` or `build`), every part already built; `victims` is
+        the cache's victim chooser, whose policy is `policies["eviction"]`."""
         self.config, self.spec, self.model, self.memory = config, spec, model, memory
         self.backend, self.kernel, self.experts, self.cache, self.draft = backend, kernel, experts, cache, draft
-        self.eviction, self.prefetch, self.lookahead = policies["eviction"], policies["prefetch"], policies["lookahead"]
+        self.victims = victims
+        self.prefetch, self.lookahead = policies["prefetch"], policies["lookahead"]
+        assert victims.policy is policies["eviction"], "the cache's victim chooser asks the runtime's eviction policy"
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
-        self.uses = UseClock(len(spec.moe_layers))
-        self.plan: Plan | None = None
-        self.kv: KVCache = model.new_kv()
-        self.graphed = _graphed_target(model, experts, self.kv, config)
-        self.segmented = _segmented_step(model, experts, self.kv, config)
+        self.kv, self.graphed, self.segmented = steps.kv, steps.graphed, steps.segmented
         self.k_max = config.draft.k_max if draft is not None else 0  # calibrate_draft sets it for gptq4
         self.scout = config.draft.scout  # plain rounds prefetch from one draft step's routes (offloaded, with a draft)
         # draft-ahead steps beside each verify (DraftConfig.overlap; None: on with CUDA graphs, off elsewhere)
@@ -143,38 +114,12 @@ class Runtime:
     @classmethod
     async def build(cls, source: WeightSource, config: EngineConfig | None = None) -> Runtime:
         """Plan memory (refusing a budget below the minimum before allocating), then load from `source`."""
-        spec = source.spec
-        config = with_model_context(config or EngineConfig(), spec)  # max_context=None becomes a number here
-        device, dtype = resolve_device(config), resolve_dtype(config, spec)
-        policies = load_policies(config)
-        speculative = may_speculate(config)
-        expert_graphs = device.type == "cuda" and config.cuda_graphs and _segmented_verify(config, device.type, transformer_for(spec))
-        if speculative and scout_only(config) and plan_memory(spec, dtype, config, False, expert_graphs=expert_graphs).all_resident:
-            speculative = False  # every expert fits without a draft: a scout would have nothing to prefetch
-        calibrated = speculative and config.draft.quant == "gptq4"
-        memory = plan_memory(spec, dtype, config, speculative, expert_graphs=expert_graphs)
-        check_device_memory(config, device, memory)
-        apply_threads(config, device)  # once the configuration is known to load: a refused one changes nothing
-        source.validate()
-        backend = load_backend(config, device)
-        kernel = Kernel(backend)
-        dense = source.dense(dtype, device, config.progress)
-        model = transformer_for(spec)(spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context,
-                                      kernels=config.tuning.kernels)
-        quantize_now = speculative and not calibrated
-        experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now)
-        source.close()
-        draft = _make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device), config) if quantize_now else None
-        engine = cls(config, spec, model, memory, backend, kernel, experts, cache, draft, policies)
-        engine._capture_graphs()
-        if cache is not None:
-            cache.choose_victims = engine._choose_victims
-            experts.layer_index = engine.moe_index
-        if calibrated:
-            await engine.calibrate_draft()
-        log.info("engine.loaded", family=spec.family, device=str(device), slots_per_layer=memory.slots_per_layer,
-                 experts=spec.num_experts, speculative=speculative)
-        return engine
+        return await build_runtime(cls, source, config)
+
+    # the eviction policy, the use history and the round's plan live in the cache's victim chooser
+    eviction = property(lambda self: self.victims.policy, lambda self, policy: setattr(self.victims, "policy", policy))
+    uses = property(lambda self: self.victims.uses, lambda self, uses: setattr(self.victims, "uses", uses))
+    plan = property(lambda self: self.victims.plan, lambda self, plan: setattr(self.victims, "plan", plan))
 
     async def calibrate_draft(self, prompts: Sequence[list[int]] | None = None, new_tokens: int = calibrate.DEFAULT_NEW_TOKENS) -> None:
         """Build a GPTQ draft: record expert inputs while the target decodes `prompts`, then quantize per layer."""
@@ -190,13 +135,13 @@ class Runtime:
             flats = [self._full_expert(layer, e) for e in range(spec.num_experts)]
             layers[layer] = calibrate.gptq_layer(flats, inputs, choices, spec.hidden_size, spec.expert_intermediate, self.config.draft)
             layers[layer] = layers[layer].to(self.model.device)
-        self.draft = _make_draft(self.model, DraftExperts(layers, spec.num_layers, spec.num_experts, self.model.device), self.config)
+        self.draft = make_draft(self.model, DraftExperts(layers, spec.num_layers, spec.num_experts, self.model.device), self.config)
         self.draft.capture(self.kv)
         self.k_max = self.config.draft.k_max
         self.estimates = Estimates(self.k_max)
 
-    def _capture_graphs(self) -> None:
-        """Capture the CUDA graphs at start-up, while the KV is empty, so decoding allocates nothing."""
+    def capture_graphs(self) -> None:
+        """Called once by the builder: capture the CUDA graphs at start-up, while the KV is empty, so decoding allocates nothing."""
         if self.graphed is not None:
             self.graphed.prepare()
         if self.segmented is not None:
@@ -242,13 +187,6 @@ class Runtime:
             self.cache.tuning, self.cache.transfer.tuning = tuning.cache, tuning.transfer
         if isinstance(self.experts, OffloadedExperts):
             self.experts.tuning = tuning.verify
-
-    def _choose_victims(self, layer: int, residents: Sequence[int], protected: set[int], count: int) -> list[int]:
-        return self.eviction.victims(layer=layer, residents=list(residents), protected=frozenset(protected), count=count,
-                                     history=self.uses.history(layer), plan=self._layer_plan())
-
-    def _layer_plan(self) -> Plan | None:
-        return self.plan
 
     def _predicted(self) -> dict[int, list[int]] | None:
         """Per cache layer, the experts this round's plan expects the verify to use, likeliest first: the planned
@@ -766,36 +704,6 @@ class Runtime:
             round_overhead_s=self.estimates.overheads(),
             scout_s=(self.estimates.scout_s or sum(self.estimates.draft_fit())) if self._scouting() else 0.0,
         )
-
-
-def _graphed_target(model: Transformer, experts: ExpertProvider, kv: KVCache, config: EngineConfig) -> GraphedTarget | None:
-    """All experts resident with the standard attention: decode and verify run one R-row static step.
-
-    Replayed as a CUDA graph on CUDA with cuda_graphs; also built (run directly) with static_verify on
-    any device, so the resident and the offloaded configurations share the static step's numerics.
-    """
-    graphs = model.device.type == "cuda" and config.cuda_graphs
-    static = config.verify_is_static(model.device.type)
-    supported = static_step_supported(model, config.tuning.kernels.static_mla)
-    if not (graphs or static) or not isinstance(experts, ResidentExperts) or not supported:
-        return None
-    return GraphedTarget(model, experts, kv, use_graph=graphs)
-
-
-def _segmented_step(model: Transformer, experts: ExpertProvider, kv: KVCache, config: EngineConfig) -> SegmentedStep | None:
-    """Offloaded experts with static_verify: verify runs GraphedTarget's numerics, cut at each MoE layer's routing."""
-    if not isinstance(experts, OffloadedExperts) or not _segmented_verify(config, model.device.type, model):
-        return None
-    return SegmentedStep(model, kv, use_graph=model.device.type == "cuda" and config.cuda_graphs)
-
-
-def _segmented_verify(config: EngineConfig, device_type: str, model: Transformer | type[Transformer]) -> bool:
-    """Whether an offloaded verify runs the segmented static step (the memory plan asks before the model exists)."""
-    return config.verify_is_static(device_type) and static_step_supported(model, config.tuning.kernels.static_mla)
-
-
-def _make_draft(model: Transformer, experts: DraftExperts, config: EngineConfig) -> Draft:
-    return Draft(model, experts, static=None if config.cuda_graphs else False)
 
 
 @contextlib.contextmanager

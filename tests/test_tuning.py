@@ -186,7 +186,7 @@ ALLOWED_CONSTANTS = {
     "specter/server/protocol.py": {"MAX_STOP_STRINGS", "SEED_LIMIT"},  # request limits of the API
     "specter/replay.py": {"DEFAULT_LINK_GBPS"},  # the replay CLI's default link
     "specter/sampling.py": {"_MASK32"},  # a bit mask of the noise hash
-    "specter/loading.py": {"LARGE_CHECKPOINT_BYTES"},  # when loading shows progress on a terminal
+    "specter/build.py": {"LARGE_CHECKPOINT_BYTES"},  # when loading shows progress on a terminal
     "specter/engine.py": {"MAX_DEFERRED_ROUNDS"},  # bounds the deferred copy-busy backlog (memory), never A/B'd
     "specter/kernel.py": {"_JOIN_TIMEOUT_S"},  # how long close() waits for a waiter thread
     "specter/experts/pool.py": {"_MAX_SLAB_GROWTH"},  # pinned-slab allocation granularity

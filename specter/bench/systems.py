@@ -18,9 +18,9 @@ import torch
 from specter import plugins
 from specter.config import DraftConfig, EngineConfig
 from specter.errors import BudgetError, ConfigError
-from specter.experts.cache import ExpertCache
 from specter.experts.transfer import LinkEmulation, parse_link
-from specter.engine import Runtime, UseClock
+from specter.build import new_cache
+from specter.engine import Runtime
 from specter.log import get_logger
 from specter.memory import MemoryPlan, plan_memory
 from specter.metrics import Estimates, RequestStats
@@ -28,6 +28,7 @@ from specter.model.spec import ModelSpec
 from specter.policy import Plan, UseHistory
 from specter.sampling import SamplingParams
 from specter.verify import OffloadedExperts
+from specter.victims import UseClock
 
 log = get_logger(__name__)
 
@@ -248,7 +249,7 @@ class BenchRuntime(Runtime):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         tuning = self.config.tuning
-        self.cache = ExpertCache(self.backend, self.kernel, transfer, pool, slots, self._choose_victims, tuning.cache)
+        self.cache = new_cache(self.config, slots, self.backend, self.kernel, transfer, pool, self.victims)
         self.experts = OffloadedExperts(self.cache, self.kernel, self.moe_index, tuning=tuning.verify)
         self.memory = dataclasses.replace(self.memory, slots_per_layer=slots)
         if self.segmented is not None:  # the old slots' expert graphs are stale: capture the new ones now, untimed
