@@ -285,7 +285,8 @@ class Runtime:
         clock.mark_start()
         for observer in self.observers:
             observer.round_started()
-        drafted, draft_logits, guess, scouted = await self._draft_stage(x0_tensor, start, k, ahead, params, prefix)  # 1, 2
+        # 1. draft, 2. plan and prefetch beside it
+        drafted, draft_logits, guess, scouted = await self._draft_stage(x0_tensor, start, k, ahead, params, prefix)
         clock.drafted()
         block = torch.cat([x0_tensor, drafted]) if k else x0_tensor  # [x0, d1..dk]
         record = self._start_verify_record()

@@ -103,8 +103,8 @@ class RoundObserver:
     The runtime calls, for each request: `request_started` before its prefill, `prefilled` once the prompt is in
     the KV and the first token committed, then per round `round_started` (k chosen, before the draft), `planned`
     (each time the transfer stage plans, on the event loop, before the plan's copies are issued) and `round_done`
-    (after the commit, before the adapt step); `request_ended` when the request ends, normally or not (after the
-    engine is consistent again, before the deferred work is finished). `close` when the runtime closes.
+    (after the commit, before the adapt step); `request_ended` when the request ends, normally or not (first, before
+    the runtime lifts its protections, resets its KV and finishes the deferred work). `close` when the runtime closes.
     """
 
     def request_started(self, stats: RequestStats) -> None: ...
