@@ -186,8 +186,8 @@ ALLOWED_CONSTANTS = {
     "specter/server/protocol.py": {"MAX_STOP_STRINGS", "SEED_LIMIT"},  # request limits of the API
     "specter/replay.py": {"DEFAULT_LINK_GBPS"},  # the replay CLI's default link
     "specter/sampling.py": {"_MASK32"},  # a bit mask of the noise hash
-    "specter/loading.py": {"LARGE_CHECKPOINT_BYTES"},  # when loading shows progress on a terminal
-    "specter/engine.py": {"MAX_DEFERRED_ROUNDS"},  # bounds the deferred copy-busy backlog (memory), never A/B'd
+    "specter/build.py": {"LARGE_CHECKPOINT_BYTES"},  # when loading shows progress on a terminal
+    "specter/observers.py": {"MAX_DEFERRED_ROUNDS"},  # bounds the deferred copy-busy backlog (memory), never A/B'd
     "specter/kernel.py": {"_JOIN_TIMEOUT_S"},  # how long close() waits for a waiter thread
     "specter/experts/pool.py": {"_MAX_SLAB_GROWTH"},  # pinned-slab allocation granularity
     "specter/experts/transfer.py": {"TIMER_SLACK_S"},  # the host-paced emulation's timer slack (uvloop's resolution)

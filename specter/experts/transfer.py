@@ -250,6 +250,14 @@ class TransferEngine:
         self.chunk_log = list(self._in_flight)
         return self.chunk_log
 
+    def stop_chunk_log(self) -> None:
+        """Stop logging chunks (the list `start_chunk_log` returned keeps those logged so far)."""
+        self.chunk_log = None
+
+    def forget_bandwidth(self) -> None:
+        """Drop the measured effective bandwidth, to measure it afresh (the link just changed)."""
+        self._effective_bytes_per_s = None
+
     def busy_intervals(self, chunks: Sequence[_Chunk], reference: Event, open_end: float) -> list[tuple[float, float]]:
         """[start, end] in seconds after the completed `reference` event: the time each chunk held the (emulated) link.
 
