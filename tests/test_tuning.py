@@ -178,7 +178,6 @@ ALLOWED_CONSTANTS = {
     "specter/calibrate.py": {"DEFAULT_PROMPTS", "DEFAULT_PROMPT_LEN", "DEFAULT_NEW_TOKENS"},  # calibrate_draft's defaults
     "specter/config.py": {"DEFAULT_OVERLAP", "DEFAULT_K"},  # DraftConfig.overlap=None's depth on CUDA; k's default
     "specter/memory.py": {"ALLOCATOR_SLACK_BYTES", "CUDA_LIBRARY_BYTES", "DEFAULT_CONTEXT"},  # measured reserves; max_context's default
-    "specter/bench/cli.py": {"QUICK_REPEATS"},  # the quick matrix's repeats (a CLI default, not an engine knob)
     "specter/bench/realism.py": {"BALANCED_ENTROPY", "NEW_TOKENS", "TEMPERATURE", "REUSE_WINDOW", "PROMPTS_PER_KIND"},  # the report's definition
     "specter/bench/widen.py": {"SHARD_BYTES"},  # the written checkpoint's shard size
     "specter/server/app.py": {"DEFAULT_COMPLETION_TOKENS"},  # OpenAI's default max_tokens
@@ -195,7 +194,7 @@ ALLOWED_CONSTANTS = {
     "specter/model/transformer.py": {"PACK_ROWS"},  # packed tensors' row alignment for cuBLAS's tensor-core kernels
     "specter/quant/gptq.py": {"GPTQ_WORKING_BYTES"},  # GPTQ's working-memory bound
     "specter/quant/moe_triton.py": {"MAX_PAIRS", "BLOCK_M"},  # the kernels' compile-time shapes
-    "specter/bench/cli.py": {"QUICK_RESIDENTS"},  # the quick preset
+    "specter/bench/cli.py": {"QUICK_RESIDENTS", "QUICK_REPEATS"},  # the quick preset (CLI defaults, not engine knobs)
     "specter/bench/protocol.py": {"PROMPT_TOKENS"},  # the measurement protocol (DESIGN section 8)
     "specter/bench/synthetic.py": {"DISTINCT_EXPERTS"},  # the synthetic models' routing
     "specter/bench/hf_baseline.py": {"MAX_TOKENS"},  # the baseline's length
