@@ -106,10 +106,28 @@ class Backend(Protocol):
         the kernels it launches are enqueued there; on cpu it runs on the stream's thread, in order."""
         ...
 
-    # Optional: set_int32(flat, index, value, stream) enqueues flat[index] = value (an int32 device tensor) in
-    # `stream` order. The expert cache uses it for slot-table writes when present, else `launch`.
-    # Optional: enqueue_h2d(dst, src, stream): copy_h2d without an event of its own (the transfer engine records its
-    # own per chunk); the engine falls back to copy_h2d.
+    def enqueue_h2d(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
+        """`copy_h2d` without an event of its own: enqueue `dst.copy_(src)` host -> device on `stream`.
+
+        Called by the transfer engine for every chunk of an expert copy, on the event-loop thread; the engine
+        records its own timed events around each chunk, so an event per copy would be waste. What must hold is
+        `copy_h2d`'s contract (`src` alive and untouched until the stream has passed the copy). A backend with
+        no cheaper way may call its own `copy_h2d` and drop the event (the cpu backend does: a test that
+        replaces `copy_h2d` on the instance then sees every chunk).
+        """
+        ...
+
+    def set_int32(self, flat: torch.Tensor, index: int, value: int, stream: Stream) -> None:
+        """Enqueue `flat[index] = value` in `stream` order, without a host sync.
+
+        `flat` is a contiguous int32 device tensor and `value` >= -1. Called on the event-loop thread by the
+        expert cache for its slot-table writes (on the copy stream, right after an expert's copy, so the table
+        says "resident" only once the weights landed), and by the segmented step to set its expert graphs'
+        input id (on the current compute stream, before a replay). The write must be ordered after earlier
+        work on `stream` and before later work on it; the values the caller passes are not kept (cuda copies
+        4 bytes from an immutable pinned table of values, so the call costs microseconds of host time).
+        """
+        ...
 
     def launch_host_func(self, stream: Stream, callback: Callable[[], None]) -> None:
         """Call `callback` on a backend thread once `stream` reaches this point.

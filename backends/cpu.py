@@ -200,7 +200,12 @@ class CPUBackend:
         stream.enqueue(copy)
         return self.record_event(stream)
 
+    def enqueue_h2d(self, dst: torch.Tensor, src: torch.Tensor, stream: CPUStream) -> None:
+        """`copy_h2d`, its event dropped: looked up on the instance, so a test's replacement sees every chunk."""
+        self.copy_h2d(dst, src, stream)
+
     def set_int32(self, flat: torch.Tensor, index: int, value: int, stream: CPUStream) -> None:
+        assert flat.dtype == torch.int32 and value >= -1, "set_int32 writes int32 values >= -1"
         stream.enqueue(lambda: flat.__setitem__(index, value))
 
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, stream: CPUStream) -> CPUEvent:

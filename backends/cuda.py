@@ -87,7 +87,7 @@ class CUDABackend:
         return CUDAEvent(stream, timed=False)
 
     def enqueue_h2d(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        """`copy_h2d` without its event (optional backend method): the transfer engine records its own per chunk."""
+        """`copy_h2d` without its event: the transfer engine records its own per chunk."""
         if not self._raw_copy(dst, src, stream):
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)

@@ -65,8 +65,8 @@ async def build_runtime(config_dict: dict, state: dict, max_context: int):
 
 def target_rows(runtime, prompt: list[int], tokens: int, eager_tokens: int) -> tuple[dict, dict]:
     """Graphed resident decoding (sync-free and with one host read per token), 16-row verify, eager for reference."""
-    from specter.decode import prefill
-    from specter.model.graphed import GraphedTarget, decode_resident_graphed
+    from specter.decode import decode_resident_graphed, prefill
+    from specter.model.graphed import GraphedTarget
 
     model, experts = runtime.model, runtime.experts
     kv = model.new_kv()

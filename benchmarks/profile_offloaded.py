@@ -25,7 +25,7 @@ async def build(args):
     from specter.engine import Runtime
 
     if args.model is not None:  # a checkpoint (the trained reference model): real routing, real acceptance
-        from specter.loading import CheckpointWeights
+        from specter.build import CheckpointWeights
         from specter.model.checkpoint import Checkpoint
 
         source = CheckpointWeights(Checkpoint(args.model))

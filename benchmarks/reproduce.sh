@@ -5,7 +5,7 @@
 #   run(command="bash benchmarks/reproduce.sh qwen", carry=[".whl"])
 # CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
 # Targets: gpu-tests qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
-#          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick
+#          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after
 set -u
 out=${OUT:-out}
 mkdir -p "$out/logs"
@@ -119,6 +119,25 @@ paper_merge() {  # on the development machine, after the three paper calls' outp
     --merge "$out/paper-phi-3.5-moe" --out "$out/paper-3links"
 }
 
+serve() {  # table "Serving": specter serve under 1, 4 and 16 concurrent clients on the trained Qwen shape
+  train_qwen
+  timeout 240 python3 benchmarks/serve_load.py --model /tmp/qwenref --residents 15 --max-tokens 64 --requests 2 \
+    --concurrency 1 4 16 --out "$out/serve_load.json" > "$out/logs/serve-load.log" 2>&1
+  echo "serve load rc=$?"; tail -6 "$out/logs/serve-load.log"
+}
+
+before_after() {  # LINK RESIDENTS REPEATS: the same bench on the code in $OLD (e.g. `git archive REV specter policies
+  # backends | tar -x -C .old`, carried) and on this tree, one trained model, one process each, in one call
+  train_qwen
+  local side dir
+  for side in old new; do
+    dir=$PWD; [ $side = old ] && dir=${OLD:-$PWD/.old}
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 150 python3 -m specter.bench --model /tmp/qwenref --max-new-tokens 64 \
+      --no-progress --no-plots --no-hf --repeats "$3" --residents "$2" --link "$1" --systems ondemand,specter \
+      --out "$out/ab-$side-$1" > "$out/logs/ab-$side-$1.log" 2>&1; echo "$side $1 rc=$?")
+  done
+}
+
 cpu_quick() {  # table "CPU quick matrix": the default matrix on the built-in tiny model, on the CPU
   python -m specter.bench --no-progress --no-plots --out "$out/cpu-quick" | tail -20
 }
@@ -146,6 +165,8 @@ for target in "$@"; do
     paper-phi) paper phi-3.5-moe ;;
     paper-merge) paper_merge ;;
     cpu-quick) cpu_quick ;;
+    serve) serve ;;
+    before-after) before_after native 15,8 3; before_after gen4 15,8 2 ;;
     *) echo "unknown target: $target" >&2; exit 2 ;;
   esac
 done

@@ -58,16 +58,22 @@ def start_server(model: str, server_args: list[str]) -> tuple[subprocess.Popen[s
 
 
 async def one_request(client: Any, model: str, args: argparse.Namespace) -> dict[str, float]:
+    """One streamed completion, read as server-sent events (plain httpx: the GPU machine has no openai client)."""
+    body = {"model": model, "prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": 0, "seed": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first: float | None = None
     tokens = 0
-    stream = await client.completions.create(model=model, prompt=args.prompt, max_tokens=args.max_tokens, temperature=0,
-                                             seed=0, stream=True, stream_options={"include_usage": True})
-    async for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].text:
-            first = time.perf_counter()
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if first is None and chunk.get("choices") and chunk["choices"][0].get("text"):
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
     first = first or end
     return {"ttft_s": first - start, "tokens": tokens, "seconds": end - start,
@@ -104,10 +110,13 @@ def server_metrics(url: str) -> dict[str, float]:
 
 
 async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
-    import openai
+    import httpx
 
-    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=args.api_key, max_retries=0, timeout=args.timeout) as client:
-        model = args.served_model_name or (await client.models.list()).data[0].id
+    headers = {"Authorization": f"Bearer {args.api_key}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=args.timeout,
+                                 limits=httpx.Limits(max_connections=max(args.concurrency) + 4)) as client:
+        listed = (await client.get("/v1/models")).json()
+        model = args.served_model_name or listed["data"][0]["id"]
         await one_request(client, model, args)  # warm-up: first-request costs stay out of the table
         levels = [await level(client, model, clients, args) for clients in args.concurrency]
     return {"model": model, "levels": levels}

@@ -225,7 +225,7 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
     """What `specter info` prints: family, shape, parameter counts, expert bytes and the two budgets."""
     from specter.builtin import resolve_model
     from specter.config import EngineConfig
-    from specter.loader import resolve_dtype
+    from specter.build import resolve_dtype
     from specter.memory import plan_memory, with_model_context
     from specter.model.checkpoint import Checkpoint
     from specter.model.weights import dense_shapes

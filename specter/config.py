@@ -128,7 +128,7 @@ class DraftConfig(_Frozen):
 
 
 class CacheTuning(_Frozen):
-    """The expert cache's rolling window and lead (specter/experts/cache.py)."""
+    """The expert cache's rolling window and lead (specter/experts/window.py, lead.py)."""
 
     roll_hot_window: int | None = Field(2, ge=0, le=256, description="Most slots a layer's waiting misses hold at once "
                                         "in the verify's rolling window, so the hot experts the policy keeps stay for "

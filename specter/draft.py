@@ -113,7 +113,7 @@ class Draft:
     region is scratch (the verify overwrites it, and `crop` discards the rest), so no second cache exists.
 
     static: run each step as the one-row static step (graphed on CUDA); None means "on CUDA, when the
-    model's class declares the static step" (graphed.static_step_supported; the engine decides in specter.tiers).
+    model's class declares the static step" (graphed.static_step_supported; the runtime decides in specter.steps).
     The eager forward is used otherwise.
     """
 

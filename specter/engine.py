@@ -1,73 +1,51 @@
-"""The runtime: loads a model within a memory budget and runs the decode round of DESIGN section 1.
+"""The runtime: runs the decode round of DESIGN section 1 over parts that `specter.build` made.
 
     draft k tokens (prefetching planned experts at checkpoints) -> verify k+1 tokens -> accept -> commit -> adapt
 
-`Runtime.round` is that sentence as code. Loading splits one memory budget between non-expert weights,
-the quantized draft, the KV cache and the expert slots; experts that do not fit live in host memory.
+`Runtime.round` is that sentence as code. The draft-ahead beside the verify is `specter.ahead.DraftAhead`; what
+the round measures without steering it (copy-busy, recall, traces, the bench's books) are `specter.observers`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from specter import calibrate
 from specter.accept import Acceptance, coupled_verdict, greedy_verdict, read_verdict, rejection_verdict
+from specter.ahead import Carry, DraftAhead, single_failure  # noqa: F401  (Carry is part of this module's API)
+from specter.build import CheckpointWeights, TargetSteps, WeightSource, build_runtime  # noqa: F401  (part of this module's API)
 from specter.config import EngineConfig, GenerationConfig, TuningConfig
 from specter.decode import check_prompt, greedy_decode
 from specter.draft import Draft, DraftExperts
 from specter.errors import ConfigError, RequestCancelled
 from specter.experts.cache import ExpertCache
-from specter.kernel import NOT_READY, Kernel, StageCounters, stage
-from specter.loader import resolve_device, resolve_dtype
-from specter.loading import (  # noqa: F401  (CheckpointWeights and WeightSource are part of this module's API)
-    CheckpointWeights,
-    WeightSource,
-    apply_threads,
-    check_device_memory,
-    load_backend,
-    load_experts,
-    load_policies,
-    may_speculate,
-    scout_only,
-)
+from specter.kernel import Kernel, StageCounters, stage
 from specter.log import get_logger
-from specter.memory import MemoryPlan, plan_memory, with_model_context
-from specter.metrics import Estimates, RequestStats, busy_within, idle_causes, pump_gaps
+from specter.memory import MemoryPlan
+from specter.metrics import Estimates, RequestStats
 from specter.model.checkpoint import Checkpoint
-from specter.model.kv import KVCache
-from specter.model.registry import transformer_for
 from specter.model.resident import ResidentExperts
 from specter.model.spec import ModelSpec
-from specter.paths import check_output_file
 from specter.model.transformer import ExpertProvider, Transformer
-from specter.policy import LinkTiming, LookaheadState, Plan, RoundOutcome, UseHistory
+from specter.observers import CopyBusy, RoundClock, RoundObserver, RoundReport, TraceRecorder, WindowRecall
+from specter.paths import check_output_file
+from specter.policy import LinkTiming, LookaheadState, Plan, RoundOutcome
 from specter.sampling import SamplingParams, probs, sample
-from specter.tiers import choose_steps, make_draft, segmented_verify
-from specter.trace import TraceHeader, TraceRound, TraceWriter
+from specter.steps import make_draft
+from specter.trace import TraceHeader, TraceWriter
 from specter.verify import OffloadedExperts, to_host
+from specter.victims import UseClock, Victims  # noqa: F401  (UseClock is part of this module's API)
 
 log = get_logger(__name__)
 Tensor = torch.Tensor
-MAX_DEFERRED_ROUNDS = 64
-"""Rounds of copy-busy measurement that may wait for the kernel's idle time before one is finished in line."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Carry:
-    """A draft-ahead that can start the next round: its x0 (the guess) at `start`, and its proposals (device)."""
-
-    start: int
-    x0: int
-    tokens: Tensor
 
 
 @dataclasses.dataclass
@@ -78,58 +56,43 @@ class GenerationResult:
     stats: RequestStats
 
 
-class UseClock:
-    """The target's per-layer use history on a logical clock (what eviction policies read)."""
+class PlanSource(Protocol):
+    """A plan made before the draft (the bench's oracle replays recorded routes this way)."""
 
-    def __init__(self, layers: int) -> None:
-        self.clock = 0
-        self.last_use: list[dict[int, int]] = [{} for _ in range(layers)]
-        self.use_count: list[dict[int, int]] = [{} for _ in range(layers)]
-
-    def used(self, layer: int, experts: Sequence[int]) -> None:
-        for expert in experts:
-            self.clock += 1
-            self.last_use[layer][expert] = self.clock
-            self.use_count[layer][expert] = self.use_count[layer].get(expert, 0) + 1
-
-    def history(self, layer: int) -> UseHistory:
-        return UseHistory(last_use=dict(self.last_use[layer]), use_count=dict(self.use_count[layer]), clock=self.clock)
+    def plan_before_draft(self, k: int) -> Plan | None:
+        """Called once per round, after k is chosen and before the draft: experts to protect and prefetch at once
+        (None: nothing). The runtime keeps the plan as the round's plan until the transfer stage makes its own."""
 
 
 class Runtime:
     """One model on one device, serving one request at a time."""
 
     def __init__(self, config: EngineConfig, spec: ModelSpec, model: Transformer, memory: MemoryPlan, backend, kernel: Kernel | None,
-                 experts: ExpertProvider, cache: ExpertCache | None, draft: Draft | None, policies: dict) -> None:
+                 experts: ExpertProvider, cache: ExpertCache | None, draft: Draft | None, policies: dict, victims: Victims,
+                 steps: TargetSteps, observers: Sequence[RoundObserver] = (), plan_source: PlanSource | None = None) -> None:
+        """Made by `specter.build.build_runtime` (through `load` or `build`), every part already built; `victims` is
+        the cache's victim chooser, whose policy is `policies["eviction"]`. `observers` watch every request and
+        round after the runtime's own (copy-busy, recall, trace); `plan_source` plans before each draft."""
         self.config, self.spec, self.model, self.memory = config, spec, model, memory
         self.backend, self.kernel, self.experts, self.cache, self.draft = backend, kernel, experts, cache, draft
-        self.eviction, self.prefetch, self.lookahead = policies["eviction"], policies["prefetch"], policies["lookahead"]
+        self.victims = victims
+        self.prefetch, self.lookahead = policies["prefetch"], policies["lookahead"]
+        assert victims.policy is policies["eviction"], "the cache's victim chooser asks the runtime's eviction policy"
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
-        self.uses = UseClock(len(spec.moe_layers))
-        self.plan: Plan | None = None
-        self.kv: KVCache = model.new_kv()
-        self.graphed, self.segmented = choose_steps(model, experts, self.kv, config)
+        self.kv, self.graphed, self.segmented = steps.kv, steps.graphed, steps.segmented
         self.k_max = config.draft.k_max if draft is not None else 0  # calibrate_draft sets it for gptq4
         self.scout = config.draft.scout  # plain rounds prefetch from one draft step's routes (offloaded, with a draft)
         # draft-ahead steps beside each verify (DraftConfig.overlap; None: on with CUDA graphs, off elsewhere)
-        self.overlap = config.draft.overlap_steps(model.device.type, config.cuda_graphs)
-        self._carry: Carry | None = None  # the last verify's draft-ahead, if it can start the next round
-        self._carried = 0  # draft steps this round took from a carry (read by _finish_round)
-        self._ahead_this_round = False  # this round drafted a guess and ahead (read by _finish_round)
-        self._ahead_stream: Any = None  # the draft-ahead's CUDA stream, made on first use
-        self._ahead_done: Any = None  # the end of the draft-ahead enqueued beside this round's verify
-        self._ahead_tokens: Tensor | None = None  # [33] device buffer the draft-ahead writes its proposals into
-        self._ahead_counts: Tensor | None = None  # [33, L, E] the route counters after each of its steps
-        self._kept_counts: Tensor | None = None  # [L, E] the round's own route counters, kept before a draft-ahead resets them
-        self._counts_kept = False  # this round's window recall reads _kept_counts
+        self.ahead = DraftAhead(draft, config.draft.overlap_steps(model.device.type, config.cuda_graphs), backend, model.device,
+                                config.draft.sampling)
+        self.observers: list[RoundObserver] = [CopyBusy(cache.transfer, kernel)] if cache is not None else []
+        self.observers += [WindowRecall(), *observers]
+        self.plan_source = plan_source
         self.estimates = Estimates(self.k_max)
-        self.trace: TraceWriter | None = None
-        self._trace_checkpoints: list[tuple[int, np.ndarray]] = []  # the round's plans' counts, for a trace
         self.stages = StageCounters()  # per-stage counts and host wall time (draft, verify), see specter.kernel.stage
         self._counts_host: list[Tensor] = []  # pinned snapshots of the draft's route counters, one per checkpoint (CUDA)
         self._generator: torch.Generator | None = None  # rejection sampling, re-seeded every round
         self._closed = False
-        self._round_bytes_at_start = 0  # H2D bytes loaded before this round (the round's bytes for the estimates)
         self._lock = asyncio.Lock()
 
     # ---- loading ------------------------------------------------------------------------------
@@ -141,38 +104,12 @@ class Runtime:
     @classmethod
     async def build(cls, source: WeightSource, config: EngineConfig | None = None) -> Runtime:
         """Plan memory (refusing a budget below the minimum before allocating), then load from `source`."""
-        spec = source.spec
-        config = with_model_context(config or EngineConfig(), spec)  # max_context=None becomes a number here
-        device, dtype = resolve_device(config), resolve_dtype(config, spec)
-        policies = load_policies(config)
-        speculative = may_speculate(config)
-        expert_graphs = device.type == "cuda" and config.cuda_graphs and segmented_verify(config, device.type, transformer_for(spec))
-        if speculative and scout_only(config) and plan_memory(spec, dtype, config, False, expert_graphs=expert_graphs).all_resident:
-            speculative = False  # every expert fits without a draft: a scout would have nothing to prefetch
-        calibrated = speculative and config.draft.quant == "gptq4"
-        memory = plan_memory(spec, dtype, config, speculative, expert_graphs=expert_graphs)
-        check_device_memory(config, device, memory)
-        apply_threads(config, device)  # once the configuration is known to load: a refused one changes nothing
-        source.validate()
-        backend = load_backend(config, device)
-        kernel = Kernel(backend)
-        dense = source.dense(dtype, device, config.progress)
-        model = transformer_for(spec)(spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context,
-                                      kernels=config.tuning.kernels)
-        quantize_now = speculative and not calibrated
-        experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now)
-        source.close()
-        draft = make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device), config) if quantize_now else None
-        engine = cls(config, spec, model, memory, backend, kernel, experts, cache, draft, policies)
-        engine._capture_graphs()
-        if cache is not None:
-            cache.choose_victims = engine._choose_victims
-            experts.layer_index = engine.moe_index
-        if calibrated:
-            await engine.calibrate_draft()
-        log.info("engine.loaded", family=spec.family, device=str(device), slots_per_layer=memory.slots_per_layer,
-                 experts=spec.num_experts, speculative=speculative)
-        return engine
+        return await build_runtime(cls, source, config)
+
+    # the eviction policy, the use history and the round's plan live in the cache's victim chooser
+    eviction = property(lambda self: self.victims.policy, lambda self, policy: setattr(self.victims, "policy", policy))
+    uses = property(lambda self: self.victims.uses, lambda self, uses: setattr(self.victims, "uses", uses))
+    plan = property(lambda self: self.victims.plan, lambda self, plan: setattr(self.victims, "plan", plan))
 
     async def calibrate_draft(self, prompts: Sequence[list[int]] | None = None, new_tokens: int = calibrate.DEFAULT_NEW_TOKENS) -> None:
         """Build a GPTQ draft: record expert inputs while the target decodes `prompts`, then quantize per layer."""
@@ -188,13 +125,14 @@ class Runtime:
             flats = [self._full_expert(layer, e) for e in range(spec.num_experts)]
             layers[layer] = calibrate.gptq_layer(flats, inputs, choices, spec.hidden_size, spec.expert_intermediate, self.config.draft)
             layers[layer] = layers[layer].to(self.model.device)
-        self.draft = make_draft(self.model, DraftExperts(layers, spec.num_layers, spec.num_experts, self.model.device), self.config)
+        self.draft = self.ahead.draft = make_draft(self.model, DraftExperts(layers, spec.num_layers, spec.num_experts, self.model.device),
+                                                   self.config)
         self.draft.capture(self.kv)
         self.k_max = self.config.draft.k_max
         self.estimates = Estimates(self.k_max)
 
-    def _capture_graphs(self) -> None:
-        """Capture the CUDA graphs at start-up, while the KV is empty, so decoding allocates nothing."""
+    def capture_graphs(self) -> None:
+        """Called once by the builder: capture the CUDA graphs at start-up, while the KV is empty, so decoding allocates nothing."""
         if self.graphed is not None:
             self.graphed.prepare()
         if self.segmented is not None:
@@ -220,8 +158,8 @@ class Runtime:
             self.kernel.close()
         if self.backend is not None:
             self.backend.close()
-        if self.trace is not None:
-            self.trace.close()
+        for observer in self.observers:
+            observer.close()
 
     async def __aenter__(self) -> Runtime:
         return self
@@ -241,35 +179,15 @@ class Runtime:
         if isinstance(self.experts, OffloadedExperts):
             self.experts.tuning = tuning.verify
 
-    def _choose_victims(self, layer: int, residents: Sequence[int], protected: set[int], count: int) -> list[int]:
-        return self.eviction.victims(layer=layer, residents=list(residents), protected=frozenset(protected), count=count,
-                                     history=self.uses.history(layer), plan=self._layer_plan())
-
-    def _layer_plan(self) -> Plan | None:
-        return self.plan
-
-    def _predicted(self) -> dict[int, list[int]] | None:
-        """Per cache layer, the experts this round's plan expects the verify to use, likeliest first: the planned
-        ones in the plan's order, then the other experts it scores above zero (the draft routed to them), by score.
-        None when the round made no plan (it did not draft)."""
-        plan = self.plan
-        if plan is None:
-            return None
-        predicted = {}
-        for layer in range(len(self.spec.moe_layers)):
-            planned = plan.for_layer(layer)
-            scores, chosen = plan.scores.get(layer, {}), set(planned)
-            rest = sorted((e for e, score in scores.items() if score > 0 and e not in chosen), key=lambda e: (-scores[e], e))
-            if planned or rest:
-                predicted[layer] = planned + rest
-        return predicted
-
     def record_trace(self, path: str | Path) -> None:
         """Write a routing trace (see specter.trace) of every speculative round from now on."""
         check_output_file(path, "trace path")  # a clear ConfigError instead of an OSError from open()
         header = TraceHeader(model=self.spec.family, num_layers=len(self.spec.moe_layers), num_experts=self.spec.num_experts,
                              expert_bytes=self.memory.expert_bytes, top_k=self.spec.top_k, slots_per_layer=self.memory.slots_per_layer)
-        self.trace = TraceWriter(path, header)
+        for old in [observer for observer in self.observers if isinstance(observer, TraceRecorder)]:
+            self.observers.remove(old)  # one trace at a time: the latest path
+            old.close()
+        self.observers.append(TraceRecorder(TraceWriter(path, header)))
 
     # ---- requests -----------------------------------------------------------------------------
     async def generate_ids(self, prompt_ids: Sequence[int], generation: GenerationConfig | None = None,
@@ -299,14 +217,14 @@ class Runtime:
         """Leave the engine consistent whatever happened: no protected slot, no plan, an empty KV, and the
         request's deferred copy-busy reads done (after its last token's time, before its stats are read)."""
         try:
+            for observer in self.observers:
+                observer.request_ended()
             if self.cache is not None:
-                fence = self.backend.record_event(self.backend.compute_stream)
-                self.cache.transfer.chunk_log = None
-                self.cache.unprotect_all(fence)
+                self.cache.unprotect_all(self.backend.record_event(self.backend.compute_stream))
         finally:  # whatever the cache raised, the rest still runs
             self.plan = None
-            self._carry = None
-            self._join_ahead()
+            self.ahead.reset()
+            self.ahead.join()
             self.kv.reset()
             self._finish_deferred()  # last: whatever it meets, the engine is consistent already
 
@@ -315,7 +233,11 @@ class Runtime:
         stats.prompt_tokens = len(prompt)
         stats.h2d_bytes_at_start = self._bytes_loaded()
         started = time.perf_counter()
+        for observer in self.observers:
+            observer.request_started(stats)
         first = await self._prefill(prompt, params, stats)
+        for observer in self.observers:
+            observer.prefilled(stats)
         stats.ttft_s = time.perf_counter() - started
         stats.h2d_prefill_bytes = self._bytes_loaded() - stats.h2d_bytes_at_start
         produced = [first]
@@ -335,7 +257,7 @@ class Runtime:
 
     async def _prefill(self, prompt: list[int], params: SamplingParams, stats: RequestStats) -> int:
         self.kv.reset()
-        self._carry = None
+        self.ahead.reset()
         tokens = torch.tensor(prompt, dtype=torch.long, device=self.model.device)
         record = self._start_record()
         hidden = await self.model.forward(tokens, 0, self.kv, self.experts)
@@ -348,163 +270,97 @@ class Runtime:
 
     # ---- one decode round (DESIGN section 1) ------------------------------------------------------
     async def round(self, x0: int, params: SamplingParams, remaining: int, stats: RequestStats) -> list[int]:
-        """Draft, prefetch, verify, accept, commit, adapt. Returns the committed tokens (1..k+1).
+        """Draft, plan and prefetch, verify, accept, commit, adapt. Returns the committed tokens (1..k+1).
 
-        The draft and the transfer stage are tasks of one task group: at each prefetch checkpoint the draft
-        snapshots its route counters (an async D2H copy) and goes on enqueuing steps, while the transfer
-        stage waits for the GPU to pass that point, plans, and issues copies. Leaving the group (normally,
-        by error or by cancellation) leaves no stage running.
+        The engine loop, one line per step of DESIGN section 1. With a draft-ahead (`DraftAhead`) the draft also
+        guesses the target's own next token, and the verify runs beside draft steps from that guess.
         """
         start = self.kv.length  # position of x0
         k = self._next_k(remaining)
-        ahead = self._ahead_steps(start, k, remaining, params)  # draft-ahead steps beside this verify (0: none)
-        steps = k + 1 if ahead else k  # with a draft-ahead the draft also guesses the target's own next token
-        prefix = self._take_carry(x0, start, steps)
-        self._counts_kept = False
-        round_started = time.perf_counter()
-        self._round_bytes_at_start = self._bytes_loaded()
-        self._trace_checkpoints = []
+        self._plan_before_draft(k)
+        ahead = self.ahead.steps(start, k, remaining, params, self.kv.capacity)  # draft-ahead steps beside the verify (0: none)
+        prefix = self.ahead.take(x0, start, k + 1 if ahead else k)  # the last draft-ahead's steps, if they start here
+        clock, bytes_at_start = RoundClock(self._gpu_mark, self._stream_mark), self._bytes_loaded()
         x0_tensor = self._device_ids([x0])
-        marks = [self._gpu_mark()]  # GPU-timeline marks: host wall time misses work graph replays leave queued
-        chunks = self._log_chunks()
-        drafted, draft_logits = None, None
-        scouted = not k and self._scouting()
-        if k or scouted:
-            async with stage("draft", counters=self.stages, k=k):
-                # a scout is a draft of one step whose token is dropped: its routes for x0 plan the prefetch
-                drafted, draft_logits = await self._draft_and_transfer(x0_tensor, start, steps or 1, params, prefix)
-            if scouted:
-                drafted, draft_logits = None, None
-        guess = None
-        if ahead:  # d_{k+1}: not verified, the first token of the draft-ahead; its routes are the verify's last row's
-            drafted, guess = drafted[:k], drafted[k:]
-            self._kept_counts.copy_(self.draft.route_counts)  # the draft-ahead resets them; the window recall reads these
-            self._counts_kept = True
-        draft_s = time.perf_counter() - round_started
-        marks.append(self._gpu_mark())
-        window = [marks[1] if marks[1] is not None else self._stream_mark()]  # the verify, for the copy-busy measurement
-        block = torch.cat([x0_tensor, drafted]) if k else x0_tensor
-        record = self._start_record()
-        if record is not None:  # the segmented verify leads each layer's routing with these (VerifyTuning.lead_misses)
-            self.experts.predicted = self._predicted() if self.segmented is not None and self.experts.tuning.lead_misses > 0 else None
-        verify_started = time.perf_counter()
+        clock.mark_start()
+        for observer in self.observers:
+            observer.round_started()
+        # 1. draft, 2. plan and prefetch beside it
+        drafted, draft_logits, guess, scouted = await self._draft_stage(x0_tensor, start, k, ahead, params, prefix)
+        clock.drafted()
+        block = torch.cat([x0_tensor, drafted]) if k else x0_tensor  # [x0, d1..dk]
+        record = self._start_verify_record()
+        clock.verify_started()
         try:
             async with stage("verify", counters=self.stages, rows=k + 1):
-                if ahead:
-                    logits = await self._verify_beside_draft(block, start, guess, ahead, params)
-                else:
-                    logits = await self._verify(block, start)  # [k+1, V]
-                marks.append(self._gpu_mark())
-                window.append(marks[2] if marks[2] is not None else self._stream_mark())
-                acceptance, guessed = await self._accept(block[1:], logits, draft_logits, start, params, guess)
+                logits = await self._verify_stage(block, start, guess, ahead, params)  # 3. verify: [k+1, V]
+                clock.verified()
+                acceptance, guessed = await self._accept(block[1:], logits, draft_logits, start, params, guess)  # 4. accept
                 if record is not None:
                     record.settle()  # the verdict has been read: the verify's device-side waits are complete
         finally:
-            self._join_ahead()
-        verify_s = time.perf_counter() - verify_started
-        if marks[0] is not None:  # the verdict has been awaited, so every mark has completed: no stall
-            draft_s, verify_s = marks[1].elapsed_since(marks[0]), marks[2].elapsed_since(marks[1])
-        if chunks is not None:
-            self._copy_busy(chunks, window, record, stats)
-        self.kv.crop(start + acceptance.n_accepted + 1)
-        if ahead:
-            stats.ahead_rounds += 1
-            stats.ahead_steps += ahead
-            if acceptance.n_accepted == k and acceptance.tokens[-1] == guessed:  # the guess is the next round's x0
-                self._carry = Carry(start=start + k + 1, x0=guessed, tokens=self._ahead_tokens[:ahead])
-        if prefix is not None:
-            stats.carried_rounds += 1
-            stats.carried_steps += prefix.shape[0]
-        self._carried = 0 if prefix is None else prefix.shape[0]
-        self._ahead_this_round = bool(ahead)
-        self._finish_round(k, acceptance, record, stats, draft_s, verify_s, time.perf_counter() - round_started, scouted)
+            self.ahead.join()
+        clock.accepted()
+        self.kv.crop(start + acceptance.n_accepted + 1)  # 5. commit
+        self.ahead.settle(start, k, ahead, acceptance, guessed, stats)
+        clock.ended()
+        report = self._count_round(k, scouted, acceptance, record, stats, clock, bytes_at_start)
+        for observer in self.observers:
+            observer.round_done(report)
+        self._adapt(report, clock)  # 6. adapt
         return acceptance.tokens
-
-    # ---- draft-ahead beside the verify (DraftConfig.overlap, issue 4 item 8) ---------------------------------
-    def _ahead_steps(self, start: int, k: int, remaining: int, params: SamplingParams) -> int:
-        """Draft-ahead steps beside this round's verify: 0 when off, when the round does not speculate, for
-        rejection sampling (the next round would need the steps' logits), for an eager draft on CUDA (no second
-        stream for it), and when nothing would be left to draft after this round."""
-        if not self.overlap or not k or self.draft is None:
-            return 0
-        if self._ahead_tokens is None:  # the draft-ahead's buffers, made once (a few KiB)
-            counts = self.draft.route_counts
-            self._ahead_tokens = torch.zeros(33, dtype=torch.long, device=self.model.device)
-            self._ahead_counts = torch.zeros((33, *counts.shape), dtype=counts.dtype, device=counts.device)
-            self._kept_counts = torch.zeros_like(counts)
-        if params.temperature > 0 and self.config.draft.sampling == "rejection":
-            return 0
-        if self.model.device.type == "cuda" and not self.draft.static:
-            return 0
-        after = remaining - (k + 1)  # tokens left once this round commits all it can; the next round drafts after - 1
-        room = self.kv.capacity - (start + k + 1)  # KV positions from the guess on
-        return max(0, min(self.overlap, k + 1, after - 1, room))
-
-    def _take_carry(self, x0: int, start: int, steps: int) -> Tensor | None:
-        """The last draft-ahead's proposals as this round's first draft steps, if it started from this very
-        token and position (always dropped afterwards)."""
-        carry, self._carry = self._carry, None
-        if carry is None or not steps or carry.x0 != x0 or carry.start != start:
-            return None
-        taken = min(carry.tokens.shape[0], steps)
-        if taken < carry.tokens.shape[0]:  # the counters hold every step it ran: keep the routes of those taken
-            self.draft.route_counts.copy_(self._ahead_counts[taken - 1])
-        return carry.tokens[:taken]
-
-    async def _verify_beside_draft(self, block: Tensor, start: int, guess: Tensor, steps: int, params: SamplingParams) -> Tensor:
-        """The verify and the draft-ahead as one task group: `steps` draft steps from the guess at position
-        start + k + 1 (beyond every position the verify writes), on a second stream on CUDA."""
-        cuda = self.model.device.type == "cuda" and self.draft.static
-        if cuda and self._ahead_stream is None:
-            self._ahead_stream = self.backend.new_stream("draft-ahead")
-        after = self.backend.record_event(self.backend.compute_stream) if cuda else None
-        out = self._ahead_tokens[:steps]
-        try:
-            with _single_failure():
-                async with asyncio.TaskGroup() as group:
-                    verify = group.create_task(self._verify(block, start), name="specter-verify")
-                    group.create_task(self.draft.extend(guess, start + block.shape[0], out, self._ahead_counts[:steps], self.kv,
-                                                        params, self._ahead_stream if cuda else None, after, self.backend),
-                                      name="specter-draft-ahead")
-        finally:
-            if cuda:  # whatever was enqueued there, the compute stream's later work comes after it
-                self._ahead_done = self.backend.record_event(self._ahead_stream)
-        return verify.result()
-
-    def _join_ahead(self) -> None:
-        """Order the compute stream after the draft-ahead (no host wait): the next draft reuses its buffers."""
-        if self._ahead_done is not None:
-            self.backend.stream_wait(self.backend.compute_stream, self._ahead_done)
-            self._ahead_done = None
-
-    def _scouting(self) -> bool:
-        return self.scout and self.draft is not None and self.cache is not None
-
-    async def _draft_and_transfer(self, x0: Tensor, start: int, k: int, params: SamplingParams,
-                                  prefix: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """The draft and transfer stages as one task group; a single failure surfaces as itself, not a group."""
-        with _single_failure():
-            async with asyncio.TaskGroup() as stages:
-                checkpoints: asyncio.Queue[tuple[int, Tensor, Any] | None] = asyncio.Queue()
-                stages.create_task(self._transfer_stage(checkpoints, k), name="specter-transfer-stage")
-                drafted = await stages.create_task(self._draft(x0, start, k, params, checkpoints, prefix), name="specter-draft-stage")
-                checkpoints.put_nowait(None)
-        return drafted
-
-    async def _verify(self, block: Tensor, start: int) -> Tensor:
-        """The target over [x0, d1..dk] at positions start..start+k: logits [k+1, V]."""
-        if self.segmented is not None:  # offloaded, static_verify: the resident graph's numerics, experts hot first
-            return await self.experts.verify_static(self.segmented, block, start)
-        if self.graphed is not None:  # resident on CUDA: one R-row graph serves k = 0 and every verify
-            return self.graphed.logits(block, start)
-        hidden = await self.model.forward(block, start, self.kv, self.experts)
-        return self.model.logits(hidden)
 
     def _next_k(self, remaining: int) -> int:
         if self.draft is None:
             return 0
         k = self.lookahead.next_k(self._lookahead_state())
         return max(0, min(k, self.k_max, remaining - 1))
+
+    def _plan_before_draft(self, k: int) -> None:
+        """The plan source's plan, if any, protected and prefetched now (offloaded runtimes only)."""
+        if self.plan_source is None or self.cache is None:
+            return
+        plan = self.plan_source.plan_before_draft(k)
+        if plan is not None:
+            self.plan = plan
+            for layer in range(len(self.spec.moe_layers)):
+                planned = plan.for_layer(layer)
+                self.cache.protect(layer, planned)
+                self.cache.prefetch(layer, planned)
+
+    async def _draft_stage(self, x0: Tensor, start: int, k: int, ahead: int, params: SamplingParams,
+                           prefix: Tensor | None) -> tuple[Tensor | None, Tensor | None, Tensor | None, bool]:
+        """Steps 1 and 2: k draft steps (k + 1 with a draft-ahead: the last is its guess), planning and prefetching
+        beside them; or, in a plain round with a scout, one step whose token is dropped (its routes for x0 plan the
+        prefetch). Returns (drafts [k], their logits (rejection sampling), the guess [1], whether it scouted)."""
+        scouted = not k and self._scouting()
+        if not (k or scouted):
+            return None, None, None, False
+        async with stage("draft", counters=self.stages, k=k):
+            drafted, draft_logits = await self._draft_and_transfer(x0, start, (k + 1 if ahead else k) or 1, params, prefix)
+        if scouted:
+            return None, None, None, True
+        if not ahead:
+            return drafted, draft_logits, None, False
+        self.ahead.keep_counts()  # d_{k+1} is not verified: the first token of the draft-ahead
+        return drafted[:k], draft_logits, drafted[k:], False
+
+    def _scouting(self) -> bool:
+        return self.scout and self.draft is not None and self.cache is not None
+
+    async def _draft_and_transfer(self, x0: Tensor, start: int, k: int, params: SamplingParams,
+                                  prefix: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """The draft and transfer stages as one task group: at each prefetch checkpoint the draft snapshots its
+        route counters (an async D2H copy) and goes on enqueuing steps, while the transfer stage waits for the GPU
+        to pass that point, plans, and issues copies. Leaving the group (normally, by error or by cancellation)
+        leaves no stage running; a single failure surfaces as itself, not a group."""
+        with single_failure():
+            async with asyncio.TaskGroup() as stages:
+                checkpoints: asyncio.Queue[tuple[int, Tensor, Any] | None] = asyncio.Queue()
+                stages.create_task(self._transfer_stage(checkpoints, k), name="specter-transfer-stage")
+                drafted = await stages.create_task(self._draft(x0, start, k, params, checkpoints, prefix), name="specter-draft-stage")
+                checkpoints.put_nowait(None)
+        return drafted
 
     async def _draft(self, x0: Tensor, start: int, k: int, params: SamplingParams,
                      checkpoints: asyncio.Queue, prefix: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
@@ -552,8 +408,8 @@ class Runtime:
 
     def _plan_and_prefetch(self, counts: np.ndarray, steps_done: int, k: int) -> None:
         assert self.cache is not None
-        if self.trace is not None:
-            self._trace_checkpoints.append((steps_done, counts.copy()))
+        for observer in self.observers:
+            observer.planned(steps_done, counts)
         self.plan = self.prefetch.plan(route_counts=counts, resident=self._residency(), steps_done=steps_done, k=k,
                                        timing=self._timing(), slots_per_layer=self.memory.slots_per_layer)
         for layer in range(len(self.spec.moe_layers)):
@@ -561,9 +417,47 @@ class Runtime:
             self.cache.protect(layer, planned, replace=True)
             self.cache.prefetch(layer, planned)
 
+    def _start_verify_record(self):
+        """The verify's record of hits, misses, stall and experts used (offloaded runtimes; None otherwise)."""
+        record = self._start_record()
+        if record is not None:  # the segmented verify leads each layer's routing with these (VerifyTuning.lead_misses)
+            self.experts.predicted = self._predicted() if self.segmented is not None and self.experts.tuning.lead_misses > 0 else None
+        return record
+
+    def _predicted(self) -> dict[int, list[int]] | None:
+        """Per cache layer, the experts this round's plan expects the verify to use, likeliest first: the planned
+        ones in the plan's order, then the other experts it scores above zero (the draft routed to them), by score.
+        None when the round made no plan (it did not draft)."""
+        plan = self.plan
+        if plan is None:
+            return None
+        predicted = {}
+        for layer in range(len(self.spec.moe_layers)):
+            planned = plan.for_layer(layer)
+            scores, chosen = plan.scores.get(layer, {}), set(planned)
+            rest = sorted((e for e, score in scores.items() if score > 0 and e not in chosen), key=lambda e: (-scores[e], e))
+            if planned or rest:
+                predicted[layer] = planned + rest
+        return predicted
+
+    async def _verify_stage(self, block: Tensor, start: int, guess: Tensor | None, ahead: int, params: SamplingParams) -> Tensor:
+        """Step 3, with the draft-ahead's steps beside it when there are any (from the guess, at start + k + 1)."""
+        if not ahead:
+            return await self._verify(block, start)
+        return await self.ahead.beside(lambda: self._verify(block, start), guess, start + block.shape[0], ahead, self.kv, params)
+
+    async def _verify(self, block: Tensor, start: int) -> Tensor:
+        """The target over [x0, d1..dk] at positions start..start+k: logits [k+1, V]."""
+        if self.segmented is not None:  # offloaded, static_verify: the resident graph's numerics, experts hot first
+            return await self.experts.verify_static(self.segmented, block, start)
+        if self.graphed is not None:  # resident on CUDA: one R-row graph serves k = 0 and every verify
+            return self.graphed.logits(block, start)
+        hidden = await self.model.forward(block, start, self.kv, self.experts)
+        return self.model.logits(hidden)
+
     async def _accept(self, drafts: Tensor, logits: Tensor, draft_logits: Tensor | None, start: int,
                       params: SamplingParams, guess: Tensor | None = None) -> tuple[Acceptance, int | None]:
-        """The verdict, and the draft-ahead's guess (host) in the same copy when there is one."""
+        """Step 4: the verdict, and the draft-ahead's guess (host) in the same copy when there is one."""
         positions = torch.arange(start + 1, start + 2 + drafts.shape[0], device=logits.device)
         if params.greedy:
             verdict = greedy_verdict(drafts, logits)
@@ -579,144 +473,48 @@ class Runtime:
             return read_verdict(torch.tensor(host[:-1])), host[-1]
         return read_verdict(torch.tensor(host)), None
 
-    def _log_chunks(self) -> list | None:
-        """Start logging the round's chunks for the copy-busy measurement (offloaded runtimes only)."""
-        return None if self.cache is None else self.cache.transfer.start_chunk_log()
-
-    def _finish_deferred(self) -> None:
-        if self.kernel is not None:
-            self.kernel.run_deferred()
-
-    def _stream_mark(self):
-        """Off CUDA: a timed event on the backend's compute stream (idle there, so it completes at about
-        once), giving the copy-busy window a start and an end on the copy stream's clock."""
-        return None if self.cache is None else self.backend.record_event(self.backend.compute_stream, timed=True)
-
-    def _copy_busy(self, chunks: list, window: list, record, stats: RequestStats) -> None:
-        """Copy-stream busy time inside this round's verify window, if the verify stalled on a copy.
-
-        The window runs from the verify's start to the end of the last chunk that started before the
-        verify ended (capped at the verify's end). Reading the chunks' events costs a few microseconds each
-        (H200 trace: 42 % of the GPU-idle time in round-boundary gaps of 1 ms or more), so the reading is
-        deferred to the kernel's idle work (`Kernel.defer`: it runs while a later wait's event is pending)
-        and finished when the request ends (`_end_request`). Only the chunk list is taken now. Without a kernel
-        the events are read here, and a round whose window marks have not completed is left out.
-        """
-        transfer = self.cache.transfer
-        transfer.chunk_log = None
-        if record is None or record.stall_s <= 0 or not chunks:
-            return
-        if self.kernel is None:
-            if all(mark.query() for mark in window):
-                for _ in self._copy_busy_work(chunks, window, stats, batch=len(chunks)):
-                    pass
-            return
-        if self.kernel.deferred >= MAX_DEFERRED_ROUNDS:  # waits found no pending events for them: bound the backlog
-            self.kernel.run_deferred()
-        self.kernel.defer(self._copy_busy_work(list(chunks), window, stats))
-
-    def _copy_busy_work(self, chunks: list, window: list, stats: RequestStats, batch: int = 8) -> Iterator[Any]:
-        """The measurement of `_copy_busy`, a few chunks per step (NOT_READY until the window's marks complete)."""
-        while not all(mark.query() for mark in window):
-            yield NOT_READY
-        origin = window[0]
-        verify_end = window[1].elapsed_since(origin)
-        times = []
-        for first in range(0, len(chunks), batch):
-            times += self.cache.transfer.chunk_times(chunks[first : first + batch], origin, open_end=verify_end)
-            yield None
-        span = min(max((t.end for t in times if t.start < verify_end), default=0.0), verify_end)
-        if span > 0:
-            stats.copy_busy_s += busy_within([(t.start, t.end) for t in times], 0.0, span)
-            stats.copy_window_s += span
-            if self.cache.transfer.issue_marks:  # (without the marks there is nothing to split)
-                causes = idle_causes(times, span)
-                if causes is not None:  # (the pump trace covers the same windows as the split)
-                    for cause, seconds in causes.items():
-                        stats.copy_idle_s[cause] = stats.copy_idle_s.get(cause, 0.0) + seconds
-                    stats.pump_gaps += pump_gaps(times, span)
-
-    def _gpu_mark(self):
-        """A timed event on the compute stream (CUDA only; None elsewhere, where host wall time is exact)."""
-        if self.model.device.type != "cuda":
-            return None
-        return self.backend.record_event(self.backend.compute_stream, timed=True)
-
-    def _device_ids(self, ids: list[int]) -> Tensor:
-        """Token ids to the device without a blocking copy (pinned source, non-blocking on CUDA)."""
-        host = torch.tensor(ids, dtype=torch.long)
-        if self.model.device.type == "cuda":
-            return host.pin_memory().to(self.model.device, non_blocking=True)
-        return host
-
     def _rejection_generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
             self._generator = torch.Generator(device=device)
         return self._generator
 
-    def _finish_round(self, k: int, acceptance: Acceptance, record, stats: RequestStats, draft_s: float, verify_s: float,
-                      round_s: float, scouted: bool = False) -> None:
+    def _count_round(self, k: int, scouted: bool, acceptance: Acceptance, record, stats: RequestStats, clock: RoundClock,
+                     bytes_at_start: int) -> RoundReport:
+        """Count the round in the request's stats and the use history; the report the observers get."""
         stats.rounds += 1
         self._account(record, stats)
         if k:
             stats.drafted += k
             stats.accepted += acceptance.n_accepted
             stats.accepted_lengths[acceptance.n_accepted] += 1
-            self._observe_recall(record, stats, k, acceptance)
-        if scouted:  # the scout's time is the plain rounds' own (LookaheadState.scout_s), not a depth-1 draft
+        if scouted:
             stats.scouted += 1
-            self._observe_scout_recall(record, stats)
-            self.estimates.observe_scout(draft_s)
+        return RoundReport(index=stats.rounds, k=k, scouted=scouted, acceptance=acceptance, verify=record,
+                           draft_counts=self.ahead.round_counts() if (k or scouted) and self.draft is not None else None,
+                           moe_layers=self.spec.moe_layers, window=clock.window, loaded_bytes=self._bytes_loaded() - bytes_at_start,
+                           draft_step_s=self.estimates.draft_step_s or 0.0, stats=stats)
+
+    def _adapt(self, report: RoundReport, clock: RoundClock) -> None:
+        """Step 6: lift the round's protections, then feed what it measured to the estimates and the lookahead policy."""
+        k, accepted, record = report.k, report.acceptance.n_accepted, report.verify
+        if report.scouted:  # the scout's time is the plain rounds' own (LookaheadState.scout_s), not a depth-1 draft
+            self.estimates.observe_scout(clock.draft_s)
         if self.cache is not None:
             self.cache.unprotect_all(self.backend.record_event(self.backend.compute_stream))
         self.plan = None
-        self.estimates.observe_acceptance(k, acceptance.n_accepted)
+        round_s = clock.round_s
+        self.estimates.observe_acceptance(k, accepted)
         # With a draft-ahead the verify's time includes the steps drafted beside it, and a round that took
         # steps over drafted only the rest: its real draft time goes into the fit (not charging them twice).
-        self.estimates.observe_draft(k, draft_s, steps=self._draft_steps_run(k))
-        self.estimates.observe_round(k, round_s, draft_s, verify_s)
+        self.estimates.observe_draft(k, clock.draft_s, steps=self.ahead.steps_run(k))
+        self.estimates.observe_round(k, round_s, clock.draft_s, clock.verify_s)
         rows = k + 1
         if record is not None and k:
             self.estimates.observe_union(rows, sum(record.first_row.values()), sum(len(used) for used in record.used.values()))
-        self.estimates.observe_verify(rows, max(0.0, verify_s - (record.stall_s if record else 0.0)),
-                                      self._bytes_loaded() - self._round_bytes_at_start)
-        committed = acceptance.n_accepted + 1
-        self.lookahead.observe(outcome=RoundOutcome(k=k, accepted=acceptance.n_accepted, tpot_s=round_s / committed, round_s=round_s))
+        self.estimates.observe_verify(rows, max(0.0, clock.verify_s - (record.stall_s if record else 0.0)), report.loaded_bytes)
+        self.lookahead.observe(outcome=RoundOutcome(k=k, accepted=accepted, tpot_s=round_s / (accepted + 1), round_s=round_s))
 
-    def _draft_steps_run(self, k: int) -> int:
-        """Draft steps this round ran itself: k, one more with a draft-ahead (the guess), less those taken over."""
-        if not k:
-            return 0
-        return k + (1 if self._ahead_this_round else 0) - self._carried
-
-    def _draft_predictions(self, record) -> tuple[np.ndarray, list[tuple[int, set[int], list[int]]]]:
-        """The draft's route counters [L_moe, E] and, per layer the verify used: (compact layer, named, used)."""
-        counts = self._kept_counts if self._counts_kept else self.draft.route_counts  # a draft-ahead resets the latter
-        counts = counts[self.spec.moe_layers].cpu().numpy()  # after verify: no stall added
-        return counts, [(self.moe_index[layer], set(np.flatnonzero(counts[self.moe_index[layer]]).tolist()), used)
-                        for layer, used in record.used.items()]
-
-    def _observe_recall(self, record, stats: RequestStats, k: int, acceptance: Acceptance) -> None:
-        if record is None or self.draft is None:
-            return
-        counts, predictions = self._draft_predictions(record)
-        for compact, predicted, used in predictions:
-            stats.add_recall(compact, predicted, used)
-        if self.trace is not None:
-            used = [record.used.get(layer, []) for layer in self.spec.moe_layers]
-            self.trace.write_round(TraceRound.from_arrays(stats.rounds, k, acceptance.n_accepted,
-                                                          self.estimates.draft_step_s or 0.0, counts, used,
-                                                          loaded_bytes=self._bytes_loaded() - self._round_bytes_at_start,
-                                                          checkpoints=self._trace_checkpoints))
-
-    def _observe_scout_recall(self, record, stats: RequestStats) -> None:
-        """A scout's recall, kept apart from the window's (one step ahead of its own token; no trace round)."""
-        if record is None or self.draft is None:
-            return
-        for _compact, predicted, used in self._draft_predictions(record)[1]:
-            stats.scout_recall_hits += len(predicted.intersection(used))
-            stats.scout_recall_total += len(used)
-
+    # ---- measurements -------------------------------------------------------------------------------
     def _start_record(self):
         return self.experts.start_record() if isinstance(self.experts, OffloadedExperts) else None
 
@@ -730,6 +528,28 @@ class Runtime:
         for layer, used in record.used.items():
             self.uses.used(self.moe_index[layer], used)
         stats.h2d_bytes = self._bytes_loaded() - stats.h2d_bytes_at_start
+
+    def _finish_deferred(self) -> None:
+        if self.kernel is not None:
+            self.kernel.run_deferred()
+
+    def _gpu_mark(self):
+        """A timed event on the compute stream (CUDA only; None elsewhere, where host wall time is exact)."""
+        if self.model.device.type != "cuda":
+            return None
+        return self.backend.record_event(self.backend.compute_stream, timed=True)
+
+    def _stream_mark(self):
+        """Off CUDA: a timed event on the backend's compute stream (idle there, so it completes at about
+        once), giving the copy-busy window a start and an end on the copy stream's clock."""
+        return None if self.cache is None else self.backend.record_event(self.backend.compute_stream, timed=True)
+
+    def _device_ids(self, ids: list[int]) -> Tensor:
+        """Token ids to the device without a blocking copy (pinned source, non-blocking on CUDA)."""
+        host = torch.tensor(ids, dtype=torch.long)
+        if self.model.device.type == "cuda":
+            return host.pin_memory().to(self.model.device, non_blocking=True)
+        return host
 
     # ---- measurements for the policies ------------------------------------------------------------
     def _bytes_loaded(self) -> int:
@@ -764,18 +584,6 @@ class Runtime:
             round_overhead_s=self.estimates.overheads(),
             scout_s=(self.estimates.scout_s or sum(self.estimates.draft_fit())) if self._scouting() else 0.0,
         )
-
-
-@contextlib.contextmanager
-def _single_failure() -> Iterator[None]:
-    """A task group's one failure surfaces as itself (e.g. a PluginError from a policy, as the user should see
-    it), not wrapped in a group; several stay a group."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
 
 
 def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:

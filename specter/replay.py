@@ -227,7 +227,7 @@ def _verify_round(
 ) -> None:
     """Walk the target's used experts layer by layer: hits first (hot first), then misses on demand.
 
-    As the engine's rolling window (`specter.experts.cache`): the misses that fit in free slots or in the slots of
+    As the engine's rolling window (`specter.experts.window`): the misses that fit in free slots or in the slots of
     residents the layer does not use start first; then hot experts give their slots to the waiting misses, chosen
     by the eviction policy among the hot ones, until the misses hold `roll` slots (`CacheTuning.roll_hot_window`); each miss
     left takes the slot of the layer's oldest miss. With `roll` -1 (no window) every waiting miss takes a hot

@@ -245,6 +245,7 @@ async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int
     """
     tuning = tuning or VerifyTuning()
     assert block_tokens.shape[0] >= 1, "nothing to verify: pass at least one token"
+    step.backend = cache.backend  # the step writes its expert graphs' input id through the device's backend
     parts = []
     # A verify of more rows than the step's runs in chunks; the prediction covers the whole block, so a lead in one
     # chunk would compute (and may evict) experts only a later chunk's rows choose: none then.

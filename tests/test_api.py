@@ -16,7 +16,7 @@ from specter import Engine, EngineConfig, GenerationConfig, SyncEngine
 from specter.decode import greedy_decode, run_sync
 from specter.errors import RequestCancelled
 from specter.kernel import run
-from specter.loader import load_resident
+from specter.build import load_resident
 
 OFFLOADED = EngineConfig(device="cpu", residents=2)  # 2 of 16 experts per layer on the "device", speculation on
 PROMPT = [5, 17, 300, 42]
@@ -347,7 +347,7 @@ def test_the_readme_one_liner_exits_cleanly(tmp_path):
 def test_threads_are_set_once_at_load(tiny):
     import torch
 
-    from specter.loading import default_threads
+    from specter.build import default_threads
 
     before = torch.get_num_threads()
     try:

@@ -11,7 +11,7 @@ from specter.decode import greedy_decode, run_sync
 from specter.engine import CheckpointWeights
 from specter.errors import BudgetError, ConfigError, PluginError, PromptError
 from specter.kernel import run
-from specter.loader import load_resident
+from specter.build import load_resident
 from specter.memory import fmt, plan_memory
 from specter.model.checkpoint import Checkpoint
 
@@ -110,7 +110,7 @@ def test_budget_below_minimum_is_refused_before_allocation(tiny, monkeypatch, ex
         raise AssertionError("allocated before refusing the budget")
 
     monkeypatch.setattr(CheckpointWeights, "dense", no_allocation)
-    monkeypatch.setattr("specter.engine.load_backend", no_allocation)
+    monkeypatch.setattr("specter.build.load_backend", no_allocation)
     minimum = plan_memory(Checkpoint(tiny).spec, torch.float32, EngineConfig(device="cpu")).minimum_budget
     budget = minimum - 3 * 2**20
     config = EngineConfig(device="cpu", budget=budget)
@@ -253,7 +253,7 @@ def test_a_context_the_memory_cannot_hold_is_refused_before_allocation(tiny, mon
         raise AssertionError("allocated before refusing the context")
 
     monkeypatch.setattr(CheckpointWeights, "dense", no_allocation)
-    monkeypatch.setattr("specter.loading.available_host_bytes", lambda: 8 * 2**20)
+    monkeypatch.setattr("specter.build.available_host_bytes", lambda: 8 * 2**20)
     with pytest.raises(BudgetError) as error:
         run(Engine.load(tiny, EngineConfig(device="cpu", max_context=4096)))
     message = str(error.value)

@@ -1063,3 +1063,30 @@ def test_a_failed_readers_cleanup_leaves_the_next_readers_pin_alone(first_reader
         run(main())
     finally:
         rig.shutdown()
+
+
+def test_the_victim_chooser_comes_from_the_constructor_or_a_later_assignment():
+    """Without a chooser the cache evicts least recently used first; one passed to the constructor, or assigned to
+    `choose_victims` later (the attribute is read at each choice), is the one asked."""
+    rig = Rig(slots=2, chooser=None)
+    asked: list[tuple[int, list[int], int]] = []
+
+    def newest_first(layer: int, residents: Sequence[int], protected: Set[int], count: int) -> list[int]:
+        asked.append((layer, list(residents), count))
+        return [expert for expert in reversed(residents) if expert not in protected][:count]
+
+    async def main() -> None:
+        await rig.load_residents(0, [0, 1])
+        await rig.load_residents(0, [2])  # the default evicts expert 0, the least recently used
+        assert rig.cache.lru_order(0) == [1, 2] and asked == []
+        rig.cache.choose_victims = newest_first
+        await rig.load_residents(0, [3])
+        assert asked == [(0, [1, 2], 1)] and rig.cache.lru_order(0) == [1, 3]
+        await rig.close()
+
+    try:
+        run(main())
+        assert rig.bad_reads == []
+        rig.check_consistent()
+    finally:
+        rig.shutdown()

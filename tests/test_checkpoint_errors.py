@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from specter.config import EngineConfig
 from specter.errors import CheckpointError, SpecterError
-from specter.loader import load_resident
+from specter.build import load_resident
 from tests.hf_models import hf_model, rewrite_config, save_hf
 
 CPU = EngineConfig(device="cpu", max_context=64)

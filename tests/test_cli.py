@@ -23,7 +23,7 @@ def test_generate_json_is_stable(capsys, tmp_path):
 def test_generate_matches_library_greedy(capsys, tmp_path):
     from specter.config import EngineConfig
     from specter.decode import greedy_decode, run_sync
-    from specter.loader import load_resident
+    from specter.build import load_resident
 
     path = save_hf(hf_model("mixtral"), tmp_path / "m")
     main(["generate", "--model", str(path), "--prompt-ids", "4,5,6", "--max-new-tokens", "6", "--json", "--device", "cpu"])

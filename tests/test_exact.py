@@ -7,7 +7,7 @@ import torch
 
 from specter.config import EngineConfig
 from specter.decode import run_sync
-from specter.loader import load_resident
+from specter.build import load_resident
 from tests.hf_models import FAMILIES, hf_model, save_hf
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from specter.config import EngineConfig
 from specter.decode import greedy_decode, run_sync
 from specter.errors import CheckpointError
-from specter.loader import load_resident
+from specter.build import load_resident
 from specter.model.deepseek_v2 import LatentKVCache
 from specter.model.spec import spec_from_config
 from tests.hf_models import rewrite_config, save_hf

@@ -164,7 +164,7 @@ STATIC_STEP_PRELUDE = r"""
 import json, sys
 import torch
 from specter.config import EngineConfig
-from specter.loader import load_resident
+from specter.build import load_resident
 from specter.model import fused
 from specter.model.graphed import ResidentMoE, StaticStep
 
@@ -263,7 +263,7 @@ DRAFT_SCRIPT = r"""
 import asyncio, json, sys
 import torch
 from specter.config import EngineConfig
-from specter.loader import load_resident
+from specter.build import load_resident
 from specter.model import fused
 
 path = sys.argv[1]

@@ -11,7 +11,7 @@ import torch
 from specter.config import DraftConfig, EngineConfig
 from specter.decode import decode_resident_graphed, greedy_decode, prefill, run_sync
 from specter.draft import Draft, DraftExperts, quantize_layers
-from specter.loader import LoadedModel, load_resident
+from specter.build import LoadedModel, load_resident
 from specter.model.graphed import GraphedStep, GraphedTarget, ResidentMoE, StaticStep, resident_moe_triton
 from specter.model.weights import pack_expert
 from specter.quant.moe_triton import triton_available

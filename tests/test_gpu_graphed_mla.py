@@ -11,7 +11,7 @@ import torch
 
 from specter.config import EngineConfig
 from specter.decode import decode_resident_graphed, greedy_decode, prefill, run_sync
-from specter.loader import LoadedModel, load_resident
+from specter.build import LoadedModel, load_resident
 from specter.model.graphed import GraphedStep, GraphedTarget, ResidentMoE, StaticStep
 from specter.model.kv import KVCache
 from specter.model.segmented import SegmentedStep

@@ -202,3 +202,19 @@ def test_to_host_reuses_its_pinned_buffer_and_parks_a_cancelled_ones_until_its_c
         assert [b.data_ptr() for b in verify._PINNED_FREE[key]] == [first], "the parked buffer was not reused"
 
     run(main())
+
+
+def test_set_int32_writes_in_stream_order_on_cuda(cuda):
+    """The protocol's set_int32 on CUDA (the cache's slot table; the segmented step's int64 expert id through its
+    low word): values in stream order, the high word of an int64 left alone."""
+    backend, _ = cuda
+    table = torch.full((4,), -1, dtype=torch.int32, device=backend.device)
+    expert_id = torch.zeros(1, dtype=torch.long, device=backend.device)
+    stream = backend.copy_stream
+    backend.stream_wait(stream, backend.record_event(backend.compute_stream))  # after the tensors' fills
+    backend.stream_sleep(stream, 0.01)  # the writes queue behind this on the device
+    for value in (3, 5000, -1, 7):
+        backend.set_int32(table, 1, value, stream)
+    backend.set_int32(expert_id.view(torch.int32), 0, 37, stream)
+    backend.record_event(stream).wait()
+    assert table.tolist() == [-1, 7, -1, -1] and expert_id.item() == 37

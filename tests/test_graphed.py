@@ -15,7 +15,7 @@ from specter.config import DraftConfig, EngineConfig
 from specter.decode import decode_resident_graphed, greedy_decode, prefill, run_sync
 from specter.draft import Draft, DraftExperts, quantize_layers
 from specter.errors import ConfigError
-from specter.loader import LoadedModel, load_resident
+from specter.build import LoadedModel, load_resident
 from specter.model.graphed import GraphedStep, GraphedTarget, ResidentMoE, StaticStep
 from specter.model.transformer import Transformer
 from specter.quant.moe_triton import triton_available
@@ -313,7 +313,7 @@ DECODE_SCRIPT = textwrap.dedent(
     from pathlib import Path
     from specter.config import EngineConfig
     from specter.decode import decode_resident_graphed, greedy_decode, run_sync
-    from specter.loader import load_resident
+    from specter.build import load_resident
     from specter.model.graphed import ResidentMoE
     from tests.hf_models import hf_model, save_hf
     torch.set_num_threads(1)

@@ -12,7 +12,7 @@ import torch
 from specter.config import EngineConfig, KernelTuning
 from specter.decode import decode_resident_graphed, greedy_decode, prefill, run_sync
 from specter.errors import ConfigError
-from specter.loader import LoadedModel, load_resident
+from specter.build import LoadedModel, load_resident
 from specter.model.deepseek_v2 import LatentKVCache
 from specter.model.graphed import (GraphedStep, GraphedTarget, ResidentMoE, StaticStep,
                                    static_step_supported)

@@ -10,7 +10,7 @@ import torch
 from specter.config import DraftConfig, EngineConfig, GenerationConfig
 from specter.engine import Runtime
 from specter.errors import BudgetError
-from specter.loading import may_speculate
+from specter.build import may_speculate
 from specter.memory import plan_memory
 from specter.model.checkpoint import Checkpoint
 

@@ -18,6 +18,7 @@ import torch
 
 from specter.cli import build_parser, engine_config
 from specter.config import DraftConfig, EngineConfig, GenerationConfig
+from specter.ahead import DraftAhead
 from specter.engine import Carry, Runtime
 from specter.sampling import SamplingParams
 from tests.test_speculative import DEVICE, baseline, checkpoint, run
@@ -94,17 +95,17 @@ def test_a_carry_is_taken_only_from_the_same_token_and_position(root):
     runtime = runtime_for(root, k=4, overlap=4)
     tokens = torch.arange(10, 14, device=runtime.model.device)
     counts = runtime.draft.route_counts
-    runtime._ahead_counts = torch.arange(33 * counts.numel(), dtype=counts.dtype, device=counts.device).view(33, *counts.shape)
+    runtime.ahead.counts = torch.arange(33 * counts.numel(), dtype=counts.dtype, device=counts.device).view(33, *counts.shape)
     try:
         for x0, start, steps, expected in ((5, 10, 4, [10, 11, 12, 13]), (5, 10, 2, [10, 11]), (5, 10, 6, [10, 11, 12, 13]),
                                            (6, 10, 4, None), (5, 11, 4, None), (5, 10, 0, None)):
-            runtime._carry = Carry(start=10, x0=5, tokens=tokens)
+            runtime.ahead.carry = Carry(start=10, x0=5, tokens=tokens)
             counts.fill_(-1.0)
-            taken = runtime._take_carry(x0, start, steps)
+            taken = runtime.ahead.take(x0, start, steps)
             assert (None if taken is None else taken.tolist()) == expected, (x0, start, steps)
-            assert runtime._carry is None  # used or not, a carry lives for one round
+            assert runtime.ahead.carry is None  # used or not, a carry lives for one round
             if expected is not None and len(expected) < 4:  # in part: the routes of exactly the steps taken
-                assert torch.equal(counts, runtime._ahead_counts[len(expected) - 1])
+                assert torch.equal(counts, runtime.ahead.counts[len(expected) - 1])
             else:  # whole (the counters already hold its routes) or not at all (the draft resets them)
                 assert bool((counts == -1.0).all())
     finally:
@@ -119,7 +120,7 @@ def test_a_resumed_draft_counts_the_routes_of_the_steps_it_took_over(root, monke
     path = checkpoint("mixtral", root)
     expected = baseline(path, [5, 9, 2], GenerationConfig(max_new_tokens=30))  # before the depths are patched
     seen, carried_lengths = [], []
-    propose, take = Draft.propose, Runtime._take_carry
+    propose, take = Draft.propose, DraftAhead.take
 
     async def recording_propose(self, x0, start, k, kv, params, after_step=None, keep_logits=False, prefix=None):
         if prefix is not None:
@@ -127,13 +128,13 @@ def test_a_resumed_draft_counts_the_routes_of_the_steps_it_took_over(root, monke
         return await propose(self, x0, start, k, kv, params, after_step, keep_logits, prefix)
 
     def recording_take(self, x0, start, steps):
-        if self._carry is not None and self._carry.x0 == x0 and self._carry.start == start and steps:
-            carried_lengths.append(self._carry.tokens.shape[0])
+        if self.carry is not None and self.carry.x0 == x0 and self.carry.start == start and steps:
+            carried_lengths.append(self.carry.tokens.shape[0])
         return take(self, x0, start, steps)
 
     depths = iter([4, 2] * 40)
     monkeypatch.setattr(Draft, "propose", recording_propose)
-    monkeypatch.setattr(Runtime, "_take_carry", recording_take)
+    monkeypatch.setattr(DraftAhead, "take", recording_take)
     monkeypatch.setattr(Runtime, "_next_k", lambda self, remaining: max(0, min(next(depths), remaining - 1)))
 
     async def main():
@@ -176,19 +177,19 @@ def test_draft_ahead_depth_is_clamped(root):
     runtime = runtime_for(root, k=4, overlap=6)
     greedy = SamplingParams(0.0, None, None, 0)
     try:
-        assert runtime._ahead_steps(start=5, k=4, remaining=30, params=greedy) == 5  # at most k + 1: one round's worth
-        assert runtime._ahead_steps(start=5, k=0, remaining=30, params=greedy) == 0  # no verify block to draft beside
-        assert runtime._ahead_steps(start=5, k=4, remaining=7, params=greedy) == 1  # 2 tokens left after: 1 to draft
-        assert runtime._ahead_steps(start=5, k=4, remaining=6, params=greedy) == 0  # the next round is plain
-        assert runtime._ahead_steps(start=33, k=4, remaining=30, params=greedy) == 2  # KV room: positions 38, 39
+        assert runtime.ahead.steps(start=5, k=4, remaining=30, params=greedy, kv_capacity=runtime.kv.capacity) == 5  # at most k + 1: one round's worth
+        assert runtime.ahead.steps(start=5, k=0, remaining=30, params=greedy, kv_capacity=runtime.kv.capacity) == 0  # no verify block to draft beside
+        assert runtime.ahead.steps(start=5, k=4, remaining=7, params=greedy, kv_capacity=runtime.kv.capacity) == 1  # 2 tokens left after: 1 to draft
+        assert runtime.ahead.steps(start=5, k=4, remaining=6, params=greedy, kv_capacity=runtime.kv.capacity) == 0  # the next round is plain
+        assert runtime.ahead.steps(start=33, k=4, remaining=30, params=greedy, kv_capacity=runtime.kv.capacity) == 2  # KV room: positions 38, 39
         rejection = runtime_for(root, k=4, overlap=6, sampling="rejection")
         try:
-            assert rejection._ahead_steps(start=5, k=4, remaining=30, params=SamplingParams(0.8, None, None, 1)) == 0
-            assert rejection._ahead_steps(start=5, k=4, remaining=30, params=greedy) == 5  # greedy keeps no logits
+            assert rejection.ahead.steps(start=5, k=4, remaining=30, params=SamplingParams(0.8, None, None, 1), kv_capacity=rejection.kv.capacity) == 0
+            assert rejection.ahead.steps(start=5, k=4, remaining=30, params=greedy, kv_capacity=rejection.kv.capacity) == 5  # greedy keeps no logits
         finally:
             asyncio.run(rejection.aclose())
-        runtime.overlap = 0
-        assert runtime._ahead_steps(start=5, k=4, remaining=30, params=greedy) == 0
+        runtime.ahead.depth = 0
+        assert runtime.ahead.steps(start=5, k=4, remaining=30, params=greedy, kv_capacity=runtime.kv.capacity) == 0
     finally:
         asyncio.run(runtime.aclose())
 
@@ -207,7 +208,7 @@ def test_cancelled_round_with_draft_ahead_leaves_nothing_behind(root):
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
-                assert runtime._carry is None and runtime._ahead_done is None and runtime.kv.length == 0
+                assert runtime.ahead.carry is None and runtime.ahead.done is None and runtime.kv.length == 0
                 round_tasks = {"specter-verify", "specter-draft-ahead", "specter-draft-stage", "specter-transfer-stage"}
                 assert not [t for t in asyncio.all_tasks() if t.get_name() in round_tasks]
             return await runtime.complete_ids([2, 7], generation)

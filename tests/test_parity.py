@@ -7,7 +7,7 @@ import torch
 
 from specter.config import EngineConfig
 from specter.decode import greedy_decode, run_sync
-from specter.loader import load_resident
+from specter.build import load_resident
 from tests.hf_models import FAMILIES, hf_model, save_fused, save_hf
 
 PROMPT = [3, 17, 42, 5, 88, 12, 7, 60]

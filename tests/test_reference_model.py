@@ -21,8 +21,8 @@ pytest.importorskip("transformers")
 from specter.bench.widen import DEFAULT_FACTORS, WidenedCheckpoint  # noqa: E402
 from specter.config import EngineConfig  # noqa: E402
 from specter.decode import run_sync  # noqa: E402
-from specter.loader import load_resident  # noqa: E402
-from specter.loading import CheckpointWeights  # noqa: E402
+from specter.build import load_resident  # noqa: E402
+from specter.build import CheckpointWeights  # noqa: E402
 from specter.model.checkpoint import Checkpoint  # noqa: E402
 from specter.model.registry import transformer_for  # noqa: E402
 from specter.model.resident import ResidentExperts  # noqa: E402

@@ -17,7 +17,7 @@ from specter.config import EngineConfig, VerifyTuning
 from specter.decode import decode_resident_graphed, prefill, run_sync
 from specter.experts import ExpertCache, ExpertPool, TransferEngine
 from specter.kernel import Kernel
-from specter.loader import LoadedModel, load_resident
+from specter.build import LoadedModel, load_resident
 from specter.model.graphed import GraphedTarget
 from specter.model.kv import KVCache
 from specter.model.segmented import SegmentedStep
@@ -53,7 +53,7 @@ def lru_victims(layer: int, residents: Sequence[int], protected: Set[int], count
 
 
 class Offloaded:
-    """The engine's offloaded set-up (specter.loading.load_experts), on the cpu backend unless given one, filled from resident experts."""
+    """The engine's offloaded set-up (specter.build.load_experts), on the cpu backend unless given one, filled from resident experts."""
 
     def __init__(self, loaded: LoadedModel, slots: int, backend=None, tuning: VerifyTuning | None = None) -> None:
         spec = loaded.spec
@@ -316,7 +316,7 @@ TRITON_SCRIPT = textwrap.dedent(
     from pathlib import Path
     from specter.config import EngineConfig, VerifyTuning
     from specter.decode import prefill
-    from specter.loader import load_resident
+    from specter.build import load_resident
     from specter.model.graphed import GraphedTarget
     from specter.model.segmented import SegmentedStep
     from specter.verify import VerifyRecord

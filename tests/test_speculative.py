@@ -137,7 +137,7 @@ def test_scout_prefetches_plain_rounds_from_one_draft_step(root, family):
     assert stats.drafted == 0 and stats.scouted == stats.rounds == plain.rounds == 15
     assert stats.scout_recall > 0.9 and stats.recall_total == 0, stats.as_dict()  # kept apart from the window's recall
     assert plain.scouted == 0 and plain.scout_recall is None
-    from specter.loading import may_speculate  # all resident: nothing to prefetch, so no draft is built for a scout
+    from specter.build import may_speculate  # all resident: nothing to prefetch, so no draft is built for a scout
     assert not may_speculate(EngineConfig(draft=DraftConfig(k=0, scout=True)))
     assert may_speculate(EngineConfig(residents=3, draft=DraftConfig(k=0, scout=True)))
 

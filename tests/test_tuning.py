@@ -178,7 +178,6 @@ ALLOWED_CONSTANTS = {
     "specter/calibrate.py": {"DEFAULT_PROMPTS", "DEFAULT_PROMPT_LEN", "DEFAULT_NEW_TOKENS"},  # calibrate_draft's defaults
     "specter/config.py": {"DEFAULT_OVERLAP", "DEFAULT_K"},  # DraftConfig.overlap=None's depth on CUDA; k's default
     "specter/memory.py": {"ALLOCATOR_SLACK_BYTES", "CUDA_LIBRARY_BYTES", "DEFAULT_CONTEXT"},  # measured reserves; max_context's default
-    "specter/bench/cli.py": {"QUICK_REPEATS"},  # the quick matrix's repeats (a CLI default, not an engine knob)
     "specter/bench/realism.py": {"BALANCED_ENTROPY", "NEW_TOKENS", "TEMPERATURE", "REUSE_WINDOW", "PROMPTS_PER_KIND"},  # the report's definition
     "specter/bench/widen.py": {"SHARD_BYTES"},  # the written checkpoint's shard size
     "specter/server/app.py": {"DEFAULT_COMPLETION_TOKENS"},  # OpenAI's default max_tokens
@@ -186,8 +185,8 @@ ALLOWED_CONSTANTS = {
     "specter/server/protocol.py": {"MAX_STOP_STRINGS", "SEED_LIMIT"},  # request limits of the API
     "specter/replay.py": {"DEFAULT_LINK_GBPS"},  # the replay CLI's default link
     "specter/sampling.py": {"_MASK32"},  # a bit mask of the noise hash
-    "specter/loading.py": {"LARGE_CHECKPOINT_BYTES"},  # when loading shows progress on a terminal
-    "specter/engine.py": {"MAX_DEFERRED_ROUNDS"},  # bounds the deferred copy-busy backlog (memory), never A/B'd
+    "specter/build.py": {"LARGE_CHECKPOINT_BYTES"},  # when loading shows progress on a terminal
+    "specter/observers.py": {"MAX_DEFERRED_ROUNDS"},  # bounds the deferred copy-busy backlog (memory), never A/B'd
     "specter/kernel.py": {"_JOIN_TIMEOUT_S"},  # how long close() waits for a waiter thread
     "specter/experts/pool.py": {"_MAX_SLAB_GROWTH"},  # pinned-slab allocation granularity
     "specter/experts/transfer.py": {"TIMER_SLACK_S"},  # the host-paced emulation's timer slack (uvloop's resolution)
@@ -195,7 +194,7 @@ ALLOWED_CONSTANTS = {
     "specter/model/transformer.py": {"PACK_ROWS"},  # packed tensors' row alignment for cuBLAS's tensor-core kernels
     "specter/quant/gptq.py": {"GPTQ_WORKING_BYTES"},  # GPTQ's working-memory bound
     "specter/quant/moe_triton.py": {"MAX_PAIRS", "BLOCK_M"},  # the kernels' compile-time shapes
-    "specter/bench/cli.py": {"QUICK_RESIDENTS"},  # the quick preset
+    "specter/bench/cli.py": {"QUICK_RESIDENTS", "QUICK_REPEATS"},  # the quick preset (CLI defaults, not engine knobs)
     "specter/bench/protocol.py": {"PROMPT_TOKENS"},  # the measurement protocol (DESIGN section 8)
     "specter/bench/synthetic.py": {"DISTINCT_EXPERTS"},  # the synthetic models' routing
     "specter/bench/hf_baseline.py": {"MAX_TOKENS"},  # the baseline's length

@@ -25,8 +25,8 @@ from specter.bench.synthetic import SHAPES
 from specter.config import EngineConfig
 from specter.decode import greedy_decode, run_sync
 from specter.errors import CheckpointError, ConfigError
-from specter.loader import load_resident
-from specter.loading import CheckpointWeights
+from specter.build import load_resident
+from specter.build import CheckpointWeights
 from specter.model.checkpoint import Checkpoint
 from specter.model.spec import spec_from_config
 from tests.hf_models import hf_model, save_fused, save_hf

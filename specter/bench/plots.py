@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from specter.bench.report import accepted_histogram
+from specter.bench.report import accepted_histogram, is_number
 from specter.experts.transfer import LINK_PRESETS
 
 NATIVE_GBPS = LINK_PRESETS["gen5"]  # 'native' on the H200 machine is PCIe Gen5 (55 GB/s measured)
@@ -45,15 +45,7 @@ def link_label(link: str) -> str:
     gbps = link_gbps(link)
     if gbps is None:
         return link
-    return f"{gbps:g} GB/s" if _is_number(link) else f"{link} ({gbps:g} GB/s)"
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+    return f"{gbps:g} GB/s" if is_number(link) else f"{link} ({gbps:g} GB/s)"
 
 
 def cell_label(model: str, setting: str, link: str) -> str:

@@ -24,7 +24,7 @@ from specter.config import DraftConfig, EngineConfig, GenerationConfig, TuningCo
 from specter.engine import CheckpointWeights, WeightSource
 from specter.errors import BudgetError, SpecterError
 from specter.experts.cache import CacheSnapshot, CacheStats, LayerStats
-from specter.loader import resolve_dtype
+from specter.build import resolve_dtype
 from specter.log import get_logger
 from specter.model.checkpoint import Checkpoint
 from specter.model.spec import ModelSpec

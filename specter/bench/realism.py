@@ -307,7 +307,7 @@ async def _report(model: Any, prompts: Any, held_out: Any, factor: int | None, c
 
 
 def weight_source(path: Path, factor: int | None) -> Any:
-    from specter.loading import CheckpointWeights
+    from specter.build import CheckpointWeights
     from specter.model.checkpoint import Checkpoint
 
     if factor is None or factor == 1:

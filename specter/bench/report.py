@@ -105,7 +105,7 @@ def reading(summary: Sequence[dict[str, Any]], system: str = "specter", baseline
             continue
         ratio = other["tpot_ms"] / row["tpot_ms"]
         change = f"{ratio:.2f}x lower TPOT" if ratio >= 1 else f"{1 / ratio:.2f}x higher TPOT"
-        unit = " GB/s" if _is_number(link) else ""
+        unit = " GB/s" if is_number(link) else ""
         parts[(model, setting)].append(f"{change} at {link}{unit} ({row['tpot_ms']:.3g} vs {other['tpot_ms']:.3g} ms)")
     if not parts:
         return None
@@ -114,7 +114,8 @@ def reading(summary: Sequence[dict[str, Any]], system: str = "specter", baseline
     return f"{system} vs {baseline} " + "; ".join(cell + ", ".join(found) for cell, found in zip(cells, parts.values()))
 
 
-def _is_number(text: str) -> bool:
+def is_number(text: str) -> bool:
+    """Whether a link name is a plain GB/s figure ('0.25') rather than a preset ('gen4')."""
     try:
         float(text)
     except ValueError:

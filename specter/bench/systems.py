@@ -2,7 +2,8 @@
 
 `BenchRuntime` is the engine's `Runtime` plus what a benchmark needs and serving does not: switching the
 policies, the expert-slot count and the emulated link between runs without reloading the weights, the
-next-layer gate predictor (`gate-prefetch`) and the replay of recorded routes (`oracle`).
+next-layer gate predictor (`gate-prefetch`) and the replay of recorded routes (`oracle`). It overrides no part of
+the round: its books (`BenchBooks`) are an observer and the plan source, a replayed schedule a lookahead policy.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 import torch
@@ -18,16 +19,17 @@ import torch
 from specter import plugins
 from specter.config import DraftConfig, EngineConfig
 from specter.errors import BudgetError, ConfigError
-from specter.experts.cache import ExpertCache
 from specter.experts.transfer import LinkEmulation, parse_link
-from specter.engine import Runtime, UseClock
+from specter.build import new_cache
+from specter.engine import Runtime
 from specter.log import get_logger
 from specter.memory import MemoryPlan, plan_memory
 from specter.metrics import Estimates, RequestStats
 from specter.model.spec import ModelSpec
-from specter.policy import Plan, UseHistory
-from specter.sampling import SamplingParams
+from specter.observers import RoundObserver, RoundReport
+from specter.policy import LookaheadState, Plan, RoundOutcome, UseHistory
 from specter.verify import OffloadedExperts
+from specter.victims import UseClock
 
 log = get_logger(__name__)
 
@@ -174,20 +176,117 @@ def _element(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-# ---- the oracle's eviction ------------------------------------------------------------------------------
+# ---- the bench's books, the oracle's eviction and depths ---------------------------------------------------
+
+class BenchBooks(RoundObserver):
+    """What a benchmark keeps per request beside the engine's stats: the round index, the verify routes and depths a
+    run records, the routes and depths an oracle replays, and its predictor's recall (gate or oracle).
+
+    Plugged into the runtime as an observer and as its plan source: before each draft an oracle prefetches exactly
+    the routes recorded for the round (`plan_before_draft`).
+    """
+
+    def __init__(self, slots_per_layer: Callable[[], int]) -> None:
+        self.slots_per_layer = slots_per_layer
+        self.round_index = 0
+        self.oracle_routes: Routes | None = None
+        self.recorded_routes: Routes | None = None
+        self.recorded_depths: list[int] | None = None
+        self.replayed_depths: list[int] | None = None
+        self.next_uses: list[dict[int, list[int]]] = []
+        self.gate_predicted: dict[int, set[int]] = {}
+        self.predictor_hits = 0
+        self.predictor_total = 0
+
+    def forget(self) -> None:
+        """A new system: nothing recorded, nothing to replay."""
+        self.oracle_routes, self.recorded_routes = None, None
+        self.recorded_depths, self.replayed_depths = None, None
+
+    def replay_routes(self, routes: Routes, layers: int) -> None:
+        self.oracle_routes = routes
+        self.next_uses = [dict() for _ in range(layers)]
+        for index, used in enumerate(routes):
+            for layer, experts in used.items():
+                for expert in experts:
+                    self.next_uses[layer].setdefault(expert, []).append(index)
+
+    def next_use(self, layer: int, expert: int) -> float:
+        """The first round from now on in which the target uses `expert` of `layer` (inf: never)."""
+        rounds = self.next_uses[layer].get(expert, []) if self.next_uses else []
+        position = bisect.bisect_left(rounds, self.round_index)
+        return rounds[position] if position < len(rounds) else math.inf
+
+    def score(self, predicted: Set[int], used: Sequence[int]) -> None:
+        self.predictor_hits += len(set(predicted).intersection(used))
+        self.predictor_total += len(used)
+
+    # -- as the runtime's plan source and observer --------------------------------------------------------
+    def plan_before_draft(self, k: int) -> Plan | None:
+        if self.oracle_routes is None or self.round_index >= len(self.oracle_routes):
+            return None
+        slots = self.slots_per_layer()
+        return Plan(experts={layer: experts[:slots] for layer, experts in self.oracle_routes[self.round_index].items()})
+
+    def request_started(self, stats: RequestStats) -> None:
+        self.round_index = 0
+        self.gate_predicted = {}
+
+    def prefilled(self, stats: RequestStats) -> None:
+        self.predictor_hits = self.predictor_total = 0  # score the rounds only, as window recall does
+        if self.recorded_routes is not None:
+            self.recorded_routes.clear()
+        if self.recorded_depths is not None:
+            self.recorded_depths.clear()
+
+    def round_done(self, report: RoundReport) -> None:
+        if report.verify is not None:
+            index = {layer: i for i, layer in enumerate(report.moe_layers)}
+            used = {index[layer]: sorted(experts) for layer, experts in report.verify.used.items()}
+            if self.recorded_routes is not None:
+                self.recorded_routes.append(used)
+            if self.oracle_routes is not None and self.round_index < len(self.oracle_routes):
+                predicted = self.oracle_routes[self.round_index]
+                for layer, experts in used.items():
+                    self.score(set(predicted.get(layer, ())), experts)
+        if self.recorded_depths is not None:
+            self.recorded_depths.append(report.k)
+        self.round_index += 1
+
 
 class OracleEviction:
     """Belady's rule on the recorded future: evict the resident used again farthest ahead (never: first)."""
 
     name = "oracle-belady"
 
-    def __init__(self, runtime: BenchRuntime) -> None:
-        self.runtime = runtime
+    def __init__(self, books: BenchBooks) -> None:
+        self.books = books
 
     def victims(self, layer: int, residents: Sequence[int], protected: Set[int], count: int, history: UseHistory,
                 plan: Plan | None) -> list[int]:
         candidates = [expert for expert in residents if expert not in protected]
-        return sorted(candidates, key=lambda expert: (-self.runtime.next_use(layer, expert), expert))[:count]
+        return sorted(candidates, key=lambda expert: (-self.books.next_use(layer, expert), expert))[:count]
+
+
+class ReplayedDepths:
+    """A lookahead policy that, while the books replay a schedule, runs round r at the depth the recorded run chose
+    (0 past its end); the wrapped policy still sees every call, as in the recorded run. Otherwise it is the policy."""
+
+    def __init__(self, policy: Any, books: BenchBooks) -> None:
+        self.policy, self.books = policy, books
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.policy, name)
+
+    def next_k(self, state: LookaheadState) -> int:
+        k = self.policy.next_k(state)
+        depths, index = self.books.replayed_depths, self.books.round_index
+        if depths is None:
+            return k
+        return depths[index] if index < len(depths) else 0  # the runtime clamps it as it clamped the recorded run's
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        self.policy.observe(outcome)
 
 
 # ---- the runtime ----------------------------------------------------------------------------------------
@@ -196,17 +295,9 @@ class BenchRuntime(Runtime):
     """A Runtime whose system (policies, hooks), slot count and link can change between requests."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        self.books = BenchBooks(lambda: self.memory.slots_per_layer)
+        super().__init__(*args, observers=[self.books], plan_source=self.books, **kwargs)
         self.system: System | None = None
-        self.oracle_routes: Routes | None = None
-        self.recorded_routes: Routes | None = None
-        self.recorded_depths: list[int] | None = None
-        self.replayed_depths: list[int] | None = None
-        self._round_index = 0
-        self._next_uses: list[dict[int, list[int]]] = []
-        self._gate_predicted: dict[int, set[int]] = {}
-        self.predictor_hits = 0
-        self.predictor_total = 0
         moe = self.spec.moe_layers
         self._next_moe_layer = dict(zip(moe, moe[1:]))
 
@@ -217,18 +308,17 @@ class BenchRuntime(Runtime):
         if system.speculative and self.draft is None:
             raise ConfigError(f"system {system.name} needs a draft, but this runtime was built without one")
         self.system = system
-        self.eviction = OracleEviction(self) if system.oracle else plugins.load_policy("eviction", system.eviction)
+        self.eviction = OracleEviction(self.books) if system.oracle else plugins.load_policy("eviction", system.eviction)
         self.prefetch = plugins.load_policy("prefetch", "none" if system.oracle else system.prefetch, **dict(system.prefetch_options))
         options = {"k": depth} if system.lookahead == "fixed" else {}
-        self.lookahead = plugins.load_policy("lookahead", system.lookahead, **options)
+        self.lookahead = ReplayedDepths(plugins.load_policy("lookahead", system.lookahead, **options), self.books)
         self.scout = system.scout
-        self.overlap = system.overlap if system.overlap is not None else self.config.draft.overlap_steps(
+        self.ahead.depth = system.overlap if system.overlap is not None else self.config.draft.overlap_steps(
             self.model.device.type, self.config.cuda_graphs)
         self.k_max = self.config.draft.k_max if self.draft is not None else 0
         self.estimates = Estimates(self.k_max)
         self.uses = UseClock(len(self.spec.moe_layers))
-        self.oracle_routes, self.recorded_routes = None, None
-        self.recorded_depths, self.replayed_depths = None, None
+        self.books.forget()
         if isinstance(self.experts, OffloadedExperts):
             self.experts.on_routed = self._gate_prefetch if system.gate_prefetch else None
 
@@ -248,7 +338,7 @@ class BenchRuntime(Runtime):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         tuning = self.config.tuning
-        self.cache = ExpertCache(self.backend, self.kernel, transfer, pool, slots, self._choose_victims, tuning.cache)
+        self.cache = new_cache(self.config, slots, self.backend, self.kernel, transfer, pool, self.victims)
         self.experts = OffloadedExperts(self.cache, self.kernel, self.moe_index, tuning=tuning.verify)
         self.memory = dataclasses.replace(self.memory, slots_per_layer=slots)
         if self.segmented is not None:  # the old slots' expert graphs are stale: capture the new ones now, untimed
@@ -268,7 +358,7 @@ class BenchRuntime(Runtime):
             self.backend.link = LinkModel(gbps) if gbps is not None else None
         else:
             self.cache.transfer.link = LinkEmulation(gbps) if gbps is not None else None
-        self.cache.transfer._effective_bytes_per_s = None  # re-measure: the link just changed
+        self.cache.transfer.forget_bandwidth()  # re-measure: the link just changed
 
     async def aclose(self) -> None:
         transfer = self.cache.transfer if self.cache is not None else None
@@ -276,94 +366,36 @@ class BenchRuntime(Runtime):
         if transfer is not None:
             await transfer.aclose()  # stop its pump task before the event loop closes
 
-    # -- per request ------------------------------------------------------------------------------------
-    async def _prefill(self, prompt: list[int], params: SamplingParams, stats: RequestStats) -> int:
-        self._round_index = 0
-        self._gate_predicted = {}
-        first = await super()._prefill(prompt, params, stats)
-        self.predictor_hits = self.predictor_total = 0  # score the rounds only, as window recall does
-        if self.recorded_routes is not None:
-            self.recorded_routes.clear()
-        if self.recorded_depths is not None:
-            self.recorded_depths.clear()
-        return first
-
     @property
     def predictor_recall(self) -> float | None:
         """Share of the target's used experts the system's own predictor (gate or oracle) had named."""
-        return self.predictor_hits / self.predictor_total if self.predictor_total else None
+        return self.books.predictor_hits / self.books.predictor_total if self.books.predictor_total else None
 
     # -- oracle ------------------------------------------------------------------------------------------
     def record_routes(self) -> Routes:
         """From the next request on, keep each round's verify routes in the returned list."""
-        self.recorded_routes = []
-        return self.recorded_routes
+        self.books.recorded_routes = []
+        return self.books.recorded_routes
 
     def record_schedule(self) -> tuple[list[int], Routes]:
         """From the next request on, keep each round's depth and verify routes in the returned lists."""
-        self.recorded_depths = []
-        return self.recorded_depths, self.record_routes()
+        self.books.recorded_depths = []
+        return self.books.recorded_depths, self.record_routes()
 
     def replay_schedule(self, depths: list[int], routes: Routes) -> None:
         """Run round r at depth `depths[r]` and prefetch exactly `routes[r]` before it."""
-        self.replayed_depths = depths
+        self.books.replayed_depths = depths
         self.replay_routes(routes)
 
     def replay_routes(self, routes: Routes) -> None:
         """Prefetch exactly `routes[r]` before round r (same tokens and k, so the same routes)."""
-        self.oracle_routes = routes
-        self._next_uses = [dict() for _ in self.spec.moe_layers]
-        for index, used in enumerate(routes):
-            for layer, experts in used.items():
-                for expert in experts:
-                    self._next_uses[layer].setdefault(expert, []).append(index)
-
-    def next_use(self, layer: int, expert: int) -> float:
-        """The first round from now on in which the target uses `expert` of `layer` (inf: never)."""
-        rounds = self._next_uses[layer].get(expert, []) if self._next_uses else []
-        position = bisect.bisect_left(rounds, self._round_index)
-        return rounds[position] if position < len(rounds) else math.inf
-
-    def _next_k(self, remaining: int) -> int:
-        k = super()._next_k(remaining)
-        if self.replayed_depths is not None:  # the same clamps as the recorded run: the same rounds
-            k = max(0, min(self.replayed_depths[self._round_index] if self._round_index < len(self.replayed_depths) else 0,
-                           self.k_max, remaining - 1))
-        if self.oracle_routes is not None and self.cache is not None and self._round_index < len(self.oracle_routes):
-            self._prefetch_exact(self.oracle_routes[self._round_index])
-        return k
-
-    def _prefetch_exact(self, used: dict[int, list[int]]) -> None:
-        self.plan = Plan(experts={layer: experts[: self.memory.slots_per_layer] for layer, experts in used.items()})
-        for layer in range(len(self.spec.moe_layers)):
-            planned = self.plan.for_layer(layer)
-            self.cache.protect(layer, planned)
-            self.cache.prefetch(layer, planned)
-
-    def _finish_round(self, k: int, acceptance, record, stats: RequestStats, draft_s: float, verify_s: float,
-                      round_s: float, scouted: bool = False) -> None:
-        if record is not None:
-            used = {self.moe_index[layer]: sorted(experts) for layer, experts in record.used.items()}
-            if self.recorded_routes is not None:
-                self.recorded_routes.append(used)
-            if self.oracle_routes is not None and self._round_index < len(self.oracle_routes):
-                self._score(self.oracle_routes[self._round_index], used)
-        if self.recorded_depths is not None:
-            self.recorded_depths.append(k)
-        super()._finish_round(k, acceptance, record, stats, draft_s, verify_s, round_s, scouted)
-        self._round_index += 1
-
-    def _score(self, predicted: dict[int, list[int]], used: dict[int, list[int]]) -> None:
-        for layer, experts in used.items():
-            self.predictor_hits += len(set(predicted.get(layer, ())).intersection(experts))
-            self.predictor_total += len(experts)
+        self.books.replay_routes(routes, len(self.spec.moe_layers))
 
     # -- gate-prefetch ------------------------------------------------------------------------------------
     def _gate_prefetch(self, layer: int, hidden: Tensor, used: list[int]) -> None:
         """The verify's on_routed hook: score the last prediction for `layer`, then predict the next MoE layer."""
-        if layer in self._gate_predicted:
-            self.predictor_hits += len(self._gate_predicted.pop(layer).intersection(used))
-            self.predictor_total += len(used)
+        if layer in self.books.gate_predicted:
+            self.books.score(self.books.gate_predicted.pop(layer), used)
         following = self._next_moe_layer.get(layer)
         if following is None or self.cache is None:
             return
@@ -374,7 +406,7 @@ class BenchRuntime(Runtime):
         order, votes = torch.argsort(counts, descending=True, stable=True).tolist(), counts.tolist()
         ranked = [expert for expert in order if votes[expert] > 0]
         predicted = ranked[: self.memory.slots_per_layer]
-        self._gate_predicted[following] = set(predicted)
+        self.books.gate_predicted[following] = set(predicted)
         self.cache.prefetch(self.moe_index[following], predicted)
 
 

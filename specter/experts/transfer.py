@@ -250,6 +250,14 @@ class TransferEngine:
         self.chunk_log = list(self._in_flight)
         return self.chunk_log
 
+    def stop_chunk_log(self) -> None:
+        """Stop logging chunks (the list `start_chunk_log` returned keeps those logged so far)."""
+        self.chunk_log = None
+
+    def forget_bandwidth(self) -> None:
+        """Drop the measured effective bandwidth, to measure it afresh (the link just changed)."""
+        self._effective_bytes_per_s = None
+
     def busy_intervals(self, chunks: Sequence[_Chunk], reference: Event, open_end: float) -> list[tuple[float, float]]:
         """[start, end] in seconds after the completed `reference` event: the time each chunk held the (emulated) link.
 
@@ -464,9 +472,9 @@ class TransferEngine:
             self._finish(transfer, copied if last else None)
 
     def _enqueue_h2d(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """The backend's optional copy without an event of its own (the engine records its own per chunk), else its
-        copy_h2d. Looked up per chunk: a test may replace the backend's method after the engine was built."""
-        (getattr(self.backend, "enqueue_h2d", None) or self.backend.copy_h2d)(dst, src, self.stream)
+        """The backend's copy without an event of its own (the engine records its own per chunk). Looked up per
+        chunk: a test may replace the backend's method after the engine was built."""
+        self.backend.enqueue_h2d(dst, src, self.stream)
 
     def _emulate_link(self, transfer: Transfer, nbytes: int) -> Event | None:
         """Account the chunk on the emulated link; in device mode pad the stream and return the pad's end."""

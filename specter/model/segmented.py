@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from backends.cuda import CUDA_MEMCPY_DEFAULT, cupy_memcpy_async
+from backends.base import Backend
 from specter.log import get_logger
 from specter.model.graphed import (
     RESIDENT_KERNEL_CONFIG,
@@ -95,11 +95,9 @@ class SegmentedStep:
         self._no_weight = torch.zeros_like(self.weights)
         self._single_expert = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [R, 1] ids for the triton path
         self._expert_id = torch.zeros(1, dtype=torch.long, device=device)  # [1] the expert graphs' input
-        # Every expert id as an int32 in pinned memory (immutable): `_set_expert_id` copies one into the low 4 bytes
-        # of the int64 _expert_id (little-endian; ids are >= 0 and < 2**31, and its high half stays 0).
-        self._memcpy_async = cupy_memcpy_async() if self.use_graph else None
-        self._id_values = (torch.arange(spec.num_experts, dtype=torch.int32).pin_memory()
-                           if self._memcpy_async is not None else None)
+        # The runtime's backend (verify_segmented sets it): `_set_expert_id` writes the low 4 bytes of the int64
+        # _expert_id through its set_int32 (little-endian; ids are >= 0 and < 2**31, and the high half stays 0).
+        self.backend: Backend | None = None
 
     def _split_layers(self) -> list[list[int]]:
         """Layers each segment runs in full (dense) before its MoE layer's pre-MoE part; the last: trailing layers."""
@@ -182,13 +180,12 @@ class SegmentedStep:
         return staged
 
     def _set_expert_id(self, expert: int) -> None:
-        """_expert_id[0] = expert in the current stream's order: a 4-byte copy from a pinned table of ids (with
-        cupy; torch's fill otherwise), a few microseconds of host time less than a fill kernel's launch."""
-        if self._memcpy_async is None:
+        """_expert_id[0] = expert in the current stream's order: the backend's set_int32 (on cuda a 4-byte copy from
+        a pinned table, a few microseconds of host time less than a fill kernel's launch); torch's fill otherwise."""
+        if self.backend is None or not self.use_graph:
             self._expert_id.fill_(expert)
             return
-        self._memcpy_async(self._expert_id.data_ptr(), self._id_values.data_ptr() + 4 * expert, 4, CUDA_MEMCPY_DEFAULT,
-                           torch.cuda.current_stream().cuda_stream)
+        self.backend.set_int32(self._expert_id.view(torch.int32), 0, expert, torch.cuda.current_stream())
 
     def reset_experts(self) -> None:
         """Drop every expert graph (the cache's slots were reallocated); their outputs go with them."""

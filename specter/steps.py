@@ -1,20 +1,18 @@
-"""Which forward runs the target's decode and verify and the draft's steps: the one place the engine chooses.
+"""Which forward runs the target's decode and verify and the draft's steps: the one place the runtime chooses.
 
 The tiers, from the target's exactness down:
 - the eager forward (`Transformer.forward`): exact mode's row blocks and torch's ops; every family, any device;
 - the static step (`graphed.StaticStep`, replayed as a CUDA graph on CUDA): R rows at device positions, for a family
-  that declares it (`FamilySpec.static`, read by `static_step_supported`): all-resident experts run it whole
-  (`GraphedTarget`), offloaded ones cut at each MoE layer's routing (`segmented.SegmentedStep`), with static_verify
-  or CUDA graphs (`EngineConfig.verify_is_static`, `cuda_graphs`);
-- the draft (non-exact, `Draft`): the one-row static step on CUDA with graphs, else the eager forward. Inside either,
-  each product picks its kernel from `EngineConfig.tuning.kernels` and the device: torch's ops, the fused Triton
-  launches of specter.model.fused (CUDA or Triton's interpreter), or the one-row int4 kernels of
-  specter.model.rowfused (`Transformer._row_kernels`); the exact target never takes the last two.
+  whose class declares it (`FamilySpec.static`, read by `static_step_supported`): all-resident experts run it whole
+  (`graphed_target`), offloaded ones cut at each MoE layer's routing (`segmented_step`), with static_verify or CUDA
+  graphs (`EngineConfig.verify_is_static`, `cuda_graphs`); None from both pickers: the eager forward;
+- the draft (non-exact, `make_draft`): the one-row static step on CUDA with graphs, else the eager forward. Inside
+  either, each product picks its kernel from `EngineConfig.tuning.kernels` and the device: torch's ops, a fused
+  Triton launch of specter.model.fused (`Transformer._fused`) or the one-row int4 kernels of specter.model.rowfused
+  (`Transformer._row_kernels`); the exact target never takes the last two.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 from specter.config import EngineConfig
 from specter.draft import Draft, DraftExperts
@@ -24,19 +22,6 @@ from specter.model.resident import ResidentExperts
 from specter.model.segmented import SegmentedStep
 from specter.model.transformer import ExpertProvider, Transformer
 from specter.verify import OffloadedExperts
-
-
-class Steps(NamedTuple):
-    """The target's static steps: at most one is set; neither means the eager forward."""
-
-    graphed: GraphedTarget | None
-    segmented: SegmentedStep | None
-
-
-def choose_steps(model: Transformer, experts: ExpertProvider, kv: KVCache, config: EngineConfig) -> Steps:
-    """The target's decode and verify forward over `kv`: GraphedTarget (all experts resident), SegmentedStep
-    (offloaded experts with a static verify) or neither (the eager forward)."""
-    return Steps(graphed_target(model, experts, kv, config), segmented_step(model, experts, kv, config))
 
 
 def graphed_target(model: Transformer, experts: ExpertProvider, kv: KVCache, config: EngineConfig) -> GraphedTarget | None:

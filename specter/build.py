@@ -1,0 +1,294 @@
+"""Building a runtime from its parts: device and dtype, plug-ins and backend, the memory plan, the weights into the
+device or the host pool, the draft, the expert cache and its transfer engine, the target's steps. Every part is
+made before the part that uses it and handed to its constructor; nothing is patched in afterwards.
+
+Every expert is streamed once: into device memory when all fit, otherwise into the pinned host pool behind an
+expert cache; in both cases also into the draft's quantizer. `load_resident` is the simplest path (every weight
+on the device, no runtime), for tests and parity checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from specter import plugins
+from specter.config import EngineConfig
+from specter.draft import DraftExperts, quantize_layers
+from specter.errors import BudgetError, ConfigError
+from specter.experts.cache import ExpertCache
+from specter.experts.pool import ExpertPool
+from specter.experts.transfer import LinkEmulation, TransferEngine, parse_link
+from specter.kernel import Kernel
+from specter.log import get_logger
+from specter.memory import MemoryPlan, available_host_bytes, fmt, plan_memory, with_model_context
+from specter.model.checkpoint import Checkpoint
+from specter.model.graphed import GraphedTarget
+from specter.model.kv import KVCache
+from specter.model.registry import transformer_for
+from specter.model.resident import ResidentExperts
+from specter.model.segmented import SegmentedStep
+from specter.model.spec import ModelSpec
+from specter.model.transformer import ExpertProvider, Transformer
+from specter.model.weights import check_no_unknown_experts, iter_experts, load_dense
+from specter.steps import graphed_target, make_draft, segmented_step, segmented_verify
+from specter.verify import OffloadedExperts
+from specter.victims import Victims
+
+log = get_logger(__name__)
+Tensor = torch.Tensor
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+LARGE_CHECKPOINT_BYTES = 1 << 30  # above this, loading shows progress on a terminal even when not asked
+
+
+# ---- where weights come from ----------------------------------------------------------------------------
+
+class WeightSource(Protocol):
+    """Where a runtime's weights come from: a checkpoint directory, or synthetic weights made in memory."""
+
+    spec: ModelSpec
+
+    def validate(self) -> None:
+        """Raise CheckpointError for problems detectable before loading (called after the memory plan)."""
+
+    def dense(self, dtype: torch.dtype, device: torch.device, progress: bool) -> dict[str, Tensor]:
+        """Every non-expert tensor by on-disk name, on the device."""
+
+    def experts(self, dtype: torch.dtype, progress: bool) -> Iterator[tuple[int, int, Tensor]]:
+        """(layer, expert, packed flat CPU tensor) for every routed expert, layer by layer."""
+
+    def close(self) -> None: ...
+
+
+class CheckpointWeights:
+    """A WeightSource reading a Hugging Face checkpoint directory."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt, self.spec = ckpt, ckpt.spec
+        on_disk = sum(file.stat().st_size for file in ckpt.files if file.is_file())
+        self.auto_progress = on_disk > LARGE_CHECKPOINT_BYTES and sys.stderr.isatty()
+
+    def validate(self) -> None:
+        check_no_unknown_experts(self.ckpt)
+
+    def dense(self, dtype: torch.dtype, device: torch.device, progress: bool) -> dict[str, Tensor]:
+        return load_dense(self.ckpt, dtype, device, progress=progress or self.auto_progress)
+
+    def experts(self, dtype: torch.dtype, progress: bool) -> Iterator[tuple[int, int, Tensor]]:
+        return iter_experts(self.ckpt, dtype, progress=progress or self.auto_progress)
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+# ---- device, dtype, plug-ins, backend, threads ----------------------------------------------------------
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    """'auto' is CUDA when present; asking for CUDA on a machine without it is a configuration error."""
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"EngineConfig.device = {config.device!r}: CUDA is not available on this machine; use device='cpu' or 'auto'")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: EngineConfig, spec: ModelSpec) -> torch.dtype:
+    name = spec.dtype if config.dtype == "auto" else config.dtype
+    return _DTYPES.get(name, torch.float32)
+
+
+def scout_only(config: EngineConfig) -> bool:
+    """The draft would serve only the scout: the depth is fixed at 0."""
+    return config.lookahead == "fixed" and config.draft.k == 0
+
+
+def may_speculate(config: EngineConfig) -> bool:
+    """Whether the engine builds a draft: it may draft (k_max > 0) and some round will (a depth above 0, or a scout)."""
+    offloaded = config.budget is not None or config.residents is not None  # a scout has nothing to prefetch otherwise
+    plain_only = scout_only(config) and not (config.draft.scout and offloaded)
+    return config.draft.k_max > 0 and not plain_only
+
+
+def load_policies(config: EngineConfig) -> dict:
+    """Load every plug-in by name before allocating anything, so a typo fails fast and costs nothing."""
+    lookahead_options = {"k": config.draft.k} if config.lookahead == "fixed" else {}
+    return {
+        "eviction": plugins.load_policy("eviction", config.eviction),
+        "prefetch": plugins.load_policy("prefetch", config.prefetch),
+        "lookahead": plugins.load_policy("lookahead", config.lookahead, **lookahead_options),
+    }
+
+
+def load_backend(config: EngineConfig, device: torch.device):
+    name = device.type if config.backend == "auto" else config.backend
+    if name == "cpu":
+        return plugins.load_backend("cpu", link_gbps=parse_link(config.link))
+    return plugins.load_backend(name, device=device.index or 0)
+
+
+def check_device_memory(config: EngineConfig, device: torch.device, memory: MemoryPlan) -> None:
+    """Refuse, before allocating, a plan the machine cannot hold: a budget above the GPU's free memory, or (without
+    a budget) the plan's device bytes, plus the host pool on the CPU, above what is free there."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        if config.budget is not None and config.budget > free:
+            raise BudgetError(f"budget {fmt(config.budget)} is more than the GPU's free memory {fmt(free)}; lower --budget")
+        needed, where = memory.device_bytes, "the GPU's free memory"
+    else:
+        free = available_host_bytes()
+        needed, where = memory.device_bytes + memory.host_pool_bytes, "the host's available memory"
+    if config.budget is None and needed > free:
+        raise BudgetError(
+            f"this configuration needs about {fmt(needed)} and {where} is {fmt(free)}: KV for max_context "
+            f"{config.max_context} tokens {fmt(memory.kv_bytes)}, workspace {fmt(memory.workspace_bytes)}, non-expert weights "
+            f"{fmt(memory.dense_bytes)}, draft {fmt(memory.draft_bytes)}, experts {fmt(needed - memory.fixed_bytes)}; "
+            "lower --max-context (KV and workspace grow with it), or give --residents or --budget"
+        )
+
+
+def apply_threads(config: EngineConfig, device: torch.device) -> None:
+    """Set torch's intra-op CPU threads (process-wide) to EngineConfig.threads, or to the measured default."""
+    threads = config.threads if config.threads is not None else default_threads(device)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def default_threads(device: torch.device) -> int:
+    """EngineConfig.threads=None: see its description for the measurements behind it."""
+    if device.type == "cuda":
+        return 1  # the host only enqueues work and keeps books
+    # Never one thread per core: torch's OpenMP workers spin while they wait, and with one other busy process
+    # they fight it for every core (2 cores, 2 threads: 1.1 s TPOT on tiny against 54 ms with 1).
+    return max(1, min(4, (os.cpu_count() or 1) // 2))
+
+
+# ---- the experts ----------------------------------------------------------------------------------------
+
+async def load_experts(source: WeightSource, config: EngineConfig, memory: MemoryPlan, backend, kernel: Kernel, dtype: torch.dtype,
+                       device: torch.device, speculative: bool, victims: Victims | None = None):
+    """Stream every expert once: into device memory (all resident) or the host pool, and into the draft's quantizer.
+
+    Returns (the verify's expert provider, the expert cache or None, the draft's quantized layers). The cache gets
+    `victims` as its victim chooser (none given: it never evicts by choice)."""
+    spec = source.spec
+    if memory.all_resident:
+        resident = ResidentExperts.from_iter(source.experts(dtype, config.progress), spec.num_experts, device)
+        stream = ((layer, e, resident.expert(layer, e)) for layer in spec.moe_layers for e in range(spec.num_experts))
+        draft = quantize_layers(stream, spec.hidden_size, spec.expert_intermediate, spec.num_experts, config.draft, device) if speculative else {}
+        return resident, None, draft
+    pool = ExpertPool(backend, len(spec.moe_layers), spec.num_experts, spec.expert_numel, dtype)
+    moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+
+    def into_pool():
+        for layer, expert, flat in source.experts(dtype, config.progress):
+            pool.write(moe_index[layer], expert, flat)
+            yield layer, expert, flat
+
+    if speculative:
+        draft = quantize_layers(into_pool(), spec.hidden_size, spec.expert_intermediate, spec.num_experts, config.draft, device)
+    else:
+        draft = {}
+        for _ in into_pool():
+            pass
+    pool.check_complete()
+    cache = new_cache(config, memory.slots_per_layer, backend, kernel, new_transfer(config, backend, kernel, device), pool,
+                      victims if victims is not None else (lambda *_: []))
+    return OffloadedExperts(cache, kernel, moe_index, tuning=config.tuning.verify), cache, draft
+
+
+def new_transfer(config: EngineConfig, backend, kernel: Kernel, device: torch.device) -> TransferEngine:
+    gbps = parse_link(config.link)
+    link = LinkEmulation(gbps) if gbps is not None and device.type == "cuda" else None
+    return TransferEngine(backend, kernel, link=link, tuning=config.tuning.transfer)
+
+
+def new_cache(config: EngineConfig, slots: int, backend, kernel: Kernel, transfer: TransferEngine, pool: ExpertPool,
+              victims) -> ExpertCache:
+    """An expert cache of `slots` per MoE layer over `pool`, choosing eviction victims through `victims`."""
+    return ExpertCache(backend, kernel, transfer, pool, slots, choose_victims=victims, tuning=config.tuning.cache)
+
+
+# ---- the runtime ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class TargetSteps:
+    """The target's KV cache and the static steps that run it (None: the eager forward runs it)."""
+
+    kv: KVCache
+    graphed: GraphedTarget | None
+    segmented: SegmentedStep | None
+
+
+def target_steps(model: Transformer, experts: ExpertProvider, config: EngineConfig) -> TargetSteps:
+    kv = model.new_kv()
+    return TargetSteps(kv, graphed_target(model, experts, kv, config), segmented_step(model, experts, kv, config))
+
+
+async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | None = None) -> Any:
+    """Plan memory (refusing a budget below the minimum before allocating), then load from `source` into a `cls`
+    (a Runtime or a subclass), every collaborator made first and passed to its constructor."""
+    spec = source.spec
+    config = with_model_context(config or EngineConfig(), spec)  # max_context=None becomes a number here
+    device, dtype = resolve_device(config), resolve_dtype(config, spec)
+    policies = load_policies(config)
+    speculative = may_speculate(config)
+    expert_graphs = device.type == "cuda" and config.cuda_graphs and segmented_verify(config, device.type, transformer_for(spec))
+    if speculative and scout_only(config) and plan_memory(spec, dtype, config, False, expert_graphs=expert_graphs).all_resident:
+        speculative = False  # every expert fits without a draft: a scout would have nothing to prefetch
+    calibrated = speculative and config.draft.quant == "gptq4"
+    memory = plan_memory(spec, dtype, config, speculative, expert_graphs=expert_graphs)
+    check_device_memory(config, device, memory)
+    apply_threads(config, device)  # once the configuration is known to load: a refused one changes nothing
+    source.validate()
+    backend = load_backend(config, device)
+    kernel = Kernel(backend)
+    dense = source.dense(dtype, device, config.progress)
+    model = transformer_for(spec)(spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context,
+                                  kernels=config.tuning.kernels)
+    quantize_now = speculative and not calibrated
+    victims = Victims(policies["eviction"], len(spec.moe_layers))
+    experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now, victims)
+    source.close()
+    draft = make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device), config) if quantize_now else None
+    runtime = cls(config, spec, model, memory, backend, kernel, experts, cache, draft, policies, victims,
+                  target_steps(model, experts, config))
+    runtime.capture_graphs()
+    if calibrated:
+        await runtime.calibrate_draft()
+    log.info("engine.loaded", family=spec.family, device=str(device), slots_per_layer=memory.slots_per_layer,
+             experts=spec.num_experts, speculative=speculative)
+    return runtime
+
+
+# ---- the simplest path: every weight on the device ------------------------------------------------------
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A target model ready to run: spec, non-expert weights on the device, and its routed experts."""
+
+    path: Path
+    spec: ModelSpec
+    model: Transformer
+    experts: ResidentExperts
+    config: EngineConfig
+
+
+def load_resident(path: str | Path, config: EngineConfig | None = None) -> LoadedModel:
+    """Load every weight onto the device (the resident mode; offloading builds on the same reader)."""
+    config = config or EngineConfig()
+    ckpt = Checkpoint(path)
+    config = with_model_context(config, ckpt.spec)
+    device, dtype = resolve_device(config), resolve_dtype(config, ckpt.spec)
+    check_no_unknown_experts(ckpt)
+    dense = load_dense(ckpt, dtype, device, progress=config.progress)
+    model = transformer_for(ckpt.spec)(ckpt.spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context,
+                                       kernels=config.tuning.kernels)
+    experts = ResidentExperts.from_iter(iter_experts(ckpt, dtype, progress=config.progress), ckpt.spec.num_experts, device)
+    ckpt.close()
+    return LoadedModel(Path(path), ckpt.spec, model, experts, config)
