@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
+import shutil
 import os
 import random
 import threading
@@ -113,8 +115,13 @@ def test_soak_thousand_requests_with_random_cancellation():
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_memory_flat_over_ten_thousand_tokens():
-    path = builtin_path("tiny")
+def test_gpu_memory_flat_over_ten_thousand_tokens(tmp_path):
+    # tiny declares 4,096 positions and the engine refuses a longer context, so this copy declares 16,384
+    # (its rotary embedding has no trained range to leave: the weights are random).
+    path = tmp_path / "tiny-16k"
+    shutil.copytree(builtin_path("tiny"), path)
+    config_json = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config_json | {"max_position_embeddings": 16_384}))
     config = EngineConfig(device="cuda", residents=4, max_context=10_240)
 
     async def main():
