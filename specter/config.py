@@ -90,7 +90,7 @@ class DraftConfig(_Frozen):
                                 "runs, up to this many draft steps from that guess on a second stream; if the verify accepts "
                                 "every draft and its token equals the guess, the next round starts with those steps done. "
                                 "0 turns it off; None (default): 16 on CUDA with CUDA graphs (measured faster there in every "
-                                "cell, docs/BENCHMARKS.md), 0 elsewhere (no second stream: the steps would run in series).")
+                                "cell, docs/journal.md), 0 elsewhere (no second stream: the steps would run in series).")
 
     def overlap_steps(self, device_type: str, cuda_graphs: bool) -> int:
         """The draft-ahead depth on a device of this type (resolves overlap=None)."""

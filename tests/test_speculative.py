@@ -20,7 +20,7 @@ from specter.engine import Runtime
 from specter.model.checkpoint import Checkpoint
 from tests.hf_models import FAMILIES, hf_model, save_hf
 
-# The same tests run on the GPU machine with SPECTER_TEST_DEVICE=cuda (benchmarks/h200_runs.sh gpu-tests).
+# The same tests run on the GPU machine with SPECTER_TEST_DEVICE=cuda (benchmarks/reproduce.sh gpu-tests).
 DEVICE = os.environ.get("SPECTER_TEST_DEVICE", "cpu")
 EXAMPLES = int(os.environ.get("SPECTER_TEST_EXAMPLES", "35"))  # fewer where each example costs more (graph captures)
 REFERENCE_EVICTION = ["lru", "lfu", "plan-protect", "belady-lookahead"]

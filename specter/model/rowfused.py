@@ -1,7 +1,7 @@
 """The draft's one-row layer in few launches (KernelTuning.row_kernels): Triton GEMVs with their neighbours folded in.
 
 The graphed draft step is one row per layer, and in a CUDA graph each node costs about 1-2 us whatever its size
-(docs/BENCHMARKS.md, ninth session: ~18 nodes per Qwen2-MoE layer, ~21 us of them small). Here a Qwen2-MoE-style
+(docs/journal.md, ninth session: ~18 nodes per Qwen2-MoE layer, ~21 us of them small). Here a Qwen2-MoE-style
 layer (a shared expert, its sigmoid gate, int4 routed experts) runs as seven launches instead of ~18:
 
 1. `norm_linear`: RMSNorm in the GEMV's prologue (each program normalises the row itself, from L2), the q/k/v
@@ -71,7 +71,7 @@ class RowConfig:
     evict_first: bool = True  # weight loads marked evict-first (each weight byte is read once per step)
     # (H200, row10d: block_k_shared 2048 and evict_first together 1.91 -> 1.85 ms per draft step at the Qwen shape)
     topk_in_router: bool = True  # the router's top-k in the input product's launch (Select), not in moe_gate_up
-    # (H200, row10g/h: draft step 1.84 -> 1.80-1.81 ms at the Qwen shape; docs/BENCHMARKS.md)
+    # (H200, row10g/h: draft step 1.84 -> 1.80-1.81 ms at the Qwen shape; docs/journal.md)
     num_warps: int = 4
     num_stages: int = 3
     block_n_residual: int = 2  # output rows per program of linear_residual (o_proj: 2048 rows, 1,024 programs)
