@@ -63,6 +63,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     _added_paths.clear()
 
 
+@pytest.fixture
+def fresh_plugin_scan(monkeypatch):
+    """Each test scans entry points afresh, with no allow-list unless it sets one (plug-in and backend tests)."""
+    from specter import plugins
+
+    monkeypatch.delenv(plugins.ALLOW_LIST_ENV, raising=False)
+    plugins.refresh()
+    yield
+    plugins.refresh()
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The built-in `tiny` checkpoint, written once under a test cache unless SPECTER_CACHE is set.

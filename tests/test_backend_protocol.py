@@ -16,12 +16,7 @@ from specter import plugins
 from specter.errors import PluginError
 
 
-@pytest.fixture(autouse=True)
-def fresh_scan(monkeypatch):
-    monkeypatch.delenv(plugins.ALLOW_LIST_ENV, raising=False)
-    plugins.refresh()
-    yield
-    plugins.refresh()
+pytestmark = pytest.mark.usefixtures("fresh_plugin_scan")
 
 
 def _without(method: str) -> type:

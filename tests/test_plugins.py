@@ -44,13 +44,7 @@ FAKE_ENTRY_POINTS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def fresh_scan(monkeypatch):
-    """Each test scans entry points afresh, with no allow-list unless it sets one."""
-    monkeypatch.delenv(plugins.ALLOW_LIST_ENV, raising=False)
-    plugins.refresh()
-    yield
-    plugins.refresh()
+pytestmark = pytest.mark.usefixtures("fresh_plugin_scan")
 
 
 @pytest.fixture
