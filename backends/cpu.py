@@ -206,7 +206,14 @@ class CPUBackend:
 
     def set_int32(self, flat: torch.Tensor, index: int, value: int, stream: CPUStream) -> None:
         assert flat.dtype == torch.int32 and value >= -1, "set_int32 writes int32 values >= -1"
-        stream.enqueue(lambda: flat.__setitem__(index, value))
+
+        def write() -> None:
+            flat[index] = value
+
+        # The slot-table write after an expert's last chunk does not hold the link: the next copy may still
+        # begin at the model time the last one landed.
+        write.keeps_model_time = True  # type: ignore[attr-defined]
+        stream.enqueue(write)
 
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, stream: CPUStream) -> CPUEvent:
         stream.enqueue(lambda: dst.copy_(src))

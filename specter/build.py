@@ -1,6 +1,7 @@
 """Building a runtime from its parts: device and dtype, plug-ins and backend, the memory plan, the weights into the
 device or the host pool, the draft, the expert cache and its transfer engine, the target's steps. Every part is
-made before the part that uses it and handed to its constructor; nothing is patched in afterwards.
+made before the part that uses it and handed to its constructor; nothing is patched in afterwards (the bench swaps
+whole parts between cells: a new cache over the same pool, another link).
 
 Every expert is streamed once: into device memory when all fit, otherwise into the pinned host pool behind an
 expert cache; in both cases also into the draft's quantizer. `load_resident` is the simplest path (every weight
@@ -244,9 +245,9 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
     calibrated = speculative and config.draft.quant == "gptq4"
     memory = plan_memory(spec, dtype, config, speculative, expert_graphs=expert_graphs)
     check_device_memory(config, device, memory)
-    apply_threads(config, device)  # once the configuration is known to load: a refused one changes nothing
     source.validate()
     backend = load_backend(config, device)
+    apply_threads(config, device)  # process-wide, so only once the checkpoint and the backend are known to load
     kernel = Kernel(backend)
     dense = source.dense(dtype, device, config.progress)
     model = transformer_for(spec)(spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context,

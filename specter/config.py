@@ -37,6 +37,33 @@ def parse_bytes(value: int | float | str) -> int:
     return size
 
 
+LINK_PRESETS: dict[str, float] = {
+    "gen5": 55.0,
+    "gen4": 25.0,
+    "gen3": 12.0,
+    # A Gen4 x16 GPU in a dual-channel DDR4-3200 desktop: pinned H2D measures about 20-22 GB/s, below an
+    # idle Gen4 link's 25 because the DMA shares the memory controller with the CPU. We take 20.
+    "ddr4-desktop": 20.0,
+}
+"""Link emulation presets, in GB/s (1e9 bytes per second) of sustained pinned H2D bandwidth."""
+
+
+def parse_link(spec: str | float | None) -> float | None:
+    """GB/s for a link spec: a preset name (gen5, gen4, gen3, ddr4-desktop), a number, or None (no emulation)."""
+    if spec is None:
+        return None
+    if isinstance(spec, str) and spec.strip().lower() in LINK_PRESETS:
+        return LINK_PRESETS[spec.strip().lower()]
+    try:
+        gbps = float(spec)
+    except ValueError:
+        gbps = -1.0
+    if not gbps > 0:
+        presets = ", ".join(f"{name} ({gbps:g} GB/s)" for name, gbps in LINK_PRESETS.items())
+        raise ConfigError(f"link {spec!r} is not a link preset or a positive GB/s figure; use one of {presets}, or e.g. 32")
+    return gbps
+
+
 ByteCount = Annotated[int, BeforeValidator(parse_bytes)]
 
 QuantName = Literal["int4", "int8", "int3", "int2", "gptq4"]
@@ -272,6 +299,12 @@ class EngineConfig(_Frozen):
             return self.static_verify
         return device_type == "cuda" and self.cuda_graphs
 
+    @field_validator("link")
+    @classmethod
+    def _link(cls, value: str | None) -> str | None:
+        parse_link(value)  # a typo is refused here, before hours of loading, not when the transfer engine is built
+        return value
+
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
@@ -293,7 +326,8 @@ class GenerationConfig(_Frozen):
     temperature: float = Field(0.0, ge=0.0, description="0 is greedy; otherwise logits are divided by it before sampling.")
     top_k: int | None = Field(None, ge=1, description="Keep only the k most likely tokens when sampling.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set with this much probability.")
-    seed: int = Field(0, ge=0, description="Seed of the per-position sampling noise; same seed, same tokens.")
+    seed: int = Field(0, ge=0, lt=2**63, description="Seed of the per-position sampling noise; same seed, same tokens "
+                      "(below 2**63: the static step holds it in an int64).")
     stop_token_ids: tuple[int, ...] = Field((), description="Generation stops after emitting any of these ids.")
     stop_strings: tuple[str, ...] = Field((), description="Generation stops once the text contains any of these.")
 

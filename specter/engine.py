@@ -217,11 +217,13 @@ class Runtime:
         """Leave the engine consistent whatever happened: no protected slot, no plan, an empty KV, and the
         request's deferred copy-busy reads done (after its last token's time, before its stats are read)."""
         try:
-            for observer in self.observers:
-                observer.request_ended()
-            if self.cache is not None:
-                self.cache.unprotect_all(self.backend.record_event(self.backend.compute_stream))
-        finally:  # whatever the cache raised, the rest still runs
+            try:  # observers first (copy-busy stops its chunk log before the round-end loads), but an observer's
+                for observer in self.observers:  # error must not leave the cache's pins and loans to the next request
+                    observer.request_ended()
+            finally:
+                if self.cache is not None:
+                    self.cache.unprotect_all(self.backend.record_event(self.backend.compute_stream))
+        finally:  # whatever the cache or an observer raised, the rest still runs
             self.plan = None
             self.ahead.reset()
             self.ahead.join()
@@ -462,7 +464,7 @@ class Runtime:
         if params.greedy:
             verdict = greedy_verdict(drafts, logits)
         elif draft_logits is not None:
-            generator = self._rejection_generator(logits.device).manual_seed(params.seed * 1_000_003 + start)
+            generator = self._rejection_generator(logits.device).manual_seed((params.seed * 1_000_003 + start) % 2**64)
             verdict = rejection_verdict(drafts, probs(draft_logits, params), probs(logits, params), generator)
         else:
             verdict = coupled_verdict(drafts, logits, positions, params)

@@ -42,7 +42,7 @@ def segmented_step(model: Transformer, experts: ExpertProvider, kv: KVCache, con
     """Offloaded experts with static_verify: verify runs GraphedTarget's numerics, cut at each MoE layer's routing."""
     if not isinstance(experts, OffloadedExperts) or not segmented_verify(config, model.device.type, model):
         return None
-    return SegmentedStep(model, kv, use_graph=model.device.type == "cuda" and config.cuda_graphs)
+    return SegmentedStep(model, kv, use_graph=model.device.type == "cuda" and config.cuda_graphs, backend=experts.cache.backend)
 
 
 def segmented_verify(config: EngineConfig, device_type: str, model: Transformer | type[Transformer]) -> bool:

@@ -245,7 +245,9 @@ async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int
     """
     tuning = tuning or VerifyTuning()
     assert block_tokens.shape[0] >= 1, "nothing to verify: pass at least one token"
-    step.backend = cache.backend  # the step writes its expert graphs' input id through the device's backend
+    if step.backend is None:  # a step built by hand (tests); the builder's has the cache's backend already
+        step.backend = cache.backend
+    assert step.backend is cache.backend, "the segmented step writes through another backend than its cache's"
     parts = []
     # A verify of more rows than the step's runs in chunks; the prediction covers the whole block, so a lead in one
     # chunk would compute (and may evict) experts only a later chunk's rows choose: none then.

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from policies.eviction import LRU
-from specter import Engine, EngineConfig, GenerationConfig, plugins
+from specter import DraftConfig, Engine, EngineConfig, GenerationConfig, plugins
 from specter.decode import greedy_decode, run_sync
 from specter.engine import CheckpointWeights
 from specter.errors import BudgetError, ConfigError, PluginError, PromptError
@@ -85,7 +85,7 @@ def test_malformed_prompts(tiny, expected):
 @pytest.mark.parametrize("settings, field", [
     ({"max_new_tokens": 0}, "max_new_tokens"), ({"max_new_tokens": -3}, "max_new_tokens"),
     ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": 0}, "top_k"), ({"max_tokens": 5}, "max_tokens"),
+    ({"top_k": 0}, "top_k"), ({"max_tokens": 5}, "max_tokens"), ({"seed": 2**63}, "seed"), ({"seed": -1}, "seed"),
 ])
 def test_invalid_generation_settings(tiny, expected, settings, field):
     async def check(engine):
@@ -95,6 +95,17 @@ def test_invalid_generation_settings(tiny, expected, settings, field):
             await engine.complete(PROMPT, settings)  # as a dict
 
     assert with_engine(tiny, OFFLOADED, check) == expected
+
+
+def test_a_large_seed_samples_with_the_rejection_rule(tiny, expected):
+    """The rejection rule's generator is seeded from (seed, position); a seed near 2**63 must not overflow it."""
+    config = EngineConfig(device="cpu", residents=2, draft=DraftConfig(sampling="rejection"))
+
+    async def check(engine):
+        result = await engine.complete(PROMPT, max_new_tokens=6, temperature=1.0, seed=2**63 - 1)
+        assert len(result.token_ids) == 6
+
+    assert with_engine(tiny, config, check) == expected
 
 
 def test_top_p_one_is_allowed(tiny):

@@ -78,3 +78,10 @@ def test_scout_needs_a_draft_depth():
     with pytest.raises(ConfigError, match="scout needs a draft"):
         EngineConfig.build(draft={"scout": True, "k_max": 0})
     assert EngineConfig.build(draft={"scout": True, "k": 0}).draft.scout
+
+
+def test_an_unknown_link_is_refused_when_the_config_is_built():
+    """Before any weight loads: the transfer engine that reads it is built only after the whole pool is pinned."""
+    with pytest.raises(ConfigError, match="EngineConfig.link = 'gen9'.*not a link preset"):
+        EngineConfig.build(link="gen9", residents=2)
+    assert EngineConfig.build(link="gen4").link == "gen4" and EngineConfig.build(link="12.5").link == "12.5"

@@ -25,34 +25,9 @@ from specter.errors import ConfigError
 from specter.kernel import Kernel
 from specter.log import debug_enabled, get_logger
 
+from specter.config import LINK_PRESETS, parse_link  # noqa: F401  (part of this module's API)
+
 log = get_logger(__name__)
-
-LINK_PRESETS: dict[str, float] = {
-    "gen5": 55.0,
-    "gen4": 25.0,
-    "gen3": 12.0,
-    # A Gen4 x16 GPU in a dual-channel DDR4-3200 desktop: pinned H2D measures about 20-22 GB/s, below an
-    # idle Gen4 link's 25 because the DMA shares the memory controller with the CPU. We take 20.
-    "ddr4-desktop": 20.0,
-}
-"""Link emulation presets, in GB/s (1e9 bytes per second) of sustained pinned H2D bandwidth."""
-
-
-def parse_link(spec: str | float | None) -> float | None:
-    """GB/s for a link spec: a preset name (gen5, gen4, gen3, ddr4-desktop), a number, or None (no emulation)."""
-    if spec is None:
-        return None
-    if isinstance(spec, str) and spec.strip().lower() in LINK_PRESETS:
-        return LINK_PRESETS[spec.strip().lower()]
-    try:
-        gbps = float(spec)
-    except ValueError:
-        gbps = -1.0
-    if not gbps > 0:
-        presets = ", ".join(f"{name} ({gbps:g} GB/s)" for name, gbps in LINK_PRESETS.items())
-        raise ConfigError(f"link {spec!r} is not a link preset or a positive GB/s figure; use one of {presets}, or e.g. 32")
-    return gbps
-
 
 @dataclass(frozen=True)
 class LinkEmulation:

@@ -61,12 +61,17 @@ class SegmentedStep:
     """
 
     def __init__(self, model: Transformer, kv: KVCache, *, rows: int | None = None, kernel: MoEKernel = "auto",
-                 config: MoEKernelConfig = RESIDENT_KERNEL_CONFIG, use_graph: bool | None = None) -> None:
+                 config: MoEKernelConfig = RESIDENT_KERNEL_CONFIG, use_graph: bool | None = None,
+                 backend: Backend | None = None) -> None:
         self.static = StaticStep(model, _no_static_moe, rows or model.bucket)
         self.model, self.kv, self.rows, self.config = model, kv, self.static.rows, config
         self.kernel = resolve_kernel(kernel, model.device)
         self.use_graph = model.device.type == "cuda" if use_graph is None else use_graph
         self.moe_layers = sorted(model.spec.moe_layers)
+        # The device's backend (the builder passes the cache's; a step built by hand gets it from its first
+        # verify): `_set_expert_id` writes the low 4 bytes of the int64 _expert_id through its set_int32
+        # (little-endian; ids are >= 0 and < 2**31, and the high half stays 0).
+        self.backend: Backend | None = backend
         self._segment_layers = self._split_layers()
         self._allocate_buffers()
         self._graphs: list[Any] = []
@@ -95,9 +100,6 @@ class SegmentedStep:
         self._no_weight = torch.zeros_like(self.weights)
         self._single_expert = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [R, 1] ids for the triton path
         self._expert_id = torch.zeros(1, dtype=torch.long, device=device)  # [1] the expert graphs' input
-        # The runtime's backend (verify_segmented sets it): `_set_expert_id` writes the low 4 bytes of the int64
-        # _expert_id through its set_int32 (little-endian; ids are >= 0 and < 2**31, and the high half stays 0).
-        self.backend: Backend | None = None
 
     def _split_layers(self) -> list[list[int]]:
         """Layers each segment runs in full (dense) before its MoE layer's pre-MoE part; the last: trailing layers."""
