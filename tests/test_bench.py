@@ -57,7 +57,7 @@ def test_matrix_records_protocol_and_machine(matrix):
     drafting = [run for run in results["runs"] if run["system"] == "specmoeoff"]  # fixed k=3: always drafts
     assert drafting and all(run["drafted"] > 0 and 0 < run["recall_hits"] <= run["recall_total"] for run in drafting)
     table = (out / "results.md").read_text()
-    assert "| model | setting | link | system | TPOT ms |" in table and "specmoeoff" in table
+    assert "| model | setting | link | sampling | system | TPOT ms |" in table and "specmoeoff" in table
 
 
 def test_matrix_writes_plots(matrix):
@@ -268,7 +268,7 @@ def test_merge_combines_disjoint_runs_and_refuses_overlaps(tmp_path, capsys):
     assert [n for n in results["notes"] if "note" in n] == ["shared note", "note of part 0", "note of part 1"]
     assert "merged parts differ in the draft's expert format: ['int4', 'int8']" in results["notes"]
     assert len(results["runs"]) == 6 and [part["directory"] for part in results["merged_from"]] == [str(p) for p in parts]
-    assert "| model | setting | link | system |" in (merged / "results.md").read_text()
+    assert "| model | setting | link | sampling | system |" in (merged / "results.md").read_text()
     assert cli.main(["--merge", str(parts[0]), "--merge", str(parts[0]), "--no-plots", "--out", str(tmp_path / "bad")]) == 2
     assert "is in both" in capsys.readouterr().err
     assert cli.main(["--merge", str(tmp_path / "missing"), "--out", str(tmp_path / "bad2")]) == 2

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specter.bench import report
-from specter.bench.protocol import ModelTarget, Options, checkpoint_target, run_matrix, synthetic_prompts, warmup_prompt
+from specter.bench.protocol import SAMPLING_MODES, ModelTarget, Options, checkpoint_target, run_matrix, synthetic_prompts, warmup_prompt
 from specter.bench.synthetic import SHAPES, family_available, shape_config, shape_label, synthetic_source
 from specter.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, Setting
 from specter.config import TuningConfig, parse_bytes
@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"links to emulate: gen5, gen4, gen3, ddr4-desktop, native or GB/s (default: native on CUDA, "
                              f"{','.join(PLAIN_CPU_LINKS)} on the CPU; quick: {','.join(QUICK_LINKS)})")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="output tokens per request (default 128; quick: 32)")
+    parser.add_argument("--sampling", type=_name_list, default=["greedy"],
+                        help=f"how requests pick tokens, of: {', '.join(SAMPLING_MODES)} (sampled: temperature 0.7, top-p 0.9, "
+                             "a fixed seed per prompt); every prompt runs in each mode and is held to the target-only "
+                             "baseline in the same mode and seed. Default greedy alone: it keeps the quick matrix within "
+                             "2 minutes on the CPU (greedy,sampled doubles its requests)")
     parser.add_argument("--warmup-tokens", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=1, help="prompts per kind (kinds: uniform/zipf/motif, or code/prose/docs)")
     parser.add_argument("--repeats", type=int, default=None, help=f"requests per prompt (default 1; quick: {QUICK_REPEATS})")
@@ -162,6 +167,9 @@ def options_from_args(args: argparse.Namespace) -> Options:
     unknown = [name for name in systems if name not in SYSTEMS]
     if unknown:
         raise ConfigError(f"unknown system(s) {unknown}; systems: {', '.join(SYSTEMS)}")
+    modes = list(dict.fromkeys(args.sampling))
+    if not modes or any(mode not in SAMPLING_MODES for mode in modes):
+        raise ConfigError(f"--sampling {','.join(args.sampling)}: expected a comma-separated list of {', '.join(SAMPLING_MODES)}")
     on_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     if args.threads or not on_cuda:
         torch.set_num_threads(args.threads or 1)
@@ -174,7 +182,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    repeats=repeats, k=args.k, k_max=max(args.k_max, args.k), row_bucket=args.row_bucket,
                    device=args.device, dtype=args.dtype,
                    progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=quant,
-                   tuning=tuning)
+                   tuning=tuning, sampling=modes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,7 +16,11 @@ def write_plots(payload: dict, out: Path) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
-    summary, runs = payload["summary"], payload["runs"]
+    # The plots draw one sampling mode: greedy where it ran (the protocol's), else the first there is.
+    modes = [row.get("sampling") or "greedy" for row in payload["summary"]]
+    mode = "greedy" if "greedy" in modes or not modes else modes[0]
+    summary = [row for row in payload["summary"] if (row.get("sampling") or "greedy") == mode]
+    runs = [run for run in payload["runs"] if (run.get("sampling") or "greedy") == mode]
     written = []
     for name, plot in (("tpot_by_system.png", _tpot_by_system), ("speedup.png", _speedups), ("acceptance.png", _acceptance),
                        ("accepted_length_hist.png", _accepted_lengths), ("recall_by_layer.png", _recall_by_layer),

@@ -22,7 +22,7 @@ BASELINES = ("ondemand", "gate-prefetch", "specmoeoff", "oracle", "resident")
 `oracle` means the faster of the oracle variants."""
 
 COLUMNS = (
-    ("model", "model"), ("setting", "setting"), ("link", "link"), ("system", "system"),
+    ("model", "model"), ("setting", "setting"), ("link", "link"), ("sampling", "sampling"), ("system", "system"),
     ("tpot_ms", "TPOT ms"), ("ttft_ms", "TTFT ms"), ("x_ondemand", "x ondemand"), ("x_specmoeoff", "x specmoeoff"),
     ("x_oracle", "x oracle"), ("acceptance", "accept"), ("accepted_length", "acc len"), ("window_recall", "recall"),
     ("hit_rate", "hit rate"), ("h2d_mb_per_token", "H2D MB/tok"), ("h2d_decode_mb_per_token", "decode MB/tok"),
@@ -81,11 +81,21 @@ def source_digest() -> str:
 
 # ---- summaries ----------------------------------------------------------------------------------------
 
+def sampling_of(record: dict[str, Any]) -> str:
+    """A record's or row's sampling mode (results written before sampled runs existed were all greedy)."""
+    return record.get("sampling") or "greedy"
+
+
+def cell_key(record: dict[str, Any]) -> tuple[str, str, str, str, str]:
+    """What one summary row pools: (model, setting, link, sampling, system)."""
+    return (record["model"], record["setting"], record["link"], sampling_of(record), record["system"])
+
+
 def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (model, setting, link, system): medians of time, pooled ratios, and speedups."""
+    """One row per (model, setting, link, sampling, system): medians of time, pooled ratios, and speedups."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for record in records:
-        groups[(record["model"], record["setting"], record["link"], record["system"])].append(record)
+        groups[cell_key(record)].append(record)
     rows = [_row(key, runs) for key, runs in groups.items()]
     _add_speedups(rows)
     return rows
@@ -97,16 +107,17 @@ def reading(summary: Sequence[dict[str, Any]], system: str = "specter", baseline
     e.g. "specter vs ondemand (tiny, 6 resident experts/layer): 2.10x lower TPOT at 0.05 GB/s (20.1 vs 42.2 ms), ...".
     None when no cell has both systems.
     """
-    by_key = {(r["model"], r["setting"], r["link"], r["system"]): r for r in summary}
+    by_key = {cell_key(r): r for r in summary}
     parts: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for (model, setting, link, name), row in by_key.items():
-        other = by_key.get((model, setting, link, baseline))
+    for (model, setting, link, sampling, name), row in by_key.items():
+        other = by_key.get((model, setting, link, sampling, baseline))
         if name != system or other is None or not row["tpot_ms"]:
             continue
         ratio = other["tpot_ms"] / row["tpot_ms"]
         change = f"{ratio:.2f}x lower TPOT" if ratio >= 1 else f"{1 / ratio:.2f}x higher TPOT"
         unit = " GB/s" if is_number(link) else ""
-        parts[(model, setting)].append(f"{change} at {link}{unit} ({row['tpot_ms']:.3g} vs {other['tpot_ms']:.3g} ms)")
+        mode = f", {sampling}" if sampling != "greedy" else ""
+        parts[(model, setting)].append(f"{change} at {link}{unit}{mode} ({row['tpot_ms']:.3g} vs {other['tpot_ms']:.3g} ms)")
     if not parts:
         return None
     cells = [f"({model}, {setting.replace('residents=', '')} resident experts/layer): " if setting.startswith("residents=")
@@ -124,7 +135,7 @@ def is_number(text: str) -> bool:
 
 
 def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
-    model, setting, link, system = key
+    model, setting, link, sampling, system = key
     tokens = sum(r["new_tokens"] for r in runs) or 1
     drafted = sum(r.get("drafted", 0) for r in runs)
     recall_total = sum(r.get("recall_total", 0) for r in runs)
@@ -136,7 +147,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
     scout_total = sum(r.get("scout_recall_total", 0) for r in runs)
     copy_window = sum(r.get("copy_window_s", 0.0) for r in runs)
     return {
-        "model": model, "setting": setting, "link": link, "system": system, "runs": len(runs),
+        "model": model, "setting": setting, "link": link, "sampling": sampling, "system": system, "runs": len(runs),
         "slots": runs[0].get("slots"),
         "tpot_ms": round(1e3 * statistics.median(r["tpot_s"] for r in runs), 3),
         "tpot_ms_mean": round(1e3 * statistics.fmean(r["tpot_s"] for r in runs), 3),
@@ -172,14 +183,16 @@ def _peak(runs: list[dict]) -> float | None:
 
 
 def _add_speedups(rows: list[dict]) -> None:
-    by_cell = {(r["model"], r["setting"], r["link"], r["system"]): r for r in rows}
-    resident = {r["model"]: r for r in rows if r["system"] == "resident"}
+    by_cell = {cell_key(r): r for r in rows}
+    resident = {(r["model"], sampling_of(r)): r for r in rows if r["system"] == "resident"}
     for row in rows:
+        mode = sampling_of(row)
         for baseline in BASELINES:
-            other = resident.get(row["model"]) if baseline == "resident" else by_cell.get((row["model"], row["setting"], row["link"], baseline))
+            other = (resident.get((row["model"], mode)) if baseline == "resident"
+                     else by_cell.get((row["model"], row["setting"], row["link"], mode, baseline)))
             if baseline == "oracle":  # the floor: the best of the oracle variants (k as specter's, k=0)
                 oracles = [r for r in rows if r["system"].startswith("oracle") and r["model"] == row["model"]
-                           and r["setting"] == row["setting"] and r["link"] == row["link"]]
+                           and r["setting"] == row["setting"] and r["link"] == row["link"] and sampling_of(r) == mode]
                 other = min(oracles, key=lambda r: r["tpot_ms"], default=None)
             ok = other is not None and other["tpot_ms"] > 0 and row["tpot_ms"] > 0
             row[f"x_{baseline}"] = round(other["tpot_ms"] / row["tpot_ms"], 3) if ok else None
@@ -207,7 +220,7 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
         except (ValueError, KeyError, TypeError) as error:
             raise ConfigError(f"--merge: {path} is not a bench results file ({error})") from None
         for run in runs:
-            key = (run["model"], run["setting"], run["link"], run["system"])
+            key = cell_key(run)
             if owner.setdefault(key, index) != index:
                 raise ConfigError(f"--merge: cell {' '.join(key)} is in both {directories[owner[key]]} and {directory}; "
                                   "merge runs of disjoint cells")
@@ -294,7 +307,7 @@ def table_lines(rows: Sequence[dict], columns=COLUMNS, markdown: bool = False) -
     return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*cells) for cells in body]
 
 
-SHORT_COLUMNS = (("model", "model"), ("setting", "setting"), ("link", "link"), ("system", "system"), ("tpot_ms", "TPOT ms"),
+SHORT_COLUMNS = (("model", "model"), ("setting", "setting"), ("link", "link"), ("sampling", "sampling"), ("system", "system"), ("tpot_ms", "TPOT ms"),
                  ("x_ondemand", "x ondemand"), ("x_specmoeoff", "x specmoeoff"), ("x_oracle", "x oracle"),
                  ("acceptance", "accept"), ("window_recall", "recall"), ("copy_busy", "copy busy"), ("tokens_equal", "= baseline"))
 
@@ -321,6 +334,14 @@ def copy_idle_lines(summary: Sequence[dict], markdown: bool = False) -> list[str
     return lines
 
 
+def _sampling_text(options: dict[str, Any]) -> str:
+    from specter.bench.protocol import SAMPLING_MODES
+
+    modes = options.get("sampling") or ["greedy"]
+    return " and ".join(mode if mode == "greedy" else f"seeded sampling ({', '.join(f'{k} {v}' for k, v in SAMPLING_MODES[mode].items())}, "
+                        "a fixed seed per prompt)" for mode in modes)
+
+
 def markdown_report(payload: dict[str, Any]) -> str:
     """The Markdown page: machine, command, date, the summary table and the notes."""
     info = payload["machine"]
@@ -329,7 +350,7 @@ def markdown_report(payload: dict[str, Any]) -> str:
         f"- date: {info['date']}", f"- command: `{info['command']}`",
         f"- machine: {info.get('gpu') or 'no GPU'}; CPU {info['cpu']} ({info['cpu_count']} threads); torch {info['torch']}, CUDA {info['cuda']}",
         f"- commit: {info.get('git_commit')} (sources {info.get('source_digest')})",
-        f"- protocol: batch 1, greedy, {payload['options']['max_new_tokens']} new tokens, {payload['options']['repeats']} repeat(s), "
+        f"- protocol: batch 1, {_sampling_text(payload['options'])}, {payload['options']['max_new_tokens']} new tokens, {payload['options']['repeats']} repeat(s), "
         f"16-token prompts, warm-up excluded, cache restored per prompt; TPOT = median over requests; "
         f"draft experts {payload['options'].get('quant', 'int4')}", "",
     ]
