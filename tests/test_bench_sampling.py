@@ -10,7 +10,7 @@ from specter.bench import cli, protocol
 from specter.bench.protocol import Prompt
 from specter.errors import ConfigError
 
-ARGS = ["--systems", "ondemand,specter", "--max-new-tokens", "8", "--warmup-tokens", "2", "--link", "1", "--k", "3",
+ARGS = ["--systems", "ondemand,specter-fixed", "--max-new-tokens", "8", "--warmup-tokens", "2", "--link", "1", "--k", "3",
         "--no-progress", "--no-plots", "--sampling", "greedy,sampled"]
 
 
@@ -23,12 +23,12 @@ def test_sampled_and_greedy_cells_are_token_identical_to_their_baselines(tmp_pat
     code, results = _run(tmp_path)
     assert code == 0
     rows = {(row["system"], row["sampling"]) for row in results["summary"]}
-    assert rows == {(system, mode) for system in ("ondemand", "specter") for mode in ("greedy", "sampled")}
+    assert rows == {(system, mode) for system in ("ondemand", "specter-fixed") for mode in ("greedy", "sampled")}
     assert all(row["tokens_equal"] for row in results["summary"]), results["summary"]
     sampled = [run for run in results["runs"] if run["sampling"] == "sampled"]
     assert sampled and all(run["seed"] is not None for run in sampled)
     assert all(run["seed"] is None for run in results["runs"] if run["sampling"] == "greedy")
-    assert any(run["drafted"] > 0 for run in sampled if run["system"] == "specter")  # speculation ran while sampling
+    assert any(run["drafted"] > 0 for run in sampled if run["system"] == "specter-fixed")  # fixed k = 3: it drafted while sampling
     assert "| sampling |" in (tmp_path / "results.md").read_text()
 
 
@@ -49,8 +49,8 @@ def test_a_baseline_sampled_with_another_seed_is_caught(tmp_path, monkeypatch):
     code, results = _run(tmp_path)
     assert code == 1
     equal = {(row["system"], row["sampling"]): row["tokens_equal"] for row in results["summary"]}
-    assert equal == {("ondemand", "greedy"): True, ("specter", "greedy"): True,
-                     ("ondemand", "sampled"): False, ("specter", "sampled"): False}
+    assert equal == {("ondemand", "greedy"): True, ("specter-fixed", "greedy"): True,
+                     ("ondemand", "sampled"): False, ("specter-fixed", "sampled"): False}
 
 
 def test_sampling_modes_are_checked():

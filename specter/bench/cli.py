@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup-tokens", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=1, help="prompts per kind (kinds: uniform/zipf/motif, or code/prose/docs)")
     parser.add_argument("--repeats", type=int, default=None, help=f"requests per prompt (default 1; quick: {QUICK_REPEATS})")
-    parser.add_argument("--k", type=int, default=4, help="draft depth of specter (fixed) and oracle")
+    parser.add_argument("--k", type=int, default=4, help="draft depth of specter-fixed and exact-prefetch")
     parser.add_argument("--k-max", type=int, default=15, help="largest depth the roofline governor may pick (15: 16 "
                         "verify rows, one pass of the 16-row static verify; H200 2026-11-30, trained Qwen shape at 8 "
                         "residents: specter 5.0 -> 2.83 ms from 8 to 15)")
@@ -216,6 +216,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     summary = report.summarize(records)
     notes += [note for target in targets for note in target.notes]
     notes += [f"{c['model']} {c['setting']} {c['link']} {c['system']}: {c['status']}" for c in cells if c["status"] != "ok"]
+    flags = report.exact_prefetch_flags(summary)
+    notes += flags
     payload = {"machine": report.machine(argv), "options": vars(options) | {"tuning": options.tuning.model_dump()}, "args": {k: str(v) for k, v in vars(args).items()},
                "models": [_model_info(t) for t in targets], "cells": cells, "summary": summary, "runs": records, "notes": notes,
                "elapsed_s": round(time.monotonic() - started, 1)}
@@ -225,6 +227,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
           f"{', plots' if not args.no_plots else ''})")
     if line := report.reading(summary):
         print(line)
+    for flag in flags:
+        print(f"flag: {flag}")
     return 0 if all(row["tokens_equal"] for row in summary if row["system"] != "hf-accelerate") else 1
 
 

@@ -105,7 +105,7 @@ def _speedups(summary: list[dict], runs: list[dict]):
     rows = [r for r in summary if r["system"] == "specter"]
     if not rows:
         return None
-    baselines = ["x_ondemand", "x_gate-prefetch", "x_specmoeoff", "x_oracle", "x_resident"]
+    baselines = ["x_ondemand", "x_gate-prefetch", "x_specmoeoff", "x_exact-prefetch", "x_resident"]
     figure, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
     _bars(ax, [cell_label(r["model"], r["setting"], r["link"]) for r in rows], {b[2:]: [r.get(b) for r in rows] for b in baselines})
     ax.axhline(1.0, color="black", linewidth=0.8)

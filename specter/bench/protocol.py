@@ -244,7 +244,7 @@ class ModelBench:
             # the resident run replays a graphed static step whose rounding differs from the eager offloaded path,
             # so offloaded tokens are held to this baseline and its agreement with the resident one is reported.
             await self._baseline_on(runtime)
-            for depth in sorted({self._depth(system) for system in systems if system.oracle and not system.replay_schedule}):
+            for depth in sorted({self._depth(system) for system in systems if system.exact_prefetch and not system.replay_schedule}):
                 await self._record_routes(runtime, depth)
             for link in self.options.links:
                 for setting in self.target.settings:
@@ -266,8 +266,8 @@ class ModelBench:
         return system.k if system.k is not None else self.options.k
 
     async def _record_routes(self, runtime: BenchRuntime, depth: int) -> None:
-        """The oracle's future: each prompt's verify routes at depth k, recorded in an untimed pass."""
-        runtime.configure(dataclasses.replace(SYSTEMS["oracle"], oracle=False, eviction="lru", k=depth), self.options.k)
+        """exact-prefetch's future: each prompt's verify routes at depth k, recorded in an untimed pass."""
+        runtime.configure(dataclasses.replace(SYSTEMS["exact-prefetch"], exact_prefetch=False, eviction="lru", k=depth), self.options.k)
         for prompt, warm in [(self.target.warmup, True)] + [(p, False) for p in self.requests]:
             recorded = runtime.record_routes()
             await runtime.complete_ids(prompt.ids, self.generation(warm, prompt))
@@ -339,7 +339,7 @@ class ModelBench:
         recording = runtime.record_schedule() if system.name == SCHEDULE_SOURCE and runtime.cache is not None else None
         if system.replay_schedule:
             runtime.replay_schedule(*self.schedules[schedule_key])
-        elif system.oracle:
+        elif system.exact_prefetch:
             runtime.replay_routes(self.routes[(self._depth(system), *prompt.key)])
         started = time.perf_counter()
         result = await runtime.complete_ids(prompt.ids, self.generation(warm, prompt))

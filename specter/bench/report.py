@@ -17,14 +17,18 @@ from typing import Any
 
 import torch
 
-BASELINES = ("ondemand", "gate-prefetch", "specmoeoff", "oracle", "resident")
-"""Speedups are reported over each of these (their TPOT / this system's TPOT, same model, setting and link);
-`oracle` means the faster of the oracle variants."""
+BASELINES = ("ondemand", "gate-prefetch", "specmoeoff", "exact-prefetch", "resident")
+"""Speedups are reported over each of these (their TPOT / this system's TPOT, same model, setting, link and sampling);
+`exact-prefetch` means the fastest of its variants. It is no floor (see `exact_prefetch_flags`)."""
+
+SAME_SCHEDULE = {"specter-fixed": "exact-prefetch", "specter": "exact-prefetch-specter", "ondemand": "exact-prefetch-k0",
+                 "gate-prefetch": "exact-prefetch-k0", "scout-k0": "exact-prefetch-k0"}
+"""A system -> the exact-prefetch variant that verifies the same rounds (same depths, tokens and routes) as it does."""
 
 COLUMNS = (
     ("model", "model"), ("setting", "setting"), ("link", "link"), ("sampling", "sampling"), ("system", "system"),
     ("tpot_ms", "TPOT ms"), ("ttft_ms", "TTFT ms"), ("x_ondemand", "x ondemand"), ("x_specmoeoff", "x specmoeoff"),
-    ("x_oracle", "x oracle"), ("acceptance", "accept"), ("accepted_length", "acc len"), ("window_recall", "recall"),
+    ("x_exact-prefetch", "x exact"), ("acceptance", "accept"), ("accepted_length", "acc len"), ("window_recall", "recall"),
     ("hit_rate", "hit rate"), ("h2d_mb_per_token", "H2D MB/tok"), ("h2d_decode_mb_per_token", "decode MB/tok"),
     ("stall_ms_per_token", "stall ms/tok"),
     ("copy_busy", "copy busy"), ("peak_gib", "peak GiB"), ("tokens_equal", "= baseline"),
@@ -125,6 +129,27 @@ def reading(summary: Sequence[dict[str, Any]], system: str = "specter", baseline
     return f"{system} vs {baseline} " + "; ".join(cell + ", ".join(found) for cell, found in zip(cells, parts.values()))
 
 
+def exact_prefetch_flags(summary: Sequence[dict[str, Any]]) -> list[str]:
+    """Cells where a system beats exact-prefetch: fewer decode bytes per token than the variant that verifies the
+    same rounds (SAME_SCHEDULE), or a lower TPOT than the fastest variant. exact-prefetch knows every future route
+    but is no floor: with fewer slots than a verify's experts per layer it runs a rolling window in which Belady
+    cannot tell an expert this round already used from one it still needs (both are next used "this round"), and its
+    prefetch names the round's lowest expert ids, not the first needed. The flags keep that visible."""
+    by_key = {cell_key(r): r for r in summary}
+    flags = []
+    for (model, setting, link, sampling, system), row in by_key.items():
+        where = f"{model} {setting} {link} {sampling}: {system}"
+        partner = by_key.get((model, setting, link, sampling, SAME_SCHEDULE.get(system, "")))
+        mine, theirs = row.get("h2d_decode_mb_per_token"), partner and partner.get("h2d_decode_mb_per_token")
+        if mine is not None and theirs is not None and mine < theirs:
+            flags.append(f"{where} moves fewer decode bytes ({mine} MB/token) than {partner['system']} ({theirs}) on the same "
+                         "rounds: exact-prefetch is no floor on bytes")
+        if not system.startswith("exact-prefetch") and (row.get("x_exact-prefetch") or 0) > 1:
+            flags.append(f"{where} is faster than every exact-prefetch variant ({row['x_exact-prefetch']}x): exact-prefetch "
+                         "is no floor on time")
+    return flags
+
+
 def is_number(text: str) -> bool:
     """Whether a link name is a plain GB/s figure ('0.25') rather than a preset ('gen4')."""
     try:
@@ -190,10 +215,10 @@ def _add_speedups(rows: list[dict]) -> None:
         for baseline in BASELINES:
             other = (resident.get((row["model"], mode)) if baseline == "resident"
                      else by_cell.get((row["model"], row["setting"], row["link"], mode, baseline)))
-            if baseline == "oracle":  # the floor: the best of the oracle variants (k as specter's, k=0)
-                oracles = [r for r in rows if r["system"].startswith("oracle") and r["model"] == row["model"]
-                           and r["setting"] == row["setting"] and r["link"] == row["link"] and sampling_of(r) == mode]
-                other = min(oracles, key=lambda r: r["tpot_ms"], default=None)
+            if baseline == "exact-prefetch":  # the fastest of its variants (k as specter-fixed's, specter's, k=0)
+                exact = [r for r in rows if r["system"].startswith("exact-prefetch") and r["model"] == row["model"]
+                         and r["setting"] == row["setting"] and r["link"] == row["link"] and sampling_of(r) == mode]
+                other = min(exact, key=lambda r: r["tpot_ms"], default=None)
             ok = other is not None and other["tpot_ms"] > 0 and row["tpot_ms"] > 0
             row[f"x_{baseline}"] = round(other["tpot_ms"] / row["tpot_ms"], 3) if ok else None
 
@@ -239,9 +264,11 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
         notes.append(f"merged parts differ in the draft's expert format: {[part['quant'] for part in parts]}")
     if len({part["source_digest"] for part in parts}) > 1:
         notes.append("merged parts ran different engine sources (see merged_from)")
+    summary = summarize(runs)
+    notes += [flag for flag in exact_prefetch_flags(summary) if flag not in notes]  # cells that met only in the merge
     return {"machine": machine, "options": payloads[0]["options"], "args": payloads[0].get("args", {}),
             "models": [model for payload in payloads for model in payload.get("models", [])],
-            "cells": [cell for payload in payloads for cell in payload.get("cells", [])], "summary": summarize(runs),
+            "cells": [cell for payload in payloads for cell in payload.get("cells", [])], "summary": summary,
             "runs": runs, "notes": notes, "elapsed_s": round(sum(p.get("elapsed_s", 0.0) for p in payloads), 1),
             "merged_from": parts}
 
@@ -308,7 +335,7 @@ def table_lines(rows: Sequence[dict], columns=COLUMNS, markdown: bool = False) -
 
 
 SHORT_COLUMNS = (("model", "model"), ("setting", "setting"), ("link", "link"), ("sampling", "sampling"), ("system", "system"), ("tpot_ms", "TPOT ms"),
-                 ("x_ondemand", "x ondemand"), ("x_specmoeoff", "x specmoeoff"), ("x_oracle", "x oracle"),
+                 ("x_ondemand", "x ondemand"), ("x_specmoeoff", "x specmoeoff"), ("x_exact-prefetch", "x exact"),
                  ("acceptance", "accept"), ("window_recall", "recall"), ("copy_busy", "copy busy"), ("tokens_equal", "= baseline"))
 
 
