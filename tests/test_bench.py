@@ -619,3 +619,29 @@ def test_cells_where_a_system_beats_exact_prefetch_are_flagged():
     report._add_speedups(rows)
     assert any("m residents=2 1 greedy: specter is faster than every exact-prefetch variant" in f
                for f in report.exact_prefetch_flags(rows))
+
+
+def test_realism_reports_each_checkpoint_once_prints_it_and_stores_it(tmp_path, capsys):
+    """bench --realism on tiny (a checkpoint): the report is printed, kept under the model in results.json and
+    summarised in one row of results.md."""
+    code = cli.main(["--model", "tiny", "--realism", "--realism-tokens", "6", "--systems", "ondemand", "--max-new-tokens", "4",
+                     "--warmup-tokens", "2", "--link", "1", "--no-progress", "--no-plots", "--no-hf", "--out", str(tmp_path)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert printed.count("realism: tiny (") == 1 and "| layer | entropy |" in printed
+    realism = json.loads((tmp_path / "results.json").read_text())["models"][0]["realism"]
+    assert realism["new_tokens"] == 6 and realism["model"] == "tiny"
+    assert {"repetition", "routing", "draft", "held_out", "flags"} <= set(realism)
+    assert 0.0 <= realism["routing"]["mean"]["entropy"] <= 1.0 and realism["draft"]["drafted_greedy"] > 0
+    table = (tmp_path / "results.md").read_text()
+    assert "| model | held-out loss | greedy 4-gram repeat |" in table
+    assert sum(line.startswith("| tiny |") for line in table.split("Realism of each checkpoint")[1].splitlines()) == 1
+
+
+def test_realism_skips_synthetic_shapes_with_a_note():
+    from specter.bench.protocol import ModelTarget, Options
+
+    target = ModelTarget(label="shape", make_source=lambda: None, spec=None, full_spec=None, prompts=[], warmup=None,
+                         settings=[])
+    assert cli.realism_reports([target], Options(systems=[], links=[]), 4) == {}
+    assert target.notes == ["shape: no realism report (synthetic random weights route at random)"]

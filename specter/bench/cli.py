@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--merge", type=Path, action="append", default=None, metavar="DIR",
                         help="run nothing: merge the results.json of these bench outputs (repeatable, disjoint cells) into --out")
+    parser.add_argument("--realism", action="store_true",
+                        help="before the matrix, the realism report of each checkpoint model (not of synthetic shapes): "
+                             "held-out loss, repetition, routing balance and locality, the draft's match and acceptance "
+                             "(specter.bench.realism); printed, stored under the model in results.json, one row in results.md")
+    parser.add_argument("--realism-tokens", type=int, default=128, help="new tokens per prompt of the realism report")
     parser.add_argument("--copy-gaps", action="store_true",
                         help="split the copy stream's idle time in transfer-bound verifies by cause (head, layer hand-over, "
                              "issue, slot wait; one more GPU event per chunk): the copy_idle columns of results.json")
@@ -212,6 +217,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     started = time.monotonic()
     targets, notes = targets_from_args(args)
     options = options_from_args(args)
+    realism = realism_reports(targets, options, args.realism_tokens) if args.realism else {}
     records, cells = run_matrix(targets, options, args.time_budget)
     summary = report.summarize(records)
     notes += [note for target in targets for note in target.notes]
@@ -219,7 +225,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     flags = report.exact_prefetch_flags(summary)
     notes += flags
     payload = {"machine": report.machine(argv), "options": vars(options) | {"tuning": options.tuning.model_dump()}, "args": {k: str(v) for k, v in vars(args).items()},
-               "models": [_model_info(t) for t in targets], "cells": cells, "summary": summary, "runs": records, "notes": notes,
+               "models": [_model_info(t) | ({"realism": realism[t.label]} if t.label in realism else {}) for t in targets],
+               "cells": cells, "summary": summary, "runs": records, "notes": notes,
                "elapsed_s": round(time.monotonic() - started, 1)}
     write_outputs(args.out, payload, plots=not args.no_plots)
     print("\n".join(report.table_lines(summary, report.SHORT_COLUMNS) + report.copy_idle_lines(summary)))
@@ -230,6 +237,29 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     for flag in flags:
         print(f"flag: {flag}")
     return 0 if all(row["tokens_equal"] for row in summary if row["system"] != "hf-accelerate") else 1
+
+
+def realism_reports(targets: Sequence[ModelTarget], options: Options, new_tokens: int) -> dict[str, dict]:
+    """The realism report of every checkpoint target (synthetic shapes have random weights: nothing to report), each
+    printed as it is made; its draft has the bench's expert format. A model that cannot be reported is noted."""
+    import asyncio
+
+    from specter.bench.realism import format_report, realism_config, realism_for_bench
+
+    reports = {}
+    for target in targets:
+        if target.path is None:
+            target.notes.append(f"{target.label}: no realism report (synthetic random weights route at random)")
+            continue
+        config = realism_config(options.device, options.quant)
+        try:
+            reports[target.label] = asyncio.run(realism_for_bench(target.make_source(), target.path, config=config,
+                                                                  new_tokens=new_tokens, label=target.label))
+        except SpecterError as error:
+            target.notes.append(f"{target.label}: realism report skipped: {error}")
+            continue
+        print(format_report(reports[target.label]) + "\n")
+    return reports
 
 
 def _model_info(target: ModelTarget) -> dict:

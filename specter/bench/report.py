@@ -369,6 +369,30 @@ def _sampling_text(options: dict[str, Any]) -> str:
                         "a fixed seed per prompt)" for mode in modes)
 
 
+REALISM_COLUMNS = (("model", "model"), ("loss", "held-out loss"), ("greedy_repeat", "greedy 4-gram repeat"),
+                   ("sampled_repeat", "sampled 4-gram repeat"), ("entropy", "entropy (mean)"), ("min_entropy", "entropy (min)"),
+                   ("overlap", "overlap"), ("reuse8", "reuse8"), ("draft_match", "draft match"),
+                   ("acceptance_greedy", "accept greedy"), ("acceptance_sampled", "accept sampled"), ("flags", "flags"))
+
+
+def realism_row(label: str, realism: dict[str, Any]) -> dict[str, Any]:
+    """One model's realism report (bench --realism) as a row of REALISM_COLUMNS."""
+    mean, draft, repetition = realism["routing"]["mean"], realism["draft"], realism["repetition"]
+    return {"model": label, "loss": realism["held_out"]["loss"], "greedy_repeat": repetition["greedy_4gram_repeat"],
+            "sampled_repeat": repetition["sampled_4gram_repeat"], "entropy": mean.get("entropy"),
+            "min_entropy": realism["routing"]["min_entropy"], "overlap": mean.get("overlap"), "reuse8": mean.get("reuse8"),
+            "draft_match": mean.get("draft_match"), "acceptance_greedy": draft["acceptance_greedy"],
+            "acceptance_sampled": draft["acceptance_sampled"], "flags": len(realism["flags"])}
+
+
+def realism_lines(models: Sequence[dict[str, Any]]) -> list[str]:
+    rows = [realism_row(model["label"], model["realism"]) for model in models if model.get("realism")]
+    if not rows:
+        return []
+    return ["", "Realism of each checkpoint (--realism; specter.bench.realism: routing means over MoE layers on the "
+            "greedy sequences, flags in results.json):", ""] + table_lines(rows, REALISM_COLUMNS, markdown=True)
+
+
 def markdown_report(payload: dict[str, Any]) -> str:
     """The Markdown page: machine, command, date, the summary table and the notes."""
     info = payload["machine"]
@@ -383,6 +407,7 @@ def markdown_report(payload: dict[str, Any]) -> str:
     ]
     lines += table_lines(payload["summary"], markdown=True)
     lines += copy_idle_lines(payload["summary"], markdown=True)
+    lines += realism_lines(payload.get("models", []))
     if payload.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {note}" for note in payload["notes"]]
     lines += ["", "Columns: x S = TPOT of S / TPOT of this row (same model, setting, link); accept = accepted drafts / drafted; "
