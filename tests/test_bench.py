@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specter.bench import cli
 from specter.bench.protocol import Clock, synthetic_prompts
@@ -645,3 +647,49 @@ def test_realism_skips_synthetic_shapes_with_a_note():
                          settings=[])
     assert cli.realism_reports([target], Options(systems=[], links=[]), 4) == {}
     assert target.notes == ["shape: no realism report (synthetic random weights route at random)"]
+
+
+def _fewest_loads_by_search(rounds: list[set[int]], slots: int) -> int:
+    """The same floor by exhaustive search: after each round keep any `slots` of what was held or used."""
+    import itertools
+
+    costs = {frozenset(): 0}
+    for used in rounds:
+        following: dict[frozenset, int] = {}
+        for held, cost in costs.items():
+            paid = cost + len(used - held)
+            pool = sorted(held | used)
+            for size in range(min(slots, len(pool)) + 1):
+                for kept in itertools.combinations(pool, size):
+                    key = frozenset(kept)
+                    following[key] = min(following.get(key, paid), paid)
+        costs = following
+    return min(costs.values())
+
+
+@given(rounds=st.lists(st.sets(st.integers(0, 5), max_size=4), min_size=1, max_size=6), slots=st.integers(1, 3))
+@settings(max_examples=150, deadline=None)
+def test_fewest_loads_is_the_optimum_of_every_keep_choice(rounds, slots):
+    """Belady on whole rounds is the optimum of the relaxation the bytes floor stands on (issue 28 item 7)."""
+    from specter.bench.systems import fewest_loads
+
+    assert fewest_loads(rounds, slots) == _fewest_loads_by_search(rounds, slots)
+
+
+def test_no_system_moves_fewer_decode_bytes_than_the_floor_of_its_rounds(matrix):
+    runs = [run for run in matrix[2]["runs"] if run["system"] != "resident"]
+    assert runs and all(run["h2d_decode_floor_bytes"] is not None for run in runs)
+    assert all(run["h2d_bytes"] - run["h2d_prefill_bytes"] >= run["h2d_decode_floor_bytes"] for run in runs)
+    rows = [row for row in matrix[2]["summary"] if row["system"] != "resident"]
+    assert all(row["floor_decode_mb_per_token"] <= row["h2d_decode_mb_per_token"] for row in rows)
+    assert not [note for note in matrix[2]["notes"] if "below the bytes floor" in note]
+
+
+def test_a_cell_below_the_bytes_floor_of_its_rounds_is_flagged():
+    from specter.bench import report
+
+    row = {"model": "m", "setting": "residents=2", "link": "1", "sampling": "greedy", "system": "specter",
+           "h2d_decode_mb_per_token": 1.5, "floor_decode_mb_per_token": 1.8, "tpot_ms": 1.0}
+    assert report.exact_prefetch_flags([row]) == ["m residents=2 1 greedy: specter moved 1.5 decode MB/token, below the "
+                                                  "bytes floor of its own rounds (1.8): the floor or the byte accounting is wrong"]
+    assert report.exact_prefetch_flags([row | {"floor_decode_mb_per_token": 1.5}]) == []

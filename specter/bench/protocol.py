@@ -29,8 +29,8 @@ from specter.build import resolve_dtype
 from specter.log import get_logger
 from specter.model.checkpoint import Checkpoint
 from specter.model.spec import ModelSpec
-from specter.bench.systems import (SCHEDULE_SOURCE, SYSTEMS, BenchRuntime, Routes, Setting, System, initial_state, memory_summary,
-                                   system_slots)
+from specter.bench.systems import (SCHEDULE_SOURCE, SYSTEMS, BenchRuntime, Routes, Setting, System, decode_floor_loads,
+                                   initial_state, memory_summary, system_slots)
 
 log = get_logger(__name__)
 
@@ -337,6 +337,7 @@ class ModelBench:
             runtime.cache.stats = CacheStats([LayerStats() for _ in range(runtime.cache.num_layers)])
         schedule_key = (*cell, *prompt.key)
         recording = runtime.record_schedule() if system.name == SCHEDULE_SOURCE and runtime.cache is not None else None
+        routes = recording[1] if recording is not None else (runtime.record_routes() if runtime.cache is not None else None)
         if system.replay_schedule:
             runtime.replay_schedule(*self.schedules[schedule_key])
         elif system.exact_prefetch:
@@ -350,7 +351,12 @@ class ModelBench:
             return {}
         baselines = self.offloaded_baseline if runtime.cache is not None else self.baseline
         expected = baselines.get(prompt.key)
+        floor = None
+        if routes is not None:  # the fewest decode bytes any system with these slots could have moved for these rounds
+            slots = runtime.memory.slots_per_layer
+            floor = decode_floor_loads(routes, len(runtime.spec.moe_layers), slots) * runtime.cache.pool.expert_bytes
         return {"prompt_kind": prompt.kind, "prompt_index": prompt.index, "sampling": prompt.sampling,
+                "h2d_decode_floor_bytes": floor,
                 "seed": prompt.seed if prompt.sampling != "greedy" else None, **request_record(result.tokens, expected, result.stats),
                 "predictor_recall": runtime.predictor_recall, "wall_s": round(wall_s, 4), "peak_gpu_bytes": peak_gpu_bytes()}
 

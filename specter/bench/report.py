@@ -30,7 +30,7 @@ COLUMNS = (
     ("tpot_ms", "TPOT ms"), ("ttft_ms", "TTFT ms"), ("x_ondemand", "x ondemand"), ("x_specmoeoff", "x specmoeoff"),
     ("x_exact-prefetch", "x exact"), ("acceptance", "accept"), ("accepted_length", "acc len"), ("window_recall", "recall"),
     ("hit_rate", "hit rate"), ("h2d_mb_per_token", "H2D MB/tok"), ("h2d_decode_mb_per_token", "decode MB/tok"),
-    ("stall_ms_per_token", "stall ms/tok"),
+    ("floor_decode_mb_per_token", "floor MB/tok"), ("stall_ms_per_token", "stall ms/tok"),
     ("copy_busy", "copy busy"), ("peak_gib", "peak GiB"), ("tokens_equal", "= baseline"),
 )
 
@@ -130,7 +130,8 @@ def reading(summary: Sequence[dict[str, Any]], system: str = "specter", baseline
 
 
 def exact_prefetch_flags(summary: Sequence[dict[str, Any]]) -> list[str]:
-    """Cells where a system beats exact-prefetch: fewer decode bytes per token than the variant that verifies the
+    """Cells below the bytes floor of their own rounds (which must never happen), and cells where a system beats
+    exact-prefetch: fewer decode bytes per token than the variant that verifies the
     same rounds (SAME_SCHEDULE), or a lower TPOT than the fastest variant. exact-prefetch knows every future route
     but is no floor: with fewer slots than a verify's experts per layer it runs a rolling window in which Belady
     cannot tell an expert this round already used from one it still needs (both are next used "this round"), and its
@@ -139,6 +140,10 @@ def exact_prefetch_flags(summary: Sequence[dict[str, Any]]) -> list[str]:
     flags = []
     for (model, setting, link, sampling, system), row in by_key.items():
         where = f"{model} {setting} {link} {sampling}: {system}"
+        floor, moved = row.get("floor_decode_mb_per_token"), row.get("h2d_decode_mb_per_token")
+        if floor is not None and moved is not None and moved < floor:
+            flags.append(f"{where} moved {moved} decode MB/token, below the bytes floor of its own rounds ({floor}): "
+                         "the floor or the byte accounting is wrong")
         partner = by_key.get((model, setting, link, sampling, SAME_SCHEDULE.get(system, "")))
         mine, theirs = row.get("h2d_decode_mb_per_token"), partner and partner.get("h2d_decode_mb_per_token")
         if mine is not None and theirs is not None and mine < theirs:
@@ -185,6 +190,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "hit_rate": round(hits / lookups, 4) if lookups else None,
         "h2d_mb_per_token": round(sum(r["h2d_bytes"] for r in runs) / tokens / 1e6, 3),
         "h2d_decode_mb_per_token": decode_mb_per_token(runs),
+        "floor_decode_mb_per_token": floor_mb_per_token(runs),
         "stall_ms_per_token": round(1e3 * sum(r["stall_s"] for r in runs) / tokens, 3),
         "copy_busy": round(sum(r.get("copy_busy_s", 0.0) for r in runs) / copy_window, 4) if copy_window else None,
         "copy_idle": _copy_idle(runs, copy_window),
@@ -289,6 +295,15 @@ def decode_mb_per_token(runs: Sequence[dict]) -> float | None:
         return None
     tokens = sum(max(0, r["new_tokens"] - 1) for r in runs)
     return round(sum(r["h2d_bytes"] - r["h2d_prefill_bytes"] for r in runs) / tokens / 1e6, 3) if tokens else None
+
+
+def floor_mb_per_token(runs: Sequence[dict]) -> float | None:
+    """The bytes floor of the rounds these runs verified (systems.decode_floor_loads), per token after the first, as
+    decode MB/token is; None where a run has no floor (resident, HF, results from before it was kept)."""
+    if any(r.get("h2d_decode_floor_bytes") is None for r in runs):
+        return None
+    tokens = sum(max(0, r["new_tokens"] - 1) for r in runs)
+    return round(sum(r["h2d_decode_floor_bytes"] for r in runs) / tokens / 1e6, 3) if tokens else None
 
 
 def _pump_gaps(runs: Sequence[dict]) -> dict[str, float] | None:

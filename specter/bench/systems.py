@@ -107,7 +107,8 @@ SYSTEMS: dict[str, System] = {
         # against 3.02 for specter-fixed at the same k = 4 (same tokens, same routes): with fewer slots than a verify
         # uses per layer, the cache runs a rolling window in which Belady sees an expert the round already consumed and
         # one it still needs as both next used "this round", and the plan names the round's lowest expert ids (first
-        # `slots`), not the first needed. report.exact_prefetch_flags notes every cell where a system beats them.
+        # `slots`), not the first needed. report.exact_prefetch_flags notes every cell where a system beats them; the
+        # floor on bytes is computed instead, per request, from its own rounds (decode_floor_loads).
         System("exact-prefetch", "same budget and k as specter-fixed; before each round the exact experts its verify will "
                                  "use (recorded in an untimed pass) are prefetched in layer order, Belady eviction on the "
                                  "recorded future; no floor (see the comment above)",
@@ -416,6 +417,40 @@ class BenchRuntime(Runtime):
         predicted = ranked[: self.memory.slots_per_layer]
         self.books.gate_predicted[following] = set(predicted)
         self.cache.prefetch(self.moe_index[following], predicted)
+
+
+def fewest_loads(rounds: Sequence[Set[int]], slots: int) -> int:
+    """The fewest loads of one layer's experts that serve `rounds` (per round, the experts its verify used) with
+    `slots` slots, from an empty cache: Belady on whole rounds (load what the round misses, then keep the `slots`
+    experts used again soonest). A lower bound for any cache of `slots` per layer at every round boundary, whatever it
+    does inside a round (a rolling window, the relay's loans, given back at the round's end) or ahead of it
+    (prefetches only move loads earlier): what round r uses and the cache did not hold at the end of round r - 1 is
+    loaded during round r, and a load that waits until it is needed costs no more than one made earlier."""
+    uses: dict[int, list[int]] = {}
+    for index, used in enumerate(rounds):
+        for expert in used:
+            uses.setdefault(expert, []).append(index)
+
+    def next_use(expert: int, after: int) -> float:
+        rounds_used = uses[expert]
+        position = bisect.bisect_right(rounds_used, after)
+        return rounds_used[position] if position < len(rounds_used) else math.inf
+
+    held: set[int] = set()
+    loads = 0
+    for index, used in enumerate(rounds):
+        loads += len(set(used) - held)
+        held |= set(used)
+        while len(held) > slots:
+            held.remove(max(held, key=lambda expert: (next_use(expert, index), expert)))
+    return loads
+
+
+def decode_floor_loads(routes: Routes, layers: int, slots: int) -> int:
+    """A lower bound on the expert loads of a request's decode rounds (`routes`, recorded after the prompt) for any
+    system with `slots` per layer: per layer, fewest_loads less the `slots` experts the prompt may have left
+    resident (the state after the prompt is free to be the best one)."""
+    return sum(max(0, fewest_loads([round_.get(layer, ()) for round_ in routes], slots) - slots) for layer in range(layers))
 
 
 def initial_state(snapshot_layers: Sequence[Sequence[int]], slots: int) -> tuple[tuple[int, ...], ...]:
