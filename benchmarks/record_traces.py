@@ -33,7 +33,7 @@ async def record(model: Path, residents: int, out: Path, per_kind: int, max_new_
     checkpoint.close()
     prompts = checkpoint_prompts(model, spec.vocab_size, per_kind)
     chosen = get_system(system)
-    if (chosen.prefetch_options or chosen.lookahead == "fixed" or chosen.oracle or chosen.resident or chosen.scout
+    if (chosen.prefetch_options or chosen.lookahead == "fixed" or chosen.exact_prefetch or chosen.resident or chosen.scout
             or chosen.separate_draft or chosen.gate_prefetch or chosen.overlap is not None):
         raise SystemExit(f"record_traces runs systems with plain plug-ins, an adaptive depth and the engine's default "
                          f"draft-ahead; {system!r} is not one")

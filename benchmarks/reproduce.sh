@@ -97,7 +97,7 @@ kernels() {  # table "Kernels": the draft step's row kernels alone, and the draf
 reference() {  # table "Mixtral-format reference model": every baseline, three links, 128 tokens
   train_reference
   timeout 380 python3 -m specter.bench --model /tmp/reference --residents 4,2 --link native,gen4,ddr4-desktop \
-    --max-new-tokens 128 --systems resident,ondemand,specmoeoff,specter,specter-fixed,oracle,oracle-k0,oracle-specter \
+    --max-new-tokens 128 --systems resident,ondemand,specmoeoff,specter,specter-fixed,exact-prefetch,exact-prefetch-k0,exact-prefetch-specter \
     --time-budget 290 --no-progress --no-plots --out "$out/reference-full" 2>&1 | tail -50
 }
 
@@ -110,7 +110,7 @@ reference_overlap() {  # table "Mixtral-format reference model", the draft-ahead
 
 paper() {  # SHAPE: table "The paper's shapes, random weights": one shape per call, 8 layers, three links
   timeout 570 python3 -m specter.bench --model "$1" --preset paper --layers 8 --link native,gen4,ddr4-desktop \
-    --max-new-tokens 64 --systems resident,ondemand,specmoeoff,specter,oracle-specter --time-budget 530 --no-progress \
+    --max-new-tokens 64 --systems resident,ondemand,specmoeoff,specter,exact-prefetch-specter --time-budget 530 --no-progress \
     --no-plots --out "$out/paper-$1" 2>&1 | tail -35
 }
 

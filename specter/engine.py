@@ -57,7 +57,7 @@ class GenerationResult:
 
 
 class PlanSource(Protocol):
-    """A plan made before the draft (the bench's oracle replays recorded routes this way)."""
+    """A plan made before the draft (the bench's exact-prefetch replays recorded routes this way)."""
 
     def plan_before_draft(self, k: int) -> Plan | None:
         """Called once per round, after k is chosen and before the draft: experts to protect and prefetch at once

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specter.bench import cli
 from specter.bench.protocol import Clock, synthetic_prompts
@@ -26,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def matrix(tmp_path_factory):
     """One small matrix run through the CLI: every offloaded system that the checks below need."""
     out = tmp_path_factory.mktemp("bench")
-    systems = "resident,ondemand,gate-prefetch,specmoeoff,specter,specter-scout,scout-k0,oracle,oracle-specter"
+    systems = "resident,ondemand,gate-prefetch,specmoeoff,specter,specter-scout,scout-k0,exact-prefetch,exact-prefetch-specter"
     code = cli.main(["--systems", systems, "--max-new-tokens", "8", "--warmup-tokens", "4", "--link", "1", "--no-progress",
                      "--out", str(out)])
     return code, out, json.loads((out / "results.json").read_text())
@@ -36,8 +38,8 @@ def test_matrix_tokens_equal_baseline_for_every_system(matrix):
     code, _out, results = matrix
     assert code == 0
     systems = {row["system"] for row in results["summary"]}
-    assert systems == {"resident", "ondemand", "gate-prefetch", "specmoeoff", "specter", "specter-scout", "scout-k0", "oracle",
-                       "oracle-specter"}
+    assert systems == {"resident", "ondemand", "gate-prefetch", "specmoeoff", "specter", "specter-scout", "scout-k0", "exact-prefetch",
+                       "exact-prefetch-specter"}
     assert all(row["tokens_equal"] for row in results["summary"]), results["summary"]
     assert all(run["new_tokens"] == 8 and run["tpot_s"] > 0 for run in results["runs"])
 
@@ -57,7 +59,7 @@ def test_matrix_records_protocol_and_machine(matrix):
     drafting = [run for run in results["runs"] if run["system"] == "specmoeoff"]  # fixed k=3: always drafts
     assert drafting and all(run["drafted"] > 0 and 0 < run["recall_hits"] <= run["recall_total"] for run in drafting)
     table = (out / "results.md").read_text()
-    assert "| model | setting | link | system | TPOT ms |" in table and "specmoeoff" in table
+    assert "| model | setting | link | sampling | system | TPOT ms |" in table and "specmoeoff" in table
 
 
 def test_matrix_writes_plots(matrix):
@@ -81,19 +83,19 @@ def test_specter_scout_scouts_its_plain_rounds(matrix):
     assert rows["scout-k0"]["scout_recall"] == round(pooled, 4) and rows["ondemand"]["scout_recall"] is None
 
 
-def test_oracle_predicts_every_used_expert_and_gate_prefetch_some(matrix):
+def test_exact_prefetch_predicts_every_used_expert_and_gate_prefetch_some(matrix):
     runs = matrix[2]["runs"]
-    assert all(run["predictor_recall"] == 1.0 for run in runs if run["system"] == "oracle")
+    assert all(run["predictor_recall"] == 1.0 for run in runs if run["system"] == "exact-prefetch")
     gate = [run["predictor_recall"] for run in runs if run["system"] == "gate-prefetch"]
     assert gate and all(0.0 <= recall <= 1.0 for recall in gate)
 
 
-def test_oracle_specter_replays_specters_rounds_with_perfect_prefetch(matrix):
+def test_exact_prefetch_specter_replays_specters_rounds_with_perfect_prefetch(matrix):
     """Same tokens and the same depth per round as the specter run of its cell, so the same rounds and
     acceptances; every expert its verifies use was named in advance."""
     runs = matrix[2]["runs"]
     by_prompt = {(run["system"], run["prompt_kind"], run["prompt_index"]): run for run in runs}
-    replayed = [run for run in runs if run["system"] == "oracle-specter"]
+    replayed = [run for run in runs if run["system"] == "exact-prefetch-specter"]
     assert len(replayed) == 3
     for run in replayed:
         source = by_prompt[("specter", run["prompt_kind"], run["prompt_index"])]
@@ -102,33 +104,33 @@ def test_oracle_specter_replays_specters_rounds_with_perfect_prefetch(matrix):
         assert run["predictor_recall"] == 1.0
 
 
-def test_specter_and_oracle_specter_take_the_engines_default_draft_ahead(tmp_path, monkeypatch):
-    """`specter` and `oracle-specter` draft ahead as the engine does by default (16 on CUDA, off on the CPU);
-    `specter-serial` never does. Here the default is forced on, as on CUDA: tokens equal, the oracle replays
+def test_specter_and_exact_prefetch_specter_take_the_engines_default_draft_ahead(tmp_path, monkeypatch):
+    """`specter` and `exact-prefetch-specter` draft ahead as the engine does by default (16 on CUDA, off on the CPU);
+    `specter-serial` never does. Here the default is forced on, as on CUDA: tokens equal, exact-prefetch replays
     specter's rounds, draft-ahead counted for both and not for specter-serial."""
     monkeypatch.setattr(DraftConfig, "overlap_steps", lambda self, device_type, cuda_graphs: 16 if self.overlap is None else self.overlap)
-    code = cli.main(["--systems", "specter-serial,specter,oracle-specter", "--max-new-tokens", "12", "--warmup-tokens", "2",
+    code = cli.main(["--systems", "specter-serial,specter,exact-prefetch-specter", "--max-new-tokens", "12", "--warmup-tokens", "2",
                      "--link", "1", "--k", "4", "--no-progress", "--no-plots", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
     assert code == 0 and all(row["tokens_equal"] for row in results["summary"]), results["summary"]
     ahead = {}
     for run in results["runs"]:
         ahead[run["system"]] = ahead.get(run["system"], 0) + run["ahead_rounds"]
-    assert ahead["specter-serial"] == 0 and ahead["specter"] > 0 and ahead["oracle-specter"] > 0, ahead
+    assert ahead["specter-serial"] == 0 and ahead["specter"] > 0 and ahead["exact-prefetch-specter"] > 0, ahead
     by_prompt = {(run["system"], run["prompt_kind"], run["prompt_index"]): run for run in results["runs"]}
-    for run in (run for run in results["runs"] if run["system"] == "oracle-specter"):
+    for run in (run for run in results["runs"] if run["system"] == "exact-prefetch-specter"):
         source = by_prompt[("specter", run["prompt_kind"], run["prompt_index"])]
         assert (run["rounds"], run["drafted"], run["accepted"]) == (source["rounds"], source["drafted"], source["accepted"])
 
 
-def test_oracle_specter_without_specter_is_skipped_and_says_why(tmp_path):
-    code = cli.main(["--systems", "ondemand,oracle-specter", "--max-new-tokens", "4", "--warmup-tokens", "2", "--link", "1",
+def test_exact_prefetch_specter_without_specter_is_skipped_and_says_why(tmp_path):
+    code = cli.main(["--systems", "ondemand,exact-prefetch-specter", "--max-new-tokens", "4", "--warmup-tokens", "2", "--link", "1",
                      "--no-progress", "--no-plots", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
     assert code == 0
     status = {cell["system"]: cell["status"] for cell in results["cells"]}
-    assert status == {"ondemand": "ok", "oracle-specter": "skipped: needs specter earlier in the same run"}
-    assert any("oracle-specter: skipped: needs specter" in note for note in results["notes"])
+    assert status == {"ondemand": "ok", "exact-prefetch-specter": "skipped: needs specter earlier in the same run"}
+    assert any("exact-prefetch-specter: skipped: needs specter" in note for note in results["notes"])
 
 
 def test_specmoeoff_pays_for_its_separate_draft(matrix):
@@ -268,7 +270,7 @@ def test_merge_combines_disjoint_runs_and_refuses_overlaps(tmp_path, capsys):
     assert [n for n in results["notes"] if "note" in n] == ["shared note", "note of part 0", "note of part 1"]
     assert "merged parts differ in the draft's expert format: ['int4', 'int8']" in results["notes"]
     assert len(results["runs"]) == 6 and [part["directory"] for part in results["merged_from"]] == [str(p) for p in parts]
-    assert "| model | setting | link | system |" in (merged / "results.md").read_text()
+    assert "| model | setting | link | sampling | system |" in (merged / "results.md").read_text()
     assert cli.main(["--merge", str(parts[0]), "--merge", str(parts[0]), "--no-plots", "--out", str(tmp_path / "bad")]) == 2
     assert "is in both" in capsys.readouterr().err
     assert cli.main(["--merge", str(tmp_path / "missing"), "--out", str(tmp_path / "bad2")]) == 2
@@ -588,3 +590,106 @@ def test_the_bare_quick_matrix_shows_the_idea_with_repeats_and_a_draft_that_agre
         assert options.links == list(cli.QUICK_LINKS)
     shaped = cli.options_from_args(cli.build_parser().parse_args(["--systems", "ondemand"]))
     assert (shaped.repeats, shaped.quant) == (1, "int4")  # a matrix of the user's own keeps the plain defaults
+
+
+def test_the_exact_prefetch_systems_carry_no_oracle_name_in_code_or_docs():
+    """Issue 28 item 7: the systems that prefetch the recorded routes are no floor, so nothing calls them the oracle
+    (docs/journal.md is history and keeps the old names)."""
+    from specter.bench import report
+
+    assert not [name for name in SYSTEMS if "oracle" in name]
+    assert {"exact-prefetch", "exact-prefetch-k0", "exact-prefetch-specter"} <= set(SYSTEMS)
+    assert "x_oracle" not in {key for key, _ in report.COLUMNS + report.SHORT_COLUMNS} and "oracle" not in report.BASELINES
+    for doc in ("README.md", "docs/BENCHMARKS.md", "benchmarks/README.md", "docs/ARCHITECTURE.md"):
+        text = (ROOT / doc).read_text().replace("named `oracle*` before issue 28", "")
+        assert "oracle" not in text.lower(), doc
+
+
+def test_cells_where_a_system_beats_exact_prefetch_are_flagged():
+    from specter.bench import report
+
+    def row(system, mb, tpot):
+        return {"model": "m", "setting": "residents=2", "link": "1", "sampling": "greedy", "system": system,
+                "h2d_decode_mb_per_token": mb, "tpot_ms": tpot}
+
+    rows = [row("specter-fixed", 3.02, 17.2), row("exact-prefetch", 3.15, 18.0), row("specter", 2.6, 10.7),
+            row("exact-prefetch-specter", 2.5, 10.0), row("exact-prefetch-k0", 2.62, 9.99)]
+    report._add_speedups(rows)
+    flags = report.exact_prefetch_flags(rows)
+    assert len(flags) == 1 and "specter-fixed moves fewer decode bytes (3.02 MB/token) than exact-prefetch (3.15)" in flags[0]
+    rows[2]["tpot_ms"] = 9.0  # faster than every variant now
+    report._add_speedups(rows)
+    assert any("m residents=2 1 greedy: specter is faster than every exact-prefetch variant" in f
+               for f in report.exact_prefetch_flags(rows))
+
+
+def test_realism_reports_each_checkpoint_once_prints_it_and_stores_it(tmp_path, capsys):
+    """bench --realism on tiny (a checkpoint): the report is printed, kept under the model in results.json and
+    summarised in one row of results.md."""
+    code = cli.main(["--model", "tiny", "--realism", "--realism-tokens", "6", "--systems", "ondemand", "--max-new-tokens", "4",
+                     "--warmup-tokens", "2", "--link", "1", "--no-progress", "--no-plots", "--no-hf", "--out", str(tmp_path)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert printed.count("realism: tiny (") == 1 and "| layer | entropy |" in printed
+    realism = json.loads((tmp_path / "results.json").read_text())["models"][0]["realism"]
+    assert realism["new_tokens"] == 6 and realism["model"] == "tiny"
+    assert {"repetition", "routing", "draft", "held_out", "flags"} <= set(realism)
+    assert 0.0 <= realism["routing"]["mean"]["entropy"] <= 1.0 and realism["draft"]["drafted_greedy"] > 0
+    table = (tmp_path / "results.md").read_text()
+    assert "| model | held-out loss | greedy 4-gram repeat |" in table
+    assert sum(line.startswith("| tiny |") for line in table.split("Realism of each checkpoint")[1].splitlines()) == 1
+
+
+def test_realism_skips_synthetic_shapes_with_a_note():
+    from specter.bench.protocol import ModelTarget, Options
+
+    target = ModelTarget(label="shape", make_source=lambda: None, spec=None, full_spec=None, prompts=[], warmup=None,
+                         settings=[])
+    assert cli.realism_reports([target], Options(systems=[], links=[]), 4) == {}
+    assert target.notes == ["shape: no realism report (synthetic random weights route at random)"]
+
+
+def _fewest_loads_by_search(rounds: list[set[int]], slots: int) -> int:
+    """The same floor by exhaustive search: after each round keep any `slots` of what was held or used."""
+    import itertools
+
+    costs = {frozenset(): 0}
+    for used in rounds:
+        following: dict[frozenset, int] = {}
+        for held, cost in costs.items():
+            paid = cost + len(used - held)
+            pool = sorted(held | used)
+            for size in range(min(slots, len(pool)) + 1):
+                for kept in itertools.combinations(pool, size):
+                    key = frozenset(kept)
+                    following[key] = min(following.get(key, paid), paid)
+        costs = following
+    return min(costs.values())
+
+
+@given(rounds=st.lists(st.sets(st.integers(0, 5), max_size=4), min_size=1, max_size=6), slots=st.integers(1, 3))
+@settings(max_examples=150, deadline=None)
+def test_fewest_loads_is_the_optimum_of_every_keep_choice(rounds, slots):
+    """Belady on whole rounds is the optimum of the relaxation the bytes floor stands on (issue 28 item 7)."""
+    from specter.bench.systems import fewest_loads
+
+    assert fewest_loads(rounds, slots) == _fewest_loads_by_search(rounds, slots)
+
+
+def test_no_system_moves_fewer_decode_bytes_than_the_floor_of_its_rounds(matrix):
+    runs = [run for run in matrix[2]["runs"] if run["system"] != "resident"]
+    assert runs and all(run["h2d_decode_floor_bytes"] is not None for run in runs)
+    assert all(run["h2d_bytes"] - run["h2d_prefill_bytes"] >= run["h2d_decode_floor_bytes"] for run in runs)
+    rows = [row for row in matrix[2]["summary"] if row["system"] != "resident"]
+    assert all(row["floor_decode_mb_per_token"] <= row["h2d_decode_mb_per_token"] for row in rows)
+    assert not [note for note in matrix[2]["notes"] if "below the bytes floor" in note]
+
+
+def test_a_cell_below_the_bytes_floor_of_its_rounds_is_flagged():
+    from specter.bench import report
+
+    row = {"model": "m", "setting": "residents=2", "link": "1", "sampling": "greedy", "system": "specter",
+           "h2d_decode_mb_per_token": 1.5, "floor_decode_mb_per_token": 1.8, "tpot_ms": 1.0}
+    assert report.exact_prefetch_flags([row]) == ["m residents=2 1 greedy: specter moved 1.5 decode MB/token, below the "
+                                                  "bytes floor of its own rounds (1.8): the floor or the byte accounting is wrong"]
+    assert report.exact_prefetch_flags([row | {"floor_decode_mb_per_token": 1.5}]) == []

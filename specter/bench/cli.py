@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specter.bench import report
-from specter.bench.protocol import ModelTarget, Options, checkpoint_target, run_matrix, synthetic_prompts, warmup_prompt
+from specter.bench.protocol import SAMPLING_MODES, ModelTarget, Options, checkpoint_target, run_matrix, synthetic_prompts, warmup_prompt
 from specter.bench.synthetic import SHAPES, family_available, shape_config, shape_label, synthetic_source
 from specter.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, Setting
 from specter.config import TuningConfig, parse_bytes
@@ -56,10 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"links to emulate: gen5, gen4, gen3, ddr4-desktop, native or GB/s (default: native on CUDA, "
                              f"{','.join(PLAIN_CPU_LINKS)} on the CPU; quick: {','.join(QUICK_LINKS)})")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="output tokens per request (default 128; quick: 32)")
+    parser.add_argument("--sampling", type=_name_list, default=["greedy"],
+                        help=f"how requests pick tokens, of: {', '.join(SAMPLING_MODES)} (sampled: temperature 0.7, top-p 0.9, "
+                             "a fixed seed per prompt); every prompt runs in each mode and is held to the target-only "
+                             "baseline in the same mode and seed. Default greedy alone: it keeps the quick matrix within "
+                             "2 minutes on the CPU (greedy,sampled doubles its requests)")
     parser.add_argument("--warmup-tokens", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=1, help="prompts per kind (kinds: uniform/zipf/motif, or code/prose/docs)")
     parser.add_argument("--repeats", type=int, default=None, help=f"requests per prompt (default 1; quick: {QUICK_REPEATS})")
-    parser.add_argument("--k", type=int, default=4, help="draft depth of specter (fixed) and oracle")
+    parser.add_argument("--k", type=int, default=4, help="draft depth of specter-fixed and exact-prefetch")
     parser.add_argument("--k-max", type=int, default=15, help="largest depth the roofline governor may pick (15: 16 "
                         "verify rows, one pass of the 16-row static verify; H200 2026-11-30, trained Qwen shape at 8 "
                         "residents: specter 5.0 -> 2.83 ms from 8 to 15)")
@@ -78,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--merge", type=Path, action="append", default=None, metavar="DIR",
                         help="run nothing: merge the results.json of these bench outputs (repeatable, disjoint cells) into --out")
+    parser.add_argument("--realism", action="store_true",
+                        help="before the matrix, the realism report of each checkpoint model (not of synthetic shapes): "
+                             "held-out loss, repetition, routing balance and locality, the draft's match and acceptance "
+                             "(specter.bench.realism); printed, stored under the model in results.json, one row in results.md")
+    parser.add_argument("--realism-tokens", type=int, default=128, help="new tokens per prompt of the realism report")
     parser.add_argument("--copy-gaps", action="store_true",
                         help="split the copy stream's idle time in transfer-bound verifies by cause (head, layer hand-over, "
                              "issue, slot wait; one more GPU event per chunk): the copy_idle columns of results.json")
@@ -162,6 +172,9 @@ def options_from_args(args: argparse.Namespace) -> Options:
     unknown = [name for name in systems if name not in SYSTEMS]
     if unknown:
         raise ConfigError(f"unknown system(s) {unknown}; systems: {', '.join(SYSTEMS)}")
+    modes = list(dict.fromkeys(args.sampling))
+    if not modes or any(mode not in SAMPLING_MODES for mode in modes):
+        raise ConfigError(f"--sampling {','.join(args.sampling)}: expected a comma-separated list of {', '.join(SAMPLING_MODES)}")
     on_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     if args.threads or not on_cuda:
         torch.set_num_threads(args.threads or 1)
@@ -174,7 +187,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    repeats=repeats, k=args.k, k_max=max(args.k_max, args.k), row_bucket=args.row_bucket,
                    device=args.device, dtype=args.dtype,
                    progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=quant,
-                   tuning=tuning)
+                   tuning=tuning, sampling=modes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -204,12 +217,16 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     started = time.monotonic()
     targets, notes = targets_from_args(args)
     options = options_from_args(args)
+    realism = realism_reports(targets, options, args.realism_tokens) if args.realism else {}
     records, cells = run_matrix(targets, options, args.time_budget)
     summary = report.summarize(records)
     notes += [note for target in targets for note in target.notes]
     notes += [f"{c['model']} {c['setting']} {c['link']} {c['system']}: {c['status']}" for c in cells if c["status"] != "ok"]
+    flags = report.exact_prefetch_flags(summary)
+    notes += flags
     payload = {"machine": report.machine(argv), "options": vars(options) | {"tuning": options.tuning.model_dump()}, "args": {k: str(v) for k, v in vars(args).items()},
-               "models": [_model_info(t) for t in targets], "cells": cells, "summary": summary, "runs": records, "notes": notes,
+               "models": [_model_info(t) | ({"realism": realism[t.label]} if t.label in realism else {}) for t in targets],
+               "cells": cells, "summary": summary, "runs": records, "notes": notes,
                "elapsed_s": round(time.monotonic() - started, 1)}
     write_outputs(args.out, payload, plots=not args.no_plots)
     print("\n".join(report.table_lines(summary, report.SHORT_COLUMNS) + report.copy_idle_lines(summary)))
@@ -217,7 +234,32 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
           f"{', plots' if not args.no_plots else ''})")
     if line := report.reading(summary):
         print(line)
+    for flag in flags:
+        print(f"flag: {flag}")
     return 0 if all(row["tokens_equal"] for row in summary if row["system"] != "hf-accelerate") else 1
+
+
+def realism_reports(targets: Sequence[ModelTarget], options: Options, new_tokens: int) -> dict[str, dict]:
+    """The realism report of every checkpoint target (synthetic shapes have random weights: nothing to report), each
+    printed as it is made; its draft has the bench's expert format. A model that cannot be reported is noted."""
+    import asyncio
+
+    from specter.bench.realism import format_report, realism_config, realism_for_bench
+
+    reports = {}
+    for target in targets:
+        if target.path is None:
+            target.notes.append(f"{target.label}: no realism report (synthetic random weights route at random)")
+            continue
+        config = realism_config(options.device, options.quant)
+        try:
+            reports[target.label] = asyncio.run(realism_for_bench(target.make_source(), target.path, config=config,
+                                                                  new_tokens=new_tokens, label=target.label))
+        except SpecterError as error:
+            target.notes.append(f"{target.label}: realism report skipped: {error}")
+            continue
+        print(format_report(reports[target.label]) + "\n")
+    return reports
 
 
 def _model_info(target: ModelTarget) -> dict:

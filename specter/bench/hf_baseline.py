@@ -102,10 +102,10 @@ def _generate(model, ids: list[int], new_tokens: int) -> tuple[list[int], float]
 def _record(target, bench, options, setting, model, prompt) -> dict[str, Any]:
     _, first_s = _generate(model, prompt.ids, 1)
     tokens, total_s = _generate(model, prompt.ids, min(options.max_new_tokens, MAX_TOKENS))
-    expected = bench.baseline.get((prompt.kind, prompt.index), [])[: len(tokens)]
+    expected = bench.baseline.get(("greedy", prompt.kind, prompt.index), [])[: len(tokens)]
     return {
         "model": target.label, "setting": setting.label, "link": "native", "system": SYSTEM, "slots": setting.residents,
-        "prompt_kind": prompt.kind, "prompt_index": prompt.index, "repeat": 0, "new_tokens": len(tokens),
+        "prompt_kind": prompt.kind, "prompt_index": prompt.index, "sampling": "greedy", "repeat": 0, "new_tokens": len(tokens),
         "ttft_s": first_s, "tpot_s": (total_s - first_s) / (len(tokens) - 1), "hits": 0, "misses": 0, "h2d_bytes": 0, "h2d_prefill_bytes": 0,
         "stall_s": 0.0, "tokens_equal": tokens == expected, "first_mismatch": None, "peak_gpu_bytes": int(torch.cuda.max_memory_reserved()),
         "note": "bf16 HF numerics differ from the engine's exact mode; unequal tokens are expected here",

@@ -16,7 +16,11 @@ def write_plots(payload: dict, out: Path) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
-    summary, runs = payload["summary"], payload["runs"]
+    # The plots draw one sampling mode: greedy where it ran (the protocol's), else the first there is.
+    modes = [row.get("sampling") or "greedy" for row in payload["summary"]]
+    mode = "greedy" if "greedy" in modes or not modes else modes[0]
+    summary = [row for row in payload["summary"] if (row.get("sampling") or "greedy") == mode]
+    runs = [run for run in payload["runs"] if (run.get("sampling") or "greedy") == mode]
     written = []
     for name, plot in (("tpot_by_system.png", _tpot_by_system), ("speedup.png", _speedups), ("acceptance.png", _acceptance),
                        ("accepted_length_hist.png", _accepted_lengths), ("recall_by_layer.png", _recall_by_layer),
@@ -101,7 +105,7 @@ def _speedups(summary: list[dict], runs: list[dict]):
     rows = [r for r in summary if r["system"] == "specter"]
     if not rows:
         return None
-    baselines = ["x_ondemand", "x_gate-prefetch", "x_specmoeoff", "x_oracle", "x_resident"]
+    baselines = ["x_ondemand", "x_gate-prefetch", "x_specmoeoff", "x_exact-prefetch", "x_resident"]
     figure, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4))
     _bars(ax, [cell_label(r["model"], r["setting"], r["link"]) for r in rows], {b[2:]: [r.get(b) for r in rows] for b in baselines})
     ax.axhline(1.0, color="black", linewidth=0.8)

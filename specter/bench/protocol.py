@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import json
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,15 @@ from specter.build import resolve_dtype
 from specter.log import get_logger
 from specter.model.checkpoint import Checkpoint
 from specter.model.spec import ModelSpec
-from specter.bench.systems import (SCHEDULE_SOURCE, SYSTEMS, BenchRuntime, Routes, Setting, System, initial_state, memory_summary,
-                                   system_slots)
+from specter.bench.systems import (SCHEDULE_SOURCE, SYSTEMS, BenchRuntime, Routes, Setting, System, decode_floor_loads,
+                                   initial_state, memory_summary, system_slots)
 
 log = get_logger(__name__)
 
 PROMPT_TOKENS = 16
+SAMPLING_MODES: dict[str, dict[str, float]] = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.7, "top_p": 0.9}}
+"""How a request picks its tokens (issue 28 item 3): greedy, or seeded sampling as chat users run it. A sampled request's
+seed is fixed by its prompt (`Prompt.seed`), so its baseline, run with the same parameters and seed, is comparable."""
 
 
 @dataclasses.dataclass
@@ -41,6 +45,21 @@ class Prompt:
     kind: str
     index: int
     ids: list[int]
+    sampling: str = "greedy"
+    """A key of SAMPLING_MODES: how this request picks its tokens."""
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """What a request's baseline tokens and recorded routes are filed under: the same tokens for the same key."""
+        return (self.sampling, self.kind, self.index)
+
+    @property
+    def seed(self) -> int:
+        """The sampling seed of this prompt: fixed by kind and index, the same for every system and repeat."""
+        return zlib.crc32(f"{self.kind}:{self.index}".encode()) % 2**31
+
+    def generation(self, max_new_tokens: int) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=max_new_tokens, seed=self.seed, **SAMPLING_MODES[self.sampling])
 
 
 @dataclasses.dataclass
@@ -80,6 +99,8 @@ class Options:
     """The draft's expert format (DraftConfig.quant) for every speculative system."""
     tuning: TuningConfig = dataclasses.field(default_factory=TuningConfig)
     """EngineConfig.tuning of every system (`--tune SECTION.FIELD=VALUE`, `--copy-gaps`)."""
+    sampling: list[str] = dataclasses.field(default_factory=lambda: ["greedy"])
+    """Keys of SAMPLING_MODES: every prompt runs once per mode, held to a baseline run in the same mode."""
 
 
 class Clock:
@@ -150,19 +171,24 @@ class ModelBench:
         self.systems = [SYSTEMS[name] for name in options.systems]
         self.records: list[dict[str, Any]] = []
         self.cells: list[dict[str, Any]] = []
-        self.baseline: dict[tuple[str, int], list[int]] = {}  # resident, k = 0
-        self.offloaded_baseline: dict[tuple[str, int], list[int]] = {}  # offloaded, k = 0 (ondemand)
-        self.routes: dict[tuple[int, str, int], Routes] = {}
-        self.schedules: dict[tuple[str, str, str, int], tuple[list[int], Routes]] = {}
-        """(setting, link, prompt kind, prompt index) -> the specter run's depth per round and verify routes."""
+        self.baseline: dict[tuple[str, str, int], list[int]] = {}  # Prompt.key -> tokens: resident, k = 0
+        self.offloaded_baseline: dict[tuple[str, str, int], list[int]] = {}  # offloaded, k = 0 (ondemand)
+        self.routes: dict[tuple[int, str, str, int], Routes] = {}
+        self.schedules: dict[tuple[str, str, str, str, int], tuple[list[int], Routes]] = {}
+        """(setting, link, *Prompt.key) -> the specter run's depth per round and verify routes."""
+        self.requests = [dataclasses.replace(prompt, sampling=mode) for prompt in target.prompts for mode in options.sampling]
+        """Every prompt in every sampling mode: what each cell runs (times the repeats)."""
         self.dtype = resolve_dtype(EngineConfig(dtype=options.dtype), target.spec)
         self.max_context = PROMPT_TOKENS + max(options.max_new_tokens, options.warmup_tokens) + options.k_max + 8
         self.cell_seconds: list[float] = []
         cells = 1 + len(options.links) * len(target.settings) * len(self.systems)
         self.bar = tqdm(total=cells, desc=target.label, disable=not options.progress, unit="cell", leave=False)
 
-    def generation(self, warm: bool = False) -> GenerationConfig:
-        return GenerationConfig(max_new_tokens=self.options.warmup_tokens if warm else self.options.max_new_tokens)
+    def generation(self, warm: bool = False, prompt: Prompt | None = None) -> GenerationConfig:
+        """The warm-up is greedy; a measured request picks its tokens as its prompt's sampling mode says."""
+        if warm or prompt is None:
+            return GenerationConfig(max_new_tokens=self.options.warmup_tokens if warm else self.options.max_new_tokens)
+        return prompt.generation(self.options.max_new_tokens)
 
     def engine_config(self, *, resident: bool, speculative: bool) -> EngineConfig:
         k_max = self.options.k_max if speculative else 0
@@ -202,8 +228,8 @@ class ModelBench:
         try:
             system = SYSTEMS["resident"]
             runtime.configure(system, 0)
-            for prompt in self.target.prompts:
-                self.baseline[(prompt.kind, prompt.index)] = (await runtime.complete_ids(prompt.ids, self.generation())).tokens
+            for prompt in self.requests:
+                self.baseline[prompt.key] = (await runtime.complete_ids(prompt.ids, self.generation(prompt=prompt))).tokens
             await self._cell(runtime, system, Setting(), "-", slots=None, initial=None)
         finally:
             await runtime.aclose()
@@ -218,7 +244,7 @@ class ModelBench:
             # the resident run replays a graphed static step whose rounding differs from the eager offloaded path,
             # so offloaded tokens are held to this baseline and its agreement with the resident one is reported.
             await self._baseline_on(runtime)
-            for depth in sorted({self._depth(system) for system in systems if system.oracle and not system.replay_schedule}):
+            for depth in sorted({self._depth(system) for system in systems if system.exact_prefetch and not system.replay_schedule}):
                 await self._record_routes(runtime, depth)
             for link in self.options.links:
                 for setting in self.target.settings:
@@ -229,9 +255,9 @@ class ModelBench:
     async def _baseline_on(self, runtime: BenchRuntime) -> None:
         """The target alone on the offloaded runtime (k=0, on demand): the offloaded systems' baseline tokens."""
         runtime.configure(SYSTEMS["ondemand"], 0)
-        for prompt in self.target.prompts:
-            key = (prompt.kind, prompt.index)
-            self.offloaded_baseline[key] = (await runtime.complete_ids(prompt.ids, self.generation())).tokens
+        for prompt in self.requests:
+            key = prompt.key
+            self.offloaded_baseline[key] = (await runtime.complete_ids(prompt.ids, self.generation(prompt=prompt))).tokens
             if key in self.baseline and self.baseline[key] != self.offloaded_baseline[key]:
                 self.target.notes.append(f"prompt {key}: the resident (graphed) and offloaded (eager) baselines differ in "
                                          "rounding and here in tokens; offloaded systems are compared with the offloaded one")
@@ -240,12 +266,12 @@ class ModelBench:
         return system.k if system.k is not None else self.options.k
 
     async def _record_routes(self, runtime: BenchRuntime, depth: int) -> None:
-        """The oracle's future: each prompt's verify routes at depth k, recorded in an untimed pass."""
-        runtime.configure(dataclasses.replace(SYSTEMS["oracle"], oracle=False, eviction="lru", k=depth), self.options.k)
-        for prompt, warm in [(self.target.warmup, True)] + [(p, False) for p in self.target.prompts]:
+        """exact-prefetch's future: each prompt's verify routes at depth k, recorded in an untimed pass."""
+        runtime.configure(dataclasses.replace(SYSTEMS["exact-prefetch"], exact_prefetch=False, eviction="lru", k=depth), self.options.k)
+        for prompt, warm in [(self.target.warmup, True)] + [(p, False) for p in self.requests]:
             recorded = runtime.record_routes()
-            await runtime.complete_ids(prompt.ids, self.generation(warm))
-            self.routes[(depth, prompt.kind, prompt.index)] = list(recorded)
+            await runtime.complete_ids(prompt.ids, self.generation(warm, prompt))
+            self.routes[(depth, *prompt.key)] = list(recorded)
 
     async def _setting(self, runtime: BenchRuntime, systems: list[System], setting: Setting, link: str) -> None:
         slots = {}
@@ -284,7 +310,7 @@ class ModelBench:
         if not Clock.fits(self.deadline, expected):
             self.cells.append(cell | {"status": "skipped: time budget"})
             return
-        if system.replay_schedule and (cell["setting"], link, self.target.warmup.kind, self.target.warmup.index) not in self.schedules:
+        if system.replay_schedule and (cell["setting"], link, *self.target.warmup.key) not in self.schedules:
             self.cells.append(cell | {"status": f"skipped: needs {SCHEDULE_SOURCE} earlier in the same run"})
             return
         started = time.monotonic()
@@ -297,7 +323,7 @@ class ModelBench:
         await self._request(runtime, system, self.target.warmup, start_state, key, warm=True)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        for prompt in self.target.prompts:
+        for prompt in self.requests:
             for repeat in range(self.options.repeats):
                 record = await self._request(runtime, system, prompt, start_state, key)
                 self.records.append(cell | record | {"repeat": repeat})
@@ -309,22 +335,29 @@ class ModelBench:
         if start_state is not None:
             await runtime.cache.restore(CacheSnapshot(start_state))
             runtime.cache.stats = CacheStats([LayerStats() for _ in range(runtime.cache.num_layers)])
-        schedule_key = (*cell, prompt.kind, prompt.index)
+        schedule_key = (*cell, *prompt.key)
         recording = runtime.record_schedule() if system.name == SCHEDULE_SOURCE and runtime.cache is not None else None
+        routes = recording[1] if recording is not None else (runtime.record_routes() if runtime.cache is not None else None)
         if system.replay_schedule:
             runtime.replay_schedule(*self.schedules[schedule_key])
-        elif system.oracle:
-            runtime.replay_routes(self.routes[(self._depth(system), prompt.kind, prompt.index)])
+        elif system.exact_prefetch:
+            runtime.replay_routes(self.routes[(self._depth(system), *prompt.key)])
         started = time.perf_counter()
-        result = await runtime.complete_ids(prompt.ids, self.generation(warm))
+        result = await runtime.complete_ids(prompt.ids, self.generation(warm, prompt))
         wall_s = time.perf_counter() - started
         if recording is not None:
             self.schedules[schedule_key] = (list(recording[0]), list(recording[1]))
         if warm:
             return {}
         baselines = self.offloaded_baseline if runtime.cache is not None else self.baseline
-        expected = baselines.get((prompt.kind, prompt.index))
-        return {"prompt_kind": prompt.kind, "prompt_index": prompt.index, **request_record(result.tokens, expected, result.stats),
+        expected = baselines.get(prompt.key)
+        floor = None
+        if routes is not None:  # the fewest decode bytes any system with these slots could have moved for these rounds
+            slots = runtime.memory.slots_per_layer
+            floor = decode_floor_loads(routes, len(runtime.spec.moe_layers), slots) * runtime.cache.pool.expert_bytes
+        return {"prompt_kind": prompt.kind, "prompt_index": prompt.index, "sampling": prompt.sampling,
+                "h2d_decode_floor_bytes": floor,
+                "seed": prompt.seed if prompt.sampling != "greedy" else None, **request_record(result.tokens, expected, result.stats),
                 "predictor_recall": runtime.predictor_recall, "wall_s": round(wall_s, 4), "peak_gpu_bytes": peak_gpu_bytes()}
 
 

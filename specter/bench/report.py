@@ -17,16 +17,20 @@ from typing import Any
 
 import torch
 
-BASELINES = ("ondemand", "gate-prefetch", "specmoeoff", "oracle", "resident")
-"""Speedups are reported over each of these (their TPOT / this system's TPOT, same model, setting and link);
-`oracle` means the faster of the oracle variants."""
+BASELINES = ("ondemand", "gate-prefetch", "specmoeoff", "exact-prefetch", "resident")
+"""Speedups are reported over each of these (their TPOT / this system's TPOT, same model, setting, link and sampling);
+`exact-prefetch` means the fastest of its variants. It is no floor (see `exact_prefetch_flags`)."""
+
+SAME_SCHEDULE = {"specter-fixed": "exact-prefetch", "specter": "exact-prefetch-specter", "ondemand": "exact-prefetch-k0",
+                 "gate-prefetch": "exact-prefetch-k0", "scout-k0": "exact-prefetch-k0"}
+"""A system -> the exact-prefetch variant that verifies the same rounds (same depths, tokens and routes) as it does."""
 
 COLUMNS = (
-    ("model", "model"), ("setting", "setting"), ("link", "link"), ("system", "system"),
+    ("model", "model"), ("setting", "setting"), ("link", "link"), ("sampling", "sampling"), ("system", "system"),
     ("tpot_ms", "TPOT ms"), ("ttft_ms", "TTFT ms"), ("x_ondemand", "x ondemand"), ("x_specmoeoff", "x specmoeoff"),
-    ("x_oracle", "x oracle"), ("acceptance", "accept"), ("accepted_length", "acc len"), ("window_recall", "recall"),
+    ("x_exact-prefetch", "x exact"), ("acceptance", "accept"), ("accepted_length", "acc len"), ("window_recall", "recall"),
     ("hit_rate", "hit rate"), ("h2d_mb_per_token", "H2D MB/tok"), ("h2d_decode_mb_per_token", "decode MB/tok"),
-    ("stall_ms_per_token", "stall ms/tok"),
+    ("floor_decode_mb_per_token", "floor MB/tok"), ("stall_ms_per_token", "stall ms/tok"),
     ("copy_busy", "copy busy"), ("peak_gib", "peak GiB"), ("tokens_equal", "= baseline"),
 )
 
@@ -81,11 +85,21 @@ def source_digest() -> str:
 
 # ---- summaries ----------------------------------------------------------------------------------------
 
+def sampling_of(record: dict[str, Any]) -> str:
+    """A record's or row's sampling mode (results written before sampled runs existed were all greedy)."""
+    return record.get("sampling") or "greedy"
+
+
+def cell_key(record: dict[str, Any]) -> tuple[str, str, str, str, str]:
+    """What one summary row pools: (model, setting, link, sampling, system)."""
+    return (record["model"], record["setting"], record["link"], sampling_of(record), record["system"])
+
+
 def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (model, setting, link, system): medians of time, pooled ratios, and speedups."""
+    """One row per (model, setting, link, sampling, system): medians of time, pooled ratios, and speedups."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for record in records:
-        groups[(record["model"], record["setting"], record["link"], record["system"])].append(record)
+        groups[cell_key(record)].append(record)
     rows = [_row(key, runs) for key, runs in groups.items()]
     _add_speedups(rows)
     return rows
@@ -97,21 +111,48 @@ def reading(summary: Sequence[dict[str, Any]], system: str = "specter", baseline
     e.g. "specter vs ondemand (tiny, 6 resident experts/layer): 2.10x lower TPOT at 0.05 GB/s (20.1 vs 42.2 ms), ...".
     None when no cell has both systems.
     """
-    by_key = {(r["model"], r["setting"], r["link"], r["system"]): r for r in summary}
+    by_key = {cell_key(r): r for r in summary}
     parts: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for (model, setting, link, name), row in by_key.items():
-        other = by_key.get((model, setting, link, baseline))
+    for (model, setting, link, sampling, name), row in by_key.items():
+        other = by_key.get((model, setting, link, sampling, baseline))
         if name != system or other is None or not row["tpot_ms"]:
             continue
         ratio = other["tpot_ms"] / row["tpot_ms"]
         change = f"{ratio:.2f}x lower TPOT" if ratio >= 1 else f"{1 / ratio:.2f}x higher TPOT"
         unit = " GB/s" if is_number(link) else ""
-        parts[(model, setting)].append(f"{change} at {link}{unit} ({row['tpot_ms']:.3g} vs {other['tpot_ms']:.3g} ms)")
+        mode = f", {sampling}" if sampling != "greedy" else ""
+        parts[(model, setting)].append(f"{change} at {link}{unit}{mode} ({row['tpot_ms']:.3g} vs {other['tpot_ms']:.3g} ms)")
     if not parts:
         return None
     cells = [f"({model}, {setting.replace('residents=', '')} resident experts/layer): " if setting.startswith("residents=")
              else f"({model}, {setting}): " for model, setting in parts]
     return f"{system} vs {baseline} " + "; ".join(cell + ", ".join(found) for cell, found in zip(cells, parts.values()))
+
+
+def exact_prefetch_flags(summary: Sequence[dict[str, Any]]) -> list[str]:
+    """Cells below the bytes floor of their own rounds (which must never happen), and cells where a system beats
+    exact-prefetch: fewer decode bytes per token than the variant that verifies the
+    same rounds (SAME_SCHEDULE), or a lower TPOT than the fastest variant. exact-prefetch knows every future route
+    but is no floor: with fewer slots than a verify's experts per layer it runs a rolling window in which Belady
+    cannot tell an expert this round already used from one it still needs (both are next used "this round"), and its
+    prefetch names the round's lowest expert ids, not the first needed. The flags keep that visible."""
+    by_key = {cell_key(r): r for r in summary}
+    flags = []
+    for (model, setting, link, sampling, system), row in by_key.items():
+        where = f"{model} {setting} {link} {sampling}: {system}"
+        floor, moved = row.get("floor_decode_mb_per_token"), row.get("h2d_decode_mb_per_token")
+        if floor is not None and moved is not None and moved < floor:
+            flags.append(f"{where} moved {moved} decode MB/token, below the bytes floor of its own rounds ({floor}): "
+                         "the floor or the byte accounting is wrong")
+        partner = by_key.get((model, setting, link, sampling, SAME_SCHEDULE.get(system, "")))
+        mine, theirs = row.get("h2d_decode_mb_per_token"), partner and partner.get("h2d_decode_mb_per_token")
+        if mine is not None and theirs is not None and mine < theirs:
+            flags.append(f"{where} moves fewer decode bytes ({mine} MB/token) than {partner['system']} ({theirs}) on the same "
+                         "rounds: exact-prefetch is no floor on bytes")
+        if not system.startswith("exact-prefetch") and (row.get("x_exact-prefetch") or 0) > 1:
+            flags.append(f"{where} is faster than every exact-prefetch variant ({row['x_exact-prefetch']}x): exact-prefetch "
+                         "is no floor on time")
+    return flags
 
 
 def is_number(text: str) -> bool:
@@ -124,7 +165,7 @@ def is_number(text: str) -> bool:
 
 
 def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
-    model, setting, link, system = key
+    model, setting, link, sampling, system = key
     tokens = sum(r["new_tokens"] for r in runs) or 1
     drafted = sum(r.get("drafted", 0) for r in runs)
     recall_total = sum(r.get("recall_total", 0) for r in runs)
@@ -136,7 +177,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
     scout_total = sum(r.get("scout_recall_total", 0) for r in runs)
     copy_window = sum(r.get("copy_window_s", 0.0) for r in runs)
     return {
-        "model": model, "setting": setting, "link": link, "system": system, "runs": len(runs),
+        "model": model, "setting": setting, "link": link, "sampling": sampling, "system": system, "runs": len(runs),
         "slots": runs[0].get("slots"),
         "tpot_ms": round(1e3 * statistics.median(r["tpot_s"] for r in runs), 3),
         "tpot_ms_mean": round(1e3 * statistics.fmean(r["tpot_s"] for r in runs), 3),
@@ -149,6 +190,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "hit_rate": round(hits / lookups, 4) if lookups else None,
         "h2d_mb_per_token": round(sum(r["h2d_bytes"] for r in runs) / tokens / 1e6, 3),
         "h2d_decode_mb_per_token": decode_mb_per_token(runs),
+        "floor_decode_mb_per_token": floor_mb_per_token(runs),
         "stall_ms_per_token": round(1e3 * sum(r["stall_s"] for r in runs) / tokens, 3),
         "copy_busy": round(sum(r.get("copy_busy_s", 0.0) for r in runs) / copy_window, 4) if copy_window else None,
         "copy_idle": _copy_idle(runs, copy_window),
@@ -172,15 +214,17 @@ def _peak(runs: list[dict]) -> float | None:
 
 
 def _add_speedups(rows: list[dict]) -> None:
-    by_cell = {(r["model"], r["setting"], r["link"], r["system"]): r for r in rows}
-    resident = {r["model"]: r for r in rows if r["system"] == "resident"}
+    by_cell = {cell_key(r): r for r in rows}
+    resident = {(r["model"], sampling_of(r)): r for r in rows if r["system"] == "resident"}
     for row in rows:
+        mode = sampling_of(row)
         for baseline in BASELINES:
-            other = resident.get(row["model"]) if baseline == "resident" else by_cell.get((row["model"], row["setting"], row["link"], baseline))
-            if baseline == "oracle":  # the floor: the best of the oracle variants (k as specter's, k=0)
-                oracles = [r for r in rows if r["system"].startswith("oracle") and r["model"] == row["model"]
-                           and r["setting"] == row["setting"] and r["link"] == row["link"]]
-                other = min(oracles, key=lambda r: r["tpot_ms"], default=None)
+            other = (resident.get((row["model"], mode)) if baseline == "resident"
+                     else by_cell.get((row["model"], row["setting"], row["link"], mode, baseline)))
+            if baseline == "exact-prefetch":  # the fastest of its variants (k as specter-fixed's, specter's, k=0)
+                exact = [r for r in rows if r["system"].startswith("exact-prefetch") and r["model"] == row["model"]
+                         and r["setting"] == row["setting"] and r["link"] == row["link"] and sampling_of(r) == mode]
+                other = min(exact, key=lambda r: r["tpot_ms"], default=None)
             ok = other is not None and other["tpot_ms"] > 0 and row["tpot_ms"] > 0
             row[f"x_{baseline}"] = round(other["tpot_ms"] / row["tpot_ms"], 3) if ok else None
 
@@ -207,7 +251,7 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
         except (ValueError, KeyError, TypeError) as error:
             raise ConfigError(f"--merge: {path} is not a bench results file ({error})") from None
         for run in runs:
-            key = (run["model"], run["setting"], run["link"], run["system"])
+            key = cell_key(run)
             if owner.setdefault(key, index) != index:
                 raise ConfigError(f"--merge: cell {' '.join(key)} is in both {directories[owner[key]]} and {directory}; "
                                   "merge runs of disjoint cells")
@@ -226,9 +270,11 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
         notes.append(f"merged parts differ in the draft's expert format: {[part['quant'] for part in parts]}")
     if len({part["source_digest"] for part in parts}) > 1:
         notes.append("merged parts ran different engine sources (see merged_from)")
+    summary = summarize(runs)
+    notes += [flag for flag in exact_prefetch_flags(summary) if flag not in notes]  # cells that met only in the merge
     return {"machine": machine, "options": payloads[0]["options"], "args": payloads[0].get("args", {}),
             "models": [model for payload in payloads for model in payload.get("models", [])],
-            "cells": [cell for payload in payloads for cell in payload.get("cells", [])], "summary": summarize(runs),
+            "cells": [cell for payload in payloads for cell in payload.get("cells", [])], "summary": summary,
             "runs": runs, "notes": notes, "elapsed_s": round(sum(p.get("elapsed_s", 0.0) for p in payloads), 1),
             "merged_from": parts}
 
@@ -249,6 +295,15 @@ def decode_mb_per_token(runs: Sequence[dict]) -> float | None:
         return None
     tokens = sum(max(0, r["new_tokens"] - 1) for r in runs)
     return round(sum(r["h2d_bytes"] - r["h2d_prefill_bytes"] for r in runs) / tokens / 1e6, 3) if tokens else None
+
+
+def floor_mb_per_token(runs: Sequence[dict]) -> float | None:
+    """The bytes floor of the rounds these runs verified (systems.decode_floor_loads), per token after the first, as
+    decode MB/token is; None where a run has no floor (resident, HF, results from before it was kept)."""
+    if any(r.get("h2d_decode_floor_bytes") is None for r in runs):
+        return None
+    tokens = sum(max(0, r["new_tokens"] - 1) for r in runs)
+    return round(sum(r["h2d_decode_floor_bytes"] for r in runs) / tokens / 1e6, 3) if tokens else None
 
 
 def _pump_gaps(runs: Sequence[dict]) -> dict[str, float] | None:
@@ -294,8 +349,8 @@ def table_lines(rows: Sequence[dict], columns=COLUMNS, markdown: bool = False) -
     return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*cells) for cells in body]
 
 
-SHORT_COLUMNS = (("model", "model"), ("setting", "setting"), ("link", "link"), ("system", "system"), ("tpot_ms", "TPOT ms"),
-                 ("x_ondemand", "x ondemand"), ("x_specmoeoff", "x specmoeoff"), ("x_oracle", "x oracle"),
+SHORT_COLUMNS = (("model", "model"), ("setting", "setting"), ("link", "link"), ("sampling", "sampling"), ("system", "system"), ("tpot_ms", "TPOT ms"),
+                 ("x_ondemand", "x ondemand"), ("x_specmoeoff", "x specmoeoff"), ("x_exact-prefetch", "x exact"),
                  ("acceptance", "accept"), ("window_recall", "recall"), ("copy_busy", "copy busy"), ("tokens_equal", "= baseline"))
 
 
@@ -321,6 +376,38 @@ def copy_idle_lines(summary: Sequence[dict], markdown: bool = False) -> list[str
     return lines
 
 
+def _sampling_text(options: dict[str, Any]) -> str:
+    from specter.bench.protocol import SAMPLING_MODES
+
+    modes = options.get("sampling") or ["greedy"]
+    return " and ".join(mode if mode == "greedy" else f"seeded sampling ({', '.join(f'{k} {v}' for k, v in SAMPLING_MODES[mode].items())}, "
+                        "a fixed seed per prompt)" for mode in modes)
+
+
+REALISM_COLUMNS = (("model", "model"), ("loss", "held-out loss"), ("greedy_repeat", "greedy 4-gram repeat"),
+                   ("sampled_repeat", "sampled 4-gram repeat"), ("entropy", "entropy (mean)"), ("min_entropy", "entropy (min)"),
+                   ("overlap", "overlap"), ("reuse8", "reuse8"), ("draft_match", "draft match"),
+                   ("acceptance_greedy", "accept greedy"), ("acceptance_sampled", "accept sampled"), ("flags", "flags"))
+
+
+def realism_row(label: str, realism: dict[str, Any]) -> dict[str, Any]:
+    """One model's realism report (bench --realism) as a row of REALISM_COLUMNS."""
+    mean, draft, repetition = realism["routing"]["mean"], realism["draft"], realism["repetition"]
+    return {"model": label, "loss": realism["held_out"]["loss"], "greedy_repeat": repetition["greedy_4gram_repeat"],
+            "sampled_repeat": repetition["sampled_4gram_repeat"], "entropy": mean.get("entropy"),
+            "min_entropy": realism["routing"]["min_entropy"], "overlap": mean.get("overlap"), "reuse8": mean.get("reuse8"),
+            "draft_match": mean.get("draft_match"), "acceptance_greedy": draft["acceptance_greedy"],
+            "acceptance_sampled": draft["acceptance_sampled"], "flags": len(realism["flags"])}
+
+
+def realism_lines(models: Sequence[dict[str, Any]]) -> list[str]:
+    rows = [realism_row(model["label"], model["realism"]) for model in models if model.get("realism")]
+    if not rows:
+        return []
+    return ["", "Realism of each checkpoint (--realism; specter.bench.realism: routing means over MoE layers on the "
+            "greedy sequences, flags in results.json):", ""] + table_lines(rows, REALISM_COLUMNS, markdown=True)
+
+
 def markdown_report(payload: dict[str, Any]) -> str:
     """The Markdown page: machine, command, date, the summary table and the notes."""
     info = payload["machine"]
@@ -329,12 +416,13 @@ def markdown_report(payload: dict[str, Any]) -> str:
         f"- date: {info['date']}", f"- command: `{info['command']}`",
         f"- machine: {info.get('gpu') or 'no GPU'}; CPU {info['cpu']} ({info['cpu_count']} threads); torch {info['torch']}, CUDA {info['cuda']}",
         f"- commit: {info.get('git_commit')} (sources {info.get('source_digest')})",
-        f"- protocol: batch 1, greedy, {payload['options']['max_new_tokens']} new tokens, {payload['options']['repeats']} repeat(s), "
+        f"- protocol: batch 1, {_sampling_text(payload['options'])}, {payload['options']['max_new_tokens']} new tokens, {payload['options']['repeats']} repeat(s), "
         f"16-token prompts, warm-up excluded, cache restored per prompt; TPOT = median over requests; "
         f"draft experts {payload['options'].get('quant', 'int4')}", "",
     ]
     lines += table_lines(payload["summary"], markdown=True)
     lines += copy_idle_lines(payload["summary"], markdown=True)
+    lines += realism_lines(payload.get("models", []))
     if payload.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {note}" for note in payload["notes"]]
     lines += ["", "Columns: x S = TPOT of S / TPOT of this row (same model, setting, link); accept = accepted drafts / drafted; "

@@ -2,7 +2,7 @@
 
 `BenchRuntime` is the engine's `Runtime` plus what a benchmark needs and serving does not: switching the
 policies, the expert-slot count and the emulated link between runs without reloading the weights, the
-next-layer gate predictor (`gate-prefetch`) and the replay of recorded routes (`oracle`). It overrides no part of
+next-layer gate predictor (`gate-prefetch`) and the replay of recorded routes (`exact-prefetch`). It overrides no part of
 the round: its books (`BenchBooks`) are an observer and the plan source, a replayed schedule a lookahead policy.
 """
 
@@ -52,7 +52,8 @@ class System:
     """Draft depth for the fixed lookahead; None: the bench's --k."""
     resident: bool = False
     gate_prefetch: bool = False
-    oracle: bool = False
+    exact_prefetch: bool = False
+    """Prefetches, before each round, the experts its verify will use (recorded in an untimed pass), Belady eviction."""
     separate_draft: bool = False
     """Pays for a separate copy of the non-expert weights and its own KV out of the expert slots."""
     scout: bool = False
@@ -61,7 +62,7 @@ class System:
     """Draft-ahead steps beside each verify (DraftConfig.overlap); 0: off; None: the engine's default (16 on CUDA
     with CUDA graphs, off on the CPU)."""
     replay_schedule: bool = False
-    """An oracle that replays the depth of every round of the `specter` run just before it (same cell)."""
+    """An exact-prefetch system that replays the depth of every round of the `specter` run just before it (same cell)."""
 
     @property
     def speculative(self) -> bool:
@@ -101,23 +102,31 @@ SYSTEMS: dict[str, System] = {
         System("specter-fixed-overlap", "specter-fixed that drafts ahead beside each verify: the draft-ahead measured at "
                                         "one depth, against specter-fixed", eviction="plan-protect", prefetch="topm-keep",
                k=None, overlap=16),
-        System("oracle", "same budget and k as specter; before each round the exact experts its verify will use "
-                         "(recorded in an untimed pass) are prefetched in layer order, Belady eviction on the future",
-               eviction="oracle-belady", k=None, oracle=True),
+        # The exact-prefetch systems were called `oracle*` until issue 28 item 7: they know every future route, but
+        # they are no floor. On tiny at 2 residents, link 1 GB/s (2026-12-01, CPU), `oracle` moved 3.15 decode MB/token
+        # against 3.02 for specter-fixed at the same k = 4 (same tokens, same routes): with fewer slots than a verify
+        # uses per layer, the cache runs a rolling window in which Belady sees an expert the round already consumed and
+        # one it still needs as both next used "this round", and the plan names the round's lowest expert ids (first
+        # `slots`), not the first needed. report.exact_prefetch_flags notes every cell where a system beats them; the
+        # floor on bytes is computed instead, per request, from its own rounds (decode_floor_loads).
+        System("exact-prefetch", "same budget and k as specter-fixed; before each round the exact experts its verify will "
+                                 "use (recorded in an untimed pass) are prefetched in layer order, Belady eviction on the "
+                                 "recorded future; no floor (see the comment above)",
+               eviction="belady", k=None, exact_prefetch=True),
         System("scout-k0", "plain decoding (k = 0) whose every round scouts: the scout measured alone, against ondemand",
                eviction="plan-protect", prefetch="topm-keep", k=0, scout=True),
-        System("oracle-k0", "the oracle without speculation: target alone (k=0), exact experts prefetched before each token",
-               eviction="oracle-belady", k=0, oracle=True),
-        System("oracle-specter", "the oracle at specter's own depths: each round's k and verify routes as the specter run "
-                                 "of the same cell had them (same tokens, so the same rounds), exact prefetch, Belady eviction, "
-                                 "the same draft-ahead as specter",
-               eviction="oracle-belady", k=None, oracle=True, replay_schedule=True, overlap=None),
+        System("exact-prefetch-k0", "exact-prefetch without speculation: target alone (k=0), exact experts prefetched "
+                                    "before each token", eviction="belady", k=0, exact_prefetch=True),
+        System("exact-prefetch-specter", "exact-prefetch at specter's own depths: each round's k and verify routes as the "
+                                         "specter run of the same cell had them (same tokens, so the same rounds), exact "
+                                         "prefetch, Belady eviction, the same draft-ahead as specter",
+               eviction="belady", k=None, exact_prefetch=True, replay_schedule=True, overlap=None),
     )
 }
-DEFAULT_SYSTEMS = ("resident", "ondemand", "gate-prefetch", "specmoeoff", "specter", "specter-fixed", "oracle", "oracle-k0",
-                   "oracle-specter")
+DEFAULT_SYSTEMS = ("resident", "ondemand", "gate-prefetch", "specmoeoff", "specter", "specter-fixed", "exact-prefetch",
+                   "exact-prefetch-k0", "exact-prefetch-specter")
 SCHEDULE_SOURCE = "specter"
-"""The system whose rounds (depth and routes) `oracle-specter` replays; it must run earlier in the same cell."""
+"""The system whose rounds (depth and routes) `exact-prefetch-specter` replays; it must run earlier in the same cell."""
 
 
 def get_system(name: str) -> System:
@@ -176,20 +185,20 @@ def _element(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-# ---- the bench's books, the oracle's eviction and depths ---------------------------------------------------
+# ---- the bench's books, exact-prefetch's eviction and depths ---------------------------------------------------
 
 class BenchBooks(RoundObserver):
     """What a benchmark keeps per request beside the engine's stats: the round index, the verify routes and depths a
-    run records, the routes and depths an oracle replays, and its predictor's recall (gate or oracle).
+    run records, the routes and depths exact-prefetch replays, and its predictor's recall (gate or exact-prefetch).
 
-    Plugged into the runtime as an observer and as its plan source: before each draft an oracle prefetches exactly
+    Plugged into the runtime as an observer and as its plan source: before each draft exact-prefetch prefetches exactly
     the routes recorded for the round (`plan_before_draft`).
     """
 
     def __init__(self, slots_per_layer: Callable[[], int]) -> None:
         self.slots_per_layer = slots_per_layer
         self.round_index = 0
-        self.oracle_routes: Routes | None = None
+        self.replayed_routes: Routes | None = None
         self.recorded_routes: Routes | None = None
         self.recorded_depths: list[int] | None = None
         self.replayed_depths: list[int] | None = None
@@ -200,11 +209,11 @@ class BenchBooks(RoundObserver):
 
     def forget(self) -> None:
         """A new system: nothing recorded, nothing to replay."""
-        self.oracle_routes, self.recorded_routes = None, None
+        self.replayed_routes, self.recorded_routes = None, None
         self.recorded_depths, self.replayed_depths = None, None
 
     def replay_routes(self, routes: Routes, layers: int) -> None:
-        self.oracle_routes = routes
+        self.replayed_routes = routes
         self.next_uses = [dict() for _ in range(layers)]
         for index, used in enumerate(routes):
             for layer, experts in used.items():
@@ -223,10 +232,10 @@ class BenchBooks(RoundObserver):
 
     # -- as the runtime's plan source and observer --------------------------------------------------------
     def plan_before_draft(self, k: int) -> Plan | None:
-        if self.oracle_routes is None or self.round_index >= len(self.oracle_routes):
+        if self.replayed_routes is None or self.round_index >= len(self.replayed_routes):
             return None
         slots = self.slots_per_layer()
-        return Plan(experts={layer: experts[:slots] for layer, experts in self.oracle_routes[self.round_index].items()})
+        return Plan(experts={layer: experts[:slots] for layer, experts in self.replayed_routes[self.round_index].items()})
 
     def request_started(self, stats: RequestStats) -> None:
         self.round_index = 0
@@ -245,8 +254,8 @@ class BenchBooks(RoundObserver):
             used = {index[layer]: sorted(experts) for layer, experts in report.verify.used.items()}
             if self.recorded_routes is not None:
                 self.recorded_routes.append(used)
-            if self.oracle_routes is not None and self.round_index < len(self.oracle_routes):
-                predicted = self.oracle_routes[self.round_index]
+            if self.replayed_routes is not None and self.round_index < len(self.replayed_routes):
+                predicted = self.replayed_routes[self.round_index]
                 for layer, experts in used.items():
                     self.score(set(predicted.get(layer, ())), experts)
         if self.recorded_depths is not None:
@@ -254,10 +263,10 @@ class BenchBooks(RoundObserver):
         self.round_index += 1
 
 
-class OracleEviction:
+class BeladyEviction:
     """Belady's rule on the recorded future: evict the resident used again farthest ahead (never: first)."""
 
-    name = "oracle-belady"
+    name = "belady"
 
     def __init__(self, books: BenchBooks) -> None:
         self.books = books
@@ -308,8 +317,8 @@ class BenchRuntime(Runtime):
         if system.speculative and self.draft is None:
             raise ConfigError(f"system {system.name} needs a draft, but this runtime was built without one")
         self.system = system
-        self.eviction = OracleEviction(self.books) if system.oracle else plugins.load_policy("eviction", system.eviction)
-        self.prefetch = plugins.load_policy("prefetch", "none" if system.oracle else system.prefetch, **dict(system.prefetch_options))
+        self.eviction = BeladyEviction(self.books) if system.exact_prefetch else plugins.load_policy("eviction", system.eviction)
+        self.prefetch = plugins.load_policy("prefetch", "none" if system.exact_prefetch else system.prefetch, **dict(system.prefetch_options))
         options = {"k": depth} if system.lookahead == "fixed" else {}
         self.lookahead = ReplayedDepths(plugins.load_policy("lookahead", system.lookahead, **options), self.books)
         self.scout = system.scout
@@ -368,10 +377,10 @@ class BenchRuntime(Runtime):
 
     @property
     def predictor_recall(self) -> float | None:
-        """Share of the target's used experts the system's own predictor (gate or oracle) had named."""
+        """Share of the target's used experts the system's own predictor (gate or exact-prefetch) had named."""
         return self.books.predictor_hits / self.books.predictor_total if self.books.predictor_total else None
 
-    # -- oracle ------------------------------------------------------------------------------------------
+    # -- exact-prefetch --------------------------------------------------------------------------------------
     def record_routes(self) -> Routes:
         """From the next request on, keep each round's verify routes in the returned list."""
         self.books.recorded_routes = []
@@ -408,6 +417,40 @@ class BenchRuntime(Runtime):
         predicted = ranked[: self.memory.slots_per_layer]
         self.books.gate_predicted[following] = set(predicted)
         self.cache.prefetch(self.moe_index[following], predicted)
+
+
+def fewest_loads(rounds: Sequence[Set[int]], slots: int) -> int:
+    """The fewest loads of one layer's experts that serve `rounds` (per round, the experts its verify used) with
+    `slots` slots, from an empty cache: Belady on whole rounds (load what the round misses, then keep the `slots`
+    experts used again soonest). A lower bound for any cache of `slots` per layer at every round boundary, whatever it
+    does inside a round (a rolling window, the relay's loans, given back at the round's end) or ahead of it
+    (prefetches only move loads earlier): what round r uses and the cache did not hold at the end of round r - 1 is
+    loaded during round r, and a load that waits until it is needed costs no more than one made earlier."""
+    uses: dict[int, list[int]] = {}
+    for index, used in enumerate(rounds):
+        for expert in used:
+            uses.setdefault(expert, []).append(index)
+
+    def next_use(expert: int, after: int) -> float:
+        rounds_used = uses[expert]
+        position = bisect.bisect_right(rounds_used, after)
+        return rounds_used[position] if position < len(rounds_used) else math.inf
+
+    held: set[int] = set()
+    loads = 0
+    for index, used in enumerate(rounds):
+        loads += len(set(used) - held)
+        held |= set(used)
+        while len(held) > slots:
+            held.remove(max(held, key=lambda expert: (next_use(expert, index), expert)))
+    return loads
+
+
+def decode_floor_loads(routes: Routes, layers: int, slots: int) -> int:
+    """A lower bound on the expert loads of a request's decode rounds (`routes`, recorded after the prompt) for any
+    system with `slots` per layer: per layer, fewest_loads less the `slots` experts the prompt may have left
+    resident (the state after the prompt is free to be the best one)."""
+    return sum(max(0, fewest_loads([round_.get(layer, ()) for round_ in routes], slots) - slots) for layer in range(layers))
 
 
 def initial_state(snapshot_layers: Sequence[Sequence[int]], slots: int) -> tuple[tuple[int, ...], ...]:
