@@ -10,7 +10,7 @@ as computing it (printed, and recorded in reference.json). GPU: `python benchmar
 60 experts top-4 of width 1408, a shared expert of width 5632; 17.3 MB per bf16 expert): the issue-4
 figures on that shape with learned routing rather than random weights.
 
-`--shape NAME` (issue 28) trains a real shape at full depth, narrow: `specter.bench.widen.shape_narrow_config(NAME, F)`
+`--shape NAME` trains a real shape at full depth, narrow: `specter.bench.widen.shape_narrow_config(NAME, F)`
 keeps the depth, expert count, top-k, routing function and shared-expert layout at 1/F of the width (same head dim,
 fewer heads), with a byte vocabulary. Each MoE layer's router gets its own load-balancing loss (see BalanceLoss), with
 the family's coefficient; DeepSeek-V2's is its sequence-level loss. The output directory holds the narrow checkpoint,
@@ -136,7 +136,7 @@ def make_model(shape: dict, device: torch.device, family: str = "mixtral"):
         return MixtralForCausalLM(config)
 
 
-# ---- real shapes, narrow and at full depth (issue 28) -------------------------------------------------------
+# ---- real shapes, narrow and at full depth -------------------------------------------------------------------
 
 def shape_config(shape: str, factor: int | None = None, layers: int | None = None, tiny: bool = False) -> dict:
     """The narrow config.json of a real shape with the byte vocabulary; `layers` cuts the depth (smoke tests only);
@@ -382,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--family", default="mixtral", choices=["mixtral", "qwen2_moe"],
                         help="mixtral: the reference shape; qwen2_moe: the Qwen1.5-MoE-A2.7B shape, first 8 layers")
     parser.add_argument("--shape", choices=sorted(DEFAULT_FACTORS), default=None,
-                        help="a real shape, narrow at full depth (issue 28); overrides --family and --small")
+                        help="a real shape, narrow at full depth; overrides --family and --small")
     parser.add_argument("--factor", type=int, default=None, help="with --shape: F (default: widen's DEFAULT_FACTORS)")
     parser.add_argument("--layers", type=int, default=None, help="with --shape: cut the depth (smoke tests only)")
     parser.add_argument("--widen", type=Path, default=None, help="with --shape: also write the widened (bf16) checkpoint here")

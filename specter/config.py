@@ -112,7 +112,7 @@ class DraftConfig(_Frozen):
     sampling: SamplingRule = Field("coupled", description="Acceptance rule when sampling: coupled (token-identical) or rejection.")
     scout: bool = Field(False, description="Offloaded plain rounds (k = 0) first run one draft step for its routes only: the "
                                            "experts it routes the round's token to are prefetched before and during the verify.")
-    overlap: int | None = Field(None, ge=0, le=32, description="Draft ahead during the verify (issue 4 item 8): a speculative "
+    overlap: int | None = Field(None, ge=0, le=32, description="Draft ahead during the verify: a speculative "
                                 "round drafts one more step (a guess at the target's own next token) and, while the verify "
                                 "runs, up to this many draft steps from that guess on a second stream; if the verify accepts "
                                 "every draft and its token equals the guess, the next round starts with those steps done. "

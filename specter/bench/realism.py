@@ -1,4 +1,4 @@
-"""How real a trained checkpoint is (issue 28 item 2): held-out loss, repetition, routing balance and locality, and
+"""How real a trained checkpoint is: held-out loss, repetition, routing balance and locality, and
 the int4 draft's top-k set match and acceptance, as one JSON-ready report.
 
 Metrics (per MoE layer where routing; T tokens, k = top-k, E experts, S_t the experts token t chose):
