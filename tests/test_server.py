@@ -444,8 +444,9 @@ def test_serve_takes_generate_engine_options():
     assert (config.budget, config.draft.k, config.draft.quant, config.link, config.eviction, config.draft.sampling) == (
         2**30, 2, "int8", "gen4", "lru", "rejection")
     assert (args.host, args.max_queue) == ("127.0.0.1", 3)
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--max-queue", "-1"])
+    for bad in (["--max-queue", "-1"], ["--port", "70000"], ["--port", "-1"], ["--drain-timeout", "-5"]):
+        with pytest.raises(SystemExit):  # argparse's exit 2 with the rule, before any model loads
+            build_parser().parse_args(["serve", *bad])
 
 
 def test_serve_load_benchmark_against_a_running_server(server, tmp_path):

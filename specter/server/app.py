@@ -157,6 +157,8 @@ async def _serve(state: ServerState, request: Request, body: SamplingRequest, pr
     except ClientGone:
         log.debug("server.client_gone", path=request.url.path)
         return NoResponse()
+    except SpecterError as error:  # e.g. the engine closed under a request past the drain timeout: as streamed, a 503
+        raise APIRequestError(503, str(error), type="server_error") from None
     finally:
         job.ticket.close()
     return JSONResponse(answer.whole(text, reason, len(prompt_ids), new_tokens))

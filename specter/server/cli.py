@@ -21,11 +21,11 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model name clients send and /v1/models lists (default: --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (printed on start)")
+    serve.add_argument("--port", type=_port, default=8000, help="port to bind; 0 picks a free one (printed on start)")
     serve.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/*")
     serve.add_argument("--max-queue", type=_non_negative, default=64, metavar="N",
                        help="requests that may wait for the engine; one more gets 429 with Retry-After (default 64)")
-    serve.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
+    serve.add_argument("--drain-timeout", type=_seconds, default=60.0, metavar="S",
                        help="on SIGTERM, wait this long for admitted requests to finish, then end them (default 60)")
     generate = argparse.ArgumentParser(add_help=False)
     _add_generate(generate)
@@ -45,6 +45,20 @@ def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port from 0 to 65535 (0 picks a free one), got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
     return value
 
 
