@@ -247,21 +247,33 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
     check_device_memory(config, device, memory)
     source.validate()
     backend = load_backend(config, device)
-    apply_threads(config, device)  # process-wide, so only once the checkpoint and the backend are known to load
-    kernel = Kernel(backend)
-    dense = source.dense(dtype, device, config.progress)
-    model = transformer_for(spec)(spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context,
-                                  kernels=config.tuning.kernels)
-    quantize_now = speculative and not calibrated
-    victims = Victims(policies["eviction"], len(spec.moe_layers))
-    experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now, victims)
-    source.close()
-    draft = make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device), config) if quantize_now else None
-    runtime = cls(config, spec, model, memory, backend, kernel, experts, cache, draft, policies, victims,
-                  target_steps(model, experts, config))
-    runtime.capture_graphs()
-    if calibrated:
-        await runtime.calibrate_draft()
+    kernel: Kernel | None = None
+    runtime = None
+    try:
+        apply_threads(config, device)  # process-wide, so only once the checkpoint and the backend are known to load
+        kernel = Kernel(backend)
+        dense = source.dense(dtype, device, config.progress)
+        model = transformer_for(spec)(spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context,
+                                      kernels=config.tuning.kernels)
+        quantize_now = speculative and not calibrated
+        victims = Victims(policies["eviction"], len(spec.moe_layers))
+        experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now, victims)
+        source.close()
+        draft = make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device), config) if quantize_now else None
+        runtime = cls(config, spec, model, memory, backend, kernel, experts, cache, draft, policies, victims,
+                      target_steps(model, experts, config))
+        runtime.capture_graphs()
+        if calibrated:
+            await runtime.calibrate_draft()
+    except BaseException:  # a failed build (a bad tensor, a refused pool, a graph capture) leaves no thread or handle
+        source.close()
+        if runtime is not None:
+            await runtime.aclose()
+        else:
+            if kernel is not None:
+                kernel.close()
+            backend.close()
+        raise
     log.info("engine.loaded", family=spec.family, device=str(device), slots_per_layer=memory.slots_per_layer,
              experts=spec.num_experts, speculative=speculative)
     return runtime

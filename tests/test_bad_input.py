@@ -298,3 +298,24 @@ def test_an_unwritable_trace_path_is_a_config_error(tiny, tmp_path):
             assert isinstance(error.value, SpecterError)
 
     with_engine(tiny, OFFLOADED, check)
+
+
+def test_a_failed_build_leaves_no_thread_behind(tiny, monkeypatch):
+    """A build that fails after the backend and kernel exist (here: the graph capture) closes them, so a server
+    or notebook that retries does not collect stream and waiter threads."""
+    import threading
+
+    from specter.engine import Runtime
+
+    def ours() -> set[str]:
+        return {thread.name for thread in threading.enumerate() if thread.name.startswith("specter")}
+
+    def broken_capture(self):
+        self.backend.copy_h2d(torch.zeros(1), torch.ones(1), self.backend.copy_stream).wait()  # the threads run
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(Runtime, "capture_graphs", broken_capture)
+    before = ours()
+    with pytest.raises(RuntimeError, match="capture failed"):
+        run(Engine.from_pretrained(tiny, OFFLOADED).__aenter__())
+    assert ours() == before
