@@ -21,17 +21,13 @@ from specter.experts.pool import experts_per_slab
 from specter.experts.transfer import LinkEmulation
 from specter.kernel import Kernel, run
 from specter.verify import VerifyRecord, compute_hot_first
+from specter.experts.slots import lru_victims  # the default chooser: the least recently used unprotected residents
 
 LAYERS, EXPERTS, SLOTS, NUMEL = 2, 6, 3, 2048  # 8 KiB float32 experts
 
 
 def expert_value(layer: int, expert: int) -> float:
     return float(layer * 100 + expert + 1)
-
-
-def lru_victims(layer: int, residents: Sequence[int], protected: Set[int], count: int) -> list[int]:
-    """The tests' eviction policy: least recently used unprotected residents."""
-    return [expert for expert in residents if expert not in protected][:count]
 
 
 class Rig:

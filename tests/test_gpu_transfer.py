@@ -11,6 +11,7 @@ import torch
 
 from specter.experts import ExpertCache, ExpertPool, LinkEmulation, TransferEngine
 from specter.kernel import Kernel, KernelSettings, run
+from specter.experts.slots import lru_victims  # the default chooser: the least recently used unprotected residents
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -27,10 +28,6 @@ def cuda():
     yield backend, kernel
     kernel.close()
     backend.close()
-
-
-def lru_victims(layer, residents, protected, count):
-    return [expert for expert in residents if expert not in protected][:count]
 
 
 def test_urgent_lands_before_queued_prefetches_on_cuda(cuda):

@@ -7,7 +7,6 @@ import asyncio
 import functools
 import json
 import textwrap
-from collections.abc import Sequence, Set
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from specter.model.kv import KVCache
 from specter.model.segmented import SegmentedStep
 from specter.quant.moe_triton import triton_available
 from specter.verify import OffloadedExperts, VerifyRecord, verify_segmented
+from specter.experts.slots import lru_victims  # the default chooser: the least recently used unprotected residents
 from tests.hf_models import FAMILIES, hf_model, save_hf
 from tests.interpreter import run_interpreted
 
@@ -46,10 +46,6 @@ def load(tmp_path_factory):
         return load_resident(path, EngineConfig(device="cpu", dtype=dtype, max_context=64))
 
     return loaded
-
-
-def lru_victims(layer: int, residents: Sequence[int], protected: Set[int], count: int) -> list[int]:
-    return [expert for expert in residents if expert not in protected][:count]
 
 
 class Offloaded:

@@ -8,18 +8,10 @@
 from __future__ import annotations
 
 from specter.experts.lead import LeadRelay
-from specter.experts.slots import (
-    CacheSnapshot,
-    CacheStats,
-    LayerStats,
-    Slot,
-    SlotState,
-    VictimChooser,
-    lru_victims,
-)
+from specter.experts.slots import CacheSnapshot, CacheStats, LayerStats, VictimChooser
 from specter.experts.window import RollingWindow
 
-__all__ = ["CacheSnapshot", "CacheStats", "ExpertCache", "LayerStats", "Slot", "SlotState", "VictimChooser", "lru_victims"]
+__all__ = ["CacheSnapshot", "CacheStats", "ExpertCache", "LayerStats", "VictimChooser"]
 
 
 class ExpertCache(LeadRelay, RollingWindow):
