@@ -5,7 +5,7 @@
 #   run(command="bash benchmarks/reproduce.sh qwen", carry=[".whl"])
 # CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
 # Targets: gpu-tests qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
-#          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after
+#          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after realism
 set -u
 out=${OUT:-out}
 mkdir -p "$out/logs"
@@ -138,6 +138,22 @@ before_after() {  # LINK RESIDENTS REPEATS: the same bench on the code in $OLD (
   done
 }
 
+realism() {  # table "Full-depth narrow checkpoints: realism": SHAPES (default: five) trained at once, then their reports
+  local shapes=${SHAPES:-"qwen1.5-moe-a2.7b deepseek-v2-lite qwen3-30b-a3b phi-3.5-moe mixtral-8x7b"} s
+  mkdir -p "$out/realism"
+  for s in $shapes; do  # batch 12: five at batch 32 would need about 240 GB of GPU memory
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 benchmarks/reference_model.py --shape $s \
+      --minutes "${MINUTES:-3}" --batch 12 --reuse --out /tmp/narrow/$s > "$out/realism/train-$s.log" 2>&1 &
+  done
+  wait
+  for s in $shapes; do
+    timeout 200 python3 -m specter.bench.realism --model /tmp/narrow/$s --json "$out/realism/$s.json" \
+      > "$out/realism/realism-$s.log" 2>&1 &
+  done
+  wait
+  grep -h "^trained\|^held-out\|^FLAG" "$out"/realism/*.log
+}
+
 cpu_quick() {  # table "CPU quick matrix": the default matrix on the built-in tiny model, on the CPU
   python -m specter.bench --no-progress --no-plots --out "$out/cpu-quick" | tail -20
 }
@@ -167,6 +183,7 @@ for target in "$@"; do
     cpu-quick) cpu_quick ;;
     serve) serve ;;
     before-after) before_after native 15,8 3; before_after gen4 15,8 2 ;;
+    realism) realism ;;
     *) echo "unknown target: $target" >&2; exit 2 ;;
   esac
 done
