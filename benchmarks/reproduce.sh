@@ -126,16 +126,40 @@ serve() {  # table "Serving": specter serve under 1, 4 and 16 concurrent clients
   echo "serve load rc=$?"; tail -6 "$out/logs/serve-load.log"
 }
 
-before_after() {  # LINK RESIDENTS REPEATS: the same bench on the code in $OLD (e.g. `git archive REV specter policies
-  # backends | tar -x -C .old`, carried) and on this tree, one trained model, one process each, in one call
+before_after() {  # ROUNDS: the same bench on the code in $OLD (`git archive REV specter policies backends pyproject.toml |
+  # tar -x -C .old`, carried) and on this tree, one trained model, Gen5 and Gen4 in each process; processes alternate
+  # old new new old ... so drift on the shared machine falls on both sides, and the table takes each cell's median
   train_qwen
-  local side dir
-  for side in old new; do
-    dir=$PWD; [ $side = old ] && dir=${OLD:-$PWD/.old}
-    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 150 python3 -m specter.bench --model /tmp/qwenref --max-new-tokens 64 \
-      --no-progress --no-plots --no-hf --repeats "$3" --residents "$2" --link "$1" --systems ondemand,specter \
-      --out "$out/ab-$side-$1" > "$out/logs/ab-$side-$1.log" 2>&1; echo "$side $1 rc=$?")
+  local side dir round order
+  for round in $(seq 1 "$1"); do
+    order="old new"; [ $((round % 2)) = 0 ] && order="new old"
+    for side in $order; do
+      dir=$PWD; [ $side = old ] && dir=${OLD:-$PWD/.old}
+      (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "${AB_TIMEOUT:-120}" python3 -m specter.bench --model /tmp/qwenref \
+        --max-new-tokens 64 --no-progress --no-plots --no-hf --repeats 1 --residents 15,8 --link native,gen4 \
+        --systems ondemand,specter --out "$out/ab-$side-$round" > "$out/logs/ab-$side-$round.log" 2>&1
+       echo "$side round $round rc=$?")
+    done
   done
+  python3 - "$out" <<'PY'
+import json, pathlib, statistics, sys
+cells = {}
+for path in sorted(pathlib.Path(sys.argv[1]).glob("ab-*-*/results.json")):
+    side = path.parent.name.split("-")[1]
+    for r in json.loads(path.read_text())["summary"]:
+        key = (r["link"], r["setting"], r["system"])
+        cells.setdefault(key, {}).setdefault(side, []).append((r["tpot_ms"], r.get("h2d_decode_mb_per_token", r["h2d_mb_per_token"]), r["tokens_equal"]))
+print("| link | residents | system | TPOT before | TPOT after | after / before | decode MB/tok before / after | runs | tokens equal |")
+print("|---|---|---|---|---|---|---|---|---|")
+for (link, setting, system), sides in sorted(cells.items()):
+    if not {"old", "new"} <= set(sides):
+        continue
+    old, new = (statistics.median(t for t, _, _ in sides[s]) for s in ("old", "new"))
+    mb = [statistics.median(m for _, m, _ in sides[s]) for s in ("old", "new")]
+    equal = all(e for s in sides.values() for _, _, e in s)
+    print(f"| {link} | {setting} | {system} | {old:.2f} | {new:.2f} | {new / old:.3f} | {mb[0]:.1f} / {mb[1]:.1f} | "
+          f"{len(sides['old'])} + {len(sides['new'])} | {equal} |")
+PY
 }
 
 realism() {  # table "Full-depth narrow checkpoints: realism": SHAPES (default: five) trained at once, then their reports
@@ -182,7 +206,7 @@ for target in "$@"; do
     paper-merge) paper_merge ;;
     cpu-quick) cpu_quick ;;
     serve) serve ;;
-    before-after) before_after native 15,8 3; before_after gen4 15,8 2 ;;
+    before-after) before_after "${ROUNDS:-2}" ;;
     realism) realism ;;
     *) echo "unknown target: $target" >&2; exit 2 ;;
   esac
