@@ -123,6 +123,7 @@ def load_policies(config: EngineConfig) -> dict:
         "eviction": plugins.load_policy("eviction", config.eviction),
         "prefetch": plugins.load_policy("prefetch", config.prefetch),
         "lookahead": plugins.load_policy("lookahead", config.lookahead, **lookahead_options),
+        "placement": plugins.load_policy("placement", config.cpu_experts),
     }
 
 

@@ -55,6 +55,11 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     memory.add_argument("--threads", type=int, default=None, metavar="N",
                         help="torch CPU threads for the whole process (default: 1 on CUDA, else half the cores, 1 to 4)")
     memory.add_argument("--link", default=None, metavar="PRESET|GBPS", help="emulate a slower link: gen5, gen4, gen3, ddr4-desktop or GB/s")
+    memory.add_argument("--cpu-experts", default="off", metavar="off|all|NAME",
+                        help="which routed experts the host CPU computes for the engine's life (specter.placement plug-in): "
+                             "off (none, default), all (every expert not resident: nothing is copied)")
+    memory.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                        help="torch threads of the host expert path (default: the host's cores); fewer emulate a smaller host")
     policies = gen.add_argument_group("speculation and policies")
     policies.add_argument("--eviction", default="plan-protect", metavar="NAME", help="specter.eviction plug-in")
     policies.add_argument("--prefetch", default="topm-keep", metavar="NAME", help="specter.prefetch plug-in")
@@ -109,7 +114,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig.build(
         device=args.device, dtype=args.dtype, max_context=args.max_context, budget=args.budget, residents=args.residents,
         eviction=args.eviction, prefetch=args.prefetch, lookahead=args.lookahead, link=args.link, progress=args.progress,
-        threads=args.threads,
+        threads=args.threads, cpu_experts=args.cpu_experts, cpu_threads=args.cpu_threads,
         draft=dict(k_max=args.k_max, quant=args.quant, sampling=args.sampling, scout=args.scout, overlap=args.overlap)
         | ({} if args.k is None else {"k": args.k}),  # no --k: the default depth, within --k-max
     )
