@@ -45,7 +45,9 @@ from specter.victims import Victims
 log = get_logger(__name__)
 Tensor = torch.Tensor
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-LARGE_CHECKPOINT_BYTES = 1 << 30  # above this, loading shows progress on a terminal even when not asked
+LARGE_CHECKPOINT_BYTES = 1 << 30
+OFF = "off"
+"""EngineConfig.cpu_experts of an engine without host experts (policies/placement.py's `Off` says the same)."""  # above this, loading shows progress on a terminal even when not asked
 
 
 # ---- where weights come from ----------------------------------------------------------------------------
@@ -123,8 +125,14 @@ def load_policies(config: EngineConfig) -> dict:
         "eviction": plugins.load_policy("eviction", config.eviction),
         "prefetch": plugins.load_policy("prefetch", config.prefetch),
         "lookahead": plugins.load_policy("lookahead", config.lookahead, **lookahead_options),
-        "placement": plugins.load_policy("placement", config.cpu_experts),
+        "placement": placement_policy(config),
     }
+
+
+def placement_policy(config: EngineConfig):
+    """The `specter.placement` plug-in named by EngineConfig.cpu_experts; None for 'off', which needs none: no expert
+    takes the host path and the engine runs as it did before placements (no plug-in, no host thread, no cost)."""
+    return None if config.cpu_experts == OFF else plugins.load_policy("placement", config.cpu_experts)
 
 
 def load_backend(config: EngineConfig, device: torch.device):
