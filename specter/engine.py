@@ -154,6 +154,8 @@ class Runtime:
         if self.cache is not None:
             await self.cache.aclose()
             await self.cache.transfer.aclose()
+        if isinstance(self.experts, OffloadedExperts):
+            self.experts.close()  # the host expert path's thread
         if self.kernel is not None:
             self.kernel.close()
         if self.backend is not None:
@@ -526,6 +528,8 @@ class Runtime:
         record.settle()  # device-side waits into stall_s (idempotent)
         stats.hits += record.hits
         stats.misses += record.misses
+        stats.host_computed_experts += record.host_computed
+        stats.host_compute_s += record.host_s
         stats.stall_s += record.stall_s
         for layer, used in record.used.items():
             self.uses.used(self.moe_index[layer], used)
