@@ -287,13 +287,13 @@ class OffloadedExperts:
         """The verify forward through the segmented static step (see `verify_segmented`), into this record."""
         return await verify_segmented(step, block_tokens, start, self.cache, self.kernel, self.layer_index, self.record,
                                       on_routed=self.on_routed, on_device=self.on_device, predicted=self.predicted,
-                                      tuning=self.tuning)
+                                      tuning=self.tuning, host=self.host)
 
 
 async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int, cache: ExpertCache, kernel: Kernel,
                            layer_index: dict[int, int], record: VerifyRecord, *, on_routed: RoutedHook | None = None,
                            on_device: bool = False, predicted: Mapping[int, Sequence[int]] | None = None,
-                           tuning: VerifyTuning | None = None) -> Tensor:
+                           tuning: VerifyTuning | None = None, host: HostExperts | None = None) -> Tensor:
     """Float32 logits [n, V] of n device tokens at positions start.., in R-row chunks, writing their KV.
 
     Per MoE layer: the pre-MoE segment (a graph replay on CUDA), one D2H copy of the router ids, the
@@ -301,7 +301,8 @@ async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int
     logits are bit-identical to the resident GraphedTarget's with the same R and MoE kernel. `predicted` (cache
     layer -> likely experts; used when the block fits in one chunk) lets the verify compute each layer's predicted residents and start its predicted
     misses while the routing is on its way to the host (`tuning.lead_misses`): an expert's staged output is the
-    same whether or not a row chose it. `tuning.routing_poll_s`: how long each routing read polls on CUDA.
+    same whether or not a row chose it. `tuning.routing_poll_s`: how long each routing read polls on CUDA. `host`: the
+    host expert path, which computes the placement's host-path experts beside the cache's and stages their outputs.
     """
     tuning = tuning or VerifyTuning()
     assert block_tokens.shape[0] >= 1, "nothing to verify: pass at least one token"
@@ -318,7 +319,7 @@ async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int
             step.run_segment(index)
             likely = lead.get(layer_index[layer]) if lead else None
             await _routed_experts(step, layer, count, cache, kernel, layer_index[layer], record, on_routed, on_device,
-                                  tuning, likely)
+                                  tuning, likely, host)
         step.run_segment(len(step.moe_layers))
         parts.append(step.logits[:count].clone())  # the static output is overwritten by the next chunk
     return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -340,27 +341,40 @@ def _lead(cache: ExpertCache, kernel: Kernel, cache_layer: int, likely: Sequence
 
 async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: ExpertCache, kernel: Kernel, cache_layer: int,
                           record: VerifyRecord, on_routed: RoutedHook | None, on_device: bool, tuning: VerifyTuning,
-                          likely: Sequence[int] | None = None) -> None:
+                          likely: Sequence[int] | None = None, host: HostExperts | None = None) -> None:
     """One MoE layer's routed experts for the step's current chunk of `count` real rows, into step.routed. `likely`:
-    the experts the round's plan predicts, for `_lead` while the router's choice is on its way to the host."""
+    the experts the round's plan predicts, for `_lead` while the router's choice is on its way to the host. Host-path
+    experts run on `host` beside the cache's, on every row of the step that chose them (padding rows repeat the last
+    real row, so they stay equal to it), and are staged before the next segment sums."""
     def compute(expert: int, packed: Tensor) -> None:
         step.expert_output(expert, packed)  # staged by expert id; the next segment sums them
 
     pending = copy_to_host(kernel, step.ids)  # the router's choice, [R, A] in one D2H copy, ahead of the lead's compute
+    inputs = host_inputs(host, kernel, cache_layer, step.normed, step.weights, pending)  # behind it, when the layer has any
     try:
         computed, started = _lead(cache, kernel, cache_layer, likely, compute, tuning.lead_misses) if likely else ([], [])
     except BaseException:
         abandon(pending)
         raise
     chosen = await host_values(kernel, pending, poll_s=tuning.routing_poll_s if on_device else 0.0)  # await point
-    needed = sorted({expert for row in chosen[:count] for expert in row})  # padding rows repeat the last real row
+    routed = sorted({expert for row in chosen[:count] for expert in row})  # padding rows repeat the last real row
+    needed = cache.device_path(cache_layer, routed)
     record.first_row.setdefault(layer, len(set(chosen[0])))
     if on_routed is not None:
-        on_routed(layer, step.normed[:count], needed)
+        on_routed(layer, step.normed[:count], routed)
     counted = record.used.get(layer, [])
     early = [e for e in computed if e in needed]  # resident when chosen: hits, computed before the routing was read
     rest = [e for e in needed if e not in computed]
-    order = await compute_hot_first(cache, kernel, cache_layer, rest, compute, record, counted=counted, on_device=on_device,
-                                    started=started)
+    job = start_host(host, kernel, cache_layer, chosen, routed, inputs, step.model.expert_mlp, dense=True)
+    try:  # the host computes its experts while the device computes (and loads) the others
+        order = await compute_hot_first(cache, kernel, cache_layer, rest, compute, record, counted=counted, on_device=on_device,
+                                        started=started)
+        hosted = await finish_host(kernel, job, layer, record)  # await point: the host's outputs
+    except BaseException:
+        if job is not None:
+            job.cancel()
+        raise
+    for expert, output in hosted.items():
+        step.stage_output(expert, output)
     record.hits += sum(1 for e in early if e not in counted)
     record.used[layer] = counted + [e for e in early + order if e not in counted]

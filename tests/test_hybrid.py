@@ -74,7 +74,7 @@ def run(path: str, config: EngineConfig, prompt: list[int], generation: Generati
     seed=st.integers(0, 2**31 - 1),
     scout=st.booleans(),
     overlap=st.sampled_from([0, 3]),
-    static=st.sampled_from([None]),
+    static=st.sampled_from([None, None, True]),
 )
 def test_speculative_equals_k0_with_the_same_placement(root, family, prompt, residents, placement_seed, eviction, prefetch,
                                                        lookahead, k, temperature, seed, scout, overlap, static):
@@ -96,7 +96,7 @@ def test_speculative_equals_k0_with_the_same_placement(root, family, prompt, res
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek-v2"])
-@pytest.mark.parametrize("static", [None])
+@pytest.mark.parametrize("static", [None, True])
 def test_all_copies_nothing_after_load_and_computes_the_rest_on_the_host(root, family, static):
     path = checkpoint(family, root)
     residents = Checkpoint(path).spec.top_k
