@@ -80,3 +80,15 @@ def test_cpu_fields_are_validated():
             EngineConfig.build(cpu_threads=bad)
     with pytest.raises(ConfigError, match="cpu_experts"):
         EngineConfig.build(cpu_experts="")
+
+
+def test_info_counts_the_host_experts_of_a_placement(tiny):
+    from specter.cli import checkpoint_summary
+
+    off = checkpoint_summary(str(tiny))
+    assert off["host_experts"] == 0 and off["cpu_experts"] == "off"
+    every = checkpoint_summary(str(tiny), residents=3, cpu_experts="all")
+    assert every["host_experts_per_layer"] == [every["experts"] - 3] * every["moe_layers"]
+    assert every["host_experts"] == every["moe_layers"] * (every["experts"] - 3)
+    with pytest.raises(ConfigError, match="--residents"):
+        checkpoint_summary(str(tiny), residents=0, cpu_experts="all")
