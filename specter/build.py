@@ -23,7 +23,9 @@ from specter import plugins
 from specter.config import EngineConfig
 from specter.draft import DraftExperts, quantize_layers
 from specter.errors import BudgetError, ConfigError
-from specter.experts.cache import ExpertCache
+from specter.experts.cache import CacheSnapshot, ExpertCache
+from specter.experts.host import HostExperts
+from specter.experts.host import default_threads as host_default_threads
 from specter.experts.pool import ExpertPool
 from specter.experts.transfer import LinkEmulation, TransferEngine, parse_link
 from specter.kernel import Kernel
@@ -38,6 +40,7 @@ from specter.model.segmented import SegmentedStep
 from specter.model.spec import ModelSpec
 from specter.model.transformer import ExpertProvider, Transformer
 from specter.model.weights import check_no_unknown_experts, iter_experts, load_dense
+from specter.placement import Placement, PlacementState, preloaded
 from specter.steps import graphed_target, make_draft, segmented_step, segmented_verify
 from specter.verify import OffloadedExperts
 from specter.victims import Victims
@@ -45,7 +48,9 @@ from specter.victims import Victims
 log = get_logger(__name__)
 Tensor = torch.Tensor
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-LARGE_CHECKPOINT_BYTES = 1 << 30  # above this, loading shows progress on a terminal even when not asked
+LARGE_CHECKPOINT_BYTES = 1 << 30
+OFF = "off"
+"""EngineConfig.cpu_experts of an engine without host experts (policies/placement.py's `Off` says the same)."""  # above this, loading shows progress on a terminal even when not asked
 
 
 # ---- where weights come from ----------------------------------------------------------------------------
@@ -123,7 +128,14 @@ def load_policies(config: EngineConfig) -> dict:
         "eviction": plugins.load_policy("eviction", config.eviction),
         "prefetch": plugins.load_policy("prefetch", config.prefetch),
         "lookahead": plugins.load_policy("lookahead", config.lookahead, **lookahead_options),
+        "placement": placement_policy(config),
     }
+
+
+def placement_policy(config: EngineConfig):
+    """The `specter.placement` plug-in named by EngineConfig.cpu_experts; None for 'off', which needs none: no expert
+    takes the host path and the engine runs as it did before placements (no plug-in, no host thread, no cost)."""
+    return None if config.cpu_experts == OFF else plugins.load_policy("placement", config.cpu_experts)
 
 
 def load_backend(config: EngineConfig, device: torch.device):
@@ -172,11 +184,12 @@ def default_threads(device: torch.device) -> int:
 # ---- the experts ----------------------------------------------------------------------------------------
 
 async def load_experts(source: WeightSource, config: EngineConfig, memory: MemoryPlan, backend, kernel: Kernel, dtype: torch.dtype,
-                       device: torch.device, speculative: bool, victims: Victims | None = None):
+                       device: torch.device, speculative: bool, victims: Victims | None = None, placement=None):
     """Stream every expert once: into device memory (all resident) or the host pool, and into the draft's quantizer.
 
     Returns (the verify's expert provider, the expert cache or None, the draft's quantized layers). The cache gets
-    `victims` as its victim chooser (none given: it never evicts by choice)."""
+    `victims` as its victim chooser (none given: it never evicts by choice). `placement`: the `specter.placement`
+    policy (None: 'off'), asked once the cache exists; with every expert resident there is nothing to place."""
     spec = source.spec
     if memory.all_resident:
         resident = ResidentExperts.from_iter(source.experts(dtype, config.progress), spec.num_experts, device)
@@ -200,7 +213,39 @@ async def load_experts(source: WeightSource, config: EngineConfig, memory: Memor
     pool.check_complete()
     cache = new_cache(config, memory.slots_per_layer, backend, kernel, new_transfer(config, backend, kernel, device), pool,
                       victims if victims is not None else (lambda *_: []))
-    return OffloadedExperts(cache, kernel, moe_index, tuning=config.tuning.verify), cache, draft
+    host = await place_experts(placement, cache, config, spec, device)
+    return OffloadedExperts(cache, kernel, moe_index, tuning=config.tuning.verify, host=host), cache, draft
+
+
+def placement_state(cache: ExpertCache, config: EngineConfig, spec: ModelSpec) -> PlacementState:
+    """What a placement policy sees of this engine now: its shape, its cache and the costs measured so far."""
+    gbps = parse_link(config.link)
+    return PlacementState(num_layers=cache.num_layers, num_experts=cache.num_experts, top_k=spec.top_k,
+                          slots_per_layer=cache.slots_per_layer, initial_residents=cache.snapshot().layers,
+                          expert_bytes=cache.pool.expert_bytes, row_bucket=config.row_bucket,
+                          host_threads=config.cpu_threads or host_default_threads(),
+                          link_bytes_per_s=gbps * 1e9 if gbps is not None else cache.transfer.bandwidth_bytes_per_s)
+
+
+async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: ModelSpec,
+                        device: torch.device) -> HostExperts | None:
+    """Ask the placement policy (None: 'off') once, tell the cache, load the device-path experts that fit in their
+    layer's slots, and start the host path; None when no expert takes it (the engine as without placements)."""
+    if policy is None:
+        return None
+    placement = policy.place(state=placement_state(cache, config, spec))
+    if not placement.active:
+        return None
+    return await apply_placement(placement, cache, config, device)
+
+
+async def apply_placement(placement: Placement, cache: ExpertCache, config: EngineConfig, device: torch.device) -> HostExperts:
+    """`placement` from now on: the cache skips its host-path experts and holds the device-path ones that fit (loaded
+    now, so those layers never copy again); returns the host path that computes the others."""
+    cache.place(placement.host)
+    await cache.restore(CacheSnapshot(tuple(tuple(experts) for experts in preloaded(placement, cache.slots_per_layer))))
+    log.info("engine.placed", host_experts=placement.total, per_layer=placement.counts())
+    return HostExperts(cache.pool, placement, config.row_bucket, config.cpu_threads, device)
 
 
 def new_transfer(config: EngineConfig, backend, kernel: Kernel, device: torch.device) -> TransferEngine:
@@ -249,6 +294,7 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
     backend = load_backend(config, device)
     kernel: Kernel | None = None
     runtime = None
+    experts = None
     try:
         apply_threads(config, device)  # process-wide, so only once the checkpoint and the backend are known to load
         kernel = Kernel(backend)
@@ -257,7 +303,8 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
                                       kernels=config.tuning.kernels)
         quantize_now = speculative and not calibrated
         victims = Victims(policies["eviction"], len(spec.moe_layers))
-        experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now, victims)
+        experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now, victims,
+                                                          policies["placement"])
         source.close()
         draft = make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device), config) if quantize_now else None
         runtime = cls(config, spec, model, memory, backend, kernel, experts, cache, draft, policies, victims,
@@ -270,6 +317,8 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
         if runtime is not None:
             await runtime.aclose()
         else:
+            if isinstance(experts, OffloadedExperts):
+                experts.close()  # its host thread
             if kernel is not None:
                 kernel.close()
             backend.close()

@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--max-context", type=int, default=None,
                       help="context the budgets are planned for (default: min(2048, the model's max_position_embeddings))")
     info.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2", "gptq4"], help="draft quantization")
+    info.add_argument("--residents", type=int, default=None, metavar="N",
+                      help="expert slots per MoE layer the placement is made for (default: the model's top-k)")
+    info.add_argument("--cpu-experts", default="off", metavar="off|all|NAME",
+                      help="placement (specter.placement plug-in) whose host experts to count")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     _add_logging(info)
     add_serve_parser(commands)
@@ -55,6 +59,11 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     memory.add_argument("--threads", type=int, default=None, metavar="N",
                         help="torch CPU threads for the whole process (default: 1 on CUDA, else half the cores, 1 to 4)")
     memory.add_argument("--link", default=None, metavar="PRESET|GBPS", help="emulate a slower link: gen5, gen4, gen3, ddr4-desktop or GB/s")
+    memory.add_argument("--cpu-experts", default="off", metavar="off|all|NAME",
+                        help="which routed experts the host CPU computes for the engine's life (specter.placement plug-in): "
+                             "off (none, default), all (every expert not resident: nothing is copied)")
+    memory.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                        help="torch threads of the host expert path (default: the host's cores); fewer emulate a smaller host")
     policies = gen.add_argument_group("speculation and policies")
     policies.add_argument("--eviction", default="plan-protect", metavar="NAME", help="specter.eviction plug-in")
     policies.add_argument("--prefetch", default="topm-keep", metavar="NAME", help="specter.prefetch plug-in")
@@ -109,7 +118,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig.build(
         device=args.device, dtype=args.dtype, max_context=args.max_context, budget=args.budget, residents=args.residents,
         eviction=args.eviction, prefetch=args.prefetch, lookahead=args.lookahead, link=args.link, progress=args.progress,
-        threads=args.threads,
+        threads=args.threads, cpu_experts=args.cpu_experts, cpu_threads=args.cpu_threads,
         draft=dict(k_max=args.k_max, quant=args.quant, sampling=args.sampling, scout=args.scout, overlap=args.overlap)
         | ({} if args.k is None else {"k": args.k}),  # no --k: the default depth, within --k-max
     )
@@ -213,7 +222,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     if note := builtin_note(args.model):
         print(note, file=sys.stderr)
-    summary = checkpoint_summary(args.model, dtype=args.dtype, max_context=args.max_context, quant=args.quant)
+    summary = checkpoint_summary(args.model, dtype=args.dtype, max_context=args.max_context, quant=args.quant,
+                                 residents=args.residents, cpu_experts=args.cpu_experts)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -221,8 +231,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None = None, quant: str = "int4") -> dict:
-    """What `specter info` prints: family, shape, parameter counts, expert bytes and the two budgets."""
+def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None = None, quant: str = "int4",
+                       residents: int | None = None, cpu_experts: str = "off") -> dict:
+    """What `specter info` prints: family, shape, parameter counts, expert bytes, the two budgets, and how many experts
+    the placement `cpu_experts` computes on the host at `residents` slots per layer (as it places at load)."""
     from specter.builtin import resolve_model
     from specter.config import EngineConfig
     from specter.build import resolve_dtype
@@ -249,7 +261,29 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
         "dense_bytes": plan.dense_bytes, "draft_bytes": plan.draft_bytes, "kv_bytes": plan.kv_bytes,
         "max_context": config.max_context, "max_position_embeddings": spec.max_position, "draft_quant": quant,
         "minimum_budget": plan.minimum_budget, "resident_budget": plan.resident_budget,
-    }
+    } | placement_summary(spec, plan.expert_bytes, config, residents, cpu_experts)
+
+
+def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int | None, cpu_experts: str) -> dict:
+    """The host-expert count of placement `cpu_experts` for an engine with `residents` slots per layer, placed as the
+    builder places at load (an empty cache, costs not yet measured)."""
+    from specter import plugins
+    from specter.errors import ConfigError
+    from specter.placement import Placement, PlacementState
+
+    layers, experts = len(spec.moe_layers), spec.num_experts
+    slots = residents if residents is not None else spec.top_k
+    if not 1 <= slots <= experts:
+        raise ConfigError(f"--residents {slots}: expected 1..{experts} slots per MoE layer")
+    if cpu_experts == "off":
+        placement = Placement.device_only(layers, experts)
+    else:
+        state = PlacementState(num_layers=layers, num_experts=experts, top_k=spec.top_k, slots_per_layer=slots,
+                               initial_residents=tuple(() for _ in range(layers)), expert_bytes=expert_bytes,
+                               row_bucket=config.row_bucket)
+        placement = plugins.load_policy("placement", cpu_experts).place(state=state)
+    return {"cpu_experts": cpu_experts, "placement_slots": slots, "host_experts": placement.total,
+            "host_experts_per_layer": placement.counts()}
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -273,6 +307,8 @@ def _format_info(summary: dict) -> str:
                         f"KV for {summary['max_context']} tokens {fmt(summary['kv_bytes'])}"),
         ("minimum budget", fmt(summary["minimum_budget"])),
         ("full residency", fmt(summary["resident_budget"])),
+        ("host experts", f"{summary['host_experts']} of {summary['moe_layers'] * summary['experts']} "
+                         f"(--cpu-experts {summary['cpu_experts']}, {summary['placement_slots']} slots per layer)"),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

@@ -273,6 +273,13 @@ class EngineConfig(_Frozen):
                                 "1 to 4. Torch's own default, one thread per core, spins its workers against any other "
                                 "busy process: on 2 shared cores, tiny's TPOT was 1.1 s with 2 threads against 54 ms "
                                 "with 1 (benchmarks/threads_tpot.py).")
+    cpu_experts: str = Field("off", min_length=1, description="Name of the `specter.placement` plug-in that decides, once "
+                             "at load, which routed experts the host CPU computes for the engine's life (never copied to "
+                             "the device): 'off' (none), 'all' (every expert not resident on the device: nothing is copied "
+                             "after load, the llama.cpp --n-cpu-moe style), or any installed placement plug-in.")
+    cpu_threads: int | None = Field(None, ge=1, le=1024, description="Torch intra-op threads of the host expert path's "
+                                    "worker thread (its own OpenMP team: the loop thread keeps `threads`). None "
+                                    "(default): the host's cores. Fewer emulate a smaller host.")
     draft: DraftConfig = Field(default_factory=DraftConfig, description="Draft model settings.")
     eviction: str = Field("plan-protect", min_length=1, description="Name of the `specter.eviction` plug-in.")
     prefetch: str = Field("topm-keep", min_length=1, description="Name of the `specter.prefetch` plug-in.")

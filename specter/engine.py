@@ -154,6 +154,8 @@ class Runtime:
         if self.cache is not None:
             await self.cache.aclose()
             await self.cache.transfer.aclose()
+        if isinstance(self.experts, OffloadedExperts):
+            self.experts.close()  # the host expert path's thread
         if self.kernel is not None:
             self.kernel.close()
         if self.backend is not None:
@@ -412,12 +414,23 @@ class Runtime:
         assert self.cache is not None
         for observer in self.observers:
             observer.planned(steps_done, counts)
-        self.plan = self.prefetch.plan(route_counts=counts, resident=self._residency(), steps_done=steps_done, k=k,
+        self.plan = self.prefetch.plan(route_counts=self._device_path_counts(counts), resident=self._residency(), steps_done=steps_done, k=k,
                                        timing=self._timing(), slots_per_layer=self.memory.slots_per_layer)
         for layer in range(len(self.spec.moe_layers)):
             planned = self.plan.for_layer(layer)
             self.cache.protect(layer, planned, replace=True)
             self.cache.prefetch(layer, planned)
+
+    def _device_path_counts(self, counts: np.ndarray) -> np.ndarray:
+        """The draft's route counts [L, E] as the prefetch policy sees them: host-path experts (the placement's) at 0,
+        so a plan's slots go to experts the cache serves (the cache would skip the others anyway)."""
+        host_path = self.cache.host_path
+        if not any(host_path):
+            return counts
+        counts = counts.copy()
+        for layer, experts in enumerate(host_path):
+            counts[layer, list(experts)] = 0
+        return counts
 
     def _start_verify_record(self):
         """The verify's record of hits, misses, stall and experts used (offloaded runtimes; None otherwise)."""
@@ -526,6 +539,8 @@ class Runtime:
         record.settle()  # device-side waits into stall_s (idempotent)
         stats.hits += record.hits
         stats.misses += record.misses
+        stats.host_computed_experts += record.host_computed
+        stats.host_compute_s += record.host_s
         stats.stall_s += record.stall_s
         for layer, used in record.used.items():
             self.uses.used(self.moe_index[layer], used)

@@ -6,9 +6,10 @@ Code elsewhere never blocks on the device; it does `await kernel.wait(event)`.
 # Design principles (after curio's kernel.py):
 #
 #  1. This module holds every point where a task can suspend on GPU work: `Kernel.wait`. Grep for it to
-#     find every host/device synchronisation of a decode round.
-#  2. One door from other threads: `loop.call_soon_threadsafe`. Waiter threads and host callbacks never
-#     touch a future, a task or a loop attribute; they only ask the loop to do it.
+#     find every host/device synchronisation of a decode round. Host compute a task awaits (the host expert
+#     path) suspends here too, the same way: `Kernel.wait_host` on a job of a `HostThread`.
+#  2. One door from other threads: `loop.call_soon_threadsafe`. Waiter threads, host threads and host callbacks
+#     never touch a future, a task or a loop attribute; they only ask the loop to do it.
 #  3. GPU work cannot be cancelled. A cancelled `wait` drops the completion when it arrives; the work
 #     itself finishes, and the owner of what it wrote (the expert cache) decides what that means.
 #  4. Cancellation cannot be swallowed: CancelledError is a BaseException, so `except Exception` in a
@@ -32,7 +33,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -131,6 +132,74 @@ class _StreamWaiter:
         self.thread.join(_JOIN_TIMEOUT_S)
         if self.thread.is_alive():
             log.warning("kernel.waiter_stuck", thread=self.thread.name, hint="an awaited event never completed")
+
+
+class HostJob(Generic[T]):
+    """One piece of host work on a `HostThread` and its outcome; made by `Kernel.submit_host`."""
+
+    def __init__(self, work: Callable[[], T], completion: asyncio.Future[None]) -> None:
+        self.work, self.completion = work, completion
+        self.notify: Callable[[], None] = lambda: None
+        self.cancelled = False  # set on the loop thread, read on the host thread: at worst a late job runs, unread
+        self.value: T | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        """Host seconds the work ran (0 until it has)."""
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def run(self) -> None:
+        """On the host thread: the work, unless cancelled, then the one door to the loop."""
+        if self.cancelled:
+            return
+        started = time.perf_counter()
+        try:
+            self.value = self.work()
+        except BaseException as error:  # noqa: BLE001 - handed to the awaiting task, which raises it
+            self.error = error
+        self.seconds = time.perf_counter() - started
+        self.notify()
+
+
+class HostThread:
+    """One dedicated thread for host compute that tasks await (the host expert path): jobs run one at a time in the
+    order submitted, after `setup` (e.g. the thread's own torch thread count) has run on it once."""
+
+    def __init__(self, name: str, setup: Callable[[], None] | None = None) -> None:
+        self._jobs: queue.SimpleQueue[HostJob[Any] | None] = queue.SimpleQueue()
+        self._pending = 0  # submitted and not finished (skipped or run), for `idle`
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, args=(setup,), name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, job: HostJob[Any]) -> None:
+        with self._lock:
+            self._pending += 1
+        self._jobs.put(job)
+
+    @property
+    def idle(self) -> bool:
+        """No job queued or running."""
+        with self._lock:
+            return self._pending == 0
+
+    def _run(self, setup: Callable[[], None] | None) -> None:
+        if setup is not None:
+            setup()
+        while (job := self._jobs.get()) is not None:
+            try:
+                job.run()
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+    def stop(self) -> None:
+        """Finish the job running, skip none queued (they run, or are skipped when cancelled), then end the thread."""
+        self._jobs.put(None)
+        self.thread.join(_JOIN_TIMEOUT_S)
+        if self.thread.is_alive():
+            log.warning("kernel.host_thread_stuck", thread=self.thread.name, hint="a host job did not finish")
 
 
 class Kernel:
@@ -284,6 +353,28 @@ class Kernel:
         if waiter is None:
             waiter = self._waiters[stream] = _StreamWaiter(stream)
         return waiter
+
+    def submit_host(self, thread: HostThread, work: Callable[[], T]) -> HostJob[T]:
+        """Queue `work` on `thread` now (from the loop thread); `wait_host` awaits its result. A job nobody will await
+        (the caller failed or was cancelled in between) must be `cancel`led: it is then skipped if not started."""
+        loop = asyncio.get_running_loop()
+        job: HostJob[T] = HostJob(work, loop.create_future())
+        job.notify = self._notifier(loop, job.completion)
+        thread.submit(job)
+        return job
+
+    async def wait_host(self, job: HostJob[T]) -> T:
+        """Suspend the calling task until `job` has run on its host thread; its value, or its error raised here. If the
+        task is cancelled meanwhile, the job is cancelled (skipped if not started; a running one finishes, its result
+        dropped, principle 3)."""
+        try:
+            await job.completion
+        except BaseException:
+            job.cancel()
+            raise
+        if job.error is not None:
+            raise job.error
+        return job.value  # type: ignore[return-value]
 
     @property
     def threads(self) -> list[threading.Thread]:

@@ -1,6 +1,7 @@
 """Plug-in loading per entry-point group, allow-listed by SPECTER_PLUGINS, validated and guarded.
 
-Groups: `specter.eviction`, `specter.prefetch`, `specter.lookahead` (policies) and `specter.backends`.
+Groups: `specter.eviction`, `specter.prefetch`, `specter.lookahead`, `specter.placement` (policies) and
+`specter.backends`.
 SPECTER_PLUGINS: comma-separated `name` or `group:name` (e.g. `lru,prefetch:none`); unset allows every
 installed plug-in, set but empty allows none. Every error names the plug-in, its group and distribution.
 """
@@ -18,6 +19,7 @@ import numpy as np
 
 from specter.errors import PluginError
 from specter.log import get_logger
+from specter.placement import Placement, PlacementState
 from specter.policy import (
     LinkTiming,
     LookaheadState,
@@ -31,7 +33,7 @@ log = get_logger(__name__)
 
 ALLOW_LIST_ENV = "SPECTER_PLUGINS"
 GROUP_PREFIX = "specter."
-POLICY_GROUPS = ("eviction", "prefetch", "lookahead")
+POLICY_GROUPS = ("eviction", "prefetch", "lookahead", "placement")
 BACKEND_GROUP = "backends"
 
 _scan_lock = threading.RLock()
@@ -189,7 +191,8 @@ def guarded(policy: Any, group: str, origin: PluginOrigin | None = None) -> Any:
         return policy
     short = short_group(group)
     origin = origin or PluginOrigin(short, str(getattr(policy, "name", type(policy).__name__)))
-    wrappers = {"eviction": GuardedEviction, "prefetch": GuardedPrefetch, "lookahead": GuardedLookahead}
+    wrappers = {"eviction": GuardedEviction, "prefetch": GuardedPrefetch, "lookahead": GuardedLookahead,
+                "placement": GuardedPlacement}
     if short not in wrappers:
         raise PluginError(f"cannot guard a {short} plug-in; only {', '.join(wrappers)} policies are guarded")
     problems = protocol_problems(policy, short)
@@ -310,3 +313,16 @@ class GuardedLookahead(_Guarded):
 
     def observe(self, outcome: RoundOutcome) -> None:
         self._call("observe", outcome=outcome)
+
+
+class GuardedPlacement(_Guarded):
+    """A placement policy whose place() is checked: a `Placement` of every MoE layer with ids in range."""
+
+    def place(self, state: PlacementState) -> Placement:
+        placement = self._call("place", state=state)
+        if not isinstance(placement, Placement):
+            raise self._wrong("place", f"{type(placement).__name__} is not a specter.placement.Placement")
+        if placement.num_layers != state.num_layers or placement.num_experts != state.num_experts:
+            raise self._wrong("place", f"a placement of {placement.num_layers} layers x {placement.num_experts} experts "
+                                       f"for a model of {state.num_layers} x {state.num_experts}")
+        return placement

@@ -1,4 +1,4 @@
-"""The three policy protocols (eviction, prefetch, lookahead) and the plain data they receive.
+"""The policy protocols (eviction, prefetch, lookahead; placement's lives in specter/placement.py) and their data.
 
 Policies are plain synchronous objects: they never await, never touch CUDA, and can be replayed on the
 CPU from a routing trace (`specter.replay`). Each is built with keyword-only options and has a `name`.
@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+from specter.placement import PlacementPolicy
 
 # Shape legend: L MoE layers, E routed experts per layer.
 
@@ -214,12 +216,14 @@ PROTOCOLS: Mapping[str, type] = {
     "eviction": EvictionPolicy,
     "prefetch": PrefetchPolicy,
     "lookahead": LookaheadPolicy,
+    "placement": PlacementPolicy,
 }
 
 REQUIRED_METHODS: Mapping[str, tuple[str, ...]] = {
     "eviction": ("victims",),
     "prefetch": ("checkpoints", "plan"),
     "lookahead": ("next_k", "observe"),
+    "placement": ("place",),
 }
 """Short group name -> methods a policy of that group must have (used by the plug-in loader)."""
 

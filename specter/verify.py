@@ -2,7 +2,9 @@
 
 At each MoE layer it awaits the target router's choice (one small D2H copy), computes the experts that
 are already resident, and loads the misses on demand through the cache's rolling window of slots, so a
-miss's copy overlaps the compute of the hits. Outputs are summed in expert-id order (exact mode).
+miss's copy overlaps the compute of the hits. Experts the placement puts on the host path are computed by the
+host CPU meanwhile (`specter.experts.host`: their rows go down with the routing's copy, their outputs come back
+before the sum). Outputs are summed in expert-id order (exact mode).
 Two forwards use it: the eager exact forward (`OffloadedExperts.run`) and the segmented static step
 (`verify_segmented`), whose numerics are the resident GraphedTarget's.
 """
@@ -19,7 +21,8 @@ import torch
 from backends.base import Event
 from specter.config import VerifyTuning
 from specter.experts.cache import ExpertCache
-from specter.kernel import Kernel
+from specter.experts.host import HostExperts, HostInputs, host_routes
+from specter.kernel import HostJob, Kernel
 from specter.model.segmented import SegmentedStep
 from specter.model.transformer import ExpertMLP, RoutingTable, combine_in_expert_order
 
@@ -94,6 +97,9 @@ class VerifyRecord:
     first_row: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> experts the first verified row chose
     hits: int = 0  # resident, or its prefetch already issued, when the router chose it (waits show in stall_s)
     misses: int = 0  # loaded on demand
+    host_used: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # layer -> host-path experts computed
+    host_computed: int = 0  # host-path expert computations, one per (layer, expert) per forward (a chunk each)
+    host_s: float = 0.0  # host seconds those computations took (on the host thread)
     stall_s: float = 0.0
     device_waits: list[tuple[Event, Event]] = dataclasses.field(default_factory=list)
     """Timed (before, after) events around each device-side wait of the compute stream for a copy: the stall
@@ -181,13 +187,50 @@ async def compute_hot_first(cache: ExpertCache, kernel: Kernel, cache_layer: int
     return order
 
 
+def host_inputs(host: HostExperts | None, kernel: Kernel, cache_layer: int, hidden: Tensor, weights: Tensor,
+                pending: Tensor | tuple[tuple, Tensor, Event]) -> HostInputs | None:
+    """The layer's rows and routing weights on their way to the host (enqueued behind the routing's copy `pending`),
+    when the placement puts any of the layer's experts on the host path; None otherwise (and nothing enqueued)."""
+    if host is None or not host.placement.host_experts(cache_layer):
+        return None
+    try:
+        return host.copy_inputs(kernel, hidden, weights)
+    except BaseException:
+        abandon(pending)
+        raise
+
+
+def start_host(host: HostExperts | None, kernel: Kernel, cache_layer: int, chosen: Sequence[Sequence[int]],
+               experts: Sequence[int], inputs: HostInputs | None, mlp: ExpertMLP, *, dense: bool) -> HostJob | None:
+    """Queue the host-path experts among `experts` (the routing's choice) on the host thread; None when there are none."""
+    if inputs is None:
+        return None
+    hosted = [e for e in experts if host.placement.is_host(cache_layer, e)]
+    if not hosted:
+        return None
+    return host.start(kernel, cache_layer, host_routes(chosen, hosted), inputs, mlp, dense=dense)
+
+
+async def finish_host(kernel: Kernel, job: HostJob | None, layer: int, record: VerifyRecord) -> dict[int, Tensor]:
+    """The host-path experts' outputs (expert -> host tensor), counted into `record`; {} without a job."""
+    if job is None:
+        return {}
+    outputs = await kernel.wait_host(job)
+    record.host_used[layer] = record.host_used.get(layer, []) + sorted(outputs)
+    record.host_computed += len(outputs)
+    record.host_s += job.seconds
+    return outputs
+
+
 class OffloadedExperts:
     """ExpertProvider over an ExpertCache; `layer_index` maps model layers to the cache's compact MoE layers."""
 
     def __init__(self, cache: ExpertCache, kernel: Kernel, layer_index: dict[int, int],
                  on_routed: RoutedHook | None = None, on_device: bool | None = None,
-                 tuning: VerifyTuning | None = None) -> None:
+                 tuning: VerifyTuning | None = None, host: HostExperts | None = None) -> None:
         self.cache = cache
+        self.host = host if host is not None and host.placement.active else None
+        """The host expert path, when the placement puts any expert on it (None: every expert from the cache)."""
         self.tuning = tuning or VerifyTuning()  # EngineConfig.tuning.verify; read at run time
         self.kernel = kernel
         self.layer_index = layer_index
@@ -206,34 +249,51 @@ class OffloadedExperts:
         return self.record
 
     async def run(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor, mlp: ExpertMLP) -> Tensor:
+        cache_layer = self.layer_index[layer]
         poll_s = self.tuning.routing_poll_s if self.on_device else 0.0
-        chosen = await to_host(self.kernel, ids, poll_s=poll_s)  # await point: the router's choice
+        pending = copy_to_host(self.kernel, ids)  # the router's choice
+        inputs = host_inputs(self.host, self.kernel, cache_layer, x, weights, pending)  # behind it, when the layer has any
+        chosen = await host_values(self.kernel, pending, poll_s=poll_s)  # await point: the router's choice
         table = RoutingTable(chosen, x.device)
-        needed = table.experts
         self.record.first_row.setdefault(layer, len(set(chosen[0])))
         if self.on_routed is not None:
-            self.on_routed(layer, x, needed)
+            self.on_routed(layer, x, table.experts)
+        needed = self.cache.device_path(cache_layer, table.experts)
         parts: dict[int, tuple[Tensor, Tensor]] = {}
 
         def compute(expert: int, packed: Tensor) -> None:
             parts[expert] = table.weighted_output(expert, x, weights, mlp, packed)
 
-        order = await compute_hot_first(self.cache, self.kernel, self.layer_index[layer], needed, compute, self.record,
-                                        on_device=self.on_device)
+        job = start_host(self.host, self.kernel, cache_layer, chosen, table.experts, inputs, mlp, dense=False)
+        try:  # the host computes its experts while the device computes (and loads) the others
+            order = await compute_hot_first(self.cache, self.kernel, cache_layer, needed, compute, self.record,
+                                            on_device=self.on_device)
+            hosted = await finish_host(self.kernel, job, layer, self.record)  # await point: the host's outputs
+        except BaseException:
+            if job is not None:
+                job.cancel()
+            raise
+        for expert, values in hosted.items():  # back to the device (non-blocking from pinned memory on CUDA)
+            parts[expert] = (table.rows(expert)[0], values.to(x.device, non_blocking=True))
         self.record.used[layer] = order
         return combine_in_expert_order(x.shape[0], x.shape[1], parts, x)
+
+    def close(self) -> None:
+        """Stop the host expert path's thread (the runtime's close)."""
+        if self.host is not None:
+            self.host.close()
 
     async def verify_static(self, step: SegmentedStep, block_tokens: Tensor, start: int) -> Tensor:
         """The verify forward through the segmented static step (see `verify_segmented`), into this record."""
         return await verify_segmented(step, block_tokens, start, self.cache, self.kernel, self.layer_index, self.record,
                                       on_routed=self.on_routed, on_device=self.on_device, predicted=self.predicted,
-                                      tuning=self.tuning)
+                                      tuning=self.tuning, host=self.host)
 
 
 async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int, cache: ExpertCache, kernel: Kernel,
                            layer_index: dict[int, int], record: VerifyRecord, *, on_routed: RoutedHook | None = None,
                            on_device: bool = False, predicted: Mapping[int, Sequence[int]] | None = None,
-                           tuning: VerifyTuning | None = None) -> Tensor:
+                           tuning: VerifyTuning | None = None, host: HostExperts | None = None) -> Tensor:
     """Float32 logits [n, V] of n device tokens at positions start.., in R-row chunks, writing their KV.
 
     Per MoE layer: the pre-MoE segment (a graph replay on CUDA), one D2H copy of the router ids, the
@@ -241,7 +301,8 @@ async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int
     logits are bit-identical to the resident GraphedTarget's with the same R and MoE kernel. `predicted` (cache
     layer -> likely experts; used when the block fits in one chunk) lets the verify compute each layer's predicted residents and start its predicted
     misses while the routing is on its way to the host (`tuning.lead_misses`): an expert's staged output is the
-    same whether or not a row chose it. `tuning.routing_poll_s`: how long each routing read polls on CUDA.
+    same whether or not a row chose it. `tuning.routing_poll_s`: how long each routing read polls on CUDA. `host`: the
+    host expert path, which computes the placement's host-path experts beside the cache's and stages their outputs.
     """
     tuning = tuning or VerifyTuning()
     assert block_tokens.shape[0] >= 1, "nothing to verify: pass at least one token"
@@ -258,7 +319,7 @@ async def verify_segmented(step: SegmentedStep, block_tokens: Tensor, start: int
             step.run_segment(index)
             likely = lead.get(layer_index[layer]) if lead else None
             await _routed_experts(step, layer, count, cache, kernel, layer_index[layer], record, on_routed, on_device,
-                                  tuning, likely)
+                                  tuning, likely, host)
         step.run_segment(len(step.moe_layers))
         parts.append(step.logits[:count].clone())  # the static output is overwritten by the next chunk
     return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -280,27 +341,40 @@ def _lead(cache: ExpertCache, kernel: Kernel, cache_layer: int, likely: Sequence
 
 async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: ExpertCache, kernel: Kernel, cache_layer: int,
                           record: VerifyRecord, on_routed: RoutedHook | None, on_device: bool, tuning: VerifyTuning,
-                          likely: Sequence[int] | None = None) -> None:
+                          likely: Sequence[int] | None = None, host: HostExperts | None = None) -> None:
     """One MoE layer's routed experts for the step's current chunk of `count` real rows, into step.routed. `likely`:
-    the experts the round's plan predicts, for `_lead` while the router's choice is on its way to the host."""
+    the experts the round's plan predicts, for `_lead` while the router's choice is on its way to the host. Host-path
+    experts run on `host` beside the cache's, on every row of the step that chose them (padding rows repeat the last
+    real row, so they stay equal to it), and are staged before the next segment sums."""
     def compute(expert: int, packed: Tensor) -> None:
         step.expert_output(expert, packed)  # staged by expert id; the next segment sums them
 
     pending = copy_to_host(kernel, step.ids)  # the router's choice, [R, A] in one D2H copy, ahead of the lead's compute
+    inputs = host_inputs(host, kernel, cache_layer, step.normed, step.weights, pending)  # behind it, when the layer has any
     try:
         computed, started = _lead(cache, kernel, cache_layer, likely, compute, tuning.lead_misses) if likely else ([], [])
     except BaseException:
         abandon(pending)
         raise
     chosen = await host_values(kernel, pending, poll_s=tuning.routing_poll_s if on_device else 0.0)  # await point
-    needed = sorted({expert for row in chosen[:count] for expert in row})  # padding rows repeat the last real row
+    routed = sorted({expert for row in chosen[:count] for expert in row})  # padding rows repeat the last real row
+    needed = cache.device_path(cache_layer, routed)
     record.first_row.setdefault(layer, len(set(chosen[0])))
     if on_routed is not None:
-        on_routed(layer, step.normed[:count], needed)
+        on_routed(layer, step.normed[:count], routed)
     counted = record.used.get(layer, [])
     early = [e for e in computed if e in needed]  # resident when chosen: hits, computed before the routing was read
     rest = [e for e in needed if e not in computed]
-    order = await compute_hot_first(cache, kernel, cache_layer, rest, compute, record, counted=counted, on_device=on_device,
-                                    started=started)
+    job = start_host(host, kernel, cache_layer, chosen, routed, inputs, step.model.expert_mlp, dense=True)
+    try:  # the host computes its experts while the device computes (and loads) the others
+        order = await compute_hot_first(cache, kernel, cache_layer, rest, compute, record, counted=counted, on_device=on_device,
+                                        started=started)
+        hosted = await finish_host(kernel, job, layer, record)  # await point: the host's outputs
+    except BaseException:
+        if job is not None:
+            job.cancel()
+        raise
+    for expert, output in hosted.items():
+        step.stage_output(expert, output)
     record.hits += sum(1 for e in early if e not in counted)
     record.used[layer] = counted + [e for e in early + order if e not in counted]

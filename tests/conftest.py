@@ -42,15 +42,39 @@ def _installed(name: str) -> bool:
 
 
 _added_paths: list[str] = []
+CHECKOUT_PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+
+
+def missing_entry_points(pyproject: Path) -> dict[str, dict[str, str]]:
+    """Entry points the checkout's pyproject declares that the installed `specter` metadata lacks: an editable
+    install reads them when it is installed, so a group added since (e.g. `specter.placement`) is unknown to it
+    until `pip install -e .` runs again."""
+    from importlib.metadata import entry_points
+
+    declared = tomllib.loads(pyproject.read_text())["project"].get("entry-points", {})
+    missing: dict[str, dict[str, str]] = {}
+    for group, points in declared.items():
+        known = {point.name for point in entry_points(group=group)}
+        absent = {name: target for name, target in points.items() if name not in known}
+        if absent:
+            missing[group] = absent
+    return missing
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # Runs before any test module imports specter.plugins, whose entry-point scan is cached per process.
-    if _installed(DUMMY_DIST):
-        return  # someone installed the example package (pip install ./tests/dummy_plugin): use that copy
-    metadata_root = Path(tempfile.mkdtemp(prefix="specter-dummy-plugin-"))
-    dummy_dist_info(DUMMY_PLUGIN / "pyproject.toml", metadata_root)
-    _added_paths.extend([str(metadata_root), str(DUMMY_PLUGIN)])
+    metadata_root = Path(tempfile.mkdtemp(prefix="specter-test-plugins-"))
+    missing = missing_entry_points(CHECKOUT_PYPROJECT)
+    if missing:  # the checkout's own plug-ins, seen as the reinstalled package would see them
+        shim = metadata_root / "shim.toml"
+        shim.write_text(f'[project]\nname = "specter-checkout-plugins"\nversion = "0"\n'
+                        + "".join(f'[project.entry-points."{group}"]\n' + "".join(f'{n} = "{t}"\n' for n, t in points.items())
+                                  for group, points in missing.items()))
+        dummy_dist_info(shim, metadata_root)
+    _added_paths.append(str(metadata_root))
+    if not _installed(DUMMY_DIST):  # unless someone installed the example package (pip install ./tests/dummy_plugin)
+        dummy_dist_info(DUMMY_PLUGIN / "pyproject.toml", metadata_root)
+        _added_paths.append(str(DUMMY_PLUGIN))
     sys.path[:0] = _added_paths
 
 

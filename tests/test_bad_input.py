@@ -145,7 +145,7 @@ def test_budget_above_free_gpu_memory(tiny):
 
 @pytest.mark.parametrize("field, group, known", [
     ("eviction", "eviction", "lru"), ("prefetch", "prefetch", "topm-frequency"),
-    ("lookahead", "lookahead", "fixed"), ("backend", "backends", "cpu"),
+    ("lookahead", "lookahead", "fixed"), ("backend", "backends", "cpu"), ("cpu_experts", "placement", "all"),
 ])
 def test_unknown_plugin_names_list_the_installed_ones(tiny, expected, field, group, known):
     with pytest.raises(PluginError) as error:

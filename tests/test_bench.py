@@ -693,3 +693,26 @@ def test_a_cell_below_the_bytes_floor_of_its_rounds_is_flagged():
     assert report.exact_prefetch_flags([row]) == ["m residents=2 1 greedy: specter moved 1.5 decode MB/token, below the "
                                                   "bytes floor of its own rounds (1.8): the floor or the byte accounting is wrong"]
     assert report.exact_prefetch_flags([row | {"floor_decode_mb_per_token": 1.5}]) == []
+
+
+def test_cpu_experts_copies_nothing_and_is_held_to_its_own_placements_baseline(tmp_path, monkeypatch):
+    """`cpu-experts` (issue 28 item 4): k = 0, the cell's starting residents on the device, the rest on the host; no
+    expert byte after the prompt, host experts counted, tokens equal to the same placement's k = 0 baseline."""
+    from specter.bench import protocol
+
+    baselines = []
+    placed = protocol.ModelBench._placement_baseline
+
+    async def spy(self, runtime, system, start_state, cell):
+        await placed(self, runtime, system, start_state, cell)
+        baselines.append((system.name, cell, dict(self.placed_baseline)))
+
+    monkeypatch.setattr(protocol.ModelBench, "_placement_baseline", spy)
+    code = cli.main(["--systems", "ondemand,cpu-experts", "--max-new-tokens", "6", "--warmup-tokens", "4", "--link", "1",
+                     "--no-progress", "--no-plots", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert code == 0 and all(row["tokens_equal"] for row in results["summary"]), results["summary"]
+    runs = [run for run in results["runs"] if run["system"] == "cpu-experts"]
+    assert runs and all(run["h2d_bytes"] == 0 and run["misses"] == 0 and run["host_computed_experts"] > 0 for run in runs)
+    assert all(run["host_computed_experts"] == 0 for run in results["runs"] if run["system"] == "ondemand")
+    assert baselines and all(name == "cpu-experts" and table for name, _cell, table in baselines)

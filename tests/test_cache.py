@@ -21,6 +21,7 @@ from specter.experts.pool import experts_per_slab
 from specter.experts.transfer import LinkEmulation
 from specter.kernel import Kernel, run
 from specter.verify import VerifyRecord, compute_hot_first
+from specter.experts.cache import CacheSnapshot
 from specter.experts.slots import lru_victims  # the default chooser: the least recently used unprotected residents
 
 LAYERS, EXPERTS, SLOTS, NUMEL = 2, 6, 3, 2048  # 8 KiB float32 experts
@@ -1086,3 +1087,28 @@ def test_the_victim_chooser_comes_from_the_constructor_or_a_later_assignment():
         rig.check_consistent()
     finally:
         rig.shutdown()
+
+
+def test_host_path_experts_never_enter_the_cache(rig):
+    """Invariant 10: after `place`, prefetch, protect, the lead and restore skip the host-path experts, and a reader
+    asking for one is refused; the device-path ones behave as before."""
+    cache = rig.cache
+
+    async def main() -> None:
+        cache.place([frozenset({1, 2})] + [frozenset()] * (LAYERS - 1))
+        assert cache.device_path(0, [3, 2, 1, 0]) == [3, 0] and cache.device_path(1, [2, 1]) == [2, 1]
+        assert cache.prefetch(0, [1, 2, 3]) == [3]
+        cache.protect(0, [2, 0])
+        assert cache.protected_experts(0) == {0}
+        computed, started = cache.lead(0, [1, 4], 2, rig.launcher(0))
+        assert 1 not in computed + started and started == [4]
+        await cache.restore(CacheSnapshot(tuple((2, 5) if layer == 0 else () for layer in range(LAYERS))))
+        assert cache.lru_order(0) == [5]
+        with pytest.raises(AssertionError, match="host-path"):
+            async for _ in cache.iter_ready(0, [5, 2]):
+                pass
+        await rig.close()
+        assert cache.stats.layers[0].misses == 0 and not cache.pinned_experts(0)
+
+    run(main())
+    rig.check_consistent()

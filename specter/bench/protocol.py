@@ -173,6 +173,8 @@ class ModelBench:
         self.cells: list[dict[str, Any]] = []
         self.baseline: dict[tuple[str, str, int], list[int]] = {}  # Prompt.key -> tokens: resident, k = 0
         self.offloaded_baseline: dict[tuple[str, str, int], list[int]] = {}  # offloaded, k = 0 (ondemand)
+        self.placed_baseline: dict[tuple[str, str, str, tuple[str, str, int]], list[int]] = {}
+        """(setting, link, placement name, Prompt.key) -> tokens of that placement's k = 0 run from the cell's start."""
         self.routes: dict[tuple[int, str, str, int], Routes] = {}
         self.schedules: dict[tuple[str, str, str, str, int], tuple[list[int], Routes]] = {}
         """(setting, link, *Prompt.key) -> the specter run's depth per round and verify routes."""
@@ -295,6 +297,7 @@ class ModelBench:
         await runtime.use_slots(slots)
         runtime.set_link(link)
         runtime.configure(SYSTEMS["ondemand"], 0)
+        await runtime.use_placement("off")
         runtime.cache.reset()
         await runtime.complete_ids(self.target.warmup.ids, self.generation(warm=True))
         return runtime.cache.snapshot().layers
@@ -320,6 +323,10 @@ class ModelBench:
         runtime.configure(system, self.options.k)
         start_state = initial_state(initial, slots) if initial is not None else None
         key = (cell["setting"], link)
+        if runtime.cache is not None:
+            await runtime.use_placement(system.cpu_experts, start_state)
+            if system.cpu_experts != "off":
+                await self._placement_baseline(runtime, system, start_state, key)
         await self._request(runtime, system, self.target.warmup, start_state, key, warm=True)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -329,6 +336,20 @@ class ModelBench:
                 self.records.append(cell | record | {"repeat": repeat})
         self.cell_seconds.append(time.monotonic() - started)
         self.cells.append(cell | {"status": "ok", "seconds": round(self.cell_seconds[-1], 2)})
+
+    async def _placement_baseline(self, runtime: BenchRuntime, system: System, start_state, cell: tuple[str, str]) -> None:
+        """The baseline of a system with host experts: the same placement at k = 0 from the same start (the engine
+        alone, one token at a time, DESIGN section 5), run untimed once per cell and placement. A host expert rounds
+        as the host does, so the placement-off baseline is not the one its tokens must equal."""
+        if all((*cell, system.cpu_experts, prompt.key) in self.placed_baseline for prompt in self.requests):
+            return
+        runtime.configure(dataclasses.replace(SYSTEMS["ondemand"], cpu_experts=system.cpu_experts), 0)
+        for prompt in self.requests:
+            if start_state is not None:
+                await runtime.cache.restore(CacheSnapshot(start_state))
+            result = await runtime.complete_ids(prompt.ids, self.generation(prompt=prompt))
+            self.placed_baseline[(*cell, system.cpu_experts, prompt.key)] = result.tokens
+        runtime.configure(system, self.options.k)
 
     async def _request(self, runtime: BenchRuntime, system: System, prompt: Prompt, start_state, cell: tuple[str, str],
                        warm: bool = False) -> dict[str, Any]:
@@ -351,6 +372,8 @@ class ModelBench:
             return {}
         baselines = self.offloaded_baseline if runtime.cache is not None else self.baseline
         expected = baselines.get(prompt.key)
+        if system.cpu_experts != "off":  # like with like: the same placement's own k = 0 run
+            expected = self.placed_baseline.get((*cell, system.cpu_experts, prompt.key))
         floor = None
         if routes is not None:  # the fewest decode bytes any system with these slots could have moved for these rounds
             slots = runtime.memory.slots_per_layer

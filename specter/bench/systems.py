@@ -20,10 +20,11 @@ from specter import plugins
 from specter.config import DraftConfig, EngineConfig
 from specter.errors import BudgetError, ConfigError
 from specter.experts.transfer import LinkEmulation, parse_link
-from specter.build import new_cache
+from specter.build import OFF, apply_placement, new_cache, placement_state
 from specter.engine import Runtime
 from specter.log import get_logger
 from specter.memory import MemoryPlan, plan_memory
+from specter.placement import Placement
 from specter.metrics import Estimates, RequestStats
 from specter.model.spec import ModelSpec
 from specter.observers import RoundObserver, RoundReport
@@ -63,6 +64,10 @@ class System:
     with CUDA graphs, off on the CPU)."""
     replay_schedule: bool = False
     """An exact-prefetch system that replays the depth of every round of the `specter` run just before it (same cell)."""
+    cpu_experts: str = "off"
+    """Its placement (EngineConfig.cpu_experts), made from the cell's starting cache; its tokens are held to the same
+    placement's k = 0 run from the same start (`ModelBench._placement_baseline`), since a host-path expert rounds
+    as the host does."""
 
     @property
     def speculative(self) -> bool:
@@ -113,6 +118,9 @@ SYSTEMS: dict[str, System] = {
                                  "use (recorded in an untimed pass) are prefetched in layer order, Belady eviction on the "
                                  "recorded future; no floor (see the comment above)",
                eviction="belady", k=None, exact_prefetch=True),
+        System("cpu-experts", "llama.cpp --n-cpu-moe / KTransformers in this engine: k=0, the cell's starting residents "
+                              "stay on the device, every other expert is computed on the host CPU, nothing is copied",
+               cpu_experts="all"),
         System("scout-k0", "plain decoding (k = 0) whose every round scouts: the scout measured alone, against ondemand",
                eviction="plan-protect", prefetch="topm-keep", k=0, scout=True),
         System("exact-prefetch-k0", "exact-prefetch without speculation: target alone (k=0), exact experts prefetched "
@@ -343,6 +351,8 @@ class BenchRuntime(Runtime):
             return
         await old.aclose()
         transfer, pool = old.transfer, old.pool
+        if isinstance(self.experts, OffloadedExperts):
+            self.experts.close()  # its host path goes with it (`use_placement` makes the next one)
         self.cache = self.experts = old = None  # free the old slots before allocating the new ones
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -355,6 +365,24 @@ class BenchRuntime(Runtime):
             self.segmented.prepare_experts([self.cache.slot_weights(slot) for slot in range(self.cache.weights.shape[0])])
         if self.system is not None:
             self.experts.on_routed = self._gate_prefetch if self.system.gate_prefetch else None
+
+    async def use_placement(self, name: str, initial: Sequence[Sequence[int]] | None = None) -> Placement | None:
+        """Place the experts as the `specter.placement` plug-in `name` does from a cache that holds `initial` (per layer;
+        None: what it holds now), between requests: the bench's cells start from different caches, and each cell's
+        placement is fixed for all of its requests. 'off': no host path. Returns the placement (None for 'off')."""
+        assert isinstance(self.experts, OffloadedExperts) and self.cache is not None, "use_placement needs an offloaded runtime"
+        self.experts.close()
+        self.experts.host = None
+        self.cache.place([frozenset()] * self.cache.num_layers)
+        if name == OFF:
+            return None
+        state = placement_state(self.cache, self.config, self.spec)
+        if initial is not None:
+            state = dataclasses.replace(state, initial_residents=tuple(tuple(layer) for layer in initial))
+        placement = plugins.load_policy("placement", name).place(state=state)
+        if placement.active:
+            self.experts.host = await apply_placement(placement, self.cache, self.config, self.model.device)
+        return placement
 
     def set_link(self, link: str | None) -> None:
         """Emulate `link` (preset or GB/s; None or 'native': the real link) for the copies from now on."""

@@ -55,7 +55,7 @@ class LeadRelay(ExpertSlots):
         and the experts whose loads started; the reader skips the former and finds the latter loading (its misses
         still count them). Synchronous: nothing else runs between a launch and its load.
         """
-        predicted = list(dict.fromkeys(predicted))
+        predicted = list(dict.fromkeys(self.device_path(layer, predicted)))
         mapped = self._residents[layer]
         hot = [e for e in predicted if (slot := mapped.get(e)) is not None and slot.state is SlotState.RESIDENT and not slot.pins]
         misses = [e for e in predicted if e not in mapped][:count]

@@ -31,6 +31,8 @@ table, protection and pins, ready and last-use events, generations and the count
 #     it: a reader leaving never leaves a slot LOADING forever.
 #  9. Counters are exact and host-side: each request counts once as a hit, an in-flight hit or a miss; bytes count
 #     once per issued chunk.
+# 10. An expert the placement puts on the host path (`place`, specter/placement.py) never enters the cache: `prefetch`,
+#     `protect`, `lead` and `restore` skip it (`device_path`, the one filter), and readers never ask for it.
 
 from __future__ import annotations
 
@@ -184,6 +186,21 @@ class ExpertSlots:
         self._capacity_waiters: list[list[asyncio.Future[None]]] = [[] for _ in range(self.num_layers)]
         self._loads: set[asyncio.Task[None]] = set()  # completion tasks, including ones orphaned by reset
         self._load_error: Exception | None = None  # the last copy that failed (transfer engine error), for readers
+        self.host_path: tuple[frozenset[int], ...] = tuple(frozenset() for _ in range(self.num_layers))
+        """Per layer, the experts computed on the host (invariant 10); set once by `place`."""
+
+    # -- placement ---------------------------------------------------------------------------------
+
+    def place(self, host_path: Sequence[frozenset[int]]) -> None:
+        """The experts of each layer the host computes (`Placement.host`): from now on never loaded, planned or
+        protected here. Called by the builder before the first request (the bench: between requests)."""
+        assert len(host_path) == self.num_layers, f"a placement of {len(host_path)} layers for a cache of {self.num_layers}"
+        self.host_path = tuple(frozenset(experts) for experts in host_path)
+
+    def device_path(self, layer: int, experts: Iterable[int]) -> list[int]:
+        """`experts` without the layer's host-path ones, in order (invariant 10's one filter)."""
+        host = self.host_path[layer]
+        return [expert for expert in experts if expert not in host] if host else list(experts)
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -259,7 +276,7 @@ class ExpertSlots:
         slot. Call `protect` first for experts that must survive later prefetches.
         """
         issued: list[int] = []
-        for expert in dict.fromkeys(experts):
+        for expert in dict.fromkeys(self.device_path(layer, experts)):
             if expert in self._residents[layer]:
                 continue
             room = self._make_room(layer, 1)
@@ -276,6 +293,7 @@ class ExpertSlots:
         replace: the layer's protection becomes exactly `experts` (a later, better-informed plan of the same
         round drops what an earlier one protected; pins and loads in flight stay safe on their own).
         """
+        experts = self.device_path(layer, experts)
         if replace:
             self._protected[layer] = set(experts)
         else:
@@ -308,7 +326,7 @@ class ExpertSlots:
         self.reset()
         for layer, experts in enumerate(snapshot.layers):
             assert len(experts) <= self.slots_per_layer + 1, f"snapshot holds {len(experts)} experts for {self.slots_per_layer} slots"
-            for expert in experts[-self.slots_per_layer :]:  # the most recent: a layer may hold a slot lent in a round
+            for expert in self.device_path(layer, experts)[-self.slots_per_layer :]:  # the most recent (a round may lend a slot)
                 self._start_load(layer, expert, self._make_room(layer, 1)[0], urgent=False)
         for slot in self._slots:
             if slot.loading is not None:

@@ -64,6 +64,7 @@ class RollingWindow(ExpertSlots):
 
     async def _rolling(self, layer: int, experts: Iterable[int], on_issue: bool) -> AsyncIterator[tuple[int, int, Event | None]]:
         wanted = list(dict.fromkeys(experts))
+        assert not self.host_path[layer].intersection(wanted), f"layer {layer}: host-path experts asked of the device cache"
         self._protected[layer] &= set(wanted)
         hot = [expert for expert in wanted if self.lookup(layer, expert) is not None]
         owned = OwnedSlots()  # pinned by this iterator, not yet handed to the reader

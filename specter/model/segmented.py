@@ -181,6 +181,12 @@ class SegmentedStep:
         graph.replay()  # computes and stages in one launch (the slot may serve another expert of this layer before the sum)
         return staged
 
+    def stage_output(self, expert: int, output: Tensor) -> None:
+        """Stage expert `expert`'s weighted output [R, D] computed elsewhere (the host expert path: each row that chose
+        it in place, in the step's dtype) for the next segment's sum, as `expert_output` stages its own: one copy on the
+        current stream, non-blocking from pinned host memory."""
+        self._staged[expert].copy_(output, non_blocking=True)
+
     def _set_expert_id(self, expert: int) -> None:
         """_expert_id[0] = expert in the current stream's order: the backend's set_int32 (on cuda a 4-byte copy from
         a pinned table, a few microseconds of host time less than a fill kernel's launch); torch's fill otherwise."""

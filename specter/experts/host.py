@@ -1,0 +1,160 @@
+"""The host expert path: routed experts the placement puts on the host, computed by the CPU from the pool's pinned
+bytes (never copied to the device), on one dedicated thread the event loop awaits as it awaits a GPU event.
+
+Shape legend: T rows of the forward (R for the segmented step), D hidden, A active experts per row, n rows that
+chose one expert, B the row bucket.
+"""
+
+# What holds here (tests/test_host_experts.py checks each):
+#  1. One expert's output on a row does not depend on the other rows: the expert runs on blocks of exactly B rows
+#     (zero padding), as the exact device path does, with a thread count fixed when the engine loads.
+#  2. The output has the device path's form: `mlp(rows) * weight` per routed row, in the pool's dtype, for the
+#     caller to sum in expert-id order with the device path's outputs.
+#  3. Every job runs on one thread, `specter-host-experts`, in submission order, with its own torch intra-op thread
+#     count (`EngineConfig.cpu_threads`): under torch's OpenMP backend the count is per calling thread, so the loop
+#     thread keeps `EngineConfig.threads` (1 on CUDA). Under another backend it would be process-wide: then the host
+#     path keeps the loop thread's count and says so in a warning.
+#  4. Inputs come down and outputs go back through torch's pinned host allocator (CUDA): it keeps a buffer until the
+#     copies that read or write it have completed, so a job cancelled or dropped at any point frees nothing early.
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from backends.base import Event
+from specter.experts.pool import ExpertPool
+from specter.kernel import HostJob, HostThread, Kernel
+from specter.log import get_logger
+from specter.placement import Placement
+
+log = get_logger(__name__)
+Tensor = torch.Tensor
+ExpertFunction = Callable[[Tensor, Tensor], Tensor]
+"""mlp(rows [B, D], packed expert) -> [B, D]: the family's routed-expert function (Transformer.expert_mlp)."""
+Routes = Mapping[int, tuple[list[int], list[int]]]
+"""expert -> (rows that chose it, ascending; the top-A slot of each): which rows a host expert computes."""
+
+
+def host_routes(chosen: Sequence[Sequence[int]], experts: Iterable[int]) -> dict[int, tuple[list[int], list[int]]]:
+    """`Routes` of `experts` from the host copy of the router's ids [T, A] (rows ascending, as `RoutingTable`'s)."""
+    wanted = set(experts)
+    routes: dict[int, tuple[list[int], list[int]]] = {e: ([], []) for e in sorted(wanted)}
+    for row, picks in enumerate(chosen):
+        for slot, expert in enumerate(picks):
+            if expert in wanted:
+                routes[expert][0].append(row)
+                routes[expert][1].append(slot)
+    return routes
+
+
+def default_threads() -> int:
+    """EngineConfig.cpu_threads=None: every core of the host."""
+    return os.cpu_count() or 1
+
+
+def per_thread_counts() -> bool:
+    """Whether torch's intra-op thread count is a per-thread setting here (its OpenMP backend)."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+@dataclasses.dataclass
+class HostInputs:
+    """One MoE layer's rows on the host for its host experts: hidden [T, D] and routing weights [T, A], landed when
+    `ready` (None: already on the host) has completed."""
+
+    hidden: Tensor
+    weights: Tensor
+    ready: Event | None = None
+
+
+class HostExperts:
+    """The host expert path of one engine: the placement, the pool it reads, its thread and its block size."""
+
+    def __init__(self, pool: ExpertPool, placement: Placement, row_bucket: int, threads: int | None = None,
+                 device: torch.device | None = None) -> None:
+        assert placement.num_layers == pool.num_layers and placement.num_experts == pool.num_experts, (
+            f"a placement of {placement.num_layers} x {placement.num_experts} for a pool of {pool.num_layers} x {pool.num_experts}")
+        self.pool, self.placement, self.row_bucket = pool, placement, row_bucket
+        self.threads = threads or default_threads()
+        self.device = device or torch.device("cpu")
+        self.pinned = self.device.type == "cuda"  # outputs go back with a non-blocking copy from pinned memory
+        self.thread = HostThread("specter-host-experts", setup=self._setup) if placement.active else None
+
+    def _setup(self) -> None:
+        """On the host thread, once: its CUDA device (pinned allocations) and its own torch thread count."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if per_thread_counts():
+            torch.set_num_threads(self.threads)
+        else:
+            log.warning("host.threads_shared", threads=torch.get_num_threads(), asked=self.threads,
+                        hint="torch's parallel backend is not OpenMP: its thread count is process-wide, so host experts "
+                             "run with the loop thread's")
+
+    # ---- one expert, on the calling thread --------------------------------------------------------------
+    def compute(self, layer: int, expert: int, rows: Tensor, weights: Tensor, mlp: ExpertFunction) -> Tensor:
+        """Expert `expert` of MoE layer `layer` on host rows [n, D], times their routing weights [n, 1]: [n, D]."""
+        packed = self.pool.host(layer, expert)
+        count, bucket = rows.shape[0], self.row_bucket
+        padded = -(-count // bucket) * bucket
+        rows = rows.to(self.pool.dtype)
+        if padded != count:
+            rows = F.pad(rows, (0, 0, 0, padded - count))
+        blocks = [mlp(rows[start : start + bucket], packed) for start in range(0, padded, bucket)]
+        out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        return out[:count] * weights.to(self.pool.dtype)
+
+    def compute_layer(self, layer: int, routes: Routes, inputs: HostInputs, mlp: ExpertFunction,
+                      dense: bool = False) -> dict[int, Tensor]:
+        """Every expert of `routes` on its rows, in ascending expert id: expert -> [n, D] in its rows' order, or with
+        `dense` -> [T, D] with its rows in place (other rows zero). Waits for `inputs.ready` first (blocking)."""
+        if inputs.ready is not None:
+            inputs.ready.wait()
+        hidden, weights = inputs.hidden, inputs.weights
+        outputs = {}
+        for expert in sorted(routes):
+            rows, slots = routes[expert]
+            index = torch.tensor(rows, dtype=torch.long)
+            values = self.compute(layer, expert, hidden[index], weights[index, torch.tensor(slots, dtype=torch.long)][:, None], mlp)
+            if dense:
+                out = torch.zeros(hidden.shape[0], hidden.shape[1], dtype=values.dtype, pin_memory=self.pinned)
+                out[index] = values
+            else:
+                out = values.pin_memory() if self.pinned else values
+            outputs[expert] = out
+        return outputs
+
+    # ---- a layer's host experts, on the host thread ------------------------------------------------------
+    def copy_inputs(self, kernel: Kernel, hidden: Tensor, weights: Tensor) -> HostInputs:
+        """The layer's hidden rows and routing weights on the host. From a device: one D2H copy each into pinned
+        memory, enqueued on the compute stream now (behind the router's ids' copy), no wait; from the CPU: as they are."""
+        if hidden.device.type == "cpu":
+            return HostInputs(hidden, weights)
+        backend = kernel.backend
+        host_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+        host_weights = torch.empty(weights.shape, dtype=weights.dtype, pin_memory=True)
+        with torch.cuda.stream(backend.compute_stream):  # torch's copies: its host allocator keeps the buffers until done
+            host_hidden.copy_(hidden, non_blocking=True)
+            host_weights.copy_(weights, non_blocking=True)
+        return HostInputs(host_hidden, host_weights, backend.record_event(backend.compute_stream))
+
+    def start(self, kernel: Kernel, layer: int, routes: Routes, inputs: HostInputs, mlp: ExpertFunction,
+              dense: bool = False) -> HostJob[dict[int, Tensor]]:
+        """Queue `compute_layer` on the host thread; `Kernel.wait_host` awaits it (cancel it if nobody will)."""
+        assert self.thread is not None, "no expert takes the host path: nothing to start"
+        return kernel.submit_host(self.thread, lambda: self.compute_layer(layer, routes, inputs, mlp, dense))
+
+    @property
+    def idle(self) -> bool:
+        """No host work queued or running."""
+        return self.thread is None or self.thread.idle
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.thread.stop()
+            self.thread = None

@@ -1,0 +1,202 @@
+"""The host expert path (specter/experts/host.py) and the kernel's host jobs: the device path's output for every
+family, row invariance, the host thread's own torch thread count, and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specter.config import EngineConfig
+from specter.engine import Runtime
+from specter.experts.host import HostExperts, HostInputs, host_routes, per_thread_counts
+from specter.experts.pool import ExpertPool
+from specter.kernel import HostThread, Kernel
+from specter.model.weights import unpack_expert
+from specter.placement import Placement
+from tests.hf_models import FAMILIES, hf_model, save_hf
+
+DEVICE = os.environ.get("SPECTER_TEST_DEVICE", "cpu")
+EXTRA = ("phimoe-longrope", "deepseek-v2")
+
+
+@functools.cache
+def checkpoint(family: str, root: str) -> str:
+    if family in EXTRA:
+        from tests.test_families_extra import hf_variant
+
+        return str(save_hf(hf_variant(family, seed=3), Path(root) / family))
+    return str(save_hf(hf_model(family, seed=3), Path(root) / family))
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("host"))
+
+
+class HostMemory:
+    """A backend stand-in for ExpertPool: plain host tensors."""
+
+    def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+
+def swiglu(rows: torch.Tensor, packed: torch.Tensor, hidden: int, inter: int) -> torch.Tensor:
+    """Transformer.expert_mlp on one block (what the families share)."""
+    w13, w2 = unpack_expert(packed, hidden, inter)
+    gate_up = F.linear(rows, w13)
+    return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2)
+
+
+def random_pool(layers: int = 1, experts: int = 2, hidden: int = 256, inter: int = 384, dtype=torch.bfloat16) -> ExpertPool:
+    pool = ExpertPool(HostMemory(), layers, experts, 3 * hidden * inter, dtype)
+    generator = torch.Generator().manual_seed(0)
+    for layer in range(layers):
+        for expert in range(experts):
+            pool.write(layer, expert, (torch.randn(3 * hidden * inter, generator=generator) * 0.05).to(dtype))
+    return pool
+
+
+@pytest.mark.parametrize("family", FAMILIES + EXTRA)
+def test_host_expert_equals_the_device_path(root, family):
+    """Every family's routed expert on the host, from the pool's bytes, against the same expert computed by the device
+    path (the expert's weights in a device slot, Transformer.expert_mlp, times the routing weight): bf16 tolerance."""
+
+    async def go():
+        config = EngineConfig(device=DEVICE, dtype="bfloat16", max_context=64, residents=3, cpu_threads=1)
+        async with await Runtime.load(checkpoint(family, root), config) as runtime:
+            pool, model = runtime.cache.pool, runtime.model
+            every = Placement.of([range(pool.num_experts)] * pool.num_layers, pool.num_layers, pool.num_experts)
+            host = HostExperts(pool, every, row_bucket=config.row_bucket, threads=1, device=model.device)
+            try:
+                generator = torch.Generator().manual_seed(1)
+                for layer in range(pool.num_layers):
+                    for expert in range(pool.num_experts):
+                        rows = torch.randn(5, runtime.spec.hidden_size, generator=generator).to(torch.bfloat16)
+                        weights = torch.rand(5, 1, generator=generator).to(torch.bfloat16)
+                        on_host = host.compute(layer, expert, rows, weights, model.expert_mlp)
+                        packed = pool.host(layer, expert).to(model.device)
+                        on_device = model.expert_mlp(rows.to(model.device), packed) * weights.to(model.device)
+                        assert on_host.dtype == on_device.dtype == torch.bfloat16 and on_host.device.type == "cpu"
+                        torch.testing.assert_close(on_host.float(), on_device.float().cpu(), rtol=1.6e-2, atol=1e-3)
+                        reference = swiglu(rows.float(), pool.host(layer, expert).float(), runtime.spec.hidden_size,
+                                           runtime.spec.expert_intermediate) * weights.float()
+                        torch.testing.assert_close(on_host.float(), reference, rtol=5e-2, atol=5e-3)
+            finally:
+                host.close()
+
+    asyncio.run(go())
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 40), row=st.data(), scale=st.sampled_from([0.1, 1.0, 30.0]))
+def test_a_rows_host_output_does_not_depend_on_the_rows_around_it(rows, row, scale):
+    """Row invariance (exact mode's contract, on the host): row r of a batch equals row r computed alone, and alone at
+    another place in its block, bit for bit, whatever the other rows hold."""
+    hidden, inter = 256, 384
+    pool = _POOL()
+    host = HostExperts(pool, Placement.device_only(1, 2), row_bucket=16, threads=1)
+    mlp = functools.partial(swiglu, hidden=hidden, inter=inter)
+    generator = torch.Generator().manual_seed(rows)
+    batch = (torch.randn(rows, hidden, generator=generator) * scale).to(torch.bfloat16)
+    weights = torch.rand(rows, 1, generator=generator).to(torch.bfloat16)
+    r = row.draw(st.integers(0, rows - 1))
+    together = host.compute(0, 1, batch, weights, mlp)[r]
+    alone = host.compute(0, 1, batch[r : r + 1], weights[r : r + 1], mlp)[0]
+    neighbours = torch.cat([torch.full((3, hidden), 7.0, dtype=torch.bfloat16), batch[r : r + 1]])
+    elsewhere = host.compute(0, 1, neighbours, torch.cat([torch.ones(3, 1, dtype=torch.bfloat16), weights[r : r + 1]]), mlp)[3]
+    assert torch.equal(together, alone) and torch.equal(alone, elsewhere)
+
+
+_POOL = functools.cache(random_pool)
+
+
+def test_host_routes_lists_each_experts_rows_ascending():
+    routes = host_routes([[3, 1], [1, 0], [2, 3]], [3, 1, 5])
+    assert routes == {1: ([0, 1], [1, 0]), 3: ([0, 2], [0, 1]), 5: ([], [])}
+
+
+def test_a_layer_runs_on_the_host_thread_with_its_own_thread_count():
+    """compute_layer through the host thread: expert outputs in the rows' order (or dense, in place), on the thread
+    `specter-host-experts` with cpu_threads torch threads, while the loop thread keeps its own count."""
+    hidden, inter = 256, 384
+    pool = _POOL()
+    seen = {}
+
+    def mlp(rows, packed):
+        seen["thread"], seen["threads"] = threading.current_thread().name, torch.get_num_threads()
+        return swiglu(rows, packed, hidden, inter)
+
+    async def go():
+        kernel = Kernel()
+        host = HostExperts(pool, Placement.of([[0, 1]], 1, 2), row_bucket=16, threads=2)
+        try:
+            before = torch.get_num_threads()
+            x = torch.randn(4, hidden).to(torch.bfloat16)
+            w = torch.rand(4, 2).to(torch.bfloat16)
+            routes = host_routes([[0, 1], [1, 0], [0, 1], [1, 0]], [0, 1])
+            outputs = await kernel.wait_host(host.start(kernel, 0, routes, HostInputs(x, w), mlp))
+            dense = await kernel.wait_host(host.start(kernel, 0, routes, HostInputs(x, w), mlp, dense=True))
+            assert torch.get_num_threads() == before  # the loop thread's count is untouched
+            return x, w, outputs, dense
+        finally:
+            host.close()
+            kernel.close()
+
+    x, w, outputs, dense = asyncio.run(go())
+    assert seen["thread"] == "specter-host-experts"
+    if per_thread_counts():
+        assert seen["threads"] == 2
+    expected = HostExperts(pool, Placement.device_only(1, 2), 16, 1).compute(0, 1, x[[0, 1, 2, 3]], w[[0, 1, 2, 3], [1, 0, 1, 0]][:, None],
+                                                                             functools.partial(swiglu, hidden=hidden, inter=inter))
+    assert torch.equal(outputs[1], expected)
+    assert torch.equal(dense[1], expected) and dense[0].shape == (4, hidden)
+
+
+def test_a_cancelled_host_wait_leaves_no_work_behind():
+    """A task cancelled while its host job runs: the running job finishes (its result dropped), the queued ones are
+    skipped, the thread goes idle, and the next job works."""
+    ran = []
+
+    async def go():
+        kernel = Kernel()
+        thread = HostThread("specter-host-test")
+        try:
+            release = threading.Event()
+
+            def slow():
+                release.wait(5)
+                ran.append("slow")
+                return 1
+
+            first = kernel.submit_host(thread, slow)
+            queued = kernel.submit_host(thread, lambda: ran.append("queued"))
+            waiter = asyncio.create_task(kernel.wait_host(first))
+            await asyncio.sleep(0.05)
+            waiter.cancel()
+            queued.cancel()  # its caller left too
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            release.set()
+            deadline = time.monotonic() + 5
+            while not thread.idle and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert thread.idle and ran == ["slow"]
+            assert await kernel.wait_host(kernel.submit_host(thread, lambda: 42)) == 42
+            with pytest.raises(ZeroDivisionError):
+                await kernel.wait_host(kernel.submit_host(thread, lambda: 1 / 0))
+        finally:
+            thread.stop()
+            kernel.close()
+        assert not thread.thread.is_alive()
+
+    asyncio.run(go())

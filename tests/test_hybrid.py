@@ -1,0 +1,160 @@
+"""Host experts inside the engine (issue 29): the exactness contract with a placement (speculative output equals the
+same placement's k = 0 output), `all` copying nothing after load, and cancellation while the host computes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specter import build, plugins
+from specter.config import DraftConfig, EngineConfig, GenerationConfig
+from specter.engine import Runtime
+from specter.experts.host import HostExperts
+from specter.model.checkpoint import Checkpoint
+from specter.placement import Placement, PlacementState
+from tests.test_speculative import ALL_MODELS, DEVICE, REFERENCE_EVICTION, REFERENCE_LOOKAHEAD, REFERENCE_PREFETCH, checkpoint
+
+EXAMPLES = int(os.environ.get("SPECTER_TEST_EXAMPLES", "20"))
+
+
+class RandomPlacement:
+    """A test-only placement policy: each layer's host experts a seeded random subset (any size, all or none too)."""
+
+    name = "random"
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def place(self, state: PlacementState) -> Placement:
+        rng = random.Random(self.seed)
+        return Placement.of([[e for e in range(state.num_experts) if rng.random() < rng.random()] for _ in range(state.num_layers)],
+                            state.num_layers, state.num_experts)
+
+
+@contextlib.contextmanager
+def placed_by(policy):
+    """Runtimes built inside use `policy` as their placement plug-in (through the builder's one place that loads it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "placement_policy", lambda config: plugins.guarded(policy, "placement"))
+        yield
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hybrid"))
+
+
+def run(path: str, config: EngineConfig, prompt: list[int], generation: GenerationConfig):
+    async def go():
+        async with await Runtime.load(path, config) as runtime:
+            result = await runtime.complete_ids(prompt, generation)
+            return result, runtime.experts.host.placement if runtime.experts.host is not None else None
+
+    return asyncio.run(go())
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(
+    family=st.sampled_from(ALL_MODELS),
+    prompt=st.lists(st.integers(0, 95), min_size=1, max_size=10),
+    residents=st.sampled_from([2, 3, 4]),
+    placement_seed=st.integers(0, 2**31 - 1),
+    eviction=st.sampled_from(REFERENCE_EVICTION),
+    prefetch=st.sampled_from(REFERENCE_PREFETCH),
+    lookahead=st.sampled_from(REFERENCE_LOOKAHEAD),
+    k=st.integers(1, 12),
+    temperature=st.sampled_from([0.0, 0.0, 0.8]),
+    seed=st.integers(0, 2**31 - 1),
+    scout=st.booleans(),
+    overlap=st.sampled_from([0, 3]),
+    static=st.sampled_from([None, None, True]),
+)
+def test_speculative_equals_k0_with_the_same_placement(root, family, prompt, residents, placement_seed, eviction, prefetch,
+                                                       lookahead, k, temperature, seed, scout, overlap, static):
+    """The contract with host experts: a random placement fixed for the engine's life, the same placement's target-only
+    run (k = 0) is the baseline, greedy and seeded sampling, eager and segmented verify."""
+    path = checkpoint(family, root)
+    residents = max(residents, Checkpoint(path).spec.top_k)
+    generation = GenerationConfig(max_new_tokens=12, temperature=temperature, top_p=0.9 if temperature else None, seed=seed)
+    common = dict(device=DEVICE, max_context=96, residents=residents, static_verify=static, cpu_threads=1)
+    with placed_by(RandomPlacement(placement_seed)):
+        expected, placement = run(path, EngineConfig(**common, lookahead="fixed", draft=DraftConfig(k=0)), prompt, generation)
+        config = EngineConfig(**common, eviction=eviction, prefetch=prefetch, lookahead=lookahead,
+                              draft=DraftConfig(k=k, k_max=12, quant="int8", scout=scout, overlap=overlap))
+        result, same = run(path, config, prompt, generation)
+    assert same == placement  # the placement is the engine's, not the request's
+    assert result.tokens == expected.tokens
+    if placement is None:
+        assert result.stats.host_computed_experts == expected.stats.host_computed_experts == 0
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek-v2"])
+@pytest.mark.parametrize("static", [None, True])
+def test_all_copies_nothing_after_load_and_computes_the_rest_on_the_host(root, family, static):
+    path = checkpoint(family, root)
+    residents = Checkpoint(path).spec.top_k
+    generation = GenerationConfig(max_new_tokens=10)
+    common = dict(device=DEVICE, max_context=96, residents=residents, static_verify=static, cpu_experts="all", cpu_threads=1)
+    plain, placement = run(path, EngineConfig(**common, draft=DraftConfig(k=0)), [3, 1, 4], generation)
+    spec = Checkpoint(path).spec
+    assert placement.counts() == [spec.num_experts - residents] * len(spec.moe_layers)
+    speculative, _ = run(path, EngineConfig(**common, draft=DraftConfig(k=4, quant="int8")), [3, 1, 4], generation)
+    assert speculative.tokens == plain.tokens
+    for stats in (plain.stats, speculative.stats):
+        assert stats.h2d_bytes == 0 and stats.misses == 0, stats.as_dict()
+        assert stats.host_computed_experts > 0 and stats.host_compute_s > 0 and stats.hits > 0, stats.as_dict()
+
+
+def test_off_builds_no_host_path(root):
+    result, placement = run(checkpoint("olmoe", root), EngineConfig(device=DEVICE, max_context=64, residents=2),
+                            [1, 2], GenerationConfig(max_new_tokens=4))
+    assert placement is None and result.stats.host_computed_experts == 0 and result.stats.h2d_bytes > 0
+
+
+def test_a_request_cancelled_while_the_host_computes_leaves_nothing_behind(root, monkeypatch):
+    """Cancel mid-request while a host expert is running: the engine stays usable, its host thread goes idle, nothing
+    stays pinned, and the next request gives the same tokens as on a fresh engine."""
+    path = checkpoint("mixtral", root)
+    config = EngineConfig(device=DEVICE, max_context=96, residents=2, cpu_experts="all", cpu_threads=1, draft=DraftConfig(k=2))
+    generation = GenerationConfig(max_new_tokens=8)
+    compute, slow = HostExperts.compute, {"on": False, "running": 0}
+
+    def maybe_slow(self, *args, **kwargs):
+        if slow["on"]:
+            slow["running"] += 1
+            time.sleep(0.05)
+        return compute(self, *args, **kwargs)
+
+    monkeypatch.setattr(HostExperts, "compute", maybe_slow)
+
+    async def go():
+        async with await Runtime.load(path, config) as runtime:
+            fresh = (await runtime.complete_ids([5, 6, 7], generation)).tokens
+            slow["on"] = True
+            task = asyncio.create_task(runtime.complete_ids([5, 6, 7], GenerationConfig(max_new_tokens=32)))
+            while slow["running"] == 0:
+                await asyncio.sleep(0.005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            slow["on"] = False
+            host = runtime.experts.host
+            deadline = time.monotonic() + 5
+            while not host.idle and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert host.idle
+            cache = runtime.cache
+            assert all(not cache.pinned_experts(layer) and not cache.protected_experts(layer) for layer in range(cache.num_layers))
+            again = await runtime.complete_ids([5, 6, 7], generation)
+            assert again.tokens == fresh and again.stats.h2d_bytes == 0
+            thread = host.thread.thread
+        assert not thread.is_alive()  # the runtime's close stopped the host thread
+
+    asyncio.run(go())
