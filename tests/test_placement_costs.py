@@ -152,3 +152,27 @@ def test_the_routing_profile_comes_from_a_trace(root, tmp_path):
 
 def test_time_link_is_none_off_cuda():
     assert costs.time_link(None, torch.device("cpu")) is None
+
+
+def test_a_trace_recorded_under_a_placement_lists_the_host_paths_experts_too(root, tmp_path):
+    """A profile recorded by an engine with host experts counts them: the verify's `used` holds both paths' experts."""
+    from specter.config import DraftConfig, GenerationConfig
+    from specter.trace import read_trace
+
+    path, trace = checkpoint("mixtral", root), tmp_path / "placed.jsonl"
+
+    async def go():
+        config = EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_experts="all", cpu_threads=1,
+                              draft=DraftConfig(k=2, quant="int8"))
+        async with await Runtime.load(path, config) as runtime:
+            runtime.record_trace(trace)
+            await runtime.complete_ids([3, 1, 4, 1], GenerationConfig(max_new_tokens=8))
+            return runtime.experts.host.placement
+
+    placement = asyncio.run(go())
+    header, rounds = read_trace(trace)
+    assert rounds
+    hosted = {(layer, e) for r in rounds for layer, routes in enumerate(r.layers) for e in routes.used if placement.is_host(layer, e)}
+    assert hosted
+    counts = costs.route_profile(trace, header.num_layers, header.num_experts)
+    assert all(counts[layer][e] > 0 for layer, e in hosted)
