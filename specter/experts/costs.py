@@ -22,7 +22,7 @@ from specter.experts.pool import ExpertPool
 from specter.kernel import Kernel
 from specter.log import get_logger
 from specter.placement import PlacementState
-from specter.trace import read_trace
+from specter.trace import read_trace, use_counts
 
 log = get_logger(__name__)
 Tensor = torch.Tensor
@@ -116,15 +116,10 @@ def route_profile(path: Path, num_layers: int, num_experts: int) -> list[list[fl
         raise ConfigError(f"placement_profile {path}: a trace of {header.num_layers} MoE layers x {header.num_experts} "
                           f"experts ({header.model}) for a model of {num_layers} x {num_experts}; record one of this "
                           "model with `specter generate --trace PATH`")
-    counts = [[0.0] * num_experts for _ in range(num_layers)]
-    for trace_round in rounds:
-        for layer, routes in enumerate(trace_round.layers):
-            for expert in set(routes.used):
-                counts[layer][expert] += 1.0
     if not rounds:
         log.warning("placement.empty_profile", path=str(path), hint="the trace has no rounds: routing assumed uniform")
         return None
-    return counts
+    return use_counts(rounds, num_layers, num_experts)
 
 
 def reference_expert(hidden_size: int, intermediate: int) -> ExpertFunction:
