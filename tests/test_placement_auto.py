@@ -154,3 +154,20 @@ def test_auto_never_hosts_a_resident_and_is_deterministic(placed, discount, marg
     prompt = policy.place_prefill(placed, placement, rows)
     assert prompt == policy.place_prefill(placed, placement, rows)
     assert all(prompt.host[layer] in (placement.host[layer], frozenset()) for layer in range(placed.num_layers))
+
+
+def test_info_prints_the_costs_and_what_auto_would_do(tiny, capsys):
+    from specter.cli import checkpoint_summary, main
+
+    summary = checkpoint_summary(str(tiny), residents=2, cpu_experts="auto", link="1", cpu_threads=1)
+    assert summary["copy_ms_per_expert"] == pytest.approx(summary["expert_bytes"] / 1e9 * 1e3, rel=1e-3)
+    assert summary["link_source"] == "emulated" and summary["host_ms_per_expert"] > 0 and summary["host_threads"] == 1
+    assert summary["host_experts"] == summary["auto_host_experts"] == sum(summary["auto_host_experts_per_layer"])
+    predicted = summary["predicted_ms_per_token"]
+    assert set(predicted) == {"off", "all", "auto"} and predicted["auto"] <= predicted["off"]
+    unmeasured = checkpoint_summary(str(tiny), residents=2, link="1", measure=False)
+    assert unmeasured["host_ms_per_expert"] is None and unmeasured["auto_host_experts"] == 0
+    assert unmeasured["predicted_ms_per_token"]["off"] > 0 and unmeasured["predicted_ms_per_token"]["all"] is None
+    assert main(["info", str(tiny), "--residents", "2", "--link", "1", "--cpu-threads", "1", "--cpu-experts", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "expert costs    copy" in out and "auto would" in out and "predicted expert ms per token: off" in out

@@ -58,26 +58,14 @@ async def calibrate(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction | None
     link unless the state has its figure (an emulated link), the profile's use counts."""
     started = time.perf_counter()
     rows = state.row_bucket
-    host = {} if mlp is None else {rows: await time_host_expert(kernel, pool, mlp, hidden_size, rows, state.host_threads, device)}
-    link = time_link(pool, device) if state.link_bytes_per_s is None else None
+    expert = pool.host(0, 0)  # MoE layer 0's expert 0: every expert of a layer has the same shape
+    host = {} if mlp is None else {rows: await time_host_block(kernel, expert, mlp, hidden_size, rows, state.host_threads, device)}
+    link = time_link(expert, device) if state.link_bytes_per_s is None else None
     counts = route_profile(profile, state.num_layers, state.num_experts) if profile is not None else None
     log.info("placement.calibrated", host_expert_ms=round(host[rows] * 1e3, 3) if host else None,
              link_gbps=round((state.link_bytes_per_s or link or 0) / 1e9, 2) or None, profile=str(profile) if profile else None,
              seconds=round(time.perf_counter() - started, 3))
     return Calibration(host, link, counts)
-
-
-async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction, hidden_size: int, rows: int,
-                           threads: int, device: torch.device, repeats: int = REPEATS) -> float:
-    """Median seconds of one expert (MoE layer 0, expert 0) on `rows` rows, on a host thread with `threads` torch
-    threads (the host expert path's set-up), after one warm-up run."""
-    packed = pool.host(0, 0)
-    block = (torch.randn(rows, hidden_size) * 0.1).to(pool.dtype)
-    thread = host_thread(device, threads, name="specter-host-calibration")
-    try:
-        return await kernel.wait_host(kernel.submit_host(thread, lambda: median_seconds(lambda: mlp(block, packed), repeats)))
-    finally:
-        thread.stop()
 
 
 def median_seconds(work: Callable[[], object], repeats: int = REPEATS) -> float:
@@ -91,11 +79,12 @@ def median_seconds(work: Callable[[], object], repeats: int = REPEATS) -> float:
     return statistics.median(seconds)
 
 
-def time_link(pool: ExpertPool, device: torch.device, repeats: int = REPEATS) -> float | None:
-    """Bytes per second of a pinned host-to-device copy of (at most `LINK_PROBE_BYTES` of) one expert; None off CUDA."""
+def time_link(source: Tensor, device: torch.device, repeats: int = REPEATS) -> float | None:
+    """Bytes per second of a pinned host-to-device copy of (at most `LINK_PROBE_BYTES` of) `source`, one expert's
+    pinned bytes; None off CUDA."""
     if device.type != "cuda":
         return None
-    source = pool.host(0, 0).view(torch.uint8)[:LINK_PROBE_BYTES]
+    source = source.view(torch.uint8)[:LINK_PROBE_BYTES]
     scratch = torch.empty(source.numel(), dtype=torch.uint8, device=device)
 
     def copy() -> None:
@@ -106,6 +95,18 @@ def time_link(pool: ExpertPool, device: torch.device, repeats: int = REPEATS) ->
     seconds = median_seconds(copy, repeats)
     del scratch
     return source.numel() / seconds if seconds > 0 else None
+
+
+async def time_host_block(kernel: Kernel, packed: Tensor, mlp: ExpertFunction, hidden_size: int, rows: int, threads: int,
+                          device: torch.device, repeats: int = REPEATS) -> float:
+    """Median seconds of expert `packed` on `rows` rows, on a host thread with `threads` torch threads (the host
+    expert path's set-up), after one warm-up run."""
+    block = (torch.randn(rows, hidden_size) * 0.1).to(packed.dtype)
+    thread = host_thread(device, threads, name="specter-host-calibration")
+    try:
+        return await kernel.wait_host(kernel.submit_host(thread, lambda: median_seconds(lambda: mlp(block, packed), repeats)))
+    finally:
+        thread.stop()
 
 
 def route_profile(path: Path, num_layers: int, num_experts: int) -> list[list[float]] | None:
