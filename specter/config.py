@@ -317,6 +317,13 @@ class EngineConfig(_Frozen):
         parse_link(value)  # a typo is refused here, before hours of loading, not when the transfer engine is built
         return value
 
+    @field_validator("placement_profile")
+    @classmethod
+    def _placement_profile(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():  # refused before loading, like a link typo
+            raise ValueError(f"{str(value)!r} is not a file; record a routing trace with `specter generate --trace PATH`")
+        return value
+
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:

@@ -176,3 +176,8 @@ def test_a_trace_recorded_under_a_placement_lists_the_host_paths_experts_too(roo
     assert hosted
     counts = costs.route_profile(trace, header.num_layers, header.num_experts)
     assert all(counts[layer][e] > 0 for layer, e in hosted)
+
+
+def test_a_missing_profile_is_refused_before_loading(tmp_path):
+    with pytest.raises(ConfigError, match="placement_profile"):
+        EngineConfig.build(placement_profile=str(tmp_path / "absent.jsonl"))
