@@ -206,3 +206,52 @@ def test_auto_computes_a_short_prompt_on_the_host_and_copies_a_long_ones_experts
             assert prompted == decode and placements == []
         speculative, *_ = asyncio.run(go(prompt, 3))
         assert speculative.tokens == plain.tokens and plain.stats.ttft_s > 0 and speculative.stats.ttft_s > 0
+
+
+def test_a_prompt_cancelled_under_its_own_placement_leaves_decodings_placement(root, monkeypatch):
+    """Cancel a prompt that runs under a placement of its own (all layers on the device) mid-forward: the cache and
+    the host path are back on decoding's placement at once, the experts the prompt loaded leave at the next prompt, and
+    the next request gives a fresh engine's tokens."""
+    from specter.verify import OffloadedExperts
+
+    path = checkpoint("mixtral", root)
+    config = EngineConfig(device=DEVICE, max_context=96, residents=2, cpu_threads=1, draft=DraftConfig(k=2, quant="int8"))
+    generation = GenerationConfig(max_new_tokens=6)
+    prompt = [5, 6, 7, 8, 9, 10]
+    run_layer, block = OffloadedExperts.run, {"on": False, "reached": 0}
+
+    async def maybe_blocked(self, layer, *args, **kwargs):
+        if block["on"] and layer == self_layers[-1]:
+            block["reached"] += 1
+            await asyncio.sleep(30)
+        return await run_layer(self, layer, *args, **kwargs)
+
+    async def go():
+        async with await Runtime.load(path, config) as runtime:
+            fresh = (await runtime.complete_ids(prompt, generation)).tokens
+            host, cache = runtime.experts.host, runtime.cache
+            assert host.prompt(len(prompt)).total == 0 < host.decode.total
+            block["on"] = True
+            task = asyncio.create_task(runtime.complete_ids(prompt, generation))
+            while block["reached"] == 0:
+                await asyncio.sleep(0.005)
+            assert cache.host_path == (host.placement.host) == tuple(frozenset() for _ in range(cache.num_layers))
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            block["on"] = False
+            assert host.placement == host.decode and cache.host_path == host.decode.host
+            again = await runtime.complete_ids(prompt, generation)
+            stray = [(layer, e) for layer, experts in enumerate(cache.snapshot().layers) for e in experts
+                     if e in cache.host_path[layer]]
+            return fresh, again.tokens, stray
+
+    class DevicePrompts(RandomPlacement):
+        def place_prefill(self, state, decode, rows):
+            return Placement.device_only(state.num_layers, state.num_experts)
+
+    self_layers = Checkpoint(path).spec.moe_layers
+    monkeypatch.setattr(OffloadedExperts, "run", maybe_blocked)
+    with placed_by(DevicePrompts(3)):
+        fresh, again, stray = asyncio.run(go())
+    assert again == fresh and not stray
