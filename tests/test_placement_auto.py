@@ -156,7 +156,17 @@ def test_auto_never_hosts_a_resident_and_is_deterministic(placed, discount, marg
     assert all(prompt.host[layer] in (placement.host[layer], frozenset()) for layer in range(placed.num_layers))
 
 
-def test_info_prints_the_costs_and_what_auto_would_do(tiny, capsys):
+@pytest.fixture
+def quiet_logs_after():
+    """specter.cli.main binds the logs to the stderr of the moment (capsys's, closed after the test): rebind them once
+    capsys has given stderr back (this fixture is set up before capsys, so torn down after it)."""
+    yield
+    from specter import log
+
+    log.configure()
+
+
+def test_info_prints_the_costs_and_what_auto_would_do(quiet_logs_after, tiny, capsys):
     from specter.cli import checkpoint_summary, main
 
     summary = checkpoint_summary(str(tiny), residents=2, cpu_experts="auto", link="1", cpu_threads=1)
