@@ -180,9 +180,9 @@ realism() {  # table "Full-depth narrow checkpoints: realism": SHAPES (default: 
 
 hybrid() {  # issue 29 (no table yet): the hybrids beside the systems they extend, Mixtral-8x7B's shape (4 layers, random
             # weights) at 2 residents and Gen4; first one host expert's time, what auto's calibration measures at load
-  timeout 30 python3 benchmarks/host_expert.py mixtral-8x7b 16 16 3 2>&1 | head -1
-  timeout 190 python3 -m specter.bench --model mixtral-8x7b --layers 4 --residents 2 --link gen4 --max-new-tokens 48 \
-    --systems ondemand,specter,cpu-experts,ondemand-hybrid,specter-hybrid --time-budget 140 --no-progress --no-plots \
+  timeout 25 python3 benchmarks/host_expert.py mixtral-8x7b 16 16 3 2>&1 | head -1
+  timeout 170 python3 -m specter.bench --model mixtral-8x7b --layers 4 --residents 2 --link gen4 --max-new-tokens 32 \
+    --systems ondemand,specter,cpu-experts,ondemand-hybrid,specter-hybrid --time-budget 120 --no-progress --no-plots \
     --no-hf --out "$out/hybrid" 2>&1 | tail -24
 }
 
