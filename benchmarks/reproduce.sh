@@ -5,7 +5,7 @@
 #   run(command="bash benchmarks/reproduce.sh qwen", carry=[".whl"])
 # CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
 # Targets: gpu-tests qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
-#          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after realism
+#          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after realism hybrid
 set -u
 out=${OUT:-out}
 mkdir -p "$out/logs"
@@ -178,6 +178,14 @@ realism() {  # table "Full-depth narrow checkpoints: realism": SHAPES (default: 
   grep -h "^trained\|^held-out\|^FLAG" "$out"/realism/*.log
 }
 
+hybrid() {  # issue 29 (no table yet): the hybrids beside the systems they extend, Mixtral-8x7B's shape (4 layers, random
+            # weights) at 2 residents and Gen4; first one host expert's time, what auto's calibration measures at load
+  timeout 25 python3 benchmarks/host_expert.py mixtral-8x7b 16 16 3 2>&1 | head -1
+  timeout 170 python3 -m specter.bench --model mixtral-8x7b --layers 4 --residents 2 --link gen4 --max-new-tokens 32 \
+    --systems ondemand,specter,cpu-experts,ondemand-hybrid,specter-hybrid --time-budget 120 --no-progress --no-plots \
+    --no-hf --out "$out/hybrid" 2>&1 | tail -24
+}
+
 cpu_quick() {  # table "CPU quick matrix": the default matrix on the built-in tiny model, on the CPU
   python -m specter.bench --no-progress --no-plots --out "$out/cpu-quick" | tail -20
 }
@@ -208,6 +216,7 @@ for target in "$@"; do
     serve) serve ;;
     before-after) before_after "${ROUNDS:-2}" ;;
     realism) realism ;;
+    hybrid) hybrid ;;
     *) echo "unknown target: $target" >&2; exit 2 ;;
   esac
 done

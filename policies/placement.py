@@ -1,12 +1,23 @@
-"""Reference placement policies: `off` and `all` (entry points `specter.placement`).
+"""Reference placement policies: `off`, `all` and `auto` (entry points `specter.placement`).
 
-A placement is made once per engine (specter/placement.py); `auto`, from measured copy and host-compute costs, is
-another plug-in of the same group.
+A placement is made once per engine (specter/placement.py): no policy here looks at k, the draft or the cache's
+state, so speculative output equals the same placement's k = 0 output (docs/ARCHITECTURE.md, "Contracts").
 """
 
 from __future__ import annotations
 
-from specter.placement import Placement, PlacementState
+import math
+from collections.abc import Sequence
+
+from specter.placement import (
+    Placement,
+    PlacementState,
+    copy_seconds,
+    host_seconds,
+    layer_token_seconds,
+    preloaded,
+    use_rates,
+)
 
 
 class Off:
@@ -17,6 +28,18 @@ class Off:
 
     def place(self, state: PlacementState) -> Placement:
         return Placement.device_only(state.num_layers, state.num_experts)
+
+
+def kept_on_device(state: PlacementState, layer: int, rates: Sequence[float] | None = None) -> list[int]:
+    """The `slots_per_layer` experts a layer keeps on the device: its initial residents (the most recent ones) where
+    the cache holds some; else, with `rates`, the most used (lower id first on ties); else the lowest ids."""
+    initial = state.initial_residents[layer] if layer < len(state.initial_residents) else ()
+    slots = min(state.slots_per_layer, state.num_experts)
+    if initial:
+        return list(initial[-slots:])
+    if rates is None:
+        return list(range(slots))
+    return sorted(sorted(range(state.num_experts), key=lambda e: (-rates[e], e))[:slots])
 
 
 class All:
@@ -34,7 +57,93 @@ class All:
     def place(self, state: PlacementState) -> Placement:
         host = []
         for layer in range(state.num_layers):
-            initial = state.initial_residents[layer] if layer < len(state.initial_residents) else ()
-            kept = set(initial[-state.slots_per_layer:]) if initial else set(range(min(state.slots_per_layer, state.num_experts)))
+            kept = set(kept_on_device(state, layer))
             host.append([e for e in range(state.num_experts) if e not in kept])
         return Placement.of(host, state.num_layers, state.num_experts)
+
+
+class Auto:
+    """A calibrated cost model, decided once at load: per MoE layer, how many and which non-resident experts the host
+    computes, so that the expected per-token layer time max(device misses x copy, host uses x host block) is least.
+
+    Issue 29 asked for a choice per miss, every round, among copy, host, and "both, first wins". Neither is made here:
+    a choice that depends on the round (its k, the draft, the cache, the queues) would make the target's function, and
+    with it the tokens, depend on speculation, since host and device round differently; "both, first wins" would make
+    them depend on timing. The per-round choice becomes a per (layer, expert) choice fixed at load, calibrated by the
+    cost model in specter/placement.py (`use_rates`, `layer_token_seconds`) from the measured copy and host times and
+    the routing profile (uniform routing without one).
+
+    Per layer with S slots and E experts: the device keeps S experts (`kept_on_device`: its initial residents, else the
+    S most used); of the other E - S, the h least used go to the host, h from 0 to E - S, the h with the least expected
+    time winning (ties: fewer on the host). Least used first: the expected time depends only on how much use each path
+    carries, but a device-path expert that is used often is also reused from one token to the next (the cache keeps
+    it, the draft predicts it and the copy is prefetched), which the model's miss count does not credit; an expert
+    used rarely misses almost every time it is used, so it is the one the host path saves most on. With h < E - S the
+    layer's device-path experts do not all fit and the cache serves them on demand; its misses are modelled as the
+    rates of all but the S most used of them (a floor for LRU, so the model never overstates the host path's gain).
+
+    `prefetch_discount` (default 0.0, reasoned, not measured): the share of a miss's copy time that speculation's
+    prefetch hides. 0 counts the copy in full because the placement also serves k = 0 (the `ondemand-hybrid`
+    baseline), and a prefetched copy still occupies the link, so a link-bound round pays for it either way; a
+    measured window recall times the share of the draft a copy overlaps is the value to put here for a speculative-
+    only deployment (it moves experts back to the device path).
+
+    `margin` (default 0.05): a layer takes host experts only where the model predicts at least this share of its time
+    saved; else none (and a layer whose costs are not measured takes none), so `auto` is never slower than `off` by
+    more than the model's error. On the CPU without `EngineConfig.link` the link is not measured: `auto` places
+    nothing.
+
+    `place_prefill`: a prompt of T rows computes each host expert on ceil(n / row_bucket) blocks of its n rows, while a
+    copy is flat in T; per layer, the decode host experts the prompt is expected to use run on the host when that is
+    predicted cheaper, else they are copied for the prompt (plus, where the layer's device experts were preloaded, the
+    residents they evict, reloaded after the prompt). A function of T and the calibration only, so exact.
+    """
+
+    def __init__(self, prefetch_discount: float = 0.0, margin: float = 0.05) -> None:
+        if not 0.0 <= prefetch_discount < 1.0:
+            raise ValueError(f"prefetch_discount={prefetch_discount}: expected 0 <= discount < 1")
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"margin={margin}: expected 0 <= margin < 1")
+        self.name = "auto"
+        self.prefetch_discount = prefetch_discount
+        self.margin = margin
+
+    def place(self, state: PlacementState) -> Placement:
+        rates = use_rates(state)
+        return Placement.of([self.layer_host(state, layer, rates[layer]) for layer in range(state.num_layers)],
+                            state.num_layers, state.num_experts)
+
+    def layer_host(self, state: PlacementState, layer: int, rates: Sequence[float]) -> list[int]:
+        """The host-path experts of one layer (none when nothing is gained by at least `margin`)."""
+        kept = set(kept_on_device(state, layer, rates if state.route_counts is not None else None))
+        candidates = sorted((e for e in range(state.num_experts) if e not in kept), key=lambda e: (rates[e], e))
+        cost = lambda h: layer_token_seconds(state, rates, candidates[:h], self.prefetch_discount)  # noqa: E731
+        off = cost(0)
+        if not candidates or off is None or off <= 0.0:
+            return []
+        timed = [(seconds, h) for h in range(1, len(candidates) + 1) if (seconds := cost(h)) is not None]
+        if not timed:
+            return []
+        best_s, best_h = min(timed)
+        return candidates[:best_h] if off - best_s >= self.margin * off else []
+
+    def place_prefill(self, state: PlacementState, decode: Placement, rows: int) -> Placement:
+        rates = use_rates(state)
+        slots = preloaded(decode, state.slots_per_layer)
+        host = [decode.host[layer] if self.prompt_on_host(state, rates[layer], decode.host[layer], bool(slots[layer]), rows)
+                else frozenset() for layer in range(state.num_layers)]
+        return Placement(tuple(host), state.num_experts)
+
+    def prompt_on_host(self, state: PlacementState, rates: Sequence[float], host: frozenset[int], preloaded_layer: bool,
+                       rows: int) -> bool:
+        """Whether a prompt of `rows` rows computes the layer's decode host experts on the host (True) or copies them
+        (False: only where that is predicted at least `margin` cheaper)."""
+        copy, block = copy_seconds(state), host_seconds(state, 1)
+        if not host or copy is None or block is None:
+            return True
+        used = {e: 1.0 - (1.0 - rates[e]) ** rows for e in host}  # P(some row of the prompt routes to e)
+        on_host = sum(p * math.ceil(max(1.0, rows * rates[e]) / state.row_bucket) * block for e, p in used.items())
+        copied = sum(used.values())
+        evicted = min(float(state.slots_per_layer), copied) if preloaded_layer else 0.0
+        on_device = (copied + evicted) * copy
+        return not on_device <= (1.0 - self.margin) * on_host

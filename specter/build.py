@@ -24,7 +24,8 @@ from specter.config import EngineConfig
 from specter.draft import DraftExperts, quantize_layers
 from specter.errors import BudgetError, ConfigError
 from specter.experts.cache import CacheSnapshot, ExpertCache
-from specter.experts.host import HostExperts
+from specter.experts.costs import calibrate
+from specter.experts.host import ExpertFunction, HostExperts
 from specter.experts.host import default_threads as host_default_threads
 from specter.experts.pool import ExpertPool
 from specter.experts.transfer import LinkEmulation, TransferEngine, parse_link
@@ -40,7 +41,7 @@ from specter.model.segmented import SegmentedStep
 from specter.model.spec import ModelSpec
 from specter.model.transformer import ExpertProvider, Transformer
 from specter.model.weights import check_no_unknown_experts, iter_experts, load_dense
-from specter.placement import Placement, PlacementState, preloaded
+from specter.placement import Placement, PlacementState, prefill_placement, preloaded
 from specter.steps import graphed_target, make_draft, segmented_step, segmented_verify
 from specter.verify import OffloadedExperts
 from specter.victims import Victims
@@ -184,12 +185,14 @@ def default_threads(device: torch.device) -> int:
 # ---- the experts ----------------------------------------------------------------------------------------
 
 async def load_experts(source: WeightSource, config: EngineConfig, memory: MemoryPlan, backend, kernel: Kernel, dtype: torch.dtype,
-                       device: torch.device, speculative: bool, victims: Victims | None = None, placement=None):
+                       device: torch.device, speculative: bool, victims: Victims | None = None, placement=None,
+                       mlp: ExpertFunction | None = None):
     """Stream every expert once: into device memory (all resident) or the host pool, and into the draft's quantizer.
 
     Returns (the verify's expert provider, the expert cache or None, the draft's quantized layers). The cache gets
     `victims` as its victim chooser (none given: it never evicts by choice). `placement`: the `specter.placement`
-    policy (None: 'off'), asked once the cache exists; with every expert resident there is nothing to place."""
+    policy (None: 'off'), asked once the cache exists, from the costs calibrated then with `mlp` (the family's routed
+    expert, timed on the host; None: the host is not timed); with every expert resident there is nothing to place."""
     spec = source.spec
     if memory.all_resident:
         resident = ResidentExperts.from_iter(source.experts(dtype, config.progress), spec.num_experts, device)
@@ -213,7 +216,7 @@ async def load_experts(source: WeightSource, config: EngineConfig, memory: Memor
     pool.check_complete()
     cache = new_cache(config, memory.slots_per_layer, backend, kernel, new_transfer(config, backend, kernel, device), pool,
                       victims if victims is not None else (lambda *_: []))
-    host = await place_experts(placement, cache, config, spec, device)
+    host = await place_experts(placement, cache, config, spec, device, kernel, mlp)
     return OffloadedExperts(cache, kernel, moe_index, tuning=config.tuning.verify, host=host), cache, draft
 
 
@@ -227,25 +230,33 @@ def placement_state(cache: ExpertCache, config: EngineConfig, spec: ModelSpec) -
                           link_bytes_per_s=gbps * 1e9 if gbps is not None else cache.transfer.bandwidth_bytes_per_s)
 
 
-async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: ModelSpec,
-                        device: torch.device) -> HostExperts | None:
-    """Ask the placement policy (None: 'off') once, tell the cache, load the device-path experts that fit in their
-    layer's slots, and start the host path; None when no expert takes it (the engine as without placements)."""
+async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: ModelSpec, device: torch.device,
+                        kernel: Kernel, mlp: ExpertFunction | None = None) -> HostExperts | None:
+    """Calibrate the costs (`specter.experts.costs`), ask the placement policy (None: 'off', which needs neither) once,
+    tell the cache, load the device-path experts that fit in their layer's slots, and start the host path; None when
+    no expert takes it (the engine as without placements)."""
     if policy is None:
         return None
-    placement = policy.place(state=placement_state(cache, config, spec))
+    state = placement_state(cache, config, spec)
+    state = (await calibrate(kernel, cache.pool, mlp, state, spec.hidden_size, device, config.placement_profile)).apply(state)
+    placement = policy.place(state=state)
     if not placement.active:
         return None
-    return await apply_placement(placement, cache, config, device)
+    return await apply_placement(placement, cache, config, device, policy, state)
 
 
-async def apply_placement(placement: Placement, cache: ExpertCache, config: EngineConfig, device: torch.device) -> HostExperts:
+async def apply_placement(placement: Placement, cache: ExpertCache, config: EngineConfig, device: torch.device,
+                          policy=None, state: PlacementState | None = None) -> HostExperts:
     """`placement` from now on: the cache skips its host-path experts and holds the device-path ones that fit (loaded
-    now, so those layers never copy again); returns the host path that computes the others."""
+    now, so those layers never copy again); returns the host path that computes the others. With `policy` and the
+    `state` it placed from, each prompt takes the policy's prompt placement (`place_prefill`), else `placement`."""
     cache.place(placement.host)
     await cache.restore(CacheSnapshot(tuple(tuple(experts) for experts in preloaded(placement, cache.slots_per_layer))))
     log.info("engine.placed", host_experts=placement.total, per_layer=placement.counts())
-    return HostExperts(cache.pool, placement, config.row_bucket, config.cpu_threads, device)
+    prompt = None
+    if policy is not None and state is not None:
+        prompt = lambda rows: prefill_placement(policy, state, placement, rows)  # noqa: E731
+    return HostExperts(cache.pool, placement, config.row_bucket, config.cpu_threads, device, prompt=prompt)
 
 
 def new_transfer(config: EngineConfig, backend, kernel: Kernel, device: torch.device) -> TransferEngine:
@@ -304,7 +315,7 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
         quantize_now = speculative and not calibrated
         victims = Victims(policies["eviction"], len(spec.moe_layers))
         experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now, victims,
-                                                          policies["placement"])
+                                                          policies["placement"], model.expert_mlp)
         source.close()
         draft = make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device), config) if quantize_now else None
         runtime = cls(config, spec, model, memory, backend, kernel, experts, cache, draft, policies, victims,

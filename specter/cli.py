@@ -33,8 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2", "gptq4"], help="draft quantization")
     info.add_argument("--residents", type=int, default=None, metavar="N",
                       help="expert slots per MoE layer the placement is made for (default: the model's top-k)")
-    info.add_argument("--cpu-experts", default="off", metavar="off|all|NAME",
+    info.add_argument("--cpu-experts", default="off", metavar="off|all|auto|NAME",
                       help="placement (specter.placement plug-in) whose host experts to count")
+    info.add_argument("--link", default=None, metavar="PRESET|GBPS",
+                      help="the link the copy time is for (default: a pinned copy measured on CUDA, none on the CPU)")
+    info.add_argument("--cpu-threads", type=int, default=None, metavar="N", help="host expert threads (default: the cores)")
+    info.add_argument("--placement-profile", default=None, metavar="TRACE",
+                      help="routing trace whose expert use the placement weighs (default: uniform routing)")
+    info.add_argument("--no-measure", dest="measure", action="store_false",
+                      help="do not time one expert on the host and on the link (what auto decides then needs --link)")
     info.add_argument("--json", action="store_true", help="print one JSON object")
     _add_logging(info)
     add_serve_parser(commands)
@@ -59,11 +66,14 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     memory.add_argument("--threads", type=int, default=None, metavar="N",
                         help="torch CPU threads for the whole process (default: 1 on CUDA, else half the cores, 1 to 4)")
     memory.add_argument("--link", default=None, metavar="PRESET|GBPS", help="emulate a slower link: gen5, gen4, gen3, ddr4-desktop or GB/s")
-    memory.add_argument("--cpu-experts", default="off", metavar="off|all|NAME",
+    memory.add_argument("--cpu-experts", default="off", metavar="off|all|auto|NAME",
                         help="which routed experts the host CPU computes for the engine's life (specter.placement plug-in): "
-                             "off (none, default), all (every expert not resident: nothing is copied)")
+                             "off (none, default), all (every expert not resident: nothing is copied), auto (a cost model "
+                             "calibrated at load: the least used, where the host is predicted faster than the link)")
     memory.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                         help="torch threads of the host expert path (default: the host's cores); fewer emulate a smaller host")
+    memory.add_argument("--placement-profile", default=None, metavar="TRACE",
+                        help="a routing trace (--trace) of this model whose expert use the placement weighs (default: uniform)")
     policies = gen.add_argument_group("speculation and policies")
     policies.add_argument("--eviction", default="plan-protect", metavar="NAME", help="specter.eviction plug-in")
     policies.add_argument("--prefetch", default="topm-keep", metavar="NAME", help="specter.prefetch plug-in")
@@ -119,6 +129,7 @@ def engine_config(args: argparse.Namespace):
         device=args.device, dtype=args.dtype, max_context=args.max_context, budget=args.budget, residents=args.residents,
         eviction=args.eviction, prefetch=args.prefetch, lookahead=args.lookahead, link=args.link, progress=args.progress,
         threads=args.threads, cpu_experts=args.cpu_experts, cpu_threads=args.cpu_threads,
+        placement_profile=args.placement_profile,
         draft=dict(k_max=args.k_max, quant=args.quant, sampling=args.sampling, scout=args.scout, overlap=args.overlap)
         | ({} if args.k is None else {"k": args.k}),  # no --k: the default depth, within --k-max
     )
@@ -223,7 +234,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     if note := builtin_note(args.model):
         print(note, file=sys.stderr)
     summary = checkpoint_summary(args.model, dtype=args.dtype, max_context=args.max_context, quant=args.quant,
-                                 residents=args.residents, cpu_experts=args.cpu_experts)
+                                 residents=args.residents, cpu_experts=args.cpu_experts, link=args.link,
+                                 cpu_threads=args.cpu_threads, placement_profile=args.placement_profile, measure=args.measure)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -232,9 +244,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None = None, quant: str = "int4",
-                       residents: int | None = None, cpu_experts: str = "off") -> dict:
+                       residents: int | None = None, cpu_experts: str = "off", link: str | None = None,
+                       cpu_threads: int | None = None, placement_profile: str | None = None, measure: bool = True) -> dict:
     """What `specter info` prints: family, shape, parameter counts, expert bytes, the two budgets, and how many experts
-    the placement `cpu_experts` computes on the host at `residents` slots per layer (as it places at load)."""
+    the placement `cpu_experts` computes on the host at `residents` slots per layer (as it places at load); with
+    `measure`, one expert's copy and host times and what `auto` would do with them."""
     from specter.builtin import resolve_model
     from specter.config import EngineConfig
     from specter.build import resolve_dtype
@@ -246,7 +260,8 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
     checkpoint = Checkpoint(path)
     checkpoint.close()
     spec = checkpoint.spec
-    config = with_model_context(EngineConfig.build(max_context=max_context, dtype=dtype, draft=dict(quant=quant)), spec)
+    config = with_model_context(EngineConfig.build(max_context=max_context, dtype=dtype, draft=dict(quant=quant), link=link,
+                                                   cpu_threads=cpu_threads, placement_profile=placement_profile), spec)
     torch_dtype = resolve_dtype(config, spec)
     plan = plan_memory(spec, torch_dtype, config, speculative=True)
     dense = sum(_numel(shape) for shape in dense_shapes(spec).values())
@@ -261,29 +276,76 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
         "dense_bytes": plan.dense_bytes, "draft_bytes": plan.draft_bytes, "kv_bytes": plan.kv_bytes,
         "max_context": config.max_context, "max_position_embeddings": spec.max_position, "draft_quant": quant,
         "minimum_budget": plan.minimum_budget, "resident_budget": plan.resident_budget,
-    } | placement_summary(spec, plan.expert_bytes, config, residents, cpu_experts)
+    } | placement_summary(spec, plan.expert_bytes, config, residents, cpu_experts, torch_dtype if measure else None)
 
 
-def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int | None, cpu_experts: str) -> dict:
+def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int | None, cpu_experts: str,
+                      measure_dtype: Any = None) -> dict:
     """The host-expert count of placement `cpu_experts` for an engine with `residents` slots per layer, placed as the
-    builder places at load (an empty cache, costs not yet measured)."""
+    builder places at load (an empty cache); with `measure_dtype`, the costs measured as the builder calibrates them
+    (one expert of the model's shape in that dtype, random values) and `auto`'s decisions and predicted times."""
     from specter import plugins
     from specter.errors import ConfigError
-    from specter.placement import Placement, PlacementState
+    from specter.experts.costs import route_profile
+    from specter.experts.host import default_threads
+    from specter.placement import Placement, PlacementState, copy_seconds, host_seconds, token_seconds
 
     layers, experts = len(spec.moe_layers), spec.num_experts
     slots = residents if residents is not None else spec.top_k
     if not 1 <= slots <= experts:
         raise ConfigError(f"--residents {slots}: expected 1..{experts} slots per MoE layer")
-    if cpu_experts == "off":
-        placement = Placement.device_only(layers, experts)
+    if measure_dtype is not None:
+        host_s, link, source = measured_costs(spec, config, measure_dtype)
     else:
-        state = PlacementState(num_layers=layers, num_experts=experts, top_k=spec.top_k, slots_per_layer=slots,
-                               initial_residents=tuple(() for _ in range(layers)), expert_bytes=expert_bytes,
-                               row_bucket=config.row_bucket)
-        placement = plugins.load_policy("placement", cpu_experts).place(state=state)
+        from specter.config import parse_link
+
+        gbps = parse_link(config.link)
+        host_s, link, source = None, gbps * 1e9 if gbps is not None else None, "emulated" if gbps is not None else None
+    profile = config.placement_profile
+    state = PlacementState(num_layers=layers, num_experts=experts, top_k=spec.top_k, slots_per_layer=slots,
+                           initial_residents=tuple(() for _ in range(layers)), expert_bytes=expert_bytes,
+                           row_bucket=config.row_bucket, host_threads=config.cpu_threads or default_threads(),
+                           link_bytes_per_s=link, host_expert_s={config.row_bucket: host_s} if host_s is not None else {},
+                           route_counts=route_profile(profile, layers, experts) if profile is not None else None)
+    placed = {name: plugins.load_policy("placement", name).place(state=state) if name != "off" else Placement.device_only(layers, experts)
+              for name in dict.fromkeys(("off", "all", "auto", cpu_experts))}
+    placement, auto = placed[cpu_experts], placed["auto"]
+    ms = lambda seconds: None if seconds is None else round(seconds * 1e3, 4)  # noqa: E731
     return {"cpu_experts": cpu_experts, "placement_slots": slots, "host_experts": placement.total,
-            "host_experts_per_layer": placement.counts()}
+            "host_experts_per_layer": placement.counts(), "host_threads": state.host_threads, "row_bucket": state.row_bucket,
+            "link_gbps": None if link is None else round(link / 1e9, 3), "link_source": source,
+            "copy_ms_per_expert": ms(copy_seconds(state)), "host_ms_per_expert": ms(host_seconds(state, 1)),
+            "auto_host_experts": auto.total, "auto_host_experts_per_layer": auto.counts(),
+            "predicted_ms_per_token": {name: ms(token_seconds(state, placed[name])) for name in ("off", "all", "auto")}}
+
+
+def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | None, str | None]:
+    """(host seconds of one expert on a block of row_bucket rows, link bytes per second, where the link figure comes
+    from: 'emulated', 'measured' or None): one random expert of the model's shape, timed as the builder calibrates."""
+    import asyncio
+
+    import torch
+
+    from specter.config import parse_link
+    from specter.experts.costs import reference_expert, time_host_block, time_link
+    from specter.experts.host import default_threads
+    from specter.kernel import Kernel
+
+    cuda = torch.cuda.is_available()
+    expert = torch.empty(spec.expert_numel, dtype=dtype, pin_memory=cuda).normal_(std=0.02)
+    mlp = reference_expert(spec.hidden_size, spec.expert_intermediate)
+
+    async def host() -> float:
+        with Kernel() as kernel:
+            return await time_host_block(kernel, expert, mlp, spec.hidden_size, config.row_bucket,
+                                         config.cpu_threads or default_threads(), torch.device("cpu"))
+
+    host_s = asyncio.run(host())
+    gbps = parse_link(config.link)
+    if gbps is not None:
+        return host_s, gbps * 1e9, "emulated"
+    measured = time_link(expert, torch.device("cuda")) if cuda else None
+    return host_s, measured, "measured" if measured else None
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -309,9 +371,28 @@ def _format_info(summary: dict) -> str:
         ("full residency", fmt(summary["resident_budget"])),
         ("host experts", f"{summary['host_experts']} of {summary['moe_layers'] * summary['experts']} "
                          f"(--cpu-experts {summary['cpu_experts']}, {summary['placement_slots']} slots per layer)"),
+        ("expert costs", _costs_line(summary)),
+        ("auto would", _auto_line(summary)),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _costs_line(summary: dict) -> str:
+    copy, host = summary["copy_ms_per_expert"], summary["host_ms_per_expert"]
+    link = ("link not measured (the CPU: give --link)" if copy is None
+            else f"copy {copy:.3f} ms ({summary['link_source']} link, {summary['link_gbps']} GB/s)")
+    compute = ("host not measured" if host is None else
+               f"host {host:.3f} ms per block of {summary['row_bucket']} rows ({summary['host_threads']} threads)")
+    return f"{link}; {compute}"
+
+
+def _auto_line(summary: dict) -> str:
+    predicted = summary["predicted_ms_per_token"]
+    times = ", ".join(f"{name} {'-' if ms is None else f'{ms:.3f}'}" for name, ms in predicted.items())
+    per_layer = summary["auto_host_experts_per_layer"]
+    spread = (f"{per_layer[0]} per layer" if len(set(per_layer)) == 1 else f"per layer {', '.join(map(str, per_layer))}")
+    return f"{summary['auto_host_experts']} host experts ({spread}); predicted expert ms per token: {times}"
 
 
 def _count(n: int) -> str:

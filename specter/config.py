@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -280,6 +281,10 @@ class EngineConfig(_Frozen):
     cpu_threads: int | None = Field(None, ge=1, le=1024, description="Torch intra-op threads of the host expert path's "
                                     "worker thread (its own OpenMP team: the loop thread keeps `threads`). None "
                                     "(default): the host's cores. Fewer emulate a smaller host.")
+    placement_profile: Path | None = Field(None, description="A routing trace (`generate --trace`, specter/trace.py) of "
+                                           "this model whose per-layer expert use the placement's cost model weighs "
+                                           "(`auto`: the least used go to the host first). None (default): uniform "
+                                           "routing assumed. Read once at load; ignored with cpu_experts 'off'.")
     draft: DraftConfig = Field(default_factory=DraftConfig, description="Draft model settings.")
     eviction: str = Field("plan-protect", min_length=1, description="Name of the `specter.eviction` plug-in.")
     prefetch: str = Field("topm-keep", min_length=1, description="Name of the `specter.prefetch` plug-in.")
@@ -310,6 +315,13 @@ class EngineConfig(_Frozen):
     @classmethod
     def _link(cls, value: str | None) -> str | None:
         parse_link(value)  # a typo is refused here, before hours of loading, not when the transfer engine is built
+        return value
+
+    @field_validator("placement_profile")
+    @classmethod
+    def _placement_profile(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():  # refused before loading, like a link typo
+            raise ValueError(f"{str(value)!r} is not a file; record a routing trace with `specter generate --trace PATH`")
         return value
 
     @field_validator("device")

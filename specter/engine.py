@@ -9,6 +9,7 @@ the round measures without steering it (copy-busy, recall, traces, the bench's b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -264,13 +265,20 @@ class Runtime:
         self.ahead.reset()
         tokens = torch.tensor(prompt, dtype=torch.long, device=self.model.device)
         record = self._start_record()
-        hidden = await self.model.forward(tokens, 0, self.kv, self.experts)
+        async with self._prompt_placement(len(prompt)):  # a long prompt may copy experts decoding computes on the host
+            hidden = await self.model.forward(tokens, 0, self.kv, self.experts)
         self.kv.crop(len(prompt))
         logits = self.model.logits(hidden[-1:])
         token = sample(logits, torch.tensor([len(prompt)], device=logits.device), params)
         first = int((await to_host(self.kernel, token))[0])
         self._account(record, stats)  # after the host read: the device-side waits have completed
         return first
+
+    def _prompt_placement(self, rows: int) -> contextlib.AbstractAsyncContextManager:
+        """The prompt's placement (`OffloadedExperts.prompt_placement`); nothing to switch for resident experts."""
+        if isinstance(self.experts, OffloadedExperts):
+            return self.experts.prompt_placement(rows)
+        return contextlib.nullcontext()
 
     # ---- one decode round (DESIGN section 1) ------------------------------------------------------
     async def round(self, x0: int, params: SamplingParams, remaining: int, stats: RequestStats) -> list[int]:

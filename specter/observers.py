@@ -214,7 +214,9 @@ class TraceRecorder(RoundObserver):
     def round_done(self, report: RoundReport) -> None:
         if not report.k or report.verify is None or report.draft_counts is None:
             return
-        used = [report.verify.used.get(layer, []) for layer in report.moe_layers]
+        verify = report.verify  # the experts the verify used: the device path's in use order, then the host path's
+        used = [verify.used.get(layer, []) + [e for e in verify.host_used.get(layer, []) if e not in verify.used.get(layer, [])]
+                for layer in report.moe_layers]
         self.writer.write_round(TraceRound.from_arrays(report.index, report.k, report.acceptance.n_accepted, report.draft_step_s,
                                                        report.route_counts, used, loaded_bytes=report.loaded_bytes,
                                                        checkpoints=self.checkpoints))

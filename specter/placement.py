@@ -10,6 +10,7 @@ target's function is fixed and speculative output equals target-only (k = 0) out
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -104,9 +105,12 @@ class PlacementState:
     link_bytes_per_s: float | None = None
     """Measured (or emulated) sustained H2D bandwidth; None: not measured yet."""
     host_expert_s: Mapping[int, float] = field(default_factory=dict)
-    """Measured seconds to compute one expert on the host, by row count (empty: not calibrated yet)."""
+    """Measured seconds to compute one expert on the host, by row count (empty: not calibrated yet). The engine
+    measures it at `row_bucket` rows (`specter.experts.costs`): the host runs every expert on blocks of exactly that
+    many, so one row costs what `row_bucket` rows cost."""
     route_counts: Sequence[Sequence[float]] | None = None
-    """Per layer and expert, how often the target routed to it on calibration tokens (None: not measured)."""
+    """Per layer and expert, how often the target routed to it on calibration tokens (None: not measured; the cost
+    model then assumes uniform routing). The engine reads it from `EngineConfig.placement_profile`, a routing trace."""
 
 
 @runtime_checkable
@@ -125,6 +129,14 @@ class PlacementPolicy(Protocol):
         """
         ...
 
+    # Optional: place_prefill(state: PlacementState, decode: Placement, rows: int) -> Placement
+    #   The placement of a prompt's forward of `rows` rows (called by the runtime before each prompt, with the state and
+    #   the decode placement `place` gave). A prompt's forward is the same in a speculative and a k = 0 run, so it may
+    #   differ from the decode placement without breaking exactness, as long as it is a function of `state`, `decode`
+    #   and `rows` alone. Its host experts must be a subset of `decode`'s, layer by layer (the host path exists only
+    #   where decoding uses it; a decode host expert the prompt computes on the device is copied for the prompt and
+    #   dropped after). Absent: the prompt uses `decode` (`prefill_placement`).
+
 
 def preloaded(placement: Placement, slots_per_layer: int) -> list[list[int]]:
     """Per layer, the device-path experts to load once at start-up: all of them where they fit in the layer's slots
@@ -134,3 +146,76 @@ def preloaded(placement: Placement, slots_per_layer: int) -> list[list[int]]:
         return [[] for _ in range(placement.num_layers)]
     device = [placement.device_experts(layer) for layer in range(placement.num_layers)]
     return [experts if len(experts) <= slots_per_layer else [] for experts in device]
+
+
+def prefill_placement(policy: object, state: PlacementState, decode: Placement, rows: int) -> Placement:
+    """The placement of a prompt of `rows` rows: the policy's `place_prefill` where it has one, else `decode`."""
+    place_prefill = getattr(policy, "place_prefill", None)
+    return decode if place_prefill is None else place_prefill(state=state, decode=decode, rows=rows)
+
+
+# ---- the cost model a calibrated policy weighs (pure: the replay and `specter info` use it too) ----------------------
+# Per MoE layer and token: the device path's expected misses times one expert's copy, against the host path's expected
+# uses times one expert's host compute. The two paths run at once within a layer (the host thread computes while the
+# device computes and loads), so a layer costs the longer of the two. The device's own compute is left out: it is the
+# same whichever path an expert takes off the device. Every function returns None where a cost is not measured.
+
+
+def use_rates(state: PlacementState) -> list[list[float]]:
+    """Per layer and expert, its expected uses per token (the probability a token routes to it): `route_counts`
+    scaled so that a layer's rates sum to top_k (each token picks top_k experts), capped at 1; uniform top_k / E
+    without a profile (or for a layer the profile never saw)."""
+    uniform = [state.top_k / state.num_experts] * state.num_experts
+    rates = []
+    for layer in range(state.num_layers):
+        counts = list(state.route_counts[layer]) if state.route_counts is not None and layer < len(state.route_counts) else []
+        total = sum(counts)
+        rates.append([min(1.0, state.top_k * c / total) for c in counts] if len(counts) == state.num_experts and total > 0 else uniform)
+    return rates
+
+
+def copy_seconds(state: PlacementState) -> float | None:
+    """One expert across the link (None: the link is not measured)."""
+    return state.expert_bytes / state.link_bytes_per_s if state.link_bytes_per_s else None
+
+
+def host_seconds(state: PlacementState, rows: int = 1) -> float | None:
+    """One expert on `rows` rows on the host: ceil(rows / row_bucket) blocks of `row_bucket` rows, one after the other on
+    the host thread (None: the host is not measured at `row_bucket` rows)."""
+    per_block = state.host_expert_s.get(state.row_bucket)
+    return per_block * math.ceil(max(1, rows) / state.row_bucket) if per_block is not None else None
+
+
+def expected_misses(rates: Sequence[float], device: Sequence[int], slots: int) -> float:
+    """Expected misses per token of a layer whose device-path experts are `device`: none when they fit in the layer's
+    slots (loaded once at start-up, `preloaded`), else the rates of all but the `slots` most used of them (a cache that
+    keeps the most used: a floor for LRU, so the model never overstates what the host path saves)."""
+    if len(device) <= slots:
+        return 0.0
+    ranked = sorted((rates[e] for e in device), reverse=True)
+    return sum(ranked[slots:])
+
+
+def layer_token_seconds(state: PlacementState, rates: Sequence[float], host: Iterable[int],
+                        prefetch_discount: float = 0.0) -> float | None:
+    """Expected seconds per token of one layer whose host-path experts are `host`: max(device misses x copy x
+    (1 - prefetch_discount), host uses x one host block). None when a cost it needs is not measured."""
+    host = set(host)
+    device = [e for e in range(state.num_experts) if e not in host]
+    misses = expected_misses(rates, device, state.slots_per_layer)
+    copy = copy_seconds(state)
+    host_block = host_seconds(state, 1)
+    if (misses > 0 and copy is None) or (host and host_block is None):
+        return None
+    device_s = misses * (copy or 0.0) * (1.0 - prefetch_discount)
+    host_s = sum(rates[e] for e in host) * (host_block or 0.0)
+    return max(device_s, host_s)
+
+
+def token_seconds(state: PlacementState, placement: Placement, prefetch_discount: float = 0.0) -> float | None:
+    """Expected expert seconds per decoded token of `placement` (k = 0: one row per forward), summed over layers; None
+    when a cost it needs is not measured."""
+    rates = use_rates(state)
+    per_layer = [layer_token_seconds(state, rates[layer], placement.host[layer], prefetch_discount)
+                 for layer in range(state.num_layers)]
+    return None if None in per_layer else sum(per_layer)

@@ -316,13 +316,27 @@ class GuardedLookahead(_Guarded):
 
 
 class GuardedPlacement(_Guarded):
-    """A placement policy whose place() is checked: a `Placement` of every MoE layer with ids in range."""
+    """A placement policy whose place() is checked: a `Placement` of every MoE layer with ids in range; and whose
+    optional place_prefill() is checked too (its host experts within the decode placement's), `decode` without one."""
 
     def place(self, state: PlacementState) -> Placement:
-        placement = self._call("place", state=state)
+        return self._checked("place", self._call("place", state=state), state)
+
+    def place_prefill(self, state: PlacementState, decode: Placement, rows: int) -> Placement:
+        if not hasattr(self.policy, "place_prefill"):
+            return decode
+        placement = self._checked("place_prefill", self._call("place_prefill", state=state, decode=decode, rows=rows), state)
+        outside = {layer: sorted(experts - decode.host[layer]) for layer, experts in enumerate(placement.host)
+                   if not experts <= decode.host[layer]}
+        if outside:
+            raise self._wrong("place_prefill", f"host experts outside the decode placement's (layer: experts) {outside}; a "
+                                               "prompt may only move decode host experts to the device")
+        return placement
+
+    def _checked(self, method: str, placement: Any, state: PlacementState) -> Placement:
         if not isinstance(placement, Placement):
-            raise self._wrong("place", f"{type(placement).__name__} is not a specter.placement.Placement")
+            raise self._wrong(method, f"{type(placement).__name__} is not a specter.placement.Placement")
         if placement.num_layers != state.num_layers or placement.num_experts != state.num_experts:
-            raise self._wrong("place", f"a placement of {placement.num_layers} layers x {placement.num_experts} experts "
-                                       f"for a model of {state.num_layers} x {state.num_experts}")
+            raise self._wrong(method, f"a placement of {placement.num_layers} layers x {placement.num_experts} experts "
+                                      f"for a model of {state.num_layers} x {state.num_experts}")
         return placement

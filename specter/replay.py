@@ -3,13 +3,19 @@
 CLI: `python -m specter.replay TRACE [--link GBPS] [--slots S] [--eviction a,b] [--prefetch a,b] [--roll W|all]
 [--json]`. The rolling window is modelled as on the engine's host-waiting path (`iter_ready`: later misses recycle
 the oldest miss's slot); on CUDA the engine's policy picks most of those slots (see `CacheTuning.roll_hot_window`).
+
+With `--placement off,all,auto --host-ms MS` it compares placements instead (`replay_placements`): per placement, the
+device path's misses and bytes over the link, the host path's expert computations, and a modelled expert time per
+token from the link's and the host's costs (the device's own compute left out, as in the placement cost model).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -21,9 +27,10 @@ import numpy as np
 from specter.config import CacheTuning
 from specter.errors import SpecterError
 from specter.log import get_logger
+from specter.placement import Placement, PlacementState, preloaded, token_seconds
 from specter.plugins import available, guarded, load_policy
 from specter.policy import EvictionPolicy, LinkTiming, Plan, PrefetchPolicy, UseHistory
-from specter.trace import TraceHeader, TraceRound, read_trace
+from specter.trace import LayerRoutes, TraceHeader, TraceRound, read_trace, use_counts
 
 log = get_logger(__name__)
 
@@ -49,6 +56,17 @@ class ReplayResult:
     miss_bytes: int
     stall_s: float
     """Miss transfers plus the part of each round's prefetch the draft time does not hide."""
+    placement: str = "off"
+    """The placement replayed (its host-path experts never enter the cache; `off`: none)."""
+    tokens: int = 0
+    """Tokens the rounds committed (accepted + 1 each)."""
+    host_computed: int = 0
+    """Host-path expert computations (one per layer and round that used a host expert)."""
+    host_s: float = 0.0
+    """Modelled host seconds of those computations (blocks of row_bucket rows at the given host cost)."""
+    modelled_s: float = 0.0
+    """Modelled expert seconds: per round, the unhidden prefetch plus, per layer, the longer of its misses' copies and
+    its host computations (the two paths run at once). Equals `stall_s` with no host expert."""
 
     @property
     def hit_rate(self) -> float:
@@ -59,18 +77,24 @@ class ReplayResult:
     def h2d_bytes(self) -> int:
         return self.prefetched_bytes + self.miss_bytes
 
+    @property
+    def per_token_s(self) -> float | None:
+        """Modelled expert seconds per committed token."""
+        return self.modelled_s / self.tokens if self.tokens else None
+
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "hit_rate": self.hit_rate, "h2d_bytes": self.h2d_bytes}
+        return {**asdict(self), "hit_rate": self.hit_rate, "h2d_bytes": self.h2d_bytes, "per_token_s": self.per_token_s}
 
 
 class CacheModel:
     """Per-layer expert slots and use history, as the engine's expert cache keeps them (no tensors)."""
 
-    def __init__(self, num_layers: int, slots_per_layer: int, eviction: EvictionPolicy) -> None:
+    def __init__(self, num_layers: int, slots_per_layer: int, eviction: EvictionPolicy,
+                 residents: Sequence[Sequence[int]] | None = None) -> None:
         assert slots_per_layer >= 1, "a layer needs at least one slot"
         self.slots_per_layer = slots_per_layer
         self.eviction = eviction
-        self.residents: list[list[int]] = [[] for _ in range(num_layers)]
+        self.residents: list[list[int]] = [list(layer) for layer in residents] if residents else [[] for _ in range(num_layers)]
         self.last_use: list[dict[int, int]] = [{} for _ in range(num_layers)]
         self.use_count: list[dict[int, int]] = [{} for _ in range(num_layers)]
         self.clock = 0
@@ -130,6 +154,9 @@ class _Tally:
     prefetched_experts: int = 0
     prefetched_used: int = 0
     stall_s: float = 0.0
+    host_computed: int = 0
+    host_s: float = 0.0
+    modelled_s: float = 0.0
 
 
 def replay(
@@ -141,8 +168,16 @@ def replay(
     *,
     slots_per_layer: int | None = None,
     roll: int | str = "engine",
+    placement: Placement | None = None,
+    placement_name: str = "off",
+    host_block_s: float | None = None,
+    row_bucket: int = 16,
 ) -> ReplayResult:
     """Replay `rounds` through one policy pair (objects, or installed names) with a cache starting empty.
+
+    With a `placement`: its host-path experts never enter the cache (left out of the prefetch's counts and plans, the
+    verify's misses), each layer's device-path experts that fit in its slots start resident (`preloaded`), and each
+    round's host-path uses cost `host_block_s` per block of `row_bucket` rows (k + 1 rows at most per expert).
 
     Per round: at each checkpoint the recording engine planned at, plan from the counts it saw (a trace
     with `checkpoints`: the recording policy's schedule, not the replayed policy's, so policies that plan at
@@ -155,16 +190,27 @@ def replay(
     eviction = _as_policy("eviction", eviction)
     prefetch = _as_policy("prefetch", prefetch)
     slots = slots_per_layer or header.slots_per_layer
-    cache = CacheModel(header.num_layers, slots, eviction)
+    placement = placement or Placement.device_only(header.num_layers, header.num_experts)
+    if placement.active and host_block_s is None:
+        raise SpecterError(f"placement {placement_name!r} computes experts on the host: give the host's seconds per expert "
+                           "block (--host-ms)")
+    cache = CacheModel(header.num_layers, slots, eviction, preloaded(placement, slots))
     bandwidth = link_gbps * 1e9
+    copy_s = header.expert_bytes / bandwidth
     tally = _Tally()
     for trace_round in rounds:
+        routed = _on_paths(trace_round, placement)
         timing = LinkTiming(bandwidth, trace_round.draft_step_s, header.expert_bytes)
-        plan, prefetched = _prefetch_round(cache, trace_round, header, prefetch, timing)
-        _verify_round(cache, trace_round, plan, prefetched, tally, roll)
+        plan, prefetched = _prefetch_round(cache, routed.device, header, prefetch, timing, placement)
+        layer_misses = _verify_round(cache, routed.device, plan, prefetched, tally, roll)
         hidden_bytes = trace_round.k * trace_round.draft_step_s * bandwidth
-        tally.stall_s += max(0.0, len(prefetched) * header.expert_bytes - hidden_bytes) / bandwidth
-    tally.stall_s += tally.misses * header.expert_bytes / bandwidth
+        unhidden = max(0.0, len(prefetched) * header.expert_bytes - hidden_bytes) / bandwidth
+        host_s = [len(used) * math.ceil((trace_round.k + 1) / row_bucket) * (host_block_s or 0.0) for used in routed.host]
+        tally.stall_s += unhidden
+        tally.host_computed += sum(map(len, routed.host))
+        tally.host_s += sum(host_s)
+        tally.modelled_s += unhidden + sum(max(misses * copy_s, host) for misses, host in zip(layer_misses, host_s))
+    tally.stall_s += tally.misses * copy_s
     return ReplayResult(
         eviction=eviction.name,
         prefetch=prefetch.name,
@@ -176,7 +222,35 @@ def replay(
         prefetched_bytes=tally.prefetched_experts * header.expert_bytes,
         miss_bytes=tally.misses * header.expert_bytes,
         stall_s=tally.stall_s,
+        placement=placement_name,
+        tokens=sum(trace_round.accepted + 1 for trace_round in rounds),
+        host_computed=tally.host_computed,
+        host_s=tally.host_s,
+        modelled_s=tally.modelled_s,
     )
+
+
+@dataclass(frozen=True)
+class _Paths:
+    """One round split by a placement: the round with only its device-path experts, and each layer's host-path uses."""
+
+    device: TraceRound
+    host: list[list[int]]
+
+
+def _on_paths(trace_round: TraceRound, placement: Placement) -> _Paths:
+    if not placement.active:
+        return _Paths(trace_round, [[] for _ in trace_round.layers])
+    layers, host = [], []
+    for layer, routes in enumerate(trace_round.layers):
+        device_used, host_used = placement.split(layer, dict.fromkeys(routes.used))
+        predicted = {e: c for e, c in routes.predicted.items() if not placement.is_host(layer, e)}
+        layers.append(LayerRoutes(predicted, device_used))
+        host.append(host_used)
+    checkpoints = None if trace_round.checkpoints is None else tuple(
+        (steps, tuple({e: c for e, c in counts.items() if not placement.is_host(layer, e)} for layer, counts in enumerate(rows)))
+        for steps, rows in trace_round.checkpoints)
+    return _Paths(dataclasses.replace(trace_round, layers=layers, checkpoints=checkpoints), host)
 
 
 def engine_roll(tuning: CacheTuning | None = None) -> int:
@@ -191,7 +265,8 @@ def _as_policy(group: str, policy: Any) -> Any:
 
 
 def _prefetch_round(
-    cache: CacheModel, trace_round: TraceRound, header: TraceHeader, prefetch: PrefetchPolicy, timing: LinkTiming
+    cache: CacheModel, trace_round: TraceRound, header: TraceHeader, prefetch: PrefetchPolicy, timing: LinkTiming,
+    placement: Placement | None = None,
 ) -> tuple[Plan | None, set[tuple[int, int]]]:
     """Run the round's checkpoints; return the last plan and the (layer, expert) pairs it loaded."""
     k, plan, prefetched = trace_round.k, None, set()
@@ -212,8 +287,9 @@ def _prefetch_round(
             slots_per_layer=cache.slots_per_layer,
         )
         for layer in sorted(plan.experts):
-            planned = frozenset(plan.experts[layer])
-            prefetched |= {(layer, e) for e in plan.experts[layer] if cache.load(layer, e, planned, plan)}
+            wanted = placement.split(layer, plan.experts[layer])[0] if placement is not None else plan.experts[layer]
+            planned = frozenset(wanted)  # the cache skips host-path experts (the engine's `device_path`)
+            prefetched |= {(layer, e) for e in wanted if cache.load(layer, e, planned, plan)}
     return plan, prefetched
 
 
@@ -224,8 +300,9 @@ def _verify_round(
     prefetched: set[tuple[int, int]],
     tally: _Tally,
     roll: int = -1,
-) -> None:
-    """Walk the target's used experts layer by layer: hits first (hot first), then misses on demand.
+) -> list[int]:
+    """Walk the target's used experts layer by layer: hits first (hot first), then misses on demand; returns each
+    layer's misses.
 
     As the engine's rolling window (`specter.experts.window`): the misses that fit in free slots or in the slots of
     residents the layer does not use start first; then hot experts give their slots to the waiting misses, chosen
@@ -234,6 +311,7 @@ def _verify_round(
     expert's slot while any is left, and the rest take slots the policy frees.
     """
     tally.prefetched_experts += len(prefetched)
+    per_layer = []
     for layer, routes in enumerate(trace_round.layers):
         used = list(dict.fromkeys(routes.used))  # one verify pass pays for each expert once
         hits = [expert for expert in used if cache.is_resident(layer, expert)]
@@ -259,6 +337,8 @@ def _verify_round(
             cache.use(layer, expert)
         tally.hits += len(hits)
         tally.misses += len(misses)
+        per_layer.append(len(misses))
+    return per_layer
 
 
 def replay_all(
@@ -288,6 +368,74 @@ def replay_all(
                 skipped.append(f"{eviction} x {prefetch}: {exc}")
     results.sort(key=lambda result: (result.stall_s, result.eviction, result.prefetch))
     return results, skipped
+
+
+@dataclass(frozen=True)
+class PlacementReplay:
+    """One placement replayed over a trace, with what the placement cost model predicted for it (k = 0)."""
+
+    result: ReplayResult
+    placement: Placement
+    predicted_token_s: float | None
+    """`specter.placement.token_seconds`: the expected expert seconds per token of one-row forwards."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.result.to_json(), "host_experts": self.placement.total,
+                "host_experts_per_layer": self.placement.counts(), "predicted_token_s": self.predicted_token_s}
+
+
+def trace_placement_state(header: TraceHeader, rounds: Sequence[TraceRound], link_gbps: float, host_block_s: float | None,
+                          *, slots_per_layer: int | None = None, row_bucket: int = 16,
+                          profile: Sequence[Sequence[float]] | None = None) -> PlacementState:
+    """What a placement policy would see of the engine that recorded the trace, placing at load (an empty cache):
+    the link at `link_gbps`, the host at `host_block_s` per block, and the routing profile `profile` (None: the
+    trace's own use counts, which flatters a policy that reads it, since it is the future being replayed)."""
+    return PlacementState(num_layers=header.num_layers, num_experts=header.num_experts, top_k=header.top_k,
+                          slots_per_layer=slots_per_layer or header.slots_per_layer,
+                          initial_residents=tuple(() for _ in range(header.num_layers)), expert_bytes=header.expert_bytes,
+                          row_bucket=row_bucket, link_bytes_per_s=link_gbps * 1e9,
+                          host_expert_s={row_bucket: host_block_s} if host_block_s is not None else {},
+                          route_counts=profile if profile is not None else use_counts(rounds, header.num_layers, header.num_experts))
+
+
+def replay_placements(
+    header: TraceHeader,
+    rounds: Sequence[TraceRound],
+    names: Sequence[str],
+    link_gbps: float = DEFAULT_LINK_GBPS,
+    host_block_s: float | None = None,
+    *,
+    slots_per_layer: int | None = None,
+    eviction: str = "plan-protect",
+    prefetch: str = "topm-keep",
+    row_bucket: int = 16,
+    profile: Sequence[Sequence[float]] | None = None,
+    roll: int | str = "engine",
+) -> list[PlacementReplay]:
+    """Each named `specter.placement` policy placed once from `trace_placement_state`, then the trace replayed under
+    it through one eviction x prefetch pair (the engine's defaults unless given), in the order named."""
+    state = trace_placement_state(header, rounds, link_gbps, host_block_s, slots_per_layer=slots_per_layer,
+                                  row_bucket=row_bucket, profile=profile)
+    replays = []
+    for name in names:
+        placement = load_policy("placement", name).place(state=state)
+        result = replay(header, rounds, eviction, prefetch, link_gbps, slots_per_layer=state.slots_per_layer, roll=roll,
+                        placement=placement, placement_name=name, host_block_s=host_block_s, row_bucket=row_bucket)
+        replays.append(PlacementReplay(result, placement, token_seconds(state, placement)))
+    return replays
+
+
+def format_placements(replays: Sequence[PlacementReplay]) -> str:
+    """A fixed-width table, one row per placement."""
+    columns = (("host experts", 12), ("misses", 7), ("H2D GB", 9), ("host comps", 10), ("host s", 8), ("link+host ms/tok", 16),
+               ("model ms/tok", 12))
+    lines = [f"{'placement':<12} " + " ".join(f"{title:>{width}}" for title, width in columns)]
+    for replayed in replays:
+        r, predicted = replayed.result, replayed.predicted_token_s
+        lines.append(f"{r.placement:<12} {replayed.placement.total:>12d} {r.misses:>7d} {r.h2d_bytes / 1e9:>9.3f} "
+                     f"{r.host_computed:>10d} {r.host_s:>8.3f} {(r.per_token_s or 0.0) * 1e3:>16.3f} "
+                     f"{'-' if predicted is None else f'{predicted * 1e3:.3f}':>12}")
+    return "\n".join(lines)
 
 
 def _loadable(group: str, names: Sequence[str] | None, skipped: list[str]) -> list[str]:
@@ -326,9 +474,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the verify's rolling window: a layer's waiting misses hold at most W slots at once (hot "
                              "experts give theirs only up to it); all: no limit; engine: as the engine is set (the default)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    placing = parser.add_argument_group("placements (instead of policy pairs)")
+    placing.add_argument("--placement", default=None, metavar="off,all,auto",
+                         help="comma-separated placement plug-ins to compare, each placed as at load and replayed through "
+                              "one eviction x prefetch pair (--eviction, --prefetch; default the engine's)")
+    placing.add_argument("--host-ms", type=float, default=None, metavar="MS",
+                         help="host milliseconds per expert block of --row-bucket rows (`specter info` measures it)")
+    placing.add_argument("--row-bucket", type=int, default=16, metavar="B", help="rows per host block (EngineConfig.row_bucket)")
+    placing.add_argument("--profile", default=None, metavar="TRACE",
+                         help="the routing profile the placements weigh (default: the replayed trace's own use counts)")
     args = parser.parse_args(argv)
     if args.link <= 0 or (args.slots is not None and args.slots < 1):
         parser.error("--link must be > 0 and --slots >= 1")
+    if args.placement is not None:
+        return _compare_placements(args, parser)
     try:
         header, rounds = read_trace(args.trace)
         evictions, prefetches = _names(args.eviction), _names(args.prefetch)
@@ -341,6 +500,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     _print_results(header, rounds, results, skipped, args)
     return 0 if results else 1
+
+
+def _compare_placements(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`--placement`: one row per placement."""
+    from specter.config import EngineConfig
+
+    if (args.host_ms is not None and args.host_ms <= 0) or args.row_bucket < 1:
+        parser.error("--host-ms must be > 0 and --row-bucket >= 1")
+    engine = EngineConfig()
+    try:
+        header, rounds = read_trace(args.trace)
+        profile = None
+        if args.profile is not None:
+            from specter.experts.costs import route_profile
+
+            profile = route_profile(args.profile, header.num_layers, header.num_experts)
+        replays = replay_placements(
+            header, rounds, _names(args.placement) or ["off"], args.link,
+            args.host_ms / 1e3 if args.host_ms is not None else None, slots_per_layer=args.slots,
+            eviction=(_names(args.eviction) or [engine.eviction])[0], prefetch=(_names(args.prefetch) or [engine.prefetch])[0],
+            row_bucket=args.row_bucket, profile=profile, roll=args.roll)
+    except SpecterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"model": header.model, "link_gbps": args.link, "host_ms": args.host_ms,
+                          "slots_per_layer": args.slots or header.slots_per_layer, "row_bucket": args.row_bucket,
+                          "results": [replayed.to_json() for replayed in replays]}, indent=1))
+    else:
+        first = replays[0].result if replays else None
+        print(f"{header.model}: {header.num_layers} layers x {header.num_experts} experts, link {args.link} GB/s, host "
+              f"{args.host_ms} ms per expert block, {len(rounds)} rounds"
+              + (f" ({first.eviction} x {first.prefetch})" if first else ""))
+        print(format_placements(replays))
+        print("link+host: replayed (per round: unhidden prefetch + per layer the longer path); model: the cost model's "
+              "expected k = 0 time the placements were chosen by", file=sys.stderr)
+    return 0
 
 
 def _roll(text: str) -> int | str:

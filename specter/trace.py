@@ -159,6 +159,17 @@ def _plain_number(count: float) -> float | int:
     return int(count) if float(count).is_integer() else float(count)
 
 
+def use_counts(rounds: Iterable[TraceRound], num_layers: int, num_experts: int) -> list[list[float]]:
+    """Per layer and expert, how many of `rounds` used it (each round's verify counts an expert once): the routing
+    profile a placement's cost model scales to uses per token."""
+    counts = [[0.0] * num_experts for _ in range(num_layers)]
+    for trace_round in rounds:
+        for layer, routes in enumerate(trace_round.layers):
+            for expert in set(routes.used):
+                counts[layer][expert] += 1.0
+    return counts
+
+
 class TraceWriter:
     """Writes a trace: the header at construction, then one line per `write_round`. Use as a context manager."""
 

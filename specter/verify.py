@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 
 import torch
 
@@ -23,9 +23,12 @@ from specter.config import VerifyTuning
 from specter.experts.cache import ExpertCache
 from specter.experts.host import HostExperts, HostInputs, host_routes
 from specter.kernel import HostJob, Kernel
+from specter.log import get_logger
 from specter.model.segmented import SegmentedStep
 from specter.model.transformer import ExpertMLP, RoutingTable, combine_in_expert_order
+from specter.placement import preloaded
 
+log = get_logger(__name__)
 Tensor = torch.Tensor
 
 
@@ -277,6 +280,32 @@ class OffloadedExperts:
             parts[expert] = (table.rows(expert)[0], values.to(x.device, non_blocking=True))
         self.record.used[layer] = order
         return combine_in_expert_order(x.shape[0], x.shape[1], parts, x)
+
+    @contextlib.asynccontextmanager
+    async def prompt_placement(self, rows: int) -> AsyncIterator[None]:
+        """Run a prompt's forward of `rows` rows inside: under the placement policy's prompt placement (its decode host
+        experts that a long prompt copies instead), then decoding's placement again, with those experts out of the
+        cache and the layer's preloaded residents they evicted prefetched back (not awaited). A prompt's forward is
+        the same in a speculative and a k = 0 run, and its placement a function of `rows` and the calibration, so the
+        contract holds (docs/ARCHITECTURE.md). Without a prompt placement: nothing changes."""
+        host = self.host
+        if host is None or host.prompt is None:
+            yield
+            return
+        await self.cache.drop_host_path()  # what a cancelled prompt may have left
+        decode, prompt = host.decode, host.prompt(rows)
+        if prompt == decode:
+            yield
+            return
+        host.placement = prompt
+        self.cache.place(prompt.host)
+        try:
+            yield
+        finally:
+            host.placement = decode
+            self.cache.place(decode.host)
+        dropped = await self.cache.drop_host_path(preloaded(decode, self.cache.slots_per_layer))
+        log.debug("prompt.placed", rows=rows, host_experts=prompt.total, decode_host_experts=decode.total, dropped=dropped)
 
     def close(self) -> None:
         """Stop the host expert path's thread (the runtime's close)."""

@@ -716,3 +716,37 @@ def test_cpu_experts_copies_nothing_and_is_held_to_its_own_placements_baseline(t
     assert runs and all(run["h2d_bytes"] == 0 and run["misses"] == 0 and run["host_computed_experts"] > 0 for run in runs)
     assert all(run["host_computed_experts"] == 0 for run in results["runs"] if run["system"] == "ondemand")
     assert baselines and all(name == "cpu-experts" and table for name, _cell, table in baselines)
+
+
+def test_the_hybrids_place_with_auto_and_hold_their_tokens_to_that_placements_baseline(tmp_path, monkeypatch):
+    """`specter-hybrid` (k as specter) and `ondemand-hybrid` (k = 0) place with `auto` from the cell's start and link,
+    beside `cpu-experts`; each is held to the same placement's k = 0 run. The host's cost is fixed here (0.2 ms per
+    block against 0.4 ms per copy of tiny's expert at 1 GB/s), so `auto` puts some experts, not all, on the host."""
+    from specter.bench import protocol, systems
+    from specter.experts.costs import Calibration
+
+    async def fixed(kernel, pool, mlp, state, hidden_size, device, profile=None):
+        return Calibration({state.row_bucket: 2e-4}, None, None)
+
+    monkeypatch.setattr(systems, "calibrate", fixed)
+    baselines = []
+    placed = protocol.ModelBench._placement_baseline
+
+    async def spy(self, runtime, system, start_state, cell):
+        await placed(self, runtime, system, start_state, cell)
+        baselines.append(system.cpu_experts)
+
+    monkeypatch.setattr(protocol.ModelBench, "_placement_baseline", spy)
+    code = cli.main(["--systems", "ondemand,cpu-experts,specter-hybrid,ondemand-hybrid", "--max-new-tokens", "6",
+                     "--warmup-tokens", "4", "--link", "1", "--no-progress", "--no-plots", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert code == 0 and all(row["tokens_equal"] for row in results["summary"]), results["summary"]
+    rows = {row["system"]: row for row in results["summary"]}
+    assert 0 < rows["specter-hybrid"]["host_experts_placed"] == rows["ondemand-hybrid"]["host_experts_placed"]
+    assert rows["specter-hybrid"]["host_experts_placed"] < rows["cpu-experts"]["host_experts_placed"]
+    assert rows["ondemand"]["host_experts_placed"] == 0 and rows["ondemand"]["host_share"] == 0.0
+    assert rows["cpu-experts"]["host_share"] == 1.0 and 0 < rows["ondemand-hybrid"]["host_share"] < 1
+    hybrid = [run for run in results["runs"] if run["system"].endswith("-hybrid")]
+    assert hybrid and all(run["host_computed_experts"] > 0 and run["tokens_equal"] for run in hybrid)
+    assert baselines.count("auto") == 2 and "all" in baselines
+    assert "Host path:" in (tmp_path / "results.md").read_text()

@@ -1112,3 +1112,26 @@ def test_host_path_experts_never_enter_the_cache(rig):
 
     run(main())
     rig.check_consistent()
+
+
+def test_a_prompt_placement_leaves_no_host_path_expert_behind(rig):
+    """Invariant 10 around a prompt with its own placement: experts the prompt loaded while they were device path leave
+    once `place` switches back (`drop_host_path`, each after its copy landed), and the preloaded ones they displaced
+    are prefetched back."""
+    cache = rig.cache
+
+    async def main() -> None:
+        await rig.load_residents(0, [0, 1])
+        cache.place([frozenset()] * LAYERS)  # the prompt's placement: expert 2 on the device
+        async for expert, slot in cache.iter_ready(0, [2]):
+            rig.read(0, expert, slot)
+        assert 2 in cache.lru_order(0)
+        cache.place([frozenset({2, 3})] + [frozenset()] * (LAYERS - 1))  # decoding's again
+        assert await cache.drop_host_path([[0, 1]] + [[]] * (LAYERS - 1)) == 1
+        assert 2 not in cache.lru_order(0) and set(cache.lru_order(0)) == {0, 1}
+        assert await cache.drop_host_path() == 0
+        await rig.close()
+        assert not cache.pinned_experts(0)
+
+    run(main())
+    rig.check_consistent()

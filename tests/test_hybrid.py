@@ -25,17 +25,24 @@ EXAMPLES = int(os.environ.get("SPECTER_TEST_EXAMPLES", "20"))
 
 
 class RandomPlacement:
-    """A test-only placement policy: each layer's host experts a seeded random subset (any size, all or none too)."""
+    """A test-only placement policy: each layer's host experts a seeded random subset (any size, all or none too); a
+    prompt of at least `threshold` rows computes a seeded random choice of layers' host experts on the device."""
 
     name = "random"
 
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
+    def __init__(self, seed: int, threshold: int | None = None) -> None:
+        self.seed, self.threshold = seed, threshold
 
     def place(self, state: PlacementState) -> Placement:
         rng = random.Random(self.seed)
         return Placement.of([[e for e in range(state.num_experts) if rng.random() < rng.random()] for _ in range(state.num_layers)],
                             state.num_layers, state.num_experts)
+
+    def place_prefill(self, state: PlacementState, decode: Placement, rows: int) -> Placement:
+        if self.threshold is None or rows < self.threshold:
+            return decode
+        rng = random.Random(self.seed + 1)
+        return Placement(tuple(host if rng.random() < 0.3 else frozenset() for host in decode.host), decode.num_experts)
 
 
 @contextlib.contextmanager
@@ -75,16 +82,18 @@ def run(path: str, config: EngineConfig, prompt: list[int], generation: Generati
     scout=st.booleans(),
     overlap=st.sampled_from([0, 3]),
     static=st.sampled_from([None, None, True]),
+    threshold=st.sampled_from([None, 1, 4, 8]),
 )
 def test_speculative_equals_k0_with_the_same_placement(root, family, prompt, residents, placement_seed, eviction, prefetch,
-                                                       lookahead, k, temperature, seed, scout, overlap, static):
+                                                       lookahead, k, temperature, seed, scout, overlap, static, threshold):
     """The contract with host experts: a random placement fixed for the engine's life, the same placement's target-only
-    run (k = 0) is the baseline, greedy and seeded sampling, eager and segmented verify."""
+    run (k = 0) is the baseline, greedy and seeded sampling, eager and segmented verify; prompts above a random
+    threshold run under a placement of their own (`place_prefill`), those below it under decoding's."""
     path = checkpoint(family, root)
     residents = max(residents, Checkpoint(path).spec.top_k)
     generation = GenerationConfig(max_new_tokens=12, temperature=temperature, top_p=0.9 if temperature else None, seed=seed)
     common = dict(device=DEVICE, max_context=96, residents=residents, static_verify=static, cpu_threads=1)
-    with placed_by(RandomPlacement(placement_seed)):
+    with placed_by(RandomPlacement(placement_seed, threshold)):
         expected, placement = run(path, EngineConfig(**common, lookahead="fixed", draft=DraftConfig(k=0)), prompt, generation)
         config = EngineConfig(**common, eviction=eviction, prefetch=prefetch, lookahead=lookahead,
                               draft=DraftConfig(k=k, k_max=12, quant="int8", scout=scout, overlap=overlap))
@@ -158,3 +167,91 @@ def test_a_request_cancelled_while_the_host_computes_leaves_nothing_behind(root,
         assert not thread.is_alive()  # the runtime's close stopped the host thread
 
     asyncio.run(go())
+
+
+def test_auto_computes_a_short_prompt_on_the_host_and_copies_a_long_ones_experts(root, monkeypatch):
+    """`auto` with costs fixed (host 1 ms per block, copy 1.2 ms): decoding puts the least used non-residents on the
+    host; a prompt of up to 64 rows runs them there (one block each), a longer one copies them (two blocks cost more
+    than a copy). Both kinds of prompt: speculative equals k = 0, TTFT reported, and no host-path expert left in the
+    cache once decoding starts."""
+    from specter.experts.costs import Calibration
+
+    async def fixed(kernel, pool, mlp, state, hidden_size, device, profile=None):
+        return Calibration({state.row_bucket: 1e-3}, pool.expert_bytes / 1.2e-3, None)
+
+    monkeypatch.setattr(build, "calibrate", fixed)
+    path = checkpoint("mixtral", root)
+    spec = Checkpoint(path).spec
+    placements = []
+
+    async def go(prompt, k):
+        config = EngineConfig(device=DEVICE, max_context=96, residents=spec.top_k, cpu_experts="auto", cpu_threads=1,
+                              draft=DraftConfig(k=k, quant="int8"))
+        async with await Runtime.load(path, config) as runtime:
+            host, cache = runtime.experts.host, runtime.cache
+            place = cache.place
+            monkeypatch.setattr(cache, "place", lambda host_path: (placements.append(sum(map(len, host_path))), place(host_path))[1])
+            result = await runtime.complete_ids(prompt, GenerationConfig(max_new_tokens=8))
+            stray = [(layer, e) for layer, experts in enumerate(cache.snapshot().layers) for e in experts
+                     if e in cache.host_path[layer]]
+            return result, host.decode, host.prompt(len(prompt)), stray
+
+    for prompt in ([3, 1, 4], [(7 * i) % 90 + 1 for i in range(80)]):
+        placements.clear()
+        plain, decode, prompted, stray = asyncio.run(go(prompt, 0))
+        assert decode.active and not stray
+        if len(prompt) > 64:
+            assert prompted.total == 0 and placements[:2] == [0, decode.total]  # the prompt's, then decoding's again
+        else:
+            assert prompted == decode and placements == []
+        speculative, *_ = asyncio.run(go(prompt, 3))
+        assert speculative.tokens == plain.tokens and plain.stats.ttft_s > 0 and speculative.stats.ttft_s > 0
+
+
+def test_a_prompt_cancelled_under_its_own_placement_leaves_decodings_placement(root, monkeypatch):
+    """Cancel a prompt that runs under a placement of its own (all layers on the device) mid-forward: the cache and
+    the host path are back on decoding's placement at once, the experts the prompt loaded leave at the next prompt, and
+    the next request gives a fresh engine's tokens."""
+    from specter.verify import OffloadedExperts
+
+    path = checkpoint("mixtral", root)
+    config = EngineConfig(device=DEVICE, max_context=96, residents=2, cpu_threads=1, draft=DraftConfig(k=2, quant="int8"))
+    generation = GenerationConfig(max_new_tokens=6)
+    prompt = [5, 6, 7, 8, 9, 10]
+    run_layer, block = OffloadedExperts.run, {"on": False, "reached": 0}
+
+    async def maybe_blocked(self, layer, *args, **kwargs):
+        if block["on"] and layer == self_layers[-1]:
+            block["reached"] += 1
+            await asyncio.sleep(30)
+        return await run_layer(self, layer, *args, **kwargs)
+
+    async def go():
+        async with await Runtime.load(path, config) as runtime:
+            fresh = (await runtime.complete_ids(prompt, generation)).tokens
+            host, cache = runtime.experts.host, runtime.cache
+            assert host.prompt(len(prompt)).total == 0 < host.decode.total
+            block["on"] = True
+            task = asyncio.create_task(runtime.complete_ids(prompt, generation))
+            while block["reached"] == 0:
+                await asyncio.sleep(0.005)
+            assert cache.host_path == (host.placement.host) == tuple(frozenset() for _ in range(cache.num_layers))
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            block["on"] = False
+            assert host.placement == host.decode and cache.host_path == host.decode.host
+            again = await runtime.complete_ids(prompt, generation)
+            stray = [(layer, e) for layer, experts in enumerate(cache.snapshot().layers) for e in experts
+                     if e in cache.host_path[layer]]
+            return fresh, again.tokens, stray
+
+    class DevicePrompts(RandomPlacement):
+        def place_prefill(self, state, decode, rows):
+            return Placement.device_only(state.num_layers, state.num_experts)
+
+    self_layers = Checkpoint(path).spec.moe_layers
+    monkeypatch.setattr(OffloadedExperts, "run", maybe_blocked)
+    with placed_by(DevicePrompts(3)):
+        fresh, again, stray = asyncio.run(go())
+    assert again == fresh and not stray

@@ -229,7 +229,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                "cells": cells, "summary": summary, "runs": records, "notes": notes,
                "elapsed_s": round(time.monotonic() - started, 1)}
     write_outputs(args.out, payload, plots=not args.no_plots)
-    print("\n".join(report.table_lines(summary, report.SHORT_COLUMNS) + report.copy_idle_lines(summary)))
+    print("\n".join(report.table_lines(summary, report.SHORT_COLUMNS) + report.copy_idle_lines(summary)
+                    + report.host_path_lines(summary)))
     print(f"\n{len(records)} requests in {payload['elapsed_s']} s; results in {args.out}/ (results.json, results.md"
           f"{', plots' if not args.no_plots else ''})")
     if line := report.reading(summary):

@@ -381,7 +381,14 @@ class ModelBench:
         return {"prompt_kind": prompt.kind, "prompt_index": prompt.index, "sampling": prompt.sampling,
                 "h2d_decode_floor_bytes": floor,
                 "seed": prompt.seed if prompt.sampling != "greedy" else None, **request_record(result.tokens, expected, result.stats),
-                "predictor_recall": runtime.predictor_recall, "wall_s": round(wall_s, 4), "peak_gpu_bytes": peak_gpu_bytes()}
+                "predictor_recall": runtime.predictor_recall, "wall_s": round(wall_s, 4), "peak_gpu_bytes": peak_gpu_bytes(),
+                "host_experts_placed": placed_host_experts(runtime)}
+
+
+def placed_host_experts(runtime: BenchRuntime) -> int:
+    """The (layer, expert) pairs the cell's placement computes on the host while decoding (0: none, or resident)."""
+    host = getattr(runtime.experts, "host", None)
+    return host.decode.total if host is not None else 0
 
 
 def request_record(tokens: list[int], expected: list[int] | None, stats) -> dict[str, Any]:

@@ -196,9 +196,20 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "copy_idle": _copy_idle(runs, copy_window),
         "pump_gaps": _pump_gaps(runs),
         "peak_gib": _peak(runs),
+        "host_experts_placed": max((r.get("host_experts_placed", 0) for r in runs), default=0),
+        "host_per_token": round(sum(r.get("host_computed_experts", 0) for r in runs) / tokens, 3),
+        "host_share": _host_share(runs),
         "tokens_equal": all(r["tokens_equal"] for r in runs),
         "accepted_length_histogram": {str(n): c for n, c in sorted(histogram.items())},
     }
+
+
+def _host_share(runs: Sequence[dict]) -> float | None:
+    """Of the experts a forward did not find on the device (device-path misses and host computations), the share the
+    host computed: the placement's measured split between the two paths (None without either)."""
+    host = sum(r.get("host_computed_experts", 0) for r in runs)
+    total = host + sum(r["misses"] for r in runs)
+    return round(host / total, 4) if total else None
 
 
 def accepted_histogram(runs: Sequence[dict]) -> Counter:
@@ -354,6 +365,18 @@ SHORT_COLUMNS = (("model", "model"), ("setting", "setting"), ("link", "link"), (
                  ("acceptance", "accept"), ("window_recall", "recall"), ("copy_busy", "copy busy"), ("tokens_equal", "= baseline"))
 
 
+def host_path_lines(summary: Sequence[dict], markdown: bool = False) -> list[str]:
+    """The placement's decisions and their measured split, one row per cell with host experts (cpu-experts, hybrids)."""
+    rows = [row for row in summary if row.get("host_experts_placed")]
+    if not rows:
+        return []
+    columns = (("model", "model"), ("setting", "setting"), ("link", "link"), ("sampling", "sampling"), ("system", "system"),
+               ("host_experts_placed", "host experts placed"), ("host_share", "host share of non-resident uses"),
+               ("host_per_token", "host experts/token"), ("h2d_decode_mb_per_token", "decode MB/token"), ("tpot_ms", "TPOT ms"))
+    return ["", "Host path: the placement's host experts (layer, expert pairs) and the share of the experts not on the "
+            "device that the host computed (the rest were copied):", ""] + table_lines(rows, columns, markdown=markdown)
+
+
 def copy_idle_lines(summary: Sequence[dict], markdown: bool = False) -> list[str]:
     """The copy stream's idle time in verify windows by cause, one row per cell measured with --copy-gaps."""
     from specter.metrics import IDLE_CAUSES
@@ -422,6 +445,7 @@ def markdown_report(payload: dict[str, Any]) -> str:
     ]
     lines += table_lines(payload["summary"], markdown=True)
     lines += copy_idle_lines(payload["summary"], markdown=True)
+    lines += host_path_lines(payload["summary"], markdown=True)
     lines += realism_lines(payload.get("models", []))
     if payload.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {note}" for note in payload["notes"]]

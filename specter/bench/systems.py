@@ -21,10 +21,11 @@ from specter.config import DraftConfig, EngineConfig
 from specter.errors import BudgetError, ConfigError
 from specter.experts.transfer import LinkEmulation, parse_link
 from specter.build import OFF, apply_placement, new_cache, placement_state
+from specter.experts.costs import Calibration, calibrate
 from specter.engine import Runtime
 from specter.log import get_logger
 from specter.memory import MemoryPlan, plan_memory
-from specter.placement import Placement
+from specter.placement import Placement, PlacementState
 from specter.metrics import Estimates, RequestStats
 from specter.model.spec import ModelSpec
 from specter.observers import RoundObserver, RoundReport
@@ -121,6 +122,14 @@ SYSTEMS: dict[str, System] = {
         System("cpu-experts", "llama.cpp --n-cpu-moe / KTransformers in this engine: k=0, the cell's starting residents "
                               "stay on the device, every other expert is computed on the host CPU, nothing is copied",
                cpu_experts="all"),
+        # The hybrids place with `auto` (policies/placement.py): the cell's link and the host calibrated once, placed
+        # from the cell's starting cache; both are held to that placement's own k = 0 run, as cpu-experts is.
+        System("specter-hybrid", "specter with --cpu-experts auto: of the non-resident experts, the least used that a cost "
+                                 "model calibrated at load (copy vs host time per expert) puts on the host CPU, fixed for "
+                                 "the cell; the others copied and prefetched as specter does",
+               eviction="plan-protect", prefetch="topm-keep", lookahead="roofline", k=None, overlap=None, cpu_experts="auto"),
+        System("ondemand-hybrid", "ondemand (k=0, LRU, load on miss) with --cpu-experts auto: the host computes what the "
+                                  "cost model puts there, the rest is loaded on demand", cpu_experts="auto"),
         System("scout-k0", "plain decoding (k = 0) whose every round scouts: the scout measured alone, against ondemand",
                eviction="plan-protect", prefetch="topm-keep", k=0, scout=True),
         System("exact-prefetch-k0", "exact-prefetch without speculation: target alone (k=0), exact experts prefetched "
@@ -315,6 +324,10 @@ class BenchRuntime(Runtime):
         self.books = BenchBooks(lambda: self.memory.slots_per_layer)
         super().__init__(*args, observers=[self.books], plan_source=self.books, **kwargs)
         self.system: System | None = None
+        self.link_gbps: float | None = None
+        """The link `set_link` emulates (None: the real one)."""
+        self.calibration: Calibration | None = None
+        """The host's and the real link's costs, measured at the first placement that needs them (`use_placement`)."""
         moe = self.spec.moe_layers
         self._next_moe_layer = dict(zip(moe, moe[1:]))
 
@@ -376,17 +389,30 @@ class BenchRuntime(Runtime):
         self.cache.place([frozenset()] * self.cache.num_layers)
         if name == OFF:
             return None
-        state = placement_state(self.cache, self.config, self.spec)
+        state = await self._placement_state(initial)
+        policy = plugins.load_policy("placement", name)
+        placement = policy.place(state=state)
+        if placement.active:
+            self.experts.host = await apply_placement(placement, self.cache, self.config, self.model.device, policy, state)
+        return placement
+
+    async def _placement_state(self, initial: Sequence[Sequence[int]] | None) -> PlacementState:
+        """What a placement policy sees at a cell's start: the cache holding `initial`, the cell's link (emulated, else
+        the real one probed once) and the host calibrated once, never the transfer engine's running estimate, so that
+        every placement of one cell and link is the same (the placement baseline is shared by the cell's systems)."""
+        state = dataclasses.replace(placement_state(self.cache, self.config, self.spec), link_bytes_per_s=None)
         if initial is not None:
             state = dataclasses.replace(state, initial_residents=tuple(tuple(layer) for layer in initial))
-        placement = plugins.load_policy("placement", name).place(state=state)
-        if placement.active:
-            self.experts.host = await apply_placement(placement, self.cache, self.config, self.model.device)
-        return placement
+        if self.calibration is None:
+            self.calibration = await calibrate(self.kernel, self.cache.pool, self.model.expert_mlp, state, self.spec.hidden_size,
+                                               self.model.device, self.config.placement_profile)
+        link = self.link_gbps * 1e9 if self.link_gbps is not None else None
+        return self.calibration.apply(dataclasses.replace(state, link_bytes_per_s=link))
 
     def set_link(self, link: str | None) -> None:
         """Emulate `link` (preset or GB/s; None or 'native': the real link) for the copies from now on."""
         gbps = None if link in (None, "native") else parse_link(link)
+        self.link_gbps = gbps
         if self.cache is None:
             return
         if self.backend.name == "cpu":

@@ -62,6 +62,23 @@ def per_thread_counts() -> bool:
     return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
+def host_thread(device: torch.device, threads: int, name: str = "specter-host-experts") -> HostThread:
+    """A thread set up as the host expert path's (the path's own, and the calibration's that times it at load)."""
+
+    def setup() -> None:
+        """On the new thread, once: its CUDA device (pinned allocations) and its own torch thread count."""
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if per_thread_counts():
+            torch.set_num_threads(threads)
+        else:
+            log.warning("host.threads_shared", threads=torch.get_num_threads(), asked=threads,
+                        hint="torch's parallel backend is not OpenMP: its thread count is process-wide, so host experts "
+                             "run with the loop thread's")
+
+    return HostThread(name, setup=setup)
+
+
 @dataclasses.dataclass
 class HostInputs:
     """One MoE layer's rows on the host for its host experts: hidden [T, D] and routing weights [T, A], landed when
@@ -76,25 +93,18 @@ class HostExperts:
     """The host expert path of one engine: the placement, the pool it reads, its thread and its block size."""
 
     def __init__(self, pool: ExpertPool, placement: Placement, row_bucket: int, threads: int | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, prompt: Callable[[int], Placement] | None = None) -> None:
         assert placement.num_layers == pool.num_layers and placement.num_experts == pool.num_experts, (
             f"a placement of {placement.num_layers} x {placement.num_experts} for a pool of {pool.num_layers} x {pool.num_experts}")
         self.pool, self.placement, self.row_bucket = pool, placement, row_bucket
+        self.decode = placement
+        """The engine's placement; `placement` differs from it only during a prompt that has its own."""
+        self.prompt = prompt
+        """rows -> the placement of a prompt of that many rows (the policy's `place_prefill`); None: `decode`."""
         self.threads = threads or default_threads()
         self.device = device or torch.device("cpu")
         self.pinned = self.device.type == "cuda"  # outputs go back with a non-blocking copy from pinned memory
-        self.thread = HostThread("specter-host-experts", setup=self._setup) if placement.active else None
-
-    def _setup(self) -> None:
-        """On the host thread, once: its CUDA device (pinned allocations) and its own torch thread count."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        if per_thread_counts():
-            torch.set_num_threads(self.threads)
-        else:
-            log.warning("host.threads_shared", threads=torch.get_num_threads(), asked=self.threads,
-                        hint="torch's parallel backend is not OpenMP: its thread count is process-wide, so host experts "
-                             "run with the loop thread's")
+        self.thread = host_thread(self.device, self.threads) if placement.active else None
 
     # ---- one expert, on the calling thread --------------------------------------------------------------
     def compute(self, layer: int, expert: int, rows: Tensor, weights: Tensor, mlp: ExpertFunction) -> Tensor:

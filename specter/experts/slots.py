@@ -32,7 +32,9 @@ table, protection and pins, ready and last-use events, generations and the count
 #  9. Counters are exact and host-side: each request counts once as a hit, an in-flight hit or a miss; bytes count
 #     once per issued chunk.
 # 10. An expert the placement puts on the host path (`place`, specter/placement.py) never enters the cache: `prefetch`,
-#     `protect`, `lead` and `restore` skip it (`device_path`, the one filter), and readers never ask for it.
+#     `protect`, `lead` and `restore` skip it (`device_path`, the one filter), and readers never ask for it. A prompt
+#     may run under its own placement (fewer host experts, `OffloadedExperts.prompt_placement`): the experts it then
+#     loads leave again before decoding (`drop_host_path`).
 
 from __future__ import annotations
 
@@ -196,6 +198,27 @@ class ExpertSlots:
         protected here. Called by the builder before the first request (the bench: between requests)."""
         assert len(host_path) == self.num_layers, f"a placement of {len(host_path)} layers for a cache of {self.num_layers}"
         self.host_path = tuple(frozenset(experts) for experts in host_path)
+
+    async def drop_host_path(self, keep: Sequence[Sequence[int]] = ()) -> int:
+        """Evict the residents the placement now puts on the host path, each once its copy has landed (a prompt computed
+        them on the device under its own placement, and `place` has switched back since), then prefetch the experts
+        of `keep` (per layer) that are not resident. Between forwards (nothing of theirs pinned). Returns the count
+        evicted."""
+        dropped = 0
+        for layer in range(self.num_layers):
+            for expert in [e for e in self._residents[layer] if e in self.host_path[layer]]:
+                slot = self._residents[layer][expert]
+                if slot.loading is not None:
+                    await asyncio.shield(slot.loading)
+                if self._residents[layer].get(expert) is slot:  # not dropped by a failed load meanwhile
+                    assert slot.pins == 0, f"layer {layer}: host-path expert {expert} is still pinned by a reader"
+                    self._protected[layer].discard(expert)
+                    self._evict(layer, expert)
+                    dropped += 1
+            self._signal(layer)
+        for layer, experts in enumerate(keep):
+            self.prefetch(layer, experts)
+        return dropped
 
     def device_path(self, layer: int, experts: Iterable[int]) -> list[int]:
         """`experts` without the layer's host-path ones, in order (invariant 10's one filter)."""

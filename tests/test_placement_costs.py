@@ -1,0 +1,183 @@
+"""The placement's calibration at load (specter/experts/costs.py): the host expert timed on its own kind of thread, the
+link (emulated, measured, or unknown on the CPU), the routing profile from a trace; none of it for `off`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from specter import build, plugins
+from specter.config import EngineConfig
+from specter.engine import Runtime
+from specter.errors import ConfigError
+from specter.experts import costs
+from specter.placement import Placement, PlacementState
+from specter.trace import TraceHeader, TraceRound, TraceWriter
+from tests.test_speculative import DEVICE, checkpoint
+
+
+class Recording:
+    """A placement policy that records the state it was asked with and places nothing."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.states: list[PlacementState] = []
+
+    def place(self, state: PlacementState) -> Placement:
+        self.states.append(state)
+        return Placement.device_only(state.num_layers, state.num_experts)
+
+
+@contextlib.contextmanager
+def placed_by(policy):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build, "placement_policy", lambda config: plugins.guarded(policy, "placement"))
+        yield
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("costs"))
+
+
+def load(path: str, config: EngineConfig) -> None:
+    async def go():
+        async with await Runtime.load(path, config):
+            pass
+
+    asyncio.run(go())
+
+
+def write_trace(path, layers: int, experts: int, used_by_round: list[list[list[int]]]) -> None:
+    header = TraceHeader(model="t", num_layers=layers, num_experts=experts, expert_bytes=64, top_k=2, slots_per_layer=2)
+    with TraceWriter(path, header) as writer:
+        for index, used in enumerate(used_by_round):
+            writer.write_round(TraceRound.from_arrays(index, 1, 1, 1e-3, np.zeros((layers, experts)), used))
+
+
+def test_calibration_times_the_host_and_takes_the_emulated_link(root):
+    path = checkpoint("mixtral", root)
+    policy = Recording()
+    with placed_by(policy):
+        load(path, EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_threads=1, link="2"))
+    [state] = policy.states
+    assert set(state.host_expert_s) == {16} and 0 < state.host_expert_s[16] < 1.0
+    assert state.link_bytes_per_s == 2e9 and state.route_counts is None and state.host_threads == 1
+
+
+def test_no_link_is_measured_on_the_cpu_and_auto_then_places_nothing(root):
+    path = checkpoint("mixtral", root)
+    policy = Recording()
+    with placed_by(policy):
+        load(path, EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_threads=1))
+    if DEVICE == "cpu":
+        assert policy.states[0].link_bytes_per_s is None
+        assert plugins.load_policy("placement", "auto").place(state=policy.states[0]).total == 0
+    else:
+        assert policy.states[0].link_bytes_per_s > 1e9  # a pinned copy on the device
+
+
+def test_the_host_is_timed_on_a_thread_of_its_own_with_cpu_threads(monkeypatch):
+    seen = []
+    real = costs.median_seconds
+
+    def spy(work, repeats=costs.REPEATS):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return real(work, repeats)
+
+    monkeypatch.setattr(costs, "median_seconds", spy)
+    from specter.experts.pool import ExpertPool
+    from specter.kernel import Kernel
+
+    class Memory:
+        def alloc_host(self, numel, dtype):
+            return torch.empty(numel, dtype=dtype)
+
+    pool = ExpertPool(Memory(), 1, 2, 3 * 8 * 4, torch.float32)
+    for expert in range(2):
+        pool.write(0, expert, torch.randn(3 * 8 * 4))
+    state = PlacementState(num_layers=1, num_experts=2, top_k=1, slots_per_layer=1, initial_residents=((),),
+                           expert_bytes=pool.expert_bytes, row_bucket=4, host_threads=2)
+
+    async def go():
+        with Kernel() as kernel:
+            return await costs.calibrate(kernel, pool, costs.reference_expert(8, 4), state, 8, torch.device("cpu"))
+
+    calibration = asyncio.run(go())
+    assert seen == [("specter-host-calibration", 2 if "OpenMP" in torch.__config__.parallel_info() else torch.get_num_threads())]
+    assert calibration.host_expert_s[4] > 0 and calibration.link_bytes_per_s is None
+    placed = calibration.apply(state)
+    assert placed.host_expert_s == calibration.host_expert_s and placed.link_bytes_per_s is None
+    emulated = calibration.apply(dataclasses.replace(state, link_bytes_per_s=5e9))
+    assert emulated.link_bytes_per_s == 5e9  # the emulated link wins over a probe
+
+
+def test_off_calibrates_nothing(root, monkeypatch):
+    async def refuse(*args, **kwargs):
+        raise AssertionError("off must not calibrate")
+
+    monkeypatch.setattr(build, "calibrate", refuse)
+    load(checkpoint("mixtral", root), EngineConfig(device=DEVICE, max_context=64, residents=2))
+
+
+def test_the_routing_profile_comes_from_a_trace(root, tmp_path):
+    path = checkpoint("mixtral", root)
+    from specter.model.checkpoint import Checkpoint
+
+    spec = Checkpoint(path).spec
+    layers, experts = len(spec.moe_layers), spec.num_experts
+    trace = tmp_path / "profile.jsonl"
+    write_trace(trace, layers, experts, [[[0, 1]] * layers, [[1, 2, 1]] * layers])
+    expected = [[1.0, 2.0, 1.0] + [0.0] * (experts - 3)] * layers
+    assert costs.route_profile(trace, layers, experts) == expected
+    policy = Recording()
+    with placed_by(policy):
+        load(path, EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_threads=1, link="1", placement_profile=trace))
+    assert [list(row) for row in policy.states[0].route_counts] == expected
+    wrong = tmp_path / "wrong.jsonl"
+    write_trace(wrong, layers + 1, experts, [[[0]] * (layers + 1)])
+    with pytest.raises(ConfigError, match="placement_profile .* for a model of"):
+        costs.route_profile(wrong, layers, experts)
+    empty = tmp_path / "empty.jsonl"
+    write_trace(empty, layers, experts, [])
+    assert costs.route_profile(empty, layers, experts) is None
+
+
+def test_time_link_is_none_off_cuda():
+    assert costs.time_link(torch.zeros(4), torch.device("cpu")) is None
+
+
+def test_a_trace_recorded_under_a_placement_lists_the_host_paths_experts_too(root, tmp_path):
+    """A profile recorded by an engine with host experts counts them: the verify's `used` holds both paths' experts."""
+    from specter.config import DraftConfig, GenerationConfig
+    from specter.trace import read_trace
+
+    path, trace = checkpoint("mixtral", root), tmp_path / "placed.jsonl"
+
+    async def go():
+        config = EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_experts="all", cpu_threads=1,
+                              draft=DraftConfig(k=2, quant="int8"))
+        async with await Runtime.load(path, config) as runtime:
+            runtime.record_trace(trace)
+            await runtime.complete_ids([3, 1, 4, 1], GenerationConfig(max_new_tokens=8))
+            return runtime.experts.host.placement
+
+    placement = asyncio.run(go())
+    header, rounds = read_trace(trace)
+    assert rounds
+    hosted = {(layer, e) for r in rounds for layer, routes in enumerate(r.layers) for e in routes.used if placement.is_host(layer, e)}
+    assert hosted
+    counts = costs.route_profile(trace, header.num_layers, header.num_experts)
+    assert all(counts[layer][e] > 0 for layer, e in hosted)
+
+
+def test_a_missing_profile_is_refused_before_loading(tmp_path):
+    with pytest.raises(ConfigError, match="placement_profile"):
+        EngineConfig.build(placement_profile=str(tmp_path / "absent.jsonl"))
