@@ -14,10 +14,10 @@ layer (a shared expert, its sigmoid gate, int4 routed experts) runs as seven lau
    shared gate; gate and up rows are read by the same program and leave as silu(gate) * up; the router's and the
    gate's logits leave as they are; the program 0 also stores the normalised row (the routed experts' input). The
    router's rows run in the first programs, and the last of them to finish takes the router's top-k, writes the
-   picks and counts the routes (`Select`, RowConfig.topk_in_router). A layer without a shared expert runs
+   picks and counts the routes (`Select`, RowTiles.topk_in_router). A layer without a shared expert runs
    `norm_router` instead: the same launch with the router's rows alone.
 6. `moe_gate_up`: the int4 gate/up GEMV of each pick's expert with the activation in the epilogue (replaces top-k,
-   the gate/up GEMV, its K parts' activation launch). With RowConfig.int8_gate_up (on) each K step quantises h to
+   the gate/up GEMV, its K parts' activation launch). With RowTiles.int8_gate_up (on) each K step quantises h to
    int8 per weight group and sums codes x activations in int32 by dp4a, four per instruction (`_int4_rows_int8`):
    the float path spent ~8 instructions per code and was issue-bound (H200: 12.5 -> 7.2 us alone). With
    topk_in_router off every program takes the top-k itself (softmax over E logits) before its first weight load, and
@@ -28,7 +28,7 @@ layer (a shared expert, its sigmoid gate, int4 routed experts) runs as seven lau
    addend copy, the shared down product and its split-K reduction).
 
 The float int4 GEMVs read the packed codes as bytes (even k in the low nibble: `moe_gate_up` without int8) or as
-32-bit words (8 codes each, code k at bits 4 (k % 8) of word k // 8, as the bytes lie: `moe_finish` by default; RowConfig.
+32-bit words (8 codes each, code k at bits 4 (k % 8) of word k // 8, as the bytes lie: `moe_finish` by default; RowTiles.
 words_gate_up / words_finish; H200: words cost gate/up 51.9 us against 14.3, bytes cost the finish 24.5 against 17.1),
 and turn a code c into a float by the exponent trick (c | 0x4B000000 is 2^23 + c), not by an integer-to-float
 conversion; a group's sum is scale * (sum c * a - 7.5 * sum a) (stored code c = q + 8, level
@@ -37,7 +37,6 @@ q + 0.5). Every float sum is float32; nothing here is exact (the draft never is;
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -45,51 +44,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specter.config import RowTiles
 from specter.model import fused
 from specter.quant.groupwise import QuantizedExperts
 
 tl: Any = None  # triton.language, bound by _kernels()
 _top_k: Any = None  # fused's jitted router selection, bound by _kernels()
-
-
-@dataclass(frozen=True)
-class RowConfig:
-    """Tiles of the one-row kernels (benchmarks/graphed_tpot.py --row-config sweeps them)."""
-
-    block_n: int = 8  # output rows per program of norm_linear (the q/k/v product)
-    block_k: int = 512  # elements per K step of norm_linear and of the input product (linear_residual: block_k_residual)
-    block_n_moe: int = 16  # intermediate columns per program of moe_gate_up (2x weight rows: gate and up)
-    block_k_moe: int = 512  # elements per K step of moe_finish's int4 GEMV (a whole number of groups, or a divisor of one)
-    block_k_gate_up: int = 1024  # likewise moe_gate_up's (H200, int8g11, gate/up alone with int8 h: 7.19 us at 16 rows /
-    # 512 / 4 warps, 5.83 at 16 / 1024 / 8 warps)
-    block_n_finish: int = 4  # hidden rows per program of moe_finish
-    words_gate_up: bool = False  # moe_gate_up reads int4 codes as 32-bit words of 8 (else bytes: even and odd k)
-    words_finish: bool = True  # moe_finish likewise (H200, row10/row10b: words 17.1 us, bytes 24.5; gate/up 51.9 / 14.3)
-    warps_moe: int = 8  # num_warps of moe_gate_up
-    warps_finish: int = 4  # num_warps of moe_finish
-    block_k_shared: int = 2048  # elements per K step of moe_finish's bf16 shared down product
-    evict_first: bool = True  # weight loads marked evict-first (each weight byte is read once per step)
-    # (H200, row10d: block_k_shared 2048 and evict_first together 1.91 -> 1.85 ms per draft step at the Qwen shape)
-    topk_in_router: bool = True  # the router's top-k in the input product's launch (Select), not in moe_gate_up
-    # (H200, row10g/h: draft step 1.84 -> 1.80-1.81 ms at the Qwen shape; docs/journal.md)
-    num_warps: int = 4
-    num_stages: int = 3
-    block_n_residual: int = 2  # output rows per program of linear_residual (o_proj: 2048 rows, 1,024 programs)
-    block_k_residual: int = 1024  # its K step (H200, kern11, o_proj alone: 5.16 us at 8 / 512, 4.09 at 2 / 1024)
-    block_n_input: int = 4  # gate/up column pairs (tail rows: twice as many) per program of the input product, i.e.
-    # norm_ffn_input and norm_router (kern11, the FFN input alone: 15.0 us at 8, 14.3 at 4)
-    int8_gate_up: bool = True  # moe_gate_up quantises h to int8 (per group of the weights' K, absmax) and sums codes x
-    # activations as 32-bit integers, four products per dp4a instruction (the float path spends ~8 instructions per code:
-    # H200, kern11, 13.96 us for 11.8 MB whatever the tiles)
-    int8_finish: bool = True  # moe_gate_up also stores its output in int8 (a scale per block_n_moe columns, words in
-    # the weights' even/odd nibble order) and moe_finish sums the routed int4 down rows against it by dp4a (where
-    # int8_finish_fits). H200, finish11: draft step 1.56 -> 1.49 ms; twelfth session, trained Qwen shape, specter-fixed
-    # k 15: acceptance 0.967 against 0.941 with the float finish (roll12), so it costs no acceptance: on
-    dp4a: bool = True  # int8_gate_up's and int8_finish's integer sums by the dp4a instruction on CUDA (False: in plain integer
-    # operations, as Triton's interpreter runs them; the GPU test holds the two to the same bits)
-
-
-DEFAULT_CONFIG = RowConfig()  # what the functions use when no config is passed (benchmarks may swap it)
 
 
 def _pow2(n: int) -> int:
@@ -107,23 +67,23 @@ def int4_block_k(k_dim: int, group: int, preferred: int) -> int | None:
     return None
 
 
-def supports(qe: QuantizedExperts, config: RowConfig | None = None) -> bool:
+def supports(qe: QuantizedExperts, tiles: RowTiles | None = None) -> bool:
     """Whether moe_gate_up / moe_finish take these experts: int4, rows of whole 32-bit words, a usable K step."""
-    config = config or DEFAULT_CONFIG
+    tiles = tiles or RowTiles()
     return (qe.bits == 4 and qe.hidden % 8 == 0 and qe.intermediate % 8 == 0
             and qe.w13.stride(-1) == 1 and qe.w2.stride(-1) == 1
-            and int4_block_k(qe.hidden, qe.w13_group, config.block_k_gate_up) is not None
-            and int4_block_k(qe.intermediate, qe.w2_group, config.block_k_moe) is not None)  # fmt: skip
+            and int4_block_k(qe.hidden, qe.w13_group, tiles.block_k_gate_up) is not None
+            and int4_block_k(qe.intermediate, qe.w2_group, tiles.block_k_moe) is not None)  # fmt: skip
 
 
-def int8_finish_fits(qe: QuantizedExperts, config: RowConfig | None = None) -> bool:
-    """Whether moe_finish can take gate/up's output in int8 (RowConfig.int8_finish): a scale group of block_n_moe
+def int8_finish_fits(qe: QuantizedExperts, tiles: RowTiles | None = None) -> bool:
+    """Whether moe_finish can take gate/up's output in int8 (RowTiles.int8_finish): a scale group of block_n_moe
     columns (a multiple of 8: whole words) that divides the intermediate size, the finish's K step and the down
     weights' group."""
-    config = config or DEFAULT_CONFIG
-    group = config.block_n_moe
-    block_k = int4_block_k(qe.intermediate, qe.w2_group, config.block_k_moe)
-    return (supports(qe, config) and group % 8 == 0 and qe.intermediate % group == 0 and block_k is not None
+    tiles = tiles or RowTiles()
+    group = tiles.block_n_moe
+    block_k = int4_block_k(qe.intermediate, qe.w2_group, tiles.block_k_moe)
+    return (supports(qe, tiles) and group % 8 == 0 and qe.intermediate % group == 0 and block_k is not None
             and block_k % group == 0 and qe.w2_group % group == 0)  # fmt: skip
 
 
@@ -147,9 +107,9 @@ class Int8Act:
         return Int8Act(words[0], words[1], blocks[0], blocks[1], group)
 
 
-def _evict(config: RowConfig) -> str:
+def _evict(tiles: RowTiles) -> str:
     """The weight loads' eviction policy (a kernel constant)."""
-    return "evict_first" if config.evict_first else ""
+    return "evict_first" if tiles.evict_first else ""
 
 
 def _words(packed: Tensor) -> Tensor:
@@ -164,7 +124,7 @@ def _check_row(x: Tensor, width: int) -> Tensor:
 
 @dataclass(frozen=True)
 class Select:
-    """The router's top-k taken inside the input product's launch (RowConfig.topk_in_router): the program that
+    """The router's top-k taken inside the input product's launch (RowTiles.topk_in_router): the program that
     finishes the router's rows last (counted on `sync`, an int32 [1] zero that it sets back to zero) takes the
     softmax's top_k of the logits the others stored, writes `ids` [top_k] int32 and `weights` [top_k] float32 (rounded
     to the activations' dtype, as the router's are) and adds one per pick to `counts` [E] float32 when given.
@@ -197,11 +157,11 @@ class Select:
                      RENORMALIZE=self.renormalize, BLOCK_E=_pow2(experts)))  # fmt: skip
 
 
-def _gemv_launch(config: RowConfig, k_dim: int) -> dict[str, Any]:
+def _gemv_launch(tiles: RowTiles, k_dim: int) -> dict[str, Any]:
     """norm_gemv's K step, the row's padded width, the weight loads' policy and the launch parameters (every caller
     alike)."""
-    return dict(BLOCK_K=min(config.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), EVICT=_evict(config),
-                num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
+    return dict(BLOCK_K=min(tiles.block_k, _pow2(k_dim)), BLOCK_X=_pow2(k_dim), EVICT=_evict(tiles),
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages)  # fmt: skip
 
 
 def _no_select(dummy: Tensor) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
@@ -210,92 +170,92 @@ def _no_select(dummy: Tensor) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
 
 
 def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None, rows: int,
-                config: RowConfig | None = None) -> Tensor:  # fmt: skip
+                tiles: RowTiles | None = None) -> Tensor:  # fmt: skip
     """F.linear(rms_norm(x, norm_weight, eps), weight[:rows], bias[:rows]) for one row x [1, K] -> [1, rows] in x's
     dtype: one launch (the normalised row rounded as rms_norm rounds it, the product in float32)."""
-    config = config or DEFAULT_CONFIG
+    tiles = tiles or RowTiles()
     k_dim = weight.shape[1]
     x = _check_row(x, k_dim)
     assert weight.stride(1) == 1 and rows <= weight.shape[0] and norm_weight.dtype == x.dtype
     out = torch.empty(1, rows, dtype=x.dtype, device=x.device)
-    grid = (-(-rows // config.block_n),)
+    grid = (-(-rows // tiles.block_n),)
     pointers, constants = _no_select(x)
     _kernels().norm_gemv[grid](
         x, norm_weight, weight, weight.stride(0), weight if bias is None else bias, x, out, out, out, *pointers, rows,
         k_dim, 0, 1, eps, **constants, NORM=True, BIAS=bias is not None, RESIDUAL=False, GATED=False, STORE_H=False,
-        BLOCK_N=config.block_n, ROWS=config.block_n, **_gemv_launch(config, k_dim),
+        BLOCK_N=tiles.block_n, ROWS=tiles.block_n, **_gemv_launch(tiles, k_dim),
     )  # fmt: skip
     return out
 
 
-def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, config: RowConfig | None = None) -> Tensor:
+def linear_residual(x: Tensor, weight: Tensor, residual: Tensor, tiles: RowTiles | None = None) -> Tensor:
     """residual + F.linear(x, weight) for one row x [1, K], weight [N, K], residual [1, N] -> [1, N] in the residual's
     dtype, rounded once: one launch."""
-    config = config or DEFAULT_CONFIG
+    tiles = tiles or RowTiles()
     rows, k_dim = weight.shape
     x = _check_row(x, k_dim)
     residual = _check_row(residual, rows)
     assert weight.stride(1) == 1
     out = torch.empty_like(residual)
     pointers, constants = _no_select(x)
-    block_n = config.block_n_residual
-    tiles = dataclasses.replace(config, block_k=config.block_k_residual)
+    block_n = tiles.block_n_residual
+    residual_tiles = tiles.model_copy(update={"block_k": tiles.block_k_residual})  # (a copy: no validation)
     _kernels().norm_gemv[(-(-rows // block_n),)](
         x, x, weight, weight.stride(0), x, residual, out, out, out, *pointers, rows, k_dim, 0, 1, 0.0, **constants,
         NORM=False, BIAS=False, RESIDUAL=True, GATED=False, STORE_H=False, BLOCK_N=block_n, ROWS=block_n,
-        **_gemv_launch(tiles, k_dim),
+        **_gemv_launch(residual_tiles, k_dim),
     )  # fmt: skip
     return out
 
 
 def norm_ffn_input(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, inter: int, tail: int,
-                   config: RowConfig | None = None, select: Select | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                   tiles: RowTiles | None = None, select: Select | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """A packed FFN input product of one row x [1, D]: weight rows [0, I) the shared expert's gate, [I, 2I) its up,
     then `tail` rows (the router, the shared gate), then padding. Returns h = rms_norm(x) [1, D], silu(gate) * up
     [1, I] (float32 products, rounded once) and the tail's outputs [1, tail] (rounded to x's dtype, as a product in
     x's dtype would be): one launch. With `select`, the router's top-k of the tail's first select.experts outputs is
     taken in the same launch."""
-    config = config or DEFAULT_CONFIG
+    tiles = tiles or RowTiles()
     x = _check_row(x, weight.shape[1])
     assert weight.shape[0] >= 2 * inter + tail
     act = torch.empty(1, inter, dtype=x.dtype, device=x.device)
-    h, tail_out = _input_product(x, norm_weight, eps, weight, inter, tail, act, config, select)
+    h, tail_out = _input_product(x, norm_weight, eps, weight, inter, tail, act, tiles, select)
     return h, act, tail_out
 
 
-def norm_router(x: Tensor, norm_weight: Tensor, eps: float, router: Tensor, config: RowConfig | None = None,
+def norm_router(x: Tensor, norm_weight: Tensor, eps: float, router: Tensor, tiles: RowTiles | None = None,
                 select: Select | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """h = rms_norm(x) [1, D] and the router's logits F.linear(h, router) [1, E] (rounded to x's dtype) for a layer
     without a shared expert: `norm_ffn_input`'s kernel with no gate/up rows, one launch (with `select`, the top-k
     too)."""
-    config = config or DEFAULT_CONFIG
+    tiles = tiles or RowTiles()
     x = _check_row(x, router.shape[1])
     assert select is None or select.experts == router.shape[0]
-    return _input_product(x, norm_weight, eps, router, 0, router.shape[0], x, config, select)
+    return _input_product(x, norm_weight, eps, router, 0, router.shape[0], x, tiles, select)
 
 
 def _input_product(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, inter: int, tail: int, act: Tensor,
-                   config: RowConfig, select: Select | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+                   tiles: RowTiles, select: Select | None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The gated launch of norm_gemv: the tail's programs first (the router's rows, then any after them), then the
     gate/up pairs'. Returns (h, tail outputs). (The norm weight has x's dtype: the normalised row is rounded to it,
     where rms_norm would round to the promoted dtype.)"""
     assert weight.stride(1) == 1 and norm_weight.dtype == x.dtype
     h = torch.empty_like(x)
     tail_out = torch.empty(1, tail, dtype=x.dtype, device=x.device)
-    block_n = config.block_n_input
+    block_n = tiles.block_n_input
     assert select is None or select.experts <= tail
     pointers, constants = _no_select(x) if select is None else select.args(x)
     grid = (-(-inter // block_n) + -(-tail // (2 * block_n)),)
     _kernels().norm_gemv[grid](
         x, norm_weight, weight, weight.stride(0), x, x, act, h, tail_out, *pointers, 2 * inter + tail, weight.shape[1],
         inter, 1 if select is None else select.experts, eps, **constants, NORM=True, BIAS=False, RESIDUAL=False,
-        GATED=True, STORE_H=True, BLOCK_N=block_n, ROWS=2 * block_n, **_gemv_launch(config, weight.shape[1]),
+        GATED=True, STORE_H=True, BLOCK_N=block_n, ROWS=2 * block_n, **_gemv_launch(tiles, weight.shape[1]),
     )  # fmt: skip
     return h, tail_out
 
 
 def moe_gate_up(h: Tensor, logits: Tensor | None, qe: QuantizedExperts, top_k: int, renormalize: bool,
-                counts: Tensor | None = None, config: RowConfig | None = None, picks: Select | None = None,
+                counts: Tensor | None = None, tiles: RowTiles | None = None, picks: Select | None = None,
                 int8_act: bool = False) -> tuple[Tensor, ...]:  # fmt: skip
     """The routed experts' first half for one row h [1, D] with router logits [1, E]: the top_k of their float32
     softmax (renormalised when asked; weights rounded to h's dtype, as the router's are), then per pick
@@ -304,10 +264,10 @@ def moe_gate_up(h: Tensor, logits: Tensor | None, qe: QuantizedExperts, top_k: i
     With `picks` (a Select the input product filled in), its picks are taken as they are (logits, renormalize and
     counts unused: the Select counted them). With `int8_act` (int8_finish_fits), a fourth result: the output in int8
     for moe_finish (Int8Act), stored by the same launch."""
-    config = config or DEFAULT_CONFIG
+    tiles = tiles or RowTiles()
     h = _check_row(h, qe.hidden)
     experts = qe.num_experts
-    assert 1 <= top_k <= experts and supports(qe, config)
+    assert 1 <= top_k <= experts and supports(qe, tiles)
     assert picks is not None or (logits is not None and logits.numel() == experts), "router logits [1, E], or picks"
     assert picks is None or (picks.top_k == top_k and picks.experts == experts)
     assert counts is None or (counts.dtype == torch.float32 and counts.is_contiguous() and counts.numel() == experts)
@@ -319,34 +279,34 @@ def moe_gate_up(h: Tensor, logits: Tensor | None, qe: QuantizedExperts, top_k: i
         ids = torch.empty(top_k, dtype=torch.int32, device=h.device)
         weights = torch.empty(top_k, dtype=torch.float32, device=h.device)
     assert logits is not None
-    block_k = int4_block_k(qe.hidden, qe.w13_group, config.block_k_gate_up)
+    block_k = int4_block_k(qe.hidden, qe.w13_group, tiles.block_k_gate_up)
     assert block_k is not None
-    int8 = config.int8_gate_up
-    words = _words(qe.w13) if config.words_gate_up or int8 else qe.w13
-    grid = (top_k, -(-qe.intermediate // config.block_n_moe))
-    assert not int8_act or int8_finish_fits(qe, config), "int8_act: block_n_moe must fit the shapes (int8_finish_fits)"
-    quantized = Int8Act.empty(top_k, qe.intermediate, config.block_n_moe, h.device) if int8_act else None
+    int8 = tiles.int8_gate_up
+    words = _words(qe.w13) if tiles.words_gate_up or int8 else qe.w13
+    grid = (top_k, -(-qe.intermediate // tiles.block_n_moe))
+    assert not int8_act or int8_finish_fits(qe, tiles), "int8_act: block_n_moe must fit the shapes (int8_finish_fits)"
+    quantized = Int8Act.empty(top_k, qe.intermediate, tiles.block_n_moe, h.device) if int8_act else None
     q8 = (weights,) * 4 if quantized is None else (quantized.even, quantized.odd, quantized.scale, quantized.bias)
     _kernels().moe_gate_up[grid](
         h, logits.contiguous(), words, words.stride(0), words.stride(1), qe.w13_scales, qe.w13_scales.stride(0),
         qe.w13_scales.stride(1), act, *q8, ids, weights, weights if counts is None else counts, experts, qe.intermediate,
         qe.hidden, TOP_K=top_k, TOP_K_POW2=max(2, _pow2(top_k)), RENORMALIZE=renormalize, COUNT=counts is not None,
-        PICKED=picks is not None, BLOCK_E=_pow2(experts), GROUP=qe.w13_group, BLOCK_N=config.block_n_moe, BLOCK_K=block_k,
-        GROUPS=max(1, block_k // qe.w13_group), WORDS=config.words_gate_up or int8, INT8_A=int8, DP4A=h.is_cuda and config.dp4a,
-        STORE_Q8=int8_act, EVICT=_evict(config), num_warps=config.warps_moe, num_stages=config.num_stages,
+        PICKED=picks is not None, BLOCK_E=_pow2(experts), GROUP=qe.w13_group, BLOCK_N=tiles.block_n_moe, BLOCK_K=block_k,
+        GROUPS=max(1, block_k // qe.w13_group), WORDS=tiles.words_gate_up or int8, INT8_A=int8, DP4A=h.is_cuda and tiles.dp4a,
+        STORE_Q8=int8_act, EVICT=_evict(tiles), num_warps=tiles.warps_moe, num_stages=tiles.num_stages,
     )  # fmt: skip
     return (act, ids, weights) if quantized is None else (act, ids, weights, quantized)
 
 
 def moe_finish(x: Tensor, act: Tensor, ids: Tensor, weights: Tensor, qe: QuantizedExperts, shared_act: Tensor | None,
-               shared_down: Tensor | None, gate_logit: Tensor | None, config: RowConfig | None = None,
+               shared_down: Tensor | None, gate_logit: Tensor | None, tiles: RowTiles | None = None,
                act_int8: Int8Act | None = None) -> Tensor:  # fmt: skip
     """x + sum over the picks in ascending expert id of weight * down(act row) + sigmoid(gate_logit) *
     shared_down @ shared_act, for one row x [1, D] (act [A, I], ids [A], weights [A] from moe_gate_up; shared_act
     [1, S] and shared_down [D, S], or both None: no shared expert; gate_logit [1, 1] or None: no gate). [1, D] in x's
     dtype, rounded once; one launch. With `act_int8` (moe_gate_up's int8_act result) the routed rows are summed
     against it in int32 by dp4a instead of against act in float."""
-    config = config or DEFAULT_CONFIG
+    tiles = tiles or RowTiles()
     x = _check_row(x, qe.hidden)
     top_k = ids.numel()
     shared = shared_down is not None
@@ -358,10 +318,10 @@ def moe_finish(x: Tensor, act: Tensor, ids: Tensor, weights: Tensor, qe: Quantiz
     else:
         shared_inter, shared_act, shared_down = 1, x, x  # (never read)
     assert act.shape == (top_k, qe.intermediate) and act.is_contiguous() and weights.numel() == top_k
-    assert supports(qe, config)
+    assert supports(qe, tiles)
     assert qe.w2_scales.stride(2) == 1
     out = torch.empty_like(x)
-    block_k = int4_block_k(qe.intermediate, qe.w2_group, config.block_k_moe)
+    block_k = int4_block_k(qe.intermediate, qe.w2_group, tiles.block_k_moe)
     assert block_k is not None
     int8 = act_int8 is not None
     if act_int8 is not None:
@@ -370,15 +330,15 @@ def moe_finish(x: Tensor, act: Tensor, ids: Tensor, weights: Tensor, qe: Quantiz
         q8 = (act_int8.even, act_int8.odd, act_int8.scale, act_int8.bias)
     else:
         q8 = (weights,) * 4  # (never read)
-    words = _words(qe.w2) if config.words_finish or int8 else qe.w2
-    _kernels().moe_finish[(-(-qe.hidden // config.block_n_finish),)](
+    words = _words(qe.w2) if tiles.words_finish or int8 else qe.w2
+    _kernels().moe_finish[(-(-qe.hidden // tiles.block_n_finish),)](
         x, act, *q8, ids, weights, words, words.stride(0), words.stride(1), qe.w2_scales, qe.w2_scales.stride(0),
         qe.w2_scales.stride(1), shared_act, shared_down, shared_down.stride(0), x if gate_logit is None else gate_logit,
         out, qe.hidden, qe.intermediate, shared_inter, TOP_K=top_k, TOP_K_POW2=max(2, _pow2(top_k)),
-        SHARED=shared, GATED=gate_logit is not None, GROUP=qe.w2_group, BLOCK_N=config.block_n_finish, BLOCK_K=block_k,
-        GROUPS=max(1, block_k // qe.w2_group), BLOCK_KS=min(config.block_k_shared, _pow2(shared_inter)),
-        WORDS=config.words_finish or int8, INT8_A=int8, AGROUP=act_int8.group if act_int8 is not None else 8,
-        DP4A=x.is_cuda and config.dp4a, EVICT=_evict(config), num_warps=config.warps_finish, num_stages=config.num_stages,
+        SHARED=shared, GATED=gate_logit is not None, GROUP=qe.w2_group, BLOCK_N=tiles.block_n_finish, BLOCK_K=block_k,
+        GROUPS=max(1, block_k // qe.w2_group), BLOCK_KS=min(tiles.block_k_shared, _pow2(shared_inter)),
+        WORDS=tiles.words_finish or int8, INT8_A=int8, AGROUP=act_int8.group if act_int8 is not None else 8,
+        DP4A=x.is_cuda and tiles.dp4a, EVICT=_evict(tiles), num_warps=tiles.warps_finish, num_stages=tiles.num_stages,
     )  # fmt: skip
     return out
 

@@ -32,7 +32,6 @@ import torch
 from backends.base import Backend
 from specter.log import get_logger
 from specter.model.graphed import (
-    RESIDENT_KERNEL_CONFIG,
     MoEKernel,
     StaticStep,
     capture_graph,
@@ -43,7 +42,6 @@ from specter.model.graphed import (
 )
 from specter.model.kv import KVCache
 from specter.model.transformer import Transformer
-from specter.quant.moe_triton import MoEKernelConfig
 
 log = get_logger(__name__)
 Tensor = torch.Tensor
@@ -61,10 +59,10 @@ class SegmentedStep:
     """
 
     def __init__(self, model: Transformer, kv: KVCache, *, rows: int | None = None, kernel: MoEKernel = "auto",
-                 config: MoEKernelConfig = RESIDENT_KERNEL_CONFIG, use_graph: bool | None = None,
-                 backend: Backend | None = None) -> None:
+                 use_graph: bool | None = None, backend: Backend | None = None) -> None:
         self.static = StaticStep(model, _no_static_moe, rows or model.bucket)
-        self.model, self.kv, self.rows, self.config = model, kv, self.static.rows, config
+        self.model, self.kv, self.rows = model, kv, self.static.rows
+        self.tiles = model.kernels.resident  # ResidentMoE's tiles: the same numerics as the resident static step
         self.kernel = resolve_kernel(kernel, model.device)
         self.use_graph = model.device.type == "cuda" if use_graph is None else use_graph
         self.moe_layers = sorted(model.spec.moe_layers)
@@ -228,7 +226,7 @@ class SegmentedStep:
         if self.kernel == "triton":
             spec = self.model.spec
             return resident_moe_triton(self.normed, self._single_expert, weight, packed[None], spec.hidden_size,
-                                       spec.expert_intermediate, self.config)
+                                       spec.expert_intermediate, self.tiles)
         return self.model.expert_mlp(self.normed, packed) * weight
 
     # ---- graph capture ----------------------------------------------------------------------------

@@ -244,7 +244,7 @@ class Transformer:
         """residual + linear(x, name): outside exact mode (the draft) and without a bias, one product with the
         residual as its addend (kernels.residual_addend: one launch fewer per call)."""
         if self._row_kernels(x) and name + ".bias" not in self.w:  # the draft step: the add in the GEMV's epilogue
-            return rowfused.linear_residual(x, self.w[name + ".weight"], residual)
+            return rowfused.linear_residual(x, self.w[name + ".weight"], residual, self.kernels.row)
         if not self.exact and self.kernels.residual_addend and name + ".bias" not in self.w:
             return torch.addmm(residual, x, self.w[name + ".weight"].t())
         return residual + self.linear(x, name)
@@ -301,7 +301,8 @@ class Transformer:
         packed = self._packed_qkv(layer) if not self.exact and self.kernels.packed_qkv else None
         if packed is not None and self._row_kernels(x):  # the draft step: the norm in the packed product's prologue
             weight, bias, sizes = packed
-            q, k, v = rowfused.norm_linear(x, self.w[norm_name + ".weight"], spec.rms_eps, weight, bias, sum(sizes)).split(sizes, dim=-1)
+            q, k, v = rowfused.norm_linear(x, self.w[norm_name + ".weight"], spec.rms_eps, weight, bias, sum(sizes),
+                                           self.kernels.row).split(sizes, dim=-1)
         elif packed is not None:  # the draft: one product over the packed weights (the target's own storage)
             h = self.norm(x, norm_name)
             weight, bias, sizes = packed
@@ -396,8 +397,9 @@ class Transformer:
         epilogue; without a shared expert: the router alone; its last router program takes the top-k), the routed
         experts' gate/up, then routed down (+ shared down) + residual together. None where that does not apply: more rows, the exact forward, a
         family with its own routing, shared expert or linear, a shared expert that packs nothing (packed_ffn_input),
-        biases on the router or the shared down, or experts that do not offer `row_experts(layer) -> (QuantizedExperts,
-        route counter [E], int32 [1] zero for rowfused.Select) | None` (the draft's DraftExperts does)."""
+        biases on the router or the shared down, experts rowfused does not take (rowfused.supports with the row tiles), or
+        experts that do not offer `row_experts(layer) -> (QuantizedExperts, route counter [E], int32 [1] zero for
+        rowfused.Select) | None` (the draft's DraftExperts does)."""
         if not self._row_kernels(x) or layer in self.spec.dense_layers or not self._base_feed_forward():
             return None
         if not self.kernels.router_and_gate:  # torch's router (A/B): then the layer is not fused at all
@@ -408,27 +410,31 @@ class Transformer:
         if found is None or spec.router_name(layer).removesuffix(".weight") + ".bias" in self.w:
             return None
         quantized, counts, sync = found
+        tiles = self.kernels.row  # EngineConfig.tuning.kernels.row
+        if not rowfused.supports(quantized, tiles):  # int8, int3, int2, odd shapes
+            return None
         norm = self.w[f"{spec.layer_prefix(layer)}.post_attention_layernorm.weight"]
-        select = None  # the router's top-k in the input product's launch (RowConfig.topk_in_router), else in gate/up's
-        if rowfused.DEFAULT_CONFIG.topk_in_router:
+        select = None  # the router's top-k in the input product's launch (RowTiles.topk_in_router), else in gate/up's
+        if tiles.topk_in_router:
             select = rowfused.Select.new(spec.num_experts, spec.top_k, spec.norm_topk_prob, sync, counts)
-        int8 = rowfused.DEFAULT_CONFIG.int8_finish and rowfused.int8_finish_fits(quantized)  # gate/up's output in int8
+        int8 = tiles.int8_finish and rowfused.int8_finish_fits(quantized, tiles)  # gate/up's output in int8
         if not spec.shared_intermediate:
-            h, logits = rowfused.norm_router(x, norm, spec.rms_eps, self.w[spec.router_name(layer)], select=select)
+            h, logits = rowfused.norm_router(x, norm, spec.rms_eps, self.w[spec.router_name(layer)], tiles, select=select)
             routed, ids, weights, *q8 = rowfused.moe_gate_up(h, logits, quantized, spec.top_k, spec.norm_topk_prob,
-                                                             counts, picks=select, int8_act=int8)  # fmt: skip
-            return rowfused.moe_finish(x, routed, ids, weights, quantized, None, None, None, act_int8=q8[0] if q8 else None)
+                                                             counts, tiles, picks=select, int8_act=int8)  # fmt: skip
+            return rowfused.moe_finish(x, routed, ids, weights, quantized, None, None, None, tiles,
+                                       act_int8=q8[0] if q8 else None)  # fmt: skip
         packed = self.packed_ffn_input(layer)
         down = f"{spec.layer_prefix(layer)}.mlp.shared_expert.down_proj"
         if packed is None or down + ".bias" in self.w:
             return None
         weight, sizes = packed
         inter, num_experts = sizes[0], sizes[2]
-        h, act, tail = rowfused.norm_ffn_input(x, norm, spec.rms_eps, weight, inter, sum(sizes[2:]), select=select)
+        h, act, tail = rowfused.norm_ffn_input(x, norm, spec.rms_eps, weight, inter, sum(sizes[2:]), tiles, select=select)
         routed, ids, weights, *q8 = rowfused.moe_gate_up(h, tail[:, :num_experts], quantized, spec.top_k,
-                                                         spec.norm_topk_prob, counts, picks=select, int8_act=int8)  # fmt: skip
+                                                         spec.norm_topk_prob, counts, tiles, picks=select, int8_act=int8)  # fmt: skip
         gate_logit = tail[:, num_experts : num_experts + 1] if spec.shared_gate else None
-        return rowfused.moe_finish(x, routed, ids, weights, quantized, act, self.w[down + ".weight"], gate_logit,
+        return rowfused.moe_finish(x, routed, ids, weights, quantized, act, self.w[down + ".weight"], gate_logit, tiles,
                                    act_int8=q8[0] if q8 else None)
 
     def _base_feed_forward(self) -> bool:
