@@ -143,23 +143,21 @@ class SegmentedStep:
             self._before_experts(self.moe_layers[index], x)
 
     def _before_experts(self, layer: int, x: Tensor) -> None:
-        """Attention, post-attention norm, router and shared expert of MoE layer `layer` (StaticStep's order)."""
-        model, spec = self.model, self.model.spec
+        """MoE layer `layer` up to its routed experts as the static step runs it: its attention, then the family's MoE
+        input (Transformer.static_moe_input: norm, routing, shared expert), kept in the static buffers."""
         x = self.static.attention(layer, x, self.positions, self.blocked, self.kv)
-        self.residual.copy_(x)
-        h, ids, weights = model.route(layer, model.norm(x, f"{spec.layer_prefix(layer)}.post_attention_layernorm"))
-        self.normed.copy_(h)
-        self.ids.copy_(ids)
-        self.weights.copy_(weights)
-        if self.shared is not None:  # in the segment, so it computes while the host awaits the routing
-            self.shared.copy_(model.shared_expert(layer, h))
+        # the shared expert runs here, in the segment, so it computes while the host awaits the routing
+        h, ids, weights, shared = self.model.static_moe_input(layer, x)
+        for buffer, value in ((self.residual, x), (self.normed, h), (self.ids, ids), (self.weights, weights)):
+            buffer.copy_(value)
+        if self.shared is not None and shared is not None:
+            self.shared.copy_(shared)
 
     def _finish_moe_layer(self) -> Tensor:
-        """StaticStep's `x + (routed + shared)`; routed sums the experts `expert_output` staged (inside the
-        next segment, so on CUDA its graph replay does it: no launch of its own)."""
+        """The static step's MoE output (Transformer.static_moe_output); routed sums the experts `expert_output` staged
+        (inside the next segment, so on CUDA its graph replay does it: no launch of its own)."""
         routed_sum(self._staged, self.ids, self.routed, triton=self.kernel == "triton")
-        routed = self.routed if self.shared is None else self.routed + self.shared
-        return self.residual + routed
+        return self.model.static_moe_output(self.residual, self.routed, self.shared)
 
     # ---- routed experts, between segments -----------------------------------------------------------
     def expert_output(self, expert: int, packed: Tensor) -> Tensor:

@@ -559,11 +559,20 @@ class Transformer:
             h = self.norm(x, norm_name)
             ids, weights, shared_input = self.packed_route(layer, h, packed)
             return self.packed_finish(layer, x, moe(layer, h, ids, weights), shared_input)
-        h, ids, weights = self.route(layer, self.norm(x, norm_name))  # [R, D], [R, A], [R, A]
-        routed = moe(layer, h, ids, weights)
-        if spec.shared_intermediate:
-            routed = routed + self.shared_expert(layer, h)
-        return x + routed
+        h, ids, weights, shared = self.static_moe_input(layer, x)
+        return self.static_moe_output(x, moe(layer, h, ids, weights), shared)
+
+    def static_moe_input(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """A MoE layer of the static step up to its routed experts, over its rows x [R, D]: the post-attention norm, the
+        family's routing and its shared expert. Returns h [R, D], ids [R, A], weights [R, A] and the shared expert's
+        output [R, D] (None without one). The segmented verify runs it before it awaits the routing."""
+        h, ids, weights = self.route(layer, self.norm(x, f"{self.spec.layer_prefix(layer)}.post_attention_layernorm"))
+        return h, ids, weights, self.shared_expert(layer, h) if self.spec.shared_intermediate else None
+
+    @staticmethod
+    def static_moe_output(x: Tensor, routed: Tensor, shared: Tensor | None) -> Tensor:
+        """The MoE layer's output: its input x plus the routed experts' sum (plus the shared expert's output)."""
+        return x + (routed if shared is None else routed + shared)
 
     def route(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router: softmax over experts in float32, top-A, optional renormalisation. Returns h, ids [T, A], weights [T, A]."""
