@@ -221,7 +221,7 @@ import torch
 from specter.config import DraftConfig, EngineConfig, TuningConfig
 from specter.draft import Draft
 from specter.engine import Runtime
-from specter.model import fused, rowfused
+from specter.model import fused, rowfused, rowkernels
 from specter.model.graphed import StaticStep
 
 names = ("norm_linear", "linear_residual", "norm_ffn_input", "norm_router", "moe_gate_up", "moe_finish")
@@ -245,7 +245,7 @@ class Launches:  # a jitted kernel whose launches record their column block and 
             self.seen.add((kwargs["BLOCK_N"], kwargs["num_warps"]))
             return self.kernel[grid](*args, **kwargs)
         return launch
-gate_up = rowfused._kernels().moe_gate_up = Launches(rowfused._kernels().moe_gate_up)
+gate_up = rowkernels.jitted().moe_gate_up = Launches(rowkernels.jitted().moe_gate_up)
 
 merged_attention = []  # per decode_attention call: whether it merged its runs in its launch (was given counters)
 plain_attention = fused.decode_attention
