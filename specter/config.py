@@ -200,7 +200,8 @@ PowerOfTwo = Annotated[int, AfterValidator(_power_of_two)]
 
 class RowTiles(_Frozen):
     """Tiles of the draft step's one-row kernels (specter/model/rowfused.py); `benchmarks/graphed_tpot.py --row-config`
-    and `benchmarks/row_kernels_bench.py` sweep them. Figures: H200, Qwen1.5-MoE shape, ms per graphed draft step."""
+    and `benchmarks/row_kernels_bench.py` sweep them. Figures: H200, Qwen1.5-MoE shape; ms per graphed draft step, us
+    per kernel alone."""
 
     block_n: PowerOfTwo = Field(8, description="Output rows per program of norm_linear (the packed q/k/v product): the "
                                 "tile sweep's best (journal, Tenth session, row10c).")
@@ -223,8 +224,8 @@ class RowTiles(_Frozen):
                                "journal, Tenth session, row10/row10b).")
     warps_moe: PowerOfTwo = Field(8, description="num_warps of moe_gate_up (with its K steps of 1024: draft step 1.61 -> "
                                   "1.56 ms; journal, Eleventh session, attn11).")
-    warps_finish: PowerOfTwo = Field(4, description="num_warps of moe_finish (8 warps: 1.99-2.12 ms against 1.85; "
-                                     "journal, Tenth session, row10d).")
+    warps_finish: PowerOfTwo = Field(4, description="num_warps of moe_finish (8 warps, or 2 rows per program: 1.99-2.12 ms "
+                                     "against 1.85; journal, Tenth session, row10d).")
     block_k_shared: PowerOfTwo = Field(2048, description="Elements per K step of moe_finish's bf16 shared down product "
                                        "(with evict_first: 1.91 -> 1.85 ms; journal, Tenth session, row10d).")
     evict_first: bool = Field(True, description="Weight loads marked evict-first, each weight byte being read once per "

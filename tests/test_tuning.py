@@ -315,9 +315,11 @@ def _global_swaps(path: Path, own: bool = True) -> list[str]:
     ...)` or (`own`) `global NAME` (how benchmarks used to swap the kernels' default tiles)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
-        found += [f"{path.name}:{node.lineno}: {ast.unparse(stored)} =" for target in targets for stored in ast.walk(target)
-                  if isinstance(stored, ast.Attribute) and isinstance(stored.ctx, ast.Store) and stored.attr.lstrip("_").isupper()]
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            stored = [part for target in targets for part in ast.walk(target)
+                      if isinstance(part, ast.Attribute) and isinstance(part.ctx, ast.Store)]
+            found += [f"{path.name}:{node.lineno}: {ast.unparse(part)} =" for part in stored if part.attr.lstrip("_").isupper()]
         if isinstance(node, ast.Call) and _called_name(node) == "setattr" and len(node.args) >= 2:
             name = node.args[1]
             if isinstance(name, ast.Constant) and isinstance(name.value, str) and name.value.lstrip("_").isupper():

@@ -66,8 +66,9 @@ def fused_moe(
     counts: Tensor | None = None,
 ) -> Tensor:
     """[T, D] MoE output; Triton on CUDA for int4/int8, the torch reference otherwise. Never syncs.
-    counts [E] float32, when given, gets +1 per (token, slot) at its expert (the draft's route counter): inside the
-    kernels on the Triton path, by index_add_ otherwise."""
+    tiles: the kernels' tiles, EngineConfig.tuning.kernels.moe (the draft's DraftExperts passes them; None: their
+    defaults). counts [E] float32, when given, gets +1 per (token, slot) at its expert (the draft's route counter):
+    inside the kernels on the Triton path, by index_add_ otherwise."""
     if x.is_cuda and kernel_supports(x, expert_ids, qe) and triton_available():
         return fused_moe_triton(x, expert_ids, weights, qe, tiles, counts)
     if counts is not None:
