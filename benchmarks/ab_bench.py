@@ -4,8 +4,9 @@
         --row-config '{"int8_finish": true}' -- --model /tmp/qwenref --residents 15 --systems specter
 
 `--set SECTION.FIELD=VALUE` (repeatable) sets a field of EngineConfig.tuning (specter/config.py: cache, transfer,
-verify, kernels; VALUE read as JSON: true, 3, null) for the whole run: the bench's `--tune`. `--row-config JSON`
-replaces fields of `rowfused.DEFAULT_CONFIG` (the one-row kernels' tiles). Everything after `--` goes to the bench.
+verify, kernels; a nested field by its dotted path, e.g. kernels.row.block_k=1024; VALUE read as JSON: true, 3,
+null) for the whole run: the bench's `--tune`. `--row-config JSON` sets fields of the one-row kernels' tiles the same
+way (`kernels.row.FIELD=VALUE` for each). Everything after `--` goes to the bench.
 
 `--alternate SECTION.FIELD=A|B` sets a field to A or B for each measured request of one bench process
 (`Runtime.retune`), in the order A B B A for the repeats of each prompt of each cell, so the two sides share the
@@ -17,13 +18,12 @@ Each system's warm-up runs once per side (A, then B); the tuning goes back to it
 differed by up to 1.4x on the H200 (host speed), more than most changes this is meant to measure.
 
 Only the cache, transfer and verify fields can alternate: the kernels' are fixed when the runtime captures its CUDA
-graphs; use `--set` in separate processes for those (and for `--row-config`).
+graphs; use `--set` (or `--row-config`) in separate processes for those.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from typing import Any
@@ -41,14 +41,11 @@ def tune_args(settings: list[str]) -> list[str]:
     return [arg for setting in settings for arg in ("--tune", setting)]
 
 
-def apply_row_config(row_config: str | None) -> list[str]:
-    """Replace fields of rowfused.DEFAULT_CONFIG; returns what was set, for the log."""
+def row_config_settings(row_config: str | None) -> list[str]:
+    """`--row-config JSON` as `--set` settings: kernels.row.FIELD=VALUE (EngineConfig.tuning.kernels.row) per field."""
     if not row_config:
         return []
-    from specter.model import rowfused
-
-    rowfused.DEFAULT_CONFIG = dataclasses.replace(rowfused.DEFAULT_CONFIG, **json.loads(row_config))
-    return [f"rowfused.DEFAULT_CONFIG={rowfused.DEFAULT_CONFIG}"]
+    return [f"kernels.row.{name}={json.dumps(value)}" for name, value in json.loads(row_config).items()]
 
 
 def _sides(setting: str) -> tuple[str, list[str], list[Any]]:
@@ -64,8 +61,15 @@ def _sides(setting: str) -> tuple[str, list[str], list[Any]]:
         tunings = [TuningConfig().with_overrides([override]) for override in overrides]
     except ConfigError as error:
         raise SystemExit(f"--alternate: {error}") from None
-    section, _, name = target.strip().partition(".")
-    return target.strip(), overrides, [getattr(getattr(tuning, section), name) for tuning in tunings]
+    return target.strip(), overrides, [_value(tuning, target.strip()) for tuning in tunings]
+
+
+def _value(tuning: TuningConfig, path: str) -> Any:
+    """The tuning's field at a dotted path (cache.lead_relay)."""
+    value: Any = tuning
+    for name in path.split("."):
+        value = getattr(value, name)
+    return value
 
 
 ORDER = (0, 1, 1, 0)
@@ -181,8 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--alternate", action="append", default=[], metavar="SECTION.FIELD=A|B",
                         help="repeat to flip several fields together")
     args = parser.parse_args(argv[:split])
-    bench_args = tune_args(args.set) + argv[split + 1 :]
-    for line in args.set + apply_row_config(args.row_config):
+    settings = args.set + row_config_settings(args.row_config)
+    bench_args = tune_args(settings) + argv[split + 1 :]
+    for line in settings:
         print(f"ab_bench: {line}", flush=True)
     if args.alternate:
         alternate(args.alternate)

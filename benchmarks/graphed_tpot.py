@@ -10,7 +10,6 @@ weights), next to the eager paths, in one run.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import asyncio
 import json
 import platform
@@ -117,7 +116,7 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
                positions_per_split: Sequence[int] = ()) -> dict:
     """The int4 draft's per-step time, graphed (k replays, no host sync) and eager, against its byte floor."""
     from specter.decode import prefill
-    from specter.draft import Draft
+    from specter.draft import Draft, DraftExperts
     from specter.sampling import SamplingParams
 
     kv = runtime.model.new_kv()
@@ -135,23 +134,21 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / repeats
 
-    from specter.model import rowfused
-    from specter.quant import moe_triton
+    spec, layers = runtime.spec, runtime.draft.experts.layers
 
-    default, row_default = moe_triton.DEFAULT_CONFIG, rowfused.DEFAULT_CONFIG
-    kernels = runtime.model.kernels
+    def tuned_draft(static: bool, moe: dict | None = None, row: dict | None = None, **fields: object) -> Draft:
+        """A draft over the runtime's target and quantized experts whose EngineConfig.tuning.kernels is the runtime's
+        with the named fields set and the fused MoE's tiles (kernels.moe) and one-row kernels' (kernels.row) changed."""
+        overrides = [f"kernels.{name}={json.dumps(value)}" for name, value in fields.items()]
+        overrides += [f"kernels.{section}.{name}={json.dumps(value)}"
+                      for section, changes in (("moe", moe), ("row", row)) for name, value in (changes or {}).items()]
+        kernels = runtime.config.tuning.with_overrides(overrides).kernels
+        experts = DraftExperts(layers, spec.num_layers, spec.num_experts, runtime.model.device, tiles=kernels.moe)
+        return Draft(runtime.model, experts, static=static, kernels=kernels)
 
     def measure(name: str, static: bool = True, moe: dict | None = None, row: dict | None = None, **fields: object) -> None:
-        """One row: the step with the fused MoE's config changed by `moe`, the one-row kernels' by `row` and the
-        named KernelTuning fields set (the draft built here takes the target's; restored afterwards)."""
-        moe_triton.DEFAULT_CONFIG = dataclasses.replace(default, **(moe or {}))
-        rowfused.DEFAULT_CONFIG = dataclasses.replace(row_default, **(row or {}))
-        runtime.model.kernels = kernels.model_copy(update=fields)
-        try:
-            step_s = asyncio.run(seconds_per_round(Draft(runtime.model, runtime.draft.experts, static=static))) / k
-        finally:
-            moe_triton.DEFAULT_CONFIG, rowfused.DEFAULT_CONFIG = default, row_default
-            runtime.model.kernels = kernels
+        """One row: the step of a draft built with these kernel fields and tiles (see `tuned_draft`)."""
+        step_s = asyncio.run(seconds_per_round(tuned_draft(static, moe, row, **fields))) / k
         rows[name] = {"ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "ratio": step_s / floor_s}
 
     for split in graphed_splits:  # the fused MoE's down GEMM in this many K parts (0: its default)
@@ -162,7 +159,7 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
         measure("draft-int4-graphed-no-attention", decode_attention=False)
         measure("draft-int4-graphed-neither", moe=dict(single_token_gemv=False), decode_attention=False)
     if kv_write_ab:  # the rotation and the KV writes in one launch (fused.rope_and_cache), against the default
-        measure("draft-int4-graphed-rope-cache", rope_writes_cache=not kernels.rope_writes_cache)
+        measure("draft-int4-graphed-rope-cache", rope_writes_cache=not runtime.config.tuning.kernels.rope_writes_cache)
     if router_ab:  # torch's router and shared gate instead of the fused ones
         measure("draft-int4-graphed-torch-router", router_and_gate=False)
     for index, changes in enumerate(moe_configs):  # the draft MoE's kernel with these config fields changed
@@ -178,15 +175,11 @@ def draft_rows(runtime, prompt: list[int], k: int, repeats: int, graphed_splits:
     if profile_out is not None:  # where the graphed draft step's time goes, kernel by kernel (one proposal)
         from torch.profiler import ProfilerActivity, profile
 
-        rowfused.DEFAULT_CONFIG = dataclasses.replace(row_default, **(profile_row or {}))  # the profiled tiles
-        try:
-            draft = Draft(runtime.model, runtime.draft.experts, static=True)
-            asyncio.run(seconds_per_round(draft))
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                asyncio.run(draft.propose(x0, len(prompt), k, kv, SamplingParams()))
-                torch.cuda.synchronize()
-        finally:
-            rowfused.DEFAULT_CONFIG = row_default
+        profiled = tuned_draft(True, row=profile_row)  # the profiled tiles
+        asyncio.run(seconds_per_round(profiled))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            asyncio.run(profiled.propose(x0, len(prompt), k, kv, SamplingParams()))
+            torch.cuda.synchronize()
         averages = prof.key_averages()
         for key in ("self_device_time_total", "self_cuda_time_total"):
             try:
@@ -218,12 +211,14 @@ def main() -> None:
                         "switched (RoPE and the KV writes in one launch)")
     parser.add_argument("--without", default="", help="KernelTuning fields (EngineConfig.tuning.kernels: "
                         + ", ".join(FUSED_FLAGS) + ") to time the graphed draft step without, each alone and, with several, all at once")
-    parser.add_argument("--moe-config", action="append", default=[], help="a JSON object of MoEKernelConfig fields: "
-                        "also time the graphed draft step with them (rows draft-int4-graphed-moe0, -moe1, ...)")
-    parser.add_argument("--row-config", action="append", default=[], help="a JSON object of RowConfig fields "
-                        "(specter.model.rowfused): also time the graphed draft step with them (repeatable)")
-    parser.add_argument("--profile-row-config", default=None, help="a JSON object of RowConfig fields for the "
-                        "--profile-draft table (default: the module's tiles)")
+    parser.add_argument("--moe-config", action="append", default=[], help="a JSON object of MoETiles fields "
+                        "(EngineConfig.tuning.kernels.moe): also time the graphed draft step with them (rows "
+                        "draft-int4-graphed-moe0, -moe1, ...)")
+    parser.add_argument("--row-config", action="append", default=[], help="a JSON object of RowTiles fields "
+                        "(EngineConfig.tuning.kernels.row, the one-row kernels): also time the graphed draft step with "
+                        "them (repeatable)")
+    parser.add_argument("--profile-row-config", default=None, help="a JSON object of RowTiles fields for the "
+                        "--profile-draft table (default: the tuning's tiles)")
     parser.add_argument("--positions-per-split", default="", help="also time the step with KernelTuning.positions_per_split "
                         "set to each of these (comma-separated; decode_attention's runs, one launch when one run)")
     parser.add_argument("--prompt-length", type=int, default=16, help="positions already in the cache (the draft "

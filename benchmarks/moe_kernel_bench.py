@@ -21,7 +21,6 @@ import functools
 import json
 import statistics
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -32,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specter.quant import QuantizedExperts, moe_forward, quantize_experts  # noqa: E402
 from specter.quant.groupwise import dequantize_packed  # noqa: E402
-from specter.quant.moe_triton import MoEKernelConfig, fused_moe_triton  # noqa: E402
+from specter.config import MoETiles  # noqa: E402
+from specter.quant.moe_triton import fused_moe_triton  # noqa: E402
 
 HBM_BYTES_PER_S = 3.3e12
 GROUP = 128
@@ -44,16 +44,16 @@ SHAPES = {
 TOKENS = (1, 4, 8, 16)
 ROUTE_SETS = 8
 SWEEP = [  # the general kernel's tiles with the default split-K, then the down GEMM's parts by hand on the default tiles
-    *(MoEKernelConfig(block_n_gate_up=bn, block_n_down=bn, block_k=bk, num_warps=warps, num_stages=3,
+    *(MoETiles(block_n_gate_up=bn, block_n_down=bn, block_k=bk, num_warps=warps, num_stages=3,
                       single_token_gemv=False) for bn in (16, 32, 64) for bk in (64, 128) for warps in (2, 4)),
-    *(MoEKernelConfig(split_k_down=down, single_token_gemv=False) for down in (1, 3, 4, 8)),
+    *(MoETiles(split_k_down=down, single_token_gemv=False) for down in (1, 3, 4, 8)),
 ]
-NO_SPLIT = MoEKernelConfig(split_k_down=1, single_token_gemv=False)  # the kernel before split-K (2026-11-29's figures)
-GEMM = MoEKernelConfig(single_token_gemv=False)  # one token through the general (route + 16-row tile) kernels
+NO_SPLIT = MoETiles(split_k_down=1, single_token_gemv=False)  # the kernel before split-K (2026-11-29's figures)
+GEMM = MoETiles(single_token_gemv=False)  # one token through the general (route + 16-row tile) kernels
 GEMV_SWEEP = [  # K steps of 1-4 groups (a scale per group), gate/up in 1-4 K parts, down in 2 or 4
-    *(MoEKernelConfig(block_n_gemv=bn, block_k_gemv=bk, num_warps=warps, split_k_gemv_gate_up=parts)
+    *(MoETiles(block_n_gemv=bn, block_k_gemv=bk, num_warps=warps, split_k_gemv_gate_up=parts)
       for bn in (16, 32) for bk in (128, 256, 512) for warps in (4, 8) for parts in (1, 2, 4)),
-    *(MoEKernelConfig(block_k_gemv=bk, split_k_gemv_gate_up=parts, split_k_down=4) for bk in (128, 256) for parts in (2, 4)),
+    *(MoETiles(block_k_gemv=bk, split_k_gemv_gate_up=parts, split_k_down=4) for bk in (128, 256) for parts in (2, 4)),
 ]
 
 
@@ -153,7 +153,7 @@ def median_us(runs: list[Callable[[], None]], flush: torch.Tensor, repeats: int)
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
 
 
-def triton_graphs(qe: QuantizedExperts, x: torch.Tensor, routes: list, config: MoEKernelConfig) -> list[Callable]:
+def triton_graphs(qe: QuantizedExperts, x: torch.Tensor, routes: list, config: MoETiles) -> list[Callable]:
     runs = []
     for ids, weights in routes:
         graph, _ = capture(lambda ids=ids, weights=weights: fused_moe_triton(x, ids, weights, qe, config))
@@ -162,7 +162,7 @@ def triton_graphs(qe: QuantizedExperts, x: torch.Tensor, routes: list, config: M
 
 
 def bench_triton(qe, x, routes, flush, repeats, sweep: bool, gemv_only: bool = False) -> dict:
-    default = MoEKernelConfig()
+    default = MoETiles()
     result = {"triton_us": median_us(triton_graphs(qe, x, routes, default), flush, repeats)}
     result["triton_no_split_us"] = median_us(triton_graphs(qe, x, routes, NO_SPLIT), flush, repeats)
     if x.shape[0] == 1:  # the default is the GEMV here: the general kernels alone
@@ -180,8 +180,8 @@ def bench_triton(qe, x, routes, flush, repeats, sweep: bool, gemv_only: bool = F
         if not timed:
             return result
         best = min(timed, key=lambda pair: pair[0])
-        result.update(triton_best_us=best[0], triton_best_config=asdict(best[1]),
-                      triton_sweep=[dict(us=us, **asdict(config)) for us, config in timed])  # fmt: skip
+        result.update(triton_best_us=best[0], triton_best_config=best[1].model_dump(),
+                      triton_sweep=[dict(us=us, **config.model_dump()) for us, config in timed])  # fmt: skip
     return result
 
 

@@ -5,7 +5,7 @@ top-k, the experts' gate/up, the finish, RoPE with the KV writes, attention over
 `--layers` launches, each on its own copy of the weights (24 copies: more bytes than L2 holds, as in the step), is
 replayed and timed with CUDA events: microseconds per launch and the bytes it reads per second. The step's total
 (docs/BENCHMARKS.md) says how long the kernels take together; this says which of them is far from its bytes and
-which tiles suit each one, since RowConfig's fields are shared by kernels of different shapes.
+which tiles suit each one, since RowTiles' fields (EngineConfig.tuning.kernels.row) are shared by kernels of different shapes.
 
     python benchmarks/row_kernels_bench.py --out out/row-kernels
 """
@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_kernel_bench import capture  # noqa: E402  (the same warm-up and capture)
+from specter.config import RowTiles  # noqa: E402
 from specter.model import fused, rowfused  # noqa: E402
 from specter.quant import QuantizedExperts  # noqa: E402
 
@@ -64,7 +65,7 @@ def layers(count: int) -> list[Layer]:
             for _ in range(count)]  # fmt: skip
 
 
-def kernels(stack: list[Layer]) -> dict[str, tuple[Callable[[Layer, rowfused.RowConfig], object], int]]:
+def kernels(stack: list[Layer]) -> dict[str, tuple[Callable[[Layer, RowTiles], object], int]]:
     """name -> (one launch on a layer with a config, the bytes it reads from its layer's weights)."""
     x, residual = bf16(1, D), bf16(1, D)
     sync, counts = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(E, device="cuda")
@@ -84,7 +85,7 @@ def kernels(stack: list[Layer]) -> dict[str, tuple[Callable[[Layer, rowfused.Row
     routed_bytes = A * (2 * I * int4_row(D))
     finish_bytes = A * D * int4_row(I) + D * S * 2
 
-    def ffn_input(layer: Layer, config: rowfused.RowConfig) -> object:
+    def ffn_input(layer: Layer, config: RowTiles) -> object:
         select = rowfused.Select.new(E, A, False, sync, counts)
         return rowfused.norm_ffn_input(x, layer.norm, 1e-6, layer.packed, S, E + 1, config, select)
 
@@ -103,7 +104,7 @@ def kernels(stack: list[Layer]) -> dict[str, tuple[Callable[[Layer, rowfused.Row
     }  # fmt: skip
 
 
-def time_launches(run: Callable[[Layer, rowfused.RowConfig], object], stack: list[Layer], config: rowfused.RowConfig,
+def time_launches(run: Callable[[Layer, RowTiles], object], stack: list[Layer], config: RowTiles,
                   replays: int) -> float:
     """Microseconds per launch: a graph of one launch per layer, replayed."""
     graph, _ = capture(lambda: [run(layer, config) for layer in stack])
@@ -144,7 +145,7 @@ def main() -> None:
         run, nbytes = table[name]
         changes = [{}] + ([] if args.no_sweep else SWEEPS.get(SWEEP_OF.get(name, ""), []))
         for change in changes:
-            config = dataclasses.replace(rowfused.DEFAULT_CONFIG, **change)
+            config = RowTiles(**change)  # the tuning's default tiles with these changed
             try:
                 us = time_launches(run, stack, config, args.replays)
             except Exception as error:  # a tile that does not compile or fit: recorded, the sweep goes on

@@ -317,7 +317,8 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
         experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now, victims,
                                                           policies["placement"], model.expert_mlp)
         source.close()
-        draft = make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device), config) if quantize_now else None
+        draft = make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device, tiles=config.tuning.kernels.moe),
+                           config) if quantize_now else None
         runtime = cls(config, spec, model, memory, backend, kernel, experts, cache, draft, policies, victims,
                       target_steps(model, experts, config))
         runtime.capture_graphs()

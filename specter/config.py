@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specter.errors import ConfigError
 
@@ -190,6 +190,105 @@ class VerifyTuning(_Frozen):
                                   "would add 0.1-0.3 ms per MoE layer (journal, The verify's misses ordered on the device).")
 
 
+def _power_of_two(value: int) -> int:
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"{value} is not a power of two (Triton's blocks and warps are)")
+    return value
+
+
+PowerOfTwo = Annotated[int, AfterValidator(_power_of_two)]
+
+
+class RowTiles(_Frozen):
+    """Tiles of the draft step's one-row kernels (specter/model/rowfused.py); `benchmarks/graphed_tpot.py --row-config`
+    and `benchmarks/row_kernels_bench.py` sweep them. Figures: H200, Qwen1.5-MoE shape; ms per graphed draft step, us
+    per kernel alone."""
+
+    block_n: PowerOfTwo = Field(8, description="Output rows per program of norm_linear (the packed q/k/v product): the "
+                                "tile sweep's best (journal, Tenth session, row10c).")
+    block_k: PowerOfTwo = Field(512, description="Elements per K step of norm_linear and of the FFN input product "
+                                "(1024: 2.00 ms against 1.91; journal, Tenth session, row10c).")
+    block_n_moe: PowerOfTwo = Field(16, description="Intermediate columns per program of moe_gate_up (twice as many "
+                                    "weight rows: gate and up), and the int8 finish's scale group (gate/up alone with "
+                                    "int8 h: 5.83 us at 16 rows; journal, Eleventh session, int8g11).")
+    block_k_moe: PowerOfTwo = Field(512, description="Elements per K step of moe_finish's int4 GEMV, a whole number of "
+                                    "groups or a divisor of one: the tile sweep's best (journal, Tenth session, row10c).")
+    block_k_gate_up: PowerOfTwo = Field(1024, description="Likewise for moe_gate_up (gate/up alone with int8 h: 7.19 us "
+                                        "at 16 rows / 512 / 4 warps, 5.83 at 16 / 1024 / 8 warps; journal, Eleventh "
+                                        "session, int8g11).")
+    block_n_finish: PowerOfTwo = Field(4, description="Hidden rows per program of moe_finish (2 rows: 1.91 ms either "
+                                       "way, 8: 1.99; journal, Tenth session, row10c).")
+    words_gate_up: bool = Field(False, description="moe_gate_up's float path reads the int4 codes as 32-bit words of 8 "
+                                "(off: bytes, even and odd k; gate/up 51.9 us as words, 14.3 as bytes; journal, Tenth "
+                                "session, row10/row10b). The int8 path always reads words.")
+    words_finish: bool = Field(True, description="moe_finish reads the int4 codes as 32-bit words (17.1 us; bytes 24.5; "
+                               "journal, Tenth session, row10/row10b).")
+    warps_moe: PowerOfTwo = Field(8, description="num_warps of moe_gate_up (with its K steps of 1024: draft step 1.61 -> "
+                                  "1.56 ms; journal, Eleventh session, attn11).")
+    warps_finish: PowerOfTwo = Field(4, description="num_warps of moe_finish (8 warps, or 2 rows per program: 1.99-2.12 ms "
+                                     "against 1.85; journal, Tenth session, row10d).")
+    block_k_shared: PowerOfTwo = Field(2048, description="Elements per K step of moe_finish's bf16 shared down product "
+                                       "(with evict_first: 1.91 -> 1.85 ms; journal, Tenth session, row10d).")
+    evict_first: bool = Field(True, description="Weight loads marked evict-first, each weight byte being read once per "
+                              "step (with block_k_shared 2048: 1.91 -> 1.85 ms; journal, Tenth session, row10d).")
+    topk_in_router: bool = Field(True, description="The router's top-k runs in the input product's launch (rowfused."
+                                 "Select), not in every moe_gate_up program (1.84 -> 1.80-1.81 ms; journal, Tenth "
+                                 "session, row10g/row10h).")
+    num_warps: PowerOfTwo = Field(4, description="num_warps of the bf16 GEMVs: norm_linear, linear_residual, the input "
+                                  "product (8 warps x 16 rows or 2 x 4: 1.99-2.12 ms against 1.85; journal, Tenth "
+                                  "session, row10d).")
+    num_stages: int = Field(3, ge=1, le=8, description="num_stages of every one-row kernel (4: 1.91 ms either way; "
+                            "journal, Tenth session, row10c).")
+    block_n_residual: PowerOfTwo = Field(2, description="Output rows per program of linear_residual (o_proj alone: 5.16 "
+                                         "us at 8 rows / K steps of 512, 4.09 at 2 / 1024; journal, Eleventh session, "
+                                         "kern11).")
+    block_k_residual: PowerOfTwo = Field(1024, description="linear_residual's K step (see block_n_residual; journal, "
+                                         "Eleventh session, kern11).")
+    block_n_input: PowerOfTwo = Field(4, description="Gate/up column pairs (tail rows: twice as many) per program of the "
+                                      "input product, norm_ffn_input and norm_router (the FFN input alone: 15.0 us at 8, "
+                                      "14.3 at 4; journal, Eleventh session, kern11).")
+    int8_gate_up: bool = Field(True, description="moe_gate_up quantises h to int8 per weight group and sums codes x "
+                               "activations in int32 by dp4a; the float path spends ~8 instructions per code (gate/up "
+                               "12.54 -> 7.19 us, draft step 1.76 -> 1.66 ms; journal, Eleventh session, int8g11).")
+    int8_finish: bool = Field(True, description="moe_gate_up also stores its output in int8 and moe_finish sums the "
+                              "routed down rows against it by dp4a, where rowfused.int8_finish_fits (1.56 -> 1.49 ms; "
+                              "acceptance 0.967 against 0.941 with the float finish; journal, Eleventh and Twelfth "
+                              "sessions).")
+    dp4a: bool = Field(True, description="The int8 sums by the dp4a instruction on CUDA; off: plain integer operations, "
+                       "as Triton's interpreter runs them (the same bits: tests/test_gpu_rowfused.py).")
+
+
+class MoETiles(_Frozen):
+    """Tiles of the Triton MoE kernels over packed experts (specter/quant/moe_triton.py: the draft's quantized MoE;
+    specter/model/graphed.py's resident kernel reads block_n_gate_up, block_n_down, block_k, num_warps, num_stages).
+    `benchmarks/moe_kernel_bench.py` sweeps them. Figures: H200, Qwen1.5-MoE experts, us per call."""
+
+    block_n_gate_up: PowerOfTwo = Field(32, description="Intermediate columns per program of the gate/up GEMM of several "
+                                        "tokens (the tile holds twice as many rows: gate and up); no tile of the sweep "
+                                        "was more than 5 % faster (journal, Seventh session).")
+    block_n_down: PowerOfTwo = Field(32, description="Hidden columns per program of the down GEMM of several tokens "
+                                     "(same sweep; journal, Seventh session).")
+    block_k: PowerOfTwo = Field(128, description="Input elements per K step of the GEMMs; a divisor of the group keeps "
+                                "one scale per row per step (same sweep; journal, Seventh session).")
+    num_warps: PowerOfTwo = Field(4, description="num_warps of every MoE launch (the GEMV sweep: 4 warps best at every "
+                                  "block; journal, Eighth session).")
+    num_stages: int = Field(3, ge=1, le=8, description="num_stages of every MoE launch (every sweep held it at 3; "
+                            "journal, Seventh and Eighth sessions).")
+    split_k_down: int = Field(2, ge=1, le=64, description="K parts of the down GEMM, at most one per K step; 1: no split "
+                              "(T = 1: 60.3 us against 67.7; draft step 4.47 against 4.62 ms; journal, Seventh session).")
+    single_token_gemv: bool = Field(True, description="One token runs GEMV kernels without the route kernel or 16-row "
+                                    "tiles (33.9 us against 51.9 for the general kernel; journal, Eighth session).")
+    block_n_gemv: PowerOfTwo = Field(16, description="Output rows per GEMV program (gate/up: twice, gate and up): the "
+                                     "one-token sweep's best (journal, Ninth session).")
+    block_k_gemv: PowerOfTwo = Field(512, description="Input elements per GEMV step; a step of several groups reads one "
+                                     "scale per group (26.2 us against 33.5 at 128 with gate/up whole; journal, Ninth "
+                                     "session).")
+    split_k_gemv_gate_up: int = Field(4, ge=1, le=64, description="K parts of the one-token gate/up GEMV (> 1: float32 "
+                                      "parts, then an activation launch; with block_k_gemv 512 the sweep's best of 42; "
+                                      "journal, Ninth session).")
+
+
+
 class KernelTuning(_Frozen):
     """The static steps and the draft's fused kernels (specter/model). Fixed when the CUDA graphs are captured."""
 
@@ -224,6 +323,16 @@ class KernelTuning(_Frozen):
     row_kernels: bool = Field(True, description="The draft step runs Qwen2-MoE-style layers through the one-row "
                               "kernels of specter/model/rowfused.py (draft step 2.30 -> 1.81 ms; journal, Tenth "
                               "session). Off: the general non-exact forward, for A/B and the kernel tests.")
+    row: RowTiles = Field(default_factory=RowTiles, description="Tiles and paths of the one-row kernels: each default "
+                          "the best a sweep or an A/B found (journal, Tenth to Twelfth sessions).")
+    moe: MoETiles = Field(default_factory=MoETiles, description="Tiles of the draft's quantized MoE kernels (one token: "
+                          "51.9 us in the general kernel, 26.2 in the GEMVs at the swept tiles; journal, Eighth and "
+                          "Ninth sessions).")
+    resident: MoETiles = Field(default_factory=lambda: MoETiles(block_n_gate_up=16, block_n_down=16),
+                               description="Tiles of the resident bf16 experts' Triton kernel (specter/model/graphed.py): "
+                               "narrow column blocks, so a one-row decode has enough programs to fill the GPU (chosen, "
+                               "not swept; the graphed resident decode: journal, Resident decoding). The static target "
+                               "and the segmented verify read the same tiles, so their logits agree bit for bit.")
 
 
 class TuningConfig(_Frozen):
@@ -235,20 +344,48 @@ class TuningConfig(_Frozen):
     kernels: KernelTuning = Field(default_factory=KernelTuning, description="The static steps and the draft's kernels.")
 
     def with_overrides(self, overrides: Sequence[str]) -> "TuningConfig":
-        """This tuning with each `SECTION.FIELD=VALUE` applied (VALUE as JSON: true, 3, null; a bare word is a
-        string), e.g. `cache.lead_relay=false`: what A/B runs set. A bad name or value raises ConfigError naming it."""
+        """This tuning with each `PATH=VALUE` applied, PATH a field's dotted name (`cache.lead_relay`, or in a nested
+        section `kernels.row.block_k`) and VALUE JSON (true, 3, null; a bare word is a string): what A/B runs set. A
+        bad name or value raises ConfigError naming it."""
         values = self.model_dump()
         for override in overrides:
-            target, sep, text = override.partition("=")
-            section, _, name = target.strip().partition(".")
-            if not sep or section not in values or name not in values[section]:
-                fields = ", ".join(f"{s}.{n}" for s, group in values.items() for n in group)
-                raise ConfigError(f"tuning override {override!r}: expected SECTION.FIELD=VALUE with one of {fields}")
-            try:
-                values[section][name] = json.loads(text)
-            except json.JSONDecodeError:
-                values[section][name] = text.strip()
+            holder, name, value = _override_target(values, override)
+            holder[name] = value
         return type(self).build(**values)
+
+
+def _override_target(values: dict, override: str) -> tuple[dict, str, object]:
+    """(the dict that holds the field `override` names, the field's name, its new value) in a dumped TuningConfig;
+    ConfigError saying what is wrong and which names the section it reached has."""
+    target, sep, text = override.partition("=")
+    parts = target.strip().split(".")
+    if not sep or len(parts) < 2:
+        raise ConfigError(f"tuning override {override!r}: expected SECTION.FIELD=VALUE (a nested field by its dotted "
+                          f"path), e.g. cache.lead_relay=false or kernels.row.block_k=1024")
+    holder: dict = values
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[:depth])
+        if not isinstance(holder, dict):
+            raise ConfigError(f"tuning override {override!r}: {where} is a field, not a section")
+        if part not in holder:
+            raise ConfigError(f"tuning override {override!r}: {where or 'the tuning'} has no {part!r}; expected "
+                              f"SECTION.FIELD=VALUE with one of {', '.join(_names(holder, where))}")
+        if depth < len(parts) - 1:
+            holder = holder[part]
+    if isinstance(holder[parts[-1]], dict):
+        raise ConfigError(f"tuning override {override!r}: {target.strip()} is a section; set one of its fields: "
+                          f"{', '.join(_names(holder[parts[-1]], target.strip()))}")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text.strip()
+    return holder, parts[-1], value
+
+
+def _names(section: dict, where: str) -> list[str]:
+    """The dotted names directly under `section` (at `where`): its fields, and its sections as `NAME.FIELD`."""
+    prefix = f"{where}." if where else ""
+    return [f"{prefix}{name}.FIELD" if isinstance(value, dict) else f"{prefix}{name}" for name, value in section.items()]
 
 
 class EngineConfig(_Frozen):

@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
-from specter.config import DraftConfig
+from specter.config import DraftConfig, KernelTuning, MoETiles
 from specter.errors import ConfigError
 from specter.log import get_logger
-from specter.model import rowfused
 from specter.model.graphed import GraphedStep, StaticStep, static_step_supported
 from specter.model.kv import KVCache
 from specter.model.registry import transformer_for
@@ -53,8 +52,10 @@ def draft_expert_bytes(hidden: int, inter: int, quant: str, group: int, scale_by
 class DraftExperts:
     """ExpertProvider of the draft: fused quantized MoE per layer, and route counters [L, E] on the device."""
 
-    def __init__(self, layers: dict[int, QuantizedExperts], num_layers: int, num_experts: int, device: torch.device) -> None:
+    def __init__(self, layers: dict[int, QuantizedExperts], num_layers: int, num_experts: int, device: torch.device, *,
+                 tiles: MoETiles | None = None) -> None:
         self.layers = layers
+        self.tiles = tiles or MoETiles()  # EngineConfig.tuning.kernels.moe: the fused MoE's tiles
         self.route_counts = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=device)  # [L, E]
         self.row_sync = torch.zeros(num_layers, dtype=torch.int32, device=device)  # rowfused.Select's counters, kept 0
 
@@ -68,18 +69,14 @@ class DraftExperts:
     def moe(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """Run the fused quantized MoE, which counts the routes into route_counts[layer] (on the device: graph-safe;
         in the kernels on the Triton path, no launch of its own); a StaticMoE."""
-        return fused_moe(x, ids, weights, self.layers[layer], counts=self.route_counts[layer])
+        return fused_moe(x, ids, weights, self.layers[layer], self.tiles, counts=self.route_counts[layer])
 
     __call__ = moe  # a StaticMoE itself, so the static step finds row_experts on it
 
-    def row_experts(self, layer: int) -> tuple[QuantizedExperts, Tensor, Tensor] | None:
+    def row_experts(self, layer: int) -> tuple[QuantizedExperts, Tensor, Tensor]:
         """(the layer's quantized experts, its route counter [E], its int32 [1] counter for rowfused.Select) for the
-        one-row kernels (Transformer.row_feed_forward), or None where specter.model.rowfused does not take them (int8,
-        int3, int2, odd shapes)."""
-        quantized = self.layers[layer]
-        if not rowfused.supports(quantized):
-            return None
-        return quantized, self.route_counts[layer], self.row_sync[layer : layer + 1]
+        one-row kernels (Transformer.row_feed_forward, which checks that rowfused takes them with its tiles)."""
+        return self.layers[layer], self.route_counts[layer], self.row_sync[layer : layer + 1]
 
 
 def quantize_layers(experts: Iterable[tuple[int, int, Tensor]], spec_hidden: int, spec_inter: int, num_experts: int,
@@ -114,14 +111,16 @@ class Draft:
 
     static: run each step as the one-row static step (graphed on CUDA); None means "on CUDA, when the
     model's class declares the static step" (graphed.static_step_supported; the runtime decides in specter.steps).
-    The eager forward is used otherwise.
+    The eager forward is used otherwise. kernels: the draft forward's KernelTuning, by default the target's
+    (EngineConfig.tuning.kernels); benchmarks time a draft built with other kernel fields or tiles.
     """
 
-    def __init__(self, target: Transformer, experts: DraftExperts, *, static: bool | None = None) -> None:
+    def __init__(self, target: Transformer, experts: DraftExperts, *, static: bool | None = None,
+                 kernels: KernelTuning | None = None) -> None:
         spec = target.spec
         # The same tensors dict: every non-expert tensor is the target's own (storage-identical).
         self.model = transformer_for(spec)(spec, target.w, exact=False, row_bucket=target.bucket, max_context=target.max_context,
-                                           kernels=target.kernels)
+                                           kernels=kernels or target.kernels)
         self.experts = experts
         supported = static_step_supported(self.model)
         if static and not supported:

@@ -126,8 +126,8 @@ class Runtime:
             flats = [self._full_expert(layer, e) for e in range(spec.num_experts)]
             layers[layer] = calibrate.gptq_layer(flats, inputs, choices, spec.hidden_size, spec.expert_intermediate, self.config.draft)
             layers[layer] = layers[layer].to(self.model.device)
-        self.draft = self.ahead.draft = make_draft(self.model, DraftExperts(layers, spec.num_layers, spec.num_experts, self.model.device),
-                                                   self.config)
+        draft_experts = DraftExperts(layers, spec.num_layers, spec.num_experts, self.model.device, tiles=self.config.tuning.kernels.moe)
+        self.draft = self.ahead.draft = make_draft(self.model, draft_experts, self.config)
         self.draft.capture(self.kv)
         self.k_max = self.config.draft.k_max
         self.estimates = Estimates(self.k_max)

@@ -6,10 +6,11 @@ The tiers, from the target's exactness down:
   whose class declares it (`FamilySpec.static`, read by `static_step_supported`): all-resident experts run it whole
   (`graphed_target`), offloaded ones cut at each MoE layer's routing (`segmented_step`), with static_verify or CUDA
   graphs (`EngineConfig.verify_is_static`, `cuda_graphs`); None from both pickers: the eager forward;
-- the draft (non-exact, `make_draft`): the one-row static step on CUDA with graphs, else the eager forward. Inside
-  either, each product picks its kernel from `EngineConfig.tuning.kernels` and the device: torch's ops, a fused
-  Triton launch of specter.model.fused (`Transformer._fused`) or the one-row int4 kernels of specter.model.rowfused
-  (`Transformer._row_kernels`); the exact target never takes the last two.
+- the draft (non-exact, `make_draft`): the one-row static step on CUDA with graphs, else the eager forward.
+Inside any of them, which kernel each product runs (torch's ops, a fused Triton launch of specter.model.fused, or the
+one-row int4 kernels of specter.model.rowfused) is the model's `KernelTiers` (specter.model.tiers), chosen once when
+the Transformer is built from `EngineConfig.tuning.kernels`, its exactness and its device; the exact target never
+takes the last two.
 """
 
 from __future__ import annotations

@@ -359,20 +359,21 @@ def test_copy_gaps_splits_the_copy_idle_time_by_cause(tmp_path):
         assert "Gaps a late prefetch chunk ended" in (out / "results.md").read_text()
 
 
-def test_ab_bench_sets_tuning_fields_and_row_config_and_refuses_unknown_names(monkeypatch):
-    """benchmarks/ab_bench.py: --set becomes the bench's --tune of a tuning field, --row-config a RowConfig field;
-    typos and bad values are refused with the field named."""
-    from specter.model import rowfused
-
+def test_ab_bench_sets_tuning_fields_and_row_config_and_refuses_unknown_names():
+    """benchmarks/ab_bench.py: --set becomes the bench's --tune of a tuning field (a tile by its dotted path),
+    --row-config JSON one kernels.row.FIELD each; typos and bad values are refused with the field named."""
     spec = importlib.util.spec_from_file_location("ab_bench", ROOT / "benchmarks" / "ab_bench.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    monkeypatch.setattr(rowfused, "DEFAULT_CONFIG", rowfused.DEFAULT_CONFIG)
-    flipped = not rowfused.DEFAULT_CONFIG.int8_finish
-    assert module.tune_args(["cache.lead_relay=false", "verify.lead_misses=0"]) == [
-        "--tune", "cache.lead_relay=false", "--tune", "verify.lead_misses=0"]
-    module.apply_row_config(json.dumps({"int8_finish": flipped}))
-    assert rowfused.DEFAULT_CONFIG.int8_finish is flipped
+    assert module.tune_args(["cache.lead_relay=false", "verify.lead_misses=0", "kernels.row.block_k=1024"]) == [
+        "--tune", "cache.lead_relay=false", "--tune", "verify.lead_misses=0", "--tune", "kernels.row.block_k=1024"]
+    settings = module.row_config_settings(json.dumps({"int8_finish": False, "block_n_moe": 8}))
+    assert settings == ["kernels.row.int8_finish=false", "kernels.row.block_n_moe=8"]
+    assert module.row_config_settings(None) == []
+    with pytest.raises(SystemExit, match="kernels.row.block_n_moe"):  # the row tiles' names, listed
+        module.tune_args(module.row_config_settings(json.dumps({"block_n_mo": 8})))
+    with pytest.raises(SystemExit, match="not a power of two"):
+        module.tune_args(["kernels.moe.block_k=100"])
     with pytest.raises(SystemExit, match="cache.lead_relay"):
         module.tune_args(["cache.lead_rleay=false"])
     with pytest.raises(SystemExit, match="SECTION.FIELD=VALUE"):

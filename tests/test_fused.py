@@ -176,14 +176,19 @@ def counted(name):
     return calls
 
 
-def tune(model, **fields):
-    # the model's KernelTuning (EngineConfig.tuning.kernels) with these fields changed
-    model.kernels = model.kernels.model_copy(update=fields)
+def tuned(model, **fields):
+    # the model over the same weights with these KernelTuning (EngineConfig.tuning.kernels) fields changed: a new
+    # Transformer, whose kernel tiers are chosen anew
+    return type(model)(model.spec, model.w, exact=model.exact, row_bucket=model.bucket, max_context=model.max_context,
+                       kernels=model.kernels.model_copy(update=fields))
 
 
-def static_step(path, exact):
-    loaded = load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=32, exact=exact))
-    return loaded, StaticStep(loaded.model, ResidentMoE(loaded.model, loaded.experts, "dense"), 4)
+def load(path, exact):
+    return load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=32, exact=exact))
+
+
+def static_step(loaded, model):
+    return StaticStep(model, ResidentMoE(model, loaded.experts, "dense"), 4)
 """
 
 
@@ -202,12 +207,12 @@ path = sys.argv[1]
 calls = counted("decode_attention")
 result = {}
 for exact in (True, False):
-    loaded, step = static_step(path, exact)
+    loaded = load(path, exact)
     tokens, positions = torch.tensor([3, 1, 4, 1]), torch.arange(4)
     outputs = []
     for flag in (False, True):
-        tune(loaded.model, decode_attention=flag)
-        outputs.append(step.hidden(tokens, positions, loaded.model.new_kv()))
+        model = tuned(loaded.model, decode_attention=flag)
+        outputs.append(static_step(loaded, model).hidden(tokens, positions, model.new_kv()))
     result["exact" if exact else "fast"] = {"calls": len(calls),
         "gap": ((outputs[1] - outputs[0]).abs().max() / outputs[0].abs().max()).item()}
     calls.clear()
@@ -219,8 +224,8 @@ for exact in (True, False):
     q = torch.randn(2, spec.num_heads, spec.head_dim, generator=torch.Generator().manual_seed(3))
     eager = []
     for flag in (False, True):
-        tune(model, decode_attention=flag)
-        eager.append([model._attend(0, q[:1], 7, kv), model._attend(0, q, 7, kv)])
+        flagged = tuned(model, decode_attention=flag)
+        eager.append([flagged._attend(0, q[:1], 7, kv), flagged._attend(0, q, 7, kv)])
     result["eager-exact" if exact else "eager-fast"] = {"calls": len(calls),
         "gap": max(((b - a).abs().max() / a.abs().max()).item() for a, b in zip(*eager))}
     calls.clear()
@@ -322,12 +327,13 @@ path = sys.argv[1]
 calls = counted("rope_and_cache")
 result = {}
 for exact in (True, False):
-    loaded, step = static_step(path, exact)
+    loaded = load(path, exact)
     tokens, positions = torch.tensor([3, 1, 4, 1]), torch.tensor([5, 6, 7, 9])  # a gap: position 8 stays unwritten
     outputs, caches = [], []
     for flag in (False, True):
-        tune(loaded.model, rope_writes_cache=flag)
-        kv = loaded.model.new_kv()
+        model = tuned(loaded.model, rope_writes_cache=flag)
+        step = static_step(loaded, model)
+        kv = model.new_kv()
         kv.k.fill_(7.0)
         kv.v.fill_(7.0)
         outputs.append(step.hidden(tokens, positions, kv))

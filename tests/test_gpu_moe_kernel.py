@@ -105,10 +105,10 @@ def test_kernel_replays_in_a_cuda_graph_with_new_routes(qwen_int4: QuantizedExpe
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_single_token_gemv_matches_reference_is_order_free_and_replays(qwen_int4: QuantizedExperts, bits: int) -> None:
-    from specter.quant.moe_triton import MoEKernelConfig
+    from specter.config import MoETiles
 
     qe = qwen_int4 if bits == 4 else cuda_layer(QWEN["experts"], QWEN["hidden"], QWEN["intermediate"], bits=8, seed=2)
-    config = MoEKernelConfig(single_token_gemv=True)
+    config = MoETiles(single_token_gemv=True)
     ids, weights = cuda_routes(1, QWEN["active"], QWEN["experts"], seed=7)
     x = torch.randn(1, QWEN["hidden"], device="cuda", dtype=torch.bfloat16)
     out = fused_moe(x, ids, weights, qe, config)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specter.config import KernelTuning, RowTiles
 from specter.model import rowfused
 from specter.model.transformer import rms_norm
 from specter.quant import QuantizedExperts, quantize_experts
@@ -172,30 +173,26 @@ def test_the_top_k_in_the_routers_launch_is_the_routers_every_time(layer: Quanti
 
 
 def test_int8_gate_up_by_dp4a_equals_its_integer_emulation_and_the_float_path_within_1_percent(layer: QuantizedExperts) -> None:
-    """RowConfig.int8_gate_up: h in int8 per group and the codes x activations summed in int32 by dp4a. The sums are
+    """RowTiles.int8_gate_up: h in int8 per group and the codes x activations summed in int32 by dp4a. The sums are
     integers, so the instruction and its plain-integer emulation (what the CPU's interpreter tests run) give the same
     bits; against the float path (bf16 h, float32 sums) the activations differ by at most 1e-2 relative."""
-    import dataclasses
-
     counts = torch.zeros(E, device="cuda")
     for seed in range(5):
         h, logits = randn(1, D, seed=60 + seed, scale=2.0), randn(1, E, seed=70 + seed, scale=2.0)
         runs = {}
         for name, changes in (("dp4a", {}), ("emulated", {"dp4a": False}), ("float", {"int8_gate_up": False})):
-            config = dataclasses.replace(rowfused.DEFAULT_CONFIG, **changes)
+            config = RowTiles(**changes)
             runs[name] = rowfused.moe_gate_up(h, logits, layer, A, False, counts, config)
-        assert rowfused.DEFAULT_CONFIG.int8_gate_up and rowfused.DEFAULT_CONFIG.dp4a  # what the draft step runs
+        assert KernelTuning().row.int8_gate_up and KernelTuning().row.dp4a  # what the draft step runs
         assert torch.equal(runs["dp4a"][0], runs["emulated"][0])
         assert torch.equal(runs["dp4a"][1], runs["float"][1])  # the same picks
         assert 1e-5 < gap(runs["dp4a"][0], runs["float"][0]) < 1e-2
 
 
 def test_int8_finish_by_dp4a_equals_its_integer_emulation_and_the_float_finish_within_1_percent(layer: QuantizedExperts) -> None:
-    """RowConfig.int8_finish: gate/up's output leaves in int8 too (a scale per 16 columns) and the finish sums the
+    """RowTiles.int8_finish: gate/up's output leaves in int8 too (a scale per 16 columns) and the finish sums the
     routed int4 down rows against it by dp4a. The instruction and its emulation give the same bits; against the float
     finish the layer's output differs by at most 1e-2 relative, and the picks' order changes no bit."""
-    import dataclasses
-
     assert rowfused.int8_finish_fits(layer)
     x, shared_act = randn(1, D, seed=80), randn(1, S, seed=81)
     shared_down, logit = randn(D, S, seed=82, scale=S**-0.5), randn(1, 1, seed=83)
@@ -203,7 +200,7 @@ def test_int8_finish_by_dp4a_equals_its_integer_emulation_and_the_float_finish_w
         h, logits = randn(1, D, seed=90 + seed, scale=2.0), randn(1, E, seed=95 + seed, scale=2.0)
         act, ids, weights, q8 = rowfused.moe_gate_up(h, logits, layer, A, False, None, int8_act=True)
         outs = {name: rowfused.moe_finish(x, act, ids, weights, layer, shared_act, shared_down, logit,
-                                          dataclasses.replace(rowfused.DEFAULT_CONFIG, dp4a=dp4a), act_int8=q8)
+                                          RowTiles(dp4a=dp4a), act_int8=q8)
                 for name, dp4a in (("dp4a", True), ("emulated", False))}  # fmt: skip
         assert torch.equal(outs["dp4a"], outs["emulated"])
         float_out = rowfused.moe_finish(x, act, ids, weights, layer, shared_act, shared_down, logit)

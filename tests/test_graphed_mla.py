@@ -59,12 +59,13 @@ def dense_step(loaded: LoadedModel, kv: LatentKVCache, rows: int = 16) -> Graphe
 
 
 # ---- the switch ---------------------------------------------------------------------------------
-def test_the_static_mla_is_on_unless_switched_off(load, monkeypatch):
+def test_the_static_mla_is_on_unless_switched_off(load):
     loaded = load("deepseek-lite", "float32")
     model = loaded.model
     assert static_step_supported(model) and static_step_supported(type(model)) and static_step_supported(model, True)
     assert not static_step_supported(type(model), False)  # the engine asks with EngineConfig.tuning.kernels
-    monkeypatch.setattr(model, "kernels", KernelTuning(static_mla=False))
+    model = type(model)(model.spec, model.w, exact=model.exact, row_bucket=model.bucket, max_context=model.max_context,
+                        kernels=KernelTuning(static_mla=False))  # the same weights, built with the switch off
     assert not static_step_supported(model)
     with pytest.raises(ConfigError, match="static_mla"):
         StaticStep(model, ResidentMoE(model, loaded.experts, "dense"), 16)

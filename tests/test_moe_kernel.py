@@ -130,7 +130,8 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
     from specter.quant import moe_forward, quantize_experts
-    from specter.quant.moe_triton import MoEKernelConfig, fused_moe_triton
+    from specter.config import MoETiles
+    from specter.quant.moe_triton import fused_moe_triton
     results = []
     for case in json.loads(sys.argv[1]):
         gen = torch.Generator().manual_seed(case["seed"])
@@ -142,8 +143,8 @@ INTERPRETER_SCRIPT = textwrap.dedent(
             [torch.randperm(e, generator=gen)[:a] for _ in range(t)])
         weights = torch.rand(t, a, generator=gen)
         x = torch.randn(t, d, generator=gen).to(getattr(torch, case["dtype"]))
-        config = MoEKernelConfig(split_k_down=case.get("split_down", 2), single_token_gemv=case.get("gemv", False),
-                                 block_k_gemv=case.get("block_k_gemv", 256), split_k_gemv_gate_up=case.get("split_gate_up", 1))
+        config = MoETiles(split_k_down=case.get("split_down", 2), single_token_gemv=case.get("gemv", False),
+                          block_k_gemv=case.get("block_k_gemv", 256), split_k_gemv_gate_up=case.get("split_gate_up", 1))
         counts = torch.full((e,), 5.0)  # the draft's route counter: the kernels add one per (token, slot)
         kernel = fused_moe_triton(x, ids, weights, qe, config, counts=counts).double()
         torch_path = moe_forward(x.float(), ids, weights, qe).double()

@@ -18,6 +18,7 @@ KERNEL_SCRIPT = r"""
 import json, sys
 import torch
 import torch.nn.functional as F
+from specter.config import RowTiles
 from specter.model import rowfused
 from specter.model.transformer import rms_norm
 from specter.quant import quantize_experts
@@ -32,15 +33,15 @@ for case in json.loads(sys.argv[1]):
     d, i, e, a, s, group = case["hidden"], case["inter"], case["experts"], case["top_k"], case["shared"], case["group"]
     gen = torch.Generator().manual_seed(case["seed"])
     rand = lambda *shape: torch.randn(*shape, generator=gen)
-    config = rowfused.RowConfig(block_n=case.get("block_n", 8), block_k=case.get("block_k", 512),
-                                block_n_residual=case.get("block_n", 2), block_k_residual=case.get("block_k", 1024),
-                                block_n_input=case.get("block_n", 4),
-                                block_n_moe=case.get("block_n_moe", 16), block_k_moe=case.get("block_k_moe", 512),
-                                block_k_gate_up=case.get("block_k_moe", 512),
-                                block_n_finish=case.get("block_n_finish", 4), words_gate_up=case.get("words", False),
-                                words_finish=case.get("words", True), block_k_shared=case.get("block_k_shared", 512),
-                                evict_first=case.get("evict", False), int8_gate_up=case.get("int8", False),
-                                int8_finish=case.get("int8_finish", False))
+    config = RowTiles(block_n=case.get("block_n", 8), block_k=case.get("block_k", 512),
+                      block_n_residual=case.get("block_n", 2), block_k_residual=case.get("block_k", 1024),
+                      block_n_input=case.get("block_n", 4),
+                      block_n_moe=case.get("block_n_moe", 16), block_k_moe=case.get("block_k_moe", 512),
+                      block_k_gate_up=case.get("block_k_moe", 512),
+                      block_n_finish=case.get("block_n_finish", 4), words_gate_up=case.get("words", False),
+                      words_finish=case.get("words", True), block_k_shared=case.get("block_k_shared", 512),
+                      evict_first=case.get("evict", False), int8_gate_up=case.get("int8", False),
+                      int8_finish=case.get("int8_finish", False))
     row = {}
     x = (rand(1, d) * 2).to(dtype)
     norm = (1 + rand(d) / 4).to(dtype)
@@ -147,7 +148,7 @@ CASES = [
          block_k_shared=16, evict=True),
 ]
 INT8_CASES = [
-    # gate/up with h quantised to int8 and integer sums (RowConfig.int8_gate_up, the dp4a path's emulation here):
+    # gate/up with h quantised to int8 and integer sums (RowTiles.int8_gate_up, the dp4a path's emulation here):
     # several groups per K step, a partial last step (224 = 3.5 steps of 64), a K step inside a group
     dict(hidden=256, inter=96, experts=10, top_k=4, shared=192, group=32, dtype="float32", renormalize=False, int8=True,
          block_k_moe=128),
@@ -155,7 +156,7 @@ INT8_CASES = [
          block_k_moe=64),
     dict(hidden=128, inter=64, experts=8, top_k=5, shared=40, group=64, dtype="float32", renormalize=False, int8=True,
          block_k_moe=32),
-    # gate/up's output in int8 and the finish's routed rows by dp4a's emulation (RowConfig.int8_finish): blocks of 16
+    # gate/up's output in int8 and the finish's routed rows by dp4a's emulation (RowTiles.int8_finish): blocks of 16
     # columns in a partial K step (96 of 128), blocks of 8 in steps inside a group, with the float and int8 gate/up
     dict(hidden=256, inter=96, experts=10, top_k=4, shared=192, group=32, dtype="float32", renormalize=False,
          int8_finish=True),
@@ -193,7 +194,7 @@ def test_row_kernels_match_float_references_in_the_interpreter():
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_int8_row_kernels_match_float_references_within_the_int8_error_in_the_interpreter():
-    """RowConfig.int8_gate_up and int8_finish, through dp4a's plain-integer emulation (the GPU test holds the
+    """RowTiles.int8_gate_up and int8_finish, through dp4a's plain-integer emulation (the GPU test holds the
     instruction to the same bits)."""
     check_row_kernels(INT8_CASES, 100)
 
@@ -215,23 +216,36 @@ def test_only_int4_experts_in_whole_words_take_the_row_kernels():
 
 
 DRAFT_SCRIPT = r"""
-import asyncio, json, sys
+import asyncio, inspect, json, sys
 import torch
-from specter.config import DraftConfig, EngineConfig
+from specter.config import DraftConfig, EngineConfig, TuningConfig
+from specter.draft import Draft
 from specter.engine import Runtime
-from specter.model import fused, rowfused
+from specter.model import fused, rowfused, rowkernels
 from specter.model.graphed import StaticStep
 
 names = ("norm_linear", "linear_residual", "norm_ffn_input", "norm_router", "moe_gate_up", "moe_finish")
 calls = {name: 0 for name in names}
 int8_finishes = [0]  # moe_finish calls given gate/up's int8 output
+tiles_given = []  # the tiles each call was given
 for name in names:
     original = getattr(rowfused, name)
     def counted(*args, _original=original, _name=name, **kwargs):
         calls[_name] += 1
         int8_finishes[0] += kwargs.get("act_int8") is not None
+        tiles_given.append(inspect.signature(_original).bind(*args, **kwargs).arguments.get("tiles"))
         return _original(*args, **kwargs)
     setattr(rowfused, name, counted)
+
+class Launches:  # a jitted kernel whose launches record their column block and warps
+    def __init__(self, kernel):
+        self.kernel, self.seen = kernel, set()
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen.add((kwargs["BLOCK_N"], kwargs["num_warps"]))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+gate_up = rowkernels.jitted().moe_gate_up = Launches(rowkernels.jitted().moe_gate_up)
 
 merged_attention = []  # per decode_attention call: whether it merged its runs in its launch (was given counters)
 plain_attention = fused.decode_attention
@@ -240,19 +254,21 @@ def recorded_attention(*args, **kwargs):
     return plain_attention(*args, **kwargs)
 fused.decode_attention = recorded_attention
 
-rowfused.DEFAULT_CONFIG = rowfused.RowConfig(topk_in_router=sys.argv[2] == "router", int8_gate_up=sys.argv[4] != "float",
-                                             int8_finish=sys.argv[4] == "int8+finish", block_n_moe=8)
+# the one-row kernels' tiles by name (EngineConfig.tuning.kernels.row), block_n_moe and warps_moe off their defaults
+row = dict(topk_in_router=sys.argv[2] == "router", int8_gate_up=sys.argv[4] != "float",
+           int8_finish=sys.argv[4] == "int8+finish", block_n_moe=8, warps_moe=2)
+tuning = TuningConfig().with_overrides([f"kernels.row.{name}={json.dumps(value)}" for name, value in row.items()])
 quant = sys.argv[3]
 
 async def main():
     runtime = await Runtime.load(sys.argv[1], EngineConfig(device="cpu", dtype="float32", max_context=32, residents=3,
-                                                           draft=DraftConfig(k=2, quant=quant)))
+                                                           draft=DraftConfig(k=2, quant=quant), tuning=tuning))
     try:
-        draft, target = runtime.draft, runtime.model
-        model, experts = draft.model, draft.experts
-        result = {"moe_layers": len(model.spec.moe_layers), "layers": model.spec.num_layers, "top_k": model.spec.top_k}
-        for flag in (False, True):
-            model.kernels = model.kernels.model_copy(update={"row_kernels": flag})  # EngineConfig.tuning.kernels
+        target, experts = runtime.model, runtime.draft.experts
+        result = {"moe_layers": len(target.spec.moe_layers), "layers": target.spec.num_layers, "top_k": target.spec.top_k,
+                  "tiles": runtime.draft.model.kernels.row == tuning.kernels.row}
+        for flag in (False, True):  # a draft built with the row kernels off, then on (EngineConfig.tuning.kernels)
+            model = Draft(target, experts, kernels=tuning.with_overrides([f"kernels.row_kernels={json.dumps(flag)}"]).kernels).model
             kv = model.new_kv()
             experts.route_counts.zero_()
             await model.forward(torch.tensor([3, 1, 4]), 0, kv, experts)  # three rows: never the row kernels
@@ -268,9 +284,13 @@ async def main():
             result[str(flag)] = {"eager": eager[0].tolist(), "static": static[0].tolist(), "counts": eager_counts.tolist(),
                                  "static_counts": (experts.route_counts - eager_counts).tolist(),
                                  "three_rows": before, "one_row": dict(calls), "kv": static_kv.k[:, :, 3].flatten().tolist(),
-                                 "int8_finishes": int8_finishes[0], "merged_attention": list(merged_attention)}
+                                 "int8_finishes": int8_finishes[0], "merged_attention": list(merged_attention),
+                                 "tiles_given": all(given == tuning.kernels.row for given in tiles_given),
+                                 "gate_up_launches": sorted(gate_up.seen)}
             int8_finishes[0] = 0
             merged_attention.clear()
+            tiles_given.clear()
+            gate_up.seen.clear()
             for name in names:
                 calls[name] = 0
         print(json.dumps(result))
@@ -292,11 +312,11 @@ def test_the_drafts_one_row_layer_takes_the_row_kernels_and_matches_the_packed_p
     """qwen2_moe: a gated shared expert and a dense layer; qwen3_moe: q/k norms per head, renormalised top-k; mixtral:
     no q/k/v biases; olmoe: clipped q/k/v and full q/k norms. The norms, clips and biases stay where the family puts
     them; only the products, the routing and the sums move into the row kernels. top_k_in: where the router's top-k
-    runs (RowConfig.topk_in_router: the input product's last router program, or every gate/up program). An int8
+    runs (RowTiles.topk_in_router: the input product's last router program, or every gate/up program). An int8
     draft keeps the packed MoE path (the row MoE kernels are int4's) and still takes the attention's row kernels.
-    activations "int8": the gate/up kernel quantises h to int8 (RowConfig.int8_gate_up): the same picks, the
+    activations "int8": the gate/up kernel quantises h to int8 (RowTiles.int8_gate_up): the same picks, the
     output within 2 % of the packed path's instead of a sum reordering's 1e-5; "int8+finish": gate/up's output goes to
-    the finish in int8 too (RowConfig.int8_finish), in every MoE layer's one-row call."""
+    the finish in int8 too (RowTiles.int8_finish), in every MoE layer's one-row call."""
     from tests.hf_models import hf_model, save_hf
 
     path = save_hf(hf_model(family, seed=3), tmp_path / "m")
@@ -320,6 +340,10 @@ def test_the_drafts_one_row_layer_takes_the_row_kernels_and_matches_the_packed_p
     assert gap < (1e-5 if activations == "float" else 2e-2)  # fp32: sums reordered only, unless h is in int8
     assert activations == "float" or gap > 1e-7  # ... and then the int8 path did run
     assert on["int8_finishes"] == (2 * moe if activations == "int8+finish" else 0) and off["int8_finishes"] == 0
+    # the tiles of EngineConfig.tuning.kernels.row reach every one-row call, and gate/up launches with its column block
+    # and warps (8 and 2, not the defaults 16 and 8)
+    assert result["tiles"] and on["tiles_given"] and off["tiles_given"]
+    assert on["gate_up_launches"] == ([[8, 2]] if moe else []) and off["gate_up_launches"] == []
     # the one-row attention (eager and static, with and without the row kernels) merges its runs in its own launch,
     # with counters (KernelTuning.merge_in_launch): the same kernel path in both, so the two steps propose alike
     assert on["merged_attention"] == off["merged_attention"] == [True] * (2 * layers)

@@ -281,6 +281,22 @@ def test_segments_split_at_moe_layers_and_dense_layers_run_in_full(load):
     assert step.shared is not None and not step.use_graph
 
 
+def test_each_moe_segment_takes_the_familys_moe_input_and_output(load, monkeypatch):
+    """The segments do not rebuild the layer: each MoE layer's norm, routing and shared expert are the model's
+    static_moe_input (what the family overrides), its sum with the routed experts the model's static_moe_output."""
+    loaded = load("qwen2_moe", "float32")
+    model = loaded.model
+    step = SegmentedStep(model, prefilled(loaded))
+    inputs, outputs = [], []
+    moe_input, moe_output = model.static_moe_input, model.static_moe_output
+    monkeypatch.setattr(model, "static_moe_input", lambda layer, x: inputs.append(layer) or moe_input(layer, x))
+    monkeypatch.setattr(model, "static_moe_output", lambda *args: outputs.append(1) or moe_output(*args))
+    step.load(torch.arange(5, 8), len(PROMPT))
+    for index in range(len(step.moe_layers) + 1):
+        step.run_segment(index)
+    assert inputs == step.moe_layers and len(outputs) == len(step.moe_layers)
+
+
 FORBIDDEN = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 

@@ -8,9 +8,10 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
-from specter.config import (CacheTuning, DraftConfig, EngineConfig, GenerationConfig, KernelTuning, TransferTuning, TuningConfig,
-                            VerifyTuning)
+from specter.config import (CacheTuning, DraftConfig, EngineConfig, GenerationConfig, KernelTuning, MoETiles, RowTiles,
+                            TransferTuning, TuningConfig, VerifyTuning)
 from specter.engine import Runtime
 from specter.errors import ConfigError
 
@@ -30,6 +31,21 @@ def test_the_defaults_are_the_adopted_settings():
     assert EngineConfig().cuda_graphs is True
 
 
+def test_the_kernels_tiles_default_to_the_measured_ones():
+    """The one-row kernels' and the MoE kernels' tiles as they were measured best (the kernels' numerics depend on
+    them: a changed default would change the draft's and the resident target's bits)."""
+    kernels = EngineConfig().tuning.kernels
+    assert kernels.row.model_dump() == dict(
+        block_n=8, block_k=512, block_n_moe=16, block_k_moe=512, block_k_gate_up=1024, block_n_finish=4, words_gate_up=False,
+        words_finish=True, warps_moe=8, warps_finish=4, block_k_shared=2048, evict_first=True, topk_in_router=True,
+        num_warps=4, num_stages=3, block_n_residual=2, block_k_residual=1024, block_n_input=4, int8_gate_up=True,
+        int8_finish=True, dp4a=True)
+    assert kernels.moe.model_dump() == dict(
+        block_n_gate_up=32, block_n_down=32, block_k=128, num_warps=4, num_stages=3, split_k_down=2, single_token_gemv=True,
+        block_n_gemv=16, block_k_gemv=512, split_k_gemv_gate_up=4)
+    assert kernels.resident == MoETiles(block_n_gate_up=16, block_n_down=16, block_k=128, num_warps=4, num_stages=3)
+
+
 def test_cuda_graphs_and_static_mla_ignore_the_environment(monkeypatch):
     """The old toggles SPECTER_CUDA_GRAPHS and SPECTER_STATIC_MLA are gone: only the fields decide."""
     monkeypatch.setenv("SPECTER_CUDA_GRAPHS", "0")
@@ -37,12 +53,24 @@ def test_cuda_graphs_and_static_mla_ignore_the_environment(monkeypatch):
     assert EngineConfig().cuda_graphs and EngineConfig().tuning.kernels.static_mla
 
 
+def _described_fields(model: type, where: str) -> list[tuple[str, object]]:
+    """(dotted name, field) of every field under `model`, nested sections (kernels.row) included."""
+    found = []
+    for name, field in model.model_fields.items():
+        found.append((f"{where}{name}", field))
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            found += _described_fields(field.annotation, f"{where}{name}.")
+    return found
+
+
 def test_every_tuning_field_is_described_with_where_it_was_measured():
-    for section in TuningConfig.model_fields:
-        model = TuningConfig.model_fields[section].annotation
-        for name, field in model.model_fields.items():
-            assert field.description and len(field.description) > 40, f"{section}.{name}"
-            assert "journal" in field.description or "tests/" in field.description, f"{section}.{name}: say where it is recorded"
+    fields = _described_fields(TuningConfig, "")
+    assert "kernels.row.block_k" in dict(fields) and "kernels.moe.split_k_down" in dict(fields)  # the nested tiles too
+    for name, field in fields:
+        if "." not in name:
+            continue  # the sections themselves
+        assert field.description and len(field.description) > 40, name
+        assert "journal" in field.description or "tests/" in field.description, f"{name}: say where it is recorded"
 
 
 @pytest.mark.parametrize("section, field, value, rule", [
@@ -74,6 +102,35 @@ def test_overrides_set_fields_and_name_what_is_wrong():
         TuningConfig().with_overrides(["cache.lead_rleay=false"])
     with pytest.raises(ConfigError, match="TuningConfig.transfer.max_chunks_in_flight = 0"):
         TuningConfig().with_overrides(["transfer.max_chunks_in_flight=0"])
+
+
+def test_nested_overrides_set_the_kernels_tiles():
+    tuning = TuningConfig().with_overrides(["kernels.row.block_k=1024", "kernels.moe.split_k_down=1",
+                                            "kernels.resident.num_warps=8", "kernels.row.int8_finish=false",
+                                            "kernels.row_kernels=false"])
+    assert tuning.kernels.row == RowTiles(block_k=1024, int8_finish=False)
+    assert tuning.kernels.moe == MoETiles(split_k_down=1)
+    assert tuning.kernels.resident == KernelTuning().resident.model_copy(update={"num_warps": 8})
+    assert not tuning.kernels.row_kernels and tuning.cache == CacheTuning()
+    assert TuningConfig().with_overrides(["kernels.row.block_k=1024"]).kernels.row.block_k == 1024  # from the defaults
+
+
+@pytest.mark.parametrize("override, message", [
+    ("kernels.row.blok_k=1024", "kernels.row has no 'blok_k'; expected SECTION.FIELD=VALUE with one of kernels.row.block_n, "
+                                "kernels.row.block_k,"),
+    ("kernels.rows.block_k=1024", "kernels has no 'rows'; expected SECTION.FIELD=VALUE with one of kernels.static_mla,"),
+    ("kernels.row=1024", "kernels.row is a section; set one of its fields: kernels.row.block_n,"),
+    ("kernels.row_kernels.block_k=1", "kernels.row_kernels is a field, not a section"),
+    ("kernels.row.block_k", "expected SECTION.FIELD=VALUE"),
+    ("nothing.block_k=1", "the tuning has no 'nothing'; expected SECTION.FIELD=VALUE with one of cache.FIELD,"),
+    ("kernels.row.block_k=1000", "TuningConfig.kernels.row.block_k = 1000: Value error, 1000 is not a power of two"),
+    ("kernels.moe.split_k_down=0", "TuningConfig.kernels.moe.split_k_down = 0: Input should be greater than or equal to 1"),
+    ("kernels.row.int8_finish=maybe", "TuningConfig.kernels.row.int8_finish = 'maybe'"),
+])
+def test_a_bad_nested_override_says_what_is_wrong(override, message):
+    with pytest.raises(ConfigError) as info:
+        TuningConfig().with_overrides([override])
+    assert message in str(info.value), str(info.value)
 
 
 # ---- the fields reach the parts they tune -----------------------------------------------------------------------
@@ -111,6 +168,31 @@ def test_a_runtime_hands_its_tuning_to_the_cache_transfer_verify_and_model(tiny)
     run_request(tiny, offloaded(tuning), spy)
     assert seen == {"cache": tuning.cache, "transfer": tuning.transfer, "verify": tuning.verify, "kernels": tuning.kernels,
                     "draft": tuning.kernels, "cap": 3}
+
+
+def test_the_kernels_tiles_reach_the_draft_moe_and_the_resident_kernel(tiny, monkeypatch):
+    """kernels.moe reaches the draft's fused MoE call (its tiles argument on every call), kernels.resident the segmented
+    verify's resident kernel and kernels.row the draft model's one-row kernels (their launches: tests/test_rowfused.py)."""
+    from specter import draft as draft_module
+
+    tuning = TuningConfig().with_overrides(["kernels.moe.split_k_down=1", "kernels.moe.block_k_gemv=256",
+                                            "kernels.resident.block_k=64", "kernels.row.block_n_moe=8"])
+    given = []
+    real = draft_module.fused_moe
+
+    def fused_moe(x, ids, weights, qe, tiles=None, counts=None):
+        given.append(tiles)
+        return real(x, ids, weights, qe, tiles, counts=counts)
+
+    monkeypatch.setattr(draft_module, "fused_moe", fused_moe)
+    seen = {}
+
+    def spy(runtime: Runtime) -> None:
+        seen.update(draft=runtime.draft.experts.tiles, resident=runtime.segmented.tiles, row=runtime.draft.model.kernels.row)
+
+    run_request(tiny, offloaded(tuning), spy)
+    assert seen == {"draft": tuning.kernels.moe, "resident": tuning.kernels.resident, "row": tuning.kernels.row}
+    assert given and all(tiles == MoETiles(split_k_down=1, block_k_gemv=256) for tiles in given)
 
 
 def test_a_cache_built_without_the_relay_never_lends_a_slot(tiny):
@@ -203,7 +285,8 @@ ALLOWED_ENVIRONMENT = {"SPECTER_PLUGINS", "SPECTER_CACHE"}  # plus logging (SPEC
 
 
 def _module_switches(path: Path) -> list[str]:
-    """Module-level UPPER_CASE names bound to a bool, int, float or None (possibly negated), in `path`."""
+    """Module-level UPPER_CASE names bound to a bool, int, float or None (possibly negated), or to a configuration
+    object (a call of a class named *Config, *Tiles or *Tuning: the kernels' default tiles were such), in `path`."""
     found = []
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.Assign):
@@ -216,9 +299,33 @@ def _module_switches(path: Path) -> list[str]:
             value = value.operand
         scalar = isinstance(value, ast.Constant) and (value.value is None or isinstance(value.value, (bool, int, float)))
         scalar |= isinstance(value, ast.BinOp) and all(isinstance(side, ast.Constant) for side in (value.left, value.right))
+        scalar |= isinstance(value, ast.Call) and _called_name(value).endswith(("Config", "Tiles", "Tuning"))
         for target in targets:
             if scalar and isinstance(target, ast.Name) and target.id.lstrip("_").isupper():
                 found.append(target.id)
+    return found
+
+
+def _called_name(call: ast.Call) -> str:
+    return call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+
+
+def _global_swaps(path: Path, own: bool = True) -> list[str]:
+    """Where `path` swaps a module-level UPPER_CASE name at run time: `module.NAME = ...`, `setattr(module, "NAME",
+    ...)` or (`own`) `global NAME` (how benchmarks used to swap the kernels' default tiles)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            stored = [part for target in targets for part in ast.walk(target)
+                      if isinstance(part, ast.Attribute) and isinstance(part.ctx, ast.Store)]
+            found += [f"{path.name}:{node.lineno}: {ast.unparse(part)} =" for part in stored if part.attr.lstrip("_").isupper()]
+        if isinstance(node, ast.Call) and _called_name(node) == "setattr" and len(node.args) >= 2:
+            name = node.args[1]
+            if isinstance(name, ast.Constant) and isinstance(name.value, str) and name.value.lstrip("_").isupper():
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        if own and isinstance(node, ast.Global):
+            found += [f"{path.name}:{node.lineno}: global {name}" for name in node.names if name.lstrip("_").isupper()]
     return found
 
 
@@ -238,6 +345,14 @@ def test_no_module_level_switch_is_left_in_specter():
                              f"or, if it is a true constant, add it to ALLOWED_CONSTANTS with why: {offenders}")
 
 
+def test_no_module_global_is_swapped_at_run_time():
+    """Tuning travels in EngineConfig.tuning, passed down at construction: neither the engine nor a benchmark swaps a
+    module's default (the kernels' tiles were `rowfused.DEFAULT_CONFIG = ...`); a benchmark's own `global` is its own."""
+    offenders = [swap for folder in ("specter", "benchmarks") for path in sorted((ROOT / folder).rglob("*.py"))
+                 for swap in _global_swaps(path, own=folder == "specter")]
+    assert offenders == [], f"module-level names swapped at run time (make them EngineConfig.tuning fields): {offenders}"
+
+
 def test_no_specter_environment_toggle_is_left_in_specter():
     offenders = []
     for path in sorted((ROOT / "specter").rglob("*.py")):
@@ -250,6 +365,12 @@ def test_the_scan_finds_a_switch_and_a_toggle(tmp_path):
     """The scans above would see one: a module-level boolean, an annotated int, and an environment read."""
     sample = tmp_path / "sample.py"
     sample.write_text('import os\nLEAD_RELAY = True\nWINDOW: int | None = 2\nRATE = -1e-3\n_PRIVATE = 4 * 4\n'
-                      'NAME = "x"\nGRAPHS = os.environ.get("SPECTER_CUDA_GRAPHS", "1") != "0"\n')
-    assert _module_switches(sample) == ["LEAD_RELAY", "WINDOW", "RATE", "_PRIVATE"]
+                      'NAME = "x"\nGRAPHS = os.environ.get("SPECTER_CUDA_GRAPHS", "1") != "0"\n'
+                      'DEFAULT_CONFIG = RowConfig()\nTILES = config.MoETiles(block_k=64)\nWIRE = ConfigDict(strict=True)\n'
+                      'rowfused.DEFAULT_CONFIG = RowConfig(block_k=1024)\nsetattr(moe_triton, "DEFAULT_CONFIG", TILES)\n'
+                      'def swap():\n    global WINDOW\n    WINDOW = 3\n    runtime.model.kernels = None\n'
+                      '    fused.MAX_SPLITS, x = 4, 5\n')
+    assert _module_switches(sample) == ["LEAD_RELAY", "WINDOW", "RATE", "_PRIVATE", "DEFAULT_CONFIG", "TILES"]
     assert _environment_reads(sample) == ["SPECTER_CUDA_GRAPHS"]
+    assert [swap.split(": ", 1)[1] for swap in _global_swaps(sample)] == [
+        "rowfused.DEFAULT_CONFIG =", "setattr(moe_triton, 'DEFAULT_CONFIG', TILES)", "global WINDOW", "fused.MAX_SPLITS ="]

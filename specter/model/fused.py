@@ -10,7 +10,7 @@ renormalising models a sum and a division) and the shared expert's gate (torch: 
 reduction for the [1, D] product, a sigmoid and a product).
 In a CUDA graph every node costs a few microseconds whatever its size, and the one-row draft step is made
 of such nodes (about 64 per layer outside the MoE: journal, Eighth session). Which fused paths the non-exact
-forward takes is `KernelTuning` (EngineConfig.tuning.kernels), held by the model.
+forward takes is chosen once per model (specter.model.tiers, from EngineConfig.tuning.kernels).
 """
 
 from __future__ import annotations
@@ -36,7 +36,12 @@ def split_count(capacity: int, kernels: KernelTuning) -> int:
 
 def usable(x: Tensor) -> bool:
     """Whether the fused kernels can run on `x`: CUDA (or Triton's interpreter on the CPU) with triton installed."""
-    return (x.is_cuda or moe_triton.interpreting()) and moe_triton.triton_available()
+    return usable_on(x.device)
+
+
+def usable_on(device: torch.device) -> bool:
+    """Whether the fused kernels can run on tensors of `device` (see `usable`)."""
+    return (device.type == "cuda" or moe_triton.interpreting()) and moe_triton.triton_available()
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -31,23 +31,20 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
+from specter.config import KernelTuning, MoETiles
 from specter.errors import ConfigError
 from specter.log import get_logger
 from specter.model.kv import KVCache
 from specter.model.resident import ResidentExperts
 from specter.model.transformer import StaticMoE, Transformer, declared
 from specter.quant import moe_triton
-from specter.quant.moe_triton import MoEKernelConfig, triton_available
+from specter.quant.moe_triton import triton_available
 from specter.sampling import SamplingLike, sample
 
 log = get_logger(__name__)
 T = TypeVar("T")
 Tensor = torch.Tensor
 MoEKernel = Literal["auto", "dense", "triton"]
-
-# Resident bf16 experts: narrow column blocks give a one-row decode enough programs to fill the GPU.
-RESIDENT_KERNEL_CONFIG = MoEKernelConfig(block_n_gate_up=16, block_n_down=16, block_k=128, num_warps=4, num_stages=3)
-
 
 def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
     """Capture `fn` (already warmed up) as a CUDA graph on `stream`, in `pool`; returns (graph, fn's result).
@@ -122,19 +119,19 @@ class ResidentMoE:
     kernel "dense" runs every expert on all R rows with the eager path's own `expert_mlp` and adds the
     rows that chose it, in ascending expert id: bit-identical to ResidentExperts.run when R equals the
     model's row bucket, and E times the expert work (tests, CPU, fallback). "triton" reads each active
-    expert once (CUDA, or the interpreter). "auto" picks triton on CUDA when it imports.
+    expert once (CUDA, or the interpreter), with the model's `kernels.resident` tiles. "auto" picks triton on CUDA
+    when it imports.
     """
 
-    def __init__(self, model: Transformer, experts: ResidentExperts, kernel: MoEKernel = "auto",
-                 config: MoEKernelConfig = RESIDENT_KERNEL_CONFIG) -> None:
-        self.model, self.experts, self.config = model, experts, config
+    def __init__(self, model: Transformer, experts: ResidentExperts, kernel: MoEKernel = "auto") -> None:
+        self.model, self.experts, self.tiles = model, experts, model.kernels.resident
         self.kernel = resolve_kernel(kernel, model.device)
 
     def __call__(self, layer: int, h: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         packed = self.experts.packed[layer]  # [E, expert_numel]
         if self.kernel == "triton":
             spec = self.model.spec
-            return resident_moe_triton(h, ids, weights, packed, spec.hidden_size, spec.expert_intermediate, self.config)
+            return resident_moe_triton(h, ids, weights, packed, spec.hidden_size, spec.expert_intermediate, self.tiles)
         return self._dense(h, ids, weights, packed)
 
     def _dense(self, h: Tensor, ids: Tensor, weights: Tensor, packed: Tensor) -> Tensor:
@@ -368,8 +365,9 @@ class GraphedTarget:
 
 # ---- Triton kernel over packed bf16 experts ------------------------------------------------------------
 def resident_moe_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, packed: Tensor, hidden: int, intermediate: int,
-                        config: MoEKernelConfig = RESIDENT_KERNEL_CONFIG) -> Tensor:
-    """[T, D] MoE output over packed experts [E, 2I*D + D*I] in x's dtype; four launches, no host sync.
+                        tiles: MoETiles | None = None) -> Tensor:
+    """[T, D] MoE output over packed experts [E, 2I*D + D*I] in x's dtype; four launches, no host sync. `tiles`:
+    KernelTuning.resident (its default when None).
 
     Reuses the draft kernel's route (moe_triton.py): pairs sorted by expert id, each expert's weight tile
     read once per 16-row chunk. Results are rounded to x's dtype where the eager path rounds (each GEMM
@@ -380,13 +378,14 @@ def resident_moe_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, packed: 
     assert x.is_cuda or moe_triton.interpreting(), "the Triton resident MoE needs CUDA tensors (or TRITON_INTERPRET=1 for CPU ones)"
     pairs = expert_ids.numel()
     assert pairs <= moe_triton.MAX_PAIRS, f"{pairs} (token, expert) pairs exceed the route kernel's {moe_triton.MAX_PAIRS}"
+    tiles = tiles or KernelTuning().resident
     kernels = _resident_kernels()
     x = x.contiguous()
     routes = moe_triton._route(moe_triton._kernels(), expert_ids, weights)
     hidden_act = torch.empty(pairs, intermediate, device=x.device, dtype=x.dtype)  # [P, I]
-    _launch_resident_gemm(kernels.gemm, x, packed, routes, hidden_act, intermediate, hidden, gate_up=True, config=config)
+    _launch_resident_gemm(kernels.gemm, x, packed, routes, hidden_act, intermediate, hidden, gate_up=True, tiles=tiles)
     pair_out = torch.empty(pairs, hidden, device=x.device, dtype=x.dtype)  # [P, D], weighted
-    _launch_resident_gemm(kernels.gemm, hidden_act, packed, routes, pair_out, intermediate, hidden, gate_up=False, config=config)
+    _launch_resident_gemm(kernels.gemm, hidden_act, packed, routes, pair_out, intermediate, hidden, gate_up=False, tiles=tiles)
     out = torch.empty(x.shape[0], hidden, device=x.device, dtype=x.dtype)
     block_d = 256
     kernels.combine[(x.shape[0], moe_triton.triton_cdiv(hidden, block_d))](
@@ -395,18 +394,18 @@ def resident_moe_triton(x: Tensor, expert_ids: Tensor, weights: Tensor, packed: 
 
 
 def _launch_resident_gemm(gemm: Any, a: Tensor, packed: Tensor, routes: Any, out: Tensor, intermediate: int, hidden: int,
-                          gate_up: bool, config: MoEKernelConfig) -> None:
+                          gate_up: bool, tiles: MoETiles) -> None:
     """Gate/up: a = x [T, D] against w13 [2I, D] at offset 0; down: a = h [P, I] against w2 [D, I] after w13."""
     n_out, k_dim = (intermediate, hidden) if gate_up else (hidden, intermediate)
-    block_n = config.block_n_gate_up if gate_up else config.block_n_down
+    block_n = tiles.block_n_gate_up if gate_up else tiles.block_n_down
     grid = (routes.pairs, moe_triton.triton_cdiv(n_out, block_n))
     gemm[grid](
         a, a.stride(0), packed, packed.stride(0), 0 if gate_up else 2 * intermediate * hidden,
         out, out.stride(0), routes.token, routes.expert, routes.weight, routes.run_offset,
         routes.pairs, n_out, k_dim, intermediate,
-        GATE_UP=gate_up, BLOCK_M=moe_triton.BLOCK_M, BLOCK_N=block_n, BLOCK_K=config.block_k,
+        GATE_UP=gate_up, BLOCK_M=moe_triton.BLOCK_M, BLOCK_N=block_n, BLOCK_K=tiles.block_k,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
 

@@ -32,7 +32,6 @@ import torch
 from backends.base import Backend
 from specter.log import get_logger
 from specter.model.graphed import (
-    RESIDENT_KERNEL_CONFIG,
     MoEKernel,
     StaticStep,
     capture_graph,
@@ -43,7 +42,6 @@ from specter.model.graphed import (
 )
 from specter.model.kv import KVCache
 from specter.model.transformer import Transformer
-from specter.quant.moe_triton import MoEKernelConfig
 
 log = get_logger(__name__)
 Tensor = torch.Tensor
@@ -61,10 +59,10 @@ class SegmentedStep:
     """
 
     def __init__(self, model: Transformer, kv: KVCache, *, rows: int | None = None, kernel: MoEKernel = "auto",
-                 config: MoEKernelConfig = RESIDENT_KERNEL_CONFIG, use_graph: bool | None = None,
-                 backend: Backend | None = None) -> None:
+                 use_graph: bool | None = None, backend: Backend | None = None) -> None:
         self.static = StaticStep(model, _no_static_moe, rows or model.bucket)
-        self.model, self.kv, self.rows, self.config = model, kv, self.static.rows, config
+        self.model, self.kv, self.rows = model, kv, self.static.rows
+        self.tiles = model.kernels.resident  # ResidentMoE's tiles: the same numerics as the resident static step
         self.kernel = resolve_kernel(kernel, model.device)
         self.use_graph = model.device.type == "cuda" if use_graph is None else use_graph
         self.moe_layers = sorted(model.spec.moe_layers)
@@ -145,23 +143,21 @@ class SegmentedStep:
             self._before_experts(self.moe_layers[index], x)
 
     def _before_experts(self, layer: int, x: Tensor) -> None:
-        """Attention, post-attention norm, router and shared expert of MoE layer `layer` (StaticStep's order)."""
-        model, spec = self.model, self.model.spec
+        """MoE layer `layer` up to its routed experts as the static step runs it: its attention, then the family's MoE
+        input (Transformer.static_moe_input: norm, routing, shared expert), kept in the static buffers."""
         x = self.static.attention(layer, x, self.positions, self.blocked, self.kv)
-        self.residual.copy_(x)
-        h, ids, weights = model.route(layer, model.norm(x, f"{spec.layer_prefix(layer)}.post_attention_layernorm"))
-        self.normed.copy_(h)
-        self.ids.copy_(ids)
-        self.weights.copy_(weights)
-        if self.shared is not None:  # in the segment, so it computes while the host awaits the routing
-            self.shared.copy_(model.shared_expert(layer, h))
+        # the shared expert runs here, in the segment, so it computes while the host awaits the routing
+        h, ids, weights, shared = self.model.static_moe_input(layer, x)
+        for buffer, value in ((self.residual, x), (self.normed, h), (self.ids, ids), (self.weights, weights)):
+            buffer.copy_(value)
+        if self.shared is not None and shared is not None:
+            self.shared.copy_(shared)
 
     def _finish_moe_layer(self) -> Tensor:
-        """StaticStep's `x + (routed + shared)`; routed sums the experts `expert_output` staged (inside the
-        next segment, so on CUDA its graph replay does it: no launch of its own)."""
+        """The static step's MoE output (Transformer.static_moe_output); routed sums the experts `expert_output` staged
+        (inside the next segment, so on CUDA its graph replay does it: no launch of its own)."""
         routed_sum(self._staged, self.ids, self.routed, triton=self.kernel == "triton")
-        routed = self.routed if self.shared is None else self.routed + self.shared
-        return self.residual + routed
+        return self.model.static_moe_output(self.residual, self.routed, self.shared)
 
     # ---- routed experts, between segments -----------------------------------------------------------
     def expert_output(self, expert: int, packed: Tensor) -> Tensor:
@@ -234,7 +230,7 @@ class SegmentedStep:
         if self.kernel == "triton":
             spec = self.model.spec
             return resident_moe_triton(self.normed, self._single_expert, weight, packed[None], spec.hidden_size,
-                                       spec.expert_intermediate, self.config)
+                                       spec.expert_intermediate, self.tiles)
         return self.model.expert_mlp(self.normed, packed) * weight
 
     # ---- graph capture ----------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from specter.config import KernelTuning
 from specter.model import fused, rowfused
 from specter.model.kv import KVCache
 from specter.model.spec import ModelSpec
+from specter.model.tiers import KernelTiers
 from specter.model.weights import unpack_expert
 
 Tensor = torch.Tensor
@@ -181,13 +182,15 @@ class Transformer:
     def __init__(self, spec: ModelSpec, dense: dict[str, Tensor], *, exact: bool = True, row_bucket: int = 16, max_context: int = 2048,
                  kernels: KernelTuning | None = None) -> None:
         self.spec = spec
-        self.kernels = kernels or KernelTuning()  # EngineConfig.tuning.kernels: the non-exact forward's fused paths
+        self._kernels = kernels or KernelTuning()  # EngineConfig.tuning.kernels: the non-exact forward's fused paths
         self.w = dense
         self.exact = exact
         self.bucket = row_bucket
         self.max_context = max_context
         embed = dense["model.embed_tokens.weight"]
         self.device, self.dtype = embed.device, embed.dtype
+        # which kernel each product runs (torch's ops, fused Triton, the one-row kernels): chosen here, once
+        self.tiers = KernelTiers.choose(self._kernels, exact=exact, device=self.device, family=declared(self))
         self.cos, self.sin = self._rope_tables(max_context)
         # the eager one-row step's decode_attention counters, one set per layer (kernels.merge_in_launch; the graphed
         # step keeps its own)
@@ -201,6 +204,12 @@ class Transformer:
                     packed_any |= pack_projections(dense, names)
         if packed_any and self.device.type == "cuda":
             torch.cuda.empty_cache()  # the unpacked originals' blocks: too small for the next pack, kept reserved otherwise
+
+    @property
+    def kernels(self) -> KernelTuning:
+        """EngineConfig.tuning.kernels as given at construction (read-only: the tiers were chosen from it; a forward
+        with other kernels is another Transformer over the same weights)."""
+        return self._kernels
 
     # ---- set-up -------------------------------------------------------------------------------
     def _rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
@@ -241,25 +250,15 @@ class Transformer:
         return F.linear(x, self.w[name + ".weight"], bias)
 
     def plus_linear(self, residual: Tensor, x: Tensor, name: str) -> Tensor:
-        """residual + linear(x, name): outside exact mode (the draft) and without a bias, one product with the
-        residual as its addend (kernels.residual_addend: one launch fewer per call)."""
-        if self._row_kernels(x) and name + ".bias" not in self.w:  # the draft step: the add in the GEMV's epilogue
-            return rowfused.linear_residual(x, self.w[name + ".weight"], residual)
-        if not self.exact and self.kernels.residual_addend and name + ".bias" not in self.w:
+        """residual + linear(x, name): without a bias, in the draft one product with the residual as its addend (one
+        launch fewer per call), or for one row the one-row kernel with the add in its epilogue."""
+        if name + ".bias" in self.w:
+            return residual + self.linear(x, name)
+        if self.tiers.one_row(x):
+            return rowfused.linear_residual(x, self.w[name + ".weight"], residual, self.tiers.row)
+        if self.tiers.residual_addend:
             return torch.addmm(residual, x, self.w[name + ".weight"].t())
         return residual + self.linear(x, name)
-
-    def _row_kernels(self, x: Tensor) -> bool:
-        """Whether this product runs through specter.model.rowfused: the non-exact forward of one row on CUDA (or
-        under Triton's interpreter) with kernels.row_kernels, and the family's own RMSNorm."""
-        family = declared(self)
-        return x.shape[0] == 1 and family is not None and family.norm == "rms" and self._fused(x, self.kernels.row_kernels)
-
-    def _fused(self, x: Tensor, switch: bool = True) -> bool:
-        """The kernel tier of one product of the forward over x: True runs specter.model.fused's Triton launch in place
-        of torch's ops, for the non-exact forward (the draft) on CUDA (or under Triton's interpreter) with its
-        KernelTuning `switch` on. The exact target always runs torch's ops. (The one-row tier: _row_kernels.)"""
-        return switch and not self.exact and fused.usable(x)
 
     # ---- the forward --------------------------------------------------------------------------
     async def forward(self, tokens: Tensor, start: int, kv: KVCache, experts: ExpertProvider) -> Tensor:
@@ -280,7 +279,7 @@ class Transformer:
     def norm(self, x: Tensor, name: str) -> Tensor:
         """The model's normalisation layer `name` (RMSNorm here; families with LayerNorm override this).
         Outside exact mode (the draft) on CUDA: one fused launch instead of eight (specter.model.fused)."""
-        if self._fused(x):
+        if self.tiers.norm:
             return fused.rms_norm(x, self.w[name + ".weight"], self.spec.rms_eps)
         return rms_norm(x, self.w[name + ".weight"], self.spec.rms_eps)
 
@@ -298,10 +297,11 @@ class Transformer:
         caller rotates them itself: fused.rope_and_cache)."""
         spec = self.spec
         norm_name = f"{spec.layer_prefix(layer)}.input_layernorm"
-        packed = self._packed_qkv(layer) if not self.exact and self.kernels.packed_qkv else None
-        if packed is not None and self._row_kernels(x):  # the draft step: the norm in the packed product's prologue
+        packed = self._packed_qkv(layer) if self.tiers.packed_qkv else None
+        if packed is not None and self.tiers.one_row(x):  # the draft step: the norm in the packed product's prologue
             weight, bias, sizes = packed
-            q, k, v = rowfused.norm_linear(x, self.w[norm_name + ".weight"], spec.rms_eps, weight, bias, sum(sizes)).split(sizes, dim=-1)
+            q, k, v = rowfused.norm_linear(x, self.w[norm_name + ".weight"], spec.rms_eps, weight, bias, sum(sizes),
+                                           self.tiers.row).split(sizes, dim=-1)
         elif packed is not None:  # the draft: one product over the packed weights (the target's own storage)
             h = self.norm(x, norm_name)
             weight, bias, sizes = packed
@@ -321,7 +321,7 @@ class Transformer:
             q, k = self.norm(q, f"{prefix}.q_norm"), self.norm(k, f"{prefix}.k_norm")
         if not rotate:
             return q, k, v
-        if self._fused(q):  # the draft on CUDA: one launch for both rotations
+        if self.tiers.rope:  # the draft on CUDA: one launch for both rotations
             q, k = fused.rope(q, k, self.cos, self.sin, positions)
             return q, k, v
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, hd]
@@ -355,9 +355,9 @@ class Transformer:
 
     def packed_ffn_input(self, layer: int) -> tuple[Tensor, tuple[int, ...]] | None:
         """(weight, rows of each) of a MoE layer whose router and shared-expert input products are packed without
-        biases (see _ffn_input_names), for the non-exact forward with kernels.packed_ffn_input (and router_and_gate:
-        without it the draft runs torch's router and gate as the target does, for A/B timing); else None."""
-        if self.exact or not self.kernels.packed_ffn_input or not self.kernels.router_and_gate:
+        biases (see _ffn_input_names), where the tiers pack them (the draft, with kernels.packed_ffn_input and
+        router_and_gate: without the latter the draft runs torch's router and gate as the target does); else None."""
+        if not self.tiers.packed_ffn_input:
             return None
         if ("ffn", layer) not in self._packed:
             names = self._ffn_input_names(layer)
@@ -382,7 +382,7 @@ class Transformer:
         to the sum (plus_linear)."""
         inter, gated = self.spec.shared_intermediate, self.spec.shared_gate
         gate_logit = product[:, 2 * inter + self.spec.num_experts :][:, :1] if gated else None  # [T, 1]
-        if self._fused(product):  # (the packed product is the draft's alone)
+        if self.tiers.gated_silu:  # (the packed product is the draft's alone)
             act = fused.gated_silu(product, inter, gate_logit)
         else:
             act = F.silu(product[:, :inter]) * product[:, inter : 2 * inter]
@@ -396,11 +396,10 @@ class Transformer:
         epilogue; without a shared expert: the router alone; its last router program takes the top-k), the routed
         experts' gate/up, then routed down (+ shared down) + residual together. None where that does not apply: more rows, the exact forward, a
         family with its own routing, shared expert or linear, a shared expert that packs nothing (packed_ffn_input),
-        biases on the router or the shared down, or experts that do not offer `row_experts(layer) -> (QuantizedExperts,
-        route counter [E], int32 [1] zero for rowfused.Select) | None` (the draft's DraftExperts does)."""
-        if not self._row_kernels(x) or layer in self.spec.dense_layers or not self._base_feed_forward():
-            return None
-        if not self.kernels.router_and_gate:  # torch's router (A/B): then the layer is not fused at all
+        biases on the router or the shared down, experts rowfused does not take (rowfused.supports with the row tiles), or
+        experts that do not offer `row_experts(layer) -> (QuantizedExperts, route counter [E], int32 [1] zero for
+        rowfused.Select) | None` (the draft's DraftExperts does)."""
+        if not self.tiers.one_row_moe(x) or layer in self.spec.dense_layers:
             return None
         spec = self.spec
         offer = getattr(experts, "row_experts", None)
@@ -408,27 +407,31 @@ class Transformer:
         if found is None or spec.router_name(layer).removesuffix(".weight") + ".bias" in self.w:
             return None
         quantized, counts, sync = found
+        tiles = self.tiers.row  # EngineConfig.tuning.kernels.row
+        if not rowfused.supports(quantized, tiles):  # int8, int3, int2, odd shapes
+            return None
         norm = self.w[f"{spec.layer_prefix(layer)}.post_attention_layernorm.weight"]
-        select = None  # the router's top-k in the input product's launch (RowConfig.topk_in_router), else in gate/up's
-        if rowfused.DEFAULT_CONFIG.topk_in_router:
+        select = None  # the router's top-k in the input product's launch (RowTiles.topk_in_router), else in gate/up's
+        if tiles.topk_in_router:
             select = rowfused.Select.new(spec.num_experts, spec.top_k, spec.norm_topk_prob, sync, counts)
-        int8 = rowfused.DEFAULT_CONFIG.int8_finish and rowfused.int8_finish_fits(quantized)  # gate/up's output in int8
+        int8 = tiles.int8_finish and rowfused.int8_finish_fits(quantized, tiles)  # gate/up's output in int8
         if not spec.shared_intermediate:
-            h, logits = rowfused.norm_router(x, norm, spec.rms_eps, self.w[spec.router_name(layer)], select=select)
+            h, logits = rowfused.norm_router(x, norm, spec.rms_eps, self.w[spec.router_name(layer)], tiles, select=select)
             routed, ids, weights, *q8 = rowfused.moe_gate_up(h, logits, quantized, spec.top_k, spec.norm_topk_prob,
-                                                             counts, picks=select, int8_act=int8)  # fmt: skip
-            return rowfused.moe_finish(x, routed, ids, weights, quantized, None, None, None, act_int8=q8[0] if q8 else None)
+                                                             counts, tiles, picks=select, int8_act=int8)  # fmt: skip
+            return rowfused.moe_finish(x, routed, ids, weights, quantized, None, None, None, tiles,
+                                       act_int8=q8[0] if q8 else None)  # fmt: skip
         packed = self.packed_ffn_input(layer)
         down = f"{spec.layer_prefix(layer)}.mlp.shared_expert.down_proj"
         if packed is None or down + ".bias" in self.w:
             return None
         weight, sizes = packed
         inter, num_experts = sizes[0], sizes[2]
-        h, act, tail = rowfused.norm_ffn_input(x, norm, spec.rms_eps, weight, inter, sum(sizes[2:]), select=select)
+        h, act, tail = rowfused.norm_ffn_input(x, norm, spec.rms_eps, weight, inter, sum(sizes[2:]), tiles, select=select)
         routed, ids, weights, *q8 = rowfused.moe_gate_up(h, tail[:, :num_experts], quantized, spec.top_k,
-                                                         spec.norm_topk_prob, counts, picks=select, int8_act=int8)  # fmt: skip
+                                                         spec.norm_topk_prob, counts, tiles, picks=select, int8_act=int8)  # fmt: skip
         gate_logit = tail[:, num_experts : num_experts + 1] if spec.shared_gate else None
-        return rowfused.moe_finish(x, routed, ids, weights, quantized, act, self.w[down + ".weight"], gate_logit,
+        return rowfused.moe_finish(x, routed, ids, weights, quantized, act, self.w[down + ".weight"], gate_logit, tiles,
                                    act_int8=q8[0] if q8 else None)
 
     def _base_feed_forward(self) -> bool:
@@ -444,11 +447,11 @@ class Transformer:
 
     def _attend(self, layer: int, q: Tensor, first_position: int, kv: KVCache) -> Tensor:
         """Attention of each query row over the cache up to its own position; [T, H, hd] -> [T, H*hd]."""
-        if q.shape[0] == 1 and self._fused(q, self.kernels.decode_attention):
+        if q.shape[0] == 1 and self.tiers.decode_attention:
             # the eager draft step attends as its graphed twin does (graphed.StaticStep: the same launch, the runs merged
             # in it with a counter per layer), so both propose alike
             positions = torch.arange(first_position, first_position + 1, device=q.device)
-            counters = self.attention_counters[layer] if self.kernels.merge_in_launch else None
+            counters = self.attention_counters[layer] if self.tiers.merge_in_launch else None
             splits = fused.split_count(kv.k[layer].shape[1], self.kernels)
             return fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, self.spec.sliding_window, splits, counters)
         if self.exact or q.shape[0] == 1:
@@ -489,15 +492,15 @@ class Transformer:
         The draft (non-exact, CUDA) ropes and writes in one launch and attends the visible positions only,
         merging its runs in the launch with `counters` [R*Hkv] (kernels.merge_in_launch)."""
         prefix = f"{self.spec.layer_prefix(layer)}.self_attn"
-        if self._fused(x, self.kernels.rope_writes_cache):  # the draft: one launch, no index_copy_
+        if self.tiers.rope_writes_cache:  # the draft: one launch, no index_copy_
             q, k, v = self._qkv(layer, prefix, x, positions, rotate=False)
             q = fused.rope_and_cache(q, k, v, self.cos, self.sin, positions, kv.k[layer], kv.v[layer])
         else:
             q, k, v = self._qkv(layer, prefix, x, positions)  # [R, H, hd], [R, Hkv, hd] x 2
             kv.k[layer].index_copy_(1, positions, k.transpose(0, 1))
             kv.v[layer].index_copy_(1, positions, v.transpose(0, 1))
-        if self._fused(q, self.kernels.decode_attention):  # the draft: the visible positions only
-            merged = counters if self.kernels.merge_in_launch else None
+        if self.tiers.decode_attention:  # the draft: the visible positions only
+            merged = counters if self.tiers.merge_in_launch else None
             splits = fused.split_count(kv.k[layer].shape[1], self.kernels)
             out = fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, self.spec.sliding_window, splits, merged)
         else:
@@ -556,11 +559,20 @@ class Transformer:
             h = self.norm(x, norm_name)
             ids, weights, shared_input = self.packed_route(layer, h, packed)
             return self.packed_finish(layer, x, moe(layer, h, ids, weights), shared_input)
-        h, ids, weights = self.route(layer, self.norm(x, norm_name))  # [R, D], [R, A], [R, A]
-        routed = moe(layer, h, ids, weights)
-        if spec.shared_intermediate:
-            routed = routed + self.shared_expert(layer, h)
-        return x + routed
+        h, ids, weights, shared = self.static_moe_input(layer, x)
+        return self.static_moe_output(x, moe(layer, h, ids, weights), shared)
+
+    def static_moe_input(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """A MoE layer of the static step up to its routed experts, over its rows x [R, D]: the post-attention norm, the
+        family's routing and its shared expert. Returns h [R, D], ids [R, A], weights [R, A] and the shared expert's
+        output [R, D] (None without one). The segmented verify runs it before it awaits the routing."""
+        h, ids, weights = self.route(layer, self.norm(x, f"{self.spec.layer_prefix(layer)}.post_attention_layernorm"))
+        return h, ids, weights, self.shared_expert(layer, h) if self.spec.shared_intermediate else None
+
+    @staticmethod
+    def static_moe_output(x: Tensor, routed: Tensor, shared: Tensor | None) -> Tensor:
+        """The MoE layer's output: its input x plus the routed experts' sum (plus the shared expert's output)."""
+        return x + (routed if shared is None else routed + shared)
 
     def route(self, layer: int, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router: softmax over experts in float32, top-A, optional renormalisation. Returns h, ids [T, A], weights [T, A]."""
@@ -570,7 +582,7 @@ class Transformer:
 
     def _select(self, logits: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Top-A of the float32 softmax of router logits [T, E]: ids [T, A], weights [T, A] in `dtype`."""
-        if self._fused(logits, self.kernels.router_and_gate):  # the draft on CUDA: one launch
+        if self.tiers.router:  # the draft on CUDA: one launch
             return fused.topk_softmax(logits, self.spec.top_k, self.spec.norm_topk_prob, dtype)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
@@ -591,7 +603,7 @@ class Transformer:
         out = self.dense_mlp(f"{prefix}.shared_expert", h)
         if self.spec.shared_gate:
             gate = f"{prefix}.shared_expert_gate"
-            if self._fused(h, self.kernels.router_and_gate) and gate + ".bias" not in self.w:
+            if self.tiers.router and gate + ".bias" not in self.w:
                 return fused.sigmoid_gate(h, self.w[gate + ".weight"], out)
             out = torch.sigmoid(self.linear(h, gate)) * out
         return out

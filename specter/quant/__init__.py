@@ -12,13 +12,12 @@ from specter.quant.groupwise import (
     quantize_experts,
 )
 from specter.quant.moe_torch import moe_forward, moe_reference
-from specter.quant.moe_triton import MoEKernelConfig, fused_moe
+from specter.quant.moe_triton import fused_moe
 
 __all__ = [
     "SUPPORTED_BITS",
     "ExpertHessians",
     "HessianAccumulator",
-    "MoEKernelConfig",
     "QuantizedExperts",
     "QuantizedTensor",
     "dequantize",

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specter.config import MoETiles
 from specter.log import get_logger
 from specter.quant.groupwise import QuantizedExperts
 from specter.quant.moe_torch import check_routes, moe_forward
@@ -39,26 +40,6 @@ log = get_logger(__name__)
 KERNEL_BITS = (4, 8)
 MAX_PAIRS = 256  # the route kernel ranks all pairs in one program
 BLOCK_M = 16  # tokens per expert chunk; tl.dot needs at least 16 rows
-
-
-@dataclass(frozen=True)
-class MoEKernelConfig:
-    """Tile sizes and launch parameters; the benchmark sweeps these."""
-
-    block_n_gate_up: int = 32  # intermediate columns per program (the tile holds 2x rows: gate and up)
-    block_n_down: int = 32  # hidden columns per program
-    block_k: int = 128  # input elements per step; a divisor of the group keeps one scale per row per step
-    num_warps: int = 4
-    num_stages: int = 3
-    split_k_down: int = 2  # K parts of the down GEMM (at most its K steps); 1: no split
-    single_token_gemv: bool = True  # one token: GEMV kernels without routing or 16-row tiles (H200: 33 vs 51 us)
-    block_n_gemv: int = 16  # output rows per GEMV program (gate/up: 2x, gate and up)
-    block_k_gemv: int = 512  # input elements per GEMV step; a step of several groups reads one scale per group
-    split_k_gemv_gate_up: int = 4  # K parts of the one-token gate/up GEMV (> 1: float32 parts, then an activation launch)
-    # (H200 sweep of 42 configs, 2026-11-30, ninth session: 512 and 4 best, 26.2 us against 33.5 for 128 and 1)
-
-
-DEFAULT_CONFIG = MoEKernelConfig()  # what `fused_moe` uses when no config is passed (benchmarks may swap it)
 
 
 @functools.cache
@@ -81,14 +62,15 @@ def kernel_supports(x: Tensor, expert_ids: Tensor, qe: QuantizedExperts) -> bool
 
 
 def fused_moe(
-    x: Tensor, expert_ids: Tensor, weights: Tensor, qe: QuantizedExperts, config: MoEKernelConfig | None = None,
+    x: Tensor, expert_ids: Tensor, weights: Tensor, qe: QuantizedExperts, tiles: MoETiles | None = None,
     counts: Tensor | None = None,
 ) -> Tensor:
     """[T, D] MoE output; Triton on CUDA for int4/int8, the torch reference otherwise. Never syncs.
-    counts [E] float32, when given, gets +1 per (token, slot) at its expert (the draft's route counter): inside the
-    kernels on the Triton path, by index_add_ otherwise."""
+    tiles: the kernels' tiles, EngineConfig.tuning.kernels.moe (the draft's DraftExperts passes them; None: their
+    defaults). counts [E] float32, when given, gets +1 per (token, slot) at its expert (the draft's route counter):
+    inside the kernels on the Triton path, by index_add_ otherwise."""
     if x.is_cuda and kernel_supports(x, expert_ids, qe) and triton_available():
-        return fused_moe_triton(x, expert_ids, weights, qe, config, counts)
+        return fused_moe_triton(x, expert_ids, weights, qe, tiles, counts)
     if counts is not None:
         flat = expert_ids.reshape(-1)
         counts.index_add_(0, flat, torch.ones(flat.numel(), dtype=counts.dtype, device=counts.device))
@@ -96,25 +78,25 @@ def fused_moe(
 
 
 def fused_moe_triton(
-    x: Tensor, expert_ids: Tensor, weights: Tensor, qe: QuantizedExperts, config: MoEKernelConfig | None = None,
+    x: Tensor, expert_ids: Tensor, weights: Tensor, qe: QuantizedExperts, tiles: MoETiles | None = None,
     counts: Tensor | None = None,
 ) -> Tensor:
     """The Triton path (CUDA, or the interpreter for CPU tensors); four launches, no host sync."""
     check_routes(x, expert_ids, weights, qe.hidden)
     assert kernel_supports(x, expert_ids, qe), f"Triton MoE handles int4/int8 and <= {MAX_PAIRS} pairs"
-    config = config or DEFAULT_CONFIG
+    tiles = tiles or MoETiles()
     assert x.is_cuda or interpreting(), "the Triton MoE needs CUDA tensors (or TRITON_INTERPRET=1 for CPU ones)"
     kernels = _kernels()
     x = x.contiguous()
     assert counts is None or (counts.dtype == torch.float32 and counts.is_contiguous() and counts.device == x.device)
-    if config.single_token_gemv and x.shape[0] == 1:
-        return _single_token(kernels, x, expert_ids, weights, qe, config, counts)
+    if tiles.single_token_gemv and x.shape[0] == 1:
+        return _single_token(kernels, x, expert_ids, weights, qe, tiles, counts)
     routes = _route(kernels, expert_ids, weights, counts)
     hidden_act = torch.empty(routes.pairs, qe.intermediate, device=x.device, dtype=x.dtype)  # [P, I]
-    _launch_gemm(kernels, x, qe, routes, hidden_act, gate_up=True, config=config, split=1)
-    split = _down_parts(qe, _block_k(qe.w2_group, config.block_k), config)
+    _launch_gemm(kernels, x, qe, routes, hidden_act, gate_up=True, tiles=tiles, split=1)
+    split = _down_parts(qe, _block_k(qe.w2_group, tiles.block_k), tiles)
     pair_out = torch.empty(split, routes.pairs, qe.hidden, device=x.device, dtype=torch.float32)  # [S, P, D]
-    _launch_gemm(kernels, hidden_act, qe, routes, pair_out, gate_up=False, config=config, split=split)
+    _launch_gemm(kernels, hidden_act, qe, routes, pair_out, gate_up=False, tiles=tiles, split=split)
     return _combine(kernels, pair_out, routes, x.dtype)
 
 
@@ -152,9 +134,9 @@ class _Operand:
         return triton_cdiv(triton_cdiv(self.k_dim, block_k), split) * block_k
 
 
-def _down_parts(qe: QuantizedExperts, block_k: int, config: MoEKernelConfig) -> int:
-    """The down GEMM's K parts: config.split_k_down, at most one per K step."""
-    return max(1, min(config.split_k_down, triton_cdiv(qe.intermediate, block_k)))
+def _down_parts(qe: QuantizedExperts, block_k: int, tiles: MoETiles) -> int:
+    """The down GEMM's K parts: tiles.split_k_down, at most one per K step."""
+    return max(1, min(tiles.split_k_down, triton_cdiv(qe.intermediate, block_k)))
 
 
 def _out_strides(out: Tensor) -> tuple[int, int]:
@@ -178,14 +160,14 @@ def _route(kernels: Any, expert_ids: Tensor, weights: Tensor, counts: Tensor | N
 
 
 def _launch_gemm(
-    kernels: Any, a: Tensor, qe: QuantizedExperts, routes: _Routes, out: Tensor, gate_up: bool, config: MoEKernelConfig,
+    kernels: Any, a: Tensor, qe: QuantizedExperts, routes: _Routes, out: Tensor, gate_up: bool, tiles: MoETiles,
     split: int,
 ) -> None:
     """Gate/up (a = x, rows by token; out h [P, I]) or down (a = h, rows by slot; out [split, P, D]) over the sorted
     pairs, in `split` K parts."""
     op = _Operand.of(qe, gate_up)
-    block_n = config.block_n_gate_up if gate_up else config.block_n_down
-    block_k = _block_k(op.group, config.block_k)
+    block_n = tiles.block_n_gate_up if gate_up else tiles.block_n_down
+    block_k = _block_k(op.group, tiles.block_k)
     grid = (routes.pairs, triton_cdiv(op.n_out, block_n), split)
     assert split == 1 or not gate_up, "the gate/up GEMM is not split (its parts would need adding before silu)"
     kernels.gemm[grid](
@@ -194,12 +176,12 @@ def _launch_gemm(
         routes.pairs, op.n_out, op.k_dim, op.k_part(block_k, split), qe.intermediate,
         GROUP=op.group, BITS=qe.bits, GATE_UP=gate_up, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         SCALE_PER_TILE=op.group % block_k == 0, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
 
 def _single_token(kernels: Any, x: Tensor, expert_ids: Tensor, weights: Tensor, qe: QuantizedExperts,
-                  config: MoEKernelConfig, counts: Tensor | None = None) -> Tensor:
+                  tiles: MoETiles, counts: Tensor | None = None) -> Tensor:
     """One token (the draft's step): its A experts are distinct, so no route kernel and no 16-row tiles. Three
     launches: gate/up GEMV (grid A x cdiv(I, BN)), down GEMV in K parts (A x cdiv(D, BN) x S), and a combine that adds
     parts and experts in ascending expert id, as the general path does."""
@@ -207,19 +189,19 @@ def _single_token(kernels: Any, x: Tensor, expert_ids: Tensor, weights: Tensor, 
     ids = expert_ids.reshape(-1).contiguous()
     route_weights = weights.reshape(-1).contiguous()
     hidden_act = torch.empty(active, qe.intermediate, device=x.device, dtype=x.dtype)  # [A, I]
-    k_steps = triton_cdiv(qe.hidden, _gemv_block_k(qe.w13_group, config.block_k_gemv))
-    split_gate_up = max(1, min(config.split_k_gemv_gate_up, k_steps))
+    k_steps = triton_cdiv(qe.hidden, _gemv_block_k(qe.w13_group, tiles.block_k_gemv))
+    split_gate_up = max(1, min(tiles.split_k_gemv_gate_up, k_steps))
     if split_gate_up == 1:  # the activation in the GEMV's epilogue
-        _launch_gemv(kernels, x, ids, route_weights, qe, hidden_act, gate_up=True, config=config, split=1)
+        _launch_gemv(kernels, x, ids, route_weights, qe, hidden_act, gate_up=True, tiles=tiles, split=1)
     else:  # K parts of gate and up in float32, added (in part order) before the activation by a second launch
         parts = torch.empty(split_gate_up, active, 2 * qe.intermediate, device=x.device, dtype=torch.float32)
-        _launch_gemv(kernels, x, ids, route_weights, qe, parts, gate_up=True, config=config, split=split_gate_up)
+        _launch_gemv(kernels, x, ids, route_weights, qe, parts, gate_up=True, tiles=tiles, split=split_gate_up)
         block = min(1024, _next_power_of_2(qe.intermediate))
         kernels.gemv_act[(active, triton_cdiv(qe.intermediate, block))](
             parts, parts.stride(0), hidden_act, qe.intermediate, PARTS=split_gate_up, BLOCK=block)
-    split = _down_parts(qe, _gemv_block_k(qe.w2_group, config.block_k_gemv), config)
+    split = _down_parts(qe, _gemv_block_k(qe.w2_group, tiles.block_k_gemv), tiles)
     pair_out = torch.empty(split, active, qe.hidden, device=x.device, dtype=torch.float32)  # [S, A, D]
-    _launch_gemv(kernels, hidden_act, ids, route_weights, qe, pair_out, gate_up=False, config=config, split=split)
+    _launch_gemv(kernels, hidden_act, ids, route_weights, qe, pair_out, gate_up=False, tiles=tiles, split=split)
     out = torch.empty(1, qe.hidden, device=x.device, dtype=x.dtype)
     block_d = 256
     kernels.gemv_combine[(triton_cdiv(qe.hidden, block_d),)](
@@ -230,20 +212,20 @@ def _single_token(kernels: Any, x: Tensor, expert_ids: Tensor, weights: Tensor, 
 
 
 def _launch_gemv(kernels: Any, a: Tensor, ids: Tensor, route_weights: Tensor, qe: QuantizedExperts, out: Tensor,
-                 gate_up: bool, config: MoEKernelConfig, split: int) -> None:
+                 gate_up: bool, tiles: MoETiles, split: int) -> None:
     """Gate/up (a = x [1, D], out h [A, I]) or down (a = h [A, I], out [split, A, D] weighted fp32), one expert per
     program row."""
     op = _Operand.of(qe, gate_up)
-    block_k = _gemv_block_k(op.group, config.block_k_gemv)
-    grid = (ids.numel(), triton_cdiv(op.n_out, config.block_n_gemv), split)
+    block_k = _gemv_block_k(op.group, tiles.block_k_gemv)
+    grid = (ids.numel(), triton_cdiv(op.n_out, tiles.block_n_gemv), split)
     groups = block_k // op.group if block_k % op.group == 0 else 1  # whole groups per K step: a scale per group
     kernels.gemv[grid](
         a, 0 if gate_up else a.stride(0), op.w, op.w.stride(0), op.w.stride(1), op.scales, op.scales.stride(0),
         op.scales.stride(1), out, *_out_strides(out), ids, route_weights, op.n_out, op.k_dim, op.k_part(block_k, split),
-        qe.intermediate, GROUP=op.group, BITS=qe.bits, GATE_UP=gate_up, BLOCK_N=config.block_n_gemv, BLOCK_K=block_k,
+        qe.intermediate, GROUP=op.group, BITS=qe.bits, GATE_UP=gate_up, BLOCK_N=tiles.block_n_gemv, BLOCK_K=block_k,
         SCALE_PER_TILE=op.group % block_k == 0, GROUPS=groups, PARTIAL=gate_up and split > 1,
-        ROWS=config.block_n_gemv * (2 if gate_up else 1),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        ROWS=tiles.block_n_gemv * (2 if gate_up else 1),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
 
