@@ -21,7 +21,7 @@ gpu_setup() {  # the GPU machine has no registry: install the staged wheels and 
 
 train_qwen() {  # the Qwen1.5-MoE shape, 8 layers, trained on the stdlib corpus, into /tmp/qwenref (kept while warm)
   [ -f /tmp/qwenref/config.json ] && return
-  timeout 200 python3 benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes 2.5 \
+  timeout 200 python3 benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes "${QWEN_MINUTES:-2.5}" \
     > "$out/logs/train-qwen.log" 2>&1
   tail -1 "$out/logs/train-qwen.log"
 }
