@@ -98,6 +98,7 @@ class SegmentedStep:
         self._no_weight = torch.zeros_like(self.weights)
         self._single_expert = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [R, 1] ids for the triton path
         self._expert_id = torch.zeros(1, dtype=torch.long, device=device)  # [1] the expert graphs' input
+        self._expert_id32 = self._expert_id.view(torch.int32)  # [2] its two halves, little-endian: `_set_expert_id` writes [0]
 
     def _split_layers(self) -> list[list[int]]:
         """Layers each segment runs in full (dense) before its MoE layer's pre-MoE part; the last: trailing layers."""
@@ -185,11 +186,12 @@ class SegmentedStep:
 
     def _set_expert_id(self, expert: int) -> None:
         """_expert_id[0] = expert in the current stream's order: the backend's set_int32 (on cuda a 4-byte copy from
-        a pinned table, a few microseconds of host time less than a fill kernel's launch); torch's fill otherwise."""
+        a pinned table, a few microseconds of host time less than a fill kernel's launch); torch's fill otherwise. Once per
+        verified expert, so the int32 view is made once (`_expert_id32`): a view per call cost ~1 us of host time."""
         if self.backend is None or not self.use_graph:
             self._expert_id.fill_(expert)
             return
-        self.backend.set_int32(self._expert_id.view(torch.int32), 0, expert, torch.cuda.current_stream())
+        self.backend.set_int32(self._expert_id32, 0, expert, torch.cuda.current_stream())
 
     def reset_experts(self) -> None:
         """Drop every expert graph (the cache's slots were reallocated); their outputs go with them."""
