@@ -1,13 +1,34 @@
 """Seconds for the host CPU to compute one routed expert (the host expert path, specter/experts/host.py) by rows and
 torch threads, at a real shape, against the time the same expert takes to cross the link: what a placement weighs.
 
-    python benchmarks/host_expert.py [SHAPE] [ROWS] [THREADS] [REPEATS]
-    python benchmarks/host_expert.py mixtral-8x7b 1,4,16 1,8,16 5
+    python benchmarks/host_expert.py [SHAPE] [ROWS] [THREADS] [REPEATS] [WARMUP] [FLUSH_MB]
+    python benchmarks/host_expert.py mixtral-8x7b 1,4,16 1,8,16 20 3
+    python benchmarks/host_expert.py 1024x3584 1,16 1        # hidden x expert width, for a small CPU
 
-SHAPE is a name of specter.bench.synthetic.SHAPES (hidden and expert width of the real model), ROWS and THREADS comma
-lists. The expert runs on the host thread as the engine runs it: bf16 weights from pinned memory when CUDA is present
-(else plain), blocks of 16 rows, its own torch thread count; one warm-up, then the median of REPEATS. Prints one line
-per (threads, rows) and a JSON line at the end.
+SHAPE is a name of specter.bench.synthetic.SHAPES (hidden and expert width of the real model) or HIDDENxWIDTH; ROWS
+and THREADS comma lists. The expert runs on the host thread as the engine runs it: bf16 weights from pinned memory
+when CUDA is present (else plain), blocks of 16 rows, its own torch thread count. Per thread count, every row count is
+warmed up (WARMUP calls of every variant, default 3), then the REPEATS (default 20) are interleaved: each repeat times
+every (rows, variant) once, so drift and the first configuration's start-up fall on all of them alike. (The first
+version warmed each configuration with one call and took the median of 3 in order: on the H200 its first row count
+measured 10.5 ms at 1 row against 7.8 ms at 16, the same work; here the first configuration measured is the slow one
+whichever it is.)
+
+Cold: before each timed call the host thread reads FLUSH_MB of scratch (default twice the last-level cache that
+sysfs reports, 64 MiB to 1 GiB; 0: no flush), so every variant reads its weights from memory, as the engine's host
+path does (it cycles through every host expert of every layer), not from a cache that the previous call filled:
+an expert that fits in the cache otherwise favours whichever variant read the same bytes last.
+
+Variants, all on the same host thread and rows:
+- host: `HostExperts.compute`, what the engine runs (block padding, the weighting); `host_s` is the median round trip
+  through the event loop (submit to result, what a verify waits), `host_inside_s` the median on the host thread;
+- plain: the F.linear chain on the rows as given (no padding, no weighting; one row takes oneDNN's M = 1 path);
+- packed: the same chain on the padded block with oneDNN-prepacked weights (torch.ops.mkldnn._reorder_linear_weight):
+  the kernel without the per-call reformat of plain [N, K] weights into AMX's layout; not what the engine runs (it
+  needs a second copy of the weights); `packed_equal` says whether its output equals the host path's bit for bit;
+- pageable (CUDA only): the plain chain on a pageable copy of the pinned weights.
+
+Prints one line per (threads, rows) and a JSON line at the end.
 """
 
 from __future__ import annotations
@@ -16,8 +37,10 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from specter.bench.synthetic import SHAPES, shape_config
 from specter.config import LINK_PRESETS
@@ -26,6 +49,21 @@ from specter.experts.pool import ExpertPool
 from specter.kernel import Kernel, run
 from specter.model.weights import unpack_expert
 from specter.placement import Placement
+
+BUCKET = 16
+
+
+def default_flush_bytes() -> int:
+    """Twice the last-level cache sysfs reports for cpu0 (64 MiB when unknown), at most 1 GiB."""
+    sizes = []
+    for index in range(8):
+        try:
+            text = open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size").read().strip()
+        except OSError:
+            break
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return min(1 << 30, max(64 << 20, 2 * max(sizes, default=32 << 20)))
 
 
 class HostMemory:
@@ -36,38 +74,102 @@ class HostMemory:
 def swiglu(hidden: int, inter: int):
     def mlp(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         w13, w2 = unpack_expert(packed, hidden, inter)
-        gate_up = torch.nn.functional.linear(rows, w13)
-        return torch.nn.functional.linear(torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2)
+        gate_up = F.linear(rows, w13)
+        return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2)
     return mlp
 
 
-async def time_expert(shape: str, rows_list: list[int], threads_list: list[int], repeats: int) -> list[dict]:
-    config = shape_config(shape)
-    hidden, inter = config["hidden_size"], config.get("moe_intermediate_size") or config["intermediate_size"]
+def prepacked(packed: torch.Tensor, hidden: int, inter: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The SwiGLU chain on oneDNN-prepacked copies of the expert's weights (None where this torch lacks the ops)."""
+    try:
+        w13, w2 = unpack_expert(packed, hidden, inter)
+        p13, p2 = (torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), BUCKET) for w in (w13, w2))
+        linear = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], "")  # noqa: E731
+        check = torch.zeros(BUCKET, hidden, dtype=packed.dtype)
+        linear(check, p13)
+    except (AttributeError, RuntimeError):
+        return None
+
+    def mlp(rows: torch.Tensor) -> torch.Tensor:
+        gate_up = linear(rows, p13)
+        return linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], p2)
+
+    return mlp
+
+
+def parse_shape(shape: str) -> tuple[int, int]:
+    if shape in SHAPES:
+        config = shape_config(shape)
+        return config["hidden_size"], config.get("moe_intermediate_size") or config["intermediate_size"]
+    hidden, _, inter = shape.partition("x")
+    assert hidden.isdigit() and inter.isdigit(), f"unknown shape {shape!r}; shapes: {', '.join(SHAPES)}, or HIDDENxWIDTH"
+    return int(hidden), int(inter)
+
+
+async def time_expert(shape: str, rows_list: list[int], threads_list: list[int], repeats: int, warmup: int = 3,
+                      flush_bytes: int | None = None) -> list[dict]:
+    hidden, inter = parse_shape(shape)
+    flush_bytes = default_flush_bytes() if flush_bytes is None else flush_bytes
+    scratch = torch.ones(flush_bytes // 8, dtype=torch.int64) if flush_bytes else None
+    flush = (lambda: scratch.max()) if scratch is not None else (lambda: None)  # a read: it leaves no dirty lines behind
     pool = ExpertPool(HostMemory(), 1, 1, 3 * hidden * inter, torch.bfloat16)
     pool.write(0, 0, (torch.randn(3 * hidden * inter) * 0.02).to(torch.bfloat16))
-    expert_bytes = pool.expert_bytes
+    expert_bytes, weights = pool.expert_bytes, pool.host(0, 0)
+    mlp = swiglu(hidden, inter)
+    packed_mlp = prepacked(weights, hidden, inter)
+    pageable = weights.clone() if weights.is_pinned() else None
+    links = {name: expert_bytes / (gbps * 1e9) for name, gbps in LINK_PRESETS.items()}
     kernel, results = Kernel(), []
     try:
         for threads in threads_list:
-            host = HostExperts(pool, Placement.of([[0]], 1, 1), row_bucket=16, threads=threads)
+            host = HostExperts(pool, Placement.of([[0]], 1, 1), row_bucket=BUCKET, threads=threads)
             try:
+                cases = {}
                 for rows in rows_list:
-                    x = torch.randn(rows, hidden).to(torch.bfloat16)
-                    w = torch.ones(rows, 1, dtype=torch.bfloat16)
-                    work = lambda: host.compute(0, 0, x, w, swiglu(hidden, inter))  # noqa: E731
-                    await kernel.wait_host(kernel.submit_host(host.thread, work))  # warm-up
-                    seconds = []
-                    for _ in range(repeats):
-                        started = time.perf_counter()
-                        await kernel.wait_host(kernel.submit_host(host.thread, work))
-                        seconds.append(time.perf_counter() - started)
-                    median = statistics.median(seconds)
-                    links = {name: expert_bytes / (gbps * 1e9) for name, gbps in LINK_PRESETS.items()}
-                    results.append({"shape": shape, "threads": threads, "rows": rows, "host_s": median, "expert_bytes": expert_bytes,
-                                    "copy_s": links})
-                    print(f"{shape} threads={threads:>3} rows={rows:>3}: host {median * 1e3:8.2f} ms; copy "
-                          + ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in links.items()), flush=True)
+                    x = (torch.randn(rows, hidden) * 0.1).to(torch.bfloat16)
+                    w = torch.rand(rows, 1).to(torch.bfloat16)
+                    block = F.pad(x, (0, 0, 0, -rows % BUCKET))[:BUCKET] if rows <= BUCKET else None
+                    variants = {"host": lambda x=x, w=w: host.compute(0, 0, x, w, mlp),
+                                "plain": lambda x=x: mlp(x, weights)}
+                    if packed_mlp is not None and block is not None:
+                        variants["packed"] = lambda block=block, w=w, rows=rows: packed_mlp(block)[:rows] * w
+                    if pageable is not None:
+                        variants["pageable"] = lambda x=x: mlp(x, pageable)
+                    cases[rows] = variants
+                    for work in variants.values():  # warm-up, per configuration
+                        for _ in range(warmup):
+                            await kernel.wait_host(kernel.submit_host(host.thread, work))
+                inside = {(rows, name): [] for rows, variants in cases.items() for name in variants}
+                round_trip = {rows: [] for rows in cases}
+                for _ in range(repeats):  # interleaved: every (rows, variant) once per repeat
+                    for rows, variants in cases.items():
+                        for name, work in variants.items():
+                            await kernel.wait_host(kernel.submit_host(host.thread, flush))
+                            started = time.perf_counter()
+                            job = kernel.submit_host(host.thread, work)
+                            await kernel.wait_host(job)
+                            if name == "host":
+                                round_trip[rows].append(time.perf_counter() - started)
+                            inside[rows, name].append(job.seconds)
+                for rows, variants in cases.items():
+                    median = {name: statistics.median(inside[rows, name]) for name in variants}
+                    equal = None
+                    if "packed" in variants:
+                        on_host = await kernel.wait_host(kernel.submit_host(host.thread, variants["host"]))
+                        on_packed = await kernel.wait_host(kernel.submit_host(host.thread, variants["packed"]))
+                        equal = bool(torch.equal(on_host, on_packed))
+                    result = {"shape": shape, "hidden": hidden, "width": inter, "threads": threads, "rows": rows,
+                              "repeats": repeats, "flush_bytes": flush_bytes, "host_s": statistics.median(round_trip[rows]),
+                              "host_min_s": min(round_trip[rows]), "host_inside_s": median["host"],
+                              "plain_s": median["plain"], "packed_s": median.get("packed"), "packed_equal": equal,
+                              "pageable_s": median.get("pageable"), "expert_bytes": expert_bytes, "copy_s": links}
+                    results.append(result)
+                    ms = lambda seconds: "-" if seconds is None else f"{seconds * 1e3:.2f}"  # noqa: E731
+                    print(f"{shape} threads={threads:>3} rows={rows:>3}: host {ms(result['host_s']):>7} ms (min "
+                          f"{ms(result['host_min_s'])}, on its thread {ms(result['host_inside_s'])}); plain "
+                          f"{ms(result['plain_s'])}, packed {ms(result['packed_s'])} (equal: {equal}), pageable "
+                          f"{ms(result['pageable_s'])}; copy " + ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in links.items()),
+                          flush=True)
             finally:
                 host.close()
     finally:
@@ -77,8 +179,10 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
 
 if __name__ == "__main__":
     shape = sys.argv[1] if len(sys.argv) > 1 else "mixtral-8x7b"
-    assert shape in SHAPES, f"unknown shape {shape!r}; shapes: {', '.join(SHAPES)}"
+    parse_shape(shape)
     rows = [int(n) for n in (sys.argv[2] if len(sys.argv) > 2 else "1,4,16").split(",")]
     threads = [int(n) for n in (sys.argv[3] if len(sys.argv) > 3 else str(torch.get_num_threads())).split(",")]
-    repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 5
-    print(json.dumps(run(time_expert(shape, rows, threads, repeats))))
+    repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 20
+    warmup = int(sys.argv[5]) if len(sys.argv) > 5 else 3
+    flush = int(sys.argv[6]) << 20 if len(sys.argv) > 6 else None
+    print(json.dumps(run(time_expert(shape, rows, threads, repeats, warmup, flush))))

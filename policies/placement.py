@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 
 from specter.placement import (
+    OVERLAP,
     Placement,
     PlacementState,
     copy_seconds,
@@ -64,7 +65,8 @@ class All:
 
 class Auto:
     """A calibrated cost model, decided once at load: per MoE layer, how many and which non-resident experts the host
-    computes, so that the expected per-token layer time max(device misses x copy, host uses x host block) is least.
+    computes, so that the expected per-token layer time `overlapped`(device misses x copy, host uses x host block,
+    `overlap`) is least (specter/placement.py).
 
     Issue 29 asked for a choice per miss, every round, among copy, host, and "both, first wins". Neither is made here:
     a choice that depends on the round (its k, the draft, the cache, the queues) would make the target's function, and
@@ -75,12 +77,20 @@ class Auto:
 
     Per layer with S slots and E experts: the device keeps S experts (`kept_on_device`: its initial residents, else the
     S most used); of the other E - S, the h least used go to the host, h from 0 to E - S, the h with the least expected
-    time winning (ties: fewer on the host). Least used first: the expected time depends only on how much use each path
-    carries, but a device-path expert that is used often is also reused from one token to the next (the cache keeps
-    it, the draft predicts it and the copy is prefetched), which the model's miss count does not credit; an expert
-    used rarely misses almost every time it is used, so it is the one the host path saves most on. With h < E - S the
-    layer's device-path experts do not all fit and the cache serves them on demand; its misses are modelled as the
-    rates of all but the S most used of them (a floor for LRU, so the model never overstates the host path's gain).
+    time winning (ties: fewer on the host). Least used first: a rarely used device-path expert is the one most likely
+    to have left the cache by its next use, so per second of host time it saves the most copies. With h < E - S the
+    layer's D = E - h device-path experts do not all fit in its S slots and churn through them: each use misses with
+    the probability Che's approximation gives an LRU cache (`expected_misses`; 1 - S/D under uniform use). The first
+    version counted only the uses beyond the S most used, as if the cache kept those: the same (D - S) x r per token
+    under uniform use, but under skewed use a floor well below what an LRU cache misses (a simulated LRU on a skewed
+    profile missed 0.77 per token, Che 0.70, the floor 0.48: tests/test_placement_auto.py).
+
+    `overlap` (default 0.0, `specter.placement.OVERLAP`, measured): the share of the shorter path's time per layer
+    that hides under the longer one, 1 for the longer alone, 0 for the sum. 0 because on that run the layer cost the
+    sum of its two paths (per layer and token, predicted 14.8 ms by the sum, 7.8 ms by the longer, measured 14.5 ms),
+    and with the sum the model picks what measured fastest there (`all`: 12.1 ms against auto's 14.5 ms). Raise it
+    where a machine is measured to overlap the two (a host thread count that leaves the loop thread a core, a real
+    link rather than a host-paced emulation): it moves experts onto the device path, splitting uses between the two.
 
     `prefetch_discount` (default 0.0, reasoned, not measured): the share of a miss's copy time that speculation's
     prefetch hides. 0 counts the copy in full because the placement also serves k = 0 (the `ondemand-hybrid`
@@ -99,12 +109,15 @@ class Auto:
     residents they evict, reloaded after the prompt). A function of T and the calibration only, so exact.
     """
 
-    def __init__(self, prefetch_discount: float = 0.0, margin: float = 0.05) -> None:
+    def __init__(self, prefetch_discount: float = 0.0, margin: float = 0.05, overlap: float = OVERLAP) -> None:
         if not 0.0 <= prefetch_discount < 1.0:
             raise ValueError(f"prefetch_discount={prefetch_discount}: expected 0 <= discount < 1")
         if not 0.0 <= margin < 1.0:
             raise ValueError(f"margin={margin}: expected 0 <= margin < 1")
+        if not 0.0 <= overlap <= 1.0:
+            raise ValueError(f"overlap={overlap}: expected 0 <= overlap <= 1")
         self.name = "auto"
+        self.overlap = overlap
         self.prefetch_discount = prefetch_discount
         self.margin = margin
 
@@ -117,7 +130,7 @@ class Auto:
         """The host-path experts of one layer (none when nothing is gained by at least `margin`)."""
         kept = set(kept_on_device(state, layer, rates if state.route_counts is not None else None))
         candidates = sorted((e for e in range(state.num_experts) if e not in kept), key=lambda e: (rates[e], e))
-        cost = lambda h: layer_token_seconds(state, rates, candidates[:h], self.prefetch_discount)  # noqa: E731
+        cost = lambda h: layer_token_seconds(state, rates, candidates[:h], self.prefetch_discount, self.overlap)  # noqa: E731
         off = cost(0)
         if not candidates or off is None or off <= 0.0:
             return []

@@ -417,7 +417,10 @@ class EngineConfig(_Frozen):
                              "after load, the llama.cpp --n-cpu-moe style), or any installed placement plug-in.")
     cpu_threads: int | None = Field(None, ge=1, le=1024, description="Torch intra-op threads of the host expert path's "
                                     "worker thread (its own OpenMP team: the loop thread keeps `threads`). None "
-                                    "(default): the host's cores. Fewer emulate a smaller host.")
+                                    "(default): the host's cores less one, at least 1, so that the event loop, which "
+                                    "issues the device's work and the copies while the host computes, keeps a core "
+                                    "(reasoned, not yet measured: specter.experts.host.default_threads). Fewer emulate "
+                                    "a smaller host.")
     placement_profile: Path | None = Field(None, description="A routing trace (`generate --trace`, specter/trace.py) of "
                                            "this model whose per-layer expert use the placement's cost model weighs "
                                            "(`auto`: the least used go to the host first). None (default): uniform "

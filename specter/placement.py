@@ -155,10 +155,19 @@ def prefill_placement(policy: object, state: PlacementState, decode: Placement, 
 
 
 # ---- the cost model a calibrated policy weighs (pure: the replay and `specter info` use it too) ----------------------
-# Per MoE layer and token: the device path's expected misses times one expert's copy, against the host path's expected
-# uses times one expert's host compute. The two paths run at once within a layer (the host thread computes while the
-# device computes and loads), so a layer costs the longer of the two. The device's own compute is left out: it is the
-# same whichever path an expert takes off the device. Every function returns None where a cost is not measured.
+# Per MoE layer and token: the device path's expected misses times one expert's copy, and the host path's expected
+# uses times one expert's host compute. The two paths are issued at once within a layer (the host thread computes
+# while the loop thread issues the device's compute and copies), but how much of the shorter one hides under the
+# longer is a measured property of the machine, not a given: `overlap` (1: all of it, the layer costs the longer of
+# the two; 0: none, their sum). The default is 0 because that is what the H200 showed (docs/BENCHMARKS.md, "Hybrid
+# systems, first run": Mixtral shape, 2 of 8 resident, Gen4; with 1.0 host use x 7.8 ms and 0.5 misses x 14.1 ms per
+# layer and token the sum predicts 14.8 ms, full overlap 7.8 ms, measured 14.5 ms). The device's own compute is left
+# out: it is the same whichever path an expert takes off the device. Every function returns None where a cost is not
+# measured.
+
+OVERLAP = 0.0
+"""Default share of the shorter path's time per layer hidden under the longer one (see above: measured ~0 on the H200's
+first hybrid run, whose link emulation is paced by the same loop thread that the host path's threads compete with)."""
 
 
 def use_rates(state: PlacementState) -> list[list[float]]:
@@ -186,20 +195,59 @@ def host_seconds(state: PlacementState, rows: int = 1) -> float | None:
     return per_block * math.ceil(max(1, rows) / state.row_bucket) if per_block is not None else None
 
 
+def hit_probabilities(rates: Sequence[float], slots: int) -> list[float]:
+    """Per expert of a set served by an LRU-like cache of `slots` slots, the probability that a token's use of it hits,
+    by Che's approximation for independent references: the cache holds what was used within its last T tokens, T
+    such that the expected number of distinct experts used within T tokens is `slots`; an expert of per-token use
+    rate r was used within T tokens with probability 1 - (1 - r)^T. With equal rates over D experts every hit is S/D
+    (a use misses with probability 1 - S/D); with skewed rates the much-used ones hit more, the rarely used less.
+    All 1.0 when at most `slots` experts are ever used."""
+    used = [r for r in rates if r > 0.0]
+    if len(used) <= slots:
+        return [1.0 if r > 0.0 else 0.0 for r in rates]
+    if max(rates) - min(rates) <= 1e-12 * max(rates):  # equal rates: exactly S/D (no iteration)
+        return [slots / len(rates)] * len(rates)
+    logs = [math.log1p(-min(r, 1.0 - 1e-12)) for r in used]  # < 0: (1 - r)^T = exp(T log(1 - r))
+
+    def distinct(t: float) -> float:  # expected distinct experts used within t tokens, minus the slots: concave, rising
+        return sum(-math.expm1(t * lg) for lg in logs) - slots
+
+    t = 0.0  # Newton from below on a concave rising function: every step stays below the root and climbs to it
+    for _ in range(100):
+        value = distinct(t)
+        slope = -sum(lg * math.exp(t * lg) for lg in logs)
+        step = -value / slope
+        t += step
+        if step <= 1e-9 * max(t, 1.0):
+            break
+    return [-math.expm1(t * math.log1p(-min(r, 1.0 - 1e-12))) if r > 0.0 else 0.0 for r in rates]
+
+
 def expected_misses(rates: Sequence[float], device: Sequence[int], slots: int) -> float:
     """Expected misses per token of a layer whose device-path experts are `device`: none when they fit in the layer's
-    slots (loaded once at start-up, `preloaded`), else the rates of all but the `slots` most used of them (a cache that
-    keeps the most used: a floor for LRU, so the model never overstates what the host path saves)."""
+    slots (loaded once at start-up, `preloaded`); else each use of a device-path expert e misses with probability
+    1 - hit_e (`hit_probabilities`: the D device-path experts churn through the S slots; uniform use gives
+    (1 - S/D) x the layer's device uses = (D - S) x r per token), and never fewer than the device uses beyond the S
+    experts the slots can hold at once."""
     if len(device) <= slots:
         return 0.0
-    ranked = sorted((rates[e] for e in device), reverse=True)
-    return sum(ranked[slots:])
+    used = [rates[e] for e in device]
+    hits = hit_probabilities(used, slots)
+    misses = sum(r * (1.0 - hit) for r, hit in zip(used, hits))
+    return max(misses, sum(used) - slots)
+
+
+def overlapped(device_s: float, host_s: float, overlap: float = OVERLAP) -> float:
+    """A layer's time from its two paths' times: the longer, plus the part of the shorter not hidden under it
+    (`overlap` of it hidden: 1 gives the longer, 0 the sum). On expectations, overlap 1 is a floor even for paths that
+    do run fully at once: the longer path differs from token to token, and E[max] >= max(E)."""
+    return max(device_s, host_s) + (1.0 - overlap) * min(device_s, host_s)
 
 
 def layer_token_seconds(state: PlacementState, rates: Sequence[float], host: Iterable[int],
-                        prefetch_discount: float = 0.0) -> float | None:
-    """Expected seconds per token of one layer whose host-path experts are `host`: max(device misses x copy x
-    (1 - prefetch_discount), host uses x one host block). None when a cost it needs is not measured."""
+                        prefetch_discount: float = 0.0, overlap: float = OVERLAP) -> float | None:
+    """Expected seconds per token of one layer whose host-path experts are `host`: `overlapped`(device misses x copy x
+    (1 - prefetch_discount), host uses x one host block, overlap). None when a cost it needs is not measured."""
     host = set(host)
     device = [e for e in range(state.num_experts) if e not in host]
     misses = expected_misses(rates, device, state.slots_per_layer)
@@ -209,13 +257,14 @@ def layer_token_seconds(state: PlacementState, rates: Sequence[float], host: Ite
         return None
     device_s = misses * (copy or 0.0) * (1.0 - prefetch_discount)
     host_s = sum(rates[e] for e in host) * (host_block or 0.0)
-    return max(device_s, host_s)
+    return overlapped(device_s, host_s, overlap)
 
 
-def token_seconds(state: PlacementState, placement: Placement, prefetch_discount: float = 0.0) -> float | None:
+def token_seconds(state: PlacementState, placement: Placement, prefetch_discount: float = 0.0,
+                  overlap: float = OVERLAP) -> float | None:
     """Expected expert seconds per decoded token of `placement` (k = 0: one row per forward), summed over layers; None
     when a cost it needs is not measured."""
     rates = use_rates(state)
-    per_layer = [layer_token_seconds(state, rates[layer], placement.host[layer], prefetch_discount)
+    per_layer = [layer_token_seconds(state, rates[layer], placement.host[layer], prefetch_discount, overlap)
                  for layer in range(state.num_layers)]
     return None if None in per_layer else sum(per_layer)

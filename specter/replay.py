@@ -6,7 +6,8 @@ the oldest miss's slot); on CUDA the engine's policy picks most of those slots (
 
 With `--placement off,all,auto --host-ms MS` it compares placements instead (`replay_placements`): per placement, the
 device path's misses and bytes over the link, the host path's expert computations, and a modelled expert time per
-token from the link's and the host's costs (the device's own compute left out, as in the placement cost model).
+token from the link's and the host's costs (the device's own compute left out, as in the placement cost model; per
+layer the two paths combine as `specter.placement.overlapped` with `--overlap`, default the sum).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 from specter.config import CacheTuning
 from specter.errors import SpecterError
 from specter.log import get_logger
-from specter.placement import Placement, PlacementState, preloaded, token_seconds
+from specter.placement import OVERLAP, Placement, PlacementPolicy, PlacementState, overlapped, preloaded, token_seconds
 from specter.plugins import available, guarded, load_policy
 from specter.policy import EvictionPolicy, LinkTiming, Plan, PrefetchPolicy, UseHistory
 from specter.trace import LayerRoutes, TraceHeader, TraceRound, read_trace, use_counts
@@ -172,12 +173,14 @@ def replay(
     placement_name: str = "off",
     host_block_s: float | None = None,
     row_bucket: int = 16,
+    overlap: float = OVERLAP,
 ) -> ReplayResult:
     """Replay `rounds` through one policy pair (objects, or installed names) with a cache starting empty.
 
     With a `placement`: its host-path experts never enter the cache (left out of the prefetch's counts and plans, the
     verify's misses), each layer's device-path experts that fit in its slots start resident (`preloaded`), and each
-    round's host-path uses cost `host_block_s` per block of `row_bucket` rows (k + 1 rows at most per expert).
+    round's host-path uses cost `host_block_s` per block of `row_bucket` rows (k + 1 rows at most per expert); a layer's
+    modelled time is its misses' copies and its host blocks combined by `overlapped` with `overlap` (0: their sum).
 
     Per round: at each checkpoint the recording engine planned at, plan from the counts it saw (a trace
     with `checkpoints`: the recording policy's schedule, not the replayed policy's, so policies that plan at
@@ -209,7 +212,7 @@ def replay(
         tally.stall_s += unhidden
         tally.host_computed += sum(map(len, routed.host))
         tally.host_s += sum(host_s)
-        tally.modelled_s += unhidden + sum(max(misses * copy_s, host) for misses, host in zip(layer_misses, host_s))
+        tally.modelled_s += unhidden + sum(overlapped(misses * copy_s, host, overlap) for misses, host in zip(layer_misses, host_s))
     tally.stall_s += tally.misses * copy_s
     return ReplayResult(
         eviction=eviction.name,
@@ -401,7 +404,7 @@ def trace_placement_state(header: TraceHeader, rounds: Sequence[TraceRound], lin
 def replay_placements(
     header: TraceHeader,
     rounds: Sequence[TraceRound],
-    names: Sequence[str],
+    names: Sequence[str | PlacementPolicy],
     link_gbps: float = DEFAULT_LINK_GBPS,
     host_block_s: float | None = None,
     *,
@@ -411,17 +414,22 @@ def replay_placements(
     row_bucket: int = 16,
     profile: Sequence[Sequence[float]] | None = None,
     roll: int | str = "engine",
+    overlap: float = OVERLAP,
 ) -> list[PlacementReplay]:
-    """Each named `specter.placement` policy placed once from `trace_placement_state`, then the trace replayed under
-    it through one eviction x prefetch pair (the engine's defaults unless given), in the order named."""
+    """Each `specter.placement` policy (an installed name, constructed with its defaults, or a policy object) placed
+    once from `trace_placement_state`, then the trace replayed under it through one eviction x prefetch pair (the
+    engine's defaults unless given), in the order given. `overlap`: how the replay and the prediction combine a layer's
+    two paths (`specter.placement.overlapped`); a policy object brings its own for its choice."""
     state = trace_placement_state(header, rounds, link_gbps, host_block_s, slots_per_layer=slots_per_layer,
                                   row_bucket=row_bucket, profile=profile)
     replays = []
-    for name in names:
-        placement = load_policy("placement", name).place(state=state)
+    for named in names:
+        policy = load_policy("placement", named) if isinstance(named, str) else named
+        placement = policy.place(state=state)
         result = replay(header, rounds, eviction, prefetch, link_gbps, slots_per_layer=state.slots_per_layer, roll=roll,
-                        placement=placement, placement_name=name, host_block_s=host_block_s, row_bucket=row_bucket)
-        replays.append(PlacementReplay(result, placement, token_seconds(state, placement)))
+                        placement=placement, placement_name=policy.name, host_block_s=host_block_s, row_bucket=row_bucket,
+                        overlap=overlap)
+        replays.append(PlacementReplay(result, placement, token_seconds(state, placement, overlap=overlap)))
     return replays
 
 
@@ -481,6 +489,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     placing.add_argument("--host-ms", type=float, default=None, metavar="MS",
                          help="host milliseconds per expert block of --row-bucket rows (`specter info` measures it)")
     placing.add_argument("--row-bucket", type=int, default=16, metavar="B", help="rows per host block (EngineConfig.row_bucket)")
+    placing.add_argument("--overlap", type=float, default=OVERLAP, metavar="O",
+                         help="share of the shorter of a layer's two paths hidden under the longer in the modelled time "
+                              "and the prediction (1: the longer, 0: the sum, the default; specter.placement.OVERLAP); "
+                              "the named policies choose with their own defaults")
     placing.add_argument("--profile", default=None, metavar="TRACE",
                          help="the routing profile the placements weigh (default: the replayed trace's own use counts)")
     args = parser.parse_args(argv)
@@ -506,8 +518,8 @@ def _compare_placements(args: argparse.Namespace, parser: argparse.ArgumentParse
     """`--placement`: one row per placement."""
     from specter.config import EngineConfig
 
-    if (args.host_ms is not None and args.host_ms <= 0) or args.row_bucket < 1:
-        parser.error("--host-ms must be > 0 and --row-bucket >= 1")
+    if (args.host_ms is not None and args.host_ms <= 0) or args.row_bucket < 1 or not 0 <= args.overlap <= 1:
+        parser.error("--host-ms must be > 0, --row-bucket >= 1 and 0 <= --overlap <= 1")
     engine = EngineConfig()
     try:
         header, rounds = read_trace(args.trace)
@@ -520,12 +532,12 @@ def _compare_placements(args: argparse.Namespace, parser: argparse.ArgumentParse
             header, rounds, _names(args.placement) or ["off"], args.link,
             args.host_ms / 1e3 if args.host_ms is not None else None, slots_per_layer=args.slots,
             eviction=(_names(args.eviction) or [engine.eviction])[0], prefetch=(_names(args.prefetch) or [engine.prefetch])[0],
-            row_bucket=args.row_bucket, profile=profile, roll=args.roll)
+            row_bucket=args.row_bucket, profile=profile, roll=args.roll, overlap=args.overlap)
     except SpecterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"model": header.model, "link_gbps": args.link, "host_ms": args.host_ms,
+        print(json.dumps({"model": header.model, "link_gbps": args.link, "host_ms": args.host_ms, "overlap": args.overlap,
                           "slots_per_layer": args.slots or header.slots_per_layer, "row_bucket": args.row_bucket,
                           "results": [replayed.to_json() for replayed in replays]}, indent=1))
     else:
@@ -534,8 +546,8 @@ def _compare_placements(args: argparse.Namespace, parser: argparse.ArgumentParse
               f"{args.host_ms} ms per expert block, {len(rounds)} rounds"
               + (f" ({first.eviction} x {first.prefetch})" if first else ""))
         print(format_placements(replays))
-        print("link+host: replayed (per round: unhidden prefetch + per layer the longer path); model: the cost model's "
-              "expected k = 0 time the placements were chosen by", file=sys.stderr)
+        print(f"link+host: replayed (per round: unhidden prefetch + per layer both paths at overlap {args.overlap}); "
+              "model: the cost model's expected k = 0 time the placements were chosen by", file=sys.stderr)
     return 0
 
 

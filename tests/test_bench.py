@@ -722,7 +722,10 @@ def test_cpu_experts_copies_nothing_and_is_held_to_its_own_placements_baseline(t
 def test_the_hybrids_place_with_auto_and_hold_their_tokens_to_that_placements_baseline(tmp_path, monkeypatch):
     """`specter-hybrid` (k as specter) and `ondemand-hybrid` (k = 0) place with `auto` from the cell's start and link,
     beside `cpu-experts`; each is held to the same placement's k = 0 run. The host's cost is fixed here (0.2 ms per
-    block against 0.4 ms per copy of tiny's expert at 1 GB/s), so `auto` puts some experts, not all, on the host."""
+    block against 0.4 ms per copy of tiny's expert at 1 GB/s) and `auto` weighs the two paths as fully overlapped
+    (overlap 1: by default it adds them up, and under uniform use it then puts all or none on the host), so it puts
+    some experts, not all, on the host."""
+    from specter import plugins
     from specter.bench import protocol, systems
     from specter.experts.costs import Calibration
 
@@ -730,6 +733,9 @@ def test_the_hybrids_place_with_auto_and_hold_their_tokens_to_that_placements_ba
         return Calibration({state.row_bucket: 2e-4}, None, None)
 
     monkeypatch.setattr(systems, "calibrate", fixed)
+    load_policy = plugins.load_policy
+    monkeypatch.setattr(plugins, "load_policy", lambda group, name, **options: load_policy(
+        group, name, **({"overlap": 1.0} if (group, name) == ("placement", "auto") else {}), **options))
     baselines = []
     placed = protocol.ModelBench._placement_baseline
 

@@ -170,9 +170,9 @@ def test_a_request_cancelled_while_the_host_computes_leaves_nothing_behind(root,
 
 
 def test_auto_computes_a_short_prompt_on_the_host_and_copies_a_long_ones_experts(root, monkeypatch):
-    """`auto` with costs fixed (host 1 ms per block, copy 1.2 ms): decoding puts the least used non-residents on the
-    host; a prompt of up to 64 rows runs them there (one block each), a longer one copies them (two blocks cost more
-    than a copy). Both kinds of prompt: speculative equals k = 0, TTFT reported, and no host-path expert left in the
+    """`auto` with costs fixed (host 1 ms per block, copy 1.2 ms): decoding puts the non-residents on the host (all
+    of them: with the two paths' times adding up, a host block cheaper than a copy wins for each); a prompt of up to
+    64 rows runs them there (one block each), a longer one copies them (two blocks cost more than a copy). Both kinds of prompt: speculative equals k = 0, TTFT reported, and no host-path expert left in the
     cache once decoding starts."""
     from specter.experts.costs import Calibration
 

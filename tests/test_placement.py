@@ -4,6 +4,7 @@ and the plug-in checks."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specter import plugins
 from specter.config import EngineConfig
@@ -80,6 +81,30 @@ def test_cpu_fields_are_validated():
             EngineConfig.build(cpu_threads=bad)
     with pytest.raises(ConfigError, match="cpu_experts"):
         EngineConfig.build(cpu_experts="")
+
+
+def test_cpu_threads_none_leaves_the_loop_a_core(monkeypatch):
+    """EngineConfig.cpu_threads=None resolves to the host's cores less one (the event loop's), at least one (the host
+    path's own count; the builder's calibration state and `info` resolve it with the same function)."""
+    import os
+
+    from specter.experts import host
+    from specter.experts.host import HostExperts, default_threads
+    from specter.experts.pool import ExpertPool
+
+    assert [default_threads(cores) for cores in (16, 2, 1, None)] == [15, 1, 1, max(1, (os.cpu_count() or 1) - 1)]
+    monkeypatch.setattr(host.os, "cpu_count", lambda: None)  # unknown: one thread
+    assert default_threads() == 1
+    monkeypatch.setattr(host.os, "cpu_count", lambda: 16)
+    assert default_threads() == 15
+
+    class Memory:
+        def alloc_host(self, numel, dtype):
+            return torch.empty(numel, dtype=dtype)
+
+    pool = ExpertPool(Memory(), 1, 2, 12, torch.bfloat16)
+    assert HostExperts(pool, Placement.device_only(1, 2), 16).threads == 15
+    assert HostExperts(pool, Placement.device_only(1, 2), 16, threads=3).threads == 3
 
 
 def test_info_counts_the_host_experts_of_a_placement(tiny):

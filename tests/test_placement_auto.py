@@ -3,6 +3,8 @@ function of the PlacementState, checked on hand-computed cases and by a hypothes
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,7 +12,16 @@ from hypothesis import strategies as st
 from policies.placement import Auto
 from specter import plugins
 from specter.errors import PluginError
-from specter.placement import Placement, PlacementState, prefill_placement, token_seconds, use_rates
+from specter.placement import (
+    Placement,
+    PlacementState,
+    expected_misses,
+    hit_probabilities,
+    overlapped,
+    prefill_placement,
+    token_seconds,
+    use_rates,
+)
 
 MS = 1e-3
 EXPERT_BYTES = 1024
@@ -31,19 +42,93 @@ def test_auto_is_installed_and_off_by_default_names_it():
     assert plugins.load_policy("placement", "auto").name == "auto"
 
 
-def test_uniform_routing_with_equal_costs_splits_the_non_residents():
-    # 8 experts at 0.25 uses per token each; 2 stay. h host experts: misses (6 - h) x 0.25 copies against h x 0.25
-    # host blocks, least at h = 3 (0.75 ms against off's 1.5 ms).
-    placement = Auto().place(state())
-    assert placement.counts() == [3, 3]
-    assert all(placement.host_experts(layer) == {2, 3, 4} for layer in range(2))  # equal rates: the lower ids go to the host first
-    assert token_seconds(state(), placement) == pytest.approx(2 * 0.75 * MS)
+def test_uniform_routing_with_equal_costs_splits_the_non_residents_only_where_the_paths_overlap():
+    # 8 experts at 0.25 uses per token each; 2 stay. h host experts: misses (6 - h) x 0.25 copies and h x 0.25 host
+    # blocks. Full overlap (the longer of the two, the first version's model): least at h = 3 (0.75 ms against off's
+    # 1.5 ms). The sum (the default): 1.5 ms whatever h, so nothing is gained and nothing moves.
+    overlapping = Auto(overlap=1.0).place(state())
+    assert overlapping.counts() == [3, 3]
+    assert all(overlapping.host_experts(layer) == {2, 3, 4} for layer in range(2))  # equal rates: lower ids first
+    assert token_seconds(state(), overlapping, overlap=1.0) == pytest.approx(2 * 0.75 * MS)
+    assert token_seconds(state(), overlapping) == pytest.approx(2 * 1.5 * MS)
     assert token_seconds(state(), Placement.device_only(2, 8)) == pytest.approx(2 * 1.5 * MS)
+    assert Auto().place(state()).total == 0
+    # Half hidden: 0.75 + 0.5 x 0.75 = 1.125 ms at h = 3, the best; h = 0 and h = 6 still cost 1.5 ms.
+    assert Auto(overlap=0.5).place(state()).counts() == [3, 3]
+    assert token_seconds(state(), overlapping, overlap=0.5) == pytest.approx(2 * 1.125 * MS)
+
+
+def test_overlapped_runs_from_the_sum_to_the_longer():
+    assert overlapped(3.0, 1.0, 0.0) == 4.0 and overlapped(3.0, 1.0, 1.0) == 3.0 and overlapped(1.0, 3.0, 0.25) == 3.75
+    with pytest.raises(ValueError, match="overlap"):
+        Auto(overlap=1.5)
+
+
+def test_the_first_hybrid_run_on_the_h200_is_predicted_and_auto_picks_all():
+    """docs/BENCHMARKS.md, "Hybrid systems, first run": Mixtral-8x7B shape, 4 MoE layers, 2 of 8 experts resident,
+    Gen4 (25 GB/s: 14.1 ms per 352 MB expert), host 7.77 ms per expert block of 16 rows. Measured per layer and
+    token: cpu-experts (`all`, 6 host experts per layer) 48.6 / 4 = 12.1 ms, the first `auto` (4 host experts per
+    layer) 57.8 / 4 = 14.5 ms, ondemand 81.2 / 4 = 20.3 ms. The model must pick `all` and predict each within 10 %;
+    the first version's model (full overlap) picked 4 per layer, the slower one."""
+    expert_bytes = 3 * 4096 * 14336 * 2  # 352.3 MB
+    measured = PlacementState(num_layers=4, num_experts=8, top_k=2, slots_per_layer=2,
+                              initial_residents=tuple((0, 1) for _ in range(4)), expert_bytes=expert_bytes, row_bucket=16,
+                              host_threads=16, link_bytes_per_s=25e9, host_expert_s={16: 7.77 * MS})
+    placement = Auto().place(measured)
+    assert placement.counts() == [6, 6, 6, 6]  # `all`
+    four = Placement.of([[2, 3, 4, 5]] * 4, 4, 8)  # the first auto's split: 2 device-path non-residents per layer
+    per_layer = lambda p: token_seconds(measured, p) / 4 / MS  # noqa: E731
+    assert per_layer(placement) == pytest.approx(48.6 / 4, rel=0.1)
+    assert per_layer(four) == pytest.approx(57.8 / 4, rel=0.1)
+    assert per_layer(Placement.device_only(4, 8)) == pytest.approx(81.2 / 4, rel=0.1)
+    assert Auto(overlap=1.0).place(measured).counts() == [4, 4, 4, 4]  # what the first version did
+
+
+def lru_misses_per_token(weights, top_k: int, device: set[int], slots: int, tokens: int, seed: int = 0) -> tuple[float, list[float]]:
+    """A simulated LRU cache of `slots` slots serving the device-path experts of a layer whose tokens each route to
+    top_k distinct experts drawn by `weights`: (misses per token, measured use rate per expert)."""
+    rng = random.Random(seed)
+    cache: list[int] = []
+    misses, counts = 0, [0] * len(weights)
+    for _ in range(tokens):
+        picks: set[int] = set()
+        while len(picks) < top_k:
+            picks.add(rng.choices(range(len(weights)), weights)[0])
+        for expert in sorted(picks):
+            counts[expert] += 1
+            if expert not in device:
+                continue
+            if expert in cache:
+                cache.remove(expert)
+            else:
+                misses += 1
+                if len(cache) >= slots:
+                    cache.pop(0)
+            cache.append(expert)
+    return misses / tokens, [c / tokens for c in counts]
+
+
+def test_device_path_experts_beyond_the_slots_churn_them():
+    # Uniform: each use misses with probability 1 - S/D, which equals "all but the S most used" (the first version).
+    rates = [0.25] * 8
+    assert hit_probabilities(rates[:4], 2) == [0.5] * 4
+    assert expected_misses(rates, [0, 1, 2, 3], 2) == pytest.approx(4 * 0.25 * (1 - 2 / 4))
+    assert expected_misses(rates, [0, 1], 2) == 0.0  # they fit: preloaded, never missed
+    # Skewed: the much-used hit more, the rarely used less, and the layer misses more than the first version's floor;
+    # a simulated LRU agrees with the estimate far better than with the floor.
+    weights, device = [8, 4, 2, 1, 1, 1, 1, 1], [0, 1, 2, 3, 4]
+    simulated, measured_rates = lru_misses_per_token(weights, 2, set(device), 2, tokens=20000)
+    hits = hit_probabilities([measured_rates[e] for e in device], 2)
+    assert hits == sorted(hits, reverse=True) and sum(hits) == pytest.approx(2)
+    estimate = expected_misses(measured_rates, device, 2)
+    floor = sum(sorted((measured_rates[e] for e in device), reverse=True)[2:])
+    assert floor < estimate <= simulated and simulated - estimate < 0.5 * (simulated - floor)
+    assert estimate == pytest.approx(simulated, rel=0.15)
 
 
 def test_skewed_routing_puts_the_least_used_on_the_host_and_keeps_the_most_used():
     counts = [[100, 80, 60, 40, 20, 10, 5, 1], [1, 5, 10, 20, 40, 60, 80, 100]]
-    placement = Auto().place(state(counts=counts))
+    placement = Auto(overlap=1.0).place(state(counts=counts))
     rates = use_rates(state(counts=counts))
     assert sum(rates[0]) == pytest.approx(2)
     for layer, most_used in ((0, {0, 1}), (1, {6, 7})):
@@ -69,14 +154,19 @@ def test_everything_resident_or_nothing_measured_places_nothing():
 
 
 def test_the_margin_falls_back_to_off():
-    # host 5.9 ms: one host expert saves 0.025 of 1.5 ms (1.7 %), below the 5 % margin; 5.5 ms saves 8.3 %.
-    assert Auto().place(state(host_s=5.9 * MS)).total == 0
-    assert Auto(margin=0.0).place(state(host_s=5.9 * MS)).counts() == [1, 1]
-    assert Auto().place(state(host_s=5.5 * MS)).counts() == [1, 1]
+    # The sum, uniform use: h host experts cost (6 - h) x 0.25 copies + h x 0.25 host blocks, linear in h, so the best
+    # is all six or none; all six save 1 - host / copy. Host 0.96 ms: 4 % saved, below the 5 % margin; 0.94 ms: 6 %.
+    assert Auto().place(state(host_s=0.96 * MS)).total == 0
+    assert Auto(margin=0.0).place(state(host_s=0.96 * MS)).counts() == [6, 6]
+    assert Auto().place(state(host_s=0.94 * MS)).counts() == [6, 6]
+    # Full overlap (the first version's): host 5.9 ms, one host expert saves 1.7 % of 1.5 ms; 5.5 ms saves 8.3 %.
+    assert Auto(overlap=1.0).place(state(host_s=5.9 * MS)).total == 0
+    assert Auto(margin=0.0, overlap=1.0).place(state(host_s=5.9 * MS)).counts() == [1, 1]
+    assert Auto(overlap=1.0).place(state(host_s=5.5 * MS)).counts() == [1, 1]
 
 
 def test_the_prefetch_discount_moves_experts_back_to_the_device():
-    plain, discounted = Auto().place(state()), Auto(prefetch_discount=0.5).place(state())
+    plain, discounted = Auto().place(state(copy_s=1.5 * MS)), Auto(prefetch_discount=0.5).place(state(copy_s=1.5 * MS))
     assert discounted.total < plain.total
     with pytest.raises(ValueError, match="prefetch_discount"):
         Auto(prefetch_discount=1.0)
@@ -137,18 +227,18 @@ def states(draw):
 
 @settings(max_examples=300, deadline=None)
 @given(placed=states(), discount=st.sampled_from([0.0, 0.3]), margin=st.sampled_from([0.0, 0.05]),
-       rows=st.integers(1, 4096))
-def test_auto_never_hosts_a_resident_and_is_deterministic(placed, discount, margin, rows):
-    policy = Auto(prefetch_discount=discount, margin=margin)
+       overlap=st.sampled_from([0.0, 0.5, 1.0]), rows=st.integers(1, 4096))
+def test_auto_never_hosts_a_resident_and_is_deterministic(placed, discount, margin, overlap, rows):
+    policy = Auto(prefetch_discount=discount, margin=margin, overlap=overlap)
     placement = policy.place(placed)
-    assert placement == Auto(prefetch_discount=discount, margin=margin).place(placed) == policy.place(placed)
+    assert placement == Auto(prefetch_discount=discount, margin=margin, overlap=overlap).place(placed) == policy.place(placed)
     slots = min(placed.slots_per_layer, placed.num_experts)
     for layer in range(placed.num_layers):
         kept = placed.initial_residents[layer][-slots:]
         assert not placement.host_experts(layer) & set(kept)  # a preloaded resident never moves to the host
         assert len(placement.device_experts(layer)) >= slots
-    off, auto = token_seconds(placed, Placement.device_only(placed.num_layers, placed.num_experts), discount), \
-        token_seconds(placed, placement, discount)
+    off, auto = token_seconds(placed, Placement.device_only(placed.num_layers, placed.num_experts), discount, overlap), \
+        token_seconds(placed, placement, discount, overlap)
     if off is not None and auto is not None:
         assert auto <= off + 1e-12  # never predicted slower than off
     prompt = policy.place_prefill(placed, placement, rows)

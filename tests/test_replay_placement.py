@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from policies.placement import Auto
 from specter.placement import Placement
 from specter.replay import main, replay, replay_placements
 from specter.trace import LayerRoutes, TraceHeader, TraceRound, TraceWriter
@@ -47,16 +48,33 @@ def test_all_copies_nothing_and_computes_every_other_use_on_the_host():
     assert result.host_s == pytest.approx(host_uses * 0.004) and result.modelled_s == pytest.approx(result.host_s)
 
 
-def test_auto_beats_both_where_link_and_host_cost_the_same():
-    """Copy 10 ms, host 10 ms per block, uniform routing: off pays every miss on the link, all every use on the host;
-    auto splits them between the two paths, which run at once."""
+def test_auto_beats_both_where_link_and_host_cost_the_same_and_run_at_once():
+    """Copy 10 ms, host 10 ms per block, uniform routing, the two paths fully overlapped (overlap 1, the first version's
+    model): off pays every miss on the link, all every use on the host; auto splits them between the two paths."""
     rounds = random_rounds(300, seed=1)
-    off, every, auto = replay_placements(HEADER, rounds, ["off", "all", "auto"], 1.0, host_block_s=0.010,
-                                         eviction="lru", prefetch="none")
+    off, every, auto = replay_placements(HEADER, rounds, ["off", "all", Auto(overlap=1.0)], 1.0, host_block_s=0.010,
+                                         eviction="lru", prefetch="none", overlap=1.0)
+    assert auto.result.placement == "auto"
     assert 0 < auto.placement.total < every.placement.total
     assert auto.result.per_token_s < min(off.result.per_token_s, every.result.per_token_s)
     assert auto.predicted_token_s < min(off.predicted_token_s, every.predicted_token_s)
     assert auto.result.misses < off.result.misses and auto.result.host_computed < every.result.host_computed
+
+
+def test_where_the_paths_add_up_auto_at_equal_costs_moves_nothing_and_the_replay_sums_them():
+    """The default (overlap 0): a layer costs its copies plus its host blocks, so at equal costs and uniform use the
+    host path gains nothing (auto places nothing), and a split placement's replayed time is the sum of its two paths'.
+    (With the trace's own, slightly uneven, counts as the profile the cache's churn can make `all` worth it.)"""
+    rounds = random_rounds(100, seed=2)
+    [auto] = replay_placements(HEADER, rounds, ["auto"], 1.0, host_block_s=0.010, eviction="lru", prefetch="none",
+                               profile=[[1] * 8] * 2)
+    assert auto.placement.total == 0
+    split = Placement.of([[2, 3, 4]] * 2, 2, 8)
+    summed = replay(HEADER, rounds, "lru", "none", 1.0, placement=split, placement_name="split", host_block_s=0.010)
+    longer = replay(HEADER, rounds, "lru", "none", 1.0, placement=split, placement_name="split", host_block_s=0.010,
+                    overlap=1.0)
+    assert summed.modelled_s == pytest.approx(summed.misses * 0.010 + summed.host_s)
+    assert summed.misses == longer.misses and longer.modelled_s < summed.modelled_s
 
 
 def test_a_speculative_round_pays_a_host_expert_once_for_its_rows():
@@ -86,3 +104,7 @@ def test_the_cli_compares_placements(tmp_path, capsys):
     assert "auto" in table and "link+host ms/tok" in table
     assert main([str(path), "--placement", "all"]) == 2  # no host cost given
     assert "--host-ms" in capsys.readouterr().err
+    assert main([str(path), "--placement", "all", "--host-ms", "10", "--overlap", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["overlap"] == 1.0
+    with pytest.raises(SystemExit):
+        main([str(path), "--placement", "all", "--host-ms", "10", "--overlap", "2"])

@@ -11,7 +11,7 @@ chose one expert, B the row bucket.
 #  2. The output has the device path's form: `mlp(rows) * weight` per routed row, in the pool's dtype, for the
 #     caller to sum in expert-id order with the device path's outputs.
 #  3. Every job runs on one thread, `specter-host-experts`, in submission order, with its own torch intra-op thread
-#     count (`EngineConfig.cpu_threads`): under torch's OpenMP backend the count is per calling thread, so the loop
+#     count (`EngineConfig.cpu_threads`, by default the cores less one: `default_threads`): under torch's OpenMP backend the count is per calling thread, so the loop
 #     thread keeps `EngineConfig.threads` (1 on CUDA). Under another backend it would be process-wide: then the host
 #     path keeps the loop thread's count and says so in a warning.
 #  4. Inputs come down and outputs go back through torch's pinned host allocator (CUDA): it keeps a buffer until the
@@ -52,9 +52,15 @@ def host_routes(chosen: Sequence[Sequence[int]], experts: Iterable[int]) -> dict
     return routes
 
 
-def default_threads() -> int:
-    """EngineConfig.cpu_threads=None: every core of the host."""
-    return os.cpu_count() or 1
+def default_threads(cores: int | None = None) -> int:
+    """EngineConfig.cpu_threads=None: every core of the host but one (at least one thread), `cores` defaulting to
+    os.cpu_count(). The core left is the event loop's: it issues the device's compute and the copies (and paces an
+    emulated link) while the host path computes, and an OpenMP team on every core leaves it none, so either it waits
+    for a time slice or it preempts one of the team's threads and the whole team waits at its barrier for that one.
+    A reasoned default, not yet measured: the H200's first hybrid run (16 threads on 16 cores) cost a layer the sum of
+    its two paths (docs/BENCHMARKS.md, "Hybrid systems, first run")."""
+    cores = cores if cores is not None else os.cpu_count()
+    return max(1, (cores or 1) - 1)
 
 
 def per_thread_counts() -> bool:
