@@ -4,7 +4,6 @@ link (emulated, measured, or unknown on the CPU), the routing profile from a tra
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import threading
 
@@ -19,6 +18,7 @@ from specter.errors import ConfigError
 from specter.experts import costs
 from specter.placement import Placement, PlacementState
 from specter.trace import TraceHeader, TraceRound, TraceWriter
+from tests.test_hybrid import placed_by
 from tests.test_speculative import DEVICE, checkpoint
 
 
@@ -33,13 +33,6 @@ class Recording:
     def place(self, state: PlacementState) -> Placement:
         self.states.append(state)
         return Placement.device_only(state.num_layers, state.num_experts)
-
-
-@contextlib.contextmanager
-def placed_by(policy):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(build, "placement_policy", lambda config: plugins.guarded(policy, "placement"))
-        yield
 
 
 @pytest.fixture(scope="module")
