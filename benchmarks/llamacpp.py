@@ -33,6 +33,7 @@ import fnmatch
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -434,18 +435,20 @@ def checkpoint_prompts(model_dir: Path, per_kind: int) -> list[dict[str, Any]]:
 
 
 def completion_command(binary: Path, gguf: Path, prompt: bytes, n_predict: int, n_cpu_moe: int | None, ctx: int,
-                       threads: int | None, gpu: bool) -> list[str | bytes]:
-    """llama-completion, greedy (--temp 0: the temp-ext sampler keeps only the largest logit), a fixed number of
-    tokens, the prompt as raw bytes (no escape processing), its ids printed (--verbose-prompt), --fit off (N and the
-    context are ours, not fitted), -lv 4 for the buffer sizes (a few lines at load, none per token)."""
+                       threads: int | None, gpu: bool, extra: Sequence[str] = ()) -> list[str | bytes]:
+    """llama-completion, greedy (--temp 0: the temp-ext sampler keeps only the largest logit), exactly n_predict
+    tokens (--ignore-eos: a vocabulary without an end token gets llama.cpp's BPE default, id 11, byte 0x0B, which
+    would end a run early; --ignore-eos masks it instead, see `agree`), the prompt as raw bytes (no escape
+    processing), its ids printed (--verbose-prompt), --fit off (N and the context are ours, not fitted), -lv 4 for
+    the buffer sizes (a few lines at load, none per token)."""
     cmd: list[str | bytes] = [str(binary), "-m", str(gguf), "-p", prompt, "-n", str(n_predict), "--temp", "0", "-s", "0",
                               "-c", str(ctx), "-no-cnv", "--no-escape", "--verbose-prompt", "--no-display-prompt",
-                              "-fit", "off", "-lv", "4"] + (["-ngl", "99"] if gpu else [])
+                              "--ignore-eos", "-fit", "off", "-lv", "4"] + (["-ngl", "99"] if gpu else [])
     if n_cpu_moe is not None:
         cmd += ["--n-cpu-moe", str(n_cpu_moe)]
     if threads:
         cmd += ["-t", str(threads)]
-    return cmd
+    return cmd + list(extra)
 
 
 def run_prompt(cmd: list[str | bytes], n_predict: int, prompt_len: int, attempts: int = 3,
@@ -473,14 +476,16 @@ def run_prompt(cmd: list[str | bytes], n_predict: int, prompt_len: int, attempts
 
 def run_checkpoint(model_dir: Path, gguf: Path, bin_dir: Path, out: Path, *, budget: int | None, n_cpu_moe: int | None,
                    per_kind: int, n_predict: int, ctx: int, threads: int | None, gpu: bool, bench: bool, label: str,
-                   overhead: int = DEFAULT_OVERHEAD, calibrate: bool = True, tree: Path = TREE) -> dict[str, Any]:
+                   overhead: int = DEFAULT_OVERHEAD, calibrate: bool = True, tree: Path = TREE,
+                   extra: Sequence[str] = ()) -> dict[str, Any]:
     """Plan N (unless given), calibrate the overhead with one short run, then every prompt, then llama-bench.
     Writes out/raw-LABEL.log (every run's output) and out/summary-LABEL.json; returns the summary."""
     out.mkdir(parents=True, exist_ok=True)
     completion = bin_dir / "llama-completion"
     raw: list[str] = []
     summary: dict[str, Any] = {"label": label, "model": str(model_dir), "gguf": str(gguf), "gpu": gpu,
-                               "n_predict": n_predict, "ctx": ctx, "threads": threads, "llama_cpp": staged_version(tree)}
+                               "n_predict": n_predict, "ctx": ctx, "threads": threads, "extra_args": list(extra),
+                               "llama_cpp": staged_version(tree)}
     layer_bytes, fixed_gpu, host = split_bytes(gguf_tensor_bytes(gguf, tree))
     summary["bytes"] = {"expert_per_layer": layer_bytes, "fixed_gpu": fixed_gpu, "host_only": host}
     prompts = checkpoint_prompts(model_dir, per_kind)
@@ -488,7 +493,7 @@ def run_checkpoint(model_dir: Path, gguf: Path, bin_dir: Path, out: Path, *, bud
         plan = choose_n_cpu_moe(layer_bytes, fixed_gpu, budget, overhead)
         if calibrate and gpu:
             probe = run_prompt(completion_command(completion, gguf, bytes(prompts[0]["ids"]), 4, plan["n_cpu_moe"], ctx,
-                                                  threads, gpu), 4, len(prompts[0]["ids"]))
+                                                  threads, gpu, extra), 4, len(prompts[0]["ids"]))
             raw.append(f"=== calibration N={plan['n_cpu_moe']}\n{probe.pop('raw')}")
             measured = _measured_overhead(probe, plan)
             if measured is not None:
@@ -499,8 +504,8 @@ def run_checkpoint(model_dir: Path, gguf: Path, bin_dir: Path, out: Path, *, bud
     summary["n_cpu_moe"] = n_cpu_moe
     summary["prompts"] = []
     for prompt in prompts:
-        record = run_prompt(completion_command(completion, gguf, bytes(prompt["ids"]), n_predict, n_cpu_moe, ctx, threads, gpu),
-                            n_predict, len(prompt["ids"]))
+        record = run_prompt(completion_command(completion, gguf, bytes(prompt["ids"]), n_predict, n_cpu_moe, ctx, threads, gpu,
+                                               extra), n_predict, len(prompt["ids"]))
         raw.append(f"=== prompt {prompt['kind']} {prompt['index']} N={n_cpu_moe}\n{record.pop('raw')}")
         record["prompt_ok"] = record["prompt_tokens"] == prompt["ids"]
         summary["prompts"].append(prompt | record)
@@ -568,6 +573,10 @@ def specter_greedy(model_dir: Path, prompts: list[list[int]], n_predict: int, de
     return asyncio.run(generate())
 
 
+MASKED_EOS = 11
+"""llama.cpp's end-of-text id for a BPE vocabulary that names none (llama-vocab.cpp: special_eos_id = 11)."""
+
+
 def matching_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     for index, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -583,6 +592,9 @@ def agree(summary_path: Path, device: str, dtype: str) -> dict[str, Any]:
     ours = specter_greedy(Path(summary["model"]), [p["ids"] for p in prompts], summary["n_predict"], device, dtype)
     rows = [{"kind": p["kind"], "index": p["index"], "prefix": matching_prefix(p["tokens"], mine), "of": len(mine),
              "llama_cpp": p["tokens"], "specter": mine} for p, mine in zip(prompts, ours)]
+    for row in rows:
+        if row["prefix"] < min(len(row["llama_cpp"]), row["of"]) and row["specter"][row["prefix"]] == MASKED_EOS:
+            row["note"] = f"Specter's next token is {MASKED_EOS}, llama.cpp's default end token, which --ignore-eos masks"
     record = {"summary": str(summary_path), "device": device, "dtype": dtype, "gguf": summary["gguf"], "prompts": rows,
               "min_prefix": min((r["prefix"] for r in rows), default=0), "all_equal": all(r["prefix"] == r["of"] for r in rows)}
     summary_path.with_name(summary_path.name.replace("summary-", "agree-")).write_text(json.dumps(record, indent=1) + "\n")
@@ -629,6 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--ctx", type=int, default=512)
         p.add_argument("--threads", type=int, default=None, help="llama.cpp's -t (default: its own choice)")
         p.add_argument("--no-bench", action="store_true", help="skip llama-bench")
+        p.add_argument("--extra-args", default="", help="more llama-completion arguments, one string (e.g. '-ctk f32 -ctv f32')")
         p.add_argument("--agree", action="store_true", help="then compare the tokens with Specter's (agree)")
     run_p.add_argument("--cpu", action="store_true", help="-ngl 0: everything on the CPU (a CPU-only build)")
     _budget_args(run_p)
@@ -716,7 +729,8 @@ def run_or_all(args: argparse.Namespace) -> int:
     label = args.label or f"{args.model.name}-" + (f"{budget / GiB:.1f}GiB" if budget else f"N{args.n_cpu_moe}")
     summary = run_checkpoint(args.model, args.gguf, bin_dir, args.out, budget=budget, n_cpu_moe=args.n_cpu_moe,
                              per_kind=args.per_kind, n_predict=args.n_predict, ctx=args.ctx, threads=args.threads, gpu=gpu,
-                             bench=not args.no_bench, label=label, overhead=int(args.overhead_mib * MiB), tree=args.tree)
+                             bench=not args.no_bench, label=label, overhead=int(args.overhead_mib * MiB), tree=args.tree,
+                             extra=shlex.split(args.extra_args))
     summary["steps"] = steps
     (args.out / f"summary-{label}.json").write_text(json.dumps(summary, indent=1) + "\n")
     _print_summary(summary)
@@ -741,7 +755,8 @@ def _ms(value: float | None) -> str:
 
 def _print_agree(record: dict[str, Any]) -> int:
     for row in record["prompts"]:
-        print(f"agree {row['kind']}[{row['index']}]: {row['prefix']}/{row['of']} leading tokens equal")
+        print(f"agree {row['kind']}[{row['index']}]: {row['prefix']}/{row['of']} leading tokens equal"
+              + (f" ({row['note']})" if "note" in row else ""))
     return 0
 
 
