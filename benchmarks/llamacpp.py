@@ -29,6 +29,7 @@ prompt to exactly the prompt's ids (`--verbose-prompt`), and reads the generated
 from __future__ import annotations
 
 import argparse
+import atexit
 import fnmatch
 import json
 import os
@@ -236,13 +237,16 @@ def is_byte_tokenizer(model_dir: Path) -> bool:
     return Tokenizer.from_file(str(path)).encode(PROBE, add_special_tokens=False).ids == list(PROBE.encode())
 
 
-def convert_main(tree: Path, argv: list[str]) -> None:
+def convert_main(tree: Path, argv: list[str], widen: int | None = None) -> None:
     """convert_hf_to_gguf.py's main() with argv, in this process; for a byte tokenizer, `set_vocab` of the chosen
-    model class becomes the converter's own GPT-2 path with BYTE_PRE declared and INERT_MERGE added (module doc)."""
+    model class becomes the converter's own GPT-2 path with BYTE_PRE declared and INERT_MERGE added (module doc).
+    `widen`: the model dir is a narrow checkpoint, converted as its widened model (see `widened_shell`)."""
     sys.path[:0] = [str(tree), str(tree / "gguf-py")]
     import convert_hf_to_gguf as converter  # the tree's converter and its gguf-py, not an installed gguf
+    from conversion.base import ModelBase
 
-    model_dir = Path(next(a for a in argv if not a.startswith("-") and Path(a).is_dir()))
+    position = next(i for i, a in enumerate(argv) if not a.startswith("-") and Path(a).is_dir())
+    model_dir = Path(argv[position])
     original, byte_vocab = converter.get_model_class, is_byte_tokenizer(model_dir)
 
     def get_model_class(name: str, mmproj: bool = False) -> type:
@@ -252,8 +256,6 @@ def convert_main(tree: Path, argv: list[str]) -> None:
         return model_class
 
     converter.get_model_class = get_model_class
-    from conversion.base import ModelBase
-
     load_hparams = ModelBase.load_hparams
 
     def load_hparams_with_defaults(dir_model: Path, is_mistral_format: bool) -> dict[str, Any]:
@@ -262,8 +264,52 @@ def convert_main(tree: Path, argv: list[str]) -> None:
         return config
 
     ModelBase.load_hparams = staticmethod(load_hparams_with_defaults)
+    if widen is not None:
+        argv = [*argv[:position], str(widened_shell(model_dir, widen, ModelBase)), *argv[position + 1 :]]
     sys.argv = ["convert_hf_to_gguf.py", *argv]
     converter.main()
+
+
+def widened_shell(narrow_dir: Path, factor: int, model_base: type) -> Path:
+    """A folder with the widened model's config.json and the tokenizer files, and no weights: the converter's tensor
+    index (`ModelBase.index_tensors`) is replaced by the narrow checkpoint's tensors widened as they are read
+    (specter.bench.widen.WidenedCheckpoint, bfloat16), lazily, one at a time. So the GGUF is the only widened copy on
+    disk: a widened checkpoint written first would double the disk (Qwen3-30B-A3B's is 56 GiB of a 64 GiB disk)."""
+    import tempfile
+
+    import torch
+    from conversion.base import LazyTorchTensor
+
+    from specter.bench.widen import TOKENIZER_FILES, WidenedCheckpoint, widen_tensor
+
+    wide = WidenedCheckpoint(narrow_dir, factor, torch.bfloat16)
+    shell = Path(tempfile.mkdtemp(prefix="widened-")) / f"{narrow_dir.name}-x{factor}"  # the GGUF's general.name
+    shell.mkdir()
+    atexit.register(shutil.rmtree, shell.parent, True)
+    (shell / "config.json").write_text(json.dumps(wide.config, indent=1))
+    for name in TOKENIZER_FILES:
+        if (narrow_dir / name).is_file():
+            shutil.copyfile(narrow_dir / name, shell / name)
+
+    def wide_shape(name: str) -> tuple[int, ...]:  # the widening rule applied to a meta tensor: no data read
+        source = "model.embed_tokens.weight" if wide.tied and name == "lm_head.weight" else name
+        meta = torch.empty(wide.narrow.shape(source), dtype=torch.bfloat16, device="meta")
+        return tuple(widen_tensor(name, meta, wide.narrow.spec, factor).shape)
+
+    def index_tensors(self: Any, remote_hf_model_id: str | None = None) -> dict[str, Any]:
+        tensors = {}
+        for name in wide.names():
+            if self.lazy:
+                meta = LazyTorchTensor.meta_with_dtype_and_shape(torch.bfloat16, wide_shape(name))
+                generate = (lambda name=name, meta=meta: LazyTorchTensor(meta=meta, args=(name,), func=wide.tensor))
+            else:
+                generate = (lambda name=name: wide.tensor(name))
+            if item := self.filter_tensors((name, generate)):
+                tensors[item[0]] = item[1]
+        return tensors
+
+    model_base.index_tensors = index_tensors
+    return shell
 
 
 def _byte_set_vocab(self: Any) -> None:
@@ -272,10 +318,12 @@ def _byte_set_vocab(self: Any) -> None:
     self.gguf_writer.add_token_merges([INERT_MERGE])
 
 
-def convert(model_dir: Path, outfile: Path, outtype: str = "bf16", tree: Path = TREE, log: Path | None = None) -> dict[str, Any]:
-    """Run the converter in a child process (its memory and logging stay out of this one); timed."""
+def convert(model_dir: Path, outfile: Path, outtype: str = "bf16", tree: Path = TREE, log: Path | None = None,
+            widen: int | None = None) -> dict[str, Any]:
+    """Run the converter in a child process (its memory and logging stay out of this one); timed. `widen`: the
+    checkpoint is narrow, written as its widened model (`widened_shell`)."""
     outfile.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "_convert", "--tree", str(tree), "--",
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_convert", "--tree", str(tree), "--widen", str(widen or 0), "--",
            str(model_dir), "--outfile", str(outfile), "--outtype", outtype]
     started = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -283,7 +331,7 @@ def convert(model_dir: Path, outfile: Path, outtype: str = "bf16", tree: Path = 
     if log is not None:
         log.write_text(done.stdout + done.stderr)
     record = {"model": str(model_dir), "gguf": str(outfile), "outtype": outtype, "seconds": round(seconds, 1),
-              "rc": done.returncode, "byte_tokenizer": is_byte_tokenizer(model_dir)}
+              "rc": done.returncode, "byte_tokenizer": is_byte_tokenizer(model_dir), "widen": widen}
     if done.returncode != 0:
         record["error"] = _last_error(done.stderr)
     else:
@@ -349,7 +397,7 @@ def choose_n_cpu_moe(layer_expert_bytes: Sequence[int], fixed_gpu_bytes: int, bu
             "fixed_gpu_bytes": fixed_gpu_bytes, "gpu_expert_bytes": 0, "cpu_expert_bytes": sum(layer_expert_bytes)}
 
 
-def specter_budget(model_dir: Path, residents: int, max_context: int, dtype: str = "bfloat16") -> int:
+def specter_budget(model_dir: Path, residents: int, max_context: int, dtype: str = "bfloat16", widen: int | None = None) -> int:
     """The GPU bytes Specter's own memory plan takes at `residents` expert slots per layer (for --residents)."""
     import torch
 
@@ -357,7 +405,12 @@ def specter_budget(model_dir: Path, residents: int, max_context: int, dtype: str
     from specter.memory import plan_memory
     from specter.model.checkpoint import Checkpoint
 
-    checkpoint = Checkpoint(model_dir)
+    if widen:
+        from specter.bench.widen import WidenedCheckpoint
+
+        checkpoint = WidenedCheckpoint(model_dir, widen, getattr(torch, dtype))
+    else:
+        checkpoint = Checkpoint(model_dir)
     spec = checkpoint.spec
     checkpoint.close()
     plan = plan_memory(spec, getattr(torch, dtype), EngineConfig(residents=residents, max_context=max_context))
@@ -477,14 +530,14 @@ def run_prompt(cmd: list[str | bytes], n_predict: int, prompt_len: int, attempts
 def run_checkpoint(model_dir: Path, gguf: Path, bin_dir: Path, out: Path, *, budget: int | None, n_cpu_moe: int | None,
                    per_kind: int, n_predict: int, ctx: int, threads: int | None, gpu: bool, bench: bool, label: str,
                    overhead: int = DEFAULT_OVERHEAD, calibrate: bool = True, tree: Path = TREE,
-                   extra: Sequence[str] = ()) -> dict[str, Any]:
+                   extra: Sequence[str] = (), widen: int | None = None) -> dict[str, Any]:
     """Plan N (unless given), calibrate the overhead with one short run, then every prompt, then llama-bench.
     Writes out/raw-LABEL.log (every run's output) and out/summary-LABEL.json; returns the summary."""
     out.mkdir(parents=True, exist_ok=True)
     completion = bin_dir / "llama-completion"
     raw: list[str] = []
     summary: dict[str, Any] = {"label": label, "model": str(model_dir), "gguf": str(gguf), "gpu": gpu,
-                               "n_predict": n_predict, "ctx": ctx, "threads": threads, "extra_args": list(extra),
+                               "n_predict": n_predict, "ctx": ctx, "threads": threads, "extra_args": list(extra), "widen": widen,
                                "llama_cpp": staged_version(tree)}
     layer_bytes, fixed_gpu, host = split_bytes(gguf_tensor_bytes(gguf, tree))
     summary["bytes"] = {"expert_per_layer": layer_bytes, "fixed_gpu": fixed_gpu, "host_only": host}
@@ -558,17 +611,32 @@ def staged_version(tree: Path = TREE) -> dict[str, Any]:
 
 
 # ---- agree: llama.cpp's greedy tokens against Specter's -------------------------------------------------------------
-def specter_greedy(model_dir: Path, prompts: list[list[int]], n_predict: int, device: str, dtype: str) -> list[list[int]]:
-    """Specter's greedy tokens for each prompt (every expert resident: the target's own tokens)."""
+def specter_greedy(model_dir: Path, prompts: list[list[int]], n_predict: int, device: str, dtype: str,
+                   widen: int | None = None) -> list[list[int]]:
+    """Specter's greedy tokens for each prompt, every expert resident (the target's own tokens); `widen`: the narrow
+    checkpoint read widened (as the bench reads it)."""
     import asyncio
 
-    from specter.api import Engine
-    from specter.config import EngineConfig
+    import torch
+
+    from specter.build import CheckpointWeights
+    from specter.config import EngineConfig, GenerationConfig
+    from specter.engine import Runtime
+    from specter.model.checkpoint import Checkpoint
 
     async def generate() -> list[list[int]]:
+        if widen:
+            from specter.bench.widen import WidenedCheckpoint
+
+            checkpoint = WidenedCheckpoint(model_dir, widen, torch.bfloat16 if dtype in ("auto", "bfloat16") else None)
+        else:
+            checkpoint = Checkpoint(model_dir)
         config = EngineConfig(device=device, dtype=dtype, max_context=max(len(p) for p in prompts) + n_predict + 8)
-        async with Engine.from_pretrained(model_dir, config) as engine:
-            return [(await engine.complete(ids, max_new_tokens=n_predict, temperature=0.0)).token_ids for ids in prompts]
+        runtime = await Runtime.build(CheckpointWeights(checkpoint), config)
+        try:
+            return [(await runtime.complete_ids(ids, GenerationConfig(max_new_tokens=n_predict))).tokens for ids in prompts]
+        finally:
+            await runtime.aclose()
 
     return asyncio.run(generate())
 
@@ -589,13 +657,15 @@ def agree(summary_path: Path, device: str, dtype: str) -> dict[str, Any]:
     is a prefix length, not a pass/fail)."""
     summary = json.loads(summary_path.read_text())
     prompts = [p for p in summary["prompts"] if p.get("tokens")]
-    ours = specter_greedy(Path(summary["model"]), [p["ids"] for p in prompts], summary["n_predict"], device, dtype)
+    ours = specter_greedy(Path(summary["model"]), [p["ids"] for p in prompts], summary["n_predict"], device, dtype,
+                          summary.get("widen"))
     rows = [{"kind": p["kind"], "index": p["index"], "prefix": matching_prefix(p["tokens"], mine), "of": len(mine),
              "llama_cpp": p["tokens"], "specter": mine} for p, mine in zip(prompts, ours)]
     for row in rows:
         if row["prefix"] < min(len(row["llama_cpp"]), row["of"]) and row["specter"][row["prefix"]] == MASKED_EOS:
             row["note"] = f"Specter's next token is {MASKED_EOS}, llama.cpp's default end token, which --ignore-eos masks"
-    record = {"summary": str(summary_path), "device": device, "dtype": dtype, "gguf": summary["gguf"], "prompts": rows,
+    record = {"summary": str(summary_path), "device": device, "dtype": dtype, "gguf": summary["gguf"],
+              "widen": summary.get("widen"), "prompts": rows,
               "min_prefix": min((r["prefix"] for r in rows), default=0), "all_equal": all(r["prefix"] == r["of"] for r in rows)}
     summary_path.with_name(summary_path.name.replace("summary-", "agree-")).write_text(json.dumps(record, indent=1) + "\n")
     return record
@@ -647,6 +717,9 @@ def build_parser() -> argparse.ArgumentParser:
     _budget_args(run_p)
     sub.choices["all"].add_argument("--outtype", default="bf16", choices=["f32", "f16", "bf16"])
     sub.choices["all"].add_argument("--gguf", type=Path, default=None, help="default /tmp/llamacpp-gguf/<model dir name>-<outtype>.gguf")
+    for p in (conv, sub.choices["all"], run_p):
+        p.add_argument("--widen", type=int, default=None, metavar="F",
+                       help="the checkpoint is narrow: convert (and compare) its widened model (x F), no widened copy on disk")
     agree_p = sub.add_parser("agree", help="llama.cpp's greedy tokens (a run's summary) against Specter's")
     agree_p.add_argument("summary", type=Path)
     for p in (agree_p, run_p, sub.choices["all"]):
@@ -671,7 +744,7 @@ def _budget(args: argparse.Namespace, model_dir: Path | None) -> int | None:
     if args.residents is not None:
         if model_dir is None:
             raise SystemExit("--residents needs the checkpoint dir (its memory plan)")
-        return specter_budget(model_dir, args.residents, getattr(args, "ctx", 512))
+        return specter_budget(model_dir, args.residents, getattr(args, "ctx", 512), widen=getattr(args, "widen", None))
     return None
 
 
@@ -683,7 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(record))
         return 0
     if args.command == "convert":
-        record = convert(args.model, args.outfile, args.outtype, args.tree, args.outfile.with_suffix(".convert.log"))
+        record = convert(args.model, args.outfile, args.outtype, args.tree, args.outfile.with_suffix(".convert.log"), args.widen)
         print(json.dumps(record))
         return record["rc"]
     if args.command == "plan":
@@ -721,7 +794,7 @@ def run_or_all(args: argparse.Namespace) -> int:
         bin_dir = build_dir / "bin"
         args.gguf = args.gguf or Path(f"/tmp/llamacpp-gguf/{args.model.name}-{args.outtype}.gguf")
         if not args.gguf.is_file():
-            steps["convert"] = convert(args.model, args.gguf, args.outtype, args.tree, args.out / "convert.log")
+            steps["convert"] = convert(args.model, args.gguf, args.outtype, args.tree, args.out / "convert.log", args.widen)
             print("convert:", json.dumps(steps["convert"]), flush=True)
             if steps["convert"]["rc"] != 0:
                 return 1
@@ -730,7 +803,7 @@ def run_or_all(args: argparse.Namespace) -> int:
     summary = run_checkpoint(args.model, args.gguf, bin_dir, args.out, budget=budget, n_cpu_moe=args.n_cpu_moe,
                              per_kind=args.per_kind, n_predict=args.n_predict, ctx=args.ctx, threads=args.threads, gpu=gpu,
                              bench=not args.no_bench, label=label, overhead=int(args.overhead_mib * MiB), tree=args.tree,
-                             extra=shlex.split(args.extra_args))
+                             extra=shlex.split(args.extra_args), widen=getattr(args, "widen", None))
     summary["steps"] = steps
     (args.out / f"summary-{label}.json").write_text(json.dumps(summary, indent=1) + "\n")
     _print_summary(summary)
@@ -761,6 +834,6 @@ def _print_agree(record: dict[str, Any]) -> int:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["_convert"]:  # the child process of `convert`
-    convert_main(Path(sys.argv[3]), sys.argv[5:])
+    convert_main(Path(sys.argv[3]), sys.argv[7:], int(sys.argv[5]) or None)
 elif __name__ == "__main__":
     sys.exit(main())
