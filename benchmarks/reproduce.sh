@@ -5,7 +5,7 @@
 #   run(command="bash benchmarks/reproduce.sh qwen", carry=[".whl"])
 # CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
 # Targets: gpu-tests qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
-#          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after
+#          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after llamacpp
 set -u
 out=${OUT:-out}
 mkdir -p "$out/logs"
@@ -138,6 +138,29 @@ before_after() {  # LINK RESIDENTS REPEATS: the same bench on the code in $OLD (
   done
 }
 
+llamacpp() {  # issue 28 item 5, llama.cpp as a peer: build it with CUDA (timed), convert MODEL to GGUF BF16 with its own
+  # converter, run it greedy on MODEL's prompts with -ngl 99 --n-cpu-moe N, N fitted to Specter's budget (BUDGET_GIB, or
+  # RESIDENTS: what Specter's memory plan takes at that many slots; default RESIDENTS=15). MODEL: a checkpoint dir
+  # (default /tmp/qwenref, trained here if missing); WIDEN=F: MODEL is narrow, converted as its widened model. Stage
+  # the sources first (python benchmarks/llamacpp.py stage) and carry .llama.cpp with .whl. LLAMACPP_ONLY=build stops
+  # after the build (kept in /tmp/llama.cpp-build-cuda while the machine stays warm: a next call goes on from there);
+  # LLAMACPP_FA=off builds without the CUDA flash-attention kernels (a quarter less compile time; attention runs
+  # without them, which at these contexts costs little).
+  [ -d .llama.cpp ] || { echo "no .llama.cpp: run python benchmarks/llamacpp.py stage --sdist ... and carry it" >&2; return 1; }
+  local model=${MODEL:-/tmp/qwenref} budget nofa=
+  [ "${LLAMACPP_FA:-on}" = off ] && nofa=--no-fa-kernels
+  if [ "${LLAMACPP_ONLY:-}" = build ]; then
+    python3 benchmarks/llamacpp.py build --cuda $nofa --deadline-s 570 > "$out/logs/llamacpp-build.log" 2>&1
+    echo "llamacpp build rc=$?"; tail -1 "$out/logs/llamacpp-build.log"; return
+  fi
+  [ -n "${MODEL:-}" ] || train_qwen
+  if [ -n "${BUDGET_GIB:-}" ]; then budget="--budget-gib $BUDGET_GIB"; else budget="--residents ${RESIDENTS:-15}"; fi
+  df -h /tmp | tail -1
+  python3 benchmarks/llamacpp.py all "$model" $budget $nofa ${WIDEN:+--widen "$WIDEN"} --deadline-s 570 --out "$out/llamacpp" \
+    > "$out/logs/llamacpp.log" 2>&1
+  echo "llamacpp rc=$?"; grep -E "^(build|convert):|^agree|GiB, llama.cpp" "$out/logs/llamacpp.log" | cut -c1-400
+}
+
 cpu_quick() {  # table "CPU quick matrix": the default matrix on the built-in tiny model, on the CPU
   python -m specter.bench --no-progress --no-plots --out "$out/cpu-quick" | tail -20
 }
@@ -167,6 +190,7 @@ for target in "$@"; do
     cpu-quick) cpu_quick ;;
     serve) serve ;;
     before-after) before_after native 15,8 3; before_after gen4 15,8 2 ;;
+    llamacpp) llamacpp ;;
     *) echo "unknown target: $target" >&2; exit 2 ;;
   esac
 done
