@@ -215,9 +215,11 @@ def _text(value: bytes | str | None) -> str:
 
 
 def _write(path: Path | None, parts: Iterable[str]) -> None:
+    """Append (a build resumed or repeated adds to its log)."""
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(parts))
+        with path.open("a") as handle:
+            handle.write("\n".join(parts) + "\n")
 
 
 # ---- convert ---------------------------------------------------------------------------------------------------
@@ -498,6 +500,9 @@ def parse_timings(text: str) -> dict[str, Any]:
         key = f"{match['name']} {match['kind']}"
         buffers[key] = buffers.get(key, 0.0) + float(match["mib"])
     out["buffers_mib"] = buffers
+    threads = re.search(r"system_info: n_threads = (\d+)", text)
+    if threads:
+        out["n_threads"] = int(threads.group(1))
     out["gpu_mib"] = sum(mib for key, mib in buffers.items() if _on_gpu(key.split()[0]))
     return out
 
@@ -751,6 +756,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "build":
             p.add_argument("--cuda", action="store_true", help="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90")
             p.add_argument("--deadline-s", type=float, default=None, help="stop ninja after this many seconds")
+            p.add_argument("--log", type=Path, default=None, help="cmake and ninja output (appended); default BUILD_DIR/build.log")
     conv = sub.add_parser("convert", help="HF checkpoint dir -> GGUF with llama.cpp's converter")
     conv.add_argument("model", type=Path)
     conv.add_argument("--outfile", type=Path, required=True)
@@ -840,7 +846,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         global DEADLINE
         DEADLINE = None if args.deadline_s is None else time.monotonic() + args.deadline_s
         build_dir = args.build_dir or _default_build_dir(args.cuda, args.no_fa_kernels)
-        record = build(args.tree, build_dir, args.cuda, args.jobs, build_dir / "build.log", not args.no_fa_kernels)
+        record = build(args.tree, build_dir, args.cuda, args.jobs, args.log or build_dir / "build.log", not args.no_fa_kernels)
         print(json.dumps(record))
         return record["rc"]
     return run_or_all(args)
@@ -876,7 +882,9 @@ def run_or_all(args: argparse.Namespace) -> int:
             if steps["convert"]["rc"] != 0:
                 return 1
     budget = _budget(args, args.model)
-    label = args.label or f"{args.model.name}-" + (f"{budget / GiB:.1f}GiB" if budget else f"N{args.n_cpu_moe}")
+    setting = (f"r{args.residents}" if args.residents is not None else f"{args.budget_gib:g}GiB" if args.budget_gib is not None
+               else f"N{args.n_cpu_moe}")
+    label = args.label or f"{args.model.name}{f'-x{args.widen}' if args.widen else ''}-{setting}"
     summary = run_checkpoint(args.model, args.gguf, bin_dir, args.out, budget=budget, n_cpu_moe=args.n_cpu_moe,
                              per_kind=args.per_kind, n_predict=args.n_predict, ctx=args.ctx, threads=args.threads, gpu=gpu,
                              bench=not args.no_bench, label=label, overhead=int(args.overhead_mib * MiB), tree=args.tree,
@@ -894,7 +902,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     bench = [r for r in summary.get("llama_bench", []) if r.get("n_gen")]
     print(f"{summary['label']}: --n-cpu-moe {summary['n_cpu_moe']} of {len(summary['bytes']['expert_per_layer'])} layers; "
           f"budget {plan.get('budget', 0) / GiB:.2f} GiB, llama.cpp GPU buffers {summary['gpu_mib_measured'] / 1024:.2f} GiB "
-          f"(planned {plan.get('gpu_bytes', 0) / GiB:.2f}); TPOT mean {_ms(summary['tpot_ms_mean'])} median "
+          f"(planned {plan.get('gpu_bytes', 0) / GiB:.2f}{'' if plan.get('fits', True) else ', does not fit even with every layer on the CPU'}); TPOT mean {_ms(summary['tpot_ms_mean'])} median "
           f"{_ms(summary['tpot_ms_median'])} over {summary['runs_ok']} prompts (prompt ids exact: {summary['prompts_ok']})"
           + (f"; llama-bench tg{bench[0]['n_gen']} {bench[0]['ms_per_token']:.2f} ms/token" if bench else ""))
 

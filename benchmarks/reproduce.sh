@@ -141,24 +141,27 @@ before_after() {  # LINK RESIDENTS REPEATS: the same bench on the code in $OLD (
 llamacpp() {  # issue 28 item 5, llama.cpp as a peer: build it with CUDA (timed), convert MODEL to GGUF BF16 with its own
   # converter, run it greedy on MODEL's prompts with -ngl 99 --n-cpu-moe N, N fitted to Specter's budget (BUDGET_GIB, or
   # RESIDENTS: what Specter's memory plan takes at that many slots; default RESIDENTS=15). MODEL: a checkpoint dir
-  # (default /tmp/qwenref, trained here if missing); WIDEN=F: MODEL is narrow, converted as its widened model. Stage
-  # the sources first (python benchmarks/llamacpp.py stage) and carry .llama.cpp with .whl. LLAMACPP_ONLY=build stops
-  # after the build (kept in /tmp/llama.cpp-build-cuda while the machine stays warm: a next call goes on from there);
-  # LLAMACPP_FA=off builds without the CUDA flash-attention kernels (a quarter less compile time; attention runs
-  # without them, which at these contexts costs little).
-  [ -d .llama.cpp ] || { echo "no .llama.cpp: run python benchmarks/llamacpp.py stage --sdist ... and carry it" >&2; return 1; }
-  local model=${MODEL:-/tmp/qwenref} budget nofa=
+  # (default /tmp/qwenref, trained on the GPU while the CPU compiles); WIDEN=F: MODEL is narrow, converted as its
+  # widened model. Stage the sources first (python benchmarks/llamacpp.py stage --sdist ...) and carry .llama.cpp with
+  # .whl. The build stays in /tmp/llama.cpp-build-cuda while the machine is warm: a call stopped by the deadline in the
+  # build is resumed by the next. LLAMACPP_ONLY=build stops after the build; LLAMACPP_FA=off builds without the CUDA
+  # flash-attention kernels (a quarter less compile time; attention runs without them); AGREE=1 then compares
+  # llama.cpp's greedy tokens with Specter's (all experts resident, bf16, on the GPU).
+  [ -d .llama.cpp ] || { echo "no .llama.cpp: python benchmarks/llamacpp.py stage --sdist ..., and carry it" >&2; return 1; }
+  local model=${MODEL:-/tmp/qwenref} budget nofa= trainer=
   [ "${LLAMACPP_FA:-on}" = off ] && nofa=--no-fa-kernels
-  if [ "${LLAMACPP_ONLY:-}" = build ]; then
-    python3 benchmarks/llamacpp.py build --cuda $nofa --deadline-s 570 > "$out/logs/llamacpp-build.log" 2>&1
-    echo "llamacpp build rc=$?"; tail -1 "$out/logs/llamacpp-build.log"; return
-  fi
-  [ -n "${MODEL:-}" ] || train_qwen
+  [ -n "${MODEL:-}" ] || [ "${LLAMACPP_ONLY:-}" = build ] || { train_qwen & trainer=$!; }
+  python3 benchmarks/llamacpp.py build --cuda $nofa --deadline-s $((570 - SECONDS)) --log "$out/llamacpp/build.log" \
+    >> "$out/logs/llamacpp.log" 2>&1
+  echo "llamacpp build rc=$? at ${SECONDS}s"; tail -1 "$out/logs/llamacpp.log" | cut -c1-400
+  [ -z "$trainer" ] || wait "$trainer"
+  [ "${LLAMACPP_ONLY:-}" = build ] && return
   if [ -n "${BUDGET_GIB:-}" ]; then budget="--budget-gib $BUDGET_GIB"; else budget="--residents ${RESIDENTS:-15}"; fi
   df -h /tmp | tail -1
-  python3 benchmarks/llamacpp.py all "$model" $budget $nofa ${WIDEN:+--widen "$WIDEN"} --deadline-s 570 --out "$out/llamacpp" \
-    > "$out/logs/llamacpp.log" 2>&1
-  echo "llamacpp rc=$?"; grep -E "^(build|convert):|^agree|GiB, llama.cpp" "$out/logs/llamacpp.log" | cut -c1-400
+  python3 benchmarks/llamacpp.py all "$model" $budget $nofa ${WIDEN:+--widen "$WIDEN"} ${AGREE:+--agree --device cuda} \
+    --deadline-s $((580 - SECONDS)) \
+    --out "$out/llamacpp" >> "$out/logs/llamacpp.log" 2>&1
+  echo "llamacpp rc=$? at ${SECONDS}s"; grep -E "^(disk|convert):|^agree|GiB, llama.cpp" "$out/logs/llamacpp.log" | cut -c1-400
 }
 
 cpu_quick() {  # table "CPU quick matrix": the default matrix on the built-in tiny model, on the CPU
