@@ -564,13 +564,14 @@ def completion_command(binary: Path, gguf: Path, prompt: bytes, n_predict: int, 
     return cmd + list(extra)
 
 
-def run_prompt(cmd: list[str | bytes], n_predict: int, prompt_len: int, attempts: int = 3) -> dict[str, Any]:
+def run_prompt(cmd: list[str | bytes], n_predict: int, prompt_len: int, attempts: int = 4) -> dict[str, Any]:
     """One llama-completion run: its parsed timings, ids and raw output (stderr, with stdout's bytes escaped).
 
     llama.cpp's common log writes from a worker thread that nothing joins at exit (common/log.cpp, "logs may be lost
     if not flushed before the program exits"; llama-completion does not flush), so the last lines, the timings and
-    the last tokens among them, are sometimes missing: 3 runs in 20 on a busy 2-core CPU with a tiny model. A run
-    missing them is repeated (`attempts` in the record)."""
+    the last tokens among them, are sometimes missing: 3 runs in 20, up to 1 in 4, on a busy 2-core CPU with a tiny
+    model (a large model takes longer to free, which gives the thread time). A run missing them is repeated
+    (`attempts` in the record)."""
     for attempt in range(1, attempts + 1):
         started = time.monotonic()
         try:
