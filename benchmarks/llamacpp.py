@@ -54,7 +54,9 @@ DEADLINE: float | None = None
 
 
 def time_left(at_most: float = 600.0) -> float:
+    """Seconds a child may take: `at_most`, or less before the deadline (at least 1)."""
     return at_most if DEADLINE is None else max(1.0, min(at_most, DEADLINE - time.monotonic()))
+
 
 # ---- stage ---------------------------------------------------------------------------------------------------
 # What a build of TARGETS (CPU and CUDA backends only) and the converter need from vendor/llama.cpp. The tools/
@@ -203,7 +205,8 @@ def build(tree: Path, build_dir: Path, cuda: bool, jobs: int | None, log: Path |
                                            + "\nstopped at the deadline: a next build goes on from the objects built\n")
     lines += [make.stdout, make.stderr]
     record |= {"rc": make.returncode, "build_s": round(time.monotonic() - compiled, 1),
-               "total_s": round(time.monotonic() - started, 1), "steps": make.stdout.count("\n[")}
+               "total_s": round(time.monotonic() - started, 1),
+               "steps": len(re.findall(r"^\[\d+/\d+\]", make.stdout, re.M))}
     if make.returncode != 0:
         record["error"] = _last_error(make.stdout + make.stderr)
     _write(log, lines)
