@@ -405,7 +405,6 @@ def _last_error(text: str) -> str:
     return (errors[-1] if errors else lines[-1] if lines else "no output")[:400]
 
 
-
 # ---- plan: N for --n-cpu-moe ------------------------------------------------------------------------------------
 EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps\.")
 """The tensors `--n-cpu-moe N` keeps on the CPU for blk.0 .. blk.N-1 (common.h's LLM_FFN_EXPS_REGEX)."""
@@ -638,7 +637,7 @@ def run_checkpoint(model_dir: Path, gguf: Path, bin_dir: Path, out: Path, *, bud
 
 def _measured_overhead(probe: dict[str, Any], plan: dict[str, Any]) -> int | None:
     """GPU bytes besides the weights in a calibration run: its CUDA buffers less the weights the plan put there."""
-    buffers = probe.get("buffers_mib", {})
+    buffers = probe.get("buffers_mib", {}) if probe.get("rc") == 0 else {}
     model = sum(mib for key, mib in buffers.items() if key.endswith(" model") and _on_gpu(key.split()[0]))
     if not model:
         return None
