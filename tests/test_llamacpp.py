@@ -164,6 +164,28 @@ needs_build = pytest.mark.skipif(
            "and `build`, or set LLAMACPP_BIN and LLAMACPP_TREE")
 
 
+@pytest.mark.skipif(not (TREE / "gguf-py" / "gguf" / "quants.py").is_file(), reason=f"no staged llama.cpp tree at {TREE}")
+def test_fast_bf16_rounding_gives_gguf_pys_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    np = pytest.importorskip("numpy")
+    monkeypatch.syspath_prepend(str(TREE / "gguf-py"))
+    import gguf.quants as quants
+
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, size=(64, 256), dtype=np.uint64).astype(np.uint32)
+    bits[0, :64] = (bits[0, :64] & np.uint32(0xFFFF0000)) | np.uint32(0x8000)  # exact ties, both parities
+    bits[1, :8] = [0x00000001, 0x00008000, 0x007FFFFF, 0x80000001, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x80000000]
+    finite = bits.view(np.float32)
+    finite[~np.isfinite(finite) & ~np.isinf(finite)] = 1.5  # no NaN here: the fast path's input
+    with_nan = finite.copy()
+    with_nan[2, 3] = np.float32("nan")
+    expected = [quants.quantize(a, quants.GGMLQuantizationType.BF16) for a in (finite, with_nan)]
+    monkeypatch.setattr(quants, "_apply_over_grouped_rows", quants._apply_over_grouped_rows)  # restored afterwards
+    llamacpp.fast_bf16_rounding(quants)
+    got = [quants.quantize(a, quants.GGMLQuantizationType.BF16) for a in (finite, with_nan)]
+    for want, have in zip(expected, got):
+        assert have.dtype == want.dtype and have.shape == want.shape and np.array_equal(have, want)
+
+
 @needs_build
 @pytest.mark.slow
 def test_llama_cpp_greedy_tokens_equal_specters_on_a_tiny_qwen2_moe(tmp_path: Path) -> None:
