@@ -6,6 +6,7 @@
 # CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
 # Targets: gpu-tests qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
 #          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after realism hybrid
+#          llamacpp
 set -u
 out=${OUT:-out}
 mkdir -p "$out/logs"
@@ -186,6 +187,32 @@ hybrid() {  # issue 29 (no table yet): the hybrids beside the systems they exten
     --no-hf --out "$out/hybrid" 2>&1 | tail -24
 }
 
+llamacpp() {  # issue 28 item 5, llama.cpp as a peer: build it with CUDA (timed), convert MODEL to GGUF BF16 with its own
+  # converter, run it greedy on MODEL's prompts with -ngl 99 --n-cpu-moe N, N fitted to Specter's budget (BUDGET_GIB, or
+  # RESIDENTS: what Specter's memory plan takes at that many slots; default RESIDENTS=15). MODEL: a checkpoint dir
+  # (default /tmp/qwenref, trained on the GPU while the CPU compiles); WIDEN=F: MODEL is narrow, converted as its
+  # widened model. Stage the sources first (python benchmarks/llamacpp.py stage --sdist ...) and carry .llama.cpp with
+  # .whl. The build stays in /tmp/llama.cpp-build-cuda while the machine is warm: a call stopped by the deadline in the
+  # build is resumed by the next. LLAMACPP_ONLY=build stops after the build; LLAMACPP_FA=off builds without the CUDA
+  # flash-attention kernels (a quarter less compile time; attention runs without them); AGREE=1 then compares
+  # llama.cpp's greedy tokens with Specter's (all experts resident, bf16, on the GPU).
+  [ -d .llama.cpp ] || { echo "no .llama.cpp: python benchmarks/llamacpp.py stage --sdist ..., and carry it" >&2; return 1; }
+  local model=${MODEL:-/tmp/qwenref} budget nofa= trainer=
+  [ "${LLAMACPP_FA:-on}" = off ] && nofa=--no-fa-kernels
+  [ -n "${MODEL:-}" ] || [ "${LLAMACPP_ONLY:-}" = build ] || { train_qwen & trainer=$!; }
+  python3 benchmarks/llamacpp.py build --cuda $nofa --deadline-s $((570 - SECONDS)) --log "$out/llamacpp/build.log" \
+    >> "$out/logs/llamacpp.log" 2>&1
+  echo "llamacpp build rc=$? at ${SECONDS}s"; tail -1 "$out/logs/llamacpp.log" | cut -c1-400
+  [ -z "$trainer" ] || wait "$trainer"
+  [ "${LLAMACPP_ONLY:-}" = build ] && return
+  if [ -n "${BUDGET_GIB:-}" ]; then budget="--budget-gib $BUDGET_GIB"; else budget="--residents ${RESIDENTS:-15}"; fi
+  df -h /tmp | tail -1
+  python3 benchmarks/llamacpp.py all "$model" $budget $nofa ${WIDEN:+--widen "$WIDEN"} ${AGREE:+--agree --device cuda} \
+    --deadline-s $((580 - SECONDS)) \
+    --out "$out/llamacpp" >> "$out/logs/llamacpp.log" 2>&1
+  echo "llamacpp rc=$? at ${SECONDS}s"; grep -E "^(disk|convert):|^agree|GiB, llama.cpp" "$out/logs/llamacpp.log" | cut -c1-400
+}
+
 cpu_quick() {  # table "CPU quick matrix": the default matrix on the built-in tiny model, on the CPU
   python -m specter.bench --no-progress --no-plots --out "$out/cpu-quick" | tail -20
 }
@@ -217,6 +244,7 @@ for target in "$@"; do
     before-after) before_after "${ROUNDS:-2}" ;;
     realism) realism ;;
     hybrid) hybrid ;;
+    llamacpp) llamacpp ;;
     *) echo "unknown target: $target" >&2; exit 2 ;;
   esac
 done
