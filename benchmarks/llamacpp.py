@@ -909,7 +909,7 @@ def run_or_all(args: argparse.Namespace) -> int:
                 return 1
     budget = _budget(args, args.model)
     setting = (f"r{args.residents}" if args.residents is not None else f"{args.budget_gib:g}GiB" if args.budget_gib is not None
-               else f"N{args.n_cpu_moe}")
+               else f"N{args.n_cpu_moe}" if args.n_cpu_moe is not None else "ngl-only")
     label = args.label or f"{args.model.name}{f'-x{args.widen}' if args.widen else ''}-{setting}"
     summary = run_checkpoint(args.model, args.gguf, bin_dir, args.out, budget=budget, n_cpu_moe=args.n_cpu_moe,
                              per_kind=args.per_kind, n_predict=args.n_predict, ctx=args.ctx, threads=args.threads, gpu=gpu,
