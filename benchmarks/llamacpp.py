@@ -525,9 +525,9 @@ def parse_timings(text: str) -> dict[str, Any]:
         key = f"{match['name']} {match['kind']}"
         buffers[key] = buffers.get(key, 0.0) + float(match["mib"])
     out["buffers_mib"] = buffers
-    threads = re.search(r"system_info: n_threads = (\d+)", text)
-    if threads:
-        out["n_threads"] = int(threads.group(1))
+    system = re.search(r"system_info: n_threads = (\d+).*", text)
+    if system:
+        out["n_threads"], out["system_info"] = int(system.group(1)), system.group(0)[:600]
     out["gpu_mib"] = sum(mib for key, mib in buffers.items() if _on_gpu(key.split()[0]))
     return out
 
