@@ -8,7 +8,6 @@ import functools
 import os
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,19 +22,11 @@ from specter.experts.pool import ExpertPool
 from specter.kernel import HostThread, Kernel
 from specter.model.weights import unpack_expert
 from specter.placement import Placement
-from tests.hf_models import FAMILIES, hf_model, save_hf
+from tests.hf_models import FAMILIES
+from tests.test_speculative import checkpoint
 
 DEVICE = os.environ.get("SPECTER_TEST_DEVICE", "cpu")
 EXTRA = ("phimoe-longrope", "deepseek-v2")
-
-
-@functools.cache
-def checkpoint(family: str, root: str) -> str:
-    if family in EXTRA:
-        from tests.test_families_extra import hf_variant
-
-        return str(save_hf(hf_variant(family, seed=3), Path(root) / family))
-    return str(save_hf(hf_model(family, seed=3), Path(root) / family))
 
 
 @pytest.fixture(scope="module")
