@@ -129,7 +129,8 @@ serve() {  # table "Serving": specter serve under 1, 4 and 16 concurrent clients
 
 before_after() {  # ROUNDS: the same bench on the code in $OLD (`git archive REV specter policies backends pyproject.toml |
   # tar -x -C .old`, carried) and on this tree, one trained model, Gen5 and Gen4 in each process; processes alternate
-  # old new new old ... so drift on the shared machine falls on both sides, and the table takes each cell's median
+  # old new new old ... so drift on the shared machine falls on both sides, and the table takes each cell's median;
+  # AB_RESIDENTS, AB_LINKS, AB_SYSTEMS narrow the matrix to the cells in question
   train_qwen
   local side dir round order
   for round in $(seq 1 "$1"); do
@@ -137,8 +138,9 @@ before_after() {  # ROUNDS: the same bench on the code in $OLD (`git archive REV
     for side in $order; do
       dir=$PWD; [ $side = old ] && dir=${OLD:-$PWD/.old}
       (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "${AB_TIMEOUT:-120}" python3 -m specter.bench --model /tmp/qwenref \
-        --max-new-tokens 64 --no-progress --no-plots --no-hf --repeats 1 --residents 15,8 --link native,gen4 \
-        --systems ondemand,specter --out "$out/ab-$side-$round" > "$out/logs/ab-$side-$round.log" 2>&1
+        --max-new-tokens 64 --no-progress --no-plots --no-hf --repeats 1 --residents "${AB_RESIDENTS:-15,8}" \
+        --link "${AB_LINKS:-native,gen4}" --systems "${AB_SYSTEMS:-ondemand,specter}" --out "$out/ab-$side-$round" \
+        > "$out/logs/ab-$side-$round.log" 2>&1
        echo "$side round $round rc=$?")
     done
   done
