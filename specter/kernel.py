@@ -161,6 +161,12 @@ class HostJob(Generic[T]):
         self.seconds = time.perf_counter() - started
         self.notify()
 
+    def fail(self, error: BaseException) -> None:
+        """On the host thread, instead of `run`: the thread could not be set up, so the awaiting task gets `error`."""
+        if not self.cancelled:
+            self.error = error
+            self.notify()
+
 
 class HostThread:
     """One dedicated thread for host compute that tasks await (the host expert path): jobs run one at a time in the
@@ -185,11 +191,18 @@ class HostThread:
             return self._pending == 0
 
     def _run(self, setup: Callable[[], None] | None) -> None:
+        # A setup that raises must not end the thread silently: every task awaiting one of its jobs would wait forever.
+        # The thread stays, and each job fails with the setup's error, which its awaiting task raises.
+        failed: BaseException | None = None
         if setup is not None:
-            setup()
+            try:
+                setup()
+            except BaseException as error:  # noqa: BLE001 - handed to every job's awaiting task
+                failed = error
+                log.error("kernel.host_thread_setup_failed", thread=self.thread.name, error=repr(error))
         while (job := self._jobs.get()) is not None:
             try:
-                job.run()
+                job.fail(failed) if failed is not None else job.run()
             finally:
                 with self._lock:
                     self._pending -= 1

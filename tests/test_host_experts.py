@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from specter.config import EngineConfig
 from specter.engine import Runtime
-from specter.experts.host import HostExperts, HostInputs, host_routes, per_thread_counts
+from specter.experts.host import HostExperts, HostInputs, host_routes, host_thread, per_thread_counts
 from specter.experts.pool import ExpertPool
 from specter.kernel import HostThread, Kernel
 from specter.model.weights import unpack_expert
@@ -191,3 +191,47 @@ def test_a_cancelled_host_wait_leaves_no_work_behind():
         assert not thread.thread.is_alive()
 
     asyncio.run(go())
+
+
+def test_a_host_thread_whose_setup_fails_fails_its_jobs_instead_of_hanging():
+    """A setup that raises (on CUDA: a device the thread cannot select) reaches every task that awaits a job of that
+    thread as the setup's error; none waits forever, and the thread still stops."""
+
+    def setup():
+        raise RuntimeError("no such device")
+
+    async def go():
+        kernel = Kernel()
+        thread = HostThread("specter-host-test", setup=setup)
+        try:
+            for _ in range(2):
+                with pytest.raises(RuntimeError, match="no such device"):
+                    await asyncio.wait_for(kernel.wait_host(kernel.submit_host(thread, lambda: 42)), 10)
+        finally:
+            thread.stop()
+            kernel.close()
+        assert not thread.thread.is_alive()
+
+    asyncio.run(go())
+
+
+def test_the_host_thread_selects_the_callers_cuda_device_by_index(monkeypatch):
+    """`torch.device("cuda")` names no index, which torch.cuda.set_device refuses: the host thread selects the index
+    current on the thread that made it (an explicit index as given)."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: chosen.append(index))
+
+    async def go(device):
+        kernel = Kernel()
+        thread = host_thread(device, 1, name="specter-host-test")
+        try:
+            assert await asyncio.wait_for(kernel.wait_host(kernel.submit_host(thread, lambda: 7)), 10) == 7
+        finally:
+            thread.stop()
+            kernel.close()
+
+    asyncio.run(go(torch.device("cuda")))
+    asyncio.run(go(torch.device("cuda", 1)))
+    asyncio.run(go(torch.device("cpu")))
+    assert chosen == [3, 1]

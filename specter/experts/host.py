@@ -70,11 +70,14 @@ def per_thread_counts() -> bool:
 
 def host_thread(device: torch.device, threads: int, name: str = "specter-host-experts") -> HostThread:
     """A thread set up as the host expert path's (the path's own, and the calibration's that times it at load)."""
+    # The index is resolved here, on the caller's thread: `torch.device("cuda")` names no index (set_device refuses it),
+    # and a new thread's current device is 0, not necessarily the engine's.
+    index = (torch.cuda.current_device() if device.index is None else device.index) if device.type == "cuda" else None
 
     def setup() -> None:
         """On the new thread, once: its CUDA device (pinned allocations) and its own torch thread count."""
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        if index is not None:
+            torch.cuda.set_device(index)
         if per_thread_counts():
             torch.set_num_threads(threads)
         else:
