@@ -5,8 +5,8 @@
 #   run(command="bash benchmarks/reproduce.sh qwen", carry=[".whl"])
 # CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
 # Targets: gpu-tests qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
-#          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after realism hybrid
-#          llamacpp
+#          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after engine-ab realism
+#          hybrid llamacpp
 set -u
 out=${OUT:-out}
 mkdir -p "$out/logs"
@@ -165,6 +165,17 @@ for (link, setting, system), sides in sorted(cells.items()):
 PY
 }
 
+engine_ab() {  # table "Before and after the redesign", engine rows: benchmarks/engine_ab.py straight on the engine (no
+  # bench harness) in the trees of $OLD and of this one, alternating old new new old, synthetic Qwen shape (8 layers)
+  local side dir here=$PWD dest
+  dest=$(cd "$out" && pwd)/engine-ab
+  for side in old new new old; do  # from /tmp, so that only $dir's specter is importable
+    dir=$here; [ $side = old ] && dir=${OLD:-$here/.old}
+    (cd /tmp && PYTHONPATH=/tmp/site:$dir timeout "${AB_TIMEOUT:-100}" python3 "$here/benchmarks/engine_ab.py" $side "$dest" \
+      --configs "${AB_CONFIGS:-default,fixed8}" 2>&1 | grep -E "^(old|new) ")
+  done
+}
+
 realism() {  # table "Full-depth narrow checkpoints: realism": SHAPES (default: five) trained at once, then their reports
   local shapes=${SHAPES:-"qwen1.5-moe-a2.7b deepseek-v2-lite qwen3-30b-a3b phi-3.5-moe mixtral-8x7b"} s
   mkdir -p "$out/realism"
@@ -244,6 +255,7 @@ for target in "$@"; do
     cpu-quick) cpu_quick ;;
     serve) serve ;;
     before-after) before_after "${ROUNDS:-2}" ;;
+    engine-ab) engine_ab ;;
     realism) realism ;;
     hybrid) hybrid ;;
     llamacpp) llamacpp ;;
