@@ -29,6 +29,7 @@ from specter.build import resolve_dtype
 from specter.log import get_logger
 from specter.model.checkpoint import Checkpoint
 from specter.model.spec import ModelSpec
+from specter.bench.widen import WidenedCheckpoint
 from specter.bench.systems import (SCHEDULE_SOURCE, SYSTEMS, BenchRuntime, Routes, Setting, System, decode_floor_loads,
                                    initial_state, memory_summary, system_slots)
 
@@ -75,6 +76,9 @@ class ModelTarget:
     settings: list[Setting]
     path: Path | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    widen: int | None = None
+    """F: the checkpoint at `path` is narrow and runs as its model widened F times (WidenedCheckpoint, bf16); None: as
+    it is."""
 
 
 @dataclasses.dataclass
@@ -152,13 +156,19 @@ def warmup_prompt(vocab_size: int) -> Prompt:
     return Prompt("warmup", 0, [int(t) for t in ids])
 
 
-def checkpoint_target(path: Path, settings: list[Setting], per_kind: int) -> ModelTarget:
-    checkpoint = Checkpoint(path)
+def checkpoint_target(path: Path, settings: list[Setting], per_kind: int, widen: int | None = None) -> ModelTarget:
+    """The checkpoint at `path`; with `widen` = F, as its model widened F times in bf16, each tensor widened as the
+    loader reads it (no wide copy on disk), labelled 'NAME xF'; prompts from the narrow checkpoint's files."""
+    def open_checkpoint() -> Checkpoint | WidenedCheckpoint:
+        return Checkpoint(path) if widen is None else WidenedCheckpoint(path, widen, torch.bfloat16)
+
+    checkpoint = open_checkpoint()
     spec = checkpoint.spec
     checkpoint.close()
-    return ModelTarget(label=path.name, make_source=lambda: CheckpointWeights(Checkpoint(path)), spec=spec, full_spec=spec,
+    return ModelTarget(label=path.name if widen is None else f"{path.name} x{widen}",
+                       make_source=lambda: CheckpointWeights(open_checkpoint()), spec=spec, full_spec=spec,
                        prompts=checkpoint_prompts(path, spec.vocab_size, per_kind), warmup=warmup_prompt(spec.vocab_size),
-                       settings=settings, path=path)
+                       settings=settings, path=path, widen=widen)
 
 
 # ---- one model ------------------------------------------------------------------------------------------
@@ -419,7 +429,10 @@ async def bench_models(targets: Sequence[ModelTarget], options: Options, budget_
         await bench.run()
         records += bench.records
         cells += bench.cells
-        if options.hf and target.path is not None:
+        if options.hf and target.path is not None and target.widen is not None:
+            target.notes.append(f"{target.label}: hf-accelerate skipped (transformers would read the narrow checkpoint, "
+                                "not its widened model)")
+        elif options.hf and target.path is not None:
             from specter.bench.hf_baseline import run_hf
 
             hf_records, hf_note = run_hf(target, bench, options)
