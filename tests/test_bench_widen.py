@@ -1,4 +1,5 @@
-"""The bench at full width from a narrow checkpoint (`--widen F`), on the CPU with the built-in tiny model."""
+"""The bench at full width from a narrow checkpoint (`--widen F`) and the desktop's host threads (`--desktop-threads`),
+on the CPU with the built-in tiny model."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from specter.bench import cli, protocol
+from specter.bench import cli, protocol, systems
+from specter.experts.costs import Calibration
+from specter.experts.host import HostExperts, default_threads, per_thread_counts
 
 RUN = ["--max-new-tokens", "6", "--warmup-tokens", "2", "--link", "1", "--no-progress", "--no-plots", "--no-hf"]
 
@@ -63,9 +67,48 @@ def test_widen_auto_takes_the_trainers_factor(tmp_path):
     (["--widen", "two", "--model", "tiny"], "--widen 'two': expected a whole number F >= 1"),
     (["--widen", "2", "--model", "mixtral-8x7b"], "--widen: mixtral-8x7b is a synthetic shape"),
     (["--widen", "auto", "--model", "tiny"], "--widen auto: "),
+    (["--desktop-threads", "0", "--model", "tiny"], "--desktop-threads 0: expected 1 or more"),
 ])
-def test_bad_widen_is_a_one_line_error(args, message, tmp_path, capsys):
+def test_bad_widen_and_desktop_threads_are_one_line_errors(args, message, tmp_path, capsys):
     assert cli.main([*args, "--no-progress", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_desktop_cells_place_and_compute_with_the_desktop_threads(tmp_path, monkeypatch):
+    """At ddr4-desktop the host path's calibration, the `auto` decision made from it and the path's own thread run
+    with --desktop-threads; at another link with the engine's default. The calibration here says the host is fast
+    at the desktop's count and slow at the default, so `auto` puts experts on the host only where it used the
+    desktop's calibration (at the faster link, where the default's host time would have placed some too)."""
+    desktop, default = default_threads() + 2, default_threads()
+    calibrated = []
+
+    async def by_threads(kernel, pool, mlp, state, hidden_size, device, profile=None):
+        calibrated.append(state.host_threads)
+        return Calibration({state.row_bucket: 2e-6 if state.host_threads == desktop else 1.0}, None, None)
+
+    computed = []
+    compute_layer = HostExperts.compute_layer
+
+    def spy(self, *args, **kwargs):  # on the host thread: the count the path asked for and the one torch has there
+        computed.append((self.threads, torch.get_num_threads()))
+        return compute_layer(self, *args, **kwargs)
+
+    monkeypatch.setattr(systems, "calibrate", by_threads)
+    monkeypatch.setattr(HostExperts, "compute_layer", spy)
+    results, _ = bench(tmp_path, monkeypatch, "--model", "tiny", "--systems", "cpu-experts,ondemand-hybrid",
+                       "--desktop-threads", str(desktop), "--link", "1,ddr4-desktop")
+    assert all(row["tokens_equal"] for row in results["summary"]), results["summary"]
+    assert sorted(calibrated) == sorted({desktop, default})  # once per thread count
+    cells = {(cell["link"], cell["system"]): cell["host_threads"] for cell in results["cells"]}
+    assert cells == {("1", "cpu-experts"): default, ("1", "ondemand-hybrid"): default,
+                     ("ddr4-desktop", "cpu-experts"): desktop, ("ddr4-desktop", "ondemand-hybrid"): desktop}
+    rows = {(row["link"], row["system"]): row for row in results["summary"]}
+    assert all(rows[key]["host_threads"] == threads for key, threads in cells.items())
+    assert rows[("ddr4-desktop", "ondemand-hybrid")]["host_experts_placed"] > 0
+    assert rows[("1", "ondemand-hybrid")]["host_experts_placed"] == 0
+    assert {threads for threads, _ in computed} == {desktop, default}
+    if per_thread_counts():  # OpenMP: the count is the host thread's own
+        assert all(asked == seen for asked, seen in computed), computed
+    assert "| host threads |" in (tmp_path / "results.md").read_text()

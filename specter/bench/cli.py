@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default on the CPU: 1; tiny matrices lose to thread hand-offs, worse on a busy machine)")
+    parser.add_argument("--desktop-threads", type=int, default=8,
+                        help="torch threads of the host expert path (cpu-experts, the hybrids: its calibration and its "
+                             "compute) in cells at link ddr4-desktop, a desktop CPU's cores; other links: the engine's "
+                             "default (the cores less one)")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds; cells that would not fit are skipped (noted)")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for results.json, results.md and plots")
     parser.add_argument("--no-plots", action="store_true")
@@ -218,11 +222,13 @@ def options_from_args(args: argparse.Namespace) -> Options:
     tuning = TuningConfig().with_overrides([*args.tune, *(["transfer.issue_marks=true"] if args.copy_gaps else [])])
     repeats = args.repeats or (QUICK_REPEATS if quick_matrix else 1)
     quant = args.quant or (QUICK_QUANT if quick_matrix else "int4")
+    if args.desktop_threads < 1:
+        raise ConfigError(f"--desktop-threads {args.desktop_threads}: expected 1 or more host threads")
     return Options(systems=systems, links=links, max_new_tokens=max_new, warmup_tokens=min(args.warmup_tokens, max_new),
                    repeats=repeats, k=args.k, k_max=max(args.k_max, args.k), row_bucket=args.row_bucket,
                    device=args.device, dtype=args.dtype,
                    progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=quant,
-                   tuning=tuning, sampling=modes)
+                   tuning=tuning, sampling=modes, desktop_threads=args.desktop_threads)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
