@@ -6,7 +6,7 @@
 # CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
 # Targets: gpu-tests qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
 #          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after engine-ab realism
-#          hybrid llamacpp
+#          hybrid llamacpp fulldepth
 set -u
 out=${OUT:-out}
 mkdir -p "$out/logs"
@@ -226,6 +226,31 @@ llamacpp() {  # issue 28 item 5, llama.cpp as a peer: build it with CUDA (timed)
   echo "llamacpp rc=$? at ${SECONDS}s"; grep -E "^(disk|convert):|^agree|GiB, llama.cpp" "$out/logs/llamacpp.log" | cut -c1-400
 }
 
+fulldepth() {  # issue 28 (no table yet): SHAPE (default qwen1.5-moe-a2.7b) at full depth and the real dims: trained
+  # narrow alone for MINUTES (default 3) at batch 32 (five at once needed batch 12, one alone fits 32) into
+  # /tmp/narrow/SHAPE (--reuse: a second call on the warm machine skips training), then the bench on it widened
+  # (--widen auto: F from its train.json) over BUDGETS x LINKS x SYSTEMS, greedy and sampled, cut to the call's 10
+  # minutes. Phi-3.5-MoE and Mixtral-8x7B default to larger BUDGETS: their int4 draft alone is 19.3 and 21.7 GiB
+  # (minimum budgets 31.4 and 45.3 GiB). `resident` (25.7 to 86.7 GiB of GPU memory: it fits for all five) costs one
+  # more widened load of every expert; add it to SYSTEMS in a call of its own. Narrow LINKS, SYSTEMS or BUDGETS per
+  # call and --merge the outputs where one call does not hold the matrix (the first call on a fresh machine trains).
+  local shape=${SHAPE:-qwen1.5-moe-a2.7b} budgets
+  case "$shape" in
+    phi-3.5-moe) budgets=${BUDGETS:-48GiB,36GiB} ;;
+    mixtral-8x7b) budgets=${BUDGETS:-64GiB,48GiB} ;;
+    *) budgets=${BUDGETS:-24GiB,16GiB} ;;
+  esac
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 benchmarks/reference_model.py --shape "$shape" \
+    --minutes "${MINUTES:-3}" --batch 32 --reuse --out "/tmp/narrow/$shape" > "$out/logs/train-$shape.log" 2>&1
+  echo "train $shape rc=$? at ${SECONDS}s"; grep -h "^trained\|already holds" "$out/logs/train-$shape.log"
+  timeout $((585 - SECONDS)) python3 -m specter.bench --model "/tmp/narrow/$shape" --widen auto --budget "$budgets" \
+    --link "${LINKS:-native,gen4,ddr4-desktop}" --sampling greedy,sampled --max-new-tokens 64 \
+    --systems "${SYSTEMS:-ondemand,specmoeoff,cpu-experts,specter,specter-hybrid,exact-prefetch-specter}" \
+    --time-budget $((520 - SECONDS)) --no-progress --no-plots --no-hf --out "$out/fulldepth-$shape" \
+    > "$out/logs/fulldepth-$shape.log" 2>&1
+  echo "fulldepth $shape rc=$? at ${SECONDS}s"; tail -40 "$out/logs/fulldepth-$shape.log"
+}
+
 cpu_quick() {  # table "CPU quick matrix": the default matrix on the built-in tiny model, on the CPU
   python -m specter.bench --no-progress --no-plots --out "$out/cpu-quick" | tail -20
 }
@@ -259,6 +284,7 @@ for target in "$@"; do
     realism) realism ;;
     hybrid) hybrid ;;
     llamacpp) llamacpp ;;
+    fulldepth) fulldepth ;;
     *) echo "unknown target: $target" >&2; exit 2 ;;
   esac
 done

@@ -248,15 +248,17 @@ async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: 
 async def apply_placement(placement: Placement, cache: ExpertCache, config: EngineConfig, device: torch.device,
                           policy=None, state: PlacementState | None = None) -> HostExperts:
     """`placement` from now on: the cache skips its host-path experts and holds the device-path ones that fit (loaded
-    now, so those layers never copy again); returns the host path that computes the others. With `policy` and the
-    `state` it placed from, each prompt takes the policy's prompt placement (`place_prefill`), else `placement`."""
+    now, so those layers never copy again); returns the host path that computes the others, with the thread count the
+    `state` was calibrated at (none: `cpu_threads`). With `policy` and the `state` it placed from, each prompt takes
+    the policy's prompt placement (`place_prefill`), else `placement`."""
     cache.place(placement.host)
     await cache.restore(CacheSnapshot(tuple(tuple(experts) for experts in preloaded(placement, cache.slots_per_layer))))
     log.info("engine.placed", host_experts=placement.total, per_layer=placement.counts())
     prompt = None
     if policy is not None and state is not None:
         prompt = lambda rows: prefill_placement(policy, state, placement, rows)  # noqa: E731
-    return HostExperts(cache.pool, placement, config.row_bucket, config.cpu_threads, device, prompt=prompt)
+    threads = state.host_threads if state is not None else config.cpu_threads
+    return HostExperts(cache.pool, placement, config.row_bucket, threads, device, prompt=prompt)
 
 
 def new_transfer(config: EngineConfig, backend, kernel: Kernel, device: torch.device) -> TransferEngine:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -12,7 +13,8 @@ from specter.bench import report
 from specter.bench.protocol import SAMPLING_MODES, ModelTarget, Options, checkpoint_target, run_matrix, synthetic_prompts, warmup_prompt
 from specter.bench.synthetic import SHAPES, family_available, shape_config, shape_label, synthetic_source
 from specter.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, Setting
-from specter.config import TuningConfig, parse_bytes
+from specter.build import resolve_dtype
+from specter.config import EngineConfig, TuningConfig, parse_bytes
 from specter.errors import ConfigError, SpecterError
 from specter.model.spec import spec_from_config
 from specter.paths import check_output_folder
@@ -45,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", action="append", default=None,
                         help=f"checkpoint dir, 'tiny', or a synthetic real shape ({', '.join(SHAPES)}); repeatable")
+    parser.add_argument("--widen", default=None, metavar="F|auto",
+                        help="each --model DIR is a narrow checkpoint, benchmarked as its model widened F times (exact "
+                             "Net2Net, bf16, widened as it loads: specter.bench.widen), labelled 'NAME xF'; auto: the factor "
+                             "DIR/train.json records (benchmarks/reference_model.py --shape)")
     parser.add_argument("--preset", choices=["quick", "paper"], default="quick",
                         help="paper: DeepSeek-V2-Lite 16/4, Qwen1.5-MoE 15/8, Phi-3.5-MoE 2/1 residents per layer")
     parser.add_argument("--layers", type=int, default=None, help="truncate synthetic shapes to N decoder layers (labelled)")
@@ -76,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default on the CPU: 1; tiny matrices lose to thread hand-offs, worse on a busy machine)")
+    parser.add_argument("--desktop-threads", type=int, default=8,
+                        help="torch threads of the host expert path (cpu-experts, the hybrids: its calibration and its "
+                             "compute) in cells at link ddr4-desktop, a desktop CPU's cores; other links: the engine's "
+                             "default (the cores less one)")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds; cells that would not fit are skipped (noted)")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for results.json, results.md and plots")
     parser.add_argument("--no-plots", action="store_true")
@@ -121,11 +131,15 @@ def _name_list(text: str) -> list[str]:
 
 def targets_from_args(args: argparse.Namespace) -> tuple[list[ModelTarget], list[str]]:
     """The models of the matrix with their settings; shapes whose family is missing are noted, not fatal."""
+    check_widen(args)
     names = args.model or (list(PAPER_SETTINGS) if args.preset == "paper" else ["tiny"])
     targets, notes = [], []
     for name in names:
         settings = _settings(args, name)
         if name in SHAPES:
+            if args.widen is not None:
+                raise ConfigError(f"--widen: {name} is a synthetic shape, already at the real width; --widen takes a narrow "
+                                  "checkpoint directory")
             if not family_available(name):
                 notes.append(f"{name}: model family {SHAPES[name]['model_type']!r} is not registered in this engine yet; skipped")
                 continue
@@ -134,10 +148,35 @@ def targets_from_args(args: argparse.Namespace) -> tuple[list[ModelTarget], list
             from specter.builtin import resolve_model
 
             path = resolve_model(name)
-            target = checkpoint_target(path, settings, args.prompts)
-            target.label = name if name == "tiny" else path.name
+            target = checkpoint_target(path, settings, args.prompts, widen_factor(args.widen, path))
+            if name == "tiny":
+                target.label = target.label.replace(path.name, "tiny", 1)
             targets.append(target)
     return targets, notes
+
+
+def check_widen(args: argparse.Namespace) -> None:
+    """--widen needs checkpoint models and a factor F >= 1 or 'auto' (before anything loads)."""
+    if args.widen is None:
+        return
+    if not args.model:
+        raise ConfigError(f"--widen {args.widen} needs --model DIR: it widens a narrow checkpoint directory")
+    if args.widen != "auto" and not (args.widen.isdigit() and int(args.widen) >= 1):
+        raise ConfigError(f"--widen {args.widen!r}: expected a whole number F >= 1 (real width / narrow width) or 'auto'")
+
+
+def widen_factor(text: str | None, path: Path) -> int | None:
+    """The factor of --widen for the checkpoint at `path` (None: no widening); 'auto' reads the trainer's train.json."""
+    if text is None:
+        return None
+    if text != "auto":
+        return int(text)
+    record = path / "train.json"
+    factor = json.loads(record.read_text()).get("factor") if record.is_file() else None
+    if not isinstance(factor, int) or factor < 1:
+        raise ConfigError(f"--widen auto: {record} records no widening factor (benchmarks/reference_model.py --shape writes "
+                          "one); give --widen F")
+    return factor
 
 
 def _settings(args: argparse.Namespace, name: str) -> list[Setting]:
@@ -183,11 +222,13 @@ def options_from_args(args: argparse.Namespace) -> Options:
     tuning = TuningConfig().with_overrides([*args.tune, *(["transfer.issue_marks=true"] if args.copy_gaps else [])])
     repeats = args.repeats or (QUICK_REPEATS if quick_matrix else 1)
     quant = args.quant or (QUICK_QUANT if quick_matrix else "int4")
+    if args.desktop_threads < 1:
+        raise ConfigError(f"--desktop-threads {args.desktop_threads}: expected 1 or more host threads")
     return Options(systems=systems, links=links, max_new_tokens=max_new, warmup_tokens=min(args.warmup_tokens, max_new),
                    repeats=repeats, k=args.k, k_max=max(args.k_max, args.k), row_bucket=args.row_bucket,
                    device=args.device, dtype=args.dtype,
                    progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=quant,
-                   tuning=tuning, sampling=modes)
+                   tuning=tuning, sampling=modes, desktop_threads=args.desktop_threads)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -225,7 +266,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     flags = report.exact_prefetch_flags(summary)
     notes += flags
     payload = {"machine": report.machine(argv), "options": vars(options) | {"tuning": options.tuning.model_dump()}, "args": {k: str(v) for k, v in vars(args).items()},
-               "models": [_model_info(t) | ({"realism": realism[t.label]} if t.label in realism else {}) for t in targets],
+               "models": [_model_info(t, options) | ({"realism": realism[t.label]} if t.label in realism else {}) for t in targets],
                "cells": cells, "summary": summary, "runs": records, "notes": notes,
                "elapsed_s": round(time.monotonic() - started, 1)}
     write_outputs(args.out, payload, plots=not args.no_plots)
@@ -263,11 +304,17 @@ def realism_reports(targets: Sequence[ModelTarget], options: Options, new_tokens
     return reports
 
 
-def _model_info(target: ModelTarget) -> dict:
+def _model_info(target: ModelTarget, options: Options) -> dict:
+    import torch
+
     spec = target.spec
+    element = torch.empty((), dtype=resolve_dtype(EngineConfig(dtype=options.dtype), spec)).element_size()
     return {"label": target.label, "family": spec.family, "layers": spec.num_layers, "full_layers": target.full_spec.num_layers,
             "moe_layers": len(spec.moe_layers), "experts": spec.num_experts, "top_k": spec.top_k, "hidden": spec.hidden_size,
-            "expert_intermediate": spec.expert_intermediate, "settings": [s.label for s in target.settings],
+            "expert_intermediate": spec.expert_intermediate, "widen": target.widen, "dtype": spec.dtype,
+            "expert_bytes": spec.expert_bytes(element), "expert_mb": round(spec.expert_bytes(element) / 1e6, 2),
+            "experts_gib": round(len(spec.moe_layers) * spec.num_experts * spec.expert_bytes(element) / 2**30, 2),
+            "settings": [s.label for s in target.settings],
             "prompts": [{"kind": p.kind, "index": p.index, "ids": p.ids} for p in target.prompts],
             "path": str(target.path) if target.path else None}
 

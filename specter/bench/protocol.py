@@ -29,12 +29,15 @@ from specter.build import resolve_dtype
 from specter.log import get_logger
 from specter.model.checkpoint import Checkpoint
 from specter.model.spec import ModelSpec
+from specter.bench.widen import WidenedCheckpoint
 from specter.bench.systems import (SCHEDULE_SOURCE, SYSTEMS, BenchRuntime, Routes, Setting, System, decode_floor_loads,
                                    initial_state, memory_summary, system_slots)
 
 log = get_logger(__name__)
 
 PROMPT_TOKENS = 16
+DESKTOP_LINK = "ddr4-desktop"
+"""The link preset of a desktop, whose cells give the host expert path `Options.desktop_threads` threads."""
 SAMPLING_MODES: dict[str, dict[str, float]] = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.7, "top_p": 0.9}}
 """How a request picks its tokens (issue 28 item 3): greedy, or seeded sampling as chat users run it. A sampled request's
 seed is fixed by its prompt (`Prompt.seed`), so its baseline, run with the same parameters and seed, is comparable."""
@@ -75,6 +78,9 @@ class ModelTarget:
     settings: list[Setting]
     path: Path | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    widen: int | None = None
+    """F: the checkpoint at `path` is narrow and runs as its model widened F times (WidenedCheckpoint, bf16); None: as
+    it is."""
 
 
 @dataclasses.dataclass
@@ -101,6 +107,9 @@ class Options:
     """EngineConfig.tuning of every system (`--tune SECTION.FIELD=VALUE`, `--copy-gaps`)."""
     sampling: list[str] = dataclasses.field(default_factory=lambda: ["greedy"])
     """Keys of SAMPLING_MODES: every prompt runs once per mode, held to a baseline run in the same mode."""
+    desktop_threads: int = 8
+    """Torch threads of the host expert path in cells at DESKTOP_LINK (a desktop CPU has about 8 cores; the GPU
+    machine's host has more); other cells take the engine's `cpu_threads` default."""
 
 
 class Clock:
@@ -152,13 +161,19 @@ def warmup_prompt(vocab_size: int) -> Prompt:
     return Prompt("warmup", 0, [int(t) for t in ids])
 
 
-def checkpoint_target(path: Path, settings: list[Setting], per_kind: int) -> ModelTarget:
-    checkpoint = Checkpoint(path)
+def checkpoint_target(path: Path, settings: list[Setting], per_kind: int, widen: int | None = None) -> ModelTarget:
+    """The checkpoint at `path`; with `widen` = F, as its model widened F times in bf16, each tensor widened as the
+    loader reads it (no wide copy on disk), labelled 'NAME xF'; prompts from the narrow checkpoint's files."""
+    def open_checkpoint() -> Checkpoint | WidenedCheckpoint:
+        return Checkpoint(path) if widen is None else WidenedCheckpoint(path, widen, torch.bfloat16)
+
+    checkpoint = open_checkpoint()
     spec = checkpoint.spec
     checkpoint.close()
-    return ModelTarget(label=path.name, make_source=lambda: CheckpointWeights(Checkpoint(path)), spec=spec, full_spec=spec,
+    return ModelTarget(label=path.name if widen is None else f"{path.name} x{widen}",
+                       make_source=lambda: CheckpointWeights(open_checkpoint()), spec=spec, full_spec=spec,
                        prompts=checkpoint_prompts(path, spec.vocab_size, per_kind), warmup=warmup_prompt(spec.vocab_size),
-                       settings=settings, path=path)
+                       settings=settings, path=path, widen=widen)
 
 
 # ---- one model ------------------------------------------------------------------------------------------
@@ -306,7 +321,7 @@ class ModelBench:
     async def _cell(self, runtime: BenchRuntime, system: System, setting: Setting, link: str, slots: int | None,
                     initial: tuple[tuple[int, ...], ...] | None, note: str = "") -> None:
         cell = {"model": self.target.label, "setting": setting.label if slots is not None else "all", "link": link,
-                "system": system.name, "slots": slots, "note": note}
+                "system": system.name, "slots": slots, "note": note, "host_threads": None}
         self.bar.set_postfix(system=system.name, link=link, setting=cell["setting"])
         self.bar.update(1)
         expected = max(self.cell_seconds, default=0.0)
@@ -324,7 +339,8 @@ class ModelBench:
         start_state = initial_state(initial, slots) if initial is not None else None
         key = (cell["setting"], link)
         if runtime.cache is not None:
-            await runtime.use_placement(system.cpu_experts, start_state)
+            await runtime.use_placement(system.cpu_experts, start_state, self.desktop_threads(link))
+            cell["host_threads"] = runtime.host_threads
             if system.cpu_experts != "off":
                 await self._placement_baseline(runtime, system, start_state, key)
         await self._request(runtime, system, self.target.warmup, start_state, key, warm=True)
@@ -336,6 +352,10 @@ class ModelBench:
                 self.records.append(cell | record | {"repeat": repeat})
         self.cell_seconds.append(time.monotonic() - started)
         self.cells.append(cell | {"status": "ok", "seconds": round(self.cell_seconds[-1], 2)})
+
+    def desktop_threads(self, link: str) -> int | None:
+        """The host path's threads at `link`: the desktop's at DESKTOP_LINK, else None (the engine's default)."""
+        return self.options.desktop_threads if link == DESKTOP_LINK else None
 
     async def _placement_baseline(self, runtime: BenchRuntime, system: System, start_state, cell: tuple[str, str]) -> None:
         """The baseline of a system with host experts: the same placement at k = 0 from the same start (the engine
@@ -419,7 +439,10 @@ async def bench_models(targets: Sequence[ModelTarget], options: Options, budget_
         await bench.run()
         records += bench.records
         cells += bench.cells
-        if options.hf and target.path is not None:
+        if options.hf and target.path is not None and target.widen is not None:
+            target.notes.append(f"{target.label}: hf-accelerate skipped (transformers would read the narrow checkpoint, "
+                                "not its widened model)")
+        elif options.hf and target.path is not None:
             from specter.bench.hf_baseline import run_hf
 
             hf_records, hf_note = run_hf(target, bench, options)

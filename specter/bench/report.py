@@ -196,6 +196,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "copy_idle": _copy_idle(runs, copy_window),
         "pump_gaps": _pump_gaps(runs),
         "peak_gib": _peak(runs),
+        "host_threads": runs[0].get("host_threads"),
         "host_experts_placed": max((r.get("host_experts_placed", 0) for r in runs), default=0),
         "host_per_token": round(sum(r.get("host_computed_experts", 0) for r in runs) / tokens, 3),
         "host_share": _host_share(runs),
@@ -366,12 +367,13 @@ SHORT_COLUMNS = (("model", "model"), ("setting", "setting"), ("link", "link"), (
 
 
 def host_path_lines(summary: Sequence[dict], markdown: bool = False) -> list[str]:
-    """The placement's decisions and their measured split, one row per cell with host experts (cpu-experts, hybrids)."""
-    rows = [row for row in summary if row.get("host_experts_placed")]
+    """The placement's decisions, its host threads and the measured split, one row per cell that placed (cpu-experts,
+    hybrids), with host experts or not."""
+    rows = [row for row in summary if row.get("host_experts_placed") or row.get("host_threads")]
     if not rows:
         return []
     columns = (("model", "model"), ("setting", "setting"), ("link", "link"), ("sampling", "sampling"), ("system", "system"),
-               ("host_experts_placed", "host experts placed"), ("host_share", "host share of non-resident uses"),
+               ("host_threads", "host threads"), ("host_experts_placed", "host experts placed"), ("host_share", "host share of non-resident uses"),
                ("host_per_token", "host experts/token"), ("h2d_decode_mb_per_token", "decode MB/token"), ("tpot_ms", "TPOT ms"))
     return ["", "Host path: the placement's host experts (layer, expert pairs) and the share of the experts not on the "
             "device that the host computed (the rest were copied):", ""] + table_lines(rows, columns, markdown=markdown)

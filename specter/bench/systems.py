@@ -22,6 +22,7 @@ from specter.errors import BudgetError, ConfigError
 from specter.experts.transfer import LinkEmulation, parse_link
 from specter.build import OFF, apply_placement, new_cache, placement_state
 from specter.experts.costs import Calibration, calibrate
+from specter.experts.host import default_threads
 from specter.engine import Runtime
 from specter.log import get_logger
 from specter.memory import MemoryPlan, plan_memory
@@ -326,8 +327,11 @@ class BenchRuntime(Runtime):
         self.system: System | None = None
         self.link_gbps: float | None = None
         """The link `set_link` emulates (None: the real one)."""
-        self.calibration: Calibration | None = None
-        """The host's and the real link's costs, measured at the first placement that needs them (`use_placement`)."""
+        self.calibrations: dict[int, Calibration] = {}
+        """Host thread count -> the host's and the real link's costs, measured at the first placement with that count
+        (`use_placement`): an expert's host time depends on the threads that compute it."""
+        self.host_threads: int | None = None
+        """The torch threads of the placement's host path (and of the calibration it was placed from); None: 'off'."""
         moe = self.spec.moe_layers
         self._next_moe_layer = dict(zip(moe, moe[1:]))
 
@@ -379,35 +383,42 @@ class BenchRuntime(Runtime):
         if self.system is not None:
             self.experts.on_routed = self._gate_prefetch if self.system.gate_prefetch else None
 
-    async def use_placement(self, name: str, initial: Sequence[Sequence[int]] | None = None) -> Placement | None:
+    async def use_placement(self, name: str, initial: Sequence[Sequence[int]] | None = None,
+                            threads: int | None = None) -> Placement | None:
         """Place the experts as the `specter.placement` plug-in `name` does from a cache that holds `initial` (per layer;
         None: what it holds now), between requests: the bench's cells start from different caches, and each cell's
-        placement is fixed for all of its requests. 'off': no host path. Returns the placement (None for 'off')."""
+        placement is fixed for all of its requests. `threads`: the host path's torch threads, for the calibration the
+        policy decides from and for the path itself (None: the engine's `cpu_threads`). 'off': no host path. Returns
+        the placement (None for 'off')."""
         assert isinstance(self.experts, OffloadedExperts) and self.cache is not None, "use_placement needs an offloaded runtime"
         self.experts.close()
         self.experts.host = None
         self.cache.place([frozenset()] * self.cache.num_layers)
+        self.host_threads = None
         if name == OFF:
             return None
-        state = await self._placement_state(initial)
+        self.host_threads = threads or self.config.cpu_threads or default_threads()
+        state = await self._placement_state(initial, self.host_threads)
         policy = plugins.load_policy("placement", name)
         placement = policy.place(state=state)
         if placement.active:
             self.experts.host = await apply_placement(placement, self.cache, self.config, self.model.device, policy, state)
         return placement
 
-    async def _placement_state(self, initial: Sequence[Sequence[int]] | None) -> PlacementState:
+    async def _placement_state(self, initial: Sequence[Sequence[int]] | None, threads: int) -> PlacementState:
         """What a placement policy sees at a cell's start: the cache holding `initial`, the cell's link (emulated, else
-        the real one probed once) and the host calibrated once, never the transfer engine's running estimate, so that
-        every placement of one cell and link is the same (the placement baseline is shared by the cell's systems)."""
-        state = dataclasses.replace(placement_state(self.cache, self.config, self.spec), link_bytes_per_s=None)
+        the real one probed once) and the host calibrated once per thread count, never the transfer engine's running
+        estimate, so that every placement of one cell and link is the same (the placement baseline is shared by the
+        cell's systems)."""
+        state = dataclasses.replace(placement_state(self.cache, self.config, self.spec), link_bytes_per_s=None,
+                                    host_threads=threads)
         if initial is not None:
             state = dataclasses.replace(state, initial_residents=tuple(tuple(layer) for layer in initial))
-        if self.calibration is None:
-            self.calibration = await calibrate(self.kernel, self.cache.pool, self.model.expert_mlp, state, self.spec.hidden_size,
-                                               self.model.device, self.config.placement_profile)
+        if threads not in self.calibrations:
+            self.calibrations[threads] = await calibrate(self.kernel, self.cache.pool, self.model.expert_mlp, state,
+                                                         self.spec.hidden_size, self.model.device, self.config.placement_profile)
         link = self.link_gbps * 1e9 if self.link_gbps is not None else None
-        return self.calibration.apply(dataclasses.replace(state, link_bytes_per_s=link))
+        return self.calibrations[threads].apply(dataclasses.replace(state, link_bytes_per_s=link))
 
     def set_link(self, link: str | None) -> None:
         """Emulate `link` (preset or GB/s; None or 'native': the real link) for the copies from now on."""
