@@ -41,9 +41,9 @@ qwen_bench() {  # NAME ARGS...: specter against ondemand on the trained Qwen sha
 }
 
 gpu_tests() {  # table "GPU tests": every gpu-marked test, then the exactness property test on CUDA
-  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider > "$out/logs/gpu-tests.log" 2>&1
+  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=120 > "$out/logs/gpu-tests.log" 2>&1
   tail -1 "$out/logs/gpu-tests.log"
-  SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 200 python3 -m pytest -q -x tests/test_speculative.py \
+  SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 140 python3 -m pytest -q -x tests/test_speculative.py \
     -p no:cacheprovider > "$out/logs/spec-cuda.log" 2>&1
   tail -1 "$out/logs/spec-cuda.log"
 }
