@@ -757,3 +757,28 @@ def test_the_hybrids_place_with_auto_and_hold_their_tokens_to_that_placements_ba
     assert hybrid and all(run["host_computed_experts"] > 0 and run["tokens_equal"] for run in hybrid)
     assert baselines.count("auto") == 2 and "all" in baselines
     assert "Host path:" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("flag, expected", [([], 1), (["--threads", "2"], 2)])
+def test_bench_threads_reach_every_runtimes_build(tmp_path, monkeypatch, flag, expected):
+    """`--threads` is EngineConfig.threads of each runtime the bench builds (the build sets torch's count, so setting
+    it anywhere else would be undone there); on the CPU the bench's own default is 1."""
+    import specter.build
+
+    seen = []
+    real = specter.build.apply_threads
+    monkeypatch.setattr(specter.build, "apply_threads", lambda config, device: (seen.append(config.threads), real(config, device)))
+    before = torch.get_num_threads()
+    try:
+        code = cli.main(["--systems", "resident,ondemand", "--max-new-tokens", "4", "--warmup-tokens", "2", "--link", "1",
+                         "--no-progress", "--no-plots", "--no-hf", "--device", "cpu", *flag, "--out", str(tmp_path)])
+        assert code == 0 and torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [expected, expected]  # the resident runtime and the offloaded one
+
+
+def test_bench_threads_below_one_are_one_line_errors(tmp_path, capsys):
+    assert cli.main(["--threads", "0", "--no-progress", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --threads 0: expected 1 or more") and err.count("\n") == 1, err

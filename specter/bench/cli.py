@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default on the CPU: 1; tiny matrices lose to thread hand-offs, worse on a busy machine)")
+                        help="torch CPU threads of every runtime, EngineConfig.threads (default on the CPU: 1, tiny matrices lose to thread "
+                             "hand-offs, worse on a busy machine; on CUDA: the engine's default)")
     parser.add_argument("--desktop-threads", type=int, default=8,
                         help="torch threads of the host expert path (cpu-experts, the hybrids: its calibration and its "
                              "compute) in cells at link ddr4-desktop, a desktop CPU's cores; other links: the engine's "
@@ -215,8 +216,11 @@ def options_from_args(args: argparse.Namespace) -> Options:
     if not modes or any(mode not in SAMPLING_MODES for mode in modes):
         raise ConfigError(f"--sampling {','.join(args.sampling)}: expected a comma-separated list of {', '.join(SAMPLING_MODES)}")
     on_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
-    if args.threads or not on_cuda:
-        torch.set_num_threads(args.threads or 1)
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads {args.threads}: expected 1 or more torch threads")
+    # Through EngineConfig.threads, so that each runtime's build sets it (a torch.set_num_threads here would be reset
+    # there to the engine's default); on the CPU the bench's own default is 1 (the help says why).
+    threads = args.threads or (None if on_cuda else 1)
     links = args.link or (["native"] if on_cuda else list(QUICK_LINKS if quick_matrix else PLAIN_CPU_LINKS))
     max_new = args.max_new_tokens or (32 if quick else 128)
     tuning = TuningConfig().with_overrides([*args.tune, *(["transfer.issue_marks=true"] if args.copy_gaps else [])])
@@ -228,7 +232,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    repeats=repeats, k=args.k, k_max=max(args.k_max, args.k), row_bucket=args.row_bucket,
                    device=args.device, dtype=args.dtype,
                    progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=quant,
-                   tuning=tuning, sampling=modes, desktop_threads=args.desktop_threads)
+                   tuning=tuning, sampling=modes, desktop_threads=args.desktop_threads, threads=threads)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -110,6 +110,8 @@ class Options:
     desktop_threads: int = 8
     """Torch threads of the host expert path in cells at DESKTOP_LINK (a desktop CPU has about 8 cores; the GPU
     machine's host has more); other cells take the engine's `cpu_threads` default."""
+    threads: int | None = None
+    """EngineConfig.threads of every runtime (torch's intra-op threads of the process; None: the engine's default)."""
 
 
 class Clock:
@@ -211,6 +213,7 @@ class ModelBench:
         k_max = self.options.k_max if speculative else 0
         residents = None if resident else self.target.spec.top_k
         return EngineConfig(device=self.options.device, dtype=self.options.dtype, residents=residents, max_context=self.max_context,
+                            threads=self.options.threads,
                             draft=DraftConfig(k=self.options.k if speculative else 0, k_max=k_max, quant=self.options.quant),
                             lookahead="fixed", row_bucket=self.options.row_bucket,
                             progress=self.options.progress, static_verify=self.options.static_verify,
