@@ -130,38 +130,48 @@ serve() {  # table "Serving": specter serve under 1, 4 and 16 concurrent clients
 before_after() {  # ROUNDS: the same bench on the code in $OLD (`git archive REV specter policies backends pyproject.toml |
   # tar -x -C .old`, carried) and on this tree, one trained model, Gen5 and Gen4 in each process; processes alternate
   # old new new old ... so drift on the shared machine falls on both sides, and the table takes each cell's median;
-  # AB_RESIDENTS, AB_LINKS, AB_SYSTEMS narrow the matrix to the cells in question
+  # AB_RESIDENTS, AB_LINKS, AB_SYSTEMS narrow the matrix to the cells in question. AB_VARIANTS (default "old new"):
+  # more sides, each TREE or TREE+NAME=BENCH-ARGS with commas for spaces, e.g. "old old+t1=--threads,1 new
+  # new+t16=--threads,16"; the table compares each with the first
   train_qwen
-  local side dir round order
+  local variant side label extra dir round order
+  local variants=${AB_VARIANTS:-old new}
   for round in $(seq 1 "$1"); do
-    order="old new"; [ $((round % 2)) = 0 ] && order="new old"
-    for side in $order; do
+    order=$variants; [ $((round % 2)) = 0 ] && order=$(echo $variants | tr ' ' '\n' | tac | tr '\n' ' ')
+    for variant in $order; do
+      side=${variant%%+*}; label=${variant%%=*}; extra=; [ "$variant" != "${variant#*=}" ] && extra=${variant#*=}
       dir=$PWD; [ $side = old ] && dir=${OLD:-$PWD/.old}
       (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "${AB_TIMEOUT:-120}" python3 -m specter.bench --model /tmp/qwenref \
         --max-new-tokens 64 --no-progress --no-plots --no-hf --repeats 1 --residents "${AB_RESIDENTS:-15,8}" \
-        --link "${AB_LINKS:-native,gen4}" --systems "${AB_SYSTEMS:-ondemand,specter}" --out "$out/ab-$side-$round" \
-        > "$out/logs/ab-$side-$round.log" 2>&1
-       echo "$side round $round rc=$?")
+        --link "${AB_LINKS:-native,gen4}" --systems "${AB_SYSTEMS:-ondemand,specter}" ${extra//,/ } \
+        --out "$out/ab-$label-$round" > "$out/logs/ab-$label-$round.log" 2>&1
+       echo "$label round $round rc=$?")
     done
   done
-  python3 - "$out" <<'PY'
+  python3 - "$out" $variants <<'PY'
 import json, pathlib, statistics, sys
+labels = [v.split("=")[0] for v in sys.argv[2:]]
 cells = {}
 for path in sorted(pathlib.Path(sys.argv[1]).glob("ab-*-*/results.json")):
-    side = path.parent.name.split("-")[1]
+    label = path.parent.name[3:].rsplit("-", 1)[0]
     for r in json.loads(path.read_text())["summary"]:
         key = (r["link"], r["setting"], r["system"])
-        cells.setdefault(key, {}).setdefault(side, []).append((r["tpot_ms"], r.get("h2d_decode_mb_per_token", r["h2d_mb_per_token"]), r["tokens_equal"]))
-print("| link | residents | system | TPOT before | TPOT after | after / before | decode MB/tok before / after | runs | tokens equal |")
+        cells.setdefault(key, {}).setdefault(label, []).append((r["tpot_ms"], r.get("h2d_decode_mb_per_token", r["h2d_mb_per_token"]), r["tokens_equal"]))
+first = labels[0]
+print(f"| link | residents | system | side | TPOT (median) | / {first} | decode MB/tok | runs | tokens equal |")
 print("|---|---|---|---|---|---|---|---|---|")
 for (link, setting, system), sides in sorted(cells.items()):
-    if not {"old", "new"} <= set(sides):
+    if first not in sides:
         continue
-    old, new = (statistics.median(t for t, _, _ in sides[s]) for s in ("old", "new"))
-    mb = [statistics.median(m for _, m, _ in sides[s]) for s in ("old", "new")]
-    equal = all(e for s in sides.values() for _, _, e in s)
-    print(f"| {link} | {setting} | {system} | {old:.2f} | {new:.2f} | {new / old:.3f} | {mb[0]:.1f} / {mb[1]:.1f} | "
-          f"{len(sides['old'])} + {len(sides['new'])} | {equal} |")
+    base = statistics.median(t for t, _, _ in sides[first])
+    for label in labels:
+        if label not in sides:
+            continue
+        runs = sides[label]
+        tpot = statistics.median(t for t, _, _ in runs)
+        mb = statistics.median(m for _, m, _ in runs)
+        print(f"| {link} | {setting} | {system} | {label} | {tpot:.2f} | {tpot / base:.3f} | {mb:.1f} | {len(runs)} | "
+              f"{all(e for _, _, e in runs)} |")
 PY
 }
 
