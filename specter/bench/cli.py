@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -86,7 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch threads of the host expert path (cpu-experts, the hybrids: its calibration and its "
                              "compute) in cells at link ddr4-desktop, a desktop CPU's cores; other links: the engine's "
                              "default (the cores less one)")
-    parser.add_argument("--time-budget", type=float, default=None, help="seconds; cells that would not fit are skipped (noted)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds above 0, shared out between the models; a cell is skipped (noted) when the time left "
+                             "is below the longest cell so far or, for a model's first cells, below its baseline pass over "
+                             "the same requests times the repeats; a model part whose time is up is not loaded. None: no "
+                             "budget")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for results.json, results.md and plots")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers + accelerate baseline")
@@ -249,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     check_output_folder(args.out, "--out")  # before minutes of measurement, not after
+    check_time_budget(args.time_budget)
     if args.merge:
         payload = report.merge(args.merge)
         write_outputs(args.out, payload, plots=not args.no_plots)
@@ -279,6 +285,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     for flag in flags:
         print(f"flag: {flag}")
     return 0 if all(row["tokens_equal"] for row in summary if row["system"] != "hf-accelerate") else 1
+
+
+def check_time_budget(budget_s: float | None) -> None:
+    """--time-budget is a positive, finite number of seconds; no budget is leaving it out (0 once meant that)."""
+    if budget_s is not None and not (math.isfinite(budget_s) and budget_s > 0):
+        raise ConfigError(f"--time-budget {budget_s:g}: expected seconds above 0 (leave the option out for no budget)")
 
 
 def realism_reports(targets: Sequence[ModelTarget], options: Options, new_tokens: int) -> dict[str, dict]:

@@ -116,7 +116,7 @@ class Clock:
     """The run's time budget, shared out between models so every model gets some results."""
 
     def __init__(self, budget_s: float | None) -> None:
-        self.deadline = time.monotonic() + budget_s if budget_s else None
+        self.deadline = time.monotonic() + budget_s if budget_s is not None else None  # the CLI refuses budgets <= 0
 
     def model_deadline(self, models_left: int) -> float | None:
         if self.deadline is None:
@@ -186,6 +186,9 @@ class ModelBench:
         self.systems = [SYSTEMS[name] for name in options.systems]
         self.records: list[dict[str, Any]] = []
         self.cells: list[dict[str, Any]] = []
+        self.first_cell_s = 0.0
+        """What the time budget expects of a cell before one has run: each part's untimed baseline pass over every
+        request (the cell's own requests at k = 0), times the repeats; see `_cell`."""
         self.baseline: dict[tuple[str, str, int], list[int]] = {}  # Prompt.key -> tokens: resident, k = 0
         self.offloaded_baseline: dict[tuple[str, str, int], list[int]] = {}  # offloaded, k = 0 (ondemand)
         self.placed_baseline: dict[tuple[str, str, str, tuple[str, str, int]], list[int]] = {}
@@ -227,7 +230,14 @@ class ModelBench:
             self.bar.close()
 
     async def _guarded(self, part: str, work) -> None:
-        """A model part that cannot run here (too big, family missing) is noted, and the matrix goes on."""
+        """A model part that cannot run here (too big, family missing) is noted, and the matrix goes on. A part is not
+        loaded once its time is up (a load takes minutes at full depth): its cells are skipped for the time budget."""
+        if not Clock.fits(self.deadline, 0.0):
+            for model, setting, link, system in self._part_cells(part):
+                self.cells.append({"model": model, "setting": setting, "link": link, "system": system, "slots": None,
+                                   "note": f"{part} part not loaded: its time was up", "host_threads": None,
+                                   "status": "skipped: time budget"})
+            return
         try:
             await work()
         except (SpecterError, torch.cuda.OutOfMemoryError, MemoryError) as error:
@@ -239,14 +249,23 @@ class ModelBench:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
+    def _part_cells(self, part: str) -> list[tuple[str, str, str, str]]:
+        """(model, setting, link, system) of every cell of a part ('resident' or 'offloaded'), in the order it runs them."""
+        if part == "resident":
+            return [(self.target.label, "all", "-", "resident")]
+        return [(self.target.label, setting.label, link, system.name) for link in self.options.links
+                for setting in self.target.settings for system in self.systems if not system.resident]
+
     # -- resident: the ceiling and the baseline tokens ------------------------------------------------------
     async def _run_resident(self) -> None:
         runtime = await BenchRuntime.build(self.target.make_source(), self.engine_config(resident=True, speculative=False))
         try:
             system = SYSTEMS["resident"]
             runtime.configure(system, 0)
+            started = time.monotonic()
             for prompt in self.requests:
                 self.baseline[prompt.key] = (await runtime.complete_ids(prompt.ids, self.generation(prompt=prompt))).tokens
+            self._expect_first_cell(time.monotonic() - started)
             await self._cell(runtime, system, Setting(), "-", slots=None, initial=None)
         finally:
             await runtime.aclose()
@@ -272,12 +291,18 @@ class ModelBench:
     async def _baseline_on(self, runtime: BenchRuntime) -> None:
         """The target alone on the offloaded runtime (k=0, on demand): the offloaded systems' baseline tokens."""
         runtime.configure(SYSTEMS["ondemand"], 0)
+        started = time.monotonic()
         for prompt in self.requests:
             key = prompt.key
             self.offloaded_baseline[key] = (await runtime.complete_ids(prompt.ids, self.generation(prompt=prompt))).tokens
             if key in self.baseline and self.baseline[key] != self.offloaded_baseline[key]:
                 self.target.notes.append(f"prompt {key}: the resident (graphed) and offloaded (eager) baselines differ in "
                                          "rounding and here in tokens; offloaded systems are compared with the offloaded one")
+        self._expect_first_cell(time.monotonic() - started)
+
+    def _expect_first_cell(self, pass_s: float) -> None:
+        """A part's baseline pass took `pass_s`: a cell runs the same requests `repeats` times (and a warm-up)."""
+        self.first_cell_s = max(self.first_cell_s, pass_s * self.options.repeats)
 
     def _depth(self, system: System) -> int:
         return system.k if system.k is not None else self.options.k
@@ -324,7 +349,9 @@ class ModelBench:
                 "system": system.name, "slots": slots, "note": note, "host_threads": None}
         self.bar.set_postfix(system=system.name, link=link, setting=cell["setting"])
         self.bar.update(1)
-        expected = max(self.cell_seconds, default=0.0)
+        # The longest cell so far, and before any cell ran (and after, as a floor) the part's baseline pass times the
+        # repeats: the first cell of a model is held to the budget too.
+        expected = max([*self.cell_seconds, self.first_cell_s])
         if not Clock.fits(self.deadline, expected):
             self.cells.append(cell | {"status": "skipped: time budget"})
             return
