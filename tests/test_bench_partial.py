@@ -1,18 +1,82 @@
 """The bench's results survive a stop: written after every cell (valid JSON at every moment, marked partial until the
-end), merge says a part was partial. CPU, the built-in tiny model."""
+end), SIGTERM abandons the cell in progress and exits 143, merge says a part was partial. CPU, the built-in tiny model."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from specter.bench import cli, protocol, report
+from specter.bench.stopping import exit_status
 
+ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--max-new-tokens", "6", "--warmup-tokens", "2", "--link", "1", "--no-progress", "--no-plots", "--no-hf"]
 SYSTEMS = ["--systems", "resident,ondemand,specter"]
+
+CHILD = """
+import asyncio, os, sys, time
+from pathlib import Path
+from specter.bench import cli, protocol, stopping, systems
+
+mode = sys.argv[1]
+request = protocol.ModelBench._request
+
+async def slow(self, runtime, system, prompt, start_state, cell, warm=False):
+    if len(self.cells) >= 2 and not warm:  # the third cell hangs in its second measured request (its first has ended)
+        self.third_cell_requests = getattr(self, "third_cell_requests", 0) + 1
+        if self.third_cell_requests == 2:
+            Path(os.environ["HANG_MARKER"]).touch()
+            if mode == "stuck":
+                time.sleep(120)  # no await: the cancellation cannot reach it, the watchdog must end the process
+            else:
+                await asyncio.sleep(120)
+    return await request(self, runtime, system, prompt, start_state, cell, warm)
+
+aclose = systems.BenchRuntime.aclose
+
+async def closing(self):
+    await aclose(self)
+    print("runtime closed", flush=True)
+
+protocol.ModelBench._request = slow
+systems.BenchRuntime.aclose = closing
+stopping.STOP_GRACE_S = 2.0
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def stopped_run(out: Path, mode: str) -> tuple[subprocess.CompletedProcess, float]:
+    """The bench in a child process on tiny, whose third cell hangs in its second measured request; SIGTERM once it
+    hangs there and results.json, read as an observer would, holds two ended cells. Returns the process and the
+    seconds from the signal to its exit."""
+    marker = out.parent / f"{out.name}.hanging"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), HANG_MARKER=str(marker))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, mode, *RUN, *SYSTEMS, "--out", str(out)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "the bench did not reach its third cell"
+            time.sleep(0.05)
+        # the third cell has begun: the files must hold the first two already
+        assert len(read_results(out).get("cells", [])) == 2, read_results(out)
+        time.sleep(0.2)  # into the hang
+        signalled = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        stdout, stderr = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr), time.monotonic() - signalled
 
 
 def read_results(out: Path) -> dict:
@@ -22,6 +86,36 @@ def read_results(out: Path) -> dict:
     except FileNotFoundError:
         return {}
     return json.loads(text)
+
+
+def test_sigterm_keeps_the_finished_cells_marked_partial_and_exits_143(tmp_path):
+    out = tmp_path / "out"
+    process, seconds = stopped_run(out, "await")
+    assert process.returncode == exit_status(signal.SIGTERM) == 143, process.stderr
+    assert seconds < 30  # the hung cell was abandoned, not waited for
+    assert process.stdout.count("runtime closed") == 2, process.stdout  # the resident one, and the offloaded one stopped
+    results = read_results(out)
+    assert results["complete"] is False
+    assert results["partial"]["reason"].startswith("stopped by SIGTERM")
+    assert results["partial"]["remaining"] == [{"model": "tiny", "setting": "residents=6", "link": "1", "system": "specter"}]
+    assert [(cell["system"], cell["status"]) for cell in results["cells"]] == [("resident", "ok"), ("ondemand", "ok")]
+    # whole cells only: the abandoned specter cell had measured a request, not kept
+    assert sorted(run["system"] for run in results["runs"]) == ["ondemand"] * 3 + ["resident"] * 3
+    assert {row["system"] for row in results["summary"]} == {"resident", "ondemand"}
+    assert all(row["tokens_equal"] for row in results["summary"])
+    markdown = (out / "results.md").read_text()
+    assert "**Partial results** (stopped by SIGTERM" in markdown and "- tiny residents=6 1 specter" in markdown
+    assert sorted(path.name for path in out.iterdir()) == ["results.json", "results.md"]  # no temporary file left
+    assert "SIGTERM" in process.stderr and "exit status 143" in process.stderr
+
+
+def test_a_cell_that_ignores_the_stop_is_ended_by_the_watchdog_with_the_files_kept(tmp_path):
+    process, seconds = stopped_run(tmp_path / "out", "stuck")
+    assert process.returncode == 143, process.stderr
+    assert seconds < 30 and "did not end within 2 s" in process.stderr
+    results = read_results(tmp_path / "out")
+    assert results["complete"] is False and "did not end within 2 s" in results["partial"]["reason"]
+    assert [cell["system"] for cell in results["cells"]] == ["resident", "ondemand"] and len(results["runs"]) == 6
 
 
 def test_results_are_written_after_every_cell_and_marked_complete_at_the_end(tmp_path, monkeypatch):

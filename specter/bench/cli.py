@@ -5,14 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from specter.bench import report
+from specter.bench import report, stopping
 from specter.bench.protocol import (CELL_FIELDS, SAMPLING_MODES, ModelTarget, Options, Progress, checkpoint_target, planned_cells,
                                     run_matrix, synthetic_prompts, warmup_prompt)
+from specter.bench.stopping import BenchStopped, Stopper, exit_status
 from specter.bench.synthetic import SHAPES, family_available, shape_config, shape_label, synthetic_source
 from specter.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, Setting
 from specter.build import resolve_dtype
@@ -44,8 +47,14 @@ QUICK_REPEATS = 2
 """Requests per prompt in the quick matrix: a median over 6 requests (3 prompts x 2) per cell, within 2 minutes."""
 
 
+EPILOG = (f"Exit status: 0 done; 1 an engine system's tokens differed from its baseline; 2 bad input; "
+          f"{exit_status(signal.SIGTERM)} stopped by SIGTERM ({exit_status(signal.SIGINT)} by SIGINT, 128 + the signal's "
+          "number): the cell in progress is abandoned and results.json and results.md keep the cells that ended, with "
+          "complete false and partial.remaining the cells still to run.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m specter.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m specter.bench", description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", action="append", default=None,
                         help=f"checkpoint dir, 'tiny', or a synthetic real shape ({', '.join(SHAPES)}); repeatable")
@@ -272,10 +281,21 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     options = options_from_args(args)
     results = Results(args.out, argv, args, targets, options, notes, started)
     results.write(RUNNING)  # from the start: a run that dies before its first cell leaves no older run's files
+    stopper = Stopper(grace_s=stopping.STOP_GRACE_S, on_force=results.force)
     try:
-        if args.realism:
-            realism_reports(targets, options, args.realism_tokens, into=results.realism)
-        run_matrix(targets, options, args.time_budget, on_cell=results.update)
+        with stopper.installed():
+            if args.realism:
+                realism_reports(targets, options, args.realism_tokens, stopper, into=results.realism)
+            run_matrix(targets, options, args.time_budget, on_cell=results.update, stopper=stopper)
+    except BenchStopped as stop:
+        payload = results.write(f"stopped by {signal.Signals(stop.signum).name} after "
+                                f"{round(time.monotonic() - results.started, 1)} s: the cell in progress was abandoned",
+                                final=True)
+        print("\n".join(report.table_lines(payload["summary"], report.SHORT_COLUMNS)), file=sys.stderr)
+        print(f"\n{stop}: {len(payload['cells'])} cells ended, {len(payload['partial']['remaining'])} still to run; the "
+              f"finished ones are in {args.out}/ (results.json, results.md: partial; no plots); exit status {stop.status}",
+              file=sys.stderr)
+        return stop.status
     except BaseException as error:  # a crash or an error no part caught: keep what finished, then let it through
         try:
             results.write(f"failed: {type(error).__name__}: {error} (the cell in progress was abandoned)")
@@ -322,6 +342,9 @@ class Results:
         planned = [dict(zip(CELL_FIELDS, key)) for target in targets
                    for part in planned_cells(target, options).values() for key in part]
         self.progress = Progress(records=[], cells=[], remaining=planned)
+        self.lock = threading.Lock()  # the main thread's writes and the stop watchdog's (`force`)
+        self.final = False
+        """The files hold a stop's last word; the watchdog leaves them."""
 
     def update(self, progress: Progress) -> None:
         """bench_models' on_cell: the matrix so far, written at once."""
@@ -343,18 +366,34 @@ class Results:
             payload["partial"] = {"reason": partial, "remaining": list(self.progress.remaining)}
         return payload
 
-    def write(self, partial: str | None, plots: bool = False) -> dict:
-        """Write the files (plots only when asked: at the end); returns the payload."""
+    def write(self, partial: str | None, plots: bool = False, final: bool = False) -> dict:
+        """Write the files (plots only when asked: at the end); returns the payload. `final`: a stop's last word, which
+        the watchdog (armed until the process exits) leaves as it is."""
         payload = self.payload(partial)
-        write_outputs(self.out, payload, plots=plots)
+        with self.lock:
+            write_outputs(self.out, payload, plots=plots)
+            self.final = final
         return payload
+
+    def force(self, signum: int) -> None:
+        """The stop watchdog's last write before it ends the process (the cell in progress would not let go)."""
+        if not self.lock.acquire(timeout=2.0):  # a write in progress: its files stay valid either way
+            return
+        try:
+            if not self.final:
+                reason = (f"stopped by {signal.Signals(signum).name}: the cell in progress did not end within "
+                          f"{stopping.STOP_GRACE_S:g} s of the signal, and the process was ended")
+                write_outputs(self.out, self.payload(reason), plots=False)
+        finally:
+            self.lock.release()
 
 
 def realism_reports(targets: Sequence[ModelTarget], options: Options, new_tokens: int,
-                    into: dict[str, dict] | None = None) -> dict[str, dict]:
+                    stopper: Stopper | None = None, into: dict[str, dict] | None = None) -> dict[str, dict]:
     """The realism report of every checkpoint target (synthetic shapes have random weights: nothing to report), each
     printed as it is made; its draft has the bench's expert format. A model that cannot be reported is noted. Each
-    report goes into `into` as it is made (the results written after every cell carry those made so far)."""
+    report goes into `into` as it is made (the results written after every cell carry those made so far). With a
+    `stopper`, a stop signal ends it (BenchStopped)."""
     import asyncio
 
     from specter.bench.realism import format_report, realism_config, realism_for_bench
@@ -366,8 +405,9 @@ def realism_reports(targets: Sequence[ModelTarget], options: Options, new_tokens
             continue
         config = realism_config(options.device, options.quant)
         try:
-            reports[target.label] = asyncio.run(realism_for_bench(target.make_source(), target.path, config=config,
-                                                                  new_tokens=new_tokens, label=target.label))
+            run = stopper.run if stopper is not None else asyncio.run
+            reports[target.label] = run(realism_for_bench(target.make_source(), target.path, config=config,
+                                                          new_tokens=new_tokens, label=target.label))
         except SpecterError as error:
             target.notes.append(f"{target.label}: realism report skipped: {error}")
             continue

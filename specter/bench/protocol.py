@@ -30,6 +30,7 @@ from specter.log import get_logger
 from specter.model.checkpoint import Checkpoint
 from specter.model.spec import ModelSpec
 from specter.bench.report import CELL_FIELDS
+from specter.bench.stopping import Stopper
 from specter.bench.widen import WidenedCheckpoint
 from specter.bench.systems import (SCHEDULE_SOURCE, SYSTEMS, BenchRuntime, Routes, Setting, System, decode_floor_loads,
                                    initial_state, memory_summary, system_slots)
@@ -544,8 +545,11 @@ async def bench_models(targets: Sequence[ModelTarget], options: Options, budget_
 
 
 def run_matrix(targets: Sequence[ModelTarget], options: Options, budget_s: float | None,
-               on_cell: Callable[[Progress], None] | None = None) -> tuple[list[dict], list[dict]]:
-    return asyncio.run(bench_models(targets, options, budget_s, on_cell))
+               on_cell: Callable[[Progress], None] | None = None, stopper: Stopper | None = None) -> tuple[list[dict], list[dict]]:
+    """bench_models to its end; with a `stopper` (specter.bench.stopping), a stop signal abandons the cell in progress
+    and raises BenchStopped once the runtimes have closed."""
+    matrix = bench_models(targets, options, budget_s, on_cell)
+    return stopper.run(matrix) if stopper is not None else asyncio.run(matrix)
 
 
 __all__ = ["CELL_FIELDS", "Clock", "ModelBench", "ModelTarget", "Options", "Progress", "Prompt", "bench_models",
