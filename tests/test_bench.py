@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specter.bench import cli
+from specter.bench import cli, protocol
 from specter.bench.protocol import Clock, synthetic_prompts
 from specter.bench.synthetic import SHAPES, SyntheticWeights, shape_bytes, shape_config, shape_label
 from specter.bench.systems import SYSTEMS, BenchRuntime, Setting, initial_state, system_slots
@@ -145,8 +146,55 @@ def test_time_budget_skips_cells_and_says_so(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert code == 0 and results["runs"] == []
     assert results["cells"] and all(cell["status"] == "skipped: time budget" for cell in results["cells"])
+    assert all(cell["note"] == "offloaded part not loaded: its time was up" for cell in results["cells"])  # no load
     assert any("time budget" in note for note in results["notes"])
     assert not Clock.fits(Clock(1e-9).deadline, 0.0) and Clock.fits(None, 1e9)
+
+
+QUICK = ["--max-new-tokens", "4", "--warmup-tokens", "2", "--link", "1", "--no-progress", "--no-plots", "--no-hf"]
+
+
+@pytest.mark.parametrize("budget", ["0", "-5", "nan", "inf"])
+def test_a_time_budget_that_is_no_positive_number_of_seconds_is_refused(budget, tmp_path, capsys):
+    assert cli.main([*QUICK, "--time-budget", budget, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --time-budget {budget}: expected seconds above 0") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_first_cell_of_a_model_is_held_to_the_time_budget(tmp_path, monkeypatch):
+    """No cell has run yet, but the baseline pass over the same requests took longer than the time left: the first
+    cell is skipped, not started (before, it expected 0 s and ran past the budget)."""
+    baseline = protocol.ModelBench._baseline_on
+
+    async def slow_baseline(self, runtime):
+        complete = runtime.complete_ids
+
+        async def slow(*args, **kwargs):
+            await asyncio.sleep(1.5)
+            return await complete(*args, **kwargs)
+
+        runtime.complete_ids = slow
+        try:
+            await baseline(self, runtime)
+        finally:
+            del runtime.complete_ids
+
+    monkeypatch.setattr(protocol.ModelBench, "_baseline_on", slow_baseline)
+    time_left = []
+    cell = protocol.ModelBench._cell
+
+    async def first_cell(self, *args, **kwargs):
+        time_left.append(self.deadline - time.monotonic())
+        await cell(self, *args, **kwargs)
+
+    monkeypatch.setattr(protocol.ModelBench, "_cell", first_cell)
+    assert cli.main([*QUICK, "--systems", "ondemand", "--time-budget", "7", "--out", str(tmp_path)]) == 0
+    if time_left[0] <= 0:  # a machine so busy that the load and the baseline pass alone spent the budget
+        pytest.skip("the load and the baseline pass took the whole budget")
+    assert time_left[0] < 3 * 1.5  # what the pass took: it says the cell will not fit
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["runs"] == [] and [cell["status"] for cell in results["cells"]] == ["skipped: time budget"]
 
 
 def test_real_shapes_have_published_sizes_and_truncate_with_a_label():

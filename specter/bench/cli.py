@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from specter.bench import report
-from specter.bench.protocol import SAMPLING_MODES, ModelTarget, Options, checkpoint_target, run_matrix, synthetic_prompts, warmup_prompt
+from specter.bench import report, stopping
+from specter.bench.protocol import (CELL_FIELDS, SAMPLING_MODES, ModelTarget, Options, Progress, checkpoint_target, planned_cells,
+                                    run_matrix, synthetic_prompts, warmup_prompt)
+from specter.bench.stopping import BenchStopped, Stopper, exit_status
 from specter.bench.synthetic import SHAPES, family_available, shape_config, shape_label, synthetic_source
 from specter.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, Setting
 from specter.build import resolve_dtype
@@ -42,8 +47,14 @@ QUICK_REPEATS = 2
 """Requests per prompt in the quick matrix: a median over 6 requests (3 prompts x 2) per cell, within 2 minutes."""
 
 
+EPILOG = (f"Exit status: 0 done; 1 an engine system's tokens differed from its baseline; 2 bad input; "
+          f"{exit_status(signal.SIGTERM)} stopped by SIGTERM ({exit_status(signal.SIGINT)} by SIGINT, 128 + the signal's "
+          "number): the cell in progress is abandoned and results.json and results.md keep the cells that ended, with "
+          "complete false and partial.remaining the cells still to run.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m specter.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m specter.bench", description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", action="append", default=None,
                         help=f"checkpoint dir, 'tiny', or a synthetic real shape ({', '.join(SHAPES)}); repeatable")
@@ -87,8 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch threads of the host expert path (cpu-experts, the hybrids: its calibration and its "
                              "compute) in cells at link ddr4-desktop, a desktop CPU's cores; other links: the engine's "
                              "default (the cores less one)")
-    parser.add_argument("--time-budget", type=float, default=None, help="seconds; cells that would not fit are skipped (noted)")
-    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="directory for results.json, results.md and plots")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds above 0, shared out between the models; a cell is skipped (noted) when the time left "
+                             "is below the longest cell so far or, for a model's first cells, below its baseline pass over "
+                             "the same requests times the repeats; a model part whose time is up is not loaded. None: no "
+                             "budget")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"),
+                        help="directory for results.json, results.md (both rewritten after every cell, marked partial "
+                             "until the end) and plots (at the end)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers + accelerate baseline")
     parser.add_argument("--no-progress", action="store_true")
@@ -253,30 +270,47 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     check_output_folder(args.out, "--out")  # before minutes of measurement, not after
+    check_time_budget(args.time_budget)
     if args.merge:
         payload = report.merge(args.merge)
         write_outputs(args.out, payload, plots=not args.no_plots)
         print("\n".join(report.table_lines(payload["summary"], report.SHORT_COLUMNS)))
         print(f"\nmerged {len(args.merge)} result sets ({len(payload['runs'])} requests) into {args.out}/")
+        for note in payload["notes"]:
+            if note.startswith("merged part "):
+                print(f"note: {note}")
         return 0
     started = time.monotonic()
     targets, notes = targets_from_args(args)
     options = options_from_args(args)
-    realism = realism_reports(targets, options, args.realism_tokens) if args.realism else {}
-    records, cells = run_matrix(targets, options, args.time_budget)
-    summary = report.summarize(records)
-    notes += [note for target in targets for note in target.notes]
-    notes += [f"{c['model']} {c['setting']} {c['link']} {c['system']}: {c['status']}" for c in cells if c["status"] != "ok"]
-    flags = report.exact_prefetch_flags(summary)
-    notes += flags
-    payload = {"machine": report.machine(argv), "options": vars(options) | {"tuning": options.tuning.model_dump()}, "args": {k: str(v) for k, v in vars(args).items()},
-               "models": [_model_info(t, options) | ({"realism": realism[t.label]} if t.label in realism else {}) for t in targets],
-               "cells": cells, "summary": summary, "runs": records, "notes": notes,
-               "elapsed_s": round(time.monotonic() - started, 1)}
-    write_outputs(args.out, payload, plots=not args.no_plots)
+    results = Results(args.out, argv, args, targets, options, notes, started)
+    results.write(RUNNING)  # from the start: a run that dies before its first cell leaves no older run's files
+    stopper = Stopper(grace_s=stopping.STOP_GRACE_S, on_force=results.force)
+    try:
+        with stopper.installed():
+            if args.realism:
+                realism_reports(targets, options, args.realism_tokens, stopper, into=results.realism)
+            run_matrix(targets, options, args.time_budget, on_cell=results.update, stopper=stopper)
+    except BenchStopped as stop:
+        payload = results.write(f"stopped by {signal.Signals(stop.signum).name} after "
+                                f"{round(time.monotonic() - results.started, 1)} s: the cell in progress was abandoned",
+                                final=True)
+        print("\n".join(report.table_lines(payload["summary"], report.SHORT_COLUMNS)), file=sys.stderr)
+        print(f"\n{stop}: {len(payload['cells'])} cells ended, {len(payload['partial']['remaining'])} still to run; the "
+              f"finished ones are in {args.out}/ (results.json, results.md: partial; no plots); exit status {stop.status}",
+              file=sys.stderr)
+        return stop.status
+    except BaseException as error:  # a crash or an error no part caught: keep what finished, then let it through
+        try:
+            results.write(f"failed: {type(error).__name__}: {error} (the cell in progress was abandoned)")
+        except OSError as failure:
+            print(f"could not write the partial results: {failure}", file=sys.stderr)
+        raise
+    payload = results.write(None, plots=not args.no_plots)
+    summary, flags = payload["summary"], report.exact_prefetch_flags(payload["summary"])
     print("\n".join(report.table_lines(summary, report.SHORT_COLUMNS) + report.copy_idle_lines(summary)
                     + report.host_path_lines(summary)))
-    print(f"\n{len(records)} requests in {payload['elapsed_s']} s; results in {args.out}/ (results.json, results.md"
+    print(f"\n{len(payload['runs'])} requests in {payload['elapsed_s']} s; results in {args.out}/ (results.json, results.md"
           f"{', plots' if not args.no_plots else ''})")
     if line := report.reading(summary):
         print(line)
@@ -285,22 +319,99 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0 if all(row["tokens_equal"] for row in summary if row["system"] != "hf-accelerate") else 1
 
 
-def realism_reports(targets: Sequence[ModelTarget], options: Options, new_tokens: int) -> dict[str, dict]:
+def check_time_budget(budget_s: float | None) -> None:
+    """--time-budget is a positive, finite number of seconds; no budget is leaving it out (0 once meant that)."""
+    if budget_s is not None and not (math.isfinite(budget_s) and budget_s > 0):
+        raise ConfigError(f"--time-budget {budget_s:g}: expected seconds above 0 (leave the option out for no budget)")
+
+
+RUNNING = ("running: written after the last cell that ended; if no bench is running any more, it was killed before its "
+           "next cell ended (SIGKILL, out of memory)")
+"""The `partial.reason` of the files written while the matrix runs."""
+
+
+class Results:
+    """One bench run's results.json and results.md: written at the start, after every cell that ended (ran or was
+    skipped) and at the end. Each write replaces the files whole (report.write_json: a temporary file renamed over
+    it), so a kill at any moment leaves the previous version. Until the last write, `complete` is false and `partial`
+    says why and which planned cells had not ended."""
+
+    def __init__(self, out: Path, argv: Sequence[str], args: argparse.Namespace, targets: Sequence[ModelTarget],
+                 options: Options, notes: list[str], started: float) -> None:
+        self.out, self.targets, self.notes, self.started = out, list(targets), list(notes), started
+        self.head = {"machine": report.machine(argv), "options": vars(options) | {"tuning": options.tuning.model_dump()},
+                     "args": {k: str(v) for k, v in vars(args).items()}}
+        self.models = [_model_info(target, options) for target in targets]
+        self.realism: dict[str, dict] = {}
+        planned = [dict(zip(CELL_FIELDS, key)) for target in targets
+                   for part in planned_cells(target, options).values() for key in part]
+        self.progress = Progress(records=[], cells=[], remaining=planned)
+        self.lock = threading.Lock()  # the main thread's writes and the stop watchdog's (`force`)
+        self.final = False
+        """The files hold a stop's last word; the watchdog leaves them."""
+
+    def update(self, progress: Progress) -> None:
+        """bench_models' on_cell: the matrix so far, written at once."""
+        self.progress = progress
+        self.write(RUNNING)
+
+    def payload(self, partial: str | None) -> dict:
+        """results.json's content now; `partial` None: the run ended (complete), else why it is partial."""
+        records, cells = list(self.progress.records), list(self.progress.cells)
+        summary = report.summarize(records)
+        notes = [*self.notes, *(note for target in self.targets for note in target.notes)]
+        notes += [f"{c['model']} {c['setting']} {c['link']} {c['system']}: {c['status']}" for c in cells if c["status"] != "ok"]
+        notes += report.exact_prefetch_flags(summary)
+        models = [info | ({"realism": self.realism[info["label"]]} if info["label"] in self.realism else {})
+                  for info in self.models]
+        payload = {**self.head, "models": models, "cells": cells, "summary": summary, "runs": records, "notes": notes,
+                   "elapsed_s": round(time.monotonic() - self.started, 1), "complete": partial is None}
+        if partial is not None:
+            payload["partial"] = {"reason": partial, "remaining": list(self.progress.remaining)}
+        return payload
+
+    def write(self, partial: str | None, plots: bool = False, final: bool = False) -> dict:
+        """Write the files (plots only when asked: at the end); returns the payload. `final`: a stop's last word, which
+        the watchdog (armed until the process exits) leaves as it is."""
+        payload = self.payload(partial)
+        with self.lock:
+            write_outputs(self.out, payload, plots=plots)
+            self.final = final
+        return payload
+
+    def force(self, signum: int) -> None:
+        """The stop watchdog's last write before it ends the process (the cell in progress would not let go)."""
+        if not self.lock.acquire(timeout=2.0):  # a write in progress: its files stay valid either way
+            return
+        try:
+            if not self.final:
+                reason = (f"stopped by {signal.Signals(signum).name}: the cell in progress did not end within "
+                          f"{stopping.STOP_GRACE_S:g} s of the signal, and the process was ended")
+                write_outputs(self.out, self.payload(reason), plots=False)
+        finally:
+            self.lock.release()
+
+
+def realism_reports(targets: Sequence[ModelTarget], options: Options, new_tokens: int,
+                    stopper: Stopper | None = None, into: dict[str, dict] | None = None) -> dict[str, dict]:
     """The realism report of every checkpoint target (synthetic shapes have random weights: nothing to report), each
-    printed as it is made; its draft has the bench's expert format. A model that cannot be reported is noted."""
+    printed as it is made; its draft has the bench's expert format. A model that cannot be reported is noted. Each
+    report goes into `into` as it is made (the results written after every cell carry those made so far). With a
+    `stopper`, a stop signal ends it (BenchStopped)."""
     import asyncio
 
     from specter.bench.realism import format_report, realism_config, realism_for_bench
 
-    reports = {}
+    reports = {} if into is None else into
     for target in targets:
         if target.path is None:
             target.notes.append(f"{target.label}: no realism report (synthetic random weights route at random)")
             continue
         config = realism_config(options.device, options.quant)
         try:
-            reports[target.label] = asyncio.run(realism_for_bench(target.make_source(), target.path, config=config,
-                                                                  new_tokens=new_tokens, label=target.label))
+            run = stopper.run if stopper is not None else asyncio.run
+            reports[target.label] = run(realism_for_bench(target.make_source(), target.path, config=config,
+                                                          new_tokens=new_tokens, label=target.label))
         except SpecterError as error:
             target.notes.append(f"{target.label}: realism report skipped: {error}")
             continue
@@ -326,7 +437,7 @@ def _model_info(target: ModelTarget, options: Options) -> dict:
 def write_outputs(out: Path, payload: dict, plots: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     report.write_json(out / "results.json", payload)
-    (out / "results.md").write_text(report.markdown_report(payload))
+    report.write_text(out / "results.md", report.markdown_report(payload))
     if plots:
         from specter.bench.plots import write_plots
 

@@ -29,6 +29,8 @@ from specter.build import resolve_dtype
 from specter.log import get_logger
 from specter.model.checkpoint import Checkpoint
 from specter.model.spec import ModelSpec
+from specter.bench.report import CELL_FIELDS
+from specter.bench.stopping import Stopper
 from specter.bench.widen import WidenedCheckpoint
 from specter.bench.systems import (SCHEDULE_SOURCE, SYSTEMS, BenchRuntime, Routes, Setting, System, decode_floor_loads,
                                    initial_state, memory_summary, system_slots)
@@ -118,7 +120,7 @@ class Clock:
     """The run's time budget, shared out between models so every model gets some results."""
 
     def __init__(self, budget_s: float | None) -> None:
-        self.deadline = time.monotonic() + budget_s if budget_s else None
+        self.deadline = time.monotonic() + budget_s if budget_s is not None else None  # the CLI refuses budgets <= 0
 
     def model_deadline(self, models_left: int) -> float | None:
         if self.deadline is None:
@@ -128,6 +130,39 @@ class Clock:
     @staticmethod
     def fits(deadline: float | None, expected_s: float) -> bool:
         return deadline is None or time.monotonic() + expected_s <= deadline
+
+
+CellKey = tuple[str, str, str, str]
+"""(model, setting, link, system): one cell of the matrix, as its status in results.json's `cells` names it."""
+
+
+def planned_cells(target: ModelTarget, options: Options) -> dict[str, list[CellKey]]:
+    """The cells the matrix will run for `target`, by part ('resident', 'offloaded', 'hf'), in the order it runs them:
+    what a partial results.json lists as still to run."""
+    systems = [SYSTEMS[name] for name in options.systems]
+    parts: dict[str, list[CellKey]] = {"resident": [], "offloaded": [], "hf": []}
+    if any(system.resident for system in systems):
+        parts["resident"].append((target.label, "all", "-", "resident"))
+    parts["offloaded"] = [(target.label, setting.label, link, system.name) for link in options.links
+                          for setting in target.settings for system in systems if not system.resident]
+    if options.hf and target.path is not None and target.widen is None and options.max_new_tokens >= 2:
+        from specter.bench.hf_baseline import unavailable_reason
+
+        if unavailable_reason() is None:  # else run_hf skips it with a note
+            parts["hf"] = [(target.label, setting.label, "native", "hf-accelerate") for setting in target.settings
+                           if setting.residents is not None or setting.budget is not None]
+    return parts
+
+
+@dataclasses.dataclass
+class Progress:
+    """The matrix so far, handed to `bench_models`' `on_cell` after every cell that ended (ran or was skipped): the
+    records of whole cells only (an abandoned cell leaves none), every cell's status, and the planned cells that
+    have not ended, in order."""
+
+    records: list[dict[str, Any]]
+    cells: list[dict[str, Any]]
+    remaining: list[dict[str, str]]
 
 
 # ---- prompts --------------------------------------------------------------------------------------------
@@ -187,7 +222,16 @@ class ModelBench:
         self.target, self.options, self.deadline = target, options, deadline
         self.systems = [SYSTEMS[name] for name in options.systems]
         self.records: list[dict[str, Any]] = []
+        """One per measured request, of cells that ended: a cell's records are added when its last request ends."""
         self.cells: list[dict[str, Any]] = []
+        self.planned = planned_cells(target, options)
+        self.ended: set[CellKey] = set()
+        """Planned cells that ran or were skipped (with a status in `cells` or a note)."""
+        self.on_cell: Callable[[], None] | None = None
+        """Called after every cell that ended (`bench_models` writes the results so far)."""
+        self.first_cell_s = 0.0
+        """What the time budget expects of a cell before one has run: each part's untimed baseline pass over every
+        request (the cell's own requests at k = 0), times the repeats; see `_cell`."""
         self.baseline: dict[tuple[str, str, int], list[int]] = {}  # Prompt.key -> tokens: resident, k = 0
         self.offloaded_baseline: dict[tuple[str, str, int], list[int]] = {}  # offloaded, k = 0 (ondemand)
         self.placed_baseline: dict[tuple[str, str, str, tuple[str, str, int]], list[int]] = {}
@@ -229,14 +273,29 @@ class ModelBench:
         finally:
             self.bar.close()
 
+    def _ended(self, *keys: CellKey) -> None:
+        """These planned cells ran or were skipped: tell `on_cell`."""
+        self.ended.update(keys)
+        if self.on_cell is not None:
+            self.on_cell()
+
     async def _guarded(self, part: str, work) -> None:
-        """A model part that cannot run here (too big, family missing) is noted, and the matrix goes on."""
+        """A model part that cannot run here (too big, family missing) is noted, and the matrix goes on. A part is not
+        loaded once its time is up (a load takes minutes at full depth): its cells are skipped for the time budget."""
+        if not Clock.fits(self.deadline, 0.0):
+            for model, setting, link, system in self.planned[part]:
+                self.cells.append({"model": model, "setting": setting, "link": link, "system": system, "slots": None,
+                                   "note": f"{part} part not loaded: its time was up", "host_threads": None,
+                                   "status": "skipped: time budget"})
+            self._ended(*self.planned[part])
+            return
         try:
             await work()
         except (SpecterError, torch.cuda.OutOfMemoryError, MemoryError) as error:
             note = f"{self.target.label}: {part} part skipped: {error}"
             log.warning("bench.skipped", model=self.target.label, part=part, error=str(error))
             self.target.notes.append(note)
+            self._ended(*self.planned[part])
         finally:
             gc.collect()
             if torch.cuda.is_available():
@@ -248,8 +307,10 @@ class ModelBench:
         try:
             system = SYSTEMS["resident"]
             runtime.configure(system, 0)
+            started = time.monotonic()
             for prompt in self.requests:
                 self.baseline[prompt.key] = (await runtime.complete_ids(prompt.ids, self.generation(prompt=prompt))).tokens
+            self._expect_first_cell(time.monotonic() - started)
             await self._cell(runtime, system, Setting(), "-", slots=None, initial=None)
         finally:
             await runtime.aclose()
@@ -275,12 +336,18 @@ class ModelBench:
     async def _baseline_on(self, runtime: BenchRuntime) -> None:
         """The target alone on the offloaded runtime (k=0, on demand): the offloaded systems' baseline tokens."""
         runtime.configure(SYSTEMS["ondemand"], 0)
+        started = time.monotonic()
         for prompt in self.requests:
             key = prompt.key
             self.offloaded_baseline[key] = (await runtime.complete_ids(prompt.ids, self.generation(prompt=prompt))).tokens
             if key in self.baseline and self.baseline[key] != self.offloaded_baseline[key]:
                 self.target.notes.append(f"prompt {key}: the resident (graphed) and offloaded (eager) baselines differ in "
                                          "rounding and here in tokens; offloaded systems are compared with the offloaded one")
+        self._expect_first_cell(time.monotonic() - started)
+
+    def _expect_first_cell(self, pass_s: float) -> None:
+        """A part's baseline pass took `pass_s`: a cell runs the same requests `repeats` times (and a warm-up)."""
+        self.first_cell_s = max(self.first_cell_s, pass_s * self.options.repeats)
 
     def _depth(self, system: System) -> int:
         return system.k if system.k is not None else self.options.k
@@ -302,6 +369,7 @@ class ModelBench:
                                                   quant=self.options.quant, row_bucket=self.options.row_bucket)
             except BudgetError as error:
                 self.target.notes.append(f"{self.target.label} {setting.label}: {system.name} skipped: {error}")
+                self._ended((self.target.label, setting.label, link, system.name))
         if not slots:
             return
         initial = await self._initial_state(runtime, max(count for count, _ in slots.values()), link)
@@ -327,12 +395,17 @@ class ModelBench:
                 "system": system.name, "slots": slots, "note": note, "host_threads": None}
         self.bar.set_postfix(system=system.name, link=link, setting=cell["setting"])
         self.bar.update(1)
-        expected = max(self.cell_seconds, default=0.0)
+        name = (cell["model"], cell["setting"], link, system.name)
+        # The longest cell so far, and before any cell ran (and after, as a floor) the part's baseline pass times the
+        # repeats: the first cell of a model is held to the budget too.
+        expected = max([*self.cell_seconds, self.first_cell_s])
         if not Clock.fits(self.deadline, expected):
             self.cells.append(cell | {"status": "skipped: time budget"})
+            self._ended(name)
             return
         if system.replay_schedule and (cell["setting"], link, *self.target.warmup.key) not in self.schedules:
             self.cells.append(cell | {"status": f"skipped: needs {SCHEDULE_SOURCE} earlier in the same run"})
+            self._ended(name)
             return
         started = time.monotonic()
         if slots is not None:
@@ -349,12 +422,15 @@ class ModelBench:
         await self._request(runtime, system, self.target.warmup, start_state, key, warm=True)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        records = []  # kept back until the cell ends: a stopped run keeps whole cells only
         for prompt in self.requests:
             for repeat in range(self.options.repeats):
                 record = await self._request(runtime, system, prompt, start_state, key)
-                self.records.append(cell | record | {"repeat": repeat})
+                records.append(cell | record | {"repeat": repeat})
+        self.records += records
         self.cell_seconds.append(time.monotonic() - started)
         self.cells.append(cell | {"status": "ok", "seconds": round(self.cell_seconds[-1], 2)})
+        self._ended(name)
 
     def desktop_threads(self, link: str) -> int | None:
         """The host path's threads at `link`: the desktop's at DESKTOP_LINK, else None (the engine's default)."""
@@ -433,12 +509,26 @@ def peak_gpu_bytes() -> int | None:
     return int(torch.cuda.max_memory_reserved()) if torch.cuda.is_available() else None
 
 
-async def bench_models(targets: Sequence[ModelTarget], options: Options, budget_s: float | None) -> tuple[list[dict], list[dict]]:
-    """Every model of the matrix in turn; returns (request records, cell statuses)."""
+async def bench_models(targets: Sequence[ModelTarget], options: Options, budget_s: float | None,
+                       on_cell: Callable[[Progress], None] | None = None) -> tuple[list[dict], list[dict]]:
+    """Every model of the matrix in turn; returns (request records, cell statuses). `on_cell` gets the matrix so far
+    after every cell that ended (the CLI writes it, so a run stopped or killed mid-way keeps its finished cells)."""
     clock = Clock(budget_s)
     records, cells = [], []
+    planned = [[key for part in planned_cells(target, options).values() for key in part] for target in targets]
+    ended: set[CellKey] = set()
+
+    def report(bench: ModelBench | None = None) -> None:
+        if on_cell is None:
+            return
+        done = ended | (bench.ended if bench is not None else set())
+        on_cell(Progress(records=records + (bench.records if bench is not None else []),
+                         cells=cells + (bench.cells if bench is not None else []),
+                         remaining=[dict(zip(CELL_FIELDS, key)) for keys in planned for key in keys if key not in done]))
+
     for index, target in enumerate(tqdm(targets, desc="models", disable=not options.progress, unit="model")):
         bench = ModelBench(target, options, clock.model_deadline(len(targets) - index))
+        bench.on_cell = lambda bench=bench: report(bench)
         await bench.run()
         records += bench.records
         cells += bench.cells
@@ -452,12 +542,18 @@ async def bench_models(targets: Sequence[ModelTarget], options: Options, budget_
             records += hf_records
             if hf_note:
                 target.notes.append(hf_note)
+        ended.update(planned[index])  # whatever of this model did not run was skipped, and said so
+        report()
     return records, cells
 
 
-def run_matrix(targets: Sequence[ModelTarget], options: Options, budget_s: float | None) -> tuple[list[dict], list[dict]]:
-    return asyncio.run(bench_models(targets, options, budget_s))
+def run_matrix(targets: Sequence[ModelTarget], options: Options, budget_s: float | None,
+               on_cell: Callable[[Progress], None] | None = None, stopper: Stopper | None = None) -> tuple[list[dict], list[dict]]:
+    """bench_models to its end; with a `stopper` (specter.bench.stopping), a stop signal abandons the cell in progress
+    and raises BenchStopped once the runtimes have closed."""
+    matrix = bench_models(targets, options, budget_s, on_cell)
+    return stopper.run(matrix) if stopper is not None else asyncio.run(matrix)
 
 
-__all__ = ["Clock", "ModelBench", "ModelTarget", "Options", "Prompt", "bench_models", "checkpoint_target", "run_matrix",
-           "synthetic_prompts"]
+__all__ = ["CELL_FIELDS", "Clock", "ModelBench", "ModelTarget", "Options", "Progress", "Prompt", "bench_models",
+           "checkpoint_target", "planned_cells", "run_matrix", "synthetic_prompts"]

@@ -10,6 +10,7 @@ import platform
 import shlex
 import statistics
 import subprocess
+import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,9 @@ import torch
 BASELINES = ("ondemand", "gate-prefetch", "specmoeoff", "exact-prefetch", "resident")
 """Speedups are reported over each of these (their TPOT / this system's TPOT, same model, setting, link and sampling);
 `exact-prefetch` means the fastest of its variants. It is no floor (see `exact_prefetch_flags`)."""
+
+CELL_FIELDS = ("model", "setting", "link", "system")
+"""What names one cell of the matrix (its status in `cells`, a planned cell in `partial.remaining`)."""
 
 SAME_SCHEDULE = {"specter-fixed": "exact-prefetch", "specter": "exact-prefetch-specter", "ondemand": "exact-prefetch-k0",
                  "gate-prefetch": "exact-prefetch-k0", "scout-k0": "exact-prefetch-k0"}
@@ -271,8 +275,8 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
     runs = [run for payload in payloads for run in payload["runs"]]
     parts = [{"directory": str(d), "date": p["machine"].get("date"), "command": p["machine"].get("command"),
               "git_commit": p["machine"].get("git_commit"), "source_digest": p["machine"].get("source_digest"),
-              "max_new_tokens": p["options"].get("max_new_tokens"), "quant": p["options"].get("quant", "int4")}
-             for d, p in zip(directories, payloads)]
+              "max_new_tokens": p["options"].get("max_new_tokens"), "quant": p["options"].get("quant", "int4"),
+              "complete": is_complete(p)} for d, p in zip(directories, payloads)]
     machine = dict(payloads[0]["machine"])
     machine["command"] = " && ".join(str(part["command"]) for part in parts)
     notes = list(dict.fromkeys(note for payload in payloads for note in payload.get("notes", [])))
@@ -282,13 +286,26 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
         notes.append(f"merged parts differ in the draft's expert format: {[part['quant'] for part in parts]}")
     if len({part["source_digest"] for part in parts}) > 1:
         notes.append("merged parts ran different engine sources (see merged_from)")
+    cells = [cell for payload in payloads for cell in payload.get("cells", [])]
+    ended = {tuple(cell.get(field) for field in CELL_FIELDS) for cell in cells}
+    remaining = []  # a partial part's cells that no part ended (another part may have run the rest)
+    for directory, payload in zip(directories, payloads):
+        if is_complete(payload):
+            continue
+        part = payload.get("partial") or {}
+        notes.append(f"merged part {directory} is partial ({part.get('reason', 'no reason recorded')}): "
+                     f"{len(part.get('remaining') or [])} of its planned cells had not ended")
+        remaining += [cell for cell in part.get("remaining") or [] if tuple(cell.get(field) for field in CELL_FIELDS) not in ended]
     summary = summarize(runs)
     notes += [flag for flag in exact_prefetch_flags(summary) if flag not in notes]  # cells that met only in the merge
-    return {"machine": machine, "options": payloads[0]["options"], "args": payloads[0].get("args", {}),
-            "models": [model for payload in payloads for model in payload.get("models", [])],
-            "cells": [cell for payload in payloads for cell in payload.get("cells", [])], "summary": summary,
-            "runs": runs, "notes": notes, "elapsed_s": round(sum(p.get("elapsed_s", 0.0) for p in payloads), 1),
-            "merged_from": parts}
+    merged = {"machine": machine, "options": payloads[0]["options"], "args": payloads[0].get("args", {}),
+              "models": [model for payload in payloads for model in payload.get("models", [])],
+              "cells": cells, "summary": summary,
+              "runs": runs, "notes": notes, "elapsed_s": round(sum(p.get("elapsed_s", 0.0) for p in payloads), 1),
+              "merged_from": parts, "complete": not remaining}
+    if remaining:
+        merged["partial"] = {"reason": "merged from partial parts whose cells no other part ran", "remaining": remaining}
+    return merged
 
 
 def _copy_idle(runs: Sequence[dict], copy_window: float) -> dict[str, float] | None:
@@ -337,7 +354,24 @@ def _pump_gaps(runs: Sequence[dict]) -> dict[str, float] | None:
 # ---- writing ----------------------------------------------------------------------------------------------
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    path.write_text(json.dumps(payload, indent=1, default=str))
+    write_text(path, json.dumps(payload, indent=1, default=str))
+
+
+def write_text(path: Path, text: str) -> None:
+    """Replace the file at `path` whole: write a temporary file beside it, then rename it over (atomic on one file
+    system), so a process killed mid-write leaves the previous version, never a torn one."""
+    path = Path(path)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 def _cell_text(value: Any) -> str:
@@ -433,6 +467,25 @@ def realism_lines(models: Sequence[dict[str, Any]]) -> list[str]:
             "greedy sequences, flags in results.json):", ""] + table_lines(rows, REALISM_COLUMNS, markdown=True)
 
 
+def partial_lines(payload: dict[str, Any]) -> list[str]:
+    """A partial run's warning and the cells it did not end (results.json `complete` false); none when complete."""
+    if is_complete(payload):
+        return []
+    partial = payload.get("partial") or {}
+    remaining = partial.get("remaining") or []
+    lines = [f"**Partial results** ({partial.get('reason', 'no reason recorded')}): {len(remaining)} planned cell(s) "
+             "had not ended" + (":" if remaining else "."), ""]
+    if remaining:
+        lines += [f"- {' '.join(str(cell.get(field, '?')) for field in ('model', 'setting', 'link', 'system'))}"
+                  for cell in remaining] + [""]
+    return lines
+
+
+def is_complete(payload: dict[str, Any]) -> bool:
+    """Whether a results payload is of a run that ended (files from before the marker existed were written only then)."""
+    return payload.get("complete", True) is not False
+
+
 def markdown_report(payload: dict[str, Any]) -> str:
     """The Markdown page: machine, command, date, the summary table and the notes."""
     info = payload["machine"]
@@ -445,6 +498,7 @@ def markdown_report(payload: dict[str, Any]) -> str:
         f"16-token prompts, warm-up excluded, cache restored per prompt; TPOT = median over requests; "
         f"draft experts {payload['options'].get('quant', 'int4')}", "",
     ]
+    lines += partial_lines(payload)
     lines += table_lines(payload["summary"], markdown=True)
     lines += copy_idle_lines(payload["summary"], markdown=True)
     lines += host_path_lines(payload["summary"], markdown=True)
