@@ -261,6 +261,7 @@ ALLOWED_CONSTANTS = {
     "specter/config.py": {"DEFAULT_OVERLAP", "DEFAULT_K"},  # DraftConfig.overlap=None's depth on CUDA; k's default
     "specter/memory.py": {"ALLOCATOR_SLACK_BYTES", "CUDA_LIBRARY_BYTES", "DEFAULT_CONTEXT"},  # measured reserves; max_context's default
     "specter/bench/realism.py": {"BALANCED_ENTROPY", "NEW_TOKENS", "TEMPERATURE", "REUSE_WINDOW", "PROMPTS_PER_KIND"},  # the report's definition
+    "specter/bench/stopping.py": {"STOP_GRACE_S"},  # how long a stopped bench may take to end before its watchdog ends it
     "specter/bench/widen.py": {"SHARD_BYTES"},  # the written checkpoint's shard size
     "specter/server/app.py": {"DEFAULT_COMPLETION_TOKENS"},  # OpenAI's default max_tokens
     "specter/server/asgi.py": {"CLIENT_GONE"},  # the status counted for a hang-up
