@@ -68,7 +68,9 @@ class WeightSource(Protocol):
         """Every non-expert tensor by on-disk name, on the device."""
 
     def experts(self, dtype: torch.dtype, progress: bool) -> Iterator[tuple[int, int, Tensor]]:
-        """(layer, expert, packed flat CPU tensor) for every routed expert, layer by layer."""
+        """(layer, expert, packed flat tensor) for every routed expert, layer by layer: on the CPU, or on the engine's
+        device where the source makes it there (a WidenedCheckpoint widening on CUDA); the pool and the draft's quantizer
+        take either."""
 
     def close(self) -> None: ...
 

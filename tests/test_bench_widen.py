@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specter.bench import cli, protocol, systems
+from specter.bench import cli, protocol, realism, systems, widen
 from specter.experts.costs import Calibration
 from specter.experts.host import HostExperts, default_threads, per_thread_counts
 
@@ -58,6 +58,39 @@ def test_widen_auto_takes_the_trainers_factor(tmp_path):
     assert cli.widen_factor(None, tmp_path) is None
     with pytest.raises(cli.ConfigError, match="records no widening factor"):
         cli.widen_factor("auto", tmp_path / "elsewhere")
+
+
+def test_the_widened_loads_widen_on_the_engines_device(monkeypatch):
+    """The bench's widened target widens on its --device (auto: CUDA when present) and the realism report on its
+    config's; on the GPU, tests/test_gpu_widen.py checks what that gives."""
+    seen = []
+
+    class Recording(widen.WidenedCheckpoint):
+        def __init__(self, path, factor, dtype=None, device="cpu"):
+            super().__init__(path, factor, dtype, device)
+            seen.append((device, self.device.type))
+
+    monkeypatch.setattr(protocol, "WidenedCheckpoint", Recording)
+    for device in ("auto", "cpu"):
+        (target,), _ = cli.targets_from_args(cli.build_parser().parse_args(["--model", "tiny", "--widen", "2", "--device", device]))
+        target.make_source().close()
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    assert seen == [("auto", auto), ("auto", auto), ("cpu", "cpu"), ("cpu", "cpu")]  # the spec's open, then make_source
+
+    monkeypatch.setattr(widen, "WidenedCheckpoint", Recording)  # realism imports it at the call
+    seen.clear()
+    source = realism.weight_source(target.path, 2, "cpu")
+    assert seen == [("cpu", "cpu")] and source.ckpt.device.type == "cpu"
+    asked = []
+
+    def stop(path, factor, device="cpu"):
+        asked.append((factor, device))
+        raise RuntimeError("stop before loading")
+
+    monkeypatch.setattr(realism, "weight_source", stop)
+    with pytest.raises(RuntimeError, match="stop before loading"):
+        realism.realism_report(target.path, factor=2, config=realism.realism_config("auto"))
+    assert asked == [(2, "auto")]
 
 
 @pytest.mark.parametrize("args, message", [

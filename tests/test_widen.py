@@ -230,3 +230,99 @@ def test_a_tensor_without_a_rule_is_refused_not_copied():
     narrow_sd["model.layers.1.mlp.gate.e_score_correction_bias"] = torch.empty(64, device="meta")  # DeepSeek-V3's, say
     with pytest.raises(CheckpointError, match="'model.layers.1.mlp.gate.e_score_correction_bias': no widening rule"):
         widen.widen_state_dict(narrow_sd, config, 4)
+
+
+# ---- where widening runs: the same bits on every device -----------------------------------------
+def _repeat(t: torch.Tensor, dim: int, factor: int) -> torch.Tensor:
+    reps = [1] * t.dim()
+    reps[dim] = factor
+    return t.repeat(*reps)
+
+
+def _first_scaled(t: torch.Tensor, factor: int) -> torch.Tensor:
+    return t if factor == 1 else (t.double() / factor).to(t.dtype)
+
+
+FIRST_RULES = {  # the rules as first written (one Tensor.repeat per dim, float64 division by a Python scalar, on the CPU)
+    "embedding": lambda t, f: _repeat(t, 1, f),
+    "linear": lambda t, f: _repeat(_repeat(_first_scaled(t, f), 0, f), 1, f),
+    "reader": lambda t, f: _repeat(_first_scaled(t, f), 1, f),
+    "tiled_vector": lambda t, f: _repeat(t, 0, f),
+    "kept": lambda t, f: t,
+    "fused_linear": lambda t, f: _repeat(_repeat(_first_scaled(t, f), 1, f), 2, f),
+    "fused_gate_up": lambda t, f: torch.cat([FIRST_RULES["fused_linear"](half, f) for half in t.chunk(2, dim=1)], dim=1),
+}
+
+
+def first_widening(name: str, t: torch.Tensor, spec, factor: int) -> torch.Tensor:
+    """The widening of the narrow `name` as the first implementation computed it (the reference: CPU, bit for bit)."""
+    rule = widen.tensor_rule(name, spec)  # which rule a tensor takes is not under test here, only its arithmetic
+    if rule.__qualname__.startswith("latent_then_rope"):
+        latent = spec.kv_lora_rank
+        rows = torch.cat([_repeat(t[:latent], 0, factor), t[latent:]], dim=0)
+        return _repeat(_first_scaled(rows, factor), 1, factor) if t.dim() == 2 else rows
+    return FIRST_RULES[rule.__name__](t, factor)
+
+
+def check_widened_on(device: str, path: Path, factor: int, dtype: torch.dtype | None) -> int:
+    """Every tensor of WidenedCheckpoint(path, F, dtype, device) is on `device`, contiguous, and equal bit for bit to
+    the first implementation's widening on the CPU; returns how many tensors were compared."""
+    narrow = Checkpoint(path)
+    wide = widen.WidenedCheckpoint(path, factor, dtype, device)
+    assert wide.device.type == torch.device(device).type
+    for name in wide.names():
+        source = "model.embed_tokens.weight" if wide.tied and name == "lm_head.weight" else name
+        t = narrow.tensor(source)
+        expected = first_widening(name, t if dtype is None else t.to(dtype), narrow.spec, factor)
+        got = wide.tensor(name)
+        assert got.device.type == torch.device(device).type and got.is_contiguous(), name
+        assert (got.dtype, got.shape) == (expected.dtype, expected.shape), name
+        assert torch.equal(got.cpu(), expected), f"'{name}' widened x{factor} on {device} differs from the first CPU widening"
+    wide.close()
+    return len(wide.names())
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("factor", [2, 3])
+@pytest.mark.parametrize("family", list(BUILDERS))
+def test_widening_on_the_cpu_is_the_first_implementations_bit_for_bit(family, factor, dtype, narrow):
+    """The one-copy tiling and the device-tensor divisor change no bit: every tensor of every family, F = 2 (exact) and
+    F = 3 (W/F rounded), in the checkpoint's float32 and cast to bfloat16."""
+    assert check_widened_on("cpu", narrow[family], factor, dtype) > 0
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])  # fused 3-D experts; MLA's latent-then-rope rows
+def test_the_bit_check_catches_a_widening_without_the_scale(family, narrow, monkeypatch):
+    monkeypatch.setattr(widen, "_scaled", lambda tensor, factor: tensor)
+    with pytest.raises(AssertionError, match="differs from the first CPU widening"):
+        check_widened_on("cpu", narrow[family], 2, torch.bfloat16)
+
+
+def test_the_bit_check_catches_interleaved_tiles(narrow, monkeypatch):
+    """Tiles as [a a b b] rather than [a b a b] (repeat_interleave): the same values, the wrong places."""
+    def interleaved(t, dims, factor):
+        for dim in [dims] if isinstance(dims, int) else dims:
+            t = t.repeat_interleave(factor, dim=dim)
+        return t
+
+    monkeypatch.setattr(widen, "_tile", interleaved)
+    with pytest.raises(AssertionError, match="differs from the first CPU widening"):
+        check_widened_on("cpu", narrow["qwen2_moe"], 2, None)
+
+
+@pytest.mark.parametrize("factor", [3, 5, 6, 7, 12])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_scaled_divides_as_first_written(factor, dtype):
+    """`_scaled`'s divisor is a tensor on the operand's device (on CUDA a Python scalar divisor is a multiplication by its
+    rounded reciprocal); on the CPU that is the same IEEE division, even where float64 keeps every bit of the quotient."""
+    values = torch.randn(4096, generator=torch.Generator().manual_seed(factor), dtype=torch.float64).mul(100).to(dtype)
+    assert torch.equal(widen._scaled(values, factor), _first_scaled(values, factor))
+
+
+def test_the_widening_device(monkeypatch):
+    assert widen.widen_device("cpu") == torch.device("cpu")
+    assert widen.widen_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert widen.widen_device("auto") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="widening device 'cuda:0': CUDA is not available"):
+        widen.widen_device("cuda:0")

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"checkpoint dir, 'tiny', or a synthetic real shape ({', '.join(SHAPES)}); repeatable")
     parser.add_argument("--widen", default=None, metavar="F|auto",
                         help="each --model DIR is a narrow checkpoint, benchmarked as its model widened F times (exact "
-                             "Net2Net, bf16, widened as it loads: specter.bench.widen), labelled 'NAME xF'; auto: the factor "
+                             "Net2Net, bf16, widened as it loads, on --device: specter.bench.widen), labelled 'NAME xF'; auto: the factor "
                              "DIR/train.json records (benchmarks/reference_model.py --shape)")
     parser.add_argument("--preset", choices=["quick", "paper"], default="quick",
                         help="paper: DeepSeek-V2-Lite 16/4, Qwen1.5-MoE 15/8, Phi-3.5-MoE 2/1 residents per layer")
@@ -166,7 +166,7 @@ def targets_from_args(args: argparse.Namespace) -> tuple[list[ModelTarget], list
             from specter.builtin import resolve_model
 
             path = resolve_model(name)
-            target = checkpoint_target(path, settings, args.prompts, widen_factor(args.widen, path))
+            target = checkpoint_target(path, settings, args.prompts, widen_factor(args.widen, path), args.device)
             if name == "tiny":
                 target.label = target.label.replace(path.name, "tiny", 1)
             targets.append(target)

@@ -198,11 +198,11 @@ def warmup_prompt(vocab_size: int) -> Prompt:
     return Prompt("warmup", 0, [int(t) for t in ids])
 
 
-def checkpoint_target(path: Path, settings: list[Setting], per_kind: int, widen: int | None = None) -> ModelTarget:
+def checkpoint_target(path: Path, settings: list[Setting], per_kind: int, widen: int | None = None, device: str = "cpu") -> ModelTarget:
     """The checkpoint at `path`; with `widen` = F, as its model widened F times in bf16, each tensor widened as the
     loader reads it (no wide copy on disk), labelled 'NAME xF'; prompts from the narrow checkpoint's files."""
     def open_checkpoint() -> Checkpoint | WidenedCheckpoint:
-        return Checkpoint(path) if widen is None else WidenedCheckpoint(path, widen, torch.bfloat16)
+        return Checkpoint(path) if widen is None else WidenedCheckpoint(path, widen, torch.bfloat16, device)
 
     checkpoint = open_checkpoint()
     spec = checkpoint.spec

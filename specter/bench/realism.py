@@ -300,13 +300,16 @@ async def _report(model: Any, prompts: Any, held_out: Any, factor: int | None, c
         return await realism_async(runtime, prompts or [], held_out, new_tokens=new_tokens, temperature=temperature, seed=seed)
     path = Path(model)
     files_prompts, files_held = checkpoint_inputs(path)
-    async with await Runtime.build(weight_source(path, factor), config or realism_config()) as built:
+    config = config or realism_config()
+    async with await Runtime.build(weight_source(path, factor, config.device), config) as built:
         prompts = list(prompts or files_prompts) or _fallback(built)
         return await realism_async(built, prompts, held_out if held_out is not None else files_held, new_tokens=new_tokens,
                                    temperature=temperature, seed=seed, label=f"{path}" + (f" widened x{factor}" if factor else ""))
 
 
-def weight_source(path: Path, factor: int | None) -> Any:
+def weight_source(path: Path, factor: int | None, device: str = "cpu") -> Any:
+    """The checkpoint at `path`, or its model widened `factor` times in bfloat16 on `device` (the engine's: CUDA widens
+    there, off the host's one torch thread; 'auto' is CUDA when present)."""
     from specter.build import CheckpointWeights
     from specter.model.checkpoint import Checkpoint
 
@@ -314,7 +317,7 @@ def weight_source(path: Path, factor: int | None) -> Any:
         return CheckpointWeights(Checkpoint(path))
     from specter.bench.widen import WidenedCheckpoint
 
-    return CheckpointWeights(WidenedCheckpoint(path, factor, torch.bfloat16))
+    return CheckpointWeights(WidenedCheckpoint(path, factor, torch.bfloat16, device))
 
 
 # ---- CLI -------------------------------------------------------------------------------------------

@@ -10,8 +10,10 @@ of the wide model is the narrow one tiled F times (see the one-line proof beside
 logits are the same numbers. In floating point the dot products are longer and summed in another order, and
 for F not a power of two W/F is rounded once; so the logits agree to rounding. tests/test_widen.py measures it for
 every family: float32 logits within 1.1e-6 of the largest; bfloat16 logits bit-identical for F = 2 on the CPU, and
-for F = 3 as far from the exact function as the narrow model's own bf16 rounding (at most 1.6x its RMS error). Per expert and per layer the widened model has the real model's
-shapes, so its bytes and FLOPs are the real ones (attention, router, shared expert, dense layers, experts).
+for F = 3 as far from the exact function as the narrow model's own bf16 rounding (at most 1.6x its RMS error).
+Widening itself gives the same bits on the CPU and on CUDA (`WidenedCheckpoint`'s `device`; tests/test_gpu_widen.py).
+Per expert and per layer the widened model has the real model's shapes, so its bytes and FLOPs are the real ones
+(attention, router, shared expert, dense layers, experts).
 
 What the small vocabulary leaves out. The vocabulary is not widened: a narrow model trained on a small
 vocabulary (the reference trainer's 256 bytes) keeps it, so the embedding and the LM head are small. The
@@ -159,15 +161,26 @@ def vocab_bytes(config: dict[str, Any], element_size: int = 2) -> int:
 Rule = Callable[[Tensor, int], Tensor]
 
 
-def _tile(t: Tensor, dim: int, factor: int) -> Tensor:
-    reps = [1] * t.dim()
-    reps[dim] = factor
-    return t.repeat(*reps)
+def _tile(t: Tensor, dims: int | tuple[int, ...], factor: int) -> Tensor:
+    """t repeated `factor` times as whole blocks along each of `dims` ([t, t, ..., t], Tensor.repeat's layout), in one
+    copy: a view with a broadcast axis of size F before each tiled dim, read out once by the reshape (no repeat per
+    dim, no intermediate)."""
+    tiled = {dims} if isinstance(dims, int) else set(dims)
+    view, expanded, wide = [], [], []
+    for dim, size in enumerate(t.shape):
+        view += [1, size] if dim in tiled else [size]
+        expanded += [factor, size] if dim in tiled else [size]
+        wide.append(factor * size if dim in tiled else size)
+    return t.reshape(view).expand(expanded).reshape(wide)
 
 
 def _scaled(t: Tensor, factor: int) -> Tensor:
-    """t / F rounded once to t's dtype (exact for F a power of two)."""
-    return t if factor == 1 else (t.double() / factor).to(t.dtype)
+    """t / F rounded once to t's dtype (exact for F a power of two). The division is IEEE float64 division on every
+    device: the divisor is a tensor on t's device, since CUDA's `/` by a CPU scalar multiplies by its rounded
+    reciprocal instead."""
+    if factor == 1:
+        return t
+    return (t.double() / torch.full((), factor, dtype=torch.float64, device=t.device)).to(t.dtype)
 
 
 def embedding(t: Tensor, factor: int) -> Tensor:
@@ -177,7 +190,7 @@ def embedding(t: Tensor, factor: int) -> Tensor:
 
 def linear(t: Tensor, factor: int) -> Tensor:
     # [O, D] -> [FO, FD], W' = tile(W / F) both ways: row block j of W' tile(x) is sum over F copies of (W/F) x = W x.
-    return _tile(_tile(_scaled(t, factor), 0, factor), 1, factor)
+    return _tile(_scaled(t, factor), (0, 1), factor)
 
 
 def reader(t: Tensor, factor: int) -> Tensor:
@@ -206,14 +219,15 @@ def latent_then_rope(latent: int) -> Rule:
 
 
 def fused_gate_up(t: Tensor, factor: int) -> Tensor:
-    # [E, 2I, D] -> [E, 2FI, FD]: each half tiled on its own, so gate'[j*I + i] still pairs with up'[j*I + i].
-    gate, up = t.chunk(2, dim=1)
-    return torch.cat([fused_linear(gate, factor), fused_linear(up, factor)], dim=1)
+    # [E, 2I, D] -> [E, 2FI, FD]: each half tiled on its own, so gate'[j*I + i] still pairs with up'[j*I + i]
+    # (`fused_linear` of each half, side by side, written in one copy).
+    halves = _scaled(t, factor).unflatten(1, (2, t.shape[1] // 2))  # [E, 2, I, D]
+    return _tile(halves, (2, 3), factor).flatten(1, 2)
 
 
 def fused_linear(t: Tensor, factor: int) -> Tensor:
     # [E, O, D] -> [E, FO, FD]: `linear` per expert.
-    return _tile(_tile(_scaled(t, factor), 1, factor), 2, factor)
+    return _tile(_scaled(t, factor), (1, 2), factor)
 
 
 _NORMS = {"norm", "input_layernorm", "post_attention_layernorm", "kv_a_layernorm", "q_a_layernorm"}
@@ -297,6 +311,16 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 # ---- checkpoints --------------------------------------------------------------------------------
+def widen_device(device: str | torch.device) -> torch.device:
+    """Where a WidenedCheckpoint widens: 'auto' is CUDA when present (as EngineConfig.device's 'auto')."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"widening device {str(device)!r}: CUDA is not available on this machine; use 'cpu' or 'auto'")
+    return resolved
+
+
 class WidenedCheckpoint:
     """A narrow checkpoint directory read as its widened model: each tensor is widened as it is read.
 
@@ -304,11 +328,21 @@ class WidenedCheckpoint:
     engine's own loaders read it (`CheckpointWeights(WidenedCheckpoint(path, F))`) without the wide copy on disk.
     `dtype`: the narrow tensors are cast to it before widening (a float32 trainer's checkpoint read as bfloat16 has
     the real model's bytes); None keeps the checkpoint's.
+    `device`: where widening runs and where `tensor` returns the wide tensor ('auto': CUDA when present). The narrow
+    tensor is read and cast to `dtype` on the CPU, then moved (F^2 times smaller than the wide one) and tiled and
+    scaled there; the values are the same bit for bit on every device (`_scaled` divides in IEEE float64 everywhere;
+    tiling copies). The engine's loaders take device tensors as they are: `load_dense` keeps them, the expert pool
+    copies each packed expert from the device into its pinned slab (the one copy to the host it makes anyway) and the
+    draft's quantizer reads it where it is. On CUDA this takes widening off the host, which the engine runs with one
+    torch thread there; it needs device memory beyond the engine's plan for about one wide tensor at a time (fused 3-D
+    experts: one layer's) and the packed expert made from it; the draft's quantizer keeps a layer's experts on the device
+    as they arrive rather than on the host (its peak, a layer's experts and their stack there, is the same). The
+    default, the CPU, is what `widen_checkpoint` (safetensors files) and llama.cpp's GGUF need.
     """
 
-    def __init__(self, path: str | Path, factor: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, path: str | Path, factor: int, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> None:
         self.narrow = Checkpoint(path)
-        self.factor, self.dtype = check_factor(factor), dtype
+        self.factor, self.dtype, self.device = check_factor(factor), dtype, widen_device(device)
         self.path, self.files = self.narrow.path, self.narrow.files
         self.config = widen_config(self.narrow.config, factor)
         for key in ([key for key in ("torch_dtype", "dtype") if key in self.config] or ["torch_dtype"]) if dtype else []:
@@ -330,7 +364,8 @@ class WidenedCheckpoint:
     def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> Tensor:
         source = "model.embed_tokens.weight" if self.tied and name == "lm_head.weight" else name
         narrow = self.narrow.tensor(source)
-        wide = widen_tensor(name, narrow if self.dtype is None else narrow.to(self.dtype), self.narrow.spec, self.factor)
+        narrow = narrow if self.dtype is None else narrow.to(self.dtype)  # on the CPU whatever the device: the same rounding
+        wide = widen_tensor(name, narrow.to(self.device), self.narrow.spec, self.factor)
         assert name not in self._expected or tuple(wide.shape) == self._expected[name], \
             f"widened '{name}' has shape {list(wide.shape)}, the wide config implies {list(self._expected[name])}"
         if shape is not None and tuple(wide.shape) != tuple(shape):

@@ -103,7 +103,8 @@ def unpack_expert(flat: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Te
 
 
 def iter_experts(ckpt: Checkpoint, dtype: torch.dtype, progress: bool = False) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """Yield (layer, expert, packed flat CPU tensor) for every routed expert, reading one layer at a time."""
+    """Yield (layer, expert, packed flat tensor) for every routed expert, reading one layer at a time; on the device
+    the checkpoint's tensors are on (the CPU, or CUDA for a WidenedCheckpoint widening there)."""
     spec = ckpt.spec
     total = len(spec.moe_layers) * spec.num_experts
     bar = tqdm(total=total, desc="experts", disable=not progress, unit="expert")
