@@ -199,7 +199,11 @@ class HostThread:
                 setup()
             except BaseException as error:  # noqa: BLE001 - handed to every job's awaiting task
                 failed = error
-                log.error("kernel.host_thread_setup_failed", thread=self.thread.name, error=repr(error))
+        if failed is not None:
+            try:  # a log sink that fails (a closed stream) must not end the thread either
+                log.error("kernel.host_thread_setup_failed", thread=self.thread.name, error=repr(failed))
+            except Exception:  # noqa: BLE001 - the jobs still get the set-up's error below
+                pass
         while (job := self._jobs.get()) is not None:
             try:
                 job.fail(failed) if failed is not None else job.run()
