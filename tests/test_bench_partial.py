@@ -48,7 +48,13 @@ async def closing(self):
 protocol.ModelBench._request = slow
 systems.BenchRuntime.aclose = closing
 stopping.STOP_GRACE_S = 2.0
-sys.exit(cli.main(sys.argv[2:]))
+code = cli.main(sys.argv[2:])
+if mode == "embedded":  # a program that called the bench goes on after the stop, past the watchdog's grace
+    print(f"bench returned {code}", flush=True)
+    time.sleep(2 * stopping.STOP_GRACE_S)
+    print("the caller went on", flush=True)
+    sys.exit(0)
+sys.exit(code)
 """
 
 
@@ -107,6 +113,14 @@ def test_sigterm_keeps_the_finished_cells_marked_partial_and_exits_143(tmp_path)
     assert "**Partial results** (stopped by SIGTERM" in markdown and "- tiny residents=6 1 specter" in markdown
     assert sorted(path.name for path in out.iterdir()) == ["results.json", "results.md"]  # no temporary file left
     assert "SIGTERM" in process.stderr and "exit status 143" in process.stderr
+
+
+def test_a_program_that_calls_the_bench_goes_on_after_a_stop(tmp_path):
+    """The watchdog guards the stop's unwind only: once `cli.main` has returned 143, the caller is not ended by it."""
+    process, _ = stopped_run(tmp_path / "out", "embedded")
+    assert process.returncode == 0, process.stderr
+    assert "bench returned 143" in process.stdout and "the caller went on" in process.stdout, process.stdout
+    assert "ending the process" not in process.stderr
 
 
 def test_a_cell_that_ignores_the_stop_is_ended_by_the_watchdog_with_the_files_kept(tmp_path):

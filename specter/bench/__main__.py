@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
 from specter.bench.cli import main
+from specter.bench.stopping import exit_bounded
 
-sys.exit(main())
+exit_bounded(main())

@@ -4,9 +4,10 @@ The signal cancels the bench's asyncio task: the cell in progress is abandoned, 
 them (threads, pinned memory), and the caller gets `BenchStopped` to write what finished and exit 128 + the signal's
 number. A watchdog bounds the wait: when the task has not unwound within `grace_s` (a long call that never reaches an
 `await`, a thread that does not stop), or at a second signal, it calls `on_force` (the CLI writes the results it last
-had) and ends the process with `os._exit`. The watchdog stays armed after a stop until the process exits, so nothing
-after it (a thread left running, the interpreter's exit) can hang it either. The results the bench writes after every
-cell are valid throughout, so even a forced end leaves the finished cells on disk.
+had) and ends the process with `os._exit`. The watchdog is disarmed once `installed()`'s block has unwound, so a
+program that calls the bench in-process goes on after a stop; `python -m specter.bench` bounds its own exit after a
+stop (`exit_bounded`). The results the bench writes after every cell are valid throughout, so even a forced end leaves
+the finished cells on disk.
 """
 
 from __future__ import annotations
@@ -64,16 +65,18 @@ class Stopper:
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
-        previous = {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS}
+        # a signal the process ignores (SIGINT in a shell's background job) stays ignored; one whose handler Python
+        # cannot restore (installed from C: None) is left alone
+        previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+        previous = {signum: handler for signum, handler in previous.items() if handler not in (signal.SIG_IGN, None)}
+        for signum in previous:
+            signal.signal(signum, self._handle)
         try:
             yield self
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-            # no stop: nothing to watch. After a stop the watchdog stays armed: the process is ending, and ends within
-            # grace_s of the signal whatever the rest of it does
-            if self.signum is None:
-                self._done.set()
+            self._done.set()  # unwound, stopped or not: nothing left for the watchdog to guard
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """asyncio.run(coroutine); a stop signal cancels it and raises BenchStopped here once it has unwound."""
@@ -82,10 +85,11 @@ class Stopper:
             raise BenchStopped(self.signum)
         try:
             return asyncio.run(self._guard(coroutine))
-        except asyncio.CancelledError:
+        except BaseException as error:
             if self.signum is None:
                 raise
-            raise BenchStopped(self.signum) from None
+            # stopped: whatever the unwind raised (a runtime's close failing, an exception group) is part of the stop
+            raise BenchStopped(self.signum) from (None if isinstance(error, asyncio.CancelledError) else error)
 
     async def _guard(self, coroutine: Coroutine[Any, Any, T]) -> T:
         self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
@@ -119,6 +123,16 @@ class Stopper:
             os._exit(exit_status(signum))
 
 
+def exit_bounded(status: int, grace_s: float = STOP_GRACE_S) -> None:
+    """sys.exit(status); after a stop (status 128 + a stop signal), the interpreter's exit is bounded by `grace_s` too
+    (a thread that does not end would otherwise hold it)."""
+    if status in {exit_status(signum) for signum in STOP_SIGNALS}:
+        timer = threading.Timer(grace_s, os._exit, args=(status,))
+        timer.daemon = True
+        timer.start()
+    sys.exit(status)
+
+
 def _say(line: str) -> None:
     """One line on stderr without Python's buffered writer, which a signal handler may have interrupted mid-write."""
     try:
@@ -127,4 +141,4 @@ def _say(line: str) -> None:
         pass
 
 
-__all__ = ["STOP_GRACE_S", "BenchStopped", "Stopper", "exit_status"]
+__all__ = ["STOP_GRACE_S", "BenchStopped", "Stopper", "exit_bounded", "exit_status"]
