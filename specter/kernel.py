@@ -168,6 +168,10 @@ class HostJob(Generic[T]):
             self.notify()
 
 
+class HostThreadSetupError(RuntimeError):
+    """A host job's thread could not be set up (its `setup` raised: the cause); no job of that thread can run."""
+
+
 class HostThread:
     """One dedicated thread for host compute that tasks await (the host expert path): jobs run one at a time in the
     order submitted, after `setup` (e.g. the thread's own torch thread count) has run on it once."""
@@ -206,7 +210,12 @@ class HostThread:
                 pass
         while (job := self._jobs.get()) is not None:
             try:
-                job.fail(failed) if failed is not None else job.run()
+                if failed is None:
+                    job.run()
+                else:  # a fresh error per job: one instance raised again and again would keep every raiser's frames
+                    error = HostThreadSetupError(f"host thread {self.thread.name!r} could not be set up: {failed!r}")
+                    error.__cause__ = failed
+                    job.fail(error)
             finally:
                 with self._lock:
                     self._pending -= 1

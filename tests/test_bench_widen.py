@@ -58,6 +58,10 @@ def test_widen_auto_takes_the_trainers_factor(tmp_path):
     assert cli.widen_factor(None, tmp_path) is None
     with pytest.raises(cli.ConfigError, match="records no widening factor"):
         cli.widen_factor("auto", tmp_path / "elsewhere")
+    for text in ("{not json", "[8]", '{"factor": true}', '{"factor": "8"}'):
+        (tmp_path / "train.json").write_text(text)
+        with pytest.raises(cli.ConfigError, match="--widen auto: "):
+            cli.widen_factor("auto", tmp_path)
 
 
 def test_the_widened_loads_widen_on_the_engines_device(monkeypatch):
@@ -98,6 +102,7 @@ def test_the_widened_loads_widen_on_the_engines_device(monkeypatch):
     (["--widen", "0", "--model", "tiny"], "--widen '0': expected a whole number F >= 1"),
     (["--widen", "-2", "--model", "tiny"], "--widen '-2': expected a whole number F >= 1"),
     (["--widen", "two", "--model", "tiny"], "--widen 'two': expected a whole number F >= 1"),
+    (["--widen", "\u00b2", "--model", "tiny"], "--widen '\u00b2': expected a whole number F >= 1"),
     (["--widen", "2", "--model", "mixtral-8x7b"], "--widen: mixtral-8x7b is a synthetic shape"),
     (["--widen", "auto", "--model", "tiny"], "--widen auto: "),
     (["--desktop-threads", "0", "--model", "tiny"], "--desktop-threads 0: expected 1 or more"),

@@ -19,7 +19,7 @@ from specter.config import EngineConfig
 from specter.engine import Runtime
 from specter.experts.host import HostExperts, HostInputs, host_routes, host_thread, per_thread_counts
 from specter.experts.pool import ExpertPool
-from specter.kernel import HostThread, Kernel
+from specter.kernel import HostThread, HostThreadSetupError, Kernel
 from specter.model.weights import unpack_expert
 from specter.placement import Placement
 from tests.hf_models import FAMILIES
@@ -204,9 +204,12 @@ def test_a_host_thread_whose_setup_fails_fails_its_jobs_instead_of_hanging():
         kernel = Kernel()
         thread = HostThread("specter-host-test", setup=setup)
         try:
+            errors = []
             for _ in range(2):
-                with pytest.raises(RuntimeError, match="no such device"):
+                with pytest.raises(HostThreadSetupError, match="no such device") as raised:
                     await asyncio.wait_for(kernel.wait_host(kernel.submit_host(thread, lambda: 42)), 10)
+                errors.append(raised.value)
+            assert errors[0] is not errors[1]  # one instance raised per job would pile up every raiser's frames
         finally:
             thread.stop()
             kernel.close()

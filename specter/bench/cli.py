@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import signal
 import sys
 import threading
@@ -179,7 +180,7 @@ def check_widen(args: argparse.Namespace) -> None:
         return
     if not args.model:
         raise ConfigError(f"--widen {args.widen} needs --model DIR: it widens a narrow checkpoint directory")
-    if args.widen != "auto" and not (args.widen.isdigit() and int(args.widen) >= 1):
+    if args.widen != "auto" and not (re.fullmatch(r"[0-9]+", args.widen) and int(args.widen) >= 1):
         raise ConfigError(f"--widen {args.widen!r}: expected a whole number F >= 1 (real width / narrow width) or 'auto'")
 
 
@@ -190,8 +191,12 @@ def widen_factor(text: str | None, path: Path) -> int | None:
     if text != "auto":
         return int(text)
     record = path / "train.json"
-    factor = json.loads(record.read_text()).get("factor") if record.is_file() else None
-    if not isinstance(factor, int) or factor < 1:
+    try:
+        data = json.loads(record.read_text()) if record.is_file() else None
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"--widen auto: {record} cannot be read as JSON ({error}); give --widen F") from None
+    factor = data.get("factor") if isinstance(data, dict) else None
+    if not isinstance(factor, int) or isinstance(factor, bool) or factor < 1:
         raise ConfigError(f"--widen auto: {record} records no widening factor (benchmarks/reference_model.py --shape writes "
                           "one); give --widen F")
     return factor
