@@ -4,12 +4,13 @@
 # (../shared/device/stage-wheels.sh) and carry .whl:
 #   run(command="bash benchmarks/reproduce.sh qwen", carry=[".whl"])
 # CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
-# Targets: gpu-tests qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
+# Targets: gpu-tests gpu-widen qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
 #          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after engine-ab realism
 #          hybrid llamacpp fulldepth
 set -u
 out=${OUT:-out}
 mkdir -p "$out/logs"
+out=$(cd "$out" && pwd)  # absolute: targets run from other directories (the old tree, /tmp)
 export PYTHONUNBUFFERED=1
 
 gpu_setup() {  # the GPU machine has no registry: install the staged wheels and the project, no network
@@ -20,7 +21,14 @@ gpu_setup() {  # the GPU machine has no registry: install the staged wheels and 
   export SPECTER_CACHE=/tmp/specter-cache
 }
 
-train_qwen() {  # the Qwen1.5-MoE shape, 8 layers, trained on the stdlib corpus, into /tmp/qwenref (kept while warm)
+train_gpu_widen() {  # table "GPU tests": widening on CUDA against the CPU, bit for bit, and widened loads' tokens; then its speed
+  timeout 400 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=120 tests/test_gpu_widen.py \
+    > "$out/logs/gpu-widen.log" 2>&1
+  tail -1 "$out/logs/gpu-widen.log"
+  timeout 150 python3 benchmarks/widen_speed.py mixtral-8x7b 4 cuda 2>&1 | tail -3
+}
+
+qwen() {  # the Qwen1.5-MoE shape, 8 layers, trained on the stdlib corpus, into /tmp/qwenref (kept while warm)
   [ -f /tmp/qwenref/config.json ] && return
   timeout 200 python3 benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes "${QWEN_MINUTES:-2.5}" \
     > "$out/logs/train-qwen.log" 2>&1
@@ -40,8 +48,10 @@ qwen_bench() {  # NAME ARGS...: specter against ondemand on the trained Qwen sha
   echo "$name rc=$?"; grep -E "\| (ondemand|specter) \|" "$out/$name/results.md" | cut -d"|" -f3-8
 }
 
-gpu_tests() {  # table "GPU tests": every gpu-marked test, then the exactness property test on CUDA
-  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=120 > "$out/logs/gpu-tests.log" 2>&1
+gpu_tests() {  # table "GPU tests": every gpu-marked test (but the widening's: target gpu-widen, a call of its own), then
+  # the exactness property test on CUDA
+  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=120 --ignore=tests/test_gpu_widen.py \
+    > "$out/logs/gpu-tests.log" 2>&1
   tail -1 "$out/logs/gpu-tests.log"
   SPECTER_TEST_DEVICE=cuda SPECTER_TEST_EXAMPLES=6 timeout 140 python3 -m pytest -q -x tests/test_speculative.py \
     -p no:cacheprovider > "$out/logs/spec-cuda.log" 2>&1
@@ -133,13 +143,16 @@ before_after() {  # ROUNDS: the same bench on the code in $OLD (`git archive REV
   # AB_RESIDENTS, AB_LINKS, AB_SYSTEMS narrow the matrix to the cells in question. AB_VARIANTS (default "old new"):
   # more sides, each TREE or TREE+NAME=BENCH-ARGS with commas for spaces, e.g. "old old+t1=--threads,1 new
   # new+t16=--threads,16"; the table compares each with the first
-  train_qwen
   local variant side label extra dir round order
   local variants=${AB_VARIANTS:-old new}
+  for variant in $variants; do
+    case ${variant%%[+=]*} in old|new) ;; *) echo "AB_VARIANTS: '$variant' names no tree (old or new)" >&2; return 2 ;; esac
+  done
+  train_qwen
   for round in $(seq 1 "$1"); do
     order=$variants; [ $((round % 2)) = 0 ] && order=$(echo $variants | tr ' ' '\n' | tac | tr '\n' ' ')
     for variant in $order; do
-      side=${variant%%+*}; label=${variant%%=*}; extra=; [ "$variant" != "${variant#*=}" ] && extra=${variant#*=}
+      side=${variant%%[+=]*}; label=${variant%%=*}; extra=; [ "$variant" != "${variant#*=}" ] && extra=${variant#*=}
       dir=$PWD; [ $side = old ] && dir=${OLD:-$PWD/.old}
       (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "${AB_TIMEOUT:-120}" python3 -m specter.bench --model /tmp/qwenref \
         --max-new-tokens 64 --no-progress --no-plots --no-hf --repeats 1 --residents "${AB_RESIDENTS:-15,8}" \
@@ -177,12 +190,14 @@ PY
 
 engine_ab() {  # table "Before and after the redesign", engine rows: benchmarks/engine_ab.py straight on the engine (no
   # bench harness) in the trees of $OLD and of this one, alternating old new new old, synthetic Qwen shape (8 layers)
-  local side dir here=$PWD dest
-  dest=$(cd "$out" && pwd)/engine-ab
+  local side dir here=$PWD dest=$out/engine-ab n=0 old
+  old=$(cd "${OLD:-$here/.old}" && pwd) && [ -d "$old/specter" ] || { echo "engine-ab: no old tree at ${OLD:-.old}" >&2; return 1; }
+  mkdir -p "$dest"
   for side in old new new old; do  # from /tmp, so that only $dir's specter is importable
-    dir=$here; [ $side = old ] && dir=${OLD:-$here/.old}
+    n=$((n + 1)); dir=$here; [ $side = old ] && dir=$old
     (cd /tmp && PYTHONPATH=/tmp/site:$dir timeout "${AB_TIMEOUT:-100}" python3 "$here/benchmarks/engine_ab.py" $side "$dest" \
-      --configs "${AB_CONFIGS:-default,fixed8}" 2>&1 | grep -E "^(old|new) ")
+      --configs "${AB_CONFIGS:-default,fixed8}" > "$dest/$side-$n.log" 2>&1
+     echo "$side $n rc=$?"; grep -E "^(old|new) " "$dest/$side-$n.log")
   done
 }
 
@@ -253,10 +268,12 @@ fulldepth() {  # issue 28 (no table yet): SHAPE (default qwen1.5-moe-a2.7b) at f
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 benchmarks/reference_model.py --shape "$shape" \
     --minutes "${MINUTES:-3}" --batch 32 --reuse --out "/tmp/narrow/$shape" > "$out/logs/train-$shape.log" 2>&1
   echo "train $shape rc=$? at ${SECONDS}s"; grep -h "^trained\|already holds" "$out/logs/train-$shape.log"
-  timeout $((585 - SECONDS)) python3 -m specter.bench --model "/tmp/narrow/$shape" --widen auto --budget "$budgets" \
+  local left=$((585 - SECONDS))  # the call's 10 minutes count from this script's start (other targets may run first)
+  [ "$left" -gt 120 ] || { echo "fulldepth $shape: ${left}s left in this call, too little for a widened load; run it first"; return; }
+  timeout -k 15 "$left" python3 -m specter.bench --model "/tmp/narrow/$shape" --widen auto --budget "$budgets" \
     --link "${LINKS:-native,gen4,ddr4-desktop}" --sampling greedy,sampled --max-new-tokens 64 \
     --systems "${SYSTEMS:-ondemand,specmoeoff,cpu-experts,specter,specter-hybrid,exact-prefetch-specter}" \
-    --time-budget $((520 - SECONDS)) --no-progress --no-plots --no-hf --out "$out/fulldepth-$shape" \
+    --time-budget $((left - 65)) --no-progress --no-plots --no-hf --out "$out/fulldepth-$shape" \
     > "$out/logs/fulldepth-$shape.log" 2>&1
   echo "fulldepth $shape rc=$? at ${SECONDS}s"; tail -40 "$out/logs/fulldepth-$shape.log"
 }
@@ -273,6 +290,7 @@ for target in "$@"; do
   esac
   case "$target" in
     gpu-tests) gpu_tests ;;
+    gpu-widen) gpu_widen ;;
     qwen) qwen ;;
     qwen-traces) qwen_traces ;;
     replay) replay ;;
