@@ -223,3 +223,24 @@ def test_merge_of_a_partial_part_says_so(tmp_path, monkeypatch, capsys):
     assert results["complete"] is True and "partial" not in results
     assert any(n.startswith(note) for n in results["notes"])
     assert {row["system"] for row in results["summary"]} == {"resident", "ondemand", "specter"}
+
+
+def test_merge_counts_an_hf_baseline_that_another_part_ran(tmp_path, capsys):
+    """hf-accelerate keeps records and no cell: a partial part missing it, merged with a part whose records hold it,
+    makes a complete matrix."""
+    hf = {"model": "tiny", "setting": "residents=6", "link": "native", "system": "hf-accelerate"}
+    part = tmp_path / "part"
+    assert cli.main([*RUN, "--systems", "ondemand", "--out", str(part)]) == 0
+    payload = read_results(part)
+    payload["complete"], payload["partial"] = False, {"reason": "stopped by SIGTERM", "remaining": [hf]}
+    (part / "results.json").write_text(json.dumps(payload))
+    ran = tmp_path / "ran"
+    assert cli.main([*RUN, "--systems", "ondemand", "--link", "2", "--out", str(ran)]) == 0
+    payload = read_results(ran)
+    payload["runs"].append(payload["runs"][0] | hf)  # an hf record, as run_hf keeps it (no cell)
+    (ran / "results.json").write_text(json.dumps(payload))
+    capsys.readouterr()
+    merged = tmp_path / "merged"
+    assert cli.main(["--merge", str(part), "--merge", str(ran), "--no-plots", "--out", str(merged)]) in (0, 1)
+    results = read_results(merged)
+    assert results["complete"] is True and "partial" not in results, results.get("partial")

@@ -412,7 +412,7 @@ def realism_reports(targets: Sequence[ModelTarget], options: Options, new_tokens
         if target.path is None:
             target.notes.append(f"{target.label}: no realism report (synthetic random weights route at random)")
             continue
-        config = realism_config(options.device, options.quant)
+        config = realism_config(options.device, options.quant).model_copy(update={"threads": options.threads})
         try:
             run = stopper.run if stopper is not None else asyncio.run
             reports[target.label] = run(realism_for_bench(target.make_source(), target.path, config=config,

@@ -288,6 +288,8 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
         notes.append("merged parts ran different engine sources (see merged_from)")
     cells = [cell for payload in payloads for cell in payload.get("cells", [])]
     ended = {tuple(cell.get(field) for field in CELL_FIELDS) for cell in cells}
+    # the hf-accelerate baseline keeps records only, no cell: a part whose records hold it has run it
+    ended |= {tuple(run.get(field) for field in CELL_FIELDS) for run in runs}
     remaining = []  # a partial part's cells that no part ended (another part may have run the rest)
     for directory, payload in zip(directories, payloads):
         if is_complete(payload):
