@@ -218,11 +218,14 @@ realism() {  # table "Full-depth narrow checkpoints: realism": SHAPES (default: 
 }
 
 hybrid() {  # issue 29 (no table yet): the hybrids beside the systems they extend, Mixtral-8x7B's shape (4 layers, random
-            # weights) at 2 residents and Gen4; first one host expert's time, what auto's calibration measures at load
+            # weights) at 2 residents and Gen4; first one host expert's time, what auto's calibration measures at load.
+            # PLACEMENT_OVERLAP=1: auto weighs the paths as overlapped and splits (4 of 6 non-residents per layer on
+            # the host, the first run's placement), so that the host-path table's "host hidden" and "ms per host
+            # expert" (against cpu-experts') measure how far the two paths overlap (default: auto's, which puts all 6)
   timeout 25 python3 benchmarks/host_expert.py mixtral-8x7b 16 16 3 2>&1 | head -1
   timeout 170 python3 -m specter.bench --model mixtral-8x7b --layers 4 --residents 2 --link gen4 --max-new-tokens 32 \
     --systems ondemand,specter,cpu-experts,ondemand-hybrid,specter-hybrid --time-budget 120 --no-progress --no-plots \
-    --no-hf --out "$out/hybrid" 2>&1 | tail -24
+    ${PLACEMENT_OVERLAP:+--placement-overlap "$PLACEMENT_OVERLAP"} --no-hf --out "$out/hybrid" 2>&1 | tail -24
 }
 
 llamacpp() {  # issue 28 item 5, llama.cpp as a peer: build it with CUDA (timed), convert MODEL to GGUF BF16 with its own

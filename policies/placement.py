@@ -85,12 +85,13 @@ class Auto:
     under uniform use, but under skewed use a floor well below what an LRU cache misses (a simulated LRU on a skewed
     profile missed 0.77 per token, Che 0.70, the floor 0.48: tests/test_placement_auto.py).
 
-    `overlap` (default 0.0, `specter.placement.OVERLAP`, measured): the share of the shorter path's time per layer
-    that hides under the longer one, 1 for the longer alone, 0 for the sum. 0 because on that run the layer cost the
-    sum of its two paths (per layer and token, predicted 14.8 ms by the sum, 7.8 ms by the longer, measured 14.5 ms),
-    and with the sum the model picks what measured fastest there (`all`: 12.1 ms against auto's 14.5 ms). Raise it
-    where a machine is measured to overlap the two (a host thread count that leaves the loop thread a core, a real
-    link rather than a host-paced emulation): it moves experts onto the device path, splitting uses between the two.
+    `overlap` (default 0.0, `specter.placement.OVERLAP`): the share of the shorter path's expected time per layer
+    that hides under the longer one, 1 for the longer alone, 0 for the sum. The sum is what the H200's first hybrid
+    run fits with the calibrated costs (per layer and token, predicted 14.8 ms, measured 14.5 ms), and with it the
+    model picks what measured fastest there (`all`: 12.1 ms against the split's 14.5 ms); that run fits paths that
+    overlap wherever they meet just as well (its host path ran 1.4x slower beside the link, and at one row per token
+    the paths meet in few layers: `specter.placement.OVERLAP` says how to measure it). Raise it from such a
+    measurement: it moves experts onto the device path, splitting uses between the two.
 
     `prefetch_discount` (default 0.0, reasoned, not measured): the share of a miss's copy time that speculation's
     prefetch hides. 0 counts the copy in full because the placement also serves k = 0 (the `ondemand-hybrid`

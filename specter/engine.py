@@ -549,6 +549,7 @@ class Runtime:
         stats.misses += record.misses
         stats.host_computed_experts += record.host_computed
         stats.host_compute_s += record.host_s
+        stats.host_hidden_s += record.host_hidden_s
         stats.stall_s += record.stall_s
         for layer, used in record.used.items():
             self.uses.used(self.moe_index[layer], used)

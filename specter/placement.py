@@ -156,18 +156,28 @@ def prefill_placement(policy: object, state: PlacementState, decode: Placement, 
 
 # ---- the cost model a calibrated policy weighs (pure: the replay and `specter info` use it too) ----------------------
 # Per MoE layer and token: the device path's expected misses times one expert's copy, and the host path's expected
-# uses times one expert's host compute. The two paths are issued at once within a layer (the host thread computes
-# while the loop thread issues the device's compute and copies), but how much of the shorter one hides under the
-# longer is a measured property of the machine, not a given: `overlap` (1: all of it, the layer costs the longer of
-# the two; 0: none, their sum). The default is 0 because that is what the H200 showed (docs/BENCHMARKS.md, "Hybrid
-# systems, first run": Mixtral shape, 2 of 8 resident, Gen4; with 1.0 host use x 7.8 ms and 0.5 misses x 14.1 ms per
-# layer and token the sum predicts 14.8 ms, full overlap 7.8 ms, measured 14.5 ms). The device's own compute is left
-# out: it is the same whichever path an expert takes off the device. Every function returns None where a cost is not
-# measured.
+# uses times one expert's host compute, combined by `overlap` (1: the layer costs the longer of the two; 0: their
+# sum). Within a layer the two paths run at once (docs/ARCHITECTURE.md, step 4: the host job goes out as soon as the
+# routing is read, before the misses' copies, and is awaited once the device path is launched), so per layer-forward
+# the shorter one hides under the longer. But `overlap` applies to the expected times, and at one row per token the
+# two paths share a layer only when a token's experts include both a host expert and a miss: the hidden time is
+# E[min(device, host)], well below min(E[device], E[host]), so 1 here is a floor, not what full overlap gives, and the
+# `overlap` that fits a measured layer time is E[hidden] / min(E[device], E[host]), which depends on the shape, the
+# routing and the rows per forward. The device's own compute is left out: it is the same whichever path an expert
+# takes off the device. Every function returns None where a cost is not measured.
 
 OVERLAP = 0.0
-"""Default share of the shorter path's time per layer hidden under the longer one (see above: measured ~0 on the H200's
-first hybrid run, whose link emulation is paced by the same loop thread that the host path's threads compete with)."""
+"""Default `overlap`: the sum, kept until a run measures it. The H200's first hybrid run (docs/BENCHMARKS.md, "Hybrid
+systems": Mixtral shape, 2 of 8 resident, Gen4, 4 of the 6 non-residents per layer on the host) measured 14.5 ms per
+layer and token, which the sum predicts from the calibration (1.0 host use x 7.8 ms + 0.5 misses x 14.1 ms = 14.8 ms),
+but which also fits paths that overlap wherever they meet: in those cells one host expert took 9.2-10.9 ms on its
+thread against 7.2 ms in the same call's `all` cells (the host path slowed beside the link: the emulated link's pump
+then kept the loop thread spinning through every copy, with 16 host threads on 16 cores, and the copies share the
+host's memory bandwidth), and each request's host seconds plus its stall on copies exceeded its wall time by 0.24-0.31
+s (about 2 ms per layer and token ran at once; the most one row per token allows there is E[min] ~2.2-2.9 ms). With
+the sum, `auto` picks `all` there, which is also what E[max] over the tokens picks. To set it: the split run
+(`PLACEMENT_OVERLAP=1 bash benchmarks/reproduce.sh hybrid`) gives `host_hidden_s`, and OVERLAP = the hidden seconds /
+min(host seconds, misses x one copy) over its requests, once the host's time per expert there matches `all`'s."""
 
 
 def use_rates(state: PlacementState) -> list[list[float]]:

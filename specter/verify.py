@@ -103,6 +103,13 @@ class VerifyRecord:
     host_used: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # layer -> host-path experts computed
     host_computed: int = 0  # host-path expert computations, one per (layer, expert) per forward (a chunk each)
     host_s: float = 0.0  # host seconds those computations took (on the host thread)
+    host_hidden_s: float = 0.0
+    """Of host_s, the seconds that ran beside the device path: per layer with host work, the host job's seconds less
+    the time the forward then waited for it after its device path was done (`finish_host`). host_s when the host
+    always finished first, 0 when the two paths ran one after the other. The device path's end is where the loop had
+    launched its last expert: after its last landing with a host-paced emulated link and on the CPU, where the loop
+    waits for each copy itself; after its last copy was issued when misses are ordered on the device (CUDA without
+    emulation: the device may still be copying and computing then, so this counts too much)."""
     stall_s: float = 0.0
     device_waits: list[tuple[Event, Event]] = dataclasses.field(default_factory=list)
     """Timed (before, after) events around each device-side wait of the compute stream for a copy: the stall
@@ -214,14 +221,19 @@ def start_host(host: HostExperts | None, kernel: Kernel, cache_layer: int, chose
     return host.start(kernel, cache_layer, host_routes(chosen, hosted), inputs, mlp, dense=dense)
 
 
-async def finish_host(kernel: Kernel, job: HostJob | None, layer: int, record: VerifyRecord) -> dict[int, Tensor]:
-    """The host-path experts' outputs (expert -> host tensor), counted into `record`; {} without a job."""
+async def finish_host(kernel: Kernel, job: HostJob | None, layer: int, record: VerifyRecord,
+                      device_done: float | None = None) -> dict[int, Tensor]:
+    """The host-path experts' outputs (expert -> host tensor), counted into `record`; {} without a job. Await it only
+    once the layer's device path is launched (`device_done`, its perf_counter time: for `VerifyRecord.host_hidden_s`),
+    so that the host computes while the device computes and the link copies."""
     if job is None:
         return {}
     outputs = await kernel.wait_host(job)
+    waited = time.perf_counter() - device_done if device_done is not None else job.seconds
     record.host_used[layer] = record.host_used.get(layer, []) + sorted(outputs)
     record.host_computed += len(outputs)
     record.host_s += job.seconds
+    record.host_hidden_s += max(0.0, job.seconds - waited)
     return outputs
 
 
@@ -271,7 +283,7 @@ class OffloadedExperts:
         try:  # the host computes its experts while the device computes (and loads) the others
             order = await compute_hot_first(self.cache, self.kernel, cache_layer, needed, compute, self.record,
                                             on_device=self.on_device)
-            hosted = await finish_host(self.kernel, job, layer, self.record)  # await point: the host's outputs
+            hosted = await finish_host(self.kernel, job, layer, self.record, time.perf_counter())  # the host's outputs
         except BaseException:
             if job is not None:
                 job.cancel()
@@ -398,7 +410,7 @@ async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: Ex
     try:  # the host computes its experts while the device computes (and loads) the others
         order = await compute_hot_first(cache, kernel, cache_layer, rest, compute, record, counted=counted, on_device=on_device,
                                         started=started)
-        hosted = await finish_host(kernel, job, layer, record)  # await point: the host's outputs
+        hosted = await finish_host(kernel, job, layer, record, time.perf_counter())  # await point: the host's outputs
     except BaseException:
         if job is not None:
             job.cancel()

@@ -771,8 +771,9 @@ def test_the_hybrids_place_with_auto_and_hold_their_tokens_to_that_placements_ba
     """`specter-hybrid` (k as specter) and `ondemand-hybrid` (k = 0) place with `auto` from the cell's start and link,
     beside `cpu-experts`; each is held to the same placement's k = 0 run. The host's cost is fixed here (0.2 ms per
     block against 0.4 ms per copy of tiny's expert at 1 GB/s) and `auto` weighs the two paths as fully overlapped
-    (overlap 1: by default it adds them up, and under uniform use it then puts all or none on the host), so it puts
-    some experts, not all, on the host."""
+    (`--placement-overlap 1`: by default it adds them up, and under uniform use it then puts all or none on the host),
+    so it puts some experts, not all, on the host. The host-path table gives one host expert's time and the share of
+    the host's time that ran beside the device path."""
     from specter import plugins
     from specter.bench import protocol, systems
     from specter.experts.costs import Calibration
@@ -781,9 +782,9 @@ def test_the_hybrids_place_with_auto_and_hold_their_tokens_to_that_placements_ba
         return Calibration({state.row_bucket: 2e-4}, None, None)
 
     monkeypatch.setattr(systems, "calibrate", fixed)
-    load_policy = plugins.load_policy
-    monkeypatch.setattr(plugins, "load_policy", lambda group, name, **options: load_policy(
-        group, name, **({"overlap": 1.0} if (group, name) == ("placement", "auto") else {}), **options))
+    load_policy, options = plugins.load_policy, []
+    monkeypatch.setattr(plugins, "load_policy", lambda group, name, **kwargs: (
+        options.append((group, name, kwargs)), load_policy(group, name, **kwargs))[1])
     baselines = []
     placed = protocol.ModelBench._placement_baseline
 
@@ -793,7 +794,8 @@ def test_the_hybrids_place_with_auto_and_hold_their_tokens_to_that_placements_ba
 
     monkeypatch.setattr(protocol.ModelBench, "_placement_baseline", spy)
     code = cli.main(["--systems", "ondemand,cpu-experts,specter-hybrid,ondemand-hybrid", "--max-new-tokens", "6",
-                     "--warmup-tokens", "4", "--link", "1", "--no-progress", "--no-plots", "--out", str(tmp_path)])
+                     "--warmup-tokens", "4", "--link", "1", "--placement-overlap", "1", "--no-progress", "--no-plots",
+                     "--out", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
     assert code == 0 and all(row["tokens_equal"] for row in results["summary"]), results["summary"]
     rows = {row["system"]: row for row in results["summary"]}
@@ -804,7 +806,13 @@ def test_the_hybrids_place_with_auto_and_hold_their_tokens_to_that_placements_ba
     hybrid = [run for run in results["runs"] if run["system"].endswith("-hybrid")]
     assert hybrid and all(run["host_computed_experts"] > 0 and run["tokens_equal"] for run in hybrid)
     assert baselines.count("auto") == 2 and "all" in baselines
-    assert "Host path:" in (tmp_path / "results.md").read_text()
+    placements = [(name, kwargs) for group, name, kwargs in options if group == "placement"]
+    assert ("auto", {"overlap": 1.0}) in placements and ("all", {}) in placements  # the option is auto's only
+    assert results["options"]["placement_overlap"] == 1.0
+    assert all(rows[name]["host_expert_ms"] > 0 and 0 <= rows[name]["host_hidden"] <= 1
+               for name in ("cpu-experts", "specter-hybrid", "ondemand-hybrid"))
+    assert rows["ondemand"]["host_expert_ms"] is None and rows["ondemand"]["host_hidden"] is None
+    assert "Host path:" in (tmp_path / "results.md").read_text() and "host hidden" in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.parametrize("flag, expected", [([], 1), (["--threads", "2"], 2)])

@@ -13,10 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specter import build, plugins
+from specter import build, plugins, verify
 from specter.config import DraftConfig, EngineConfig, GenerationConfig
 from specter.engine import Runtime
 from specter.experts.host import HostExperts
+from specter.experts.transfer import LinkEmulation
 from specter.model.checkpoint import Checkpoint
 from specter.placement import Placement, PlacementState
 from tests.test_speculative import ALL_MODELS, DEVICE, REFERENCE_EVICTION, REFERENCE_LOOKAHEAD, REFERENCE_PREFETCH, checkpoint
@@ -255,3 +256,74 @@ def test_a_prompt_cancelled_under_its_own_placement_leaves_decodings_placement(r
     with placed_by(DevicePrompts(3)):
         fresh, again, stray = asyncio.run(go())
     assert again == fresh and not stray
+
+
+HOST_S = COPY_S = 0.08  # one host expert, one expert's copy: large against a loaded 2-core machine's noise
+CHUNKS = 100  # chunks per expert copy: 0.8 ms each, under TIMER_SLACK_S, as a 16 MiB chunk at Gen4 (0.84 ms)
+
+
+class SplitPlacement:
+    """Experts 2, 3 and 4 of every layer on the host, the others on the device path (2 slots: some of them miss)."""
+
+    name = "split"
+
+    def place(self, state: PlacementState) -> Placement:
+        return Placement.of([[2, 3, 4]] * state.num_layers, state.num_layers, state.num_experts)
+
+
+@pytest.mark.parametrize("static", [None, True])
+def test_the_host_path_computes_while_the_emulated_link_copies(root, monkeypatch, static):
+    """Issue 29: a layer whose forward both loads misses and computes host experts costs about the longer of the two
+    paths, not their sum. The H200's link: a host-paced emulation (the CUDA engine's `LinkEmulation`, set on the CPU
+    backend's transfer engine after load) whose chunks are shorter than TIMER_SLACK_S; one copy takes COPY_S, one host
+    expert HOST_S (a sleep, which releases the GIL as torch's ops do). Per layer-forward with m misses and h host
+    experts: at most the longer of m x COPY_S and h x HOST_S plus half the shorter, most of the host's time
+    counted as hidden (`host_hidden_s`), and the loop thread idle while the link copies. The order of a layer's work
+    was right before (the host job goes out before the misses' copies and is awaited once the device path is
+    launched): the first two checks held then; the third did not, the pump spun through every copy (the loop thread's
+    CPU time ~0.95 of the copies'), a core and the GIL taken from a host path that needs them (torch's ops)."""
+    path = checkpoint("mixtral", root)
+    compute, run_layer = HostExperts.compute, verify.OffloadedExperts.run
+    routed_experts = verify._routed_experts
+
+    def slow(self, *args, **kwargs):
+        time.sleep(HOST_S)
+        return compute(self, *args, **kwargs)
+
+    layers = []  # (misses, host experts, wall s, hidden s, loop thread CPU s) per layer-forward
+
+    async def timed(record, work):
+        misses, hosted, hidden = record.misses, record.host_computed, record.host_hidden_s
+        cpu, started = time.thread_time(), time.perf_counter()
+        out = await work
+        layers.append((record.misses - misses, record.host_computed - hosted, time.perf_counter() - started,
+                       record.host_hidden_s - hidden, time.thread_time() - cpu))
+        return out
+
+    monkeypatch.setattr(HostExperts, "compute", slow)
+    monkeypatch.setattr(verify.OffloadedExperts, "run", lambda self, *args: timed(self.record, run_layer(self, *args)))
+    monkeypatch.setattr(verify, "_routed_experts", lambda *args: timed(args[6], routed_experts(*args)))
+
+    async def go():
+        config = EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_threads=1, static_verify=static,
+                              draft=DraftConfig(k=0))
+        async with await Runtime.load(path, config) as runtime:
+            transfer = runtime.cache.transfer
+            expert_bytes = runtime.cache.pool.expert_bytes
+            transfer.link = LinkEmulation(expert_bytes / COPY_S / 1e9, mode="host")
+            transfer.chunk_bytes = expert_bytes // CHUNKS
+            layers.clear()
+            result = await runtime.complete_ids([5, 6, 7], GenerationConfig(max_new_tokens=4))
+            return result.stats
+
+    with placed_by(SplitPlacement()):
+        stats = asyncio.run(go())
+    both = [layer for layer in layers if layer[0] and layer[1]]
+    assert len(both) >= 2, layers  # this checkpoint and prompt route some layers to both paths
+    for misses, hosted, wall, hidden, _cpu in both:
+        longer, shorter = max(misses * COPY_S, hosted * HOST_S), min(misses * COPY_S, hosted * HOST_S)
+        assert longer - 0.01 <= wall <= longer + 0.5 * shorter, (misses, hosted, wall, layers)  # the sum: + shorter
+        assert hidden >= 0.5 * shorter, (misses, hosted, hidden, layers)
+    copying = sum(layer[0] for layer in both) * COPY_S
+    assert sum(layer[4] for layer in both) <= 0.4 * copying, f"loop thread CPU {[round(l[4], 3) for l in both]} s"
+    assert 0 < stats.host_hidden_s <= stats.host_compute_s

@@ -578,3 +578,43 @@ def test_sleep_until_wakes_at_its_deadline_however_late_the_timers_are(monkeypat
     clock["now"], clock["sleeps"] = 1.0, []
     asyncio.run(module.sleep_until(0.5))  # a deadline already past: no sleep at all
     assert clock["sleeps"] == []
+
+
+def test_a_host_paced_link_leaves_the_loop_thread_idle_while_it_copies_and_keeps_its_rate():
+    """Issue 29: chunks shorter than TIMER_SLACK_S (a 16 MiB chunk at Gen4 takes 0.84 ms). The pump used to wait for the
+    emulated link with `sleep_until`, which spins for its last TIMER_SLACK_S: the loop thread spun for the whole copy
+    (its CPU time ~0.95 of the copy's), taking a core and the GIL from the host expert path that computes meanwhile.
+    It now sleeps on a timer and issues each chunk up to about TIMER_SLACK_S early; the queue model times every chunk
+    from when the link frees, so the copy still takes its emulated time, and the copy stream's busy time counts each
+    chunk from there."""
+    from specter.experts.transfer import TIMER_SLACK_S
+
+    backend = CPUBackend()  # no link model: the emulation alone paces the copy
+    kernel = Kernel(backend)
+    nbytes, chunks, copy_s = 200_000, 250, 0.2  # 800 B chunks, 0.8 ms each
+    engine = TransferEngine(backend, kernel, chunk_bytes=nbytes // chunks, link=LinkEmulation(nbytes / copy_s / 1e9, mode="host"))
+    source, target = torch.arange(nbytes // 4, dtype=torch.float32), torch.zeros(nbytes // 4)
+
+    async def main():
+        reference = backend.record_event(engine.stream, timed=True)
+        log = engine.start_chunk_log()
+        cpu, started = time.thread_time(), time.perf_counter()
+        await engine.submit(target, source, urgent=True).landed()
+        cpu, elapsed = time.thread_time() - cpu, time.perf_counter() - started
+        intervals = engine.busy_intervals(log, reference, open_end=0.0)
+        await engine.aclose()
+        return cpu, elapsed, log, intervals
+
+    try:
+        cpu, elapsed, log, intervals = run(main())
+    finally:
+        kernel.close()
+        backend.close()
+    assert cpu <= 0.4 * elapsed, f"the loop thread ran {cpu * 1e3:.0f} ms of the copy's {elapsed * 1e3:.0f} ms"
+    assert copy_s - 1e-3 <= elapsed <= copy_s + 0.03, elapsed
+    assert torch.equal(target, source) and len(log) == chunks
+    assert all(chunk.offset <= TIMER_SLACK_S + 2e-3 for chunk in log), max(chunk.offset for chunk in log)  # ahead
+    # Each chunk holds the emulated link from when the model began it, whether the pump issued it ahead or late, so
+    # the chunks follow one another (up to when the cpu stream's worker completes their start events: late under load).
+    first, last = min(a for a, _ in intervals), max(b for _, b in intervals)
+    assert busy_within(intervals, first, last) >= 0.8 * copy_s and last - first <= 1.1 * copy_s

@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch threads of the host expert path (cpu-experts, the hybrids: its calibration and its "
                              "compute) in cells at link ddr4-desktop, a desktop CPU's cores; other links: the engine's "
                              "default (the cores less one)")
+    parser.add_argument("--placement-overlap", type=float, default=None, metavar="O",
+                        help="the cost model's overlap (0..1) for the systems that place with auto (the hybrids): the share "
+                             "of the shorter path's time per layer it counts as hidden under the longer (default: "
+                             "specter.placement.OVERLAP). 1 puts 4 of the 6 non-residents of each layer on the host at "
+                             "Mixtral's shape, Gen4 and 2 residents (the first hybrid run's split), where the default "
+                             "puts all 6 there: a split placement, to measure how much the two paths overlap")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds above 0, shared out between the models; a cell is skipped (noted) when the time left "
                              "is below the longest cell so far or, for a model's first cells, below its baseline pass over "
@@ -250,11 +256,14 @@ def options_from_args(args: argparse.Namespace) -> Options:
     quant = args.quant or (QUICK_QUANT if quick_matrix else "int4")
     if args.desktop_threads < 1:
         raise ConfigError(f"--desktop-threads {args.desktop_threads}: expected 1 or more host threads")
+    if args.placement_overlap is not None and not 0.0 <= args.placement_overlap <= 1.0:
+        raise ConfigError(f"--placement-overlap {args.placement_overlap}: expected 0 <= overlap <= 1")
     return Options(systems=systems, links=links, max_new_tokens=max_new, warmup_tokens=min(args.warmup_tokens, max_new),
                    repeats=repeats, k=args.k, k_max=max(args.k_max, args.k), row_bucket=args.row_bucket,
                    device=args.device, dtype=args.dtype,
                    progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=quant,
-                   tuning=tuning, sampling=modes, desktop_threads=args.desktop_threads, threads=threads)
+                   tuning=tuning, sampling=modes, desktop_threads=args.desktop_threads, threads=threads,
+                   placement_overlap=args.placement_overlap)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -114,6 +114,8 @@ class Options:
     machine's host has more); other cells take the engine's `cpu_threads` default."""
     threads: int | None = None
     """EngineConfig.threads of every runtime (torch's intra-op threads of the process; None: the engine's default)."""
+    placement_overlap: float | None = None
+    """`Auto(overlap=...)` for every cell that places with `auto` (`--placement-overlap`; None: auto's default)."""
 
 
 class Clock:
@@ -416,7 +418,8 @@ class ModelBench:
         start_state = initial_state(initial, slots) if initial is not None else None
         key = (cell["setting"], link)
         if runtime.cache is not None:
-            await runtime.use_placement(system.cpu_experts, start_state, self.desktop_threads(link))
+            await runtime.use_placement(system.cpu_experts, start_state, self.desktop_threads(link),
+                                        **self.placement_options(system.cpu_experts))
             cell["host_threads"] = runtime.host_threads
             if system.cpu_experts != "off":
                 await self._placement_baseline(runtime, system, start_state, key)
@@ -432,6 +435,11 @@ class ModelBench:
         self.cell_seconds.append(time.monotonic() - started)
         self.cells.append(cell | {"status": "ok", "seconds": round(self.cell_seconds[-1], 2)})
         self._ended(name)
+
+    def placement_options(self, name: str) -> dict[str, float]:
+        """The placement plug-in's options: `auto`'s overlap when `--placement-overlap` gives one."""
+        overlap = self.options.placement_overlap
+        return {"overlap": overlap} if name == "auto" and overlap is not None else {}
 
     def desktop_threads(self, link: str) -> int | None:
         """The host path's threads at `link`: the desktop's at DESKTOP_LINK, else None (the engine's default)."""

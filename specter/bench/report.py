@@ -204,6 +204,8 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "host_experts_placed": max((r.get("host_experts_placed", 0) for r in runs), default=0),
         "host_per_token": round(sum(r.get("host_computed_experts", 0) for r in runs) / tokens, 3),
         "host_share": _host_share(runs),
+        "host_expert_ms": _host_expert_ms(runs),
+        "host_hidden": _host_hidden(runs),
         "tokens_equal": all(r["tokens_equal"] for r in runs),
         "accepted_length_histogram": {str(n): c for n, c in sorted(histogram.items())},
     }
@@ -215,6 +217,20 @@ def _host_share(runs: Sequence[dict]) -> float | None:
     host = sum(r.get("host_computed_experts", 0) for r in runs)
     total = host + sum(r["misses"] for r in runs)
     return round(host / total, 4) if total else None
+
+
+def _host_expert_ms(runs: Sequence[dict]) -> float | None:
+    """Milliseconds one host-path expert took on the host thread, averaged over the cell's (None without any): beside
+    the calibration's, whether the host path ran slower beside the link (a split placement) than alone (`all`)."""
+    host = sum(r.get("host_computed_experts", 0) for r in runs)
+    return round(1e3 * sum(r.get("host_compute_s", 0.0) for r in runs) / host, 3) if host else None
+
+
+def _host_hidden(runs: Sequence[dict]) -> float | None:
+    """Share of the host path's seconds that ran beside the device path (`VerifyRecord.host_hidden_s`; None without
+    host work): 0 when the two paths ran one after the other."""
+    seconds = sum(r.get("host_compute_s", 0.0) for r in runs)
+    return round(sum(r.get("host_hidden_s", 0.0) for r in runs) / seconds, 4) if seconds > 0 else None
 
 
 def accepted_histogram(runs: Sequence[dict]) -> Counter:
@@ -410,9 +426,12 @@ def host_path_lines(summary: Sequence[dict], markdown: bool = False) -> list[str
         return []
     columns = (("model", "model"), ("setting", "setting"), ("link", "link"), ("sampling", "sampling"), ("system", "system"),
                ("host_threads", "host threads"), ("host_experts_placed", "host experts placed"), ("host_share", "host share of non-resident uses"),
-               ("host_per_token", "host experts/token"), ("h2d_decode_mb_per_token", "decode MB/token"), ("tpot_ms", "TPOT ms"))
-    return ["", "Host path: the placement's host experts (layer, expert pairs) and the share of the experts not on the "
-            "device that the host computed (the rest were copied):", ""] + table_lines(rows, columns, markdown=markdown)
+               ("host_per_token", "host experts/token"), ("host_expert_ms", "ms per host expert"),
+               ("host_hidden", "host hidden"), ("h2d_decode_mb_per_token", "decode MB/token"), ("tpot_ms", "TPOT ms"))
+    return ["", "Host path: the placement's host experts (layer, expert pairs), the share of the experts not on the "
+            "device that the host computed (the rest were copied), one host expert's time on the host thread, and the "
+            "share of the host's time that ran beside the device path (copies, device experts):", ""] + table_lines(
+                rows, columns, markdown=markdown)
 
 
 def copy_idle_lines(summary: Sequence[dict], markdown: bool = False) -> list[str]:

@@ -384,12 +384,12 @@ class BenchRuntime(Runtime):
             self.experts.on_routed = self._gate_prefetch if self.system.gate_prefetch else None
 
     async def use_placement(self, name: str, initial: Sequence[Sequence[int]] | None = None,
-                            threads: int | None = None) -> Placement | None:
+                            threads: int | None = None, **options: Any) -> Placement | None:
         """Place the experts as the `specter.placement` plug-in `name` does from a cache that holds `initial` (per layer;
         None: what it holds now), between requests: the bench's cells start from different caches, and each cell's
         placement is fixed for all of its requests. `threads`: the host path's torch threads, for the calibration the
-        policy decides from and for the path itself (None: the engine's `cpu_threads`). 'off': no host path. Returns
-        the placement (None for 'off')."""
+        policy decides from and for the path itself (None: the engine's `cpu_threads`). `options`: the plug-in's
+        constructor's (auto's `overlap`). 'off': no host path. Returns the placement (None for 'off')."""
         assert isinstance(self.experts, OffloadedExperts) and self.cache is not None, "use_placement needs an offloaded runtime"
         self.experts.close()
         self.experts.host = None
@@ -399,7 +399,7 @@ class BenchRuntime(Runtime):
             return None
         self.host_threads = threads or self.config.cpu_threads or default_threads()
         state = await self._placement_state(initial, self.host_threads)
-        policy = plugins.load_policy("placement", name)
+        policy = plugins.load_policy("placement", name, **options)
         placement = policy.place(state=state)
         if placement.active:
             self.experts.host = await apply_placement(placement, self.cache, self.config, self.model.device, policy, state)

@@ -33,8 +33,9 @@ log = get_logger(__name__)
 class LinkEmulation:
     """Throttle the copy stream to `gbps`.
 
-    mode 'host': the pump delays each chunk's issue until the emulated link is free (works on every
-    backend; accuracy bounded by timer wake-ups). mode 'device': after each chunk the copy stream sleeps
+    mode 'host': the pump delays each chunk's issue until the emulated link is about to be free, on a loop timer
+    (works on every backend; a queue model times each chunk from when the link frees, so a timer's lateness costs
+    no link time). mode 'device': after each chunk the copy stream sleeps
     (torch.cuda._sleep) for the emulated minus the measured real copy time (no host timers; needs a
     good real-bandwidth estimate). transfer_bench measures both.
     """
@@ -165,6 +166,9 @@ class _Chunk:
     urgent: bool = True  # the transfer was urgent when this chunk was issued
     queued: float | None = None  # host seconds between when it could have been issued and its issue (TransferTuning.issue_marks)
     room: Event | None = None  # the end of the chunk the pump last waited on for room before issuing it (TransferTuning.issue_marks)
+    offset: float = 0.0
+    """Host-paced emulation: seconds from its issue to when the emulated link began it (the queue model's start); > 0
+    when the pump issued it ahead (`_emulated_link_free`), < 0 when late (the model began it on time all the same)."""
 
 
 class TransferEngine:
@@ -237,8 +241,9 @@ class TransferEngine:
         """[start, end] in seconds after the completed `reference` event: the time each chunk held the (emulated) link.
 
         A chunk not yet started is left out; one started but not finished ends at `open_end`. Host-paced
-        emulation holds the link for nbytes / rate from the chunk's start; device-mode emulation's sleep is
-        inside `end`. Never waits.
+        emulation holds the link for nbytes / rate from when the queue model began the chunk (its start moved by the
+        chunk's `offset`: the pump issues a chunk somewhat ahead of, or late for, the model's start); device-mode
+        emulation's sleep is inside `end`. Never waits.
         """
         return [(times.start, times.end) for times in self.chunk_times(chunks, reference, open_end)]
 
@@ -251,6 +256,7 @@ class TransferEngine:
             start = chunk.start.elapsed_since(reference)
             end = chunk.end.elapsed_since(reference) if chunk.end.query() else max(open_end, start)
             if self.link is not None and self.link.mode == "host":
+                start += chunk.offset  # the model's start: issued ahead or late, the emulated link began it then
                 end = max(end, start + chunk.nbytes / (self.link.gbps * 1e9))
             issued = chunk.issued.elapsed_since(reference) if chunk.issued is not None and chunk.issued.query() else None
             room = chunk.room.elapsed_since(reference) if chunk.room is not None and chunk.room.query() else None
@@ -402,8 +408,20 @@ class TransferEngine:
             self._retire_completed()
 
     async def _emulated_link_free(self) -> None:
+        """Host-paced emulation: sleep on a loop timer until the emulated link frees within TIMER_SLACK_S; never spin.
+
+        The chunk issued then is timed by the queue model from when the link frees (`_emulate_link`), not from its
+        issue, so issuing it early costs the link nothing (a real copy engine holds its next copies queued too, as the
+        un-emulated pump keeps `max_chunks_in_flight` on the stream) and a timer that wakes late still issues it in
+        time. `sleep_until`'s precision would cost a busy loop thread here: it spins for the last TIMER_SLACK_S before
+        each deadline, and a 16 MiB chunk at Gen4 takes less (0.84 ms), so the loop thread would spin for as long as
+        the link copies, taking a core and the GIL from the host expert path, which computes meanwhile (issue 29). Only
+        a reader waiting for a landing (`Transfer.landed`) still spins, for at most TIMER_SLACK_S per landing."""
         if self.link is not None and self.link.mode == "host":
-            await sleep_until(self._link_free_at)
+            delay = self._link_free_at - TIMER_SLACK_S - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)  # once: uvloop counts whole milliseconds, so this wakes up to ~2.5 ms early
+                # (issued further ahead) or about a millisecond late, which the slack absorbs
 
     def _next_transfer(self) -> Transfer | None:
         queue = self._urgent or self._prefetch
@@ -421,6 +439,7 @@ class TransferEngine:
                     self.backend.stream_wait(self.stream, event)
         dst, src = transfer._take_chunk(self.chunk_bytes // transfer.src.element_size() or 1)
         nbytes = src.numel() * src.element_size()
+        offset = self._emulated_offset(transfer)  # (before the start event: that cannot complete before it is recorded)
         start = self.backend.record_event(self.stream, timed=True)
         self._enqueue_h2d(dst, src)
         # Without a link emulation the last chunk's `copied` event is also the transfer's ready event, recorded after
@@ -435,7 +454,7 @@ class TransferEngine:
         copied = self.backend.record_event(self.stream, timed=True)
         end = self._emulate_link(transfer, nbytes) or copied
         chunk = _Chunk(nbytes, start, copied, end, issued, transfer.tag[0] if isinstance(transfer.tag, tuple) else None,
-                       transfer.urgent, queued, room)
+                       transfer.urgent, queued, room, offset)
         self._in_flight.append(chunk)
         if self.chunk_log is not None:
             self.chunk_log.append(chunk)
@@ -450,6 +469,13 @@ class TransferEngine:
         """The backend's copy without an event of its own (the engine records its own per chunk). Looked up per
         chunk: a test may replace the backend's method after the engine was built."""
         self.backend.enqueue_h2d(dst, src, self.stream)
+
+    def _emulated_offset(self, transfer: Transfer) -> float:
+        """Host-paced emulation: seconds from now to when the queue model begins the chunk issued now (`_Chunk.offset`;
+        0 without a host-paced emulation)."""
+        if not self.host_paced:
+            return 0.0
+        return max(transfer.submitted_at, self._link_free_at) - time.perf_counter()
 
     def _emulate_link(self, transfer: Transfer, nbytes: int) -> Event | None:
         """Account the chunk on the emulated link; in device mode pad the stream and return the pad's end."""
@@ -508,14 +534,17 @@ class TransferEngine:
 
 TIMER_SLACK_S = 1e-3
 """Event-loop timers wake up to about a millisecond late (uvloop counts in whole milliseconds): `sleep_until`
-sleeps on a timer only until this long before its deadline, then yields to the loop until the deadline."""
+sleeps on a timer only until this long before its deadline, then yields to the loop until the deadline; the
+host-paced pump issues a chunk once the emulated link frees within this long (`_emulated_link_free`)."""
 
 
 async def sleep_until(deadline: float) -> None:
     """Suspend until `time.perf_counter()` reaches `deadline`, within one loop iteration rather than a timer's
-    granularity (the host-paced link emulation: a late wake-up between chunks would leave the emulated link idle,
-    which a real link is not). It busy-waits for the last TIMER_SLACK_S or so (the loop thread stays busy; other
-    tasks run between its yields), so use it only where that precision is the point."""
+    granularity (a reader awaiting a host-paced emulated landing, `Transfer.landed`: a late wake-up would delay the
+    verify by up to a millisecond per miss, which a real link does not). It busy-waits for the last TIMER_SLACK_S or
+    so (the loop thread stays busy, holding a core and most of the GIL; other tasks run between its yields), so use
+    it only where that precision is the point, never for a wait that repeats for as long as the link copies (the
+    pump's: `TransferEngine._emulated_link_free`)."""
     while (delay := deadline - time.perf_counter()) > 0:
         await asyncio.sleep(delay - TIMER_SLACK_S if delay > TIMER_SLACK_S else 0)
 
