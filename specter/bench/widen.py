@@ -341,8 +341,8 @@ class WidenedCheckpoint:
     """
 
     def __init__(self, path: str | Path, factor: int, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> None:
+        self.factor, self.dtype, self.device = check_factor(factor), dtype, widen_device(device)  # before opening anything
         self.narrow = Checkpoint(path)
-        self.factor, self.dtype, self.device = check_factor(factor), dtype, widen_device(device)
         self.path, self.files = self.narrow.path, self.narrow.files
         self.config = widen_config(self.narrow.config, factor)
         for key in ([key for key in ("torch_dtype", "dtype") if key in self.config] or ["torch_dtype"]) if dtype else []:
