@@ -21,14 +21,14 @@ gpu_setup() {  # the GPU machine has no registry: install the staged wheels and 
   export SPECTER_CACHE=/tmp/specter-cache
 }
 
-train_gpu_widen() {  # table "GPU tests": widening on CUDA against the CPU, bit for bit, and widened loads' tokens; then its speed
+gpu_widen() {  # table "GPU tests": widening on CUDA against the CPU, bit for bit, and widened loads' tokens; then its speed
   timeout 400 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=120 tests/test_gpu_widen.py \
     > "$out/logs/gpu-widen.log" 2>&1
   tail -1 "$out/logs/gpu-widen.log"
   timeout 150 python3 benchmarks/widen_speed.py mixtral-8x7b 4 cuda 2>&1 | tail -3
 }
 
-qwen() {  # the Qwen1.5-MoE shape, 8 layers, trained on the stdlib corpus, into /tmp/qwenref (kept while warm)
+train_qwen() {  # the Qwen1.5-MoE shape, 8 layers, trained on the stdlib corpus, into /tmp/qwenref (kept while warm)
   [ -f /tmp/qwenref/config.json ] && return
   timeout 200 python3 benchmarks/reference_model.py --family qwen2_moe --out /tmp/qwenref --minutes "${QWEN_MINUTES:-2.5}" \
     > "$out/logs/train-qwen.log" 2>&1

@@ -118,7 +118,7 @@ def test_the_bench_widens_on_cuda_with_the_cpu_widenings_tokens(tmp_path, monkey
         def __init__(self, path, factor, dtype=None, device="cpu"):
             super().__init__(path, factor, dtype, "cpu")
 
-    args = ("--model", "tiny", "--widen", "2", "--systems", "ondemand,specter-fixed")
+    args = ("--model", "tiny", "--widen", "2", "--systems", "resident,ondemand,specter-fixed")
     monkeypatch.setattr(protocol, "WidenedCheckpoint", Recording)
     on_cuda, cuda_bench = bench(tmp_path / "cuda", monkeypatch, *args)
     assert devices and set(devices) == {"cuda"}
