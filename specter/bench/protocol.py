@@ -425,6 +425,9 @@ class ModelBench:
                 await self._placement_baseline(runtime, system, start_state, key)
         await self._request(runtime, system, self.target.warmup, start_state, key, warm=True)
         if torch.cuda.is_available():
+            # The peak is max_memory_reserved: without emptying the allocator's cache first it would carry blocks
+            # cached by the load (a widening on CUDA) or by an earlier cell's larger slot pool, not this cell's own.
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         records = []  # kept back until the cell ends: a stopped run keeps whole cells only
         for prompt in self.requests:
