@@ -254,7 +254,7 @@ llamacpp() {  # issue 28 item 5, llama.cpp as a peer: build it with CUDA (timed)
   echo "llamacpp rc=$? at ${SECONDS}s"; grep -E "^(disk|convert):|^agree|GiB, llama.cpp" "$out/logs/llamacpp.log" | cut -c1-400
 }
 
-fulldepth() {  # issue 28 (no table yet): SHAPE (default qwen1.5-moe-a2.7b) at full depth and the real dims: trained
+fulldepth() {  # table "Full-depth Qwen1.5-MoE-A2.7B shape" (one per shape): SHAPE (default qwen1.5-moe-a2.7b) at full depth and the real dims: trained
   # narrow alone for MINUTES (default 3) at batch 32 (five at once needed batch 12, one alone fits 32) into
   # /tmp/narrow/SHAPE (--reuse: a second call on the warm machine skips training), then the bench on it widened
   # (--widen auto: F from its train.json) over BUDGETS x LINKS x SYSTEMS, greedy and sampled, cut to the call's 10
@@ -262,6 +262,7 @@ fulldepth() {  # issue 28 (no table yet): SHAPE (default qwen1.5-moe-a2.7b) at f
   # (minimum budgets 31.4 and 45.3 GiB). `resident` (25.7 to 86.7 GiB of GPU memory: it fits for all five) costs one
   # more widened load of every expert; add it to SYSTEMS in a call of its own. Narrow LINKS, SYSTEMS or BUDGETS per
   # call and --merge the outputs where one call does not hold the matrix (the first call on a fresh machine trains).
+  # The narrow checkpoint's realism report goes to fulldepth-SHAPE/realism.json first (NO_REALISM=1 skips it).
   local shape=${SHAPE:-qwen1.5-moe-a2.7b} budgets
   case "$shape" in
     phi-3.5-moe) budgets=${BUDGETS:-48GiB,36GiB} ;;
@@ -271,6 +272,10 @@ fulldepth() {  # issue 28 (no table yet): SHAPE (default qwen1.5-moe-a2.7b) at f
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 benchmarks/reference_model.py --shape "$shape" \
     --minutes "${MINUTES:-3}" --batch 32 --reuse --out "/tmp/narrow/$shape" > "$out/logs/train-$shape.log" 2>&1
   echo "train $shape rc=$? at ${SECONDS}s"; grep -h "^trained\|already holds" "$out/logs/train-$shape.log"
+  mkdir -p "$out/fulldepth-$shape"  # the checkpoint's realism report, on the narrow model (its function, seconds)
+  [ -n "${NO_REALISM:-}" ] || { timeout 90 python3 -m specter.bench.realism --model "/tmp/narrow/$shape" \
+    --json "$out/fulldepth-$shape/realism.json" > "$out/logs/realism-$shape.log" 2>&1
+    echo "realism $shape rc=$? at ${SECONDS}s"; grep -h "^held-out\|^FLAG" "$out/logs/realism-$shape.log"; }
   local left=$((585 - SECONDS))  # the call's 10 minutes count from this script's start (other targets may run first)
   [ "$left" -gt 120 ] || { echo "fulldepth $shape: ${left}s left in this call, too little for a widened load; run it first"; return; }
   timeout -k 15 "$left" python3 -m specter.bench --model "/tmp/narrow/$shape" --widen auto --budget "$budgets" \
