@@ -4,6 +4,7 @@ function of the PlacementState, checked on hand-computed cases and by a hypothes
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -16,6 +17,7 @@ from specter.errors import PluginError
 from specter.placement import (
     Placement,
     PlacementState,
+    decision_record,
     expected_misses,
     hit_probabilities,
     overlapped,
@@ -159,6 +161,22 @@ def test_the_qwen_cell_calibrated_as_decoding_reads_experts_places_nothing():
     assert Auto().place(calibrated).total == 0
     assert calibrated.host_expert_s[16] >= 0.78 * MS
     assert Auto().place(dataclasses.replace(calibrated, host_expert_s={16: 0.65 * MS})).total == 480
+
+
+def test_the_decision_record_carries_the_calibration_and_the_predictions():
+    """What the bench writes per placed cell (results.json's `placement`) and the load logs: the Qwen cell's inputs as
+    the model reads them and its expected expert seconds per token of off and of the placement."""
+    measured = qwen_cell(0.78 * MS)
+    record = decision_record(measured, Auto().place(measured))
+    assert record["copy_s_per_expert"] == pytest.approx(0.692 * MS, rel=1e-3)
+    assert record["host_s_per_expert_by_rows"] == {"16": 0.78 * MS} and record["row_bucket"] == 16
+    assert record["routing"] == "uniform" and record["host_threads"] == 15 and record["slots_per_layer"] == 40
+    off = 24 * 20 * (4 / 60) * QWEN_EXPERT_BYTES / 25e9  # per layer, 20 of 60 experts' uses miss at 4/60 a token each
+    assert record["predicted_s_per_token"] == pytest.approx({"off": off, "placed": off}) and record["host_experts"] == 0
+    every = decision_record(measured, All().place(measured), overlap=0.5)
+    assert every["host_experts"] == 24 * 28 and every["overlap"] == 0.5
+    assert every["predicted_s_per_token"]["placed"] == pytest.approx(24 * 28 * (4 / 60) * 0.78 * MS)
+    assert json.loads(json.dumps(record)) == record
 
 
 @pytest.mark.parametrize("host_ms", [6.2, 7.69, 7.95])
