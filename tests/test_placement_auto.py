@@ -234,6 +234,29 @@ def test_device_path_experts_beyond_the_slots_churn_them():
     assert estimate == pytest.approx(simulated, rel=0.15)
 
 
+def test_a_speculative_verify_scales_both_paths_alike_under_independent_uniform_use():
+    """Why `auto` counts one row per forward for a speculative engine too: with rounds of R rows an LRU cache of S of E
+    experts copies (E - S) q per round (q = 1 - (1 - r)^R, each expert once per round it is used), and the E - S
+    experts of `all` on the host are computed (E - S) q times per round (one block each): the same count, so one copy
+    against one host block decides as at k = 0. Simulated at the Qwen cell's shape (60 experts, top-4, 40 slots) with
+    the verify's order: a round's residents are computed first (hot first), so its misses evict only experts it does
+    not use, least recently used first."""
+    rng = random.Random(1)
+    experts, top_k, slots, rows, rounds = 60, 4, 40, 16, 3000
+    cache: list[int] = list(range(slots))  # least recently used first
+    misses = host = 0
+    for _ in range(rounds):
+        used = set()
+        for _ in range(rows):
+            used |= set(rng.sample(range(experts), top_k))
+        host += len(used - set(range(slots)))  # `all`: the 20 non-residents on the host, once per round each
+        misses += len(used - set(cache))
+        cache = ([e for e in cache if e not in used] + sorted(used))[-slots:]
+    q = 1 - (1 - top_k / experts) ** rows
+    assert misses / rounds == pytest.approx((experts - slots) * q, rel=0.03)
+    assert host / rounds == pytest.approx((experts - slots) * q, rel=0.03)
+
+
 def test_skewed_routing_puts_the_least_used_on_the_host_and_keeps_the_most_used():
     counts = [[100, 80, 60, 40, 20, 10, 5, 1], [1, 5, 10, 20, 40, 60, 80, 100]]
     placement = Auto(overlap=1.0).place(state(counts=counts))
