@@ -123,7 +123,7 @@ async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction
 
     Each job reads experts no other job read (`cold_groups`): decoding cycles through every host expert of every layer,
     so it reads each one's weights from memory, while one expert timed again and again is read from the last-level
-    cache wherever it fits there (a 17 MB expert fits a server's), which made the host look faster than it decodes.
+    cache wherever it fits there (a 17 MB expert fits a server's), faster than decoding ever reads it.
     Timing the path's own call (not the bare expert function) counts its per-expert work too (gather, padding,
     weighting, the pinned output): the figure is what the bench reports as ms per host expert (host seconds over host
     experts computed) for a host running alone."""
