@@ -85,6 +85,16 @@ class Auto:
     under uniform use, but under skewed use a floor well below what an LRU cache misses (a simulated LRU on a skewed
     profile missed 0.77 per token, Che 0.70, the floor 0.48: tests/test_placement_auto.py).
 
+    One row per forward (k = 0) for every engine: a speculative verify of R <= row_bucket rows copies a missing expert
+    once and computes a host expert on one block, so under independent uniform use both paths scale by the same
+    q = 1 - (1 - r)^R per round, and one copy against one host block decides at every k. Routing with temporal
+    locality favours the device, which use counts do not show: an LRU cache keeps the last rounds' working set while a
+    host expert is computed again every round that uses it (on the H200's full-depth Qwen cell the device missed 0.38
+    per layer and token where independent use predicts 0.80, the host computed 0.82 where it predicts 1.12), so the
+    model leans toward the host and needs its inputs right: the calibration times the host path as decoding runs it,
+    on experts read from memory (`specter.experts.costs.time_host_expert`), and `decision_record` keeps what each
+    placement was decided from.
+
     `overlap` (default 0.0, `specter.placement.OVERLAP`): the share of the shorter path's expected time per layer
     that hides under the longer one, 1 for the longer alone, 0 for the sum. The sum is what the H200's first hybrid
     run fits with the calibrated costs (per layer and token, predicted 14.8 ms, measured 14.5 ms), and with it the
@@ -93,11 +103,11 @@ class Auto:
     the paths meet in few layers: `specter.placement.OVERLAP` says how to measure it). Raise it from such a
     measurement: it moves experts onto the device path, splitting uses between the two.
 
-    `prefetch_discount` (default 0.0, reasoned, not measured): the share of a miss's copy time that speculation's
-    prefetch hides. 0 counts the copy in full because the placement also serves k = 0 (the `ondemand-hybrid`
-    baseline), and a prefetched copy still occupies the link, so a link-bound round pays for it either way; a
-    measured window recall times the share of the draft a copy overlaps is the value to put here for a speculative-
-    only deployment (it moves experts back to the device path).
+    `prefetch_discount` (default 0.0): the share of a miss's copy time that speculation's prefetch hides. 0 counts
+    the copy in full because the placement also serves k = 0 (the `ondemand-hybrid` baseline), and a prefetched copy
+    still occupies the link, so a link-bound round pays for it either way (`specter`'s stall on the H200's Qwen cell
+    at Gen4 was 88-99 % of its decode copy time); a measured window recall times the share of the draft a copy
+    overlaps is the value to put here for a speculative-only deployment (it moves experts back to the device path).
 
     `margin` (default 0.05): a layer takes host experts only where the model predicts at least this share of its time
     saved; else none (and a layer whose costs are not measured takes none), so `auto` is never slower than `off` by

@@ -41,7 +41,7 @@ from specter.model.segmented import SegmentedStep
 from specter.model.spec import ModelSpec
 from specter.model.transformer import ExpertProvider, Transformer
 from specter.model.weights import check_no_unknown_experts, iter_experts, load_dense
-from specter.placement import Placement, PlacementState, prefill_placement, preloaded
+from specter.placement import OVERLAP, Placement, PlacementState, decision_record, prefill_placement, preloaded
 from specter.steps import graphed_target, make_draft, segmented_step, segmented_verify
 from specter.verify import OffloadedExperts
 from specter.victims import Victims
@@ -242,6 +242,8 @@ async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: 
     state = placement_state(cache, config, spec)
     state = (await calibrate(kernel, cache.pool, mlp, state, spec.hidden_size, device, config.placement_profile)).apply(state)
     placement = policy.place(state=state)
+    decision = decision_record(state, placement, getattr(policy, "prefetch_discount", 0.0), getattr(policy, "overlap", OVERLAP))
+    log.info("placement.decided", policy=getattr(policy, "name", None), **decision)
     if not placement.active:
         return None
     return await apply_placement(placement, cache, config, device, policy, state)

@@ -321,30 +321,40 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
 
 def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | None, str | None]:
     """(host seconds of one expert on a block of row_bucket rows, link bytes per second, where the link figure comes
-    from: 'emulated', 'measured' or None): one random expert of the model's shape, timed as the builder calibrates."""
+    from: 'emulated', 'measured' or None): random experts of the model's shape, timed as the builder calibrates
+    (`time_host_expert`, one expert per job). They are written just before, so where the last-level cache holds
+    several of them the figure can read lower than the engine's, whose pool was written at load."""
     import asyncio
 
     import torch
 
     from specter.config import parse_link
-    from specter.experts.costs import reference_expert, time_host_block, time_link
+    from specter.experts.costs import REPEATS, reference_expert, time_host_expert, time_link
     from specter.experts.host import default_threads
+    from specter.experts.pool import ExpertPool
     from specter.kernel import Kernel
 
     cuda = torch.cuda.is_available()
-    expert = torch.empty(spec.expert_numel, dtype=dtype, pin_memory=cuda).normal_(std=0.02)
+
+    class Memory:
+        def alloc_host(self, numel: int, dtype: Any) -> torch.Tensor:
+            return torch.empty(numel, dtype=dtype, pin_memory=cuda)
+
+    pool = ExpertPool(Memory(), 1, REPEATS + 1, spec.expert_numel, dtype)
+    for expert in range(pool.num_experts):
+        pool.write(0, expert, torch.empty(spec.expert_numel, dtype=dtype).normal_(std=0.02))
     mlp = reference_expert(spec.hidden_size, spec.expert_intermediate)
 
     async def host() -> float:
         with Kernel() as kernel:
-            return await time_host_block(kernel, expert, mlp, spec.hidden_size, config.row_bucket,
-                                         config.cpu_threads or default_threads(), torch.device("cpu"))
+            return await time_host_expert(kernel, pool, mlp, spec.hidden_size, config.row_bucket,
+                                          config.cpu_threads or default_threads(), torch.device("cpu"))
 
     host_s = asyncio.run(host())
     gbps = parse_link(config.link)
     if gbps is not None:
         return host_s, gbps * 1e9, "emulated"
-    measured = time_link(expert, torch.device("cuda")) if cuda else None
+    measured = time_link(pool.host(0, 0), torch.device("cuda")) if cuda else None
     return host_s, measured, "measured" if measured else None
 
 

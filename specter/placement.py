@@ -278,3 +278,23 @@ def token_seconds(state: PlacementState, placement: Placement, prefetch_discount
     per_layer = [layer_token_seconds(state, rates[layer], placement.host[layer], prefetch_discount, overlap)
                  for layer in range(state.num_layers)]
     return None if None in per_layer else sum(per_layer)
+
+
+def decision_record(state: PlacementState, placement: Placement, prefetch_discount: float = 0.0,
+                    overlap: float = OVERLAP) -> dict:
+    """What a placement was decided from and what the cost model predicts of it, in seconds, for the bench's results
+    and the load's log: the calibration inputs as the model reads them (one expert's copy; one expert's host time by
+    the rows it was measured at, a use of n rows costing ceil(n / row_bucket) of those blocks; the link, the host
+    threads, uniform or profiled routing, the overlap and prefetch discount weighed) and the expected expert seconds
+    per decoded token (k = 0) of `off` and of `placement` (`token_seconds`; None where a cost is not measured)."""
+    off = Placement.device_only(state.num_layers, state.num_experts)
+    return {
+        "host_experts": placement.total, "host_experts_per_layer": placement.counts(), "slots_per_layer": state.slots_per_layer,
+        "copy_s_per_expert": copy_seconds(state), "host_s_per_expert_by_rows": {str(rows): seconds for rows, seconds in
+                                                                                sorted(state.host_expert_s.items())},
+        "row_bucket": state.row_bucket, "link_bytes_per_s": state.link_bytes_per_s, "host_threads": state.host_threads,
+        "routing": "uniform" if state.route_counts is None else "profile", "overlap": overlap,
+        "prefetch_discount": prefetch_discount,
+        "predicted_s_per_token": {"off": token_seconds(state, off, prefetch_discount, overlap),
+                                  "placed": token_seconds(state, placement, prefetch_discount, overlap)},
+    }

@@ -813,6 +813,16 @@ def test_the_hybrids_place_with_auto_and_hold_their_tokens_to_that_placements_ba
                for name in ("cpu-experts", "specter-hybrid", "ondemand-hybrid"))
     assert rows["ondemand"]["host_expert_ms"] is None and rows["ondemand"]["host_hidden"] is None
     assert "Host path:" in (tmp_path / "results.md").read_text() and "host hidden" in (tmp_path / "results.md").read_text()
+    # Each placed cell carries what its placement was decided from and the cost model's per-token predictions.
+    cells = {cell["system"]: cell for cell in results["cells"]}
+    decision = cells["specter-hybrid"]["placement"]
+    assert list(decision["host_s_per_expert_by_rows"].values()) == [2e-4] and decision["overlap"] == 1.0
+    assert decision["copy_s_per_expert"] == pytest.approx(results["models"][0]["expert_bytes"] / 1e9)
+    assert decision["link_bytes_per_s"] == 1e9 and decision["host_experts"] == rows["specter-hybrid"]["host_experts_placed"]
+    assert decision["predicted_s_per_token"]["placed"] < decision["predicted_s_per_token"]["off"]
+    assert cells["cpu-experts"]["placement"]["overlap"] == 0.0 and cells["ondemand"]["placement"] is None
+    assert rows["specter-hybrid"]["placement"] == decision and rows["specter-hybrid"]["host_expert_ms_calibrated"] == 0.2
+    assert rows["ondemand"]["host_expert_ms_calibrated"] is None and "calibrated ms" in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.parametrize("flag, expected", [([], 1), (["--threads", "2"], 2)])

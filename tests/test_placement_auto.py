@@ -3,18 +3,21 @@ function of the PlacementState, checked on hand-computed cases and by a hypothes
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.placement import Auto
+from policies.placement import All, Auto
 from specter import plugins
 from specter.errors import PluginError
 from specter.placement import (
     Placement,
     PlacementState,
+    decision_record,
     expected_misses,
     hit_probabilities,
     overlapped,
@@ -84,6 +87,111 @@ def test_the_first_hybrid_run_on_the_h200_is_predicted_and_auto_picks_all():
     assert Auto(overlap=1.0).place(measured).counts() == [4, 4, 4, 4]  # what the first version did
 
 
+QWEN_EXPERT_BYTES = 3 * 2048 * 1408 * 2  # Qwen1.5-MoE-A2.7B's routed expert in bf16: 17.3 MB
+
+
+def qwen_cell(host_s: float, link_bytes_per_s: float = 25e9, initial: int = 32) -> PlacementState:
+    """The H200's full-depth Qwen1.5-MoE-A2.7B cell of 2026-12-02 (benchmarks/results/h200-2026-12-02/
+    fulldepth-qwen-gen4): 24 MoE layers of 60 experts, top-4, a 24 GiB budget that leaves `specter-hybrid` 40 slots
+    per layer (the bench's "slots"), 15 host threads, Gen4 (25 GB/s: 0.692 ms per expert). The cell started from the
+    warm-up's cache, about 32 experts per layer (`cpu-experts` placed 683 of 1440 on the host)."""
+    return PlacementState(num_layers=24, num_experts=60, top_k=4, slots_per_layer=40,
+                          initial_residents=tuple(tuple(range(initial)) for _ in range(24)),
+                          expert_bytes=QWEN_EXPERT_BYTES, row_bucket=16, host_threads=15,
+                          link_bytes_per_s=link_bytes_per_s, host_expert_s={16: host_s})
+
+
+@pytest.mark.parametrize("host_ms", [0.717, 0.78, 0.825])
+def test_the_full_depth_qwen_cell_at_gen4_stays_on_the_device(host_ms):
+    """Measured there: `specter` 8.97 / 14.8 ms per token (greedy / sampled), `specter-hybrid` with `auto`'s 480 host
+    experts (20 per layer, every non-resident) 18.9 / 22.2 ms; one host expert took 0.717-0.825 ms on the host thread
+    across the placed cells. With those costs the model keeps every layer on the device: 20 host experts cost
+    20 x 4/60 x host per layer and token against the same uses missing at 0.692 ms each, and the host is the slower."""
+    measured = qwen_cell(host_ms * MS)
+    placement = Auto().place(measured)
+    off = Placement.device_only(24, 60)
+    assert placement.total == 0
+    assert token_seconds(measured, placement) == token_seconds(measured, off)
+    assert token_seconds(measured, All().place(measured)) > token_seconds(measured, off)
+
+
+def test_the_full_depth_qwen_cell_at_the_native_link_stays_on_the_device():
+    """fulldepth-qwen-native: the same shape over the H200's own link (55 GB/s pinned, 0.315 ms per expert) placed
+    nothing, as it should."""
+    assert Auto().place(qwen_cell(0.78 * MS, link_bytes_per_s=55e9)).total == 0
+
+
+def test_the_qwen_cell_calibrated_as_decoding_reads_experts_places_nothing():
+    """The Qwen cell end to end on the CPU: a pool of its geometry (tiny experts), an expert function that costs the
+    run's 0.78 ms on a first read and nothing on a read again (the weights then in the last-level cache), the
+    calibration, then `auto`. The first calibration timed one expert after a warm-up on it, read ~0 here, and the model
+    put every non-resident on the host (480, as on the H200: any host under 0.657 ms does)."""
+    import asyncio
+    import time
+
+    import torch
+
+    from specter.experts import costs
+    from specter.experts.pool import ExpertPool
+    from specter.kernel import Kernel
+
+    class Memory:
+        def alloc_host(self, numel, dtype):
+            return torch.empty(numel, dtype=dtype)
+
+    pool = ExpertPool(Memory(), 24, 60, 3 * 8 * 4, torch.float32)
+    for layer in range(24):
+        for expert in range(60):
+            pool.write(layer, expert, torch.randn(3 * 8 * 4))
+    reference, read = costs.reference_expert(8, 4), set()
+
+    def mlp(rows, packed):
+        if packed.data_ptr() not in read:
+            read.add(packed.data_ptr())
+            time.sleep(0.78 * MS)
+        return reference(rows, packed)
+
+    cell = dataclasses.replace(qwen_cell(0.0), host_threads=1, host_expert_s={})
+
+    async def go():
+        with Kernel() as kernel:
+            return await costs.calibrate(kernel, pool, mlp, cell, 8, torch.device("cpu"))
+
+    calibrated = asyncio.run(go()).apply(cell)
+    assert Auto().place(calibrated).total == 0
+    assert calibrated.host_expert_s[16] >= 0.78 * MS
+    assert Auto().place(dataclasses.replace(calibrated, host_expert_s={16: 0.65 * MS})).total == 480
+
+
+def test_the_decision_record_carries_the_calibration_and_the_predictions():
+    """What the bench writes per placed cell (results.json's `placement`) and the load logs: the Qwen cell's inputs as
+    the model reads them and its expected expert seconds per token of off and of the placement."""
+    measured = qwen_cell(0.78 * MS)
+    record = decision_record(measured, Auto().place(measured))
+    assert record["copy_s_per_expert"] == pytest.approx(0.692 * MS, rel=1e-3)
+    assert record["host_s_per_expert_by_rows"] == {"16": 0.78 * MS} and record["row_bucket"] == 16
+    assert record["routing"] == "uniform" and record["host_threads"] == 15 and record["slots_per_layer"] == 40
+    off = 24 * 20 * (4 / 60) * QWEN_EXPERT_BYTES / 25e9  # per layer, 20 of 60 experts' uses miss at 4/60 a token each
+    assert record["predicted_s_per_token"] == pytest.approx({"off": off, "placed": off}) and record["host_experts"] == 0
+    every = decision_record(measured, All().place(measured), overlap=0.5)
+    assert every["host_experts"] == 24 * 28 and every["overlap"] == 0.5
+    assert every["predicted_s_per_token"]["placed"] == pytest.approx(24 * 28 * (4 / 60) * 0.78 * MS)
+    assert json.loads(json.dumps(record)) == record
+
+
+@pytest.mark.parametrize("host_ms", [6.2, 7.69, 7.95])
+def test_the_mixtral_cell_at_gen4_puts_every_non_resident_on_the_host(host_ms):
+    """benchmarks/results/h200-2026-12-02/hybrid-overlap1 (H200, 2026-12-02): Mixtral-8x7B shape, 4 MoE layers of
+    random weights, 2 of 8 resident, Gen4 (14.1 ms per 352 MB expert), one host expert 6.2-7.95 ms on the host thread.
+    Measured per token: ondemand 81 ms, specter 88.6, `cpu-experts` (all 6 non-residents of a layer on the host) 57.5,
+    the half split 57.9-58.3; the earlier run of `auto`'s default placed all 24 and ran `specter-hybrid` at 54.5."""
+    expert_bytes = 3 * 4096 * 14336 * 2
+    measured = PlacementState(num_layers=4, num_experts=8, top_k=2, slots_per_layer=2,
+                              initial_residents=tuple((0, 1) for _ in range(4)), expert_bytes=expert_bytes, row_bucket=16,
+                              host_threads=15, link_bytes_per_s=25e9, host_expert_s={16: host_ms * MS})
+    assert Auto().place(measured).counts() == [6, 6, 6, 6]
+
+
 def lru_misses_per_token(weights, top_k: int, device: set[int], slots: int, tokens: int, seed: int = 0) -> tuple[float, list[float]]:
     """A simulated LRU cache of `slots` slots serving the device-path experts of a layer whose tokens each route to
     top_k distinct experts drawn by `weights`: (misses per token, measured use rate per expert)."""
@@ -124,6 +232,29 @@ def test_device_path_experts_beyond_the_slots_churn_them():
     floor = sum(sorted((measured_rates[e] for e in device), reverse=True)[2:])
     assert floor < estimate <= simulated and simulated - estimate < 0.5 * (simulated - floor)
     assert estimate == pytest.approx(simulated, rel=0.15)
+
+
+def test_a_speculative_verify_scales_both_paths_alike_under_independent_uniform_use():
+    """Why `auto` counts one row per forward for a speculative engine too: with rounds of R rows an LRU cache of S of E
+    experts copies (E - S) q per round (q = 1 - (1 - r)^R, each expert once per round it is used), and the E - S
+    experts of `all` on the host are computed (E - S) q times per round (one block each): the same count, so one copy
+    against one host block decides as at k = 0. Simulated at the Qwen cell's shape (60 experts, top-4, 40 slots) with
+    the verify's order: a round's residents are computed first (hot first), so its misses evict only experts it does
+    not use, least recently used first."""
+    rng = random.Random(1)
+    experts, top_k, slots, rows, rounds = 60, 4, 40, 16, 3000
+    cache: list[int] = list(range(slots))  # least recently used first
+    misses = host = 0
+    for _ in range(rounds):
+        used = set()
+        for _ in range(rows):
+            used |= set(rng.sample(range(experts), top_k))
+        host += len(used - set(range(slots)))  # `all`: the 20 non-residents on the host, once per round each
+        misses += len(used - set(cache))
+        cache = ([e for e in cache if e not in used] + sorted(used))[-slots:]
+    q = 1 - (1 - top_k / experts) ** rows
+    assert misses / rounds == pytest.approx((experts - slots) * q, rel=0.03)
+    assert host / rounds == pytest.approx((experts - slots) * q, rel=0.03)
 
 
 def test_skewed_routing_puts_the_least_used_on_the_host_and_keeps_the_most_used():

@@ -394,7 +394,7 @@ class ModelBench:
     async def _cell(self, runtime: BenchRuntime, system: System, setting: Setting, link: str, slots: int | None,
                     initial: tuple[tuple[int, ...], ...] | None, note: str = "") -> None:
         cell = {"model": self.target.label, "setting": setting.label if slots is not None else "all", "link": link,
-                "system": system.name, "slots": slots, "note": note, "host_threads": None}
+                "system": system.name, "slots": slots, "note": note, "host_threads": None, "placement": None}
         self.bar.set_postfix(system=system.name, link=link, setting=cell["setting"])
         self.bar.update(1)
         name = (cell["model"], cell["setting"], link, system.name)
@@ -421,6 +421,7 @@ class ModelBench:
             await runtime.use_placement(system.cpu_experts, start_state, self.desktop_threads(link),
                                         **self.placement_options(system.cpu_experts))
             cell["host_threads"] = runtime.host_threads
+            cell["placement"] = runtime.placement_decision
             if system.cpu_experts != "off":
                 await self._placement_baseline(runtime, system, start_state, key)
         await self._request(runtime, system, self.target.warmup, start_state, key, warm=True)

@@ -205,9 +205,11 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "host_per_token": round(sum(r.get("host_computed_experts", 0) for r in runs) / tokens, 3),
         "host_share": _host_share(runs),
         "host_expert_ms": _host_expert_ms(runs),
+        "host_expert_ms_calibrated": _calibrated_host_ms(runs[0].get("placement")),
         "host_hidden": _host_hidden(runs),
         "tokens_equal": all(r["tokens_equal"] for r in runs),
         "accepted_length_histogram": {str(n): c for n, c in sorted(histogram.items())},
+        "placement": runs[0].get("placement"),
     }
 
 
@@ -224,6 +226,15 @@ def _host_expert_ms(runs: Sequence[dict]) -> float | None:
     the calibration's, whether the host path ran slower beside the link (a split placement) than alone (`all`)."""
     host = sum(r.get("host_computed_experts", 0) for r in runs)
     return round(1e3 * sum(r.get("host_compute_s", 0.0) for r in runs) / host, 3) if host else None
+
+
+def _calibrated_host_ms(decision: dict | None) -> float | None:
+    """Milliseconds of one host expert as the placement's calibration measured it (one block of row_bucket rows, the
+    cost model's figure per use), beside `host_expert_ms`, what the cell's host path then took (None: not placed or
+    not measured)."""
+    by_rows = (decision or {}).get("host_s_per_expert_by_rows") or {}
+    seconds = by_rows.get(str(decision.get("row_bucket"))) if by_rows else None
+    return round(1e3 * seconds, 3) if seconds is not None else None
 
 
 def _host_hidden(runs: Sequence[dict]) -> float | None:
@@ -427,10 +438,12 @@ def host_path_lines(summary: Sequence[dict], markdown: bool = False) -> list[str
     columns = (("model", "model"), ("setting", "setting"), ("link", "link"), ("sampling", "sampling"), ("system", "system"),
                ("host_threads", "host threads"), ("host_experts_placed", "host experts placed"), ("host_share", "host share of non-resident uses"),
                ("host_per_token", "host experts/token"), ("host_expert_ms", "ms per host expert"),
+               ("host_expert_ms_calibrated", "calibrated ms"),
                ("host_hidden", "host hidden"), ("h2d_decode_mb_per_token", "decode MB/token"), ("tpot_ms", "TPOT ms"))
     return ["", "Host path: the placement's host experts (layer, expert pairs), the share of the experts not on the "
-            "device that the host computed (the rest were copied), one host expert's time on the host thread, and the "
-            "share of the host's time that ran beside the device path (copies, device experts):", ""] + table_lines(
+            "device that the host computed (the rest were copied), one host expert's time on the host thread and as "
+            "the placement's calibration measured it, and the share of the host's time that ran beside the device path "
+            "(copies, device experts); results.json's `placement` has the cost model's inputs and predictions:", ""] + table_lines(
                 rows, columns, markdown=markdown)
 
 

@@ -26,7 +26,7 @@ from specter.experts.host import default_threads
 from specter.engine import Runtime
 from specter.log import get_logger
 from specter.memory import MemoryPlan, plan_memory
-from specter.placement import Placement, PlacementState
+from specter.placement import OVERLAP, Placement, PlacementState, decision_record
 from specter.metrics import Estimates, RequestStats
 from specter.model.spec import ModelSpec
 from specter.observers import RoundObserver, RoundReport
@@ -332,6 +332,9 @@ class BenchRuntime(Runtime):
         (`use_placement`): an expert's host time depends on the threads that compute it."""
         self.host_threads: int | None = None
         """The torch threads of the placement's host path (and of the calibration it was placed from); None: 'off'."""
+        self.placement_decision: dict | None = None
+        """What the cell's placement was decided from and what the cost model predicts of it (`decision_record`, with
+        the policy's own overlap and prefetch discount); None: 'off'."""
         moe = self.spec.moe_layers
         self._next_moe_layer = dict(zip(moe, moe[1:]))
 
@@ -394,13 +397,15 @@ class BenchRuntime(Runtime):
         self.experts.close()
         self.experts.host = None
         self.cache.place([frozenset()] * self.cache.num_layers)
-        self.host_threads = None
+        self.host_threads = self.placement_decision = None
         if name == OFF:
             return None
         self.host_threads = threads or self.config.cpu_threads or default_threads()
         state = await self._placement_state(initial, self.host_threads)
         policy = plugins.load_policy("placement", name, **options)
         placement = policy.place(state=state)
+        self.placement_decision = decision_record(state, placement, getattr(policy, "prefetch_discount", 0.0),
+                                                  getattr(policy, "overlap", OVERLAP))
         if placement.active:
             self.experts.host = await apply_placement(placement, self.cache, self.config, self.model.device, policy, state)
         return placement

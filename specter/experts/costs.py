@@ -1,10 +1,11 @@
 """What a placement weighs, measured once when the engine loads (`Calibration`): one routed expert's seconds on the
-host at `row_bucket` rows, the link's bytes per second, and the per-layer expert use of a routing profile.
+host path (one block of `row_bucket` rows), the link's bytes per second, and the per-layer expert use of a routing
+profile.
 
-Cheap on purpose: a warm-up and three timed runs of one expert on a host thread set up as the host expert path's, and
-on CUDA a warm-up and three pinned copies of at most 64 MiB of one expert (at a Mixtral shape about 4 x 5 ms of host
-compute, issue 29's figure, and 4 x 3 ms of copies at 25 GB/s: not yet timed on the H200). Skipped entirely for
-`off` (the builder asks for it only with a placement plug-in).
+Cheap on purpose: a warm-up and three timed layer jobs of the host path (top_k experts each) on a host thread set up
+as the host expert path's, and on CUDA a warm-up and three pinned copies of at most 64 MiB of one expert (at a Mixtral
+shape about 8 x 8 ms of host compute and 4 x 3 ms of copies at 25 GB/s). Skipped entirely for `off` (the builder asks
+for it only with a placement plug-in).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from pathlib import Path
 import torch
 
 from specter.errors import ConfigError
-from specter.experts.host import ExpertFunction, host_thread
+from specter.experts.host import ExpertFunction, HostExperts, HostInputs, host_thread
 from specter.experts.pool import ExpertPool
 from specter.kernel import Kernel
 from specter.log import get_logger
-from specter.placement import PlacementState
+from specter.placement import Placement, PlacementState
 from specter.trace import read_trace, use_counts
 
 log = get_logger(__name__)
@@ -38,7 +39,8 @@ class Calibration:
     """The costs the builder measured for the placement policy (None or empty: not measured here)."""
 
     host_expert_s: Mapping[int, float]
-    """Seconds of one expert on the host by row count (the engine measures `row_bucket` rows: one block)."""
+    """Seconds of one expert on the host path by row count (the engine measures one block of `row_bucket` rows:
+    `time_host_expert`)."""
     link_bytes_per_s: float | None
     """Measured pinned H2D bandwidth (CUDA); None on the CPU."""
     route_counts: list[list[float]] | None
@@ -55,13 +57,14 @@ class Calibration:
 async def calibrate(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction | None, state: PlacementState, hidden_size: int,
                     device: torch.device, profile: Path | None = None) -> Calibration:
     """Every cost a placement policy reads that `state` lacks, measured now (the pool written, before the first
-    request): the host at `state.row_bucket` rows with `state.host_threads` threads (unless there is no `mlp`), the
-    link unless the state has its figure (an emulated link), the profile's use counts."""
+    request): the host path on one block of `state.row_bucket` rows with `state.host_threads` threads
+    (`time_host_expert`, unless there is no `mlp`), the link unless the state has its figure (an emulated link), the
+    profile's use counts."""
     started = time.perf_counter()
     rows = state.row_bucket
-    expert = pool.host(0, 0)  # MoE layer 0's expert 0: every expert of a layer has the same shape
-    host = {} if mlp is None else {rows: await time_host_block(kernel, expert, mlp, hidden_size, rows, state.host_threads, device)}
-    link = time_link(expert, device) if state.link_bytes_per_s is None else None
+    host = {} if mlp is None else {rows: await time_host_expert(kernel, pool, mlp, hidden_size, rows, state.host_threads,
+                                                                device, per_job=state.top_k)}
+    link = time_link(pool.host(0, 0), device) if state.link_bytes_per_s is None else None
     counts = route_profile(profile, state.num_layers, state.num_experts) if profile is not None else None
     log.info("placement.calibrated", host_expert_ms=round(host[rows] * 1e3, 3) if host else None,
              link_gbps=round((state.link_bytes_per_s or link or 0) / 1e9, 2) or None, profile=str(profile) if profile else None,
@@ -98,16 +101,59 @@ def time_link(source: Tensor, device: torch.device, repeats: int = REPEATS) -> f
     return source.numel() / seconds if seconds > 0 else None
 
 
-async def time_host_block(kernel: Kernel, packed: Tensor, mlp: ExpertFunction, hidden_size: int, rows: int, threads: int,
-                          device: torch.device, repeats: int = REPEATS) -> float:
-    """Median seconds of expert `packed` on `rows` rows, on a host thread with `threads` torch threads (the host
-    expert path's set-up), after one warm-up run."""
-    block = (torch.randn(rows, hidden_size) * 0.1).to(packed.dtype)
+def cold_groups(num_layers: int, num_experts: int, per_job: int, jobs: int) -> list[tuple[int, list[int]]]:
+    """`jobs` groups of `per_job` experts of one layer, no expert in two groups while the pool has enough of them: in
+    the order the pool is written at load (layer 0 first, the longest since it was written), then again from the
+    start."""
+    per_job = max(1, min(per_job, num_experts))
+    per_layer = num_experts // per_job
+    groups = []
+    for job in range(jobs):
+        layer, group = divmod(job % (num_layers * per_layer), per_layer)
+        groups.append((layer, list(range(group * per_job, (group + 1) * per_job))))
+    return groups
+
+
+async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction, hidden_size: int, row_bucket: int,
+                           threads: int, device: torch.device, per_job: int = 1, repeats: int = REPEATS) -> float:
+    """Median seconds of one routed expert on the host path as decoding runs it, over `repeats` timed jobs after one
+    warm-up job: a job is `HostExperts.compute_layer` with one row routed to `per_job` experts of one layer (each on a
+    block of `row_bucket` rows, weighted, on CUDA put in pinned memory), on a thread set up as the host path's with
+    `threads` torch threads, and its seconds over its experts count.
+
+    Each job reads experts no other job read (`cold_groups`): decoding cycles through every host expert of every layer,
+    so it reads each one's weights from memory, while one expert timed again and again is read from the last-level
+    cache wherever it fits there (a 17 MB expert fits a server's), faster than decoding ever reads it.
+    Timing the path's own call (not the bare expert function) counts its per-expert work too (gather, padding,
+    weighting, the pinned output): the figure is what the bench reports as ms per host expert (host seconds over host
+    experts computed) for a host running alone."""
+    host = HostExperts(pool, Placement.device_only(pool.num_layers, pool.num_experts), row_bucket, threads, device)
+    rows = (torch.randn(1, hidden_size) * 0.1).to(pool.dtype)
+
+    def job(layer: int, experts: list[int]) -> Callable[[], float]:
+        weights = torch.full((1, len(experts)), 1.0 / len(experts))
+        routes = {expert: ([0], [slot]) for slot, expert in enumerate(experts)}
+        inputs = HostInputs(rows, weights)
+
+        def run() -> float:
+            started = time.perf_counter()
+            host.compute_layer(layer, routes, inputs, mlp)
+            return (time.perf_counter() - started) / len(experts)
+
+        return run
+
+    jobs = [job(layer, experts) for layer, experts in cold_groups(pool.num_layers, pool.num_experts, per_job, repeats + 1)]
     thread = host_thread(device, threads, name="specter-host-calibration")
     try:
-        return await kernel.wait_host(kernel.submit_host(thread, lambda: median_seconds(lambda: mlp(block, packed), repeats)))
+        return await kernel.wait_host(kernel.submit_host(thread, lambda: timed_once(jobs)))
     finally:
         thread.stop()
+
+
+def timed_once(jobs: list[Callable[[], float]]) -> float:
+    """The median of what `jobs[1:]` return, each run once after `jobs[0]` (the warm-up, not counted)."""
+    jobs[0]()
+    return statistics.median(run() for run in jobs[1:])
 
 
 def route_profile(path: Path, num_layers: int, num_experts: int) -> list[list[float]] | None:
