@@ -15,7 +15,8 @@ from specter.placement import (
     PlacementState,
     copy_seconds,
     host_seconds,
-    layer_token_seconds,
+    layer_path_uses,
+    path_seconds,
     preloaded,
     use_rates,
 )
@@ -141,7 +142,8 @@ class Auto:
         """The host-path experts of one layer (none when nothing is gained by at least `margin`)."""
         kept = set(kept_on_device(state, layer, rates if state.route_counts is not None else None))
         candidates = sorted((e for e in range(state.num_experts) if e not in kept), key=lambda e: (rates[e], e))
-        cost = lambda h: layer_token_seconds(state, rates, candidates[:h], self.prefetch_discount, self.overlap)  # noqa: E731
+        uses = layer_path_uses(state, layer, rates, candidates)  # per h: (misses, host blocks) per token
+        cost = lambda h: path_seconds(state, *uses[h], h > 0, self.prefetch_discount, self.overlap)  # noqa: E731
         off = cost(0)
         if not candidates or off is None or off <= 0.0:
             return []

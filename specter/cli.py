@@ -286,7 +286,7 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
     (one expert of the model's shape in that dtype, random values) and `auto`'s decisions and predicted times."""
     from specter import plugins
     from specter.errors import ConfigError
-    from specter.experts.costs import route_profile
+    from specter.experts.costs import routing_profile
     from specter.experts.host import default_threads
     from specter.placement import Placement, PlacementState, copy_seconds, host_seconds, token_seconds
 
@@ -302,11 +302,12 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
         gbps = parse_link(config.link)
         host_s, link, source = None, gbps * 1e9 if gbps is not None else None, "emulated" if gbps is not None else None
     profile = config.placement_profile
+    counts, sequence = routing_profile(profile, layers, experts) if profile is not None else (None, None)
     state = PlacementState(num_layers=layers, num_experts=experts, top_k=spec.top_k, slots_per_layer=slots,
                            initial_residents=tuple(() for _ in range(layers)), expert_bytes=expert_bytes,
                            row_bucket=config.row_bucket, host_threads=config.cpu_threads or default_threads(),
                            link_bytes_per_s=link, host_expert_s={config.row_bucket: host_s} if host_s is not None else {},
-                           route_counts=route_profile(profile, layers, experts) if profile is not None else None)
+                           route_counts=counts, route_sequence=sequence)
     placed = {name: plugins.load_policy("placement", name).place(state=state) if name != "off" else Placement.device_only(layers, experts)
               for name in dict.fromkeys(("off", "all", "auto", cpu_experts))}
     placement, auto = placed[cpu_experts], placed["auto"]

@@ -111,6 +111,37 @@ class PlacementState:
     route_counts: Sequence[Sequence[float]] | None = None
     """Per layer and expert, how often the target routed to it on calibration tokens (None: not measured; the cost
     model then assumes uniform routing). The engine reads it from `EngineConfig.placement_profile`, a routing trace."""
+    route_sequence: RouteSequence | None = None
+    """The same profile's rounds in order (None: counts only, or no profile): the cost model then replays each
+    layer's slots over them instead of assuming independent uses (`layer_path_uses`)."""
+
+
+@dataclass(frozen=True)
+class RouteSequence:
+    """A routing profile's rounds in the order they ran: what use counts lose, the reuse of experts from one token to
+    the next, which an LRU cache turns into hits and the host path does not."""
+
+    used: tuple[tuple[tuple[int, ...], ...], ...]
+    """Layer -> round -> the distinct experts the round's verify used at that layer, in the order it first used them."""
+    rows: tuple[int, ...]
+    """Per round, the rows its verify computed (k + 1): a host expert it used costs ceil(rows / row_bucket) blocks."""
+    tokens: int
+    """Tokens the rounds committed (accepted + 1 each): the cost model's misses and host blocks are per one of these."""
+
+    @classmethod
+    def of_rounds(cls, rounds: Iterable, num_layers: int, max_tokens: int | None = None) -> RouteSequence:
+        """From a trace's rounds (`specter.trace.TraceRound`: `k`, `accepted` and per layer `used`), in order, the
+        first ones up to `max_tokens` committed tokens (None: all; `SEQUENCE_TOKENS` bounds what the load replays)."""
+        used: list[list[tuple[int, ...]]] = [[] for _ in range(num_layers)]
+        rows, tokens = [], 0
+        for trace_round in rounds:
+            if max_tokens is not None and tokens >= max_tokens:
+                break
+            for layer, routes in enumerate(trace_round.layers[:num_layers]):
+                used[layer].append(tuple(dict.fromkeys(int(e) for e in routes.used)))
+            rows.append(trace_round.k + 1)
+            tokens += trace_round.accepted + 1
+        return cls(tuple(tuple(layer) for layer in used), tuple(rows), tokens)
 
 
 @runtime_checkable
@@ -247,6 +278,103 @@ def expected_misses(rates: Sequence[float], device: Sequence[int], slots: int) -
     return max(misses, sum(used) - slots)
 
 
+SEQUENCE_TOKENS = 4096
+"""The committed tokens of a routing trace's rounds the load replays through each layer's slots (`RouteSequence`,
+from the first round on): bounds the load's work, one pass per layer over the rounds' uses, each up to O(E log E).
+Enough rounds that a layer's S cold misses, which a warm start leaves out, and the trace's noise stay small beside
+its misses; the use counts that order the candidates still come from the whole trace."""
+
+
+def lru_misses_by_host(rounds: Sequence[Sequence[int]], order: Sequence[int], slots: int,
+                       residents: Sequence[int] = ()) -> list[int]:
+    """Per h in 0..len(order): the misses of an LRU cache of `slots` slots over `rounds` (each round's experts used in
+    the order given) when the experts order[:h] take the host path (never in the cache, their uses not counted), for
+    every h in one pass.
+
+    LRU holds e at a use iff fewer than `slots` distinct other cached experts were used since e's last use (its
+    stack distance), so a use misses under h iff at least `slots` of the experts used since are device path, i.e.
+    iff the `slots`-th highest candidate rank among them (an expert outside `order` never goes to the host: ranks
+    past every h) is at least h; and a use of e counts only while e itself is device path (its rank >= h).
+
+    The cache starts warm, as the rounds leave it (as if they repeated: the one-time cold misses of a load are not
+    what a layer pays per token over an engine's life), with `residents` (least recently used first) used last."""
+    top = len(order)
+    rank = {e: index for index, e in enumerate(order)}
+    stack = list(dict.fromkeys(e for experts in reversed(rounds) for e in reversed(experts)))[::-1]  # by last use
+    for e in residents:
+        if e in stack:
+            stack.remove(e)
+        stack.append(e)
+    counted = [0] * (top + 2)  # counted[m]: uses that miss for every h <= m
+    for experts in rounds:
+        for e in experts:
+            own = rank.get(e, top)
+            if e in stack:
+                position = stack.index(e)
+                above = stack[position + 1:]
+                del stack[position]
+                reach = -1 if len(above) < slots else sorted((rank.get(x, top) for x in above), reverse=True)[slots - 1]
+            else:
+                reach = top
+            stack.append(e)
+            last = min(own, reach, top)
+            if last >= 0:
+                counted[last] += 1
+    misses, total = [0] * (top + 1), 0
+    for h in range(top, -1, -1):
+        total += counted[h]
+        misses[h] = total
+    return misses
+
+
+def layer_path_uses(state: PlacementState, layer: int, rates: Sequence[float], order: Sequence[int]) -> list[tuple[float, float]]:
+    """Per h in 0..len(order): a layer's expected (device-path misses, host blocks) per token with order[:h] on the
+    host path and every other expert on the device path (none missed where they fit in the slots: `preloaded`).
+
+    With a `route_sequence`, from its rounds: an LRU of the layer's slots over them, starting from its initial
+    residents (`lru_misses_by_host`), and each host expert ceil(rows / row_bucket) blocks per round that used it,
+    over the tokens the rounds committed. Real routing reuses experts from token to token, which an LRU cache turns
+    into hits while a host expert is computed again each round; independent uses cannot show it. Without one, from
+    `rates` as independent uses: Che's approximation (`expected_misses`) and one block per use."""
+    slots, experts = state.slots_per_layer, state.num_experts
+    sequence = state.route_sequence
+    if sequence is not None and layer < len(sequence.used) and sequence.tokens > 0:
+        rounds = sequence.used[layer]
+        initial = state.initial_residents[layer] if layer < len(state.initial_residents) else ()
+        misses = lru_misses_by_host(rounds, order, slots, initial)
+        blocks: dict[int, int] = {}
+        for experts_used, rows in zip(rounds, sequence.rows):
+            for e in experts_used:
+                blocks[e] = blocks.get(e, 0) + math.ceil(rows / state.row_bucket)
+        uses, host = [], 0.0
+        for h in range(len(order) + 1):
+            if h:
+                host += blocks.get(order[h - 1], 0) / sequence.tokens
+            device_misses = 0.0 if experts - h <= slots else misses[h] / sequence.tokens
+            uses.append((device_misses, host))
+        return uses
+    uses, host = [], 0.0
+    hosted = set()
+    for h in range(len(order) + 1):
+        if h:
+            hosted.add(order[h - 1])
+            host += rates[order[h - 1]]
+        uses.append((expected_misses(rates, [e for e in range(experts) if e not in hosted], slots), host))
+    return uses
+
+
+def path_seconds(state: PlacementState, misses: float, host_blocks: float, hosts: bool, prefetch_discount: float = 0.0,
+                 overlap: float = OVERLAP) -> float | None:
+    """A layer's expected seconds per token from its device misses and host blocks per token: `overlapped`(misses x
+    copy x (1 - prefetch_discount), host blocks x one host block, overlap). None when a cost it needs is not measured
+    (`hosts`: whether the layer has host-path experts at all)."""
+    copy = copy_seconds(state)
+    host_block = host_seconds(state, 1)
+    if (misses > 0 and copy is None) or (hosts and host_block is None):
+        return None
+    return overlapped(misses * (copy or 0.0) * (1.0 - prefetch_discount), host_blocks * (host_block or 0.0), overlap)
+
+
 def overlapped(device_s: float, host_s: float, overlap: float = OVERLAP) -> float:
     """A layer's time from its two paths' times: the longer, plus the part of the shorter not hidden under it
     (`overlap` of it hidden: 1 gives the longer, 0 the sum). On expectations, overlap 1 is a floor even for paths that
@@ -254,20 +382,13 @@ def overlapped(device_s: float, host_s: float, overlap: float = OVERLAP) -> floa
     return max(device_s, host_s) + (1.0 - overlap) * min(device_s, host_s)
 
 
-def layer_token_seconds(state: PlacementState, rates: Sequence[float], host: Iterable[int],
+def layer_token_seconds(state: PlacementState, layer: int, rates: Sequence[float], host: Iterable[int],
                         prefetch_discount: float = 0.0, overlap: float = OVERLAP) -> float | None:
-    """Expected seconds per token of one layer whose host-path experts are `host`: `overlapped`(device misses x copy x
-    (1 - prefetch_discount), host uses x one host block, overlap). None when a cost it needs is not measured."""
-    host = set(host)
-    device = [e for e in range(state.num_experts) if e not in host]
-    misses = expected_misses(rates, device, state.slots_per_layer)
-    copy = copy_seconds(state)
-    host_block = host_seconds(state, 1)
-    if (misses > 0 and copy is None) or (host and host_block is None):
-        return None
-    device_s = misses * (copy or 0.0) * (1.0 - prefetch_discount)
-    host_s = sum(rates[e] for e in host) * (host_block or 0.0)
-    return overlapped(device_s, host_s, overlap)
+    """Expected seconds per token of layer `layer` whose host-path experts are `host` (`layer_path_uses`,
+    `path_seconds`). None when a cost it needs is not measured."""
+    host = sorted(set(host))
+    misses, blocks = layer_path_uses(state, layer, rates, host)[-1]
+    return path_seconds(state, misses, blocks, bool(host), prefetch_discount, overlap)
 
 
 def token_seconds(state: PlacementState, placement: Placement, prefetch_discount: float = 0.0,
@@ -275,7 +396,7 @@ def token_seconds(state: PlacementState, placement: Placement, prefetch_discount
     """Expected expert seconds per decoded token of `placement` (k = 0: one row per forward), summed over layers; None
     when a cost it needs is not measured."""
     rates = use_rates(state)
-    per_layer = [layer_token_seconds(state, rates[layer], placement.host[layer], prefetch_discount, overlap)
+    per_layer = [layer_token_seconds(state, layer, rates[layer], placement.host[layer], prefetch_discount, overlap)
                  for layer in range(state.num_layers)]
     return None if None in per_layer else sum(per_layer)
 
@@ -293,7 +414,7 @@ def decision_record(state: PlacementState, placement: Placement, prefetch_discou
         "copy_s_per_expert": copy_seconds(state), "host_s_per_expert_by_rows": {str(rows): seconds for rows, seconds in
                                                                                 sorted(state.host_expert_s.items())},
         "row_bucket": state.row_bucket, "link_bytes_per_s": state.link_bytes_per_s, "host_threads": state.host_threads,
-        "routing": "uniform" if state.route_counts is None else "profile", "overlap": overlap,
+        "routing": "sequence" if state.route_sequence is not None else "uniform" if state.route_counts is None else "profile", "overlap": overlap,
         "prefetch_discount": prefetch_discount,
         "predicted_s_per_token": {"off": token_seconds(state, off, prefetch_discount, overlap),
                                   "placed": token_seconds(state, placement, prefetch_discount, overlap)},

@@ -28,7 +28,17 @@ import numpy as np
 from specter.config import CacheTuning
 from specter.errors import SpecterError
 from specter.log import get_logger
-from specter.placement import OVERLAP, Placement, PlacementPolicy, PlacementState, overlapped, preloaded, token_seconds
+from specter.placement import (
+    OVERLAP,
+    SEQUENCE_TOKENS,
+    Placement,
+    PlacementPolicy,
+    PlacementState,
+    RouteSequence,
+    overlapped,
+    preloaded,
+    token_seconds,
+)
 from specter.plugins import available, guarded, load_policy
 from specter.policy import EvictionPolicy, LinkTiming, Plan, PrefetchPolicy, UseHistory
 from specter.trace import LayerRoutes, TraceHeader, TraceRound, read_trace, use_counts
@@ -389,16 +399,21 @@ class PlacementReplay:
 
 def trace_placement_state(header: TraceHeader, rounds: Sequence[TraceRound], link_gbps: float, host_block_s: float | None,
                           *, slots_per_layer: int | None = None, row_bucket: int = 16,
-                          profile: Sequence[Sequence[float]] | None = None) -> PlacementState:
+                          profile: Sequence[Sequence[float]] | None = None,
+                          sequence: RouteSequence | None = None) -> PlacementState:
     """What a placement policy would see of the engine that recorded the trace, placing at load (an empty cache):
-    the link at `link_gbps`, the host at `host_block_s` per block, and the routing profile `profile` (None: the
-    trace's own use counts, which flatters a policy that reads it, since it is the future being replayed)."""
+    the link at `link_gbps`, the host at `host_block_s` per block, and the routing profile `profile` with its rounds
+    in order `sequence` (None for both: the trace's own use counts and rounds, up to `SEQUENCE_TOKENS` tokens, which
+    flatters a policy that reads them, since they are the future being replayed)."""
+    if profile is None and sequence is None:
+        profile = use_counts(rounds, header.num_layers, header.num_experts)
+        sequence = RouteSequence.of_rounds(rounds, header.num_layers, SEQUENCE_TOKENS) if rounds else None
     return PlacementState(num_layers=header.num_layers, num_experts=header.num_experts, top_k=header.top_k,
                           slots_per_layer=slots_per_layer or header.slots_per_layer,
                           initial_residents=tuple(() for _ in range(header.num_layers)), expert_bytes=header.expert_bytes,
                           row_bucket=row_bucket, link_bytes_per_s=link_gbps * 1e9,
                           host_expert_s={row_bucket: host_block_s} if host_block_s is not None else {},
-                          route_counts=profile if profile is not None else use_counts(rounds, header.num_layers, header.num_experts))
+                          route_counts=profile, route_sequence=sequence)
 
 
 def replay_placements(
@@ -415,13 +430,14 @@ def replay_placements(
     profile: Sequence[Sequence[float]] | None = None,
     roll: int | str = "engine",
     overlap: float = OVERLAP,
+    sequence: RouteSequence | None = None,
 ) -> list[PlacementReplay]:
     """Each `specter.placement` policy (an installed name, constructed with its defaults, or a policy object) placed
     once from `trace_placement_state`, then the trace replayed under it through one eviction x prefetch pair (the
     engine's defaults unless given), in the order given. `overlap`: how the replay and the prediction combine a layer's
     two paths (`specter.placement.overlapped`); a policy object brings its own for its choice."""
     state = trace_placement_state(header, rounds, link_gbps, host_block_s, slots_per_layer=slots_per_layer,
-                                  row_bucket=row_bucket, profile=profile)
+                                  row_bucket=row_bucket, profile=profile, sequence=sequence)
     replays = []
     for named in names:
         policy = load_policy("placement", named) if isinstance(named, str) else named
@@ -494,7 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "and the prediction (1: the longer, 0: the sum, the default; specter.placement.OVERLAP); "
                               "the named policies choose with their own defaults")
     placing.add_argument("--profile", default=None, metavar="TRACE",
-                         help="the routing profile the placements weigh (default: the replayed trace's own use counts)")
+                         help="the routing profile the placements weigh, a trace (default: the replayed trace's own use counts and rounds)")
     args = parser.parse_args(argv)
     if args.link <= 0 or (args.slots is not None and args.slots < 1):
         parser.error("--link must be > 0 and --slots >= 1")
@@ -523,16 +539,16 @@ def _compare_placements(args: argparse.Namespace, parser: argparse.ArgumentParse
     engine = EngineConfig()
     try:
         header, rounds = read_trace(args.trace)
-        profile = None
+        profile = sequence = None
         if args.profile is not None:
-            from specter.experts.costs import route_profile
+            from specter.experts.costs import routing_profile
 
-            profile = route_profile(args.profile, header.num_layers, header.num_experts)
+            profile, sequence = routing_profile(args.profile, header.num_layers, header.num_experts)
         replays = replay_placements(
             header, rounds, _names(args.placement) or ["off"], args.link,
             args.host_ms / 1e3 if args.host_ms is not None else None, slots_per_layer=args.slots,
             eviction=(_names(args.eviction) or [engine.eviction])[0], prefetch=(_names(args.prefetch) or [engine.prefetch])[0],
-            row_bucket=args.row_bucket, profile=profile, roll=args.roll, overlap=args.overlap)
+            row_bucket=args.row_bucket, profile=profile, roll=args.roll, overlap=args.overlap, sequence=sequence)
     except SpecterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

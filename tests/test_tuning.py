@@ -267,8 +267,10 @@ ALLOWED_CONSTANTS = {
     "specter/server/asgi.py": {"CLIENT_GONE"},  # the status counted for a hang-up
     "specter/server/protocol.py": {"MAX_STOP_STRINGS", "SEED_LIMIT"},  # request limits of the API
     "specter/replay.py": {"DEFAULT_LINK_GBPS"},  # the replay CLI's default link
-    "specter/placement.py": {"OVERLAP"},  # the cost model's default overlap, a measured property of the machine that
-    # the policies take as a constructor option (Auto(overlap=...)), not a switch anyone flips at run time
+    "specter/placement.py": {"OVERLAP", "SEQUENCE_TOKENS"},  # the cost model's default overlap, a measured property of
+    # the machine that the policies take as a constructor option (Auto(overlap=...)), not a switch anyone flips at run
+    # time; how many of a routing trace's tokens the load replays through each layer's slots, a bound on the load's
+    # work, not a tuned knob
     "specter/experts/costs.py": {"REPEATS", "LINK_PROBE_BYTES"},  # the load-time calibration's definition (median of
     # 3, a probe of at most 64 MiB), not a tuned knob
     "specter/sampling.py": {"_MASK32"},  # a bit mask of the noise hash

@@ -23,7 +23,7 @@ from specter.experts.host import ExpertFunction, HostExperts, HostInputs, host_t
 from specter.experts.pool import ExpertPool
 from specter.kernel import Kernel
 from specter.log import get_logger
-from specter.placement import Placement, PlacementState
+from specter.placement import SEQUENCE_TOKENS, Placement, PlacementState, RouteSequence
 from specter.trace import read_trace, use_counts
 
 log = get_logger(__name__)
@@ -45,13 +45,15 @@ class Calibration:
     """Measured pinned H2D bandwidth (CUDA); None on the CPU."""
     route_counts: list[list[float]] | None
     """Per layer and expert, the rounds of the profile whose verify used it (None: no profile)."""
+    route_sequence: RouteSequence | None = None
+    """The profile's rounds in order, up to `SEQUENCE_TOKENS` committed tokens (None: no profile)."""
 
     def apply(self, state: PlacementState) -> PlacementState:
         """`state` with these costs. An emulated link or one the transfer engine has measured already (the state's own
         figure) wins over the load-time probe: it is the link the copies will see."""
         return dataclasses.replace(state, host_expert_s=dict(self.host_expert_s),
                                    link_bytes_per_s=state.link_bytes_per_s or self.link_bytes_per_s,
-                                   route_counts=self.route_counts)
+                                   route_counts=self.route_counts, route_sequence=self.route_sequence)
 
 
 async def calibrate(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction | None, state: PlacementState, hidden_size: int,
@@ -59,17 +61,17 @@ async def calibrate(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction | None
     """Every cost a placement policy reads that `state` lacks, measured now (the pool written, before the first
     request): the host path on one block of `state.row_bucket` rows with `state.host_threads` threads
     (`time_host_expert`, unless there is no `mlp`), the link unless the state has its figure (an emulated link), the
-    profile's use counts."""
+    profile's use counts and its rounds in order."""
     started = time.perf_counter()
     rows = state.row_bucket
     host = {} if mlp is None else {rows: await time_host_expert(kernel, pool, mlp, hidden_size, rows, state.host_threads,
                                                                 device, per_job=state.top_k)}
     link = time_link(pool.host(0, 0), device) if state.link_bytes_per_s is None else None
-    counts = route_profile(profile, state.num_layers, state.num_experts) if profile is not None else None
+    counts, sequence = routing_profile(profile, state.num_layers, state.num_experts) if profile is not None else (None, None)
     log.info("placement.calibrated", host_expert_ms=round(host[rows] * 1e3, 3) if host else None,
              link_gbps=round((state.link_bytes_per_s or link or 0) / 1e9, 2) or None, profile=str(profile) if profile else None,
              seconds=round(time.perf_counter() - started, 3))
-    return Calibration(host, link, counts)
+    return Calibration(host, link, counts, sequence)
 
 
 def median_seconds(work: Callable[[], object], repeats: int = REPEATS) -> float:
@@ -159,6 +161,13 @@ def timed_once(jobs: list[Callable[[], float]]) -> float:
 def route_profile(path: Path, num_layers: int, num_experts: int) -> list[list[float]] | None:
     """Per MoE layer and expert, how many rounds of the routing trace at `path` used it (its verify's `used`): the
     relative use the cost model scales to top_k per token. A trace of another shape is refused."""
+    return routing_profile(path, num_layers, num_experts)[0]
+
+
+def routing_profile(path: Path, num_layers: int, num_experts: int) -> tuple[list[list[float]] | None, RouteSequence | None]:
+    """The routing trace at `path` as the cost model reads it: its use counts (`route_profile`) and its rounds in order
+    up to `SEQUENCE_TOKENS` committed tokens (`RouteSequence`: the locality counts cannot carry); (None, None) for a
+    trace without rounds. A trace of another shape is refused."""
     header, rounds = read_trace(path)
     if (header.num_layers, header.num_experts) != (num_layers, num_experts):
         raise ConfigError(f"placement_profile {path}: a trace of {header.num_layers} MoE layers x {header.num_experts} "
@@ -166,8 +175,8 @@ def route_profile(path: Path, num_layers: int, num_experts: int) -> list[list[fl
                           "model with `specter generate --trace PATH`")
     if not rounds:
         log.warning("placement.empty_profile", path=str(path), hint="the trace has no rounds: routing assumed uniform")
-        return None
-    return use_counts(rounds, num_layers, num_experts)
+        return None, None
+    return use_counts(rounds, num_layers, num_experts), RouteSequence.of_rounds(rounds, num_layers, SEQUENCE_TOKENS)
 
 
 def reference_expert(hidden_size: int, intermediate: int) -> ExpertFunction:
