@@ -288,7 +288,7 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
     from specter.errors import ConfigError
     from specter.experts.costs import routing_profile
     from specter.experts.host import default_threads
-    from specter.placement import Placement, PlacementState, copy_seconds, host_seconds, token_seconds
+    from specter.placement import Placement, PlacementState, copy_seconds, host_seconds, routing_source, token_seconds
 
     layers, experts = len(spec.moe_layers), spec.num_experts
     slots = residents if residents is not None else spec.top_k
@@ -317,6 +317,7 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
             "link_gbps": None if link is None else round(link / 1e9, 3), "link_source": source,
             "copy_ms_per_expert": ms(copy_seconds(state)), "host_ms_per_expert": ms(host_seconds(state, 1)),
             "auto_host_experts": auto.total, "auto_host_experts_per_layer": auto.counts(),
+            "routing": routing_source(state),
             "predicted_ms_per_token": {name: ms(token_seconds(state, placed[name])) for name in ("off", "all", "auto")}}
 
 
@@ -403,7 +404,8 @@ def _auto_line(summary: dict) -> str:
     times = ", ".join(f"{name} {'-' if ms is None else f'{ms:.3f}'}" for name, ms in predicted.items())
     per_layer = summary["auto_host_experts_per_layer"]
     spread = (f"{per_layer[0]} per layer" if len(set(per_layer)) == 1 else f"per layer {', '.join(map(str, per_layer))}")
-    return f"{summary['auto_host_experts']} host experts ({spread}); predicted expert ms per token: {times}"
+    return (f"{summary['auto_host_experts']} host experts ({spread}); predicted expert ms per token: {times} "
+            f"({summary['routing']} routing)")
 
 
 def _count(n: int) -> str:

@@ -393,7 +393,8 @@ def layer_token_seconds(state: PlacementState, layer: int, rates: Sequence[float
 
 def token_seconds(state: PlacementState, placement: Placement, prefetch_discount: float = 0.0,
                   overlap: float = OVERLAP) -> float | None:
-    """Expected expert seconds per decoded token of `placement` (k = 0: one row per forward), summed over layers; None
+    """Expected expert seconds per decoded token of `placement`, summed over layers: at one row per forward (k = 0)
+    from use rates, or per token the profile's rounds committed where it has them in order (`layer_path_uses`); None
     when a cost it needs is not measured."""
     rates = use_rates(state)
     per_layer = [layer_token_seconds(state, layer, rates[layer], placement.host[layer], prefetch_discount, overlap)
@@ -401,20 +402,26 @@ def token_seconds(state: PlacementState, placement: Placement, prefetch_discount
     return None if None in per_layer else sum(per_layer)
 
 
+def routing_source(state: PlacementState) -> str:
+    """What the cost model knows of the routing: 'sequence' (a trace's rounds in order: `layer_path_uses` replays
+    them), 'profile' (use counts only) or 'uniform' (neither)."""
+    return "sequence" if state.route_sequence is not None else "uniform" if state.route_counts is None else "profile"
+
+
 def decision_record(state: PlacementState, placement: Placement, prefetch_discount: float = 0.0,
                     overlap: float = OVERLAP) -> dict:
     """What a placement was decided from and what the cost model predicts of it, in seconds, for the bench's results
     and the load's log: the calibration inputs as the model reads them (one expert's copy; one expert's host time by
     the rows it was measured at, a use of n rows costing ceil(n / row_bucket) of those blocks; the link, the host
-    threads, uniform or profiled routing, the overlap and prefetch discount weighed) and the expected expert seconds
-    per decoded token (k = 0) of `off` and of `placement` (`token_seconds`; None where a cost is not measured)."""
+    threads, the routing as `routing_source` names it, the overlap and prefetch discount weighed) and the expected
+    expert seconds per decoded token of `off` and of `placement` (`token_seconds`; None where a cost is not measured)."""
     off = Placement.device_only(state.num_layers, state.num_experts)
     return {
         "host_experts": placement.total, "host_experts_per_layer": placement.counts(), "slots_per_layer": state.slots_per_layer,
         "copy_s_per_expert": copy_seconds(state), "host_s_per_expert_by_rows": {str(rows): seconds for rows, seconds in
                                                                                 sorted(state.host_expert_s.items())},
         "row_bucket": state.row_bucket, "link_bytes_per_s": state.link_bytes_per_s, "host_threads": state.host_threads,
-        "routing": "sequence" if state.route_sequence is not None else "uniform" if state.route_counts is None else "profile", "overlap": overlap,
+        "routing": routing_source(state), "overlap": overlap,
         "prefetch_discount": prefetch_discount,
         "predicted_s_per_token": {"off": token_seconds(state, off, prefetch_discount, overlap),
                                   "placed": token_seconds(state, placement, prefetch_discount, overlap)},
