@@ -17,7 +17,7 @@ from specter.config import EngineConfig
 from specter.engine import Runtime
 from specter.errors import ConfigError
 from specter.experts import costs
-from specter.placement import Placement, PlacementState
+from specter.placement import Placement, PlacementState, RouteSequence
 from specter.trace import TraceHeader, TraceRound, TraceWriter
 from tests.test_hybrid import placed_by
 from tests.test_speculative import DEVICE, checkpoint
@@ -189,6 +189,9 @@ def test_the_routing_profile_comes_from_a_trace(root, tmp_path):
     with placed_by(policy):
         load(path, EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_threads=1, link="1", placement_profile=trace))
     assert [list(row) for row in policy.states[0].route_counts] == expected
+    # and its rounds in order (`RouteSequence`): the cost model replays each layer's slots over them
+    assert policy.states[0].route_sequence == RouteSequence(((((0, 1), (1, 2))),) * layers, (2, 2), 4)
+    assert costs.routing_profile(trace, layers, experts)[1] == policy.states[0].route_sequence
     wrong = tmp_path / "wrong.jsonl"
     write_trace(wrong, layers + 1, experts, [[[0]] * (layers + 1)])
     with pytest.raises(ConfigError, match="placement_profile .* for a model of"):
@@ -196,6 +199,30 @@ def test_the_routing_profile_comes_from_a_trace(root, tmp_path):
     empty = tmp_path / "empty.jsonl"
     write_trace(empty, layers, experts, [])
     assert costs.route_profile(empty, layers, experts) is None
+    assert costs.routing_profile(empty, layers, experts) == (None, None)
+
+
+def test_the_profile_the_load_places_from_does_not_depend_on_k(root, tmp_path):
+    """The exactness contract: what a placement is decided from (and so `auto`'s answer) is the same for a k = 0 and a
+    speculative engine with the same profile; only the measured costs may differ from one load to the next."""
+    from specter.config import DraftConfig
+    from specter.model.checkpoint import Checkpoint
+    from policies.placement import Auto
+
+    path = checkpoint("mixtral", root)
+    spec = Checkpoint(path).spec
+    layers, experts = len(spec.moe_layers), spec.num_experts
+    trace = tmp_path / "profile.jsonl"
+    write_trace(trace, layers, experts, [[[r % experts, (r + 1) % experts]] * layers for r in range(12)])
+    states = []
+    for k in (0, 3):
+        policy = Recording()
+        with placed_by(policy):
+            load(path, EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_threads=1, link="1",
+                                    placement_profile=trace, draft=DraftConfig(k=k, quant="int8")))
+        states.append(dataclasses.replace(policy.states[0], host_expert_s={16: 1e-3}))  # the one measured input
+    assert states[0].route_sequence is not None and states[0] == states[1]
+    assert Auto().place(states[0]) == Auto().place(states[1])
 
 
 def test_time_link_is_none_off_cuda():

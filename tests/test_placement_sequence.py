@@ -1,0 +1,207 @@
+"""`auto` from a routing trace's rounds in order (`PlacementState.route_sequence`, specter/placement.py
+`layer_path_uses`): each layer's slots replayed as an LRU cache over the rounds instead of Che's estimate for
+independent uses, which over-counts the misses of routing that reuses experts from token to token."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.placement import Auto
+from specter.placement import (
+    Placement,
+    PlacementState,
+    RouteSequence,
+    expected_misses,
+    layer_path_uses,
+    lru_misses_by_host,
+    token_seconds,
+    use_rates,
+)
+from specter.trace import LayerRoutes, TraceHeader, TraceRound, TraceWriter, use_counts
+
+MS = 1e-3
+EXPERT_BYTES = 1024
+
+
+def token_rounds(layers: int, experts: int, top_k: int, tokens: int, reuse: float, seed: int = 0) -> list[TraceRound]:
+    """k = 0 rounds (one token each) whose token keeps each of the previous token's experts at a layer with probability
+    `reuse` and draws the rest uniformly from the others: 0 is independent uniform routing, near 1 strong locality."""
+    rng = random.Random(seed)
+    previous = [rng.sample(range(experts), top_k) for _ in range(layers)]
+    rounds = []
+    for index in range(tokens):
+        used = []
+        for layer in range(layers):
+            kept = [e for e in previous[layer] if rng.random() < reuse]
+            fresh = rng.sample([e for e in range(experts) if e not in kept], top_k - len(kept))
+            previous[layer] = kept + fresh
+            used.append(LayerRoutes(predicted={}, used=list(previous[layer])))
+        rounds.append(TraceRound(round=index, k=0, accepted=0, draft_step_s=1e-3, layers=used))
+    return rounds
+
+
+def state(rounds, experts: int, top_k: int, slots: int, copy_s: float = 1 * MS, host_s: float = 1 * MS,
+          sequence: bool = True, initial=None) -> PlacementState:
+    layers = len(rounds[0].layers)
+    return PlacementState(num_layers=layers, num_experts=experts, top_k=top_k, slots_per_layer=slots,
+                          initial_residents=initial if initial is not None else tuple(() for _ in range(layers)),
+                          expert_bytes=EXPERT_BYTES, row_bucket=16, link_bytes_per_s=EXPERT_BYTES / copy_s,
+                          host_expert_s={16: host_s}, route_counts=use_counts(rounds, layers, experts),
+                          route_sequence=RouteSequence.of_rounds(rounds, layers) if sequence else None)
+
+
+def direct_lru_misses(rounds: list[list[int]], host: set[int], slots: int, residents=()) -> int:
+    """A plain LRU cache of `slots` slots over the device-path uses of `rounds`, warmed by one uncounted pass over them
+    and then by `residents` (least recently used first), counting the misses of a second pass."""
+    cache: list[int] = []  # least recently used first
+
+    def use(expert: int) -> bool:
+        hit = expert in cache
+        if hit:
+            cache.remove(expert)
+        elif len(cache) >= slots:
+            cache.pop(0)
+        cache.append(expert)
+        return hit
+
+    device = [[e for e in experts if e not in host] for experts in rounds]
+    for experts in device:
+        for e in experts:
+            use(e)
+    for e in residents:
+        use(e)
+    return sum(not use(e) for experts in device for e in experts)
+
+
+@pytest.mark.parametrize("reuse", [0.0, 0.9])
+@pytest.mark.parametrize("residents", [(), (5, 11, 2)])
+def test_the_one_pass_replay_counts_what_a_direct_lru_misses_for_every_host_set(reuse, residents):
+    rounds = token_rounds(1, 16, 3, 600, reuse, seed=4)
+    used = [list(r.layers[0].used) for r in rounds]
+    order = [9, 0, 14, 3, 7, 12, 1, 15, 4, 8]  # any order; the experts outside it never go to the host
+    misses = lru_misses_by_host(used, order, 5, residents)
+    assert misses == [direct_lru_misses(used, set(order[:h]), 5, residents) for h in range(len(order) + 1)]
+    assert misses == sorted(misses, reverse=True) and misses[0] > 0
+
+
+def test_strong_locality_keeps_on_the_device_what_independent_use_sends_to_the_host():
+    """Tokens reuse each of the previous token's experts with probability 0.9 (top-2 of 16, 6 slots): an LRU cache
+    misses about 0.14 uses per token, where independent use at the same (near uniform) rates predicts about 1.2
+    (2 x (1 - 6/16)). The host at 0.8 ms per block against a 1 ms copy: Che's estimate sends every non-resident to
+    the host; the replay keeps them all on the device, since a host expert is computed at every use and a cached one
+    copied once per stay."""
+    rounds = token_rounds(2, 16, 2, 3000, reuse=0.9, seed=1)
+    with_sequence = state(rounds, 16, 2, 6, host_s=0.8 * MS)
+    counts_only = dataclasses.replace(with_sequence, route_sequence=None)
+    assert Auto().place(counts_only).counts() == [10, 10]  # independent uses: the host is cheaper per use
+    assert Auto().place(with_sequence).total == 0  # the rounds: the device copies far fewer than the host computes
+    rates = use_rates(counts_only)
+    for layer in range(2):
+        used = [list(r.layers[layer].used) for r in rounds]
+        replayed = layer_path_uses(with_sequence, layer, rates[layer], [])[0][0]
+        assert replayed == direct_lru_misses(used, set(), 6) / 3000  # the replay is the LRU count per token
+        che = expected_misses(rates[layer], list(range(16)), 6)
+        assert replayed < 0.4 * che
+    assert token_seconds(with_sequence, Placement.device_only(2, 16)) < 0.4 * token_seconds(
+        counts_only, Placement.device_only(2, 16))
+
+
+def test_without_locality_the_replay_agrees_with_che():
+    """Independent uniform routing: the replayed misses per token follow Che's estimate for every host set, and the
+    host blocks per token the use rates, so both pick the same placement away from the break-even costs."""
+    rounds = token_rounds(1, 16, 2, 6000, reuse=0.0, seed=2)
+    replayed = state(rounds, 16, 2, 6)
+    modelled = dataclasses.replace(replayed, route_sequence=None)
+    rates = use_rates(modelled)[0]
+    order = sorted(range(16), key=lambda e: (rates[e], e))[:10]
+    from_rounds, from_rates = layer_path_uses(replayed, 0, rates, order), layer_path_uses(modelled, 0, rates, order)
+    for (misses, host), (che, uses) in zip(from_rounds, from_rates):
+        assert misses == pytest.approx(che, rel=0.08, abs=0.01)
+        assert host == pytest.approx(uses, rel=1e-9, abs=1e-12)
+    for host_ms in (0.5, 2.0):
+        assert Auto().place(dataclasses.replace(replayed, host_expert_s={16: host_ms * MS})) == \
+            Auto().place(dataclasses.replace(modelled, host_expert_s={16: host_ms * MS}))
+
+
+def test_a_speculative_round_computes_a_host_expert_once_for_its_rows():
+    """A round of k + 1 rows computes each host expert it used on ceil((k + 1) / row_bucket) blocks, and the round's
+    misses and blocks count per token it committed (accepted + 1)."""
+    layers = [LayerRoutes(predicted={}, used=[0, 1, 2])]
+    rounds = [TraceRound(round=i, k=3, accepted=1, draft_step_s=1e-3, layers=layers) for i in range(4)]
+    sequence = RouteSequence.of_rounds(rounds, 1)
+    assert sequence.rows == (4, 4, 4, 4) and sequence.tokens == 8 and sequence.used == (((0, 1, 2),) * 4,)
+    placed = dataclasses.replace(state(rounds, 4, 2, 1), row_bucket=2)
+    uses = layer_path_uses(placed, 0, use_rates(placed)[0], [0, 1, 2])
+    assert [host for _, host in uses] == [0.0, 2 * 4 / 8, 2 * 2 * 4 / 8, 3 * 2 * 4 / 8]
+    assert uses[0][0] == 3 * 4 / 8  # one slot, three experts a round: every use misses
+    assert uses[3][0] == 0.0  # the one device expert left fits its slot: preloaded
+    assert RouteSequence.of_rounds(rounds, 1, max_tokens=3).tokens == 4  # the cap stops after the round that reaches it
+
+
+@st.composite
+def sequenced_states(draw):
+    experts = draw(st.integers(2, 10))
+    slots = draw(st.integers(1, experts))
+    top_k = draw(st.integers(1, min(experts, 3)))
+    layers = draw(st.integers(1, 2))
+    tokens = draw(st.integers(1, 40))
+    k = draw(st.integers(0, 3))
+    rng = random.Random(draw(st.integers(0, 10**6)))
+    rounds = [TraceRound(round=i, k=k, accepted=rng.randint(0, k), draft_step_s=1e-3,
+                         layers=[LayerRoutes({}, rng.sample(range(experts), top_k)) for _ in range(layers)])
+              for i in range(tokens)]
+    initial = tuple(tuple(rng.sample(range(experts), rng.randint(0, slots))) for _ in range(layers))
+    seconds = st.floats(1e-5, 1e-1)
+    return state(rounds, experts, top_k, slots, copy_s=draw(seconds), host_s=draw(seconds), initial=initial)
+
+
+@settings(max_examples=200, deadline=None)
+@given(placed=sequenced_states(), overlap=st.sampled_from([0.0, 1.0]), margin=st.sampled_from([0.0, 0.05]))
+def test_auto_from_rounds_is_a_function_of_the_state_and_never_predicted_slower_than_off(placed, overlap, margin):
+    placement = Auto(margin=margin, overlap=overlap).place(placed)
+    assert placement == Auto(margin=margin, overlap=overlap).place(dataclasses.replace(placed))
+    for layer in range(placed.num_layers):
+        assert not placement.host_experts(layer) & set(placed.initial_residents[layer])
+    off = token_seconds(placed, Placement.device_only(placed.num_layers, placed.num_experts), overlap=overlap)
+    assert token_seconds(placed, placement, overlap=overlap) <= off + 1e-12
+
+
+def write_trace(path, rounds: list[TraceRound], layers: int, experts: int, top_k: int) -> None:
+    header = TraceHeader(model="t", num_layers=layers, num_experts=experts, expert_bytes=64, top_k=top_k, slots_per_layer=2)
+    with TraceWriter(path, header) as writer:
+        for trace_round in rounds:
+            writer.write_round(TraceRound.from_arrays(trace_round.round, trace_round.k, trace_round.accepted, 1e-3,
+                                                      np.zeros((layers, experts)), [r.used for r in trace_round.layers]))
+
+
+@pytest.fixture
+def quiet_logs_after():
+    """specter.cli.main binds the logs to the stderr of the moment: rebind them once capsys has given stderr back."""
+    yield
+    from specter import log
+
+    log.configure()
+
+
+def test_info_weighs_a_trace_profile_by_its_rounds(quiet_logs_after, tiny, tmp_path, capsys):
+    """`specter info --placement-profile TRACE`: the predicted time of `off` is the replayed LRU's misses per token
+    times one copy, summed over the layers (the tiny model: 4 MoE layers of 16 experts, top-2; 2 slots)."""
+    from specter.cli import checkpoint_summary, main
+
+    rounds = token_rounds(4, 16, 2, 400, reuse=0.9, seed=5)
+    trace = tmp_path / "local.jsonl"
+    write_trace(trace, rounds, 4, 16, 2)
+    summary = checkpoint_summary(str(tiny), residents=2, link="1", placement_profile=str(trace), measure=False)
+    assert summary["routing"] == "sequence"
+    misses = sum(direct_lru_misses([list(r.layers[layer].used) for r in rounds], set(), 2) for layer in range(4)) / 400
+    assert summary["predicted_ms_per_token"]["off"] == pytest.approx(misses * summary["copy_ms_per_expert"], rel=1e-3)
+    plain = checkpoint_summary(str(tiny), residents=2, link="1", measure=False)
+    assert plain["routing"] == "uniform" and plain["predicted_ms_per_token"]["off"] > summary["predicted_ms_per_token"]["off"]
+    assert main(["info", str(tiny), "--residents", "2", "--link", "1", "--placement-profile", str(trace), "--no-measure"]) == 0
+    assert "(sequence routing)" in capsys.readouterr().out
