@@ -73,8 +73,8 @@ class Auto:
     a choice that depends on the round (its k, the draft, the cache, the queues) would make the target's function, and
     with it the tokens, depend on speculation, since host and device round differently; "both, first wins" would make
     them depend on timing. The per-round choice becomes a per (layer, expert) choice fixed at load, calibrated by the
-    cost model in specter/placement.py (`use_rates`, `layer_token_seconds`) from the measured copy and host times and
-    the routing profile (uniform routing without one).
+    cost model in specter/placement.py (`use_rates`, `layer_path_uses`, `path_seconds`) from the measured copy and host
+    times and the routing profile (uniform routing without one).
 
     Per layer with S slots and E experts: the device keeps S experts (`kept_on_device`: its initial residents, else the
     S most used); of the other E - S, the h least used go to the host, h from 0 to E - S, the h with the least expected
@@ -95,6 +95,16 @@ class Auto:
     model leans toward the host and needs its inputs right: the calibration times the host path as decoding runs it,
     on experts read from memory (`specter.experts.costs.time_host_expert`), and `decision_record` keeps what each
     placement was decided from.
+
+    A profile that is a routing trace carries its rounds in order too (`PlacementState.route_sequence`, the first
+    `specter.placement.SEQUENCE_TOKENS` tokens), and then the misses and the host blocks come from them instead
+    (`specter.placement.layer_path_uses`): the layer's S slots replayed as an LRU cache over the rounds, the host-path
+    experts never entering it, for every h in one pass (`lru_misses_by_host`), and each host expert one block per
+    round that used it (ceil(rows / row_bucket) for a speculative round), both per token the rounds committed. That
+    is the locality the counts lose, so with a trace the device is no longer over-counted; the use counts still order
+    the candidates, and the trace is the same file for every k, so the placement stays a function of the profile, the
+    calibration and the config. A trace recorded at k > 0 gives its rounds' misses and blocks per committed token,
+    what an engine decoding as it did pays; the engine being placed may run another k.
 
     `overlap` (default 0.0, `specter.placement.OVERLAP`): the share of the shorter path's expected time per layer
     that hides under the longer one, 1 for the longer alone, 0 for the sum. The sum is what the H200's first hybrid
