@@ -299,7 +299,10 @@ def lru_misses_by_host(rounds: Sequence[Sequence[int]], order: Sequence[int], sl
     The cache starts warm, as the rounds leave it (as if they repeated: the one-time cold misses of a load are not
     what a layer pays per token over an engine's life), with `residents` (least recently used first) used last."""
     top = len(order)
-    rank = {e: index for index, e in enumerate(order)}
+    size = 1 + max([-1, *order, *residents, *(e for experts in rounds for e in experts)])
+    rank = [top] * size  # expert -> its place in `order`, `top` (never on the host) outside it
+    for index, e in enumerate(order):
+        rank[e] = index
     stack = list(dict.fromkeys(e for experts in reversed(rounds) for e in reversed(experts)))[::-1]  # by last use
     for e in residents:
         if e in stack:
@@ -308,12 +311,17 @@ def lru_misses_by_host(rounds: Sequence[Sequence[int]], order: Sequence[int], sl
     counted = [0] * (top + 2)  # counted[m]: uses that miss for every h <= m
     for experts in rounds:
         for e in experts:
-            own = rank.get(e, top)
+            own = rank[e]
             if e in stack:
                 position = stack.index(e)
                 above = stack[position + 1:]
                 del stack[position]
-                reach = -1 if len(above) < slots else sorted((rank.get(x, top) for x in above), reverse=True)[slots - 1]
+                if len(above) < slots:
+                    reach = -1
+                else:
+                    ranks = [rank[x] for x in above]
+                    ranks.sort(reverse=True)
+                    reach = ranks[slots - 1]
             else:
                 reach = top
             stack.append(e)
