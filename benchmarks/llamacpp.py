@@ -721,7 +721,8 @@ def staged_version(tree: Path = TREE) -> dict[str, Any]:
 def specter_greedy(model_dir: Path, prompts: list[list[int]], n_predict: int, device: str, dtype: str,
                    widen: int | None = None) -> list[list[int]]:
     """Specter's greedy tokens for each prompt, every expert resident (the target's own tokens); `widen`: the narrow
-    checkpoint read widened (as the bench reads it)."""
+    checkpoint read widened on `device` (as the bench reads it: on CUDA the widening is off the host, the same values
+    bit for bit; on the host it took most of the time of an agree at the widened Qwen1.5-MoE dims)."""
     import asyncio
 
     import torch
@@ -735,7 +736,8 @@ def specter_greedy(model_dir: Path, prompts: list[list[int]], n_predict: int, de
         if widen:
             from specter.bench.widen import WidenedCheckpoint
 
-            checkpoint = WidenedCheckpoint(model_dir, widen, torch.bfloat16 if dtype in ("auto", "bfloat16") else None)
+            checkpoint = WidenedCheckpoint(model_dir, widen, torch.bfloat16 if dtype in ("auto", "bfloat16") else None,
+                                           device)
         else:
             checkpoint = Checkpoint(model_dir)
         config = EngineConfig(device=device, dtype=dtype, max_context=max(len(p) for p in prompts) + n_predict + 8)

@@ -168,6 +168,25 @@ def test_the_default_gguf_names_the_widening() -> None:
     assert len(names) == 3 and llamacpp.default_gguf(model, "bf16", 4).name == "qwen1.5-moe-a2.7b-x4-bf16.gguf"
 
 
+def test_agree_widens_on_specters_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the GPU the widened Qwen1.5-MoE's 25.5 GiB are widened there, not on the host (as the bench does).
+    torch = pytest.importorskip("torch")
+    widen = pytest.importorskip("specter.bench.widen")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def widened(path, factor, dtype=None, device="cpu"):
+        seen.append((factor, dtype, device))
+        raise Stop
+
+    monkeypatch.setattr(widen, "WidenedCheckpoint", widened)
+    with pytest.raises(Stop):
+        llamacpp.specter_greedy(Path("narrow"), [[1, 2]], 4, "cuda", "bfloat16", widen=4)
+    assert seen == [(4, torch.bfloat16, "cuda")]
+
+
 def test_completion_command_is_greedy_fixed_length_and_offloaded() -> None:
     cmd = llamacpp.completion_command(Path("bin/llama-completion"), Path("m.gguf"), b"def f(", 128, 7, 512, 16, True)
     text = [c for c in cmd if isinstance(c, str)]
