@@ -369,10 +369,17 @@ def _byte_set_vocab(self: Any) -> None:
 def convert(model_dir: Path, outfile: Path, outtype: str = "bf16", tree: Path = TREE, log: Path | None = None,
             widen: int | None = None) -> dict[str, Any]:
     """Run the converter in a child process (its memory and logging stay out of this one); timed. `widen`: the
-    checkpoint is narrow, written as its widened model (`widened_shell`)."""
+    checkpoint is narrow, written as its widened model (`widened_shell`). The converter writes `partial_path(outfile)`,
+    renamed to `outfile` only when it succeeded: a conversion stopped at the deadline (or failed) leaves no file that
+    `all` would take for a finished GGUF next time (it skips converting when the GGUF exists), and a leftover partial
+    file of an earlier call is removed first, and so is an earlier `outfile` (this conversion replaces it): their
+    space is free for this one, as `check_disk` counts it."""
     outfile.parent.mkdir(parents=True, exist_ok=True)
+    partial = partial_path(outfile)
+    partial.unlink(missing_ok=True)
+    outfile.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "_convert", "--tree", str(tree), "--widen", str(widen or 0), "--",
-           str(model_dir), "--outfile", str(outfile), "--outtype", outtype]
+           str(model_dir), "--outfile", str(partial), "--outtype", outtype]
     started = time.monotonic()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=time_left(7200))
@@ -383,11 +390,19 @@ def convert(model_dir: Path, outfile: Path, outtype: str = "bf16", tree: Path = 
         log.write_text(done.stdout + done.stderr)
     record = {"model": str(model_dir), "gguf": str(outfile), "outtype": outtype, "seconds": round(seconds, 1),
               "rc": done.returncode, "byte_tokenizer": is_byte_tokenizer(model_dir), "widen": widen}
-    if done.returncode != 0:
-        record["error"] = _last_error(done.stderr)
-    else:
+    if done.returncode == 0 and partial.is_file():
+        partial.replace(outfile)
         record["bytes"] = outfile.stat().st_size
+    else:
+        partial.unlink(missing_ok=True)
+        record["rc"] = done.returncode or 1
+        record["error"] = _last_error(done.stderr) if done.returncode else f"the converter wrote no {partial}"
     return record
+
+
+def partial_path(outfile: Path) -> Path:
+    """Where `convert` writes before the GGUF is complete."""
+    return outfile.with_name(outfile.name + ".partial")
 
 
 def gguf_bytes_estimate(model_dir: Path, widen: int | None = None, element_size: int = 2) -> int:
@@ -413,7 +428,8 @@ def check_disk(model_dir: Path, outfile: Path, widen: int | None) -> dict[str, A
     """Refuse a conversion the disk cannot hold (the GPU machine has 64 GiB, the image's files included)."""
     need = gguf_bytes_estimate(model_dir, widen)
     outfile.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(outfile.parent).free
+    replaced = sum(p.stat().st_blocks * 512 for p in (outfile, partial_path(outfile)) if p.is_file())  # convert removes them
+    free = shutil.disk_usage(outfile.parent).free + replaced
     record = {"gguf_bytes_estimate": need, "disk_free_bytes": free, "fits": need + GiB < free}
     if not record["fits"]:
         record["error"] = (f"the GGUF needs about {need / GiB:.1f} GiB and {outfile.parent} has {free / GiB:.1f} GiB free "
@@ -705,7 +721,8 @@ def staged_version(tree: Path = TREE) -> dict[str, Any]:
 def specter_greedy(model_dir: Path, prompts: list[list[int]], n_predict: int, device: str, dtype: str,
                    widen: int | None = None) -> list[list[int]]:
     """Specter's greedy tokens for each prompt, every expert resident (the target's own tokens); `widen`: the narrow
-    checkpoint read widened (as the bench reads it)."""
+    checkpoint read widened on `device` (as the bench reads it: on CUDA the widening is off the host, the same values
+    bit for bit; on the host it took most of the time of an agree at the widened Qwen1.5-MoE dims)."""
     import asyncio
 
     import torch
@@ -719,7 +736,8 @@ def specter_greedy(model_dir: Path, prompts: list[list[int]], n_predict: int, de
         if widen:
             from specter.bench.widen import WidenedCheckpoint
 
-            checkpoint = WidenedCheckpoint(model_dir, widen, torch.bfloat16 if dtype in ("auto", "bfloat16") else None)
+            checkpoint = WidenedCheckpoint(model_dir, widen, torch.bfloat16 if dtype in ("auto", "bfloat16") else None,
+                                           device)
         else:
             checkpoint = Checkpoint(model_dir)
         config = EngineConfig(device=device, dtype=dtype, max_context=max(len(p) for p in prompts) + n_predict + 8)
@@ -813,7 +831,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_p.add_argument("--cpu", action="store_true", help="-ngl 0: everything on the CPU (a CPU-only build)")
     _budget_args(run_p)
     sub.choices["all"].add_argument("--outtype", default="bf16", choices=["f32", "f16", "bf16"])
-    sub.choices["all"].add_argument("--gguf", type=Path, default=None, help="default /tmp/llamacpp-gguf/<model dir name>-<outtype>.gguf")
+    sub.choices["all"].add_argument("--gguf", type=Path, default=None, help="default /tmp/llamacpp-gguf/<model dir name>[-x<F>]-<outtype>.gguf")
     for p in (conv, sub.choices["all"], run_p):
         p.add_argument("--widen", type=int, default=None, metavar="F",
                        help="the checkpoint is narrow: convert (and compare) its widened model (x F), no widened copy on disk")
@@ -882,6 +900,12 @@ def _default_build_dir(cuda: bool, no_fa: bool) -> Path:
     return Path(f"/tmp/llama.cpp-build-{'cuda' if cuda else 'cpu'}{'-nofa' if cuda and no_fa else ''}")
 
 
+def default_gguf(model_dir: Path, outtype: str, widen: int | None) -> Path:
+    """`all`'s GGUF: named by the checkpoint, the widening and the type, so that a GGUF of the same narrow checkpoint
+    converted at another factor (or not widened) is not taken for this one."""
+    return Path(f"/tmp/llamacpp-gguf/{model_dir.name}{f'-x{widen}' if widen else ''}-{outtype}.gguf")
+
+
 def run_or_all(args: argparse.Namespace) -> int:
     """`run` (a built binary, a converted GGUF) or `all` (build with CUDA, convert, then run)."""
     global DEADLINE
@@ -897,7 +921,7 @@ def run_or_all(args: argparse.Namespace) -> int:
         if steps["build"]["rc"] != 0:
             return 1
         bin_dir = build_dir / "bin"
-        args.gguf = args.gguf or Path(f"/tmp/llamacpp-gguf/{args.model.name}-{args.outtype}.gguf")
+        args.gguf = args.gguf or default_gguf(args.model, args.outtype, args.widen)
         if not args.gguf.is_file() or args.gguf.stat().st_mtime < (args.model / "config.json").stat().st_mtime:
             steps["disk"] = check_disk(args.model, args.gguf, args.widen)
             print("disk:", json.dumps(steps["disk"]), flush=True)

@@ -111,6 +111,82 @@ def test_split_bytes_follows_llama_cpps_placement() -> None:
     assert gpu == 3 + 100 + 11 + 1 and host == 7  # the input embedding is always on the host
 
 
+def test_plan_at_the_widened_qwen1_5_moe_dims() -> None:
+    # Bytes per tensor group of the GGUF of the narrow Qwen1.5-MoE-A2.7B shape (4 layers) converted with --widen 4
+    # (measured, llama.cpp 0c1e5709): routed experts 60 x 3 x 2048 x 1408 bf16 per layer; attention, its biases, norms,
+    # router, shared expert and its gate 98.52 MiB per layer; output 1 MiB (GPU) and token_embd 1 MiB (host). At the
+    # full 24 layers that is the 25.5 GiB GGUF, and Specter's 24 GiB leaves the experts of 3 layers on the host.
+    expert, per_layer, output = 1038090240, int(98.515625 * MiB), int(1.0078125 * MiB)
+    plan = llamacpp.choose_n_cpu_moe([expert] * 24, output + 24 * per_layer, 24 * GiB)
+    assert plan["n_cpu_moe"] == 3 and plan["fits"] and 23 * GiB < plan["gpu_bytes"] <= 24 * GiB
+    assert llamacpp.choose_n_cpu_moe([expert] * 24, output + 24 * per_layer, 16 * GiB)["n_cpu_moe"] == 11
+
+
+def _fake_converter(monkeypatch: pytest.MonkeyPatch, rc: int) -> list[list[str]]:
+    """llamacpp.subprocess.run as a converter that writes some bytes to its --outfile and exits with `rc`."""
+    calls: list[list[str]] = []
+
+    def run(cmd, **kwargs):
+        calls.append(list(cmd))
+        Path(cmd[cmd.index("--outfile") + 1]).write_bytes(b"GGUF" + b"\0" * 60)  # a header, then stopped or done
+        return llamacpp.subprocess.CompletedProcess(cmd, rc, "", "" if rc == 0 else "Error: stopped at the deadline\n")
+
+    monkeypatch.setattr(llamacpp.subprocess, "run", run)
+    return calls
+
+
+def test_a_stopped_conversion_leaves_no_gguf_that_the_next_call_would_reuse(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # `all` converts only when the GGUF is missing (or older than config.json): a conversion stopped at the deadline
+    # must not leave a truncated file under the GGUF's name, nor its partial file taking the disk.
+    (tmp_path / "model").mkdir()
+    gguf = tmp_path / "out" / "m.gguf"
+    _fake_converter(monkeypatch, 124)
+    record = llamacpp.convert(tmp_path / "model", gguf)
+    assert record["rc"] == 124 and "deadline" in record["error"]
+    assert not gguf.exists() and not llamacpp.partial_path(gguf).exists()
+    calls = _fake_converter(monkeypatch, 0)
+    llamacpp.partial_path(gguf).write_bytes(b"left by a call killed outright")
+    record = llamacpp.convert(tmp_path / "model", gguf)
+    assert record["rc"] == 0 and gguf.read_bytes().startswith(b"GGUF") and record["bytes"] == 64
+    assert calls[0][calls[0].index("--outfile") + 1] == str(llamacpp.partial_path(gguf))
+    assert not llamacpp.partial_path(gguf).exists()
+
+
+def test_check_disk_counts_the_files_a_conversion_replaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gguf = tmp_path / "m.gguf"
+    monkeypatch.setattr(llamacpp, "gguf_bytes_estimate", lambda model, widen: 4 * MiB)
+    monkeypatch.setattr(llamacpp.shutil, "disk_usage", lambda path: llamacpp.shutil._ntuple_diskusage(GiB, GiB, GiB + MiB))
+    assert not llamacpp.check_disk(tmp_path, gguf, 4)["fits"]
+    llamacpp.partial_path(gguf).write_bytes(b"\1" * (4 * MiB))  # a leftover partial GGUF: convert removes it first
+    assert llamacpp.check_disk(tmp_path, gguf, 4)["fits"]
+
+
+def test_the_default_gguf_names_the_widening() -> None:
+    model = Path("/tmp/narrow/qwen1.5-moe-a2.7b")
+    names = {llamacpp.default_gguf(model, "bf16", widen) for widen in (None, 2, 4)}
+    assert len(names) == 3 and llamacpp.default_gguf(model, "bf16", 4).name == "qwen1.5-moe-a2.7b-x4-bf16.gguf"
+
+
+def test_agree_widens_on_specters_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the GPU the widened Qwen1.5-MoE's 25.5 GiB are widened there, not on the host (as the bench does).
+    torch = pytest.importorskip("torch")
+    widen = pytest.importorskip("specter.bench.widen")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def widened(path, factor, dtype=None, device="cpu"):
+        seen.append((factor, dtype, device))
+        raise Stop
+
+    monkeypatch.setattr(widen, "WidenedCheckpoint", widened)
+    with pytest.raises(Stop):
+        llamacpp.specter_greedy(Path("narrow"), [[1, 2]], 4, "cuda", "bfloat16", widen=4)
+    assert seen == [(4, torch.bfloat16, "cuda")]
+
+
 def test_completion_command_is_greedy_fixed_length_and_offloaded() -> None:
     cmd = llamacpp.completion_command(Path("bin/llama-completion"), Path("m.gguf"), b"def f(", 128, 7, 512, 16, True)
     text = [c for c in cmd if isinstance(c, str)]
