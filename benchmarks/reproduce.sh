@@ -237,18 +237,30 @@ llamacpp() {  # issue 28 item 5, llama.cpp as a peer: build it with CUDA (timed)
   # build is resumed by the next. LLAMACPP_ONLY=build stops after the build; LLAMACPP_FA=off builds without the CUDA
   # flash-attention kernels (a quarter less compile time; attention runs without them); AGREE=1 then compares
   # llama.cpp's greedy tokens with Specter's (all experts resident, bf16, on the GPU).
+  # SHAPE=NAME: the full-depth narrow checkpoint /tmp/narrow/NAME (fulldepth's) is trained on the GPU while the CPU
+  # compiles, unless it is there already; it is then MODEL's default, converted widened (WIDEN, default: its factor).
+  # The default GGUF is /tmp/llamacpp-gguf/MODEL-xF-TYPE.gguf; a conversion cut by the deadline leaves nothing behind.
   [ -d .llama.cpp ] || { echo "no .llama.cpp: python benchmarks/llamacpp.py stage --sdist ..., and carry it" >&2; return 1; }
-  local model=${MODEL:-/tmp/qwenref} budget nofa= trainer=
+  local model=${MODEL:-/tmp/qwenref} budget nofa= trainer= widen=${WIDEN:-}
   [ "${LLAMACPP_FA:-on}" = off ] && nofa=--no-fa-kernels
-  [ -n "${MODEL:-}" ] || [ "${LLAMACPP_ONLY:-}" = build ] || { train_qwen & trainer=$!; }
+  if [ -n "${SHAPE:-}" ]; then
+    model=${MODEL:-/tmp/narrow/$SHAPE}
+    [ -n "$widen" ] || widen=$(python3 -c "import sys; from specter.bench.widen import DEFAULT_FACTORS as F; print(F[sys.argv[1]])" "$SHAPE") \
+      || { echo "llamacpp: no widening factor for SHAPE=$SHAPE" >&2; return 1; }
+    [ -f "$model/train.json" ] || { PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 \
+      benchmarks/reference_model.py --shape "$SHAPE" --minutes "${MINUTES:-3}" --batch 32 --reuse --out "$model" \
+      > "$out/logs/train-$SHAPE.log" 2>&1 & trainer=$!; }
+  elif [ -z "${MODEL:-}" ] && [ "${LLAMACPP_ONLY:-}" != build ]; then
+    train_qwen & trainer=$!
+  fi
   python3 benchmarks/llamacpp.py build --cuda $nofa --deadline-s $((570 - SECONDS)) --log "$out/llamacpp/build.log" \
     >> "$out/logs/llamacpp.log" 2>&1
   echo "llamacpp build rc=$? at ${SECONDS}s"; tail -1 "$out/logs/llamacpp.log" | cut -c1-400
-  [ -z "$trainer" ] || wait "$trainer"
+  [ -z "$trainer" ] || { wait "$trainer"; echo "training rc=$? at ${SECONDS}s"; }
   [ "${LLAMACPP_ONLY:-}" = build ] && return
   if [ -n "${BUDGET_GIB:-}" ]; then budget="--budget-gib $BUDGET_GIB"; else budget="--residents ${RESIDENTS:-15}"; fi
   df -h /tmp | tail -1
-  python3 benchmarks/llamacpp.py all "$model" $budget $nofa ${WIDEN:+--widen "$WIDEN"} ${AGREE:+--agree --device cuda} \
+  python3 benchmarks/llamacpp.py all "$model" $budget $nofa ${widen:+--widen "$widen"} ${AGREE:+--agree --device cuda} \
     --deadline-s $((580 - SECONDS)) \
     --out "$out/llamacpp" >> "$out/logs/llamacpp.log" 2>&1
   echo "llamacpp rc=$? at ${SECONDS}s"; grep -E "^(disk|convert):|^agree|GiB, llama.cpp" "$out/logs/llamacpp.log" | cut -c1-400
