@@ -240,6 +240,8 @@ llamacpp() {  # issue 28 item 5, llama.cpp as a peer: build it with CUDA (timed)
   # SHAPE=NAME: the full-depth narrow checkpoint /tmp/narrow/NAME (fulldepth's) is trained on the GPU while the CPU
   # compiles, unless it is there already; it is then MODEL's default, converted widened (WIDEN, default: its factor).
   # The default GGUF is /tmp/llamacpp-gguf/MODEL-xF-TYPE.gguf; a conversion cut by the deadline leaves nothing behind.
+  # Widened GGUFs beyond DeepSeek-V2-Lite's 28.5 GiB need the 2-GPU machine's disk: run there with CUDA_VISIBLE_DEVICES=0
+  # (-ngl 99 would spread the layers over both GPUs, past the one-GPU budget).
   [ -d .llama.cpp ] || { echo "no .llama.cpp: python benchmarks/llamacpp.py stage --sdist ..., and carry it" >&2; return 1; }
   local model=${MODEL:-/tmp/qwenref} budget nofa= trainer= widen=${WIDEN:-}
   [ "${LLAMACPP_FA:-on}" = off ] && nofa=--no-fa-kernels
