@@ -285,62 +285,83 @@ Enough rounds that a layer's S cold misses, which a warm start leaves out, and t
 its misses; the use counts that order the candidates still come from the whole trace."""
 
 
+def _recency(rounds: Sequence[Sequence[int]], slots: int, residents: Sequence[int]) -> list[int]:
+    """The LRU stack (least recently used first) that one uncounted pass over `rounds` leaves (`_push_round`), then
+    `residents` used one at a time."""
+    stack: list[int] = []
+    for experts in rounds:
+        head = set(stack[max(0, len(stack) - slots):])
+        _push_round(stack, [e for e in experts if e in head], [e for e in experts if e not in head])
+    _push_round(stack, [], list(dict.fromkeys(residents)))
+    return stack
+
+
+def _push_round(stack: list[int], hits: Sequence[int], misses: Sequence[int]) -> None:
+    """A round's experts to the top of `stack`: its hits, then its misses, each in the round's order, as the engine's
+    verify uses them (the replay's `_verify_round`)."""
+    used = set(hits) | set(misses)
+    stack[:] = [e for e in stack if e not in used]
+    stack.extend(hits)
+    stack.extend(misses)
+
+
 def lru_misses_by_host(rounds: Sequence[Sequence[int]], order: Sequence[int], slots: int,
                        residents: Sequence[int] = ()) -> list[int]:
-    """Per h in 0..len(order): the misses of an LRU cache of `slots` slots over `rounds` (each round's experts used in
-    the order given) when the experts order[:h] take the host path (never in the cache, their uses not counted), for
-    every h in one pass.
+    """Per h in 0..len(order): the misses of a layer's LRU cache of `slots` slots over `rounds` (each round the distinct
+    experts its verify used) when the experts order[:h] take the host path (never in the cache, their uses not
+    counted), for every h in one pass.
 
-    LRU holds e at a use iff fewer than `slots` distinct other cached experts were used since e's last use (its
-    stack distance), so a use misses under h iff at least `slots` of the experts used since are device path, i.e.
-    iff the `slots`-th highest candidate rank among them (an expert outside `order` never goes to the host: ranks
-    past every h) is at least h; and a use of e counts only while e itself is device path (its rank >= h).
+    As the engine counts them: per round, not per use. The verify checks each expert it uses against the cache as the
+    round found it, and its misses take the slots of residents the round does not use, so an early miss never evicts
+    an expert the same round uses later (`specter.experts.window`; the replay's `_verify_round`). After the round, its
+    experts are the most recent: those that hit first, then those that missed, each in the round's order.
 
-    The cache starts warm, as the rounds leave it (as if they repeated: the one-time cold misses of a load are not
-    what a layer pays per token over an engine's life), with `residents` (least recently used first) used last."""
+    LRU holds e at a round's start iff fewer than `slots` other cached experts are more recent (its stack distance),
+    so a use misses under h iff at least `slots` of the experts above it in the stack as the round found it are device
+    path, i.e. iff the `slots`-th highest candidate rank among them (an expert outside `order` never goes to the host:
+    ranks past every h) is at least h; and a use of e counts only while e itself is device path (its rank >= h). The
+    hits that go first are those within the top `slots` of the whole stack, which hit whatever goes to the host, so one
+    stack serves every h: exact for h = 0 (`off`), and for any h where every round's hits are those of h = 0; where
+    going to the host turns a round's miss into a hit, the engine uses that hit before the round's misses, which
+    changes only which of the round's experts an eviction after the round finds oldest. A round that uses more experts
+    than `slots` keeps its most recent ones here, where the engine's rolling window (`CacheTuning.roll_hot_window`)
+    may keep others.
+
+    The cache starts warm, as one uncounted pass over the rounds leaves it (as if they repeated: the one-time cold
+    misses of a load are not what a layer pays per token over an engine's life), with `residents` (least recently
+    used first) used last."""
     top = len(order)
+    rounds = [list(dict.fromkeys(experts)) for experts in rounds]
     size = 1 + max([-1, *order, *residents, *(e for experts in rounds for e in experts)])
     rank = [top] * size  # expert -> its place in `order`, `top` (never on the host) outside it
     for index, e in enumerate(order):
         rank[e] = index
-    stack = list(dict.fromkeys(e for experts in reversed(rounds) for e in reversed(experts)))[::-1]  # by last use
-    for e in residents:
-        if e in stack:
-            stack.remove(e)
-        stack.append(e)
+    stack = _recency(rounds, slots, residents)
     counted = [0] * (top + 2)  # counted[m]: uses that miss for every h <= m
     for experts in rounds:
+        head, members, ranks = set(stack[max(0, len(stack) - slots):]), set(stack), [rank[x] for x in stack]
+        hits, misses = [], []
         for e in experts:
-            own = rank[e]
-            if e in stack:
-                position = stack.index(e)
-                above = stack[position + 1:]
-                del stack[position]
-                if len(above) < slots:
-                    reach = -1
-                else:
-                    ranks = [rank[x] for x in above]
-                    ranks.sort(reverse=True)
-                    reach = ranks[slots - 1]
-            else:
-                reach = top
-            stack.append(e)
-            last = min(own, reach, top)
-            if last >= 0:
-                counted[last] += 1
-    misses, total = [0] * (top + 1), 0
+            if e in head:  # fewer than `slots` experts above it: a hit for every h
+                hits.append(e)
+                continue
+            misses.append(e)
+            reach = sorted(ranks[stack.index(e) + 1:])[-slots] if e in members and slots > 0 else top
+            counted[min(rank[e], reach)] += 1
+        _push_round(stack, hits, misses)
+    misses_by_h, total = [0] * (top + 1), 0
     for h in range(top, -1, -1):
         total += counted[h]
-        misses[h] = total
-    return misses
+        misses_by_h[h] = total
+    return misses_by_h
 
 
 def layer_path_uses(state: PlacementState, layer: int, rates: Sequence[float], order: Sequence[int]) -> list[tuple[float, float]]:
     """Per h in 0..len(order): a layer's expected (device-path misses, host blocks) per token with order[:h] on the
     host path and every other expert on the device path (none missed where they fit in the slots: `preloaded`).
 
-    With a `route_sequence`, from its rounds: an LRU of the layer's slots over them, starting from its initial
-    residents (`lru_misses_by_host`), and each host expert ceil(rows / row_bucket) blocks per round that used it,
+    With a `route_sequence`, from its rounds: an LRU of the layer's slots over them, round by round as the verify
+    counts, warm and with its initial residents used last (`lru_misses_by_host`), and each host expert ceil(rows / row_bucket) blocks per round that used it,
     over the tokens the rounds committed. Real routing reuses experts from token to token, which an LRU cache turns
     into hits while a host expert is computed again each round; independent uses cannot show it. Without one, from
     `rates` as independent uses: Che's approximation (`expected_misses`) and one block per use."""
