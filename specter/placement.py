@@ -114,6 +114,10 @@ class PlacementState:
     route_sequence: RouteSequence | None = None
     """The same profile's rounds in order (None: counts only, or no profile): the cost model then replays each
     layer's slots over them instead of assuming independent uses (`layer_path_uses`)."""
+    _replayed: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """What `layer_path_uses` and `layer_host_uses` replayed of `route_sequence`, by layer and host set (and by
+    layer and candidate order), so that the load's `decision_record` and `token_seconds` read what the policy's pass
+    made instead of replaying the rounds again. Not an input: a `dataclasses.replace` starts empty."""
 
 
 @dataclass(frozen=True)
@@ -332,23 +336,24 @@ def lru_misses_by_host(rounds: Sequence[Sequence[int]], order: Sequence[int], sl
     used first) used last."""
     top = len(order)
     rounds = [list(dict.fromkeys(experts)) for experts in rounds]
-    size = 1 + max([-1, *order, *residents, *(e for experts in rounds for e in experts)])
-    rank = [top] * size  # expert -> its place in `order`, `top` (never on the host) outside it
-    for index, e in enumerate(order):
-        rank[e] = index
-    stack = _recency(rounds, slots, residents)
+    stack = _recency(rounds, slots, residents)  # holds every expert the rounds use
+    key = {e: index for index, e in enumerate(order)}  # its place in `order`; the others past every h, each its own
+    for e in stack:
+        key.setdefault(e, len(key))
+    keys = [key[e] for e in stack]
     counted = [0] * (top + 2)  # counted[m]: uses that miss for every h <= m
     for experts in rounds:
-        head, members, ranks = set(stack[max(0, len(stack) - slots):]), set(stack), [rank[x] for x in stack]
+        head = set(keys[max(0, len(keys) - slots):])  # fewer than `slots` experts above: a hit for every h
         hits, misses = [], []
         for e in experts:
-            if e in head:  # fewer than `slots` experts above it: a hit for every h
-                hits.append(e)
+            own = key[e]
+            if own in head:
+                hits.append(own)
                 continue
-            misses.append(e)
-            reach = sorted(ranks[stack.index(e) + 1:])[-slots] if e in members and slots > 0 else top
-            counted[min(rank[e], reach)] += 1
-        _push_round(stack, hits, misses)
+            misses.append(own)
+            reach = sorted(keys[keys.index(own) + 1:])[-slots] if slots > 0 else top
+            counted[min(own, reach, top)] += 1
+        _push_round(keys, hits, misses)
     misses_by_h, total = [0] * (top + 1), 0
     for h in range(top, -1, -1):
         total += counted[h]
@@ -356,40 +361,104 @@ def lru_misses_by_host(rounds: Sequence[Sequence[int]], order: Sequence[int], sl
     return misses_by_h
 
 
+def lru_misses(rounds: Sequence[Sequence[int]], host: Iterable[int], slots: int, residents: Sequence[int] = ()) -> int:
+    """`lru_misses_by_host`'s count for one host set, without the others: the same warm stack and the same order of
+    each round's experts (its h = 0 hits first), so exactly lru_misses_by_host(rounds, order, ...)[len(order)] for any
+    `order` of `host`. The device-path experts keep the whole stack's relative order, so a use misses iff its expert
+    is not among the `slots` most recent of them."""
+    host = frozenset(host)
+    rounds = [list(dict.fromkeys(experts)) for experts in rounds]
+    stack = _recency(rounds, slots, residents)
+    device = [e for e in stack if e not in host]
+    missed = 0
+    for experts in rounds:
+        head, near = set(stack[max(0, len(stack) - slots):]), set(device[max(0, len(device) - slots):])
+        hits, misses = [e for e in experts if e in head], [e for e in experts if e not in head]
+        missed += sum(e not in host and e not in near for e in experts)
+        _push_round(stack, hits, misses)
+        _push_round(device, [e for e in hits if e not in host], [e for e in misses if e not in host])
+    return missed
+
+
+def _replays(state: PlacementState, layer: int) -> bool:
+    """Whether the cost model replays `layer` from the state's rounds (else it reads independent use rates)."""
+    sequence = state.route_sequence
+    return sequence is not None and layer < len(sequence.used) and sequence.tokens > 0
+
+
+def _residents(state: PlacementState, layer: int) -> tuple[int, ...]:
+    return state.initial_residents[layer] if layer < len(state.initial_residents) else ()
+
+
+def _round_blocks(state: PlacementState, layer: int) -> dict[int, int]:
+    """Expert -> the host blocks its rounds would compute at `layer`: ceil(rows / row_bucket) per round that used it."""
+    memo = state._replayed
+    if (layer, "blocks") not in memo:
+        sequence, blocks = state.route_sequence, {}
+        for experts_used, rows in zip(sequence.used[layer], sequence.rows, strict=True):
+            for e in experts_used:
+                blocks[e] = blocks.get(e, 0) + math.ceil(rows / state.row_bucket)
+        memo[layer, "blocks"] = blocks
+    return memo[layer, "blocks"]
+
+
+def _per_token(state: PlacementState, hosted: int, misses: int, blocks: int) -> tuple[float, float]:
+    """(device misses, host blocks) per committed token; no misses where the layer's device-path experts fit its
+    slots (`preloaded`)."""
+    tokens = state.route_sequence.tokens
+    return (0.0 if state.num_experts - hosted <= state.slots_per_layer else misses / tokens), blocks / tokens
+
+
 def layer_path_uses(state: PlacementState, layer: int, rates: Sequence[float], order: Sequence[int]) -> list[tuple[float, float]]:
     """Per h in 0..len(order): a layer's expected (device-path misses, host blocks) per token with order[:h] on the
     host path and every other expert on the device path (none missed where they fit in the slots: `preloaded`).
 
     With a `route_sequence`, from its rounds: an LRU of the layer's slots over them, round by round as the verify
-    counts, warm and with its initial residents used last (`lru_misses_by_host`), and each host expert ceil(rows / row_bucket) blocks per round that used it,
-    over the tokens the rounds committed. Real routing reuses experts from token to token, which an LRU cache turns
-    into hits while a host expert is computed again each round; independent uses cannot show it. Without one, from
-    `rates` as independent uses: Che's approximation (`expected_misses`) and one block per use."""
-    slots, experts = state.slots_per_layer, state.num_experts
-    sequence = state.route_sequence
-    if sequence is not None and layer < len(sequence.used) and sequence.tokens > 0:
-        rounds = sequence.used[layer]
-        initial = state.initial_residents[layer] if layer < len(state.initial_residents) else ()
-        misses = lru_misses_by_host(rounds, order, slots, initial)
-        blocks: dict[int, int] = {}
-        for experts_used, rows in zip(rounds, sequence.rows):
-            for e in experts_used:
-                blocks[e] = blocks.get(e, 0) + math.ceil(rows / state.row_bucket)
-        uses, host = [], 0.0
-        for h in range(len(order) + 1):
-            if h:
-                host += blocks.get(order[h - 1], 0) / sequence.tokens
-            device_misses = 0.0 if experts - h <= slots else misses[h] / sequence.tokens
-            uses.append((device_misses, host))
-        return uses
+    counts, warm and with its initial residents used last (`lru_misses_by_host`), and each host expert
+    ceil(rows / row_bucket) blocks per round that used it, over the tokens the rounds committed. Real routing reuses
+    experts from token to token, which an LRU cache turns into hits while a host expert is computed again each round;
+    independent uses cannot show it. The answer for each host set order[:h] is kept on the state (`layer_host_uses`
+    reads it). Without one, from `rates` as independent uses: Che's approximation (`expected_misses`) and one block
+    per use."""
+    if _replays(state, layer):
+        memo = state._replayed
+        if (layer, tuple(order)) not in memo:
+            misses = lru_misses_by_host(state.route_sequence.used[layer], order, state.slots_per_layer,
+                                        _residents(state, layer))
+            blocks, host, uses = _round_blocks(state, layer), 0, []
+            for h in range(len(order) + 1):
+                if h:
+                    host += blocks.get(order[h - 1], 0)
+                uses.append(_per_token(state, h, misses[h], host))
+                memo[layer, frozenset(order[:h])] = uses[-1]
+            memo[layer, tuple(order)] = uses
+        return list(memo[layer, tuple(order)])
     uses, host = [], 0.0
     hosted = set()
     for h in range(len(order) + 1):
         if h:
             hosted.add(order[h - 1])
             host += rates[order[h - 1]]
-        uses.append((expected_misses(rates, [e for e in range(experts) if e not in hosted], slots), host))
+        uses.append((expected_misses(rates, [e for e in range(state.num_experts) if e not in hosted],
+                                     state.slots_per_layer), host))
     return uses
+
+
+def layer_host_uses(state: PlacementState, layer: int, rates: Sequence[float], host: Iterable[int]) -> tuple[float, float]:
+    """`layer_path_uses`' (device-path misses, host blocks) per token for the one host set `host`: from the state's
+    rounds, what a pass over an order through that set kept, else one replay of that set alone (`lru_misses`); without
+    them, Che's approximation over the device-path experts and the host experts' use rates."""
+    host = sorted(set(host))
+    if _replays(state, layer):
+        memo, hosted = state._replayed, frozenset(host)
+        if (layer, hosted) not in memo:
+            misses = lru_misses(state.route_sequence.used[layer], hosted, state.slots_per_layer, _residents(state, layer))
+            blocks = _round_blocks(state, layer)
+            memo[layer, hosted] = _per_token(state, len(host), misses, sum(blocks.get(e, 0) for e in host))
+        return memo[layer, hosted]
+    hosted = set(host)
+    return (expected_misses(rates, [e for e in range(state.num_experts) if e not in hosted], state.slots_per_layer),
+            sum(rates[e] for e in host))
 
 
 def path_seconds(state: PlacementState, misses: float, host_blocks: float, hosts: bool, prefetch_discount: float = 0.0,
@@ -413,10 +482,10 @@ def overlapped(device_s: float, host_s: float, overlap: float = OVERLAP) -> floa
 
 def layer_token_seconds(state: PlacementState, layer: int, rates: Sequence[float], host: Iterable[int],
                         prefetch_discount: float = 0.0, overlap: float = OVERLAP) -> float | None:
-    """Expected seconds per token of layer `layer` whose host-path experts are `host` (`layer_path_uses`,
+    """Expected seconds per token of layer `layer` whose host-path experts are `host` (`layer_host_uses`,
     `path_seconds`). None when a cost it needs is not measured."""
-    host = sorted(set(host))
-    misses, blocks = layer_path_uses(state, layer, rates, host)[-1]
+    host = set(host)
+    misses, blocks = layer_host_uses(state, layer, rates, host)
     return path_seconds(state, misses, blocks, bool(host), prefetch_discount, overlap)
 
 
@@ -443,7 +512,8 @@ def decision_record(state: PlacementState, placement: Placement, prefetch_discou
     and the load's log: the calibration inputs as the model reads them (one expert's copy; one expert's host time by
     the rows it was measured at, a use of n rows costing ceil(n / row_bucket) of those blocks; the link, the host
     threads, the routing as `routing_source` names it, the overlap and prefetch discount weighed) and the expected
-    expert seconds per decoded token of `off` and of `placement` (`token_seconds`; None where a cost is not measured)."""
+    expert seconds per decoded token of `off` and of `placement` (`token_seconds`; None where a cost is not measured).
+    On the state the policy placed from, a trace's replays are those its pass kept (`layer_host_uses`)."""
     off = Placement.device_only(state.num_layers, state.num_experts)
     return {
         "host_experts": placement.total, "host_experts_per_layer": placement.counts(), "slots_per_layer": state.slots_per_layer,

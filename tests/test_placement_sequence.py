@@ -18,8 +18,10 @@ from specter.placement import (
     Placement,
     PlacementState,
     RouteSequence,
+    copy_seconds,
     expected_misses,
     layer_path_uses,
+    lru_misses,
     lru_misses_by_host,
     token_seconds,
     use_rates,
@@ -119,6 +121,7 @@ def test_the_one_pass_replay_counts_what_the_replays_cache_misses(case):
     misses = lru_misses_by_host(rounds, order, slots, residents)
     assert misses[0] == replayed_misses(rounds, set(), slots, residents)
     assert misses == sorted(misses, reverse=True)
+    assert misses == [lru_misses(rounds, order[:h], slots, residents) for h in range(len(order) + 1)]  # one set alone
     assert misses[-1] == lru_misses_by_host(rounds, sorted(order), slots, residents)[-1]  # a function of the host set
 
 
@@ -213,13 +216,22 @@ def sequenced_states(draw):
 
 @settings(max_examples=200, deadline=None)
 @given(placed=sequenced_states(), overlap=st.sampled_from([0.0, 1.0]), margin=st.sampled_from([0.0, 0.05]))
-def test_auto_from_rounds_is_a_function_of_the_state_and_never_predicted_slower_than_off(placed, overlap, margin):
+def test_auto_from_rounds_is_never_predicted_slower_than_off_whose_misses_are_the_replays(placed, overlap, margin):
+    """`off`'s predicted time is the replay's cache misses per committed token times one copy (where every round fits
+    the slots: the engine's window decides what a larger round keeps), and a state that has replayed nothing yet
+    (`dataclasses.replace`: each host set replayed alone, `lru_misses`) predicts what the policy's own pass left."""
     placement = Auto(margin=margin, overlap=overlap).place(placed)
-    assert placement == Auto(margin=margin, overlap=overlap).place(dataclasses.replace(placed))
     for layer in range(placed.num_layers):
         assert not placement.host_experts(layer) & set(placed.initial_residents[layer])
     off = token_seconds(placed, Placement.device_only(placed.num_layers, placed.num_experts), overlap=overlap)
     assert token_seconds(placed, placement, overlap=overlap) <= off + 1e-12
+    assert token_seconds(dataclasses.replace(placed), placement, overlap=overlap) == \
+        token_seconds(placed, placement, overlap=overlap)
+    sequence, slots = placed.route_sequence, placed.slots_per_layer
+    if placed.num_experts > slots and all(len(used) <= slots for layer in sequence.used for used in layer):
+        misses = sum(replayed_misses([list(used) for used in sequence.used[layer]], set(), slots,
+                                     placed.initial_residents[layer]) for layer in range(placed.num_layers))
+        assert off == pytest.approx(misses / sequence.tokens * copy_seconds(placed), rel=1e-9, abs=1e-15)
 
 
 def write_trace(path, rounds: list[TraceRound], layers: int, experts: int, top_k: int) -> None:
