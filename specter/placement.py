@@ -11,6 +11,8 @@ target's function is fixed and speculative output equals target-only (k = 0) out
 from __future__ import annotations
 
 import math
+
+import numpy as np
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -347,12 +349,16 @@ def lru_misses_by_host(rounds: Sequence[Sequence[int]], order: Sequence[int], sl
         hits, misses = [], []
         for e in experts:
             own = key[e]
-            if own in head:
-                hits.append(own)
-                continue
-            misses.append(own)
-            reach = sorted(keys[keys.index(own) + 1:])[-slots] if slots > 0 else top
-            counted[min(own, reach, top)] += 1
+            (hits if own in head else misses).append(own)
+        if misses:
+            if slots > 0:
+                stacked = np.array(keys)
+                above = np.arange(len(keys))[None, :] > np.array([keys.index(own) for own in misses])[:, None]
+                reach = np.partition(np.where(above, stacked[None, :], -1), len(keys) - slots, axis=1)[:, len(keys) - slots]
+            else:
+                reach = [top] * len(misses)
+            for own, furthest in zip(misses, reach.tolist() if slots > 0 else reach):
+                counted[min(own, furthest, top)] += 1
         _push_round(keys, hits, misses)
     misses_by_h, total = [0] * (top + 1), 0
     for h in range(top, -1, -1):
