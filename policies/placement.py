@@ -98,10 +98,10 @@ class Auto:
 
     A profile that is a routing trace carries its rounds in order too (`PlacementState.route_sequence`, the first
     `specter.placement.SEQUENCE_TOKENS` tokens), and then the misses and the host blocks come from them instead
-    (`specter.placement.layer_path_uses`): the layer's S slots replayed as an LRU cache over the rounds, the host-path
-    experts never entering it, for every h in one pass (`lru_misses_by_host`), and each host expert one block per
-    round that used it (ceil(rows / row_bucket) for a speculative round), both per token the rounds committed. That
-    is the locality the counts lose, so with a trace the device is no longer over-counted; the use counts still order
+    (`specter.placement.layer_path_uses`): the layer's S slots replayed as an LRU cache over the rounds, round by round
+    as the verify counts, the host-path experts never entering it, for every h in one pass (`lru_misses_by_host`), and
+    each host expert ceil(rows / row_bucket) blocks per round that used it (one up to row_bucket rows; an upper bound
+    on the host path's padding of the rows routed to it), both per token the rounds committed. That is the locality the counts lose, so with a trace the device is no longer over-counted; the use counts still order
     the candidates, and the trace is the same file for every k, so the placement stays a function of the profile, the
     calibration and the config. A trace recorded at k > 0 gives its rounds' misses and blocks per committed token,
     what an engine decoding as it did pays; the engine being placed may run another k.

@@ -130,7 +130,9 @@ class RouteSequence:
     used: tuple[tuple[tuple[int, ...], ...], ...]
     """Layer -> round -> the distinct experts the round's verify used at that layer, in the order it first used them."""
     rows: tuple[int, ...]
-    """Per round, the rows its verify computed (k + 1): a host expert it used costs ceil(rows / row_bucket) blocks."""
+    """Per round, the rows its verify computed (k + 1): a host expert it used costs at most ceil(rows / row_bucket)
+    blocks (the host path pads only the n rows routed to it, ceil(n / row_bucket); the trace keeps no per-expert row
+    counts, and the two are equal while rows <= row_bucket)."""
     tokens: int
     """Tokens the rounds committed (accepted + 1 each): the cost model's misses and host blocks are per one of these."""
 
@@ -397,7 +399,8 @@ def _residents(state: PlacementState, layer: int) -> tuple[int, ...]:
 
 
 def _round_blocks(state: PlacementState, layer: int) -> dict[int, int]:
-    """Expert -> the host blocks its rounds would compute at `layer`: ceil(rows / row_bucket) per round that used it."""
+    """Expert -> the host blocks its rounds would compute at `layer`: ceil(rows / row_bucket) per round that used it,
+    an upper bound on the host path's ceil(n / row_bucket) for the n <= rows rows routed to it (`RouteSequence.rows`)."""
     memo = state._replayed
     if (layer, "blocks") not in memo:
         sequence, blocks = state.route_sequence, {}
@@ -421,7 +424,8 @@ def layer_path_uses(state: PlacementState, layer: int, rates: Sequence[float], o
 
     With a `route_sequence`, from its rounds: an LRU of the layer's slots over them, round by round as the verify
     counts, warm and with its initial residents used last (`lru_misses_by_host`), and each host expert
-    ceil(rows / row_bucket) blocks per round that used it, over the tokens the rounds committed. Real routing reuses
+    ceil(rows / row_bucket) blocks per round that used it (an upper bound: `RouteSequence.rows`), over the tokens
+    the rounds committed. Real routing reuses
     experts from token to token, which an LRU cache turns into hits while a host expert is computed again each round;
     independent uses cannot show it. The answer for each host set order[:h] is kept on the state (`layer_host_uses`
     reads it). Without one, from `rates` as independent uses: Che's approximation (`expected_misses`) and one block
