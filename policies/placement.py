@@ -90,11 +90,10 @@ class Auto:
     once and computes a host expert on one block, so under independent uniform use both paths scale by the same
     q = 1 - (1 - r)^R per round, and one copy against one host block decides at every k. Routing with temporal
     locality favours the device, which use counts do not show: an LRU cache keeps the last rounds' working set while a
-    host expert is computed again every round that uses it (on the H200's full-depth Qwen cell the device missed 0.38
-    per layer and token where independent use predicts 0.80, the host computed 0.82 where it predicts 1.12), so the
-    model leans toward the host and needs its inputs right: the calibration times the host path as decoding runs it,
-    on experts read from memory (`specter.experts.costs.time_host_expert`), and `decision_record` keeps what each
-    placement was decided from.
+    host expert is computed again every round that uses it (the device misses fewer uses, and the host computes fewer,
+    than independent use predicts, the device by more: docs/BENCHMARKS.md), so the model leans toward the host and
+    needs its inputs right: the calibration times the host path as decoding runs it, on experts read from memory
+    (`specter.experts.costs.time_host_expert`), and `decision_record` keeps what each placement was decided from.
 
     A profile that is a routing trace carries its rounds in order too (`PlacementState.route_sequence`, the first
     `specter.placement.SEQUENCE_TOKENS` tokens), and then the misses and the host blocks come from them instead
@@ -116,9 +115,9 @@ class Auto:
 
     `prefetch_discount` (default 0.0): the share of a miss's copy time that speculation's prefetch hides. 0 counts
     the copy in full because the placement also serves k = 0 (the `ondemand-hybrid` baseline), and a prefetched copy
-    still occupies the link, so a link-bound round pays for it either way (`specter`'s stall on the H200's Qwen cell
-    at Gen4 was 88-99 % of its decode copy time); a measured window recall times the share of the draft a copy
-    overlaps is the value to put here for a speculative-only deployment (it moves experts back to the device path).
+    still occupies the link, so a link-bound round pays for it either way (its prefetches queue on the link, and the
+    verify waits for them); a measured window recall times the share of the draft a copy overlaps is the value to put
+    here for a speculative-only deployment (it moves experts back to the device path).
 
     `margin` (default 0.05): a layer takes host experts only where the model predicts at least this share of its time
     saved; else none (and a layer whose costs are not measured takes none), so `auto` is never slower than `off` by
