@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from specter.errors import ConfigError
+
 # Layers here are the compact MoE-layer indices the expert cache and the pool use (0..L-1), not model layers.
 
 
@@ -139,12 +141,17 @@ class RouteSequence:
     @classmethod
     def of_rounds(cls, rounds: Iterable, num_layers: int, max_tokens: int | None = None) -> RouteSequence:
         """From a trace's rounds (`specter.trace.TraceRound`: `k`, `accepted` and per layer `used`), in order, the
-        first ones up to `max_tokens` committed tokens (None: all; `SEQUENCE_TOKENS` bounds what the load replays)."""
+        first ones up to `max_tokens` committed tokens (None: all; `SEQUENCE_TOKENS` bounds what the load replays).
+        A round that routes fewer than `num_layers` layers is refused: it would put the later rounds' experts against
+        another round's rows."""
         used: list[list[tuple[int, ...]]] = [[] for _ in range(num_layers)]
         rows, tokens = [], 0
         for trace_round in rounds:
             if max_tokens is not None and tokens >= max_tokens:
                 break
+            if len(trace_round.layers) < num_layers:  # each layer's rounds must line up with `rows`
+                raise ConfigError(f"routing trace round {trace_round.round} routes {len(trace_round.layers)} of "
+                                  f"{num_layers} MoE layers: a trace records every layer of every round")
             for layer, routes in enumerate(trace_round.layers[:num_layers]):
                 used[layer].append(tuple(dict.fromkeys(int(e) for e in routes.used)))
             rows.append(trace_round.k + 1)
@@ -289,8 +296,10 @@ def expected_misses(rates: Sequence[float], device: Sequence[int], slots: int) -
 SEQUENCE_TOKENS = 4096
 """The committed tokens of a routing trace's rounds the load replays through each layer's slots (`RouteSequence`,
 from the first round on): bounds the load's work, one pass per layer over the rounds' uses, each up to O(E log E).
-Enough rounds that a layer's S cold misses, which a warm start leaves out, and the trace's noise stay small beside
-its misses; the use counts that order the candidates still come from the whole trace."""
+It is part of the decision, not only of its cost: the misses and host blocks `auto` weighs come from these rounds
+alone, so a longer trace places from its first SEQUENCE_TOKENS tokens, and another bound can place differently. Enough
+rounds that the trace's noise stays small beside a layer's misses; the use counts that order the candidates still
+come from the whole trace."""
 
 
 def _recency(rounds: Sequence[Sequence[int]], slots: int, residents: Sequence[int]) -> list[int]:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from policies.eviction import LRU
 from policies.placement import Auto
+from specter.errors import ConfigError
 from specter.placement import (
     Placement,
     PlacementState,
@@ -195,6 +196,8 @@ def test_a_speculative_round_computes_a_host_expert_once_for_its_rows():
     assert uses[0][0] == replayed_misses([[0, 1, 2]] * 4, set(), 1) / 8
     assert uses[3][0] == 0.0  # the one device expert left fits its slot: preloaded
     assert RouteSequence.of_rounds(rounds, 1, max_tokens=3).tokens == 4  # the cap stops after the round that reaches it
+    with pytest.raises(ConfigError, match="routes 1 of 2 MoE layers"):  # its layers' rounds would not line up with `rows`
+        RouteSequence.of_rounds(rounds, 2)
 
 
 @st.composite
