@@ -90,18 +90,17 @@ class Auto:
     once and computes a host expert on one block, so under independent uniform use both paths scale by the same
     q = 1 - (1 - r)^R per round, and one copy against one host block decides at every k. Routing with temporal
     locality favours the device, which use counts do not show: an LRU cache keeps the last rounds' working set while a
-    host expert is computed again every round that uses it (on the H200's full-depth Qwen cell the device missed 0.38
-    per layer and token where independent use predicts 0.80, the host computed 0.82 where it predicts 1.12), so the
-    model leans toward the host and needs its inputs right: the calibration times the host path as decoding runs it,
-    on experts read from memory (`specter.experts.costs.time_host_expert`), and `decision_record` keeps what each
-    placement was decided from.
+    host expert is computed again every round that uses it (the device misses fewer uses, and the host computes fewer,
+    than independent use predicts, the device by more: docs/BENCHMARKS.md), so the model leans toward the host and
+    needs its inputs right: the calibration times the host path as decoding runs it, on experts read from memory
+    (`specter.experts.costs.time_host_expert`), and `decision_record` keeps what each placement was decided from.
 
     A profile that is a routing trace carries its rounds in order too (`PlacementState.route_sequence`, the first
     `specter.placement.SEQUENCE_TOKENS` tokens), and then the misses and the host blocks come from them instead
-    (`specter.placement.layer_path_uses`): the layer's S slots replayed as an LRU cache over the rounds, the host-path
-    experts never entering it, for every h in one pass (`lru_misses_by_host`), and each host expert one block per
-    round that used it (ceil(rows / row_bucket) for a speculative round), both per token the rounds committed. That
-    is the locality the counts lose, so with a trace the device is no longer over-counted; the use counts still order
+    (`specter.placement.layer_path_uses`): the layer's S slots replayed as an LRU cache over the rounds, round by round
+    as the verify counts, the host-path experts never entering it, for every h in one pass (`lru_misses_by_host`), and
+    each host expert ceil(rows / row_bucket) blocks per round that used it (one up to row_bucket rows; an upper bound
+    on the host path's padding of the rows routed to it), both per token the rounds committed. That is the locality the counts lose, so with a trace the device is no longer over-counted; the use counts still order
     the candidates, and the trace is the same file for every k, so the placement stays a function of the profile, the
     calibration and the config. A trace recorded at k > 0 gives its rounds' misses and blocks per committed token,
     what an engine decoding as it did pays; the engine being placed may run another k.
@@ -116,9 +115,9 @@ class Auto:
 
     `prefetch_discount` (default 0.0): the share of a miss's copy time that speculation's prefetch hides. 0 counts
     the copy in full because the placement also serves k = 0 (the `ondemand-hybrid` baseline), and a prefetched copy
-    still occupies the link, so a link-bound round pays for it either way (`specter`'s stall on the H200's Qwen cell
-    at Gen4 was 88-99 % of its decode copy time); a measured window recall times the share of the draft a copy
-    overlaps is the value to put here for a speculative-only deployment (it moves experts back to the device path).
+    still occupies the link, so a link-bound round pays for it either way (its prefetches queue on the link, and the
+    verify waits for them); a measured window recall times the share of the draft a copy overlaps is the value to put
+    here for a speculative-only deployment (it moves experts back to the device path).
 
     `margin` (default 0.05): a layer takes host experts only where the model predicts at least this share of its time
     saved; else none (and a layer whose costs are not measured takes none), so `auto` is never slower than `off` by

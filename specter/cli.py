@@ -324,8 +324,10 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
 def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | None, str | None]:
     """(host seconds of one expert on a block of row_bucket rows, link bytes per second, where the link figure comes
     from: 'emulated', 'measured' or None): random experts of the model's shape, timed as the builder calibrates
-    (`time_host_expert`, one expert per job). They are written just before, so where the last-level cache holds
-    several of them the figure can read lower than the engine's, whose pool was written at load."""
+    (`time_host_expert` with one row routed to top_k experts per job, each job on experts no other job read), so the
+    pinned pool holds (REPEATS + 1) x top_k experts of the model's shape for the while. They are written just before,
+    so where the last-level cache holds several of them the figure can read lower than the engine's, whose pool was
+    written at load."""
     import asyncio
 
     import torch
@@ -342,7 +344,7 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
         def alloc_host(self, numel: int, dtype: Any) -> torch.Tensor:
             return torch.empty(numel, dtype=dtype, pin_memory=cuda)
 
-    pool = ExpertPool(Memory(), 1, REPEATS + 1, spec.expert_numel, dtype)
+    pool = ExpertPool(Memory(), 1, (REPEATS + 1) * spec.top_k, spec.expert_numel, dtype)
     for expert in range(pool.num_experts):
         pool.write(0, expert, torch.empty(spec.expert_numel, dtype=dtype).normal_(std=0.02))
     mlp = reference_expert(spec.hidden_size, spec.expert_intermediate)
@@ -350,7 +352,7 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
     async def host() -> float:
         with Kernel() as kernel:
             return await time_host_expert(kernel, pool, mlp, spec.hidden_size, config.row_bucket,
-                                          config.cpu_threads or default_threads(), torch.device("cpu"))
+                                          config.cpu_threads or default_threads(), torch.device("cpu"), per_job=spec.top_k)
 
     host_s = asyncio.run(host())
     gbps = parse_link(config.link)

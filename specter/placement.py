@@ -11,9 +11,13 @@ target's function is fixed and speculative output equals target-only (k = 0) out
 from __future__ import annotations
 
 import math
+
+import numpy as np
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+from specter.errors import ConfigError
 
 # Layers here are the compact MoE-layer indices the expert cache and the pool use (0..L-1), not model layers.
 
@@ -114,6 +118,10 @@ class PlacementState:
     route_sequence: RouteSequence | None = None
     """The same profile's rounds in order (None: counts only, or no profile): the cost model then replays each
     layer's slots over them instead of assuming independent uses (`layer_path_uses`)."""
+    _replayed: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """What `layer_path_uses` and `layer_host_uses` replayed of `route_sequence`, by layer and host set (and by
+    layer and candidate order), so that the load's `decision_record` and `token_seconds` read what the policy's pass
+    made instead of replaying the rounds again. Not an input: a `dataclasses.replace` starts empty."""
 
 
 @dataclass(frozen=True)
@@ -124,19 +132,26 @@ class RouteSequence:
     used: tuple[tuple[tuple[int, ...], ...], ...]
     """Layer -> round -> the distinct experts the round's verify used at that layer, in the order it first used them."""
     rows: tuple[int, ...]
-    """Per round, the rows its verify computed (k + 1): a host expert it used costs ceil(rows / row_bucket) blocks."""
+    """Per round, the rows its verify computed (k + 1): a host expert it used costs at most ceil(rows / row_bucket)
+    blocks (the host path pads only the n rows routed to it, ceil(n / row_bucket); the trace keeps no per-expert row
+    counts, and the two are equal while rows <= row_bucket)."""
     tokens: int
     """Tokens the rounds committed (accepted + 1 each): the cost model's misses and host blocks are per one of these."""
 
     @classmethod
     def of_rounds(cls, rounds: Iterable, num_layers: int, max_tokens: int | None = None) -> RouteSequence:
         """From a trace's rounds (`specter.trace.TraceRound`: `k`, `accepted` and per layer `used`), in order, the
-        first ones up to `max_tokens` committed tokens (None: all; `SEQUENCE_TOKENS` bounds what the load replays)."""
+        first ones up to `max_tokens` committed tokens (None: all; `SEQUENCE_TOKENS` bounds what the load replays).
+        A round that routes fewer than `num_layers` layers is refused: it would put the later rounds' experts against
+        another round's rows."""
         used: list[list[tuple[int, ...]]] = [[] for _ in range(num_layers)]
         rows, tokens = [], 0
         for trace_round in rounds:
             if max_tokens is not None and tokens >= max_tokens:
                 break
+            if len(trace_round.layers) < num_layers:  # each layer's rounds must line up with `rows`
+                raise ConfigError(f"routing trace round {trace_round.round} routes {len(trace_round.layers)} of "
+                                  f"{num_layers} MoE layers: a trace records every layer of every round")
             for layer, routes in enumerate(trace_round.layers[:num_layers]):
                 used[layer].append(tuple(dict.fromkeys(int(e) for e in routes.used)))
             rows.append(trace_round.k + 1)
@@ -281,94 +296,188 @@ def expected_misses(rates: Sequence[float], device: Sequence[int], slots: int) -
 SEQUENCE_TOKENS = 4096
 """The committed tokens of a routing trace's rounds the load replays through each layer's slots (`RouteSequence`,
 from the first round on): bounds the load's work, one pass per layer over the rounds' uses, each up to O(E log E).
-Enough rounds that a layer's S cold misses, which a warm start leaves out, and the trace's noise stay small beside
-its misses; the use counts that order the candidates still come from the whole trace."""
+It is part of the decision, not only of its cost: the misses and host blocks `auto` weighs come from these rounds
+alone, so a longer trace places from its first SEQUENCE_TOKENS tokens, and another bound can place differently. Enough
+rounds that the trace's noise stays small beside a layer's misses; the use counts that order the candidates still
+come from the whole trace."""
+
+
+def _recency(rounds: Sequence[Sequence[int]], slots: int, residents: Sequence[int]) -> list[int]:
+    """The LRU stack (least recently used first) that one uncounted pass over `rounds` leaves (`_push_round`), then
+    `residents` used one at a time."""
+    stack: list[int] = []
+    for experts in rounds:
+        head = set(stack[max(0, len(stack) - slots):])
+        _push_round(stack, [e for e in experts if e in head], [e for e in experts if e not in head])
+    _push_round(stack, [], list(dict.fromkeys(residents)))
+    return stack
+
+
+def _push_round(stack: list[int], hits: Sequence[int], misses: Sequence[int]) -> None:
+    """A round's experts to the top of `stack`: its hits, then its misses, each in the round's order, as the engine's
+    verify uses them (the replay's `_verify_round`)."""
+    used = set(hits) | set(misses)
+    stack[:] = [e for e in stack if e not in used]
+    stack.extend(hits)
+    stack.extend(misses)
 
 
 def lru_misses_by_host(rounds: Sequence[Sequence[int]], order: Sequence[int], slots: int,
                        residents: Sequence[int] = ()) -> list[int]:
-    """Per h in 0..len(order): the misses of an LRU cache of `slots` slots over `rounds` (each round's experts used in
-    the order given) when the experts order[:h] take the host path (never in the cache, their uses not counted), for
-    every h in one pass.
+    """Per h in 0..len(order): the misses of a layer's LRU cache of `slots` slots over `rounds` (each round the distinct
+    experts its verify used) when the experts order[:h] take the host path (never in the cache, their uses not
+    counted), for every h in one pass.
 
-    LRU holds e at a use iff fewer than `slots` distinct other cached experts were used since e's last use (its
-    stack distance), so a use misses under h iff at least `slots` of the experts used since are device path, i.e.
-    iff the `slots`-th highest candidate rank among them (an expert outside `order` never goes to the host: ranks
-    past every h) is at least h; and a use of e counts only while e itself is device path (its rank >= h).
+    As the engine counts them: per round, not per use. The verify checks each expert it uses against the cache as the
+    round found it, and its misses take the slots of residents the round does not use, so an early miss never evicts
+    an expert the same round uses later (`specter.experts.window`; the replay's `_verify_round`). After the round, its
+    experts are the most recent: those that hit first, then those that missed, each in the round's order.
 
-    The cache starts warm, as the rounds leave it (as if they repeated: the one-time cold misses of a load are not
-    what a layer pays per token over an engine's life), with `residents` (least recently used first) used last."""
+    LRU holds e at a round's start iff fewer than `slots` other cached experts are more recent (its stack distance),
+    so a use misses under h iff at least `slots` of the experts above it in the stack as the round found it are device
+    path, i.e. iff the `slots`-th highest candidate rank among them (an expert outside `order` never goes to the host:
+    ranks past every h) is at least h; and a use of e counts only while e itself is device path (its rank >= h). The
+    hits that go first are those within the top `slots` of the whole stack, which hit whatever goes to the host, so one
+    stack serves every h: exact for h = 0 (`off`), and for any h where every round's hits are those of h = 0; where
+    going to the host turns a round's miss into a hit, the engine uses that hit before the round's misses, which
+    changes only which of the round's experts an eviction after the round finds oldest. A round that uses more experts
+    than `slots` keeps its most recent ones here, where the engine's rolling window (`CacheTuning.roll_hot_window`)
+    may keep others.
+
+    The cache starts warm, as one uncounted pass over the rounds leaves it (as if they repeated: the one-time cold
+    misses of a load are not what a layer pays per token over an engine's life), with `residents` (least recently
+    used first) used last."""
     top = len(order)
-    size = 1 + max([-1, *order, *residents, *(e for experts in rounds for e in experts)])
-    rank = [top] * size  # expert -> its place in `order`, `top` (never on the host) outside it
-    for index, e in enumerate(order):
-        rank[e] = index
-    stack = list(dict.fromkeys(e for experts in reversed(rounds) for e in reversed(experts)))[::-1]  # by last use
-    for e in residents:
-        if e in stack:
-            stack.remove(e)
-        stack.append(e)
+    rounds = [list(dict.fromkeys(experts)) for experts in rounds]
+    stack = _recency(rounds, slots, residents)  # holds every expert the rounds use
+    key = {e: index for index, e in enumerate(order)}  # its place in `order`; the others past every h, each its own
+    for e in stack:
+        key.setdefault(e, len(key))
+    keys = [key[e] for e in stack]
     counted = [0] * (top + 2)  # counted[m]: uses that miss for every h <= m
     for experts in rounds:
+        head = set(keys[max(0, len(keys) - slots):])  # fewer than `slots` experts above: a hit for every h
+        hits, misses = [], []
         for e in experts:
-            own = rank[e]
-            if e in stack:
-                position = stack.index(e)
-                above = stack[position + 1:]
-                del stack[position]
-                if len(above) < slots:
-                    reach = -1
-                else:
-                    ranks = [rank[x] for x in above]
-                    ranks.sort(reverse=True)
-                    reach = ranks[slots - 1]
+            own = key[e]
+            (hits if own in head else misses).append(own)
+        if misses:
+            if slots > 0:
+                stacked = np.array(keys)
+                above = np.arange(len(keys))[None, :] > np.array([keys.index(own) for own in misses])[:, None]
+                reach = np.partition(np.where(above, stacked[None, :], -1), len(keys) - slots, axis=1)[:, len(keys) - slots]
             else:
-                reach = top
-            stack.append(e)
-            last = min(own, reach, top)
-            if last >= 0:
-                counted[last] += 1
-    misses, total = [0] * (top + 1), 0
+                reach = [top] * len(misses)
+            for own, furthest in zip(misses, reach.tolist() if slots > 0 else reach):
+                counted[min(own, furthest, top)] += 1
+        _push_round(keys, hits, misses)
+    misses_by_h, total = [0] * (top + 1), 0
     for h in range(top, -1, -1):
         total += counted[h]
-        misses[h] = total
-    return misses
+        misses_by_h[h] = total
+    return misses_by_h
+
+
+def lru_misses(rounds: Sequence[Sequence[int]], host: Iterable[int], slots: int, residents: Sequence[int] = ()) -> int:
+    """`lru_misses_by_host`'s count for one host set, without the others: the same warm stack and the same order of
+    each round's experts (its h = 0 hits first), so exactly lru_misses_by_host(rounds, order, ...)[len(order)] for any
+    `order` of `host`. The device-path experts keep the whole stack's relative order, so a use misses iff its expert
+    is not among the `slots` most recent of them."""
+    host = frozenset(host)
+    rounds = [list(dict.fromkeys(experts)) for experts in rounds]
+    stack = _recency(rounds, slots, residents)
+    device = [e for e in stack if e not in host]
+    missed = 0
+    for experts in rounds:
+        head, near = set(stack[max(0, len(stack) - slots):]), set(device[max(0, len(device) - slots):])
+        hits, misses = [e for e in experts if e in head], [e for e in experts if e not in head]
+        missed += sum(e not in host and e not in near for e in experts)
+        _push_round(stack, hits, misses)
+        _push_round(device, [e for e in hits if e not in host], [e for e in misses if e not in host])
+    return missed
+
+
+def _replays(state: PlacementState, layer: int) -> bool:
+    """Whether the cost model replays `layer` from the state's rounds (else it reads independent use rates)."""
+    sequence = state.route_sequence
+    return sequence is not None and layer < len(sequence.used) and sequence.tokens > 0
+
+
+def _residents(state: PlacementState, layer: int) -> tuple[int, ...]:
+    return state.initial_residents[layer] if layer < len(state.initial_residents) else ()
+
+
+def _round_blocks(state: PlacementState, layer: int) -> dict[int, int]:
+    """Expert -> the host blocks its rounds would compute at `layer`: ceil(rows / row_bucket) per round that used it,
+    an upper bound on the host path's ceil(n / row_bucket) for the n <= rows rows routed to it (`RouteSequence.rows`)."""
+    memo = state._replayed
+    if (layer, "blocks") not in memo:
+        sequence, blocks = state.route_sequence, {}
+        for experts_used, rows in zip(sequence.used[layer], sequence.rows, strict=True):
+            for e in experts_used:
+                blocks[e] = blocks.get(e, 0) + math.ceil(rows / state.row_bucket)
+        memo[layer, "blocks"] = blocks
+    return memo[layer, "blocks"]
+
+
+def _per_token(state: PlacementState, hosted: int, misses: int, blocks: int) -> tuple[float, float]:
+    """(device misses, host blocks) per committed token; no misses where the layer's device-path experts fit its
+    slots (`preloaded`)."""
+    tokens = state.route_sequence.tokens
+    return (0.0 if state.num_experts - hosted <= state.slots_per_layer else misses / tokens), blocks / tokens
 
 
 def layer_path_uses(state: PlacementState, layer: int, rates: Sequence[float], order: Sequence[int]) -> list[tuple[float, float]]:
     """Per h in 0..len(order): a layer's expected (device-path misses, host blocks) per token with order[:h] on the
     host path and every other expert on the device path (none missed where they fit in the slots: `preloaded`).
 
-    With a `route_sequence`, from its rounds: an LRU of the layer's slots over them, starting from its initial
-    residents (`lru_misses_by_host`), and each host expert ceil(rows / row_bucket) blocks per round that used it,
-    over the tokens the rounds committed. Real routing reuses experts from token to token, which an LRU cache turns
-    into hits while a host expert is computed again each round; independent uses cannot show it. Without one, from
-    `rates` as independent uses: Che's approximation (`expected_misses`) and one block per use."""
-    slots, experts = state.slots_per_layer, state.num_experts
-    sequence = state.route_sequence
-    if sequence is not None and layer < len(sequence.used) and sequence.tokens > 0:
-        rounds = sequence.used[layer]
-        initial = state.initial_residents[layer] if layer < len(state.initial_residents) else ()
-        misses = lru_misses_by_host(rounds, order, slots, initial)
-        blocks: dict[int, int] = {}
-        for experts_used, rows in zip(rounds, sequence.rows):
-            for e in experts_used:
-                blocks[e] = blocks.get(e, 0) + math.ceil(rows / state.row_bucket)
-        uses, host = [], 0.0
-        for h in range(len(order) + 1):
-            if h:
-                host += blocks.get(order[h - 1], 0) / sequence.tokens
-            device_misses = 0.0 if experts - h <= slots else misses[h] / sequence.tokens
-            uses.append((device_misses, host))
-        return uses
+    With a `route_sequence`, from its rounds: an LRU of the layer's slots over them, round by round as the verify
+    counts, warm and with its initial residents used last (`lru_misses_by_host`), and each host expert
+    ceil(rows / row_bucket) blocks per round that used it (an upper bound: `RouteSequence.rows`), over the tokens
+    the rounds committed. Real routing reuses
+    experts from token to token, which an LRU cache turns into hits while a host expert is computed again each round;
+    independent uses cannot show it. The answer for each host set order[:h] is kept on the state (`layer_host_uses`
+    reads it). Without one, from `rates` as independent uses: Che's approximation (`expected_misses`) and one block
+    per use."""
+    if _replays(state, layer):
+        memo = state._replayed
+        if (layer, tuple(order)) not in memo:
+            misses = lru_misses_by_host(state.route_sequence.used[layer], order, state.slots_per_layer,
+                                        _residents(state, layer))
+            blocks, host, uses = _round_blocks(state, layer), 0, []
+            for h in range(len(order) + 1):
+                if h:
+                    host += blocks.get(order[h - 1], 0)
+                uses.append(_per_token(state, h, misses[h], host))
+                memo[layer, frozenset(order[:h])] = uses[-1]
+            memo[layer, tuple(order)] = uses
+        return list(memo[layer, tuple(order)])
     uses, host = [], 0.0
     hosted = set()
     for h in range(len(order) + 1):
         if h:
             hosted.add(order[h - 1])
             host += rates[order[h - 1]]
-        uses.append((expected_misses(rates, [e for e in range(experts) if e not in hosted], slots), host))
+        uses.append((expected_misses(rates, [e for e in range(state.num_experts) if e not in hosted],
+                                     state.slots_per_layer), host))
     return uses
+
+
+def layer_host_uses(state: PlacementState, layer: int, rates: Sequence[float], host: Iterable[int]) -> tuple[float, float]:
+    """`layer_path_uses`' (device-path misses, host blocks) per token for the one host set `host`: from the state's
+    rounds, what a pass over an order through that set kept, else one replay of that set alone (`lru_misses`); without
+    them, Che's approximation over the device-path experts and the host experts' use rates."""
+    host = sorted(set(host))
+    if _replays(state, layer):
+        memo, hosted = state._replayed, frozenset(host)
+        if (layer, hosted) not in memo:
+            misses = lru_misses(state.route_sequence.used[layer], hosted, state.slots_per_layer, _residents(state, layer))
+            blocks = _round_blocks(state, layer)
+            memo[layer, hosted] = _per_token(state, len(host), misses, sum(blocks.get(e, 0) for e in host))
+        return memo[layer, hosted]
+    hosted = set(host)
+    return (expected_misses(rates, [e for e in range(state.num_experts) if e not in hosted], state.slots_per_layer),
+            sum(rates[e] for e in host))
 
 
 def path_seconds(state: PlacementState, misses: float, host_blocks: float, hosts: bool, prefetch_discount: float = 0.0,
@@ -392,10 +501,10 @@ def overlapped(device_s: float, host_s: float, overlap: float = OVERLAP) -> floa
 
 def layer_token_seconds(state: PlacementState, layer: int, rates: Sequence[float], host: Iterable[int],
                         prefetch_discount: float = 0.0, overlap: float = OVERLAP) -> float | None:
-    """Expected seconds per token of layer `layer` whose host-path experts are `host` (`layer_path_uses`,
+    """Expected seconds per token of layer `layer` whose host-path experts are `host` (`layer_host_uses`,
     `path_seconds`). None when a cost it needs is not measured."""
-    host = sorted(set(host))
-    misses, blocks = layer_path_uses(state, layer, rates, host)[-1]
+    host = set(host)
+    misses, blocks = layer_host_uses(state, layer, rates, host)
     return path_seconds(state, misses, blocks, bool(host), prefetch_discount, overlap)
 
 
@@ -422,7 +531,8 @@ def decision_record(state: PlacementState, placement: Placement, prefetch_discou
     and the load's log: the calibration inputs as the model reads them (one expert's copy; one expert's host time by
     the rows it was measured at, a use of n rows costing ceil(n / row_bucket) of those blocks; the link, the host
     threads, the routing as `routing_source` names it, the overlap and prefetch discount weighed) and the expected
-    expert seconds per decoded token of `off` and of `placement` (`token_seconds`; None where a cost is not measured)."""
+    expert seconds per decoded token of `off` and of `placement` (`token_seconds`; None where a cost is not measured).
+    On the state the policy placed from, a trace's replays are those its pass kept (`layer_host_uses`)."""
     off = Placement.device_only(state.num_layers, state.num_experts)
     return {
         "host_experts": placement.total, "host_experts_per_layer": placement.counts(), "slots_per_layer": state.slots_per_layer,

@@ -385,12 +385,13 @@ def replay_all(
 
 @dataclass(frozen=True)
 class PlacementReplay:
-    """One placement replayed over a trace, with what the placement cost model predicted for it (k = 0)."""
+    """One placement replayed over a trace, with what the placement cost model predicted for it."""
 
     result: ReplayResult
     placement: Placement
     predicted_token_s: float | None
-    """`specter.placement.token_seconds`: the expected expert seconds per token of one-row forwards."""
+    """`specter.placement.token_seconds`: the expected expert seconds per committed token, from the rounds the state
+    carries (by default the trace's own, at its k: `trace_placement_state`), else per one-row forward from use counts."""
 
     def to_json(self) -> dict[str, Any]:
         return {**self.result.to_json(), "host_experts": self.placement.total,
@@ -563,7 +564,7 @@ def _compare_placements(args: argparse.Namespace, parser: argparse.ArgumentParse
               + (f" ({first.eviction} x {first.prefetch})" if first else ""))
         print(format_placements(replays))
         print(f"link+host: replayed (per round: unhidden prefetch + per layer both paths at overlap {args.overlap}); "
-              "model: the cost model's expected k = 0 time the placements were chosen by", file=sys.stderr)
+              "model: the cost model's expected time per committed token the placements were chosen by", file=sys.stderr)
     return 0
 
 

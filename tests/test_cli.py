@@ -137,6 +137,27 @@ def test_info_matches_the_files(capsys):
     assert "minimum budget" in text and "full residency" in text and "qwen2_moe" in text
 
 
+def test_info_times_the_host_as_the_builder_calibrates(monkeypatch):
+    """`info`'s measured host figure: the host path's call with one row routed to top_k experts per job, as `calibrate`
+    times it at load, each job on experts no other job read (the tiny model: top-2)."""
+    from specter.cli import checkpoint_summary
+    from specter.experts import costs
+
+    timed = []
+
+    async def time_host_expert(kernel, pool, mlp, hidden_size, row_bucket, threads, device, per_job=1, repeats=costs.REPEATS):
+        timed.append(costs.cold_groups(pool.num_layers, pool.num_experts, per_job, repeats + 1))
+        return 1e-3
+
+    monkeypatch.setattr(costs, "time_host_expert", time_host_expert)
+    summary = checkpoint_summary("tiny", residents=2, link="1", measure=True)
+    [groups] = timed
+    assert all(len(experts) == 2 for _, experts in groups)
+    read = [(layer, expert) for layer, experts in groups for expert in experts]
+    assert len(read) == len(set(read)) == 2 * (costs.REPEATS + 1)
+    assert summary["host_ms_per_expert"] == 1.0
+
+
 def _numel(shape) -> int:
     total = 1
     for size in shape:

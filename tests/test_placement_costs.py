@@ -134,11 +134,9 @@ def test_cold_groups_read_every_expert_once_before_any_again():
 
 
 def test_the_host_is_timed_cold_on_the_host_paths_own_call(monkeypatch):
-    """The H200's Qwen cell (fulldepth-qwen-gen4, 2026-12-02) placed 480 host experts, which the cost model does only
-    for a calibrated host under 0.657 ms per expert, while the run's host path took 0.72-0.83 ms each: the first
-    calibration timed one expert four times, from the last-level cache after the first, on the bare expert function.
+    """Decoding reads each host expert from memory through the host path's own call: the calibration times the same.
     Here an expert read again costs nothing and a first read costs 20 ms: the calibration must report the first read,
-    through `HostExperts.compute_layer`, top_k experts a job."""
+    through `HostExperts.compute_layer`, top_k experts a job, no expert in two jobs."""
     from specter.experts.host import HostExperts
 
     read: list[int] = []

@@ -270,7 +270,7 @@ ALLOWED_CONSTANTS = {
     "specter/placement.py": {"OVERLAP", "SEQUENCE_TOKENS"},  # the cost model's default overlap, a measured property of
     # the machine that the policies take as a constructor option (Auto(overlap=...)), not a switch anyone flips at run
     # time; how many of a routing trace's tokens the load replays through each layer's slots, a bound on the load's
-    # work, not a tuned knob
+    # work that also bounds what the placement is decided from (its docstring says so), not a tuned knob
     "specter/experts/costs.py": {"REPEATS", "LINK_PROBE_BYTES"},  # the load-time calibration's definition (median of
     # 3, a probe of at most 64 MiB), not a tuned knob
     "specter/sampling.py": {"_MASK32"},  # a bit mask of the noise hash
