@@ -35,6 +35,9 @@ def parse_bytes(value: int | float | str) -> int:
     size = int(float(match.group(1)) * _UNITS[unit])
     if size <= 0:
         raise ValueError(f"a byte count must be positive, got {value!r}")
+    if not unit and size < _UNITS["mib"]:
+        # A bare number is bytes; written by hand below a MiB it is a unit left out (`--budget 24`), not a budget.
+        raise ValueError(f"{value!r} is {size} bytes; give a unit, e.g. {match.group(1)}GiB (a number without one is bytes)")
     return size
 
 

@@ -154,6 +154,22 @@ def test_time_budget_skips_cells_and_says_so(tmp_path):
 QUICK = ["--max-new-tokens", "4", "--warmup-tokens", "2", "--link", "1", "--no-progress", "--no-plots", "--no-hf"]
 
 
+def test_a_budget_below_the_minimum_says_so_on_the_console(tmp_path, capsys):
+    """Every cell of a budget too small is skipped: the reason (what the model needs) is printed, not only stored, so
+    an empty table does not read as a run that measured nothing for no reason."""
+    assert cli.main([*QUICK, "--systems", "ondemand", "--budget", "1MiB", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "note: " in err and "ondemand skipped: budget 1.0 MiB is" in err and "short of the minimum" in err, err
+    assert json.loads((tmp_path / "results.json").read_text())["runs"] == []
+
+
+def test_a_budget_without_its_unit_is_refused_before_anything_runs(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([*QUICK, "--systems", "ondemand", "--budget", "24", "--out", str(tmp_path / "out")])
+    assert "'24' is 24 bytes; give a unit, e.g. 24GiB" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("budget", ["0", "-5", "nan", "inf"])
 def test_a_time_budget_that_is_no_positive_number_of_seconds_is_refused(budget, tmp_path, capsys):
     assert cli.main([*QUICK, "--time-budget", budget, "--out", str(tmp_path / "out")]) == 2

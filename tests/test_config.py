@@ -10,7 +10,7 @@ from specter.config import EngineConfig, GenerationConfig, parse_bytes
 from specter.errors import ConfigError
 
 
-@pytest.mark.parametrize("text, expected", [("24GiB", 24 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("4096", 4096), (123, 123)])
+@pytest.mark.parametrize("text, expected", [("24GiB", 24 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("4194304", 4 * 2**20), (123, 123)])
 def test_budget_units(text, expected):
     assert EngineConfig(budget=text).budget == expected
 
@@ -21,11 +21,18 @@ def test_parse_bytes_scales_by_unit(number, unit):
     assert parse_bytes(f"{number}{unit}") == number * scale
 
 
-@pytest.mark.parametrize("bad", ["24 parsecs", "-1GiB", "0", "GiB", ""])
+@pytest.mark.parametrize("bad", ["24 parsecs", "-1GiB", "0", "GiB", "", "24", "4096"])
 def test_bad_budget_names_field_and_value(bad):
     with pytest.raises(ConfigError) as info:
         EngineConfig.build(budget=bad)
     assert "EngineConfig.budget" in str(info.value) and repr(bad) in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["24", "16.5", "1048575"])
+def test_a_bare_number_below_a_mib_asks_for_its_unit(text):
+    """`--budget 24` meant 24GiB: as 24 bytes it skipped every bench cell with nothing on the command line."""
+    with pytest.raises(ValueError, match=rf"{text}GiB"):
+        parse_bytes(text)
 
 
 @pytest.mark.parametrize("field, value, rule", [

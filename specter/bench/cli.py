@@ -330,6 +330,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(line)
     for flag in flags:
         print(f"flag: {flag}")
+    for note in payload["notes"]:  # skipped cells and why (a budget below the minimum, the time budget), model notes
+        if note not in flags:
+            print(f"note: {note}", file=sys.stderr)
     return 0 if all(row["tokens_equal"] for row in summary if row["system"] != "hf-accelerate") else 1
 
 
