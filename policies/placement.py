@@ -86,8 +86,8 @@ class Auto:
     under uniform use, but under skewed use a floor well below what an LRU cache misses (a simulated LRU on a skewed
     profile missed 0.77 per token, Che 0.70, the floor 0.48: tests/test_placement_auto.py).
 
-    One row per forward (k = 0) for every engine: a speculative verify of R <= row_bucket rows copies a missing expert
-    once and computes a host expert on one block, so under independent uniform use both paths scale by the same
+    Without a trace, one row per forward (k = 0) for every engine: a speculative verify of R <= row_bucket rows copies
+    a missing expert once and computes a host expert on one block, so under independent uniform use both paths scale by the same
     q = 1 - (1 - r)^R per round, and one copy against one host block decides at every k. Routing with temporal
     locality favours the device, which use counts do not show: an LRU cache keeps the last rounds' working set while a
     host expert is computed again every round that uses it (the device misses fewer uses, and the host computes fewer,
@@ -105,6 +105,18 @@ class Auto:
     calibration and the config. A trace recorded at k > 0 gives its rounds' misses and blocks per committed token,
     what an engine decoding as it did pays; the engine being placed may run another k.
 
+    An engine that speculates (`PlacementState.speculates`, from its config: a draft depth above 0) does not wait for
+    every device-path miss: its draft prefetches the experts it predicts while the round drafts. With a trace it
+    counts, per layer, only what `specter.replay` models the engine waiting for: the verify's misses after the
+    prefetch plus the prefetch the round's k draft steps do not hide (`specter.placement.prefetch_misses`, the
+    replay's own cache walk over the trace's predictions, warm, with the engine's eviction and prefetch plug-ins),
+    as a share of the LRU's misses in `off` that scales every h's (one replay per layer bounds the load's work;
+    hosting the least used experts leaves the device the better predicted ones, so the share errs toward the
+    device). Counting each miss's full copy had put experts on the host where the replay found that slower than
+    `off`. A k = 0 engine, or a profile without rounds, keeps the LRU's misses (or Che's) at full copy. Whether an
+    engine speculates is config, never the round: its placement is still one for its life, and its output still
+    equals the same placement's k = 0 output.
+
     `overlap` (default 0.0, `specter.placement.OVERLAP`): the share of the shorter path's expected time per layer
     that hides under the longer one, 1 for the longer alone, 0 for the sum. The sum is what the H200's first hybrid
     run fits with the calibrated costs (per layer and token, predicted 14.8 ms, measured 14.5 ms), and with it the
@@ -117,7 +129,8 @@ class Auto:
     the copy in full because the placement also serves k = 0 (the `ondemand-hybrid` baseline), and a prefetched copy
     still occupies the link, so a link-bound round pays for it either way (its prefetches queue on the link, and the
     verify waits for them); a measured window recall times the share of the draft a copy overlaps is the value to put
-    here for a speculative-only deployment (it moves experts back to the device path).
+    here for a speculative-only deployment (it moves experts back to the device path). Where the trace's replay
+    already counts what the prefetch hides (above), leave it 0.
 
     `margin` (default 0.05): a layer takes host experts only where the model predicts at least this share of its time
     saved; else none (and a layer whose costs are not measured takes none), so `auto` is never slower than `off` by

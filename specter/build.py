@@ -229,7 +229,15 @@ def placement_state(cache: ExpertCache, config: EngineConfig, spec: ModelSpec) -
                           slots_per_layer=cache.slots_per_layer, initial_residents=cache.snapshot().layers,
                           expert_bytes=cache.pool.expert_bytes, row_bucket=config.row_bucket,
                           host_threads=config.cpu_threads or host_default_threads(),
-                          link_bytes_per_s=gbps * 1e9 if gbps is not None else cache.transfer.bandwidth_bytes_per_s)
+                          link_bytes_per_s=gbps * 1e9 if gbps is not None else cache.transfer.bandwidth_bytes_per_s,
+                          **speculation(config))
+
+
+def speculation(config: EngineConfig) -> dict:
+    """The `PlacementState` fields of how `config` speculates: whether it drafts rounds of k > 0 (a scout-only or
+    plain engine does not) and the eviction and prefetch plug-ins its prefetch runs through."""
+    return {"speculates": may_speculate(config) and not scout_only(config), "eviction": config.eviction,
+            "prefetch": config.prefetch}
 
 
 async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: ModelSpec, device: torch.device,

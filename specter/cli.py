@@ -287,6 +287,7 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
     from specter import plugins
     from specter.errors import ConfigError
     from specter.experts.costs import routing_profile
+    from specter.build import speculation
     from specter.experts.host import default_threads
     from specter.placement import Placement, PlacementState, copy_seconds, host_seconds, routing_source, token_seconds
 
@@ -307,7 +308,7 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
                            initial_residents=tuple(() for _ in range(layers)), expert_bytes=expert_bytes,
                            row_bucket=config.row_bucket, host_threads=config.cpu_threads or default_threads(),
                            link_bytes_per_s=link, host_expert_s={config.row_bucket: host_s} if host_s is not None else {},
-                           route_counts=counts, route_sequence=sequence)
+                           route_counts=counts, route_sequence=sequence, **speculation(config))
     placed = {name: plugins.load_policy("placement", name).place(state=state) if name != "off" else Placement.device_only(layers, experts)
               for name in dict.fromkeys(("off", "all", "auto", cpu_experts))}
     placement, auto = placed[cpu_experts], placed["auto"]
@@ -334,6 +335,7 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
 
     from specter.config import parse_link
     from specter.experts.costs import REPEATS, reference_expert, time_host_expert, time_link
+    from specter.build import speculation
     from specter.experts.host import default_threads
     from specter.experts.pool import ExpertPool
     from specter.kernel import Kernel

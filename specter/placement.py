@@ -118,6 +118,14 @@ class PlacementState:
     route_sequence: RouteSequence | None = None
     """The same profile's rounds in order (None: counts only, or no profile): the cost model then replays each
     layer's slots over them instead of assuming independent uses (`layer_path_uses`)."""
+    speculates: bool = False
+    """Whether the engine drafts rounds of k > 0 whose draft prefetches the next experts (False: k = 0 only, e.g. a
+    scout-only or plain engine). With `route_sequence`'s rounds, the cost model then counts only the copy time the
+    prefetch does not hide (`prefetch_misses`, `_waited_share`). Filled from EngineConfig where the state is built."""
+    eviction: str = "plan-protect"
+    """EngineConfig.eviction: the `specter.eviction` plug-in the prefetch replay (`prefetch_misses`) evicts with."""
+    prefetch: str = "topm-keep"
+    """EngineConfig.prefetch: the `specter.prefetch` plug-in the prefetch replay plans with."""
     _replayed: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """What `layer_path_uses` and `layer_host_uses` replayed of `route_sequence`, by layer and host set (and by
     layer and candidate order), so that the load's `decision_record` and `token_seconds` read what the policy's pass
@@ -137,6 +145,9 @@ class RouteSequence:
     counts, and the two are equal while rows <= row_bucket)."""
     tokens: int
     """Tokens the rounds committed (accepted + 1 each): the cost model's misses and host blocks are per one of these."""
+    rounds: tuple = field(default=(), compare=False, repr=False)
+    """The trace's rounds themselves (`specter.trace.TraceRound`), with the draft's predictions: for an engine that
+    speculates, the cost model replays the prefetch over them (`prefetch_misses`). Empty: uses only."""
 
     @classmethod
     def of_rounds(cls, rounds: Iterable, num_layers: int, max_tokens: int | None = None) -> RouteSequence:
@@ -145,7 +156,7 @@ class RouteSequence:
         A round that routes fewer than `num_layers` layers is refused: it would put the later rounds' experts against
         another round's rows."""
         used: list[list[tuple[int, ...]]] = [[] for _ in range(num_layers)]
-        rows, tokens = [], 0
+        rows, tokens, kept = [], 0, []
         for trace_round in rounds:
             if max_tokens is not None and tokens >= max_tokens:
                 break
@@ -156,7 +167,8 @@ class RouteSequence:
                 used[layer].append(tuple(dict.fromkeys(int(e) for e in routes.used)))
             rows.append(trace_round.k + 1)
             tokens += trace_round.accepted + 1
-        return cls(tuple(tuple(layer) for layer in used), tuple(rows), tokens)
+            kept.append(trace_round)
+        return cls(tuple(tuple(layer) for layer in used), tuple(rows), tokens, tuple(kept))
 
 
 @runtime_checkable
@@ -403,6 +415,44 @@ def _replays(state: PlacementState, layer: int) -> bool:
     return sequence is not None and layer < len(sequence.used) and sequence.tokens > 0
 
 
+def _hides(state: PlacementState, layer: int) -> bool:
+    """Whether the cost model replays the draft's prefetch at `layer` (`prefetch_misses`)."""
+    return (state.speculates and _replays(state, layer) and bool(state.route_sequence.rounds)
+            and bool(state.link_bytes_per_s))
+
+
+def prefetch_misses(state: PlacementState, layer: int) -> float:
+    """The copies of one expert `layer` waits for per pass over the state's rounds in `off`, in a speculating engine:
+    the replay's verify misses after the draft's prefetch (`specter.replay.layer_prefetch_costs`, warm), plus the part
+    of each round's prefetch its drafting does not hide, in expert copies. The replay charges a round's prefetch beyond
+    what the link moves in its k draft steps to the round as a whole; each layer's share of that budget here is its
+    share of the round's prefetched experts, so the layers sum to the replay's time exactly."""
+    memo = state._replayed
+    if "off walks" not in memo:
+        from specter.replay import hidden_bytes, layer_prefetch_costs  # the replay imports this module
+
+        walks = [layer_prefetch_costs(state, other, frozenset(), state.eviction, state.prefetch)
+                 for other in range(state.num_layers)]
+        waited = [0.0] * state.num_layers
+        for index, trace_round in enumerate(state.route_sequence.rounds):
+            total = sum(walk[index][0] for walk in walks)
+            budget = hidden_bytes(trace_round, state.link_bytes_per_s) / state.expert_bytes
+            for other, walk in enumerate(walks):
+                prefetched, misses = walk[index]
+                share = prefetched / total if total else 1.0 / state.num_layers
+                waited[other] += misses + max(0.0, prefetched - share * budget)
+        memo["off walks"] = waited
+    return memo["off walks"][layer]
+
+
+def _waited_share(state: PlacementState, layer: int, lru_off: int) -> float:
+    """What the speculating engine waits for at `layer` per miss of its LRU cache without prefetch, in `off`: the
+    replay's (`prefetch_misses`) over the LRU's, 1 where the LRU misses nothing. It scales the LRU's misses for every
+    host set: one replay per layer bounds the load's work, and hosting the least used experts leaves the device those
+    the draft predicts best, so the share errs toward the device."""
+    return prefetch_misses(state, layer) / lru_off if lru_off else 1.0
+
+
 def _residents(state: PlacementState, layer: int) -> tuple[int, ...]:
     return state.initial_residents[layer] if layer < len(state.initial_residents) else ()
 
@@ -444,6 +494,9 @@ def layer_path_uses(state: PlacementState, layer: int, rates: Sequence[float], o
         if (layer, tuple(order)) not in memo:
             misses = lru_misses_by_host(state.route_sequence.used[layer], order, state.slots_per_layer,
                                         _residents(state, layer))
+            if _hides(state, layer):
+                scale = _waited_share(state, layer, misses[0])
+                misses = [m * scale for m in misses]
             blocks, host, uses = _round_blocks(state, layer), 0, []
             for h in range(len(order) + 1):
                 if h:
@@ -472,6 +525,9 @@ def layer_host_uses(state: PlacementState, layer: int, rates: Sequence[float], h
         memo, hosted = state._replayed, frozenset(host)
         if (layer, hosted) not in memo:
             misses = lru_misses(state.route_sequence.used[layer], hosted, state.slots_per_layer, _residents(state, layer))
+            if _hides(state, layer):
+                off = lru_misses(state.route_sequence.used[layer], (), state.slots_per_layer, _residents(state, layer))
+                misses *= _waited_share(state, layer, off)
             blocks = _round_blocks(state, layer)
             memo[layer, hosted] = _per_token(state, len(host), misses, sum(blocks.get(e, 0) for e in host))
         return memo[layer, hosted]

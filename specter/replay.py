@@ -207,17 +207,12 @@ def replay(
     if placement.active and host_block_s is None:
         raise SpecterError(f"placement {placement_name!r} computes experts on the host: give the host's seconds per expert "
                            "block (--host-ms)")
-    cache = CacheModel(header.num_layers, slots, eviction, preloaded(placement, slots))
     bandwidth = link_gbps * 1e9
     copy_s = header.expert_bytes / bandwidth
     tally = _Tally()
-    for trace_round in rounds:
-        routed = _on_paths(trace_round, placement)
-        timing = LinkTiming(bandwidth, trace_round.draft_step_s, header.expert_bytes)
-        plan, prefetched = _prefetch_round(cache, routed.device, header, prefetch, timing, placement)
-        layer_misses = _verify_round(cache, routed.device, plan, prefetched, tally, roll)
-        hidden_bytes = trace_round.k * trace_round.draft_step_s * bandwidth
-        unhidden = max(0.0, len(prefetched) * header.expert_bytes - hidden_bytes) / bandwidth
+    walk = _walk(header, rounds, eviction, prefetch, bandwidth, slots, roll, placement, tally)
+    for trace_round, routed, prefetched, layer_misses in walk:
+        unhidden = max(0.0, len(prefetched) * header.expert_bytes - hidden_bytes(trace_round, bandwidth)) / bandwidth
         host_s = [len(used) * math.ceil((trace_round.k + 1) / row_bucket) * (host_block_s or 0.0) for used in routed.host]
         tally.stall_s += unhidden
         tally.host_computed += sum(map(len, routed.host))
@@ -241,6 +236,40 @@ def replay(
         host_s=tally.host_s,
         modelled_s=tally.modelled_s,
     )
+
+
+def _walk(header: TraceHeader, rounds: Sequence[TraceRound], eviction: EvictionPolicy, prefetch: PrefetchPolicy,
+          bandwidth: float, slots: int, roll: int, placement: Placement, tally: _Tally):
+    """The replay's rounds in order, each as (round, its paths under `placement`, the (layer, expert) pairs its
+    prefetch loaded, each layer's verify misses), through one cache that starts with `placement`'s preloaded experts."""
+    cache = CacheModel(header.num_layers, slots, eviction, preloaded(placement, slots))
+    for trace_round in rounds:
+        routed = _on_paths(trace_round, placement)
+        timing = LinkTiming(bandwidth, trace_round.draft_step_s, header.expert_bytes)
+        plan, prefetched = _prefetch_round(cache, routed.device, header, prefetch, timing, placement)
+        yield trace_round, routed, prefetched, _verify_round(cache, routed.device, plan, prefetched, tally, roll)
+
+
+def hidden_bytes(trace_round: TraceRound, bandwidth: float) -> float:
+    """The bytes of a round's prefetch its drafting hides: what the link moves in the round's k draft steps."""
+    return trace_round.k * trace_round.draft_step_s * bandwidth
+
+
+def layer_prefetch_costs(state: PlacementState, layer: int, host: frozenset[int], eviction: str, prefetch: str,
+                         roll: int | str = "engine") -> list[tuple[int, int]]:
+    """Per round of `state.route_sequence.rounds`, (experts the prefetch loaded, verify misses) at `layer` alone with
+    `host` on the host path: `replay`'s cache walk restricted to the one layer (its prefetch plans, eviction and verify
+    are per layer, so the layer's counts are those of the whole model's replay), started warm as the placement cost
+    model's LRU starts (one uncounted pass over the rounds first)."""
+    roll = engine_roll() if roll == "engine" else roll
+    rounds = [dataclasses.replace(r, layers=[r.layers[layer]], checkpoints=None if r.checkpoints is None else tuple(
+        (steps, (rows[layer],)) for steps, rows in r.checkpoints)) for r in state.route_sequence.rounds]
+    header = TraceHeader("", 1, state.num_experts, state.expert_bytes, state.top_k, state.slots_per_layer)
+    placement = Placement.of([host], 1, state.num_experts)
+    walk = _walk(header, rounds + rounds, load_policy("eviction", eviction), load_policy("prefetch", prefetch),
+                 state.link_bytes_per_s, state.slots_per_layer, roll, placement, _Tally())
+    counts = [(sum(1 for _ in prefetched), misses) for _, _, prefetched, [misses] in walk]
+    return counts[len(rounds):]
 
 
 @dataclass(frozen=True)
@@ -401,11 +430,13 @@ class PlacementReplay:
 def trace_placement_state(header: TraceHeader, rounds: Sequence[TraceRound], link_gbps: float, host_block_s: float | None,
                           *, slots_per_layer: int | None = None, row_bucket: int = 16,
                           profile: Sequence[Sequence[float]] | None = None,
-                          sequence: RouteSequence | None = None) -> PlacementState:
+                          sequence: RouteSequence | None = None, eviction: str = "plan-protect",
+                          prefetch: str = "topm-keep") -> PlacementState:
     """What a placement policy would see of the engine that recorded the trace, placing at load (an empty cache):
     the link at `link_gbps`, the host at `host_block_s` per block, and the routing profile `profile` with its rounds
     in order `sequence` (None for both: the trace's own use counts and rounds, up to `SEQUENCE_TOKENS` tokens, which
-    flatters a policy that reads them, since they are the future being replayed)."""
+    flatters a policy that reads them, since they are the future being replayed). The engine speculates, with
+    `eviction` and `prefetch`, where some replayed round drafted (k > 0), as the recording engine did."""
     if profile is None and sequence is None:
         profile = use_counts(rounds, header.num_layers, header.num_experts)
         sequence = RouteSequence.of_rounds(rounds, header.num_layers, SEQUENCE_TOKENS) if rounds else None
@@ -414,7 +445,9 @@ def trace_placement_state(header: TraceHeader, rounds: Sequence[TraceRound], lin
                           initial_residents=tuple(() for _ in range(header.num_layers)), expert_bytes=header.expert_bytes,
                           row_bucket=row_bucket, link_bytes_per_s=link_gbps * 1e9,
                           host_expert_s={row_bucket: host_block_s} if host_block_s is not None else {},
-                          route_counts=profile, route_sequence=sequence)
+                          route_counts=profile, route_sequence=sequence,
+                          speculates=any(trace_round.k > 0 for trace_round in rounds), eviction=eviction,
+                          prefetch=prefetch)
 
 
 def replay_placements(
@@ -438,7 +471,8 @@ def replay_placements(
     engine's defaults unless given), in the order given. `overlap`: how the replay and the prediction combine a layer's
     two paths (`specter.placement.overlapped`); a policy object brings its own for its choice."""
     state = trace_placement_state(header, rounds, link_gbps, host_block_s, slots_per_layer=slots_per_layer,
-                                  row_bucket=row_bucket, profile=profile, sequence=sequence)
+                                  row_bucket=row_bucket, profile=profile, sequence=sequence, eviction=eviction,
+                                  prefetch=prefetch)
     replays = []
     for named in names:
         policy = load_policy("placement", named) if isinstance(named, str) else named

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,8 +28,16 @@ from specter.placement import (
     token_seconds,
     use_rates,
 )
-from specter.replay import CacheModel, _Tally, _verify_round, engine_roll
-from specter.trace import LayerRoutes, TraceHeader, TraceRound, TraceWriter, use_counts
+from specter.replay import (
+    CacheModel,
+    _Tally,
+    _verify_round,
+    engine_roll,
+    replay,
+    replay_placements,
+    trace_placement_state,
+)
+from specter.trace import LayerRoutes, TraceHeader, TraceRound, TraceWriter, read_trace, use_counts
 
 MS = 1e-3
 EXPERT_BYTES = 1024
@@ -270,3 +279,40 @@ def test_info_weighs_a_trace_profile_by_its_rounds(quiet_logs_after, tiny, tmp_p
     assert plain["routing"] == "uniform" and plain["predicted_ms_per_token"]["off"] > summary["predicted_ms_per_token"]["off"]
     assert main(["info", str(tiny), "--residents", "2", "--link", "1", "--placement-profile", str(trace), "--no-measure"]) == 0
     assert "(sequence routing)" in capsys.readouterr().out
+
+
+H200_TRACES = Path(__file__).resolve().parents[1] / "benchmarks/results/h200-2026-11-30/sixteenth/trace16/traces"
+
+
+@pytest.mark.parametrize("name", ["trace-r15.jsonl", "trace-r8.jsonl"])
+def test_a_speculating_engines_off_is_the_replays_warm_off_and_auto_is_not_slower_than_it(name):
+    """With the draft's predictions in the profile's rounds, a speculating engine's device path waits only for the
+    verify's misses and the prefetch its drafting does not hide, as the replay models them: `off`'s prediction is the
+    replay's over a warm cache (the second of two passes over the rounds), and at a host block of 0.8 ms, where the
+    replay finds every host expert slower than its copy, `auto` places nothing (it placed 314 and 242 experts, 4-5 %
+    slower, when each device miss counted its full copy)."""
+    header, rounds = read_trace(H200_TRACES / name)
+    off = Placement.device_only(header.num_layers, header.num_experts)
+    for host_ms in (0.8, 0.5):
+        state_ = trace_placement_state(header, rounds, 25.0, host_ms * MS)
+        assert state_.speculates
+        once = replay(header, rounds, "plan-protect", "topm-keep", 25.0)
+        twice = replay(header, list(rounds) * 2, "plan-protect", "topm-keep", 25.0)
+        assert token_seconds(state_, off) == pytest.approx((twice.modelled_s - once.modelled_s) / once.tokens, rel=1e-9)
+    [off_replayed, auto_replayed] = replay_placements(header, rounds, ["off", "auto"], 25.0, 0.8 * MS)
+    assert auto_replayed.result.modelled_s <= off_replayed.result.modelled_s
+    assert auto_replayed.placement.total == 0
+    [off_replayed, auto_replayed] = replay_placements(header, rounds, ["off", "auto"], 25.0, 0.5 * MS)
+    # the host still wins where it is fast
+    assert auto_replayed.result.modelled_s < 0.8 * off_replayed.result.modelled_s
+
+
+def test_an_engine_that_does_not_speculate_is_placed_by_the_lru_alone():
+    """k = 0 (or a profile without a link to pace the prefetch): every miss costs its full copy, as before."""
+    header, rounds = read_trace(H200_TRACES / "trace-r15.jsonl")
+    plain = dataclasses.replace(trace_placement_state(header, rounds, 25.0, 0.8 * MS), speculates=False)
+    sequence = plain.route_sequence
+    misses = sum(lru_misses(sequence.used[layer], (), plain.slots_per_layer) for layer in range(header.num_layers))
+    off = Placement.device_only(header.num_layers, header.num_experts)
+    assert token_seconds(plain, off) == pytest.approx(misses / sequence.tokens * header.expert_bytes / 25e9, rel=1e-12)
+    assert Auto().place(plain).total == 314  # what it placed before the prefetch was modelled

@@ -417,6 +417,10 @@ class BenchRuntime(Runtime):
         cell's systems)."""
         state = dataclasses.replace(placement_state(self.cache, self.config, self.spec), link_bytes_per_s=None,
                                     host_threads=threads)
+        if self.system is not None:  # the cell's system speculates, not the config the runtime was built with
+            system = self.system  # k None: the bench's --k
+            state = dataclasses.replace(state, eviction=system.eviction, prefetch=system.prefetch,
+                                        speculates=system.lookahead != "fixed" or system.k != 0)
         if initial is not None:
             state = dataclasses.replace(state, initial_residents=tuple(tuple(layer) for layer in initial))
         if threads not in self.calibrations:
