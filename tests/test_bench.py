@@ -864,3 +864,40 @@ def test_bench_threads_below_one_are_one_line_errors(tmp_path, capsys):
     assert cli.main(["--threads", "0", "--no-progress", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --threads 0: expected 1 or more") and err.count("\n") == 1, err
+
+
+def test_systems_placed_differently_by_one_policy_each_get_their_own_baseline(tmp_path, monkeypatch):
+    """A placement may depend on whether the cell's system speculates (a trace profile's prefetch model), so two
+    systems of one cell under the same policy name can be placed differently: each is held to the k = 0 run of its own
+    placement, not to the first one's."""
+    from specter import plugins
+    from specter.bench import protocol
+    from specter.placement import Placement
+
+    class BySpeculation:
+        name = "by-speculation"
+
+        def place(self, state):
+            expert = 1 if state.speculates else 2
+            return Placement.of([[expert]] * state.num_layers, state.num_layers, state.num_experts)
+
+    load_policy = plugins.load_policy
+    monkeypatch.setattr(plugins, "load_policy", lambda group, name, **kwargs: (
+        BySpeculation() if (group, name) == ("placement", "auto") else load_policy(group, name, **kwargs)))
+    tables = []
+    placed = protocol.ModelBench._placement_baseline
+
+    async def spy(self, runtime, system, start_state, cell):
+        await placed(self, runtime, system, start_state, cell)
+        tables.append(dict(self.placed_baseline))
+
+    monkeypatch.setattr(protocol.ModelBench, "_placement_baseline", spy)
+    code = cli.main(["--systems", "ondemand,ondemand-hybrid,specter-hybrid", "--max-new-tokens", "6", "--warmup-tokens",
+                     "4", "--link", "1", "--no-progress", "--no-plots", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert code == 0 and all(row["tokens_equal"] for row in results["summary"]), results["summary"]
+    placements = {key[2] for key in tables[-1]}  # (setting, link, placement, prompt): one baseline per placement
+    assert len(tables) == 2 and len(placements) == 2, placements
+    assert {placement[0] for placement in placements} == {frozenset({1}), frozenset({2})}
+    runs = [run for run in results["runs"] if run["system"].endswith("-hybrid")]
+    assert runs and all(run["host_computed_experts"] > 0 for run in runs)

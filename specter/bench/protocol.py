@@ -236,7 +236,8 @@ class ModelBench:
         request (the cell's own requests at k = 0), times the repeats; see `_cell`."""
         self.baseline: dict[tuple[str, str, int], list[int]] = {}  # Prompt.key -> tokens: resident, k = 0
         self.offloaded_baseline: dict[tuple[str, str, int], list[int]] = {}  # offloaded, k = 0 (ondemand)
-        self.placed_baseline: dict[tuple[str, str, str, tuple[str, str, int]], list[int]] = {}
+        self.placed_baseline: dict[tuple, list[int]] = {}  # (setting, link, the placement's host sets, Prompt.key)
+        self.placed: tuple[frozenset[int], ...] = ()  # the running cell's placement (its host sets; () for off)
         """(setting, link, placement name, Prompt.key) -> tokens of that placement's k = 0 run from the cell's start."""
         self.routes: dict[tuple[int, str, str, int], Routes] = {}
         self.schedules: dict[tuple[str, str, str, str, int], tuple[list[int], Routes]] = {}
@@ -418,8 +419,11 @@ class ModelBench:
         start_state = initial_state(initial, slots) if initial is not None else None
         key = (cell["setting"], link)
         if runtime.cache is not None:
-            await runtime.use_placement(system.cpu_experts, start_state, self.desktop_threads(link),
-                                        **self.placement_options(system.cpu_experts))
+            # Baselines are shared by placement, not by policy name: the same policy may place a speculating system
+            # and its k = 0 sibling differently (a trace profile's prefetch model), and each is held to its own.
+            placement = await runtime.use_placement(system.cpu_experts, start_state, self.desktop_threads(link),
+                                                    **self.placement_options(system.cpu_experts))
+            self.placed = placement.host if placement is not None else ()
             cell["host_threads"] = runtime.host_threads
             cell["placement"] = runtime.placement_decision
             if system.cpu_experts != "off":
@@ -453,14 +457,14 @@ class ModelBench:
         """The baseline of a system with host experts: the same placement at k = 0 from the same start (the engine
         alone, one token at a time, DESIGN section 5), run untimed once per cell and placement. A host expert rounds
         as the host does, so the placement-off baseline is not the one its tokens must equal."""
-        if all((*cell, system.cpu_experts, prompt.key) in self.placed_baseline for prompt in self.requests):
+        if all((*cell, self.placed, prompt.key) in self.placed_baseline for prompt in self.requests):
             return
         runtime.configure(dataclasses.replace(SYSTEMS["ondemand"], cpu_experts=system.cpu_experts), 0)
         for prompt in self.requests:
             if start_state is not None:
                 await runtime.cache.restore(CacheSnapshot(start_state))
             result = await runtime.complete_ids(prompt.ids, self.generation(prompt=prompt))
-            self.placed_baseline[(*cell, system.cpu_experts, prompt.key)] = result.tokens
+            self.placed_baseline[(*cell, self.placed, prompt.key)] = result.tokens
         runtime.configure(system, self.options.k)
 
     async def _request(self, runtime: BenchRuntime, system: System, prompt: Prompt, start_state, cell: tuple[str, str],
@@ -485,7 +489,7 @@ class ModelBench:
         baselines = self.offloaded_baseline if runtime.cache is not None else self.baseline
         expected = baselines.get(prompt.key)
         if system.cpu_experts != "off":  # like with like: the same placement's own k = 0 run
-            expected = self.placed_baseline.get((*cell, system.cpu_experts, prompt.key))
+            expected = self.placed_baseline.get((*cell, self.placed, prompt.key))
         floor = None
         if routes is not None:  # the fewest decode bytes any system with these slots could have moved for these rounds
             slots = runtime.memory.slots_per_layer

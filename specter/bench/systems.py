@@ -412,9 +412,9 @@ class BenchRuntime(Runtime):
 
     async def _placement_state(self, initial: Sequence[Sequence[int]] | None, threads: int) -> PlacementState:
         """What a placement policy sees at a cell's start: the cache holding `initial`, the cell's link (emulated, else
-        the real one probed once) and the host calibrated once per thread count, never the transfer engine's running
-        estimate, so that every placement of one cell and link is the same (the placement baseline is shared by the
-        cell's systems)."""
+        the real one probed once), the host calibrated once per thread count (never the transfer engine's running
+        estimate) and whether the cell's system speculates, so that a placement depends on the cell and system only
+        (the placement baseline is shared by the cell's systems that get the same placement)."""
         state = dataclasses.replace(placement_state(self.cache, self.config, self.spec), link_bytes_per_s=None,
                                     host_threads=threads)
         if self.system is not None:  # the cell's system speculates, not the config the runtime was built with
