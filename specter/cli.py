@@ -335,7 +335,6 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
 
     from specter.config import parse_link
     from specter.experts.costs import REPEATS, reference_expert, time_host_expert, time_link
-    from specter.build import speculation
     from specter.experts.host import default_threads
     from specter.experts.pool import ExpertPool
     from specter.kernel import Kernel

@@ -11,11 +11,11 @@ target's function is fixed and speculative output equals target-only (k = 0) out
 from __future__ import annotations
 
 import math
-
-import numpy as np
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 from specter.errors import ConfigError
 
@@ -453,6 +453,15 @@ def _waited_share(state: PlacementState, layer: int, lru_off: int) -> float:
     return prefetch_misses(state, layer) / lru_off if lru_off else 1.0
 
 
+def _lru_off(state: PlacementState, layer: int) -> int:
+    """The LRU misses of `layer` with no host experts (`off`), replayed once per state and layer."""
+    memo = state._replayed
+    if (layer, "lru off") not in memo:
+        memo[layer, "lru off"] = lru_misses(state.route_sequence.used[layer], (), state.slots_per_layer,
+                                            _residents(state, layer))
+    return memo[layer, "lru off"]
+
+
 def _residents(state: PlacementState, layer: int) -> tuple[int, ...]:
     return state.initial_residents[layer] if layer < len(state.initial_residents) else ()
 
@@ -494,6 +503,7 @@ def layer_path_uses(state: PlacementState, layer: int, rates: Sequence[float], o
         if (layer, tuple(order)) not in memo:
             misses = lru_misses_by_host(state.route_sequence.used[layer], order, state.slots_per_layer,
                                         _residents(state, layer))
+            memo.setdefault((layer, "lru off"), misses[0])  # h = 0 is exact: `off` for `layer_host_uses`
             if _hides(state, layer):
                 scale = _waited_share(state, layer, misses[0])
                 misses = [m * scale for m in misses]
@@ -526,8 +536,7 @@ def layer_host_uses(state: PlacementState, layer: int, rates: Sequence[float], h
         if (layer, hosted) not in memo:
             misses = lru_misses(state.route_sequence.used[layer], hosted, state.slots_per_layer, _residents(state, layer))
             if _hides(state, layer):
-                off = lru_misses(state.route_sequence.used[layer], (), state.slots_per_layer, _residents(state, layer))
-                misses *= _waited_share(state, layer, off)
+                misses *= _waited_share(state, layer, _lru_off(state, layer))
             blocks = _round_blocks(state, layer)
             memo[layer, hosted] = _per_token(state, len(host), misses, sum(blocks.get(e, 0) for e in host))
         return memo[layer, hosted]
