@@ -112,9 +112,14 @@ def resolve_dtype(config: EngineConfig, spec: ModelSpec) -> torch.dtype:
     return _DTYPES.get(name, torch.float32)
 
 
+def drafts_rounds(lookahead: str, k: int) -> bool:
+    """Whether a lookahead policy and depth draft rounds of k > 0: all but the depth fixed at 0."""
+    return not (lookahead == "fixed" and k == 0)
+
+
 def scout_only(config: EngineConfig) -> bool:
     """The draft would serve only the scout: the depth is fixed at 0."""
-    return config.lookahead == "fixed" and config.draft.k == 0
+    return not drafts_rounds(config.lookahead, config.draft.k)
 
 
 def may_speculate(config: EngineConfig) -> bool:

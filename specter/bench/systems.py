@@ -20,7 +20,7 @@ from specter import plugins
 from specter.config import DraftConfig, EngineConfig
 from specter.errors import BudgetError, ConfigError
 from specter.experts.transfer import LinkEmulation, parse_link
-from specter.build import OFF, apply_placement, new_cache, placement_state
+from specter.build import OFF, apply_placement, drafts_rounds, new_cache, placement_state
 from specter.experts.costs import Calibration, calibrate
 from specter.experts.host import default_threads
 from specter.engine import Runtime
@@ -325,6 +325,7 @@ class BenchRuntime(Runtime):
         self.books = BenchBooks(lambda: self.memory.slots_per_layer)
         super().__init__(*args, observers=[self.books], plan_source=self.books, **kwargs)
         self.system: System | None = None
+        self.depth = 0  # the configured system's depth (its own k, else the bench's --k)
         self.link_gbps: float | None = None
         """The link `set_link` emulates (None: the real one)."""
         self.calibrations: dict[int, Calibration] = {}
@@ -341,7 +342,7 @@ class BenchRuntime(Runtime):
     # -- switching systems ------------------------------------------------------------------------------
     def configure(self, system: System, k: int) -> None:
         """Policies, estimates, use history and hooks of `system`; `k` is the fixed depth where it has none."""
-        depth = system.k if system.k is not None else k
+        depth = self.depth = system.k if system.k is not None else k
         if system.speculative and self.draft is None:
             raise ConfigError(f"system {system.name} needs a draft, but this runtime was built without one")
         self.system = system
@@ -418,9 +419,8 @@ class BenchRuntime(Runtime):
         state = dataclasses.replace(placement_state(self.cache, self.config, self.spec), link_bytes_per_s=None,
                                     host_threads=threads)
         if self.system is not None:  # the cell's system speculates, not the config the runtime was built with
-            system = self.system  # k None: the bench's --k
-            state = dataclasses.replace(state, eviction=system.eviction, prefetch=system.prefetch,
-                                        speculates=system.lookahead != "fixed" or system.k != 0)
+            state = dataclasses.replace(state, eviction=self.system.eviction, prefetch=self.system.prefetch,
+                                        speculates=self.draft is not None and drafts_rounds(self.system.lookahead, self.depth))
         if initial is not None:
             state = dataclasses.replace(state, initial_residents=tuple(tuple(layer) for layer in initial))
         if threads not in self.calibrations:
