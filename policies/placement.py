@@ -113,7 +113,8 @@ class Auto:
     as a share of the LRU's misses in `off` that scales every h's (one replay per layer bounds the load's work;
     hosting the least used experts leaves the device the better predicted ones, so the share errs toward the
     device). Counting each miss's full copy had put experts on the host where the replay found that slower than
-    `off`. A k = 0 engine, or a profile without rounds, keeps the LRU's misses (or Che's) at full copy. Whether an
+    `off`. A k = 0 engine, or a profile without rounds, keeps the LRU's misses (or Che's) at full copy, except that
+    a speculating engine without rounds (and without a `prefetch_discount`) is placed `off` (`prices_misses`). Whether an
     engine speculates is config, never the round: its placement is still one for its life, and its output still
     equals the same placement's k = 0 output.
 
@@ -156,9 +157,20 @@ class Auto:
         self.margin = margin
 
     def place(self, state: PlacementState) -> Placement:
+        if not self.prices_misses(state):
+            return Placement.device_only(state.num_layers, state.num_experts)
         rates = use_rates(state)
         return Placement.of([self.layer_host(state, layer, rates[layer]) for layer in range(state.num_layers)],
                             state.num_layers, state.num_experts)
+
+    def prices_misses(self, state: PlacementState) -> bool:
+        """Whether the model can price the device path's misses for this engine: always at k = 0; for an engine that
+        speculates, only from a trace's rounds (its prefetch replay) or a `prefetch_discount` the deployment measured.
+        Without either, the model charges every miss its full copy under independent use, while the engine's draft
+        prefetches most of them ahead of the verify and its rounds reuse what the last ones loaded; on the H200's
+        full-depth Qwen1.5-MoE cells it then put every non-resident on the host and decoded 1.8-2.1x slower than
+        placing nothing, so without a trace such an engine keeps every expert on the device path."""
+        return not state.speculates or state.route_sequence is not None or self.prefetch_discount > 0.0
 
     def layer_host(self, state: PlacementState, layer: int, rates: Sequence[float]) -> list[int]:
         """The host-path experts of one layer (none when nothing is gained by at least `margin`)."""

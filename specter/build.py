@@ -257,6 +257,11 @@ async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: 
     placement = policy.place(state=state)
     decision = decision_record(state, placement, getattr(policy, "prefetch_discount", 0.0), getattr(policy, "overlap", OVERLAP))
     log.info("placement.decided", policy=getattr(policy, "name", None), **decision)
+    if getattr(policy, "prices_misses", None) is not None and not policy.prices_misses(state):
+        log.warning("placement.needs_trace", policy=policy.name,
+                    hint="this engine speculates and has no routing trace to price its misses from, so every expert "
+                         "stays on the device path; record one with `specter generate --trace PATH` on your own text "
+                         "and pass it as placement_profile (--placement-profile)")
     if not placement.active:
         return None
     return await apply_placement(placement, cache, config, device, policy, state)

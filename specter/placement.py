@@ -595,7 +595,8 @@ def decision_record(state: PlacementState, placement: Placement, prefetch_discou
     """What a placement was decided from and what the cost model predicts of it, in seconds, for the bench's results
     and the load's log: the calibration inputs as the model reads them (one expert's copy; one expert's host time by
     the rows it was measured at, a use of n rows costing ceil(n / row_bucket) of those blocks; the link, the host
-    threads, the routing as `routing_source` names it, the overlap and prefetch discount weighed) and the expected
+    threads, the routing as `routing_source` names it, whether the engine speculates (`auto` places nothing for one
+    without a trace: `Auto.prices_misses`), the overlap and prefetch discount weighed) and the expected
     expert seconds per decoded token of `off` and of `placement` (`token_seconds`; None where a cost is not measured).
     On the state the policy placed from, a trace's replays are those its pass kept (`layer_host_uses`)."""
     off = Placement.device_only(state.num_layers, state.num_experts)
@@ -604,7 +605,7 @@ def decision_record(state: PlacementState, placement: Placement, prefetch_discou
         "copy_s_per_expert": copy_seconds(state), "host_s_per_expert_by_rows": {str(rows): seconds for rows, seconds in
                                                                                 sorted(state.host_expert_s.items())},
         "row_bucket": state.row_bucket, "link_bytes_per_s": state.link_bytes_per_s, "host_threads": state.host_threads,
-        "routing": routing_source(state), "overlap": overlap,
+        "routing": routing_source(state), "speculates": state.speculates, "overlap": overlap,
         "prefetch_discount": prefetch_discount,
         "predicted_s_per_token": {"off": token_seconds(state, off, prefetch_discount, overlap),
                                   "placed": token_seconds(state, placement, prefetch_discount, overlap)},

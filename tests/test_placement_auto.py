@@ -92,9 +92,10 @@ QWEN_EXPERT_BYTES = 3 * 2048 * 1408 * 2  # Qwen1.5-MoE-A2.7B's routed expert in 
 
 def qwen_cell(host_s: float, link_bytes_per_s: float = 25e9, initial: int = 32) -> PlacementState:
     """The H200's full-depth Qwen1.5-MoE-A2.7B cell of 2026-12-02 (benchmarks/results/h200-2026-12-02/
-    fulldepth-qwen-gen4): 24 MoE layers of 60 experts, top-4, a 24 GiB budget that leaves `specter-hybrid` 40 slots
-    per layer (the bench's "slots"), 15 host threads, Gen4 (25 GB/s: 0.692 ms per expert). The cell started from the
-    warm-up's cache, about 32 experts per layer (`cpu-experts` placed 683 of 1440 on the host)."""
+    fulldepth-qwen-gen4 as of commit bb10da2; a later checkpoint's run replaced it): 24 MoE layers of 60 experts,
+    top-4, a 24 GiB budget that leaves `specter-hybrid` 40 slots per layer (the bench's "slots"), 15 host threads,
+    Gen4 (25 GB/s: 0.692 ms per expert). The cell started from the warm-up's cache, about 32 experts per layer
+    (`cpu-experts` placed 683 of 1440 on the host)."""
     return PlacementState(num_layers=24, num_experts=60, top_k=4, slots_per_layer=40,
                           initial_residents=tuple(tuple(range(initial)) for _ in range(24)),
                           expert_bytes=QWEN_EXPERT_BYTES, row_bucket=16, host_threads=15,
@@ -116,8 +117,8 @@ def test_the_full_depth_qwen_cell_at_gen4_stays_on_the_device(host_ms):
 
 
 def test_the_full_depth_qwen_cell_at_the_native_link_stays_on_the_device():
-    """fulldepth-qwen-native: the same shape over the H200's own link (55 GB/s pinned, 0.315 ms per expert) placed
-    nothing, as it should."""
+    """fulldepth-qwen-native (as of bb10da2): the same shape over the H200's own link (55 GB/s pinned, 0.315 ms per
+    expert) placed nothing, as it should."""
     assert Auto().place(qwen_cell(0.78 * MS, link_bytes_per_s=55e9)).total == 0
 
 
@@ -402,3 +403,21 @@ def test_info_prints_the_costs_and_what_auto_would_do(quiet_logs_after, tiny, ca
     assert main(["info", str(tiny), "--residents", "2", "--link", "1", "--cpu-threads", "1", "--cpu-experts", "auto"]) == 0
     out = capsys.readouterr().out
     assert "expert costs    copy" in out and "auto would" in out and "predicted expert ms per token: off" in out
+
+
+def test_a_speculating_engine_without_a_trace_keeps_every_expert_on_the_device():
+    """The H200's full-depth Qwen1.5-MoE cell at Gen4 and 16 GiB (benchmarks/results/h200-2026-12-02/fulldepth-qwen/
+    gen4-16): 19 slots per layer, 0.586 ms per host expert as calibrated. Without a trace the model prices `off` at
+    45.4 ms of misses per token and `all` at 38.4, so a k = 0 engine still hosts every non-resident; `specter-hybrid`
+    placed so ran at 25.5 ms against `specter`'s 14.1, its misses mostly prefetched by the draft. A speculating engine
+    now places nothing without a trace, unless the deployment gives a measured prefetch discount."""
+    cell = dataclasses.replace(qwen_cell(0.586 * MS, initial=19), slots_per_layer=19)
+    assert Auto().place(cell).counts() == [41] * 24  # k = 0 (`ondemand-hybrid`): what the uniform model says
+    speculating = dataclasses.replace(cell, speculates=True)
+    assert not Auto().prices_misses(speculating) and Auto().place(speculating).total == 0
+    record = decision_record(speculating, Auto().place(speculating))
+    assert record["speculates"] and record["routing"] == "uniform" and record["host_experts"] == 0
+    assert record["predicted_s_per_token"]["off"] == pytest.approx(45.4e-3, rel=0.01)
+    assert Auto(prefetch_discount=0.1).prices_misses(speculating)
+    assert Auto(prefetch_discount=0.1).place(speculating).total > 0  # a measured discount is the model's input again
+    assert Auto(prefetch_discount=0.9).place(speculating).total == 0  # and one that hides most copies keeps the device
