@@ -268,6 +268,31 @@ llamacpp() {  # issue 28 item 5, llama.cpp as a peer: build it with CUDA (timed)
   echo "llamacpp rc=$? at ${SECONDS}s"; grep -E "^(disk|convert):|^agree|GiB, llama.cpp" "$out/logs/llamacpp.log" | cut -c1-400
 }
 
+placement_trace() {  # DIR TRACE LOG: record a routing trace of the checkpoint DIR (reference_model.py --shape's) to TRACE
+  # and print its path, or print nothing (and say why on stderr) when none was recorded. Prompt: the first 64 bytes of
+  # the first held-out window (held_out.json) that holds none of the bench's measured prompts (prompts.json), so the
+  # bench is not placed from the text it measures. Offloaded (a trace records the verify of offloaded rounds) at
+  # max(top-k, experts / 4) slots, speculating at generate's default depth, sampled as the bench's sampled requests are
+  # (temperature 0.7, top-p 0.9): a trained narrow model's greedy text can loop, and a loop's routing reuses experts
+  # more than the bench's text does.
+  local dir=$1 trace=$2 log=$3 inputs
+  rm -f "$trace"  # a stale trace of an earlier call must not stand in for this one
+  inputs=$(python3 -c 'import json, sys; from pathlib import Path; from specter.model.checkpoint import Checkpoint
+d = Path(sys.argv[1]); spec = Checkpoint(d).spec
+measured = [bytes(ids) for kind in json.loads((d / "prompts.json").read_text())["kinds"].values() for ids in kind]
+window = next(w for w in json.loads((d / "held_out.json").read_text())["windows"] if not any(m in bytes(w) for m in measured))
+print(max(spec.top_k, spec.num_experts // 4), ",".join(map(str, window[:64])))' "$dir" 2>"$log") \
+    || { echo "placement trace: no held-out prompt from $dir (see $log); the bench places from uniform routing" >&2; return; }
+  timeout 90 python3 -m specter generate --model "$dir" --residents "${inputs%% *}" --prompt-ids "${inputs#* }" \
+    --max-new-tokens "${TRACE_TOKENS:-256}" --temperature 0.7 --top-p 0.9 --json --trace "$trace" >> "$log" 2>&1
+  local rc=$? lines
+  echo "placement trace rc=$rc at ${SECONDS}s: $(tail -1 "$log" | cut -c1-200)" >&2
+  lines=$(grep -c . "$trace" 2>/dev/null)
+  # a generate cut by its timeout may leave a torn last line, which the bench would refuse (and so not run at all)
+  if [ "$rc" -eq 0 ] && [ "${lines:-0}" -gt 1 ]; then echo "$trace"
+  else echo "placement trace: none recorded (rc=$rc, ${lines:-0} lines); the bench places from uniform routing" >&2; fi
+}
+
 fulldepth() {  # table "Full-depth Qwen1.5-MoE-A2.7B shape" (one per shape): SHAPE (default qwen1.5-moe-a2.7b) at full depth and the real dims: trained
   # narrow alone for MINUTES (default 3) at batch 32 (five at once needed batch 12, one alone fits 32) into
   # /tmp/narrow/SHAPE (--reuse: a second call on the warm machine skips training), then the bench on it widened
@@ -277,7 +302,11 @@ fulldepth() {  # table "Full-depth Qwen1.5-MoE-A2.7B shape" (one per shape): SHA
   # more widened load of every expert; add it to SYSTEMS in a call of its own. Narrow LINKS, SYSTEMS or BUDGETS per
   # call and --merge the outputs where one call does not hold the matrix (the first call on a fresh machine trains).
   # The narrow checkpoint's realism report goes to fulldepth-SHAPE/realism.json first (NO_REALISM=1 skips it).
-  local shape=${SHAPE:-qwen1.5-moe-a2.7b} budgets
+  # Then a routing trace of the narrow checkpoint (its routing is the widened model's), fulldepth-SHAPE/placement-trace.jsonl
+  # (placement_trace), goes to the bench as --placement-profile: without one auto assumes uniform routing and over-prices
+  # a speculating engine's misses (specter-hybrid was put all on the host, 1.8x slower than specter). NO_TRACE=1 skips it
+  # (auto then places from uniform routing); TRACE_TOKENS (default 256) sets its length.
+  local shape=${SHAPE:-qwen1.5-moe-a2.7b} budgets profile=
   case "$shape" in
     phi-3.5-moe) budgets=${BUDGETS:-48GiB,36GiB} ;;
     mixtral-8x7b) budgets=${BUDGETS:-64GiB,48GiB} ;;
@@ -291,13 +320,15 @@ fulldepth() {  # table "Full-depth Qwen1.5-MoE-A2.7B shape" (one per shape): SHA
   [ -n "${NO_REALISM:-}" ] || { timeout 90 python3 -m specter.bench.realism --model "/tmp/narrow/$shape" \
     --json "$out/fulldepth-$shape/realism.json" > "$out/logs/realism-$shape.log" 2>&1
     echo "realism $shape rc=$? at ${SECONDS}s"; grep -h "^held-out\|^FLAG" "$out/logs/realism-$shape.log"; }
+  [ -n "${NO_TRACE:-}" ] || profile=$(placement_trace "/tmp/narrow/$shape" "$out/fulldepth-$shape/placement-trace.jsonl" \
+    "$out/logs/trace-$shape.log")
   local left=$((585 - SECONDS))  # the call's 10 minutes count from this script's start (other targets may run first)
   [ "$left" -gt 120 ] || { echo "fulldepth $shape: ${left}s left in this call, too little for a widened load; run it first"; return; }
   timeout -k 15 "$left" python3 -m specter.bench --model "/tmp/narrow/$shape" --widen auto --budget "$budgets" \
     --link "${LINKS:-native,gen4,ddr4-desktop}" --sampling greedy,sampled --max-new-tokens 64 \
     --systems "${SYSTEMS:-ondemand,specmoeoff,cpu-experts,specter,specter-hybrid,exact-prefetch-specter}" \
-    --time-budget $((left - 65)) --no-progress --no-plots --no-hf --out "$out/fulldepth-$shape" \
-    > "$out/logs/fulldepth-$shape.log" 2>&1
+    --time-budget $((left - 65)) --no-progress --no-plots --no-hf ${profile:+--placement-profile "$profile"} \
+    --out "$out/fulldepth-$shape" > "$out/logs/fulldepth-$shape.log" 2>&1
   echo "fulldepth $shape rc=$? at ${SECONDS}s"; tail -40 "$out/logs/fulldepth-$shape.log"
 }
 

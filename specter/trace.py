@@ -206,6 +206,9 @@ def read_trace(path: str | Path) -> tuple[TraceHeader, list[TraceRound]]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc}") from exc
+    except UnicodeDecodeError as exc:  # a ValueError, not an OSError: a binary file would escape as a traceback
+        raise TraceError(f"{path} is not a routing trace (not UTF-8 text: {exc.reason} at byte {exc.start}); expected "
+                         f"a '{TRACE_FORMAT}' header line, then one JSON line per round") from exc
     numbered = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
     if not numbered:
         raise TraceError(f"{path}: empty file; expected a '{TRACE_FORMAT}' header line, then one line per round")

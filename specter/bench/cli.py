@@ -22,6 +22,7 @@ from specter.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, Setting
 from specter.build import resolve_dtype
 from specter.config import EngineConfig, TuningConfig, parse_bytes
 from specter.errors import ConfigError, SpecterError
+from specter.experts.costs import routing_profile
 from specter.model.spec import spec_from_config
 from specter.paths import check_output_folder
 
@@ -105,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "specter.placement.OVERLAP). 1 puts 4 of the 6 non-residents of each layer on the host at "
                              "Mixtral's shape, Gen4 and 2 residents (the first hybrid run's split), where the default "
                              "puts all 6 there: a split placement, to measure how much the two paths overlap")
+    parser.add_argument("--placement-profile", type=Path, default=None, metavar="TRACE",
+                        help="a routing trace of the bench's one model (`specter generate --trace`; for --widen, one "
+                             "recorded on the narrow checkpoint: the widened model routes as it does) that every engine the "
+                             "bench builds places from (EngineConfig.placement_profile): auto's cost model (the hybrids) "
+                             "replays its rounds instead of assuming uniform routing. Checked before anything loads. None: "
+                             "uniform routing")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds above 0, shared out between the models; a cell is skipped (noted) when the time left "
                              "is below the longest cell so far or, for a model's first cells, below its baseline pass over "
@@ -190,6 +197,27 @@ def check_widen(args: argparse.Namespace) -> None:
         raise ConfigError(f"--widen {args.widen!r}: expected a whole number F >= 1 (real width / narrow width) or 'auto'")
 
 
+def check_placement_profile(path: Path | None, targets: Sequence[ModelTarget]) -> None:
+    """--placement-profile, before anything loads: the check the engine's load makes (`routing_profile`: a readable
+    trace, of this model's MoE layers and experts), with rounds to place from. A trace is of one model, so a run of
+    several is refused (each part of a matrix gets its own; --merge joins them). A widened model routes as its narrow
+    checkpoint (same MoE layers and experts), so a trace recorded on that passes."""
+    if path is None or not targets:
+        return
+    if len(targets) > 1:
+        raise ConfigError(f"--placement-profile {path}: a routing trace is of one model, and this run benches "
+                          f"{len(targets)} ({', '.join(target.label for target in targets)}); bench each --model in a "
+                          "run of its own with its own trace, then --merge the outputs")
+    (target,) = targets
+    try:
+        counts, _sequence = routing_profile(path, len(target.spec.moe_layers), target.spec.num_experts)
+    except SpecterError as error:  # TraceError (unreadable, not a trace) or ConfigError (another model's shape)
+        raise ConfigError(f"--placement-profile: {error}") from None
+    if counts is None:  # the engine would place from uniform routing: the run the option exists to avoid
+        raise ConfigError(f"--placement-profile {path}: the trace has no rounds (`generate --trace` records speculative "
+                          "rounds of an offloaded engine: --residents below the expert count, speculation on)")
+
+
 def widen_factor(text: str | None, path: Path) -> int | None:
     """The factor of --widen for the checkpoint at `path` (None: no widening); 'auto' reads the trainer's train.json."""
     if text is None:
@@ -263,7 +291,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    device=args.device, dtype=args.dtype,
                    progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=quant,
                    tuning=tuning, sampling=modes, desktop_threads=args.desktop_threads, threads=threads,
-                   placement_overlap=args.placement_overlap)
+                   placement_overlap=args.placement_overlap, placement_profile=args.placement_profile)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -296,6 +324,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 0
     started = time.monotonic()
     targets, notes = targets_from_args(args)
+    check_placement_profile(args.placement_profile, targets)
     options = options_from_args(args)
     results = Results(args.out, argv, args, targets, options, notes, started)
     results.write(RUNNING)  # from the start: a run that dies before its first cell leaves no older run's files

@@ -116,6 +116,9 @@ class Options:
     """EngineConfig.threads of every runtime (torch's intra-op threads of the process; None: the engine's default)."""
     placement_overlap: float | None = None
     """`Auto(overlap=...)` for every cell that places with `auto` (`--placement-overlap`; None: auto's default)."""
+    placement_profile: Path | None = None
+    """EngineConfig.placement_profile of every engine (`--placement-profile`): the routing trace `auto` places from
+    (None: uniform routing)."""
 
 
 class Clock:
@@ -264,7 +267,7 @@ class ModelBench:
                             draft=DraftConfig(k=self.options.k if speculative else 0, k_max=k_max, quant=self.options.quant),
                             lookahead="fixed", row_bucket=self.options.row_bucket,
                             progress=self.options.progress, static_verify=self.options.static_verify,
-                            tuning=self.options.tuning)
+                            tuning=self.options.tuning, placement_profile=self.options.placement_profile)
 
     async def run(self) -> None:
         try:

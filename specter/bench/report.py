@@ -303,6 +303,7 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
     parts = [{"directory": str(d), "date": p["machine"].get("date"), "command": p["machine"].get("command"),
               "git_commit": p["machine"].get("git_commit"), "source_digest": p["machine"].get("source_digest"),
               "max_new_tokens": p["options"].get("max_new_tokens"), "quant": p["options"].get("quant", "int4"),
+              "placement_profile": p["options"].get("placement_profile"),
               "complete": is_complete(p)} for d, p in zip(directories, payloads)]
     machine = dict(payloads[0]["machine"])
     machine["command"] = " && ".join(str(part["command"]) for part in parts)
@@ -311,6 +312,8 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
         notes.append(f"merged parts differ in new tokens per request: {[part['max_new_tokens'] for part in parts]}")
     if len({part["quant"] for part in parts}) > 1:
         notes.append(f"merged parts differ in the draft's expert format: {[part['quant'] for part in parts]}")
+    if len({part["placement_profile"] for part in parts}) > 1:  # the options kept are the first part's
+        notes.append(f"merged parts placed from different routing traces: {[part['placement_profile'] for part in parts]}")
     if len({part["source_digest"] for part in parts}) > 1:
         notes.append("merged parts ran different engine sources (see merged_from)")
     cells = [cell for payload in payloads for cell in payload.get("cells", [])]
@@ -470,6 +473,20 @@ def copy_idle_lines(summary: Sequence[dict], markdown: bool = False) -> list[str
     return lines
 
 
+def _profile_text(payload: dict[str, Any]) -> str:
+    """The protocol line's word on the routing trace `auto` placed from (bench --placement-profile); nothing without
+    one. A merge keeps the first part's options, so its parts' own traces are named (a trace is of one model, and a
+    matrix of several models merges parts that each had their own)."""
+    parts = payload.get("merged_from") or [payload["options"]]
+    profiles = list(dict.fromkeys(part.get("placement_profile") for part in parts))
+    if profiles == [None]:
+        return ""
+    if len(profiles) == 1:
+        return f"; placement from the routing trace `{profiles[0]}`"
+    return "; placement from the merged parts' routing traces: " + ", ".join(
+        f"`{profile}`" if profile else "none (uniform routing)" for profile in profiles)
+
+
 def _sampling_text(options: dict[str, Any]) -> str:
     from specter.bench.protocol import SAMPLING_MODES
 
@@ -531,7 +548,7 @@ def markdown_report(payload: dict[str, Any]) -> str:
         f"- commit: {info.get('git_commit')} (sources {info.get('source_digest')})",
         f"- protocol: batch 1, {_sampling_text(payload['options'])}, {payload['options']['max_new_tokens']} new tokens, {payload['options']['repeats']} repeat(s), "
         f"16-token prompts, warm-up excluded, cache restored per prompt; TPOT = median over requests; "
-        f"draft experts {payload['options'].get('quant', 'int4')}", "",
+        f"draft experts {payload['options'].get('quant', 'int4')}{_profile_text(payload)}", "",
     ]
     lines += partial_lines(payload)
     lines += table_lines(payload["summary"], markdown=True)
