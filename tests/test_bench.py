@@ -904,3 +904,20 @@ def test_systems_placed_differently_by_one_policy_each_get_their_own_baseline(tm
     assert {placement[0] for placement in placements} == {frozenset({1}), frozenset({2})}
     runs = [run for run in results["runs"] if run["system"].endswith("-hybrid")]
     assert runs and all(run["host_computed_experts"] > 0 for run in runs)
+
+
+def test_a_system_without_the_draft_reports_its_peak_without_the_shared_runtimes_draft(tmp_path, monkeypatch):
+    """The offloaded systems share one runtime, built with the draft when any of them speculates; `ondemand` is planned
+    (its slots) as if it had no draft, so its peak leaves the draft's bytes out, while `specter`'s keeps them. The GPU
+    peak is faked here (the CPU has none)."""
+    fake = int(1.007 * 2**30)  # 1.01 GiB as reported; tiny's draft (3 MiB) brings it under 1.005
+    monkeypatch.setattr(protocol, "peak_gpu_bytes", lambda: fake)
+    code = cli.main(["--systems", "ondemand,specter", "--max-new-tokens", "4", "--warmup-tokens", "4", "--no-progress",
+                     "--no-plots", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert code == 0
+    unused = {run["system"]: run["unused_draft_bytes"] for run in results["runs"] if run["system"] in ("ondemand", "specter")}
+    assert unused["specter"] == 0 < unused["ondemand"]
+    peaks = {row["system"]: row["peak_gib"] for row in results["summary"]}
+    assert peaks["specter"] == 1.01 and peaks["ondemand"] == round((fake - unused["ondemand"]) / 2**30, 2) == 1.0
+    assert "less the draft's bytes" in (tmp_path / "results.md").read_text()

@@ -501,7 +501,14 @@ class ModelBench:
                 "h2d_decode_floor_bytes": floor,
                 "seed": prompt.seed if prompt.sampling != "greedy" else None, **request_record(result.tokens, expected, result.stats),
                 "predictor_recall": runtime.predictor_recall, "wall_s": round(wall_s, 4), "peak_gpu_bytes": peak_gpu_bytes(),
-                "host_experts_placed": placed_host_experts(runtime)}
+                "unused_draft_bytes": unused_draft_bytes(runtime, system), "host_experts_placed": placed_host_experts(runtime)}
+
+
+def unused_draft_bytes(runtime: BenchRuntime, system: System) -> int:
+    """The draft's planned bytes when the runtime holds one that `system` does not use: the offloaded systems share one
+    runtime, built with the draft if any of them speculates, while a system that does not is planned (its slots) as if
+    it had none; its own peak is the runtime's less these."""
+    return runtime.memory.draft_bytes if runtime.draft is not None and not system.speculative else 0
 
 
 def placed_host_experts(runtime: BenchRuntime) -> int:

@@ -252,7 +252,8 @@ def accepted_histogram(runs: Sequence[dict]) -> Counter:
 
 
 def _peak(runs: list[dict]) -> float | None:
-    peaks = [r["peak_gpu_bytes"] for r in runs if r.get("peak_gpu_bytes")]
+    """The cell's own peak GPU memory (max reserved), less a shared runtime's draft its system does not use."""
+    peaks = [r["peak_gpu_bytes"] - (r.get("unused_draft_bytes") or 0) for r in runs if r.get("peak_gpu_bytes")]
     return round(max(peaks) / 2**30, 2) if peaks else None
 
 
@@ -560,5 +561,6 @@ def markdown_report(payload: dict[str, Any]) -> str:
     lines += ["", "Columns: x S = TPOT of S / TPOT of this row (same model, setting, link); accept = accepted drafts / drafted; "
               "recall = window recall |draft-predicted ∩ used| / |used|; copy busy = share of transfer-bound verify time "
               "(verify start to its last copy's landing, verifies that waited on a copy) the copy stream was busy; "
-              "= baseline: tokens equal to the target-only run."]
+              "peak GiB = max reserved GPU memory during the cell, less the draft's bytes where the bench's shared "
+              "runtime holds a draft the system does not use; = baseline: tokens equal to the target-only run."]
     return "\n".join(lines) + "\n"
