@@ -32,6 +32,15 @@ Variants, all on the same host thread and rows:
   0.73 ms against 0.95 for the host path's 16-row block (Qwen1.5-MoE's expert, 2 threads), no gain at 1 row;
 - pageable (CUDA only): the plain chain on a pageable copy of the pinned weights.
 
+Then, per thread count T, the parallel mode: T distinct experts at once, each on its own thread with one torch thread
+(the host path's `compute` on a block), against the same T experts one after another on one thread with T torch
+threads (what the host path does now). A single-threaded expert's result does not depend on what runs beside it, so
+an engine could spread a round's host experts over the cores without its tokens depending on the round; this measures
+whether that is faster than one team of T threads per expert (`parallel_s`, `sequential_s`: per expert, medians;
+`parallel_equal`: the two give the same bits). On the 2-core development Xeon: 0.96 against 1.03 ms per expert at 16
+rows, and 1.8 against 8.2 ms while another process used a core (a team of threads waits at its barrier for a
+preempted member).
+
 Prints one line per (threads, rows) and a JSON line at the end.
 """
 
@@ -196,6 +205,51 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
     return results
 
 
+def time_parallel(shape: str, rows: int, threads_list: list[int], repeats: int, flush_bytes: int | None = None) -> list[dict]:
+    """Per T in `threads_list`: T distinct experts on T one-thread workers at once, against the same T one after
+    another on one T-thread worker (the host path's `compute` on `rows` rows), cold, per expert (module docstring)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    hidden, inter = parse_shape(shape)
+    flush_bytes = default_flush_bytes() if flush_bytes is None else flush_bytes
+    scratch = torch.ones(flush_bytes // 8, dtype=torch.int64) if flush_bytes else None
+    experts = max(threads_list)
+    pool = ExpertPool(HostMemory(), 1, experts, 3 * hidden * inter, torch.bfloat16)
+    for expert in range(experts):
+        pool.write(0, expert, (torch.randn(3 * hidden * inter) * 0.02).to(torch.bfloat16))
+    host = HostExperts(pool, Placement.of([list(range(experts))], 1, experts), row_bucket=BUCKET, threads=1)
+    mlp = swiglu(hidden, inter)
+    x, w = (torch.randn(rows, hidden) * 0.1).to(torch.bfloat16), torch.rand(rows, 1).to(torch.bfloat16)
+    results = []
+    try:
+        for threads in threads_list:
+            ids = list(range(threads))
+            one = lambda expert: host.compute(0, expert, x, w, mlp)  # noqa: E731
+            with ThreadPoolExecutor(threads, initializer=lambda: torch.set_num_threads(1)) as workers, \
+                    ThreadPoolExecutor(1, initializer=lambda threads=threads: torch.set_num_threads(threads)) as team:
+                timed: dict[str, list[float]] = {"parallel": [], "sequential": []}
+                runs = {"parallel": lambda: list(workers.map(one, ids)),
+                        "sequential": lambda: team.submit(lambda: [one(expert) for expert in ids]).result()}
+                outputs = {name: work() for name, work in runs.items()}  # warm-up, and the bits compared below
+                for _ in range(repeats):
+                    for name, work in runs.items():
+                        if scratch is not None:
+                            scratch.max()
+                        started = time.perf_counter()
+                        work()
+                        timed[name].append((time.perf_counter() - started) / threads)
+            equal = all(torch.equal(a, b) for a, b in zip(outputs["parallel"], outputs["sequential"]))
+            result = {"shape": shape, "rows": rows, "threads": threads, "parallel_s": statistics.median(timed["parallel"]),
+                      "sequential_s": statistics.median(timed["sequential"]), "parallel_equal": equal}
+            results.append(result)
+            print(f"{shape} rows={rows:>3}: {threads} experts on {threads} one-thread workers {result['parallel_s'] * 1e3:.2f} ms "
+                  f"per expert, one after another with {threads} threads {result['sequential_s'] * 1e3:.2f} ms (equal: {equal})",
+                  flush=True)
+    finally:
+        host.close()
+    return results
+
+
 if __name__ == "__main__":
     shape = sys.argv[1] if len(sys.argv) > 1 else "mixtral-8x7b"
     parse_shape(shape)
@@ -204,4 +258,5 @@ if __name__ == "__main__":
     repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 20
     warmup = int(sys.argv[5]) if len(sys.argv) > 5 else 3
     flush = int(sys.argv[6]) << 20 if len(sys.argv) > 6 else None
-    print(json.dumps(run(time_expert(shape, rows, threads, repeats, warmup, flush))))
+    timed = run(time_expert(shape, rows, threads, repeats, warmup, flush))
+    print(json.dumps(timed + time_parallel(shape, max(rows), threads, repeats, flush)))
