@@ -253,7 +253,8 @@ async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: 
     if policy is None:
         return None
     state = placement_state(cache, config, spec)
-    state = (await calibrate(kernel, cache.pool, mlp, state, spec.hidden_size, device, config.placement_profile)).apply(state)
+    state = (await calibrate(kernel, cache.pool, mlp, state, spec.hidden_size, device, config.placement_profile,
+                             config.tuning.host.parallel_experts)).apply(state)
     placement = policy.place(state=state)
     decision = decision_record(state, placement, getattr(policy, "prefetch_discount", 0.0), getattr(policy, "overlap", OVERLAP))
     log.info("placement.decided", policy=getattr(policy, "name", None), **decision)
@@ -280,7 +281,8 @@ async def apply_placement(placement: Placement, cache: ExpertCache, config: Engi
     if policy is not None and state is not None:
         prompt = lambda rows: prefill_placement(policy, state, placement, rows)  # noqa: E731
     threads = state.host_threads if state is not None else config.cpu_threads
-    return HostExperts(cache.pool, placement, config.row_bucket, threads, device, prompt=prompt)
+    return HostExperts(cache.pool, placement, config.row_bucket, threads, device, prompt=prompt,
+                       parallel=config.tuning.host.parallel_experts)
 
 
 def new_transfer(config: EngineConfig, backend, kernel: Kernel, device: torch.device) -> TransferEngine:

@@ -353,7 +353,8 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
     async def host() -> float:
         with Kernel() as kernel:
             return await time_host_expert(kernel, pool, mlp, spec.hidden_size, config.row_bucket,
-                                          config.cpu_threads or default_threads(), torch.device("cpu"), per_job=spec.top_k)
+                                          config.cpu_threads or default_threads(), torch.device("cpu"), per_job=spec.top_k,
+                                          parallel=config.tuning.host.parallel_experts)
 
     host_s = asyncio.run(host())
     gbps = parse_link(config.link)

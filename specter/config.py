@@ -338,6 +338,18 @@ class KernelTuning(_Frozen):
                                "and the segmented verify read the same tiles, so their logits agree bit for bit.")
 
 
+class HostTuning(_Frozen):
+    """The host expert path (specter/experts/host.py)."""
+
+    parallel_experts: bool = Field(False, description="Compute a layer's host experts each on its own one-thread worker, "
+                                   "up to cpu_threads at once, instead of one after another, each on a team of cpu_threads "
+                                   "torch threads. A one-thread expert's result does not depend on what runs beside it, "
+                                   "so the tokens stay a function of the config. Off until measured on the H200's host "
+                                   "(benchmarks/host_expert.py's parallel mode; on the 2-core development Xeon 1.64 against "
+                                   "1.91 ms per expert, and far faster while another process takes a core); its tokens: "
+                                   "tests/test_hybrid.py, tests/test_host_experts.py.")
+
+
 class TuningConfig(_Frozen):
     """Measured knobs of the runtime, by the part they tune; every default is the measured best (docs/journal.md)."""
 
@@ -345,6 +357,7 @@ class TuningConfig(_Frozen):
     transfer: TransferTuning = Field(default_factory=TransferTuning, description="The transfer engine's pump.")
     verify: VerifyTuning = Field(default_factory=VerifyTuning, description="The offloaded verify.")
     kernels: KernelTuning = Field(default_factory=KernelTuning, description="The static steps and the draft's kernels.")
+    host: HostTuning = Field(default_factory=HostTuning, description="The host expert path.")
 
     def with_overrides(self, overrides: Sequence[str]) -> "TuningConfig":
         """This tuning with each `PATH=VALUE` applied, PATH a field's dotted name (`cache.lead_relay`, or in a nested

@@ -795,7 +795,7 @@ def test_the_hybrids_place_with_auto_and_hold_their_tokens_to_that_placements_ba
     from specter.bench import protocol, systems
     from specter.experts.costs import Calibration
 
-    async def fixed(kernel, pool, mlp, state, hidden_size, device, profile=None):
+    async def fixed(kernel, pool, mlp, state, hidden_size, device, profile=None, parallel=False):
         return Calibration({state.row_bucket: 2e-4}, None, None)
 
     monkeypatch.setattr(systems, "calibrate", fixed)

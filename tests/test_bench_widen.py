@@ -122,7 +122,7 @@ def test_desktop_cells_place_and_compute_with_the_desktop_threads(tmp_path, monk
     desktop, default = default_threads() + 2, default_threads()
     calibrated = []
 
-    async def by_threads(kernel, pool, mlp, state, hidden_size, device, profile=None):
+    async def by_threads(kernel, pool, mlp, state, hidden_size, device, profile=None, parallel=False):
         calibrated.append(state.host_threads)
         return Calibration({state.row_bucket: 2e-6 if state.host_threads == desktop else 1.0}, None, None)
 

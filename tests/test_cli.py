@@ -145,7 +145,9 @@ def test_info_times_the_host_as_the_builder_calibrates(monkeypatch):
 
     timed = []
 
-    async def time_host_expert(kernel, pool, mlp, hidden_size, row_bucket, threads, device, per_job=1, repeats=costs.REPEATS):
+    async def time_host_expert(kernel, pool, mlp, hidden_size, row_bucket, threads, device, per_job=1, repeats=costs.REPEATS,
+                               parallel=False):
+        assert not parallel  # the default tuning: one expert after another
         timed.append(costs.cold_groups(pool.num_layers, pool.num_experts, per_job, repeats + 1))
         return 1e-3
 

@@ -238,3 +238,65 @@ def test_the_host_thread_selects_the_callers_cuda_device_by_index(monkeypatch):
     asyncio.run(go(torch.device("cuda", 1)))
     asyncio.run(go(torch.device("cpu")))
     assert chosen == [3, 1]
+
+
+def test_parallel_experts_run_on_one_thread_workers_and_give_the_sequential_bits():
+    """tuning.host.parallel_experts: a layer's experts go to one-thread workers at once and come back in expert-id
+    order, each the same bits as on the host thread alone with one torch thread; a lone expert stays on the host
+    thread, also with one thread, so its bits are the workers'."""
+    hidden, inter = 256, 384
+    pool = random_pool(experts=4)
+    seen = []
+
+    def mlp(rows, packed):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return swiglu(rows, packed, hidden, inter)
+
+    x = torch.randn(5, hidden).to(torch.bfloat16)
+    w = torch.rand(5, 2).to(torch.bfloat16)
+    routes = host_routes([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2]], [0, 1, 2, 3])
+    lone = host_routes([[0, 1], [0, 2]], [0])
+
+    async def go(parallel: bool, threads: int):
+        kernel = Kernel()
+        host = HostExperts(pool, Placement.of([[0, 1, 2, 3]], 1, 4), row_bucket=16, threads=threads, parallel=parallel)
+        try:
+            many = await kernel.wait_host(host.start(kernel, 0, routes, HostInputs(x, w), mlp))
+            one = await kernel.wait_host(host.start(kernel, 0, lone, HostInputs(x[:2], w[:2]), mlp))
+            return many, one
+        finally:
+            host.close()
+            kernel.close()
+
+    sequential = asyncio.run(go(False, 1))
+    seen.clear()
+    parallel = asyncio.run(go(True, 3))
+    assert list(parallel[0]) == [0, 1, 2, 3] == sorted(routes)
+    assert all(torch.equal(parallel[0][e], sequential[0][e]) for e in routes)
+    assert torch.equal(parallel[1][0], sequential[1][0])
+    workers = {name for name, _ in seen[:-1]}
+    assert workers and all(name.startswith("specter-host-expert") for name in workers), seen
+    assert seen[-1][0] == "specter-host-experts"  # the lone expert, on the host thread
+    if per_thread_counts():
+        assert all(threads == 1 for _, threads in seen)
+
+
+def test_the_calibration_times_parallel_experts_on_the_workers(monkeypatch):
+    """With parallel experts the load's calibration runs each job's top-k experts on the workers, as decoding will."""
+    from specter.experts import costs
+
+    hidden, inter = 256, 384
+    pool = random_pool(experts=(costs.REPEATS + 1) * 2)
+    names = []
+
+    def mlp(rows, packed):
+        names.append(threading.current_thread().name)
+        return swiglu(rows, packed, hidden, inter)
+
+    async def go():
+        with Kernel() as kernel:
+            return await costs.time_host_expert(kernel, pool, mlp, hidden, 16, 2, torch.device("cpu"), per_job=2,
+                                                parallel=True)
+
+    assert asyncio.run(go()) > 0
+    assert names and all(name.startswith("specter-host-expert") for name in names), set(names)

@@ -177,7 +177,7 @@ def test_auto_computes_a_short_prompt_on_the_host_and_copies_a_long_ones_experts
     cache once decoding starts."""
     from specter.experts.costs import Calibration
 
-    async def fixed(kernel, pool, mlp, state, hidden_size, device, profile=None):
+    async def fixed(kernel, pool, mlp, state, hidden_size, device, profile=None, parallel=False):
         return Calibration({state.row_bucket: 1e-3}, pool.expert_bytes / 1.2e-3, None)
 
     monkeypatch.setattr(build, "calibrate", fixed)
@@ -331,3 +331,22 @@ def test_the_host_path_computes_while_the_emulated_link_copies(root, monkeypatch
     copying = sum(layer[0] for layer in both) * COPY_S
     assert sum(layer[4] for layer in both) <= 0.4 * copying, f"loop thread CPU {[round(l[4], 3) for l in both]} s"
     assert 0 < stats.host_hidden_s <= stats.host_compute_s
+
+
+def test_parallel_host_experts_keep_the_tokens(root):
+    """tuning.host.parallel_experts with `all`: speculative equals k = 0, and both equal the sequential host path at one
+    torch thread (a one-thread expert's bits are the same wherever it runs)."""
+    from specter.config import TuningConfig
+
+    path = checkpoint("mixtral", root)
+    residents = Checkpoint(path).spec.top_k
+    generation = GenerationConfig(max_new_tokens=10)
+    parallel = TuningConfig().with_overrides(["host.parallel_experts=true"])
+    common = dict(device=DEVICE, max_context=96, residents=residents, cpu_experts="all")
+    sequential, _ = run(path, EngineConfig(**common, cpu_threads=1, draft=DraftConfig(k=0)), [3, 1, 4], generation)
+    plain, placement = run(path, EngineConfig(**common, cpu_threads=3, tuning=parallel, draft=DraftConfig(k=0)),
+                           [3, 1, 4], generation)
+    speculative, _ = run(path, EngineConfig(**common, cpu_threads=3, tuning=parallel, draft=DraftConfig(k=4, quant="int8")),
+                         [3, 1, 4], generation)
+    assert placement.total > 0 and plain.stats.host_computed_experts > 0
+    assert speculative.tokens == plain.tokens == sequential.tokens

@@ -425,7 +425,8 @@ class BenchRuntime(Runtime):
             state = dataclasses.replace(state, initial_residents=tuple(tuple(layer) for layer in initial))
         if threads not in self.calibrations:
             self.calibrations[threads] = await calibrate(self.kernel, self.cache.pool, self.model.expert_mlp, state,
-                                                         self.spec.hidden_size, self.model.device, self.config.placement_profile)
+                                                         self.spec.hidden_size, self.model.device, self.config.placement_profile,
+                                                         self.config.tuning.host.parallel_experts)
         link = self.link_gbps * 1e9 if self.link_gbps is not None else None
         return self.calibrations[threads].apply(dataclasses.replace(state, link_bytes_per_s=link))
 

@@ -57,15 +57,16 @@ class Calibration:
 
 
 async def calibrate(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction | None, state: PlacementState, hidden_size: int,
-                    device: torch.device, profile: Path | None = None) -> Calibration:
+                    device: torch.device, profile: Path | None = None, parallel: bool = False) -> Calibration:
     """Every cost a placement policy reads that `state` lacks, measured now (the pool written, before the first
     request): the host path on one block of `state.row_bucket` rows with `state.host_threads` threads
     (`time_host_expert`, unless there is no `mlp`), the link unless the state has its figure (an emulated link), the
-    profile's use counts and its rounds in order."""
+    profile's use counts and its rounds in order. `parallel`: the host path spreads a layer's experts over one-thread
+    workers (EngineConfig.tuning.host.parallel_experts), timed so."""
     started = time.perf_counter()
     rows = state.row_bucket
     host = {} if mlp is None else {rows: await time_host_expert(kernel, pool, mlp, hidden_size, rows, state.host_threads,
-                                                                device, per_job=state.top_k)}
+                                                                device, per_job=state.top_k, parallel=parallel)}
     link = time_link(pool.host(0, 0), device) if state.link_bytes_per_s is None else None
     counts, sequence = routing_profile(profile, state.num_layers, state.num_experts) if profile is not None else (None, None)
     log.info("placement.calibrated", host_expert_ms=round(host[rows] * 1e3, 3) if host else None,
@@ -117,7 +118,8 @@ def cold_groups(num_layers: int, num_experts: int, per_job: int, jobs: int) -> l
 
 
 async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction, hidden_size: int, row_bucket: int,
-                           threads: int, device: torch.device, per_job: int = 1, repeats: int = REPEATS) -> float:
+                           threads: int, device: torch.device, per_job: int = 1, repeats: int = REPEATS,
+                           parallel: bool = False) -> float:
     """Median seconds of one routed expert on the host path as decoding runs it, over `repeats` timed jobs after one
     warm-up job: a job is `HostExperts.compute_layer` with one row routed to `per_job` experts of one layer (each on a
     block of `row_bucket` rows, weighted, on CUDA put in pinned memory), on a thread set up as the host path's with
@@ -128,8 +130,11 @@ async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction
     cache wherever it fits there (a 17 MB expert fits a server's), faster than decoding ever reads it.
     Timing the path's own call (not the bare expert function) counts its per-expert work too (gather, padding,
     weighting, the pinned output): the figure is what the bench reports as ms per host expert (host seconds over host
-    experts computed) for a host running alone."""
-    host = HostExperts(pool, Placement.device_only(pool.num_layers, pool.num_experts), row_bucket, threads, device)
+    experts computed) for a host running alone. With `parallel` a job's experts run at once on one-thread workers, so
+    the figure is per expert at the concurrency of one row's top-k (the calibration's `per_job`), what decoding sees;
+    a verify's rounds, with more host experts per layer, fill more workers."""
+    host = HostExperts(pool, Placement.device_only(pool.num_layers, pool.num_experts), row_bucket, threads, device,
+                       parallel=parallel)
     rows = (torch.randn(1, hidden_size) * 0.1).to(pool.dtype)
 
     def job(layer: int, experts: list[int]) -> Callable[[], float]:
@@ -145,11 +150,12 @@ async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction
         return run
 
     jobs = [job(layer, experts) for layer, experts in cold_groups(pool.num_layers, pool.num_experts, per_job, repeats + 1)]
-    thread = host_thread(device, threads, name="specter-host-calibration")
+    thread = host_thread(device, 1 if parallel else threads, name="specter-host-calibration")
     try:
         return await kernel.wait_host(kernel.submit_host(thread, lambda: timed_once(jobs)))
     finally:
         thread.stop()
+        host.close()
 
 
 def timed_once(jobs: list[Callable[[], float]]) -> float:

@@ -14,6 +14,9 @@ chose one expert, B the row bucket.
 #     count (`EngineConfig.cpu_threads`, by default the cores less one: `default_threads`): under torch's OpenMP backend the count is per calling thread, so the loop
 #     thread keeps `EngineConfig.threads` (1 on CUDA). Under another backend it would be process-wide: then the host
 #     path keeps the loop thread's count and says so in a warning.
+#     With `parallel` (EngineConfig.tuning.host.parallel_experts) that thread only hands a layer's experts out, each to
+#     one of `threads` workers with one torch thread, and gathers them in expert-id order: a one-thread expert's bits
+#     do not depend on what runs beside it, so neither on the round nor on the other experts.
 #  4. Inputs come down and outputs go back through torch's pinned host allocator (CUDA): it keeps a buffer until the
 #     copies that read or write it have completed, so a job cancelled or dropped at any point frees nothing early.
 
@@ -25,6 +28,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from concurrent.futures import ThreadPoolExecutor
 
 from backends.base import Event
 from specter.experts.pool import ExpertPool
@@ -102,7 +107,8 @@ class HostExperts:
     """The host expert path of one engine: the placement, the pool it reads, its thread and its block size."""
 
     def __init__(self, pool: ExpertPool, placement: Placement, row_bucket: int, threads: int | None = None,
-                 device: torch.device | None = None, prompt: Callable[[int], Placement] | None = None) -> None:
+                 device: torch.device | None = None, prompt: Callable[[int], Placement] | None = None,
+                 parallel: bool = False) -> None:
         assert placement.num_layers == pool.num_layers and placement.num_experts == pool.num_experts, (
             f"a placement of {placement.num_layers} x {placement.num_experts} for a pool of {pool.num_layers} x {pool.num_experts}")
         self.pool, self.placement, self.row_bucket = pool, placement, row_bucket
@@ -113,7 +119,12 @@ class HostExperts:
         self.threads = threads or default_threads()
         self.device = device or torch.device("cpu")
         self.pinned = self.device.type == "cuda"  # outputs go back with a non-blocking copy from pinned memory
-        self.thread = host_thread(self.device, self.threads) if placement.active else None
+        self.parallel = parallel
+        # With `parallel`, the host thread hands a layer's experts to one-thread workers (invariant 3); its own count
+        # is then 1 too, as it only gathers.
+        self.thread = host_thread(self.device, 1 if parallel else self.threads) if placement.active else None
+        self.workers: ThreadPoolExecutor | None = None
+        """With `parallel`: the one-thread workers, started by the first layer that has two experts or more."""
 
     # ---- one expert, on the calling thread --------------------------------------------------------------
     def compute(self, layer: int, expert: int, rows: Tensor, weights: Tensor, mlp: ExpertFunction) -> Tensor:
@@ -136,10 +147,21 @@ class HostExperts:
             inputs.ready.wait()
         hidden, weights = inputs.hidden, inputs.weights
         outputs = {}
-        for expert in sorted(routes):
-            rows, slots = routes[expert]
-            index = torch.tensor(rows, dtype=torch.long)
-            values = self.compute(layer, expert, hidden[index], weights[index, torch.tensor(slots, dtype=torch.long)][:, None], mlp)
+        experts = sorted(routes)
+        indices = {expert: torch.tensor(routes[expert][0], dtype=torch.long) for expert in experts}
+        args = {expert: (layer, expert, hidden[indices[expert]],
+                         weights[indices[expert], torch.tensor(routes[expert][1], dtype=torch.long)][:, None], mlp)
+                for expert in experts}
+        if self.parallel and len(experts) > 1:
+            if self.workers is None:
+                self.workers = ThreadPoolExecutor(self.threads, thread_name_prefix="specter-host-expert",
+                                                  initializer=torch.set_num_threads, initargs=(1,))
+            futures = {expert: self.workers.submit(self.compute, *args[expert]) for expert in experts}
+            computed = {expert: future.result() for expert, future in futures.items()}
+        else:
+            computed = {expert: self.compute(*args[expert]) for expert in experts}
+        for expert in experts:
+            index, values = indices[expert], computed[expert]
             if dense:
                 out = torch.zeros(hidden.shape[0], hidden.shape[1], dtype=values.dtype, pin_memory=self.pinned)
                 out[index] = values
@@ -177,3 +199,6 @@ class HostExperts:
         if self.thread is not None:
             self.thread.stop()
             self.thread = None
+        if self.workers is not None:
+            self.workers.shutdown(wait=True)
+            self.workers = None
