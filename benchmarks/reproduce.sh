@@ -305,7 +305,8 @@ fulldepth() {  # table "Full-depth Qwen1.5-MoE-A2.7B shape" (one per shape): SHA
   # Then a routing trace of the narrow checkpoint (its routing is the widened model's), fulldepth-SHAPE/placement-trace.jsonl
   # (placement_trace), goes to the bench as --placement-profile: without one auto assumes uniform routing and over-prices
   # a speculating engine's misses (specter-hybrid was put all on the host, 1.8x slower than specter). NO_TRACE=1 skips it
-  # (auto then places from uniform routing); TRACE_TOKENS (default 256) sets its length.
+  # (auto then places from uniform routing); TRACE_TOKENS (default 256) sets its length. BENCH_ARGS: more bench
+  # options, word-split (e.g. "--tune host.parallel_experts=true --repeats 2").
   local shape=${SHAPE:-qwen1.5-moe-a2.7b} budgets profile=
   case "$shape" in
     phi-3.5-moe) budgets=${BUDGETS:-48GiB,36GiB} ;;
@@ -327,7 +328,7 @@ fulldepth() {  # table "Full-depth Qwen1.5-MoE-A2.7B shape" (one per shape): SHA
   timeout -k 15 "$left" python3 -m specter.bench --model "/tmp/narrow/$shape" --widen auto --budget "$budgets" \
     --link "${LINKS:-native,gen4,ddr4-desktop}" --sampling greedy,sampled --max-new-tokens 64 \
     --systems "${SYSTEMS:-ondemand,specmoeoff,cpu-experts,specter,specter-hybrid,exact-prefetch-specter}" \
-    --time-budget $((left - 65)) --no-progress --no-plots --no-hf ${profile:+--placement-profile "$profile"} \
+    --time-budget $((left - 65)) --no-progress --no-plots --no-hf ${profile:+--placement-profile "$profile"} ${BENCH_ARGS:-} \
     --out "$out/fulldepth-$shape" > "$out/logs/fulldepth-$shape.log" 2>&1
   echo "fulldepth $shape rc=$? at ${SECONDS}s"; tail -40 "$out/logs/fulldepth-$shape.log"
 }
