@@ -1,7 +1,7 @@
 """Seconds for the host CPU to compute one routed expert (the host expert path, specter/experts/host.py) by rows and
 torch threads, at a real shape, against the time the same expert takes to cross the link: what a placement weighs.
 
-    python benchmarks/host_expert.py [SHAPE] [ROWS] [THREADS] [REPEATS] [WARMUP] [FLUSH_MB]
+    python benchmarks/host_expert.py [SHAPE] [ROWS] [THREADS] [REPEATS] [WARMUP] [FLUSH_MB] [PARALLEL]
     python benchmarks/host_expert.py mixtral-8x7b 1,4,16 1,8,16 20 3
     python benchmarks/host_expert.py 1024x3584 1,16 1        # hidden x expert width, for a small CPU
 
@@ -28,18 +28,18 @@ Variants, all on the same host thread and rows:
   needs a second copy of the weights); `packed_equal` says whether its output equals the host path's bit for bit;
 - transposed: the same chain on the padded block with the weights on the left (W13 @ X^T, then W2 @ A^T): the
   [N, K] weights are then GEMM's plain A operand, which oneDNN reads without the reformat, and the output is the same
-  bits on the CPUs tried; `transposed_equal` checks it against the host path. On the 2-core development Xeon it took
-  0.73 ms against 0.95 for the host path's 16-row block (Qwen1.5-MoE's expert, 2 threads), no gain at 1 row;
+  bits on the CPUs tried; `transposed_equal` checks it against the host path. On the 2-core development Xeon, cold, it
+  took 1.41 ms against the host path's 1.97 at 16 rows (Qwen1.5-MoE's expert, 2 threads);
 - pageable (CUDA only): the plain chain on a pageable copy of the pinned weights.
 
-Then, per thread count T, the parallel mode: T distinct experts at once, each on its own thread with one torch thread
+With PARALLEL=1 (the seventh argument), then, per thread count T, the parallel mode: T distinct experts at once, each on its own thread with one torch thread
 (the host path's `compute` on a block), against the same T experts one after another on one thread with T torch
 threads (what the host path does now). A single-threaded expert's result does not depend on what runs beside it, so
 an engine could spread a round's host experts over the cores without its tokens depending on the round; this measures
 whether that is faster than one team of T threads per expert (`parallel_s`, `sequential_s`: per expert, medians;
-`parallel_equal`: the two give the same bits). On the 2-core development Xeon: 0.96 against 1.03 ms per expert at 16
-rows, and 1.8 against 8.2 ms while another process used a core (a team of threads waits at its barrier for a
-preempted member).
+`parallel_equal`: the two give the same bits). On the 2-core development Xeon, cold, 1.64 against 1.91 ms per expert
+at 16 rows, and 1.8 against 8.2 ms (warm) while another process used a core (a team of threads waits at its barrier
+for a preempted member).
 
 Prints one line per (threads, rows) and a JSON line at the end.
 """
@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from specter.bench.synthetic import SHAPES, shape_config
 from specter.config import LINK_PRESETS
-from specter.experts.host import HostExperts
+from specter.experts.host import HostExperts, one_thread
 from specter.experts.pool import ExpertPool
 from specter.kernel import Kernel, run
 from specter.model.weights import unpack_expert
@@ -225,8 +225,9 @@ def time_parallel(shape: str, rows: int, threads_list: list[int], repeats: int, 
         for threads in threads_list:
             ids = list(range(threads))
             one = lambda expert: host.compute(0, expert, x, w, mlp)  # noqa: E731
-            with ThreadPoolExecutor(threads, initializer=lambda: torch.set_num_threads(1)) as workers, \
-                    ThreadPoolExecutor(1, initializer=lambda threads=threads: torch.set_num_threads(threads)) as team:
+            with ThreadPoolExecutor(threads, initializer=one_thread) as workers, \
+                    ThreadPoolExecutor(1, initializer=lambda threads=threads: (torch.get_num_threads(),
+                                                                               torch.set_num_threads(threads))) as team:
                 timed: dict[str, list[float]] = {"parallel": [], "sequential": []}
                 runs = {"parallel": lambda: list(workers.map(one, ids)),
                         "sequential": lambda: team.submit(lambda: [one(expert) for expert in ids]).result()}
@@ -257,6 +258,7 @@ if __name__ == "__main__":
     threads = [int(n) for n in (sys.argv[3] if len(sys.argv) > 3 else str(torch.get_num_threads())).split(",")]
     repeats = int(sys.argv[4]) if len(sys.argv) > 4 else 20
     warmup = int(sys.argv[5]) if len(sys.argv) > 5 else 3
-    flush = int(sys.argv[6]) << 20 if len(sys.argv) > 6 else None
+    flush = int(sys.argv[6]) << 20 if len(sys.argv) > 6 and sys.argv[6] != "-" else None  # "-": the default
+    parallel = len(sys.argv) > 7 and sys.argv[7] == "1"
     timed = run(time_expert(shape, rows, threads, repeats, warmup, flush))
-    print(json.dumps(timed + time_parallel(shape, max(rows), threads, repeats, flush)))
+    print(json.dumps(timed + (time_parallel(shape, max(rows), threads, repeats, flush) if parallel else [])))

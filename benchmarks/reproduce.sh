@@ -282,7 +282,7 @@ d = Path(sys.argv[1]); spec = Checkpoint(d).spec
 measured = [bytes(ids) for kind in json.loads((d / "prompts.json").read_text())["kinds"].values() for ids in kind]
 window = next(w for w in json.loads((d / "held_out.json").read_text())["windows"] if not any(m in bytes(w) for m in measured))
 print(max(spec.top_k, spec.num_experts // 4), ",".join(map(str, window[:64])))' "$dir" 2>"$log") \
-    || { echo "placement trace: no held-out prompt from $dir (see $log); the bench places from uniform routing" >&2; return; }
+    || { echo "placement trace: no held-out prompt from $dir (see $log); the bench places without a trace" >&2; return; }
   timeout 90 python3 -m specter generate --model "$dir" --residents "${inputs%% *}" --prompt-ids "${inputs#* }" \
     --max-new-tokens "${TRACE_TOKENS:-256}" --temperature 0.7 --top-p 0.9 --json --trace "$trace" >> "$log" 2>&1
   local rc=$? lines
@@ -290,7 +290,7 @@ print(max(spec.top_k, spec.num_experts // 4), ",".join(map(str, window[:64])))' 
   lines=$(grep -c . "$trace" 2>/dev/null)
   # a generate cut by its timeout may leave a torn last line, which the bench would refuse (and so not run at all)
   if [ "$rc" -eq 0 ] && [ "${lines:-0}" -gt 1 ]; then echo "$trace"
-  else echo "placement trace: none recorded (rc=$rc, ${lines:-0} lines); the bench places from uniform routing" >&2; fi
+  else echo "placement trace: none recorded (rc=$rc, ${lines:-0} lines); the bench places without a trace" >&2; fi
 }
 
 fulldepth() {  # table "Full-depth Qwen1.5-MoE-A2.7B shape" (one per shape): SHAPE (default qwen1.5-moe-a2.7b) at full depth and the real dims: trained
@@ -303,9 +303,9 @@ fulldepth() {  # table "Full-depth Qwen1.5-MoE-A2.7B shape" (one per shape): SHA
   # call and --merge the outputs where one call does not hold the matrix (the first call on a fresh machine trains).
   # The narrow checkpoint's realism report goes to fulldepth-SHAPE/realism.json first (NO_REALISM=1 skips it).
   # Then a routing trace of the narrow checkpoint (its routing is the widened model's), fulldepth-SHAPE/placement-trace.jsonl
-  # (placement_trace), goes to the bench as --placement-profile: without one auto assumes uniform routing and over-prices
-  # a speculating engine's misses (specter-hybrid was put all on the host, 1.8x slower than specter). NO_TRACE=1 skips it
-  # (auto then places from uniform routing); TRACE_TOKENS (default 256) sets its length. BENCH_ARGS: more bench
+  # (placement_trace), goes to the bench as --placement-profile: without one auto cannot price a speculating engine's
+  # misses and places specter-hybrid off (it had put all on the host, 1.8x slower than specter). NO_TRACE=1 skips it
+  # (specter-hybrid then runs as specter, ondemand-hybrid from uniform routing); TRACE_TOKENS (default 256) sets its length. BENCH_ARGS: more bench
   # options, word-split (e.g. "--tune host.parallel_experts=true --repeats 2").
   local shape=${SHAPE:-qwen1.5-moe-a2.7b} budgets profile=
   case "$shape" in

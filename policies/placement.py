@@ -86,7 +86,8 @@ class Auto:
     under uniform use, but under skewed use a floor well below what an LRU cache misses (a simulated LRU on a skewed
     profile missed 0.77 per token, Che 0.70, the floor 0.48: tests/test_placement_auto.py).
 
-    Without a trace, one row per forward (k = 0) for every engine: a speculative verify of R <= row_bucket rows copies
+    Without a trace an engine that speculates is placed `off` (`prices_misses`, below); for the others, and as the
+    rows' arithmetic for every engine, one row per forward (k = 0): a speculative verify of R <= row_bucket rows copies
     a missing expert once and computes a host expert on one block, so under independent uniform use both paths scale by the same
     q = 1 - (1 - r)^R per round, and one copy against one host block decides at every k. Routing with temporal
     locality favours the device, which use counts do not show: an LRU cache keeps the last rounds' working set while a
@@ -170,7 +171,8 @@ class Auto:
         prefetches most of them ahead of the verify and its rounds reuse what the last ones loaded; on the H200's
         full-depth Qwen1.5-MoE cells it then put every non-resident on the host and decoded 1.8-2.1x slower than
         placing nothing, so without a trace such an engine keeps every expert on the device path."""
-        return not state.speculates or state.route_sequence is not None or self.prefetch_discount > 0.0
+        rounds = state.route_sequence is not None and bool(state.route_sequence.rounds)
+        return not state.speculates or rounds or self.prefetch_discount > 0.0
 
     def layer_host(self, state: PlacementState, layer: int, rates: Sequence[float]) -> list[int]:
         """The host-path experts of one layer (none when nothing is gained by at least `margin`)."""

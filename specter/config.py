@@ -345,13 +345,14 @@ class HostTuning(_Frozen):
                                    "up to cpu_threads at once, instead of one after another, each on a team of cpu_threads "
                                    "torch threads. A one-thread expert's result does not depend on what runs beside it, "
                                    "so the tokens stay a function of the config. Off until measured on the H200's host "
-                                   "(benchmarks/host_expert.py's parallel mode; on the 2-core development Xeon 1.64 against "
-                                   "1.91 ms per expert, and far faster while another process takes a core); its tokens: "
+                                   "(benchmarks/host_expert.py's parallel mode; on the 2-core development Xeon, cold, 1.64 against "
+                                   "1.91 ms per expert, and 1.8 against 8.2 while another process took a core); its tokens: "
                                    "tests/test_hybrid.py, tests/test_host_experts.py.")
 
 
 class TuningConfig(_Frozen):
-    """Measured knobs of the runtime, by the part they tune; every default is the measured best (docs/journal.md)."""
+    """Measured knobs of the runtime, by the part they tune; every default is the measured best (docs/journal.md), but
+    `host.parallel_experts`, off until it is measured on the GPU machine's host."""
 
     cache: CacheTuning = Field(default_factory=CacheTuning, description="The expert cache's rolling window and lead.")
     transfer: TransferTuning = Field(default_factory=TransferTuning, description="The transfer engine's pump.")

@@ -172,9 +172,13 @@ class Runtime:
 
     def retune(self, tuning: TuningConfig) -> None:
         """Take `tuning` from the next request on: the cache, transfer and verify knobs are read at run time (A/B
-        runs flip them between the requests of one process). The kernels' are fixed when the graphs are captured."""
+        runs flip them between the requests of one process). The kernels' are fixed when the graphs are captured, the host
+        path's when its threads start."""
         if tuning.kernels != self.config.tuning.kernels:
             raise ConfigError("tuning.kernels is fixed when the runtime is built (its CUDA graphs are captured then); "
+                              "build another runtime to change it")
+        if tuning.host != self.config.tuning.host:
+            raise ConfigError("tuning.host is fixed when the host expert path starts (its threads are set up then); "
                               "build another runtime to change it")
         self.config = self.config.model_copy(update={"tuning": tuning})
         if self.cache is not None:

@@ -275,28 +275,62 @@ def test_parallel_experts_run_on_one_thread_workers_and_give_the_sequential_bits
     assert all(torch.equal(parallel[0][e], sequential[0][e]) for e in routes)
     assert torch.equal(parallel[1][0], sequential[1][0])
     workers = {name for name, _ in seen[:-1]}
-    assert workers and all(name.startswith("specter-host-expert") for name in workers), seen
+    assert workers and all(name.startswith("specter-host-worker") for name in workers), seen  # not the host thread
     assert seen[-1][0] == "specter-host-experts"  # the lone expert, on the host thread
     if per_thread_counts():
         assert all(threads == 1 for _, threads in seen)
 
 
-def test_the_calibration_times_parallel_experts_on_the_workers(monkeypatch):
-    """With parallel experts the load's calibration runs each job's top-k experts on the workers, as decoding will."""
+def test_with_parallel_experts_the_calibration_times_one_expert_on_one_thread(monkeypatch):
+    """Each expert of the parallel host path runs on one thread, so the load times one expert per job on a thread of
+    one torch thread (the cost model adds a layer's host experts up: exact for a lone one, an upper bound otherwise)."""
     from specter.experts import costs
+    from specter.placement import PlacementState
 
     hidden, inter = 256, 384
     pool = random_pool(experts=(costs.REPEATS + 1) * 2)
-    names = []
+    seen, asked = [], []
 
     def mlp(rows, packed):
-        names.append(threading.current_thread().name)
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
         return swiglu(rows, packed, hidden, inter)
 
-    async def go():
-        with Kernel() as kernel:
-            return await costs.time_host_expert(kernel, pool, mlp, hidden, 16, 2, torch.device("cpu"), per_job=2,
-                                                parallel=True)
+    real = costs.time_host_expert
 
-    assert asyncio.run(go()) > 0
-    assert names and all(name.startswith("specter-host-expert") for name in names), set(names)
+    async def spy(*args, **kwargs):
+        asked.append((kwargs["per_job"], kwargs["parallel"]))
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(costs, "time_host_expert", spy)
+    state = PlacementState(num_layers=1, num_experts=pool.num_experts, top_k=2, slots_per_layer=1,
+                           initial_residents=((),), expert_bytes=pool.expert_bytes, row_bucket=16, host_threads=2,
+                           link_bytes_per_s=1e9)
+
+    async def go(parallel):
+        with Kernel() as kernel:
+            return await costs.calibrate(kernel, pool, mlp, state, hidden, torch.device("cpu"), parallel=parallel)
+
+    assert asyncio.run(go(True)).host_expert_s[16] > 0 and asked == [(1, True)]
+    assert {name for name, _ in seen} == {"specter-host-calibration"}
+    if per_thread_counts():
+        assert {threads for _, threads in seen} == {1}
+    asyncio.run(go(False))
+    assert asked[-1] == (2, False)
+
+
+def test_a_runtime_refuses_to_retune_its_host_path(root):
+    """tuning.host is fixed when the host path's threads start: `retune` refuses a change instead of recording one the
+    path would not follow."""
+    from specter.config import TuningConfig
+    from specter.errors import ConfigError
+
+    path = checkpoint("mixtral", root)
+
+    async def go():
+        config = EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_experts="all", cpu_threads=1)
+        async with await Runtime.load(path, config) as runtime:
+            runtime.retune(TuningConfig().with_overrides(["cache.lead_relay=false"]))  # a run-time knob: taken
+            with pytest.raises(ConfigError, match="tuning.host is fixed"):
+                runtime.retune(TuningConfig().with_overrides(["host.parallel_experts=true"]))
+
+    asyncio.run(go())

@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "recorded on the narrow checkpoint: the widened model routes as it does) that every engine the "
                              "bench builds places from (EngineConfig.placement_profile): auto's cost model (the hybrids) "
                              "replays its rounds instead of assuming uniform routing. Checked before anything loads. None: "
-                             "uniform routing")
+                             "uniform routing, and a speculating hybrid (specter-hybrid) placed off")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds above 0, shared out between the models; a cell is skipped (noted) when the time left "
                              "is below the longest cell so far or, for a model's first cells, below its baseline pass over "

@@ -127,7 +127,8 @@ SYSTEMS: dict[str, System] = {
         # from the cell's starting cache; both are held to that placement's own k = 0 run, as cpu-experts is.
         System("specter-hybrid", "specter with --cpu-experts auto: of the non-resident experts, the least used that a cost "
                                  "model calibrated at load (copy vs host time per expert) puts on the host CPU, fixed for "
-                                 "the cell; the others copied and prefetched as specter does",
+                                 "the cell (none without a --placement-profile trace: auto cannot price a speculating "
+                                 "engine's misses without its rounds); the others copied and prefetched as specter does",
                eviction="plan-protect", prefetch="topm-keep", lookahead="roofline", k=None, overlap=None, cpu_experts="auto"),
         System("ondemand-hybrid", "ondemand (k=0, LRU, load on miss) with --cpu-experts auto: the host computes what the "
                                   "cost model puts there, the rest is loaded on demand", cpu_experts="auto"),

@@ -61,12 +61,15 @@ async def calibrate(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction | None
     """Every cost a placement policy reads that `state` lacks, measured now (the pool written, before the first
     request): the host path on one block of `state.row_bucket` rows with `state.host_threads` threads
     (`time_host_expert`, unless there is no `mlp`), the link unless the state has its figure (an emulated link), the
-    profile's use counts and its rounds in order. `parallel`: the host path spreads a layer's experts over one-thread
-    workers (EngineConfig.tuning.host.parallel_experts), timed so."""
+    profile's use counts and its rounds in order. `parallel` (EngineConfig.tuning.host.parallel_experts): each host
+    expert runs on one thread, so one expert is timed alone on one thread. The cost model adds a layer's host experts
+    up, as if they ran one after another: what a lone host expert costs, and an upper bound where several of a layer's
+    run at once on the workers (it errs toward the device)."""
     started = time.perf_counter()
     rows = state.row_bucket
     host = {} if mlp is None else {rows: await time_host_expert(kernel, pool, mlp, hidden_size, rows, state.host_threads,
-                                                                device, per_job=state.top_k, parallel=parallel)}
+                                                                device, per_job=1 if parallel else state.top_k,
+                                                                parallel=parallel)}
     link = time_link(pool.host(0, 0), device) if state.link_bytes_per_s is None else None
     counts, sequence = routing_profile(profile, state.num_layers, state.num_experts) if profile is not None else (None, None)
     log.info("placement.calibrated", host_expert_ms=round(host[rows] * 1e3, 3) if host else None,
@@ -130,11 +133,9 @@ async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction
     cache wherever it fits there (a 17 MB expert fits a server's), faster than decoding ever reads it.
     Timing the path's own call (not the bare expert function) counts its per-expert work too (gather, padding,
     weighting, the pinned output): the figure is what the bench reports as ms per host expert (host seconds over host
-    experts computed) for a host running alone. With `parallel` a job's experts run at once on one-thread workers, so
-    the figure is per expert at the concurrency of one row's top-k (the calibration's `per_job`), what decoding sees;
-    a verify's rounds, with more host experts per layer, fill more workers."""
-    host = HostExperts(pool, Placement.device_only(pool.num_layers, pool.num_experts), row_bucket, threads, device,
-                       parallel=parallel)
+    experts computed) for a host running alone. With `parallel` the thread has one torch thread, as each expert of the
+    parallel host path has (`calibrate` then times one expert per job)."""
+    host = HostExperts(pool, Placement.device_only(pool.num_layers, pool.num_experts), row_bucket, threads, device)
     rows = (torch.randn(1, hidden_size) * 0.1).to(pool.dtype)
 
     def job(layer: int, experts: list[int]) -> Callable[[], float]:

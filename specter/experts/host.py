@@ -1,5 +1,6 @@
 """The host expert path: routed experts the placement puts on the host, computed by the CPU from the pool's pinned
-bytes (never copied to the device), on one dedicated thread the event loop awaits as it awaits a GPU event.
+bytes (never copied to the device), on one dedicated thread the event loop awaits as it awaits a GPU event (and,
+with `tuning.host.parallel_experts`, on one-thread workers that thread hands a layer's experts to).
 
 Shape legend: T rows of the forward (R for the segmented step), D hidden, A active experts per row, n rows that
 chose one expert, B the row bucket.
@@ -29,9 +30,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from backends.base import Event
+from specter.errors import ConfigError
 from specter.experts.pool import ExpertPool
 from specter.kernel import HostJob, HostThread, Kernel
 from specter.log import get_logger
@@ -73,6 +75,13 @@ def per_thread_counts() -> bool:
     return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
+def one_thread() -> None:
+    """A host worker's setup: one torch thread. Reading the count first pins this thread's own: a thread that has not
+    used torch's threading yet takes the count last set by any thread at its first op."""
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
 def host_thread(device: torch.device, threads: int, name: str = "specter-host-experts") -> HostThread:
     """A thread set up as the host expert path's (the path's own, and the calibration's that times it at load)."""
     # The index is resolved here, on the caller's thread: `torch.device("cuda")` names no index (set_device refuses it),
@@ -84,6 +93,7 @@ def host_thread(device: torch.device, threads: int, name: str = "specter-host-ex
         if index is not None:
             torch.cuda.set_device(index)
         if per_thread_counts():
+            torch.get_num_threads()  # pins this thread's own count (see `one_thread`)
             torch.set_num_threads(threads)
         else:
             log.warning("host.threads_shared", threads=torch.get_num_threads(), asked=threads,
@@ -123,8 +133,13 @@ class HostExperts:
         # With `parallel`, the host thread hands a layer's experts to one-thread workers (invariant 3); its own count
         # is then 1 too, as it only gathers.
         self.thread = host_thread(self.device, 1 if parallel else self.threads) if placement.active else None
-        self.workers: ThreadPoolExecutor | None = None
-        """With `parallel`: the one-thread workers, started by the first layer that has two experts or more."""
+        if parallel and not per_thread_counts():
+            raise ConfigError("tuning.host.parallel_experts needs torch's OpenMP backend (a per-thread thread count): "
+                              "under this one a worker's count of 1 would be the whole process's; leave it off")
+        self.workers = (ThreadPoolExecutor(self.threads, thread_name_prefix="specter-host-worker", initializer=one_thread)
+                        if parallel and placement.active else None)
+        """With `parallel`: the one-thread workers (threads start at the first submit). None once closed: a job that
+        outlives `close` computes its experts on the host thread, one thread, the same bits."""
 
     # ---- one expert, on the calling thread --------------------------------------------------------------
     def compute(self, layer: int, expert: int, rows: Tensor, weights: Tensor, mlp: ExpertFunction) -> Tensor:
@@ -149,19 +164,21 @@ class HostExperts:
         outputs = {}
         experts = sorted(routes)
         indices = {expert: torch.tensor(routes[expert][0], dtype=torch.long) for expert in experts}
-        args = {expert: (layer, expert, hidden[indices[expert]],
-                         weights[indices[expert], torch.tensor(routes[expert][1], dtype=torch.long)][:, None], mlp)
-                for expert in experts}
-        if self.parallel and len(experts) > 1:
-            if self.workers is None:
-                self.workers = ThreadPoolExecutor(self.threads, thread_name_prefix="specter-host-expert",
-                                                  initializer=torch.set_num_threads, initargs=(1,))
-            futures = {expert: self.workers.submit(self.compute, *args[expert]) for expert in experts}
+
+        def one(expert: int) -> Tensor:
+            index, slots = indices[expert], torch.tensor(routes[expert][1], dtype=torch.long)
+            return self.compute(layer, expert, hidden[index], weights[index, slots][:, None], mlp)
+
+        workers = self.workers
+        if workers is not None and len(experts) > 1:
+            futures = {expert: workers.submit(one, expert) for expert in experts}
+            wait(futures.values())  # every one ends before the job does, failed or not: none outlives it
             computed = {expert: future.result() for expert, future in futures.items()}
         else:
-            computed = {expert: self.compute(*args[expert]) for expert in experts}
+            computed = {}
         for expert in experts:
-            index, values = indices[expert], computed[expert]
+            index = indices[expert]
+            values = computed[expert] if expert in computed else one(expert)
             if dense:
                 out = torch.zeros(hidden.shape[0], hidden.shape[1], dtype=values.dtype, pin_memory=self.pinned)
                 out[index] = values
@@ -200,5 +217,6 @@ class HostExperts:
             self.thread.stop()
             self.thread = None
         if self.workers is not None:
-            self.workers.shutdown(wait=True)
+            # The host thread has finished its jobs (or is stuck past stop's timeout): nothing left to wait for here.
+            self.workers.shutdown(wait=False, cancel_futures=True)
             self.workers = None
