@@ -318,7 +318,8 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
             "link_gbps": None if link is None else round(link / 1e9, 3), "link_source": source,
             "copy_ms_per_expert": ms(copy_seconds(state)), "host_ms_per_expert": ms(host_seconds(state, 1)),
             "auto_host_experts": auto.total, "auto_host_experts_per_layer": auto.counts(),
-            "routing": routing_source(state),
+            "routing": routing_source(state), "speculates": state.speculates,
+            "auto_prices_misses": getattr(plugins.load_policy("placement", "auto"), "prices_misses", lambda state: True)(state),
             "predicted_ms_per_token": {name: ms(token_seconds(state, placed[name])) for name in ("off", "all", "auto")}}
 
 
@@ -408,8 +409,11 @@ def _auto_line(summary: dict) -> str:
     times = ", ".join(f"{name} {'-' if ms is None else f'{ms:.3f}'}" for name, ms in predicted.items())
     per_layer = summary["auto_host_experts_per_layer"]
     spread = (f"{per_layer[0]} per layer" if len(set(per_layer)) == 1 else f"per layer {', '.join(map(str, per_layer))}")
+    why = ("" if summary.get("auto_prices_misses", True) else
+           "; this engine speculates and has no routing trace to price its misses, so auto keeps every expert on the "
+           "device (pass --placement-profile TRACE, a `generate --trace` of your text)")
     return (f"{summary['auto_host_experts']} host experts ({spread}); predicted expert ms per token: {times} "
-            f"({summary['routing']} routing)")
+            f"({summary['routing']} routing){why}")
 
 
 def _count(n: int) -> str:

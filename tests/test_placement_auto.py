@@ -403,6 +403,9 @@ def test_info_prints_the_costs_and_what_auto_would_do(quiet_logs_after, tiny, ca
     assert main(["info", str(tiny), "--residents", "2", "--link", "1", "--cpu-threads", "1", "--cpu-experts", "auto"]) == 0
     out = capsys.readouterr().out
     assert "expert costs    copy" in out and "auto would" in out and "predicted expert ms per token: off" in out
+    # info's engine speculates (the default k) and has no trace: it says why auto keeps every expert on the device
+    assert summary["speculates"] and not summary["auto_prices_misses"] and summary["auto_host_experts"] == 0
+    assert "no routing trace to price its misses" in out
 
 
 def test_a_speculating_engine_without_a_trace_keeps_every_expert_on_the_device():
