@@ -14,6 +14,7 @@ from specter.placement import (
     Placement,
     PlacementState,
     copy_seconds,
+    has_rounds,
     host_seconds,
     layer_path_uses,
     path_seconds,
@@ -171,8 +172,7 @@ class Auto:
         prefetches most of them ahead of the verify and its rounds reuse what the last ones loaded; on the H200's
         full-depth Qwen1.5-MoE cells it then put every non-resident on the host and decoded 1.8-2.1x slower than
         placing nothing, so without a trace such an engine keeps every expert on the device path."""
-        rounds = state.route_sequence is not None and bool(state.route_sequence.rounds)
-        return not state.speculates or rounds or self.prefetch_discount > 0.0
+        return not state.speculates or has_rounds(state) or self.prefetch_discount > 0.0
 
     def layer_host(self, state: PlacementState, layer: int, rates: Sequence[float]) -> list[int]:
         """The host-path experts of one layer (none when nothing is gained by at least `margin`)."""

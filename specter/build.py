@@ -261,8 +261,8 @@ async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: 
     if getattr(policy, "prices_misses", None) is not None and not policy.prices_misses(state):
         log.warning("placement.needs_trace", policy=policy.name,
                     hint="this engine speculates and has no routing trace with rounds (none, or one without rounds) to "
-                         "price its misses from, so every expert stays on the device path; record one with `specter generate --trace PATH` on your own text "
-                         "and pass it as placement_profile (--placement-profile)")
+                         "price its misses from, so every expert stays on the device path; record one with `specter "
+                         "generate --trace PATH` on your own text and pass it as placement_profile (--placement-profile)")
     if not placement.active:
         return None
     return await apply_placement(placement, cache, config, device, policy, state)

@@ -335,7 +335,7 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
     import torch
 
     from specter.config import parse_link
-    from specter.experts.costs import REPEATS, reference_expert, time_host_expert, time_link
+    from specter.experts.costs import REPEATS, experts_per_job, reference_expert, time_host_expert, time_link
     from specter.experts.host import default_threads
     from specter.experts.pool import ExpertPool
     from specter.kernel import Kernel
@@ -354,7 +354,8 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
     async def host() -> float:
         with Kernel() as kernel:
             return await time_host_expert(kernel, pool, mlp, spec.hidden_size, config.row_bucket,
-                                          config.cpu_threads or default_threads(), torch.device("cpu"), per_job=spec.top_k,
+                                          config.cpu_threads or default_threads(), torch.device("cpu"),
+                                          per_job=experts_per_job(spec.top_k, config.tuning.host.parallel_experts),
                                           parallel=config.tuning.host.parallel_experts)
 
     host_s = asyncio.run(host())

@@ -415,10 +415,17 @@ def _replays(state: PlacementState, layer: int) -> bool:
     return sequence is not None and layer < len(sequence.used) and sequence.tokens > 0
 
 
+def has_rounds(state: PlacementState) -> bool:
+    """Whether the state's profile carries a trace's rounds (with the draft's predictions): what the cost model
+    replays a speculating engine's prefetch over (`prefetch_misses`); without them it cannot price that engine's
+    misses (`Auto.prices_misses`)."""
+    sequence = state.route_sequence
+    return sequence is not None and sequence.tokens > 0 and bool(sequence.rounds)
+
+
 def _hides(state: PlacementState, layer: int) -> bool:
     """Whether the cost model replays the draft's prefetch at `layer` (`prefetch_misses`)."""
-    return (state.speculates and _replays(state, layer) and bool(state.route_sequence.rounds)
-            and bool(state.link_bytes_per_s))
+    return state.speculates and _replays(state, layer) and has_rounds(state) and bool(state.link_bytes_per_s)
 
 
 def prefetch_misses(state: PlacementState, layer: int) -> float:

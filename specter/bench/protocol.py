@@ -239,9 +239,10 @@ class ModelBench:
         request (the cell's own requests at k = 0), times the repeats; see `_cell`."""
         self.baseline: dict[tuple[str, str, int], list[int]] = {}  # Prompt.key -> tokens: resident, k = 0
         self.offloaded_baseline: dict[tuple[str, str, int], list[int]] = {}  # offloaded, k = 0 (ondemand)
-        self.placed_baseline: dict[tuple, list[int]] = {}  # (setting, link, the placement's host sets, Prompt.key)
+        self.placed_baseline: dict[tuple, list[int]] = {}
+        """(setting, link, the placement's host sets, Prompt.key) -> tokens of that placement's k = 0 run from the
+        cell's start."""
         self.placed: tuple[frozenset[int], ...] = ()  # the running cell's placement (its host sets; () for off)
-        """(setting, link, placement name, Prompt.key) -> tokens of that placement's k = 0 run from the cell's start."""
         self.routes: dict[tuple[int, str, str, int], Routes] = {}
         self.schedules: dict[tuple[str, str, str, str, int], tuple[list[int], Routes]] = {}
         """(setting, link, *Prompt.key) -> the specter run's depth per round and verify routes."""

@@ -68,7 +68,7 @@ async def calibrate(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction | None
     started = time.perf_counter()
     rows = state.row_bucket
     host = {} if mlp is None else {rows: await time_host_expert(kernel, pool, mlp, hidden_size, rows, state.host_threads,
-                                                                device, per_job=1 if parallel else state.top_k,
+                                                                device, per_job=experts_per_job(state.top_k, parallel),
                                                                 parallel=parallel)}
     link = time_link(pool.host(0, 0), device) if state.link_bytes_per_s is None else None
     counts, sequence = routing_profile(profile, state.num_layers, state.num_experts) if profile is not None else (None, None)
@@ -105,6 +105,12 @@ def time_link(source: Tensor, device: torch.device, repeats: int = REPEATS) -> f
     seconds = median_seconds(copy, repeats)
     del scratch
     return source.numel() / seconds if seconds > 0 else None
+
+
+def experts_per_job(top_k: int, parallel: bool) -> int:
+    """The experts one calibration job routes its row to: a row's top_k, computed one after another on the host
+    thread; with the parallel host path one, alone on one thread as each worker runs it (`calibrate`)."""
+    return 1 if parallel else top_k
 
 
 def cold_groups(num_layers: int, num_experts: int, per_job: int, jobs: int) -> list[tuple[int, list[int]]]:

@@ -26,11 +26,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 import torch.nn.functional as F
-
-from concurrent.futures import ThreadPoolExecutor, wait
 
 from backends.base import Event
 from specter.errors import ConfigError
@@ -129,13 +128,13 @@ class HostExperts:
         self.threads = threads or default_threads()
         self.device = device or torch.device("cpu")
         self.pinned = self.device.type == "cuda"  # outputs go back with a non-blocking copy from pinned memory
+        if parallel and not per_thread_counts():
+            raise ConfigError("tuning.host.parallel_experts needs torch's OpenMP backend (a per-thread thread count): "
+                              "under this one a worker's count of 1 would be the whole process's; leave it off")
         self.parallel = parallel
         # With `parallel`, the host thread hands a layer's experts to one-thread workers (invariant 3); its own count
         # is then 1 too, as it only gathers.
         self.thread = host_thread(self.device, 1 if parallel else self.threads) if placement.active else None
-        if parallel and not per_thread_counts():
-            raise ConfigError("tuning.host.parallel_experts needs torch's OpenMP backend (a per-thread thread count): "
-                              "under this one a worker's count of 1 would be the whole process's; leave it off")
         self.workers = (ThreadPoolExecutor(self.threads, thread_name_prefix="specter-host-worker", initializer=one_thread)
                         if parallel and placement.active else None)
         """With `parallel`: the one-thread workers (threads start at the first submit). None once closed: a job that
