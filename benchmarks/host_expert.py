@@ -22,14 +22,13 @@ an expert that fits in the cache otherwise favours whichever variant read the sa
 Variants, all on the same host thread and rows:
 - host: `HostExperts.compute`, what the engine runs (block padding, the weighting); `host_s` is the median round trip
   through the event loop (submit to result, what a verify waits), `host_inside_s` the median on the host thread;
-- plain: the F.linear chain on the rows as given (no padding, no weighting; one row takes oneDNN's M = 1 path);
-- packed: the same chain on the padded block with oneDNN-prepacked weights (torch.ops.mkldnn._reorder_linear_weight):
-  the kernel without the per-call reformat of plain [N, K] weights into AMX's layout; not what the engine runs (it
-  needs a second copy of the weights); `packed_equal` says whether its output equals the host path's bit for bit;
-- transposed: the same chain on the padded block with the weights on the left (W13 @ X^T, then W2 @ A^T): the
-  [N, K] weights are then GEMM's plain A operand, which oneDNN reads without the reformat, and the output is the same
-  bits on the CPUs tried; `transposed_equal` checks it against the host path. On the 2-core development Xeon, cold, it
-  took 1.41 ms against the host path's 1.97 at 16 rows (Qwen1.5-MoE's expert, 2 threads);
+  its expert function is `host_swiglu` (the weights as GEMM's left operand, W13 @ X^T, then W2 @ A^T);
+- plain: the F.linear chain on the rows as given (no padding, no weighting; one row takes oneDNN's M = 1 path): the
+  device path's form, which reformats the plain [N, K] weights into oneDNN's blocked layout on every call (the host
+  path's form before `host_swiglu`);
+- packed: the F.linear chain on the padded block with oneDNN-prepacked weights (torch.ops.mkldnn._reorder_linear_weight):
+  the kernel without the per-call reformat; not what the engine runs (it needs a second copy of the weights);
+  `packed_equal` says whether its output equals the host path's bit for bit;
 - pageable (CUDA only): the plain chain on a pageable copy of the pinned weights.
 
 With PARALLEL=1 (the seventh argument), then, per thread count T, the parallel mode: T distinct experts at once, each on its own thread with one torch thread
@@ -37,15 +36,15 @@ With PARALLEL=1 (the seventh argument), then, per thread count T, the parallel m
 threads (what the host path does now). A single-threaded expert's result does not depend on what runs beside it, so
 an engine could spread a round's host experts over the cores without its tokens depending on the round; this measures
 whether that is faster than one team of T threads per expert (`parallel_s`, `sequential_s`: per expert, medians;
-`parallel_equal`: the two give the same bits). On the 2-core development Xeon, cold, 1.64 against 1.91 ms per expert
-at 16 rows, and 1.8 against 8.2 ms (warm) while another process used a core (a team of threads waits at its barrier
-for a preempted member).
+`parallel_equal`: the two give the same bits). One team per expert waits at its barrier for any member that another
+process preempts; one-thread experts do not wait for each other.
 
 Prints one line per (threads, rows) and a JSON line at the end.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -60,7 +59,7 @@ from specter.config import LINK_PRESETS
 from specter.experts.host import HostExperts, one_thread
 from specter.experts.pool import ExpertPool
 from specter.kernel import Kernel, run
-from specter.model.weights import unpack_expert
+from specter.model.weights import host_swiglu, unpack_expert
 from specter.placement import Placement
 
 BUCKET = 16
@@ -85,19 +84,12 @@ class HostMemory:
 
 
 def swiglu(hidden: int, inter: int):
+    """The SwiGLU chain as F.linear computes it (the device path's form, and the host path's before it took
+    `host_swiglu`)."""
     def mlp(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         w13, w2 = unpack_expert(packed, hidden, inter)
         gate_up = F.linear(rows, w13)
         return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2)
-    return mlp
-
-
-def transposed(hidden: int, inter: int):
-    """The SwiGLU chain with the weights as the left operand: rows [n, D] -> [n, D] (a transposed view)."""
-    def mlp(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        w13, w2 = unpack_expert(packed, hidden, inter)
-        gate_up = w13 @ rows.t().contiguous()  # [2I, n]
-        return (w2 @ (F.silu(gate_up[:inter]) * gate_up[inter:])).t()
     return mlp
 
 
@@ -138,26 +130,24 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
     pool.write(0, 0, (torch.randn(3 * hidden * inter) * 0.02).to(torch.bfloat16))
     expert_bytes, weights = pool.expert_bytes, pool.host(0, 0)
     mlp = swiglu(hidden, inter)
-    left_mlp = transposed(hidden, inter)
     packed_mlp = prepacked(weights, hidden, inter)
     pageable = weights.clone() if weights.is_pinned() else None
     links = {name: expert_bytes / (gbps * 1e9) for name, gbps in LINK_PRESETS.items()}
     kernel, results = Kernel(), []
     try:
         for threads in threads_list:
-            host = HostExperts(pool, Placement.of([[0]], 1, 1), row_bucket=BUCKET, threads=threads)
+            host = HostExperts(pool, Placement.of([[0]], 1, 1), row_bucket=BUCKET,
+                               mlp=functools.partial(host_swiglu, hidden=hidden, inter=inter), threads=threads)
             try:
                 cases = {}
                 for rows in rows_list:
                     x = (torch.randn(rows, hidden) * 0.1).to(torch.bfloat16)
                     w = torch.rand(rows, 1).to(torch.bfloat16)
                     block = F.pad(x, (0, 0, 0, -rows % BUCKET))[:BUCKET] if rows <= BUCKET else None
-                    variants = {"host": lambda x=x, w=w: host.compute(0, 0, x, w, mlp),
+                    variants = {"host": lambda x=x, w=w: host.compute(0, 0, x, w),
                                 "plain": lambda x=x: mlp(x, weights)}
                     if packed_mlp is not None and block is not None:
                         variants["packed"] = lambda block=block, w=w, rows=rows: packed_mlp(block)[:rows] * w
-                    if block is not None:
-                        variants["transposed"] = lambda block=block, w=w, rows=rows: left_mlp(block, weights)[:rows] * w
                     if pageable is not None:
                         variants["pageable"] = lambda x=x: mlp(x, pageable)
                     cases[rows] = variants
@@ -180,22 +170,20 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
                     median = {name: statistics.median(inside[rows, name]) for name in variants}
                     on_host = await kernel.wait_host(kernel.submit_host(host.thread, variants["host"]))
                     equal = {}  # variant -> whether its output is the host path's, bit for bit
-                    for name in ("packed", "transposed"):
-                        if name in variants:
-                            other = await kernel.wait_host(kernel.submit_host(host.thread, variants[name]))
-                            equal[name] = bool(torch.equal(on_host, other))
+                    if "packed" in variants:
+                        other = await kernel.wait_host(kernel.submit_host(host.thread, variants["packed"]))
+                        equal["packed"] = bool(torch.equal(on_host, other))
                     result = {"shape": shape, "hidden": hidden, "width": inter, "threads": threads, "rows": rows,
                               "repeats": repeats, "flush_bytes": flush_bytes, "host_s": statistics.median(round_trip[rows]),
                               "host_min_s": min(round_trip[rows]), "host_inside_s": median["host"],
                               "plain_s": median["plain"], "packed_s": median.get("packed"), "packed_equal": equal.get("packed"),
-                              "transposed_s": median.get("transposed"), "transposed_equal": equal.get("transposed"),
                               "pageable_s": median.get("pageable"), "expert_bytes": expert_bytes, "copy_s": links}
                     results.append(result)
                     ms = lambda seconds: "-" if seconds is None else f"{seconds * 1e3:.2f}"  # noqa: E731
                     print(f"{shape} threads={threads:>3} rows={rows:>3}: host {ms(result['host_s']):>7} ms (min "
                           f"{ms(result['host_min_s'])}, on its thread {ms(result['host_inside_s'])}); plain "
                           f"{ms(result['plain_s'])}, packed {ms(result['packed_s'])} (equal: {equal.get('packed')}), "
-                          f"transposed {ms(result['transposed_s'])} (equal: {equal.get('transposed')}), pageable "
+                          f"pageable "
                           f"{ms(result['pageable_s'])}; copy " + ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in links.items()),
                           flush=True)
             finally:
@@ -217,14 +205,14 @@ def time_parallel(shape: str, rows: int, threads_list: list[int], repeats: int, 
     pool = ExpertPool(HostMemory(), 1, experts, 3 * hidden * inter, torch.bfloat16)
     for expert in range(experts):
         pool.write(0, expert, (torch.randn(3 * hidden * inter) * 0.02).to(torch.bfloat16))
-    host = HostExperts(pool, Placement.of([list(range(experts))], 1, experts), row_bucket=BUCKET, threads=1)
-    mlp = swiglu(hidden, inter)
+    host = HostExperts(pool, Placement.of([list(range(experts))], 1, experts), row_bucket=BUCKET,
+                       mlp=functools.partial(host_swiglu, hidden=hidden, inter=inter), threads=1)
     x, w = (torch.randn(rows, hidden) * 0.1).to(torch.bfloat16), torch.rand(rows, 1).to(torch.bfloat16)
     results = []
     try:
         for threads in threads_list:
             ids = list(range(threads))
-            one = lambda expert: host.compute(0, expert, x, w, mlp)  # noqa: E731
+            one = lambda expert: host.compute(0, expert, x, w)  # noqa: E731
             with ThreadPoolExecutor(threads, initializer=one_thread) as workers, \
                     ThreadPoolExecutor(1, initializer=lambda threads=threads: (torch.get_num_threads(),
                                                                                torch.set_num_threads(threads))) as team:

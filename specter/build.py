@@ -199,7 +199,8 @@ async def load_experts(source: WeightSource, config: EngineConfig, memory: Memor
     Returns (the verify's expert provider, the expert cache or None, the draft's quantized layers). The cache gets
     `victims` as its victim chooser (none given: it never evicts by choice). `placement`: the `specter.placement`
     policy (None: 'off'), asked once the cache exists, from the costs calibrated then with `mlp` (the family's routed
-    expert, timed on the host; None: the host is not timed); with every expert resident there is nothing to place."""
+    expert as the host computes it, `Transformer.host_expert_mlp`, which the host path then runs; required with a
+    placement); with every expert resident there is nothing to place."""
     spec = source.spec
     if memory.all_resident:
         resident = ResidentExperts.from_iter(source.experts(dtype, config.progress), spec.num_experts, device)
@@ -252,6 +253,7 @@ async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: 
     no expert takes it (the engine as without placements)."""
     if policy is None:
         return None
+    assert mlp is not None, "a placement needs the family's host expert function to time and run"
     state = placement_state(cache, config, spec)
     state = (await calibrate(kernel, cache.pool, mlp, state, spec.hidden_size, device, config.placement_profile,
                              config.tuning.host.parallel_experts)).apply(state)
@@ -265,13 +267,13 @@ async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: 
                          "generate --trace PATH` on your own text and pass it as placement_profile (--placement-profile)")
     if not placement.active:
         return None
-    return await apply_placement(placement, cache, config, device, policy, state)
+    return await apply_placement(placement, cache, config, device, mlp, policy, state)
 
 
 async def apply_placement(placement: Placement, cache: ExpertCache, config: EngineConfig, device: torch.device,
-                          policy=None, state: PlacementState | None = None) -> HostExperts:
+                          mlp: ExpertFunction, policy=None, state: PlacementState | None = None) -> HostExperts:
     """`placement` from now on: the cache skips its host-path experts and holds the device-path ones that fit (loaded
-    now, so those layers never copy again); returns the host path that computes the others, with the thread count the
+    now, so those layers never copy again); returns the host path that computes the others with `mlp`, with the thread count the
     `state` was calibrated at (none: `cpu_threads`). With `policy` and the `state` it placed from, each prompt takes
     the policy's prompt placement (`place_prefill`), else `placement`."""
     cache.place(placement.host)
@@ -281,7 +283,7 @@ async def apply_placement(placement: Placement, cache: ExpertCache, config: Engi
     if policy is not None and state is not None:
         prompt = lambda rows: prefill_placement(policy, state, placement, rows)  # noqa: E731
     threads = state.host_threads if state is not None else config.cpu_threads
-    return HostExperts(cache.pool, placement, config.row_bucket, threads, device, prompt=prompt,
+    return HostExperts(cache.pool, placement, config.row_bucket, mlp, threads, device, prompt=prompt,
                        parallel=config.tuning.host.parallel_experts)
 
 
@@ -341,7 +343,7 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
         quantize_now = speculative and not calibrated
         victims = Victims(policies["eviction"], len(spec.moe_layers))
         experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now, victims,
-                                                          policies["placement"], model.expert_mlp)
+                                                          policies["placement"], model.host_expert_mlp)
         source.close()
         draft = make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device, tiles=config.tuning.kernels.moe),
                            config) if quantize_now else None

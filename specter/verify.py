@@ -211,14 +211,14 @@ def host_inputs(host: HostExperts | None, kernel: Kernel, cache_layer: int, hidd
 
 
 def start_host(host: HostExperts | None, kernel: Kernel, cache_layer: int, chosen: Sequence[Sequence[int]],
-               experts: Sequence[int], inputs: HostInputs | None, mlp: ExpertMLP, *, dense: bool) -> HostJob | None:
+               experts: Sequence[int], inputs: HostInputs | None, *, dense: bool) -> HostJob | None:
     """Queue the host-path experts among `experts` (the routing's choice) on the host thread; None when there are none."""
     if inputs is None:
         return None
     hosted = [e for e in experts if host.placement.is_host(cache_layer, e)]
     if not hosted:
         return None
-    return host.start(kernel, cache_layer, host_routes(chosen, hosted), inputs, mlp, dense=dense)
+    return host.start(kernel, cache_layer, host_routes(chosen, hosted), inputs, dense=dense)
 
 
 async def finish_host(kernel: Kernel, job: HostJob | None, layer: int, record: VerifyRecord,
@@ -279,7 +279,7 @@ class OffloadedExperts:
         def compute(expert: int, packed: Tensor) -> None:
             parts[expert] = table.weighted_output(expert, x, weights, mlp, packed)
 
-        job = start_host(self.host, self.kernel, cache_layer, chosen, table.experts, inputs, mlp, dense=False)
+        job = start_host(self.host, self.kernel, cache_layer, chosen, table.experts, inputs, dense=False)
         try:  # the host computes its experts while the device computes (and loads) the others
             order = await compute_hot_first(self.cache, self.kernel, cache_layer, needed, compute, self.record,
                                             on_device=self.on_device)
@@ -406,7 +406,7 @@ async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: Ex
     counted = record.used.get(layer, [])
     early = [e for e in computed if e in needed]  # resident when chosen: hits, computed before the routing was read
     rest = [e for e in needed if e not in computed]
-    job = start_host(host, kernel, cache_layer, chosen, routed, inputs, step.model.expert_mlp, dense=True)
+    job = start_host(host, kernel, cache_layer, chosen, routed, inputs, dense=True)
     try:  # the host computes its experts while the device computes (and loads) the others
         order = await compute_hot_first(cache, kernel, cache_layer, rest, compute, record, counted=counted, on_device=on_device,
                                         started=started)

@@ -20,7 +20,7 @@ from specter.engine import Runtime
 from specter.experts.host import HostExperts, HostInputs, host_routes, host_thread, per_thread_counts
 from specter.experts.pool import ExpertPool
 from specter.kernel import HostThread, HostThreadSetupError, Kernel
-from specter.model.weights import unpack_expert
+from specter.model.weights import host_swiglu, unpack_expert
 from specter.placement import Placement
 from tests.hf_models import FAMILIES
 from tests.test_speculative import checkpoint
@@ -42,7 +42,7 @@ class HostMemory:
 
 
 def swiglu(rows: torch.Tensor, packed: torch.Tensor, hidden: int, inter: int) -> torch.Tensor:
-    """Transformer.expert_mlp on one block (what the families share)."""
+    """Transformer.expert_mlp on one block (what the families share; F.linear, the device path's form)."""
     w13, w2 = unpack_expert(packed, hidden, inter)
     gate_up = F.linear(rows, w13)
     return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2)
@@ -67,14 +67,15 @@ def test_host_expert_equals_the_device_path(root, family):
         async with await Runtime.load(checkpoint(family, root), config) as runtime:
             pool, model = runtime.cache.pool, runtime.model
             every = Placement.of([range(pool.num_experts)] * pool.num_layers, pool.num_layers, pool.num_experts)
-            host = HostExperts(pool, every, row_bucket=config.row_bucket, threads=1, device=model.device)
+            host = HostExperts(pool, every, row_bucket=config.row_bucket, mlp=model.host_expert_mlp, threads=1,
+                               device=model.device)
             try:
                 generator = torch.Generator().manual_seed(1)
                 for layer in range(pool.num_layers):
                     for expert in range(pool.num_experts):
                         rows = torch.randn(5, runtime.spec.hidden_size, generator=generator).to(torch.bfloat16)
                         weights = torch.rand(5, 1, generator=generator).to(torch.bfloat16)
-                        on_host = host.compute(layer, expert, rows, weights, model.expert_mlp)
+                        on_host = host.compute(layer, expert, rows, weights)
                         packed = pool.host(layer, expert).to(model.device)
                         on_device = model.expert_mlp(rows.to(model.device), packed) * weights.to(model.device)
                         assert on_host.dtype == on_device.dtype == torch.bfloat16 and on_host.device.type == "cpu"
@@ -95,16 +96,16 @@ def test_a_rows_host_output_does_not_depend_on_the_rows_around_it(rows, row, sca
     another place in its block, bit for bit, whatever the other rows hold."""
     hidden, inter = 256, 384
     pool = _POOL()
-    host = HostExperts(pool, Placement.device_only(1, 2), row_bucket=16, threads=1)
-    mlp = functools.partial(swiglu, hidden=hidden, inter=inter)
+    host = HostExperts(pool, Placement.device_only(1, 2), row_bucket=16, mlp=functools.partial(host_swiglu, hidden=hidden, inter=inter),
+                       threads=1)
     generator = torch.Generator().manual_seed(rows)
     batch = (torch.randn(rows, hidden, generator=generator) * scale).to(torch.bfloat16)
     weights = torch.rand(rows, 1, generator=generator).to(torch.bfloat16)
     r = row.draw(st.integers(0, rows - 1))
-    together = host.compute(0, 1, batch, weights, mlp)[r]
-    alone = host.compute(0, 1, batch[r : r + 1], weights[r : r + 1], mlp)[0]
+    together = host.compute(0, 1, batch, weights)[r]
+    alone = host.compute(0, 1, batch[r : r + 1], weights[r : r + 1])[0]
     neighbours = torch.cat([torch.full((3, hidden), 7.0, dtype=torch.bfloat16), batch[r : r + 1]])
-    elsewhere = host.compute(0, 1, neighbours, torch.cat([torch.ones(3, 1, dtype=torch.bfloat16), weights[r : r + 1]]), mlp)[3]
+    elsewhere = host.compute(0, 1, neighbours, torch.cat([torch.ones(3, 1, dtype=torch.bfloat16), weights[r : r + 1]]))[3]
     assert torch.equal(together, alone) and torch.equal(alone, elsewhere)
 
 
@@ -129,14 +130,14 @@ def test_a_layer_runs_on_the_host_thread_with_its_own_thread_count():
 
     async def go():
         kernel = Kernel()
-        host = HostExperts(pool, Placement.of([[0, 1]], 1, 2), row_bucket=16, threads=2)
+        host = HostExperts(pool, Placement.of([[0, 1]], 1, 2), row_bucket=16, mlp=mlp, threads=2)
         try:
             before = torch.get_num_threads()
             x = torch.randn(4, hidden).to(torch.bfloat16)
             w = torch.rand(4, 2).to(torch.bfloat16)
             routes = host_routes([[0, 1], [1, 0], [0, 1], [1, 0]], [0, 1])
-            outputs = await kernel.wait_host(host.start(kernel, 0, routes, HostInputs(x, w), mlp))
-            dense = await kernel.wait_host(host.start(kernel, 0, routes, HostInputs(x, w), mlp, dense=True))
+            outputs = await kernel.wait_host(host.start(kernel, 0, routes, HostInputs(x, w)))
+            dense = await kernel.wait_host(host.start(kernel, 0, routes, HostInputs(x, w), dense=True))
             assert torch.get_num_threads() == before  # the loop thread's count is untouched
             return x, w, outputs, dense
         finally:
@@ -147,8 +148,8 @@ def test_a_layer_runs_on_the_host_thread_with_its_own_thread_count():
     assert seen["thread"] == "specter-host-experts"
     if per_thread_counts():
         assert seen["threads"] == 2
-    expected = HostExperts(pool, Placement.device_only(1, 2), 16, 1).compute(0, 1, x[[0, 1, 2, 3]], w[[0, 1, 2, 3], [1, 0, 1, 0]][:, None],
-                                                                             functools.partial(swiglu, hidden=hidden, inter=inter))
+    alone = HostExperts(pool, Placement.device_only(1, 2), 16, functools.partial(swiglu, hidden=hidden, inter=inter), 1)
+    expected = alone.compute(0, 1, x[[0, 1, 2, 3]], w[[0, 1, 2, 3], [1, 0, 1, 0]][:, None])
     assert torch.equal(outputs[1], expected)
     assert torch.equal(dense[1], expected) and dense[0].shape == (4, hidden)
 
@@ -259,10 +260,11 @@ def test_parallel_experts_run_on_one_thread_workers_and_give_the_sequential_bits
 
     async def go(parallel: bool, threads: int):
         kernel = Kernel()
-        host = HostExperts(pool, Placement.of([[0, 1, 2, 3]], 1, 4), row_bucket=16, threads=threads, parallel=parallel)
+        host = HostExperts(pool, Placement.of([[0, 1, 2, 3]], 1, 4), row_bucket=16, mlp=mlp, threads=threads,
+                           parallel=parallel)
         try:
-            many = await kernel.wait_host(host.start(kernel, 0, routes, HostInputs(x, w), mlp))
-            one = await kernel.wait_host(host.start(kernel, 0, lone, HostInputs(x[:2], w[:2]), mlp))
+            many = await kernel.wait_host(host.start(kernel, 0, routes, HostInputs(x, w)))
+            one = await kernel.wait_host(host.start(kernel, 0, lone, HostInputs(x[:2], w[:2])))
             return many, one
         finally:
             host.close()

@@ -91,6 +91,7 @@ def test_cpu_threads_none_leaves_the_loop_a_core(monkeypatch):
     from specter.experts import host
     from specter.experts.host import HostExperts, default_threads
     from specter.experts.pool import ExpertPool
+    from specter.model.weights import host_swiglu
 
     assert [default_threads(cores) for cores in (16, 2, 1, None)] == [15, 1, 1, max(1, (os.cpu_count() or 1) - 1)]
     monkeypatch.setattr(host.os, "cpu_count", lambda: None)  # unknown: one thread
@@ -103,8 +104,8 @@ def test_cpu_threads_none_leaves_the_loop_a_core(monkeypatch):
             return torch.empty(numel, dtype=dtype)
 
     pool = ExpertPool(Memory(), 1, 2, 12, torch.bfloat16)
-    assert HostExperts(pool, Placement.device_only(1, 2), 16).threads == 15
-    assert HostExperts(pool, Placement.device_only(1, 2), 16, threads=3).threads == 3
+    assert HostExperts(pool, Placement.device_only(1, 2), 16, host_swiglu).threads == 15
+    assert HostExperts(pool, Placement.device_only(1, 2), 16, host_swiglu, threads=3).threads == 3
 
 
 def test_info_counts_the_host_experts_of_a_placement(tiny):

@@ -151,9 +151,9 @@ def test_the_host_is_timed_cold_on_the_host_paths_own_call(monkeypatch):
     layers_of_calls = []
     real = HostExperts.compute_layer
 
-    def spy(self, layer, routes, inputs, mlp, dense=False):
+    def spy(self, layer, routes, inputs, dense=False):
         layers_of_calls.append((layer, sorted(routes)))
-        return real(self, layer, routes, inputs, mlp, dense)
+        return real(self, layer, routes, inputs, dense)
 
     monkeypatch.setattr(HostExperts, "compute_layer", spy)
     pool = small_pool(layers=2, experts=8)

@@ -11,6 +11,7 @@ for it only with a placement plug-in).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -141,7 +142,7 @@ async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction
     weighting, the pinned output): the figure is what the bench reports as ms per host expert (host seconds over host
     experts computed) for a host running alone. With `parallel` the thread has one torch thread, as each expert of the
     parallel host path has (`calibrate` then times one expert per job)."""
-    host = HostExperts(pool, Placement.device_only(pool.num_layers, pool.num_experts), row_bucket, threads, device)
+    host = HostExperts(pool, Placement.device_only(pool.num_layers, pool.num_experts), row_bucket, mlp, threads, device)
     rows = (torch.randn(1, hidden_size) * 0.1).to(pool.dtype)
 
     def job(layer: int, experts: list[int]) -> Callable[[], float]:
@@ -151,7 +152,7 @@ async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction
 
         def run() -> float:
             started = time.perf_counter()
-            host.compute_layer(layer, routes, inputs, mlp)
+            host.compute_layer(layer, routes, inputs)
             return (time.perf_counter() - started) / len(experts)
 
         return run
@@ -193,14 +194,9 @@ def routing_profile(path: Path, num_layers: int, num_experts: int) -> tuple[list
 
 
 def reference_expert(hidden_size: int, intermediate: int) -> ExpertFunction:
-    """The families' routed expert (Transformer.expert_mlp: SwiGLU over the packed [gate; up] and down) on one block,
-    for timing without a model at hand (`specter info`; benchmarks/host_expert.py has the same)."""
-    from specter.model.weights import unpack_expert
+    """The host path's routed expert (`host_swiglu`, what Transformer.host_expert_mlp runs) on one block, for timing
+    without a model at hand (`specter info`)."""
+    from specter.model.weights import host_swiglu
 
-    def mlp(rows: Tensor, packed: Tensor) -> Tensor:
-        w13, w2 = unpack_expert(packed, hidden_size, intermediate)
-        gate_up = torch.nn.functional.linear(rows, w13)
-        return torch.nn.functional.linear(torch.nn.functional.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:], w2)
-
-    return mlp
+    return functools.partial(host_swiglu, hidden=hidden_size, inter=intermediate)
 

@@ -41,7 +41,8 @@ from specter.placement import Placement
 log = get_logger(__name__)
 Tensor = torch.Tensor
 ExpertFunction = Callable[[Tensor, Tensor], Tensor]
-"""mlp(rows [B, D], packed expert) -> [B, D]: the family's routed-expert function (Transformer.expert_mlp)."""
+"""mlp(rows [B, D], packed expert) -> [B, D]: the family's routed expert as the host computes it, on one block
+(Transformer.host_expert_mlp)."""
 Routes = Mapping[int, tuple[list[int], list[int]]]
 """expert -> (rows that chose it, ascending; the top-A slot of each): which rows a host expert computes."""
 
@@ -113,14 +114,15 @@ class HostInputs:
 
 
 class HostExperts:
-    """The host expert path of one engine: the placement, the pool it reads, its thread and its block size."""
+    """The host expert path of one engine: the placement, the pool it reads, the expert function it runs (the family's
+    `host_expert_mlp`), its thread and its block size."""
 
-    def __init__(self, pool: ExpertPool, placement: Placement, row_bucket: int, threads: int | None = None,
-                 device: torch.device | None = None, prompt: Callable[[int], Placement] | None = None,
-                 parallel: bool = False) -> None:
+    def __init__(self, pool: ExpertPool, placement: Placement, row_bucket: int, mlp: ExpertFunction,
+                 threads: int | None = None, device: torch.device | None = None,
+                 prompt: Callable[[int], Placement] | None = None, parallel: bool = False) -> None:
         assert placement.num_layers == pool.num_layers and placement.num_experts == pool.num_experts, (
             f"a placement of {placement.num_layers} x {placement.num_experts} for a pool of {pool.num_layers} x {pool.num_experts}")
-        self.pool, self.placement, self.row_bucket = pool, placement, row_bucket
+        self.pool, self.placement, self.row_bucket, self.mlp = pool, placement, row_bucket, mlp
         self.decode = placement
         """The engine's placement; `placement` differs from it only during a prompt that has its own."""
         self.prompt = prompt
@@ -141,7 +143,7 @@ class HostExperts:
         outlives `close` computes its experts on the host thread, one thread, the same bits."""
 
     # ---- one expert, on the calling thread --------------------------------------------------------------
-    def compute(self, layer: int, expert: int, rows: Tensor, weights: Tensor, mlp: ExpertFunction) -> Tensor:
+    def compute(self, layer: int, expert: int, rows: Tensor, weights: Tensor) -> Tensor:
         """Expert `expert` of MoE layer `layer` on host rows [n, D], times their routing weights [n, 1]: [n, D]."""
         packed = self.pool.host(layer, expert)
         count, bucket = rows.shape[0], self.row_bucket
@@ -149,12 +151,11 @@ class HostExperts:
         rows = rows.to(self.pool.dtype)
         if padded != count:
             rows = F.pad(rows, (0, 0, 0, padded - count))
-        blocks = [mlp(rows[start : start + bucket], packed) for start in range(0, padded, bucket)]
+        blocks = [self.mlp(rows[start : start + bucket], packed) for start in range(0, padded, bucket)]
         out = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         return out[:count] * weights.to(self.pool.dtype)
 
-    def compute_layer(self, layer: int, routes: Routes, inputs: HostInputs, mlp: ExpertFunction,
-                      dense: bool = False) -> dict[int, Tensor]:
+    def compute_layer(self, layer: int, routes: Routes, inputs: HostInputs, dense: bool = False) -> dict[int, Tensor]:
         """Every expert of `routes` on its rows, in ascending expert id: expert -> [n, D] in its rows' order, or with
         `dense` -> [T, D] with its rows in place (other rows zero). Waits for `inputs.ready` first (blocking)."""
         if inputs.ready is not None:
@@ -166,7 +167,7 @@ class HostExperts:
 
         def one(expert: int) -> Tensor:
             index, slots = indices[expert], torch.tensor(routes[expert][1], dtype=torch.long)
-            return self.compute(layer, expert, hidden[index], weights[index, slots][:, None], mlp)
+            return self.compute(layer, expert, hidden[index], weights[index, slots][:, None])
 
         workers = self.workers
         if workers is not None and len(experts) > 1:
@@ -200,11 +201,11 @@ class HostExperts:
             host_weights.copy_(weights, non_blocking=True)
         return HostInputs(host_hidden, host_weights, backend.record_event(backend.compute_stream))
 
-    def start(self, kernel: Kernel, layer: int, routes: Routes, inputs: HostInputs, mlp: ExpertFunction,
+    def start(self, kernel: Kernel, layer: int, routes: Routes, inputs: HostInputs,
               dense: bool = False) -> HostJob[dict[int, Tensor]]:
         """Queue `compute_layer` on the host thread; `Kernel.wait_host` awaits it (cancel it if nobody will)."""
         assert self.thread is not None, "no expert takes the host path: nothing to start"
-        return kernel.submit_host(self.thread, lambda: self.compute_layer(layer, routes, inputs, mlp, dense))
+        return kernel.submit_host(self.thread, lambda: self.compute_layer(layer, routes, inputs, dense))
 
     @property
     def idle(self) -> bool:

@@ -25,7 +25,7 @@ from specter.model import fused, rowfused
 from specter.model.kv import KVCache
 from specter.model.spec import ModelSpec
 from specter.model.tiers import KernelTiers
-from specter.model.weights import unpack_expert
+from specter.model.weights import host_swiglu, unpack_expert
 
 Tensor = torch.Tensor
 ExpertMLP = Callable[[Tensor, Tensor], Tensor]
@@ -619,6 +619,10 @@ class Transformer:
 
         (out,) = self.rows(swiglu, rows)
         return out
+
+    def host_expert_mlp(self, rows: Tensor, packed: Tensor) -> Tensor:
+        """`expert_mlp` as the host expert path computes it, on one block of rows (`host_swiglu`)."""
+        return host_swiglu(rows, packed, self.spec.hidden_size, self.spec.expert_intermediate)
 
 
 class RoutingTable:
