@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="routing trace whose expert use the placement weighs (default: uniform routing)")
     info.add_argument("--no-measure", dest="measure", action="store_false",
                       help="do not time one expert on the host and on the link (what auto decides then needs --link)")
+    _add_tune(info)
     info.add_argument("--json", action="store_true", help="print one JSON object")
     _add_logging(info)
     add_serve_parser(commands)
@@ -88,6 +89,7 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     policies.add_argument("--overlap", type=int, default=None, metavar="N",
                           help="draft up to N steps ahead beside each verify (kept when the verify takes every draft); "
                                "0: off; default: 16 on CUDA, off on the CPU")
+    _add_tune(policies)
     sampling = gen.add_argument_group("sampling")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     sampling.add_argument("--top-k", type=int, default=None)
@@ -99,6 +101,12 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     output.add_argument("--trace", default=None, metavar="PATH", help="record a routing trace of every speculative round")
     output.add_argument("--progress", action="store_true", help="progress bars while loading")
     _add_logging(gen)
+
+
+def _add_tune(parser: Any) -> None:
+    parser.add_argument("--tune", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="set a field of EngineConfig.tuning, e.g. host.parallel_experts=true (repeatable; "
+                             "docs/ARCHITECTURE.md lists the fields)")
 
 
 def _add_logging(parser: argparse.ArgumentParser) -> None:
@@ -123,13 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # ---- generate -----------------------------------------------------------------------------------------
 def engine_config(args: argparse.Namespace):
-    from specter.config import EngineConfig
+    from specter.config import EngineConfig, TuningConfig
 
     return EngineConfig.build(
         device=args.device, dtype=args.dtype, max_context=args.max_context, budget=args.budget, residents=args.residents,
         eviction=args.eviction, prefetch=args.prefetch, lookahead=args.lookahead, link=args.link, progress=args.progress,
         threads=args.threads, cpu_experts=args.cpu_experts, cpu_threads=args.cpu_threads,
-        placement_profile=args.placement_profile,
+        placement_profile=args.placement_profile, tuning=TuningConfig().with_overrides(args.tune),
         draft=dict(k_max=args.k_max, quant=args.quant, sampling=args.sampling, scout=args.scout, overlap=args.overlap)
         | ({} if args.k is None else {"k": args.k}),  # no --k: the default depth, within --k-max
     )
@@ -235,7 +243,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     summary = checkpoint_summary(args.model, dtype=args.dtype, max_context=args.max_context, quant=args.quant,
                                  residents=args.residents, cpu_experts=args.cpu_experts, link=args.link,
-                                 cpu_threads=args.cpu_threads, placement_profile=args.placement_profile, measure=args.measure)
+                                 cpu_threads=args.cpu_threads, placement_profile=args.placement_profile, measure=args.measure,
+                                 tune=args.tune)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -245,23 +254,27 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None = None, quant: str = "int4",
                        residents: int | None = None, cpu_experts: str = "off", link: str | None = None,
-                       cpu_threads: int | None = None, placement_profile: str | None = None, measure: bool = True) -> dict:
+                       cpu_threads: int | None = None, placement_profile: str | None = None, measure: bool = True,
+                       tune: Sequence[str] = ()) -> dict:
     """What `specter info` prints: family, shape, parameter counts, expert bytes, the two budgets, and how many experts
     the placement `cpu_experts` computes on the host at `residents` slots per layer (as it places at load); with
-    `measure`, one expert's copy and host times and what `auto` would do with them."""
+    `measure`, one expert's copy and host times and what `auto` would do with them; `tune`: tuning overrides
+    (SECTION.FIELD=VALUE, e.g. host.parallel_experts=true, which changes how the host is timed)."""
     from specter.builtin import resolve_model
-    from specter.config import EngineConfig
+    from specter.config import EngineConfig, TuningConfig
     from specter.build import resolve_dtype
     from specter.memory import plan_memory, with_model_context
     from specter.model.checkpoint import Checkpoint
     from specter.model.weights import dense_shapes
 
+    tuning = TuningConfig().with_overrides(tune)  # a bad override is refused before the checkpoint is read
     path = resolve_model(model)
     checkpoint = Checkpoint(path)
     checkpoint.close()
     spec = checkpoint.spec
     config = with_model_context(EngineConfig.build(max_context=max_context, dtype=dtype, draft=dict(quant=quant), link=link,
-                                                   cpu_threads=cpu_threads, placement_profile=placement_profile), spec)
+                                                   cpu_threads=cpu_threads, placement_profile=placement_profile,
+                                                   tuning=tuning), spec)
     torch_dtype = resolve_dtype(config, spec)
     plan = plan_memory(spec, torch_dtype, config, speculative=True)
     dense = sum(_numel(shape) for shape in dense_shapes(spec).values())

@@ -87,12 +87,14 @@ def test_every_engine_option_reaches_the_engine(capsys, tmp_path):
     argv = ["generate", "--prompt-ids", "7,8,9", "--max-new-tokens", "6", "--json", "--device", "cpu", "--dtype", "float32",
             "--max-context", "128", "--residents", "2", "--eviction", "lru", "--prefetch", "topm-frequency", "--lookahead", "fixed",
             "--k", "3", "--k-max", "5", "--quant", "int8", "--sampling", "rejection", "--temperature", "0.7", "--top-k", "40",
-            "--top-p", "0.9", "--seed", "11", "--link", "gen4", "--trace", str(trace)]
+            "--top-p", "0.9", "--seed", "11", "--link", "gen4", "--trace", str(trace), "--tune", "cache.lead_relay=false",
+            "--tune", "verify.routing_poll_s=0.0005"]
     assert main(argv) == 0
     tokens = json.loads(capsys.readouterr().out)["tokens"]
     config = engine_config(build_parser().parse_args(argv))
     assert (config.residents, config.eviction, config.draft.k, config.draft.k_max, config.draft.quant, config.draft.sampling,
             config.link, config.max_context) == (2, "lru", 3, 5, "int8", "rejection", "gen4", 128)
+    assert (config.tuning.cache.lead_relay, config.tuning.verify.routing_poll_s) == (False, 0.0005)
     generation = GenerationConfig(max_new_tokens=6, temperature=0.7, top_k=40, top_p=0.9, seed=11)
 
     async def library():
@@ -158,6 +160,31 @@ def test_info_times_the_host_as_the_builder_calibrates(monkeypatch):
     read = [(layer, expert) for layer, experts in groups for expert in experts]
     assert len(read) == len(set(read)) == 2 * (costs.REPEATS + 1)
     assert summary["host_ms_per_expert"] == 1.0
+
+
+def test_tune_reaches_info_and_a_bad_one_is_refused_before_loading(capsys, monkeypatch):
+    """`--tune` on `info` changes how it times the host (host.parallel_experts: one expert per job, one thread); on
+    `generate` and `info` an unknown field or a bad value exits 2 naming it, before any checkpoint is read."""
+    from specter.experts import costs
+
+    seen = []
+
+    async def time_host_expert(kernel, pool, mlp, hidden_size, row_bucket, threads, device, per_job=1, repeats=costs.REPEATS,
+                               parallel=False):
+        seen.append((per_job, parallel))
+        return 1e-3
+
+    monkeypatch.setattr(costs, "time_host_expert", time_host_expert)
+    assert main(["info", "tiny", "--link", "1", "--json"]) == 0
+    assert main(["info", "tiny", "--link", "1", "--json", "--tune", "host.parallel_experts=true"]) == 0
+    assert seen == [(2, False), (1, True)]
+    capsys.readouterr()
+    monkeypatch.setattr("specter.model.checkpoint.Checkpoint.__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError("read")))
+    for argv in (["info", "tiny", "--tune", "host.parallel=true"], ["generate", "--tune", "host.parallel=true"],
+                 ["generate", "--tune", "host.parallel_experts=maybe"], ["info", "tiny", "--tune", "host"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "error: " in err and "Traceback" not in err and "host" in err, (argv, err)
 
 
 def _numel(shape) -> int:
