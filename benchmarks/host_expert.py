@@ -37,7 +37,9 @@ threads (what the host path does now). A single-threaded expert's result does no
 an engine could spread a round's host experts over the cores without its tokens depending on the round; this measures
 whether that is faster than one team of T threads per expert (`parallel_s`, `sequential_s`: per expert, medians;
 `parallel_equal`: the two give the same bits). One team per expert waits at its barrier for any member that another
-process preempts; one-thread experts do not wait for each other.
+process preempts; one-thread experts do not wait for each other. And `split_s`: the same T experts one after another,
+each split over the T one-thread workers by output rows in two phases (gate/up, then down; `split_expert`), which
+keeps every core busy when a layer has fewer host experts than threads (`split_max_abs_diff` against one call).
 
 Prints one line per (threads, rows) and a JSON line at the end.
 """
@@ -216,9 +218,12 @@ def time_parallel(shape: str, rows: int, threads_list: list[int], repeats: int, 
             with ThreadPoolExecutor(threads, initializer=one_thread) as workers, \
                     ThreadPoolExecutor(1, initializer=lambda threads=threads: (torch.get_num_threads(),
                                                                                torch.set_num_threads(threads))) as team:
-                timed: dict[str, list[float]] = {"parallel": [], "sequential": []}
+                timed: dict[str, list[float]] = {"parallel": [], "sequential": [], "split": []}
+                split = lambda expert, workers=workers, threads=threads: split_expert(  # noqa: E731
+                    pool.host(0, expert), x, w, hidden, inter, threads, workers)
                 runs = {"parallel": lambda: list(workers.map(one, ids)),
-                        "sequential": lambda: team.submit(lambda: [one(expert) for expert in ids]).result()}
+                        "sequential": lambda: team.submit(lambda: [one(expert) for expert in ids]).result(),
+                        "split": lambda: [split(expert) for expert in ids]}
                 outputs = {name: work() for name, work in runs.items()}  # warm-up, and the bits compared below
                 for _ in range(repeats):
                     for name, work in runs.items():
@@ -228,15 +233,38 @@ def time_parallel(shape: str, rows: int, threads_list: list[int], repeats: int, 
                         work()
                         timed[name].append((time.perf_counter() - started) / threads)
             equal = all(torch.equal(a, b) for a, b in zip(outputs["parallel"], outputs["sequential"]))
+            split_error = max(float((a.float() - b.float()).abs().max()) for a, b in zip(outputs["split"], outputs["sequential"]))
             result = {"shape": shape, "rows": rows, "threads": threads, "parallel_s": statistics.median(timed["parallel"]),
-                      "sequential_s": statistics.median(timed["sequential"]), "parallel_equal": equal}
+                      "sequential_s": statistics.median(timed["sequential"]), "parallel_equal": equal,
+                      "split_s": statistics.median(timed["split"]), "split_max_abs_diff": split_error}
             results.append(result)
             print(f"{shape} rows={rows:>3}: {threads} experts on {threads} one-thread workers {result['parallel_s'] * 1e3:.2f} ms "
-                  f"per expert, one after another with {threads} threads {result['sequential_s'] * 1e3:.2f} ms (equal: {equal})",
+                  f"per expert, one after another with {threads} threads {result['sequential_s'] * 1e3:.2f} ms (equal: {equal}), "
+                  f"each split over {threads} one-thread workers {result['split_s'] * 1e3:.2f} ms (max diff {split_error:.2g})",
                   flush=True)
     finally:
         host.close()
     return results
+
+
+def split_expert(packed: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, hidden: int, inter: int, parts: int,
+                 workers) -> torch.Tensor:
+    """One expert on `rows` (padded to a block) split over `parts` one-thread workers in two phases: each takes a
+    slice of the gate/up rows (W13 @ X^T, then SiLU(gate) * up on its slice), then a slice of the down rows
+    (W2 @ A^T): every output element is one single-threaded product over the full K, so for a fixed `parts` the
+    result does not depend on the round; how its bits compare with one call is printed (max diff)."""
+    w13, w2 = unpack_expert(packed, hidden, inter)
+    count = rows.shape[0]
+    block = F.pad(rows, (0, 0, 0, -count % BUCKET)).t().contiguous()  # [D, B]
+    cuts = lambda size: [(size * c // parts, size * (c + 1) // parts) for c in range(parts)]  # noqa: E731
+
+    def gate_up(bounds: tuple[int, int]) -> torch.Tensor:
+        lo, hi = bounds
+        return F.silu(w13[lo:hi] @ block) * (w13[inter + lo : inter + hi] @ block)
+
+    act = torch.cat(list(workers.map(gate_up, cuts(inter))))  # [I, B]
+    out = torch.cat(list(workers.map(lambda bounds: w2[bounds[0] : bounds[1]] @ act, cuts(hidden))))  # [D, B]
+    return out.t()[:count] * weights
 
 
 if __name__ == "__main__":
