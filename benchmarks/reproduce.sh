@@ -6,7 +6,7 @@
 # CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
 # Targets: gpu-tests gpu-widen qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
 #          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after engine-ab realism
-#          hybrid llamacpp fulldepth
+#          hybrid llamacpp fulldepth host-expert
 set -u
 out=${OUT:-out}
 mkdir -p "$out/logs"
@@ -217,6 +217,18 @@ realism() {  # table "Full-depth narrow checkpoints: realism": SHAPES (default: 
   grep -h "^trained\|^held-out\|^FLAG" "$out"/realism/*.log
 }
 
+host_expert() {  # table "Host expert path": one routed expert of each shape on the host (SHAPES, default all five),
+  # 1 and 16 rows at 8 and 15 threads, cold: the host path (host_swiglu) against plain F.linear and prepacked weights,
+  # then the parallel modes (one-thread workers per expert; one expert split over them) against one team per expert.
+  # About 20-60 s a shape (Mixtral's pool of 15 experts is 5.3 GB pinned).
+  mkdir -p "$out/host-expert"
+  local shape
+  for shape in ${SHAPES:-qwen1.5-moe-a2.7b deepseek-v2-lite qwen3-30b-a3b phi-3.5-moe mixtral-8x7b}; do
+    timeout 150 python3 benchmarks/host_expert.py "$shape" 1,16 8,15 20 3 - 1 > "$out/host-expert/host-$shape.log" 2>&1
+    echo "host-expert $shape rc=$? at ${SECONDS}s"; grep -v '^\[' "$out/host-expert/host-$shape.log" | cut -c1-220
+  done
+}
+
 hybrid() {  # issue 29 (no table yet): the hybrids beside the systems they extend, Mixtral-8x7B's shape (4 layers, random
             # weights) at 2 residents and Gen4; first one host expert's time, what auto's calibration measures at load.
             # PLACEMENT_OVERLAP=1: auto weighs the paths as overlapped and splits (4 of 6 non-residents per layer on
@@ -368,6 +380,7 @@ for target in "$@"; do
     hybrid) hybrid ;;
     llamacpp) llamacpp ;;
     fulldepth) fulldepth ;;
+    host-expert) host_expert ;;
     *) echo "unknown target: $target" >&2; exit 2 ;;
   esac
 done
