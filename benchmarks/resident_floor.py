@@ -40,15 +40,15 @@ def floor_bytes(spec) -> int:
     return dense + len(spec.moe_layers) * spec.top_k * spec.expert_bytes(element)
 
 
-async def measure(shape: str, layers: int | None, tokens: int, device: str = "cuda") -> dict:
+async def measure(shape: str, layers: int | None, tokens: int, device: str = "cuda", tune: list[str] | None = None) -> dict:
     from specter.bench.synthetic import shape_label, synthetic_source
-    from specter.config import DraftConfig, EngineConfig, GenerationConfig
+    from specter.config import DraftConfig, EngineConfig, GenerationConfig, TuningConfig
     from specter.engine import Runtime
 
     source = synthetic_source(shape, layers)
     spec = source.spec
     config = EngineConfig(device=device, dtype="bfloat16", exact=True, max_context=512, lookahead="fixed",
-                          draft=DraftConfig(k=0, k_max=0), progress=False)
+                          draft=DraftConfig(k=0, k_max=0), progress=False, tuning=TuningConfig().with_overrides(tune or []))
     started = time.perf_counter()
     runtime = await Runtime.build(source, config)
     load_s = time.perf_counter() - started
@@ -77,12 +77,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="truncate depth (labelled in the output)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda", help="cuda (the figure) or cpu (a smoke run of the script)")
+    parser.add_argument("--tune", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="a field of EngineConfig.tuning, e.g. kernels.exact_rowwise=true (repeatable)")
     parser.add_argument("--out", default="out/floor")
     args = parser.parse_args()
     shapes = args.shape or ["phi-3.5-moe", "deepseek-v2-lite", "qwen1.5-moe-a2.7b"]
-    rows = [asyncio.run(measure(shape, args.layers, args.tokens, args.device)) for shape in shapes]
+    rows = [asyncio.run(measure(shape, args.layers, args.tokens, args.device, args.tune)) for shape in shapes]
     result = {"rows": rows, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(), "torch": torch.__version__,
-              "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+              "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+              "tune": args.tune}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "resident_floor.json").write_text(json.dumps(result, indent=1))

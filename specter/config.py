@@ -323,6 +323,13 @@ class KernelTuning(_Frozen):
     residual_addend: bool = Field(True, description="The non-exact forward adds the residual inside the attention's "
                                   "output product: one launch fewer, no measurable change (2.60 ms either way; journal, Ninth "
                                   "session). Off: a separate add, for A/B.")
+    exact_rowwise: bool = Field(False, description="The exact forward (the target: prefill, decode and verify, eager "
+                                "and static alike, so every pair of paths the exactness contract compares runs the same "
+                                "kernels) also takes the fused launches that compute each row on its own: RMSNorm, RoPE, "
+                                "the router's softmax + top-k and the shared expert's gate, one launch each where torch "
+                                "issues 3 to 8 (about 25 fewer of the static step's 55 launches per layer). CUDA, or "
+                                "Triton's interpreter. Off until measured on the H200; its tokens: "
+                                "tests/test_exact_rowwise.py.")
     row_kernels: bool = Field(True, description="The draft step runs Qwen2-MoE-style layers through the one-row "
                               "kernels of specter/model/rowfused.py (draft step 2.30 -> 1.81 ms; journal, Tenth "
                               "session). Off: the general non-exact forward, for A/B and the kernel tests.")
@@ -352,7 +359,7 @@ class HostTuning(_Frozen):
 
 class TuningConfig(_Frozen):
     """Measured knobs of the runtime, by the part they tune; every default is the measured best (docs/journal.md), but
-    `host.parallel_experts`, off until it is measured on the GPU machine's host."""
+    `host.parallel_experts` and `kernels.exact_rowwise`, off until they are measured on the GPU machine."""
 
     cache: CacheTuning = Field(default_factory=CacheTuning, description="The expert cache's rolling window and lead.")
     transfer: TransferTuning = Field(default_factory=TransferTuning, description="The transfer engine's pump.")

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from specter.config import DraftConfig, EngineConfig
+from specter.config import DraftConfig, EngineConfig, KernelTuning, TuningConfig
 from specter.decode import decode_resident_graphed, greedy_decode, prefill, run_sync
 from specter.draft import Draft, DraftExperts, quantize_layers
 from specter.build import LoadedModel, load_resident
@@ -34,9 +34,11 @@ def load(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-graphed")
 
     @functools.cache
-    def loaded(family: str, dtype: str) -> LoadedModel:
+    def loaded(family: str, dtype: str, rowwise: bool = False) -> LoadedModel:
+        """`rowwise`: the exact forward on the row-wise fused launches (kernels.exact_rowwise)."""
         path = save_hf(hf_model(family), root / family)
-        return load_resident(path, EngineConfig(device="cuda", dtype=dtype, max_context=64))
+        tuning = TuningConfig(kernels=KernelTuning(exact_rowwise=rowwise))
+        return load_resident(path, EngineConfig(device="cuda", dtype=dtype, max_context=64, tuning=tuning))
 
     return loaded
 
@@ -47,20 +49,22 @@ def prefilled(loaded: LoadedModel):
     return kv
 
 
+@pytest.mark.parametrize("rowwise", [False, True], ids=["torch-ops", "rowwise"])
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_graphed_greedy_decode_equals_the_eager_exact_path(load, family, dtype, kernel):
-    loaded = load(family, dtype)
+def test_graphed_greedy_decode_equals_the_eager_exact_path(load, family, dtype, kernel, rowwise):
+    loaded = load(family, dtype, rowwise)
     expected = run_sync(greedy_decode(loaded.model, loaded.experts, PROMPT, 32))
     got = run_sync(decode_resident_graphed(loaded.model, loaded.experts, PROMPT, 32, kernel=kernel, use_graph=True))
     assert got == expected
 
 
+@pytest.mark.parametrize("rowwise", [False, True], ids=["torch-ops", "rowwise"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_graphed_rows_are_bit_identical_to_one_row_replays(load, family, dtype):
-    loaded = load(family, dtype)
+def test_graphed_rows_are_bit_identical_to_one_row_replays(load, family, dtype, rowwise):
+    loaded = load(family, dtype, rowwise)
     block = torch.arange(10, 21, device="cuda")
     kv_block, kv_rows = prefilled(loaded), prefilled(loaded)
     whole = GraphedTarget(loaded.model, loaded.experts, kv_block, use_graph=True).logits(block, len(PROMPT))

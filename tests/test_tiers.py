@@ -32,6 +32,17 @@ def test_the_exact_forward_runs_torchs_ops_whatever_the_switches(monkeypatch):
     assert chosen(choose(exact=True, monkeypatch=monkeypatch)) == set()
 
 
+def test_exact_rowwise_gives_the_exact_forward_the_row_wise_launches_only(monkeypatch):
+    """kernels.exact_rowwise: the norm, rope and router launches compute each row on its own, so the exact forward may
+    take them; the packed products, the one-row kernels and the draft's attention stay the draft's."""
+    rowwise = KernelTuning(exact_rowwise=True)
+    assert chosen(choose(rowwise, exact=True, monkeypatch=monkeypatch)) == {"norm", "rope", "router"}
+    assert chosen(choose(rowwise.model_copy(update={"router_and_gate": False}), exact=True, monkeypatch=monkeypatch)) == {
+        "norm", "rope"}
+    assert chosen(choose(rowwise, exact=True, fused_ok=False, monkeypatch=monkeypatch)) == set()  # no Triton: torch's
+    assert chosen(choose(rowwise, monkeypatch=monkeypatch)) == set(FIELDS)  # the draft's tiers do not change
+
+
 def test_the_draft_takes_every_tier_where_triton_runs(monkeypatch):
     tiers = choose(monkeypatch=monkeypatch)
     assert chosen(tiers) == set(FIELDS) and tiers.merge_in_launch and tiers.row == RowTiles()

@@ -30,6 +30,7 @@ def test_the_defaults_are_the_adopted_settings():
                                                           "residual_addend", "row_kernels"))
     assert EngineConfig().cuda_graphs is True
     assert tuning.host.parallel_experts is False  # not yet measured on the H200's host
+    assert tuning.kernels.exact_rowwise is False  # not yet measured on the H200
 
 
 def test_the_kernels_tiles_default_to_the_measured_ones():

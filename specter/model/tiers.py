@@ -3,7 +3,8 @@
 From the target's exactness down:
 1. torch's ops: the exact forward (the target and its verify) on every device, and anything switched off;
 2. fused Triton launches (specter.model.fused): the non-exact forward (the draft) on CUDA, or under Triton's
-   interpreter, one path per EngineConfig.tuning.kernels switch;
+   interpreter, one path per EngineConfig.tuning.kernels switch; with kernels.exact_rowwise, the exact forward too
+   takes those among them that compute each row on its own (norm, rope, router and gate);
 3. the one-row kernels (specter.model.rowfused): the draft's one-row products, for a family that keeps the base
    class's RMSNorm (and, for the MoE layer, its routing), with the kernels.row tiles.
 The forward asks by name (`tiers.norm`, `tiers.one_row(x)`) and never reads the switches or the device itself.
@@ -49,11 +50,14 @@ class KernelTiers:
         that declares none keeps torch's ops and the general products: see transformer.declared)."""
         fast = not exact  # the non-exact forward's products: torch's, or the packed ones
         fused_ok = fast and fused.usable_on(device)  # ... or Triton launches
+        # The launches that compute each row on its own, whatever rows run beside it: the exact forward may take them
+        # too (kernels.exact_rowwise), its eager and static paths alike.
+        rowwise = (fast or kernels.exact_rowwise) and fused.usable_on(device)
         rows = fused_ok and kernels.row_kernels and family is not None and family.norm == "rms"
         return KernelTiers(
-            norm=fused_ok, rope=fused_ok, rope_writes_cache=fused_ok and kernels.rope_writes_cache,
+            norm=rowwise, rope=rowwise, rope_writes_cache=fused_ok and kernels.rope_writes_cache,
             decode_attention=fused_ok and kernels.decode_attention, merge_in_launch=kernels.merge_in_launch,
-            router=fused_ok and kernels.router_and_gate, gated_silu=fused_ok,
+            router=rowwise and kernels.router_and_gate, gated_silu=fused_ok,
             residual_addend=fast and kernels.residual_addend, packed_qkv=fast and kernels.packed_qkv,
             packed_ffn_input=fast and kernels.packed_ffn_input and kernels.router_and_gate,
             row_kernels=rows,
