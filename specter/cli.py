@@ -239,12 +239,12 @@ def summary_line(stats: dict) -> str:
 def cmd_info(args: argparse.Namespace) -> int:
     from specter.builtin import builtin_note
 
-    if note := builtin_note(args.model):
-        print(note, file=sys.stderr)
     summary = checkpoint_summary(args.model, dtype=args.dtype, max_context=args.max_context, quant=args.quant,
                                  residents=args.residents, cpu_experts=args.cpu_experts, link=args.link,
                                  cpu_threads=args.cpu_threads, placement_profile=args.placement_profile, measure=args.measure,
                                  tune=args.tune)
+    if note := builtin_note(args.model):  # after the summary: a bad option is the only line its error prints
+        print(note, file=sys.stderr)
     if args.json:
         print(json.dumps(summary))
     else:
