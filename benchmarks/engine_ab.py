@@ -76,6 +76,10 @@ async def main(args) -> None:
     from specter.config import DraftConfig, EngineConfig
 
     base = dict(device=args.device, dtype="bfloat16", residents=args.residents, max_context=512, progress=False)
+    if args.tune:  # only when asked: the tree before the redesign has no TuningConfig
+        from specter.config import TuningConfig
+
+        base["tuning"] = TuningConfig().with_overrides(args.tune)
     configs = {"default": EngineConfig(**base),
                "fixed8": EngineConfig(**base, lookahead="fixed", draft=DraftConfig(k=8, k_max=8)),
                "k0": EngineConfig(**base, draft=DraftConfig(k=0, k_max=0))}
@@ -95,6 +99,8 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--configs", default="default,fixed8,k0", help="which of default, fixed8, k0, in order")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tune", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="a field of EngineConfig.tuning for every config, e.g. kernels.exact_rowwise=true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     asyncio.run(main(args))

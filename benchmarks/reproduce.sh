@@ -6,7 +6,7 @@
 # CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
 # Targets: gpu-tests gpu-widen qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
 #          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after engine-ab realism
-#          hybrid llamacpp fulldepth host-expert
+#          hybrid llamacpp fulldepth host-expert exact-rowwise
 set -u
 out=${OUT:-out}
 mkdir -p "$out/logs"
@@ -87,6 +87,25 @@ draft_step() {  # table "Draft step": the graphed int4 draft step against its HB
 
 floor() {  # table "Resident decoding": full-depth resident TPOT against the HBM floor, three families
   timeout 300 python3 benchmarks/resident_floor.py --out "$out/floor" 2>&1 | tail -6
+}
+
+exact_rowwise() {  # the A/B for tuning.kernels.exact_rowwise (off until this has run): the GPU graphed tests with it on,
+  # then resident decoding without and with it, alternating, for SHAPES (default Qwen1.5-MoE and DeepSeek-V2-Lite),
+  # then one profiled full-depth k = 0 request per side (engine_ab.py: GPU self time, kernels by time and count)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphed.py -k rowwise > "$out/logs/gpu-rowwise.log" 2>&1
+  echo "gpu tests (rowwise) rc=$?: $(tail -1 "$out/logs/gpu-rowwise.log")"
+  local shape side
+  for shape in ${SHAPES:-qwen1.5-moe-a2.7b deepseek-v2-lite}; do
+    for side in off on off on; do
+      timeout 120 python3 benchmarks/resident_floor.py --shape "$shape" --out "$out/exact-rowwise/$shape-$side" \
+        $([ $side = on ] && echo --tune kernels.exact_rowwise=true) 2>&1 | tail -1 | sed "s/^/$side /"
+    done
+  done
+  for side in off on; do
+    timeout 150 python3 benchmarks/engine_ab.py "rowwise-$side" "$out/exact-rowwise/profile" --layers 24 --residents 60 \
+      --configs k0 --requests 3 --new-tokens 32 $([ $side = on ] && echo --tune kernels.exact_rowwise=true) 2>&1 \
+      | grep -E "^rowwise-"
+  done
 }
 
 resident_hf() {  # table "Resident decoding", transformers row: transformers' generate on the same shape
@@ -381,6 +400,7 @@ for target in "$@"; do
     llamacpp) llamacpp ;;
     fulldepth) fulldepth ;;
     host-expert) host_expert ;;
+    exact-rowwise) exact_rowwise ;;
     *) echo "unknown target: $target" >&2; exit 2 ;;
   esac
 done
