@@ -105,8 +105,8 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
 
 def _add_tune(parser: Any) -> None:
     parser.add_argument("--tune", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="set a field of EngineConfig.tuning, e.g. host.parallel_experts=true (repeatable; "
-                             "docs/ARCHITECTURE.md lists the fields)")
+                        help="set a field of EngineConfig.tuning, e.g. host.parallel_experts=true (repeatable; the "
+                             "fields: TuningConfig in specter/config.py)")
 
 
 def _add_logging(parser: argparse.ArgumentParser) -> None:

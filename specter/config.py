@@ -313,8 +313,9 @@ class KernelTuning(_Frozen):
     rope_writes_cache: bool = Field(True, description="The draft's static step rotates q and k and writes the KV cache "
                                     "in one launch (draft step 3.14 -> 2.99 ms; journal, Ninth session). Off: RoPE and "
                                     "two index_copy_, for A/B and the kernel tests.")
-    router_and_gate: bool = Field(True, description="The non-exact forward fuses the router's softmax + top-k and the "
-                                  "shared expert's gate, one launch each (journal, Seventh session). Off: torch's ops, for A/B.")
+    router_and_gate: bool = Field(True, description="The non-exact forward (and the exact one with exact_rowwise) fuses "
+                                  "the router's softmax + top-k and the shared expert's gate, one launch each (journal, "
+                                  "Seventh session). Off: torch's ops, for A/B.")
     packed_qkv: bool = Field(True, description="The non-exact forward projects q, k and v with one product over the "
                              "packed weights (0.22 ms per draft step; journal, Ninth session). Off: three products, for A/B.")
     packed_ffn_input: bool = Field(True, description="The non-exact Qwen2-MoE-style layer runs its router, shared gate "
@@ -327,9 +328,10 @@ class KernelTuning(_Frozen):
                                 "and static alike, so every pair of paths the exactness contract compares runs the same "
                                 "kernels) also takes the fused launches that compute each row on its own: RMSNorm, RoPE, "
                                 "the router's softmax + top-k and the shared expert's gate, one launch each where torch "
-                                "issues 3 to 8 (about 25 fewer of the static step's 55 launches per layer). CUDA, or "
-                                "Triton's interpreter. Off until measured on the H200; its tokens: "
-                                "tests/test_exact_rowwise.py.")
+                                "issues 3 to 8 (about 25 fewer of the static step's 55 launches per layer for the "
+                                "Qwen/Mixtral/OLMoE families; DeepSeek-V2 its three norms only, its RoPE and routing "
+                                "being its own; Phi-MoE its RoPE only). CUDA, or Triton's interpreter. Off until "
+                                "measured on the H200; its tokens: tests/test_exact_rowwise.py.")
     row_kernels: bool = Field(True, description="The draft step runs Qwen2-MoE-style layers through the one-row "
                               "kernels of specter/model/rowfused.py (draft step 2.30 -> 1.81 ms; journal, Tenth "
                               "session). Off: the general non-exact forward, for A/B and the kernel tests.")

@@ -181,7 +181,8 @@ def test_tune_reaches_info_and_a_bad_one_is_refused_before_loading(capsys, monke
     capsys.readouterr()
     monkeypatch.setattr("specter.model.checkpoint.Checkpoint.__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError("read")))
     for argv in (["info", "tiny", "--tune", "host.parallel=true"], ["generate", "--tune", "host.parallel=true"],
-                 ["generate", "--tune", "host.parallel_experts=maybe"], ["info", "tiny", "--tune", "host"]):
+                 ["generate", "--tune", "host.parallel_experts=maybe"], ["info", "tiny", "--tune", "host"],
+                 ["serve", "--tune", "host.parallel=true"]):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("error: ") and "Traceback" not in err and "host" in err, (argv, err)  # the one message

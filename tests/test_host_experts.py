@@ -336,3 +336,21 @@ def test_a_runtime_refuses_to_retune_its_host_path(root):
                 runtime.retune(TuningConfig().with_overrides(["host.parallel_experts=true"]))
 
     asyncio.run(go())
+
+
+def test_the_host_runs_the_families_swiglu_unless_a_class_brings_its_own_expert(tiny):
+    """Transformer.host_expert_mlp: `host_swiglu` (the weights as GEMM's left operand) for the families' SwiGLU, the
+    same values as `expert_mlp` within bf16 rounding; a class that overrides `expert_mlp` gets its own function on
+    the host too, never the SwiGLU it replaced."""
+    from specter.build import load_resident
+
+    loaded = load_resident(tiny, EngineConfig(device="cpu", dtype="bfloat16", max_context=32))
+    model, spec = loaded.model, loaded.spec
+    rows = (torch.randn(16, spec.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.5).to(torch.bfloat16)
+    packed = loaded.experts.expert(spec.moe_layers[0], 1)
+    assert torch.equal(model.host_expert_mlp(rows, packed),
+                       host_swiglu(rows, packed, spec.hidden_size, spec.expert_intermediate))
+    torch.testing.assert_close(model.host_expert_mlp(rows, packed).float(), model.expert_mlp(rows, packed).float(),
+                               rtol=1.6e-2, atol=1e-3)
+    model.__class__ = type("Doubling", (type(model),), {"expert_mlp": lambda self, rows, packed: rows * 2})
+    assert torch.equal(model.host_expert_mlp(rows, packed), rows * 2)

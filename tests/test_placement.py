@@ -3,6 +3,8 @@ and the plug-in checks."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -104,8 +106,9 @@ def test_cpu_threads_none_leaves_the_loop_a_core(monkeypatch):
             return torch.empty(numel, dtype=dtype)
 
     pool = ExpertPool(Memory(), 1, 2, 12, torch.bfloat16)
-    assert HostExperts(pool, Placement.device_only(1, 2), 16, host_swiglu).threads == 15
-    assert HostExperts(pool, Placement.device_only(1, 2), 16, host_swiglu, threads=3).threads == 3
+    mlp = functools.partial(host_swiglu, hidden=2, inter=1)
+    assert HostExperts(pool, Placement.device_only(1, 2), 16, mlp).threads == 15
+    assert HostExperts(pool, Placement.device_only(1, 2), 16, mlp, threads=3).threads == 3
 
 
 def test_info_counts_the_host_experts_of_a_placement(tiny):

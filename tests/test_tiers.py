@@ -28,7 +28,7 @@ def chosen(tiers: KernelTiers) -> set[str]:
     return {name for name in FIELDS if getattr(tiers, name)}
 
 
-def test_the_exact_forward_runs_torchs_ops_whatever_the_switches(monkeypatch):
+def test_the_exact_forward_runs_torchs_ops_by_default(monkeypatch):
     assert chosen(choose(exact=True, monkeypatch=monkeypatch)) == set()
 
 
@@ -41,6 +41,7 @@ def test_exact_rowwise_gives_the_exact_forward_the_row_wise_launches_only(monkey
         "norm", "rope"}
     assert chosen(choose(rowwise, exact=True, fused_ok=False, monkeypatch=monkeypatch)) == set()  # no Triton: torch's
     assert chosen(choose(rowwise, monkeypatch=monkeypatch)) == set(FIELDS)  # the draft's tiers do not change
+    assert chosen(choose(rowwise, exact=True, family=None, monkeypatch=monkeypatch)) == set()  # an undeclared class
 
 
 def test_the_draft_takes_every_tier_where_triton_runs(monkeypatch):

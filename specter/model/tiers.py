@@ -28,7 +28,8 @@ Tensor = torch.Tensor
 
 @dataclasses.dataclass(frozen=True)
 class KernelTiers:
-    """One Transformer's kernel choices (see the module docstring); every field False is the exact forward."""
+    """One Transformer's kernel choices (see the module docstring); every field False is torch's ops (the exact
+    forward by default)."""
 
     norm: bool  # RMSNorm in one launch (fused.rms_norm)
     rope: bool  # q and k rotated in one launch (fused.rope)
@@ -50,9 +51,10 @@ class KernelTiers:
         that declares none keeps torch's ops and the general products: see transformer.declared)."""
         fast = not exact  # the non-exact forward's products: torch's, or the packed ones
         fused_ok = fast and fused.usable_on(device)  # ... or Triton launches
-        # The launches that compute each row on its own, whatever rows run beside it: the exact forward may take them
-        # too (kernels.exact_rowwise), its eager and static paths alike.
-        rowwise = (fast or kernels.exact_rowwise) and fused.usable_on(device)
+        # The launches that compute each row on its own, whatever rows run beside it: the exact forward of a class that
+        # declares its family may take them too (kernels.exact_rowwise), its eager and static paths alike. (An
+        # undeclared subclass keeps torch's ops: it may lay out its RoPE tables or route otherwise.)
+        rowwise = (fast or (kernels.exact_rowwise and family is not None)) and fused.usable_on(device)
         rows = fused_ok and kernels.row_kernels and family is not None and family.norm == "rms"
         return KernelTiers(
             norm=rowwise, rope=rowwise, rope_writes_cache=fused_ok and kernels.rope_writes_cache,

@@ -182,7 +182,7 @@ class Transformer:
     def __init__(self, spec: ModelSpec, dense: dict[str, Tensor], *, exact: bool = True, row_bucket: int = 16, max_context: int = 2048,
                  kernels: KernelTuning | None = None) -> None:
         self.spec = spec
-        self._kernels = kernels or KernelTuning()  # EngineConfig.tuning.kernels: the non-exact forward's fused paths
+        self._kernels = kernels or KernelTuning()  # EngineConfig.tuning.kernels: the fused paths (the draft's; exact_rowwise)
         self.w = dense
         self.exact = exact
         self.bucket = row_bucket
@@ -278,7 +278,8 @@ class Transformer:
 
     def norm(self, x: Tensor, name: str) -> Tensor:
         """The model's normalisation layer `name` (RMSNorm here; families with LayerNorm override this).
-        Outside exact mode (the draft) on CUDA: one fused launch instead of eight (specter.model.fused)."""
+        Where `tiers.norm` (the draft on CUDA; the target too with kernels.exact_rowwise): one fused launch instead of
+        eight (specter.model.fused)."""
         if self.tiers.norm:
             return fused.rms_norm(x, self.w[name + ".weight"], self.spec.rms_eps)
         return rms_norm(x, self.w[name + ".weight"], self.spec.rms_eps)
@@ -321,7 +322,7 @@ class Transformer:
             q, k = self.norm(q, f"{prefix}.q_norm"), self.norm(k, f"{prefix}.k_norm")
         if not rotate:
             return q, k, v
-        if self.tiers.rope:  # the draft on CUDA: one launch for both rotations
+        if self.tiers.rope:  # the draft on CUDA (and the target with exact_rowwise): one launch for both rotations
             q, k = fused.rope(q, k, self.cos, self.sin, positions)
             return q, k, v
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, hd]
@@ -582,7 +583,7 @@ class Transformer:
 
     def _select(self, logits: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Top-A of the float32 softmax of router logits [T, E]: ids [T, A], weights [T, A] in `dtype`."""
-        if self.tiers.router:  # the draft on CUDA: one launch
+        if self.tiers.router:  # the draft on CUDA (and the target with exact_rowwise): one launch
             return fused.topk_softmax(logits, self.spec.top_k, self.spec.norm_topk_prob, dtype)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
@@ -621,7 +622,11 @@ class Transformer:
         return out
 
     def host_expert_mlp(self, rows: Tensor, packed: Tensor) -> Tensor:
-        """`expert_mlp` as the host expert path computes it, on one block of rows (`host_swiglu`)."""
+        """`expert_mlp` as the host expert path computes it, on one block of rows: `host_swiglu`, the same SwiGLU with
+        the weights as GEMM's left operand. A class with an expert of its own (`expert_mlp` overridden) gets its own
+        `expert_mlp` here, until it says how its host form runs."""
+        if type(self).expert_mlp is not Transformer.expert_mlp:
+            return self.expert_mlp(rows, packed)
         return host_swiglu(rows, packed, self.spec.hidden_size, self.spec.expert_intermediate)
 
 
