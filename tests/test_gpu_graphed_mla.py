@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from specter.config import EngineConfig
+from specter.config import EngineConfig, KernelTuning, TuningConfig
 from specter.decode import decode_resident_graphed, greedy_decode, prefill, run_sync
 from specter.build import LoadedModel, load_resident
 from specter.model.graphed import GraphedStep, GraphedTarget, ResidentMoE, StaticStep
@@ -40,9 +40,11 @@ def load(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-graphed-mla")
 
     @functools.cache
-    def loaded(variant: str, dtype: str) -> LoadedModel:
+    def loaded(variant: str, dtype: str, rowwise: bool = False) -> LoadedModel:
+        """`rowwise`: the exact forward on the row-wise fused launches (kernels.exact_rowwise: DeepSeek's norms)."""
         path = save_hf(hf_variant(variant), root / variant)
-        return load_resident(path, EngineConfig(device="cuda", dtype=dtype, max_context=64))
+        tuning = TuningConfig(kernels=KernelTuning(exact_rowwise=rowwise))
+        return load_resident(path, EngineConfig(device="cuda", dtype=dtype, max_context=64, tuning=tuning))
 
     return loaded
 
@@ -57,20 +59,22 @@ def prefilled(loaded: LoadedModel) -> KVCache:
     return run_sync(after_prompt(loaded))
 
 
+@pytest.mark.parametrize("rowwise", [False, True], ids=["torch-ops", "rowwise"])
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_graphed_greedy_decode_equals_the_eager_exact_path(load, variant, dtype, kernel):
-    loaded = load(variant, dtype)
+def test_graphed_greedy_decode_equals_the_eager_exact_path(load, variant, dtype, kernel, rowwise):
+    loaded = load(variant, dtype, rowwise)
     expected = run_sync(greedy_decode(loaded.model, loaded.experts, PROMPT, 32))
     got = run_sync(decode_resident_graphed(loaded.model, loaded.experts, PROMPT, 32, kernel=kernel, use_graph=True))
     assert got == expected
 
 
+@pytest.mark.parametrize("rowwise", [False, True], ids=["torch-ops", "rowwise"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_graphed_rows_are_bit_identical_to_one_row_replays(load, variant, dtype):
-    loaded = load(variant, dtype)
+def test_graphed_rows_are_bit_identical_to_one_row_replays(load, variant, dtype, rowwise):
+    loaded = load(variant, dtype, rowwise)
     block = torch.arange(10, 21, device="cuda")
     kv_block, kv_rows = prefilled(loaded), prefilled(loaded)
     whole = GraphedTarget(loaded.model, loaded.experts, kv_block, use_graph=True).logits(block, len(PROMPT))
