@@ -59,7 +59,7 @@ async def row_invariance(rowwise):
     static_alone = [step.hidden(tokens[i : i + 1].repeat(4), torch.full((4,), i), kv)[0] for i in range(4)]
     return {"eager": [bool(torch.equal(together[i], alone[i])) for i in range(5)],
             "static": [bool(torch.equal(static_together[i], static_alone[i])) for i in range(4)],
-            "fused_norm": model.tiers.norm}
+            "fused_norm": model.tiers.norm, "calls": dict(calls)}
 
 if sys.argv[2] == "rows":
     print(json.dumps({"rows": asyncio.run(row_invariance(True))}))
@@ -104,12 +104,19 @@ def test_each_row_of_the_exact_forward_equals_that_row_alone_with_the_rowwise_la
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])  # a per-head q/k norm; no shared expert
-def test_other_families_rows_equal_each_row_alone_with_the_rowwise_launches(tmp_path, family):
+@pytest.mark.parametrize("family, fused", [
+    ("qwen3_moe", {"rms_norm", "rope", "topk_softmax"}),  # a per-head q/k norm
+    ("mixtral", {"rms_norm", "rope", "topk_softmax"}),  # no shared expert
+    ("phimoe-longrope", {"rope"}),  # LayerNorm and sparsemixer routing: its own
+    ("deepseek-v2", {"rms_norm"}),  # latent attention, its own RoPE and group-limited routing
+])
+def test_other_families_rows_equal_each_row_alone_with_the_rowwise_launches(tmp_path, family, fused):
     from tests.hf_models import hf_model, save_hf
+    from tests.test_families_extra import hf_variant
 
-    rows = run_interpreted(SCRIPT, str(save_hf(hf_model(family), tmp_path / "m")), "rows", timeout=300)["rows"]
-    assert rows["fused_norm"] is True
+    model = hf_variant(family) if family in ("phimoe-longrope", "deepseek-v2") else hf_model(family)
+    rows = run_interpreted(SCRIPT, str(save_hf(model, tmp_path / "m")), "rows", timeout=300)["rows"]
+    assert {name for name, count in rows["calls"].items() if count} == fused, rows["calls"]
     assert all(rows["eager"]) and all(rows["static"]), rows
 
 
