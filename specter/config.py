@@ -327,11 +327,13 @@ class KernelTuning(_Frozen):
     exact_rowwise: bool = Field(False, description="The exact forward (the target: prefill, decode and verify, eager "
                                 "and static alike, so every pair of paths the exactness contract compares runs the same "
                                 "kernels) also takes the fused launches that compute each row on its own: RMSNorm, RoPE, "
-                                "the router's softmax + top-k and the shared expert's gate, one launch each where torch "
-                                "issues 3 to 8 (about 25 fewer of the static step's 55 launches per layer for the "
-                                "Qwen/Mixtral/OLMoE families; DeepSeek-V2 its three norms only, its RoPE and routing "
-                                "being its own; Phi-MoE its RoPE only). CUDA, or Triton's interpreter. Off until "
-                                "measured on the H200; its tokens: tests/test_exact_rowwise.py.")
+                                "the router's softmax + top-k, the shared expert's gate and each row's attention over "
+                                "its visible positions (a launch and a merge), one launch each where torch issues 3 to "
+                                "8, or one per row in the eager attention (about 30 fewer of the static step's 55 "
+                                "launches per layer for the Qwen/Mixtral/OLMoE families; DeepSeek-V2 its three norms "
+                                "only, its attention, RoPE and routing being its own; Phi-MoE its RoPE and attention). "
+                                "CUDA, or Triton's interpreter. Off until measured on the H200; its tokens: "
+                                "tests/test_exact_rowwise.py.")
     row_kernels: bool = Field(True, description="The draft step runs Qwen2-MoE-style layers through the one-row "
                               "kernels of specter/model/rowfused.py (draft step 2.30 -> 1.81 ms; journal, Tenth "
                               "session). Off: the general non-exact forward, for A/B and the kernel tests.")

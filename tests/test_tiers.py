@@ -15,6 +15,7 @@ from specter.model.transformer import FamilySpec
 
 CPU = torch.device("cpu")
 FIELDS = [field.name for field in dataclasses.fields(KernelTiers) if field.name not in ("merge_in_launch", "row")]
+DRAFT = set(FIELDS) - {"exact_attention"}  # every tier but the exact forward's own
 
 
 def choose(kernels: KernelTuning | None = None, exact: bool = False, family: FamilySpec | None = FamilySpec(),
@@ -34,19 +35,20 @@ def test_the_exact_forward_runs_torchs_ops_by_default(monkeypatch):
 
 def test_exact_rowwise_gives_the_exact_forward_the_row_wise_launches_only(monkeypatch):
     """kernels.exact_rowwise: the norm, rope and router launches compute each row on its own, so the exact forward may
-    take them; the packed products, the one-row kernels and the draft's attention stay the draft's."""
+    take them, and every row's attention over its visible positions; the packed products, the one-row kernels and
+    the draft's one-row attention with its merge counters stay the draft's."""
     rowwise = KernelTuning(exact_rowwise=True)
-    assert chosen(choose(rowwise, exact=True, monkeypatch=monkeypatch)) == {"norm", "rope", "router"}
+    assert chosen(choose(rowwise, exact=True, monkeypatch=monkeypatch)) == {"norm", "rope", "router", "exact_attention"}
     assert chosen(choose(rowwise.model_copy(update={"router_and_gate": False}), exact=True, monkeypatch=monkeypatch)) == {
-        "norm", "rope"}
+        "norm", "rope", "exact_attention"}
     assert chosen(choose(rowwise, exact=True, fused_ok=False, monkeypatch=monkeypatch)) == set()  # no Triton: torch's
-    assert chosen(choose(rowwise, monkeypatch=monkeypatch)) == set(FIELDS)  # the draft's tiers do not change
+    assert chosen(choose(rowwise, monkeypatch=monkeypatch)) == DRAFT  # the draft's tiers do not change
     assert chosen(choose(rowwise, exact=True, family=None, monkeypatch=monkeypatch)) == set()  # an undeclared class
 
 
 def test_the_draft_takes_every_tier_where_triton_runs(monkeypatch):
     tiers = choose(monkeypatch=monkeypatch)
-    assert chosen(tiers) == set(FIELDS) and tiers.merge_in_launch and tiers.row == RowTiles()
+    assert chosen(tiers) == DRAFT and tiers.merge_in_launch and tiers.row == RowTiles()
 
 
 def test_without_triton_the_draft_keeps_only_its_packed_torch_products(monkeypatch):
@@ -64,7 +66,7 @@ def test_without_triton_the_draft_keeps_only_its_packed_torch_products(monkeypat
 ])
 def test_each_switch_turns_off_its_own_tier(monkeypatch, switch, lost):
     tiers = choose(KernelTuning(**{switch: False}), monkeypatch=monkeypatch)
-    assert chosen(tiers) == set(FIELDS) - lost
+    assert chosen(tiers) == DRAFT - lost
 
 
 @pytest.mark.parametrize("family, rows, row_moe", [

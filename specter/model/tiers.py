@@ -4,7 +4,8 @@ From the target's exactness down:
 1. torch's ops: the exact forward (the target and its verify) on every device, and anything switched off;
 2. fused Triton launches (specter.model.fused): the non-exact forward (the draft) on CUDA, or under Triton's
    interpreter, one path per EngineConfig.tuning.kernels switch; with kernels.exact_rowwise, the exact forward too
-   takes those among them that compute each row on its own (norm, rope, router and gate);
+   takes those among them that compute each row on its own (norm, rope, router and gate, and the decode attention
+   for every row, its runs merged in a second launch);
 3. the one-row kernels (specter.model.rowfused): the draft's one-row products, for a family that keeps the base
    class's RMSNorm (and, for the MoE layer, its routing), with the kernels.row tiles.
 The forward asks by name (`tiers.norm`, `tiers.one_row(x)`) and never reads the switches or the device itself.
@@ -36,6 +37,7 @@ class KernelTiers:
     rope_writes_cache: bool  # the static attention ropes and writes the KV cache in one launch (fused.rope_and_cache)
     decode_attention: bool  # a one-row step attends over the visible positions only (fused.decode_attention)
     merge_in_launch: bool  # ... and merges its runs in its own launch, with per-layer counters
+    exact_attention: bool  # the exact forward's every row over its visible positions, one launch and a merge (no counters)
     router: bool  # the router's softmax + top-k and the shared expert's gate, one launch each (fused)
     gated_silu: bool  # the packed shared expert's activation in one launch (fused.gated_silu)
     residual_addend: bool  # residual + linear as one product with the residual as its addend (torch.addmm)
@@ -59,6 +61,7 @@ class KernelTiers:
         return KernelTiers(
             norm=rowwise, rope=rowwise, rope_writes_cache=fused_ok and kernels.rope_writes_cache,
             decode_attention=fused_ok and kernels.decode_attention, merge_in_launch=kernels.merge_in_launch,
+            exact_attention=exact and kernels.exact_rowwise and family is not None and fused.usable_on(device),
             router=rowwise and kernels.router_and_gate, gated_silu=fused_ok,
             residual_addend=fast and kernels.residual_addend, packed_qkv=fast and kernels.packed_qkv,
             packed_ffn_input=fast and kernels.packed_ffn_input and kernels.router_and_gate,
