@@ -47,8 +47,9 @@ async def decode(rowwise, k, static, sampled):
 async def row_invariance(rowwise):
     # Each row of a forward over several rows, bit for bit the same row computed alone after the ones before it: the
     # eager exact forward (row blocks) and the static step (R rows, padding repeating the row), as verify and decode.
-    tuning = TuningConfig(kernels=KernelTuning(exact_rowwise=rowwise))
-    loaded = load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=32, tuning=tuning))
+    # runs of 16 positions: a 64-position cache is cut into 4, so the merge launch runs too
+    tuning = TuningConfig(kernels=KernelTuning(exact_rowwise=rowwise, positions_per_split=16))
+    loaded = load_resident(path, EngineConfig(device="cpu", dtype="float32", max_context=64, tuning=tuning))
     model, tokens = loaded.model, torch.tensor([3, 1, 4, 1, 5])
     together = await model.forward(tokens, 0, model.new_kv(), loaded.experts)
     kv = model.new_kv()
@@ -57,7 +58,16 @@ async def row_invariance(rowwise):
     static_together = step.hidden(tokens[:4], torch.arange(4), model.new_kv())
     kv = model.new_kv()
     static_alone = [step.hidden(tokens[i : i + 1].repeat(4), torch.full((4,), i), kv)[0] for i in range(4)]
-    return {"eager": [bool(torch.equal(together[i], alone[i])) for i in range(5)],
+    long = None
+    if sys.argv[2] == "all":  # a prompt longer than a row block (its attention in launches of row_bucket rows), in one call or two
+        prompt = torch.arange(24) % 7 + 1
+        whole = await model.forward(prompt, 0, model.new_kv(), loaded.experts)
+        kv = model.new_kv()
+        halves = torch.cat([await model.forward(prompt[:13], 0, kv, loaded.experts),
+                            await model.forward(prompt[13:], 13, kv, loaded.experts)])
+        long = bool(torch.equal(whole, halves))
+    return {"long": long,
+            "eager": [bool(torch.equal(together[i], alone[i])) for i in range(5)],
             "static": [bool(torch.equal(static_together[i], static_alone[i])) for i in range(4)],
             "fused_norm": model.tiers.norm, "calls": dict(calls)}
 
@@ -100,7 +110,7 @@ def interpreted(tmp_path_factory):
 def test_each_row_of_the_exact_forward_equals_that_row_alone_with_the_rowwise_launches(interpreted):
     rows = interpreted[0]["rows"]
     assert rows["fused_norm"] is True
-    assert all(rows["eager"]) and all(rows["static"]), rows
+    assert all(rows["eager"]) and all(rows["static"]) and rows["long"] is True, rows
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")

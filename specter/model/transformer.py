@@ -465,9 +465,16 @@ class Transformer:
     def _attend_visible(self, layer: int, q: Tensor, positions: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         """The exact forward's attention with kernels.exact_rowwise: each row q [T, H, hd] over the positions it sees
         (fused.decode_attention, its runs merged in a second launch): a row's result depends on its own query,
-        position and keys only, so the eager forward and the static step give each row the same bits."""
+        position and keys only, so the eager forward and the static step give each row the same bits. At most
+        `row_bucket` rows per launch: the runs' float32 partials grow with rows x heads x runs, and a long prompt's
+        would outgrow the workspace the memory plan holds for one row block."""
         splits = fused.split_count(keys.shape[1], self.kernels)
-        return fused.decode_attention(q, keys, values, positions, self.spec.sliding_window, splits, None)
+        window = self.spec.sliding_window
+        if q.shape[0] <= self.bucket:
+            return fused.decode_attention(q, keys, values, positions, window, splits, None)
+        return torch.cat([fused.decode_attention(q[start : start + self.bucket], keys, values,
+                                                 positions[start : start + self.bucket], window, splits, None)
+                          for start in range(0, q.shape[0], self.bucket)])
 
     def _attend_row(self, layer: int, q: Tensor, position: int, kv: KVCache) -> Tensor:
         """One query row, the decode kernel: q [H, hd] -> [1, H*hd]."""
