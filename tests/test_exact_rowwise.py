@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from specter.quant.moe_triton import triton_available
 from tests.interpreter import run_interpreted
@@ -144,3 +145,32 @@ def test_the_exact_forward_on_rowwise_launches_keeps_speculation_exact(interpret
     assert on["rms_norm"] >= 2 * layers and on["rope"] >= layers and on["topk_softmax"] >= layers, on
     assert on["sigmoid_gate"] >= layers and on["decode_attention"] >= layers, on  # qwen2_moe's shared expert is gated
     assert out["tiers_off"]["norm"] is False and out["tiers_off"]["router"] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek-v2", "phimoe-longrope"])
+@pytest.mark.parametrize("static", [None, False])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_speculation_stays_exact_on_cuda_with_the_rowwise_launches(tmp_path_factory, family, static, temperature):
+    """On CUDA, offloaded, bf16: speculative output (the default draft-ahead, the segmented static verify or the eager
+    one) equals k = 0 with the exact forward on the row-wise launches, every family, greedy and seeded sampling."""
+    import asyncio
+
+    from specter.config import DraftConfig, EngineConfig, GenerationConfig, KernelTuning, TuningConfig
+    from specter.engine import Runtime
+    from tests.test_speculative import checkpoint
+
+    path = checkpoint(family, str(tmp_path_factory.mktemp("rowwise-gpu")))
+    generation = GenerationConfig(max_new_tokens=16, temperature=temperature, seed=11)
+    common = dict(device="cuda", dtype="bfloat16", max_context=96, residents=3, static_verify=static,
+                  tuning=TuningConfig(kernels=KernelTuning(exact_rowwise=True)))
+
+    async def tokens(k: int) -> list[int]:
+        draft = DraftConfig(k=k, quant="int8") if k else DraftConfig(k=0)
+        async with await Runtime.load(path, EngineConfig(**common, draft=draft)) as runtime:
+            assert runtime.model.tiers.exact_attention  # the switch reached the target
+            return (await runtime.complete_ids([3, 1, 4, 1], generation)).tokens
+
+    plain = asyncio.run(tokens(0))
+    assert len(plain) == 16 and asyncio.run(tokens(4)) == plain
