@@ -92,7 +92,7 @@ floor() {  # table "Resident decoding": full-depth resident TPOT against the HBM
 exact_rowwise() {  # the A/B for tuning.kernels.exact_rowwise (off until this has run): the GPU graphed tests with it on,
   # then resident decoding without and with it, alternating, for SHAPES (default Qwen1.5-MoE and DeepSeek-V2-Lite),
   # then one profiled full-depth k = 0 request per side (engine_ab.py: GPU self time, kernels by time and count)
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphed.py tests/test_gpu_graphed_mla.py \
+  timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphed.py tests/test_gpu_graphed_mla.py \
     tests/test_exact_rowwise.py -m gpu -k rowwise > "$out/logs/gpu-rowwise.log" 2>&1
   echo "gpu tests (rowwise) rc=$?: $(tail -1 "$out/logs/gpu-rowwise.log")"
   local shape side
