@@ -75,11 +75,16 @@ def per_thread_counts() -> bool:
     return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
-def one_thread() -> None:
-    """A host worker's setup: one torch thread. Reading the count first pins this thread's own: a thread that has not
-    used torch's threading yet takes the count last set by any thread at its first op."""
+def own_thread_count(threads: int) -> None:
+    """This thread's own torch thread count (OpenMP backend). Reading the count first pins this thread's own: a thread
+    that has not used torch's threading yet takes the count last set by any thread at its first op."""
     torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
+
+
+def one_thread() -> None:
+    """A host worker's setup: one torch thread."""
+    own_thread_count(1)
 
 
 def host_thread(device: torch.device, threads: int, name: str = "specter-host-experts") -> HostThread:
@@ -93,8 +98,7 @@ def host_thread(device: torch.device, threads: int, name: str = "specter-host-ex
         if index is not None:
             torch.cuda.set_device(index)
         if per_thread_counts():
-            torch.get_num_threads()  # pins this thread's own count (see `one_thread`)
-            torch.set_num_threads(threads)
+            own_thread_count(threads)
         else:
             log.warning("host.threads_shared", threads=torch.get_num_threads(), asked=threads,
                         hint="torch's parallel backend is not OpenMP: its thread count is process-wide, so host experts "

@@ -61,7 +61,7 @@ class KernelTiers:
         return KernelTiers(
             norm=rowwise, rope=rowwise, rope_writes_cache=fused_ok and kernels.rope_writes_cache,
             decode_attention=fused_ok and kernels.decode_attention, merge_in_launch=kernels.merge_in_launch,
-            exact_attention=exact and kernels.exact_rowwise and family is not None and fused.usable_on(device),
+            exact_attention=exact and rowwise,
             router=rowwise and kernels.router_and_gate, gated_silu=fused_ok,
             residual_addend=fast and kernels.residual_addend, packed_qkv=fast and kernels.packed_qkv,
             packed_ffn_input=fast and kernels.packed_ffn_input and kernels.router_and_gate,

@@ -456,13 +456,13 @@ class Transformer:
             splits = fused.split_count(kv.k[layer].shape[1], self.kernels)
             return fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, self.spec.sliding_window, splits, counters)
         if self.tiers.exact_attention:  # every row over its visible positions in one launch, as the static step does
-            return self._attend_visible(layer, q, torch.arange(first_position, first_position + q.shape[0], device=q.device),
+            return self._attend_visible(q, torch.arange(first_position, first_position + q.shape[0], device=q.device),
                                         kv.k[layer], kv.v[layer])
         if self.exact or q.shape[0] == 1:
             return torch.cat([self._attend_row(layer, q[t], first_position + t, kv) for t in range(q.shape[0])])
         return self._attend_block(layer, q, first_position, kv)
 
-    def _attend_visible(self, layer: int, q: Tensor, positions: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+    def _attend_visible(self, q: Tensor, positions: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         """The exact forward's attention with kernels.exact_rowwise: each row q [T, H, hd] over the positions it sees
         (fused.decode_attention, its runs merged in a second launch): a row's result depends on its own query,
         position and keys only, so the eager forward and the static step give each row the same bits. At most
@@ -522,7 +522,7 @@ class Transformer:
             splits = fused.split_count(kv.k[layer].shape[1], self.kernels)
             out = fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, self.spec.sliding_window, splits, merged)
         elif self.tiers.exact_attention:
-            out = self._attend_visible(layer, q, positions, kv.k[layer], kv.v[layer])
+            out = self._attend_visible(q, positions, kv.k[layer], kv.v[layer])
         else:
             out = self._attend_all(q, kv.k[layer], kv.v[layer], blocked)  # [R, H*hd]
         return self.plus_linear(x, out, f"{prefix}.o_proj")
