@@ -22,10 +22,12 @@ an expert that fits in the cache otherwise favours whichever variant read the sa
 Variants, all on the same host thread and rows:
 - host: `HostExperts.compute`, what the engine runs (block padding, the weighting); `host_s` is the median round trip
   through the event loop (submit to result, what a verify waits), `host_inside_s` the median on the host thread;
-  its expert function is `host_swiglu` (the weights as GEMM's left operand, W13 @ X^T, then W2 @ A^T);
-- plain: the F.linear chain on the rows as given (no padding, no weighting; one row takes oneDNN's M = 1 path): the
-  device path's form, which reformats the plain [N, K] weights into oneDNN's blocked layout on every call (the host
-  path's form before `host_swiglu`);
+  its expert function is the families' `swiglu` (specter.model.weights: the F.linear chain, the device path's form);
+- plain: the same F.linear chain on the rows as given (no padding, no weighting, no event loop; one row takes
+  oneDNN's M = 1 path);
+- left: the chain with the weights as GEMM's left operand (W13 @ X^T, then W2 @ A^T), which oneDNN can read as they
+  lie where F.linear may reformat them on each call; not what the engine runs (on the GPU machine's host it cost
+  about twice F.linear, on the 2-core dev Xeon 8 % less: docs/BENCHMARKS.md, "Host expert path");
 - packed: the F.linear chain on the padded block with oneDNN-prepacked weights (torch.ops.mkldnn._reorder_linear_weight):
   the kernel without the per-call reformat; not what the engine runs (it needs a second copy of the weights);
   `packed_equal` says whether its output equals the host path's bit for bit;
@@ -61,7 +63,7 @@ from specter.config import LINK_PRESETS
 from specter.experts.host import HostExperts, one_thread
 from specter.experts.pool import ExpertPool
 from specter.kernel import Kernel, run
-from specter.model.weights import host_swiglu, unpack_expert
+from specter.model.weights import swiglu, unpack_expert
 from specter.placement import Placement
 
 BUCKET = 16
@@ -85,14 +87,11 @@ class HostMemory:
         return torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
 
 
-def swiglu(hidden: int, inter: int):
-    """The SwiGLU chain as F.linear computes it (the device path's form, and the host path's before it took
-    `host_swiglu`)."""
-    def mlp(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        w13, w2 = unpack_expert(packed, hidden, inter)
-        gate_up = F.linear(rows, w13)
-        return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2)
-    return mlp
+def left_operand(rows: torch.Tensor, packed: torch.Tensor, hidden: int, inter: int) -> torch.Tensor:
+    """The SwiGLU chain with the weights as GEMM's left operand (variant `left`)."""
+    w13, w2 = unpack_expert(packed, hidden, inter)
+    gate_up = w13 @ rows.t().contiguous()  # [2I, B]
+    return (w2 @ (F.silu(gate_up[:inter]) * gate_up[inter:])).t().contiguous()
 
 
 def prepacked(packed: torch.Tensor, hidden: int, inter: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -131,7 +130,7 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
     pool = ExpertPool(HostMemory(), 1, 1, 3 * hidden * inter, torch.bfloat16)
     pool.write(0, 0, (torch.randn(3 * hidden * inter) * 0.02).to(torch.bfloat16))
     expert_bytes, weights = pool.expert_bytes, pool.host(0, 0)
-    mlp = swiglu(hidden, inter)
+    mlp = functools.partial(swiglu, hidden=hidden, inter=inter)
     packed_mlp = prepacked(weights, hidden, inter)
     pageable = weights.clone() if weights.is_pinned() else None
     links = {name: expert_bytes / (gbps * 1e9) for name, gbps in LINK_PRESETS.items()}
@@ -139,7 +138,7 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
     try:
         for threads in threads_list:
             host = HostExperts(pool, Placement.of([[0]], 1, 1), row_bucket=BUCKET,
-                               mlp=functools.partial(host_swiglu, hidden=hidden, inter=inter), threads=threads)
+                               mlp=mlp, threads=threads)
             try:
                 cases = {}
                 for rows in rows_list:
@@ -147,7 +146,8 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
                     w = torch.rand(rows, 1).to(torch.bfloat16)
                     block = F.pad(x, (0, 0, 0, -rows % BUCKET))[:BUCKET] if rows <= BUCKET else None
                     variants = {"host": lambda x=x, w=w: host.compute(0, 0, x, w),
-                                "plain": lambda x=x: mlp(x, weights)}
+                                "plain": lambda x=x: mlp(x, weights),
+                                "left": lambda x=x: left_operand(x, weights, hidden, inter)}
                     if packed_mlp is not None and block is not None:
                         variants["packed"] = lambda block=block, w=w, rows=rows: packed_mlp(block)[:rows] * w
                     if pageable is not None:
@@ -178,13 +178,13 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
                     result = {"shape": shape, "hidden": hidden, "width": inter, "threads": threads, "rows": rows,
                               "repeats": repeats, "flush_bytes": flush_bytes, "host_s": statistics.median(round_trip[rows]),
                               "host_min_s": min(round_trip[rows]), "host_inside_s": median["host"],
-                              "plain_s": median["plain"], "packed_s": median.get("packed"), "packed_equal": equal.get("packed"),
+                              "plain_s": median["plain"], "left_s": median["left"], "packed_s": median.get("packed"), "packed_equal": equal.get("packed"),
                               "pageable_s": median.get("pageable"), "expert_bytes": expert_bytes, "copy_s": links}
                     results.append(result)
                     ms = lambda seconds: "-" if seconds is None else f"{seconds * 1e3:.2f}"  # noqa: E731
                     print(f"{shape} threads={threads:>3} rows={rows:>3}: host {ms(result['host_s']):>7} ms (min "
                           f"{ms(result['host_min_s'])}, on its thread {ms(result['host_inside_s'])}); plain "
-                          f"{ms(result['plain_s'])}, packed {ms(result['packed_s'])} (equal: {equal.get('packed')}), "
+                          f"{ms(result['plain_s'])}, left {ms(result['left_s'])}, packed {ms(result['packed_s'])} (equal: {equal.get('packed')}), "
                           f"pageable "
                           f"{ms(result['pageable_s'])}; copy " + ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in links.items()),
                           flush=True)
@@ -208,7 +208,7 @@ def time_parallel(shape: str, rows: int, threads_list: list[int], repeats: int, 
     for expert in range(experts):
         pool.write(0, expert, (torch.randn(3 * hidden * inter) * 0.02).to(torch.bfloat16))
     host = HostExperts(pool, Placement.of([list(range(experts))], 1, experts), row_bucket=BUCKET,
-                       mlp=functools.partial(host_swiglu, hidden=hidden, inter=inter), threads=1)
+                       mlp=functools.partial(swiglu, hidden=hidden, inter=inter), threads=1)
     x, w = (torch.randn(rows, hidden) * 0.1).to(torch.bfloat16), torch.rand(rows, 1).to(torch.bfloat16)
     results = []
     try:

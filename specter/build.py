@@ -199,7 +199,7 @@ async def load_experts(source: WeightSource, config: EngineConfig, memory: Memor
     Returns (the verify's expert provider, the expert cache or None, the draft's quantized layers). The cache gets
     `victims` as its victim chooser (none given: it never evicts by choice). `placement`: the `specter.placement`
     policy (None: 'off'), asked once the cache exists, from the costs calibrated then with `mlp` (the family's routed
-    expert as the host computes it, `Transformer.host_expert_mlp`, which the host path then runs; required with a
+    expert as the host computes it, `Transformer.expert_mlp`, which the host path then runs on blocks of `row_bucket` rows; required with a
     placement); with every expert resident there is nothing to place."""
     spec = source.spec
     if memory.all_resident:
@@ -343,7 +343,7 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
         quantize_now = speculative and not calibrated
         victims = Victims(policies["eviction"], len(spec.moe_layers))
         experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now, victims,
-                                                          policies["placement"], model.host_expert_mlp)
+                                                          policies["placement"], model.expert_mlp)
         source.close()
         draft = make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device, tiles=config.tuning.kernels.moe),
                            config) if quantize_now else None

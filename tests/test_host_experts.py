@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +19,7 @@ from specter.engine import Runtime
 from specter.experts.host import HostExperts, HostInputs, host_routes, host_thread, per_thread_counts
 from specter.experts.pool import ExpertPool
 from specter.kernel import HostThread, HostThreadSetupError, Kernel
-from specter.model.weights import host_swiglu, unpack_expert
+from specter.model.weights import swiglu
 from specter.placement import Placement
 from tests.hf_models import FAMILIES
 from tests.test_speculative import checkpoint
@@ -39,13 +38,6 @@ class HostMemory:
 
     def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
-
-
-def swiglu(rows: torch.Tensor, packed: torch.Tensor, hidden: int, inter: int) -> torch.Tensor:
-    """Transformer.expert_mlp on one block (what the families share; F.linear, the device path's form)."""
-    w13, w2 = unpack_expert(packed, hidden, inter)
-    gate_up = F.linear(rows, w13)
-    return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2)
 
 
 def random_pool(layers: int = 1, experts: int = 2, hidden: int = 256, inter: int = 384, dtype=torch.bfloat16) -> ExpertPool:
@@ -67,7 +59,7 @@ def test_host_expert_equals_the_device_path(root, family):
         async with await Runtime.load(checkpoint(family, root), config) as runtime:
             pool, model = runtime.cache.pool, runtime.model
             every = Placement.of([range(pool.num_experts)] * pool.num_layers, pool.num_layers, pool.num_experts)
-            host = HostExperts(pool, every, row_bucket=config.row_bucket, mlp=model.host_expert_mlp, threads=1,
+            host = HostExperts(pool, every, row_bucket=config.row_bucket, mlp=model.expert_mlp, threads=1,
                                device=model.device)
             try:
                 generator = torch.Generator().manual_seed(1)
@@ -96,7 +88,7 @@ def test_a_rows_host_output_does_not_depend_on_the_rows_around_it(rows, row, sca
     another place in its block, bit for bit, whatever the other rows hold."""
     hidden, inter = 256, 384
     pool = _POOL()
-    host = HostExperts(pool, Placement.device_only(1, 2), row_bucket=16, mlp=functools.partial(host_swiglu, hidden=hidden, inter=inter),
+    host = HostExperts(pool, Placement.device_only(1, 2), row_bucket=16, mlp=functools.partial(swiglu, hidden=hidden, inter=inter),
                        threads=1)
     generator = torch.Generator().manual_seed(rows)
     batch = (torch.randn(rows, hidden, generator=generator) * scale).to(torch.bfloat16)
@@ -338,19 +330,19 @@ def test_a_runtime_refuses_to_retune_its_host_path(root):
     asyncio.run(go())
 
 
-def test_the_host_runs_the_families_swiglu_unless_a_class_brings_its_own_expert(tiny):
-    """Transformer.host_expert_mlp: `host_swiglu` (the weights as GEMM's left operand) for the families' SwiGLU, the
-    same values as `expert_mlp` within bf16 rounding; a class that overrides `expert_mlp` gets its own function on
-    the host too, never the SwiGLU it replaced."""
+def test_the_host_and_the_device_path_run_one_expert_function(tiny):
+    """The host path runs the family's `expert_mlp` (the engine hands it to HostExperts): on one block of `row_bucket`
+    rows it is `swiglu`, bit for bit, and so is what `info` and the calibration time without a model at hand
+    (`costs.reference_expert`). The host path's output is that block's, weighted."""
     from specter.build import load_resident
+    from specter.experts.costs import reference_expert
 
-    loaded = load_resident(tiny, EngineConfig(device="cpu", dtype="bfloat16", max_context=32))
+    config = EngineConfig(device="cpu", dtype="bfloat16", max_context=32)
+    loaded = load_resident(tiny, config)
     model, spec = loaded.model, loaded.spec
-    rows = (torch.randn(16, spec.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.5).to(torch.bfloat16)
+    rows = (torch.randn(config.row_bucket, spec.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.5).to(torch.bfloat16)
     packed = loaded.experts.expert(spec.moe_layers[0], 1)
-    assert torch.equal(model.host_expert_mlp(rows, packed),
-                       host_swiglu(rows, packed, spec.hidden_size, spec.expert_intermediate))
-    torch.testing.assert_close(model.host_expert_mlp(rows, packed).float(), model.expert_mlp(rows, packed).float(),
-                               rtol=1.6e-2, atol=1e-3)
-    model.__class__ = type("Doubling", (type(model),), {"expert_mlp": lambda self, rows, packed: rows * 2})
-    assert torch.equal(model.host_expert_mlp(rows, packed), rows * 2)
+    expected = swiglu(rows, packed, spec.hidden_size, spec.expert_intermediate)
+    assert torch.equal(model.expert_mlp(rows, packed), expected)
+    assert torch.equal(reference_expert(spec.hidden_size, spec.expert_intermediate)(rows, packed), expected)
+    assert not torch.equal(swiglu(rows, packed.flip(0), spec.hidden_size, spec.expert_intermediate), expected)

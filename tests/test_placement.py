@@ -93,7 +93,7 @@ def test_cpu_threads_none_leaves_the_loop_a_core(monkeypatch):
     from specter.experts import host
     from specter.experts.host import HostExperts, default_threads
     from specter.experts.pool import ExpertPool
-    from specter.model.weights import host_swiglu
+    from specter.model.weights import swiglu
 
     assert [default_threads(cores) for cores in (16, 2, 1, None)] == [15, 1, 1, max(1, (os.cpu_count() or 1) - 1)]
     monkeypatch.setattr(host.os, "cpu_count", lambda: None)  # unknown: one thread
@@ -106,7 +106,7 @@ def test_cpu_threads_none_leaves_the_loop_a_core(monkeypatch):
             return torch.empty(numel, dtype=dtype)
 
     pool = ExpertPool(Memory(), 1, 2, 12, torch.bfloat16)
-    mlp = functools.partial(host_swiglu, hidden=2, inter=1)
+    mlp = functools.partial(swiglu, hidden=2, inter=1)
     assert HostExperts(pool, Placement.device_only(1, 2), 16, mlp).threads == 15
     assert HostExperts(pool, Placement.device_only(1, 2), 16, mlp, threads=3).threads == 3
 

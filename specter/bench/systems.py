@@ -410,7 +410,7 @@ class BenchRuntime(Runtime):
                                                   getattr(policy, "overlap", OVERLAP))
         if placement.active:
             self.experts.host = await apply_placement(placement, self.cache, self.config, self.model.device,
-                                                     self.model.host_expert_mlp, policy, state)
+                                                     self.model.expert_mlp, policy, state)
         return placement
 
     async def _placement_state(self, initial: Sequence[Sequence[int]] | None, threads: int) -> PlacementState:
@@ -426,7 +426,7 @@ class BenchRuntime(Runtime):
         if initial is not None:
             state = dataclasses.replace(state, initial_residents=tuple(tuple(layer) for layer in initial))
         if threads not in self.calibrations:
-            self.calibrations[threads] = await calibrate(self.kernel, self.cache.pool, self.model.host_expert_mlp, state,
+            self.calibrations[threads] = await calibrate(self.kernel, self.cache.pool, self.model.expert_mlp, state,
                                                          self.spec.hidden_size, self.model.device, self.config.placement_profile,
                                                          self.config.tuning.host.parallel_experts)
         link = self.link_gbps * 1e9 if self.link_gbps is not None else None

@@ -194,9 +194,9 @@ def routing_profile(path: Path, num_layers: int, num_experts: int) -> tuple[list
 
 
 def reference_expert(hidden_size: int, intermediate: int) -> ExpertFunction:
-    """The host path's routed expert (`host_swiglu`, what Transformer.host_expert_mlp runs) on one block, for timing
-    without a model at hand (`specter info`)."""
-    from specter.model.weights import host_swiglu
+    """The families' routed expert (`swiglu`, what Transformer.expert_mlp runs on one block, on the host path too),
+    for timing without a model at hand (`specter info`)."""
+    from specter.model.weights import swiglu
 
-    return functools.partial(host_swiglu, hidden=hidden_size, inter=intermediate)
+    return functools.partial(swiglu, hidden=hidden_size, inter=intermediate)
 

@@ -13,6 +13,7 @@ steps, which is what lets a k+1-row verify reproduce plain decoding token for to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import ClassVar, Literal, Protocol
@@ -25,7 +26,7 @@ from specter.model import fused, rowfused
 from specter.model.kv import KVCache
 from specter.model.spec import ModelSpec
 from specter.model.tiers import KernelTiers
-from specter.model.weights import host_swiglu, unpack_expert
+from specter.model.weights import swiglu
 
 Tensor = torch.Tensor
 ExpertMLP = Callable[[Tensor, Tensor], Tensor]
@@ -629,24 +630,11 @@ class Transformer:
         return out
 
     def expert_mlp(self, rows: Tensor, packed: Tensor) -> Tensor:
-        """One routed expert over some rows [n, D] -> [n, D], in row blocks in exact mode."""
-        w13, w2 = unpack_expert(packed, self.spec.hidden_size, self.spec.expert_intermediate)
-        inter = self.spec.expert_intermediate
-
-        def swiglu(block: Tensor) -> Tensor:
-            gate_up = F.linear(block, w13)  # [B, 2I]
-            return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2)
-
-        (out,) = self.rows(swiglu, rows)
+        """One routed expert over some rows [n, D] -> [n, D], in row blocks in exact mode; the host expert path runs it
+        on one block of exactly `row_bucket` rows."""
+        (out,) = self.rows(functools.partial(swiglu, packed=packed, hidden=self.spec.hidden_size,
+                                             inter=self.spec.expert_intermediate), rows)
         return out
-
-    def host_expert_mlp(self, rows: Tensor, packed: Tensor) -> Tensor:
-        """`expert_mlp` as the host expert path computes it, on one block of rows: `host_swiglu`, the same SwiGLU with
-        the weights as GEMM's left operand. A class with an expert of its own (`expert_mlp` overridden) gets its own
-        `expert_mlp` here, until it says how its host form runs."""
-        if type(self).expert_mlp is not Transformer.expert_mlp:
-            return self.expert_mlp(rows, packed)
-        return host_swiglu(rows, packed, self.spec.hidden_size, self.spec.expert_intermediate)
 
 
 class RoutingTable:

@@ -102,16 +102,14 @@ def unpack_expert(flat: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Te
     return flat[:split].view(2 * inter, hidden), flat[split:].view(hidden, inter)
 
 
-def host_swiglu(rows: torch.Tensor, packed: torch.Tensor, hidden: int, inter: int) -> torch.Tensor:
-    """The routed expert (SwiGLU over the packed [gate; up] and down) as the host path computes it: one block of rows
-    [B, D] -> [B, D], the weights as GEMM's left operand (W13 @ X^T, then W2 @ A^T). oneDNN reads a plain [N, K] left
-    operand as it lies in the pool, where F.linear(X, W) reformats W into its blocked (AMX) layout on every call: a
-    second pass over the expert's bytes, which are most of a host expert's time at a verify's few rows
-    (benchmarks/host_expert.py, variants plain and host). Its bits need not match the device path's F.linear: the
-    placement fixes each expert's path for the engine's life (docs/ARCHITECTURE.md, "Exactness with host experts")."""
+def swiglu(rows: torch.Tensor, packed: torch.Tensor, hidden: int, inter: int) -> torch.Tensor:
+    """The families' routed expert, SwiGLU over the packed [gate; up] and down, on one block of rows [B, D] -> [B, D].
+    The device path (Transformer.expert_mlp, block by block) and the host path (HostExperts) both run it. The host
+    path keeps F.linear: the weights as GEMM's left operand (W13 @ X^T, oneDNN reading them unreformatted) cost twice
+    as much on the GPU machine's host (docs/BENCHMARKS.md, "Host expert path")."""
     w13, w2 = unpack_expert(packed, hidden, inter)
-    gate_up = w13 @ rows.t().contiguous()  # [2I, B]
-    return (w2 @ (torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:])).t().contiguous()
+    gate_up = torch.nn.functional.linear(rows, w13)  # [B, 2I]
+    return torch.nn.functional.linear(torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2)
 
 
 def iter_experts(ckpt: Checkpoint, dtype: torch.dtype, progress: bool = False) -> Iterator[tuple[int, int, torch.Tensor]]:
