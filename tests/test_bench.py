@@ -134,6 +134,22 @@ def test_exact_prefetch_specter_without_specter_is_skipped_and_says_why(tmp_path
     assert any("exact-prefetch-specter: skipped: needs specter" in note for note in results["notes"])
 
 
+def test_exact_prefetch_specter_listed_before_specter_runs_after_it(tmp_path):
+    """The replaying system needs specter's rounds: the bench runs it last, whatever the order of --systems."""
+    code = cli.main(["--systems", "exact-prefetch-specter,specter,ondemand", "--max-new-tokens", "4", "--warmup-tokens", "2",
+                     "--link", "1", "--no-progress", "--no-plots", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert code == 0
+    assert [cell["system"] for cell in results["cells"]] == ["specter", "ondemand", "exact-prefetch-specter"]
+    assert all(cell["status"] == "ok" for cell in results["cells"]), results["cells"]
+    by_prompt = {(run["system"], run["prompt_kind"], run["prompt_index"]): run for run in results["runs"]}
+    replays = [run for run in results["runs"] if run["system"] == "exact-prefetch-specter"]
+    assert replays
+    for run in replays:
+        source = by_prompt[("specter", run["prompt_kind"], run["prompt_index"])]
+        assert (run["rounds"], run["accepted"]) == (source["rounds"], source["accepted"])
+
+
 def test_specmoeoff_pays_for_its_separate_draft(matrix):
     cells = {cell["system"]: cell for cell in matrix[2]["cells"]}
     assert cells["specmoeoff"]["slots"] < cells["specter"]["slots"] == 6

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--residents", type=_int_list, default=None, help="expert slots per MoE layer, e.g. 16,4")
     parser.add_argument("--budget", type=_size_list, default=None, help="GPU budgets instead of residents, e.g. 8GiB,4GiB")
     parser.add_argument("--systems", type=_name_list, default=None,
-                        help=f"of: {', '.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)}; quick: {','.join(QUICK_SYSTEMS)})")
+                        help=f"of: {', '.join(SYSTEMS)}; exact-prefetch-specter runs last, on specter's rounds (default: {','.join(DEFAULT_SYSTEMS)}; quick: {','.join(QUICK_SYSTEMS)})")
     parser.add_argument("--link", type=_name_list, default=None,
                         help=f"links to emulate: gen5, gen4, gen3, ddr4-desktop, native or GB/s (default: native on CUDA, "
                              f"{','.join(PLAIN_CPU_LINKS)} on the CPU; quick: {','.join(QUICK_LINKS)})")
@@ -268,6 +268,9 @@ def options_from_args(args: argparse.Namespace) -> Options:
     unknown = [name for name in systems if name not in SYSTEMS]
     if unknown:
         raise ConfigError(f"unknown system(s) {unknown}; systems: {', '.join(SYSTEMS)}")
+    # A system that replays specter's rounds (exact-prefetch-specter) needs them recorded first: it runs after the
+    # others, whatever the order given (without specter in the run it is skipped, and says why).
+    systems = sorted(systems, key=lambda name: SYSTEMS[name].replay_schedule)
     modes = list(dict.fromkeys(args.sampling))
     if not modes or any(mode not in SAMPLING_MODES for mode in modes):
         raise ConfigError(f"--sampling {','.join(args.sampling)}: expected a comma-separated list of {', '.join(SAMPLING_MODES)}")
