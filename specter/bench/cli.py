@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--residents", type=_int_list, default=None, help="expert slots per MoE layer, e.g. 16,4")
     parser.add_argument("--budget", type=_size_list, default=None, help="GPU budgets instead of residents, e.g. 8GiB,4GiB")
     parser.add_argument("--systems", type=_name_list, default=None,
-                        help=f"of: {', '.join(SYSTEMS)}; exact-prefetch-specter runs last, on specter's rounds (default: {','.join(DEFAULT_SYSTEMS)}; quick: {','.join(QUICK_SYSTEMS)})")
+                        help=f"of: {', '.join(SYSTEMS)}; exact-prefetch-specter runs last, on specter's rounds "
+                             f"(default: {','.join(DEFAULT_SYSTEMS)}; quick: {','.join(QUICK_SYSTEMS)})")
     parser.add_argument("--link", type=_name_list, default=None,
                         help=f"links to emulate: gen5, gen4, gen3, ddr4-desktop, native or GB/s (default: native on CUDA, "
                              f"{','.join(PLAIN_CPU_LINKS)} on the CPU; quick: {','.join(QUICK_LINKS)})")
