@@ -238,8 +238,8 @@ realism() {  # table "Full-depth narrow checkpoints: realism": SHAPES (default: 
 }
 
 host_expert() {  # table "Host expert path": one routed expert of each shape on the host (SHAPES, default all five),
-  # 1 and 16 rows at 8 and 15 threads, cold: the host path (host_swiglu) against plain F.linear and prepacked weights,
-  # then the parallel modes (one-thread workers per expert; one expert split over them) against one team per expert.
+  # 1 and 16 rows at 8 and 15 threads, cold: the host path against the same F.linear chain inline, the left-operand
+  # form and prepacked weights, then the parallel modes (one-thread workers per expert; one expert split over them) against one team per expert.
   # About 20-60 s a shape (Mixtral's pool of 15 experts is 5.3 GB pinned).
   mkdir -p "$out/host-expert"
   local shape
