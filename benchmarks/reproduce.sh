@@ -89,12 +89,10 @@ floor() {  # table "Resident decoding": full-depth resident TPOT against the HBM
   timeout 300 python3 benchmarks/resident_floor.py --out "$out/floor" 2>&1 | tail -6
 }
 
-exact_rowwise() {  # the A/B for tuning.kernels.exact_rowwise (off until this has run): the GPU graphed tests with it on,
-  # then resident decoding without and with it, alternating, for SHAPES (default Qwen1.5-MoE and DeepSeek-V2-Lite),
-  # then one profiled full-depth k = 0 request per side (engine_ab.py: GPU self time, kernels by time and count)
-  timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphed.py tests/test_gpu_graphed_mla.py \
-    tests/test_exact_rowwise.py -m gpu -k rowwise > "$out/logs/gpu-rowwise.log" 2>&1
-  echo "gpu tests (rowwise) rc=$?: $(tail -1 "$out/logs/gpu-rowwise.log")"
+exact_rowwise() {  # the A/B for tuning.kernels.exact_rowwise (off until this has run): resident decoding without and
+  # with it, alternating, for SHAPES (default Qwen1.5-MoE and DeepSeek-V2-Lite), one profiled full-depth k = 0 request
+  # per side (engine_ab.py: GPU self time, kernels by time and count), then the GPU tests with it on in what is left of
+  # the call's 10 minutes (the figures first: they decide whether the tests matter)
   local shape side
   for shape in ${SHAPES:-qwen1.5-moe-a2.7b deepseek-v2-lite}; do
     for side in off on off on; do
@@ -107,6 +105,11 @@ exact_rowwise() {  # the A/B for tuning.kernels.exact_rowwise (off until this ha
       --configs k0 --requests 3 --new-tokens 32 $([ $side = on ] && echo --tune kernels.exact_rowwise=true) 2>&1 \
       | grep -E "^rowwise-"
   done
+  local left=$((585 - SECONDS))
+  [ "$left" -gt 60 ] || { echo "gpu tests (rowwise): ${left}s left, not run"; return; }
+  timeout "$left" python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphed.py tests/test_gpu_graphed_mla.py \
+    tests/test_exact_rowwise.py -m gpu -k rowwise > "$out/logs/gpu-rowwise.log" 2>&1
+  echo "gpu tests (rowwise) rc=$? at ${SECONDS}s: $(tail -1 "$out/logs/gpu-rowwise.log")"
 }
 
 resident_hf() {  # table "Resident decoding", transformers row: transformers' generate on the same shape
