@@ -11,6 +11,17 @@ _configured = False
 _debug = False
 
 
+class _Stderr:
+    """sys.stderr as it is at each write, not as it was when logging was configured: a stream swapped in later (a
+    test's capture, an application's redirect) gets the events, and one closed since is never written to."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(json: bool = False, level: str = "WARNING") -> None:
     """Configure structlog once for the process; later calls reconfigure."""
     global _configured, _debug
@@ -22,7 +33,7 @@ def configure(json: bool = False, level: str = "WARNING") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
         cache_logger_on_first_use=False,
     )
     _configured = True
