@@ -24,7 +24,7 @@ from specter.config import EngineConfig
 from specter.draft import DraftExperts, quantize_layers
 from specter.errors import BudgetError, ConfigError
 from specter.experts.cache import CacheSnapshot, ExpertCache
-from specter.experts.costs import calibrate
+from specter.experts.costs import calibrate, default_cost_store
 from specter.experts.host import ExpertFunction, HostExperts
 from specter.experts.host import default_threads as host_default_threads
 from specter.experts.pool import ExpertPool
@@ -256,7 +256,7 @@ async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: 
     assert mlp is not None, "a placement needs the family's host expert function to time and run"
     state = placement_state(cache, config, spec)
     state = (await calibrate(kernel, cache.pool, mlp, state, spec.hidden_size, device, config.placement_profile,
-                             config.tuning.host.parallel_experts)).apply(state)
+                             config.tuning.host.parallel_experts, default_cost_store(), config.recalibrate)).apply(state)
     placement = policy.place(state=state)
     decision = decision_record(state, placement, getattr(policy, "prefetch_discount", 0.0), getattr(policy, "overlap", OVERLAP))
     log.info("placement.decided", policy=getattr(policy, "name", None), **decision)

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="routing trace whose expert use the placement weighs (default: uniform routing)")
     info.add_argument("--no-measure", dest="measure", action="store_false",
                       help="do not time one expert on the host and on the link (what auto decides then needs --link)")
+    info.add_argument("--recalibrate", action="store_true",
+                      help="time them anew instead of taking this machine's stored figures (stores the new ones)")
     _add_tune(info)
     info.add_argument("--json", action="store_true", help="print one JSON object")
     _add_logging(info)
@@ -75,6 +77,9 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
                         help="torch threads of the host expert path (default: the host's cores); fewer emulate a smaller host")
     memory.add_argument("--placement-profile", default=None, metavar="TRACE",
                         help="a routing trace (--trace) of this model whose expert use the placement weighs (default: uniform)")
+    memory.add_argument("--recalibrate", action="store_true",
+                        help="time the host expert and the link anew at load (default: reuse this machine's earlier "
+                             "figures for the same shape and threads, so that auto places the same from run to run)")
     policies = gen.add_argument_group("speculation and policies")
     policies.add_argument("--eviction", default="plan-protect", metavar="NAME", help="specter.eviction plug-in")
     policies.add_argument("--prefetch", default="topm-keep", metavar="NAME", help="specter.prefetch plug-in")
@@ -136,7 +141,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig.build(
         device=args.device, dtype=args.dtype, max_context=args.max_context, budget=args.budget, residents=args.residents,
         eviction=args.eviction, prefetch=args.prefetch, lookahead=args.lookahead, link=args.link, progress=args.progress,
-        threads=args.threads, cpu_experts=args.cpu_experts, cpu_threads=args.cpu_threads,
+        threads=args.threads, cpu_experts=args.cpu_experts, cpu_threads=args.cpu_threads, recalibrate=args.recalibrate,
         placement_profile=args.placement_profile, tuning=TuningConfig().with_overrides(args.tune),
         draft=dict(k_max=args.k_max, quant=args.quant, sampling=args.sampling, scout=args.scout, overlap=args.overlap)
         | ({} if args.k is None else {"k": args.k}),  # no --k: the default depth, within --k-max
@@ -242,7 +247,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     summary = checkpoint_summary(args.model, dtype=args.dtype, max_context=args.max_context, quant=args.quant,
                                  residents=args.residents, cpu_experts=args.cpu_experts, link=args.link,
                                  cpu_threads=args.cpu_threads, placement_profile=args.placement_profile, measure=args.measure,
-                                 tune=args.tune)
+                                 tune=args.tune, recalibrate=args.recalibrate)
     if note := builtin_note(args.model):  # after the summary: a bad option is the only line its error prints
         print(note, file=sys.stderr)
     if args.json:
@@ -255,11 +260,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None = None, quant: str = "int4",
                        residents: int | None = None, cpu_experts: str = "off", link: str | None = None,
                        cpu_threads: int | None = None, placement_profile: str | None = None, measure: bool = True,
-                       tune: Sequence[str] = ()) -> dict:
+                       tune: Sequence[str] = (), recalibrate: bool = False) -> dict:
     """What `specter info` prints: family, shape, parameter counts, expert bytes, the two budgets, and how many experts
     the placement `cpu_experts` computes on the host at `residents` slots per layer (as it places at load); with
-    `measure`, one expert's copy and host times and what `auto` would do with them; `tune`: tuning overrides
-    (SECTION.FIELD=VALUE, e.g. host.parallel_experts=true, which changes how the host is timed)."""
+    `measure`, one expert's copy and host times (this machine's stored figures unless `recalibrate`, as the builder
+    takes them) and what `auto` would do with them; `tune`: tuning overrides (SECTION.FIELD=VALUE, e.g.
+    host.parallel_experts=true, which changes how the host is timed)."""
     from specter.builtin import resolve_model
     from specter.config import EngineConfig, TuningConfig
     from specter.build import resolve_dtype
@@ -274,7 +280,7 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
     spec = checkpoint.spec
     config = with_model_context(EngineConfig.build(max_context=max_context, dtype=dtype, draft=dict(quant=quant), link=link,
                                                    cpu_threads=cpu_threads, placement_profile=placement_profile,
-                                                   tuning=tuning), spec)
+                                                   tuning=tuning, recalibrate=recalibrate), spec)
     torch_dtype = resolve_dtype(config, spec)
     plan = plan_memory(spec, torch_dtype, config, speculative=True)
     dense = sum(_numel(shape) for shape in dense_shapes(spec).values())
@@ -309,12 +315,13 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
     if not 1 <= slots <= experts:
         raise ConfigError(f"--residents {slots}: expected 1..{experts} slots per MoE layer")
     if measure_dtype is not None:
-        host_s, link, source = measured_costs(spec, config, measure_dtype)
+        host_s, link, source, host_source = measured_costs(spec, config, measure_dtype)
     else:
         from specter.config import parse_link
 
         gbps = parse_link(config.link)
         host_s, link, source = None, gbps * 1e9 if gbps is not None else None, "emulated" if gbps is not None else None
+        host_source = None
     profile = config.placement_profile
     counts, sequence = routing_profile(profile, layers, experts) if profile is not None else (None, None)
     state = PlacementState(num_layers=layers, num_experts=experts, top_k=spec.top_k, slots_per_layer=slots,
@@ -330,53 +337,68 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
             "host_experts_per_layer": placement.counts(), "host_threads": state.host_threads, "row_bucket": state.row_bucket,
             "link_gbps": None if link is None else round(link / 1e9, 3), "link_source": source,
             "copy_ms_per_expert": ms(copy_seconds(state)), "host_ms_per_expert": ms(host_seconds(state, 1)),
-            "auto_host_experts": auto.total, "auto_host_experts_per_layer": auto.counts(),
+            "host_source": host_source, "auto_host_experts": auto.total, "auto_host_experts_per_layer": auto.counts(),
             "routing": routing_source(state), "speculates": state.speculates,
             "auto_prices_misses": getattr(plugins.load_policy("placement", "auto"), "prices_misses", lambda state: True)(state),
             "predicted_ms_per_token": {name: ms(token_seconds(state, placed[name])) for name in ("off", "all", "auto")}}
 
 
-def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | None, str | None]:
+def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | None, str | None, str]:
     """(host seconds of one expert on a block of row_bucket rows, link bytes per second, where the link figure comes
-    from: 'emulated', 'measured' or None): random experts of the model's shape, timed as the builder calibrates
-    (`time_host_expert` with one row routed to top_k experts per job, each job on experts no other job read), so the
-    pinned pool holds (REPEATS + 1) x top_k experts of the model's shape for the while. They are written just before,
-    so where the last-level cache holds several of them the figure can read lower than the engine's, whose pool was
+    from: 'emulated', 'measured', 'stored' or None, where the host figure comes from: 'measured' or 'stored'): this
+    machine's figures stored for the shape (`costs.CostStore`, as the builder takes them) unless
+    `config.recalibrate`, else random experts of the model's shape, timed as the builder calibrates (`time_host_expert`
+    with one row routed to top_k experts per job, each job on experts no other job read), so the pinned pool holds
+    (REPEATS + 1) x top_k experts of the model's shape for the while, and stored. They are written just before, so
+    where the last-level cache holds several of them the figure can read lower than the engine's, whose pool was
     written at load."""
     import asyncio
 
     import torch
 
     from specter.config import parse_link
-    from specter.experts.costs import REPEATS, experts_per_job, reference_expert, time_host_expert, time_link
+    from specter.experts import costs
     from specter.experts.host import default_threads
     from specter.experts.pool import ExpertPool
     from specter.kernel import Kernel
 
     cuda = torch.cuda.is_available()
-
-    class Memory:
-        def alloc_host(self, numel: int, dtype: Any) -> torch.Tensor:
-            return torch.empty(numel, dtype=dtype, pin_memory=cuda)
-
-    pool = ExpertPool(Memory(), 1, (REPEATS + 1) * spec.top_k, spec.expert_numel, dtype)
-    for expert in range(pool.num_experts):
-        pool.write(0, expert, torch.empty(spec.expert_numel, dtype=dtype).normal_(std=0.02))
-    mlp = reference_expert(spec.hidden_size, spec.expert_intermediate)
-
-    async def host() -> float:
-        with Kernel() as kernel:
-            return await time_host_expert(kernel, pool, mlp, spec.hidden_size, config.row_bucket,
-                                          config.cpu_threads or default_threads(), torch.device("cpu"),
-                                          per_job=experts_per_job(spec.top_k, config.tuning.host.parallel_experts),
-                                          parallel=config.tuning.host.parallel_experts)
-
-    host_s = asyncio.run(host())
+    device = torch.device("cuda" if cuda else "cpu")
+    threads = config.cpu_threads or default_threads()
+    parallel = config.tuning.host.parallel_experts
+    per_job = costs.experts_per_job(spec.top_k, parallel)
+    element = torch.empty((), dtype=dtype).element_size()
+    store = costs.default_cost_store()
+    key = costs.cost_key(spec.expert_numel * element, dtype, spec.hidden_size, config.row_bucket, threads, per_job,
+                         parallel, device)
+    stored = {} if config.recalibrate else store.get(key)
     gbps = parse_link(config.link)
-    if gbps is not None:
-        return host_s, gbps * 1e9, "emulated"
-    measured = time_link(pool.host(0, 0), torch.device("cuda")) if cuda else None
-    return host_s, measured, "measured" if measured else None
+    host_s, link = stored.get("host_expert_s"), stored.get("link_bytes_per_s") if gbps is None else gbps * 1e9
+    host_source = "stored" if host_s is not None else "measured"
+    link_source = "emulated" if gbps is not None else "stored" if link is not None else None
+    if host_s is None or (link is None and cuda):
+
+        class Memory:
+            def alloc_host(self, numel: int, dtype: Any) -> torch.Tensor:
+                return torch.empty(numel, dtype=dtype, pin_memory=cuda)
+
+        pool = ExpertPool(Memory(), 1, (costs.REPEATS + 1) * spec.top_k, spec.expert_numel, dtype)
+        for expert in range(pool.num_experts):
+            pool.write(0, expert, torch.empty(spec.expert_numel, dtype=dtype).normal_(std=0.02))
+        if host_s is None:
+            mlp = costs.reference_expert(spec.hidden_size, spec.expert_intermediate)
+
+            async def host() -> float:
+                with Kernel() as kernel:
+                    return await costs.time_host_expert(kernel, pool, mlp, spec.hidden_size, config.row_bucket, threads,
+                                                        torch.device("cpu"), per_job=per_job, parallel=parallel)
+
+            host_s = asyncio.run(host())
+        if link is None and cuda:
+            link = costs.time_link(pool.host(0, 0), device)
+            link_source = "measured" if link else None
+        store.update(key, stored, host_expert_s=host_s, link_bytes_per_s=link if link_source == "measured" else None)
+    return host_s, link, link_source, host_source
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -414,7 +436,8 @@ def _costs_line(summary: dict) -> str:
     link = ("link not measured (the CPU: give --link)" if copy is None
             else f"copy {copy:.3f} ms ({summary['link_source']} link, {summary['link_gbps']} GB/s)")
     compute = ("host not measured" if host is None else
-               f"host {host:.3f} ms per block of {summary['row_bucket']} rows ({summary['host_threads']} threads)")
+               f"host {host:.3f} ms per block of {summary['row_bucket']} rows ({summary['host_threads']} threads, "
+               f"{summary.get('host_source') or 'measured'})")
     return f"{link}; {compute}"
 
 

@@ -453,6 +453,11 @@ class EngineConfig(_Frozen):
                                            "this model whose per-layer expert use the placement's cost model weighs "
                                            "(`auto`: the least used go to the host first). None (default): uniform "
                                            "routing assumed. Read once at load; ignored with cpu_experts 'off'.")
+    recalibrate: bool = Field(False, description="Measure the placement's costs (one host expert's time, the link's "
+                              "rate) anew at load instead of taking the ones measured before on this machine for the "
+                              "same expert shape, dtype, block and host threads (SPECTER_CACHE/placement-costs.json), and "
+                              "store them. Off (default): the first load measures, later ones reuse, so that `auto` "
+                              "places, and the text comes out, the same from load to load.")
     draft: DraftConfig = Field(default_factory=DraftConfig, description="Draft model settings.")
     eviction: str = Field("plan-protect", min_length=1, description="Name of the `specter.eviction` plug-in.")
     prefetch: str = Field("topm-keep", min_length=1, description="Name of the `specter.prefetch` plug-in.")

@@ -87,6 +87,18 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     _added_paths.clear()
 
 
+@pytest.fixture(autouse=True)
+def placement_costs(monkeypatch, tmp_path):
+    """Each test its own store of measured placement costs (specter.experts.costs.CostStore): a figure one test
+    measured (or faked) must not decide another's placement. Returns the store."""
+    from specter.experts import costs
+
+    store = costs.CostStore(tmp_path / "placement-costs.json")
+    monkeypatch.setattr(costs, "default_cost_store", lambda: store)
+    monkeypatch.setattr("specter.build.default_cost_store", lambda: store)
+    return store
+
+
 @pytest.fixture
 def fresh_plugin_scan(monkeypatch):
     """Each test scans entry points afresh, with no allow-list unless it sets one (plug-in and backend tests)."""

@@ -273,3 +273,28 @@ def test_clamped_settings_are_errors(capsys, monkeypatch):
     assert "k = 8 is above k_max = 2" in capsys.readouterr().err
     args = build_parser().parse_args(["generate", "--k-max", "2", "--threads", "3"])
     assert engine_config(args).draft.k == 2 and engine_config(args).threads == 3  # no --k: the default within --k-max
+
+
+def test_info_shows_the_stored_host_figure_the_next_load_takes(monkeypatch, capsys):
+    """`info` takes this machine's stored host figure as a load would (and says so), measures and stores one where
+    there is none or with --recalibrate; `generate --recalibrate` reaches the engine's config."""
+    from specter.cli import build_parser, engine_config
+    from specter.experts import costs
+
+    figures = iter([1e-3, 3e-3])
+
+    async def time_host_expert(*args, **kwargs):
+        return next(figures)
+
+    monkeypatch.setattr(costs, "time_host_expert", time_host_expert)
+    seen = []
+    for argv in (["info", "tiny", "--link", "1", "--json"], ["info", "tiny", "--link", "1", "--json"],
+                 ["info", "tiny", "--link", "1", "--json", "--recalibrate"], ["info", "tiny", "--link", "1", "--json"]):
+        assert main(argv) == 0
+        summary = json.loads(capsys.readouterr().out)
+        seen.append((summary["host_ms_per_expert"], summary["host_source"]))
+    assert seen == [(1.0, "measured"), (1.0, "stored"), (3.0, "measured"), (3.0, "stored")]
+    assert main(["info", "tiny", "--link", "1"]) == 0
+    assert "threads, stored)" in capsys.readouterr().out
+    assert engine_config(build_parser().parse_args(["generate", "--recalibrate"])).recalibrate
+    assert not engine_config(build_parser().parse_args(["generate"])).recalibrate

@@ -177,7 +177,7 @@ def test_auto_computes_a_short_prompt_on_the_host_and_copies_a_long_ones_experts
     cache once decoding starts."""
     from specter.experts.costs import Calibration
 
-    async def fixed(kernel, pool, mlp, state, hidden_size, device, profile=None, parallel=False):
+    async def fixed(kernel, pool, mlp, state, hidden_size, device, profile=None, parallel=False, store=None, fresh=False):
         return Calibration({state.row_bucket: 1e-3}, pool.expert_bytes / 1.2e-3, None)
 
     monkeypatch.setattr(build, "calibrate", fixed)

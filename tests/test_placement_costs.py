@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import os
 import threading
 import time
 
@@ -257,3 +259,98 @@ def test_a_trace_recorded_under_a_placement_lists_the_host_paths_experts_too(roo
 def test_a_missing_profile_is_refused_before_loading(tmp_path):
     with pytest.raises(ConfigError, match="placement_profile"):
         EngineConfig.build(placement_profile=str(tmp_path / "absent.jsonl"))
+
+
+def counting_host_timer(monkeypatch, seconds: float = 2e-3) -> list[int]:
+    """Replace the host expert's timing with a fixed figure; returns the list its calls append their thread counts to."""
+    calls = []
+
+    async def time_host_expert(kernel, pool, mlp, hidden_size, row_bucket, threads, device, per_job=1,
+                               repeats=costs.REPEATS, parallel=False):
+        calls.append(threads)
+        return seconds * len(calls)  # each measurement differs from the last: a reused figure is told apart
+
+    monkeypatch.setattr(costs, "time_host_expert", time_host_expert)
+    return calls
+
+
+def test_a_load_takes_the_costs_measured_before_on_this_machine(root, monkeypatch, placement_costs):
+    """The first load measures the host and stores the figure; a second load with the same shape and threads takes
+    it (no measurement, the same placement state); other threads, or `recalibrate`, measure anew and store."""
+    path = checkpoint("mixtral", root)
+    calls = counting_host_timer(monkeypatch)
+    policy = Recording()
+    with placed_by(policy):
+        for config in (EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_threads=1, link="2"),
+                       EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_threads=1, link="2"),
+                       EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_threads=2, link="2"),
+                       EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_threads=1, link="2", recalibrate=True),
+                       EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_threads=1, link="2")):
+            load(path, config)
+    assert calls == [1, 2, 1]
+    assert [state.host_expert_s[16] for state in policy.states] == [2e-3, 2e-3, 4e-3, 6e-3, 6e-3]
+    assert all(state.link_bytes_per_s == 2e9 for state in policy.states)  # an emulated link is never stored
+    entries = json.loads(placement_costs.path.read_text())["entries"]
+    assert sorted(json.loads(key)["threads"] for key in entries) == [1, 2]
+    assert all("link_bytes_per_s" not in entry and entry["measured_at"] for entry in entries.values())
+
+
+def test_auto_places_the_same_from_load_to_load(root, monkeypatch):
+    """`auto` decides from the costs: with the figure stored by the first load, a second load places exactly as the
+    first, though the host would have timed otherwise (here 1 us, then 100 ms per expert)."""
+    from policies.placement import Auto
+
+    path = checkpoint("mixtral", root)
+    figures = iter([1e-6, 0.1])
+
+    async def time_host_expert(*args, **kwargs):
+        return next(figures)
+
+    monkeypatch.setattr(costs, "time_host_expert", time_host_expert)
+    monkeypatch.setattr(Auto, "prices_misses", lambda self, state: True)
+    placements = []
+    for _ in range(2):
+        async def go():
+            async with await Runtime.load(path, EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_threads=1,
+                                                             link="1", cpu_experts="auto", draft=dict(k=0))) as runtime:
+                host = runtime.experts.host
+                placements.append(None if host is None else host.placement.host)
+
+        asyncio.run(go())
+    assert placements[0] is not None and placements[0] == placements[1]
+    assert next(figures) == 0.1  # the second load never timed the host
+
+
+def test_a_bad_or_unwritable_store_costs_only_the_measurement(tmp_path, monkeypatch, capsys):
+    """A store file that is not JSON, of another version, or holds nonsense is read as empty (a warning for the
+    unreadable one) and replaced by the next measurement; a store that cannot be written warns and the load goes on."""
+    from specter.log import configure
+
+    configure(level="WARNING")
+    key = '{"k": 1}'
+    store = costs.CostStore(tmp_path / "costs.json")
+    store.path.write_text("{not json")
+    assert store.get(key) == {}
+    assert "placement.costs_unreadable" in capsys.readouterr().err
+    store.update(key, {}, host_expert_s=1e-3, link_bytes_per_s=None)
+    assert store.get(key)["host_expert_s"] == 1e-3 and "link_bytes_per_s" not in store.get(key)
+    store.update(key, store.get(key), link_bytes_per_s=5e9)  # the link added beside the host figure
+    assert (store.get(key)["host_expert_s"], store.get(key)["link_bytes_per_s"]) == (1e-3, 5e9)
+    store.path.write_text(json.dumps({"version": 0, "entries": {key: {"host_expert_s": 1.0}}}))
+    assert store.get(key) == {}
+    store.path.write_text(json.dumps({"version": costs.CostStore.VERSION,
+                                      "entries": {key: {"host_expert_s": -1, "link_bytes_per_s": "fast"}}}))
+    assert store.get(key) == {}
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    unwritable = costs.CostStore(blocked / "costs.json")  # its folder is a file
+    unwritable.update(key, {}, host_expert_s=1e-3)
+    assert "placement.costs_not_stored" in capsys.readouterr().err and unwritable.get(key) == {}
+
+
+def test_the_key_names_what_a_figure_was_measured_for():
+    key = json.loads(costs.cost_key(1024, torch.bfloat16, 8, 16, 3, 2, False, torch.device("cpu")))
+    assert key == {"cpu": costs.cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "device": "cpu",
+                   "expert_bytes": 1024, "dtype": "bfloat16", "hidden": 8, "rows": 16, "threads": 3, "per_job": 2,
+                   "parallel": False}
+    assert costs.cost_key(1024, torch.bfloat16, 8, 16, 3, 2, True, torch.device("cpu")) != json.dumps(key, sort_keys=True)

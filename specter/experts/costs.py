@@ -11,7 +11,11 @@ for it only with a placement plug-in).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
+import json
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -58,25 +62,121 @@ class Calibration:
 
 
 async def calibrate(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction | None, state: PlacementState, hidden_size: int,
-                    device: torch.device, profile: Path | None = None, parallel: bool = False) -> Calibration:
+                    device: torch.device, profile: Path | None = None, parallel: bool = False,
+                    store: CostStore | None = None, fresh: bool = False) -> Calibration:
     """Every cost a placement policy reads that `state` lacks, measured now (the pool written, before the first
     request): the host path on one block of `state.row_bucket` rows with `state.host_threads` threads
     (`time_host_expert`, unless there is no `mlp`), the link unless the state has its figure (an emulated link), the
     profile's use counts and its rounds in order. `parallel` (EngineConfig.tuning.host.parallel_experts): each host
     expert runs on one thread, so one expert is timed alone on one thread. The cost model adds a layer's host experts
     up, as if they ran one after another: what a lone host expert costs, and an upper bound where several of a layer's
-    run at once on the workers (it errs toward the device)."""
+    run at once on the workers (it errs toward the device).
+
+    With a `store`, the host and link figures measured before on this machine for the same expert shape, dtype, block
+    and threads are taken instead (unless `fresh`), and what is measured now is stored: the placement, and with it
+    the text, then does not move with the timing noise of each load."""
     started = time.perf_counter()
     rows = state.row_bucket
-    host = {} if mlp is None else {rows: await time_host_expert(kernel, pool, mlp, hidden_size, rows, state.host_threads,
-                                                                device, per_job=experts_per_job(state.top_k, parallel),
-                                                                parallel=parallel)}
-    link = time_link(pool.host(0, 0), device) if state.link_bytes_per_s is None else None
+    key = cost_key(pool.expert_bytes, pool.dtype, hidden_size, rows, state.host_threads, experts_per_job(state.top_k, parallel),
+                   parallel, device)
+    stored = store.get(key) if store is not None and not fresh else {}
+    host: dict[int, float] = {}
+    if mlp is not None:
+        host_s = stored.get("host_expert_s")
+        if host_s is None:
+            host_s = await time_host_expert(kernel, pool, mlp, hidden_size, rows, state.host_threads, device,
+                                            per_job=experts_per_job(state.top_k, parallel), parallel=parallel)
+        host = {rows: host_s}
+    link = None
+    if state.link_bytes_per_s is None:
+        link = stored.get("link_bytes_per_s") or time_link(pool.host(0, 0), device)
+    if store is not None:
+        store.update(key, stored, host_expert_s=host.get(rows), link_bytes_per_s=link)
     counts, sequence = routing_profile(profile, state.num_layers, state.num_experts) if profile is not None else (None, None)
     log.info("placement.calibrated", host_expert_ms=round(host[rows] * 1e3, 3) if host else None,
              link_gbps=round((state.link_bytes_per_s or link or 0) / 1e9, 2) or None, profile=str(profile) if profile else None,
+             stored=sorted(name for name in ("host_expert_s", "link_bytes_per_s") if name in stored),
              seconds=round(time.perf_counter() - started, 3))
     return Calibration(host, link, counts, sequence)
+
+
+def cost_key(expert_bytes: int, dtype: torch.dtype, hidden_size: int, row_bucket: int, threads: int, per_job: int,
+             parallel: bool, device: torch.device) -> str:
+    """What a stored host and link figure was measured for: this machine (its CPU, cores, torch, the device), one
+    expert's bytes, dtype and width, the block, the host threads and how the calibration's jobs ran."""
+    fields = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+              "expert_bytes": expert_bytes, "dtype": str(dtype).removeprefix("torch."), "hidden": hidden_size,
+              "rows": row_bucket, "threads": threads, "per_job": per_job, "parallel": parallel}
+    return json.dumps(fields, sort_keys=True)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform says."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class CostStore:
+    """The placement costs measured on this machine (EngineConfig.recalibrate says when to measure them anew), one
+    JSON file of entries by `cost_key`. A file that cannot be read or written costs only the measurement: a warning,
+    and the engine measures as if there were none."""
+
+    VERSION = 1
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _entries(self) -> dict[str, dict]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as error:
+            log.warning("placement.costs_unreadable", path=str(self.path), error=str(error),
+                        hint="measuring anew; the file is replaced by the next measurement")
+            return {}
+        if not isinstance(data, dict) or data.get("version") != self.VERSION or not isinstance(data.get("entries"), dict):
+            return {}
+        return data["entries"]
+
+    def get(self, key: str) -> dict:
+        """The entry stored for `key` (its positive figures only), or {}."""
+        entry = self._entries().get(key)
+        if not isinstance(entry, dict):
+            return {}
+        return {name: value for name, value in entry.items()
+                if name == "measured_at" or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)}
+
+    def update(self, key: str, stored: dict, **figures: float | None) -> None:
+        """Store the `figures` for `key` beside the entry read before (`stored`) where one is new (None: not measured)."""
+        if any(value is not None and stored.get(name) != value for name, value in figures.items()):
+            self.put(key, {name: value for name, value in (stored | figures).items() if value is not None and name != "measured_at"})
+
+    def put(self, key: str, entry: dict) -> None:
+        entries = self._entries()
+        entries[key] = dict(entry, measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            scratch = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            scratch.write_text(json.dumps({"version": self.VERSION, "entries": entries}, indent=1))
+            os.replace(scratch, self.path)  # atomic: a reader sees the old file or the new one, never half of one
+        except OSError as error:
+            log.warning("placement.costs_not_stored", path=str(self.path), error=str(error),
+                        hint="the next load measures again")
+
+
+def default_cost_store() -> CostStore:
+    """The store under the cache directory (SPECTER_CACHE, default ~/.cache/specter)."""
+    from specter.builtin import cache_dir
+
+    return CostStore(cache_dir() / "placement-costs.json")
 
 
 def median_seconds(work: Callable[[], object], repeats: int = REPEATS) -> float:
