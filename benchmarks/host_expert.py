@@ -60,6 +60,7 @@ import torch.nn.functional as F
 
 from specter.bench.synthetic import SHAPES, shape_config
 from specter.config import LINK_PRESETS
+from specter.experts import native
 from specter.experts.host import HostExperts, one_thread
 from specter.experts.pool import ExpertPool
 from specter.kernel import Kernel, run
@@ -148,6 +149,8 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
                     variants = {"host": lambda x=x, w=w: host.compute(0, 0, x, w),
                                 "plain": lambda x=x: mlp(x, weights),
                                 "left": lambda x=x: left_operand(x, weights, hidden, inter)}
+                    if native.load() is not None:
+                        variants["native"] = lambda x=x: native.native_swiglu(x, weights, hidden, inter)
                     if packed_mlp is not None and block is not None:
                         variants["packed"] = lambda block=block, w=w, rows=rows: packed_mlp(block)[:rows] * w
                     if pageable is not None:
@@ -178,13 +181,13 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
                     result = {"shape": shape, "hidden": hidden, "width": inter, "threads": threads, "rows": rows,
                               "repeats": repeats, "flush_bytes": flush_bytes, "host_s": statistics.median(round_trip[rows]),
                               "host_min_s": min(round_trip[rows]), "host_inside_s": median["host"],
-                              "plain_s": median["plain"], "left_s": median["left"], "packed_s": median.get("packed"), "packed_equal": equal.get("packed"),
+                              "plain_s": median["plain"], "left_s": median["left"], "native_s": median.get("native"), "packed_s": median.get("packed"), "packed_equal": equal.get("packed"),
                               "pageable_s": median.get("pageable"), "expert_bytes": expert_bytes, "copy_s": links}
                     results.append(result)
                     ms = lambda seconds: "-" if seconds is None else f"{seconds * 1e3:.2f}"  # noqa: E731
                     print(f"{shape} threads={threads:>3} rows={rows:>3}: host {ms(result['host_s']):>7} ms (min "
                           f"{ms(result['host_min_s'])}, on its thread {ms(result['host_inside_s'])}); plain "
-                          f"{ms(result['plain_s'])}, left {ms(result['left_s'])}, packed {ms(result['packed_s'])} (equal: {equal.get('packed')}), "
+                          f"{ms(result['plain_s'])}, left {ms(result['left_s'])}, native {ms(result['native_s'])}, packed {ms(result['packed_s'])} (equal: {equal.get('packed')}), "
                           f"pageable "
                           f"{ms(result['pageable_s'])}; copy " + ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in links.items()),
                           flush=True)

@@ -11,9 +11,10 @@ on the device, no runtime), for tests and parity checks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,8 +25,8 @@ from specter.config import EngineConfig
 from specter.draft import DraftExperts, quantize_layers
 from specter.errors import BudgetError, ConfigError
 from specter.experts.cache import CacheSnapshot, ExpertCache
-from specter.experts.costs import calibrate, default_cost_store
-from specter.experts.host import ExpertFunction, HostExperts
+from specter.experts.costs import HostKernel, calibrate, default_cost_store, host_kernels
+from specter.experts.host import HostExperts
 from specter.experts.host import default_threads as host_default_threads
 from specter.experts.pool import ExpertPool
 from specter.experts.transfer import LinkEmulation, TransferEngine, parse_link
@@ -193,14 +194,15 @@ def default_threads(device: torch.device) -> int:
 
 async def load_experts(source: WeightSource, config: EngineConfig, memory: MemoryPlan, backend, kernel: Kernel, dtype: torch.dtype,
                        device: torch.device, speculative: bool, victims: Victims | None = None, placement=None,
-                       mlp: ExpertFunction | None = None):
+                       host_kernels: Callable[[], list[HostKernel]] | None = None):
     """Stream every expert once: into device memory (all resident) or the host pool, and into the draft's quantizer.
 
     Returns (the verify's expert provider, the expert cache or None, the draft's quantized layers). The cache gets
     `victims` as its victim chooser (none given: it never evicts by choice). `placement`: the `specter.placement`
-    policy (None: 'off'), asked once the cache exists, from the costs calibrated then with `mlp` (the family's routed
-    expert as the host computes it, `Transformer.expert_mlp`, which the host path then runs on blocks of `row_bucket` rows; required with a
-    placement); with every expert resident there is nothing to place."""
+    policy (None: 'off'), asked once the cache exists, from the costs calibrated then with `host_kernels()` (the
+    kernels the host may compute the family's routed expert with, `model_host_kernels`; the calibration takes the
+    fastest, which the host path then runs; required with a placement); with every expert resident there is nothing
+    to place."""
     spec = source.spec
     if memory.all_resident:
         resident = ResidentExperts.from_iter(source.experts(dtype, config.progress), spec.num_experts, device)
@@ -224,7 +226,7 @@ async def load_experts(source: WeightSource, config: EngineConfig, memory: Memor
     pool.check_complete()
     cache = new_cache(config, memory.slots_per_layer, backend, kernel, new_transfer(config, backend, kernel, device), pool,
                       victims if victims is not None else (lambda *_: []))
-    host = await place_experts(placement, cache, config, spec, device, kernel, mlp)
+    host = await place_experts(placement, cache, config, spec, device, kernel, host_kernels)
     return OffloadedExperts(cache, kernel, moe_index, tuning=config.tuning.verify, host=host), cache, draft
 
 
@@ -247,15 +249,16 @@ def speculation(config: EngineConfig) -> dict:
 
 
 async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: ModelSpec, device: torch.device,
-                        kernel: Kernel, mlp: ExpertFunction | None = None) -> HostExperts | None:
+                        kernel: Kernel, host_kernels: Callable[[], list[HostKernel]] | None = None) -> HostExperts | None:
     """Calibrate the costs (`specter.experts.costs`), ask the placement policy (None: 'off', which needs neither) once,
     tell the cache, load the device-path experts that fit in their layer's slots, and start the host path; None when
     no expert takes it (the engine as without placements)."""
     if policy is None:
         return None
-    assert mlp is not None, "a placement needs the family's host expert function to time and run"
+    assert host_kernels is not None, "a placement needs the family's host expert kernels to time and run"
+    kernels = host_kernels()
     state = placement_state(cache, config, spec)
-    state = (await calibrate(kernel, cache.pool, mlp, state, spec.hidden_size, device, config.placement_profile,
+    state = (await calibrate(kernel, cache.pool, kernels, state, spec.hidden_size, device, config.placement_profile,
                              config.tuning.host.parallel_experts, default_cost_store(), config.recalibrate)).apply(state)
     placement = policy.place(state=state)
     decision = decision_record(state, placement, getattr(policy, "prefetch_discount", 0.0), getattr(policy, "overlap", OVERLAP))
@@ -267,15 +270,27 @@ async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: 
                          "generate --trace PATH` on your own text and pass it as placement_profile (--placement-profile)")
     if not placement.active:
         return None
-    return await apply_placement(placement, cache, config, device, mlp, policy, state)
+    return await apply_placement(placement, cache, config, device, chosen_kernel(kernels, state), policy, state)
+
+
+def chosen_kernel(kernels: Sequence[HostKernel], state: PlacementState) -> HostKernel:
+    """The kernel of `kernels` the calibration behind `state` chose (`state.host_kernel`; none named: the first)."""
+    return next((candidate for candidate in kernels if candidate.name == state.host_kernel), kernels[0])
+
+
+def model_host_kernels(model: Transformer, config: EngineConfig, dtype: torch.dtype) -> list[HostKernel]:
+    """The host kernels a placement's calibration chooses from for `model` (tuning.host.kernel; `costs.host_kernels`):
+    the native one only for the families' own SwiGLU (a class that overrides `expert_mlp` keeps torch's)."""
+    return host_kernels(config.tuning.host.kernel, model.expert_mlp, model.spec.hidden_size, model.spec.expert_intermediate,
+                        dtype, own_expert=type(model).expert_mlp is not Transformer.expert_mlp)
 
 
 async def apply_placement(placement: Placement, cache: ExpertCache, config: EngineConfig, device: torch.device,
-                          mlp: ExpertFunction, policy=None, state: PlacementState | None = None) -> HostExperts:
+                          host_kernel: HostKernel, policy=None, state: PlacementState | None = None) -> HostExperts:
     """`placement` from now on: the cache skips its host-path experts and holds the device-path ones that fit (loaded
-    now, so those layers never copy again); returns the host path that computes the others with `mlp`, with the thread count the
-    `state` was calibrated at (none: `cpu_threads`). With `policy` and the `state` it placed from, each prompt takes
-    the policy's prompt placement (`place_prefill`), else `placement`."""
+    now, so those layers never copy again); returns the host path that computes the others with `host_kernel`, with
+    the thread count the `state` was calibrated at (none: `cpu_threads`). With `policy` and the `state` it placed
+    from, each prompt takes the policy's prompt placement (`place_prefill`), else `placement`."""
     cache.place(placement.host)
     await cache.restore(CacheSnapshot(tuple(tuple(experts) for experts in preloaded(placement, cache.slots_per_layer))))
     log.info("engine.placed", host_experts=placement.total, per_layer=placement.counts())
@@ -283,8 +298,8 @@ async def apply_placement(placement: Placement, cache: ExpertCache, config: Engi
     if policy is not None and state is not None:
         prompt = lambda rows: prefill_placement(policy, state, placement, rows)  # noqa: E731
     threads = state.host_threads if state is not None else config.cpu_threads
-    return HostExperts(cache.pool, placement, config.row_bucket, mlp, threads, device, prompt=prompt,
-                       parallel=config.tuning.host.parallel_experts)
+    return HostExperts(cache.pool, placement, config.row_bucket, host_kernel.mlp, threads, device, prompt=prompt,
+                       parallel=config.tuning.host.parallel_experts, row_invariant=host_kernel.row_invariant)
 
 
 def new_transfer(config: EngineConfig, backend, kernel: Kernel, device: torch.device) -> TransferEngine:
@@ -343,7 +358,8 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
         quantize_now = speculative and not calibrated
         victims = Victims(policies["eviction"], len(spec.moe_layers))
         experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now, victims,
-                                                          policies["placement"], model.expert_mlp)
+                                                          policies["placement"],
+                                                          functools.partial(model_host_kernels, model, config, dtype))
         source.close()
         draft = make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device, tiles=config.tuning.kernels.moe),
                            config) if quantize_now else None

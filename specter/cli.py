@@ -315,13 +315,13 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
     if not 1 <= slots <= experts:
         raise ConfigError(f"--residents {slots}: expected 1..{experts} slots per MoE layer")
     if measure_dtype is not None:
-        host_s, link, source, host_source = measured_costs(spec, config, measure_dtype)
+        host_s, link, source, host_source, host_kernel = measured_costs(spec, config, measure_dtype)
     else:
         from specter.config import parse_link
 
         gbps = parse_link(config.link)
         host_s, link, source = None, gbps * 1e9 if gbps is not None else None, "emulated" if gbps is not None else None
-        host_source = None
+        host_source = host_kernel = None
     profile = config.placement_profile
     counts, sequence = routing_profile(profile, layers, experts) if profile is not None else (None, None)
     state = PlacementState(num_layers=layers, num_experts=experts, top_k=spec.top_k, slots_per_layer=slots,
@@ -337,21 +337,21 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
             "host_experts_per_layer": placement.counts(), "host_threads": state.host_threads, "row_bucket": state.row_bucket,
             "link_gbps": None if link is None else round(link / 1e9, 3), "link_source": source,
             "copy_ms_per_expert": ms(copy_seconds(state)), "host_ms_per_expert": ms(host_seconds(state, 1)),
-            "host_source": host_source, "auto_host_experts": auto.total, "auto_host_experts_per_layer": auto.counts(),
+            "host_source": host_source, "host_kernel": host_kernel, "auto_host_experts": auto.total, "auto_host_experts_per_layer": auto.counts(),
             "routing": routing_source(state), "speculates": state.speculates,
             "auto_prices_misses": getattr(plugins.load_policy("placement", "auto"), "prices_misses", lambda state: True)(state),
             "predicted_ms_per_token": {name: ms(token_seconds(state, placed[name])) for name in ("off", "all", "auto")}}
 
 
-def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | None, str | None, str]:
+def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | None, str | None, str, str]:
     """(host seconds of one expert on a block of row_bucket rows, link bytes per second, where the link figure comes
-    from: 'emulated', 'measured', 'stored' or None, where the host figure comes from: 'measured' or 'stored'): this
-    machine's figures stored for the shape (`costs.CostStore`, as the builder takes them) unless
-    `config.recalibrate`, else random experts of the model's shape, timed as the builder calibrates (`time_host_expert`
-    with one row routed to top_k experts per job, each job on experts no other job read), so the pinned pool holds
-    (REPEATS + 1) x top_k experts of the model's shape for the while, and stored. They are written just before, so
-    where the last-level cache holds several of them the figure can read lower than the engine's, whose pool was
-    written at load."""
+    from: 'emulated', 'measured', 'stored' or None, where the host figure comes from: 'measured' or 'stored', the host
+    kernel it is for): this machine's figures stored for the shape (`costs.CostStore`, as the builder takes them)
+    unless `config.recalibrate`, else random experts of the model's shape, timed as the builder calibrates
+    (`time_host_expert` with one row routed to top_k experts per job, each job on experts no other job read, with each
+    host kernel the builder chooses from, the fastest taken), so the pinned pool holds (REPEATS + 1) x top_k experts
+    per kernel for the while, and stored. They are written just before, so where the last-level cache holds several
+    of them the figure can read lower than the engine's, whose pool was written at load."""
     import asyncio
 
     import torch
@@ -367,13 +367,18 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
     threads = config.cpu_threads or default_threads()
     parallel = config.tuning.host.parallel_experts
     per_job = costs.experts_per_job(spec.top_k, parallel)
+    kernels = costs.host_kernels(config.tuning.host.kernel, costs.reference_expert(spec.hidden_size, spec.expert_intermediate),
+                                 spec.hidden_size, spec.expert_intermediate, dtype)
     element = torch.empty((), dtype=dtype).element_size()
     store = costs.default_cost_store()
     key = costs.cost_key(spec.expert_numel * element, dtype, spec.hidden_size, config.row_bucket, threads, per_job,
-                         parallel, device)
+                         parallel, device, [kernel.name for kernel in kernels])
     stored = {} if config.recalibrate else store.get(key)
     gbps = parse_link(config.link)
     host_s, link = stored.get("host_expert_s"), stored.get("link_bytes_per_s") if gbps is None else gbps * 1e9
+    chosen = stored.get("host_kernel")
+    if chosen not in {kernel.name for kernel in kernels}:
+        host_s = None
     host_source = "stored" if host_s is not None else "measured"
     link_source = "emulated" if gbps is not None else "stored" if link is not None else None
     if host_s is None or (link is None and cuda):
@@ -382,23 +387,30 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
             def alloc_host(self, numel: int, dtype: Any) -> torch.Tensor:
                 return torch.empty(numel, dtype=dtype, pin_memory=cuda)
 
-        pool = ExpertPool(Memory(), 1, (costs.REPEATS + 1) * spec.top_k, spec.expert_numel, dtype)
+        pool = ExpertPool(Memory(), 1, (costs.REPEATS + 1) * per_job * len(kernels), spec.expert_numel, dtype)
         for expert in range(pool.num_experts):
             pool.write(0, expert, torch.empty(spec.expert_numel, dtype=dtype).normal_(std=0.02))
         if host_s is None:
-            mlp = costs.reference_expert(spec.hidden_size, spec.expert_intermediate)
 
-            async def host() -> float:
+            async def host() -> dict[str, float]:
+                timed = {}
                 with Kernel() as kernel:
-                    return await costs.time_host_expert(kernel, pool, mlp, spec.hidden_size, config.row_bucket, threads,
-                                                        torch.device("cpu"), per_job=per_job, parallel=parallel)
+                    for index, candidate in enumerate(kernels):
+                        timed[candidate.name] = await costs.time_host_expert(
+                            kernel, pool, candidate.mlp, spec.hidden_size, config.row_bucket, threads, torch.device("cpu"),
+                            per_job=per_job, parallel=parallel, row_invariant=candidate.row_invariant,
+                            first_job=index * (costs.REPEATS + 1))
+                return timed
 
-            host_s = asyncio.run(host())
+            timed = asyncio.run(host())
+            chosen = min(timed, key=timed.__getitem__)
+            host_s = timed[chosen]
         if link is None and cuda:
             link = costs.time_link(pool.host(0, 0), device)
             link_source = "measured" if link else None
-        store.update(key, stored, host_expert_s=host_s, link_bytes_per_s=link if link_source == "measured" else None)
-    return host_s, link, link_source, host_source
+        store.update(key, stored, host_expert_s=host_s, host_kernel=chosen,
+                     link_bytes_per_s=link if link_source == "measured" else None)
+    return host_s, link, link_source, host_source, chosen
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -436,8 +448,8 @@ def _costs_line(summary: dict) -> str:
     link = ("link not measured (the CPU: give --link)" if copy is None
             else f"copy {copy:.3f} ms ({summary['link_source']} link, {summary['link_gbps']} GB/s)")
     compute = ("host not measured" if host is None else
-               f"host {host:.3f} ms per block of {summary['row_bucket']} rows ({summary['host_threads']} threads, "
-               f"{summary.get('host_source') or 'measured'})")
+               f"host {host:.3f} ms per block of {summary['row_bucket']} rows ({summary.get('host_kernel') or 'torch'} "
+               f"kernel, {summary['host_threads']} threads, {summary.get('host_source') or 'measured'})")
     return f"{link}; {compute}"
 
 

@@ -112,6 +112,9 @@ class PlacementState:
     """Measured seconds to compute one expert on the host, by row count (empty: not calibrated yet). The engine
     measures it at `row_bucket` rows (`specter.experts.costs`): the host runs every expert on blocks of exactly that
     many, so one row costs what `row_bucket` rows cost."""
+    host_kernel: str | None = None
+    """The host kernel `host_expert_s` was measured with and the host path runs (`costs.HostKernel`: 'torch', or
+    'native' where the calibration found it faster); None: not calibrated."""
     route_counts: Sequence[Sequence[float]] | None = None
     """Per layer and expert, how often the target routed to it on calibration tokens (None: not measured; the cost
     model then assumes uniform routing). The engine reads it from `EngineConfig.placement_profile`, a routing trace."""
@@ -612,6 +615,7 @@ def decision_record(state: PlacementState, placement: Placement, prefetch_discou
         "copy_s_per_expert": copy_seconds(state), "host_s_per_expert_by_rows": {str(rows): seconds for rows, seconds in
                                                                                 sorted(state.host_expert_s.items())},
         "row_bucket": state.row_bucket, "link_bytes_per_s": state.link_bytes_per_s, "host_threads": state.host_threads,
+        "host_kernel": state.host_kernel,
         "routing": routing_source(state), "speculates": state.speculates, "overlap": overlap,
         "prefetch_discount": prefetch_discount,
         "predicted_s_per_token": {"off": token_seconds(state, off, prefetch_discount, overlap),

@@ -148,7 +148,7 @@ def test_info_times_the_host_as_the_builder_calibrates(monkeypatch):
     timed = []
 
     async def time_host_expert(kernel, pool, mlp, hidden_size, row_bucket, threads, device, per_job=1, repeats=costs.REPEATS,
-                               parallel=False):
+                               parallel=False, **_):
         assert not parallel  # the default tuning: one expert after another
         timed.append(costs.cold_groups(pool.num_layers, pool.num_experts, per_job, repeats + 1))
         return 1e-3
@@ -170,7 +170,7 @@ def test_tune_reaches_info_and_a_bad_one_is_refused_before_loading(capsys, monke
     seen = []
 
     async def time_host_expert(kernel, pool, mlp, hidden_size, row_bucket, threads, device, per_job=1, repeats=costs.REPEATS,
-                               parallel=False):
+                               parallel=False, **_):
         seen.append((per_job, parallel))
         return 1e-3
 

@@ -266,7 +266,7 @@ def counting_host_timer(monkeypatch, seconds: float = 2e-3) -> list[int]:
     calls = []
 
     async def time_host_expert(kernel, pool, mlp, hidden_size, row_bucket, threads, device, per_job=1,
-                               repeats=costs.REPEATS, parallel=False):
+                               repeats=costs.REPEATS, parallel=False, **_):
         calls.append(threads)
         return seconds * len(calls)  # each measurement differs from the last: a reused figure is told apart
 
@@ -349,8 +349,10 @@ def test_a_bad_or_unwritable_store_costs_only_the_measurement(tmp_path, monkeypa
 
 
 def test_the_key_names_what_a_figure_was_measured_for():
-    key = json.loads(costs.cost_key(1024, torch.bfloat16, 8, 16, 3, 2, False, torch.device("cpu")))
+    key = json.loads(costs.cost_key(1024, torch.bfloat16, 8, 16, 3, 2, False, torch.device("cpu"), ["torch", "native"]))
     assert key == {"cpu": costs.cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "device": "cpu",
                    "expert_bytes": 1024, "dtype": "bfloat16", "hidden": 8, "rows": 16, "threads": 3, "per_job": 2,
-                   "parallel": False}
-    assert costs.cost_key(1024, torch.bfloat16, 8, 16, 3, 2, True, torch.device("cpu")) != json.dumps(key, sort_keys=True)
+                   "parallel": False, "kernels": ["torch", "native"]}
+    assert costs.cost_key(1024, torch.bfloat16, 8, 16, 3, 2, True, torch.device("cpu"), ["torch", "native"]) != json.dumps(
+        key, sort_keys=True)
+    assert costs.cost_key(1024, torch.bfloat16, 8, 16, 3, 2, False, torch.device("cpu")) != json.dumps(key, sort_keys=True)

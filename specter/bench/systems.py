@@ -20,8 +20,8 @@ from specter import plugins
 from specter.config import DraftConfig, EngineConfig
 from specter.errors import BudgetError, ConfigError
 from specter.experts.transfer import LinkEmulation, parse_link
-from specter.build import OFF, apply_placement, drafts_rounds, new_cache, placement_state
-from specter.experts.costs import Calibration, calibrate
+from specter.build import OFF, apply_placement, chosen_kernel, drafts_rounds, model_host_kernels, new_cache, placement_state
+from specter.experts.costs import Calibration, HostKernel, calibrate
 from specter.experts.host import default_threads
 from specter.engine import Runtime
 from specter.log import get_logger
@@ -332,6 +332,8 @@ class BenchRuntime(Runtime):
         self.calibrations: dict[int, Calibration] = {}
         """Host thread count -> the host's and the real link's costs, measured at the first placement with that count
         (`use_placement`): an expert's host time depends on the threads that compute it."""
+        self.host_kernel_choices: list[HostKernel] | None = None
+        """The host kernels the calibrations choose from (`_host_kernels`)."""
         self.host_threads: int | None = None
         """The torch threads of the placement's host path (and of the calibration it was placed from); None: 'off'."""
         self.placement_decision: dict | None = None
@@ -410,7 +412,7 @@ class BenchRuntime(Runtime):
                                                   getattr(policy, "overlap", OVERLAP))
         if placement.active:
             self.experts.host = await apply_placement(placement, self.cache, self.config, self.model.device,
-                                                     self.model.expert_mlp, policy, state)
+                                                     chosen_kernel(self._host_kernels(), state), policy, state)
         return placement
 
     async def _placement_state(self, initial: Sequence[Sequence[int]] | None, threads: int) -> PlacementState:
@@ -426,11 +428,17 @@ class BenchRuntime(Runtime):
         if initial is not None:
             state = dataclasses.replace(state, initial_residents=tuple(tuple(layer) for layer in initial))
         if threads not in self.calibrations:
-            self.calibrations[threads] = await calibrate(self.kernel, self.cache.pool, self.model.expert_mlp, state,
+            self.calibrations[threads] = await calibrate(self.kernel, self.cache.pool, self._host_kernels(), state,
                                                          self.spec.hidden_size, self.model.device, self.config.placement_profile,
                                                          self.config.tuning.host.parallel_experts)
         link = self.link_gbps * 1e9 if self.link_gbps is not None else None
         return self.calibrations[threads].apply(dataclasses.replace(state, link_bytes_per_s=link))
+
+    def _host_kernels(self) -> list[HostKernel]:
+        """The host kernels the calibration chooses from (built once: the native one compiles on first use)."""
+        if self.host_kernel_choices is None:
+            self.host_kernel_choices = model_host_kernels(self.model, self.config, self.cache.pool.dtype)
+        return self.host_kernel_choices
 
     def set_link(self, link: str | None) -> None:
         """Emulate `link` (preset or GB/s; None or 'native': the real link) for the copies from now on."""

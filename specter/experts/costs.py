@@ -18,7 +18,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -52,62 +52,115 @@ class Calibration:
     """Per layer and expert, the rounds of the profile whose verify used it (None: no profile)."""
     route_sequence: RouteSequence | None = None
     """The profile's rounds in order, up to `SEQUENCE_TOKENS` committed tokens (None: no profile)."""
+    host_kernel: str | None = None
+    """The name of the host kernel `host_expert_s` is for: the fastest of those timed (None: the host not timed)."""
 
     def apply(self, state: PlacementState) -> PlacementState:
         """`state` with these costs. An emulated link or one the transfer engine has measured already (the state's own
         figure) wins over the load-time probe: it is the link the copies will see."""
         return dataclasses.replace(state, host_expert_s=dict(self.host_expert_s),
                                    link_bytes_per_s=state.link_bytes_per_s or self.link_bytes_per_s,
-                                   route_counts=self.route_counts, route_sequence=self.route_sequence)
+                                   route_counts=self.route_counts, route_sequence=self.route_sequence,
+                                   host_kernel=self.host_kernel)
 
 
-async def calibrate(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction | None, state: PlacementState, hidden_size: int,
-                    device: torch.device, profile: Path | None = None, parallel: bool = False,
-                    store: CostStore | None = None, fresh: bool = False) -> Calibration:
+@dataclasses.dataclass(frozen=True)
+class HostKernel:
+    """One way to compute a routed expert on the host: a name, the function (rows [n, D], the packed expert -> [n, D])
+    and whether it computes each row on its own at any row count (then the host path runs it on the rows as they
+    are; otherwise on zero-padded blocks of exactly `row_bucket` rows, which makes torch's kernels row-invariant)."""
+
+    name: str
+    mlp: ExpertFunction
+    row_invariant: bool = False
+
+
+HOST_KERNELS = ("auto", "torch", "native")
+"""EngineConfig.tuning.host.kernel: the fastest of those available as the calibration times them, or one of them."""
+
+
+def host_kernels(choice: str, mlp: ExpertFunction, hidden_size: int, intermediate: int, dtype: torch.dtype,
+                 own_expert: bool = False) -> list[HostKernel]:
+    """The host kernels the calibration times for `choice` (HOST_KERNELS): torch's, the family's `mlp` on blocks;
+    and the native one (`specter.experts.native`: the families' SwiGLU in bf16 on a CPU with AVX512-BF16 and a C
+    compiler), unless the model brings an expert of its own (`own_expert`). 'native' where it is unavailable is
+    refused."""
+    from specter.experts import native
+
+    kernels = [HostKernel("torch", mlp)] if choice in ("auto", "torch") else []
+    if choice in ("auto", "native"):
+        reason = ("the model computes its experts its own way" if own_expert else
+                  f"it computes bfloat16 experts, not {str(dtype).removeprefix('torch.')}" if dtype != torch.bfloat16
+                  else native.unavailable())
+        if reason is None:
+            kernels.append(HostKernel("native", functools.partial(native.native_swiglu, hidden=hidden_size,
+                                                                  inter=intermediate), row_invariant=True))
+        elif choice == "native":
+            raise ConfigError(f"tuning.host.kernel native: unavailable here ({reason}); use auto or torch")
+    return kernels
+
+
+async def calibrate(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction | Sequence[HostKernel] | None,
+                    state: PlacementState, hidden_size: int, device: torch.device, profile: Path | None = None,
+                    parallel: bool = False, store: CostStore | None = None, fresh: bool = False) -> Calibration:
     """Every cost a placement policy reads that `state` lacks, measured now (the pool written, before the first
     request): the host path on one block of `state.row_bucket` rows with `state.host_threads` threads
     (`time_host_expert`, unless there is no `mlp`), the link unless the state has its figure (an emulated link), the
-    profile's use counts and its rounds in order. `parallel` (EngineConfig.tuning.host.parallel_experts): each host
-    expert runs on one thread, so one expert is timed alone on one thread. The cost model adds a layer's host experts
-    up, as if they ran one after another: what a lone host expert costs, and an upper bound where several of a layer's
-    run at once on the workers (it errs toward the device).
+    profile's use counts and its rounds in order. `mlp`: the family's expert function (torch's kernel) or the host
+    kernels to choose from (`host_kernels`): each is timed and the fastest taken (`Calibration.host_kernel`).
+    `parallel` (EngineConfig.tuning.host.parallel_experts): each host expert runs on one thread, so one expert is
+    timed alone on one thread. The cost model adds a layer's host experts up, as if they ran one after another: what a
+    lone host expert costs, and an upper bound where several of a layer's run at once on the workers (it errs toward
+    the device).
 
-    With a `store`, the host and link figures measured before on this machine for the same expert shape, dtype, block
-    and threads are taken instead (unless `fresh`), and what is measured now is stored: the placement, and with it
-    the text, then does not move with the timing noise of each load."""
+    With a `store`, the host and link figures (and the kernel) measured before on this machine for the same expert
+    shape, dtype, block, threads and kernels are taken instead (unless `fresh`), and what is measured now is stored:
+    the placement, and with it the text, then does not move with the timing noise of each load."""
     started = time.perf_counter()
     rows = state.row_bucket
-    key = cost_key(pool.expert_bytes, pool.dtype, hidden_size, rows, state.host_threads, experts_per_job(state.top_k, parallel),
-                   parallel, device)
+    kernels = [HostKernel("torch", mlp)] if callable(mlp) else list(mlp or ())
+    per_job = experts_per_job(state.top_k, parallel)
+    key = cost_key(pool.expert_bytes, pool.dtype, hidden_size, rows, state.host_threads, per_job, parallel, device,
+                   [candidate.name for candidate in kernels])
     stored = store.get(key) if store is not None and not fresh else {}
     host: dict[int, float] = {}
-    if mlp is not None:
-        host_s = stored.get("host_expert_s")
-        if host_s is None:
-            host_s = await time_host_expert(kernel, pool, mlp, hidden_size, rows, state.host_threads, device,
-                                            per_job=experts_per_job(state.top_k, parallel), parallel=parallel)
-        host = {rows: host_s}
+    chosen = None
+    if kernels:
+        chosen = stored.get("host_kernel") if stored.get("host_expert_s") is not None else None
+        if chosen in {candidate.name for candidate in kernels}:
+            host = {rows: stored["host_expert_s"]}
+        else:
+            timed = {}
+            for index, candidate in enumerate(kernels):  # each on experts the others did not read (cold for each)
+                timed[candidate.name] = await time_host_expert(
+                    kernel, pool, candidate.mlp, hidden_size, rows, state.host_threads, device, per_job=per_job,
+                    parallel=parallel, row_invariant=candidate.row_invariant, first_job=index * (REPEATS + 1))
+            chosen = min(timed, key=timed.__getitem__)
+            host = {rows: timed[chosen]}
+            log.info("placement.host_kernels", ms={name: round(seconds * 1e3, 3) for name, seconds in timed.items()},
+                     chosen=chosen)
     link = None
     if state.link_bytes_per_s is None:
         link = stored.get("link_bytes_per_s") or time_link(pool.host(0, 0), device)
     if store is not None:
-        store.update(key, stored, host_expert_s=host.get(rows), link_bytes_per_s=link)
+        store.update(key, stored, host_expert_s=host.get(rows), link_bytes_per_s=link, host_kernel=chosen)
     counts, sequence = routing_profile(profile, state.num_layers, state.num_experts) if profile is not None else (None, None)
-    log.info("placement.calibrated", host_expert_ms=round(host[rows] * 1e3, 3) if host else None,
+    log.info("placement.calibrated", host_expert_ms=round(host[rows] * 1e3, 3) if host else None, host_kernel=chosen,
              link_gbps=round((state.link_bytes_per_s or link or 0) / 1e9, 2) or None, profile=str(profile) if profile else None,
              stored=sorted(name for name in ("host_expert_s", "link_bytes_per_s") if name in stored),
              seconds=round(time.perf_counter() - started, 3))
-    return Calibration(host, link, counts, sequence)
+    return Calibration(host, link, counts, sequence, chosen)
 
 
 def cost_key(expert_bytes: int, dtype: torch.dtype, hidden_size: int, row_bucket: int, threads: int, per_job: int,
-             parallel: bool, device: torch.device) -> str:
+             parallel: bool, device: torch.device, kernels: Sequence[str] = ("torch",)) -> str:
     """What a stored host and link figure was measured for: this machine (its CPU, cores, torch, the device), one
-    expert's bytes, dtype and width, the block, the host threads and how the calibration's jobs ran."""
+    expert's bytes, dtype and width, the block, the host threads, how the calibration's jobs ran and the host
+    kernels it chose from."""
     fields = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
               "expert_bytes": expert_bytes, "dtype": str(dtype).removeprefix("torch."), "hidden": hidden_size,
-              "rows": row_bucket, "threads": threads, "per_job": per_job, "parallel": parallel}
+              "rows": row_bucket, "threads": threads, "per_job": per_job, "parallel": parallel, "kernels": list(kernels)}
     return json.dumps(fields, sort_keys=True)
 
 
@@ -152,9 +205,10 @@ class CostStore:
         if not isinstance(entry, dict):
             return {}
         return {name: value for name, value in entry.items()
-                if name == "measured_at" or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)}
+                if (name in ("measured_at", "host_kernel") and isinstance(value, str))
+                or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)}
 
-    def update(self, key: str, stored: dict, **figures: float | None) -> None:
+    def update(self, key: str, stored: dict, **figures: float | str | None) -> None:
         """Store the `figures` for `key` beside the entry read before (`stored`) where one is new (None: not measured)."""
         if any(value is not None and stored.get(name) != value for name, value in figures.items()):
             self.put(key, {name: value for name, value in (stored | figures).items() if value is not None and name != "measured_at"})
@@ -229,11 +283,12 @@ def cold_groups(num_layers: int, num_experts: int, per_job: int, jobs: int) -> l
 
 async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction, hidden_size: int, row_bucket: int,
                            threads: int, device: torch.device, per_job: int = 1, repeats: int = REPEATS,
-                           parallel: bool = False) -> float:
+                           parallel: bool = False, row_invariant: bool = False, first_job: int = 0) -> float:
     """Median seconds of one routed expert on the host path as decoding runs it, over `repeats` timed jobs after one
     warm-up job: a job is `HostExperts.compute_layer` with one row routed to `per_job` experts of one layer (each on a
     block of `row_bucket` rows, weighted, on CUDA put in pinned memory), on a thread set up as the host path's with
-    `threads` torch threads, and its seconds over its experts count.
+    `threads` torch threads, and its seconds over its experts count. `first_job`: the jobs start that many groups
+    into `cold_groups`' order (another kernel timed before read the first ones).
 
     Each job reads experts no other job read (`cold_groups`): decoding cycles through every host expert of every layer,
     so it reads each one's weights from memory, while one expert timed again and again is read from the last-level
@@ -242,7 +297,8 @@ async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction
     weighting, the pinned output): the figure is what the bench reports as ms per host expert (host seconds over host
     experts computed) for a host running alone. With `parallel` the thread has one torch thread, as each expert of the
     parallel host path has (`calibrate` then times one expert per job)."""
-    host = HostExperts(pool, Placement.device_only(pool.num_layers, pool.num_experts), row_bucket, mlp, threads, device)
+    host = HostExperts(pool, Placement.device_only(pool.num_layers, pool.num_experts), row_bucket, mlp, threads, device,
+                       row_invariant=row_invariant)
     rows = (torch.randn(1, hidden_size) * 0.1).to(pool.dtype)
 
     def job(layer: int, experts: list[int]) -> Callable[[], float]:
@@ -257,7 +313,8 @@ async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction
 
         return run
 
-    jobs = [job(layer, experts) for layer, experts in cold_groups(pool.num_layers, pool.num_experts, per_job, repeats + 1)]
+    groups = cold_groups(pool.num_layers, pool.num_experts, per_job, first_job + repeats + 1)[first_job:]
+    jobs = [job(layer, experts) for layer, experts in groups]
     thread = host_thread(device, 1 if parallel else threads, name="specter-host-calibration")
     try:
         return await kernel.wait_host(kernel.submit_host(thread, lambda: timed_once(jobs)))

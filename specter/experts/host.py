@@ -123,10 +123,14 @@ class HostExperts:
 
     def __init__(self, pool: ExpertPool, placement: Placement, row_bucket: int, mlp: ExpertFunction,
                  threads: int | None = None, device: torch.device | None = None,
-                 prompt: Callable[[int], Placement] | None = None, parallel: bool = False) -> None:
+                 prompt: Callable[[int], Placement] | None = None, parallel: bool = False,
+                 row_invariant: bool = False) -> None:
         assert placement.num_layers == pool.num_layers and placement.num_experts == pool.num_experts, (
             f"a placement of {placement.num_layers} x {placement.num_experts} for a pool of {pool.num_layers} x {pool.num_experts}")
         self.pool, self.placement, self.row_bucket, self.mlp = pool, placement, row_bucket, mlp
+        self.row_invariant = row_invariant
+        """`mlp` computes each row on its own at any row count (the native kernel): it runs on the rows as they are,
+        not on zero-padded blocks of `row_bucket` rows."""
         self.decode = placement
         """The engine's placement; `placement` differs from it only during a prompt that has its own."""
         self.prompt = prompt
@@ -151,8 +155,10 @@ class HostExperts:
         """Expert `expert` of MoE layer `layer` on host rows [n, D], times their routing weights [n, 1]: [n, D]."""
         packed = self.pool.host(layer, expert)
         count, bucket = rows.shape[0], self.row_bucket
-        padded = -(-count // bucket) * bucket
         rows = rows.to(self.pool.dtype)
+        if self.row_invariant:
+            return self.mlp(rows, packed) * weights.to(self.pool.dtype)
+        padded = -(-count // bucket) * bucket
         if padded != count:
             rows = F.pad(rows, (0, 0, 0, padded - count))
         blocks = [self.mlp(rows[start : start + bucket], packed) for start in range(0, padded, bucket)]

@@ -1,0 +1,176 @@
+"""The native host kernel (specter/experts/native.py) and the calibration's choice between it and torch's
+(tuning.host.kernel): its values against a float32 reference, each row on its own (any rows beside it, any count,
+any thread count), the host path on unpadded rows, which kernels are offered, the choice stored, and speculation
+exact with it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specter.config import DraftConfig, EngineConfig, GenerationConfig, TuningConfig
+from specter.errors import ConfigError
+from specter.experts import costs, native
+from specter.experts.host import HostExperts
+from specter.experts.pool import ExpertPool
+from specter.kernel import Kernel
+from specter.model.checkpoint import Checkpoint
+from specter.model.weights import swiglu
+from specter.placement import Placement, PlacementState
+from tests.test_hybrid import run
+from tests.test_speculative import DEVICE, checkpoint
+
+needs_native = pytest.mark.skipif(native.unavailable() is not None, reason=f"native kernel: {native.unavailable()}")
+
+
+class Memory:
+    def alloc_host(self, numel, dtype):
+        return torch.empty(numel, dtype=dtype)
+
+
+def expert(hidden: int, inter: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(3 * hidden * inter, generator=generator) * 0.05).to(torch.bfloat16)
+
+
+@needs_native
+@pytest.mark.parametrize("hidden, inter", [(64, 96), (256, 384), (100, 70), (33, 17)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 19])
+def test_native_matches_a_float_reference(hidden, inter, rows):
+    """bf16 weights and rows, float32 sums, one rounding of the activation and one of the output: within bf16's
+    rounding of a float32 reference, and no farther from it than torch's bf16 chain (which rounds more often).
+    Widths that are no multiple of 32 take the kernel's masked tail."""
+    packed = expert(hidden, inter, seed=rows)
+    x = (torch.randn(rows, hidden, generator=torch.Generator().manual_seed(hidden)) * 2).to(torch.bfloat16)
+    reference = swiglu(x.float(), packed.float(), hidden, inter)
+    got = native.native_swiglu(x, packed, hidden, inter)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, hidden)
+    torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=1e-2 * float(reference.abs().max()))
+    error = (got.float() - reference).abs().max()
+    assert error <= 1.5 * (swiglu(x, packed, hidden, inter).float() - reference).abs().max() + 1e-6
+
+
+@needs_native
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 24), data=st.data(), scale=st.sampled_from([0.1, 1.0, 30.0]), threads=st.sampled_from([1, 2, 3]))
+def test_a_rows_native_output_does_not_depend_on_the_rows_around_it_or_the_threads(rows, data, scale, threads):
+    """Row invariance at any count (why the host path runs it unpadded): row r of a batch equals row r alone and row r
+    among other rows, bit for bit, at any torch thread count of the calling thread."""
+    hidden, inter = 96, 160
+    packed = expert(hidden, inter)
+    x = (torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows)) * scale).to(torch.bfloat16)
+    r = data.draw(st.integers(0, rows - 1))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        together = native.native_swiglu(x, packed, hidden, inter)[r]
+        torch.set_num_threads(1)
+        alone = native.native_swiglu(x[r : r + 1], packed, hidden, inter)[0]
+    finally:
+        torch.set_num_threads(before)
+    others = torch.cat([torch.full((5, hidden), 3.0, dtype=torch.bfloat16), x[r : r + 1]])
+    elsewhere = native.native_swiglu(others, packed, hidden, inter)[5]
+    assert torch.equal(together, alone) and torch.equal(alone, elsewhere)
+
+
+@needs_native
+def test_the_host_path_runs_a_row_invariant_kernel_on_the_rows_as_they_are():
+    """With `row_invariant` the host path calls the kernel on the n rows it has (no zero block of row_bucket rows)
+    and weights them; torch's kernel still gets whole blocks."""
+    hidden, inter = 64, 96
+    pool = ExpertPool(Memory(), 1, 1, 3 * hidden * inter, torch.bfloat16)
+    pool.write(0, 0, expert(hidden, inter))
+    seen = []
+
+    def spy(rows, packed):
+        seen.append(rows.shape[0])
+        return native.native_swiglu(rows, packed, hidden, inter)
+
+    rows = torch.randn(5, hidden).to(torch.bfloat16)
+    weights = torch.rand(5, 1).to(torch.bfloat16)
+    host = HostExperts(pool, Placement.device_only(1, 1), 16, spy, threads=1, row_invariant=True)
+    blocked = HostExperts(pool, Placement.device_only(1, 1), 16, spy, threads=1)
+    try:
+        out = host.compute(0, 0, rows, weights)
+        assert seen == [5]
+        assert torch.equal(out, native.native_swiglu(rows, pool.host(0, 0), hidden, inter) * weights)
+        assert torch.equal(blocked.compute(0, 0, rows, weights), out)  # the same bits: each row on its own
+        assert seen == [5, 16]
+    finally:
+        host.close()
+        blocked.close()
+
+
+def test_which_kernels_the_calibration_chooses_from(monkeypatch):
+    """auto: torch's and, for the families' SwiGLU in bf16 where it builds, the native one; torch: torch's only;
+    native: the native one only, refused (ConfigError saying why) where it cannot run."""
+    mlp = lambda rows, packed: rows  # noqa: E731
+    names = lambda kernels: [kernel.name for kernel in kernels]  # noqa: E731
+    monkeypatch.setattr(native, "unavailable", lambda: None)
+    assert names(costs.host_kernels("auto", mlp, 8, 4, torch.bfloat16)) == ["torch", "native"]
+    [torch_kernel, native_kernel] = costs.host_kernels("auto", mlp, 8, 4, torch.bfloat16)
+    assert torch_kernel.mlp is mlp and not torch_kernel.row_invariant and native_kernel.row_invariant
+    assert names(costs.host_kernels("torch", mlp, 8, 4, torch.bfloat16)) == ["torch"]
+    assert names(costs.host_kernels("native", mlp, 8, 4, torch.bfloat16)) == ["native"]
+    assert names(costs.host_kernels("auto", mlp, 8, 4, torch.float32)) == ["torch"]
+    assert names(costs.host_kernels("auto", mlp, 8, 4, torch.bfloat16, own_expert=True)) == ["torch"]
+    with pytest.raises(ConfigError, match="native: unavailable here .*float32"):
+        costs.host_kernels("native", mlp, 8, 4, torch.float32)
+    monkeypatch.setattr(native, "unavailable", lambda: "the CPU has no AVX512-BF16")
+    assert names(costs.host_kernels("auto", mlp, 8, 4, torch.bfloat16)) == ["torch"]
+    with pytest.raises(ConfigError, match="AVX512-BF16"):
+        costs.host_kernels("native", mlp, 8, 4, torch.bfloat16)
+    with pytest.raises(ConfigError, match="host.kernel"):
+        TuningConfig().with_overrides(["host.kernel=fast"])
+
+
+def test_the_calibration_takes_the_faster_kernel_and_stores_it(monkeypatch, placement_costs):
+    """Each kernel is timed on experts the others did not read; the faster is the calibration's and the state's
+    `host_kernel`, stored with its time, and a second calibration takes both without timing."""
+    calls = []
+
+    async def time_host_expert(kernel, pool, mlp, hidden_size, row_bucket, threads, device, per_job=1,
+                               repeats=costs.REPEATS, parallel=False, row_invariant=False, first_job=0):
+        calls.append(first_job)
+        return 1e-3 if row_invariant else 3e-3
+
+    monkeypatch.setattr(costs, "time_host_expert", time_host_expert)
+    kernels = [costs.HostKernel("torch", lambda rows, packed: rows),
+               costs.HostKernel("native", lambda rows, packed: rows, row_invariant=True)]
+    pool = ExpertPool(Memory(), 2, 8, 24, torch.bfloat16)
+    for layer in range(2):
+        for index in range(8):
+            pool.write(layer, index, torch.zeros(24, dtype=torch.bfloat16))
+    state = PlacementState(num_layers=2, num_experts=8, top_k=2, slots_per_layer=2, initial_residents=((), ()),
+                           expert_bytes=pool.expert_bytes, row_bucket=16, host_threads=1)
+
+    async def calibrate():
+        with Kernel() as kernel:
+            return await costs.calibrate(kernel, pool, kernels, state, 4, torch.device("cpu"), store=placement_costs)
+
+    first = asyncio.run(calibrate())
+    assert calls == [0, costs.REPEATS + 1] and first.host_kernel == "native" and first.host_expert_s == {16: 1e-3}
+    assert first.apply(state).host_kernel == "native"
+    second = asyncio.run(calibrate())
+    assert calls == [0, costs.REPEATS + 1] and (second.host_kernel, second.host_expert_s) == ("native", {16: 1e-3})
+
+
+@needs_native
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_speculation_stays_exact_with_the_native_host_kernel(tmp_path, temperature):
+    """A bf16 engine whose non-resident experts all run on the host with the native kernel: speculative output equals
+    the same engine's k = 0 output, greedy and seeded sampling, and the host computed experts."""
+    path = checkpoint("qwen2_moe", str(tmp_path))
+    residents = Checkpoint(path).spec.top_k
+    generation = GenerationConfig(max_new_tokens=10, temperature=temperature, top_p=0.9 if temperature else None, seed=5)
+    forced = TuningConfig().with_overrides(["host.kernel=native"])
+    common = dict(device=DEVICE, dtype="bfloat16", max_context=96, residents=residents, cpu_experts="all", cpu_threads=2,
+                  tuning=forced)
+    plain, placement = run(path, EngineConfig(**common, draft=DraftConfig(k=0)), [3, 1, 4, 1, 5], generation)
+    speculative, _ = run(path, EngineConfig(**common, draft=DraftConfig(k=4, quant="int8")), [3, 1, 4, 1, 5], generation)
+    assert placement.total > 0 and plain.stats.host_computed_experts > 0
+    assert speculative.tokens == plain.tokens
