@@ -361,11 +361,12 @@ class HostTuning(_Frozen):
                                    "tests/test_hybrid.py, tests/test_host_experts.py.")
     kernel: Literal["auto", "torch", "native"] = Field(
         "auto", description="The host path's expert kernel: 'torch' (the F.linear chain on zero-padded blocks of "
-        "row_bucket rows), 'native' (specter/experts/native.py: AVX512-BF16, weights read once as they lie, each row on "
-        "its own at any count; needs such a CPU and a C compiler), or 'auto': the faster of those available as the "
-        "load's calibration times them, stored with the costs. Qwen1.5-MoE's expert on the 2-core development Xeon, "
-        "cold, one row: native 1.78 against torch 2.95 ms, 16 rows 6.35 against 3.26 (benchmarks/host_expert.py, "
-        "docs/BENCHMARKS.md); not yet timed on the H200's host. Tokens: tests/test_native_kernel.py.")
+        "row_bucket rows), 'native' (specter/experts/native.py: AMX or AVX512-BF16, weights read once as they lie, each "
+        "row on its own at any count; needs such a CPU and a C compiler), or 'auto': the faster of those available as "
+        "the load's calibration times them, stored with the costs. On the 2-core development Xeon (AMX), cold, 2 "
+        "threads, the host path with native against torch: Qwen1.5-MoE's expert 1.26 / 1.38 ms against 2.70 / 2.63 at 1 "
+        "/ 16 rows, Mixtral's 17.9 / 17.0 against 25.9 / 26.3 (benchmarks/host_expert.py, docs/BENCHMARKS.md); not yet "
+        "timed on the H200's host. Tokens: tests/test_native_kernel.py.")
 
 
 class TuningConfig(_Frozen):

@@ -43,12 +43,13 @@ def expert(hidden: int, inter: int, seed: int = 0) -> torch.Tensor:
 def test_native_matches_a_float_reference(hidden, inter, rows):
     """bf16 weights and rows, float32 sums, one rounding of the activation and one of the output: within bf16's
     rounding of a float32 reference, and no farther from it than torch's bf16 chain (which rounds more often).
-    Widths that are no multiple of 32 take the kernel's masked tail."""
+    Widths that are multiples of 32 take AMX where the CPU has it, others AVX512-BF16 with its masked tail."""
     packed = expert(hidden, inter, seed=rows)
     x = (torch.randn(rows, hidden, generator=torch.Generator().manual_seed(hidden)) * 2).to(torch.bfloat16)
     reference = swiglu(x.float(), packed.float(), hidden, inter)
     got = native.native_swiglu(x, packed, hidden, inter)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, hidden)
+    assert native.uses_amx(hidden, inter) == (native.load().amx and hidden % 32 == 0 and inter % 32 == 0)
     torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=1e-2 * float(reference.abs().max()))
     error = (got.float() - reference).abs().max()
     assert error <= 1.5 * (swiglu(x, packed, hidden, inter).float() - reference).abs().max() + 1e-6
