@@ -25,6 +25,8 @@ Variants, all on the same host thread and rows:
   its expert function is the families' `swiglu` (specter.model.weights: the F.linear chain, the device path's form);
 - plain: the same F.linear chain on the rows as given (no padding, no weighting, no event loop; one row takes
   oneDNN's M = 1 path);
+- native, host-native: specter.experts.native's kernel (AMX or AVX512-BF16) on the rows as given, and the host path
+  running it as the engine does with tuning.host.kernel native (unpadded rows, the weighting);
 - left: the chain with the weights as GEMM's left operand (W13 @ X^T, then W2 @ A^T), which oneDNN can read as they
   lie where F.linear may reformat them on each call; not what the engine runs (on the GPU machine's host it cost
   about twice F.linear, on the 2-core dev Xeon 8 % less: docs/BENCHMARKS.md, "Host expert path");
@@ -140,6 +142,9 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
         for threads in threads_list:
             host = HostExperts(pool, Placement.of([[0]], 1, 1), row_bucket=BUCKET,
                                mlp=mlp, threads=threads)
+            # the host path with the native kernel, as the engine runs it (unpadded rows), called on `host`'s thread
+            host_native = HostExperts(pool, Placement.device_only(1, 1), row_bucket=BUCKET, row_invariant=True,
+                                      mlp=functools.partial(native.native_swiglu, hidden=hidden, inter=inter))
             try:
                 cases = {}
                 for rows in rows_list:
@@ -151,6 +156,7 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
                                 "left": lambda x=x: left_operand(x, weights, hidden, inter)}
                     if native.load() is not None:
                         variants["native"] = lambda x=x: native.native_swiglu(x, weights, hidden, inter)
+                        variants["host-native"] = lambda x=x, w=w: host_native.compute(0, 0, x, w)
                     if packed_mlp is not None and block is not None:
                         variants["packed"] = lambda block=block, w=w, rows=rows: packed_mlp(block)[:rows] * w
                     if pageable is not None:
@@ -181,13 +187,15 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
                     result = {"shape": shape, "hidden": hidden, "width": inter, "threads": threads, "rows": rows,
                               "repeats": repeats, "flush_bytes": flush_bytes, "host_s": statistics.median(round_trip[rows]),
                               "host_min_s": min(round_trip[rows]), "host_inside_s": median["host"],
-                              "plain_s": median["plain"], "left_s": median["left"], "native_s": median.get("native"), "packed_s": median.get("packed"), "packed_equal": equal.get("packed"),
+                              "plain_s": median["plain"], "left_s": median["left"], "native_s": median.get("native"),
+                              "host_native_s": median.get("host-native"), "packed_s": median.get("packed"), "packed_equal": equal.get("packed"),
                               "pageable_s": median.get("pageable"), "expert_bytes": expert_bytes, "copy_s": links}
                     results.append(result)
                     ms = lambda seconds: "-" if seconds is None else f"{seconds * 1e3:.2f}"  # noqa: E731
                     print(f"{shape} threads={threads:>3} rows={rows:>3}: host {ms(result['host_s']):>7} ms (min "
                           f"{ms(result['host_min_s'])}, on its thread {ms(result['host_inside_s'])}); plain "
-                          f"{ms(result['plain_s'])}, left {ms(result['left_s'])}, native {ms(result['native_s'])}, packed {ms(result['packed_s'])} (equal: {equal.get('packed')}), "
+                          f"{ms(result['plain_s'])}, left {ms(result['left_s'])}, native {ms(result['native_s'])} (host path "
+                          f"{ms(result['host_native_s'])}), packed {ms(result['packed_s'])} (equal: {equal.get('packed')}), "
                           f"pageable "
                           f"{ms(result['pageable_s'])}; copy " + ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in links.items()),
                           flush=True)

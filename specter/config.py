@@ -364,8 +364,8 @@ class HostTuning(_Frozen):
         "row_bucket rows), 'native' (specter/experts/native.py: AMX or AVX512-BF16, weights read once as they lie, each "
         "row on its own at any count; needs such a CPU and a C compiler), or 'auto': the faster of those available as "
         "the load's calibration times them, stored with the costs. On the 2-core development Xeon (AMX), cold, 2 "
-        "threads, the host path with native against torch: Qwen1.5-MoE's expert 1.26 / 1.38 ms against 2.70 / 2.63 at 1 "
-        "/ 16 rows, Mixtral's 17.9 / 17.0 against 25.9 / 26.3 (benchmarks/host_expert.py, docs/BENCHMARKS.md); not yet "
+        "threads, the host path with native against torch: Qwen1.5-MoE's expert 1.54 / 1.70 ms against 2.85 / 2.81 at 1 "
+        "/ 16 rows, Mixtral's 15.6 / 16.7 against 22.6 / 23.0 (benchmarks/host_expert.py, docs/BENCHMARKS.md); not yet "
         "timed on the H200's host. Tokens: tests/test_native_kernel.py.")
 
 
