@@ -76,6 +76,9 @@ def test_a_rows_native_output_does_not_depend_on_the_rows_around_it_or_the_threa
     others = torch.cat([torch.full((5, hidden), 3.0, dtype=torch.bfloat16), x[r : r + 1]])
     elsewhere = native.native_swiglu(others, packed, hidden, inter)[5]
     assert torch.equal(together, alone) and torch.equal(alone, elsewhere)
+    # past CHUNK rows (a long prompt) the kernel runs in chunks: the same bits
+    long = torch.cat([torch.zeros(native.CHUNK + 3, hidden, dtype=torch.bfloat16), x[r : r + 1]])
+    assert torch.equal(native.native_swiglu(long, packed, hidden, inter)[-1], alone)
 
 
 @needs_native

@@ -200,6 +200,10 @@ void expert_swiglu(const uint16_t *x, int rows, int hidden, int inter, const uin
 """
 
 
+CHUNK = 64
+"""Rows per call of the kernel (a multiple of AMX's 16): its float32 scratch is then at most 64 x 2I x 4 bytes."""
+
+
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as info:
@@ -231,7 +235,8 @@ def _built() -> tuple[ctypes.CDLL | None, str | None]:
     compiler = shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         return None, "no C compiler (gcc or cc) on PATH"
-    digest = hashlib.sha256((SOURCE + cpu_name()).encode()).hexdigest()[:16]
+    # by source, CPU model and flags: a library built with -march=native must never run on a CPU with fewer features
+    digest = hashlib.sha256((SOURCE + cpu_name() + " ".join(sorted(_cpu_flags()))).encode()).hexdigest()[:16]
     library = cache_dir() / f"host-expert-{digest}.so"
     try:
         if not library.exists():
@@ -265,6 +270,9 @@ def native_swiglu(rows: Tensor, packed: Tensor, hidden: int, inter: int) -> Tens
     kernel = load()
     assert kernel is not None, "native_swiglu needs the native kernel (native.load())"
     assert rows.dtype == packed.dtype == torch.bfloat16 and rows.device.type == packed.device.type == "cpu"
+    if rows.shape[0] > CHUNK:  # a long prompt's rows: bounded scratch; each row is its own, so chunks change no bit
+        return torch.cat([native_swiglu(rows[start : start + CHUNK], packed, hidden, inter)
+                          for start in range(0, rows.shape[0], CHUNK)])
     rows = rows.contiguous()
     count = rows.shape[0]
     gate_up = torch.empty(count, 2 * inter, dtype=torch.float32)
