@@ -811,8 +811,11 @@ def test_the_hybrids_place_with_auto_and_hold_their_tokens_to_that_placements_ba
     from specter.bench import protocol, systems
     from specter.experts.costs import Calibration
 
-    async def fixed(kernel, pool, mlp, state, hidden_size, device, profile=None, parallel=False):
-        return Calibration({state.row_bucket: 2e-4}, None, None)
+    offered = []
+
+    async def fixed(kernel, pool, kernels, state, hidden_size, device, profile=None, parallel=False):
+        offered.append([candidate.name for candidate in kernels])
+        return Calibration({state.row_bucket: 2e-4}, None, None, None, "torch")
 
     monkeypatch.setattr(systems, "calibrate", fixed)
     load_policy, options = plugins.load_policy, []
@@ -858,6 +861,11 @@ def test_the_hybrids_place_with_auto_and_hold_their_tokens_to_that_placements_ba
     assert cells["cpu-experts"]["placement"]["overlap"] == 0.0 and cells["ondemand"]["placement"] is None
     assert rows["ondemand-hybrid"]["placement"] == decision and rows["ondemand-hybrid"]["host_expert_ms_calibrated"] == 0.2
     assert rows["ondemand"]["host_expert_ms_calibrated"] is None and "calibrated ms (1st run)" in (tmp_path / "results.md").read_text()
+    # the kernels offered to the calibration start with torch's (tiny is float32: the native one is bf16 only), and
+    # the one it chose is the cell's
+    assert offered and all(names == ["torch"] for names in offered)
+    assert decision["host_kernel"] == rows["ondemand-hybrid"]["host_kernel"] == "torch" and rows["ondemand"]["host_kernel"] is None
+    assert "host kernel" in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.parametrize("flag, expected", [([], 1), (["--threads", "2"], 2)])

@@ -201,6 +201,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "pump_gaps": _pump_gaps(runs),
         "peak_gib": _peak(runs),
         "host_threads": runs[0].get("host_threads"),
+        "host_kernel": (runs[0].get("placement") or {}).get("host_kernel"),
         "host_experts_placed": max((r.get("host_experts_placed", 0) for r in runs), default=0),
         "host_per_token": round(sum(r.get("host_computed_experts", 0) for r in runs) / tokens, 3),
         "host_share": _host_share(runs),
@@ -440,12 +441,13 @@ def host_path_lines(summary: Sequence[dict], markdown: bool = False) -> list[str
     if not rows:
         return []
     columns = (("model", "model"), ("setting", "setting"), ("link", "link"), ("sampling", "sampling"), ("system", "system"),
-               ("host_threads", "host threads"), ("host_experts_placed", "host experts placed"), ("host_share", "host share of non-resident uses"),
+               ("host_threads", "host threads"), ("host_kernel", "host kernel"), ("host_experts_placed", "host experts placed"), ("host_share", "host share of non-resident uses"),
                ("host_per_token", "host experts/token"), ("host_expert_ms", "ms per host expert"),
                ("host_expert_ms_calibrated", "calibrated ms (1st run)"),
                ("host_hidden", "host hidden"), ("h2d_decode_mb_per_token", "decode MB/token"), ("tpot_ms", "TPOT ms"))
-    return ["", "Host path: the placement's host experts (layer, expert pairs), the share of the experts not on the "
-            "device that the host computed (the rest were copied), one host expert's time on the host thread and as "
+    return ["", "Host path: the host kernel the calibration chose, the placement's host experts (layer, expert pairs), "
+            "the share of the experts not on the device that the host computed (the rest were copied), one host "
+            "expert's time on the host thread and as "
             "the placement's calibration measured it, and the share of the host's time that ran beside the device path "
             "(copies, device experts); results.json's `placement` has the cost model's inputs and predictions. A row "
             "pooled from several runs (bench --merge) shows the first run's calibration and `placement`:", ""] + table_lines(
