@@ -393,14 +393,9 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
         if host_s is None:
 
             async def host() -> dict[str, float]:
-                timed = {}
                 with Kernel() as kernel:
-                    for index, candidate in enumerate(kernels):
-                        timed[candidate.name] = await costs.time_host_expert(
-                            kernel, pool, candidate.mlp, spec.hidden_size, config.row_bucket, threads, torch.device("cpu"),
-                            per_job=per_job, parallel=parallel, row_invariant=candidate.row_invariant,
-                            first_job=index * (costs.REPEATS + 1))
-                return timed
+                    return await costs.time_host_kernels(kernel, pool, kernels, spec.hidden_size, config.row_bucket,
+                                                         threads, torch.device("cpu"), per_job, parallel)
 
             timed = asyncio.run(host())
             chosen = min(timed, key=timed.__getitem__)

@@ -130,11 +130,8 @@ async def calibrate(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction | Sequ
         if chosen in {candidate.name for candidate in kernels}:
             host = {rows: stored["host_expert_s"]}
         else:
-            timed = {}
-            for index, candidate in enumerate(kernels):  # each on experts the others did not read (cold for each)
-                timed[candidate.name] = await time_host_expert(
-                    kernel, pool, candidate.mlp, hidden_size, rows, state.host_threads, device, per_job=per_job,
-                    parallel=parallel, row_invariant=candidate.row_invariant, first_job=index * (REPEATS + 1))
+            timed = await time_host_kernels(kernel, pool, kernels, hidden_size, rows, state.host_threads, device, per_job,
+                                            parallel)
             chosen = min(timed, key=timed.__getitem__)
             host = {rows: timed[chosen]}
             log.info("placement.host_kernels", ms={name: round(seconds * 1e3, 3) for name, seconds in timed.items()},
@@ -150,6 +147,19 @@ async def calibrate(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction | Sequ
              stored=sorted(name for name in ("host_expert_s", "link_bytes_per_s") if name in stored),
              seconds=round(time.perf_counter() - started, 3))
     return Calibration(host, link, counts, sequence, chosen)
+
+
+async def time_host_kernels(kernel: Kernel, pool: ExpertPool, kernels: Sequence[HostKernel], hidden_size: int,
+                            row_bucket: int, threads: int, device: torch.device, per_job: int,
+                            parallel: bool = False) -> dict[str, float]:
+    """Each host kernel's `time_host_expert`, in order, each on experts the ones before it did not read (cold for
+    each: the pool needs (REPEATS + 1) x per_job x len(kernels) experts for that, else the later ones read some again)."""
+    timed = {}
+    for index, candidate in enumerate(kernels):
+        timed[candidate.name] = await time_host_expert(kernel, pool, candidate.mlp, hidden_size, row_bucket, threads, device,
+                                                       per_job=per_job, parallel=parallel,
+                                                       row_invariant=candidate.row_invariant, first_job=index * (REPEATS + 1))
+    return timed
 
 
 def cost_key(expert_bytes: int, dtype: torch.dtype, hidden_size: int, row_bucket: int, threads: int, per_job: int,
