@@ -345,6 +345,11 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
     memory = plan_memory(spec, dtype, config, speculative, expert_graphs=expert_graphs)
     check_device_memory(config, device, memory)
     source.validate()
+    if policies["placement"] is not None and config.tuning.host.kernel == "native" and not memory.all_resident:
+        # refused before any expert is read, not at placement time after all of them (the same check, `host_kernels`)
+        family = transformer_for(spec)
+        host_kernels("native", family.expert_mlp, spec.hidden_size, spec.expert_intermediate, dtype,
+                     own_expert=family.expert_mlp is not Transformer.expert_mlp)
     backend = load_backend(config, device)
     kernel: Kernel | None = None
     runtime = None

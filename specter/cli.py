@@ -387,7 +387,8 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
             def alloc_host(self, numel: int, dtype: Any) -> torch.Tensor:
                 return torch.empty(numel, dtype=dtype, pin_memory=cuda)
 
-        pool = ExpertPool(Memory(), 1, (costs.REPEATS + 1) * per_job * len(kernels), spec.expert_numel, dtype)
+        experts = (costs.REPEATS + 1) * per_job * len(kernels) if host_s is None else 1  # else only the link is timed
+        pool = ExpertPool(Memory(), 1, experts, spec.expert_numel, dtype)
         for expert in range(pool.num_experts):
             pool.write(0, expert, torch.empty(spec.expert_numel, dtype=dtype).normal_(std=0.02))
         if host_s is None:

@@ -178,3 +178,83 @@ def test_speculation_stays_exact_with_the_native_host_kernel(tmp_path, temperatu
     speculative, _ = run(path, EngineConfig(**common, draft=DraftConfig(k=4, quant="int8")), [3, 1, 4, 1, 5], generation)
     assert placement.total > 0 and plain.stats.host_computed_experts > 0
     assert speculative.tokens == plain.tokens
+
+
+def test_a_forced_native_kernel_that_cannot_run_is_refused_before_the_experts_load(tmp_path, monkeypatch):
+    """tuning.host.kernel native on a float32 engine, or where the kernel cannot be built: a ConfigError naming why,
+    raised before the first expert is read."""
+    from specter.engine import Runtime
+    from specter.model import weights
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an expert was read")
+
+    monkeypatch.setattr(weights, "iter_experts", refuse)
+    monkeypatch.setattr("specter.build.iter_experts", refuse)
+    path = checkpoint("mixtral", str(tmp_path))
+    forced = TuningConfig().with_overrides(["host.kernel=native"])
+
+    async def load(config):
+        async with await Runtime.load(path, config):
+            pass
+
+    common = dict(device="cpu", max_context=64, residents=2, cpu_experts="all", tuning=forced)
+    with pytest.raises(ConfigError, match="native: unavailable here .*float32"):
+        asyncio.run(load(EngineConfig(**common, dtype="float32")))
+    monkeypatch.setattr(native, "unavailable", lambda: "no C compiler (gcc or cc) on PATH")
+    with pytest.raises(ConfigError, match="no C compiler"):
+        asyncio.run(load(EngineConfig(**common, dtype="bfloat16")))
+
+
+def test_recalibrating_keeps_what_it_does_not_measure(placement_costs, monkeypatch):
+    """--recalibrate measures the host anew; a figure it does not measure now (a real link's rate, under an emulated
+    link) stays in the store."""
+    calls = []
+
+    async def time_host_expert(*args, **kwargs):
+        calls.append(1)
+        return 2e-3 * len(calls)
+
+    monkeypatch.setattr(costs, "time_host_expert", time_host_expert)
+    pool = ExpertPool(Memory(), 1, 8, 24, torch.bfloat16)
+    state = PlacementState(num_layers=1, num_experts=8, top_k=2, slots_per_layer=2, initial_residents=((),),
+                           expert_bytes=pool.expert_bytes, row_bucket=16, host_threads=1, link_bytes_per_s=2e9)
+    kernels = [costs.HostKernel("torch", lambda rows, packed: rows)]
+    key = costs.cost_key(pool.expert_bytes, pool.dtype, 4, 16, 1, 2, False, torch.device("cpu"), ["torch"])
+    placement_costs.put(key, {"host_expert_s": 1e-3, "host_kernel": "torch", "link_bytes_per_s": 7e9})
+
+    async def calibrate(fresh):
+        with Kernel() as kernel:
+            return await costs.calibrate(kernel, pool, kernels, state, 4, torch.device("cpu"), store=placement_costs,
+                                         fresh=fresh)
+
+    assert asyncio.run(calibrate(False)).host_expert_s == {16: 1e-3} and calls == []
+    assert asyncio.run(calibrate(True)).host_expert_s == {16: 2e-3} and calls == [1]
+    entry = placement_costs.get(key)
+    assert (entry["host_expert_s"], entry["link_bytes_per_s"]) == (2e-3, 7e9)
+
+
+@pytest.mark.parametrize("row_invariant, rows", [(False, 1), (True, 16)])
+def test_a_kernel_is_timed_at_a_blocks_cost(monkeypatch, row_invariant, rows):
+    """torch's kernel gets one row (the host path pads it to a block of row_bucket); a row-invariant kernel runs the
+    rows it is given, so it is timed on row_bucket rows: both figures are one block's cost, as the cost model reads
+    them."""
+    seen = []
+    real = HostExperts.compute
+
+    def spy(self, layer, expert, x, weights):
+        seen.append(x.shape[0])
+        return real(self, layer, expert, x, weights)
+
+    monkeypatch.setattr(HostExperts, "compute", spy)
+    pool = ExpertPool(Memory(), 1, 8, 3 * 4 * 6, torch.float32)
+    for index in range(8):
+        pool.write(0, index, torch.randn(3 * 4 * 6))
+
+    async def timed():
+        with Kernel() as kernel:
+            return await costs.time_host_expert(kernel, pool, lambda x, packed: x * 2, 4, 16, 1, torch.device("cpu"),
+                                                per_job=2, row_invariant=row_invariant)
+
+    assert asyncio.run(timed()) > 0
+    assert seen and set(seen) == {rows}

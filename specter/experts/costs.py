@@ -122,7 +122,8 @@ async def calibrate(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction | Sequ
     per_job = experts_per_job(state.top_k, parallel)
     key = cost_key(pool.expert_bytes, pool.dtype, hidden_size, rows, state.host_threads, per_job, parallel, device,
                    [candidate.name for candidate in kernels])
-    stored = store.get(key) if store is not None and not fresh else {}
+    previous = store.get(key) if store is not None else {}
+    stored = {} if fresh else previous  # fresh: measure all, but keep what is not measured now (a real link's rate)
     host: dict[int, float] = {}
     chosen = None
     if kernels:
@@ -140,7 +141,7 @@ async def calibrate(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction | Sequ
     if state.link_bytes_per_s is None:
         link = stored.get("link_bytes_per_s") or time_link(pool.host(0, 0), device)
     if store is not None:
-        store.update(key, stored, host_expert_s=host.get(rows), link_bytes_per_s=link, host_kernel=chosen)
+        store.update(key, previous, host_expert_s=host.get(rows), link_bytes_per_s=link, host_kernel=chosen)
     counts, sequence = routing_profile(profile, state.num_layers, state.num_experts) if profile is not None else (None, None)
     log.info("placement.calibrated", host_expert_ms=round(host[rows] * 1e3, 3) if host else None, host_kernel=chosen,
              link_gbps=round((state.link_bytes_per_s or link or 0) / 1e9, 2) or None, profile=str(profile) if profile else None,
@@ -171,6 +172,10 @@ def cost_key(expert_bytes: int, dtype: torch.dtype, hidden_size: int, row_bucket
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
               "expert_bytes": expert_bytes, "dtype": str(dtype).removeprefix("torch."), "hidden": hidden_size,
               "rows": row_bucket, "threads": threads, "per_job": per_job, "parallel": parallel, "kernels": list(kernels)}
+    if "native" in kernels:  # a changed kernel is another kernel: its stored time and choice must not carry over
+        from specter.experts import native
+
+        fields["native"] = native.digest()
     return json.dumps(fields, sort_keys=True)
 
 
@@ -220,8 +225,9 @@ class CostStore:
 
     def update(self, key: str, stored: dict, **figures: float | str | None) -> None:
         """Store the `figures` for `key` beside the entry read before (`stored`) where one is new (None: not measured)."""
-        if any(value is not None and stored.get(name) != value for name, value in figures.items()):
-            self.put(key, {name: value for name, value in (stored | figures).items() if value is not None and name != "measured_at"})
+        measured = {name: value for name, value in figures.items() if value is not None}
+        if any(stored.get(name) != value for name, value in measured.items()):
+            self.put(key, {name: value for name, value in (stored | measured).items() if name != "measured_at"})
 
     def put(self, key: str, entry: dict) -> None:
         entries = self._entries()
@@ -298,7 +304,8 @@ async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction
     warm-up job: a job is `HostExperts.compute_layer` with one row routed to `per_job` experts of one layer (each on a
     block of `row_bucket` rows, weighted, on CUDA put in pinned memory), on a thread set up as the host path's with
     `threads` torch threads, and its seconds over its experts count. `first_job`: the jobs start that many groups
-    into `cold_groups`' order (another kernel timed before read the first ones).
+    into `cold_groups`' order (another kernel timed before read the first ones). A `row_invariant` kernel (run on the
+    rows as they are, not on blocks) gets `row_bucket` rows, so that its figure too is one block's cost.
 
     Each job reads experts no other job read (`cold_groups`): decoding cycles through every host expert of every layer,
     so it reads each one's weights from memory, while one expert timed again and again is read from the last-level
@@ -309,11 +316,14 @@ async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction
     parallel host path has (`calibrate` then times one expert per job)."""
     host = HostExperts(pool, Placement.device_only(pool.num_layers, pool.num_experts), row_bucket, mlp, threads, device,
                        row_invariant=row_invariant)
-    rows = (torch.randn(1, hidden_size) * 0.1).to(pool.dtype)
+    # One row padded to a block costs torch's kernel a block; a row-invariant kernel runs the rows it is given, so it
+    # is timed on a block's worth: the figure is a block's cost either way, as the cost model reads it.
+    count = row_bucket if row_invariant else 1
+    rows = (torch.randn(count, hidden_size) * 0.1).to(pool.dtype)
 
     def job(layer: int, experts: list[int]) -> Callable[[], float]:
-        weights = torch.full((1, len(experts)), 1.0 / len(experts))
-        routes = {expert: ([0], [slot]) for slot, expert in enumerate(experts)}
+        weights = torch.full((count, len(experts)), 1.0 / len(experts))
+        routes = {expert: (list(range(count)), [slot] * count) for slot, expert in enumerate(experts)}
         inputs = HostInputs(rows, weights)
 
         def run() -> float:

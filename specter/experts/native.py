@@ -78,7 +78,7 @@ static void gemv_tile(const uint16_t *x, int rows, int k_len, const uint16_t *w,
     }
 }
 
-static uint16_t to_bf16(float value) {  /* round to nearest even, as torch rounds float32 to bfloat16 */
+static uint16_t to_bf16(float value) {  /* round to nearest even, as torch rounds a finite float32 to bfloat16 */
     uint32_t bits;
     __builtin_memcpy(&bits, &value, 4);
     if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFFu)) return (uint16_t)((bits >> 16) | 0x40);  /* NaN */
@@ -151,11 +151,12 @@ int amx_init(void) { return 0; }
 /* out[b, :] = W2 (silu(W1 x_b) * (W3 x_b)) for b < rows, W13 = [gate; up] [2I, D], W2 [D, I]; gate_up float32
    [rows, 2I], act bf16 [rows, I] and down float32 [rows, D] are the caller's scratch, and with `amx` packed (at least
    ceil(rows / 16) x max(D, I) x 32 bytes); out bf16 [rows, D]. `amx` (amx_init granted, D and I multiples of 32):
-   AMX tiles, else AVX512-BF16; the caller fixes it for a shape, so a row's bits never depend on the path. One team:
+   AMX tiles, else AVX512-BF16; the caller fixes it for a shape, so a row's bits never depend on the path. One team of
+   `threads` (the caller's torch count: torch's OpenMP runtime may not be this one, so its count is passed, not read):
    the gate/up rows split over it, a barrier, the activation, a barrier, the down rows split over it. */
 void expert_swiglu(const uint16_t *x, int rows, int hidden, int inter, const uint16_t *w13, const uint16_t *w2,
-                   float *gate_up, uint16_t *act, float *down, uint16_t *out, uint32_t *packed, int amx) {
-    #pragma omp parallel
+                   float *gate_up, uint16_t *act, float *down, uint16_t *out, uint32_t *packed, int amx, int threads) {
+    #pragma omp parallel num_threads(threads)
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
         int step = amx ? 32 : 4;
@@ -226,18 +227,24 @@ def load() -> ctypes.CDLL | None:
 
 
 @functools.cache
+def digest() -> str:
+    """The kernel's identity on this machine: its source, the CPU model and its flags (a library built with
+    -march=native must never run on a CPU with fewer features; a stored choice of another source must not carry over)."""
+    from specter.experts.costs import cpu_name
+
+    return hashlib.sha256((SOURCE + cpu_name() + " ".join(sorted(_cpu_flags()))).encode()).hexdigest()[:16]
+
+
+@functools.cache
 def _built() -> tuple[ctypes.CDLL | None, str | None]:
     from specter.builtin import cache_dir
-    from specter.experts.costs import cpu_name
 
     if "avx512_bf16" not in _cpu_flags():
         return None, "the CPU has no AVX512-BF16"
     compiler = shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         return None, "no C compiler (gcc or cc) on PATH"
-    # by source, CPU model and flags: a library built with -march=native must never run on a CPU with fewer features
-    digest = hashlib.sha256((SOURCE + cpu_name() + " ".join(sorted(_cpu_flags()))).encode()).hexdigest()[:16]
-    library = cache_dir() / f"host-expert-{digest}.so"
+    library = cache_dir() / f"host-expert-{digest()}.so"
     try:
         if not library.exists():
             library.parent.mkdir(parents=True, exist_ok=True)
@@ -258,7 +265,7 @@ def _built() -> tuple[ctypes.CDLL | None, str | None]:
     kernel.expert_swiglu.restype = None
     kernel.expert_swiglu.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_void_p, ctypes.c_int]
+                                     ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     kernel.amx = "amx_bf16" in _cpu_flags() and bool(kernel.amx_init())
     log.info("host_kernel.loaded", library=str(library), amx=kernel.amx)
     return kernel, None
@@ -266,10 +273,12 @@ def _built() -> tuple[ctypes.CDLL | None, str | None]:
 
 def native_swiglu(rows: Tensor, packed: Tensor, hidden: int, inter: int) -> Tensor:
     """`weights.swiglu` with the native kernel: rows [B, D] bf16 (CPU), the packed bf16 expert -> [B, D] bf16. The
-    OpenMP team is the calling thread's (`torch.set_num_threads` on it sets its size). Requires `load()`."""
+    OpenMP team has the calling thread's torch thread count (`torch.get_num_threads()`). Requires `load()`."""
     kernel = load()
     assert kernel is not None, "native_swiglu needs the native kernel (native.load())"
     assert rows.dtype == packed.dtype == torch.bfloat16 and rows.device.type == packed.device.type == "cpu"
+    assert rows.dim() == 2 and rows.shape[1] == hidden, f"rows {tuple(rows.shape)} for hidden {hidden}"
+    assert packed.is_contiguous() and packed.numel() == 3 * hidden * inter, "packed: the expert's [W13; W2], flat"
     if rows.shape[0] > CHUNK:  # a long prompt's rows: bounded scratch; each row is its own, so chunks change no bit
         return torch.cat([native_swiglu(rows[start : start + CHUNK], packed, hidden, inter)
                           for start in range(0, rows.shape[0], CHUNK)])
@@ -283,7 +292,8 @@ def native_swiglu(rows: Tensor, packed: Tensor, hidden: int, inter: int) -> Tens
     scratch = torch.empty(-(-count // 16) * max(hidden, inter) * 32 if amx else 1, dtype=torch.uint8)
     w2_offset = 2 * inter * hidden * packed.element_size()
     kernel.expert_swiglu(rows.data_ptr(), count, hidden, inter, packed.data_ptr(), packed.data_ptr() + w2_offset,
-                         gate_up.data_ptr(), act.data_ptr(), down.data_ptr(), out.data_ptr(), scratch.data_ptr(), int(amx))
+                         gate_up.data_ptr(), act.data_ptr(), down.data_ptr(), out.data_ptr(), scratch.data_ptr(), int(amx),
+                         torch.get_num_threads())
     return out
 
 
