@@ -103,15 +103,17 @@ class PlacementState:
     expert_bytes: int
     """Bytes one routed expert moves across the link (and the host reads to compute it)."""
     row_bucket: int
-    """EngineConfig.row_bucket: the host computes an expert on blocks of exactly this many rows."""
+    """EngineConfig.row_bucket: the host computes an expert on blocks of exactly this many rows (torch's kernel; the
+    native one computes each row on its own and takes the rows as they are)."""
     host_threads: int = 1
     """Torch intra-op threads of the host expert path (EngineConfig.cpu_threads resolved)."""
     link_bytes_per_s: float | None = None
     """Measured (or emulated) sustained H2D bandwidth; None: not measured yet."""
     host_expert_s: Mapping[int, float] = field(default_factory=dict)
     """Measured seconds to compute one expert on the host, by row count (empty: not calibrated yet). The engine
-    measures it at `row_bucket` rows (`specter.experts.costs`): the host runs every expert on blocks of exactly that
-    many, so one row costs what `row_bucket` rows cost."""
+    measures it at `row_bucket` rows (`specter.experts.costs`): with torch's kernel the host runs every expert on
+    blocks of exactly that many, so one row costs what `row_bucket` rows cost; the native kernel runs the rows as they
+    are and is timed on a block's worth of them, so the figure is a block's cost either way."""
     host_kernel: str | None = None
     """The host kernel `host_expert_s` was measured with and the host path runs (`costs.HostKernel`: 'torch', or
     'native' where the calibration found it faster); None: not calibrated."""
