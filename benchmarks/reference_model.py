@@ -530,11 +530,17 @@ def save_shape_run(out: Path, model, config: dict, held: list[Path], held_data: 
 
 
 def _finished(out: Path, settings: dict) -> bool:
+    """Whether `out` holds a finished run of exactly `settings`; where it holds one of other settings, say which
+    differ (a warm machine's checkpoint is then trained again: give the first call's settings to reuse it)."""
     record = out / "train.json"
     if not record.is_file() or not (out / "config.json").is_file():
         return False
     saved = json.loads(record.read_text())
-    return all(saved.get(key) == value for key, value in settings.items())
+    differ = {key: (saved.get(key), value) for key, value in settings.items() if saved.get(key) != value}
+    if differ:
+        print(f"{out} holds a run of other settings, trained again: "
+              + ", ".join(f"{key} {old} there, {new} asked" for key, (old, new) in differ.items()), flush=True)
+    return not differ
 
 
 def _maybe_widen(args: argparse.Namespace, factor: int) -> int:

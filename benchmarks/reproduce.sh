@@ -351,7 +351,7 @@ fulldepth() {  # table "Full-depth Qwen1.5-MoE-A2.7B shape" (one per shape): SHA
   esac
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 benchmarks/reference_model.py --shape "$shape" \
     --minutes "${MINUTES:-3}" --batch 32 --reuse --out "/tmp/narrow/$shape" > "$out/logs/train-$shape.log" 2>&1
-  echo "train $shape rc=$? at ${SECONDS}s"; grep -h "^trained\|already holds" "$out/logs/train-$shape.log"
+  echo "train $shape rc=$? at ${SECONDS}s"; grep -h "^trained\|already holds\|holds a run of other settings" "$out/logs/train-$shape.log"
   mkdir -p "$out/fulldepth-$shape"  # the checkpoint's realism report, on the narrow model (its function, seconds)
   [ -n "${NO_REALISM:-}" ] || { timeout 90 python3 -m specter.bench.realism --model "/tmp/narrow/$shape" \
     --json "$out/fulldepth-$shape/realism.json" > "$out/logs/realism-$shape.log" 2>&1

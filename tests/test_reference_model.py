@@ -166,3 +166,15 @@ def test_checkpoint_weights_read_the_widened_run(trainer, tmp_path, one_thread):
     factor = json.loads((out / "train.json").read_text())["factor"]
     source = CheckpointWeights(WidenedCheckpoint(out, factor))
     assert source.spec.hidden_size == 2048 and source.spec.num_experts == trainer.TINY_EXPERTS
+
+
+def test_reuse_keeps_only_a_run_of_the_same_settings_and_says_what_differs(trainer, tmp_path, capsys):
+    """--reuse: a finished run of the asked settings is kept; one of other settings (a call that asked for other
+    minutes) is trained again, and the log says which settings differ."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "train.json").write_text(json.dumps({"shape": "mixtral-8x7b", "minutes": 2.5, "batch": 32}))
+    assert trainer._finished(tmp_path, {"shape": "mixtral-8x7b", "minutes": 2.5, "batch": 32})
+    assert capsys.readouterr().out == ""
+    assert not trainer._finished(tmp_path, {"shape": "mixtral-8x7b", "minutes": 3, "batch": 32})
+    assert "minutes 2.5 there, 3 asked" in capsys.readouterr().out
+    assert not trainer._finished(tmp_path / "missing", {"shape": "mixtral-8x7b"})
