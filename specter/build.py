@@ -282,7 +282,13 @@ def model_host_kernels(model: Transformer, config: EngineConfig, dtype: torch.dt
     """The host kernels a placement's calibration chooses from for `model` (tuning.host.kernel; `costs.host_kernels`):
     the native one only for the families' own SwiGLU (a class that overrides `expert_mlp` keeps torch's)."""
     return host_kernels(config.tuning.host.kernel, model.expert_mlp, model.spec.hidden_size, model.spec.expert_intermediate,
-                        dtype, own_expert=type(model).expert_mlp is not Transformer.expert_mlp)
+                        dtype, own_expert=brings_own_expert(type(model)))
+
+
+def brings_own_expert(family: type[Transformer]) -> bool:
+    """Whether a model class computes its routed experts its own way (overrides `expert_mlp`): the native host kernel,
+    the families' SwiGLU, is then not its function."""
+    return family.expert_mlp is not Transformer.expert_mlp
 
 
 async def apply_placement(placement: Placement, cache: ExpertCache, config: EngineConfig, device: torch.device,
@@ -349,7 +355,7 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
         # refused before any expert is read, not at placement time after all of them (the same check, `host_kernels`)
         family = transformer_for(spec)
         host_kernels("native", family.expert_mlp, spec.hidden_size, spec.expert_intermediate, dtype,
-                     own_expert=family.expert_mlp is not Transformer.expert_mlp)
+                     own_expert=brings_own_expert(family))
     backend = load_backend(config, device)
     kernel: Kernel | None = None
     runtime = None

@@ -373,12 +373,10 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
     store = costs.default_cost_store()
     key = costs.cost_key(spec.expert_numel * element, dtype, spec.hidden_size, config.row_bucket, threads, per_job,
                          parallel, device, [kernel.name for kernel in kernels])
-    stored = {} if config.recalibrate else store.get(key)
+    previous, stored = costs.stored_costs(store, key, kernels, config.recalibrate)
     gbps = parse_link(config.link)
     host_s, link = stored.get("host_expert_s"), stored.get("link_bytes_per_s") if gbps is None else gbps * 1e9
     chosen = stored.get("host_kernel")
-    if chosen not in {kernel.name for kernel in kernels}:
-        host_s = None
     host_source = "stored" if host_s is not None else "measured"
     link_source = "emulated" if gbps is not None else "stored" if link is not None else None
     if host_s is None or (link is None and cuda):
@@ -404,7 +402,7 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
         if link is None and cuda:
             link = costs.time_link(pool.host(0, 0), device)
             link_source = "measured" if link else None
-        store.update(key, stored, host_expert_s=host_s, host_kernel=chosen,
+        store.update(key, previous, host_expert_s=host_s, host_kernel=chosen,
                      link_bytes_per_s=link if link_source == "measured" else None)
     return host_s, link, link_source, host_source, chosen
 

@@ -302,7 +302,7 @@ def test_with_parallel_experts_the_calibration_times_one_expert_on_one_thread(mo
 
     async def go(parallel):
         with Kernel() as kernel:
-            return await costs.calibrate(kernel, pool, mlp, state, hidden, torch.device("cpu"), parallel=parallel)
+            return await costs.calibrate(kernel, pool, [costs.HostKernel("torch", mlp)], state, hidden, torch.device("cpu"), parallel=parallel)
 
     assert asyncio.run(go(True)).host_expert_s[16] > 0 and asked == [(1, True)]
     assert {name for name, _ in seen} == {"specter-host-calibration"}

@@ -156,7 +156,7 @@ def test_the_qwen_cell_calibrated_as_decoding_reads_experts_places_nothing():
 
     async def go():
         with Kernel() as kernel:
-            return await costs.calibrate(kernel, pool, mlp, cell, 8, torch.device("cpu"))
+            return await costs.calibrate(kernel, pool, [costs.HostKernel("torch", mlp)], cell, 8, torch.device("cpu"))
 
     calibrated = asyncio.run(go()).apply(cell)
     assert Auto().place(calibrated).total == 0

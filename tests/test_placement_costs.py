@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import tempfile
+from pathlib import Path
 import os
 import threading
 import time
@@ -100,7 +102,7 @@ def run_calibration(pool, mlp, state):
 
     async def go():
         with Kernel() as kernel:
-            return await costs.calibrate(kernel, pool, mlp, state, 8, torch.device("cpu"))
+            return await costs.calibrate(kernel, pool, [costs.HostKernel("torch", mlp)], state, 8, torch.device("cpu"))
 
     return asyncio.run(go())
 
@@ -361,3 +363,20 @@ def test_the_key_names_what_a_figure_was_measured_for():
         key, sort_keys=True)
     assert costs.cost_key(1024, torch.bfloat16, 8, 16, 3, 2, False, torch.device("cpu")) != json.dumps(key, sort_keys=True)
     assert "native" not in json.loads(costs.cost_key(1024, torch.bfloat16, 8, 16, 3, 2, False, torch.device("cpu")))
+
+
+def test_what_the_store_gives_a_calibration_and_info_alike():
+    """`stored_costs`, the one rule the load and `specter info` read the store by: the whole entry to merge into;
+    to take, nothing when fresh, and a host figure only with a kernel among those offered."""
+    store = costs.CostStore(Path(tempfile.mkdtemp()) / "costs.json")
+    torch_only = [costs.HostKernel("torch", lambda rows, packed: rows)]
+    native_only = [costs.HostKernel("native", lambda rows, packed: rows, row_invariant=True)]
+    store.put("k", {"host_expert_s": 1e-3, "host_kernel": "torch", "link_bytes_per_s": 5e9})
+    previous, usable = costs.stored_costs(store, "k", torch_only, fresh=False)
+    assert (usable["host_expert_s"], usable["host_kernel"], usable["link_bytes_per_s"]) == (1e-3, "torch", 5e9)
+    assert previous["link_bytes_per_s"] == 5e9
+    previous, usable = costs.stored_costs(store, "k", torch_only, fresh=True)
+    assert usable == {} and previous["host_expert_s"] == 1e-3
+    _, usable = costs.stored_costs(store, "k", native_only, fresh=False)
+    assert "host_expert_s" not in usable and "host_kernel" not in usable and usable["link_bytes_per_s"] == 5e9
+    assert costs.stored_costs(None, "k", torch_only, fresh=False) == ({}, {})

@@ -441,7 +441,8 @@ def host_path_lines(summary: Sequence[dict], markdown: bool = False) -> list[str
     if not rows:
         return []
     columns = (("model", "model"), ("setting", "setting"), ("link", "link"), ("sampling", "sampling"), ("system", "system"),
-               ("host_threads", "host threads"), ("host_kernel", "host kernel"), ("host_experts_placed", "host experts placed"), ("host_share", "host share of non-resident uses"),
+               ("host_threads", "host threads"), ("host_kernel", "host kernel"), ("host_experts_placed", "host experts placed"),
+               ("host_share", "host share of non-resident uses"),
                ("host_per_token", "host experts/token"), ("host_expert_ms", "ms per host expert"),
                ("host_expert_ms_calibrated", "calibrated ms (1st run)"),
                ("host_hidden", "host hidden"), ("h2d_decode_mb_per_token", "decode MB/token"), ("tpot_ms", "TPOT ms"))

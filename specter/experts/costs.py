@@ -100,14 +100,14 @@ def host_kernels(choice: str, mlp: ExpertFunction, hidden_size: int, intermediat
     return kernels
 
 
-async def calibrate(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction | Sequence[HostKernel] | None,
-                    state: PlacementState, hidden_size: int, device: torch.device, profile: Path | None = None,
-                    parallel: bool = False, store: CostStore | None = None, fresh: bool = False) -> Calibration:
+async def calibrate(kernel: Kernel, pool: ExpertPool, kernels: Sequence[HostKernel], state: PlacementState,
+                    hidden_size: int, device: torch.device, profile: Path | None = None, parallel: bool = False,
+                    store: CostStore | None = None, fresh: bool = False) -> Calibration:
     """Every cost a placement policy reads that `state` lacks, measured now (the pool written, before the first
     request): the host path on one block of `state.row_bucket` rows with `state.host_threads` threads
-    (`time_host_expert`, unless there is no `mlp`), the link unless the state has its figure (an emulated link), the
-    profile's use counts and its rounds in order. `mlp`: the family's expert function (torch's kernel) or the host
-    kernels to choose from (`host_kernels`): each is timed and the fastest taken (`Calibration.host_kernel`).
+    (`time_host_expert`, unless `kernels` is empty), the link unless the state has its figure (an emulated link), the
+    profile's use counts and its rounds in order. `kernels`: the host kernels to choose from (`host_kernels`), each
+    timed and the fastest taken (`Calibration.host_kernel`).
     `parallel` (EngineConfig.tuning.host.parallel_experts): each host expert runs on one thread, so one expert is
     timed alone on one thread. The cost model adds a layer's host experts up, as if they ran one after another: what a
     lone host expert costs, and an upper bound where several of a layer's run at once on the workers (it errs toward
@@ -118,18 +118,15 @@ async def calibrate(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction | Sequ
     the placement, and with it the text, then does not move with the timing noise of each load."""
     started = time.perf_counter()
     rows = state.row_bucket
-    kernels = [HostKernel("torch", mlp)] if callable(mlp) else list(mlp or ())
     per_job = experts_per_job(state.top_k, parallel)
     key = cost_key(pool.expert_bytes, pool.dtype, hidden_size, rows, state.host_threads, per_job, parallel, device,
                    [candidate.name for candidate in kernels])
-    previous = store.get(key) if store is not None else {}
-    stored = {} if fresh else previous  # fresh: measure all, but keep what is not measured now (a real link's rate)
+    previous, stored = stored_costs(store, key, kernels, fresh)
     host: dict[int, float] = {}
     chosen = None
     if kernels:
-        chosen = stored.get("host_kernel") if stored.get("host_expert_s") is not None else None
-        if chosen in {candidate.name for candidate in kernels}:
-            host = {rows: stored["host_expert_s"]}
+        if "host_expert_s" in stored:
+            chosen, host = stored["host_kernel"], {rows: stored["host_expert_s"]}
         else:
             timed = await time_host_kernels(kernel, pool, kernels, hidden_size, rows, state.host_threads, device, per_job,
                                             parallel)
@@ -161,6 +158,19 @@ async def time_host_kernels(kernel: Kernel, pool: ExpertPool, kernels: Sequence[
                                                        per_job=per_job, parallel=parallel,
                                                        row_invariant=candidate.row_invariant, first_job=index * (REPEATS + 1))
     return timed
+
+
+def stored_costs(store: CostStore | None, key: str, kernels: Sequence[HostKernel], fresh: bool) -> tuple[dict, dict]:
+    """(the entry stored for `key`, the figures of it to take): none with `fresh` (the entry is still merged with what
+    is measured now, so a figure not measured now, such as a real link's rate under an emulated one, stays), and a host
+    figure only with its kernel, one of `kernels`. What `calibrate` and `specter info` read the store by."""
+    previous = store.get(key) if store is not None else {}
+    usable = {} if fresh else dict(previous)
+    if usable.get("host_kernel") not in {candidate.name for candidate in kernels}:
+        usable.pop("host_expert_s", None)
+    if "host_expert_s" not in usable:
+        usable.pop("host_kernel", None)
+    return previous, usable
 
 
 def cost_key(expert_bytes: int, dtype: torch.dtype, hidden_size: int, row_bucket: int, threads: int, per_job: int,

@@ -42,7 +42,7 @@ log = get_logger(__name__)
 Tensor = torch.Tensor
 ExpertFunction = Callable[[Tensor, Tensor], Tensor]
 """mlp(rows [B, D], packed expert) -> [B, D]: the family's routed expert as the host computes it, on one block
-(Transformer.expert_mlp)."""
+(Transformer.expert_mlp) or on the rows as they are (a row-invariant kernel, specter.experts.native)."""
 Routes = Mapping[int, tuple[list[int], list[int]]]
 """expert -> (rows that chose it, ascending; the top-A slot of each): which rows a host expert computes."""
 
@@ -118,8 +118,9 @@ class HostInputs:
 
 
 class HostExperts:
-    """The host expert path of one engine: the placement, the pool it reads, the expert function it runs (the family's
-    `expert_mlp`), its thread and its block size."""
+    """The host expert path of one engine: the placement, the pool it reads, the expert function it runs (the host
+    kernel the calibration chose: the family's `expert_mlp`, or the native one with `row_invariant`), its thread and
+    its block size."""
 
     def __init__(self, pool: ExpertPool, placement: Placement, row_bucket: int, mlp: ExpertFunction,
                  threads: int | None = None, device: torch.device | None = None,

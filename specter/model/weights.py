@@ -104,9 +104,10 @@ def unpack_expert(flat: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Te
 
 def swiglu(rows: torch.Tensor, packed: torch.Tensor, hidden: int, inter: int) -> torch.Tensor:
     """The families' routed expert, SwiGLU over the packed [gate; up] and down, on one block of rows [B, D] -> [B, D].
-    The device path (Transformer.expert_mlp, block by block) and the host path (HostExperts) both run it. The host
-    path keeps F.linear: the weights as GEMM's left operand (W13 @ X^T, oneDNN reading them unreformatted) cost twice
-    as much on the GPU machine's host (docs/BENCHMARKS.md, "Host expert path")."""
+    The device path (Transformer.expert_mlp, block by block) runs it, and so does the host path with torch's kernel
+    (the native one is specter.experts.native). F.linear, not the weights as GEMM's left operand (W13 @ X^T, oneDNN
+    reading them unreformatted), which cost twice as much on the GPU machine's host (docs/BENCHMARKS.md, "Host expert
+    path")."""
     w13, w2 = unpack_expert(packed, hidden, inter)
     gate_up = torch.nn.functional.linear(rows, w13)  # [B, 2I]
     return torch.nn.functional.linear(torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2)
