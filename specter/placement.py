@@ -491,11 +491,22 @@ def _round_blocks(state: PlacementState, layer: int) -> dict[int, int]:
     return memo[layer, "blocks"]
 
 
-def _per_token(state: PlacementState, hosted: int, misses: int, blocks: int) -> tuple[float, float]:
-    """(device misses, host blocks) per committed token; no misses where the layer's device-path experts fit its
-    slots (`preloaded`)."""
+def _host_blocks(state: PlacementState, layer: int, rates: Sequence[float], expert: int) -> float:
+    """One host expert's blocks per committed token at `layer`, from the state's rounds. An engine that speculates
+    computes it once per round that used it, for all the round's rows (`_round_blocks`, over the tokens the rounds
+    committed). One that does not runs every token as its own one-row forward, which computes it once per token that
+    routes to it: its use rate. The rounds cannot say that (a round keeps the union of its rows' experts); charging a
+    k = 0 engine a speculating trace's rounds would divide its host time by the trace's tokens per round."""
+    if not state.speculates:
+        return rates[expert]
+    return _round_blocks(state, layer).get(expert, 0) / state.route_sequence.tokens
+
+
+def _per_token(state: PlacementState, hosted: int, misses: int, host_blocks: float) -> tuple[float, float]:
+    """(device misses, host blocks) per committed token from the rounds' misses and the host blocks per token; no
+    misses where the layer's device-path experts fit its slots (`preloaded`)."""
     tokens = state.route_sequence.tokens
-    return (0.0 if state.num_experts - hosted <= state.slots_per_layer else misses / tokens), blocks / tokens
+    return (0.0 if state.num_experts - hosted <= state.slots_per_layer else misses / tokens), host_blocks
 
 
 def layer_path_uses(state: PlacementState, layer: int, rates: Sequence[float], order: Sequence[int]) -> list[tuple[float, float]]:
@@ -505,7 +516,8 @@ def layer_path_uses(state: PlacementState, layer: int, rates: Sequence[float], o
     With a `route_sequence`, from its rounds: an LRU of the layer's slots over them, round by round as the verify
     counts, warm and with its initial residents used last (`lru_misses_by_host`), and each host expert
     ceil(rows / row_bucket) blocks per round that used it (an upper bound: `RouteSequence.rows`), over the tokens
-    the rounds committed. Real routing reuses
+    the rounds committed, for an engine that speculates; for one that does not, a block per token that routes to it
+    (`_host_blocks`). Real routing reuses
     experts from token to token, which an LRU cache turns into hits while a host expert is computed again each round;
     independent uses cannot show it. The answer for each host set order[:h] is kept on the state (`layer_host_uses`
     reads it). Without one, from `rates` as independent uses: Che's approximation (`expected_misses`) and one block
@@ -519,11 +531,10 @@ def layer_path_uses(state: PlacementState, layer: int, rates: Sequence[float], o
             if _hides(state, layer):
                 scale = _waited_share(state, layer, misses[0])
                 misses = [m * scale for m in misses]
-            blocks, host, uses = _round_blocks(state, layer), 0, []
-            for h in range(len(order) + 1):
-                if h:
-                    host += blocks.get(order[h - 1], 0)
-                uses.append(_per_token(state, h, misses[h], host))
+            blocks = [_host_blocks(state, layer, rates, e) for e in order]
+            uses = []
+            for h in range(len(order) + 1):  # fsum: exactly rounded, so equal to `layer_host_uses`' sum of the same set
+                uses.append(_per_token(state, h, misses[h], math.fsum(blocks[:h])))
                 memo[layer, frozenset(order[:h])] = uses[-1]
             memo[layer, tuple(order)] = uses
         return list(memo[layer, tuple(order)])
@@ -549,8 +560,8 @@ def layer_host_uses(state: PlacementState, layer: int, rates: Sequence[float], h
             misses = lru_misses(state.route_sequence.used[layer], hosted, state.slots_per_layer, _residents(state, layer))
             if _hides(state, layer):
                 misses *= _waited_share(state, layer, _lru_off(state, layer))
-            blocks = _round_blocks(state, layer)
-            memo[layer, hosted] = _per_token(state, len(host), misses, sum(blocks.get(e, 0) for e in host))
+            memo[layer, hosted] = _per_token(state, len(host), misses,
+                                             math.fsum(_host_blocks(state, layer, rates, e) for e in host))
         return memo[layer, hosted]
     hosted = set(host)
     return (expected_misses(rates, [e for e in range(state.num_experts) if e not in hosted], state.slots_per_layer),

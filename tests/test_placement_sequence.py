@@ -198,7 +198,8 @@ def test_a_speculative_round_computes_a_host_expert_once_for_its_rows():
     rounds = [TraceRound(round=i, k=3, accepted=1, draft_step_s=1e-3, layers=layers) for i in range(4)]
     sequence = RouteSequence.of_rounds(rounds, 1)
     assert sequence.rows == (4, 4, 4, 4) and sequence.tokens == 8 and sequence.used == (((0, 1, 2),) * 4,)
-    placed = dataclasses.replace(state(rounds, 4, 2, 1), row_bucket=2)
+    # a speculating engine (no link: the misses are the LRU's, without the prefetch replay's share)
+    placed = dataclasses.replace(state(rounds, 4, 2, 1), row_bucket=2, speculates=True, link_bytes_per_s=None)
     uses = layer_path_uses(placed, 0, use_rates(placed)[0], [0, 1, 2])
     assert [host for _, host in uses] == [0.0, 2 * 4 / 8, 2 * 2 * 4 / 8, 3 * 2 * 4 / 8]
     assert uses[0][0] == 2 * 4 / 8  # one slot, three experts a round: the one the slot held hits, the other two miss
@@ -207,6 +208,29 @@ def test_a_speculative_round_computes_a_host_expert_once_for_its_rows():
     assert RouteSequence.of_rounds(rounds, 1, max_tokens=3).tokens == 4  # the cap stops after the round that reaches it
     with pytest.raises(ConfigError, match="routes 1 of 2 MoE layers"):  # its layers' rounds would not line up with `rows`
         RouteSequence.of_rounds(rounds, 2)
+
+
+def test_an_engine_that_does_not_speculate_computes_a_host_expert_for_each_token_that_routes_to_it():
+    """A k = 0 engine runs each token as its own one-row forward, so a host expert costs a block per token that uses
+    it (its use rate), not one per round of the speculating trace it was placed from: 4 rounds of 2 tokens each use
+    experts 0, 1 and 2, so each is used by 2 of 3 top-2 choices per token (rate 2/3), where the rounds charge a
+    speculating engine 4 blocks over 8 tokens (0.5). The misses are the same rounds' replay either way."""
+    layers = [LayerRoutes(predicted={}, used=[0, 1, 2])]
+    rounds = [TraceRound(round=i, k=3, accepted=1, draft_step_s=1e-3, layers=layers) for i in range(4)]
+    plain = state(rounds, 4, 2, 1)
+    assert not plain.speculates
+    rates = use_rates(plain)[0]
+    assert rates == [2 / 3, 2 / 3, 2 / 3, 0.0]
+    uses = layer_path_uses(plain, 0, rates, [0, 1, 2])
+    assert [host for _, host in uses] == pytest.approx([0.0, 2 / 3, 4 / 3, 2.0])
+    speculating = dataclasses.replace(plain, speculates=True, link_bytes_per_s=None)
+    spec_uses = layer_path_uses(speculating, 0, rates, [0, 1, 2])
+    assert [host for _, host in spec_uses] == [0.0, 0.5, 1.0, 1.5]
+    assert [misses for misses, _ in uses] == [misses for misses, _ in spec_uses]
+    # the cost per token follows: with host and copy both 1 ms, hosting all three costs the k = 0 engine 2 ms a token
+    everything = Placement.of([[0, 1, 2]], 1, 4)
+    assert token_seconds(plain, everything) == pytest.approx(2.0 * MS)
+    assert token_seconds(dataclasses.replace(plain, speculates=True), everything) == pytest.approx(1.5 * MS)
 
 
 @st.composite
@@ -308,11 +332,18 @@ def test_a_speculating_engines_off_is_the_replays_warm_off_and_auto_is_not_slowe
 
 
 def test_an_engine_that_does_not_speculate_is_placed_by_the_lru_alone():
-    """k = 0 (or a profile without a link to pace the prefetch): every miss costs its full copy, as before."""
+    """k = 0 (or a profile without a link to pace the prefetch): every miss costs its full copy, and every token that
+    routes to a host expert computes it."""
     header, rounds = read_trace(H200_TRACES / "trace-r15.jsonl")
     plain = dataclasses.replace(trace_placement_state(header, rounds, 25.0, 0.8 * MS), speculates=False)
     sequence = plain.route_sequence
     misses = sum(lru_misses(sequence.used[layer], (), plain.slots_per_layer) for layer in range(header.num_layers))
     off = Placement.device_only(header.num_layers, header.num_experts)
     assert token_seconds(plain, off) == pytest.approx(misses / sequence.tokens * header.expert_bytes / 25e9, rel=1e-12)
-    assert Auto().place(plain).total == 314  # what it placed before the prefetch was modelled
+    # it pays a host block per token that routes to an expert (`_host_blocks`), so a host use must beat the misses it
+    # saves: at 0.8 or 0.5 ms against a 0.69 ms copy none does; at 0.3 ms the least reused do, at 0.1 ms most
+    states = {ms: dataclasses.replace(plain, host_expert_s={16: ms * MS}) for ms in (0.8, 0.5, 0.3, 0.1)}
+    placed = {ms: Auto().place(states[ms]) for ms in states}
+    assert placed[0.8].total == placed[0.5].total == 0
+    assert 0 < placed[0.3].total < placed[0.1].total
+    assert token_seconds(states[0.1], placed[0.1]) < 0.5 * token_seconds(states[0.1], off)
