@@ -307,9 +307,11 @@ placement_trace() {  # DIR TRACE LOG: record a routing trace of the checkpoint D
   # and print its path, or print nothing (and say why on stderr) when none was recorded. Prompt: the first 64 bytes of
   # the first held-out window (held_out.json) that holds none of the bench's measured prompts (prompts.json), so the
   # bench is not placed from the text it measures. Offloaded (a trace records the verify of offloaded rounds) at
-  # max(top-k, experts / 4) slots, speculating at generate's default depth, sampled as the bench's sampled requests are
-  # (temperature 0.7, top-p 0.9): a trained narrow model's greedy text can loop, and a loop's routing reuses experts
-  # more than the bench's text does.
+  # max(top-k, experts / 4) slots, speculating at depth TRACE_K (default 15, the bench's k_max: its `specter` rounds in
+  # the link-bound full-depth cells drafted that deep, and the cost model charges a speculating engine's host expert
+  # once per round, so a trace of shorter rounds prices the host path at several times its cost), sampled as the
+  # bench's sampled requests are (temperature 0.7, top-p 0.9): a trained narrow model's greedy text can loop, and a
+  # loop's routing reuses experts more than the bench's text does.
   local dir=$1 trace=$2 log=$3 inputs
   rm -f "$trace"  # a stale trace of an earlier call must not stand in for this one
   inputs=$(python3 -c 'import json, sys; from pathlib import Path; from specter.model.checkpoint import Checkpoint
@@ -319,7 +321,7 @@ window = next(w for w in json.loads((d / "held_out.json").read_text())["windows"
 print(max(spec.top_k, spec.num_experts // 4), ",".join(map(str, window[:64])))' "$dir" 2>"$log") \
     || { echo "placement trace: no held-out prompt from $dir (see $log); the bench places without a trace" >&2; return; }
   timeout 90 python3 -m specter generate --model "$dir" --residents "${inputs%% *}" --prompt-ids "${inputs#* }" \
-    --max-new-tokens "${TRACE_TOKENS:-256}" --temperature 0.7 --top-p 0.9 --json --trace "$trace" >> "$log" 2>&1
+    --max-new-tokens "${TRACE_TOKENS:-256}" --k "${TRACE_K:-15}" --temperature 0.7 --top-p 0.9 --json --trace "$trace" >> "$log" 2>&1
   local rc=$? lines
   echo "placement trace rc=$rc at ${SECONDS}s: $(tail -1 "$log" | cut -c1-200)" >&2
   lines=$(grep -c . "$trace" 2>/dev/null)
