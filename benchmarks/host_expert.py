@@ -44,6 +44,9 @@ whether that is faster than one team of T threads per expert (`parallel_s`, `seq
 process preempts; one-thread experts do not wait for each other. And `split_s`: the same T experts one after another,
 each split over the T one-thread workers by output rows in two phases (gate/up, then down; `split_expert`), which
 keeps every core busy when a layer has fewer host experts than threads (`split_max_abs_diff` against one call).
+Then, with the native kernel, one layer's 16 host experts through `compute_layer` on one thread with T torch threads:
+a kernel call per expert (`native_each_s`) against one call for the layer (`native_layer_s`, what the engine runs:
+the thread team started once for all of them), per expert, and whether their bits are equal (`layer_equal`).
 
 Prints one line per (threads, rows) and a JSON line at the end.
 """
@@ -56,6 +59,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +67,7 @@ import torch.nn.functional as F
 from specter.bench.synthetic import SHAPES, shape_config
 from specter.config import LINK_PRESETS
 from specter.experts import native
-from specter.experts.host import HostExperts, one_thread
+from specter.experts.host import HostExperts, HostInputs, one_thread, own_thread_count
 from specter.experts.pool import ExpertPool
 from specter.kernel import Kernel, run
 from specter.model.weights import swiglu, unpack_expert
@@ -209,7 +213,6 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
 def time_parallel(shape: str, rows: int, threads_list: list[int], repeats: int, flush_bytes: int | None = None) -> list[dict]:
     """Per T in `threads_list`: T distinct experts on T one-thread workers at once, against the same T one after
     another on one T-thread worker (the host path's `compute` on `rows` rows), cold, per expert (module docstring)."""
-    from concurrent.futures import ThreadPoolExecutor
 
     hidden, inter = parse_shape(shape)
     flush_bytes = default_flush_bytes() if flush_bytes is None else flush_bytes
@@ -258,6 +261,56 @@ def time_parallel(shape: str, rows: int, threads_list: list[int], repeats: int, 
     return results
 
 
+def time_layer(shape: str, rows: int, threads_list: list[int], repeats: int, flush_bytes: int | None = None,
+               experts: int = 16) -> list[dict]:
+    """Per T in `threads_list`: one layer's `experts` host experts, each on `rows` rows, through the host path's
+    `compute_layer` with the native kernel on one thread with T torch threads: one kernel call per expert, against one
+    call for the layer (`HostExperts.many`, the engine's path), cold, per expert; and whether their bits are equal."""
+    if native.unavailable() is not None:
+        print(f"{shape}: no layer timing: native kernel {native.unavailable()}", flush=True)
+        return []
+    hidden, inter = parse_shape(shape)
+    flush_bytes = default_flush_bytes() if flush_bytes is None else flush_bytes
+    scratch = torch.ones(flush_bytes // 8, dtype=torch.int64) if flush_bytes else None
+    pool = ExpertPool(HostMemory(), 1, experts, 3 * hidden * inter, torch.bfloat16)
+    for expert in range(experts):
+        pool.write(0, expert, (torch.randn(3 * hidden * inter) * 0.02).to(torch.bfloat16))
+    placement = Placement.of([list(range(experts))], 1, experts)
+    mlp = functools.partial(native.native_swiglu, hidden=hidden, inter=inter)
+    many = functools.partial(native.native_swiglu_many, hidden=hidden, inter=inter)
+    paths = {"each": HostExperts(pool, placement, BUCKET, mlp, threads=1, row_invariant=True),
+             "layer": HostExperts(pool, placement, BUCKET, mlp, threads=1, row_invariant=True, many=many)}
+    routes = {expert: (list(range(rows)), [0] * rows) for expert in range(experts)}
+    inputs = HostInputs((torch.randn(rows, hidden) * 0.1).to(torch.bfloat16), torch.rand(rows, 1).to(torch.bfloat16))
+    results = []
+    try:
+        for threads in threads_list:
+            with ThreadPoolExecutor(1, initializer=lambda threads=threads: own_thread_count(threads)) as team:
+                work = {name: (lambda host=host: team.submit(host.compute_layer, 0, routes, inputs).result())
+                        for name, host in paths.items()}
+                outputs = {name: run_once() for name, run_once in work.items()}  # warm-up, and the bits compared
+                timed: dict[str, list[float]] = {name: [] for name in work}
+                for _ in range(repeats):
+                    for name, run_once in work.items():
+                        if scratch is not None:
+                            scratch.max()
+                        started = time.perf_counter()
+                        run_once()
+                        timed[name].append((time.perf_counter() - started) / experts)
+            equal = all(torch.equal(outputs["each"][e], outputs["layer"][e]) for e in range(experts))
+            result = {"shape": shape, "rows": rows, "threads": threads, "experts": experts,
+                      "native_each_s": statistics.median(timed["each"]), "native_layer_s": statistics.median(timed["layer"]),
+                      "layer_equal": equal}
+            results.append(result)
+            print(f"{shape} rows={rows:>3}: a layer of {experts} host experts, native, {threads} threads: one call per "
+                  f"expert {result['native_each_s'] * 1e3:.2f} ms per expert, one call for the layer "
+                  f"{result['native_layer_s'] * 1e3:.2f} ms (equal: {equal})", flush=True)
+    finally:
+        for host in paths.values():
+            host.close()
+    return results
+
+
 def split_expert(packed: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, hidden: int, inter: int, parts: int,
                  workers) -> torch.Tensor:
     """One expert on `rows` (padded to a block) split over `parts` one-thread workers in two phases: each takes a
@@ -288,4 +341,7 @@ if __name__ == "__main__":
     flush = int(sys.argv[6]) << 20 if len(sys.argv) > 6 and sys.argv[6] != "-" else None  # "-": the default
     parallel = len(sys.argv) > 7 and sys.argv[7] == "1"
     timed = run(time_expert(shape, rows, threads, repeats, warmup, flush))
-    print(json.dumps(timed + (time_parallel(shape, max(rows), threads, repeats, flush) if parallel else [])))
+    if parallel:
+        timed += time_parallel(shape, max(rows), threads, repeats, flush)
+        timed += time_layer(shape, max(rows), threads, repeats, flush)
+    print(json.dumps(timed))

@@ -242,12 +242,13 @@ realism() {  # table "Full-depth narrow checkpoints: realism": SHAPES (default: 
 
 host_expert() {  # table "Host expert path": one routed expert of each shape on the host (SHAPES, default all five),
   # 1 and 16 rows at 8 and 15 threads, cold: the host path against the same F.linear chain inline, the left-operand
-  # form and prepacked weights, then the parallel modes (one-thread workers per expert; one expert split over them) against one team per expert.
-  # About 20-60 s a shape (Mixtral's pool of 15 experts is 5.3 GB pinned).
+  # form and prepacked weights, then the parallel modes (one-thread workers per expert; one expert split over them) against one team per expert,
+  # then a layer of 16 experts through the native kernel one call per expert against one call for the layer.
+  # About 20-100 s a shape (Mixtral's pools of 15 and 16 experts are 5.3 and 5.6 GB pinned).
   mkdir -p "$out/host-expert"
   local shape
   for shape in ${SHAPES:-qwen1.5-moe-a2.7b deepseek-v2-lite qwen3-30b-a3b phi-3.5-moe mixtral-8x7b}; do
-    timeout 150 python3 benchmarks/host_expert.py "$shape" 1,16 8,15 20 3 - 1 > "$out/host-expert/host-$shape.log" 2>&1
+    timeout 200 python3 benchmarks/host_expert.py "$shape" 1,16 8,15 20 3 - 1 > "$out/host-expert/host-$shape.log" 2>&1
     echo "host-expert $shape rc=$? at ${SECONDS}s"; grep -v '^\[' "$out/host-expert/host-$shape.log" | cut -c1-220
   done
 }

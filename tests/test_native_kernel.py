@@ -6,6 +6,7 @@ exact with it."""
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from specter.config import DraftConfig, EngineConfig, GenerationConfig, TuningConfig
 from specter.errors import ConfigError
 from specter.experts import costs, native
-from specter.experts.host import HostExperts
+from specter.experts.host import HostExperts, HostInputs, host_routes
 from specter.experts.pool import ExpertPool
 from specter.kernel import Kernel
 from specter.model.checkpoint import Checkpoint
@@ -109,6 +110,63 @@ def test_the_host_path_runs_a_row_invariant_kernel_on_the_rows_as_they_are():
         blocked.close()
 
 
+@needs_native
+@settings(max_examples=20, deadline=None)
+@given(counts=st.lists(st.integers(1, 90), min_size=1, max_size=7), shape=st.sampled_from([(64, 96), (33, 17)]),
+       threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 1000))
+def test_several_experts_in_one_call_give_each_row_the_bits_of_its_own_call(counts, shape, threads, seed):
+    """`native_swiglu_many`: experts of one shape on rows of their own, in calls of at most CALL_ROWS rows of jobs of at
+    most CHUNK: each output equals the expert's own `native_swiglu` call bit for bit (AMX and AVX512-BF16 widths),
+    whatever the other experts, their rows or the threads."""
+    hidden, inter = shape
+    generator = torch.Generator().manual_seed(seed)
+    jobs = [((torch.randn(count, hidden, generator=generator) * 2).to(torch.bfloat16), expert(hidden, inter, seed + i))
+            for i, count in enumerate(counts)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        together = native.native_swiglu_many(jobs, hidden, inter)
+        torch.set_num_threads(1)
+        alone = [native.native_swiglu(rows, packed, hidden, inter) for rows, packed in jobs]
+    finally:
+        torch.set_num_threads(before)
+    assert [out.shape for out in together] == [(count, hidden) for count in counts]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
+
+
+@needs_native
+def test_the_host_path_sends_a_layers_experts_to_the_kernel_in_one_call():
+    """With the kernel's `many`, `compute_layer` makes one call for the layer's experts (the thread team started once)
+    and its outputs, weighted, equal the per-expert path's bit for bit; one expert alone still takes `mlp`."""
+    hidden, inter, experts = 64, 96, 4
+    pool = ExpertPool(Memory(), 1, experts, 3 * hidden * inter, torch.bfloat16)
+    for e in range(experts):
+        pool.write(0, e, expert(hidden, inter, seed=e))
+    calls = []
+
+    def many(jobs):
+        calls.append(len(jobs))
+        return native.native_swiglu_many(jobs, hidden, inter)
+
+    mlp = functools.partial(native.native_swiglu, hidden=hidden, inter=inter)
+    chosen = [[0, 2], [1, 2], [3, 0], [2, 1], [0, 1]]
+    routes = host_routes(chosen, range(experts))
+    inputs = HostInputs(torch.randn(len(chosen), hidden).to(torch.bfloat16), torch.rand(len(chosen), 2).to(torch.bfloat16))
+    batched = HostExperts(pool, Placement.device_only(1, experts), 16, mlp, threads=1, row_invariant=True, many=many)
+    single = HostExperts(pool, Placement.device_only(1, experts), 16, mlp, threads=1, row_invariant=True)
+    try:
+        together = batched.compute_layer(0, routes, inputs)
+        assert calls == [experts]
+        apart = single.compute_layer(0, routes, inputs)
+        assert sorted(together) == sorted(apart) == list(range(experts))
+        assert all(torch.equal(together[e], apart[e]) for e in range(experts))
+        dense = batched.compute_layer(0, {2: routes[2]}, inputs, dense=True)
+        assert calls == [experts] and torch.equal(dense[2][routes[2][0]], apart[2])
+    finally:
+        batched.close()
+        single.close()
+
+
 def test_which_kernels_the_calibration_chooses_from(monkeypatch):
     """auto: torch's and, for the families' SwiGLU in bf16 where it builds, the native one; torch: torch's only;
     native: the native one only, refused (ConfigError saying why) where it cannot run."""
@@ -138,7 +196,7 @@ def test_the_calibration_takes_the_faster_kernel_and_stores_it(monkeypatch, plac
     calls = []
 
     async def time_host_expert(kernel, pool, mlp, hidden_size, row_bucket, threads, device, per_job=1,
-                               repeats=costs.REPEATS, parallel=False, row_invariant=False, first_job=0):
+                               repeats=costs.REPEATS, parallel=False, row_invariant=False, first_job=0, many=None):
         calls.append(first_job)
         return 1e-3 if row_invariant else 3e-3
 

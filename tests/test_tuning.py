@@ -280,8 +280,8 @@ ALLOWED_CONSTANTS = {
     "specter/observers.py": {"MAX_DEFERRED_ROUNDS"},  # bounds the deferred copy-busy backlog (memory), never A/B'd
     "specter/kernel.py": {"_JOIN_TIMEOUT_S"},  # how long close() waits for a waiter thread
     "specter/experts/pool.py": {"_MAX_SLAB_GROWTH"},  # pinned-slab allocation granularity
-    "specter/experts/native.py": {"CHUNK"},  # bounds the native kernel's scratch per call; rows are independent, so it
-    # changes no bit (tests/test_native_kernel.py) and no A/B ever weighed it
+    "specter/experts/native.py": {"CHUNK", "CALL_ROWS"},  # bound the native kernel's scratch per job and per call; rows
+    # and experts are independent, so they change no bit (tests/test_native_kernel.py) and no A/B ever weighed them
     "specter/experts/transfer.py": {"TIMER_SLACK_S"},  # the host-paced emulation's timer slack (uvloop's resolution)
     "specter/model/deepseek_v2.py": {"LORA_NORM_EPS"},  # the checkpoint's own RMSNorm epsilon
     "specter/model/transformer.py": {"PACK_ROWS"},  # packed tensors' row alignment for cuBLAS's tensor-core kernels

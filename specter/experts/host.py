@@ -43,6 +43,9 @@ Tensor = torch.Tensor
 ExpertFunction = Callable[[Tensor, Tensor], Tensor]
 """mlp(rows [B, D], packed expert) -> [B, D]: the family's routed expert as the host computes it, on one block
 (Transformer.expert_mlp) or on the rows as they are (a row-invariant kernel, specter.experts.native)."""
+ManyFunction = Callable[[Sequence[tuple[Tensor, Tensor]]], list[Tensor]]
+"""[(rows [n_j, D], packed expert j)] -> [[n_j, D]]: a row-invariant kernel's call for several experts at once
+(specter.experts.native.native_swiglu_many), each output as `ExpertFunction` gives it alone."""
 Routes = Mapping[int, tuple[list[int], list[int]]]
 """expert -> (rows that chose it, ascending; the top-A slot of each): which rows a host expert computes."""
 
@@ -125,13 +128,17 @@ class HostExperts:
     def __init__(self, pool: ExpertPool, placement: Placement, row_bucket: int, mlp: ExpertFunction,
                  threads: int | None = None, device: torch.device | None = None,
                  prompt: Callable[[int], Placement] | None = None, parallel: bool = False,
-                 row_invariant: bool = False) -> None:
+                 row_invariant: bool = False, many: ManyFunction | None = None) -> None:
         assert placement.num_layers == pool.num_layers and placement.num_experts == pool.num_experts, (
             f"a placement of {placement.num_layers} x {placement.num_experts} for a pool of {pool.num_layers} x {pool.num_experts}")
         self.pool, self.placement, self.row_bucket, self.mlp = pool, placement, row_bucket, mlp
         self.row_invariant = row_invariant
         """`mlp` computes each row on its own at any row count (the native kernel): it runs on the rows as they are,
         not on zero-padded blocks of `row_bucket` rows."""
+        self.many = many if row_invariant else None
+        """The kernel's call for a layer's experts at once (None: one call per expert). A call starts the kernel's
+        thread team once for all of them instead of once per expert, which a small expert's time is mostly made of;
+        each output is the one call's bits (`ManyFunction`). Not with `parallel`, whose workers run one expert each."""
         self.decode = placement
         """The engine's placement; `placement` differs from it only during a prompt that has its own."""
         self.prompt = prompt
@@ -185,6 +192,11 @@ class HostExperts:
             futures = {expert: workers.submit(one, expert) for expert in experts}
             wait(futures.values())  # every one ends before the job does, failed or not: none outlives it
             computed = {expert: future.result() for expert, future in futures.items()}
+        elif self.many is not None and len(experts) > 1:
+            dtype = self.pool.dtype
+            values = self.many([(hidden[indices[expert]].to(dtype), self.pool.host(layer, expert)) for expert in experts])
+            computed = {expert: out * weights[indices[expert], torch.tensor(routes[expert][1], dtype=torch.long)][:, None]
+                        .to(dtype) for expert, out in zip(experts, values, strict=True)}
         else:
             computed = {}
         for expert in experts:

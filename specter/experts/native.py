@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -148,14 +149,65 @@ static void amx_product(const uint32_t *packed, int rows, int k_len, const uint1
 int amx_init(void) { return 0; }
 #endif
 
-/* out[b, :] = W2 (silu(W1 x_b) * (W3 x_b)) for b < rows, W13 = [gate; up] [2I, D], W2 [D, I]; gate_up float32
-   [rows, 2I], act bf16 [rows, I] and down float32 [rows, D] are the caller's scratch, and with `amx` packed (at least
-   ceil(rows / 16) x max(D, I) x 32 bytes); out bf16 [rows, D]. `amx` (amx_init granted, D and I multiples of 32):
-   AMX tiles, else AVX512-BF16; the caller fixes it for a shape, so a row's bits never depend on the path. One team of
-   `threads` (the caller's torch count: torch's OpenMP runtime may not be this one, so its count is passed, not read):
-   the gate/up rows split over it, a barrier, the activation, a barrier, the down rows split over it. */
-void expert_swiglu(const uint16_t *x, int rows, int hidden, int inter, const uint16_t *w13, const uint16_t *w2,
-                   float *gate_up, uint16_t *act, float *down, uint16_t *out, uint32_t *packed, int amx, int threads) {
+/* One expert of a call: its rows x [rows, D] bf16, its weights W13 = [gate; up] [2I, D] and W2 [D, I], the caller's
+   scratch (gate_up float32 [rows, 2I], act bf16 [rows, I], down float32 [rows, D], and with AMX packed: at least
+   ceil(rows / 16) x max(D, I) x 32 bytes) and its output out bf16 [rows, D]. */
+typedef struct {
+    const uint16_t *x, *w13, *w2;
+    float *gate_up, *down;
+    uint16_t *act, *out;
+    uint32_t *packed;
+    int64_t rows;
+} expert_job;
+
+/* This thread's share of one product phase over every job: output blocks of `step` rows of the weights (W13's 2I or
+   W2's D = n_len), numbered job by job, split into contiguous runs over the team. A block is computed the same way
+   whichever thread takes it and whatever job precedes it, so the split changes no bit. */
+static void products(const expert_job *jobs, int count, int n_len, int k_len, int step, int amx, int second,
+                     int team, int me) {
+    int64_t units = (n_len + step - 1) / step, total = units * count;
+    int64_t lo = total * me / team, hi = total * (me + 1) / team;
+    for (int64_t u = lo; u < hi;) {
+        const expert_job *job = jobs + u / units;
+        int64_t first = u % units, last = units - first < hi - u ? units : first + (hi - u);
+        int n0 = (int)(first * step), n1 = (int)(last * step) < n_len ? (int)(last * step) : n_len;
+        const uint16_t *w = second ? job->w2 : job->w13;
+        float *y = second ? job->down : job->gate_up;
+#ifdef __AMX_BF16__
+        if (amx) amx_product(job->packed, (int)job->rows, k_len, w, n0, n1, y, n_len);
+#endif
+        if (!amx) gemv_tile(second ? job->act : job->x, (int)job->rows, k_len, w, n0, n1, y, n_len);
+        u += last - first;
+    }
+}
+
+/* This thread's share of an elementwise phase over every job's rows x `width` elements, numbered job by job:
+   the activation (act = bf16(silu(gate) * up)) or the output's rounding (out = bf16(down)). */
+static void elementwise(const expert_job *jobs, int count, int width, int inter, int activation, int team, int me) {
+    int64_t total = 0;
+    for (int j = 0; j < count; j++) total += jobs[j].rows * width;
+    int64_t lo = total * me / team, hi = total * (me + 1) / team, base = 0;
+    for (int j = 0; j < count && base < hi; base += jobs[j].rows * width, j++) {
+        int64_t size = jobs[j].rows * width, from = lo > base ? lo - base : 0, to = hi - base < size ? hi - base : size;
+        for (int64_t e = from; e < to; e++) {
+            if (activation) {
+                int64_t b = e / inter, i = e % inter;
+                float g = jobs[j].gate_up[b * 2 * inter + i], u = jobs[j].gate_up[b * 2 * inter + inter + i];
+                jobs[j].act[e] = to_bf16(g / (1.0f + expf(-g)) * u);
+            } else {
+                jobs[j].out[e] = to_bf16(jobs[j].down[e]);
+            }
+        }
+    }
+}
+
+/* out[b, :] = W2 (silu(W1 x_b) * (W3 x_b)) for every job's rows b (experts of one shape, hidden D and inter I, each
+   with its own rows). `amx` (amx_init granted, D and I multiples of 32): AMX tiles, else AVX512-BF16; the caller
+   fixes it for a shape, so a row's bits never depend on the path. One team of `threads` (the caller's torch count:
+   torch's OpenMP runtime may not be this one, so its count is passed, not read) for the whole call, whatever the
+   number of experts: every job's gate/up blocks split over it, a barrier, the activations, a barrier, the down
+   blocks, a barrier, the outputs. A layer's host experts in one call pay the team's start and its barriers once. */
+void experts_swiglu(const expert_job *jobs, int count, int hidden, int inter, int amx, int threads) {
     #pragma omp parallel num_threads(threads)
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
@@ -163,46 +215,44 @@ void expert_swiglu(const uint16_t *x, int rows, int hidden, int inter, const uin
 #ifdef __AMX_BF16__
         if (amx) {
             amx_configure();
-            amx_pack(x, rows, hidden, packed, team, me);
+            for (int j = 0; j < count; j++) amx_pack(jobs[j].x, (int)jobs[j].rows, hidden, jobs[j].packed, team, me);
         }
         #pragma omp barrier
 #endif
-        int units = (2 * inter + step - 1) / step, lo = units * me / team * step, hi = units * (me + 1) / team * step;
-        if (hi > 2 * inter) hi = 2 * inter;
-#ifdef __AMX_BF16__
-        if (amx && lo < hi) amx_product(packed, rows, hidden, w13, lo, hi, gate_up, 2 * inter);
-#endif
-        if (!amx && lo < hi) gemv_tile(x, rows, hidden, w13, lo, hi, gate_up, 2 * inter);
+        products(jobs, count, 2 * inter, hidden, step, amx, 0, team, me);
         #pragma omp barrier
-        #pragma omp for schedule(static)
-        for (int64_t e = 0; e < (int64_t)rows * inter; e++) {
-            int64_t b = e / inter, i = e % inter;
-            float g = gate_up[b * 2 * inter + i], u = gate_up[b * 2 * inter + inter + i];
-            act[e] = to_bf16(g / (1.0f + expf(-g)) * u);
-        }
+        elementwise(jobs, count, inter, inter, 1, team, me);
+        #pragma omp barrier
 #ifdef __AMX_BF16__
-        if (amx) amx_pack(act, rows, inter, packed, team, me);
+        if (amx) for (int j = 0; j < count; j++) amx_pack(jobs[j].act, (int)jobs[j].rows, inter, jobs[j].packed, team, me);
         #pragma omp barrier
 #endif
-        units = (hidden + step - 1) / step;
-        lo = units * me / team * step;
-        hi = units * (me + 1) / team * step;
-        if (hi > hidden) hi = hidden;
+        products(jobs, count, hidden, inter, step, amx, 1, team, me);
 #ifdef __AMX_BF16__
-        if (amx && lo < hi) amx_product(packed, rows, inter, w2, lo, hi, down, hidden);
         if (amx) _tile_release();
 #endif
-        if (!amx && lo < hi) gemv_tile(act, rows, inter, w2, lo, hi, down, hidden);
         #pragma omp barrier
-        #pragma omp for schedule(static)
-        for (int64_t e = 0; e < (int64_t)rows * hidden; e++) out[e] = to_bf16(down[e]);
+        elementwise(jobs, count, hidden, inter, 0, team, me);
     }
 }
 """
 
 
 CHUNK = 64
-"""Rows per call of the kernel (a multiple of AMX's 16): its float32 scratch is then at most 64 x 2I x 4 bytes."""
+"""Rows of one expert in one job (a multiple of AMX's 16): a longer prompt's rows are split into jobs of at most this
+many, each row its own, so the split changes no bit."""
+
+CALL_ROWS = 256
+"""Rows of all jobs in one call of the kernel: its float32 scratch is then at most 256 x (2I + D) x 4 bytes (43 MB at
+Mixtral's widths), however many experts a layer sends."""
+
+
+class _Job(ctypes.Structure):
+    """The C side's `expert_job`: one expert's rows, weights, scratch and output in one call."""
+
+    _fields_ = [("x", ctypes.c_void_p), ("w13", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
+                ("down", ctypes.c_void_p), ("act", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("packed", ctypes.c_void_p), ("rows", ctypes.c_int64)]
 
 
 def _cpu_flags() -> set[str]:
@@ -262,10 +312,9 @@ def _built() -> tuple[ctypes.CDLL | None, str | None]:
         kernel = ctypes.CDLL(str(library))
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"it could not be built or loaded ({error})"
-    kernel.expert_swiglu.restype = None
-    kernel.expert_swiglu.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    kernel.experts_swiglu.restype = None
+    kernel.experts_swiglu.argtypes = [ctypes.POINTER(_Job), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                      ctypes.c_int]
     kernel.amx = "amx_bf16" in _cpu_flags() and bool(kernel.amx_init())
     log.info("host_kernel.loaded", library=str(library), amx=kernel.amx)
     return kernel, None
@@ -274,27 +323,59 @@ def _built() -> tuple[ctypes.CDLL | None, str | None]:
 def native_swiglu(rows: Tensor, packed: Tensor, hidden: int, inter: int) -> Tensor:
     """`weights.swiglu` with the native kernel: rows [B, D] bf16 (CPU), the packed bf16 expert -> [B, D] bf16. The
     OpenMP team has the calling thread's torch thread count (`torch.get_num_threads()`). Requires `load()`."""
+    return native_swiglu_many([(rows, packed)], hidden, inter)[0]
+
+
+def native_swiglu_many(jobs: Sequence[tuple[Tensor, Tensor]], hidden: int, inter: int) -> list[Tensor]:
+    """`native_swiglu` of several experts of one shape, each on its own rows: [(rows [B_j, D] bf16, packed expert)] ->
+    [[B_j, D] bf16], in calls of at most CALL_ROWS rows (of jobs of at most CHUNK rows) that each start the OpenMP
+    team once for all their experts. Every output row has the bits `native_swiglu` gives it alone. Requires `load()`."""
     kernel = load()
     assert kernel is not None, "native_swiglu needs the native kernel (native.load())"
-    assert rows.dtype == packed.dtype == torch.bfloat16 and rows.device.type == packed.device.type == "cpu"
-    assert rows.dim() == 2 and rows.shape[1] == hidden, f"rows {tuple(rows.shape)} for hidden {hidden}"
-    assert packed.is_contiguous() and packed.numel() == 3 * hidden * inter, "packed: the expert's [W13; W2], flat"
-    if rows.shape[0] > CHUNK:  # a long prompt's rows: bounded scratch; each row is its own, so chunks change no bit
-        return torch.cat([native_swiglu(rows[start : start + CHUNK], packed, hidden, inter)
-                          for start in range(0, rows.shape[0], CHUNK)])
-    rows = rows.contiguous()
-    count = rows.shape[0]
-    gate_up = torch.empty(count, 2 * inter, dtype=torch.float32)
-    act = torch.empty(count, inter, dtype=torch.bfloat16)
-    down = torch.empty(count, hidden, dtype=torch.float32)
-    out = torch.empty(count, hidden, dtype=torch.bfloat16)
+    pieces: list[tuple[int, Tensor, Tensor]] = []  # (job, rows of at most CHUNK, packed)
+    for index, (rows, packed) in enumerate(jobs):
+        assert rows.dtype == packed.dtype == torch.bfloat16 and rows.device.type == packed.device.type == "cpu"
+        assert rows.dim() == 2 and rows.shape[1] == hidden, f"rows {tuple(rows.shape)} for hidden {hidden}"
+        assert packed.is_contiguous() and packed.numel() == 3 * hidden * inter, "packed: the expert's [W13; W2], flat"
+        rows = rows.contiguous()
+        pieces.extend((index, rows[start : start + CHUNK], packed) for start in range(0, rows.shape[0], CHUNK))
+    outputs: list[list[Tensor]] = [[] for _ in jobs]
     amx = uses_amx(hidden, inter)
-    scratch = torch.empty(-(-count // 16) * max(hidden, inter) * 32 if amx else 1, dtype=torch.uint8)
-    w2_offset = 2 * inter * hidden * packed.element_size()
-    kernel.expert_swiglu(rows.data_ptr(), count, hidden, inter, packed.data_ptr(), packed.data_ptr() + w2_offset,
-                         gate_up.data_ptr(), act.data_ptr(), down.data_ptr(), out.data_ptr(), scratch.data_ptr(), int(amx),
-                         torch.get_num_threads())
-    return out
+    call: list[tuple[int, Tensor, Tensor]] = []
+    for piece in pieces + [None]:
+        if call and (piece is None or sum(rows.shape[0] for _, rows, _ in call) + piece[1].shape[0] > CALL_ROWS):
+            for (index, _, _), out in zip(call, _call(kernel, call, hidden, inter, amx), strict=True):
+                outputs[index].append(out)
+            call = []
+        if piece is not None:
+            call.append(piece)
+    return [parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, hidden, dtype=torch.bfloat16)
+            for parts in outputs]
+
+
+def _call(kernel: ctypes.CDLL, call: Sequence[tuple[int, Tensor, Tensor]], hidden: int, inter: int,
+          amx: bool) -> list[Tensor]:
+    """One call of the kernel on `call`'s pieces: the scratch of all of them in one allocation of each kind."""
+    counts = [rows.shape[0] for _, rows, _ in call]
+    total = sum(counts)
+    gate_up = torch.empty(total, 2 * inter, dtype=torch.float32)
+    act = torch.empty(total, inter, dtype=torch.bfloat16)
+    down = torch.empty(total, hidden, dtype=torch.float32)
+    out = torch.empty(total, hidden, dtype=torch.bfloat16)
+    packed_bytes = [-(-count // 16) * max(hidden, inter) * 32 if amx else 0 for count in counts]
+    scratch = torch.empty(max(1, sum(packed_bytes)), dtype=torch.uint8)
+    jobs = (_Job * len(call))()
+    row, offset = 0, 0
+    for job, (_, rows, packed), count, size in zip(jobs, call, counts, packed_bytes, strict=True):
+        base = packed.data_ptr()
+        job.x, job.w13, job.w2 = rows.data_ptr(), base, base + 2 * inter * hidden * packed.element_size()
+        job.gate_up, job.act = gate_up[row].data_ptr() if count else 0, act[row].data_ptr() if count else 0
+        job.down, job.out = down[row].data_ptr() if count else 0, out[row].data_ptr() if count else 0
+        job.packed, job.rows = scratch.data_ptr() + offset, count
+        row, offset = row + count, offset + size
+    kernel.experts_swiglu(jobs, len(call), hidden, inter, int(amx), torch.get_num_threads())
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [out[start : start + count] for start, count in zip(starts, counts, strict=True)]
 
 
 def uses_amx(hidden: int, inter: int) -> bool:
