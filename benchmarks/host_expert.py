@@ -210,6 +210,22 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
     return results
 
 
+def interleaved(runs: dict[str, Callable[[], object]], repeats: int, scratch: torch.Tensor | None,
+                per: int) -> tuple[dict[str, object], dict[str, float]]:
+    """Each of `runs` once (the warm-up; its outputs are returned for comparing bits), then `repeats` rounds that time
+    each once in turn, cold (`scratch` read before each call): the median seconds of each, over `per` items."""
+    outputs = {name: work() for name, work in runs.items()}
+    timed: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, work in runs.items():
+            if scratch is not None:
+                scratch.max()
+            started = time.perf_counter()
+            work()
+            timed[name].append((time.perf_counter() - started) / per)
+    return outputs, {name: statistics.median(seconds) for name, seconds in timed.items()}
+
+
 def time_parallel(shape: str, rows: int, threads_list: list[int], repeats: int, flush_bytes: int | None = None) -> list[dict]:
     """Per T in `threads_list`: T distinct experts on T one-thread workers at once, against the same T one after
     another on one T-thread worker (the host path's `compute` on `rows` rows), cold, per expert (module docstring)."""
@@ -232,25 +248,17 @@ def time_parallel(shape: str, rows: int, threads_list: list[int], repeats: int, 
             with ThreadPoolExecutor(threads, initializer=one_thread) as workers, \
                     ThreadPoolExecutor(1, initializer=lambda threads=threads: (torch.get_num_threads(),
                                                                                torch.set_num_threads(threads))) as team:
-                timed: dict[str, list[float]] = {"parallel": [], "sequential": [], "split": []}
                 split = lambda expert, workers=workers, threads=threads: split_expert(  # noqa: E731
                     pool.host(0, expert), x, w, hidden, inter, threads, workers)
                 runs = {"parallel": lambda: list(workers.map(one, ids)),
                         "sequential": lambda: team.submit(lambda: [one(expert) for expert in ids]).result(),
                         "split": lambda: [split(expert) for expert in ids]}
-                outputs = {name: work() for name, work in runs.items()}  # warm-up, and the bits compared below
-                for _ in range(repeats):
-                    for name, work in runs.items():
-                        if scratch is not None:
-                            scratch.max()
-                        started = time.perf_counter()
-                        work()
-                        timed[name].append((time.perf_counter() - started) / threads)
+                outputs, medians = interleaved(runs, repeats, scratch, threads)
             equal = all(torch.equal(a, b) for a, b in zip(outputs["parallel"], outputs["sequential"]))
             split_error = max(float((a.float() - b.float()).abs().max()) for a, b in zip(outputs["split"], outputs["sequential"]))
-            result = {"shape": shape, "rows": rows, "threads": threads, "parallel_s": statistics.median(timed["parallel"]),
-                      "sequential_s": statistics.median(timed["sequential"]), "parallel_equal": equal,
-                      "split_s": statistics.median(timed["split"]), "split_max_abs_diff": split_error}
+            result = {"shape": shape, "rows": rows, "threads": threads, "parallel_s": medians["parallel"],
+                      "sequential_s": medians["sequential"], "parallel_equal": equal,
+                      "split_s": medians["split"], "split_max_abs_diff": split_error}
             results.append(result)
             print(f"{shape} rows={rows:>3}: {threads} experts on {threads} one-thread workers {result['parallel_s'] * 1e3:.2f} ms "
                   f"per expert, one after another with {threads} threads {result['sequential_s'] * 1e3:.2f} ms (equal: {equal}), "
@@ -288,18 +296,10 @@ def time_layer(shape: str, rows: int, threads_list: list[int], repeats: int, flu
             with ThreadPoolExecutor(1, initializer=lambda threads=threads: own_thread_count(threads)) as team:
                 work = {name: (lambda host=host: team.submit(host.compute_layer, 0, routes, inputs).result())
                         for name, host in paths.items()}
-                outputs = {name: run_once() for name, run_once in work.items()}  # warm-up, and the bits compared
-                timed: dict[str, list[float]] = {name: [] for name in work}
-                for _ in range(repeats):
-                    for name, run_once in work.items():
-                        if scratch is not None:
-                            scratch.max()
-                        started = time.perf_counter()
-                        run_once()
-                        timed[name].append((time.perf_counter() - started) / experts)
+                outputs, medians = interleaved(work, repeats, scratch, experts)
             equal = all(torch.equal(outputs["each"][e], outputs["layer"][e]) for e in range(experts))
             result = {"shape": shape, "rows": rows, "threads": threads, "experts": experts,
-                      "native_each_s": statistics.median(timed["each"]), "native_layer_s": statistics.median(timed["layer"]),
+                      "native_each_s": medians["each"], "native_layer_s": medians["layer"],
                       "layer_equal": equal}
             results.append(result)
             print(f"{shape} rows={rows:>3}: a layer of {experts} host experts, native, {threads} threads: one call per "
