@@ -491,14 +491,21 @@ def _round_blocks(state: PlacementState, layer: int) -> dict[int, int]:
     return memo[layer, "blocks"]
 
 
-def _host_blocks(state: PlacementState, layer: int, rates: Sequence[float], expert: int) -> float:
+def _host_blocks(state: PlacementState, layer: int, expert: int) -> float:
     """One host expert's blocks per committed token at `layer`, from the state's rounds. An engine that speculates
     computes it once per round that used it, for all the round's rows (`_round_blocks`, over the tokens the rounds
     committed). One that does not runs every token as its own one-row forward, which computes it once per token that
-    routes to it: its use rate. The rounds cannot say that (a round keeps the union of its rows' experts); charging a
-    k = 0 engine a speculating trace's rounds would divide its host time by the trace's tokens per round."""
+    routes to it: its use rate (`use_rates`, read here from the state, as the replays are, so that what the state keeps
+    cannot mix rates). The rounds cannot say that (a round keeps the union of its rows' experts); charging a k = 0
+    engine a speculating trace's rounds would divide its host time by the trace's tokens per round. The rates share
+    that limit: they count the rounds that used an expert, scaled to top_k per token, which flattens them the more
+    rows a round has, so a rarely used expert's rate is too high and a k = 0 engine's host path is priced high (the
+    model errs toward the device)."""
     if not state.speculates:
-        return rates[expert]
+        memo = state._replayed
+        if "rates" not in memo:
+            memo["rates"] = use_rates(state)
+        return memo["rates"][layer][expert]
     return _round_blocks(state, layer).get(expert, 0) / state.route_sequence.tokens
 
 
@@ -531,7 +538,7 @@ def layer_path_uses(state: PlacementState, layer: int, rates: Sequence[float], o
             if _hides(state, layer):
                 scale = _waited_share(state, layer, misses[0])
                 misses = [m * scale for m in misses]
-            blocks = [_host_blocks(state, layer, rates, e) for e in order]
+            blocks = [_host_blocks(state, layer, e) for e in order]
             uses = []
             for h in range(len(order) + 1):  # fsum: exactly rounded, so equal to `layer_host_uses`' sum of the same set
                 uses.append(_per_token(state, h, misses[h], math.fsum(blocks[:h])))
@@ -561,7 +568,7 @@ def layer_host_uses(state: PlacementState, layer: int, rates: Sequence[float], h
             if _hides(state, layer):
                 misses *= _waited_share(state, layer, _lru_off(state, layer))
             memo[layer, hosted] = _per_token(state, len(host), misses,
-                                             math.fsum(_host_blocks(state, layer, rates, e) for e in host))
+                                             math.fsum(_host_blocks(state, layer, e) for e in host))
         return memo[layer, hosted]
     hosted = set(host)
     return (expected_misses(rates, [e for e in range(state.num_experts) if e not in hosted], state.slots_per_layer),

@@ -213,8 +213,9 @@ def test_a_speculative_round_computes_a_host_expert_once_for_its_rows():
 def test_an_engine_that_does_not_speculate_computes_a_host_expert_for_each_token_that_routes_to_it():
     """A k = 0 engine runs each token as its own one-row forward, so a host expert costs a block per token that uses
     it (its use rate), not one per round of the speculating trace it was placed from: 4 rounds of 2 tokens each use
-    experts 0, 1 and 2, so each is used by 2 of 3 top-2 choices per token (rate 2/3), where the rounds charge a
-    speculating engine 4 blocks over 8 tokens (0.5). The misses are the same rounds' replay either way."""
+    experts 0, 1 and 2, so each has 4 of the 12 round uses, scaled to top_k = 2 uses per token: a rate of 2/3, where
+    the rounds charge a speculating engine 4 blocks over 8 tokens (0.5). The misses are the same rounds' replay
+    either way."""
     layers = [LayerRoutes(predicted={}, used=[0, 1, 2])]
     rounds = [TraceRound(round=i, k=3, accepted=1, draft_step_s=1e-3, layers=layers) for i in range(4)]
     plain = state(rounds, 4, 2, 1)

@@ -135,7 +135,7 @@ class HostExperts:
         self.row_invariant = row_invariant
         """`mlp` computes each row on its own at any row count (the native kernel): it runs on the rows as they are,
         not on zero-padded blocks of `row_bucket` rows."""
-        self.many = many if row_invariant else None
+        self.many = many if row_invariant and not parallel else None
         """The kernel's call for a layer's experts at once (None: one call per expert). A call starts the kernel's
         thread team once for all of them instead of once per expert, which a small expert's time is mostly made of;
         each output is the one call's bits (`ManyFunction`). Not with `parallel`, whose workers run one expert each."""

@@ -243,8 +243,8 @@ CHUNK = 64
 many, each row its own, so the split changes no bit."""
 
 CALL_ROWS = 256
-"""Rows of all jobs in one call of the kernel: its float32 scratch is then at most 256 x (2I + D) x 4 bytes (43 MB at
-Mixtral's widths), however many experts a layer sends."""
+"""Rows of all jobs in one call of the kernel: its scratch is then at most 256 x ((2I + D) x 4 + (I + D) x 2) bytes
+(43 MB at Mixtral's widths, 34 of it float32), however many experts a layer sends."""
 
 
 class _Job(ctypes.Structure):
