@@ -318,7 +318,8 @@ async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction
                            many: ManyFunction | None = None) -> float:
     """Median seconds of one routed expert on the host path as decoding runs it, over `repeats` timed jobs after one
     warm-up job: a job is `HostExperts.compute_layer` with one row routed to `per_job` experts of one layer (each on a
-    block of `row_bucket` rows, weighted, on CUDA put in pinned memory), on a thread set up as the host path's with
+    block of `row_bucket` rows, in one call of the kernel where it has one (`many`), weighted, on CUDA put in pinned
+    memory), on a thread set up as the host path's with
     `threads` torch threads, and its seconds over its experts count. `first_job`: the jobs start that many groups
     into `cold_groups`' order (another kernel timed before read the first ones). A `row_invariant` kernel (run on the
     rows as they are, not on blocks) gets `row_bucket` rows, so that its figure too is one block's cost.
