@@ -132,6 +132,10 @@ def test_several_experts_in_one_call_give_each_row_the_bits_of_its_own_call(coun
         torch.set_num_threads(before)
     assert [out.shape for out in together] == [(count, hidden) for count in counts]
     assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
+    # an expert with no rows among them gets an empty output and moves nothing else
+    empty = torch.empty(0, hidden, dtype=torch.bfloat16)
+    with_empty = native.native_swiglu_many([(empty, jobs[0][1])] + jobs, hidden, inter)
+    assert with_empty[0].shape == (0, hidden) and all(torch.equal(a, b) for a, b in zip(with_empty[1:], alone))
 
 
 @needs_native
