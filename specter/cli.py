@@ -346,12 +346,11 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
 def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | None, str | None, str, str]:
     """(host seconds of one expert on a block of row_bucket rows, link bytes per second, where the link figure comes
     from: 'emulated', 'measured', 'stored' or None, where the host figure comes from: 'measured' or 'stored', the host
-    kernel it is for): this machine's figures stored for the shape (`costs.CostStore`, as the builder takes them)
-    unless `config.recalibrate`, else random experts of the model's shape, timed as the builder calibrates
-    (`time_host_expert` with one row routed to top_k experts per job, each job on experts no other job read, with each
-    host kernel the builder chooses from, the fastest taken), so the pinned pool holds (REPEATS + 1) x top_k experts
-    per kernel for the while, and stored. They are written just before, so where the last-level cache holds several
-    of them the figure can read lower than the engine's, whose pool was written at load."""
+    kernel it is for): the builder's own calibration (`costs.calibrate`, with this machine's stored figures unless
+    `config.recalibrate`, storing what it measures) on random experts of the model's shape, so the pinned pool holds
+    (REPEATS + 1) x top_k experts per kernel for the while where the host is timed. They are written just before, so
+    where the last-level cache holds several of them the figure can read lower than the engine's, whose pool was
+    written at load."""
     import asyncio
 
     import torch
@@ -361,6 +360,7 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
     from specter.experts.host import default_threads
     from specter.experts.pool import ExpertPool
     from specter.kernel import Kernel
+    from specter.placement import PlacementState
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -373,38 +373,34 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
     store = costs.default_cost_store()
     key = costs.cost_key(spec.expert_numel * element, dtype, spec.hidden_size, config.row_bucket, threads, per_job,
                          parallel, device, [kernel.name for kernel in kernels])
-    previous, stored = costs.stored_costs(store, key, kernels, config.recalibrate)
+    stored = costs.stored_costs(store, key, kernels, config.recalibrate)[1]  # what the calibration will take
     gbps = parse_link(config.link)
-    host_s, link = stored.get("host_expert_s"), stored.get("link_bytes_per_s") if gbps is None else gbps * 1e9
-    chosen = stored.get("host_kernel")
-    host_source = "stored" if host_s is not None else "measured"
-    link_source = "emulated" if gbps is not None else "stored" if link is not None else None
-    if host_s is None or (link is None and cuda):
+    host_source = "stored" if "host_expert_s" in stored else "measured"
+    link_source = "emulated" if gbps is not None else "stored" if stored.get("link_bytes_per_s") else None
 
-        class Memory:
-            def alloc_host(self, numel: int, dtype: Any) -> torch.Tensor:
-                return torch.empty(numel, dtype=dtype, pin_memory=cuda)
+    class Memory:
+        def alloc_host(self, numel: int, dtype: Any) -> torch.Tensor:
+            return torch.empty(numel, dtype=dtype, pin_memory=cuda)
 
-        experts = (costs.REPEATS + 1) * per_job * len(kernels) if host_s is None else 1  # else only the link is timed
-        pool = ExpertPool(Memory(), 1, experts, spec.expert_numel, dtype)
-        for expert in range(pool.num_experts):
-            pool.write(0, expert, torch.empty(spec.expert_numel, dtype=dtype).normal_(std=0.02))
-        if host_s is None:
+    timed = host_source == "measured"
+    pool = ExpertPool(Memory(), 1, (costs.REPEATS + 1) * per_job * len(kernels) if timed else 1, spec.expert_numel, dtype)
+    for expert in range(pool.num_experts):  # a link is timed on any bytes: random ones only where the host computes
+        weights = torch.empty(spec.expert_numel, dtype=dtype)
+        pool.write(0, expert, weights.normal_(std=0.02) if timed else weights)
+    state = PlacementState(num_layers=1, num_experts=pool.num_experts, top_k=spec.top_k, slots_per_layer=1,
+                           initial_residents=((),), expert_bytes=pool.expert_bytes, row_bucket=config.row_bucket,
+                           host_threads=threads, link_bytes_per_s=None if gbps is None else gbps * 1e9)
 
-            async def host() -> dict[str, float]:
-                with Kernel() as kernel:
-                    return await costs.time_host_kernels(kernel, pool, kernels, spec.hidden_size, config.row_bucket,
-                                                         threads, torch.device("cpu"), per_job, parallel)
+    async def calibrated() -> costs.Calibration:
+        with Kernel() as kernel:
+            return await costs.calibrate(kernel, pool, kernels, state, spec.hidden_size, device, parallel=parallel,
+                                         store=store, fresh=config.recalibrate)
 
-            timed = asyncio.run(host())
-            chosen = min(timed, key=timed.__getitem__)
-            host_s = timed[chosen]
-        if link is None and cuda:
-            link = costs.time_link(pool.host(0, 0), device)
-            link_source = "measured" if link else None
-        store.update(key, previous, host_expert_s=host_s, host_kernel=chosen,
-                     link_bytes_per_s=link if link_source == "measured" else None)
-    return host_s, link, link_source, host_source, chosen
+    calibration = asyncio.run(calibrated())
+    link = state.link_bytes_per_s or calibration.link_bytes_per_s
+    if link_source is None and link:
+        link_source = "measured"
+    return calibration.host_expert_s[config.row_bucket], link, link_source, host_source, calibration.host_kernel
 
 
 def _numel(shape: tuple[int, ...]) -> int:

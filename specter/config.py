@@ -363,10 +363,10 @@ class HostTuning(_Frozen):
         "auto", description="The host path's expert kernel: 'torch' (the F.linear chain on zero-padded blocks of "
         "row_bucket rows), 'native' (specter/experts/native.py: AMX or AVX512-BF16, weights read once as they lie, each "
         "row on its own at any count; needs such a CPU and a C compiler), or 'auto': the faster of those available as "
-        "the load's calibration times them, stored with the costs. On the 2-core development Xeon (AMX), cold, 2 "
-        "threads, the host path with native against torch: Qwen1.5-MoE's expert 1.54 / 1.70 ms against 2.85 / 2.81 at 1 "
-        "/ 16 rows, Mixtral's 15.6 / 16.7 against 22.6 / 23.0 (benchmarks/host_expert.py, docs/BENCHMARKS.md); not yet "
-        "timed on the H200's host. Tokens: tests/test_native_kernel.py.")
+        "the load's calibration times them, stored with the costs. On the H200's host (15 threads, cold) the host path with "
+        "native against torch: Mixtral's expert 4.2 / 5.1 ms against 7.5 / 7.9 at 1 / 16 rows, Qwen1.5-MoE's 0.67 against "
+        "1.1-1.2 (benchmarks/host_expert.py, docs/BENCHMARKS.md \"The native host kernel\"). Tokens: "
+        "tests/test_native_kernel.py.")
 
 
 class TuningConfig(_Frozen):

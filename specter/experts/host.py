@@ -183,20 +183,25 @@ class HostExperts:
         experts = sorted(routes)
         indices = {expert: torch.tensor(routes[expert][0], dtype=torch.long) for expert in experts}
 
-        def one(expert: int) -> Tensor:
+        def routed(expert: int) -> tuple[Tensor, Tensor]:
+            """The rows that chose `expert` and their routing weights [n, 1]."""
             index, slots = indices[expert], torch.tensor(routes[expert][1], dtype=torch.long)
-            return self.compute(layer, expert, hidden[index], weights[index, slots][:, None])
+            return hidden[index], weights[index, slots][:, None]
+
+        def one(expert: int) -> Tensor:
+            return self.compute(layer, expert, *routed(expert))
 
         workers = self.workers
         if workers is not None and len(experts) > 1:
             futures = {expert: workers.submit(one, expert) for expert in experts}
             wait(futures.values())  # every one ends before the job does, failed or not: none outlives it
             computed = {expert: future.result() for expert, future in futures.items()}
-        elif self.many is not None and len(experts) > 1:
-            dtype = self.pool.dtype
-            values = self.many([(hidden[indices[expert]].to(dtype), self.pool.host(layer, expert)) for expert in experts])
-            computed = {expert: out * weights[indices[expert], torch.tensor(routes[expert][1], dtype=torch.long)][:, None]
-                        .to(dtype) for expert, out in zip(experts, values, strict=True)}
+        elif self.many is not None and len(experts) > 1:  # as `compute` weights a row-invariant kernel's output
+            dtype, inputs_of = self.pool.dtype, [routed(expert) for expert in experts]
+            values = self.many([(rows.to(dtype), self.pool.host(layer, expert))
+                                for expert, (rows, _) in zip(experts, inputs_of, strict=True)])
+            computed = {expert: out * row_weights.to(dtype)
+                        for expert, out, (_, row_weights) in zip(experts, values, inputs_of, strict=True)}
         else:
             computed = {}
         for expert in experts:
