@@ -342,20 +342,23 @@ def native_swiglu_many(jobs: Sequence[tuple[Tensor, Tensor]], hidden: int, inter
     outputs: list[list[Tensor]] = [[] for _ in jobs]
     amx = uses_amx(hidden, inter)
     call: list[tuple[int, Tensor, Tensor]] = []
+    call_rows = 0
     for piece in pieces + [None]:
-        if call and (piece is None or sum(rows.shape[0] for _, rows, _ in call) + piece[1].shape[0] > CALL_ROWS):
+        if call and (piece is None or call_rows + piece[1].shape[0] > CALL_ROWS):
             for (index, _, _), out in zip(call, _call(kernel, call, hidden, inter, amx), strict=True):
                 outputs[index].append(out)
-            call = []
+            call, call_rows = [], 0
         if piece is not None:
             call.append(piece)
+            call_rows += piece[1].shape[0]
     return [parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, hidden, dtype=torch.bfloat16)
             for parts in outputs]
 
 
 def _call(kernel: ctypes.CDLL, call: Sequence[tuple[int, Tensor, Tensor]], hidden: int, inter: int,
           amx: bool) -> list[Tensor]:
-    """One call of the kernel on `call`'s pieces: the scratch of all of them in one allocation of each kind."""
+    """One call of the kernel on `call`'s pieces (each of at least one row): the scratch of all of them in one
+    allocation of each kind; their outputs, views of one tensor."""
     counts = [rows.shape[0] for _, rows, _ in call]
     total = sum(counts)
     gate_up = torch.empty(total, 2 * inter, dtype=torch.float32)
@@ -365,17 +368,16 @@ def _call(kernel: ctypes.CDLL, call: Sequence[tuple[int, Tensor, Tensor]], hidde
     packed_bytes = [-(-count // 16) * max(hidden, inter) * 32 if amx else 0 for count in counts]
     scratch = torch.empty(max(1, sum(packed_bytes)), dtype=torch.uint8)
     jobs = (_Job * len(call))()
-    row, offset = 0, 0
+    outputs, row, offset = [], 0, 0
     for job, (_, rows, packed), count, size in zip(jobs, call, counts, packed_bytes, strict=True):
         base = packed.data_ptr()
         job.x, job.w13, job.w2 = rows.data_ptr(), base, base + 2 * inter * hidden * packed.element_size()
-        job.gate_up, job.act = gate_up[row].data_ptr() if count else 0, act[row].data_ptr() if count else 0
-        job.down, job.out = down[row].data_ptr() if count else 0, out[row].data_ptr() if count else 0
-        job.packed, job.rows = scratch.data_ptr() + offset, count
+        job.gate_up, job.act, job.down = gate_up[row].data_ptr(), act[row].data_ptr(), down[row].data_ptr()
+        job.out, job.packed, job.rows = out[row].data_ptr(), scratch.data_ptr() + offset, count
+        outputs.append(out[row : row + count])
         row, offset = row + count, offset + size
     kernel.experts_swiglu(jobs, len(call), hidden, inter, int(amx), torch.get_num_threads())
-    starts = [sum(counts[:i]) for i in range(len(counts))]
-    return [out[start : start + count] for start, count in zip(starts, counts, strict=True)]
+    return outputs
 
 
 def uses_amx(hidden: int, inter: int) -> bool:
