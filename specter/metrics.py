@@ -29,6 +29,7 @@ class RequestStats:
     carried_rounds: int = 0  # rounds that started with steps a draft-ahead had taken
     carried_steps: int = 0  # draft steps taken over that way (not drafted again)
     accepted_lengths: Counter = dataclasses.field(default_factory=Counter)  # accepted drafts per speculative round
+    depths: Counter = dataclasses.field(default_factory=Counter)  # the draft depth k of each speculative round
     hits: int = 0
     misses: int = 0
     host_computed_experts: int = 0  # routed experts computed on the host CPU (placement), per (layer, expert) per forward
@@ -113,6 +114,7 @@ class RequestStats:
             "scout_recall": None if self.scout_recall is None else round(self.scout_recall, 4), "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "accepted_length_histogram": {str(n): c for n, c in sorted(self.accepted_lengths.items())},
+            "depth_histogram": {str(k): c for k, c in sorted(self.depths.items())},
             "window_recall": round(self.window_recall, 4), "hits": self.hits, "misses": self.misses,
             "hit_rate": round(self.hit_rate, 4), "host_computed_experts": self.host_computed_experts,
             "host_compute_s": round(self.host_compute_s, 6), "host_hidden_s": round(self.host_hidden_s, 6),
@@ -220,10 +222,20 @@ class Estimates:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
     def observe_acceptance(self, k: int, accepted: int) -> None:
-        """Positions 0..accepted-1 were accepted; position `accepted` (if < k) was rejected."""
+        """Positions 0..accepted-1 were accepted; position `accepted` (if < k) was rejected.
+
+        A position reached for the first time starts from its predecessor's estimate, the value the flat
+        extrapolation (`measured_acceptance`) gave it until now, and this one observation moves it by `alpha`
+        like any later one. Replacing it instead made one rejection final: a position first reached by a
+        round that stopped there read 0, every deeper draft then looked worthless to the governor, and only
+        a probe (after `probe_every` rounds at one depth) would reach that position again. Position 0 has no
+        measured predecessor, so its first observation still replaces the prior."""
         for position in range(min(k, accepted + 1)):
             value = 1.0 if position < accepted else 0.0
-            old = self.acceptance[position] if self.acceptance_seen[position] else None
+            if self.acceptance_seen[position]:
+                old = self.acceptance[position]
+            else:
+                old = self.acceptance[position - 1] if position else None
             self.acceptance[position] = self._ema(old, value)
             self.acceptance_seen[position] = True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -130,6 +131,47 @@ def test_a_governor_that_measured_shallow_rounds_tries_deeper_ones():
 
     assert Roofline().next_k(state(list(estimates.acceptance))) <= 3  # the old reading: stuck near the measured depth
     assert Roofline().next_k(state(estimates.measured_acceptance(8))) >= 6
+
+
+def test_one_rejection_where_a_position_is_first_reached_does_not_cap_the_depth():
+    """A deep first round rejected at position 7, then rounds at k = 7 that accept everything (they never reach
+    position 7 again). With the first observation replacing the estimate, position 7 read 0 and so did every
+    position past it (flat extrapolation): the governor stayed at 7 until a probe, though a verify of 16 rows cost
+    little more than one of 8. Weighed against its predecessor's estimate, position 7 reads 0.8 and the governor
+    drafts deeper, where that position is measured again."""
+    from policies.lookahead import Roofline
+    from specter.policy import LookaheadState
+
+    estimates = Estimates(k_max=15)
+    estimates.observe_acceptance(k=15, accepted=7)
+    assert estimates.measured_acceptance(15) == pytest.approx([1.0] * 7 + [0.8])
+    for _ in range(10):
+        estimates.observe_acceptance(k=7, accepted=7)
+        estimates.observe_verify(rows=8, compute_s=0.70, new_bytes=0)
+        estimates.observe_draft(7, 0.035)
+    estimates.observe_verify(rows=16, compute_s=0.86, new_bytes=0)  # host-bound verifies: mostly a fixed cost
+    acceptance = estimates.measured_acceptance(15)
+    assert acceptance[7] == pytest.approx(0.8)
+    state = LookaheadState(acceptance_by_position=acceptance, draft_step_s_fit=estimates.draft_fit(),
+                           verify_s_fit=estimates.verify_fit(), bandwidth_bytes_per_s=20e9,
+                           predicted_new_bytes=estimates.predicted_new_bytes(15), k_max=15, model_key="m")
+    assert Roofline().next_k(state) > 7
+    assert Roofline().next_k(dataclasses.replace(state, acceptance_by_position=acceptance[:7] + [0.0])) == 7
+
+
+def test_a_position_first_reached_is_weighed_against_its_predecessor_both_ways():
+    """The first observation moves a position from its predecessor's estimate by alpha, up as well as down;
+    position 0 has no predecessor and takes its first observation whole."""
+    estimates = Estimates(k_max=4, alpha=0.2)
+    estimates.observe_acceptance(k=1, accepted=0)
+    assert estimates.measured_acceptance(4) == [0.0]
+    for _ in range(30):
+        estimates.observe_acceptance(k=2, accepted=1)  # position 0 accepted, position 1 rejected
+    low = estimates.measured_acceptance(4)
+    assert low[0] == pytest.approx(1.0, abs=1e-2) and low[1] == pytest.approx(0.0, abs=1e-2)
+    estimates.observe_acceptance(k=3, accepted=3)  # position 1 accepted once more, position 2 reached first
+    position1 = 0.8 * low[1] + 0.2
+    assert estimates.measured_acceptance(4) == pytest.approx([low[0] * 0.8 + 0.2, position1, 0.8 * position1 + 0.2])
 
 
 def test_the_deferred_copy_busy_reads_are_done_when_a_request_ends_even_one_left_early(tiny):
