@@ -514,6 +514,7 @@ class Runtime:
             stats.drafted += k
             stats.accepted += acceptance.n_accepted
             stats.accepted_lengths[acceptance.n_accepted] += 1
+            stats.depths[k] += 1
         if scouted:
             stats.scouted += 1
         return RoundReport(index=stats.rounds, k=k, scouted=scouted, acceptance=acceptance, verify=record,

@@ -102,7 +102,23 @@ def test_exact_prefetch_specter_replays_specters_rounds_with_perfect_prefetch(ma
         source = by_prompt[("specter", run["prompt_kind"], run["prompt_index"])]
         assert (run["rounds"], run["drafted"], run["accepted"]) == (source["rounds"], source["drafted"], source["accepted"])
         assert run["accepted_length_histogram"] == source["accepted_length_histogram"]
+        assert run["depth_histogram"] == source["depth_histogram"]
         assert run["predictor_recall"] == 1.0
+
+
+def test_a_cells_depth_histogram_counts_every_speculative_round_at_its_depth(matrix):
+    """The governor's choices, per run and pooled per cell: the depths sum to the drafted tokens, the counts to
+    the speculative rounds (those with an accepted length)."""
+    results = matrix[2]
+    drafting = [run for run in results["runs"] if run["drafted"]]
+    assert drafting
+    for run in drafting:
+        depths = {int(k): c for k, c in run["depth_histogram"].items()}
+        assert sum(k * c for k, c in depths.items()) == run["drafted"] and 0 not in depths
+        assert sum(depths.values()) == sum(run["accepted_length_histogram"].values())
+    for cell in results["summary"]:
+        runs = [r for r in results["runs"] if all(r[f] == cell[f] for f in ("model", "setting", "link", "sampling", "system"))]
+        assert sum(int(k) * c for k, c in cell["depth_histogram"].items()) == sum(r["drafted"] for r in runs)
 
 
 def test_specter_and_exact_prefetch_specter_take_the_engines_default_draft_ahead(tmp_path, monkeypatch):

@@ -210,6 +210,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "host_hidden": _host_hidden(runs),
         "tokens_equal": all(r["tokens_equal"] for r in runs),
         "accepted_length_histogram": {str(n): c for n, c in sorted(histogram.items())},
+        "depth_histogram": {str(k): c for k, c in sorted(_counts(runs, "depth_histogram").items())},
         "placement": runs[0].get("placement"),
     }
 
@@ -246,9 +247,14 @@ def _host_hidden(runs: Sequence[dict]) -> float | None:
 
 
 def accepted_histogram(runs: Sequence[dict]) -> Counter:
+    return _counts(runs, "accepted_length_histogram")
+
+
+def _counts(runs: Sequence[dict], key: str) -> Counter:
+    """The runs' histograms under `key` (str keys, as JSON holds them) summed, keyed by int."""
     histogram: Counter = Counter()
     for run in runs:
-        histogram.update({int(n): c for n, c in run.get("accepted_length_histogram", {}).items()})
+        histogram.update({int(n): c for n, c in (run.get(key) or {}).items()})
     return histogram
 
 
