@@ -35,6 +35,8 @@ class RequestStats:
     host_computed_experts: int = 0  # routed experts computed on the host CPU (placement), per (layer, expert) per forward
     host_compute_s: float = 0.0  # host seconds those took, on the host expert thread
     host_hidden_s: float = 0.0  # of those, the seconds that ran beside the device path (VerifyRecord.host_hidden_s)
+    host_prefill_experts: int = 0  # of host_computed_experts, those of the prompt's forward (before the first token)
+    host_prefill_s: float = 0.0  # of host_compute_s, the prompt's forward's
     h2d_bytes: int = 0  # copied host-to-device during this request
     h2d_bytes_at_start: int = 0  # the cache's running total when the request started
     h2d_prefill_bytes: int = 0  # of h2d_bytes, those copied before the first token (the prompt's forward)
@@ -118,6 +120,7 @@ class RequestStats:
             "window_recall": round(self.window_recall, 4), "hits": self.hits, "misses": self.misses,
             "hit_rate": round(self.hit_rate, 4), "host_computed_experts": self.host_computed_experts,
             "host_compute_s": round(self.host_compute_s, 6), "host_hidden_s": round(self.host_hidden_s, 6),
+            "host_prefill_experts": self.host_prefill_experts, "host_prefill_s": round(self.host_prefill_s, 6),
             "h2d_bytes": self.h2d_bytes,
             "h2d_bytes_per_token": round(self.h2d_bytes / self.new_tokens, 1) if self.new_tokens else 0.0,
             "h2d_prefill_bytes": self.h2d_prefill_bytes,

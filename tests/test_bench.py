@@ -813,6 +813,12 @@ def test_cpu_experts_copies_nothing_and_is_held_to_its_own_placements_baseline(t
     assert runs and all(run["h2d_bytes"] == 0 and run["misses"] == 0 and run["host_computed_experts"] > 0 for run in runs)
     assert all(run["host_computed_experts"] == 0 for run in results["runs"] if run["system"] == "ondemand")
     assert baselines and all(name == "cpu-experts" and table for name, _cell, table in baselines)
+    # per token after the first, as TPOT: the prompt's host experts and seconds left out
+    row = next(row for row in results["summary"] if row["system"] == "cpu-experts")
+    decode_tokens = sum(run["new_tokens"] - 1 for run in runs)
+    assert all(0 < run["host_prefill_experts"] < run["host_computed_experts"] for run in runs)
+    assert row["host_per_token"] == round(sum(r["host_computed_experts"] - r["host_prefill_experts"] for r in runs) / decode_tokens, 3)
+    assert 0 < row["host_ms_per_token"] < 1e3 * sum(r["host_compute_s"] for r in runs) / decode_tokens
 
 
 def test_the_hybrids_place_with_auto_and_hold_their_tokens_to_that_placements_baseline(tmp_path, monkeypatch):

@@ -120,6 +120,12 @@ def test_all_copies_nothing_after_load_and_computes_the_rest_on_the_host(root, f
     for stats in (plain.stats, speculative.stats):
         assert stats.h2d_bytes == 0 and stats.misses == 0, stats.as_dict()
         assert stats.host_computed_experts > 0 and stats.host_compute_s > 0 and stats.hits > 0, stats.as_dict()
+        # the prompt's host work is kept apart (at most every non-resident expert of each layer once)
+        assert 0 < stats.host_prefill_experts <= len(spec.moe_layers) * (spec.num_experts - residents), stats.as_dict()
+        assert 0 < stats.host_prefill_s <= stats.host_compute_s
+    # plain decoding's tokens after the first route top-k each: at most that many host experts per layer per token
+    decoded = plain.stats.host_computed_experts - plain.stats.host_prefill_experts
+    assert 0 < decoded <= (plain.stats.new_tokens - 1) * len(spec.moe_layers) * spec.top_k, plain.stats.as_dict()
 
 
 def test_off_builds_no_host_path(root):

@@ -203,7 +203,8 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "host_threads": runs[0].get("host_threads"),
         "host_kernel": (runs[0].get("placement") or {}).get("host_kernel"),
         "host_experts_placed": max((r.get("host_experts_placed", 0) for r in runs), default=0),
-        "host_per_token": round(sum(r.get("host_computed_experts", 0) for r in runs) / tokens, 3),
+        "host_per_token": _host_decode_per_token(runs, "host_computed_experts", "host_prefill_experts"),
+        "host_ms_per_token": _host_decode_per_token(runs, "host_compute_s", "host_prefill_s", scale=1e3),
         "host_share": _host_share(runs),
         "host_expert_ms": _host_expert_ms(runs),
         "host_expert_ms_calibrated": _calibrated_host_ms(runs[0].get("placement")),  # the first run's, as `placement`
@@ -213,6 +214,16 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "depth_histogram": {str(k): c for k, c in sorted(_counts(runs, "depth_histogram").items())},
         "placement": runs[0].get("placement"),
     }
+
+
+def _host_decode_per_token(runs: Sequence[dict], total: str, prefill: str, scale: float = 1.0) -> float | None:
+    """Host experts (or seconds times `scale`) per token after the first, the prompt's forward left out as decode
+    MB/token leaves out its bytes: the host work that goes with TPOT. None for runs recorded before the prompt's
+    host work was kept apart."""
+    if any(prefill not in r for r in runs):
+        return None
+    tokens = sum(max(0, r["new_tokens"] - 1) for r in runs)
+    return round(scale * sum(r.get(total, 0) - r[prefill] for r in runs) / tokens, 3) if tokens else None
 
 
 def _host_share(runs: Sequence[dict]) -> float | None:
@@ -449,11 +460,13 @@ def host_path_lines(summary: Sequence[dict], markdown: bool = False) -> list[str
     columns = (("model", "model"), ("setting", "setting"), ("link", "link"), ("sampling", "sampling"), ("system", "system"),
                ("host_threads", "host threads"), ("host_kernel", "host kernel"), ("host_experts_placed", "host experts placed"),
                ("host_share", "host share of non-resident uses"),
-               ("host_per_token", "host experts/token"), ("host_expert_ms", "ms per host expert"),
+               ("host_per_token", "host experts/token"), ("host_ms_per_token", "host ms/token"),
+               ("host_expert_ms", "ms per host expert"),
                ("host_expert_ms_calibrated", "calibrated ms (1st run)"),
                ("host_hidden", "host hidden"), ("h2d_decode_mb_per_token", "decode MB/token"), ("tpot_ms", "TPOT ms"))
     return ["", "Host path: the host kernel the calibration chose, the placement's host experts (layer, expert pairs), "
-            "the share of the experts not on the device that the host computed (the rest were copied), one host "
+            "the share of the experts not on the device that the host computed (the rest were copied), the host experts "
+            "and host milliseconds per token after the first (the prompt's left out, as decode MB/token), one host "
             "expert's time on the host thread and as "
             "the placement's calibration measured it, and the share of the host's time that ran beside the device path "
             "(copies, device experts); results.json's `placement` has the cost model's inputs and predictions. A row "
