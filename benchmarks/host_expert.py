@@ -25,8 +25,10 @@ Variants, all on the same host thread and rows:
   its expert function is the families' `swiglu` (specter.model.weights: the F.linear chain, the device path's form);
 - plain: the same F.linear chain on the rows as given (no padding, no weighting, no event loop; one row takes
   oneDNN's M = 1 path);
-- native, host-native: specter.experts.native's kernel (AMX or AVX512-BF16) on the rows as given, and the host path
-  running it as the engine does with tuning.host.kernel native (unpadded rows, the weighting);
+- native, host-native: specter.experts.native's kernel (the path this machine takes for the shape: AMX, AVX512-BF16
+  or AVX2) on the rows as given, and the host path running it as the engine does with tuning.host.kernel native
+  (unpadded rows, the weighting); native-PATH: the kernel on each other path this machine has (`other_paths_s`:
+  what a CPU without AMX or AVX512-BF16 would run, timed on this one);
 - left: the chain with the weights as GEMM's left operand (W13 @ X^T, then W2 @ A^T), which oneDNN can read as they
   lie where F.linear may reformat them on each call; not what the engine runs (on the GPU machine's host it cost
   about twice F.linear, on the 2-core dev Xeon 8 % less: docs/BENCHMARKS.md, "Host expert path");
@@ -161,6 +163,9 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
                     if native.load() is not None:
                         variants["native"] = lambda x=x: native.native_swiglu(x, weights, hidden, inter)
                         variants["host-native"] = lambda x=x, w=w: host_native.compute(0, 0, x, w)
+                        for path in other_paths(hidden, inter):
+                            variants[f"native-{path.name.lower()}"] = lambda x=x, path=path: native.native_swiglu(
+                                x, weights, hidden, inter, path)
                     if packed_mlp is not None and block is not None:
                         variants["packed"] = lambda block=block, w=w, rows=rows: packed_mlp(block)[:rows] * w
                     if pageable is not None:
@@ -193,7 +198,9 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
                               "host_min_s": min(round_trip[rows]), "host_inside_s": median["host"],
                               "plain_s": median["plain"], "left_s": median["left"], "native_s": median.get("native"),
                               "host_native_s": median.get("host-native"), "packed_s": median.get("packed"), "packed_equal": equal.get("packed"),
-                              "pageable_s": median.get("pageable"), "expert_bytes": expert_bytes, "copy_s": links}
+                              "pageable_s": median.get("pageable"), "expert_bytes": expert_bytes, "copy_s": links,
+                              "native_path": native.path_for(hidden, inter).name if native.load() is not None else None,
+                              "other_paths_s": {name[7:]: median[name] for name in variants if name.startswith("native-")}}
                     results.append(result)
                     ms = lambda seconds: "-" if seconds is None else f"{seconds * 1e3:.2f}"  # noqa: E731
                     print(f"{shape} threads={threads:>3} rows={rows:>3}: host {ms(result['host_s']):>7} ms (min "
@@ -201,13 +208,25 @@ async def time_expert(shape: str, rows_list: list[int], threads_list: list[int],
                           f"{ms(result['plain_s'])}, left {ms(result['left_s'])}, native {ms(result['native_s'])} (host path "
                           f"{ms(result['host_native_s'])}), packed {ms(result['packed_s'])} (equal: {equal.get('packed')}), "
                           f"pageable "
-                          f"{ms(result['pageable_s'])}; copy " + ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in links.items()),
+                          f"{ms(result['pageable_s'])}; copy " + ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in links.items())
+                          + (f"; native on {result['native_path']}, other paths: " + ", ".join(
+                              f"{name} {ms(s)}" for name, s in result["other_paths_s"].items()) if result["native_path"] else ""),
                           flush=True)
             finally:
                 host.close()
     finally:
         kernel.close()
     return results
+
+
+def other_paths(hidden: int, inter: int) -> list[native.CodePath]:
+    """The native kernel's paths this machine has for the shape besides the one it takes (`path_for`): what the
+    same kernel costs on a CPU without AMX or AVX512-BF16, timed here."""
+    if native.load() is None:
+        return []
+    chosen = native.path_for(hidden, inter)
+    return [path for path in native.paths() if path != chosen
+            and (path != native.CodePath.AMX or (hidden % 32 == 0 and inter % 32 == 0))]
 
 
 def interleaved(runs: dict[str, Callable[[], object]], repeats: int, scratch: torch.Tensor | None,

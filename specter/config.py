@@ -361,8 +361,8 @@ class HostTuning(_Frozen):
                                    "tests/test_hybrid.py, tests/test_host_experts.py.")
     kernel: Literal["auto", "torch", "native"] = Field(
         "auto", description="The host path's expert kernel: 'torch' (the F.linear chain on zero-padded blocks of "
-        "row_bucket rows), 'native' (specter/experts/native.py: AMX or AVX512-BF16, weights read once as they lie, each "
-        "row on its own at any count; needs such a CPU and a C compiler), or 'auto': the faster of those available as "
+        "row_bucket rows), 'native' (specter/experts/native.py: AMX, else AVX512-BF16, else AVX2 with FMA, weights read once as "
+        "they lie, each row on its own at any count; needs a C compiler), or 'auto': the faster of those available as "
         "the load's calibration times them, stored with the costs. On the H200's host (15 threads, cold) the host path with "
         "native against torch: Mixtral's expert 4.2 / 5.1 ms against 7.5 / 7.9 at 1 / 16 rows, Qwen1.5-MoE's 0.67 against "
         "1.1-1.2 (benchmarks/host_expert.py, docs/BENCHMARKS.md \"The native host kernel\"). Tokens: "

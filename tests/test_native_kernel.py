@@ -28,6 +28,12 @@ from tests.test_speculative import DEVICE, checkpoint
 needs_native = pytest.mark.skipif(native.unavailable() is not None, reason=f"native kernel: {native.unavailable()}")
 
 
+def shape_paths(hidden: int, inter: int) -> list[native.CodePath]:
+    """The kernel's paths this machine can run a shape on (AMX only for widths that are multiples of 32)."""
+    return [path for path in native.paths()
+            if path != native.CodePath.AMX or (hidden % 32 == 0 and inter % 32 == 0)]
+
+
 class Memory:
     def alloc_host(self, numel, dtype):
         return torch.empty(numel, dtype=dtype)
@@ -43,17 +49,51 @@ def expert(hidden: int, inter: int, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 19])
 def test_native_matches_a_float_reference(hidden, inter, rows):
     """bf16 weights and rows, float32 sums, one rounding of the activation and one of the output: within bf16's
-    rounding of a float32 reference, and no farther from it than torch's bf16 chain (which rounds more often).
-    Widths that are multiples of 32 take AMX where the CPU has it, others AVX512-BF16 with its masked tail."""
+    rounding of a float32 reference, and no farther from it than torch's bf16 chain (which rounds more often), on
+    every path this machine has for the shape (AMX, AVX512-BF16 with its masked tail, AVX2 with its padded one)."""
     packed = expert(hidden, inter, seed=rows)
     x = (torch.randn(rows, hidden, generator=torch.Generator().manual_seed(hidden)) * 2).to(torch.bfloat16)
     reference = swiglu(x.float(), packed.float(), hidden, inter)
-    got = native.native_swiglu(x, packed, hidden, inter)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, hidden)
-    assert native.uses_amx(hidden, inter) == (native.load().amx and hidden % 32 == 0 and inter % 32 == 0)
-    torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=1e-2 * float(reference.abs().max()))
-    error = (got.float() - reference).abs().max()
-    assert error <= 1.5 * (swiglu(x, packed, hidden, inter).float() - reference).abs().max() + 1e-6
+    torch_error = (swiglu(x, packed, hidden, inter).float() - reference).abs().max()
+    assert native.path_for(hidden, inter) in shape_paths(hidden, inter)
+    for path in shape_paths(hidden, inter):
+        got = native.native_swiglu(x, packed, hidden, inter, path)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, hidden)
+        torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=1e-2 * float(reference.abs().max()))
+        assert (got.float() - reference).abs().max() <= 1.5 * torch_error + 1e-6, path
+
+
+@needs_native
+def test_a_shape_takes_the_fastest_path_the_machine_has(monkeypatch):
+    """AMX for widths that are multiples of 32 where Linux granted its tiles, else AVX512-BF16 where the CPU has it,
+    else AVX2; a path the machine lacks, or AMX for other widths, is refused."""
+    path = native.CodePath
+    for usable, expected in (([path.AVX2, path.AVX512_BF16, path.AMX], (path.AMX, path.AVX512_BF16)),
+                             ([path.AVX2, path.AVX512_BF16], (path.AVX512_BF16, path.AVX512_BF16)),
+                             ([path.AVX2], (path.AVX2, path.AVX2))):
+        monkeypatch.setattr(native, "paths", lambda usable=usable: usable)
+        assert (native.path_for(64, 96), native.path_for(64, 70)) == expected
+    monkeypatch.undo()
+    with pytest.raises(AssertionError, match="multiples of 32"):
+        native.native_swiglu(torch.zeros(1, 33, dtype=torch.bfloat16), expert(33, 17), 33, 17, native.CodePath.AMX)
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= native._cpu_flags(), reason="the CPU has no AVX2 with FMA")
+def test_a_build_for_a_cpu_without_avx512_holds_the_avx2_path_only_and_computes_its_bits(tmp_path):
+    """Compiled for Haswell (AVX2 and FMA, no AVX512: the desktop CPUs the AVX512 code would not build for), the
+    kernel builds, holds the AVX2 path alone, and gives the bits this machine's own build gives on that path."""
+    kernel, why = native.build("haswell", tmp_path / "haswell.so")
+    if kernel is None and "no C compiler" in (why or ""):
+        pytest.skip(why)
+    assert kernel is not None, why
+    assert kernel.usable == [native.CodePath.AVX2] and kernel.paths() == 1
+    if native.unavailable() is not None:
+        return
+    hidden, inter = 100, 70
+    rows = (torch.randn(7, hidden, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16)
+    packed = expert(hidden, inter)
+    [got] = native._call(kernel, [(0, rows, packed)], hidden, inter, native.CodePath.AVX2)
+    assert torch.equal(got, native.native_swiglu(rows, packed, hidden, inter, native.CodePath.AVX2))
 
 
 @needs_native
@@ -66,20 +106,21 @@ def test_a_rows_native_output_does_not_depend_on_the_rows_around_it_or_the_threa
     packed = expert(hidden, inter)
     x = (torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows)) * scale).to(torch.bfloat16)
     r = data.draw(st.integers(0, rows - 1))
+    path = data.draw(st.sampled_from(shape_paths(hidden, inter)))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        together = native.native_swiglu(x, packed, hidden, inter)[r]
+        together = native.native_swiglu(x, packed, hidden, inter, path)[r]
         torch.set_num_threads(1)
-        alone = native.native_swiglu(x[r : r + 1], packed, hidden, inter)[0]
+        alone = native.native_swiglu(x[r : r + 1], packed, hidden, inter, path)[0]
     finally:
         torch.set_num_threads(before)
     others = torch.cat([torch.full((5, hidden), 3.0, dtype=torch.bfloat16), x[r : r + 1]])
-    elsewhere = native.native_swiglu(others, packed, hidden, inter)[5]
+    elsewhere = native.native_swiglu(others, packed, hidden, inter, path)[5]
     assert torch.equal(together, alone) and torch.equal(alone, elsewhere)
     # past CHUNK rows (a long prompt) the kernel runs in chunks: the same bits
     long = torch.cat([torch.zeros(native.CHUNK + 3, hidden, dtype=torch.bfloat16), x[r : r + 1]])
-    assert torch.equal(native.native_swiglu(long, packed, hidden, inter)[-1], alone)
+    assert torch.equal(native.native_swiglu(long, packed, hidden, inter, path)[-1], alone)
 
 
 @needs_native
@@ -113,28 +154,29 @@ def test_the_host_path_runs_a_row_invariant_kernel_on_the_rows_as_they_are():
 @needs_native
 @settings(max_examples=20, deadline=None)
 @given(counts=st.lists(st.integers(1, 90), min_size=1, max_size=7), shape=st.sampled_from([(64, 96), (33, 17)]),
-       threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 1000))
-def test_several_experts_in_one_call_give_each_row_the_bits_of_its_own_call(counts, shape, threads, seed):
+       threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 1000), data=st.data())
+def test_several_experts_in_one_call_give_each_row_the_bits_of_its_own_call(counts, shape, threads, seed, data):
     """`native_swiglu_many`: experts of one shape on rows of their own, in calls of at most CALL_ROWS rows of jobs of at
-    most CHUNK: each output equals the expert's own `native_swiglu` call bit for bit (AMX and AVX512-BF16 widths),
-    whatever the other experts, their rows or the threads."""
+    most CHUNK: each output equals the expert's own `native_swiglu` call bit for bit (AMX and AVX512-BF16 widths;
+    AVX2 at both), whatever the other experts, their rows or the threads."""
     hidden, inter = shape
+    path = data.draw(st.sampled_from(shape_paths(hidden, inter)))
     generator = torch.Generator().manual_seed(seed)
     jobs = [((torch.randn(count, hidden, generator=generator) * 2).to(torch.bfloat16), expert(hidden, inter, seed + i))
             for i, count in enumerate(counts)]
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        together = native.native_swiglu_many(jobs, hidden, inter)
+        together = native.native_swiglu_many(jobs, hidden, inter, path)
         torch.set_num_threads(1)
-        alone = [native.native_swiglu(rows, packed, hidden, inter) for rows, packed in jobs]
+        alone = [native.native_swiglu(rows, packed, hidden, inter, path) for rows, packed in jobs]
     finally:
         torch.set_num_threads(before)
     assert [out.shape for out in together] == [(count, hidden) for count in counts]
     assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))
     # an expert with no rows among them gets an empty output and moves nothing else
     empty = torch.empty(0, hidden, dtype=torch.bfloat16)
-    with_empty = native.native_swiglu_many([(empty, jobs[0][1])] + jobs, hidden, inter)
+    with_empty = native.native_swiglu_many([(empty, jobs[0][1])] + jobs, hidden, inter, path)
     assert with_empty[0].shape == (0, hidden) and all(torch.equal(a, b) for a, b in zip(with_empty[1:], alone))
 
 
@@ -186,7 +228,7 @@ def test_which_kernels_the_calibration_chooses_from(monkeypatch):
     assert names(costs.host_kernels("auto", mlp, 8, 4, torch.bfloat16, own_expert=True)) == ["torch"]
     with pytest.raises(ConfigError, match="native: unavailable here .*float32"):
         costs.host_kernels("native", mlp, 8, 4, torch.float32)
-    monkeypatch.setattr(native, "unavailable", lambda: "the CPU has no AVX512-BF16")
+    monkeypatch.setattr(native, "unavailable", lambda: "the CPU has neither AVX512-BF16 nor AVX2 with FMA")
     assert names(costs.host_kernels("auto", mlp, 8, 4, torch.bfloat16)) == ["torch"]
     with pytest.raises(ConfigError, match="AVX512-BF16"):
         costs.host_kernels("native", mlp, 8, 4, torch.bfloat16)

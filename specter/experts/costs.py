@@ -84,8 +84,8 @@ HOST_KERNELS = ("auto", "torch", "native")
 def host_kernels(choice: str, mlp: ExpertFunction, hidden_size: int, intermediate: int, dtype: torch.dtype,
                  own_expert: bool = False) -> list[HostKernel]:
     """The host kernels the calibration times for `choice` (HOST_KERNELS): torch's, the family's `mlp` on blocks;
-    and the native one (`specter.experts.native`: the families' SwiGLU in bf16 on a CPU with AVX512-BF16 and a C
-    compiler), unless the model brings an expert of its own (`own_expert`). 'native' where it is unavailable is
+    and the native one (`specter.experts.native`: the families' SwiGLU in bf16 on an x86 CPU with AVX2 and FMA
+    at least, and a C compiler), unless the model brings an expert of its own (`own_expert`). 'native' where it is unavailable is
     refused."""
     from specter.experts import native
 

@@ -1,24 +1,28 @@
-"""A native host kernel for one routed expert (SwiGLU) on x86 CPUs with AVX512-BF16, and AMX where the CPU has it:
-bf16 weights read once, as they lie in the pool, products summed in float32, one OpenMP team for the whole expert.
+"""A native host kernel for routed experts (SwiGLU) on x86 CPUs: AMX where the CPU has it, else AVX512-BF16, else AVX2
+with FMA: bf16 weights read once, as they lie in the pool, products summed in float32, one OpenMP team for the call.
 
 Why: torch's bf16 `F.linear` on the CPU reformats the weights for oneDNN on each call or pays a fixed cost per product
 that dominates at a verify's few rows (docs/BENCHMARKS.md, "Host expert path"); a host expert is a GEMV over bytes
 that are read once, so its floor is memory bandwidth. With AMX (Sapphire Rapids and later) it computes C^T = W X^T:
 the weights are the tiles' left operand as they lie, the few input rows are packed once per call into the right
-operand's pairs, so even 16 rows cost what one does; without, AVX512-BF16 dot products in tiles of 4 weight rows by 4
-input rows. Either way each output is a float32 sum over K in one fixed order, whatever the rows beside it, their
-count or the threads: a row's output does not depend on the rows beside it, as the host path's contract requires.
-Which of the two a shape takes is fixed on a machine (`uses_amx`).
+operand's pairs, so even 16 rows cost what one does; with AVX512-BF16 (Cooper Lake, Sapphire Rapids, AMD Zen 4),
+dot products in tiles of 4 weight rows by 4 input rows; on the rest (AVX2 and FMA: most desktop CPUs, Intel's since
+Alder Lake among them), the weights widened exactly to float32 and FMAs in tiles of 4 weight rows by 2 input rows.
+Each way each output is a float32 sum over K in one fixed order, whatever the rows beside it, their count or the
+threads: a row's output does not depend on the rows beside it, as the host path's contract requires. Which path a
+shape takes is fixed on a machine (`path_for`); the three round differently.
 
 Built on first use with the system's C compiler (gcc or cc, `-O3 -march=native -fopenmp`) into the cache directory
-(`SPECTER_CACHE`), keyed by the source and the CPU; `load()` is None where there is no compiler, no AVX512-BF16, or the
-build fails (`unavailable()` says which), and the host path keeps torch's kernel. Which of the two runs is the load's
-calibration's choice, the faster on this machine (`specter.experts.costs.host_kernels`, tuning.host.kernel).
+(`SPECTER_CACHE`), keyed by the source and the CPU, holding the paths the CPU has (`paths`); `load()` is None where
+there is no compiler, no AVX2 with FMA, or the build fails (`unavailable()` says which), and the host path keeps
+torch's kernel. Which of the two runs is the load's calibration's choice, the faster on this machine
+(`specter.experts.costs.host_kernels`, tuning.host.kernel).
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
 import hashlib
 import os
@@ -40,6 +44,7 @@ SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 
+#ifdef __AVX512BF16__
 /* One tile: y[b0 + i, n0 + j] for i < BB, j < NB, over the whole K: NB x BB float32 accumulators in registers (the
    bounds are constants where the caller passes them, so the loops unroll and nothing spills), each a sum over K in
    32-wide steps in the same order whatever the tile. */
@@ -77,6 +82,86 @@ static void gemv_tile(const uint16_t *x, int rows, int k_len, const uint16_t *w,
                     for (int i = 0; i < bb; i++) tile(x, k_len, w, n + j, b + i, y, y_stride, 1, 1);
         }
     }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* The AVX2 path, for CPUs without AVX512-BF16 (most desktop CPUs before AMD's Zen 4, Intel's since Alder Lake): 8 bf16
+   widened exactly to float32 (a 16-bit shift), float32 FMAs. */
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float sum8(__m256 v) {  /* the 8 lanes in one fixed order */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __m256 bf16x8_tail(const uint16_t *p, int n) {  /* the last n < 8 of a row, zero-padded */
+    uint16_t pad[8] = {0};
+    for (int i = 0; i < n; i++) pad[i] = p[i];
+    return bf16x8(pad);
+}
+
+/* One tile of NB weight rows by BB input rows (NB x BB <= 8 accumulators, 13 of the 16 registers at most), each
+   output a float32 sum over K in 8-wide steps in the same order whatever the tile, then its lanes in a fixed order. */
+static inline __attribute__((always_inline)) void tile8(const uint16_t *x, int k_len, const uint16_t *w, int n0, int b0,
+                                                        float *y, int y_stride, const int NB, const int BB) {
+    __m256 acc[2][4];
+    for (int i = 0; i < BB; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();
+    int body = k_len & ~7;
+    for (int k = 0; k < body; k += 8) {
+        __m256 wv[4];
+        for (int j = 0; j < NB; j++) wv[j] = bf16x8(w + (int64_t)(n0 + j) * k_len + k);
+        for (int i = 0; i < BB; i++) {
+            __m256 xv = bf16x8(x + (int64_t)(b0 + i) * k_len + k);
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    if (body < k_len) {
+        __m256 wv[4];
+        for (int j = 0; j < NB; j++) wv[j] = bf16x8_tail(w + (int64_t)(n0 + j) * k_len + body, k_len - body);
+        for (int i = 0; i < BB; i++) {
+            __m256 xv = bf16x8_tail(x + (int64_t)(b0 + i) * k_len + body, k_len - body);
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < BB; i++)
+        for (int j = 0; j < NB; j++) y[(int64_t)(b0 + i) * y_stride + n0 + j] = sum8(acc[i][j]);
+}
+
+/* gemv_tile's product on the AVX2 path: tiles of 4 weight rows by 2 input rows. */
+static void gemv8(const uint16_t *x, int rows, int k_len, const uint16_t *w, int n0, int n1, float *y, int y_stride) {
+    for (int n = n0; n < n1; n += 4) {
+        int nn = n1 - n < 4 ? n1 - n : 4;
+        for (int b = 0; b < rows; b += 2) {
+            int bb = rows - b < 2 ? rows - b : 2;
+            if (nn == 4 && bb == 2) tile8(x, k_len, w, n, b, y, y_stride, 4, 2);
+            else if (nn == 4 && bb == 1) tile8(x, k_len, w, n, b, y, y_stride, 4, 1);
+            else
+                for (int j = 0; j < nn; j++)
+                    for (int i = 0; i < bb; i++) tile8(x, k_len, w, n + j, b + i, y, y_stride, 1, 1);
+        }
+    }
+}
+#endif
+
+/* The paths this build holds, bit by bit (the Path enum's values): 1 AVX2, 2 AVX512-BF16, 4 AMX (its tiles still
+   need amx_init's grant). */
+int paths(void) {
+    int built = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    built |= 1;
+#endif
+#ifdef __AVX512BF16__
+    built |= 2;
+#endif
+#ifdef __AMX_BF16__
+    built |= 4;
+#endif
+    return built;
 }
 
 static uint16_t to_bf16(float value) {  /* round to nearest even, as torch rounds a finite float32 to bfloat16 */
@@ -163,7 +248,7 @@ typedef struct {
 /* This thread's share of one product phase over every job: output blocks of `step` rows of the weights (W13's 2I or
    W2's D = n_len), numbered job by job, split into contiguous runs over the team. A block is computed the same way
    whichever thread takes it and whatever job precedes it, so the split changes no bit. */
-static void products(const expert_job *jobs, int count, int n_len, int k_len, int step, int amx, int second,
+static void products(const expert_job *jobs, int count, int n_len, int k_len, int step, int path, int second,
                      int team, int me) {
     int64_t units = (n_len + step - 1) / step, total = units * count;
     int64_t lo = total * me / team, hi = total * (me + 1) / team;
@@ -173,10 +258,16 @@ static void products(const expert_job *jobs, int count, int n_len, int k_len, in
         int n0 = (int)(first * step), n1 = (int)(last * step) < n_len ? (int)(last * step) : n_len;
         const uint16_t *w = second ? job->w2 : job->w13;
         float *y = second ? job->down : job->gate_up;
+        const uint16_t *x = second ? job->act : job->x;
 #ifdef __AMX_BF16__
-        if (amx) amx_product(job->packed, (int)job->rows, k_len, w, n0, n1, y, n_len);
+        if (path == 2) amx_product(job->packed, (int)job->rows, k_len, w, n0, n1, y, n_len);
 #endif
-        if (!amx) gemv_tile(second ? job->act : job->x, (int)job->rows, k_len, w, n0, n1, y, n_len);
+#ifdef __AVX512BF16__
+        if (path == 1) gemv_tile(x, (int)job->rows, k_len, w, n0, n1, y, n_len);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+        if (path == 0) gemv8(x, (int)job->rows, k_len, w, n0, n1, y, n_len);
+#endif
         u += last - first;
     }
 }
@@ -202,16 +293,16 @@ static void elementwise(const expert_job *jobs, int count, int width, int inter,
 }
 
 /* out[b, :] = W2 (silu(W1 x_b) * (W3 x_b)) for every job's rows b (experts of one shape, hidden D and inter I, each
-   with its own rows). `amx` (amx_init granted, D and I multiples of 32): AMX tiles, else AVX512-BF16; the caller
-   fixes it for a shape, so a row's bits never depend on the path. One team of `threads` (the caller's torch count:
+   with its own rows). `path` (one this build holds, `paths`): 2 AMX tiles (amx_init granted, D and I multiples of 32),
+   1 AVX512-BF16, 0 AVX2; the caller fixes it for a shape on a machine, so a row's bits never depend on the call. One team of `threads` (the caller's torch count:
    torch's OpenMP runtime may not be this one, so its count is passed, not read) for the whole call, whatever the
    number of experts: every job's gate/up blocks split over it, a barrier, the activations, a barrier, the down
    blocks, a barrier, the outputs. A layer's host experts in one call pay the team's start and its barriers once. */
-void experts_swiglu(const expert_job *jobs, int count, int hidden, int inter, int amx, int threads) {
+void experts_swiglu(const expert_job *jobs, int count, int hidden, int inter, int path, int threads) {
     #pragma omp parallel num_threads(threads)
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
-        int step = amx ? 32 : 4;
+        int amx = path == 2, step = amx ? 32 : 4;
 #ifdef __AMX_BF16__
         if (amx) {
             amx_configure();
@@ -219,7 +310,7 @@ void experts_swiglu(const expert_job *jobs, int count, int hidden, int inter, in
         }
         #pragma omp barrier
 #endif
-        products(jobs, count, 2 * inter, hidden, step, amx, 0, team, me);
+        products(jobs, count, 2 * inter, hidden, step, path, 0, team, me);
         #pragma omp barrier
         elementwise(jobs, count, inter, inter, 1, team, me);
         #pragma omp barrier
@@ -227,7 +318,7 @@ void experts_swiglu(const expert_job *jobs, int count, int hidden, int inter, in
         if (amx) for (int j = 0; j < count; j++) amx_pack(jobs[j].act, (int)jobs[j].rows, inter, jobs[j].packed, team, me);
         #pragma omp barrier
 #endif
-        products(jobs, count, hidden, inter, step, amx, 1, team, me);
+        products(jobs, count, hidden, inter, step, path, 1, team, me);
 #ifdef __AMX_BF16__
         if (amx) _tile_release();
 #endif
@@ -285,16 +376,30 @@ def digest() -> str:
     return hashlib.sha256((SOURCE + cpu_name() + " ".join(sorted(_cpu_flags()))).encode()).hexdigest()[:16]
 
 
+class CodePath(enum.IntEnum):
+    """The kernel's code paths (the C side's `path`; bit 1 << path of its `paths()`)."""
+
+    AVX2 = 0
+    AVX512_BF16 = 1
+    AMX = 2
+
+
 @functools.cache
 def _built() -> tuple[ctypes.CDLL | None, str | None]:
     from specter.builtin import cache_dir
 
-    if "avx512_bf16" not in _cpu_flags():
-        return None, "the CPU has no AVX512-BF16"
+    flags = _cpu_flags()
+    if "avx512_bf16" not in flags and not {"avx2", "fma"} <= flags:
+        return None, "the CPU has neither AVX512-BF16 nor AVX2 with FMA"
+    return build("native", cache_dir() / f"host-expert-{digest()}.so")
+
+
+def build(march: str, library: Path) -> tuple[ctypes.CDLL | None, str | None]:
+    """The kernel compiled for `-march=MARCH` into `library` (reused where it exists) and loaded, or None and why.
+    `load()` builds for the machine (native); another target builds the paths that CPU has (haswell: AVX2 only)."""
     compiler = shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         return None, "no C compiler (gcc or cc) on PATH"
-    library = cache_dir() / f"host-expert-{digest()}.so"
     try:
         if not library.exists():
             library.parent.mkdir(parents=True, exist_ok=True)
@@ -302,8 +407,8 @@ def _built() -> tuple[ctypes.CDLL | None, str | None]:
                 source = Path(scratch) / "host_expert.c"
                 source.write_text("#include <omp.h>\n" + SOURCE)
                 built = Path(scratch) / library.name
-                command = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(built),
-                           "-lm"]
+                command = [compiler, "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", str(source), "-o",
+                           str(built), "-lm"]
                 result = subprocess.run(command, capture_output=True, text=True, timeout=300)
                 if result.returncode != 0:
                     log.warning("host_kernel.build_failed", command=" ".join(command), stderr=result.stderr[-2000:])
@@ -315,21 +420,46 @@ def _built() -> tuple[ctypes.CDLL | None, str | None]:
     kernel.experts_swiglu.restype = None
     kernel.experts_swiglu.argtypes = [ctypes.POINTER(_Job), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                       ctypes.c_int]
-    kernel.amx = "amx_bf16" in _cpu_flags() and bool(kernel.amx_init())
-    log.info("host_kernel.loaded", library=str(library), amx=kernel.amx)
+    built = kernel.paths()
+    usable = [path for path in CodePath if built & (1 << path)]
+    if CodePath.AMX in usable and not ("amx_bf16" in _cpu_flags() and kernel.amx_init()):
+        usable.remove(CodePath.AMX)  # built, but Linux did not grant the tile state
+    if not usable:
+        return None, f"its build for {march} holds no path (neither AVX2 with FMA nor AVX512-BF16)"
+    kernel.usable = usable
+    log.info("host_kernel.loaded", library=str(library), paths=[path.name for path in usable])
     return kernel, None
 
 
-def native_swiglu(rows: Tensor, packed: Tensor, hidden: int, inter: int) -> Tensor:
+def paths() -> list[CodePath]:
+    """The paths the kernel can take on this machine (empty: no kernel)."""
+    kernel = load()
+    return list(kernel.usable) if kernel is not None else []
+
+
+def path_for(hidden: int, inter: int) -> CodePath:
+    """The path this shape's experts take on this machine: AMX where it is usable and both widths are multiples of 32,
+    else AVX512-BF16 where the CPU has it, else AVX2. Fixed for a shape on a machine, so a row's bits never depend on
+    the call. Requires `load()`."""
+    usable = paths()
+    assert usable, "path_for needs the native kernel (native.load())"
+    if CodePath.AMX in usable and hidden % 32 == 0 and inter % 32 == 0:
+        return CodePath.AMX
+    return CodePath.AVX512_BF16 if CodePath.AVX512_BF16 in usable else CodePath.AVX2
+
+
+def native_swiglu(rows: Tensor, packed: Tensor, hidden: int, inter: int, path: CodePath | None = None) -> Tensor:
     """`weights.swiglu` with the native kernel: rows [B, D] bf16 (CPU), the packed bf16 expert -> [B, D] bf16. The
     OpenMP team has the calling thread's torch thread count (`torch.get_num_threads()`). Requires `load()`."""
-    return native_swiglu_many([(rows, packed)], hidden, inter)[0]
+    return native_swiglu_many([(rows, packed)], hidden, inter, path)[0]
 
 
-def native_swiglu_many(jobs: Sequence[tuple[Tensor, Tensor]], hidden: int, inter: int) -> list[Tensor]:
+def native_swiglu_many(jobs: Sequence[tuple[Tensor, Tensor]], hidden: int, inter: int,
+                       path: CodePath | None = None) -> list[Tensor]:
     """`native_swiglu` of several experts of one shape, each on its own rows: [(rows [B_j, D] bf16, packed expert)] ->
     [[B_j, D] bf16], in calls of at most CALL_ROWS rows (of jobs of at most CHUNK rows) that each start the OpenMP
-    team once for all their experts. Every output row has the bits `native_swiglu` gives it alone. Requires `load()`."""
+    team once for all their experts. Every output row has the bits `native_swiglu` gives it alone. `path`: the shape's
+    (`path_for`) unless given (one of `paths()`: the tests run each path this machine has). Requires `load()`."""
     kernel = load()
     assert kernel is not None, "native_swiglu needs the native kernel (native.load())"
     pieces: list[tuple[int, Tensor, Tensor]] = []  # (job, rows of at most CHUNK, packed)
@@ -340,12 +470,14 @@ def native_swiglu_many(jobs: Sequence[tuple[Tensor, Tensor]], hidden: int, inter
         rows = rows.contiguous()
         pieces.extend((index, rows[start : start + CHUNK], packed) for start in range(0, rows.shape[0], CHUNK))
     outputs: list[list[Tensor]] = [[] for _ in jobs]
-    amx = uses_amx(hidden, inter)
+    path = path_for(hidden, inter) if path is None else path
+    assert path in kernel.usable, f"path {path!r} is not one this machine's kernel can take ({kernel.usable})"
+    assert path != CodePath.AMX or (hidden % 32 == 0 and inter % 32 == 0), "AMX tiles need widths that are multiples of 32"
     call: list[tuple[int, Tensor, Tensor]] = []
     call_rows = 0
     for piece in pieces + [None]:
         if call and (piece is None or call_rows + piece[1].shape[0] > CALL_ROWS):
-            for (index, _, _), out in zip(call, _call(kernel, call, hidden, inter, amx), strict=True):
+            for (index, _, _), out in zip(call, _call(kernel, call, hidden, inter, path), strict=True):
                 outputs[index].append(out)
             call, call_rows = [], 0
         if piece is not None:
@@ -356,7 +488,7 @@ def native_swiglu_many(jobs: Sequence[tuple[Tensor, Tensor]], hidden: int, inter
 
 
 def _call(kernel: ctypes.CDLL, call: Sequence[tuple[int, Tensor, Tensor]], hidden: int, inter: int,
-          amx: bool) -> list[Tensor]:
+          path: CodePath) -> list[Tensor]:
     """One call of the kernel on `call`'s pieces (each of at least one row): the scratch of all of them in one
     allocation of each kind; their outputs, views of one tensor."""
     counts = [rows.shape[0] for _, rows, _ in call]
@@ -365,6 +497,7 @@ def _call(kernel: ctypes.CDLL, call: Sequence[tuple[int, Tensor, Tensor]], hidde
     act = torch.empty(total, inter, dtype=torch.bfloat16)
     down = torch.empty(total, hidden, dtype=torch.float32)
     out = torch.empty(total, hidden, dtype=torch.bfloat16)
+    amx = path == CodePath.AMX
     packed_bytes = [-(-count // 16) * max(hidden, inter) * 32 if amx else 0 for count in counts]
     scratch = torch.empty(max(1, sum(packed_bytes)), dtype=torch.uint8)
     jobs = (_Job * len(call))()
@@ -376,13 +509,5 @@ def _call(kernel: ctypes.CDLL, call: Sequence[tuple[int, Tensor, Tensor]], hidde
         job.out, job.packed, job.rows = out[row].data_ptr(), scratch.data_ptr() + offset, count
         outputs.append(out[row : row + count])
         row, offset = row + count, offset + size
-    kernel.experts_swiglu(jobs, len(call), hidden, inter, int(amx), torch.get_num_threads())
+    kernel.experts_swiglu(jobs, len(call), hidden, inter, int(path), torch.get_num_threads())
     return outputs
-
-
-def uses_amx(hidden: int, inter: int) -> bool:
-    """Whether the kernel computes this shape's experts with AMX tiles (the CPU has them, Linux granted them, and both
-    widths are multiples of 32), else with AVX512-BF16: fixed for a shape on a machine, so a row's bits never depend
-    on the path."""
-    kernel = load()
-    return bool(kernel is not None and kernel.amx and hidden % 32 == 0 and inter % 32 == 0)
