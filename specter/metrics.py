@@ -29,7 +29,7 @@ class RequestStats:
     carried_rounds: int = 0  # rounds that started with steps a draft-ahead had taken
     carried_steps: int = 0  # draft steps taken over that way (not drafted again)
     accepted_lengths: Counter = dataclasses.field(default_factory=Counter)  # accepted drafts per speculative round
-    depths: Counter = dataclasses.field(default_factory=Counter)  # the draft depth k of each speculative round
+    depths: Counter = dataclasses.field(default_factory=Counter)  # the depth k each speculative round ran (probes too; cut to the tokens left)
     hits: int = 0
     misses: int = 0
     host_computed_experts: int = 0  # routed experts computed on the host CPU (placement), per (layer, expert) per forward
@@ -227,9 +227,9 @@ class Estimates:
     def observe_acceptance(self, k: int, accepted: int) -> None:
         """Positions 0..accepted-1 were accepted; position `accepted` (if < k) was rejected.
 
-        A position reached for the first time starts from its predecessor's estimate, the value the flat
-        extrapolation (`measured_acceptance`) gave it until now, and this one observation moves it by `alpha`
-        like any later one. Replacing it instead made one rejection final: a position first reached by a
+        A position reached for the first time starts from its predecessor's estimate (as this round has just
+        updated it: the value the flat extrapolation of `measured_acceptance` gives it now), and this one
+        observation moves it by `alpha` like any later one. Replacing it instead made one rejection final: a position first reached by a
         round that stopped there read 0, every deeper draft then looked worthless to the governor, and only
         a probe (after `probe_every` rounds at one depth) would reach that position again. Position 0 has no
         measured predecessor, so its first observation still replaces the prior."""

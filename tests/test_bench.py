@@ -107,7 +107,7 @@ def test_exact_prefetch_specter_replays_specters_rounds_with_perfect_prefetch(ma
 
 
 def test_a_cells_depth_histogram_counts_every_speculative_round_at_its_depth(matrix):
-    """The governor's choices, per run and pooled per cell: the depths sum to the drafted tokens, the counts to
+    """The depth each speculative round ran (the governor's choice, cut to the tokens left), per run and pooled per cell: the depths sum to the drafted tokens, the counts to
     the speculative rounds (those with an accepted length)."""
     results = matrix[2]
     drafting = [run for run in results["runs"] if run["drafted"]]
@@ -818,6 +818,7 @@ def test_cpu_experts_copies_nothing_and_is_held_to_its_own_placements_baseline(t
     decode_tokens = sum(run["new_tokens"] - 1 for run in runs)
     assert all(0 < run["host_prefill_experts"] < run["host_computed_experts"] for run in runs)
     assert row["host_per_token"] == round(sum(r["host_computed_experts"] - r["host_prefill_experts"] for r in runs) / decode_tokens, 3)
+    assert row["host_ms_per_token"] == round(1e3 * sum(r["host_compute_s"] - r["host_prefill_s"] for r in runs) / decode_tokens, 3)
     assert 0 < row["host_ms_per_token"] < 1e3 * sum(r["host_compute_s"] for r in runs) / decode_tokens
 
 

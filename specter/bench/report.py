@@ -211,7 +211,8 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "host_hidden": _host_hidden(runs),
         "tokens_equal": all(r["tokens_equal"] for r in runs),
         "accepted_length_histogram": {str(n): c for n, c in sorted(histogram.items())},
-        "depth_histogram": {str(k): c for k, c in sorted(_counts(runs, "depth_histogram").items())},
+        "depth_histogram": ({str(k): c for k, c in sorted(_counts(runs, "depth_histogram").items())}
+                            if all("depth_histogram" in r for r in runs) else None),  # None: runs from before it was kept
         "placement": runs[0].get("placement"),
     }
 

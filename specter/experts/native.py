@@ -358,7 +358,8 @@ def _cpu_flags() -> set[str]:
 
 
 def unavailable() -> str | None:
-    """Why the native kernel cannot run here (no AVX512-BF16, no compiler, a failed build), or None: it can."""
+    """Why the native kernel cannot run here (neither AVX512-BF16 nor AVX2 with FMA, no compiler, a failed build), or
+    None: it can."""
     return _built()[1]
 
 
@@ -471,8 +472,10 @@ def native_swiglu_many(jobs: Sequence[tuple[Tensor, Tensor]], hidden: int, inter
         pieces.extend((index, rows[start : start + CHUNK], packed) for start in range(0, rows.shape[0], CHUNK))
     outputs: list[list[Tensor]] = [[] for _ in jobs]
     path = path_for(hidden, inter) if path is None else path
-    assert path in kernel.usable, f"path {path!r} is not one this machine's kernel can take ({kernel.usable})"
-    assert path != CodePath.AMX or (hidden % 32 == 0 and inter % 32 == 0), "AMX tiles need widths that are multiples of 32"
+    if path == CodePath.AMX and (hidden % 32 or inter % 32):
+        raise ValueError(f"AMX tiles need widths that are multiples of 32, not {hidden} x {inter}")
+    if path not in kernel.usable:
+        raise ValueError(f"path {path.name} is not one this machine's kernel can take ({[p.name for p in kernel.usable]})")
     call: list[tuple[int, Tensor, Tensor]] = []
     call_rows = 0
     for piece in pieces + [None]:
