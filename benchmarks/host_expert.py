@@ -224,9 +224,7 @@ def other_paths(hidden: int, inter: int) -> list[native.CodePath]:
     same kernel costs on a CPU without AMX or AVX512-BF16, timed here."""
     if native.load() is None:
         return []
-    chosen = native.path_for(hidden, inter)
-    return [path for path in native.paths() if path != chosen
-            and (path != native.CodePath.AMX or (hidden % 32 == 0 and inter % 32 == 0))]
+    return [path for path in native.shape_paths(hidden, inter) if path != native.path_for(hidden, inter)]
 
 
 def interleaved(runs: dict[str, Callable[[], object]], repeats: int, scratch: torch.Tensor | None,

@@ -229,9 +229,9 @@ class Estimates:
 
         A position reached for the first time starts from its predecessor's estimate (as this round has just
         updated it: the value the flat extrapolation of `measured_acceptance` gives it now), and this one
-        observation moves it by `alpha` like any later one. Replacing it instead made one rejection final: a position first reached by a
-        round that stopped there read 0, every deeper draft then looked worthless to the governor, and only
-        a probe (after `probe_every` rounds at one depth) would reach that position again. Position 0 has no
+        observation moves it by `alpha` like any later one. Replacing it instead made one rejection final: a
+        position first reached by a round that stopped there read 0, every deeper draft then looked worthless to
+        the governor, and only a probe (after `probe_every` rounds at one depth) would reach that position again. Position 0 has no
         measured predecessor, so its first observation still replaces the prior."""
         for position in range(min(k, accepted + 1)):
             value = 1.0 if position < accepted else 0.0

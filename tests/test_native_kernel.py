@@ -28,10 +28,7 @@ from tests.test_speculative import DEVICE, checkpoint
 needs_native = pytest.mark.skipif(native.unavailable() is not None, reason=f"native kernel: {native.unavailable()}")
 
 
-def shape_paths(hidden: int, inter: int) -> list[native.CodePath]:
-    """The kernel's paths this machine can run a shape on (AMX only for widths that are multiples of 32)."""
-    return [path for path in native.paths()
-            if path != native.CodePath.AMX or (hidden % 32 == 0 and inter % 32 == 0)]
+shape_paths = native.shape_paths  # the kernel's paths this machine can run a shape on
 
 
 class Memory:

@@ -223,7 +223,7 @@ def _host_decode_per_token(runs: Sequence[dict], total: str, prefill: str, scale
     host work was kept apart."""
     if any(prefill not in r for r in runs):
         return None
-    tokens = sum(max(0, r["new_tokens"] - 1) for r in runs)
+    tokens = _decode_tokens(runs)
     return round(scale * sum(r.get(total, 0) - r[prefill] for r in runs) / tokens, 3) if tokens else None
 
 
@@ -374,8 +374,13 @@ def decode_mb_per_token(runs: Sequence[dict]) -> float | None:
     recorded before the prefill's bytes were kept apart."""
     if any("h2d_prefill_bytes" not in r for r in runs):
         return None
-    tokens = sum(max(0, r["new_tokens"] - 1) for r in runs)
+    tokens = _decode_tokens(runs)
     return round(sum(r["h2d_bytes"] - r["h2d_prefill_bytes"] for r in runs) / tokens / 1e6, 3) if tokens else None
+
+
+def _decode_tokens(runs: Sequence[dict]) -> int:
+    """The runs' tokens after their first (the prompt's forward makes the first): what TPOT divides."""
+    return sum(max(0, r["new_tokens"] - 1) for r in runs)
 
 
 def floor_mb_per_token(runs: Sequence[dict]) -> float | None:
@@ -383,7 +388,7 @@ def floor_mb_per_token(runs: Sequence[dict]) -> float | None:
     decode MB/token is; None where a run has no floor (resident, HF, results from before it was kept)."""
     if any(r.get("h2d_decode_floor_bytes") is None for r in runs):
         return None
-    tokens = sum(max(0, r["new_tokens"] - 1) for r in runs)
+    tokens = _decode_tokens(runs)
     return round(sum(r["h2d_decode_floor_bytes"] for r in runs) / tokens / 1e6, 3) if tokens else None
 
 

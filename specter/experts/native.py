@@ -438,15 +438,19 @@ def paths() -> list[CodePath]:
     return list(kernel.usable) if kernel is not None else []
 
 
+def shape_paths(hidden: int, inter: int) -> list[CodePath]:
+    """The paths this machine can run a shape's experts on: its usable ones, AMX only where both widths are multiples
+    of 32 (its tiles' pairs)."""
+    return [path for path in paths() if path != CodePath.AMX or (hidden % 32 == 0 and inter % 32 == 0)]
+
+
 def path_for(hidden: int, inter: int) -> CodePath:
-    """The path this shape's experts take on this machine: AMX where it is usable and both widths are multiples of 32,
-    else AVX512-BF16 where the CPU has it, else AVX2. Fixed for a shape on a machine, so a row's bits never depend on
-    the call. Requires `load()`."""
-    usable = paths()
+    """The path this shape's experts take on this machine, the fastest it can run them on (AMX, else AVX512-BF16, else
+    AVX2: CodePath's order). Fixed for a shape on a machine, so a row's bits never depend on the call. Requires
+    `load()`."""
+    usable = shape_paths(hidden, inter)
     assert usable, "path_for needs the native kernel (native.load())"
-    if CodePath.AMX in usable and hidden % 32 == 0 and inter % 32 == 0:
-        return CodePath.AMX
-    return CodePath.AVX512_BF16 if CodePath.AVX512_BF16 in usable else CodePath.AVX2
+    return max(usable)
 
 
 def native_swiglu(rows: Tensor, packed: Tensor, hidden: int, inter: int, path: CodePath | None = None) -> Tensor:
@@ -472,10 +476,10 @@ def native_swiglu_many(jobs: Sequence[tuple[Tensor, Tensor]], hidden: int, inter
         pieces.extend((index, rows[start : start + CHUNK], packed) for start in range(0, rows.shape[0], CHUNK))
     outputs: list[list[Tensor]] = [[] for _ in jobs]
     path = path_for(hidden, inter) if path is None else path
-    if path == CodePath.AMX and (hidden % 32 or inter % 32):
-        raise ValueError(f"AMX tiles need widths that are multiples of 32, not {hidden} x {inter}")
-    if path not in kernel.usable:
-        raise ValueError(f"path {path.name} is not one this machine's kernel can take ({[p.name for p in kernel.usable]})")
+    if path not in shape_paths(hidden, inter):
+        raise ValueError(f"path {path.name} cannot run {hidden} x {inter} experts here (this machine's paths for them: "
+                         f"{[p.name for p in shape_paths(hidden, inter)]}"
+                         + ("; AMX tiles need widths that are multiples of 32)" if path == CodePath.AMX else ")"))
     call: list[tuple[int, Tensor, Tensor]] = []
     call_rows = 0
     for piece in pieces + [None]:
