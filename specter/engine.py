@@ -232,6 +232,7 @@ class Runtime:
                     self.cache.unprotect_all(self.backend.record_event(self.backend.compute_stream))
         finally:  # whatever the cache or an observer raised, the rest still runs
             self.plan = None
+            self.estimates.break_plain_run()
             self.ahead.reset()
             self.ahead.join()
             self.kv.reset()
@@ -538,8 +539,14 @@ class Runtime:
         self.estimates.observe_draft(k, clock.draft_s, steps=self.ahead.steps_run(k))
         self.estimates.observe_round(k, round_s, clock.draft_s, clock.verify_s)
         rows = k + 1
-        if record is not None and k:
-            self.estimates.observe_union(rows, sum(record.first_row.values()), sum(len(used) for used in record.used.values()))
+        if record is not None:
+            routed = _routed_pairs(record)
+            if k:
+                self.estimates.observe_union(rows, sum(record.first_row.values()), len(routed))
+            else:
+                self.estimates.observe_plain_token(routed)
+        if k or record is None:
+            self.estimates.break_plain_run()
         self.estimates.observe_verify(rows, max(0.0, clock.verify_s - (record.stall_s if record else 0.0)), report.loaded_bytes)
         self.lookahead.observe(outcome=RoundOutcome(k=k, accepted=accepted, tpot_s=round_s / (accepted + 1), round_s=round_s))
 
@@ -616,6 +623,12 @@ class Runtime:
             round_overhead_s=self.estimates.overheads(),
             scout_s=(self.estimates.scout_s or sum(self.estimates.draft_fit())) if self._scouting() else 0.0,
         )
+
+
+def _routed_pairs(record) -> frozenset[tuple[int, int]]:
+    """The (layer, expert) pairs a forward's rows chose, on either path (the device's `used`, the host's `host_used`)."""
+    return frozenset((layer, expert) for used in (record.used, record.host_used) for layer, experts in used.items()
+                     for expert in experts)
 
 
 def _until_stop(tokens: list[int], stop: set[int]) -> list[int]:

@@ -220,6 +220,7 @@ class Estimates:
         self.new_bytes_plain: float | None = None  # bytes moved per plain-decoding (k = 0) token
         self.scout_s: float | None = None  # a plain round's one-step scout draft (DraftConfig.scout), EMA
         self.union_exponent: float | None = None  # beta: experts a verify needs grow as rows ** beta (EMA)
+        self._plain_window: deque[frozenset[tuple[int, int]]] = deque(maxlen=max(k_max, 1) + 1)  # observe_plain_token
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
@@ -228,17 +229,17 @@ class Estimates:
         """Positions 0..accepted-1 were accepted; position `accepted` (if < k) was rejected.
 
         A position reached for the first time starts from its predecessor's estimate (as this round has just
-        updated it: the value the flat extrapolation of `measured_acceptance` gives it now), and this one
-        observation moves it by `alpha` like any later one. Replacing it instead made one rejection final: a
-        position first reached by a round that stopped there read 0, every deeper draft then looked worthless to
-        the governor, and only a probe (after `probe_every` rounds at one depth) would reach that position again. Position 0 has no
-        measured predecessor, so its first observation still replaces the prior."""
+        updated it: the value the flat extrapolation of `measured_acceptance` gives it now), position 0 from the
+        prior, and this one observation moves it by `alpha` like any later one. Replacing it instead made one
+        rejection final: a position first reached by a round that stopped there read 0, every deeper draft then
+        looked worthless to the governor, and only a probe (after `probe_every` rounds at one depth) would reach
+        that position again; at position 0 that stopped speculation for the rest of a short request."""
         for position in range(min(k, accepted + 1)):
             value = 1.0 if position < accepted else 0.0
-            if self.acceptance_seen[position]:
+            if self.acceptance_seen[position] or not position:
                 old = self.acceptance[position]
             else:
-                old = self.acceptance[position - 1] if position else None
+                old = self.acceptance[position - 1]
             self.acceptance[position] = self._ema(old, value)
             self.acceptance_seen[position] = True
 
@@ -296,6 +297,19 @@ class Estimates:
             return
         beta = math.log(max(union_experts, first_row_experts) / first_row_experts) / math.log(rows)
         self.union_exponent = self._ema(self.union_exponent, min(1.0, max(0.0, beta)))
+
+    def observe_plain_token(self, routed: frozenset[tuple[int, int]]) -> None:
+        """A plain (k = 0) round's (layer, expert) pairs. Consecutive plain tokens are the rows a verify would
+        have checked together, so the union of the last few measures beta (`observe_union`) before any
+        speculative round has: without it beta stays 1 (every row brings its own experts), by which no depth
+        pays where the link dominates, and a link-bound engine that started plain stayed plain until a probe."""
+        self._plain_window.append(routed)
+        if len(self._plain_window) >= 2 and routed:
+            self.observe_union(len(self._plain_window), len(routed), len(frozenset().union(*self._plain_window)))
+
+    def break_plain_run(self) -> None:
+        """The next plain token does not follow the last one (a speculative round, or a new request)."""
+        self._plain_window.clear()
 
     def observe_verify(self, rows: int, compute_s: float, new_bytes: int) -> None:
         """One round's verify: rows, compute time without transfer stalls, and every byte the round copied."""
