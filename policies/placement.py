@@ -34,15 +34,16 @@ class Off:
 
 
 def kept_on_device(state: PlacementState, layer: int, rates: Sequence[float] | None = None) -> list[int]:
-    """The `slots_per_layer` experts a layer keeps on the device: its initial residents (the most recent ones) where
-    the cache holds some; else, with `rates`, the most used (lower id first on ties); else the lowest ids."""
-    initial = state.initial_residents[layer] if layer < len(state.initial_residents) else ()
-    slots = min(state.slots_per_layer, state.num_experts)
-    if initial:
-        return list(initial[-slots:])
-    if rates is None:
-        return list(range(slots))
-    return sorted(sorted(range(state.num_experts), key=lambda e: (-rates[e], e))[:slots])
+    """The `slots_per_layer` experts a layer keeps on the device: its initial residents (the most recent ones), and
+    where they leave slots free (a cache that starts empty, at load, or part-filled), with `rates` the most used of
+    the others (lower id first on ties), else the lowest other ids. A free slot left out would never be used by a
+    placement that does not copy (`all`)."""
+    initial = list(state.initial_residents[layer][-state.slots_per_layer:]) if layer < len(state.initial_residents) else []
+    room = min(state.slots_per_layer, state.num_experts) - len(initial)
+    others = [e for e in range(state.num_experts) if e not in initial]
+    if rates is not None:
+        others.sort(key=lambda e: (-rates[e], e))
+    return initial + sorted(others[:max(0, room)])
 
 
 class All:
@@ -50,8 +51,8 @@ class All:
     in-engine llama.cpp `--n-cpu-moe` / KTransformers style (the `cpu-experts` baseline).
 
     The device keeps each layer's initial residents (`PlacementState.initial_residents`, at most `slots_per_layer`,
-    the most recently used); a layer with none (a cache that starts empty, at load) keeps its lowest
-    `slots_per_layer` expert ids, which the builder loads once.
+    the most recently used), and fills the slots they leave free with the lowest other expert ids (all of them in a
+    cache that starts empty, at load), which the builder loads once.
     """
 
     def __init__(self) -> None:
@@ -77,8 +78,8 @@ class Auto:
     cost model in specter/placement.py (`use_rates`, `layer_path_uses`, `path_seconds`) from the measured copy and host
     times and the routing profile (uniform routing without one).
 
-    Per layer with S slots and E experts: the device keeps S experts (`kept_on_device`: its initial residents, else the
-    S most used); of the other E - S, the h least used go to the host, h from 0 to E - S, the h with the least expected
+    Per layer with S slots and E experts: the device keeps S experts (`kept_on_device`: its initial residents, the
+    free slots filled with the most used); of the other E - S, the h least used go to the host, h from 0 to E - S, the h with the least expected
     time winning (ties: fewer on the host). Least used first: a rarely used device-path expert is the one most likely
     to have left the cache by its next use, so per second of host time it saves the most copies. With h < E - S the
     layer's D = E - h device-path experts do not all fit in its S slots and churn through them: each use misses with

@@ -292,7 +292,10 @@ def test_budgets_give_slots_per_system():
     assert system_slots(SYSTEMS["scout-k0"], budget, *args)[0] == speculative  # a scout pays for the draft too
     int8 = system_slots(SYSTEMS["specter"], budget, *args, quant="int8")[0]  # a bigger draft leaves fewer slots
     assert int8 < speculative and system_slots(SYSTEMS["ondemand"], budget, *args, quant="int8")[0] == plain
-    assert initial_state(((1, 2, 3), (4,)), 2) == ((2, 3), (4,))
+    assert initial_state(((1, 2, 3), (4,)), 2, 8) == ((2, 3), (0, 4))  # a short layer filled, least recent first
+    assert initial_state(((1, 2, 3), ()), 3, 4) == ((1, 2, 3), (0, 1, 2))
+    assert initial_state(((1,),), 6, 4) == ((0, 2, 3, 1),)  # never more than the layer's experts
+    assert initial_state(((1, 2),), 0, 4) == ((),)
 
 
 def test_synthetic_prompts_are_seeded_and_in_vocabulary():

@@ -44,8 +44,9 @@ def test_off_and_all():
     at_load = every.place(state=state())  # an empty cache: the lowest ids stay on the device
     assert at_load.counts() == [6, 6, 6] and all(at_load.device_experts(layer) == [0, 1] for layer in range(3))
     warm = every.place(state=state(initial=((4, 6, 1), (3,), ())))  # the most recent `slots` of each layer's residents
-    assert warm.device_experts(0) == [1, 6] and warm.device_experts(1) == [3] and warm.device_experts(2) == [0, 1]
-    assert preloaded(warm, 2) == [[1, 6], [3], [0, 1]]
+    assert warm.device_experts(0) == [1, 6] and warm.device_experts(2) == [0, 1]
+    assert warm.device_experts(1) == [0, 3]  # a free slot beside the one resident: filled, not left to the host
+    assert preloaded(warm, 2) == [[1, 6], [0, 3], [0, 1]]
 
 
 def test_a_placement_policy_answering_wrong_is_named():
@@ -121,3 +122,18 @@ def test_info_counts_the_host_experts_of_a_placement(tiny):
     assert every["host_experts"] == every["moe_layers"] * (every["experts"] - 3)
     with pytest.raises(ConfigError, match="--residents"):
         checkpoint_summary(str(tiny), residents=0, cpu_experts="all")
+
+
+def test_kept_on_device_fills_the_slots_initial_residents_leave_free():
+    """A part-filled cache: the device keeps its residents and the most used (else lowest) other experts up to the
+    slots, so `all` never computes on the host an expert a free slot could hold."""
+    from policies.placement import All, kept_on_device
+
+    state_ = state(layers=2, experts=8, slots=4, initial=((5, 2), ()))
+    assert kept_on_device(state_, 0) == [5, 2, 0, 1]
+    assert kept_on_device(state_, 0, rates=[0.1, 0.0, 0.0, 0.3, 0.2, 0.0, 0.0, 0.9]) == [5, 2, 3, 7]
+    assert kept_on_device(state_, 1) == [0, 1, 2, 3]
+    placement = All().place(state_)
+    assert placement.host[0] == frozenset({3, 4, 6, 7}) and placement.host[1] == frozenset({4, 5, 6, 7})
+    full = state(layers=1, experts=8, slots=4, initial=((1, 2, 3, 4, 5),))
+    assert kept_on_device(full, 0) == [2, 3, 4, 5]  # the most recent four

@@ -420,7 +420,7 @@ class ModelBench:
             await runtime.use_slots(slots)
             runtime.set_link(link)
         runtime.configure(system, self.options.k)
-        start_state = initial_state(initial, slots) if initial is not None else None
+        start_state = initial_state(initial, slots, runtime.spec.num_experts) if initial is not None else None
         key = (cell["setting"], link)
         if runtime.cache is not None:
             # Baselines are shared by placement, not by policy name: the same policy may place a speculating system
