@@ -112,7 +112,8 @@ class Roofline:
     Expected tokens of depth k: E[k] + 1, where E[k] = sum_{i<=k} prod_{j<=i} a_j (a = acceptance by
     position; positions past the measured ones reuse the last measured, so a depth is tried once the
     measured ones say it pays, and is then measured; `prior_acceptance` when none is) and the 1 is
-    the target's own token. Time: draft(k) + verify(k+1 rows) + the part of the new bytes' transfer the draft
+    the target's own token. Time: draft(k) + verify(k+1 rows: a + b * (k + 1) ** beta, the verify's expert work
+    following its distinct experts) + the part of the new bytes' transfer the draft
     does not hide, max(0, bytes[k]/bandwidth - draft(k)). k=0 is plain decode: verify(1) + bytes[0]/bandwidth,
     or with a scout (`state.scout_s` > 0) scout + verify(1) + max(0, bytes[0]/bandwidth - scout).
     Ties go to the smaller k.
@@ -182,7 +183,7 @@ class Roofline:
     def round_s(self, state: LookaheadState, k: int) -> float:
         """Modelled seconds of a depth-k round."""
         transfer_s = _at_or_last(state.predicted_new_bytes, k, default=0.0) / state.bandwidth_bytes_per_s
-        verify_s = state.verify_s_fit[0] + state.verify_s_fit[1] * (k + 1)
+        verify_s = state.verify_s_fit[0] + state.verify_s_fit[1] * (k + 1) ** state.union_exponent
         if k == 0:  # a scout, if any, is charged like a one-step draft (its plan's copies overlap what follows)
             return state.round_overhead_s[0] + state.scout_s + verify_s + max(0.0, transfer_s - state.scout_s)
         draft_s = state.draft_step_s_fit[0] + state.draft_step_s_fit[1] * k

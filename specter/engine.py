@@ -622,6 +622,7 @@ class Runtime:
             model_key=f"{self.spec.family}:{self.spec.hidden_size}x{self.spec.num_layers}:{self.memory.slots_per_layer}",
             round_overhead_s=self.estimates.overheads(),
             scout_s=(self.estimates.scout_s or sum(self.estimates.draft_fit())) if self._scouting() else 0.0,
+            union_exponent=self.estimates.beta,
         )
 
 

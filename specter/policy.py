@@ -85,7 +85,7 @@ class LookaheadState:
     draft_step_s_fit: tuple[float, float]
     """(a, b): k draft steps take a + b*k seconds."""
     verify_s_fit: tuple[float, float]
-    """(a, b): a verify pass over `rows` tokens takes a + b*rows seconds, transfers excluded."""
+    """(a, b): a verify pass over `rows` tokens takes a + b * rows ** union_exponent seconds, transfers excluded."""
     bandwidth_bytes_per_s: float
     """Sustained H2D bandwidth."""
     predicted_new_bytes: list[float]
@@ -99,6 +99,10 @@ class LookaheadState:
     commit, plans), which deeper rounds share among more tokens."""
     scout_s: float = 0.0
     """Seconds of the one-step scout draft a plain round runs first (DraftConfig.scout); 0: plain rounds do not scout."""
+    union_exponent: float = 1.0
+    """beta: the distinct experts a verify of `rows` rows needs grow as rows ** beta (measured, `Estimates.beta`; 1 until
+    measured). A verify's expert work (weights read on the device, host experts computed) follows its distinct
+    experts, not its rows, so `verify_s_fit` is fitted over rows ** beta."""
 
 
 @dataclass(frozen=True)

@@ -376,3 +376,44 @@ def test_a_plain_offloaded_run_measures_the_union_exponent(tiny):
     estimates = asyncio.run(go())
     assert estimates.union_exponent is not None and 0.0 <= estimates.union_exponent <= 1.0
     assert not estimates._plain_window  # the request's end broke the run
+
+
+def test_a_host_bound_verify_is_fitted_over_its_distinct_experts():
+    """A hybrid's verify is host-bound: its time follows the host experts its rows need, which grow as rows ** beta.
+    Fitted from shallow rounds (1 to 7 rows) as a line in rows, a deep verify looked about 1.5x dearer than it is and
+    the governor stopped at k = 6; fitted over rows ** beta it drafts as deep as the true optimum (i.i.d. acceptance
+    0.95, Phi-3.5-MoE's shape: 32 layers, 2 experts a row, 3.24 ms a host expert, union exponent 0.65)."""
+    from policies.lookahead import Roofline
+    from specter.policy import LookaheadState
+
+    beta, acceptance = 0.65, 0.95
+
+    def verify_s(rows: int) -> float:
+        return 0.030 + 32 * 2 * rows**beta * 0.00324
+
+    def true_s_per_token(k: int) -> float:
+        expected = sum(acceptance**i for i in range(1, k + 1))
+        return (0.014 + 0.008 * k + verify_s(k + 1)) / (expected + 1)
+
+    estimates = Estimates(k_max=15)
+    estimates.observe_union(rows=16, first_row_experts=64, union_experts=round(64 * 16**beta))
+    for rows in (1, 6, 6, 7, 4, 6, 1):
+        estimates.observe_verify(rows=rows, compute_s=verify_s(rows), new_bytes=0)
+    for k in (5, 6, 4, 5):
+        estimates.observe_draft(k, 0.004 + 0.008 * k)
+    assert estimates.beta == pytest.approx(beta, abs=0.01)
+
+    def chosen(union_exponent: float, fit: tuple[float, float]) -> int:
+        state = LookaheadState(acceptance_by_position=[acceptance] * 5, draft_step_s_fit=estimates.draft_fit(),
+                               verify_s_fit=fit, bandwidth_bytes_per_s=20e9, predicted_new_bytes=[0.0] * 16, k_max=15,
+                               model_key="m", union_exponent=union_exponent)
+        return Roofline().next_k(state)
+
+    best = min(range(16), key=true_s_per_token)
+    deep = chosen(estimates.beta, estimates.verify_fit())
+    assert true_s_per_token(deep) <= 1.01 * true_s_per_token(best)
+    linear = Estimates(k_max=15)  # the same verifies with beta unmeasured: the fit is a line in rows
+    for rows in (1, 6, 6, 7, 4, 6, 1):
+        linear.observe_verify(rows=rows, compute_s=verify_s(rows), new_bytes=0)
+    shallow = chosen(1.0, linear.verify_fit())
+    assert shallow < deep and true_s_per_token(shallow) > 1.05 * true_s_per_token(best)
