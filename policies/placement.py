@@ -79,7 +79,7 @@ class Auto:
     times and the routing profile (uniform routing without one).
 
     Per layer with S slots and E experts: the device keeps S experts (`kept_on_device`: its initial residents, the
-    free slots filled with the most used); of the other E - S, the h least used go to the host, h from 0 to E - S, the h with the least expected
+    free slots filled with the most used, or the lowest ids without a profile); of the other E - S, the h least used go to the host, h from 0 to E - S, the h with the least expected
     time winning (ties: fewer on the host). Least used first: a rarely used device-path expert is the one most likely
     to have left the cache by its next use, so per second of host time it saves the most copies. With h < E - S the
     layer's D = E - h device-path experts do not all fit in its S slots and churn through them: each use misses with

@@ -220,7 +220,7 @@ class Estimates:
         self.new_bytes_plain: float | None = None  # bytes moved per plain-decoding (k = 0) token
         self.scout_s: float | None = None  # a plain round's one-step scout draft (DraftConfig.scout), EMA
         self.union_exponent: float | None = None  # beta: experts a verify needs grow as rows ** beta (EMA)
-        self._plain_window: deque[frozenset[tuple[int, int]]] = deque(maxlen=max(k_max, 1) + 1)  # observe_plain_token
+        self._plain_window: deque[frozenset[tuple[int, int]]] = deque(maxlen=max(k_max + 1, 3))  # observe_plain_token
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
@@ -286,7 +286,8 @@ class Estimates:
 
     @property
     def beta(self) -> float:
-        """The union exponent in use: 1 (every row brings its own experts) until a verify measured it."""
+        """The union exponent in use: 1 (every row brings its own experts) until a speculative verify or a run of plain
+        tokens (`observe_plain_token`) measured it."""
         return 1.0 if self.union_exponent is None else self.union_exponent
 
     def observe_union(self, rows: int, first_row_experts: int, union_experts: int) -> None:
@@ -300,11 +301,13 @@ class Estimates:
 
     def observe_plain_token(self, routed: frozenset[tuple[int, int]]) -> None:
         """A plain (k = 0) round's (layer, expert) pairs. Consecutive plain tokens are the rows a verify would
-        have checked together, so the union of the last few measures beta (`observe_union`) before any
+        have checked together, so the union of the last k_max + 1 (at least 3) measures beta (`observe_union`) before any
         speculative round has: without it beta stays 1 (every row brings its own experts), by which no depth
         pays where the link dominates, and a link-bound engine that started plain stayed plain until a probe."""
         self._plain_window.append(routed)
-        if len(self._plain_window) >= 2 and routed:
+        # From 3 rows on: two tokens alone that happen to route alike would set beta to 0 outright (the first
+        # observation replaces the unmeasured 1), and every depth would then look free of new experts.
+        if len(self._plain_window) >= 3 and routed:
             self.observe_union(len(self._plain_window), len(routed), len(frozenset().union(*self._plain_window)))
 
     def break_plain_run(self) -> None:
@@ -332,7 +335,8 @@ class Estimates:
         return [plain] + [unit * (k + 1) ** self.beta for k in range(1, k_max + 1)]
 
     def verify_fit(self) -> tuple[float, float]:
-        """Least-squares a + b * rows ** beta over recent verify passes (b = 0 until two row counts were seen).
+        """Least-squares a + b * rows ** beta over recent verify passes (b = 0 until two row counts were seen, or while
+        beta is 0).
 
         Over rows ** beta, not rows: a verify's expert work follows the distinct experts its rows need (the weights
         a device expert reads once for all its rows, a host expert's blocks), which grow as rows ** beta. A line in

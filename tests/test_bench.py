@@ -296,6 +296,8 @@ def test_budgets_give_slots_per_system():
     assert initial_state(((1, 2, 3), ()), 3, 4) == ((1, 2, 3), (0, 1, 2))
     assert initial_state(((1,),), 6, 4) == ((0, 2, 3, 1),)  # never more than the layer's experts
     assert initial_state(((1, 2),), 0, 4) == ((),)
+    rates = [[0.0, 0.1, 0.0, 0.9, 0.5], [0.0] * 5]
+    assert initial_state(((1,), (2,)), 3, 5, rates) == ((3, 4, 1), (0, 1, 2))  # the most used fill, else the lowest
 
 
 def test_synthetic_prompts_are_seeded_and_in_vocabulary():

@@ -346,35 +346,50 @@ def test_consecutive_plain_tokens_measure_the_union_exponent():
     speculative round ran; a break (speculative round, new request) starts the window again."""
     estimates = Estimates(k_max=3, alpha=1.0)  # alpha 1: each observation replaces the estimate, to read it exactly
     estimates.observe_plain_token(frozenset({(0, 1), (0, 2)}))
-    assert estimates.union_exponent is None  # one token: no union yet
-    estimates.observe_plain_token(frozenset({(0, 1), (0, 3)}))
-    assert estimates.beta == pytest.approx(math.log(3 / 2) / math.log(2))
     estimates.observe_plain_token(frozenset({(0, 1), (0, 2)}))
+    assert estimates.union_exponent is None  # two tokens: too few (alike, they would read beta 0)
+    estimates.observe_plain_token(frozenset({(0, 1), (0, 3)}))
+    assert estimates.beta == pytest.approx(math.log(3 / 2) / math.log(3))
     estimates.observe_plain_token(frozenset({(0, 1), (0, 2)}))
     assert estimates.beta == pytest.approx(math.log(3 / 2) / math.log(4))  # 4 rows, 3 distinct pairs
     estimates.observe_plain_token(frozenset({(0, 5), (0, 6)}))  # the window holds k_max + 1 = 4 tokens: the first left
     assert estimates.beta == pytest.approx(math.log(5 / 2) / math.log(4))
     estimates.break_plain_run()
     estimates.observe_plain_token(frozenset({(0, 7), (0, 8)}))
-    assert estimates.beta == pytest.approx(math.log(5 / 2) / math.log(4))  # alone after the break: unchanged
+    estimates.observe_plain_token(frozenset({(0, 7), (0, 8)}))
+    assert estimates.beta == pytest.approx(math.log(5 / 2) / math.log(4))  # two after the break: unchanged
     estimates.observe_plain_token(frozenset({(0, 7), (0, 8)}))
     assert estimates.beta == 0.0
 
 
-def test_a_plain_offloaded_run_measures_the_union_exponent(tiny):
-    """An engine that never speculates (lookahead fixed at 0) still measures beta from its consecutive tokens."""
+@pytest.mark.parametrize("cpu_experts", ["off", "all"])
+def test_a_plain_offloaded_run_measures_the_union_exponent(tiny, cpu_experts):
+    """An engine that never speculates (lookahead fixed at 0) still measures beta from its consecutive tokens, counting
+    the experts of both paths: with every non-resident on the host, the device path alone (2 residents a layer) saw
+    about as many experts in a run of tokens as in one, and read beta near 0."""
+    from specter.engine import _routed_pairs
 
     async def go():
-        config = EngineConfig(device="cpu", residents=2, link="0.25", draft=DraftConfig(k=0), lookahead="fixed")
+        config = EngineConfig(device="cpu", residents=2, link="0.25", draft=DraftConfig(k=0, k_max=4), lookahead="fixed",
+                              cpu_experts=cpu_experts, cpu_threads=1)
         runtime = await Runtime.load(tiny, config)
+        pairs: list[tuple[int, int]] = []
+        adapt = runtime._adapt
+
+        def counted(report, clock):
+            pairs.append((len(_routed_pairs(report.verify)), sum(report.verify.first_row.values())))
+            adapt(report, clock)
+
+        runtime._adapt = counted
         try:
             await runtime.complete_ids([3, 1, 4, 1, 5], GenerationConfig(max_new_tokens=8))
-            return runtime.estimates
+            return runtime.estimates, pairs
         finally:
             await runtime.aclose()
 
-    estimates = asyncio.run(go())
-    assert estimates.union_exponent is not None and 0.0 <= estimates.union_exponent <= 1.0
+    estimates, pairs = asyncio.run(go())
+    assert pairs and all(routed == first for routed, first in pairs)  # one row: its pairs on both paths, all of them
+    assert estimates.union_exponent is not None and 0.2 <= estimates.union_exponent <= 1.0
     assert not estimates._plain_window  # the request's end broke the run
 
 
@@ -409,8 +424,10 @@ def test_a_host_bound_verify_is_fitted_over_its_distinct_experts():
                                model_key="m", union_exponent=union_exponent)
         return Roofline().next_k(state)
 
+    fit = estimates.verify_fit()  # the verifies lie on a + b * rows ** beta: the fit recovers a and b
+    assert fit == pytest.approx((0.030, 32 * 2 * 0.00324), rel=0.02)
     best = min(range(16), key=true_s_per_token)
-    deep = chosen(estimates.beta, estimates.verify_fit())
+    deep = chosen(estimates.beta, fit)
     assert true_s_per_token(deep) <= 1.01 * true_s_per_token(best)
     linear = Estimates(k_max=15)  # the same verifies with beta unmeasured: the fit is a line in rows
     for rows in (1, 6, 6, 7, 4, 6, 1):

@@ -25,6 +25,7 @@ from specter.config import DraftConfig, EngineConfig, GenerationConfig, TuningCo
 from specter.engine import CheckpointWeights, WeightSource
 from specter.errors import BudgetError, SpecterError
 from specter.experts.cache import CacheSnapshot, CacheStats, LayerStats
+from specter.experts.costs import route_profile
 from specter.build import resolve_dtype
 from specter.log import get_logger
 from specter.model.checkpoint import Checkpoint
@@ -385,6 +386,14 @@ class ModelBench:
                 count, note = slots[system.name]
                 await self._cell(runtime, system, setting, link, slots=count, initial=initial, note=note)
 
+    def _use_counts(self, runtime: BenchRuntime) -> list[list[float]] | None:
+        """The placement profile's use counts per MoE layer and expert (None without a profile): the starting cache
+        fills free slots with the most used, as `auto` keeps them."""
+        path = self.options.placement_profile
+        if path is None:
+            return None
+        return route_profile(path, len(runtime.spec.moe_layers), runtime.spec.num_experts)
+
     async def _initial_state(self, runtime: BenchRuntime, slots: int, link: str) -> tuple[tuple[int, ...], ...]:
         """The same start for every system: the LRU cache an on-demand run of the warm-up prompt leaves."""
         await runtime.use_slots(slots)
@@ -420,7 +429,7 @@ class ModelBench:
             await runtime.use_slots(slots)
             runtime.set_link(link)
         runtime.configure(system, self.options.k)
-        start_state = initial_state(initial, slots, runtime.spec.num_experts) if initial is not None else None
+        start_state = initial_state(initial, slots, runtime.spec.num_experts, self._use_counts(runtime)) if initial is not None else None
         key = (cell["setting"], link)
         if runtime.cache is not None:
             # Baselines are shared by placement, not by policy name: the same policy may place a speculating system

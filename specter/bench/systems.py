@@ -538,19 +538,25 @@ def decode_floor_loads(routes: Routes, layers: int, slots: int) -> int:
     return sum(max(0, fewest_loads([round_.get(layer, ()) for round_ in routes], slots) - slots) for layer in range(layers))
 
 
-def initial_state(snapshot_layers: Sequence[Sequence[int]], slots: int, num_experts: int) -> tuple[tuple[int, ...], ...]:
+def initial_state(snapshot_layers: Sequence[Sequence[int]], slots: int, num_experts: int,
+                  rates: Sequence[Sequence[float]] | None = None) -> tuple[tuple[int, ...], ...]:
     """A snapshot cut to `slots` per layer, keeping the most recently used (the tail of the LRU order), and a layer
-    the warm-up left short of `slots` filled with its lowest other expert ids (least recent: first in LRU order).
+    the warm-up left short of `slots` filled with its most used other experts by `rates` (per layer and expert: the
+    placement profile's use counts; lower id first on ties), else its lowest other ids (least recent: first in LRU
+    order). The same fill as `kept_on_device` (policies/placement.py) makes from the unfilled state, so a placement
+    keeps on the device what it would have kept.
 
     Every cell starts with full slots. A placement that never copies (`cpu-experts`) keeps its starting residents for
     the whole cell, so a slot left empty at the start stayed empty: at 55 slots of Qwen1.5-MoE's 60 the warm-up had
     used about 30 a layer, and `cpu-experts` computed 52 experts a token on the host where a filled cache leaves about 8."""
     cells = []
-    for layer in snapshot_layers:
+    for index, layer in enumerate(snapshot_layers):
         kept = tuple(layer[-slots:]) if slots else ()
         room = min(slots, num_experts) - len(kept)
-        fill = tuple(e for e in range(num_experts) if e not in kept)[:max(0, room)]
-        cells.append(fill + kept)
+        others = [e for e in range(num_experts) if e not in kept]
+        if rates is not None and index < len(rates) and len(rates[index]) == num_experts:
+            others.sort(key=lambda e, used=rates[index]: (-used[e], e))
+        cells.append(tuple(sorted(others[:max(0, room)])) + kept)
     return tuple(cells)
 
 
