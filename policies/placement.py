@@ -14,6 +14,7 @@ from specter.placement import (
     Placement,
     PlacementState,
     copy_seconds,
+    fill_slots,
     has_rounds,
     host_seconds,
     layer_path_uses,
@@ -35,15 +36,11 @@ class Off:
 
 def kept_on_device(state: PlacementState, layer: int, rates: Sequence[float] | None = None) -> list[int]:
     """The `slots_per_layer` experts a layer keeps on the device: its initial residents (the most recent ones), and
-    where they leave slots free (a cache that starts empty, at load, or part-filled), with `rates` the most used of
-    the others (lower id first on ties), else the lowest other ids. A free slot left out would never be used by a
-    placement that does not copy (`all`)."""
-    initial = list(state.initial_residents[layer][-state.slots_per_layer:]) if layer < len(state.initial_residents) else []
-    room = min(state.slots_per_layer, state.num_experts) - len(initial)
-    others = [e for e in range(state.num_experts) if e not in initial]
-    if rates is not None:
-        others.sort(key=lambda e: (-rates[e], e))
-    return initial + sorted(others[:max(0, room)])
+    where they leave slots free (a cache that starts empty, at load, or part-filled) the most used others by `rates`,
+    else the lowest other ids (`fill_slots`)."""
+    initial = state.initial_residents[layer] if layer < len(state.initial_residents) else ()
+    kept, fill = fill_slots(initial, state.slots_per_layer, state.num_experts, rates)
+    return kept + fill
 
 
 class All:

@@ -539,12 +539,10 @@ class Runtime:
         self.estimates.observe_draft(k, clock.draft_s, steps=self.ahead.steps_run(k))
         self.estimates.observe_round(k, round_s, clock.draft_s, clock.verify_s)
         rows = k + 1
-        if record is not None:
-            routed = _routed_pairs(record)
-            if k:
-                self.estimates.observe_union(rows, sum(record.first_row.values()), len(routed))
-            else:
-                self.estimates.observe_plain_token(routed)
+        if record is not None and k:
+            self.estimates.observe_union(rows, sum(record.first_row.values()), len(_routed_pairs(record)))
+        elif record is not None:
+            self.estimates.observe_plain_token(_routed_pairs(record))
         if k or record is None:
             self.estimates.break_plain_run()
         self.estimates.observe_verify(rows, max(0.0, clock.verify_s - (record.stall_s if record else 0.0)), report.loaded_bytes)

@@ -201,6 +201,19 @@ class PlacementPolicy(Protocol):
     #   dropped after). Absent: the prompt uses `decode` (`prefill_placement`).
 
 
+def fill_slots(residents: Sequence[int], slots: int, num_experts: int,
+               rates: Sequence[float] | None = None) -> tuple[list[int], list[int]]:
+    """A layer's device experts from the cache it starts with: (kept, fill). `kept`: the last `slots` of `residents`
+    (LRU order, most recent last); `fill`: the slots they leave free, taken by the most used other experts by `rates`
+    (lower id first on ties), else the lowest other ids, ascending. A free slot left out would never be used by a
+    placement that does not copy (`all`), nor by a bench cell that starts from that cache."""
+    kept = list(residents[-slots:]) if slots > 0 else []
+    others = [e for e in range(num_experts) if e not in kept]
+    if rates is not None:
+        others.sort(key=lambda e: (-rates[e], e))
+    return kept, sorted(others[:max(0, min(slots, num_experts) - len(kept))])
+
+
 def preloaded(placement: Placement, slots_per_layer: int) -> list[list[int]]:
     """Per layer, the device-path experts to load once at start-up: all of them where they fit in the layer's slots
     (none of them is then ever missed, so nothing of that layer crosses the link again), none where they do not (the

@@ -244,6 +244,7 @@ class ModelBench:
         """(setting, link, the placement's host sets, Prompt.key) -> tokens of that placement's k = 0 run from the
         cell's start."""
         self.placed: tuple[frozenset[int], ...] = ()  # the running cell's placement (its host sets; () for off)
+        self._route_counts: list[list[float]] | None = None  # the placement profile's use counts (`_use_counts`)
         self.routes: dict[tuple[int, str, str, int], Routes] = {}
         self.schedules: dict[tuple[str, str, str, str, int], tuple[list[int], Routes]] = {}
         """(setting, link, *Prompt.key) -> the specter run's depth per round and verify routes."""
@@ -392,7 +393,9 @@ class ModelBench:
         path = self.options.placement_profile
         if path is None:
             return None
-        return route_profile(path, len(runtime.spec.moe_layers), runtime.spec.num_experts)
+        if self._route_counts is None:  # read once per model: every cell's start fills from the same counts
+            self._route_counts = route_profile(path, len(runtime.spec.moe_layers), runtime.spec.num_experts)
+        return self._route_counts
 
     async def _initial_state(self, runtime: BenchRuntime, slots: int, link: str) -> tuple[tuple[int, ...], ...]:
         """The same start for every system: the LRU cache an on-demand run of the warm-up prompt leaves."""

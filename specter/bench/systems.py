@@ -26,7 +26,7 @@ from specter.experts.host import default_threads
 from specter.engine import Runtime
 from specter.log import get_logger
 from specter.memory import MemoryPlan, plan_memory
-from specter.placement import OVERLAP, Placement, PlacementState, decision_record
+from specter.placement import OVERLAP, Placement, PlacementState, decision_record, fill_slots
 from specter.metrics import Estimates, RequestStats
 from specter.model.spec import ModelSpec
 from specter.observers import RoundObserver, RoundReport
@@ -541,22 +541,18 @@ def decode_floor_loads(routes: Routes, layers: int, slots: int) -> int:
 def initial_state(snapshot_layers: Sequence[Sequence[int]], slots: int, num_experts: int,
                   rates: Sequence[Sequence[float]] | None = None) -> tuple[tuple[int, ...], ...]:
     """A snapshot cut to `slots` per layer, keeping the most recently used (the tail of the LRU order), and a layer
-    the warm-up left short of `slots` filled with its most used other experts by `rates` (per layer and expert: the
-    placement profile's use counts; lower id first on ties), else its lowest other ids (least recent: first in LRU
-    order). The same fill as `kept_on_device` (policies/placement.py) makes from the unfilled state, so a placement
-    keeps on the device what it would have kept.
+    the warm-up left short of `slots` filled as `kept_on_device` (policies/placement.py) fills it (`fill_slots`: the
+    most used others by `rates`, per layer and expert, the placement profile's use counts; else the lowest other ids),
+    the fill first in LRU order (least recent), so a placement keeps on the device what it would have kept.
 
     Every cell starts with full slots. A placement that never copies (`cpu-experts`) keeps its starting residents for
     the whole cell, so a slot left empty at the start stayed empty: at 55 slots of Qwen1.5-MoE's 60 the warm-up had
     used about 30 a layer, and `cpu-experts` computed 52 experts a token on the host where a filled cache leaves about 8."""
     cells = []
     for index, layer in enumerate(snapshot_layers):
-        kept = tuple(layer[-slots:]) if slots else ()
-        room = min(slots, num_experts) - len(kept)
-        others = [e for e in range(num_experts) if e not in kept]
-        if rates is not None and index < len(rates) and len(rates[index]) == num_experts:
-            others.sort(key=lambda e, used=rates[index]: (-used[e], e))
-        cells.append(tuple(sorted(others[:max(0, room)])) + kept)
+        used = rates[index] if rates is not None and index < len(rates) and len(rates[index]) == num_experts else None
+        kept, fill = fill_slots(layer, slots, num_experts, used)
+        cells.append(tuple(fill + kept))
     return tuple(cells)
 
 
