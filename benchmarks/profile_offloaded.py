@@ -32,7 +32,8 @@ async def build(args):
     else:
         source = synthetic_source(args.shape, args.layers)
     config = EngineConfig(device=args.device, dtype="bfloat16", residents=args.residents, max_context=512, lookahead="fixed",
-                          draft=DraftConfig(k=args.k, k_max=args.k), static_verify=args.static_verify, progress=False)
+                          draft=DraftConfig(k=args.k, k_max=args.k), static_verify=args.static_verify, progress=False,
+                          cpu_experts=args.cpu_experts, cpu_threads=args.cpu_threads)
     return await Runtime.build(source, config)
 
 
@@ -58,6 +59,9 @@ def main() -> None:
     verify.add_argument("--static-verify", dest="static_verify", action="store_const", const=True, default=None,
                         help="segmented static verify (the engine's default on CUDA)")
     verify.add_argument("--eager-verify", dest="static_verify", action="store_const", const=False)
+    parser.add_argument("--cpu-experts", default="off", help="the placement plug-in (off, all, auto): all is the in-engine "
+                        "`cpu-experts` baseline, whose per-layer routing read and host hand-off this profile breaks down")
+    parser.add_argument("--cpu-threads", type=int, default=None, help="the host expert path's threads (default: cores - 1)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--with-stack", action="store_true", help="record python frames in trace.json (for "
@@ -83,11 +87,14 @@ def main() -> None:
     plain_s = time.perf_counter() - started
     stats = plain.stats
     expert_bytes = runtime.memory.expert_bytes
-    print(f"{args.model or f'{args.shape} L={args.layers}'} residents={args.residents} k={args.k} static_verify={args.static_verify}")
+    print(f"{args.model or f'{args.shape} L={args.layers}'} residents={args.residents} k={args.k} static_verify={args.static_verify} "
+          f"cpu_experts={args.cpu_experts}")
     print(f"TPOT {stats.tpot_s * 1e3:.2f} ms; wall {plain_s:.2f} s for {stats.new_tokens} tokens; misses/token "
           f"{stats.misses / max(stats.new_tokens, 1):.1f}; H2D {stats.h2d_bytes / max(stats.new_tokens, 1) / 1e6:.1f} MB/token "
           f"(= {stats.h2d_bytes / max(stats.new_tokens, 1) / 53e9 * 1e3:.2f} ms at 53 GB/s); stall/token "
-          f"{stats.stall_s / max(stats.new_tokens, 1) * 1e3:.2f} ms; copy busy {stats.copy_busy_fraction}; expert {expert_bytes / 1e6:.1f} MB")
+          f"{stats.stall_s / max(stats.new_tokens, 1) * 1e3:.2f} ms; copy busy {stats.copy_busy_fraction}; expert {expert_bytes / 1e6:.1f} MB; "
+          f"host experts/token {stats.host_computed_experts / max(stats.new_tokens, 1):.1f} in "
+          f"{stats.host_compute_s / max(stats.new_tokens, 1) * 1e3:.2f} ms")
 
     profiler = cProfile.Profile()
     profiler.enable()
