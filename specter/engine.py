@@ -562,6 +562,8 @@ class Runtime:
         stats.host_compute_s += record.host_s
         stats.host_hidden_s += record.host_hidden_s
         stats.stall_s += record.stall_s
+        stats.routing_wait_s += record.routing_wait_s
+        stats.host_wait_s += record.host_wait_s
         for layer, used in record.used.items():
             self.uses.used(self.moe_index[layer], used)
         stats.h2d_bytes = self._bytes_loaded() - stats.h2d_bytes_at_start

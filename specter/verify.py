@@ -111,6 +111,13 @@ class VerifyRecord:
     waits for each copy itself; after its last copy was issued when misses are ordered on the device (CUDA without
     emulation: the device may still be copying and computing then, so this counts too much)."""
     stall_s: float = 0.0
+    routing_wait_s: float = 0.0
+    """Seconds the loop awaited each MoE layer's routing read: the device's work up to the router that the host had
+    not overlapped yet, the ids' copy and the wake-up. With speculation off, the part of a token where the host waits
+    for the device layer by layer."""
+    host_wait_s: float = 0.0
+    """Seconds the loop awaited host jobs once their layer's device path was launched (`finish_host`): the host
+    path's time that the device path did not cover."""
     device_waits: list[tuple[Event, Event]] = dataclasses.field(default_factory=list)
     """Timed (before, after) events around each device-side wait of the compute stream for a copy: the stall
     of a verify whose misses are ordered on the device (`settle` adds them to stall_s)."""
@@ -230,6 +237,8 @@ async def finish_host(kernel: Kernel, job: HostJob | None, layer: int, record: V
         return {}
     outputs = await kernel.wait_host(job)
     waited = time.perf_counter() - device_done if device_done is not None else job.seconds
+    if device_done is not None:
+        record.host_wait_s += waited
     record.host_used[layer] = record.host_used.get(layer, []) + sorted(outputs)
     record.host_computed += len(outputs)
     record.host_s += job.seconds
@@ -268,7 +277,9 @@ class OffloadedExperts:
         poll_s = self.tuning.routing_poll_s if self.on_device else 0.0
         pending = copy_to_host(self.kernel, ids)  # the router's choice
         inputs = host_inputs(self.host, self.kernel, cache_layer, x, weights, pending)  # behind it, when the layer has any
+        asked = time.perf_counter()
         chosen = await host_values(self.kernel, pending, poll_s=poll_s)  # await point: the router's choice
+        self.record.routing_wait_s += time.perf_counter() - asked
         table = RoutingTable(chosen, x.device)
         self.record.first_row.setdefault(layer, len(set(chosen[0])))
         if self.on_routed is not None:
@@ -397,7 +408,9 @@ async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: Ex
     except BaseException:
         abandon(pending)
         raise
+    asked = time.perf_counter()
     chosen = await host_values(kernel, pending, poll_s=tuning.routing_poll_s if on_device else 0.0)  # await point
+    record.routing_wait_s += time.perf_counter() - asked
     routed = sorted({expert for row in chosen[:count] for expert in row})  # padding rows repeat the last real row
     needed = cache.device_path(cache_layer, routed)
     record.first_row.setdefault(layer, len(set(chosen[0])))

@@ -339,6 +339,37 @@ def test_the_host_path_computes_while_the_emulated_link_copies(root, monkeypatch
     assert 0 < stats.host_hidden_s <= stats.host_compute_s
 
 
+@pytest.mark.parametrize("static", [None, True])
+def test_the_waits_split_a_host_bound_token(root, monkeypatch, static):
+    """`routing_wait_s` and `host_wait_s` (VerifyRecord, RequestStats, the bench's wait columns): with `all` at k = 0 and
+    each host expert slowed by HOST_S, the device path of a layer is a few resident experts, so the loop waits for
+    nearly all of every host job after launching it: host_wait_s covers at least 0.8 of the host's seconds and at most
+    the request's wall time. Every MoE layer's forward reads its routing once, so routing_wait_s is positive, and the
+    two waits do not overlap (the loop awaits one at a time), so together they stay within the wall time."""
+    path = checkpoint("mixtral", root)
+    compute = HostExperts.compute
+
+    def slow(self, *args, **kwargs):
+        time.sleep(HOST_S)
+        return compute(self, *args, **kwargs)
+
+    monkeypatch.setattr(HostExperts, "compute", slow)
+    config = EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_threads=1, static_verify=static,
+                          cpu_experts="all", draft=DraftConfig(k=0))
+
+    async def go():
+        async with await Runtime.load(path, config) as runtime:
+            started = time.perf_counter()
+            result = await runtime.complete_ids([5, 6, 7], GenerationConfig(max_new_tokens=3))
+            return result.stats, time.perf_counter() - started
+
+    stats, wall = asyncio.run(go())
+    assert stats.host_computed_experts > 0, stats.as_dict()
+    assert 0.8 * stats.host_compute_s <= stats.host_wait_s <= wall, (stats.host_wait_s, stats.host_compute_s, wall)
+    assert stats.routing_wait_s > 0 and stats.routing_wait_s + stats.host_wait_s <= wall, stats.as_dict()
+    assert stats.as_dict()["host_wait_s"] == round(stats.host_wait_s, 6)
+
+
 def test_parallel_host_experts_keep_the_tokens(root):
     """tuning.host.parallel_experts with `all`: speculative equals k = 0, and both equal the sequential host path at one
     torch thread (a one-thread expert's bits are the same wherever it runs)."""

@@ -35,7 +35,7 @@ COLUMNS = (
     ("x_exact-prefetch", "x exact"), ("acceptance", "accept"), ("accepted_length", "acc len"), ("window_recall", "recall"),
     ("hit_rate", "hit rate"), ("h2d_mb_per_token", "H2D MB/tok"), ("h2d_decode_mb_per_token", "decode MB/tok"),
     ("floor_decode_mb_per_token", "floor MB/tok"), ("stall_ms_per_token", "stall ms/tok"),
-    ("copy_busy", "copy busy"), ("peak_gib", "peak GiB"), ("tokens_equal", "= baseline"),
+    ("routing_wait_ms_per_token", "routing wait ms/tok"), ("copy_busy", "copy busy"), ("peak_gib", "peak GiB"), ("tokens_equal", "= baseline"),
 )
 
 
@@ -196,6 +196,8 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "h2d_decode_mb_per_token": decode_mb_per_token(runs),
         "floor_decode_mb_per_token": floor_mb_per_token(runs),
         "stall_ms_per_token": round(1e3 * sum(r["stall_s"] for r in runs) / tokens, 3),
+        "routing_wait_ms_per_token": _ms_per_token(runs, "routing_wait_s", tokens),
+        "host_wait_ms_per_token": _ms_per_token(runs, "host_wait_s", tokens),
         "copy_busy": round(sum(r.get("copy_busy_s", 0.0) for r in runs) / copy_window, 4) if copy_window else None,
         "copy_idle": _copy_idle(runs, copy_window),
         "pump_gaps": _pump_gaps(runs),
@@ -215,6 +217,14 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
                             if all("depth_histogram" in r for r in runs) else None),  # None: runs from before it was kept
         "placement": runs[0].get("placement"),
     }
+
+
+def _ms_per_token(runs: Sequence[dict], field: str, tokens: int) -> float | None:
+    """Milliseconds of `field` (seconds per run) per new token, as stall ms/tok counts them (None for runs recorded
+    before the field was kept)."""
+    if not tokens or any(field not in r for r in runs):
+        return None
+    return round(1e3 * sum(r[field] for r in runs) / tokens, 3)
 
 
 def _host_decode_per_token(runs: Sequence[dict], total: str, prefill: str, scale: float = 1.0) -> float | None:
@@ -469,13 +479,17 @@ def host_path_lines(summary: Sequence[dict], markdown: bool = False) -> list[str
                ("host_per_token", "host experts/token"), ("host_ms_per_token", "host ms/token"),
                ("host_expert_ms", "ms per host expert"),
                ("host_expert_ms_calibrated", "calibrated ms (1st run)"),
-               ("host_hidden", "host hidden"), ("h2d_decode_mb_per_token", "decode MB/token"), ("tpot_ms", "TPOT ms"))
+               ("host_hidden", "host hidden"), ("host_wait_ms_per_token", "host wait ms/token"),
+               ("routing_wait_ms_per_token", "routing wait ms/token"), ("h2d_decode_mb_per_token", "decode MB/token"),
+               ("tpot_ms", "TPOT ms"))
     return ["", "Host path: the host kernel the calibration chose, the placement's host experts (layer, expert pairs), "
             "the share of the experts not on the device that the host computed (the rest were copied), the host experts "
             "and host milliseconds per token after the first (the prompt's left out, as decode MB/token), one host "
             "expert's time on the host thread and as "
-            "the placement's calibration measured it, and the share of the host's time that ran beside the device path "
-            "(copies, device experts); results.json's `placement` has the cost model's inputs and predictions. A row "
+            "the placement's calibration measured it, the share of the host's time that ran beside the device path "
+            "(copies, device experts), and per new token the milliseconds the loop waited for host jobs once their "
+            "layer's device path was launched and for the layers' routing reads (the device layer by layer); "
+            "results.json's `placement` has the cost model's inputs and predictions. A row "
             "pooled from several runs (bench --merge) shows the first run's calibration and `placement`:", ""] + table_lines(
                 rows, columns, markdown=markdown)
 
