@@ -6,7 +6,7 @@
 # CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
 # Targets: gpu-tests gpu-widen qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
 #          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after engine-ab realism
-#          hybrid llamacpp fulldepth host-expert exact-rowwise
+#          hybrid llamacpp fulldepth host-expert host-job exact-rowwise
 set -u
 out=${OUT:-out}
 mkdir -p "$out/logs"
@@ -253,6 +253,21 @@ host_expert() {  # table "Host expert path": one routed expert of each shape on 
   done
 }
 
+host_job() {  # "What is not measured yet": a host job's fixed cost (benchmarks/host_job_cost.py), one expert shape (SHAPE,
+  # default qwen1.5-moe-a2.7b) at 15 threads, jobs after idle gaps of 0, 0.5 and 2 ms, cold weights; then the same under
+  # OMP_WAIT_POLICY=active (libgomp reads it at start: a process of its own), which keeps the team spinning between jobs.
+  # About 40 s each.
+  mkdir -p "$out/host-job"
+  local policy
+  for policy in default active; do
+    if [ $policy = active ]; then export OMP_WAIT_POLICY=active; fi
+    timeout 150 python3 benchmarks/host_job_cost.py "${SHAPE:-qwen1.5-moe-a2.7b}" 15 0,0.5,2 30 \
+      > "$out/host-job/host-job-$policy.log" 2>&1
+    echo "host-job $policy rc=$? at ${SECONDS}s"; grep fixed "$out/host-job/host-job-$policy.log"
+    unset OMP_WAIT_POLICY
+  done
+}
+
 hybrid() {  # issue 29 (no table yet): the hybrids beside the systems they extend, Mixtral-8x7B's shape (4 layers, random
             # weights) at 2 residents and Gen4; first one host expert's time, what auto's calibration measures at load.
             # PLACEMENT_OVERLAP=1: auto weighs the paths as overlapped and splits (4 of 6 non-residents per layer on
@@ -407,6 +422,7 @@ for target in "$@"; do
     llamacpp) llamacpp ;;
     fulldepth) fulldepth ;;
     host-expert) host_expert ;;
+    host-job) host_job ;;
     exact-rowwise) exact_rowwise ;;
     *) echo "unknown target: $target" >&2; exit 2 ;;
   esac

@@ -1,0 +1,97 @@
+"""What a host job costs beyond its experts' bytes: the native kernel's fixed cost per call, and how much of it is the
+OpenMP team waking after an idle gap (the engine's host jobs come one per MoE layer, a fraction of a millisecond to a
+few milliseconds apart).
+
+The full-depth cells measured a host expert at 0.9-1.08 ms where a layer's job holds one expert and 0.41-0.61 ms where
+it holds two or more (Qwen1.5-MoE, DeepSeek-V2-Lite: 17.3 MB experts, 15 threads), which fits a fixed cost of about
+0.4-0.6 ms per job; the kernel alone on one such expert took 0.53-0.57 ms cold where its bytes at Mixtral's measured
+rate take 0.19. This times the kernel (`native_swiglu_many`, what `HostExperts.compute_layer` runs) on the calling
+thread with its own torch thread count, for jobs of 1, 2, 4 and 16 distinct experts at 1 and 16 rows each, each job
+after an idle gap (0: back to back), weights cold or warm in the cache:
+
+    python benchmarks/host_job_cost.py [SHAPE] [THREADS] [GAPS_MS] [REPEATS] [--warm]
+    python benchmarks/host_job_cost.py qwen1.5-moe-a2.7b 15 0,0.5,2 30
+
+Per (threads, gap, rows) it fits job seconds = fixed + experts x per_expert by least squares over the job sizes and
+prints both, with each size's median. Run it once as is and once under `OMP_WAIT_POLICY=active` (a separate process:
+libgomp reads it at start) to see how much of `fixed` is the team's wake-up. Prints one line per fit and a JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specter.experts import native
+
+SIZES = (1, 2, 4, 16)
+ROWS = (1, 16)
+
+
+def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares (fixed, per_expert) of seconds = fixed + n x per_expert over (n, seconds)."""
+    mean_n = statistics.fmean(n for n, _ in points)
+    mean_s = statistics.fmean(s for _, s in points)
+    spread = sum((n - mean_n) ** 2 for n, _ in points)
+    slope = sum((n - mean_n) * (s - mean_s) for n, s in points) / spread
+    return mean_s - slope * mean_n, slope
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    warm = "--warm" in sys.argv
+    shape = args[0] if args else "qwen1.5-moe-a2.7b"
+    threads = int(args[1]) if len(args) > 1 else max(1, (torch.get_num_threads() or 2) - 1)
+    gaps = [float(g) / 1e3 for g in (args[2] if len(args) > 2 else "0,0.5,2").split(",")]
+    repeats = int(args[3]) if len(args) > 3 else 30
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from host_expert import parse_shape  # the same shapes as the host expert benchmark
+
+    if native.load() is None:
+        raise SystemExit(f"the native kernel is unavailable here: {native.unavailable()}")
+    hidden, inter = parse_shape(shape)
+    torch.set_num_threads(threads)
+    count = max(SIZES) * 2  # distinct experts, so a job never reads what the previous one just read
+    pinned = torch.cuda.is_available()
+    experts = [(torch.randn(3 * hidden * inter) * 0.02).to(torch.bfloat16) for _ in range(count)]
+    if pinned:
+        experts = [e.pin_memory() for e in experts]
+    flush = None if warm else torch.ones(256 << 20 >> 3, dtype=torch.int64)  # 256 MiB read between jobs: cold weights
+    inputs = {rows: (torch.randn(rows, hidden) * 0.1).to(torch.bfloat16) for rows in ROWS}
+    results = []
+    turn = 0
+    for gap in gaps:
+        for rows in ROWS:
+            x = inputs[rows]
+            samples: dict[int, list[float]] = {n: [] for n in SIZES}
+            for repeat in range(repeats + 2):  # the first two rounds warm up
+                for n in SIZES:  # interleaved, so drift falls on every size alike
+                    jobs = [(x, experts[(turn + i) % count]) for i in range(n)]
+                    turn += n
+                    if flush is not None:
+                        flush.max()
+                    if gap:
+                        time.sleep(gap)
+                    started = time.perf_counter()
+                    native.native_swiglu_many(jobs, hidden, inter)
+                    if repeat >= 2:
+                        samples[n].append(time.perf_counter() - started)
+            medians = {n: statistics.median(s) for n, s in samples.items()}
+            fixed, per_expert = fit([(n, s) for n, values in samples.items() for s in values])
+            result = {"shape": shape, "threads": threads, "gap_ms": gap * 1e3, "rows": rows, "warm": warm,
+                      "median_ms": {str(n): round(m * 1e3, 4) for n, m in medians.items()},
+                      "fixed_ms": round(fixed * 1e3, 4), "per_expert_ms": round(per_expert * 1e3, 4)}
+            results.append(result)
+            print(f"{shape} threads={threads} gap={gap * 1e3:g} ms rows={rows}{' warm' if warm else ''}: fixed "
+                  f"{fixed * 1e3:.3f} ms + {per_expert * 1e3:.3f} ms per expert; medians "
+                  + ", ".join(f"{n}: {m * 1e3:.3f}" for n, m in medians.items()), flush=True)
+    print(json.dumps({"results": results}))
+
+
+if __name__ == "__main__":
+    main()
