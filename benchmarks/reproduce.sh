@@ -359,7 +359,9 @@ fulldepth() {  # table "Full-depth Qwen1.5-MoE-A2.7B shape" (one per shape): SHA
   # (placement_trace), goes to the bench as --placement-profile: without one auto cannot price a speculating engine's
   # misses and places specter-hybrid off (it had put all on the host, 1.8x slower than specter). NO_TRACE=1 skips it
   # (specter-hybrid then runs as specter, ondemand-hybrid from uniform routing); TRACE_TOKENS (default 256) sets its length. BENCH_ARGS: more bench
-  # options, word-split (e.g. "--tune host.parallel_experts=true --repeats 2").
+  # options, word-split (e.g. "--tune host.parallel_experts=true --repeats 2"). Each cell warms up on 64 tokens: the
+  # governor's estimates start afresh with each cell, and after the bench's default 16 the first measured prompt
+  # still climbed from the acceptance prior (docs/BENCHMARKS.md, "What is not measured yet").
   local shape=${SHAPE:-qwen1.5-moe-a2.7b} budgets profile=
   case "$shape" in
     phi-3.5-moe) budgets=${BUDGETS:-48GiB,36GiB} ;;
@@ -381,7 +383,8 @@ fulldepth() {  # table "Full-depth Qwen1.5-MoE-A2.7B shape" (one per shape): SHA
   timeout -k 15 "$left" python3 -m specter.bench --model "/tmp/narrow/$shape" --widen auto --budget "$budgets" \
     --link "${LINKS:-native,gen4,ddr4-desktop}" --sampling greedy,sampled --max-new-tokens 64 \
     --systems "${SYSTEMS:-ondemand,specmoeoff,cpu-experts,specter,specter-hybrid,exact-prefetch-specter}" \
-    --time-budget $((left - 65)) --no-progress --no-plots --no-hf ${profile:+--placement-profile "$profile"} ${BENCH_ARGS:-} \
+    --time-budget $((left - 65)) --warmup-tokens 64 --no-progress --no-plots --no-hf \
+    ${profile:+--placement-profile "$profile"} ${BENCH_ARGS:-} \
     --out "$out/fulldepth-$shape" > "$out/logs/fulldepth-$shape.log" 2>&1
   echo "fulldepth $shape rc=$? at ${SECONDS}s"; tail -40 "$out/logs/fulldepth-$shape.log"
 }
