@@ -7,13 +7,16 @@ it holds two or more (Qwen1.5-MoE, DeepSeek-V2-Lite: 17.3 MB experts, 15 threads
 0.4-0.6 ms per job; the kernel alone on one such expert took 0.53-0.57 ms cold where its bytes at Mixtral's measured
 rate take 0.19. This times the kernel (`native_swiglu_many`, what `HostExperts.compute_layer` runs) on the calling
 thread with its own torch thread count, for jobs of 1, 2, 4 and 16 distinct experts at 1 and 16 rows each, each job
-after an idle gap (0: back to back), weights cold or warm in the cache:
+after an idle gap (0: back to back), its weights cold (twice the last-level cache read between jobs, as
+host_expert.py flushes, and each job on experts the previous ones did not read) or, with --warm, the same experts
+every job and no flush (warm where a job's bytes fit the cache):
 
     python benchmarks/host_job_cost.py [SHAPE] [THREADS] [GAPS_MS] [REPEATS] [--warm]
     python benchmarks/host_job_cost.py qwen1.5-moe-a2.7b 15 0,0.5,2 30
 
-Per (threads, gap, rows) it fits job seconds = fixed + experts x per_expert by least squares over the job sizes and
-prints both, with each size's median. Run it once as is and once under `OMP_WAIT_POLICY=active` (a separate process:
+Per (threads, gap, rows) it fits job seconds = fixed + experts x per_expert by least squares over the medians of the
+small jobs (1, 2 and 4 experts: the 16-expert job's time per expert differs, its blocks spread over more memory) and
+prints both with each size's median; a negative `fixed` says the job sizes do not follow a line there. Run it once as is and once under `OMP_WAIT_POLICY=active` (a separate process:
 libgomp reads it at start) to see how much of `fixed` is the team's wake-up. Prints one line per fit and a JSON line.
 """
 
@@ -50,7 +53,7 @@ def main() -> None:
     gaps = [float(g) / 1e3 for g in (args[2] if len(args) > 2 else "0,0.5,2").split(",")]
     repeats = int(args[3]) if len(args) > 3 else 30
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from host_expert import parse_shape  # the same shapes as the host expert benchmark
+    from host_expert import default_flush_bytes, parse_shape  # the same shapes and flush as the host expert benchmark
 
     if native.load() is None:
         raise SystemExit(f"the native kernel is unavailable here: {native.unavailable()}")
@@ -61,7 +64,7 @@ def main() -> None:
     experts = [(torch.randn(3 * hidden * inter) * 0.02).to(torch.bfloat16) for _ in range(count)]
     if pinned:
         experts = [e.pin_memory() for e in experts]
-    flush = None if warm else torch.ones(256 << 20 >> 3, dtype=torch.int64)  # 256 MiB read between jobs: cold weights
+    flush = None if warm else torch.ones(default_flush_bytes() // 8, dtype=torch.int64)  # read between jobs: cold weights
     inputs = {rows: (torch.randn(rows, hidden) * 0.1).to(torch.bfloat16) for rows in ROWS}
     results = []
     turn = 0
@@ -71,7 +74,7 @@ def main() -> None:
             samples: dict[int, list[float]] = {n: [] for n in SIZES}
             for repeat in range(repeats + 2):  # the first two rounds warm up
                 for n in SIZES:  # interleaved, so drift falls on every size alike
-                    jobs = [(x, experts[(turn + i) % count]) for i in range(n)]
+                    jobs = [(x, experts[i if warm else (turn + i) % count]) for i in range(n)]
                     turn += n
                     if flush is not None:
                         flush.max()
@@ -82,7 +85,7 @@ def main() -> None:
                     if repeat >= 2:
                         samples[n].append(time.perf_counter() - started)
             medians = {n: statistics.median(s) for n, s in samples.items()}
-            fixed, per_expert = fit([(n, s) for n, values in samples.items() for s in values])
+            fixed, per_expert = fit([(n, medians[n]) for n in SIZES if n <= 4])
             result = {"shape": shape, "threads": threads, "gap_ms": gap * 1e3, "rows": rows, "warm": warm,
                       "median_ms": {str(n): round(m * 1e3, 4) for n, m in medians.items()},
                       "fixed_ms": round(fixed * 1e3, 4), "per_expert_ms": round(per_expert * 1e3, 4)}

@@ -94,7 +94,8 @@ def main() -> None:
           f"(= {stats.h2d_bytes / max(stats.new_tokens, 1) / 53e9 * 1e3:.2f} ms at 53 GB/s); stall/token "
           f"{stats.stall_s / max(stats.new_tokens, 1) * 1e3:.2f} ms; copy busy {stats.copy_busy_fraction}; expert {expert_bytes / 1e6:.1f} MB; "
           f"host experts/token {stats.host_computed_experts / max(stats.new_tokens, 1):.1f} in "
-          f"{stats.host_compute_s / max(stats.new_tokens, 1) * 1e3:.2f} ms")
+          f"{stats.host_compute_s / max(stats.new_tokens, 1) * 1e3:.2f} ms; waits/token: routing "
+          f"{stats.routing_wait_s / max(stats.new_tokens, 1) * 1e3:.2f} ms, host {stats.host_wait_s / max(stats.new_tokens, 1) * 1e3:.2f} ms")
 
     profiler = cProfile.Profile()
     profiler.enable()

@@ -260,11 +260,10 @@ host_job() {  # "What is not measured yet": a host job's fixed cost (benchmarks/
   mkdir -p "$out/host-job"
   local policy
   for policy in default active; do
-    if [ $policy = active ]; then export OMP_WAIT_POLICY=active; fi
-    timeout 150 python3 benchmarks/host_job_cost.py "${SHAPE:-qwen1.5-moe-a2.7b}" 15 0,0.5,2 30 \
+    if [ "$policy" = active ]; then set -- env OMP_WAIT_POLICY=active; else set -- env -u OMP_WAIT_POLICY; fi
+    "$@" timeout 150 python3 benchmarks/host_job_cost.py "${SHAPE:-qwen1.5-moe-a2.7b}" 15 0,0.5,2 30 \
       > "$out/host-job/host-job-$policy.log" 2>&1
     echo "host-job $policy rc=$? at ${SECONDS}s"; grep fixed "$out/host-job/host-job-$policy.log"
-    unset OMP_WAIT_POLICY
   done
 }
 

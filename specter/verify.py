@@ -112,12 +112,13 @@ class VerifyRecord:
     emulation: the device may still be copying and computing then, so this counts too much)."""
     stall_s: float = 0.0
     routing_wait_s: float = 0.0
-    """Seconds the loop awaited each MoE layer's routing read: the device's work up to the router that the host had
+    """Seconds the verify awaited each MoE layer's routing read: the device's work up to the router that the host had
     not overlapped yet, the ids' copy and the wake-up. With speculation off, the part of a token where the host waits
-    for the device layer by layer."""
+    for the device layer by layer. The verify task's time to resume, so it also holds what the loop ran meanwhile
+    (deferred bookkeeping, with k > 0 the draft-ahead)."""
     host_wait_s: float = 0.0
-    """Seconds the loop awaited host jobs once their layer's device path was launched (`finish_host`): the host
-    path's time that the device path did not cover."""
+    """Seconds the verify awaited host jobs once their layer's device path was launched (`finish_host`): the host
+    path's time that the device path did not cover, and the job's hand-offs (the same caveat as routing_wait_s)."""
     device_waits: list[tuple[Event, Event]] = dataclasses.field(default_factory=list)
     """Timed (before, after) events around each device-side wait of the compute stream for a copy: the stall
     of a verify whose misses are ordered on the device (`settle` adds them to stall_s)."""
@@ -229,16 +230,15 @@ def start_host(host: HostExperts | None, kernel: Kernel, cache_layer: int, chose
 
 
 async def finish_host(kernel: Kernel, job: HostJob | None, layer: int, record: VerifyRecord,
-                      device_done: float | None = None) -> dict[int, Tensor]:
+                      device_done: float) -> dict[int, Tensor]:
     """The host-path experts' outputs (expert -> host tensor), counted into `record`; {} without a job. Await it only
     once the layer's device path is launched (`device_done`, its perf_counter time: for `VerifyRecord.host_hidden_s`),
     so that the host computes while the device computes and the link copies."""
     if job is None:
         return {}
     outputs = await kernel.wait_host(job)
-    waited = time.perf_counter() - device_done if device_done is not None else job.seconds
-    if device_done is not None:
-        record.host_wait_s += waited
+    waited = time.perf_counter() - device_done
+    record.host_wait_s += waited
     record.host_used[layer] = record.host_used.get(layer, []) + sorted(outputs)
     record.host_computed += len(outputs)
     record.host_s += job.seconds

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specter.bench import cli, protocol
+from specter.bench import cli, protocol, report
 from specter.bench.protocol import Clock, synthetic_prompts
 from specter.bench.synthetic import SHAPES, SyntheticWeights, shape_bytes, shape_config, shape_label
 from specter.bench.systems import SYSTEMS, BenchRuntime, Setting, initial_state, system_slots
@@ -825,6 +825,12 @@ def test_cpu_experts_copies_nothing_and_is_held_to_its_own_placements_baseline(t
     assert row["host_per_token"] == round(sum(r["host_computed_experts"] - r["host_prefill_experts"] for r in runs) / decode_tokens, 3)
     assert row["host_ms_per_token"] == round(1e3 * sum(r["host_compute_s"] - r["host_prefill_s"] for r in runs) / decode_tokens, 3)
     assert 0 < row["host_ms_per_token"] < 1e3 * sum(r["host_compute_s"] for r in runs) / decode_tokens
+    for wait in ("routing_wait", "host_wait"):  # the verify's waits, counted the same way
+        assert all(0 < run[f"{wait}_prefill_s"] < run[f"{wait}_s"] for run in runs), wait
+        assert row[f"{wait}_ms_per_token"] == round(1e3 * sum(r[f"{wait}_s"] - r[f"{wait}_prefill_s"] for r in runs)
+                                                    / decode_tokens, 3)
+    old = [{k: v for k, v in run.items() if not k.endswith("wait_prefill_s")} for run in runs]  # results from before
+    assert report.summarize(old)[0]["routing_wait_ms_per_token"] is None
 
 
 def test_the_hybrids_place_with_auto_and_hold_their_tokens_to_that_placements_baseline(tmp_path, monkeypatch):

@@ -341,33 +341,52 @@ def test_the_host_path_computes_while_the_emulated_link_copies(root, monkeypatch
 
 @pytest.mark.parametrize("static", [None, True])
 def test_the_waits_split_a_host_bound_token(root, monkeypatch, static):
-    """`routing_wait_s` and `host_wait_s` (VerifyRecord, RequestStats, the bench's wait columns): with `all` at k = 0 and
-    each host expert slowed by HOST_S, the device path of a layer is a few resident experts, so the loop waits for
-    nearly all of every host job after launching it: host_wait_s covers at least 0.8 of the host's seconds and at most
-    the request's wall time. Every MoE layer's forward reads its routing once, so routing_wait_s is positive, and the
-    two waits do not overlap (the loop awaits one at a time), so together they stay within the wall time."""
+    """`routing_wait_s` and `host_wait_s` (VerifyRecord, RequestStats, the bench's wait columns), with `all` at k = 0:
+    each routing read is slowed by `read_s` (a sleep inside the awaited read) and each host expert by HOST_S. Every MoE
+    layer's forward reads its routing once, so the routing wait holds at least READ_S per read, the prompt's and the
+    decode rounds' (the segmented verify's too, with `static`) apart; the device path of a layer is a few resident
+    experts, so the verify waits for nearly all of every host job after launching it: host_wait_s covers at least 0.8
+    of the host's seconds, prompt and decode apart. The verify awaits one thing at a time, so the waits stay within
+    the wall time together."""
     path = checkpoint("mixtral", root)
-    compute = HostExperts.compute
+    compute, read = HostExperts.compute, verify.host_values
+    read_s, reads = 0.004, []
 
     def slow(self, *args, **kwargs):
         time.sleep(HOST_S)
         return compute(self, *args, **kwargs)
 
+    async def slow_read(*args, **kwargs):
+        values = await read(*args, **kwargs)
+        if values and isinstance(values[0], list) and len(values[0]) == top_k:  # a router's ids (rows x top_k), not a token
+            reads.append(time.perf_counter())
+            await asyncio.sleep(read_s)
+        return values
+
     monkeypatch.setattr(HostExperts, "compute", slow)
+    monkeypatch.setattr(verify, "host_values", slow_read)
     config = EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_threads=1, static_verify=static,
                           cpu_experts="all", draft=DraftConfig(k=0))
+    layers, top_k = len(Checkpoint(path).spec.moe_layers), Checkpoint(path).spec.top_k
 
     async def go():
         async with await Runtime.load(path, config) as runtime:
+            reads.clear()
             started = time.perf_counter()
             result = await runtime.complete_ids([5, 6, 7], GenerationConfig(max_new_tokens=3))
             return result.stats, time.perf_counter() - started
 
     stats, wall = asyncio.run(go())
-    assert stats.host_computed_experts > 0, stats.as_dict()
-    assert 0.8 * stats.host_compute_s <= stats.host_wait_s <= wall, (stats.host_wait_s, stats.host_compute_s, wall)
-    assert stats.routing_wait_s > 0 and stats.routing_wait_s + stats.host_wait_s <= wall, stats.as_dict()
-    assert stats.as_dict()["host_wait_s"] == round(stats.host_wait_s, 6)
+    assert len(reads) >= 3 * layers and len(reads) % layers == 0, (len(reads), layers)  # whole forwards
+    assert stats.routing_wait_s >= len(reads) * read_s, stats.as_dict()
+    assert stats.routing_wait_prefill_s >= layers * read_s, stats.as_dict()  # at least one forward for the prompt
+    assert stats.routing_wait_s - stats.routing_wait_prefill_s >= 2 * layers * read_s, stats.as_dict()
+    assert stats.host_computed_experts > stats.host_prefill_experts > 0, stats.as_dict()
+    for total, prompt in ((stats.host_wait_s, stats.host_wait_prefill_s), (stats.host_compute_s, stats.host_prefill_s)):
+        assert 0 < prompt < total, stats.as_dict()
+    assert stats.host_wait_prefill_s >= 0.8 * stats.host_prefill_s, stats.as_dict()
+    assert stats.host_wait_s - stats.host_wait_prefill_s >= 0.8 * (stats.host_compute_s - stats.host_prefill_s)
+    assert stats.routing_wait_s + stats.host_wait_s <= wall, (stats.as_dict(), wall)
 
 
 def test_parallel_host_experts_keep_the_tokens(root):

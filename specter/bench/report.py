@@ -196,8 +196,8 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "h2d_decode_mb_per_token": decode_mb_per_token(runs),
         "floor_decode_mb_per_token": floor_mb_per_token(runs),
         "stall_ms_per_token": round(1e3 * sum(r["stall_s"] for r in runs) / tokens, 3),
-        "routing_wait_ms_per_token": _ms_per_token(runs, "routing_wait_s", tokens),
-        "host_wait_ms_per_token": _ms_per_token(runs, "host_wait_s", tokens),
+        "routing_wait_ms_per_token": _host_decode_per_token(runs, "routing_wait_s", "routing_wait_prefill_s", scale=1e3),
+        "host_wait_ms_per_token": _host_decode_per_token(runs, "host_wait_s", "host_wait_prefill_s", scale=1e3),
         "copy_busy": round(sum(r.get("copy_busy_s", 0.0) for r in runs) / copy_window, 4) if copy_window else None,
         "copy_idle": _copy_idle(runs, copy_window),
         "pump_gaps": _pump_gaps(runs),
@@ -217,14 +217,6 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
                             if all("depth_histogram" in r for r in runs) else None),  # None: runs from before it was kept
         "placement": runs[0].get("placement"),
     }
-
-
-def _ms_per_token(runs: Sequence[dict], field: str, tokens: int) -> float | None:
-    """Milliseconds of `field` (seconds per run) per new token, as stall ms/tok counts them (None for runs recorded
-    before the field was kept)."""
-    if not tokens or any(field not in r for r in runs):
-        return None
-    return round(1e3 * sum(r[field] for r in runs) / tokens, 3)
 
 
 def _host_decode_per_token(runs: Sequence[dict], total: str, prefill: str, scale: float = 1.0) -> float | None:
@@ -487,8 +479,8 @@ def host_path_lines(summary: Sequence[dict], markdown: bool = False) -> list[str
             "and host milliseconds per token after the first (the prompt's left out, as decode MB/token), one host "
             "expert's time on the host thread and as "
             "the placement's calibration measured it, the share of the host's time that ran beside the device path "
-            "(copies, device experts), and per new token the milliseconds the loop waited for host jobs once their "
-            "layer's device path was launched and for the layers' routing reads (the device layer by layer); "
+            "(copies, device experts), and per token after the first the milliseconds the verify waited for host jobs "
+            "once their layer's device path was launched and for the layers' routing reads (the device layer by layer); "
             "results.json's `placement` has the cost model's inputs and predictions. A row "
             "pooled from several runs (bench --merge) shows the first run's calibration and `placement`:", ""] + table_lines(
                 rows, columns, markdown=markdown)
