@@ -36,15 +36,6 @@ SIZES = (1, 2, 4, 16)
 ROWS = (1, 16)
 
 
-def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares (fixed, per_expert) of seconds = fixed + n x per_expert over (n, seconds)."""
-    mean_n = statistics.fmean(n for n, _ in points)
-    mean_s = statistics.fmean(s for _, s in points)
-    spread = sum((n - mean_n) ** 2 for n, _ in points)
-    slope = sum((n - mean_n) * (s - mean_s) for n, s in points) / spread
-    return mean_s - slope * mean_n, slope
-
-
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     warm = "--warm" in sys.argv
@@ -85,7 +76,8 @@ def main() -> None:
                     if repeat >= 2:
                         samples[n].append(time.perf_counter() - started)
             medians = {n: statistics.median(s) for n, s in samples.items()}
-            fixed, per_expert = fit([(n, medians[n]) for n in SIZES if n <= 4])
+            small = [n for n in SIZES if n <= 4]
+            per_expert, fixed = statistics.linear_regression(small, [medians[n] for n in small])  # unclamped: < 0 shows
             result = {"shape": shape, "threads": threads, "gap_ms": gap * 1e3, "rows": rows, "warm": warm,
                       "median_ms": {str(n): round(m * 1e3, 4) for n, m in medians.items()},
                       "fixed_ms": round(fixed * 1e3, 4), "per_expert_ms": round(per_expert * 1e3, 4)}

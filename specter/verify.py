@@ -67,6 +67,15 @@ async def host_values(kernel: Kernel, pending: Tensor | tuple[tuple, Tensor, Eve
     return values
 
 
+async def routing_values(kernel: Kernel, pending: Tensor | tuple[tuple, Tensor, Event], record: VerifyRecord,
+                         poll_s: float) -> list:
+    """A MoE layer's router ids from their `copy_to_host`, the await timed into `record.routing_wait_s`."""
+    asked = time.perf_counter()
+    chosen = await host_values(kernel, pending, poll_s=poll_s)
+    record.routing_wait_s += time.perf_counter() - asked
+    return chosen
+
+
 def abandon(pending: Tensor | tuple[tuple, Tensor, Event]) -> None:
     """A `copy_to_host` whose values are not wanted: its buffer is reused once the copy has landed."""
     if not isinstance(pending, Tensor):
@@ -277,9 +286,7 @@ class OffloadedExperts:
         poll_s = self.tuning.routing_poll_s if self.on_device else 0.0
         pending = copy_to_host(self.kernel, ids)  # the router's choice
         inputs = host_inputs(self.host, self.kernel, cache_layer, x, weights, pending)  # behind it, when the layer has any
-        asked = time.perf_counter()
-        chosen = await host_values(self.kernel, pending, poll_s=poll_s)  # await point: the router's choice
-        self.record.routing_wait_s += time.perf_counter() - asked
+        chosen = await routing_values(self.kernel, pending, self.record, poll_s)  # await point: the router's choice
         table = RoutingTable(chosen, x.device)
         self.record.first_row.setdefault(layer, len(set(chosen[0])))
         if self.on_routed is not None:
@@ -408,9 +415,7 @@ async def _routed_experts(step: SegmentedStep, layer: int, count: int, cache: Ex
     except BaseException:
         abandon(pending)
         raise
-    asked = time.perf_counter()
-    chosen = await host_values(kernel, pending, poll_s=tuning.routing_poll_s if on_device else 0.0)  # await point
-    record.routing_wait_s += time.perf_counter() - asked
+    chosen = await routing_values(kernel, pending, record, tuning.routing_poll_s if on_device else 0.0)  # await point
     routed = sorted({expert for row in chosen[:count] for expert in row})  # padding rows repeat the last real row
     needed = cache.device_path(cache_layer, routed)
     record.first_row.setdefault(layer, len(set(chosen[0])))

@@ -196,8 +196,8 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "h2d_decode_mb_per_token": decode_mb_per_token(runs),
         "floor_decode_mb_per_token": floor_mb_per_token(runs),
         "stall_ms_per_token": round(1e3 * sum(r["stall_s"] for r in runs) / tokens, 3),
-        "routing_wait_ms_per_token": _host_decode_per_token(runs, "routing_wait_s", "routing_wait_prefill_s", scale=1e3),
-        "host_wait_ms_per_token": _host_decode_per_token(runs, "host_wait_s", "host_wait_prefill_s", scale=1e3),
+        "routing_wait_ms_per_token": _decode_per_token(runs, "routing_wait_s", "routing_wait_prefill_s", scale=1e3),
+        "host_wait_ms_per_token": _decode_per_token(runs, "host_wait_s", "host_wait_prefill_s", scale=1e3),
         "copy_busy": round(sum(r.get("copy_busy_s", 0.0) for r in runs) / copy_window, 4) if copy_window else None,
         "copy_idle": _copy_idle(runs, copy_window),
         "pump_gaps": _pump_gaps(runs),
@@ -205,8 +205,8 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "host_threads": runs[0].get("host_threads"),
         "host_kernel": (runs[0].get("placement") or {}).get("host_kernel"),
         "host_experts_placed": max((r.get("host_experts_placed", 0) for r in runs), default=0),
-        "host_per_token": _host_decode_per_token(runs, "host_computed_experts", "host_prefill_experts"),
-        "host_ms_per_token": _host_decode_per_token(runs, "host_compute_s", "host_prefill_s", scale=1e3),
+        "host_per_token": _decode_per_token(runs, "host_computed_experts", "host_prefill_experts"),
+        "host_ms_per_token": _decode_per_token(runs, "host_compute_s", "host_prefill_s", scale=1e3),
         "host_share": _host_share(runs),
         "host_expert_ms": _host_expert_ms(runs),
         "host_expert_ms_calibrated": _calibrated_host_ms(runs[0].get("placement")),  # the first run's, as `placement`
@@ -219,10 +219,10 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
     }
 
 
-def _host_decode_per_token(runs: Sequence[dict], total: str, prefill: str, scale: float = 1.0) -> float | None:
-    """Host experts (or seconds times `scale`) per token after the first, the prompt's forward left out as decode
-    MB/token leaves out its bytes: the host work that goes with TPOT. None for runs recorded before the prompt's
-    host work was kept apart."""
+def _decode_per_token(runs: Sequence[dict], total: str, prefill: str, scale: float = 1.0) -> float | None:
+    """A request total (`total`: host experts, or seconds times `scale`) per token after the first, the prompt's
+    forward's share (`prefill`) left out as decode MB/token leaves out its bytes: what goes with TPOT. None for runs
+    recorded before the prompt's share was kept apart."""
     if any(prefill not in r for r in runs):
         return None
     tokens = _decode_tokens(runs)
