@@ -89,7 +89,8 @@ def test_a_build_for_a_cpu_without_avx512_holds_the_avx2_path_only_and_computes_
     hidden, inter = 100, 70
     rows = (torch.randn(7, hidden, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16)
     packed = expert(hidden, inter)
-    [got] = native._call(kernel, [(0, rows, packed)], hidden, inter, native.CodePath.AVX2)
+    got = torch.empty(rows.shape[0], hidden, dtype=torch.bfloat16)
+    native._call(kernel, [(0, rows, packed)], hidden, inter, native.CodePath.AVX2, got)
     assert torch.equal(got, native.native_swiglu(rows, packed, hidden, inter, native.CodePath.AVX2))
 
 
@@ -179,17 +180,18 @@ def test_several_experts_in_one_call_give_each_row_the_bits_of_its_own_call(coun
 
 @needs_native
 def test_the_host_path_sends_a_layers_experts_to_the_kernel_in_one_call():
-    """With the kernel's `many`, `compute_layer` makes one call for the layer's experts (the thread team started once)
-    and its outputs, weighted, equal the per-expert path's bit for bit; one expert alone still takes `mlp`."""
+    """With the kernel's `many`, `compute_layer` makes one call for the layer's experts (the thread team started once),
+    one expert alone too, and its outputs, weighted, equal the per-expert path's bit for bit, as rows (views of one
+    buffer) and dense (each expert's rows in place, the others zero)."""
     hidden, inter, experts = 64, 96, 4
     pool = ExpertPool(Memory(), 1, experts, 3 * hidden * inter, torch.bfloat16)
     for e in range(experts):
         pool.write(0, e, expert(hidden, inter, seed=e))
     calls = []
 
-    def many(jobs):
+    def many(jobs, out=None):
         calls.append(len(jobs))
-        return native.native_swiglu_many(jobs, hidden, inter)
+        return native.native_swiglu_many(jobs, hidden, inter, out=out)
 
     mlp = functools.partial(native.native_swiglu, hidden=hidden, inter=inter)
     chosen = [[0, 2], [1, 2], [3, 0], [2, 1], [0, 1]]
@@ -204,7 +206,14 @@ def test_the_host_path_sends_a_layers_experts_to_the_kernel_in_one_call():
         assert sorted(together) == sorted(apart) == list(range(experts))
         assert all(torch.equal(together[e], apart[e]) for e in range(experts))
         dense = batched.compute_layer(0, {2: routes[2]}, inputs, dense=True)
-        assert calls == [experts] and torch.equal(dense[2][routes[2][0]], apart[2])
+        assert calls == [experts, 1] and torch.equal(dense[2][routes[2][0]], apart[2])
+        dense = batched.compute_layer(0, routes, inputs, dense=True)
+        assert calls == [experts, 1, experts] and sorted(dense) == list(range(experts))
+        for e in range(experts):
+            rows = routes[e][0]
+            others = [r for r in range(len(chosen)) if r not in rows]
+            assert dense[e].shape == (len(chosen), hidden) and torch.equal(dense[e][rows], apart[e])
+            assert not dense[e][others].any()
     finally:
         batched.close()
         single.close()

@@ -43,9 +43,10 @@ Tensor = torch.Tensor
 ExpertFunction = Callable[[Tensor, Tensor], Tensor]
 """mlp(rows [B, D], packed expert) -> [B, D]: the family's routed expert as the host computes it, on one block
 (Transformer.expert_mlp) or on the rows as they are (a row-invariant kernel, specter.experts.native)."""
-ManyFunction = Callable[[Sequence[tuple[Tensor, Tensor]]], list[Tensor]]
-"""[(rows [n_j, D], packed expert j)] -> [[n_j, D]]: a row-invariant kernel's call for several experts at once
-(specter.experts.native.native_swiglu_many), each output as `ExpertFunction` gives it alone."""
+ManyFunction = Callable[..., list[Tensor]]
+"""([(rows [n_j, D], packed expert j)], out=None) -> [[n_j, D]]: a row-invariant kernel's call for several experts at
+once (specter.experts.native.native_swiglu_many), each output as `ExpertFunction` gives it alone; with `out`
+([sum n_j, D]) the outputs are written there, job after job, and are views of it."""
 Routes = Mapping[int, tuple[list[int], list[int]]]
 """expert -> (rows that chose it, ascending; the top-A slot of each): which rows a host expert computes."""
 
@@ -181,6 +182,8 @@ class HostExperts:
         hidden, weights = inputs.hidden, inputs.weights
         outputs = {}
         experts = sorted(routes)
+        if self.many is not None and experts:
+            return self._together(layer, experts, routes, hidden, weights, dense)
         indices = {expert: torch.tensor(routes[expert][0], dtype=torch.long) for expert in experts}
 
         def routed(expert: int) -> tuple[Tensor, Tensor]:
@@ -196,12 +199,6 @@ class HostExperts:
             futures = {expert: workers.submit(one, expert) for expert in experts}
             wait(futures.values())  # every one ends before the job does, failed or not: none outlives it
             computed = {expert: future.result() for expert, future in futures.items()}
-        elif self.many is not None and len(experts) > 1:  # as `compute` weights a row-invariant kernel's output
-            dtype, inputs_of = self.pool.dtype, [routed(expert) for expert in experts]
-            values = self.many([(rows.to(dtype), self.pool.host(layer, expert))
-                                for expert, (rows, _) in zip(experts, inputs_of, strict=True)])
-            computed = {expert: out * row_weights.to(dtype)
-                        for expert, out, (_, row_weights) in zip(experts, values, inputs_of, strict=True)}
         else:
             computed = {}
         for expert in experts:
@@ -214,6 +211,37 @@ class HostExperts:
                 out = values.pin_memory() if self.pinned else values
             outputs[expert] = out
         return outputs
+
+    def _together(self, layer: int, experts: list[int], routes: Routes, hidden: Tensor, weights: Tensor,
+                  dense: bool) -> dict[int, Tensor]:
+        """`compute_layer` with the kernel's `many`: every expert's rows in one gather, one kernel call (the thread team
+        started once), one weighting and one output buffer whose views the experts' outputs are. A job's cost beyond
+        its kernel is then a few torch calls, not a few for each expert, which a small expert's time on a fast host
+        is largely made of. Each row keeps the bits `compute` gives it: the kernel is
+        row-invariant and the weighting elementwise."""
+        dtype, total_rows, width = self.pool.dtype, hidden.shape[0], hidden.shape[1]
+        counts = [len(routes[expert][0]) for expert in experts]
+        total = sum(counts)
+        # One small tensor for all the indices: each torch call costs the host thread microseconds on a loaded host.
+        # The rows' indices first, then their (row, slot) places in the flattened routing weights, then (dense) their
+        # places in the [experts x T] output.
+        places = [row for expert in experts for row in routes[expert][0]]
+        places += [row * weights.shape[1] + slot for expert in experts for row, slot in zip(*routes[expert], strict=True)]
+        if dense:
+            places += [position * total_rows + row for position, expert in enumerate(experts) for row in routes[expert][0]]
+        places = torch.tensor(places, dtype=torch.long)
+        index, flat = places[:total], places[total : 2 * total]
+        rows = hidden.index_select(0, index).to(dtype)
+        row_weights = weights.reshape(-1).index_select(0, flat).to(dtype)[:, None]
+        out = torch.empty(total, width, dtype=dtype)
+        self.many(list(zip(rows.split(counts), [self.pool.host(layer, expert) for expert in experts], strict=True)), out=out)
+        if dense:  # expert j's rows in place in block j of [experts, T, D], the other rows zero
+            result = torch.zeros(len(experts) * total_rows, width, dtype=dtype, pin_memory=self.pinned)
+            result.index_copy_(0, places[2 * total :], out.mul_(row_weights))
+            return dict(zip(experts, result.view(len(experts), total_rows, width), strict=True))
+        result = torch.empty(total, width, dtype=dtype, pin_memory=self.pinned)
+        torch.mul(out, row_weights, out=result)
+        return dict(zip(experts, result.split(counts), strict=True))
 
     # ---- a layer's host experts, on the host thread ------------------------------------------------------
     def copy_inputs(self, kernel: Kernel, hidden: Tensor, weights: Tensor) -> HostInputs:

@@ -25,6 +25,7 @@ import ctypes
 import enum
 import functools
 import hashlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -460,11 +461,13 @@ def native_swiglu(rows: Tensor, packed: Tensor, hidden: int, inter: int, path: C
 
 
 def native_swiglu_many(jobs: Sequence[tuple[Tensor, Tensor]], hidden: int, inter: int,
-                       path: CodePath | None = None) -> list[Tensor]:
+                       path: CodePath | None = None, out: Tensor | None = None) -> list[Tensor]:
     """`native_swiglu` of several experts of one shape, each on its own rows: [(rows [B_j, D] bf16, packed expert)] ->
     [[B_j, D] bf16], in calls of at most CALL_ROWS rows (of jobs of at most CHUNK rows) that each start the OpenMP
     team once for all their experts. Every output row has the bits `native_swiglu` gives it alone. `path`: the shape's
-    (`path_for`) unless given (one of `paths()`: the tests run each path this machine has). Requires `load()`."""
+    (`path_for`) unless given (one of `paths()`: the tests run each path this machine has). `out`: a contiguous
+    [sum B_j, D] bf16 tensor the outputs are written to, job after job (each output a view of it), so that a caller
+    can weight and hand them on in one operation each. Requires `load()`."""
     kernel = load()
     assert kernel is not None, "native_swiglu needs the native kernel (native.load())"
     pieces: list[tuple[int, Tensor, Tensor]] = []  # (job, rows of at most CHUNK, packed)
@@ -473,48 +476,54 @@ def native_swiglu_many(jobs: Sequence[tuple[Tensor, Tensor]], hidden: int, inter
         assert rows.dim() == 2 and rows.shape[1] == hidden, f"rows {tuple(rows.shape)} for hidden {hidden}"
         assert packed.is_contiguous() and packed.numel() == 3 * hidden * inter, "packed: the expert's [W13; W2], flat"
         rows = rows.contiguous()
-        pieces.extend((index, rows[start : start + CHUNK], packed) for start in range(0, rows.shape[0], CHUNK))
-    outputs: list[list[Tensor]] = [[] for _ in jobs]
+        if rows.shape[0] <= CHUNK:  # most jobs: no view to make
+            pieces.append((index, rows, packed))
+        else:
+            pieces.extend((index, rows[start : start + CHUNK], packed) for start in range(0, rows.shape[0], CHUNK))
+    total = sum(rows.shape[0] for _, rows, _ in pieces)
+    if out is None:
+        out = torch.empty(total, hidden, dtype=torch.bfloat16)
+    else:
+        assert out.dtype == torch.bfloat16 and out.is_contiguous() and tuple(out.shape) == (total, hidden), (
+            f"out {tuple(out.shape)} {out.dtype} for {total} rows of {hidden}, contiguous bf16")
     path = path_for(hidden, inter) if path is None else path
     if path not in shape_paths(hidden, inter):
         raise ValueError(f"path {path.name} cannot run {hidden} x {inter} experts here (this machine's paths for them: "
                          f"{[p.name for p in shape_paths(hidden, inter)]}"
                          + ("; AMX tiles need widths that are multiples of 32)" if path == CodePath.AMX else ")"))
     call: list[tuple[int, Tensor, Tensor]] = []
-    call_rows = 0
+    call_rows = done = 0  # rows of the call being gathered; rows of the calls made
     for piece in pieces + [None]:
         if call and (piece is None or call_rows + piece[1].shape[0] > CALL_ROWS):
-            for (index, _, _), out in zip(call, _call(kernel, call, hidden, inter, path), strict=True):
-                outputs[index].append(out)
-            call, call_rows = [], 0
+            _call(kernel, call, hidden, inter, path, out[done : done + call_rows])
+            call, done, call_rows = [], done + call_rows, 0
         if piece is not None:
             call.append(piece)
             call_rows += piece[1].shape[0]
-    return [parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, hidden, dtype=torch.bfloat16)
-            for parts in outputs]
+    starts = itertools.accumulate((rows.shape[0] for rows, _ in jobs), initial=0)  # each job's rows, consecutive in out
+    return [out[start:end] for start, end in itertools.pairwise(starts)]
 
 
 def _call(kernel: ctypes.CDLL, call: Sequence[tuple[int, Tensor, Tensor]], hidden: int, inter: int,
-          path: CodePath) -> list[Tensor]:
-    """One call of the kernel on `call`'s pieces (each of at least one row): the scratch of all of them in one
-    allocation of each kind; their outputs, views of one tensor."""
+          path: CodePath, out: Tensor) -> None:
+    """One call of the kernel on `call`'s pieces (each of at least one row), their outputs into `out` ([their rows, D]
+    bf16, contiguous) piece after piece: the scratch of all of them in one allocation of each kind."""
     counts = [rows.shape[0] for _, rows, _ in call]
     total = sum(counts)
     gate_up = torch.empty(total, 2 * inter, dtype=torch.float32)
     act = torch.empty(total, inter, dtype=torch.bfloat16)
     down = torch.empty(total, hidden, dtype=torch.float32)
-    out = torch.empty(total, hidden, dtype=torch.bfloat16)
     amx = path == CodePath.AMX
     packed_bytes = [-(-count // 16) * max(hidden, inter) * 32 if amx else 0 for count in counts]
     scratch = torch.empty(max(1, sum(packed_bytes)), dtype=torch.uint8)
     jobs = (_Job * len(call))()
-    outputs, row, offset = [], 0, 0
+    # Each job's row pointers by arithmetic on the buffers' (contiguous, float32 or bf16) rows: no view a job.
+    gate_up_at, act_at, down_at, out_at, scratch_at = (t.data_ptr() for t in (gate_up, act, down, out, scratch))
+    row = offset = 0
     for job, (_, rows, packed), count, size in zip(jobs, call, counts, packed_bytes, strict=True):
         base = packed.data_ptr()
-        job.x, job.w13, job.w2 = rows.data_ptr(), base, base + 2 * inter * hidden * packed.element_size()
-        job.gate_up, job.act, job.down = gate_up[row].data_ptr(), act[row].data_ptr(), down[row].data_ptr()
-        job.out, job.packed, job.rows = out[row].data_ptr(), scratch.data_ptr() + offset, count
-        outputs.append(out[row : row + count])
+        job.x, job.w13, job.w2 = rows.data_ptr(), base, base + 2 * inter * hidden * 2
+        job.gate_up, job.act, job.down = gate_up_at + row * 2 * inter * 4, act_at + row * inter * 2, down_at + row * hidden * 4
+        job.out, job.packed, job.rows = out_at + row * hidden * 2, scratch_at + offset, count
         row, offset = row + count, offset + size
     kernel.experts_swiglu(jobs, len(call), hidden, inter, int(path), torch.get_num_threads())
-    return outputs
