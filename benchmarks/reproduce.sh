@@ -300,7 +300,7 @@ llamacpp() {  # issue 28 item 5, llama.cpp as a peer: build it with CUDA (timed)
     [ -n "$widen" ] || widen=$(python3 -c "import sys; from specter.bench.widen import DEFAULT_FACTORS as F; print(F[sys.argv[1]])" "$SHAPE") \
       || { echo "llamacpp: no widening factor for SHAPE=$SHAPE" >&2; return 1; }
     [ -f "$model/train.json" ] || { PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 \
-      benchmarks/reference_model.py --shape "$SHAPE" --minutes "${MINUTES:-3}" --batch 32 --reuse --out "$model" \
+      benchmarks/reference_model.py --shape "$SHAPE" $(train_length) --batch 32 --reuse --out "$model" \
       > "$out/logs/train-$SHAPE.log" 2>&1 & trainer=$!; }
   elif [ -z "${MODEL:-}" ] && [ "${LLAMACPP_ONLY:-}" != build ]; then
     train_qwen & trainer=$!
@@ -316,6 +316,12 @@ llamacpp() {  # issue 28 item 5, llama.cpp as a peer: build it with CUDA (timed)
     --deadline-s $((580 - SECONDS)) \
     --out "$out/llamacpp" >> "$out/logs/llamacpp.log" 2>&1
   echo "llamacpp rc=$? at ${SECONDS}s"; grep -E "^(disk|convert):|^agree|GiB, llama.cpp" "$out/logs/llamacpp.log" | cut -c1-400
+}
+
+train_length() {  # a full-depth narrow training's length: MINUTES (default 3), or STEPS steps (the same seeds and
+  # data order: calls on fresh machines train the same model, up to the GPU's non-deterministic sums, so their cells
+  # compare; the minutes then only cap it, at 5)
+  if [ -n "${STEPS:-}" ]; then echo "--max-steps $STEPS --minutes ${MINUTES:-5}"; else echo "--minutes ${MINUTES:-3}"; fi
 }
 
 placement_trace() {  # DIR TRACE LOG: record a routing trace of the checkpoint DIR (reference_model.py --shape's) to TRACE
@@ -346,7 +352,7 @@ print(max(spec.top_k, spec.num_experts // 4), ",".join(map(str, window[:64])))' 
 }
 
 fulldepth() {  # table "Full-depth Qwen1.5-MoE-A2.7B shape" (one per shape): SHAPE (default qwen1.5-moe-a2.7b) at full depth and the real dims: trained
-  # narrow alone for MINUTES (default 3) at batch 32 (five at once needed batch 12, one alone fits 32) into
+  # narrow alone for MINUTES (default 3) or STEPS (train_length) at batch 32 (five at once needed batch 12, one alone fits 32) into
   # /tmp/narrow/SHAPE (--reuse: a second call on the warm machine skips training), then the bench on it widened
   # (--widen auto: F from its train.json) over BUDGETS x LINKS x SYSTEMS, greedy and sampled, cut to the call's 10
   # minutes. Phi-3.5-MoE and Mixtral-8x7B default to larger BUDGETS: their int4 draft alone is 19.3 and 21.7 GiB
@@ -369,7 +375,7 @@ fulldepth() {  # table "Full-depth Qwen1.5-MoE-A2.7B shape" (one per shape): SHA
     *) budgets=${BUDGETS:-24GiB,16GiB} ;;
   esac
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 benchmarks/reference_model.py --shape "$shape" \
-    --minutes "${MINUTES:-3}" --batch 32 --reuse --out "/tmp/narrow/$shape" > "$out/logs/train-$shape.log" 2>&1
+    $(train_length) --batch 32 --reuse --out "/tmp/narrow/$shape" > "$out/logs/train-$shape.log" 2>&1
   echo "train $shape rc=$? at ${SECONDS}s"; grep -h "^trained\|already holds\|holds a run of other settings" "$out/logs/train-$shape.log"
   mkdir -p "$out/fulldepth-$shape"  # the checkpoint's realism report, on the narrow model (its function, seconds)
   [ -n "${NO_REALISM:-}" ] || { timeout 90 python3 -m specter.bench.realism --model "/tmp/narrow/$shape" \
