@@ -31,8 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--max-context", type=int, default=None,
                       help="context the budgets are planned for (default: min(2048, the model's max_position_embeddings))")
     info.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2", "gptq4"], help="draft quantization")
+    info.add_argument("--budget", default=None, metavar="SIZE",
+                      help="GPU memory budget (e.g. 24GiB): print the expert slots per layer it leaves with the draft and "
+                           "without one (--k-max 0), and make the placement for the first")
     info.add_argument("--residents", type=int, default=None, metavar="N",
-                      help="expert slots per MoE layer the placement is made for (default: the model's top-k)")
+                      help="expert slots per MoE layer the placement is made for (default: --budget's, else the model's top-k)")
     info.add_argument("--cpu-experts", default="off", metavar="off|all|auto|NAME",
                       help="placement (specter.placement plug-in) whose host experts to count")
     info.add_argument("--link", default=None, metavar="PRESET|GBPS",
@@ -245,7 +248,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from specter.builtin import builtin_note
 
     summary = checkpoint_summary(args.model, dtype=args.dtype, max_context=args.max_context, quant=args.quant,
-                                 residents=args.residents, cpu_experts=args.cpu_experts, link=args.link,
+                                 residents=args.residents, budget=args.budget, cpu_experts=args.cpu_experts, link=args.link,
                                  cpu_threads=args.cpu_threads, placement_profile=args.placement_profile, measure=args.measure,
                                  tune=args.tune, recalibrate=args.recalibrate)
     if note := builtin_note(args.model):  # after the summary: a bad option is the only line its error prints
@@ -260,9 +263,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None = None, quant: str = "int4",
                        residents: int | None = None, cpu_experts: str = "off", link: str | None = None,
                        cpu_threads: int | None = None, placement_profile: str | None = None, measure: bool = True,
-                       tune: Sequence[str] = (), recalibrate: bool = False) -> dict:
-    """What `specter info` prints: family, shape, parameter counts, expert bytes, the two budgets, and how many experts
-    the placement `cpu_experts` computes on the host at `residents` slots per layer (as it places at load); with
+                       tune: Sequence[str] = (), recalibrate: bool = False, budget: str | None = None) -> dict:
+    """What `specter info` prints: family, shape, parameter counts, expert bytes, the two budgets, with `budget` the
+    expert slots per layer it leaves with the draft and without one (`budget_slots`), and how many experts the
+    placement `cpu_experts` computes on the host at `residents` slots per layer (by default the budget's with the
+    draft, else top-k; as it places at load); with
     `measure`, one expert's copy and host times (this machine's stored figures unless `recalibrate`, as the builder
     takes them) and what `auto` would do with them; `tune`: tuning overrides (SECTION.FIELD=VALUE, e.g.
     host.parallel_experts=true, which changes how the host is timed)."""
@@ -283,6 +288,9 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
                                                    tuning=tuning, recalibrate=recalibrate), spec)
     torch_dtype = resolve_dtype(config, spec)
     plan = plan_memory(spec, torch_dtype, config, speculative=True)
+    slots = budget_slots(spec, torch_dtype, config, budget) if budget is not None else None
+    if residents is None and slots is not None:
+        residents = slots["speculating"] or slots["without_draft"]
     dense = sum(_numel(shape) for shape in dense_shapes(spec).values())
     moe_layers = len(spec.moe_layers)
     return {
@@ -294,8 +302,36 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
         "expert_bytes": plan.expert_bytes, "all_expert_bytes": plan.expert_bytes * moe_layers * spec.num_experts,
         "dense_bytes": plan.dense_bytes, "draft_bytes": plan.draft_bytes, "kv_bytes": plan.kv_bytes,
         "max_context": config.max_context, "max_position_embeddings": spec.max_position, "draft_quant": quant,
-        "minimum_budget": plan.minimum_budget, "resident_budget": plan.resident_budget,
+        "minimum_budget": plan.minimum_budget, "resident_budget": plan.resident_budget, "budget_slots": slots,
     } | placement_summary(spec, plan.expert_bytes, config, residents, cpu_experts, torch_dtype if measure else None)
+
+
+def budget_slots(spec: Any, dtype: Any, config: Any, budget: str) -> dict:
+    """The expert slots per MoE layer `budget` leaves an engine with its draft (`speculating`; None below that plan's
+    minimum) and without one (`without_draft`: `--k-max 0`, on-demand offloading, whose slots take the draft's bytes),
+    and the draft's bytes: where the draft takes most of a budget, its verify's wider expert sets can cost more link
+    time than the draft saves (docs/BENCHMARKS.md, Qwen3-30B-A3B at 24 GiB). A budget below both minimums is refused
+    with `plan_memory`'s message."""
+    from specter.config import parse_bytes
+    from specter.errors import BudgetError, ConfigError
+    from specter.memory import plan_memory
+
+    try:
+        sized = config.model_copy(update={"budget": parse_bytes(budget)})
+    except ValueError as error:
+        raise ConfigError(f"--budget: {error}") from None
+    try:
+        speculating, why = plan_memory(spec, dtype, sized, speculative=True), None
+    except BudgetError as error:
+        speculating, why = None, error
+    try:
+        plain = plan_memory(spec, dtype, sized, speculative=False)
+    except BudgetError:
+        raise why from None  # below both minimums: the message with the draft's bytes, which names every way out
+    return {"budget": sized.budget, "experts": spec.num_experts,
+            "speculating": None if speculating is None else speculating.slots_per_layer,
+            "without_draft": plain.slots_per_layer, "draft_bytes": plan_memory(spec, dtype, config).draft_bytes,
+            "speculating_refused": None if why is None else str(why)}
 
 
 def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int | None, cpu_experts: str,
@@ -424,6 +460,7 @@ def _format_info(summary: dict) -> str:
                         f"KV for {summary['max_context']} tokens {fmt(summary['kv_bytes'])}"),
         ("minimum budget", fmt(summary["minimum_budget"])),
         ("full residency", fmt(summary["resident_budget"])),
+        *([("at budget", _budget_line(summary["budget_slots"]))] if summary.get("budget_slots") else []),
         ("host experts", f"{summary['host_experts']} of {summary['moe_layers'] * summary['experts']} "
                          f"(--cpu-experts {summary['cpu_experts']}, {summary['placement_slots']} slots per layer)"),
         ("expert costs", _costs_line(summary)),
@@ -431,6 +468,19 @@ def _format_info(summary: dict) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _budget_line(slots: dict) -> str:
+    from specter.memory import fmt
+
+    def count(slots_per_layer: int) -> str:
+        return f"all {slots_per_layer} resident" if slots_per_layer >= slots["experts"] else str(slots_per_layer)
+
+    plain = f"{count(slots['without_draft'])} without a draft (--k-max 0: on-demand offloading)"
+    if slots["speculating"] is None:
+        return f"{fmt(slots['budget'])}: below the minimum with the draft; expert slots per layer {plain}"
+    return (f"{fmt(slots['budget'])}: expert slots per layer {count(slots['speculating'])} speculating (the draft "
+            f"takes {fmt(slots['draft_bytes'])}), {plain}")
 
 
 def _costs_line(summary: dict) -> str:

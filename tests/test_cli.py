@@ -139,6 +139,50 @@ def test_info_matches_the_files(capsys):
     assert "minimum budget" in text and "full residency" in text and "qwen2_moe" in text
 
 
+def test_info_at_a_budget_gives_the_slots_with_and_without_the_draft(capsys):
+    """`info --budget`: the slots per layer the budget leaves speculating (the draft's bytes taken first) and without a
+    draft (what `--k-max 0` loads with), each as the engine's memory plan splits that budget; the placement is made for
+    the first. Below the minimum with the draft only: the second alone; below both, or a size without a unit: exit 2
+    with the reason, nothing printed on stdout."""
+    import torch
+
+    from specter.builtin import resolve_model
+    from specter.config import EngineConfig
+    from specter.memory import plan_memory
+    from specter.model.checkpoint import Checkpoint
+
+    spec = Checkpoint(resolve_model("tiny")).spec
+    assert main(["info", "tiny", "--json", "--no-measure"]) == 0
+    minimum = json.loads(capsys.readouterr().out)["minimum_budget"]
+    plain_minimum = plan_memory(spec, torch.float32, EngineConfig(), speculative=False).minimum_budget
+    assert plain_minimum < minimum
+
+    def slots(budget: int, speculative: bool) -> int:
+        return plan_memory(spec, torch.float32, EngineConfig(budget=budget), speculative=speculative).slots_per_layer
+
+    budget = minimum + 5 * 2**20
+    assert main(["info", "tiny", "--json", "--no-measure", "--budget", str(budget)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    got = info["budget_slots"]
+    assert (got["speculating"], got["without_draft"]) == (slots(budget, True), slots(budget, False))
+    assert spec.top_k <= got["speculating"] < got["without_draft"] < spec.num_experts
+    assert info["placement_slots"] == got["speculating"]
+    assert main(["info", "tiny", "--no-measure", "--budget", str(budget)]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("at budget"))
+    assert f"{got['speculating']} speculating" in line and f"{got['without_draft']} without a draft" in line
+
+    between = (plain_minimum + minimum) // 2
+    assert main(["info", "tiny", "--json", "--no-measure", "--budget", str(between)]) == 0
+    got = json.loads(capsys.readouterr().out)["budget_slots"]
+    assert got["speculating"] is None and "short of the minimum" in got["speculating_refused"]
+    assert got["without_draft"] == slots(between, False) >= spec.top_k
+
+    for budget in (str(plain_minimum - 2**20), "20"):
+        assert main(["info", "tiny", "--no-measure", "--budget", budget]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and ("short of the minimum" in err or "give a unit" in err)
+
+
 def test_info_times_the_host_as_the_builder_calibrates(monkeypatch):
     """`info`'s measured host figure: the host path's call with one row routed to top_k experts per job, as `calibrate`
     times it at load, each job on experts no other job read (the tiny model: top-2)."""
