@@ -284,7 +284,9 @@ def _cuda_ms(work, repeats: int = 30) -> float:
 def train(model, data: torch.Tensor, args: argparse.Namespace, device: torch.device,
           balance: BalanceLoss | None = None) -> dict[str, float]:
     """AdamW with warm-up and cosine decay until the time or step limit; bf16 autocast on CUDA. With `balance`, the
-    loss is the next-byte cross-entropy plus every router's balance loss (else transformers' own loss)."""
+    loss is the next-byte cross-entropy plus every router's balance loss (else transformers' own loss). The cosine
+    runs over the steps where `--max-steps` was given (`args.by_steps`: each step's rate then does not depend on the
+    machine's speed, so the same steps train the same model anywhere), else over the minutes."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                                   fused=device.type == "cuda")  # fused: no per-tensor temporaries (the Qwen shape is 4.6 B parameters)
     generator = torch.Generator().manual_seed(0)
@@ -292,7 +294,8 @@ def train(model, data: torch.Tensor, args: argparse.Namespace, device: torch.dev
     started, step, balance_value = time.monotonic(), 0, float("nan")
     model.train()
     while step < args.max_steps and time.monotonic() - started < 60 * args.minutes:
-        fraction = min(1.0, (time.monotonic() - started) / (60 * args.minutes))
+        fraction = (step / args.max_steps if getattr(args, "by_steps", False)
+                    else min(1.0, (time.monotonic() - started) / (60 * args.minutes)))
         for group in optimizer.param_groups:
             group["lr"] = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * fraction)))
         tokens = next(stream).to(device)
@@ -391,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a small model a CPU trains in minutes (hidden 256, 4 layers; mixtral: 8 experts top-2, qwen2_moe: 16 "
                              "top-4 and a shared expert): trained routing off the GPU")
     parser.add_argument("--minutes", type=float, default=5.0, help="training time limit")
-    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="train this many steps, the learning rate's cosine over them (--minutes then only caps it)")
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--length", type=int, default=None)
     parser.add_argument("--lr", type=float, default=None)
@@ -416,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.shape is not None:
         return main_shape(args)
     tiny, small = args.tiny, args.small and not args.tiny
+    args.by_steps = args.max_steps is not None
     args.max_steps = args.max_steps or (30 if tiny else 10**9)
     args.batch = args.batch or (4 if tiny else 8 if small else 16 if args.family == "qwen2_moe" else 32)
     args.length = args.length or (64 if tiny else 128 if small else 512)
@@ -461,12 +466,14 @@ def main_shape(args: argparse.Namespace) -> int:
     factor = args.factor if args.factor is not None or tiny else DEFAULT_FACTORS[args.shape]
     config = shape_config(args.shape, factor, args.layers, tiny)
     factor = factor if factor is not None else _tiny_factor(args.shape)
+    args.by_steps = args.max_steps is not None
     args.max_steps = args.max_steps or (20 if tiny else 10**9)
     args.batch = args.batch or (2 if tiny else 32)
     args.length = args.length or (32 if tiny else 512)
     args.lr = args.lr or (3e-3 if tiny else 1e-3)
     settings = {"shape": args.shape, "factor": factor, "layers": config["num_hidden_layers"], "tiny": tiny,
-                "minutes": args.minutes, "max_steps": args.max_steps, "batch": args.batch, "length": args.length, "lr": args.lr}
+                "minutes": args.minutes, "max_steps": args.max_steps, "by_steps": args.by_steps, "batch": args.batch,
+                "length": args.length, "lr": args.lr}
     if args.reuse and _finished(args.out, settings):
         print(f"{args.out} already holds this run (train.json); kept")
         return _maybe_widen(args, factor)

@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2", "gptq4"], help="draft quantization")
     info.add_argument("--budget", default=None, metavar="SIZE",
                       help="GPU memory budget (e.g. 24GiB): print the expert slots per layer it leaves with the draft and "
-                           "without one (--k-max 0), and make the placement for the first")
+                           "without one (--k-max 0), and make the placement for the first (the second where the draft "
+                           "does not fit)")
     info.add_argument("--residents", type=int, default=None, metavar="N",
                       help="expert slots per MoE layer the placement is made for (default: --budget's, else the model's top-k)")
     info.add_argument("--cpu-experts", default="off", metavar="off|all|auto|NAME",
@@ -267,7 +268,7 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
     """What `specter info` prints: family, shape, parameter counts, expert bytes, the two budgets, with `budget` the
     expert slots per layer it leaves with the draft and without one (`budget_slots`), and how many experts the
     placement `cpu_experts` computes on the host at `residents` slots per layer (by default the budget's with the
-    draft, else top-k; as it places at load); with
+    draft, or without one where the draft does not fit, else top-k; as it places at load); with
     `measure`, one expert's copy and host times (this machine's stored figures unless `recalibrate`, as the builder
     takes them) and what `auto` would do with them; `tune`: tuning overrides (SECTION.FIELD=VALUE, e.g.
     host.parallel_experts=true, which changes how the host is timed)."""
@@ -288,7 +289,7 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
                                                    tuning=tuning, recalibrate=recalibrate), spec)
     torch_dtype = resolve_dtype(config, spec)
     plan = plan_memory(spec, torch_dtype, config, speculative=True)
-    slots = budget_slots(spec, torch_dtype, config, budget) if budget is not None else None
+    slots = budget_slots(spec, torch_dtype, config, budget, plan.draft_bytes) if budget is not None else None
     if residents is None and slots is not None:
         residents = slots["speculating"] or slots["without_draft"]
     dense = sum(_numel(shape) for shape in dense_shapes(spec).values())
@@ -306,7 +307,7 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
     } | placement_summary(spec, plan.expert_bytes, config, residents, cpu_experts, torch_dtype if measure else None)
 
 
-def budget_slots(spec: Any, dtype: Any, config: Any, budget: str) -> dict:
+def budget_slots(spec: Any, dtype: Any, config: Any, budget: str, draft_bytes: int) -> dict:
     """The expert slots per MoE layer `budget` leaves an engine with its draft (`speculating`; None below that plan's
     minimum) and without one (`without_draft`: `--k-max 0`, on-demand offloading, whose slots take the draft's bytes),
     and the draft's bytes: where the draft takes most of a budget, its verify's wider expert sets can cost more link
@@ -326,11 +327,11 @@ def budget_slots(spec: Any, dtype: Any, config: Any, budget: str) -> dict:
         speculating, why = None, error
     try:
         plain = plan_memory(spec, dtype, sized, speculative=False)
-    except BudgetError:
-        raise why from None  # below both minimums: the message with the draft's bytes, which names every way out
+    except BudgetError as error:  # below both minimums: the message with the draft's bytes names every way out
+        raise (why or error) from None
     return {"budget": sized.budget, "experts": spec.num_experts,
             "speculating": None if speculating is None else speculating.slots_per_layer,
-            "without_draft": plain.slots_per_layer, "draft_bytes": plan_memory(spec, dtype, config).draft_bytes,
+            "without_draft": plain.slots_per_layer, "draft_bytes": draft_bytes,
             "speculating_refused": None if why is None else str(why)}
 
 

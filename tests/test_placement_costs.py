@@ -351,12 +351,15 @@ def test_a_bad_or_unwritable_store_costs_only_the_measurement(tmp_path, monkeypa
 
 
 def test_the_key_names_what_a_figure_was_measured_for():
-    """Machine, torch, device, shape, block, threads, jobs and the kernels chosen from; with the native kernel among
-    them its identity (source, CPU), so that a changed kernel's stored time and choice do not carry over."""
+    """Machine, torch, device, shape, block, threads, jobs, the kernels chosen from and the host path's version (a job's
+    own work is timed too); with the native kernel among them its identity (source, CPU), so that a changed kernel's
+    or host path's stored time and choice do not carry over."""
     from specter.experts import native
+    from specter.experts.host import HOST_PATH_VERSION
 
     key = json.loads(costs.cost_key(1024, torch.bfloat16, 8, 16, 3, 2, False, torch.device("cpu"), ["torch", "native"]))
     assert key == {"cpu": costs.cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "device": "cpu",
+                   "host_path": HOST_PATH_VERSION,
                    "expert_bytes": 1024, "dtype": "bfloat16", "hidden": 8, "rows": 16, "threads": 3, "per_job": 2,
                    "parallel": False, "kernels": ["torch", "native"], "native": native.digest()}
     assert costs.cost_key(1024, torch.bfloat16, 8, 16, 3, 2, True, torch.device("cpu"), ["torch", "native"]) != json.dumps(

@@ -178,3 +178,24 @@ def test_reuse_keeps_only_a_run_of_the_same_settings_and_says_what_differs(train
     assert not trainer._finished(tmp_path, {"shape": "mixtral-8x7b", "minutes": 3, "batch": 32})
     assert "minutes 2.5 there, 3 asked" in capsys.readouterr().out
     assert not trainer._finished(tmp_path / "missing", {"shape": "mixtral-8x7b"})
+
+
+def test_a_run_of_max_steps_does_not_depend_on_the_machines_speed(trainer, tmp_path, one_thread, monkeypatch):
+    """With --max-steps the learning rate's cosine runs over the steps, not the minutes: the same steps on a machine
+    ten times slower (its clock, here) train the same weights. Without it the rate follows the clock."""
+    import itertools
+    from safetensors.torch import load_file
+
+    def run(name: str, seconds_per_call: float, steps: bool) -> dict[str, torch.Tensor]:
+        ticks = itertools.count()
+        monkeypatch.setattr(trainer.time, "monotonic", lambda: next(ticks) * seconds_per_call)
+        out = tmp_path / name
+        length = ["--max-steps", "4"] if steps else []  # else a tiny run's default 20 steps, over the minutes
+        assert trainer.main(["--shape", "qwen1.5-moe-a2.7b", "--tiny", *length, "--minutes", "10", "--length", "16",
+                             "--device", "cpu", "--out", str(out)]) == 0
+        return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    fast, slow = run("fast", 0.01, True), run("slow", 0.1, True)
+    assert fast.keys() == slow.keys() and all(torch.equal(fast[k], slow[k]) for k in fast)
+    fast, slow = run("fast-minutes", 0.01, False), run("slow-minutes", 5.0, False)
+    assert any(not torch.equal(fast[k], slow[k]) for k in fast)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from specter.errors import ConfigError
-from specter.experts.host import ExpertFunction, HostExperts, HostInputs, ManyFunction, host_thread
+from specter.experts.host import HOST_PATH_VERSION, ExpertFunction, HostExperts, HostInputs, ManyFunction, host_thread
 from specter.experts.pool import ExpertPool
 from specter.kernel import Kernel
 from specter.log import get_logger
@@ -181,9 +181,9 @@ def stored_costs(store: CostStore | None, key: str, kernels: Sequence[HostKernel
 def cost_key(expert_bytes: int, dtype: torch.dtype, hidden_size: int, row_bucket: int, threads: int, per_job: int,
              parallel: bool, device: torch.device, kernels: Sequence[str] = ("torch",)) -> str:
     """What a stored host and link figure was measured for: this machine (its CPU, cores, torch, the device), one
-    expert's bytes, dtype and width, the block, the host threads, how the calibration's jobs ran and the host
-    kernels it chose from."""
-    fields = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+    expert's bytes, dtype and width, the block, the host threads, how the calibration's jobs ran, the host kernels it
+    chose from and the host path's own version (`host.HOST_PATH_VERSION`: its work around the kernel is timed too)."""
+    fields = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "host_path": HOST_PATH_VERSION,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
               "expert_bytes": expert_bytes, "dtype": str(dtype).removeprefix("torch."), "hidden": hidden_size,
               "rows": row_bucket, "threads": threads, "per_job": per_job, "parallel": parallel, "kernels": list(kernels)}

@@ -47,6 +47,9 @@ ManyFunction = Callable[..., list[Tensor]]
 """([(rows [n_j, D], packed expert j)], out=None) -> [[n_j, D]]: a row-invariant kernel's call for several experts at
 once (specter.experts.native.native_swiglu_many), each output as `ExpertFunction` gives it alone; with `out`
 ([sum n_j, D]) the outputs are written there, job after job, and are views of it."""
+HOST_PATH_VERSION = 2
+"""Bumped when a host job's own work changes what it costs (2: its gather, weighting and pinned output once per job):
+the calibration's stored figures (`costs.cost_key`) of an earlier version are measured anew."""
 Routes = Mapping[int, tuple[list[int], list[int]]]
 """expert -> (rows that chose it, ascending; the top-A slot of each): which rows a host expert computes."""
 
@@ -180,10 +183,10 @@ class HostExperts:
         if inputs.ready is not None:
             inputs.ready.wait()
         hidden, weights = inputs.hidden, inputs.weights
-        outputs = {}
         experts = sorted(routes)
         if self.many is not None and experts:
             return self._together(layer, experts, routes, hidden, weights, dense)
+        outputs = {}
         indices = {expert: torch.tensor(routes[expert][0], dtype=torch.long) for expert in experts}
 
         def routed(expert: int) -> tuple[Tensor, Tensor]:
@@ -233,15 +236,15 @@ class HostExperts:
         index, flat = places[:total], places[total : 2 * total]
         rows = hidden.index_select(0, index).to(dtype)
         row_weights = weights.reshape(-1).index_select(0, flat).to(dtype)[:, None]
-        out = torch.empty(total, width, dtype=dtype)
+        # Without `dense` the kernel writes straight into the pinned output, weighted there in place.
+        out = torch.empty(total, width, dtype=dtype, pin_memory=self.pinned and not dense)
         self.many(list(zip(rows.split(counts), [self.pool.host(layer, expert) for expert in experts], strict=True)), out=out)
+        out.mul_(row_weights)
         if dense:  # expert j's rows in place in block j of [experts, T, D], the other rows zero
             result = torch.zeros(len(experts) * total_rows, width, dtype=dtype, pin_memory=self.pinned)
-            result.index_copy_(0, places[2 * total :], out.mul_(row_weights))
+            result.index_copy_(0, places[2 * total :], out)
             return dict(zip(experts, result.view(len(experts), total_rows, width), strict=True))
-        result = torch.empty(total, width, dtype=dtype, pin_memory=self.pinned)
-        torch.mul(out, row_weights, out=result)
-        return dict(zip(experts, result.split(counts), strict=True))
+        return dict(zip(experts, out.split(counts), strict=True))
 
     # ---- a layer's host experts, on the host thread ------------------------------------------------------
     def copy_inputs(self, kernel: Kernel, hidden: Tensor, weights: Tensor) -> HostInputs:

@@ -476,6 +476,8 @@ def native_swiglu_many(jobs: Sequence[tuple[Tensor, Tensor]], hidden: int, inter
         assert rows.dim() == 2 and rows.shape[1] == hidden, f"rows {tuple(rows.shape)} for hidden {hidden}"
         assert packed.is_contiguous() and packed.numel() == 3 * hidden * inter, "packed: the expert's [W13; W2], flat"
         rows = rows.contiguous()
+        if rows.shape[0] == 0:  # nothing to compute: its output is an empty slice of out
+            continue
         if rows.shape[0] <= CHUNK:  # most jobs: no view to make
             pieces.append((index, rows, packed))
         else:
