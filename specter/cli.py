@@ -292,6 +292,8 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
     slots = budget_slots(spec, torch_dtype, config, budget, plan.draft_bytes) if budget is not None else None
     if residents is None and slots is not None:
         residents = slots["speculating"] or slots["without_draft"]
+    if slots is not None and slots["speculating"] is None:  # the draft does not fit: placed as the engine without one
+        config = config.model_copy(update={"draft": config.draft.model_copy(update={"k": 0, "k_max": 0})})
     dense = sum(_numel(shape) for shape in dense_shapes(spec).values())
     moe_layers = len(spec.moe_layers)
     return {

@@ -166,15 +166,17 @@ def test_info_at_a_budget_gives_the_slots_with_and_without_the_draft(capsys):
     got = info["budget_slots"]
     assert (got["speculating"], got["without_draft"]) == (slots(budget, True), slots(budget, False))
     assert spec.top_k <= got["speculating"] < got["without_draft"] < spec.num_experts
-    assert info["placement_slots"] == got["speculating"]
+    assert info["placement_slots"] == got["speculating"] and info["speculates"] is True
     assert main(["info", "tiny", "--no-measure", "--budget", str(budget)]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("at budget"))
     assert f"{got['speculating']} speculating" in line and f"{got['without_draft']} without a draft" in line
 
     between = (plain_minimum + minimum) // 2
     assert main(["info", "tiny", "--json", "--no-measure", "--budget", str(between)]) == 0
-    got = json.loads(capsys.readouterr().out)["budget_slots"]
+    info = json.loads(capsys.readouterr().out)
+    got = info["budget_slots"]
     assert got["speculating"] is None and "short of the minimum" in got["speculating_refused"]
+    assert info["speculates"] is False and info["placement_slots"] == got["without_draft"]  # placed as without a draft
     assert got["without_draft"] == slots(between, False) >= spec.top_k
 
     for budget in (str(plain_minimum - 2**20), "20"):
