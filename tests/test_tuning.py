@@ -259,6 +259,7 @@ ALLOWED_CONSTANTS = {
     # true constants: formats, unit tables, hardware figures, bounds that no A/B ever flipped
     "specter/trace.py": {"TRACE_VERSION"},  # the trace format's version
     "specter/builtin.py": {"VERSION"},  # the built-in checkpoints' version
+    "specter/experts/host.py": {"HOST_PATH_VERSION"},  # the host path's version in the stored cost figures' key
     "specter/calibrate.py": {"DEFAULT_PROMPTS", "DEFAULT_PROMPT_LEN", "DEFAULT_NEW_TOKENS"},  # calibrate_draft's defaults
     "specter/config.py": {"DEFAULT_OVERLAP", "DEFAULT_K"},  # DraftConfig.overlap=None's depth on CUDA; k's default
     "specter/memory.py": {"ALLOCATOR_SLACK_BYTES", "CUDA_LIBRARY_BYTES", "DEFAULT_CONTEXT"},  # measured reserves; max_context's default
