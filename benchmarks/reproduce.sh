@@ -336,6 +336,13 @@ placement_trace() {  # DIR TRACE LOG: record a routing trace of the checkpoint D
   # loop's routing reuses experts more than the bench's text does.
   local dir=$1 trace=$2 log=$3 inputs
   rm -f "$trace"  # a stale trace of an earlier call must not stand in for this one
+  # A warm machine's earlier call recorded it already for this checkpoint (newer than its train.json) and settings:
+  # kept beside the checkpoint's directory (not in it: the converters and loaders read that)
+  local kept="${dir%/}.placement-trace-k${TRACE_K:-15}-t${TRACE_TOKENS:-256}.jsonl"
+  if [ -s "$kept" ] && [ "$kept" -nt "$dir/train.json" ]; then
+    cp "$kept" "$trace" && echo "placement trace: kept from an earlier call on this checkpoint ($kept)" >&2 && echo "$trace"
+    return
+  fi
   inputs=$(python3 -c 'import json, sys; from pathlib import Path; from specter.model.checkpoint import Checkpoint
 d = Path(sys.argv[1]); spec = Checkpoint(d).spec
 measured = [bytes(ids) for kind in json.loads((d / "prompts.json").read_text())["kinds"].values() for ids in kind]
@@ -348,7 +355,7 @@ print(max(spec.top_k, spec.num_experts // 4), ",".join(map(str, window[:64])))' 
   echo "placement trace rc=$rc at ${SECONDS}s: $(tail -1 "$log" | cut -c1-200)" >&2
   lines=$(grep -c . "$trace" 2>/dev/null)
   # a generate cut by its timeout may leave a torn last line, which the bench would refuse (and so not run at all)
-  if [ "$rc" -eq 0 ] && [ "${lines:-0}" -gt 1 ]; then echo "$trace"
+  if [ "$rc" -eq 0 ] && [ "${lines:-0}" -gt 1 ]; then cp "$trace" "$kept"; echo "$trace"
   else echo "placement trace: none recorded (rc=$rc, ${lines:-0} lines); the bench places without a trace" >&2; fi
 }
 
