@@ -294,7 +294,7 @@ def train(model, data: torch.Tensor, args: argparse.Namespace, device: torch.dev
     started, step, balance_value = time.monotonic(), 0, float("nan")
     model.train()
     while step < args.max_steps and time.monotonic() - started < 60 * args.minutes:
-        fraction = (step / args.max_steps if getattr(args, "by_steps", False)
+        fraction = (step / args.max_steps if args.by_steps
                     else min(1.0, (time.monotonic() - started) / (60 * args.minutes)))
         for group in optimizer.param_groups:
             group["lr"] = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * fraction)))

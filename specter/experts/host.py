@@ -220,8 +220,8 @@ class HostExperts:
         """`compute_layer` with the kernel's `many`: every expert's rows in one gather, one kernel call (the thread team
         started once), one weighting and one output buffer whose views the experts' outputs are. A job's cost beyond
         its kernel is then a few torch calls, not a few for each expert, which a small expert's time on a fast host
-        is largely made of. Each row keeps the bits `compute` gives it: the kernel is
-        row-invariant and the weighting elementwise."""
+        is largely made of. Each row keeps the bits `compute` gives it: the kernel is row-invariant and the weighting
+        elementwise."""
         dtype, total_rows, width = self.pool.dtype, hidden.shape[0], hidden.shape[1]
         counts = [len(routes[expert][0]) for expert in experts]
         total = sum(counts)
