@@ -255,8 +255,8 @@ host_expert() {  # table "Host expert path": one routed expert of each shape on 
 
 host_job() {  # "What is not measured yet": a host job's fixed cost (benchmarks/host_job_cost.py), one expert shape (SHAPE,
   # default qwen1.5-moe-a2.7b) at 15 threads, jobs after idle gaps of 0, 0.5 and 2 ms, cold weights; then the same under
-  # OMP_WAIT_POLICY=active (libgomp reads it at start: a process of its own), which keeps the team spinning between jobs.
-  # About 40 s each.
+  # OMP_WAIT_POLICY=active (libgomp reads it at start: a process of its own), which keeps the team spinning between jobs;
+  # then the job as the engine runs it (--layer: HostExperts.compute_layer). About 40 s each.
   mkdir -p "$out/host-job"
   local policy
   for policy in default active; do
@@ -265,6 +265,9 @@ host_job() {  # "What is not measured yet": a host job's fixed cost (benchmarks/
       > "$out/host-job/host-job-$policy.log" 2>&1
     echo "host-job $policy rc=$? at ${SECONDS}s"; grep fixed "$out/host-job/host-job-$policy.log"
   done
+  timeout 150 python3 benchmarks/host_job_cost.py "${SHAPE:-qwen1.5-moe-a2.7b}" 15 0,2 30 --layer \
+    > "$out/host-job/host-job-layer.log" 2>&1  # the job as the engine runs it: the kernel and the Python around it
+  echo "host-job layer rc=$? at ${SECONDS}s"; grep fixed "$out/host-job/host-job-layer.log"
 }
 
 hybrid() {  # issue 29 (no table yet): the hybrids beside the systems they extend, Mixtral-8x7B's shape (4 layers, random
