@@ -119,7 +119,7 @@ def layer_job(experts: list[torch.Tensor], hidden: int, inter: int, threads: int
     host = HostExperts(pool, Placement.device_only(1, len(experts)), 16,
                        functools.partial(native.native_swiglu, hidden=hidden, inter=inter), threads,
                        torch.device("cuda" if pinned else "cpu"), row_invariant=True,
-                       many=functools.partial(native.native_swiglu_many, hidden=hidden, inter=inter))
+                       job=functools.partial(native.native_layer_job, hidden_size=hidden, inter=inter))
 
     def run(jobs):
         rows = list(range(jobs[0][0].shape[0]))

@@ -306,7 +306,7 @@ async def apply_placement(placement: Placement, cache: ExpertCache, config: Engi
     threads = state.host_threads if state is not None else config.cpu_threads
     return HostExperts(cache.pool, placement, config.row_bucket, host_kernel.mlp, threads, device, prompt=prompt,
                        parallel=config.tuning.host.parallel_experts, row_invariant=host_kernel.row_invariant,
-                       many=host_kernel.many)
+                       job=host_kernel.job)
 
 
 def new_transfer(config: EngineConfig, backend, kernel: Kernel, device: torch.device) -> TransferEngine:

@@ -179,8 +179,83 @@ def test_several_experts_in_one_call_give_each_row_the_bits_of_its_own_call(coun
 
 
 @needs_native
+@settings(max_examples=25, deadline=None)
+@given(t_rows=st.integers(1, 120), top=st.integers(1, 3), shape=st.sampled_from([(64, 96), (33, 17)]),
+       threads=st.sampled_from([1, 2, 3]), dense=st.booleans(), bf16_weights=st.booleans(), seed=st.integers(0, 1000),
+       data=st.data())
+def test_a_layer_job_in_one_call_gives_each_row_the_bits_of_the_per_expert_path(t_rows, top, shape, threads, dense,
+                                                                                  bf16_weights, seed, data):
+    """`native_layer_job`, the host path's whole layer job in one call (gather, experts, weighting, placing): every
+    expert's rows equal `native_swiglu` on those rows times their routing weights as torch weights them (bf16 times
+    bf16), bit for bit; dense, each expert's rows in place and every other row zero. Up to 120 rows and top-3 of 5
+    experts: jobs past CHUNK rows and calls past CALL_ROWS, on each path this machine has, at 1 to 3 threads."""
+    hidden, inter = shape
+    path = data.draw(st.sampled_from(shape_paths(hidden, inter)))
+    experts_n = 5
+    generator = torch.Generator().manual_seed(seed)
+    chosen = [torch.randperm(experts_n, generator=generator)[:top].tolist() for _ in range(t_rows)]
+    taken = data.draw(st.lists(st.integers(0, experts_n - 1), min_size=1, max_size=experts_n, unique=True))
+    routes = host_routes(chosen, taken)
+    x = (torch.randn(t_rows, hidden, generator=generator) * 2).to(torch.bfloat16)
+    weights = torch.rand(t_rows, top, generator=generator)
+    if bf16_weights:
+        weights = weights.to(torch.bfloat16)
+    packed = {e: expert(hidden, inter, seed + e) for e in range(experts_n)}
+    experts = sorted(routes)
+    counts = [len(routes[e][0]) for e in experts]
+    rows = [r for e in experts for r in routes[e][0]]
+    slots = [slot for e in experts for slot in routes[e][1]]
+    out = torch.full((len(experts) * t_rows if dense else len(rows), hidden), float("nan"), dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        native.native_layer_job(x, weights, rows, slots, counts, [packed[e].data_ptr() for e in experts], out, dense,
+                                hidden, inter, path)
+    finally:
+        torch.set_num_threads(before)
+    start = 0
+    for position, e in enumerate(experts):
+        index = torch.tensor(routes[e][0], dtype=torch.long)
+        want = native.native_swiglu(x[index], packed[e], hidden, inter, path) * weights[
+            index, torch.tensor(routes[e][1], dtype=torch.long)].to(torch.bfloat16)[:, None]
+        if dense:
+            block = out[position * t_rows : (position + 1) * t_rows]
+            assert torch.equal(block[index], want)
+            others = [r for r in range(t_rows) if r not in set(routes[e][0])]
+            assert torch.equal(block[others], torch.zeros(len(others), hidden, dtype=torch.bfloat16))
+        else:
+            assert torch.equal(out[start : start + counts[position]], want)
+        start += counts[position]
+
+
+def test_a_layer_job_asks_for_more_scratch_and_keeps_it(monkeypatch):
+    """The kernel reports the scratch a job needs rather than overrunning the caller's; the thread keeps what it grew
+    for its later jobs, and a smaller job allocates nothing."""
+    if native.unavailable() is not None:
+        pytest.skip(f"native kernel: {native.unavailable()}")
+    hidden, inter = 64, 96
+    packed = expert(hidden, inter)
+    x = torch.randn(40, hidden).to(torch.bfloat16)
+    weights = torch.rand(40, 1)
+    native._SCRATCH.__dict__.pop("bytes", None)
+
+    def one(t_rows):
+        out = torch.empty(t_rows, hidden, dtype=torch.bfloat16)
+        native.native_layer_job(x[:t_rows], weights[:t_rows], list(range(t_rows)), [0] * t_rows, [t_rows],
+                                [packed.data_ptr()], out, False, hidden, inter)
+        return out
+
+    one(40)
+    grown = native._SCRATCH.bytes
+    assert grown.numel() >= 40 * (hidden * 2 + 2 * inter * 4 + inter * 2 + hidden * 4)
+    small = one(3)
+    assert native._SCRATCH.bytes is grown  # kept, not reallocated
+    assert torch.equal(small, native.native_swiglu(x[:3], packed, hidden, inter) * weights[:3].to(torch.bfloat16))
+
+
+@needs_native
 def test_the_host_path_sends_a_layers_experts_to_the_kernel_in_one_call():
-    """With the kernel's `many`, `compute_layer` makes one call for the layer's experts (the thread team started once),
+    """With the kernel's `job`, `compute_layer` makes one call for the layer's experts (the thread team started once),
     one expert alone too, and its outputs, weighted, equal the per-expert path's bit for bit, as rows (views of one
     buffer) and dense (each expert's rows in place, the others zero)."""
     hidden, inter, experts = 64, 96, 4
@@ -189,15 +264,15 @@ def test_the_host_path_sends_a_layers_experts_to_the_kernel_in_one_call():
         pool.write(0, e, expert(hidden, inter, seed=e))
     calls = []
 
-    def many(jobs, out=None):
-        calls.append(len(jobs))
-        return native.native_swiglu_many(jobs, hidden, inter, out=out)
+    def job(hidden_rows, weights, rows, slots, counts, addresses, out, dense):
+        calls.append(len(counts))
+        native.native_layer_job(hidden_rows, weights, rows, slots, counts, addresses, out, dense, hidden, inter)
 
     mlp = functools.partial(native.native_swiglu, hidden=hidden, inter=inter)
     chosen = [[0, 2], [1, 2], [3, 0], [2, 1], [0, 1]]
     routes = host_routes(chosen, range(experts))
     inputs = HostInputs(torch.randn(len(chosen), hidden).to(torch.bfloat16), torch.rand(len(chosen), 2).to(torch.bfloat16))
-    batched = HostExperts(pool, Placement.device_only(1, experts), 16, mlp, threads=1, row_invariant=True, many=many)
+    batched = HostExperts(pool, Placement.device_only(1, experts), 16, mlp, threads=1, row_invariant=True, job=job)
     single = HostExperts(pool, Placement.device_only(1, experts), 16, mlp, threads=1, row_invariant=True)
     try:
         together = batched.compute_layer(0, routes, inputs)
@@ -248,7 +323,7 @@ def test_the_calibration_takes_the_faster_kernel_and_stores_it(monkeypatch, plac
     calls = []
 
     async def time_host_expert(kernel, pool, mlp, hidden_size, row_bucket, threads, device, per_job=1,
-                               repeats=costs.REPEATS, parallel=False, row_invariant=False, first_job=0, many=None):
+                               repeats=costs.REPEATS, parallel=False, row_invariant=False, first_job=0, job=None):
         calls.append(first_job)
         return 1e-3 if row_invariant else 3e-3
 

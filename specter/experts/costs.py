@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from specter.errors import ConfigError
-from specter.experts.host import HOST_PATH_VERSION, ExpertFunction, HostExperts, HostInputs, ManyFunction, host_thread
+from specter.experts.host import HOST_PATH_VERSION, ExpertFunction, HostExperts, HostInputs, JobFunction, host_thread
 from specter.experts.pool import ExpertPool
 from specter.kernel import Kernel
 from specter.log import get_logger
@@ -73,8 +73,8 @@ class HostKernel:
     name: str
     mlp: ExpertFunction
     row_invariant: bool = False
-    many: ManyFunction | None = None
-    """The same kernel on several experts in one call (`HostExperts.many`), where it has one."""
+    job: JobFunction | None = None
+    """The same kernel on a layer's whole job in one call (`HostExperts.job`), where it has one."""
 
 
 HOST_KERNELS = ("auto", "torch", "native")
@@ -97,7 +97,7 @@ def host_kernels(choice: str, mlp: ExpertFunction, hidden_size: int, intermediat
         if reason is None:
             kernels.append(HostKernel("native", functools.partial(native.native_swiglu, hidden=hidden_size,
                                                                   inter=intermediate), row_invariant=True,
-                                      many=functools.partial(native.native_swiglu_many, hidden=hidden_size,
+                                      job=functools.partial(native.native_layer_job, hidden_size=hidden_size,
                                                              inter=intermediate)))
         elif choice == "native":
             raise ConfigError(f"tuning.host.kernel native: unavailable here ({reason}); use auto or torch")
@@ -161,7 +161,7 @@ async def time_host_kernels(kernel: Kernel, pool: ExpertPool, kernels: Sequence[
         timed[candidate.name] = await time_host_expert(kernel, pool, candidate.mlp, hidden_size, row_bucket, threads, device,
                                                        per_job=per_job, parallel=parallel,
                                                        row_invariant=candidate.row_invariant, first_job=index * (REPEATS + 1),
-                                                       many=candidate.many)
+                                                       job=candidate.job)
     return timed
 
 
@@ -315,10 +315,10 @@ def cold_groups(num_layers: int, num_experts: int, per_job: int, jobs: int) -> l
 async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction, hidden_size: int, row_bucket: int,
                            threads: int, device: torch.device, per_job: int = 1, repeats: int = REPEATS,
                            parallel: bool = False, row_invariant: bool = False, first_job: int = 0,
-                           many: ManyFunction | None = None) -> float:
+                           job: JobFunction | None = None) -> float:
     """Median seconds of one routed expert on the host path as decoding runs it, over `repeats` timed jobs after one
     warm-up job: a job is `HostExperts.compute_layer` with one row routed to `per_job` experts of one layer (each on a
-    block of `row_bucket` rows, in one call of the kernel where it has one (`many`), weighted, on CUDA put in pinned
+    block of `row_bucket` rows, in one call of the kernel where it has one (`job`), weighted, on CUDA put in pinned
     memory), on a thread set up as the host path's with
     `threads` torch threads, and its seconds over its experts count. `first_job`: the jobs start that many groups
     into `cold_groups`' order (another kernel timed before read the first ones). A `row_invariant` kernel (run on the
@@ -332,7 +332,7 @@ async def time_host_expert(kernel: Kernel, pool: ExpertPool, mlp: ExpertFunction
     experts computed) for a host running alone. With `parallel` the thread has one torch thread, as each expert of the
     parallel host path has (`calibrate` then times one expert per job)."""
     host = HostExperts(pool, Placement.device_only(pool.num_layers, pool.num_experts), row_bucket, mlp, threads, device,
-                       row_invariant=row_invariant, many=many)
+                       row_invariant=row_invariant, job=job)
     # One row padded to a block costs torch's kernel a block; a row-invariant kernel runs the rows it is given, so it
     # is timed on a block's worth: the figure is a block's cost either way, as the cost model reads it.
     count = row_bucket if row_invariant else 1

@@ -43,13 +43,16 @@ Tensor = torch.Tensor
 ExpertFunction = Callable[[Tensor, Tensor], Tensor]
 """mlp(rows [B, D], packed expert) -> [B, D]: the family's routed expert as the host computes it, on one block
 (Transformer.expert_mlp) or on the rows as they are (a row-invariant kernel, specter.experts.native)."""
-ManyFunction = Callable[..., list[Tensor]]
-"""([(rows [n_j, D], packed expert j)], out=None) -> [[n_j, D]]: a row-invariant kernel's call for several experts at
-once (specter.experts.native.native_swiglu_many), each output as `ExpertFunction` gives it alone; with `out`
-([sum n_j, D]) the outputs are written there, job after job, and are views of it."""
-HOST_PATH_VERSION = 2
-"""Bumped when a host job's own work changes what it costs (2: its gather, weighting and pinned output once per job):
-the calibration's stored figures (`costs.cost_key`) of an earlier version are measured anew."""
+JobFunction = Callable[..., None]
+"""(hidden [T, D], weights [T, A], rows, slots, counts, addresses, out, dense) -> None: a row-invariant kernel's whole
+layer job in one call (specter.experts.native.native_layer_job): expert j (its packed weights at host address
+`addresses[j]`) on `counts[j]` of the rows, their indices and top-A slots listed expert after expert, each output row
+as `ExpertFunction` gives it times its routing weight as `HostExperts.compute` weights it, written to `out`
+([sum counts, D], or with `dense` [experts x T, D], each expert's rows in place in its block, the others zero)."""
+HOST_PATH_VERSION = 3
+"""Bumped when a host job's own work changes what it costs (2: its gather, weighting and pinned output once per job;
+3: all of them in the kernel's one call): the calibration's stored figures (`costs.cost_key`) of an earlier version
+are measured anew."""
 Routes = Mapping[int, tuple[list[int], list[int]]]
 """expert -> (rows that chose it, ascending; the top-A slot of each): which rows a host expert computes."""
 
@@ -132,17 +135,18 @@ class HostExperts:
     def __init__(self, pool: ExpertPool, placement: Placement, row_bucket: int, mlp: ExpertFunction,
                  threads: int | None = None, device: torch.device | None = None,
                  prompt: Callable[[int], Placement] | None = None, parallel: bool = False,
-                 row_invariant: bool = False, many: ManyFunction | None = None) -> None:
+                 row_invariant: bool = False, job: JobFunction | None = None) -> None:
         assert placement.num_layers == pool.num_layers and placement.num_experts == pool.num_experts, (
             f"a placement of {placement.num_layers} x {placement.num_experts} for a pool of {pool.num_layers} x {pool.num_experts}")
         self.pool, self.placement, self.row_bucket, self.mlp = pool, placement, row_bucket, mlp
         self.row_invariant = row_invariant
         """`mlp` computes each row on its own at any row count (the native kernel): it runs on the rows as they are,
         not on zero-padded blocks of `row_bucket` rows."""
-        self.many = many if row_invariant and not parallel else None
-        """The kernel's call for a layer's experts at once (None: one call per expert). A call starts the kernel's
-        thread team once for all of them instead of once per expert, which a small expert's time is mostly made of;
-        each output is the one call's bits (`ManyFunction`). Not with `parallel`, whose workers run one expert each."""
+        self.job = job if row_invariant and not parallel else None
+        """The kernel's call for a layer's whole job (None: torch gathers and weights, one kernel call per expert). It
+        starts the kernel's thread team once for all the experts instead of once per expert, which a small expert's
+        time is mostly made of, and makes no torch call but the output's; each row keeps its bits (`JobFunction`).
+        Not with `parallel`, whose workers run one expert each."""
         self.decode = placement
         """The engine's placement; `placement` differs from it only during a prompt that has its own."""
         self.prompt = prompt
@@ -184,7 +188,7 @@ class HostExperts:
             inputs.ready.wait()
         hidden, weights = inputs.hidden, inputs.weights
         experts = sorted(routes)
-        if self.many is not None and experts:
+        if self.job is not None and experts:
             return self._together(layer, experts, routes, hidden, weights, dense)
         outputs = {}
         indices = {expert: torch.tensor(routes[expert][0], dtype=torch.long) for expert in experts}
@@ -217,33 +221,19 @@ class HostExperts:
 
     def _together(self, layer: int, experts: list[int], routes: Routes, hidden: Tensor, weights: Tensor,
                   dense: bool) -> dict[int, Tensor]:
-        """`compute_layer` with the kernel's `many`: every expert's rows in one gather, one kernel call (the thread team
-        started once), one weighting and one output buffer whose views the experts' outputs are. A job's cost beyond
-        its kernel is then a few torch calls, not a few for each expert, which a small expert's time on a fast host
-        is largely made of. Each row keeps the bits `compute` gives it: the kernel is row-invariant and the weighting
-        elementwise."""
-        dtype, total_rows, width = self.pool.dtype, hidden.shape[0], hidden.shape[1]
+        """`compute_layer` with the kernel's `job`: the layer's experts gathered, computed, weighted and placed in one
+        call into one output buffer (pinned where the results go back to a device), whose views the experts' outputs
+        are. Each row keeps the bits `compute` gives it: the kernel is row-invariant and weights as torch does."""
+        total_rows, width = hidden.shape[0], hidden.shape[1]
         counts = [len(routes[expert][0]) for expert in experts]
-        total = sum(counts)
-        # One small tensor for all the indices: each torch call costs the host thread microseconds on a loaded host.
-        # The rows' indices first, then their (row, slot) places in the flattened routing weights, then (dense) their
-        # places in the [experts x T] output.
-        places = [row for expert in experts for row in routes[expert][0]]
-        places += [row * weights.shape[1] + slot for expert in experts for row, slot in zip(*routes[expert], strict=True)]
-        if dense:
-            places += [position * total_rows + row for position, expert in enumerate(experts) for row in routes[expert][0]]
-        places = torch.tensor(places, dtype=torch.long)
-        index, flat = places[:total], places[total : 2 * total]
-        rows = hidden.index_select(0, index).to(dtype)
-        row_weights = weights.reshape(-1).index_select(0, flat).to(dtype)[:, None]
-        # Without `dense` the kernel writes straight into the pinned output, weighted there in place.
-        out = torch.empty(total, width, dtype=dtype, pin_memory=self.pinned and not dense)
-        self.many(list(zip(rows.split(counts), [self.pool.host(layer, expert) for expert in experts], strict=True)), out=out)
-        out.mul_(row_weights)
+        rows = [row for expert in experts for row in routes[expert][0]]
+        slots = [slot for expert in experts for slot in routes[expert][1]]
+        addresses = [self.pool.host_address(layer, expert) for expert in experts]
+        out = torch.empty(len(experts) * total_rows if dense else len(rows), width, dtype=self.pool.dtype,
+                          pin_memory=self.pinned)
+        self.job(hidden, weights, rows, slots, counts, addresses, out, dense)
         if dense:  # expert j's rows in place in block j of [experts, T, D], the other rows zero
-            result = torch.zeros(len(experts) * total_rows, width, dtype=dtype, pin_memory=self.pinned)
-            result.index_copy_(0, places[2 * total :], out)
-            return dict(zip(experts, result.view(len(experts), total_rows, width), strict=True))
+            return dict(zip(experts, out.view(len(experts), total_rows, width).unbind(0), strict=True))
         return dict(zip(experts, out.split(counts), strict=True))
 
     # ---- a layer's host experts, on the host thread ------------------------------------------------------

@@ -21,6 +21,7 @@ torch's kernel. Which of the two runs is the load's calibration's choice, the fa
 
 from __future__ import annotations
 
+import array
 import ctypes
 import enum
 import functools
@@ -30,6 +31,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,6 +46,7 @@ SOURCE = r"""
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #ifdef __AVX512BF16__
 /* One tile: y[b0 + i, n0 + j] for i < BB, j < NB, over the whole K: NB x BB float32 accumulators in registers (the
@@ -293,6 +296,31 @@ static void elementwise(const expert_job *jobs, int count, int width, int inter,
     }
 }
 
+/* One team's share of `experts_swiglu` up to the down products (its last barrier and the outputs' rounding are the
+   caller's). */
+static void swiglu_team(const expert_job *jobs, int count, int hidden, int inter, int path, int team, int me) {
+    int amx = path == 2, step = amx ? 32 : 4;
+#ifdef __AMX_BF16__
+    if (amx) {
+        amx_configure();
+        for (int j = 0; j < count; j++) amx_pack(jobs[j].x, (int)jobs[j].rows, hidden, jobs[j].packed, team, me);
+    }
+    #pragma omp barrier
+#endif
+    products(jobs, count, 2 * inter, hidden, step, path, 0, team, me);
+    #pragma omp barrier
+    elementwise(jobs, count, inter, inter, 1, team, me);
+    #pragma omp barrier
+#ifdef __AMX_BF16__
+    if (amx) for (int j = 0; j < count; j++) amx_pack(jobs[j].act, (int)jobs[j].rows, inter, jobs[j].packed, team, me);
+    #pragma omp barrier
+#endif
+    products(jobs, count, hidden, inter, step, path, 1, team, me);
+#ifdef __AMX_BF16__
+    if (amx) _tile_release();
+#endif
+}
+
 /* out[b, :] = W2 (silu(W1 x_b) * (W3 x_b)) for every job's rows b (experts of one shape, hidden D and inter I, each
    with its own rows). `path` (one this build holds, `paths`): 2 AMX tiles (amx_init granted, D and I multiples of 32),
    1 AVX512-BF16, 0 AVX2; the caller fixes it for a shape on a machine, so a row's bits never depend on the call. One team of `threads` (the caller's torch count:
@@ -303,29 +331,130 @@ void experts_swiglu(const expert_job *jobs, int count, int hidden, int inter, in
     #pragma omp parallel num_threads(threads)
     {
         int team = omp_get_num_threads(), me = omp_get_thread_num();
-        int amx = path == 2, step = amx ? 32 : 4;
-#ifdef __AMX_BF16__
-        if (amx) {
-            amx_configure();
-            for (int j = 0; j < count; j++) amx_pack(jobs[j].x, (int)jobs[j].rows, hidden, jobs[j].packed, team, me);
-        }
-        #pragma omp barrier
-#endif
-        products(jobs, count, 2 * inter, hidden, step, path, 0, team, me);
-        #pragma omp barrier
-        elementwise(jobs, count, inter, inter, 1, team, me);
-        #pragma omp barrier
-#ifdef __AMX_BF16__
-        if (amx) for (int j = 0; j < count; j++) amx_pack(jobs[j].act, (int)jobs[j].rows, inter, jobs[j].packed, team, me);
-        #pragma omp barrier
-#endif
-        products(jobs, count, hidden, inter, step, path, 1, team, me);
-#ifdef __AMX_BF16__
-        if (amx) _tile_release();
-#endif
+        swiglu_team(jobs, count, hidden, inter, path, team, me);
         #pragma omp barrier
         elementwise(jobs, count, hidden, inter, 0, team, me);
     }
+}
+
+static inline float bf16_value(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    __builtin_memcpy(&value, &wide, 4);
+    return value;
+}
+
+static inline int64_t aligned(int64_t bytes) { return (bytes + 63) & ~(int64_t)63; }
+
+/* A layer's whole host job in one call, as the host path asks it (HostExperts.compute_layer): `n_experts` experts of
+   one shape (their packed weights at `addresses`), expert j on `counts[j]` rows of hidden [t_rows, D] bf16, the
+   rows' indices and top-A slots in `rows` and `slots` expert after expert; each output row is bf16(expert(x)) times
+   bf16(its routing weight, weights [t_rows, width_a] float32), rounded to bf16: the bits torch's `mul` of the two bf16
+   tensors gives. Outputs: `dense` 0, out [sum counts, D] in that order; 1, out [n_experts, t_rows, D] with expert j's
+   rows in place in block j and every other row zero. The rows are gathered, computed (in pieces of at most `chunk`
+   rows, calls of at most `call_rows`, as `experts_swiglu` takes them: a row's bits depend on neither), weighted and
+   placed by one team of `threads`, started once. `scratch`: the caller's, `capacity` bytes; returns 0 when done, or
+   (computing nothing) the bytes of scratch the job needs where `capacity` is less. */
+int64_t layer_job(const uint16_t *hidden, int64_t t_rows, const float *weights, int64_t width_a, const int64_t *rows,
+                  const int64_t *slots, const int64_t *counts, const int64_t *addresses, int n_experts, uint16_t *out,
+                  int dense, int hidden_size, int inter, int path, int threads, uint8_t *scratch, int64_t capacity,
+                  int chunk, int call_rows) {
+    const int64_t D = hidden_size, I = inter;
+    int64_t total = 0, n_pieces = 0;
+    for (int j = 0; j < n_experts; j++) { total += counts[j]; n_pieces += (counts[j] + chunk - 1) / chunk; }
+    expert_job *jobs = malloc(sizeof(expert_job) * (n_pieces + 1));
+    int64_t *first_row = malloc(sizeof(int64_t) * (n_pieces + 2)), *dest = malloc(sizeof(int64_t) * (total + 1));
+    int *first_job = malloc(sizeof(int) * (n_pieces + 2));
+    if (!jobs || !first_row || !dest || !first_job) { free(jobs); free(first_row); free(dest); free(first_job); return -1; }
+    /* The pieces, grouped into calls: call c holds jobs first_job[c] .. first_job[c + 1] - 1 and gathered rows
+       first_row[c] .. first_row[c + 1] - 1; the scratch a call needs, the largest of any call's. */
+    int calls = 0, piece = 0;
+    int64_t need = 0, call_n = 0, packed_n = 0, g = 0;
+    int amx = path == 2;
+    first_job[0] = 0;
+    first_row[0] = 0;
+    for (int j = 0; j < n_experts; j++) {
+        for (int64_t r = 0; r < counts[j]; r++) dest[g + r] = dense ? j * t_rows + rows[g + r] : g + r;
+        for (int64_t start = 0; start < counts[j]; start += chunk) {
+            int64_t n = counts[j] - start < chunk ? counts[j] - start : chunk;
+            if (call_n > 0 && call_n + n > call_rows) {
+                calls++;
+                first_job[calls] = piece;
+                first_row[calls] = first_row[calls - 1] + call_n;
+                call_n = packed_n = 0;
+            }
+            expert_job *job = jobs + piece++;
+            job->w13 = (const uint16_t *)(uintptr_t)addresses[j];
+            job->w2 = job->w13 + 2 * I * D;
+            job->rows = n;
+            /* Offsets into the scratch for now (its regions' bases once the call's rows are known); packed after
+               them. */
+            job->x = (const uint16_t *)(uintptr_t)call_n;
+            job->packed = (uint32_t *)(uintptr_t)packed_n;
+            packed_n += amx ? (n + 15) / 16 * (D > I ? D : I) * 32 : 0;
+            call_n += n;
+            int64_t bytes = aligned(call_n * D * 2) + aligned(call_n * 2 * I * 4) + aligned(call_n * I * 2)
+                            + aligned(call_n * D * 4) + aligned(packed_n);
+            if (bytes > need) need = bytes;
+        }
+        g += counts[j];
+    }
+    if (call_n > 0) calls++;
+    first_job[calls] = piece;
+    first_row[calls] = total;
+    if (need > capacity) { free(jobs); free(first_row); free(dest); free(first_job); return need; }
+    for (int c = 0; c < calls; c++) {  /* each call's regions: x, gate_up, act, down, packed */
+        int64_t n = first_row[c + 1] - first_row[c];
+        uint8_t *x = scratch, *gate_up = x + aligned(n * D * 2), *act = gate_up + aligned(n * 2 * I * 4);
+        uint8_t *down = act + aligned(n * I * 2), *packed = down + aligned(n * D * 4);
+        for (int p = first_job[c]; p < first_job[c + 1]; p++) {
+            int64_t at = (int64_t)(uintptr_t)jobs[p].x;
+            jobs[p].x = (const uint16_t *)x + at * D;
+            jobs[p].gate_up = (float *)gate_up + at * 2 * I;
+            jobs[p].act = (uint16_t *)act + at * I;
+            jobs[p].down = (float *)down + at * D;
+            jobs[p].packed = (uint32_t *)(packed + (int64_t)(uintptr_t)jobs[p].packed);
+            jobs[p].out = NULL;
+        }
+    }
+    #pragma omp parallel num_threads(threads)
+    {
+        int team = omp_get_num_threads(), me = omp_get_thread_num();
+        if (dense) {  /* every row zero first; the experts' rows are written after a barrier below */
+            int64_t size = (int64_t)n_experts * t_rows * D;
+            int64_t lo = size * me / team, hi = size * (me + 1) / team;
+            if (hi > lo) __builtin_memset(out + lo, 0, (size_t)(hi - lo) * 2);
+        }
+        for (int c = 0; c < calls; c++) {
+            int64_t g0 = first_row[c], n = first_row[c + 1] - g0;
+            const expert_job *call = jobs + first_job[c];
+            uint16_t *x = (uint16_t *)call->x;
+            const float *down = call->down;
+            for (int64_t i = n * me / team; i < n * (me + 1) / team; i++)
+                __builtin_memcpy(x + i * D, hidden + rows[g0 + i] * D, (size_t)D * 2);
+            #pragma omp barrier
+            swiglu_team(call, first_job[c + 1] - first_job[c], hidden_size, inter, path, team, me);
+            #pragma omp barrier
+            int64_t lo = n * D * me / team, hi = n * D * (me + 1) / team, row = -1;
+            float w = 0.0f;
+            uint16_t *target = NULL;
+            for (int64_t e = lo; e < hi; e++) {
+                int64_t i = e / D, d = e % D;
+                if (i != row) {
+                    row = i;
+                    w = bf16_value(to_bf16(weights[rows[g0 + i] * width_a + slots[g0 + i]]));
+                    target = out + dest[g0 + i] * D;
+                }
+                target[d] = to_bf16(bf16_value(to_bf16(down[e])) * w);
+            }
+            #pragma omp barrier  /* the next call reuses the scratch */
+        }
+    }
+    free(jobs);
+    free(first_row);
+    free(dest);
+    free(first_job);
+    return 0;
 }
 """
 
@@ -422,6 +551,10 @@ def build(march: str, library: Path) -> tuple[ctypes.CDLL | None, str | None]:
     kernel.experts_swiglu.restype = None
     kernel.experts_swiglu.argtypes = [ctypes.POINTER(_Job), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                       ctypes.c_int]
+    pointer, wide, small = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    kernel.layer_job.restype = wide
+    kernel.layer_job.argtypes = [pointer, wide, pointer, wide, pointer, pointer, pointer, pointer, small, pointer, small,
+                                 small, small, small, small, pointer, wide, small, small]
     built = kernel.paths()
     usable = [path for path in CodePath if built & (1 << path)]
     if CodePath.AMX in usable and not ("amx_bf16" in _cpu_flags() and kernel.amx_init()):
@@ -504,6 +637,54 @@ def native_swiglu_many(jobs: Sequence[tuple[Tensor, Tensor]], hidden: int, inter
             call_rows += piece[1].shape[0]
     starts = itertools.accumulate((rows.shape[0] for rows, _ in jobs), initial=0)  # each job's rows, consecutive in out
     return [out[start:end] for start, end in itertools.pairwise(starts)]
+
+
+def native_layer_job(hidden: Tensor, weights: Tensor, rows: Sequence[int], slots: Sequence[int], counts: Sequence[int],
+                     addresses: Sequence[int], out: Tensor, dense: bool, hidden_size: int, inter: int,
+                     path: CodePath | None = None) -> None:
+    """A layer's host job in one native call (`HostExperts.compute_layer` with this kernel): expert j (its packed bf16
+    weights at host address `addresses[j]`, pinned pool memory that outlives the call) on `counts[j]` rows of
+    `hidden` [T, D], their indices and top-A slots in `rows` and `slots` expert after expert (ascending within one);
+    each output row `native_swiglu` of its input row times its routing weight (`weights` [T, A]) as torch weights it
+    (both in bf16, the product rounded to bf16). Written to `out` (bf16, contiguous): [sum counts, D] in that order,
+    or with `dense` [experts x T, D], expert j's rows in place in block j and every other row zero. The gather, the
+    experts and the weighting are one call with one thread team: a job's cost beyond its experts is then that call's
+    and a few Python lists', not a torch call's each, which on a host busy streaming expert weights costs tens of
+    microseconds apiece (its code and data are cold). Every row has the bits `compute` gives it. Requires `load()`."""
+    kernel = load()
+    assert kernel is not None, "native_layer_job needs the native kernel (native.load())"
+    if hidden.dtype != torch.bfloat16 or not hidden.is_contiguous():
+        hidden = hidden.to(torch.bfloat16).contiguous()  # elementwise: the same bits as gathering first
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        weights = weights.to(torch.float32).contiguous()  # exact from bf16 and half; rounded to bf16 in the kernel
+    total, t_rows = len(rows), hidden.shape[0]
+    assert hidden.dim() == 2 and hidden.shape[1] == hidden_size and weights.shape[0] == t_rows
+    assert len(slots) == total == sum(counts) and len(counts) == len(addresses)
+    assert out.dtype == torch.bfloat16 and out.is_contiguous() and tuple(out.shape) == (
+        (len(counts) * t_rows if dense else total), hidden_size), f"out {tuple(out.shape)} {out.dtype}"
+    path = path_for(hidden_size, inter) if path is None else path
+    indices = array.array("q", rows)
+    places = array.array("q", slots)
+    sizes = array.array("q", counts)
+    experts = array.array("q", addresses)
+    while True:
+        scratch = _SCRATCH.__dict__.get("bytes")
+        capacity = 0 if scratch is None else scratch.numel()
+        need = kernel.layer_job(hidden.data_ptr(), t_rows, weights.data_ptr(), weights.shape[1], indices.buffer_info()[0],
+                                places.buffer_info()[0], sizes.buffer_info()[0], experts.buffer_info()[0], len(counts),
+                                out.data_ptr(), int(dense), hidden_size, inter, int(path), torch.get_num_threads(),
+                                0 if scratch is None else scratch.data_ptr(), capacity, CHUNK, CALL_ROWS)
+        if need == 0:
+            return
+        if need < 0:
+            raise MemoryError("the native host kernel could not allocate a layer job's index arrays")
+        # Kept for the thread's later jobs (grown, never shrunk: at most one call's scratch, CALL_ROWS rows' worth)
+        _SCRATCH.bytes = torch.empty(need + (need >> 3), dtype=torch.uint8)
+
+
+_SCRATCH = threading.local()
+"""Each calling thread's scratch for `native_layer_job` (a host path's thread makes one job at a time), kept between
+jobs so that a job allocates nothing; freed with its thread."""
 
 
 def _call(kernel: ctypes.CDLL, call: Sequence[tuple[int, Tensor, Tensor]], hidden: int, inter: int,

@@ -88,6 +88,15 @@ class ExpertPool:
             slab = self._slabs[slab_index] = self._allocate_slab(slab_index)
         return slab[position * self.expert_numel : (position + 1) * self.expert_numel]
 
+    def host_address(self, layer: int, expert: int) -> int:
+        """Where `host(layer, expert)`'s bytes start: for a native kernel's call, without making a tensor view (a
+        dispatcher call each, which a host job of many experts would pay per expert)."""
+        self._check_address(layer, expert)
+        slab_index, position = divmod(layer * self.num_experts + expert, self.per_slab)
+        slab = self._slabs.get(slab_index)
+        assert slab is not None, f"expert (layer {layer}, expert {expert}) read before it was written"
+        return slab.data_ptr() + position * self.expert_numel * self.dtype.itemsize
+
     def is_loaded(self, layer: int, expert: int) -> bool:
         return bool(self._loaded[layer, expert])
 
