@@ -6,7 +6,7 @@
 # CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
 # Targets: gpu-tests gpu-widen qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
 #          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after engine-ab realism
-#          hybrid llamacpp fulldepth host-expert host-job exact-rowwise
+#          hybrid llamacpp llamacpp-matrix fulldepth host-expert host-job exact-rowwise
 set -u
 out=${OUT:-out}
 mkdir -p "$out/logs"
@@ -321,6 +321,34 @@ llamacpp() {  # issue 28 item 5, llama.cpp as a peer: build it with CUDA (timed)
   echo "llamacpp rc=$? at ${SECONDS}s"; grep -E "^(disk|convert):|^agree|GiB, llama.cpp" "$out/logs/llamacpp.log" | cut -c1-400
 }
 
+llamacpp_matrix() {  # llama.cpp's cells beside a full-depth table: SHAPE's narrow checkpoint (/tmp/narrow/SHAPE) converted
+  # widened once (its factor) and run at each budget of BUDGETS_GIB (default 24,16), greedy (with llama-bench) and sampled
+  # (--temp 0.7 --top-p 0.9 -s 1), llama.cpp's default threads; THREADS8=1 adds greedy at -t 8 (the desktop's CPU) at
+  # the first budget. Needs the build and the checkpoint on the warm machine: a call of `SHAPE=NAME LLAMACPP_ONLY=build
+  # llamacpp` first (build and training in one call), then this target in the next. Carry .llama.cpp and .whl.
+  local shape=${SHAPE:?llamacpp-matrix needs SHAPE} model widen budget
+  model=/tmp/narrow/$shape
+  [ -f "$model/train.json" ] || { echo "llamacpp-matrix: no checkpoint at $model (run llamacpp with LLAMACPP_ONLY=build first)" >&2; return 1; }
+  widen=$(python3 -c "import sys; from specter.bench.widen import DEFAULT_FACTORS as F; print(F[sys.argv[1]])" "$shape") || return 1
+  local first=1
+  for budget in ${BUDGETS_GIB:-24 16}; do
+    for mode in greedy sampled threads8; do
+      [ "$mode" = threads8 ] && { [ -n "${THREADS8:-}" ] && [ "$first" = 1 ] || continue; }
+      local left=$((585 - SECONDS)) extra=()
+      [ "$left" -gt 60 ] || { echo "llamacpp-matrix: ${left}s left, stopping before $budget GiB $mode"; return; }
+      case "$mode" in
+        greedy) extra=() ;;
+        sampled) extra=(--no-bench --extra-args "--temp 0.7 --top-p 0.9 -s 1") ;;
+        threads8) extra=(--no-bench --threads 8) ;;
+      esac
+      python3 benchmarks/llamacpp.py all "$model" --budget-gib "$budget" --widen "$widen" --label "$shape-x$widen-${budget}GiB-$mode" \
+        "${extra[@]}" --deadline-s "$((left - 5))" --out "$out/llamacpp" >> "$out/logs/llamacpp.log" 2>&1
+      echo "llamacpp $budget GiB $mode rc=$? at ${SECONDS}s"; grep -E "^$shape-x$widen-${budget}GiB-$mode:" "$out/logs/llamacpp.log" | tail -1 | cut -c1-400
+    done
+    first=0
+  done
+}
+
 train_length() {  # a full-depth narrow training's length: MINUTES (default 3), or STEPS steps (the same seeds, data
   # order and learning rate each step: calls on fresh machines train the same model, up to the GPU's non-deterministic
   # sums, so their cells compare; the minutes then only cap it, at 3.5, so that training and the save end within the
@@ -439,6 +467,7 @@ for target in "$@"; do
     realism) realism ;;
     hybrid) hybrid ;;
     llamacpp) llamacpp ;;
+    llamacpp-matrix) llamacpp_matrix ;;
     fulldepth) fulldepth ;;
     host-expert) host_expert ;;
     host-job) host_job ;;
