@@ -290,7 +290,7 @@ def time_layer(shape: str, rows: int, threads_list: list[int], repeats: int, flu
                experts: int = 16) -> list[dict]:
     """Per T in `threads_list`: one layer's `experts` host experts, each on `rows` rows, through the host path's
     `compute_layer` with the native kernel on one thread with T torch threads: one kernel call per expert, against one
-    call for the layer (`HostExperts.many`, the engine's path), cold, per expert; and whether their bits are equal."""
+    call for the layer's whole job (`HostExperts.job`, `native.native_layer_job`: the engine's path), cold, per expert; and whether their bits are equal."""
     if native.unavailable() is not None:
         print(f"{shape}: no layer timing: native kernel {native.unavailable()}", flush=True)
         return []
@@ -302,9 +302,9 @@ def time_layer(shape: str, rows: int, threads_list: list[int], repeats: int, flu
         pool.write(0, expert, (torch.randn(3 * hidden * inter) * 0.02).to(torch.bfloat16))
     placement = Placement.of([list(range(experts))], 1, experts)
     mlp = functools.partial(native.native_swiglu, hidden=hidden, inter=inter)
-    many = functools.partial(native.native_swiglu_many, hidden=hidden, inter=inter)
+    job = functools.partial(native.native_layer_job, hidden_size=hidden, inter=inter)
     paths = {"each": HostExperts(pool, placement, BUCKET, mlp, threads=1, row_invariant=True),
-             "layer": HostExperts(pool, placement, BUCKET, mlp, threads=1, row_invariant=True, many=many)}
+             "layer": HostExperts(pool, placement, BUCKET, mlp, threads=1, row_invariant=True, job=job)}
     routes = {expert: (list(range(rows)), [0] * rows) for expert in range(experts)}
     inputs = HostInputs((torch.randn(rows, hidden) * 0.1).to(torch.bfloat16), torch.rand(rows, 1).to(torch.bfloat16))
     results = []

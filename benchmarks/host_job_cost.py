@@ -5,7 +5,7 @@ few milliseconds apart).
 The full-depth cells measured a host expert at 0.9-1.08 ms where a layer's job holds one expert and 0.41-0.61 ms where
 it holds two or more (Qwen1.5-MoE, DeepSeek-V2-Lite: 17.3 MB experts, 15 threads), which fits a fixed cost of about
 0.4-0.6 ms per job; the kernel alone on one such expert took 0.53-0.57 ms cold where its bytes at Mixtral's measured
-rate take 0.19. This times the kernel (`native_swiglu_many`, what `HostExperts.compute_layer` runs) on the calling
+rate take 0.19. This times the kernel (`native_swiglu_many`, the experts' part of the job `HostExperts.compute_layer` runs) on the calling
 thread with its own torch thread count, for jobs of 1, 2, 4 and 16 distinct experts at 1 and 16 rows each, each job
 after an idle gap (0: back to back), its weights cold (twice the last-level cache read between jobs, as
 host_expert.py flushes, and each job on experts the previous ones did not read) or, with --warm, the same experts
