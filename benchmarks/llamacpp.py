@@ -434,7 +434,8 @@ def check_disk(model_dir: Path, outfile: Path, widen: int | None) -> dict[str, A
     if not record["fits"]:
         record["error"] = (f"the GGUF needs about {need / GiB:.1f} GiB and {outfile.parent} has {free / GiB:.1f} GiB free "
                            f"(1 GiB kept spare); free the disk, convert with --widen F from the narrow checkpoint (no "
-                           "widened safetensors beside it), or use a machine with a larger disk")
+                           "widened safetensors beside it), write it to RAM (--gguf /dev/shm/NAME.gguf where the "
+                           "machine's memory holds it), or use a machine with a larger disk")
     return record
 
 

@@ -326,10 +326,14 @@ llamacpp_matrix() {  # llama.cpp's cells beside a full-depth table: SHAPE's narr
   # (--temp 0.7 --top-p 0.9 -s 1), llama.cpp's default threads; THREADS8=1 adds greedy at -t 8 (the desktop's CPU) at
   # the first budget. Needs the build and the checkpoint on the warm machine: a call of `SHAPE=NAME LLAMACPP_ONLY=build
   # llamacpp` first (build and training in one call), then this target in the next. Carry .llama.cpp and .whl.
-  local shape=${SHAPE:?llamacpp-matrix needs SHAPE} model widen budget
+  # GGUF_DIR=/dev/shm converts into RAM instead of /tmp's disk: the one-GPU machine's disk (about 64 GiB free) holds
+  # DeepSeek-V2-Lite's 28.5 GiB GGUF but not Qwen3-30B-A3B's 55.7, which its /dev/shm (half of its 128 GiB) does;
+  # DROP_GGUF=1 then deletes it at the end, so that a later Specter call's pinned pool has the RAM back.
+  local shape=${SHAPE:?llamacpp-matrix needs SHAPE} model widen budget gguf=
   model=/tmp/narrow/$shape
   [ -f "$model/train.json" ] || { echo "llamacpp-matrix: no checkpoint at $model (run llamacpp with LLAMACPP_ONLY=build first)" >&2; return 1; }
   widen=$(python3 -c "import sys; from specter.bench.widen import DEFAULT_FACTORS as F; print(F[sys.argv[1]])" "$shape") || return 1
+  [ -z "${GGUF_DIR:-}" ] || gguf=$GGUF_DIR/$shape-x$widen-bf16.gguf
   local first=1
   for budget in ${BUDGETS_GIB:-24 16}; do
     for mode in greedy sampled threads8; do
@@ -342,11 +346,12 @@ llamacpp_matrix() {  # llama.cpp's cells beside a full-depth table: SHAPE's narr
         threads8) extra=(--no-bench --threads 8) ;;
       esac
       python3 benchmarks/llamacpp.py all "$model" --budget-gib "$budget" --widen "$widen" --label "$shape-x$widen-${budget}GiB-$mode" \
-        "${extra[@]}" --deadline-s "$((left - 5))" --out "$out/llamacpp" >> "$out/logs/llamacpp.log" 2>&1
+        "${extra[@]}" ${gguf:+--gguf "$gguf"} --deadline-s "$((left - 5))" --out "$out/llamacpp" >> "$out/logs/llamacpp.log" 2>&1
       echo "llamacpp $budget GiB $mode rc=$? at ${SECONDS}s"; grep -E "^$shape-x$widen-${budget}GiB-$mode:" "$out/logs/llamacpp.log" | tail -1 | cut -c1-400
     done
     first=0
   done
+  [ -z "$gguf" ] || [ -z "${DROP_GGUF:-}" ] || { rm -f "$gguf"; echo "llamacpp-matrix: removed $gguf"; }
 }
 
 train_length() {  # a full-depth narrow training's length: MINUTES (default 3), or STEPS steps (the same seeds, data
