@@ -17,6 +17,7 @@ from specter.placement import (
     fill_slots,
     has_rounds,
     host_seconds,
+    layer_host_jobs,
     layer_path_uses,
     path_seconds,
     preloaded,
@@ -177,7 +178,8 @@ class Auto:
         kept = set(kept_on_device(state, layer, rates if state.route_counts is not None else None))
         candidates = sorted((e for e in range(state.num_experts) if e not in kept), key=lambda e: (rates[e], e))
         uses = layer_path_uses(state, layer, rates, candidates)  # per h: (misses, host blocks) per token
-        cost = lambda h: path_seconds(state, *uses[h], h > 0, self.prefetch_discount, self.overlap)  # noqa: E731
+        jobs = layer_host_jobs(state, layer, rates, candidates)  # per h: host jobs per token
+        cost = lambda h: path_seconds(state, *uses[h], h > 0, self.prefetch_discount, self.overlap, jobs[h])  # noqa: E731
         off = cost(0)
         if not candidates or off is None or off <= 0.0:
             return []
@@ -203,6 +205,7 @@ class Auto:
             return True
         used = {e: 1.0 - (1.0 - rates[e]) ** rows for e in host}  # P(some row of the prompt routes to e)
         on_host = sum(p * math.ceil(max(1.0, rows * rates[e]) / state.row_bucket) * block for e, p in used.items())
+        on_host += (1.0 - math.prod(1.0 - p for p in used.values())) * (state.host_job_s or 0.0)  # the prompt's one job
         copied = sum(used.values())
         evicted = min(float(state.slots_per_layer), copied) if preloaded_layer else 0.0
         on_device = (copied + evicted) * copy

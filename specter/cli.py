@@ -354,20 +354,20 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
     if not 1 <= slots <= experts:
         raise ConfigError(f"--residents {slots}: expected 1..{experts} slots per MoE layer")
     if measure_dtype is not None:
-        host_s, link, source, host_source, host_kernel = measured_costs(spec, config, measure_dtype)
+        host_s, link, source, host_source, host_kernel, job_s = measured_costs(spec, config, measure_dtype)
     else:
         from specter.config import parse_link
 
         gbps = parse_link(config.link)
         host_s, link, source = None, gbps * 1e9 if gbps is not None else None, "emulated" if gbps is not None else None
-        host_source = host_kernel = None
+        host_source = host_kernel = job_s = None
     profile = config.placement_profile
     counts, sequence = routing_profile(profile, layers, experts) if profile is not None else (None, None)
     state = PlacementState(num_layers=layers, num_experts=experts, top_k=spec.top_k, slots_per_layer=slots,
                            initial_residents=tuple(() for _ in range(layers)), expert_bytes=expert_bytes,
                            row_bucket=config.row_bucket, host_threads=config.cpu_threads or default_threads(),
                            link_bytes_per_s=link, host_expert_s={config.row_bucket: host_s} if host_s is not None else {},
-                           route_counts=counts, route_sequence=sequence, **speculation(config))
+                           host_job_s=job_s, route_counts=counts, route_sequence=sequence, **speculation(config))
     placed = {name: plugins.load_policy("placement", name).place(state=state) if name != "off" else Placement.device_only(layers, experts)
               for name in dict.fromkeys(("off", "all", "auto", cpu_experts))}
     placement, auto = placed[cpu_experts], placed["auto"]
@@ -376,18 +376,19 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
             "host_experts_per_layer": placement.counts(), "host_threads": state.host_threads, "row_bucket": state.row_bucket,
             "link_gbps": None if link is None else round(link / 1e9, 3), "link_source": source,
             "copy_ms_per_expert": ms(copy_seconds(state)), "host_ms_per_expert": ms(host_seconds(state, 1)),
+            "host_ms_per_job": ms(job_s),
             "host_source": host_source, "host_kernel": host_kernel, "auto_host_experts": auto.total, "auto_host_experts_per_layer": auto.counts(),
             "routing": routing_source(state), "speculates": state.speculates,
             "auto_prices_misses": getattr(plugins.load_policy("placement", "auto"), "prices_misses", lambda state: True)(state),
             "predicted_ms_per_token": {name: ms(token_seconds(state, placed[name])) for name in ("off", "all", "auto")}}
 
 
-def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | None, str | None, str, str]:
+def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | None, str | None, str, str, float | None]:
     """(host seconds of one expert on a block of row_bucket rows, link bytes per second, where the link figure comes
     from: 'emulated', 'measured', 'stored' or None, where the host figure comes from: 'measured' or 'stored', the host
-    kernel it is for): the builder's own calibration (`costs.calibrate`, with this machine's stored figures unless
+    kernel it is for, a host job's fixed seconds beside it or None): the builder's own calibration (`costs.calibrate`, with this machine's stored figures unless
     `config.recalibrate`, storing what it measures) on random experts of the model's shape, so the pinned pool holds
-    (REPEATS + 1) x top_k experts per kernel for the while where the host is timed. They are written just before, so
+    (REPEATS + 1) x top_k experts per kernel, and REPEATS + 1 for the jobs of one expert, for the while where the host is timed. They are written just before, so
     where the last-level cache holds several of them the figure can read lower than the engine's, whose pool was
     written at load."""
     import asyncio
@@ -422,7 +423,8 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
             return torch.empty(numel, dtype=dtype, pin_memory=cuda)
 
     timed = host_source == "measured"
-    pool = ExpertPool(Memory(), 1, (costs.REPEATS + 1) * per_job * len(kernels) if timed else 1, spec.expert_numel, dtype)
+    experts = (costs.REPEATS + 1) * (per_job * len(kernels) + (per_job > 1))  # cold: each job on experts no other read
+    pool = ExpertPool(Memory(), 1, experts if timed else 1, spec.expert_numel, dtype)
     for expert in range(pool.num_experts):  # a link is timed on any bytes: random ones only where the host computes
         weights = torch.empty(spec.expert_numel, dtype=dtype)
         pool.write(0, expert, weights.normal_(std=0.02) if timed else weights)
@@ -439,7 +441,8 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
     link = state.link_bytes_per_s or calibration.link_bytes_per_s
     if link_source is None and link:
         link_source = "measured"
-    return calibration.host_expert_s[config.row_bucket], link, link_source, host_source, calibration.host_kernel
+    return (calibration.host_expert_s[config.row_bucket], link, link_source, host_source, calibration.host_kernel,
+            calibration.host_job_s)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -491,8 +494,10 @@ def _costs_line(summary: dict) -> str:
     link = ("link not measured (the CPU: give --link)" if copy is None
             else f"copy {copy:.3f} ms ({summary['link_source']} link, {summary['link_gbps']} GB/s)")
     compute = ("host not measured" if host is None else
-               f"host {host:.3f} ms per block of {summary['row_bucket']} rows ({summary.get('host_kernel') or 'torch'} "
-               f"kernel, {summary['host_threads']} threads, {summary.get('host_source') or 'measured'})")
+               f"host {host:.3f} ms per block of {summary['row_bucket']} rows"
+               + (f" and {summary['host_ms_per_job']:.3f} ms per job" if summary.get("host_ms_per_job") is not None else "")
+               + f" ({summary.get('host_kernel') or 'torch'} kernel, {summary['host_threads']} threads, "
+               f"{summary.get('host_source') or 'measured'})")
     return f"{link}; {compute}"
 
 

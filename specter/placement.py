@@ -114,6 +114,11 @@ class PlacementState:
     measures it at `row_bucket` rows (`specter.experts.costs`): with torch's kernel the host runs every expert on
     blocks of exactly that many, so one row costs what `row_bucket` rows cost; the native kernel runs the rows as they
     are and is timed on a block's worth of them, so the figure is a block's cost either way."""
+    host_job_s: float | None = None
+    """Measured seconds a host job costs beyond its experts' `host_expert_s` (a job: one layer's host experts of one
+    forward, one call of the host path, whatever their number): the kernel's thread team started, the rows down and the
+    outputs back. With it `host_expert_s` is what one more expert in a job adds; None: not measured, no fixed part
+    (`host_expert_s` then carries a job's share of it, as measured at a job's usual size)."""
     host_kernel: str | None = None
     """The host kernel `host_expert_s` was measured with and the host path runs (`costs.HostKernel`: 'torch', or
     'native' where the calibration found it faster); None: not calibrated."""
@@ -588,16 +593,43 @@ def layer_host_uses(state: PlacementState, layer: int, rates: Sequence[float], h
             sum(rates[e] for e in host))
 
 
+def layer_host_jobs(state: PlacementState, layer: int, rates: Sequence[float], order: Sequence[int]) -> list[float]:
+    """Per h in 0..len(order): a layer's expected host jobs per token with order[:h] on the host path (a job: the
+    forwards that use any of them, each paying `PlacementState.host_job_s` once). An engine that speculates, from the
+    state's rounds: the rounds that used any of them, over the tokens the rounds committed. Otherwise each token is its
+    own forward, which uses one of them with probability 1 - prod(1 - r) over their use rates, as if independent (a
+    token's top_k are distinct, so this errs high, toward the device)."""
+    if state.speculates and _replays(state, layer):
+        position = {e: index for index, e in enumerate(order)}
+        first = [min((position[e] for e in used if e in position), default=len(order))
+                 for used in state.route_sequence.used[layer]]
+        counts = [0] * (len(order) + 1)
+        for index in first:  # a round counts for every h past the first of order[:h] it used
+            counts[index] += 1
+        jobs, running = [0.0], 0
+        for h in range(1, len(order) + 1):
+            running += counts[h - 1]
+            jobs.append(running / state.route_sequence.tokens)
+        return jobs
+    jobs, idle = [0.0], 1.0
+    for e in order:
+        idle *= 1.0 - min(1.0, max(0.0, rates[e]))
+        jobs.append(1.0 - idle)
+    return jobs
+
+
 def path_seconds(state: PlacementState, misses: float, host_blocks: float, hosts: bool, prefetch_discount: float = 0.0,
-                 overlap: float = OVERLAP) -> float | None:
-    """A layer's expected seconds per token from its device misses and host blocks per token: `overlapped`(misses x
-    copy x (1 - prefetch_discount), host blocks x one host block, overlap). None when a cost it needs is not measured
-    (`hosts`: whether the layer has host-path experts at all)."""
+                 overlap: float = OVERLAP, host_jobs: float = 0.0) -> float | None:
+    """A layer's expected seconds per token from its device misses, host blocks and host jobs per token:
+    `overlapped`(misses x copy x (1 - prefetch_discount), host blocks x one host block + host jobs x a job's fixed
+    part, overlap). None when a cost it needs is not measured (`hosts`: whether the layer has host-path experts at
+    all)."""
     copy = copy_seconds(state)
     host_block = host_seconds(state, 1)
     if (misses > 0 and copy is None) or (hosts and host_block is None):
         return None
-    return overlapped(misses * (copy or 0.0) * (1.0 - prefetch_discount), host_blocks * (host_block or 0.0), overlap)
+    host_s = host_blocks * (host_block or 0.0) + (host_jobs * (state.host_job_s or 0.0) if hosts else 0.0)
+    return overlapped(misses * (copy or 0.0) * (1.0 - prefetch_discount), host_s, overlap)
 
 
 def overlapped(device_s: float, host_s: float, overlap: float = OVERLAP) -> float:
@@ -613,7 +645,8 @@ def layer_token_seconds(state: PlacementState, layer: int, rates: Sequence[float
     `path_seconds`). None when a cost it needs is not measured."""
     host = set(host)
     misses, blocks = layer_host_uses(state, layer, rates, host)
-    return path_seconds(state, misses, blocks, bool(host), prefetch_discount, overlap)
+    jobs = layer_host_jobs(state, layer, rates, sorted(host))[-1]
+    return path_seconds(state, misses, blocks, bool(host), prefetch_discount, overlap, jobs)
 
 
 def token_seconds(state: PlacementState, placement: Placement, prefetch_discount: float = 0.0,
@@ -648,7 +681,7 @@ def decision_record(state: PlacementState, placement: Placement, prefetch_discou
         "copy_s_per_expert": copy_seconds(state), "host_s_per_expert_by_rows": {str(rows): seconds for rows, seconds in
                                                                                 sorted(state.host_expert_s.items())},
         "row_bucket": state.row_bucket, "link_bytes_per_s": state.link_bytes_per_s, "host_threads": state.host_threads,
-        "host_kernel": state.host_kernel,
+        "host_s_per_job": state.host_job_s, "host_kernel": state.host_kernel,
         "routing": routing_source(state), "speculates": state.speculates, "overlap": overlap,
         "prefetch_discount": prefetch_discount,
         "predicted_s_per_token": {"off": token_seconds(state, off, prefetch_discount, overlap),

@@ -184,12 +184,14 @@ def replay(
     host_block_s: float | None = None,
     row_bucket: int = 16,
     overlap: float = OVERLAP,
+    host_job_s: float = 0.0,
 ) -> ReplayResult:
     """Replay `rounds` through one policy pair (objects, or installed names) with a cache starting empty.
 
     With a `placement`: its host-path experts never enter the cache (left out of the prefetch's counts and plans, the
     verify's misses), each layer's device-path experts that fit in its slots start resident (`preloaded`), and each
-    round's host-path uses cost `host_block_s` per block of `row_bucket` rows (k + 1 rows at most per expert); a layer's
+    round's host-path uses cost `host_block_s` per block of `row_bucket` rows (k + 1 rows at most per expert) and, where
+    a layer used any, `host_job_s` once (the job's fixed part, `PlacementState.host_job_s`); a layer's
     modelled time is its misses' copies and its host blocks combined by `overlapped` with `overlap` (0: their sum).
 
     Per round: at each checkpoint the recording engine planned at, plan from the counts it saw (a trace
@@ -213,7 +215,8 @@ def replay(
     walk = _walk(header, rounds, eviction, prefetch, bandwidth, slots, roll, placement, tally)
     for trace_round, routed, prefetched, layer_misses in walk:
         unhidden = max(0.0, len(prefetched) * header.expert_bytes - hidden_bytes(trace_round, bandwidth)) / bandwidth
-        host_s = [len(used) * math.ceil((trace_round.k + 1) / row_bucket) * (host_block_s or 0.0) for used in routed.host]
+        host_s = [len(used) * math.ceil((trace_round.k + 1) / row_bucket) * (host_block_s or 0.0)
+                  + (host_job_s if used else 0.0) for used in routed.host]
         tally.stall_s += unhidden
         tally.host_computed += sum(map(len, routed.host))
         tally.host_s += sum(host_s)
@@ -431,9 +434,9 @@ def trace_placement_state(header: TraceHeader, rounds: Sequence[TraceRound], lin
                           *, slots_per_layer: int | None = None, row_bucket: int = 16,
                           profile: Sequence[Sequence[float]] | None = None,
                           sequence: RouteSequence | None = None, eviction: str = "plan-protect",
-                          prefetch: str = "topm-keep") -> PlacementState:
+                          prefetch: str = "topm-keep", host_job_s: float | None = None) -> PlacementState:
     """What a placement policy would see of the engine that recorded the trace, placing at load (an empty cache):
-    the link at `link_gbps`, the host at `host_block_s` per block, and the routing profile `profile` with its rounds
+    the link at `link_gbps`, the host at `host_block_s` per block and `host_job_s` per job, and the routing profile `profile` with its rounds
     in order `sequence` (None for both: the trace's own use counts and rounds, up to `SEQUENCE_TOKENS` tokens, which
     flatters a policy that reads them, since they are the future being replayed). The engine speculates, with
     `eviction` and `prefetch`, where some replayed round drafted (k > 0), as the recording engine did."""
@@ -445,7 +448,7 @@ def trace_placement_state(header: TraceHeader, rounds: Sequence[TraceRound], lin
                           initial_residents=tuple(() for _ in range(header.num_layers)), expert_bytes=header.expert_bytes,
                           row_bucket=row_bucket, link_bytes_per_s=link_gbps * 1e9,
                           host_expert_s={row_bucket: host_block_s} if host_block_s is not None else {},
-                          route_counts=profile, route_sequence=sequence,
+                          host_job_s=host_job_s, route_counts=profile, route_sequence=sequence,
                           speculates=any(trace_round.k > 0 for trace_round in rounds), eviction=eviction,
                           prefetch=prefetch)
 
@@ -465,6 +468,7 @@ def replay_placements(
     roll: int | str = "engine",
     overlap: float = OVERLAP,
     sequence: RouteSequence | None = None,
+    host_job_s: float | None = None,
 ) -> list[PlacementReplay]:
     """Each `specter.placement` policy (an installed name, constructed with its defaults, or a policy object) placed
     once from `trace_placement_state`, then the trace replayed under it through one eviction x prefetch pair (the
@@ -472,14 +476,14 @@ def replay_placements(
     two paths (`specter.placement.overlapped`); a policy object brings its own for its choice."""
     state = trace_placement_state(header, rounds, link_gbps, host_block_s, slots_per_layer=slots_per_layer,
                                   row_bucket=row_bucket, profile=profile, sequence=sequence, eviction=eviction,
-                                  prefetch=prefetch)
+                                  prefetch=prefetch, host_job_s=host_job_s)
     replays = []
     for named in names:
         policy = load_policy("placement", named) if isinstance(named, str) else named
         placement = policy.place(state=state)
         result = replay(header, rounds, eviction, prefetch, link_gbps, slots_per_layer=state.slots_per_layer, roll=roll,
                         placement=placement, placement_name=policy.name, host_block_s=host_block_s, row_bucket=row_bucket,
-                        overlap=overlap)
+                        overlap=overlap, host_job_s=host_job_s or 0.0)
         replays.append(PlacementReplay(result, placement, token_seconds(state, placement, overlap=overlap)))
     return replays
 
@@ -539,6 +543,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "one eviction x prefetch pair (--eviction, --prefetch; default the engine's)")
     placing.add_argument("--host-ms", type=float, default=None, metavar="MS",
                          help="host milliseconds per expert block of --row-bucket rows (`specter info` measures it)")
+    placing.add_argument("--host-job-ms", type=float, default=None, metavar="MS",
+                         help="host milliseconds each layer's host job costs beyond its experts' blocks, once per round "
+                              "that uses any (`specter info` measures it; default none)")
     placing.add_argument("--row-bucket", type=int, default=16, metavar="B", help="rows per host block (EngineConfig.row_bucket)")
     placing.add_argument("--overlap", type=float, default=OVERLAP, metavar="O",
                          help="share of the shorter of a layer's two paths hidden under the longer in the modelled time "
@@ -569,8 +576,9 @@ def _compare_placements(args: argparse.Namespace, parser: argparse.ArgumentParse
     """`--placement`: one row per placement."""
     from specter.config import EngineConfig
 
-    if (args.host_ms is not None and args.host_ms <= 0) or args.row_bucket < 1 or not 0 <= args.overlap <= 1:
-        parser.error("--host-ms must be > 0, --row-bucket >= 1 and 0 <= --overlap <= 1")
+    if ((args.host_ms is not None and args.host_ms <= 0) or (args.host_job_ms is not None and args.host_job_ms < 0)
+            or args.row_bucket < 1 or not 0 <= args.overlap <= 1):
+        parser.error("--host-ms must be > 0, --host-job-ms >= 0, --row-bucket >= 1 and 0 <= --overlap <= 1")
     engine = EngineConfig()
     try:
         header, rounds = read_trace(args.trace)
@@ -583,18 +591,21 @@ def _compare_placements(args: argparse.Namespace, parser: argparse.ArgumentParse
             header, rounds, _names(args.placement) or ["off"], args.link,
             args.host_ms / 1e3 if args.host_ms is not None else None, slots_per_layer=args.slots,
             eviction=(_names(args.eviction) or [engine.eviction])[0], prefetch=(_names(args.prefetch) or [engine.prefetch])[0],
-            row_bucket=args.row_bucket, profile=profile, roll=args.roll, overlap=args.overlap, sequence=sequence)
+            row_bucket=args.row_bucket, profile=profile, roll=args.roll, overlap=args.overlap, sequence=sequence,
+            host_job_s=args.host_job_ms / 1e3 if args.host_job_ms is not None else None)
     except SpecterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"model": header.model, "link_gbps": args.link, "host_ms": args.host_ms, "overlap": args.overlap,
+        print(json.dumps({"model": header.model, "link_gbps": args.link, "host_ms": args.host_ms,
+                          "host_job_ms": args.host_job_ms, "overlap": args.overlap,
                           "slots_per_layer": args.slots or header.slots_per_layer, "row_bucket": args.row_bucket,
                           "results": [replayed.to_json() for replayed in replays]}, indent=1))
     else:
         first = replays[0].result if replays else None
         print(f"{header.model}: {header.num_layers} layers x {header.num_experts} experts, link {args.link} GB/s, host "
-              f"{args.host_ms} ms per expert block, {len(rounds)} rounds"
+              f"{args.host_ms} ms per expert block" + (f" + {args.host_job_ms} ms per job" if args.host_job_ms else "")
+              + f", {len(rounds)} rounds"
               + (f" ({first.eviction} x {first.prefetch})" if first else ""))
         print(format_placements(replays))
         print(f"link+host: replayed (per round: unhidden prefetch + per layer both paths at overlap {args.overlap}); "

@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from specter.cli import main
 from tests.hf_models import hf_model, save_hf
 
@@ -186,26 +188,27 @@ def test_info_at_a_budget_gives_the_slots_with_and_without_the_draft(capsys):
 
 
 def test_info_times_the_host_as_the_builder_calibrates(monkeypatch):
-    """`info`'s measured host figure: the host path's call with one row routed to top_k experts per job, as `calibrate`
-    times it at load, each job on experts no other job read (the tiny model: top-2)."""
+    """`info`'s measured host figures: the host path's call with one row routed to top_k experts per job, then jobs of
+    one expert (the job's fixed part), as `calibrate` times them at load, each job on experts no other job read (the
+    tiny model: top-2)."""
     from specter.cli import checkpoint_summary
     from specter.experts import costs
 
     timed = []
 
     async def time_host_expert(kernel, pool, mlp, hidden_size, row_bucket, threads, device, per_job=1, repeats=costs.REPEATS,
-                               parallel=False, **_):
+                               parallel=False, first_job=0, **_):
         assert not parallel  # the default tuning: one expert after another
-        timed.append(costs.cold_groups(pool.num_layers, pool.num_experts, per_job, repeats + 1))
-        return 1e-3
+        timed.append(costs.cold_groups(pool.num_layers, pool.num_experts, per_job, first_job + repeats + 1)[first_job:])
+        return 2e-3 if per_job == 1 else 1.5e-3  # a job of two: 3 ms, of one: 2 ms -> 1 ms an expert + 1 ms a job
 
     monkeypatch.setattr(costs, "time_host_expert", time_host_expert)
     summary = checkpoint_summary("tiny", residents=2, link="1", measure=True)
-    [groups] = timed
-    assert all(len(experts) == 2 for _, experts in groups)
-    read = [(layer, expert) for layer, experts in groups for expert in experts]
-    assert len(read) == len(set(read)) == 2 * (costs.REPEATS + 1)
-    assert summary["host_ms_per_expert"] == 1.0
+    [pairs, singles] = timed
+    assert all(len(experts) == 2 for _, experts in pairs) and all(len(experts) == 1 for _, experts in singles)
+    read = [(layer, expert) for layer, experts in pairs + singles for expert in experts]
+    assert len(read) == len(set(read)) == 3 * (costs.REPEATS + 1)
+    assert summary["host_ms_per_expert"] == pytest.approx(1.0) and summary["host_ms_per_job"] == pytest.approx(1.0)
 
 
 def test_tune_reaches_info_and_a_bad_one_is_refused_before_loading(capsys, monkeypatch):
@@ -223,7 +226,7 @@ def test_tune_reaches_info_and_a_bad_one_is_refused_before_loading(capsys, monke
     monkeypatch.setattr(costs, "time_host_expert", time_host_expert)
     assert main(["info", "tiny", "--link", "1", "--json"]) == 0
     assert main(["info", "tiny", "--link", "1", "--json", "--tune", "host.parallel_experts=true"]) == 0
-    assert seen == [(2, False), (1, True)]
+    assert seen == [(2, False), (1, False), (1, True)]  # top_k a job, then one a job (its fixed part); parallel: one
     capsys.readouterr()
     monkeypatch.setattr("specter.model.checkpoint.Checkpoint.__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError("read")))
     for argv in (["info", "tiny", "--tune", "host.parallel=true"], ["generate", "--tune", "host.parallel=true"],
@@ -329,8 +332,13 @@ def test_info_shows_the_stored_host_figure_the_next_load_takes(monkeypatch, caps
 
     figures = iter([1e-3, 3e-3])
 
-    async def time_host_expert(*args, **kwargs):
-        return next(figures)
+    async def time_host_expert(*args, per_job=1, **kwargs):
+        if per_job == 1:  # the jobs of one expert after those of top_k: no fixed part here
+            return last[0]
+        last[0] = next(figures)
+        return last[0]
+
+    last = [None]
 
     monkeypatch.setattr(costs, "time_host_expert", time_host_expert)
     seen = []

@@ -342,10 +342,14 @@ def test_the_calibration_takes_the_faster_kernel_and_stores_it(monkeypatch, plac
             return await costs.calibrate(kernel, pool, kernels, state, 4, torch.device("cpu"), store=placement_costs)
 
     first = asyncio.run(calibrate())
-    assert calls == [0, costs.REPEATS + 1] and first.host_kernel == "native" and first.host_expert_s == {16: 1e-3}
+    # then the chosen kernel on jobs of one expert, past those the jobs of two read (the pool holds 16: it wraps)
+    singles = costs.first_unread(2, 8, 2, 2 * (costs.REPEATS + 1))
+    assert calls == [0, costs.REPEATS + 1, singles] and first.host_kernel == "native" and first.host_expert_s == {16: 1e-3}
+    assert first.host_job_s == 0.0  # a job of one cost what each of a job of two did: no fixed part
     assert first.apply(state).host_kernel == "native"
     second = asyncio.run(calibrate())
-    assert calls == [0, costs.REPEATS + 1] and (second.host_kernel, second.host_expert_s) == ("native", {16: 1e-3})
+    assert calls == [0, costs.REPEATS + 1, singles]
+    assert (second.host_kernel, second.host_expert_s, second.host_job_s) == ("native", {16: 1e-3}, 0.0)
 
 
 @needs_native
@@ -396,9 +400,9 @@ def test_recalibrating_keeps_what_it_does_not_measure(placement_costs, monkeypat
     link) stays in the store."""
     calls = []
 
-    async def time_host_expert(*args, **kwargs):
-        calls.append(1)
-        return 2e-3 * len(calls)
+    async def time_host_expert(*args, per_job=1, **kwargs):
+        calls.append(per_job)
+        return 4e-3 if per_job > 1 else 6e-3  # jobs of two: 8 ms; of one: 6 ms (2 an expert + 4 a job)
 
     monkeypatch.setattr(costs, "time_host_expert", time_host_expert)
     pool = ExpertPool(Memory(), 1, 8, 24, torch.bfloat16)
@@ -414,9 +418,10 @@ def test_recalibrating_keeps_what_it_does_not_measure(placement_costs, monkeypat
                                          fresh=fresh)
 
     assert asyncio.run(calibrate(False)).host_expert_s == {16: 1e-3} and calls == []
-    assert asyncio.run(calibrate(True)).host_expert_s == {16: 2e-3} and calls == [1]
+    fresh = asyncio.run(calibrate(True))
+    assert calls == [2, 1] and fresh.host_expert_s[16] == pytest.approx(2e-3) and fresh.host_job_s == pytest.approx(4e-3)
     entry = placement_costs.get(key)
-    assert (entry["host_expert_s"], entry["link_bytes_per_s"]) == (2e-3, 7e9)
+    assert entry["link_bytes_per_s"] == 7e9 and (entry["host_expert_s"], entry["host_job_s"]) == pytest.approx((2e-3, 4e-3))
 
 
 @pytest.mark.parametrize("row_invariant, rows", [(False, 1), (True, 16)])

@@ -22,6 +22,7 @@ from specter.placement import (
     RouteSequence,
     copy_seconds,
     expected_misses,
+    layer_host_jobs,
     layer_path_uses,
     lru_misses,
     lru_misses_by_host,
@@ -348,3 +349,61 @@ def test_an_engine_that_does_not_speculate_is_placed_by_the_lru_alone():
     assert placed[0.8].total == placed[0.5].total == 0
     assert 0 < placed[0.3].total < placed[0.1].total
     assert token_seconds(states[0.1], placed[0.1]) < 0.5 * token_seconds(states[0.1], off)
+
+
+def test_a_host_job_costs_its_fixed_part_once_per_round_that_uses_any_of_the_layers_host_experts():
+    """`layer_host_jobs`: a speculating engine's rounds pay a layer's host job once per round that used any of its host
+    experts, whatever their number; a k = 0 engine's tokens once per token that routes to any, 1 - prod(1 - r) over
+    their rates as if independent. `token_seconds` adds `host_job_s` per job to the host path's blocks."""
+    used = [[0, 1], [0, 2], [3, 1], [3, 2]]  # four rounds of k = 1, each committing 2 tokens
+    rounds = [TraceRound(round=i, k=1, accepted=1, draft_step_s=1e-3, layers=[LayerRoutes(predicted={}, used=u)])
+              for i, u in enumerate(used)]
+    speculating = dataclasses.replace(state(rounds, 4, 2, 4), speculates=True, link_bytes_per_s=None)
+    rates = use_rates(speculating)[0]
+    # order 0, 3, 1: rounds using 0: two; then 3 adds the other two; 1 adds none
+    assert layer_host_jobs(speculating, 0, rates, [0, 3, 1]) == [0.0, 2 / 8, 4 / 8, 4 / 8]
+    assert layer_host_jobs(speculating, 0, rates, [1, 2]) == [0.0, 2 / 8, 4 / 8]
+    plain = state(rounds, 4, 2, 4)
+    assert rates == [0.5, 0.5, 0.5, 0.5]
+    assert layer_host_jobs(plain, 0, rates, [0, 3, 1]) == pytest.approx([0.0, 0.5, 0.75, 0.875])
+    # with 1 ms an expert block and 4 ms a job: experts 0 and 3 on the host cost a speculating engine 2 blocks of
+    # 2 rounds each (4 blocks over 8 tokens) and 4 jobs over 8 tokens; the device path misses nothing (4 slots)
+    both = Placement.of([[0, 3]], 1, 4)
+    assert token_seconds(speculating, both) == pytest.approx((4 / 8) * MS)
+    fixed = dataclasses.replace(speculating, host_job_s=4 * MS)
+    assert token_seconds(fixed, both) == pytest.approx((4 / 8) * MS + (4 / 8) * 4 * MS)
+    assert token_seconds(fixed, Placement.device_only(1, 4)) == 0.0  # no host expert: no job
+
+
+def test_auto_weighs_a_host_jobs_fixed_part():
+    """Two rarely used experts of four, with a copy at 1 ms and a host expert at 0.2 ms: without a fixed part `auto`
+    puts both on the host; at 4 ms a job the host path of a round that uses one of them costs more than the copies
+    its use brings (about two: it evicts expert 0 or 1, used again next round), and `auto` keeps them on the device
+    path. The prediction `decision_record` reports carries the job's figure."""
+    from specter.placement import decision_record
+
+    rng = random.Random(3)
+    rounds = []
+    for index in range(200):  # experts 0 and 1 in every round, 2 or 3 in about one round in five
+        extra = [rng.choice([2, 3])] if rng.random() < 0.2 else []
+        rounds.append(TraceRound(round=index, k=0, accepted=0, draft_step_s=1e-3,
+                                 layers=[LayerRoutes(predicted={}, used=[0, 1] + extra)]))
+    base = state(rounds, 4, 2, 2, copy_s=1 * MS, host_s=0.2 * MS)
+    assert Auto().place(base).host[0] == frozenset({2, 3})
+    costly = dataclasses.replace(base, host_job_s=4 * MS)
+    assert Auto().place(costly).host[0] == frozenset()
+    record = decision_record(costly, Placement.of([[2, 3]], 1, 4))
+    assert record["host_s_per_job"] == 4 * MS
+    assert record["predicted_s_per_token"]["placed"] > record["predicted_s_per_token"]["off"]
+
+
+def test_a_job_of_one_expert_and_a_job_of_several_split_into_a_fixed_part_and_each_experts():
+    """`split_job_cost`: the line through a job of n experts and one of one; where the two cannot be such a line
+    (noise), the job's share per expert and no fixed part."""
+    from specter.experts.costs import first_unread, split_job_cost
+
+    assert split_job_cost(1.5e-3, 4, 3e-3) == pytest.approx((1e-3, 2e-3))  # 6 ms for four, 3 for one
+    assert split_job_cost(1e-3, 4, 0.9e-3) == (1e-3, 0.0)  # one alone cheaper than a share: no fixed part
+    assert split_job_cost(1e-3, 4, 5e-3) == (1e-3, 0.0)  # one alone dearer than all four: no line
+    # the jobs of one start past what the jobs of two read: 4 jobs of 2 read layer 0's experts 0-7
+    assert first_unread(2, 8, 2, 4) == 8 and first_unread(2, 8, 2, 3) == 6 and first_unread(2, 8, 2, 0) == 0

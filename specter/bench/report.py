@@ -210,6 +210,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "host_share": _host_share(runs),
         "host_expert_ms": _host_expert_ms(runs),
         "host_expert_ms_calibrated": _calibrated_host_ms(runs[0].get("placement")),  # the first run's, as `placement`
+        "host_job_ms_calibrated": _ms((runs[0].get("placement") or {}).get("host_s_per_job")),
         "host_hidden": _host_hidden(runs),
         "tokens_equal": all(r["tokens_equal"] for r in runs),
         "accepted_length_histogram": {str(n): c for n, c in sorted(histogram.items())},
@@ -242,6 +243,10 @@ def _host_expert_ms(runs: Sequence[dict]) -> float | None:
     the calibration's, whether the host path ran slower beside the link (a split placement) than alone (`all`)."""
     host = sum(r.get("host_computed_experts", 0) for r in runs)
     return round(1e3 * sum(r.get("host_compute_s", 0.0) for r in runs) / host, 3) if host else None
+
+
+def _ms(seconds: float | None) -> float | None:
+    return round(1e3 * seconds, 3) if seconds is not None else None
 
 
 def _calibrated_host_ms(decision: dict | None) -> float | None:
@@ -470,7 +475,7 @@ def host_path_lines(summary: Sequence[dict], markdown: bool = False) -> list[str
                ("host_share", "host share of non-resident uses"),
                ("host_per_token", "host experts/token"), ("host_ms_per_token", "host ms/token"),
                ("host_expert_ms", "ms per host expert"),
-               ("host_expert_ms_calibrated", "calibrated ms (1st run)"),
+               ("host_expert_ms_calibrated", "calibrated ms (1st run)"), ("host_job_ms_calibrated", "+ ms per job"),
                ("host_hidden", "host hidden"), ("host_wait_ms_per_token", "host wait ms/token"),
                ("routing_wait_ms_per_token", "routing wait ms/token"), ("h2d_decode_mb_per_token", "decode MB/token"),
                ("tpot_ms", "TPOT ms"))
@@ -478,7 +483,7 @@ def host_path_lines(summary: Sequence[dict], markdown: bool = False) -> list[str
             "the share of the experts not on the device that the host computed (the rest were copied), the host experts "
             "and host milliseconds per token after the first (the prompt's left out, as decode MB/token), one host "
             "expert's time on the host thread and as "
-            "the placement's calibration measured it, the share of the host's time that ran beside the device path "
+            "the placement's calibration measured it (what one more expert adds to a job, and each job's fixed part), the share of the host's time that ran beside the device path "
             "(copies, device experts), and per token after the first the milliseconds the verify waited for host jobs "
             "once their layer's device path was launched and for the layers' routing reads (the device layer by layer); "
             "results.json's `placement` has the cost model's inputs and predictions. A row "

@@ -54,6 +54,9 @@ class Calibration:
     """The profile's rounds in order, up to `SEQUENCE_TOKENS` committed tokens (None: no profile)."""
     host_kernel: str | None = None
     """The name of the host kernel `host_expert_s` is for: the fastest of those timed (None: the host not timed)."""
+    host_job_s: float | None = None
+    """A host job's fixed seconds beyond its experts' (`PlacementState.host_job_s`; None: not measured, `host_expert_s`
+    then a job's share of it, as with the parallel path's one-expert jobs)."""
 
     def apply(self, state: PlacementState) -> PlacementState:
         """`state` with these costs. An emulated link or one the transfer engine has measured already (the state's own
@@ -61,7 +64,7 @@ class Calibration:
         return dataclasses.replace(state, host_expert_s=dict(self.host_expert_s),
                                    link_bytes_per_s=state.link_bytes_per_s or self.link_bytes_per_s,
                                    route_counts=self.route_counts, route_sequence=self.route_sequence,
-                                   host_kernel=self.host_kernel)
+                                   host_kernel=self.host_kernel, host_job_s=self.host_job_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,28 +130,41 @@ async def calibrate(kernel: Kernel, pool: ExpertPool, kernels: Sequence[HostKern
                    [candidate.name for candidate in kernels])
     previous, stored = stored_costs(store, key, kernels, fresh)
     host: dict[int, float] = {}
-    chosen = None
+    chosen = job_s = None
     if kernels:
         if "host_expert_s" in stored:
+            # a job's fixed part is measured wherever jobs hold several experts; the store keeps positive figures only
             chosen, host = stored["host_kernel"], {rows: stored["host_expert_s"]}
+            job_s = stored.get("host_job_s", 0.0) if per_job > 1 else None
         else:
             timed = await time_host_kernels(kernel, pool, kernels, hidden_size, rows, state.host_threads, device, per_job,
                                             parallel)
             chosen = min(timed, key=timed.__getitem__)
-            host = {rows: timed[chosen]}
+            per_expert = timed[chosen]
+            if per_job > 1:  # a job of one expert beside the jobs of per_job: the job's fixed part and each expert's
+                candidate = next(candidate for candidate in kernels if candidate.name == chosen)
+                single = await time_host_expert(kernel, pool, candidate.mlp, hidden_size, rows, state.host_threads, device,
+                                                per_job=1, parallel=parallel, row_invariant=candidate.row_invariant,
+                                                job=candidate.job,
+                                                first_job=first_unread(pool.num_layers, pool.num_experts, per_job,
+                                                                       len(kernels) * (REPEATS + 1)))
+                per_expert, job_s = split_job_cost(per_expert, per_job, single)
+            host = {rows: per_expert}
             log.info("placement.host_kernels", ms={name: round(seconds * 1e3, 3) for name, seconds in timed.items()},
-                     chosen=chosen)
+                     chosen=chosen, job_ms=None if job_s is None else round(job_s * 1e3, 3),
+                     expert_ms=round(per_expert * 1e3, 3))
     link = None
     if state.link_bytes_per_s is None:
         link = stored.get("link_bytes_per_s") or time_link(pool.host(0, 0), device)
     if store is not None:
-        store.update(key, previous, host_expert_s=host.get(rows), link_bytes_per_s=link, host_kernel=chosen)
+        store.update(key, previous, host_expert_s=host.get(rows), link_bytes_per_s=link, host_kernel=chosen,
+                     host_job_s=job_s)
     counts, sequence = routing_profile(profile, state.num_layers, state.num_experts) if profile is not None else (None, None)
     log.info("placement.calibrated", host_expert_ms=round(host[rows] * 1e3, 3) if host else None, host_kernel=chosen,
              link_gbps=round((state.link_bytes_per_s or link or 0) / 1e9, 2) or None, profile=str(profile) if profile else None,
              stored=sorted(name for name in ("host_expert_s", "link_bytes_per_s") if name in stored),
              seconds=round(time.perf_counter() - started, 3))
-    return Calibration(host, link, counts, sequence, chosen)
+    return Calibration(host, link, counts, sequence, chosen, job_s)
 
 
 async def time_host_kernels(kernel: Kernel, pool: ExpertPool, kernels: Sequence[HostKernel], hidden_size: int,
@@ -175,6 +191,7 @@ def stored_costs(store: CostStore | None, key: str, kernels: Sequence[HostKernel
         usable.pop("host_expert_s", None)
     if "host_expert_s" not in usable:
         usable.pop("host_kernel", None)
+        usable.pop("host_job_s", None)
     return previous, usable
 
 
@@ -297,6 +314,28 @@ def experts_per_job(top_k: int, parallel: bool) -> int:
     """The experts one calibration job routes its row to: a row's top_k, computed one after another on the host
     thread; with the parallel host path one, alone on one thread as each worker runs it (`calibrate`)."""
     return 1 if parallel else top_k
+
+
+def split_job_cost(per_expert: float, per_job: int, single: float) -> tuple[float, float]:
+    """(seconds each expert of a job adds, the job's fixed seconds) from a job of `per_job` experts (`per_expert` each)
+    and a job of one (`single`), on the line through the two: a job of m experts then costs fixed + m x the first. Where
+    the two do not make such a line (the lone expert costs less than the job's share of each, or more than the whole
+    job: timing noise), (per_expert, 0.0): the job's share as before, no fixed part."""
+    slope = (per_job * per_expert - single) / (per_job - 1)
+    if slope <= 0.0 or single <= slope:
+        return per_expert, 0.0
+    return slope, single - slope
+
+
+def first_unread(num_layers: int, num_experts: int, per_job: int, jobs: int) -> int:
+    """The first one-expert group (`cold_groups` with per_job 1) past every expert the first `jobs` groups of
+    `per_job` read, so that jobs of one expert timed after them read experts from memory too."""
+    if not jobs:
+        return 0
+    per_job = max(1, min(per_job, num_experts))
+    per_layer = num_experts // per_job
+    layer, group = divmod((jobs - 1) % (num_layers * per_layer), per_layer)
+    return layer * num_experts + (group + 1) * per_job
 
 
 def cold_groups(num_layers: int, num_experts: int, per_job: int, jobs: int) -> list[tuple[int, list[int]]]:

@@ -49,10 +49,11 @@ layer job in one call (specter.experts.native.native_layer_job): expert j (its p
 `addresses[j]`) on `counts[j]` of the rows, their indices and top-A slots listed expert after expert, each output row
 as `ExpertFunction` gives it times its routing weight as `HostExperts.compute` weights it, written to `out`
 ([sum counts, D], or with `dense` [experts x T, D], each expert's rows in place in its block, the others zero)."""
-HOST_PATH_VERSION = 3
-"""Bumped when a host job's own work changes what it costs (2: its gather, weighting and pinned output once per job;
-3: all of them in the kernel's one call): the calibration's stored figures (`costs.cost_key`) of an earlier version
-are measured anew."""
+HOST_PATH_VERSION = 4
+"""Bumped when a host job's own work changes what it costs, or what the stored figures mean (2: its gather, weighting
+and pinned output once per job; 3: all of them in the kernel's one call; 4: the figure per expert is what one more
+expert adds to a job, beside the job's fixed part): the calibration's stored figures (`costs.cost_key`) of an earlier
+version are measured anew."""
 Routes = Mapping[int, tuple[list[int], list[int]]]
 """expert -> (rows that chose it, ascending; the top-A slot of each): which rows a host expert computes."""
 

@@ -650,7 +650,8 @@ def native_layer_job(hidden: Tensor, weights: Tensor, rows: Sequence[int], slots
     or with `dense` [experts x T, D], expert j's rows in place in block j and every other row zero. The gather, the
     experts and the weighting are one call with one thread team: a job's cost beyond its experts is then that call's
     and a few Python lists', not a torch call's each, which on a host busy streaming expert weights costs tens of
-    microseconds apiece (its code and data are cold). Every row has the bits `compute` gives it. Requires `load()`."""
+    microseconds apiece (its code and data are cold). Every row has the bits `compute` gives it (a NaN stays a NaN,
+    its payload not torch's). Requires `load()`."""
     kernel = load()
     assert kernel is not None, "native_layer_job needs the native kernel (native.load())"
     if hidden.dtype != torch.bfloat16 or not hidden.is_contiguous():
@@ -662,7 +663,12 @@ def native_layer_job(hidden: Tensor, weights: Tensor, rows: Sequence[int], slots
     assert len(slots) == total == sum(counts) and len(counts) == len(addresses)
     assert out.dtype == torch.bfloat16 and out.is_contiguous() and tuple(out.shape) == (
         (len(counts) * t_rows if dense else total), hidden_size), f"out {tuple(out.shape)} {out.dtype}"
-    path = path_for(hidden_size, inter) if path is None else path
+    assert hidden.device.type == weights.device.type == out.device.type == "cpu", "the host path's tensors are on the CPU"
+    if path is None:
+        path = path_for(hidden_size, inter)
+    elif path not in shape_paths(hidden_size, inter):
+        raise ValueError(f"path {path.name} cannot run {hidden_size} x {inter} experts here (this machine's paths for "
+                         f"them: {[p.name for p in shape_paths(hidden_size, inter)]})")
     indices = array.array("q", rows)
     places = array.array("q", slots)
     sizes = array.array("q", counts)
