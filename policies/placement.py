@@ -66,8 +66,8 @@ class All:
 
 class Auto:
     """A calibrated cost model, decided once at load: per MoE layer, how many and which non-resident experts the host
-    computes, so that the expected per-token layer time `overlapped`(device misses x copy, host uses x host block,
-    `overlap`) is least (specter/placement.py).
+    computes, so that the expected per-token layer time `overlapped`(device misses x copy, host uses x host block +
+    host jobs x a job's fixed part, `overlap`) is least (specter/placement.py; `layer_host_jobs`).
 
     Issue 29 asked for a choice per miss, every round, among copy, host, and "both, first wins". Neither is made here:
     a choice that depends on the round (its k, the draft, the cache, the queues) would make the target's function, and

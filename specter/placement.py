@@ -594,12 +594,14 @@ def layer_host_uses(state: PlacementState, layer: int, rates: Sequence[float], h
 
 
 def layer_host_jobs(state: PlacementState, layer: int, rates: Sequence[float], order: Sequence[int]) -> list[float]:
-    """Per h in 0..len(order): a layer's expected host jobs per token with order[:h] on the host path (a job: the
-    forwards that use any of them, each paying `PlacementState.host_job_s` once). An engine that speculates, from the
-    state's rounds: the rounds that used any of them, over the tokens the rounds committed. Otherwise each token is its
-    own forward, which uses one of them with probability 1 - prod(1 - r) over their use rates, as if independent (a
-    token's top_k are distinct, so this errs high, toward the device)."""
-    if state.speculates and _replays(state, layer):
+    """Per h in 0..len(order): a layer's expected host jobs per token with order[:h] on the host path (a job: a forward
+    that uses any of them, paying `PlacementState.host_job_s` once). From the state's rounds where each is what the
+    engine runs as one forward (it speculates, or they are k = 0 rounds of one token each): the rounds that used any
+    of them, over the tokens the rounds committed. Otherwise each token is its own forward: 1 - P(none of its top_k is
+    one of them), its top_k drawn one after another without replacement by the use rates (`_no_host_draws`), which is
+    exact for uniform use (C(E - h, k) / C(E, k)); independent draws would miss that a token's experts are distinct and
+    price the jobs low."""
+    if _replays(state, layer) and (state.speculates or set(state.route_sequence.rows) == {1}):
         position = {e: index for index, e in enumerate(order)}
         first = [min((position[e] for e in used if e in position), default=len(order))
                  for used in state.route_sequence.used[layer]]
@@ -611,11 +613,27 @@ def layer_host_jobs(state: PlacementState, layer: int, rates: Sequence[float], o
             running += counts[h - 1]
             jobs.append(running / state.route_sequence.tokens)
         return jobs
-    jobs, idle = [0.0], 1.0
-    for e in order:
-        idle *= 1.0 - min(1.0, max(0.0, rates[e]))
-        jobs.append(1.0 - idle)
+    total = math.fsum(rates) or 1.0
+    jobs, host_mass = [0.0], 0.0
+    for h, e in enumerate(order, start=1):
+        host_mass += max(0.0, rates[e]) / total
+        jobs.append(1.0 - _no_host_draws(host_mass, h, state.num_experts, state.top_k))
     return jobs
+
+
+def _no_host_draws(host_mass: float, hosted: int, experts: int, draws: int) -> float:
+    """P(none of `draws` draws without replacement is a host expert) where the `hosted` host experts hold `host_mass`
+    of the use and the others share the rest evenly: draw j picks a host expert with probability host_mass / (what
+    the j device experts drawn before leave)."""
+    device = experts - hosted
+    if device < draws:
+        return 0.0
+    each = (1.0 - host_mass) / device if device else 0.0
+    none = 1.0
+    for j in range(draws):
+        left = 1.0 - j * each
+        none *= max(0.0, 1.0 - host_mass / left) if left > 0.0 else 0.0
+    return none
 
 
 def path_seconds(state: PlacementState, misses: float, host_blocks: float, hosts: bool, prefetch_discount: float = 0.0,

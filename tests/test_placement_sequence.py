@@ -353,8 +353,9 @@ def test_an_engine_that_does_not_speculate_is_placed_by_the_lru_alone():
 
 def test_a_host_job_costs_its_fixed_part_once_per_round_that_uses_any_of_the_layers_host_experts():
     """`layer_host_jobs`: a speculating engine's rounds pay a layer's host job once per round that used any of its host
-    experts, whatever their number; a k = 0 engine's tokens once per token that routes to any, 1 - prod(1 - r) over
-    their rates as if independent. `token_seconds` adds `host_job_s` per job to the host path's blocks."""
+    experts, whatever their number; a k = 0 engine's tokens once per token that routes to any: counted where the
+    rounds are its own (k = 0, a token each), else 1 - P(none of a token's top_k distinct experts is one of them),
+    C(E - h, k) / C(E, k) under uniform use. `token_seconds` adds `host_job_s` per job to the host path's blocks."""
     used = [[0, 1], [0, 2], [3, 1], [3, 2]]  # four rounds of k = 1, each committing 2 tokens
     rounds = [TraceRound(round=i, k=1, accepted=1, draft_step_s=1e-3, layers=[LayerRoutes(predicted={}, used=u)])
               for i, u in enumerate(used)]
@@ -365,7 +366,13 @@ def test_a_host_job_costs_its_fixed_part_once_per_round_that_uses_any_of_the_lay
     assert layer_host_jobs(speculating, 0, rates, [1, 2]) == [0.0, 2 / 8, 4 / 8]
     plain = state(rounds, 4, 2, 4)
     assert rates == [0.5, 0.5, 0.5, 0.5]
-    assert layer_host_jobs(plain, 0, rates, [0, 3, 1]) == pytest.approx([0.0, 0.5, 0.75, 0.875])
+    # k = 1 rounds are not a k = 0 engine's forwards: its tokens draw 2 of 4 distinct experts
+    assert layer_host_jobs(plain, 0, rates, [0, 3, 1]) == pytest.approx([0.0, 1 - 3 / 6, 1 - 1 / 6, 1.0])
+    # k = 0 rounds are its forwards: counted, as the replay charges them
+    tokens = [TraceRound(round=i, k=0, accepted=0, draft_step_s=1e-3, layers=[LayerRoutes(predicted={}, used=u)])
+              for i, u in enumerate(used)]
+    own = state(tokens, 4, 2, 4)
+    assert layer_host_jobs(own, 0, use_rates(own)[0], [0, 3, 1]) == [0.0, 2 / 4, 4 / 4, 4 / 4]
     # with 1 ms an expert block and 4 ms a job: experts 0 and 3 on the host cost a speculating engine 2 blocks of
     # 2 rounds each (4 blocks over 8 tokens) and 4 jobs over 8 tokens; the device path misses nothing (4 slots)
     both = Placement.of([[0, 3]], 1, 4)
@@ -405,5 +412,6 @@ def test_a_job_of_one_expert_and_a_job_of_several_split_into_a_fixed_part_and_ea
     assert split_job_cost(1.5e-3, 4, 3e-3) == pytest.approx((1e-3, 2e-3))  # 6 ms for four, 3 for one
     assert split_job_cost(1e-3, 4, 0.9e-3) == (1e-3, 0.0)  # one alone cheaper than a share: no fixed part
     assert split_job_cost(1e-3, 4, 5e-3) == (1e-3, 0.0)  # one alone dearer than all four: no line
+    assert split_job_cost(1e-3, 2, 1.99e-3) == pytest.approx((0.25e-3, 1.74e-3))  # each expert adds at least a quarter
     # the jobs of one start past what the jobs of two read: 4 jobs of 2 read layer 0's experts 0-7
     assert first_unread(2, 8, 2, 4) == 8 and first_unread(2, 8, 2, 3) == 6 and first_unread(2, 8, 2, 0) == 0

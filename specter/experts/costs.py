@@ -2,8 +2,8 @@
 host path (one block of `row_bucket` rows), the link's bytes per second, and the per-layer expert use of a routing
 profile.
 
-Cheap on purpose: a warm-up and three timed layer jobs of the host path (top_k experts each) on a host thread set up
-as the host expert path's, and on CUDA a warm-up and three pinned copies of at most 64 MiB of one expert (at a Mixtral
+Cheap on purpose: a warm-up and three timed layer jobs of the host path (top_k experts each), then as many of one
+expert each (a job's fixed part: `split_job_cost`), on a host thread set up as the host expert path's, and on CUDA a warm-up and three pinned copies of at most 64 MiB of one expert (at a Mixtral
 shape about 8 x 8 ms of host compute and 4 x 3 ms of copies at 25 GB/s). Skipped entirely for `off` (the builder asks
 for it only with a placement plug-in).
 """
@@ -158,11 +158,12 @@ async def calibrate(kernel: Kernel, pool: ExpertPool, kernels: Sequence[HostKern
         link = stored.get("link_bytes_per_s") or time_link(pool.host(0, 0), device)
     if store is not None:
         store.update(key, previous, host_expert_s=host.get(rows), link_bytes_per_s=link, host_kernel=chosen,
-                     host_job_s=job_s)
+                     host_job_s=job_s or None)  # the store keeps positive figures: 0 is its absence, not a change
     counts, sequence = routing_profile(profile, state.num_layers, state.num_experts) if profile is not None else (None, None)
     log.info("placement.calibrated", host_expert_ms=round(host[rows] * 1e3, 3) if host else None, host_kernel=chosen,
              link_gbps=round((state.link_bytes_per_s or link or 0) / 1e9, 2) or None, profile=str(profile) if profile else None,
-             stored=sorted(name for name in ("host_expert_s", "link_bytes_per_s") if name in stored),
+             host_job_ms=None if job_s is None else round(job_s * 1e3, 3),
+             stored=sorted(name for name in ("host_expert_s", "host_job_s", "link_bytes_per_s") if name in stored),
              seconds=round(time.perf_counter() - started, 3))
     return Calibration(host, link, counts, sequence, chosen, job_s)
 
@@ -319,11 +320,13 @@ def experts_per_job(top_k: int, parallel: bool) -> int:
 def split_job_cost(per_expert: float, per_job: int, single: float) -> tuple[float, float]:
     """(seconds each expert of a job adds, the job's fixed seconds) from a job of `per_job` experts (`per_expert` each)
     and a job of one (`single`), on the line through the two: a job of m experts then costs fixed + m x the first. Where
-    the two do not make such a line (the lone expert costs less than the job's share of each, or more than the whole
-    job: timing noise), (per_expert, 0.0): the job's share as before, no fixed part."""
-    slope = (per_job * per_expert - single) / (per_job - 1)
-    if slope <= 0.0 or single <= slope:
+    the two make no such line (the lone expert costs no more than the job's share of each, or at least the whole job:
+    timing noise), (per_expert, 0.0): the job's share, no fixed part. Each expert adds at least a quarter of the job's
+    share: with two experts a job, the lone job's noise moves the line's slope twice as much, and a near-zero slope
+    would price every further host expert as free."""
+    if single <= per_expert or single >= per_job * per_expert:
         return per_expert, 0.0
+    slope = max((per_job * per_expert - single) / (per_job - 1), per_expert / 4)
     return slope, single - slope
 
 
