@@ -417,10 +417,10 @@ def load_corpus(tiny: bool) -> tuple[torch.Tensor, torch.Tensor, list[Path], int
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.by_steps = args.max_steps is not None  # before either path gives max_steps its default
     if args.shape is not None:
         return main_shape(args)
     tiny, small = args.tiny, args.small and not args.tiny
-    args.by_steps = args.max_steps is not None
     args.max_steps = args.max_steps or (30 if tiny else 10**9)
     args.batch = args.batch or (4 if tiny else 8 if small else 16 if args.family == "qwen2_moe" else 32)
     args.length = args.length or (64 if tiny else 128 if small else 512)
@@ -466,7 +466,6 @@ def main_shape(args: argparse.Namespace) -> int:
     factor = args.factor if args.factor is not None or tiny else DEFAULT_FACTORS[args.shape]
     config = shape_config(args.shape, factor, args.layers, tiny)
     factor = factor if factor is not None else _tiny_factor(args.shape)
-    args.by_steps = args.max_steps is not None
     args.max_steps = args.max_steps or (20 if tiny else 10**9)
     args.batch = args.batch or (2 if tiny else 32)
     args.length = args.length or (32 if tiny else 512)

@@ -254,8 +254,7 @@ def _calibrated_host_ms(decision: dict | None) -> float | None:
     cost model's figure per use), beside `host_expert_ms`, what the cell's host path then took (None: not placed or
     not measured)."""
     by_rows = (decision or {}).get("host_s_per_expert_by_rows") or {}
-    seconds = by_rows.get(str(decision.get("row_bucket"))) if by_rows else None
-    return round(1e3 * seconds, 3) if seconds is not None else None
+    return _ms(by_rows.get(str(decision.get("row_bucket"))) if by_rows else None)
 
 
 def _host_hidden(runs: Sequence[dict]) -> float | None:

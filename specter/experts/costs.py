@@ -151,8 +151,7 @@ async def calibrate(kernel: Kernel, pool: ExpertPool, kernels: Sequence[HostKern
                 per_expert, job_s = split_job_cost(per_expert, per_job, single)
             host = {rows: per_expert}
             log.info("placement.host_kernels", ms={name: round(seconds * 1e3, 3) for name, seconds in timed.items()},
-                     chosen=chosen, job_ms=None if job_s is None else round(job_s * 1e3, 3),
-                     expert_ms=round(per_expert * 1e3, 3))
+                     chosen=chosen)
     link = None
     if state.link_bytes_per_s is None:
         link = stored.get("link_bytes_per_s") or time_link(pool.host(0, 0), device)

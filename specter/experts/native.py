@@ -594,13 +594,12 @@ def native_swiglu(rows: Tensor, packed: Tensor, hidden: int, inter: int, path: C
 
 
 def native_swiglu_many(jobs: Sequence[tuple[Tensor, Tensor]], hidden: int, inter: int,
-                       path: CodePath | None = None, out: Tensor | None = None) -> list[Tensor]:
+                       path: CodePath | None = None) -> list[Tensor]:
     """`native_swiglu` of several experts of one shape, each on its own rows: [(rows [B_j, D] bf16, packed expert)] ->
     [[B_j, D] bf16], in calls of at most CALL_ROWS rows (of jobs of at most CHUNK rows) that each start the OpenMP
     team once for all their experts. Every output row has the bits `native_swiglu` gives it alone. `path`: the shape's
-    (`path_for`) unless given (one of `paths()`: the tests run each path this machine has). `out`: a contiguous
-    [sum B_j, D] bf16 tensor the outputs are written to, job after job (each output a view of it), so that a caller
-    can weight and hand them on in one operation each. Requires `load()`."""
+    (`path_for`) unless given (one of `paths()`: the tests run each path this machine has). The outputs are views of
+    one [sum B_j, D] tensor, job after job. Requires `load()`."""
     kernel = load()
     assert kernel is not None, "native_swiglu needs the native kernel (native.load())"
     pieces: list[tuple[int, Tensor, Tensor]] = []  # (job, rows of at most CHUNK, packed)
@@ -615,12 +614,7 @@ def native_swiglu_many(jobs: Sequence[tuple[Tensor, Tensor]], hidden: int, inter
             pieces.append((index, rows, packed))
         else:
             pieces.extend((index, rows[start : start + CHUNK], packed) for start in range(0, rows.shape[0], CHUNK))
-    total = sum(rows.shape[0] for _, rows, _ in pieces)
-    if out is None:
-        out = torch.empty(total, hidden, dtype=torch.bfloat16)
-    else:
-        assert out.dtype == torch.bfloat16 and out.is_contiguous() and tuple(out.shape) == (total, hidden), (
-            f"out {tuple(out.shape)} {out.dtype} for {total} rows of {hidden}, contiguous bf16")
+    out = torch.empty(sum(rows.shape[0] for _, rows, _ in pieces), hidden, dtype=torch.bfloat16)
     path = path_for(hidden, inter) if path is None else path
     if path not in shape_paths(hidden, inter):
         raise ValueError(f"path {path.name} cannot run {hidden} x {inter} experts here (this machine's paths for them: "

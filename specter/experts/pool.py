@@ -79,23 +79,24 @@ class ExpertPool:
 
     def host(self, layer: int, expert: int, *, allocate: bool = False) -> torch.Tensor:
         """The flat host buffer of one expert (a view into its slab)."""
-        self._check_address(layer, expert)
-        index = layer * self.num_experts + expert
-        slab_index, position = divmod(index, self.per_slab)
-        slab = self._slabs.get(slab_index)
-        if slab is None:
-            assert allocate, f"expert (layer {layer}, expert {expert}) read before it was written"
-            slab = self._slabs[slab_index] = self._allocate_slab(slab_index)
+        slab, position = self._slab(layer, expert, allocate)
         return slab[position * self.expert_numel : (position + 1) * self.expert_numel]
 
     def host_address(self, layer: int, expert: int) -> int:
         """Where `host(layer, expert)`'s bytes start: for a native kernel's call, without making a tensor view (a
         dispatcher call each, which a host job of many experts would pay per expert)."""
+        slab, position = self._slab(layer, expert)
+        return slab.data_ptr() + position * self.expert_numel * self.dtype.itemsize
+
+    def _slab(self, layer: int, expert: int, allocate: bool = False) -> tuple[torch.Tensor, int]:
+        """The slab holding one expert and its position there (the slab allocated first with `allocate`)."""
         self._check_address(layer, expert)
         slab_index, position = divmod(layer * self.num_experts + expert, self.per_slab)
         slab = self._slabs.get(slab_index)
-        assert slab is not None, f"expert (layer {layer}, expert {expert}) read before it was written"
-        return slab.data_ptr() + position * self.expert_numel * self.dtype.itemsize
+        if slab is None:
+            assert allocate, f"expert (layer {layer}, expert {expert}) read before it was written"
+            slab = self._slabs[slab_index] = self._allocate_slab(slab_index)
+        return slab, position
 
     def is_loaded(self, layer: int, expert: int) -> bool:
         return bool(self._loaded[layer, expert])
