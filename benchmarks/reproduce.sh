@@ -6,7 +6,7 @@
 # CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
 # Targets: gpu-tests gpu-widen qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
 #          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after engine-ab realism
-#          hybrid llamacpp llamacpp-matrix fulldepth host-expert host-job exact-rowwise
+#          hybrid llamacpp llamacpp-matrix fulldepth fulldepth-prepare host-expert host-job exact-rowwise
 set -u
 out=${OUT:-out}
 mkdir -p "$out/logs"
@@ -395,6 +395,21 @@ print(max(spec.top_k, spec.num_experts // 4), ",".join(map(str, window[:64])))' 
   else echo "placement trace: none recorded (rc=$rc, ${lines:-0} lines); the bench places without a trace" >&2; fi
 }
 
+fulldepth_prepare() {  # fulldepth's steps before its bench, alone as target fulldepth-prepare: SHAPE's narrow checkpoint
+  # (trained unless there), its realism report and its placement trace (kept beside the checkpoint, so that the next
+  # fulldepth call on the warm machine spends its 10 minutes on the bench). Sets profile (the trace's path, or empty).
+  local shape=${SHAPE:-qwen1.5-moe-a2.7b}
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 benchmarks/reference_model.py --shape "$shape" \
+    $(train_length) --batch 32 --reuse --out "/tmp/narrow/$shape" > "$out/logs/train-$shape.log" 2>&1
+  echo "train $shape rc=$? at ${SECONDS}s"; grep -h "^trained\|already holds\|holds a run of other settings" "$out/logs/train-$shape.log"
+  mkdir -p "$out/fulldepth-$shape"  # the checkpoint's realism report, on the narrow model (its function, seconds)
+  [ -n "${NO_REALISM:-}" ] || { timeout 90 python3 -m specter.bench.realism --model "/tmp/narrow/$shape" \
+    --json "$out/fulldepth-$shape/realism.json" > "$out/logs/realism-$shape.log" 2>&1
+    echo "realism $shape rc=$? at ${SECONDS}s"; grep -h "^held-out\|^FLAG" "$out/logs/realism-$shape.log"; }
+  [ -n "${NO_TRACE:-}" ] || profile=$(placement_trace "/tmp/narrow/$shape" "$out/fulldepth-$shape/placement-trace.jsonl" \
+    "$out/logs/trace-$shape.log")
+}
+
 fulldepth() {  # table "Full-depth Qwen1.5-MoE-A2.7B shape" (one per shape): SHAPE (default qwen1.5-moe-a2.7b) at full depth and the real dims: trained
   # narrow alone for MINUTES (default 3) or STEPS (train_length) at batch 32 (five at once needed batch 12, one alone fits 32) into
   # /tmp/narrow/SHAPE (--reuse: a second call on the warm machine skips training), then the bench on it widened
@@ -412,22 +427,14 @@ fulldepth() {  # table "Full-depth Qwen1.5-MoE-A2.7B shape" (one per shape): SHA
   # governor's estimates start afresh with each cell, and after the bench's default 16 the first measured prompt
   # still climbed from the acceptance prior (docs/BENCHMARKS.md, "What is not measured yet").
   local shape=${SHAPE:-qwen1.5-moe-a2.7b} budgets profile=
+  fulldepth_prepare
+  local left=$((585 - SECONDS))  # the call's 10 minutes count from this script's start (other targets may run first)
   case "$shape" in
     phi-3.5-moe) budgets=${BUDGETS:-48GiB,36GiB} ;;
     mixtral-8x7b) budgets=${BUDGETS:-64GiB,48GiB} ;;
     qwen3-30b-a3b) budgets=${BUDGETS:-36GiB,24GiB} ;;  # its minimum is 20.6 GiB (13.9 of int4 draft): 16 is refused
     *) budgets=${BUDGETS:-24GiB,16GiB} ;;
   esac
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 benchmarks/reference_model.py --shape "$shape" \
-    $(train_length) --batch 32 --reuse --out "/tmp/narrow/$shape" > "$out/logs/train-$shape.log" 2>&1
-  echo "train $shape rc=$? at ${SECONDS}s"; grep -h "^trained\|already holds\|holds a run of other settings" "$out/logs/train-$shape.log"
-  mkdir -p "$out/fulldepth-$shape"  # the checkpoint's realism report, on the narrow model (its function, seconds)
-  [ -n "${NO_REALISM:-}" ] || { timeout 90 python3 -m specter.bench.realism --model "/tmp/narrow/$shape" \
-    --json "$out/fulldepth-$shape/realism.json" > "$out/logs/realism-$shape.log" 2>&1
-    echo "realism $shape rc=$? at ${SECONDS}s"; grep -h "^held-out\|^FLAG" "$out/logs/realism-$shape.log"; }
-  [ -n "${NO_TRACE:-}" ] || profile=$(placement_trace "/tmp/narrow/$shape" "$out/fulldepth-$shape/placement-trace.jsonl" \
-    "$out/logs/trace-$shape.log")
-  local left=$((585 - SECONDS))  # the call's 10 minutes count from this script's start (other targets may run first)
   [ "$left" -gt 120 ] || { echo "fulldepth $shape: ${left}s left in this call, too little for a widened load; run it first"; return; }
   timeout -k 15 "$left" python3 -m specter.bench --model "/tmp/narrow/$shape" --widen auto --budget "$budgets" \
     --link "${LINKS:-native,gen4,ddr4-desktop}" --sampling greedy,sampled --max-new-tokens 64 \
@@ -474,6 +481,7 @@ for target in "$@"; do
     llamacpp) llamacpp ;;
     llamacpp-matrix) llamacpp_matrix ;;
     fulldepth) fulldepth ;;
+    fulldepth-prepare) profile=; fulldepth_prepare ;;
     host-expert) host_expert ;;
     host-job) host_job ;;
     exact-rowwise) exact_rowwise ;;
