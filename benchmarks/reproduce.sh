@@ -304,7 +304,7 @@ llamacpp() {  # issue 28 item 5, llama.cpp as a peer: build it with CUDA (timed)
       || { echo "llamacpp: no widening factor for SHAPE=$SHAPE" >&2; return 1; }
     [ -f "$model/train.json" ] || { PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 \
       benchmarks/reference_model.py --shape "$SHAPE" $(train_length) --batch 32 --reuse --out "$model" \
-      > "$out/logs/train-$SHAPE.log" 2>&1 & trainer=$!; }
+      >> "$out/logs/train-$SHAPE.log" 2>&1 & trainer=$!; }
   elif [ -z "${MODEL:-}" ] && [ "${LLAMACPP_ONLY:-}" != build ]; then
     train_qwen & trainer=$!
   fi
@@ -400,7 +400,7 @@ fulldepth_prepare() {  # fulldepth's steps before its bench, alone as target ful
   # fulldepth call on the warm machine spends its 10 minutes on the bench). Sets profile (the trace's path, or empty).
   local shape=${SHAPE:-qwen1.5-moe-a2.7b}
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 benchmarks/reference_model.py --shape "$shape" \
-    $(train_length) --batch 32 --reuse --out "/tmp/narrow/$shape" > "$out/logs/train-$shape.log" 2>&1
+    $(train_length) --batch 32 --reuse --out "/tmp/narrow/$shape" >> "$out/logs/train-$shape.log" 2>&1
   echo "train $shape rc=$? at ${SECONDS}s"; grep -h "^trained\|already holds\|holds a run of other settings" "$out/logs/train-$shape.log"
   mkdir -p "$out/fulldepth-$shape"  # the checkpoint's realism report, on the narrow model (its function, seconds)
   [ -n "${NO_REALISM:-}" ] || { timeout 90 python3 -m specter.bench.realism --model "/tmp/narrow/$shape" \
