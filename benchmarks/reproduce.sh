@@ -403,7 +403,7 @@ fulldepth_prepare() {  # fulldepth's steps before its bench, alone as target ful
     $(train_length) --batch 32 --reuse --out "/tmp/narrow/$shape" >> "$out/logs/train-$shape.log" 2>&1
   echo "train $shape rc=$? at ${SECONDS}s"; grep -h "^trained\|already holds\|holds a run of other settings" "$out/logs/train-$shape.log"
   mkdir -p "$out/fulldepth-$shape"  # the checkpoint's realism report, on the narrow model (its function, seconds)
-  [ -n "${NO_REALISM:-}" ] || { timeout 90 python3 -m specter.bench.realism --model "/tmp/narrow/$shape" \
+  [ -n "${NO_REALISM:-}" ] || { timeout 150 python3 -m specter.bench.realism --model "/tmp/narrow/$shape" \
     --json "$out/fulldepth-$shape/realism.json" > "$out/logs/realism-$shape.log" 2>&1
     echo "realism $shape rc=$? at ${SECONDS}s"; grep -h "^held-out\|^FLAG" "$out/logs/realism-$shape.log"; }
   [ -n "${NO_TRACE:-}" ] || profile=$(placement_trace "/tmp/narrow/$shape" "$out/fulldepth-$shape/placement-trace.jsonl" \
