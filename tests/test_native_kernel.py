@@ -254,6 +254,24 @@ def test_a_layer_job_asks_for_more_scratch_and_keeps_it(monkeypatch):
 
 
 @needs_native
+@pytest.mark.parametrize("rows, slots, counts", [([0, 5], [0, 0], [2]), ([-1, 1], [0, 0], [2]), ([0, 1], [0, 2], [2]),
+                                                 ([0, 1], [-1, 0], [2]), ([0, 1], [0, 0], [3, -1])])
+def test_a_layer_job_refuses_indices_out_of_range(rows, slots, counts):
+    """The C side indexes the hidden rows and the routing weights with `rows` and `slots` unchecked: one out of range
+    is refused before the call (the output left as it was), not read or written past the buffers."""
+    hidden, inter = 64, 96
+    packed = expert(hidden, inter)
+    x = torch.randn(4, hidden).to(torch.bfloat16)
+    out = torch.full((2, hidden), 7.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="row indices must lie in 0..3, top-k slots in 0..1"):
+        native.native_layer_job(x, torch.rand(4, 2), rows, slots, counts, [packed.data_ptr()] * len(counts), out, False,
+                                hidden, inter)
+    assert torch.equal(out, torch.full((2, hidden), 7.0, dtype=torch.bfloat16))
+    ok = torch.empty(2, hidden, dtype=torch.bfloat16)
+    native.native_layer_job(x, torch.rand(4, 2), [0, 3], [0, 1], [2], [packed.data_ptr()], ok, False, hidden, inter)
+
+
+@needs_native
 def test_the_host_path_sends_a_layers_experts_to_the_kernel_in_one_call():
     """With the kernel's `job`, `compute_layer` makes one call for the layer's experts (the thread team started once),
     one expert alone too, and its outputs, weighted, equal the per-expert path's bit for bit, as rows (views of one

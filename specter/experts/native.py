@@ -658,6 +658,13 @@ def native_layer_job(hidden: Tensor, weights: Tensor, rows: Sequence[int], slots
     assert out.dtype == torch.bfloat16 and out.is_contiguous() and tuple(out.shape) == (
         (len(counts) * t_rows if dense else total), hidden_size), f"out {tuple(out.shape)} {out.dtype}"
     assert hidden.device.type == weights.device.type == out.device.type == "cpu", "the host path's tensors are on the CPU"
+    # The C side indexes with them unchecked: an index out of range would read or write past the buffers, not raise.
+    if total and not (0 <= min(rows) and max(rows) < t_rows and 0 <= min(slots) and max(slots) < weights.shape[1]) \
+            or any(count < 0 for count in counts):
+        raise ValueError(f"native_layer_job: row indices must lie in 0..{t_rows - 1}, top-k slots in "
+                         f"0..{weights.shape[1] - 1} and counts be >= 0 (rows {min(rows, default=None)}.."
+                         f"{max(rows, default=None)}, slots {min(slots, default=None)}..{max(slots, default=None)}, "
+                         f"counts {list(counts)})")
     if path is None:
         path = path_for(hidden_size, inter)
     elif path not in shape_paths(hidden_size, inter):
