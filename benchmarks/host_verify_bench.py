@@ -5,8 +5,11 @@ last expert launch: choosing victims through the guarded eviction policy, starti
 handing experts out, recording events. This times exactly that code (`compute_hot_first` over an
 `ExpertCache` with the engine's guarded policy and use history) on the cpu backend, with a compute that
 only records events, so the figure is host overhead alone. Copies are small (the link is not the subject).
+`--backend instant`: a backend whose copies and events complete at once and cost nothing (no stream threads), so
+the figure is the cache's own Python, as on CUDA where the host only enqueues (less each CUDA call's own cost).
 
     python benchmarks/host_verify_bench.py --experts 60 --slots 15 --needed 16 --misses 4 --layers 8 --rounds 200
+    python benchmarks/host_verify_bench.py --backend instant --experts 128 --slots 19 --needed 44 --misses 40 --layers 48
 """
 
 from __future__ import annotations
@@ -32,10 +35,14 @@ def main() -> None:
     parser.add_argument("--eviction", default="lru")
     parser.add_argument("--device-ordered", action=argparse.BooleanOptionalAction, default=True,
                         help="iter_issued (the CUDA path) or iter_ready (host waits for each landing)")
+    parser.add_argument("--backend", choices=("cpu", "instant"), default="cpu",
+                        help="cpu: the CPU backend (stream threads, real copies); instant: events complete at once")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = parser.parse_args()
     if not args.misses <= args.needed <= args.experts or args.needed - args.misses > args.slots:
         parser.error("need misses <= needed <= experts and needed - misses <= slots")
+    if args.misses > args.slots and not args.device_ordered:
+        parser.error("more misses than slots need --device-ordered (the host-waiting path then waits on landings)")
     print(json.dumps(run(args)))
 
 
@@ -47,7 +54,7 @@ def run(args: argparse.Namespace) -> dict:
     from specter.plugins import load_policy
     from specter.verify import VerifyRecord, compute_hot_first
 
-    backend = CPUBackend()
+    backend = CPUBackend() if args.backend == "cpu" else InstantBackend()
     kernel = Kernel(backend)
     numel = 256
     pool = ExpertPool(backend, args.layers, args.experts, numel, torch.float32)
@@ -98,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
         kernel.close()
         backend.close()
     per_layer_us = [s * 1e6 for s in samples]
-    result = {"experts": args.experts, "slots": args.slots, "needed": args.needed, "misses": args.misses,
+    result = {"backend": args.backend, "experts": args.experts, "slots": args.slots, "needed": args.needed, "misses": args.misses,
               "eviction": args.eviction, "device_ordered": args.device_ordered, "layers_timed": len(samples),
               "host_us_per_layer_median": round(statistics.median(per_layer_us), 1),
               "host_us_per_layer_p90": round(sorted(per_layer_us)[int(0.9 * len(per_layer_us))], 1)}
@@ -106,6 +113,73 @@ def run(args: argparse.Namespace) -> dict:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
     return result
+
+
+class _Done:
+    """An event that has completed (at no cost)."""
+
+    __slots__ = ()
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+    def elapsed_since(self, start: object) -> float:
+        return 0.0
+
+
+class InstantBackend:
+    """The backend protocol (backends/base.py) with every copy, launch and event done at once and nothing copied:
+    what is left of a verify layer's host time is the engine's own Python."""
+
+    name = "instant"
+
+    def __init__(self) -> None:
+        self.compute_stream, self.copy_stream = object(), object()
+
+    def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype)
+
+    def alloc_device(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(tuple(shape), dtype=dtype)
+
+    def new_stream(self, name: str) -> object:
+        return object()
+
+    def record_event(self, stream: object, timed: bool = False) -> _Done:
+        return _Done()
+
+    def copy_h2d(self, dst, src, stream) -> _Done:
+        return _Done()
+
+    def copy_d2h(self, dst, src, stream) -> _Done:
+        return _Done()
+
+    def enqueue_h2d(self, dst, src, stream) -> None:
+        pass
+
+    def set_int32(self, flat, index: int, value: int, stream) -> None:
+        pass
+
+    def stream_wait(self, stream, event) -> None:
+        pass
+
+    def stream_sleep(self, stream, seconds: float) -> None:
+        pass
+
+    def launch(self, stream, work) -> None:
+        work()
+
+    def launch_host_func(self, stream, callback) -> None:
+        callback()
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 if __name__ == "__main__":
