@@ -481,7 +481,7 @@ for target in "$@"; do
     llamacpp) llamacpp ;;
     llamacpp-matrix) llamacpp_matrix ;;
     fulldepth) fulldepth ;;
-    fulldepth-prepare) profile=; fulldepth_prepare ;;
+    fulldepth-prepare) fulldepth_prepare ;;
     host-expert) host_expert ;;
     host-job) host_job ;;
     exact-rowwise) exact_rowwise ;;
