@@ -6,6 +6,12 @@ Prints TPOT, the expected transfer time, the host functions with the most own ti
 and the GPU's busiest kernels and copies.
 
     python benchmarks/profile_offloaded.py --shape qwen1.5-moe-a2.7b --layers 8 --residents 15 --static-verify
+
+A trained narrow checkpoint read as its widened model, one of its prompt kinds, sampled as the bench samples (the
+full-depth Qwen3-30B-A3B cell `specter` lost to llama.cpp; docs/BENCHMARKS.md, "What is not measured yet"):
+
+    python benchmarks/profile_offloaded.py --model /tmp/narrow/qwen3-30b-a3b --widen 4 --residents 19 --k 15 \
+        --prompt-kind docs --temperature 0.7 --top-p 0.9 --tokens 64 --with-stack
 """
 
 from __future__ import annotations
@@ -28,7 +34,14 @@ async def build(args):
         from specter.build import CheckpointWeights
         from specter.model.checkpoint import Checkpoint
 
-        source = CheckpointWeights(Checkpoint(args.model))
+        if args.widen is None:
+            source = CheckpointWeights(Checkpoint(args.model))
+        else:  # the narrow checkpoint read as its widened model, widened on the device as it loads (the bench's way)
+            import torch
+
+            from specter.bench.widen import WidenedCheckpoint
+
+            source = CheckpointWeights(WidenedCheckpoint(args.model, args.widen, torch.bfloat16, args.device))
     else:
         source = synthetic_source(args.shape, args.layers)
     config = EngineConfig(device=args.device, dtype="bfloat16", residents=args.residents, max_context=512, lookahead="fixed",
@@ -40,10 +53,11 @@ async def build(args):
 PROMPT = list(range(100, 116))
 
 
-async def request(runtime, tokens: int):
+async def request(runtime, tokens: int, args):
     from specter.config import GenerationConfig
 
-    return await runtime.complete_ids(PROMPT, GenerationConfig(max_new_tokens=tokens))
+    return await runtime.complete_ids(PROMPT, GenerationConfig(max_new_tokens=tokens, temperature=args.temperature,
+                                                               top_p=args.top_p, seed=args.seed))
 
 
 def main() -> None:
@@ -52,6 +66,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--model", type=Path, default=None, help="a checkpoint directory instead of the synthetic "
                         "shape (its prompts.json's first prompt, when there, is the prompt)")
+    parser.add_argument("--widen", type=int, default=None, metavar="F", help="--model is a narrow checkpoint: read it "
+                        "as its F-times widened model (specter.bench.widen)")
+    parser.add_argument("--prompt-kind", default=None, help="the prompts.json kind whose first prompt is the prompt "
+                        "(default: the first kind)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the bench's sampled: 0.7)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling (the bench's sampled: 0.9)")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--residents", type=int, default=15)
     parser.add_argument("--k", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=32)
@@ -68,6 +89,8 @@ def main() -> None:
                         "benchmarks/trace_gaps.py: what the host does while the GPU idles)")
     parser.add_argument("--out", type=Path, default=Path("out/profile"))
     args = parser.parse_args()
+    if args.widen is not None and args.model is None:
+        parser.error("--widen needs --model (a narrow checkpoint)")
     args.out.mkdir(parents=True, exist_ok=True)
 
     import torch
@@ -77,19 +100,25 @@ def main() -> None:
 
         global PROMPT
         kinds = json.loads((args.model / "prompts.json").read_text())["kinds"]
-        PROMPT = [int(t) for t in next(iter(kinds.values()))[0][:16]]
+        if args.prompt_kind is not None and args.prompt_kind not in kinds:
+            parser.error(f"--prompt-kind {args.prompt_kind}: the checkpoint's prompts.json has {sorted(kinds)}")
+        PROMPT = [int(t) for t in kinds[args.prompt_kind or next(iter(kinds))][0][:16]]
+    elif args.prompt_kind is not None:
+        parser.error("--prompt-kind needs --model with a prompts.json")
 
     loop = asyncio.new_event_loop()
     runtime = loop.run_until_complete(build(args))
-    loop.run_until_complete(request(runtime, 8))  # warm-up: graphs, Triton, allocator
+    loop.run_until_complete(request(runtime, 8, args))  # warm-up: graphs, Triton, allocator
     started = time.perf_counter()
-    plain = loop.run_until_complete(request(runtime, args.tokens))
+    plain = loop.run_until_complete(request(runtime, args.tokens, args))
     plain_s = time.perf_counter() - started
     stats = plain.stats
     expert_bytes = runtime.memory.expert_bytes
-    print(f"{args.model or f'{args.shape} L={args.layers}'} residents={args.residents} k={args.k} static_verify={args.static_verify} "
-          f"cpu_experts={args.cpu_experts}")
-    print(f"TPOT {stats.tpot_s * 1e3:.2f} ms; wall {plain_s:.2f} s for {stats.new_tokens} tokens; misses/token "
+    print(f"{args.model or f'{args.shape} L={args.layers}'}{f' x{args.widen}' if args.widen else ''} residents={args.residents} "
+          f"k={args.k} static_verify={args.static_verify} cpu_experts={args.cpu_experts} prompt={args.prompt_kind or 'first'} "
+          f"temperature={args.temperature} top_p={args.top_p}")
+    print(f"TPOT {stats.tpot_s * 1e3:.2f} ms; wall {plain_s:.2f} s for {stats.new_tokens} tokens in {stats.rounds} rounds "
+          f"(accepted {stats.accepted} of {stats.drafted} drafted); misses/token "
           f"{stats.misses / max(stats.new_tokens, 1):.1f}; H2D {stats.h2d_bytes / max(stats.new_tokens, 1) / 1e6:.1f} MB/token "
           f"(= {stats.h2d_bytes / max(stats.new_tokens, 1) / 53e9 * 1e3:.2f} ms at 53 GB/s); stall/token "
           f"{stats.stall_s / max(stats.new_tokens, 1) * 1e3:.2f} ms; copy busy {stats.copy_busy_fraction}; expert {expert_bytes / 1e6:.1f} MB; "
@@ -99,7 +128,7 @@ def main() -> None:
 
     profiler = cProfile.Profile()
     profiler.enable()
-    loop.run_until_complete(request(runtime, args.tokens))
+    loop.run_until_complete(request(runtime, args.tokens, args))
     profiler.disable()
     for key in ("tottime", "cumulative"):
         text = io.StringIO()
@@ -114,7 +143,7 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.with_stack) as prof:
-            loop.run_until_complete(request(runtime, min(args.tokens, 16)))
+            loop.run_until_complete(request(runtime, min(args.tokens, 16), args))
         prof.export_chrome_trace(str(args.out / "trace.json"))
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top)
         (args.out / "gpu_table.txt").write_text(table)
