@@ -31,17 +31,10 @@ async def build(args):
     from specter.engine import Runtime
 
     if args.model is not None:  # a checkpoint (the trained reference model): real routing, real acceptance
-        from specter.build import CheckpointWeights
-        from specter.model.checkpoint import Checkpoint
+        from specter.bench.realism import weight_source
 
-        if args.widen is None:
-            source = CheckpointWeights(Checkpoint(args.model))
-        else:  # the narrow checkpoint read as its widened model, widened on the device as it loads (the bench's way)
-            import torch
-
-            from specter.bench.widen import WidenedCheckpoint
-
-            source = CheckpointWeights(WidenedCheckpoint(args.model, args.widen, torch.bfloat16, args.device))
+        # with --widen, the narrow checkpoint read as its widened model, widened on the device as it loads (the bench's way)
+        source = weight_source(args.model, args.widen, args.device)
     else:
         source = synthetic_source(args.shape, args.layers)
     config = EngineConfig(device=args.device, dtype="bfloat16", residents=args.residents, max_context=512, lookahead="fixed",
