@@ -23,7 +23,7 @@ import torch
 from specter import plugins
 from specter.config import EngineConfig
 from specter.draft import DraftExperts, quantize_layers
-from specter.errors import BudgetError, ConfigError
+from specter.errors import BudgetError, ConfigError, PluginError
 from specter.experts.cache import CacheSnapshot, ExpertCache
 from specter.experts.costs import HostKernel, calibrate, default_cost_store, host_kernels
 from specter.experts.host import HostExperts
@@ -143,8 +143,19 @@ def load_policies(config: EngineConfig) -> dict:
 
 def placement_policy(config: EngineConfig):
     """The `specter.placement` plug-in named by EngineConfig.cpu_experts; None for 'off', which needs none: no expert
-    takes the host path and the engine runs as it did before placements (no plug-in, no host thread, no cost)."""
-    return None if config.cpu_experts == OFF else plugins.load_policy("placement", config.cpu_experts)
+    takes the host path and the engine runs as it did before placements (no plug-in, no host thread, no cost).
+    EngineConfig.placement_overlap, when set, is the plug-in's `overlap` keyword."""
+    if config.cpu_experts == OFF:
+        return None
+    if config.placement_overlap is None:
+        return plugins.load_policy("placement", config.cpu_experts)
+    try:
+        return plugins.load_policy("placement", config.cpu_experts, overlap=config.placement_overlap)
+    except PluginError as error:
+        if not isinstance(error.__cause__, TypeError):  # (unknown or refused names say so themselves)
+            raise
+        raise PluginError(f"{error}. placement_overlap (--placement-overlap) is an option of a cost-model placement "
+                          f"such as 'auto'; leave it unset with cpu_experts {config.cpu_experts!r}") from error
 
 
 def load_backend(config: EngineConfig, device: torch.device):

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--cpu-threads", type=int, default=None, metavar="N", help="host expert threads (default: the cores)")
     info.add_argument("--placement-profile", default=None, metavar="TRACE",
                       help="routing trace whose expert use the placement weighs (default: uniform routing)")
+    info.add_argument("--placement-overlap", type=float, default=None, metavar="O",
+                      help="auto's overlap (0..1): the share of the shorter of a layer's host and copy paths hidden "
+                           "under the longer (default: auto's own, 0, their sum)")
     info.add_argument("--no-measure", dest="measure", action="store_false",
                       help="do not time one expert on the host and on the link (what auto decides then needs --link)")
     info.add_argument("--recalibrate", action="store_true",
@@ -81,6 +84,10 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
                         help="torch threads of the host expert path (default: the host's cores); fewer emulate a smaller host")
     memory.add_argument("--placement-profile", default=None, metavar="TRACE",
                         help="a routing trace (--trace) of this model whose expert use the placement weighs (default: uniform)")
+    memory.add_argument("--placement-overlap", type=float, default=None, metavar="O",
+                        help="auto's overlap (0..1): the share of the shorter of a layer's host and copy paths that "
+                             "hides under the longer; 1 prices a layer at the longer, and puts experts on the host to "
+                             "take bytes off a busy link (default: auto's own, 0, their sum)")
     memory.add_argument("--recalibrate", action="store_true",
                         help="time the host expert and the link anew at load (default: reuse this machine's earlier "
                              "figures for the same shape and threads, so that auto places the same from run to run)")
@@ -146,8 +153,8 @@ def engine_config(args: argparse.Namespace):
         device=args.device, dtype=args.dtype, max_context=args.max_context, budget=args.budget, residents=args.residents,
         eviction=args.eviction, prefetch=args.prefetch, lookahead=args.lookahead, link=args.link, progress=args.progress,
         threads=args.threads, cpu_experts=args.cpu_experts, cpu_threads=args.cpu_threads, recalibrate=args.recalibrate,
-        placement_profile=args.placement_profile, tuning=TuningConfig().with_overrides(args.tune),
-        draft=dict(k_max=args.k_max, quant=args.quant, sampling=args.sampling, scout=args.scout, overlap=args.overlap)
+        placement_profile=args.placement_profile, placement_overlap=args.placement_overlap,
+        tuning=TuningConfig().with_overrides(args.tune), draft=dict(k_max=args.k_max, quant=args.quant, sampling=args.sampling, scout=args.scout, overlap=args.overlap)
         | ({} if args.k is None else {"k": args.k}),  # no --k: the default depth, within --k-max
     )
 
@@ -251,7 +258,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     summary = checkpoint_summary(args.model, dtype=args.dtype, max_context=args.max_context, quant=args.quant,
                                  residents=args.residents, budget=args.budget, cpu_experts=args.cpu_experts, link=args.link,
                                  cpu_threads=args.cpu_threads, placement_profile=args.placement_profile, measure=args.measure,
-                                 tune=args.tune, recalibrate=args.recalibrate)
+                                 tune=args.tune, recalibrate=args.recalibrate, placement_overlap=args.placement_overlap)
     if note := builtin_note(args.model):  # after the summary: a bad option is the only line its error prints
         print(note, file=sys.stderr)
     if args.json:
@@ -264,14 +271,16 @@ def cmd_info(args: argparse.Namespace) -> int:
 def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None = None, quant: str = "int4",
                        residents: int | None = None, cpu_experts: str = "off", link: str | None = None,
                        cpu_threads: int | None = None, placement_profile: str | None = None, measure: bool = True,
-                       tune: Sequence[str] = (), recalibrate: bool = False, budget: str | None = None) -> dict:
+                       tune: Sequence[str] = (), recalibrate: bool = False, budget: str | None = None,
+                       placement_overlap: float | None = None) -> dict:
     """What `specter info` prints: family, shape, parameter counts, expert bytes, the two budgets, with `budget` the
     expert slots per layer it leaves with the draft and without one (`budget_slots`), and how many experts the
     placement `cpu_experts` computes on the host at `residents` slots per layer (by default the budget's with the
     draft, or without one where the draft does not fit, else top-k; as it places at load); with
     `measure`, one expert's copy and host times (this machine's stored figures unless `recalibrate`, as the builder
     takes them) and what `auto` would do with them; `tune`: tuning overrides (SECTION.FIELD=VALUE, e.g.
-    host.parallel_experts=true, which changes how the host is timed)."""
+    host.parallel_experts=true, which changes how the host is timed); `placement_overlap`: auto's overlap (and
+    `cpu_experts`'s, as EngineConfig.placement_overlap)."""
     from specter.builtin import resolve_model
     from specter.config import EngineConfig, TuningConfig
     from specter.build import resolve_dtype
@@ -286,7 +295,8 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
     spec = checkpoint.spec
     config = with_model_context(EngineConfig.build(max_context=max_context, dtype=dtype, draft=dict(quant=quant), link=link,
                                                    cpu_threads=cpu_threads, placement_profile=placement_profile,
-                                                   tuning=tuning, recalibrate=recalibrate), spec)
+                                                   placement_overlap=placement_overlap, tuning=tuning,
+                                                   recalibrate=recalibrate), spec)
     torch_dtype = resolve_dtype(config, spec)
     plan = plan_memory(spec, torch_dtype, config, speculative=True)
     slots = budget_slots(spec, torch_dtype, config, budget, plan.draft_bytes) if budget is not None else None
@@ -342,12 +352,11 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
     """The host-expert count of placement `cpu_experts` for an engine with `residents` slots per layer, placed as the
     builder places at load (an empty cache); with `measure_dtype`, the costs measured as the builder calibrates them
     (one expert of the model's shape in that dtype, random values) and `auto`'s decisions and predicted times."""
-    from specter import plugins
     from specter.errors import ConfigError
     from specter.experts.costs import routing_profile
-    from specter.build import speculation
+    from specter.build import placement_policy, speculation
     from specter.experts.host import default_threads
-    from specter.placement import Placement, PlacementState, copy_seconds, host_seconds, routing_source, token_seconds
+    from specter.placement import OVERLAP, Placement, PlacementState, copy_seconds, host_seconds, routing_source, token_seconds
 
     layers, experts = len(spec.moe_layers), spec.num_experts
     slots = residents if residents is not None else spec.top_k
@@ -368,9 +377,14 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
                            row_bucket=config.row_bucket, host_threads=config.cpu_threads or default_threads(),
                            link_bytes_per_s=link, host_expert_s={config.row_bucket: host_s} if host_s is not None else {},
                            host_job_s=job_s, route_counts=counts, route_sequence=sequence, **speculation(config))
-    placed = {name: plugins.load_policy("placement", name).place(state=state) if name != "off" else Placement.device_only(layers, experts)
-              for name in dict.fromkeys(("off", "all", "auto", cpu_experts))}
+    def policy(name: str) -> Any:  # as the builder loads it: EngineConfig.placement_overlap goes to auto and cpu_experts
+        overlap = config.placement_overlap if name in ("auto", cpu_experts) else None
+        return placement_policy(config.model_copy(update={"cpu_experts": name, "placement_overlap": overlap}))
+
+    policies = {name: policy(name) for name in dict.fromkeys(("all", "auto", cpu_experts)) if name != "off"}
+    placed = {"off": Placement.device_only(layers, experts)} | {name: p.place(state=state) for name, p in policies.items()}
     placement, auto = placed[cpu_experts], placed["auto"]
+    overlap = getattr(policies["auto"], "overlap", OVERLAP)
     ms = lambda seconds: None if seconds is None else round(seconds * 1e3, 4)  # noqa: E731
     return {"cpu_experts": cpu_experts, "placement_slots": slots, "host_experts": placement.total,
             "host_experts_per_layer": placement.counts(), "host_threads": state.host_threads, "row_bucket": state.row_bucket,
@@ -379,8 +393,8 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
             "host_ms_per_job": ms(job_s),
             "host_source": host_source, "host_kernel": host_kernel, "auto_host_experts": auto.total, "auto_host_experts_per_layer": auto.counts(),
             "routing": routing_source(state), "speculates": state.speculates,
-            "auto_prices_misses": getattr(plugins.load_policy("placement", "auto"), "prices_misses", lambda state: True)(state),
-            "predicted_ms_per_token": {name: ms(token_seconds(state, placed[name])) for name in ("off", "all", "auto")}}
+            "auto_prices_misses": getattr(policies["auto"], "prices_misses", lambda state: True)(state), "auto_overlap": overlap,
+            "predicted_ms_per_token": {name: ms(token_seconds(state, placed[name], overlap=overlap)) for name in ("off", "all", "auto")}}
 
 
 def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | None, str | None, str, str, float | None]:
@@ -509,8 +523,9 @@ def _auto_line(summary: dict) -> str:
     why = ("" if summary.get("auto_prices_misses", True) else
            "; this engine speculates and has no routing trace to price its misses, so auto keeps every expert on the "
            "device (pass --placement-profile TRACE, a `generate --trace` of your text)")
+    overlap = summary.get("auto_overlap")
     return (f"{summary['auto_host_experts']} host experts ({spread}); predicted expert ms per token: {times} "
-            f"({summary['routing']} routing){why}")
+            f"({summary['routing']} routing{'' if overlap is None else f', overlap {overlap:g}'}){why}")
 
 
 def _count(n: int) -> str:

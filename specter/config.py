@@ -461,6 +461,15 @@ class EngineConfig(_Frozen):
                                            "this model whose per-layer expert use the placement's cost model weighs "
                                            "(`auto`: the least used go to the host first). None (default): uniform "
                                            "routing assumed. Read once at load; ignored with cpu_experts 'off'.")
+    placement_overlap: float | None = Field(None, ge=0.0, le=1.0, description="The `overlap` of the placement plug-in "
+                                            "named by cpu_experts (`auto`'s cost model): the share of the shorter of a "
+                                            "layer's two paths, host compute and copies, that hides under the longer; 1 "
+                                            "prices a layer at the longer path, 0 at their sum. A higher value puts "
+                                            "experts on the host even where one costs more there than its copy, to take "
+                                            "bytes off a busy link. None (default): the plug-in's own (`auto`: 0). "
+                                            "docs/BENCHMARKS.md, 'The hybrid with overlapped paths', measures 1 against "
+                                            "it. A plug-in that takes no `overlap` is refused at load; ignored with "
+                                            "cpu_experts 'off'.")
     recalibrate: bool = Field(False, description="Measure the placement's costs (one host expert's time, the link's "
                               "rate) anew at load instead of taking the ones measured before on this machine for the "
                               "same expert shape, dtype, block and host threads (SPECTER_CACHE/placement-costs.json), and "

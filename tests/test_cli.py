@@ -352,3 +352,15 @@ def test_info_shows_the_stored_host_figure_the_next_load_takes(monkeypatch, caps
     assert "threads, stored)" in capsys.readouterr().out
     assert engine_config(build_parser().parse_args(["generate", "--recalibrate"])).recalibrate
     assert not engine_config(build_parser().parse_args(["generate"])).recalibrate
+
+
+def test_placement_overlap_reaches_the_engine_and_info(capsys):
+    """--placement-overlap is EngineConfig.placement_overlap (auto's overlap: tests/test_hybrid.py), and info prices auto
+    with it; out of 0..1 it is a configuration error before anything loads."""
+    assert engine_config(build_parser().parse_args(["generate", "--placement-overlap", "1"])).placement_overlap == 1.0
+    assert engine_config(build_parser().parse_args(["generate"])).placement_overlap is None
+    assert main(["info", "tiny", "--residents", "2", "--link", "1", "--no-measure", "--cpu-experts", "auto",
+                 "--placement-overlap", "0.5"]) == 0
+    assert "overlap 0.5" in capsys.readouterr().out
+    assert main(["generate", "--model", "tiny", "--prompt-ids", "1,2", "--placement-overlap", "1.5"]) == 2
+    assert "placement_overlap" in capsys.readouterr().err

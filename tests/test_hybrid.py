@@ -219,6 +219,42 @@ def test_auto_computes_a_short_prompt_on_the_host_and_copies_a_long_ones_experts
         assert speculative.tokens == plain.tokens and plain.stats.ttft_s > 0 and speculative.stats.ttft_s > 0
 
 
+def test_placement_overlap_reaches_auto_and_splits_a_layer_the_sum_leaves_on_the_device(root, monkeypatch):
+    """EngineConfig.placement_overlap is `auto`'s overlap. With a host block (1 ms) dearer than a copy (0.8 ms) the sum
+    (the default, 0) keeps every expert on the device path; priced at the longer of the two paths (1) a layer's least
+    used experts go to the host beside the copies. Under that placement speculative output equals k = 0 output; a
+    placement plug-in without an `overlap` is refused at load, naming the option."""
+    from specter.errors import PluginError
+    from specter.experts.costs import Calibration
+
+    async def fixed(kernel, pool, mlp, state, hidden_size, device, profile=None, parallel=False, store=None, fresh=False):
+        return Calibration({state.row_bucket: 1e-3}, pool.expert_bytes / 0.8e-3, None)
+
+    monkeypatch.setattr(build, "calibrate", fixed)
+    from policies.placement import Auto
+    monkeypatch.setattr(Auto, "prices_misses", lambda self, state: True)  # no trace: let the costs above decide
+    path = checkpoint("mixtral", root)
+    prompt = [3, 1, 4, 1, 5]
+
+    async def go(k, overlap, cpu_experts="auto"):
+        config = EngineConfig(device=DEVICE, max_context=96, residents=2, cpu_experts=cpu_experts, cpu_threads=1,
+                              placement_overlap=overlap, draft=DraftConfig(k=k, quant="int8"))
+        async with await Runtime.load(path, config) as runtime:
+            host = runtime.experts.host
+            placed = 0 if host is None else host.decode.total
+            return placed, (await runtime.complete_ids(prompt, GenerationConfig(max_new_tokens=8))).tokens
+
+    assert asyncio.run(go(0, None))[0] == 0
+    assert asyncio.run(go(0, 0.0))[0] == 0
+    placed, plain = asyncio.run(go(0, 1.0))
+    layers, experts = len(Checkpoint(path).spec.moe_layers), Checkpoint(path).spec.num_experts
+    assert 0 < placed < layers * (experts - 2), placed  # a split: some non-residents on the host, not all
+    placed_k, speculative = asyncio.run(go(3, 1.0))
+    assert placed_k == placed and speculative == plain
+    with pytest.raises(PluginError, match="placement_overlap.*'all'"):
+        asyncio.run(go(0, 1.0, cpu_experts="all"))
+
+
 def test_a_prompt_cancelled_under_its_own_placement_leaves_decodings_placement(root, monkeypatch):
     """Cancel a prompt that runs under a placement of its own (all layers on the device) mid-forward: the cache and
     the host path are back on decoding's placement at once, the experts the prompt loaded leave at the next prompt, and
