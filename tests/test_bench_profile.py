@@ -64,6 +64,23 @@ def test_every_engine_gets_the_profile_and_auto_places_from_its_rounds(tmp_path,
     assert f"placement from the routing trace `{trace}`" in (out / "results.md").read_text()
 
 
+def test_the_longer_priced_hybrid_runs_beside_the_summed_one_in_one_process(tmp_path, trace, capsys):
+    """`specter-hybrid-longer` places with auto's overlap 1 whatever --placement-overlap says (its own), while
+    `specter-hybrid` takes --placement-overlap (default: auto's 0): both in one process, each cell's `placement`
+    record naming the overlap it was decided with, each held to its own placement's k = 0 run."""
+    for given, summed in ((None, 0.0), ("0.5", 0.5)):
+        out = tmp_path / f"out-{given}"
+        code = cli.main([*RUN, "--model", "tiny", "--systems", "ondemand,specter-hybrid,specter-hybrid-longer", "--link",
+                         "gen4", "--placement-profile", str(trace), "--out", str(out),
+                         *(["--placement-overlap", given] if given else [])])
+        assert code == 0, capsys.readouterr().err
+        results = json.loads((out / "results.json").read_text())
+        assert all(row["tokens_equal"] for row in results["summary"]), results["summary"]
+        cells = {cell["system"]: cell for cell in results["cells"]}
+        assert cells["specter-hybrid"]["placement"]["overlap"] == summed
+        assert cells["specter-hybrid-longer"]["placement"]["overlap"] == 1.0
+
+
 def test_without_a_profile_auto_assumes_uniform_routing(tmp_path):
     """The contrast the option exists for, and the protocol line says nothing of a trace."""
     out = tmp_path / "out"

@@ -70,6 +70,9 @@ class System:
     """Its placement (EngineConfig.cpu_experts), made from the cell's starting cache; its tokens are held to the same
     placement's k = 0 run from the same start (`ModelBench._placement_baseline`), since a host-path expert rounds
     as the host does."""
+    placement_overlap: float | None = None
+    """`auto`'s overlap for this system (1: a layer priced at the longer of its host and copy paths, 0: their sum);
+    None: the bench's --placement-overlap, else auto's own."""
 
     @property
     def speculative(self) -> bool:
@@ -130,6 +133,11 @@ SYSTEMS: dict[str, System] = {
                                  "the cell (none without a --placement-profile trace: auto cannot price a speculating "
                                  "engine's misses without its rounds); the others copied and prefetched as specter does",
                eviction="plan-protect", prefetch="topm-keep", lookahead="roofline", k=None, overlap=None, cpu_experts="auto"),
+        System("specter-hybrid-longer", "specter-hybrid whose cost model prices a layer at the longer of its host and "
+                                        "copy paths (auto's overlap 1), not their sum: more experts on the host, to take "
+                                        "bytes off a busy link (--placement-overlap 1 beside the default, in one process)",
+               eviction="plan-protect", prefetch="topm-keep", lookahead="roofline", k=None, overlap=None, cpu_experts="auto",
+               placement_overlap=1.0),
         System("ondemand-hybrid", "ondemand (k=0, LRU, load on miss) with --cpu-experts auto: the host computes what the "
                                   "cost model puts there, the rest is loaded on demand", cpu_experts="auto"),
         System("scout-k0", "plain decoding (k = 0) whose every round scouts: the scout measured alone, against ondemand",
