@@ -10,7 +10,9 @@ Subcommands (each prints what it did; `python benchmarks/llamacpp.py SUB --help`
     stage    trim llama.cpp out of the llama-cpp-python sdist into a git-ignored tree (default ./.llama.cpp), which
              travels to the GPU machine like .whl (carry it)
     build    cmake + ninja of only llama-completion and llama-bench (CUDA with --cuda), timed; a no-op when built
-    convert  a Hugging Face checkpoint dir -> GGUF with llama.cpp's own convert_hf_to_gguf.py (see BYTE TOKENIZER)
+    convert  a Hugging Face checkpoint dir -> GGUF with llama.cpp's own convert_hf_to_gguf.py (see BYTE TOKENIZER);
+             --spill DIR writes it split across two file systems (`convert`)
+    drop     delete a GGUF convert wrote, its shards and their spilled files
     plan     N for --n-cpu-moe from the GGUF's tensor bytes and a GPU budget
     run      llama-completion greedy on the checkpoint's prompts (+ llama-bench): raw logs and summary.json
     all      build, convert, plan and run: the GPU flow in one call (benchmarks/reproduce.sh llamacpp)
@@ -22,7 +24,9 @@ gguf-py silently drops an empty merge list. `convert` therefore runs the convert
 run-time additions, both only for a tokenizer that maps every text to its UTF-8 bytes: (1) the pre-tokenizer is
 declared "gpt-2" (for a vocabulary of single bytes without merges every pre-tokenizer split gives the same ids, so
 the choice cannot change a token); (2) one inert merge is written (`INERT_MERGE`: two strings that are not tokens,
-so no symbol pair ever matches it). No file of llama.cpp is edited. `run` checks that llama.cpp tokenizes each
+so no symbol pair ever matches it). With `--spill`, one more, which changes where the bytes go and not one of them:
+the writer's shard names become links into the spill directory for the shards that do not fit (`spill_shards`). No
+file of llama.cpp is edited. `run` checks that llama.cpp tokenizes each
 prompt to exactly the prompt's ids (`--verbose-prompt`), and reads the generated ids back as bytes of its output.
 """
 
@@ -262,13 +266,19 @@ def is_byte_tokenizer(model_dir: Path) -> bool:
     return Tokenizer.from_file(str(path)).encode(PROBE, add_special_tokens=False).ids == list(PROBE.encode())
 
 
-def convert_main(tree: Path, argv: list[str], widen: int | None = None) -> None:
+def convert_main(tree: Path, argv: list[str], widen: int | None = None, spill: Path | None = None,
+                 room: int | None = None) -> None:
     """convert_hf_to_gguf.py's main() with argv, in this process; for a byte tokenizer, `set_vocab` of the chosen
     model class becomes the converter's own GPT-2 path with BYTE_PRE declared and INERT_MERGE added (module doc).
-    `widen`: the model dir is a narrow checkpoint, converted as its widened model (see `widened_shell`)."""
+    `widen`: the model dir is a narrow checkpoint, converted as its widened model (see `widened_shell`). `spill`:
+    the shards that do not fit in `room` bytes beside the output go there (`spill_shards`)."""
     sys.path[:0] = [str(tree), str(tree / "gguf-py")]
     import convert_hf_to_gguf as converter  # the tree's converter and its gguf-py, not an installed gguf
     from conversion.base import ModelBase
+    from gguf.gguf_writer import GGUFWriter
+
+    if spill is not None:
+        spill_shards(GGUFWriter, spill, room)
 
     position = next(i for i, a in enumerate(argv) if not a.startswith("-") and Path(a).is_dir())
     model_dir = Path(argv[position])
@@ -366,20 +376,37 @@ def _byte_set_vocab(self: Any) -> None:
     self.gguf_writer.add_token_merges([INERT_MERGE])
 
 
+DEFAULT_SHARD_BYTES = 8 * GiB
+"""`convert --spill`'s shard size: small against either directory's 64 GiB, so little of one is left unused."""
+SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})\.gguf$")
+"""gguf-py's shard names (gguf_writer.SHARD_NAME_FORMAT), which llama.cpp's loader expects of a split GGUF."""
+
+
 def convert(model_dir: Path, outfile: Path, outtype: str = "bf16", tree: Path = TREE, log: Path | None = None,
-            widen: int | None = None) -> dict[str, Any]:
+            widen: int | None = None, spill: Path | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
+            room: int | None = None) -> dict[str, Any]:
     """Run the converter in a child process (its memory and logging stay out of this one); timed. `widen`: the
     checkpoint is narrow, written as its widened model (`widened_shell`). The converter writes `partial_path(outfile)`,
     renamed to `outfile` only when it succeeded: a conversion stopped at the deadline (or failed) leaves no file that
     `all` would take for a finished GGUF next time (it skips converting when the GGUF exists), and a leftover partial
     file of an earlier call is removed first, and so is an earlier `outfile` (this conversion replaces it): their
-    space is free for this one, as `check_disk` counts it."""
+    space is free for this one, as `check_disk` counts it.
+
+    `spill`: a second directory, on another file system, for a GGUF larger than `outfile`'s directory holds (the
+    one-GPU machine's disk and its /dev/shm hold 64 GiB each, Mixtral's 86.5 GiB GGUF neither): the converter writes
+    shards of at most `shard_bytes` (its --split-max-size), those that fit in `outfile`'s directory there and the rest
+    in `spill`, each linked into `outfile`'s directory (`place_shards`), so that llama.cpp finds one split GGUF in one
+    directory. `outfile` is then a link to the first shard, made when the conversion succeeded (`model_file` gives
+    llama.cpp that shard's name, from which it finds the others). `room`: the bytes the shards may take in `outfile`'s
+    directory (default: its free space less 1 GiB)."""
     outfile.parent.mkdir(parents=True, exist_ok=True)
     partial = partial_path(outfile)
-    partial.unlink(missing_ok=True)
-    outfile.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "_convert", "--tree", str(tree), "--widen", str(widen or 0), "--",
-           str(model_dir), "--outfile", str(partial), "--outtype", outtype]
+    drop(outfile)
+    if spill is not None:
+        spill.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_convert", "--tree", str(tree), "--widen", str(widen or 0),
+           "--spill", str(spill or ""), "--room", str(-1 if room is None else room), "--", str(model_dir), "--outfile", str(partial), "--outtype", outtype,
+           *(["--split-max-size", str(shard_bytes)] if spill is not None else [])]
     started = time.monotonic()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=time_left(7200))
@@ -390,19 +417,103 @@ def convert(model_dir: Path, outfile: Path, outtype: str = "bf16", tree: Path = 
         log.write_text(done.stdout + done.stderr)
     record = {"model": str(model_dir), "gguf": str(outfile), "outtype": outtype, "seconds": round(seconds, 1),
               "rc": done.returncode, "byte_tokenizer": is_byte_tokenizer(model_dir), "widen": widen}
-    if done.returncode == 0 and partial.is_file():
-        partial.replace(outfile)
-        record["bytes"] = outfile.stat().st_size
+    shards = shard_files(partial)
+    if done.returncode == 0 and shards:
+        record["bytes"] = sum(shard.stat().st_size for shard in shards)
+        if shards == [partial]:  # one file: the converter did not split (or was not asked to)
+            partial.replace(outfile)
+        else:  # the shards keep their names (llama.cpp derives the others from the first's); the link marks them done
+            outfile.symlink_to(shards[0].name)
+            record["shards"] = [str(shard) + (f" -> {shard.resolve()}" if shard.is_symlink() else "") for shard in shards]
     else:
-        partial.unlink(missing_ok=True)
+        drop(outfile)
         record["rc"] = done.returncode or 1
         record["error"] = _last_error(done.stderr) if done.returncode else f"the converter wrote no {partial}"
     return record
 
 
 def partial_path(outfile: Path) -> Path:
-    """Where `convert` writes before the GGUF is complete."""
+    """Where `convert` writes before the GGUF is complete (with `--spill`, the stem of its shards' names)."""
     return outfile.with_name(outfile.name + ".partial")
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The files a conversion to `path` wrote: `path` itself, or its shards in order (`path`'s stem, then
+    -00001-of-0000N.gguf and so on, as gguf-py names them); links included. Empty when there are none."""
+    if path.is_file():
+        return [path]
+    shards = sorted(p for p in path.parent.glob(f"{glob_escape(path.stem)}-*-of-*.gguf")
+                    if (match := SHARD_NAME.match(p.name)) and match["stem"] == path.stem)
+    return shards
+
+
+def glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", text)
+
+
+def gguf_files(gguf: Path) -> list[Path]:
+    """Every file of the GGUF llama.cpp reads for `gguf` (`model_file`): that file, or all of its shards."""
+    first = model_file(gguf)
+    match = SHARD_NAME.match(first.name)
+    if match is None:
+        return [first]
+    count = int(match["count"])
+    return [first.with_name(f"{match['stem']}-{number:05d}-of-{count:05d}.gguf") for number in range(1, count + 1)]
+
+
+def model_file(gguf: Path) -> Path:
+    """The file to give llama.cpp for `gguf`: itself, or where `convert --spill` linked it, its first shard."""
+    return gguf.parent / os.readlink(gguf) if gguf.is_symlink() and SHARD_NAME.match(os.readlink(gguf)) else gguf
+
+
+def drop(gguf: Path) -> list[str]:
+    """Delete a GGUF `convert` wrote at `gguf`: the file or the link, its shards and the files they link to in a spill
+    directory, and a partial conversion's; returns what it removed (`reproduce.sh llamacpp-matrix`'s DROP_GGUF)."""
+    removed = []
+    for path in [*shard_files(partial_path(gguf)), *(gguf_files(gguf)[1:] if gguf.is_symlink() else []), model_file(gguf), gguf]:
+        if path.is_symlink() and SHARD_NAME.match(path.name):  # a spilled shard (never the target of a link of yours)
+            target = path.resolve()
+            if target.is_file() and target.parent != path.parent.resolve():
+                target.unlink()
+                removed.append(str(target))
+        if path.is_symlink() or path.exists():
+            path.unlink()
+            removed.append(str(path))
+    return removed
+
+
+def place_shards(sizes: Sequence[int], room: int) -> list[bool]:
+    """Per shard in order, whether it goes to the spill directory: the first ones stay while the primary directory's
+    `room` bytes hold them; every shard after the first that does not fit spills."""
+    spilled, out = False, []
+    for size in sizes:
+        spilled = spilled or size > room
+        room -= 0 if spilled else size
+        out.append(spilled)
+    return out
+
+
+def spill_shards(writer_class: Any, spill: Path, room: int | None = None) -> None:
+    """Make gguf-py's writer place a split GGUF's shards as `place_shards` says, in `room` bytes of the GGUF's
+    directory (None: its free space less 1 GiB): a shard that spills is created in `spill` and linked under its name in
+    the GGUF's directory, which the writer then opens through the link."""
+    names = writer_class.format_shard_names
+
+    def placed(self: Any, path: Path) -> list[Path]:
+        paths = names(self, path)
+        if len(paths) > 1:
+            sizes = [sum(info.nbytes for info in tensors.values()) for tensors in self.tensors]
+            here = shutil.disk_usage(path.parent).free - GiB if room is None else room
+            for shard, spills in zip(paths, place_shards(sizes, here)):
+                if spills and not shard.is_symlink():
+                    target = spill / shard.name
+                    target.unlink(missing_ok=True)
+                    target.touch()
+                    shard.unlink(missing_ok=True)
+                    shard.symlink_to(target)
+        return paths
+
+    writer_class.format_shard_names = placed
 
 
 def gguf_bytes_estimate(model_dir: Path, widen: int | None = None, element_size: int = 2) -> int:
@@ -424,18 +535,24 @@ def gguf_bytes_estimate(model_dir: Path, widen: int | None = None, element_size:
     return total
 
 
-def check_disk(model_dir: Path, outfile: Path, widen: int | None) -> dict[str, Any]:
-    """Refuse a conversion the disk cannot hold (the GPU machine has 64 GiB, the image's files included)."""
+def check_disk(model_dir: Path, outfile: Path, widen: int | None, spill: Path | None = None) -> dict[str, Any]:
+    """Refuse a conversion the disk cannot hold (the GPU machine has 64 GiB, the image's files included); with
+    `spill` (convert's), the two directories together, 1 GiB kept spare in each."""
     need = gguf_bytes_estimate(model_dir, widen)
     outfile.parent.mkdir(parents=True, exist_ok=True)
-    replaced = sum(p.stat().st_blocks * 512 for p in (outfile, partial_path(outfile)) if p.is_file())  # convert removes them
+    old = [*shard_files(partial_path(outfile)), *(gguf_files(outfile) if outfile.exists() else [])]
+    replaced = sum(p.stat().st_blocks * 512 for p in dict.fromkeys(p.resolve() for p in old) if p.is_file())  # convert removes them
     free = shutil.disk_usage(outfile.parent).free + replaced
+    if spill is not None:
+        spill.mkdir(parents=True, exist_ok=True)
+        free += shutil.disk_usage(spill).free - GiB
     record = {"gguf_bytes_estimate": need, "disk_free_bytes": free, "fits": need + GiB < free}
     if not record["fits"]:
         record["error"] = (f"the GGUF needs about {need / GiB:.1f} GiB and {outfile.parent} has {free / GiB:.1f} GiB free "
                            f"(1 GiB kept spare); free the disk, convert with --widen F from the narrow checkpoint (no "
                            "widened safetensors beside it), write it to RAM (--gguf /dev/shm/NAME.gguf where the "
-                           "machine's memory holds it), or use a machine with a larger disk")
+                           "machine's memory holds it) and spill the rest to the disk (--spill DIR), or use a machine "
+                           "with a larger disk")
     return record
 
 
@@ -459,7 +576,7 @@ def gguf_tensor_bytes(path: Path, tree: Path = TREE) -> dict[str, int]:
     sys.path[:0] = [str(tree / "gguf-py")]
     from gguf import GGUFReader
 
-    return {tensor.name: int(tensor.n_bytes) for tensor in GGUFReader(str(path)).tensors}
+    return {tensor.name: int(tensor.n_bytes) for shard in gguf_files(path) for tensor in GGUFReader(str(shard)).tensors}
 
 
 def split_bytes(tensors: dict[str, int]) -> tuple[list[int], int, int]:
@@ -639,6 +756,7 @@ def run_checkpoint(model_dir: Path, gguf: Path, bin_dir: Path, out: Path, *, bud
     """Plan N (unless given), calibrate the overhead with one short run, then every prompt, then llama-bench.
     Writes out/raw-LABEL.log (every run's output) and out/summary-LABEL.json; returns the summary."""
     out.mkdir(parents=True, exist_ok=True)
+    gguf = model_file(gguf)  # a split GGUF: its first shard, from whose name llama.cpp finds the others
     completion = bin_dir / "llama-completion"
     raw: list[str] = []
     summary: dict[str, Any] = {"label": label, "model": str(model_dir), "gguf": str(gguf), "gpu": gpu,
@@ -833,6 +951,13 @@ def build_parser() -> argparse.ArgumentParser:
     _budget_args(run_p)
     sub.choices["all"].add_argument("--outtype", default="bf16", choices=["f32", "f16", "bf16"])
     sub.choices["all"].add_argument("--gguf", type=Path, default=None, help="default /tmp/llamacpp-gguf/<model dir name>[-x<F>]-<outtype>.gguf")
+    for p in (conv, sub.choices["all"]):
+        p.add_argument("--spill", type=Path, default=None, metavar="DIR",
+                       help="a directory on another file system for the shards that do not fit beside the GGUF (it is then "
+                            "written split, each spilled shard linked beside the others)")
+        p.add_argument("--shard-gib", type=float, default=DEFAULT_SHARD_BYTES / GiB, help="shard size with --spill")
+    drop_p = sub.add_parser("drop", help="delete a GGUF convert wrote: the file or link, its shards, their spilled files")
+    drop_p.add_argument("gguf", type=Path)
     for p in (conv, sub.choices["all"], run_p):
         p.add_argument("--widen", type=int, default=None, metavar="F",
                        help="the checkpoint is narrow: convert (and compare) its widened model (x F), no widened copy on disk")
@@ -871,8 +996,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ignore_tree(args.dest)
         print(json.dumps(record))
         return 0
+    if args.command == "drop":
+        print(json.dumps({"removed": drop(args.gguf)}))
+        return 0
     if args.command == "convert":
-        record = convert(args.model, args.outfile, args.outtype, args.tree, args.outfile.with_suffix(".convert.log"), args.widen)
+        record = convert(args.model, args.outfile, args.outtype, args.tree, args.outfile.with_suffix(".convert.log"), args.widen,
+                         args.spill, int(args.shard_gib * GiB))
         print(json.dumps(record))
         return record["rc"]
     if args.command == "plan":
@@ -924,11 +1053,12 @@ def run_or_all(args: argparse.Namespace) -> int:
         bin_dir = build_dir / "bin"
         args.gguf = args.gguf or default_gguf(args.model, args.outtype, args.widen)
         if not args.gguf.is_file() or args.gguf.stat().st_mtime < (args.model / "config.json").stat().st_mtime:
-            steps["disk"] = check_disk(args.model, args.gguf, args.widen)
+            steps["disk"] = check_disk(args.model, args.gguf, args.widen, args.spill)
             print("disk:", json.dumps(steps["disk"]), flush=True)
             if not steps["disk"]["fits"]:
                 return 1
-            steps["convert"] = convert(args.model, args.gguf, args.outtype, args.tree, args.out / "convert.log", args.widen)
+            steps["convert"] = convert(args.model, args.gguf, args.outtype, args.tree, args.out / "convert.log", args.widen,
+                                       args.spill, int(args.shard_gib * GiB))
             print("convert:", json.dumps(steps["convert"]), flush=True)
             if steps["convert"]["rc"] != 0:
                 return 1
@@ -970,6 +1100,8 @@ def _print_agree(record: dict[str, Any]) -> int:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["_convert"]:  # the child process of `convert`
-    convert_main(Path(sys.argv[3]), sys.argv[7:], int(sys.argv[5]) or None)
+    room_arg = int(sys.argv[9])
+    convert_main(Path(sys.argv[3]), sys.argv[11:], int(sys.argv[5]) or None, Path(sys.argv[7]) if sys.argv[7] else None,
+                 None if room_arg < 0 else room_arg)
 elif __name__ == "__main__":
     sys.exit(main())

@@ -328,7 +328,9 @@ llamacpp_matrix() {  # llama.cpp's cells beside a full-depth table: SHAPE's narr
   # llamacpp` first (build and training in one call), then this target in the next. Carry .llama.cpp and .whl.
   # GGUF_DIR=/dev/shm converts into RAM instead of /tmp's disk: the one-GPU machine's disk (about 64 GiB free) holds
   # DeepSeek-V2-Lite's 28.5 GiB GGUF but not Qwen3-30B-A3B's 55.7, which its /dev/shm (half of its 128 GiB) does;
-  # DROP_GGUF=1 then deletes it at the end, so that a later Specter call's pinned pool has the RAM back.
+  # DROP_GGUF=1 then deletes it at the end, so that a later Specter call's pinned pool has the RAM back. GGUF_SPILL=DIR
+  # (with GGUF_DIR=/dev/shm: a directory on the disk) writes a GGUF larger than /dev/shm split, the shards that do not
+  # fit there in DIR (Phi-3.5-MoE's 77.5 GiB and Mixtral-8x7B's 86.5 GiB: neither 64 GiB file system holds one alone).
   local shape=${SHAPE:?llamacpp-matrix needs SHAPE} model widen budget gguf=
   model=/tmp/narrow/$shape
   [ -f "$model/train.json" ] || { echo "llamacpp-matrix: no checkpoint at $model (run llamacpp with LLAMACPP_ONLY=build first)" >&2; return 1; }
@@ -346,12 +348,13 @@ llamacpp_matrix() {  # llama.cpp's cells beside a full-depth table: SHAPE's narr
         threads8) extra=(--no-bench --threads 8) ;;
       esac
       python3 benchmarks/llamacpp.py all "$model" --budget-gib "$budget" --widen "$widen" --label "$shape-x$widen-${budget}GiB-$mode" \
-        "${extra[@]}" ${gguf:+--gguf "$gguf"} --deadline-s "$((left - 5))" --out "$out/llamacpp" >> "$out/logs/llamacpp.log" 2>&1
+        "${extra[@]}" ${gguf:+--gguf "$gguf"} ${GGUF_SPILL:+--spill "$GGUF_SPILL"} --deadline-s "$((left - 5))" \
+        --out "$out/llamacpp" >> "$out/logs/llamacpp.log" 2>&1
       echo "llamacpp $budget GiB $mode rc=$? at ${SECONDS}s"; grep -E "^$shape-x$widen-${budget}GiB-$mode:" "$out/logs/llamacpp.log" | tail -1 | cut -c1-400
     done
     first=0
   done
-  [ -z "$gguf" ] || [ -z "${DROP_GGUF:-}" ] || { rm -f "$gguf"; echo "llamacpp-matrix: removed $gguf"; }
+  [ -z "$gguf" ] || [ -z "${DROP_GGUF:-}" ] || { python3 benchmarks/llamacpp.py drop "$gguf" | cut -c1-300; }
 }
 
 train_length() {  # a full-depth narrow training's length: MINUTES (default 3), or STEPS steps (the same seeds, data

@@ -162,6 +162,52 @@ def test_check_disk_counts_the_files_a_conversion_replaces(tmp_path: Path, monke
     assert llamacpp.check_disk(tmp_path, gguf, 4)["fits"]
 
 
+def test_shards_stay_beside_the_gguf_while_they_fit_and_spill_after() -> None:
+    # room for 10: 4 and 5 stay; 3 would fit after them only in part, so it and every later one spill (a later small one
+    # too: the order is the writer's, and llama.cpp reads the shards by number from one directory)
+    assert llamacpp.place_shards([4, 5, 3, 1], 10) == [False, False, True, True]
+    assert llamacpp.place_shards([4, 5], 9) == [False, False]
+    assert llamacpp.place_shards([4, 5], 0) == [True, True]
+
+
+def _split_gguf(directory: Path, spill: Path, stem: str = "m.gguf", count: int = 3, spilled: int = 2) -> Path:
+    """What `convert --spill` leaves: stem-0000k-of-0000N.gguf shards, the last `spilled` of them links into `spill`,
+    and the GGUF's name a link to the first shard."""
+    for number in range(1, count + 1):
+        name = f"{stem.removesuffix('.gguf')}-{number:05d}-of-{count:05d}.gguf"
+        if number > count - spilled:
+            (spill / name).write_bytes(b"GGUF" + bytes(number))
+            (directory / name).symlink_to(spill / name)
+        else:
+            (directory / name).write_bytes(b"GGUF" + bytes(number))
+    gguf = directory / stem
+    gguf.symlink_to(f"{stem.removesuffix('.gguf')}-00001-of-{count:05d}.gguf")
+    return gguf
+
+
+def test_a_split_gguf_is_read_from_its_first_shard_and_dropped_whole(tmp_path: Path) -> None:
+    here, there = tmp_path / "shm", tmp_path / "disk"
+    here.mkdir()
+    there.mkdir()
+    mine = tmp_path / "elsewhere.gguf"
+    mine.write_bytes(b"GGUF yours")
+    (here / "yours.gguf").symlink_to(mine)
+    gguf = _split_gguf(here, there)
+    assert llamacpp.model_file(gguf) == here / "m-00001-of-00003.gguf"
+    assert llamacpp.gguf_files(gguf) == [here / f"m-0000{n}-of-00003.gguf" for n in (1, 2, 3)]
+    assert llamacpp.model_file(here / "yours.gguf") == here / "yours.gguf"  # a link of yours is not a shard
+    removed = llamacpp.drop(gguf)
+    assert sorted(p.name for p in here.iterdir()) == ["yours.gguf"] and not list(there.iterdir()), removed
+    assert llamacpp.drop(here / "yours.gguf") == [str(here / "yours.gguf")] and mine.read_bytes() == b"GGUF yours"
+
+
+def test_check_disk_with_a_spill_counts_both_directories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llamacpp, "gguf_bytes_estimate", lambda model, widen: 5 * GiB)
+    monkeypatch.setattr(llamacpp.shutil, "disk_usage", lambda path: llamacpp.shutil._ntuple_diskusage(8 * GiB, 4 * GiB, 4 * GiB))
+    assert not llamacpp.check_disk(tmp_path, tmp_path / "a" / "m.gguf", 4)["fits"]
+    assert llamacpp.check_disk(tmp_path, tmp_path / "a" / "m.gguf", 4, spill=tmp_path / "b")["fits"]  # 4 + 4 - 1 > 5 + 1
+
+
 def test_the_default_gguf_names_the_widening() -> None:
     model = Path("/tmp/narrow/qwen1.5-moe-a2.7b")
     names = {llamacpp.default_gguf(model, "bf16", widen) for widen in (None, 2, 4)}
@@ -281,3 +327,29 @@ def test_llama_cpp_greedy_tokens_equal_specters_on_a_tiny_qwen2_moe(tmp_path: Pa
     record = llamacpp.agree(tmp_path / "out" / "summary-tiny.json", "cpu", "float32")
     assert record["all_equal"], [(r["kind"], r["prefix"]) for r in record["prompts"]]
     assert json.loads((tmp_path / "out" / "agree-tiny.json").read_text())["all_equal"]
+
+
+@pytest.mark.skipif(not (TREE / "convert_hf_to_gguf.py").is_file(), reason=f"no staged llama.cpp tree at {TREE}")
+@pytest.mark.slow
+def test_a_conversion_spills_the_shards_that_do_not_fit_and_keeps_every_tensor(tmp_path: Path) -> None:
+    """The converter itself, told to split into shards of 1 MB with room for two beside the GGUF: the rest are written
+    into the spill directory and linked, the GGUF's name links the first shard, and the shards together hold every
+    tensor of the unsplit conversion, byte for byte the same sizes."""
+    pytest.importorskip("transformers")
+    trainer = _load("reference_model", ROOT / "benchmarks" / "reference_model.py")
+    model = tmp_path / "qwen"
+    assert trainer.main(["--shape", "qwen1.5-moe-a2.7b", "--tiny", "--max-steps", "1", "--out", str(model)]) == 0
+    whole = llamacpp.convert(model, tmp_path / "whole" / "q.gguf", "f32", TREE, tmp_path / "whole.log")
+    assert whole["rc"] == 0, (tmp_path / "whole.log").read_text()[-2000:]
+    here, there = tmp_path / "here", tmp_path / "there"
+    split = llamacpp.convert(model, here / "q.gguf", "f32", TREE, tmp_path / "split.log", spill=there, shard_bytes=MiB,
+                             room=2 * MiB)
+    assert split["rc"] == 0, (tmp_path / "split.log").read_text()[-2000:]
+    shards = llamacpp.gguf_files(here / "q.gguf")
+    assert len(shards) > 3 and (here / "q.gguf").is_symlink() and llamacpp.model_file(here / "q.gguf") == shards[0]
+    assert not shards[0].is_symlink() and all(shard.is_symlink() and shard.resolve().parent == there.resolve()
+                                              for shard in shards[2:])
+    assert sum(shard.stat().st_size for shard in shards[:2]) <= 2 * MiB
+    assert llamacpp.gguf_tensor_bytes(here / "q.gguf", TREE) == llamacpp.gguf_tensor_bytes(tmp_path / "whole" / "q.gguf", TREE)
+    llamacpp.drop(here / "q.gguf")
+    assert not list(here.iterdir()) and not list(there.iterdir())
