@@ -392,8 +392,9 @@ def convert(model_dir: Path, outfile: Path, outtype: str = "bf16", tree: Path = 
     file of an earlier call is removed first, and so is an earlier `outfile` (this conversion replaces it): their
     space is free for this one, as `check_disk` counts it.
 
-    `spill`: a second directory, on another file system, for a GGUF larger than `outfile`'s directory holds (the
-    one-GPU machine's disk and its /dev/shm hold 64 GiB each, Mixtral's 86.5 GiB GGUF neither): the converter writes
+    `spill`: a second directory, on another file system, for a GGUF larger than `outfile`'s directory should hold (the
+    one-GPU machine's disk, about 64 GiB, holds neither Phi's 77.5 GiB GGUF nor Mixtral's 86.5, and its /dev/shm is its
+    128 GiB of memory, which the GGUF would leave too little of): the converter writes
     shards of at most `shard_bytes` (its --split-max-size), those that fit in `outfile`'s directory there and the rest
     in `spill`, each linked into `outfile`'s directory (`place_shards`), so that llama.cpp finds one split GGUF in one
     directory. `outfile` is then a link to the first shard, made when the conversion succeeded (`model_file` gives
@@ -403,10 +404,11 @@ def convert(model_dir: Path, outfile: Path, outtype: str = "bf16", tree: Path = 
     partial = partial_path(outfile)
     drop(outfile)
     if spill is not None:
+        spill = spill.resolve()  # the links are made in outfile's directory: a relative target would dangle
         spill.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "_convert", "--tree", str(tree), "--widen", str(widen or 0),
-           "--spill", str(spill or ""), "--room", str(-1 if room is None else room), "--", str(model_dir), "--outfile", str(partial), "--outtype", outtype,
-           *(["--split-max-size", str(shard_bytes)] if spill is not None else [])]
+           "--spill", str(spill or ""), "--room", str(-1 if room is None else room), "--", str(model_dir), "--outfile",
+           str(partial), "--outtype", outtype, *(["--split-max-size", str(shard_bytes)] if spill is not None else [])]
     started = time.monotonic()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=time_left(7200))
@@ -417,7 +419,7 @@ def convert(model_dir: Path, outfile: Path, outtype: str = "bf16", tree: Path = 
         log.write_text(done.stdout + done.stderr)
     record = {"model": str(model_dir), "gguf": str(outfile), "outtype": outtype, "seconds": round(seconds, 1),
               "rc": done.returncode, "byte_tokenizer": is_byte_tokenizer(model_dir), "widen": widen}
-    shards = shard_files(partial)
+    shards = written_files(outfile)
     if done.returncode == 0 and shards:
         record["bytes"] = sum(shard.stat().st_size for shard in shards)
         if shards == [partial]:  # one file: the converter did not split (or was not asked to)
@@ -433,22 +435,18 @@ def convert(model_dir: Path, outfile: Path, outtype: str = "bf16", tree: Path = 
 
 
 def partial_path(outfile: Path) -> Path:
-    """Where `convert` writes before the GGUF is complete (with `--spill`, the stem of its shards' names)."""
+    """Where `convert` writes before the GGUF is complete (with `--spill`, the name its shards' names start with)."""
     return outfile.with_name(outfile.name + ".partial")
 
 
-def shard_files(path: Path) -> list[Path]:
-    """The files a conversion to `path` wrote: `path` itself, or its shards in order (`path`'s stem, then
-    -00001-of-0000N.gguf and so on, as gguf-py names them); links included. Empty when there are none."""
-    if path.is_file():
-        return [path]
-    shards = sorted(p for p in path.parent.glob(f"{glob_escape(path.stem)}-*-of-*.gguf")
-                    if (match := SHARD_NAME.match(p.name)) and match["stem"] == path.stem)
-    return shards
-
-
-def glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", text)
+def written_files(gguf: Path) -> list[Path]:
+    """What the converter wrote for a conversion to `gguf` (at `partial_path(gguf)`): its shards in order, as its
+    manifest lists them (`spill_shards`), else the one partial file; empty when it wrote none."""
+    manifest = manifest_path(gguf)
+    if manifest.is_file():
+        return [Path(name) for name in json.loads(manifest.read_text())["shards"]]
+    partial = partial_path(gguf)
+    return [partial] if partial.is_file() else []
 
 
 def gguf_files(gguf: Path) -> list[Path]:
@@ -466,25 +464,34 @@ def model_file(gguf: Path) -> Path:
     return gguf.parent / os.readlink(gguf) if gguf.is_symlink() and SHARD_NAME.match(os.readlink(gguf)) else gguf
 
 
+def manifest_path(gguf: Path) -> Path:
+    """Where a split conversion to `gguf` lists the files it made (`spill_shards`): what `drop` deletes, and only that."""
+    return gguf.with_name(gguf.name + ".shards.json")
+
+
 def drop(gguf: Path) -> list[str]:
-    """Delete a GGUF `convert` wrote at `gguf`: the file or the link, its shards and the files they link to in a spill
-    directory, and a partial conversion's; returns what it removed (`reproduce.sh llamacpp-matrix`'s DROP_GGUF)."""
+    """Delete a GGUF `convert` wrote at `gguf`: the file, or the link and every shard and spilled file its manifest
+    lists (a partial conversion's too); returns what it removed (`reproduce.sh llamacpp-matrix`'s DROP_GGUF). A link
+    at `gguf` that no conversion of ours made is removed alone, never what it points to."""
     removed = []
-    for path in [*shard_files(partial_path(gguf)), *(gguf_files(gguf)[1:] if gguf.is_symlink() else []), model_file(gguf), gguf]:
-        if path.is_symlink() and SHARD_NAME.match(path.name):  # a spilled shard (never the target of a link of yours)
-            target = path.resolve()
-            if target.is_file() and target.parent != path.parent.resolve():
-                target.unlink()
-                removed.append(str(target))
-        if path.is_symlink() or path.exists():
-            path.unlink()
-            removed.append(str(path))
+    for path in ours(gguf):
+        path.unlink()  # (a link is removed as a link: unlink never follows it)
+        removed.append(str(path))
     return removed
 
 
+def ours(gguf: Path) -> list[Path]:
+    """The files and links `drop(gguf)` deletes: the manifest's spilled files and shards, the partial file, `gguf`
+    itself and the manifest, those that exist."""
+    manifest = manifest_path(gguf)
+    listed = json.loads(manifest.read_text()) if manifest.is_file() else {}
+    names = [*listed.get("spilled", []), *listed.get("shards", []), str(partial_path(gguf)), str(gguf), str(manifest)]
+    return [path for path in map(Path, dict.fromkeys(names)) if path.is_symlink() or path.is_file()]
+
+
 def place_shards(sizes: Sequence[int], room: int) -> list[bool]:
-    """Per shard in order, whether it goes to the spill directory: the first ones stay while the primary directory's
-    `room` bytes hold them; every shard after the first that does not fit spills."""
+    """Per shard in order, whether it goes to the spill directory: shards stay while `room` bytes of the GGUF's
+    directory hold them; from the first that does not fit (the first shard too, if it does not), every one spills."""
     spilled, out = False, []
     for size in sizes:
         spilled = spilled or size > room
@@ -495,22 +502,28 @@ def place_shards(sizes: Sequence[int], room: int) -> list[bool]:
 
 def spill_shards(writer_class: Any, spill: Path, room: int | None = None) -> None:
     """Make gguf-py's writer place a split GGUF's shards as `place_shards` says, in `room` bytes of the GGUF's
-    directory (None: its free space less 1 GiB): a shard that spills is created in `spill` and linked under its name in
-    the GGUF's directory, which the writer then opens through the link."""
+    directory (None: its free space less 1 GiB): a shard that spills is created in `spill` (an absolute path) and
+    linked under its name in the GGUF's directory, which the writer then opens through the link. Every file made is
+    listed in `manifest_path` first, so that a conversion stopped at any point leaves `drop` what to delete. A spill
+    file already there (another GGUF's shard of the same name) is refused, not overwritten."""
     names = writer_class.format_shard_names
 
     def placed(self: Any, path: Path) -> list[Path]:
         paths = names(self, path)
-        if len(paths) > 1:
+        manifest = manifest_path(path.with_name(path.name.removesuffix(".partial")))  # (path: `partial_path`'s)
+        if len(paths) > 1 and not manifest.is_file():
             sizes = [sum(info.nbytes for info in tensors.values()) for tensors in self.tensors]
             here = shutil.disk_usage(path.parent).free - GiB if room is None else room
-            for shard, spills in zip(paths, place_shards(sizes, here)):
-                if spills and not shard.is_symlink():
-                    target = spill / shard.name
-                    target.unlink(missing_ok=True)
-                    target.touch()
-                    shard.unlink(missing_ok=True)
-                    shard.symlink_to(target)
+            targets = {shard: spill / shard.name for shard, spills in zip(paths, place_shards(sizes, here)) if spills}
+            taken = [str(target) for target in targets.values() if target.exists() or target.is_symlink()]
+            if taken:
+                raise FileExistsError(f"spill files already there: {taken}; drop the GGUF they belong to first")
+            manifest.write_text(json.dumps(
+                {"shards": [str(shard) for shard in paths], "spilled": [str(target) for target in targets.values()]}))
+            for shard, target in targets.items():
+                target.touch()
+                shard.unlink(missing_ok=True)
+                shard.symlink_to(target)
         return paths
 
     writer_class.format_shard_names = placed
@@ -535,25 +548,44 @@ def gguf_bytes_estimate(model_dir: Path, widen: int | None = None, element_size:
     return total
 
 
-def check_disk(model_dir: Path, outfile: Path, widen: int | None, spill: Path | None = None) -> dict[str, Any]:
-    """Refuse a conversion the disk cannot hold (the GPU machine has 64 GiB, the image's files included); with
-    `spill` (convert's), the two directories together, 1 GiB kept spare in each."""
+def check_disk(model_dir: Path, outfile: Path, widen: int | None, spill: Path | None = None, room: int | None = None,
+               shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, Any]:
+    """Refuse a conversion the disk cannot hold (the GPU machine has 64 GiB, the image's files included), counting the
+    files of an earlier conversion there as free (`convert` drops them first); with `spill` (convert's), the GGUF's
+    directory up to `room` bytes and the spill directory's file system too when it is another, 1 GiB kept spare in
+    each and a shard's worth for the one that did not fit."""
     need = gguf_bytes_estimate(model_dir, widen)
     outfile.parent.mkdir(parents=True, exist_ok=True)
-    old = [*shard_files(partial_path(outfile)), *(gguf_files(outfile) if outfile.exists() else [])]
-    replaced = sum(p.stat().st_blocks * 512 for p in dict.fromkeys(p.resolve() for p in old) if p.is_file())  # convert removes them
-    free = shutil.disk_usage(outfile.parent).free + replaced
-    if spill is not None:
+    here_dev = _device(outfile.parent)
+    freed: dict[int, int] = {}
+    for path in ours(outfile):
+        if not path.is_symlink():
+            device = _device(path)
+            freed[device] = freed.get(device, 0) + path.stat().st_blocks * 512
+    free = shutil.disk_usage(outfile.parent).free + freed.get(here_dev, 0)
+    record: dict[str, Any] = {"gguf_bytes_estimate": need, "disk_free_bytes": free}
+    if spill is None:
+        record["fits"] = need + GiB < free
+    else:
         spill.mkdir(parents=True, exist_ok=True)
-        free += shutil.disk_usage(spill).free - GiB
-    record = {"gguf_bytes_estimate": need, "disk_free_bytes": free, "fits": need + GiB < free}
+        here = free - GiB if room is None else min(room, free - GiB)
+        there_dev = _device(spill)
+        there = (shutil.disk_usage(spill).free + freed.get(there_dev, 0) - GiB if there_dev != here_dev
+                 else free - GiB - here)  # one file system: what the GGUF's directory leaves of it
+        record |= {"room_bytes": here, "spill_free_bytes": there, "fits": need + shard_bytes <= here + there}
     if not record["fits"]:
         record["error"] = (f"the GGUF needs about {need / GiB:.1f} GiB and {outfile.parent} has {free / GiB:.1f} GiB free "
-                           f"(1 GiB kept spare); free the disk, convert with --widen F from the narrow checkpoint (no "
+                           + (f"(with --spill {spill}: {record['spill_free_bytes'] / GiB:.1f} GiB more) " if spill else "")
+                           + "(1 GiB kept spare); free the disk, convert with --widen F from the narrow checkpoint (no "
                            "widened safetensors beside it), write it to RAM (--gguf /dev/shm/NAME.gguf where the "
-                           "machine's memory holds it) and spill the rest to the disk (--spill DIR), or use a machine "
-                           "with a larger disk")
+                           "machine's memory holds it) and spill the rest to another file system (--spill DIR), or use "
+                           "a machine with a larger disk")
     return record
+
+
+def _device(path: Path) -> int:
+    """The file system `path` is on (st_dev)."""
+    return os.stat(path).st_dev
 
 
 def _last_error(text: str) -> str:
@@ -956,6 +988,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a directory on another file system for the shards that do not fit beside the GGUF (it is then "
                             "written split, each spilled shard linked beside the others)")
         p.add_argument("--shard-gib", type=float, default=DEFAULT_SHARD_BYTES / GiB, help="shard size with --spill")
+        p.add_argument("--room-gib", type=float, default=None,
+                       help="with --spill, the GiB the GGUF's directory may take (default: its free space less 1 GiB; "
+                            "cap it on a RAM-backed /dev/shm, whose free space is the machine's memory)")
     drop_p = sub.add_parser("drop", help="delete a GGUF convert wrote: the file or link, its shards, their spilled files")
     drop_p.add_argument("gguf", type=Path)
     for p in (conv, sub.choices["all"], run_p):
@@ -1001,7 +1036,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "convert":
         record = convert(args.model, args.outfile, args.outtype, args.tree, args.outfile.with_suffix(".convert.log"), args.widen,
-                         args.spill, int(args.shard_gib * GiB))
+                         args.spill, int(args.shard_gib * GiB), _gib(args.room_gib))
         print(json.dumps(record))
         return record["rc"]
     if args.command == "plan":
@@ -1024,6 +1059,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(record))
         return record["rc"]
     return run_or_all(args)
+
+
+def _gib(value: float | None) -> int | None:
+    return None if value is None else int(value * GiB)
 
 
 def _default_build_dir(cuda: bool, no_fa: bool) -> Path:
@@ -1053,12 +1092,12 @@ def run_or_all(args: argparse.Namespace) -> int:
         bin_dir = build_dir / "bin"
         args.gguf = args.gguf or default_gguf(args.model, args.outtype, args.widen)
         if not args.gguf.is_file() or args.gguf.stat().st_mtime < (args.model / "config.json").stat().st_mtime:
-            steps["disk"] = check_disk(args.model, args.gguf, args.widen, args.spill)
+            steps["disk"] = check_disk(args.model, args.gguf, args.widen, args.spill, _gib(args.room_gib), int(args.shard_gib * GiB))
             print("disk:", json.dumps(steps["disk"]), flush=True)
             if not steps["disk"]["fits"]:
                 return 1
             steps["convert"] = convert(args.model, args.gguf, args.outtype, args.tree, args.out / "convert.log", args.widen,
-                                       args.spill, int(args.shard_gib * GiB))
+                                       args.spill, int(args.shard_gib * GiB), _gib(args.room_gib))
             print("convert:", json.dumps(steps["convert"]), flush=True)
             if steps["convert"]["rc"] != 0:
                 return 1

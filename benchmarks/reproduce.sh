@@ -329,8 +329,9 @@ llamacpp_matrix() {  # llama.cpp's cells beside a full-depth table: SHAPE's narr
   # GGUF_DIR=/dev/shm converts into RAM instead of /tmp's disk: the one-GPU machine's disk (about 64 GiB free) holds
   # DeepSeek-V2-Lite's 28.5 GiB GGUF but not Qwen3-30B-A3B's 55.7, which its /dev/shm (half of its 128 GiB) does;
   # DROP_GGUF=1 then deletes it at the end, so that a later Specter call's pinned pool has the RAM back. GGUF_SPILL=DIR
-  # (with GGUF_DIR=/dev/shm: a directory on the disk) writes a GGUF larger than /dev/shm split, the shards that do not
-  # fit there in DIR (Phi-3.5-MoE's 77.5 GiB and Mixtral-8x7B's 86.5 GiB: neither 64 GiB file system holds one alone).
+  # (with GGUF_DIR=/dev/shm: a directory on the disk) writes the GGUF split, GGUF_ROOM_GIB of it in GGUF_DIR and the
+  # rest in DIR: Phi-3.5-MoE's 77.5 GiB and Mixtral-8x7B's 86.5 GiB do not fit the disk, and /dev/shm, whose free space
+  # is the machine's 128 GiB of memory, should not hold all of one (56 GiB of Qwen3's ran there).
   local shape=${SHAPE:?llamacpp-matrix needs SHAPE} model widen budget gguf=
   model=/tmp/narrow/$shape
   [ -f "$model/train.json" ] || { echo "llamacpp-matrix: no checkpoint at $model (run llamacpp with LLAMACPP_ONLY=build first)" >&2; return 1; }
@@ -341,14 +342,14 @@ llamacpp_matrix() {  # llama.cpp's cells beside a full-depth table: SHAPE's narr
     for mode in greedy sampled threads8; do
       [ "$mode" = threads8 ] && { [ -n "${THREADS8:-}" ] && [ "$first" = 1 ] || continue; }
       local left=$((585 - SECONDS)) extra=()
-      [ "$left" -gt 60 ] || { echo "llamacpp-matrix: ${left}s left, stopping before $budget GiB $mode"; return; }
+      [ "$left" -gt 60 ] || { echo "llamacpp-matrix: ${left}s left, stopping before $budget GiB $mode"; break 2; }
       case "$mode" in
         greedy) extra=() ;;
         sampled) extra=(--no-bench --extra-args "--temp 0.7 --top-p 0.9 -s 1") ;;
         threads8) extra=(--no-bench --threads 8) ;;
       esac
       python3 benchmarks/llamacpp.py all "$model" --budget-gib "$budget" --widen "$widen" --label "$shape-x$widen-${budget}GiB-$mode" \
-        "${extra[@]}" ${gguf:+--gguf "$gguf"} ${GGUF_SPILL:+--spill "$GGUF_SPILL"} --deadline-s "$((left - 5))" \
+        "${extra[@]}" ${gguf:+--gguf "$gguf"} ${GGUF_SPILL:+--spill "$GGUF_SPILL"} ${GGUF_ROOM_GIB:+--room-gib "$GGUF_ROOM_GIB"} --deadline-s "$((left - 5))" \
         --out "$out/llamacpp" >> "$out/logs/llamacpp.log" 2>&1
       echo "llamacpp $budget GiB $mode rc=$? at ${SECONDS}s"; grep -E "^$shape-x$widen-${budget}GiB-$mode:" "$out/logs/llamacpp.log" | tail -1 | cut -c1-400
     done

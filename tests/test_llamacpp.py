@@ -171,41 +171,73 @@ def test_shards_stay_beside_the_gguf_while_they_fit_and_spill_after() -> None:
 
 
 def _split_gguf(directory: Path, spill: Path, stem: str = "m.gguf", count: int = 3, spilled: int = 2) -> Path:
-    """What `convert --spill` leaves: stem-0000k-of-0000N.gguf shards, the last `spilled` of them links into `spill`,
-    and the GGUF's name a link to the first shard."""
+    """What `convert --spill` leaves: m.gguf.partial-0000k-of-0000N.gguf shards, the last `spilled` of them links into
+    `spill`, the manifest listing them, and the GGUF's name a link to the first shard."""
+    shards, targets = [], []
     for number in range(1, count + 1):
-        name = f"{stem.removesuffix('.gguf')}-{number:05d}-of-{count:05d}.gguf"
+        shard = directory / f"{stem}.partial-{number:05d}-of-{count:05d}.gguf"
         if number > count - spilled:
-            (spill / name).write_bytes(b"GGUF" + bytes(number))
-            (directory / name).symlink_to(spill / name)
+            target = spill / shard.name
+            target.write_bytes(b"GGUF" + bytes(number))
+            shard.symlink_to(target)
+            targets.append(str(target))
         else:
-            (directory / name).write_bytes(b"GGUF" + bytes(number))
+            shard.write_bytes(b"GGUF" + bytes(number))
+        shards.append(str(shard))
     gguf = directory / stem
-    gguf.symlink_to(f"{stem.removesuffix('.gguf')}-00001-of-{count:05d}.gguf")
+    llamacpp.manifest_path(gguf).write_text(json.dumps({"shards": shards, "spilled": targets}))
+    gguf.symlink_to(Path(shards[0]).name)
     return gguf
 
 
 def test_a_split_gguf_is_read_from_its_first_shard_and_dropped_whole(tmp_path: Path) -> None:
-    here, there = tmp_path / "shm", tmp_path / "disk"
-    here.mkdir()
-    there.mkdir()
-    mine = tmp_path / "elsewhere.gguf"
-    mine.write_bytes(b"GGUF yours")
-    (here / "yours.gguf").symlink_to(mine)
+    here, there, models = tmp_path / "shm", tmp_path / "disk", tmp_path / "models"
+    for directory in (here, there, models):
+        directory.mkdir()
     gguf = _split_gguf(here, there)
-    assert llamacpp.model_file(gguf) == here / "m-00001-of-00003.gguf"
-    assert llamacpp.gguf_files(gguf) == [here / f"m-0000{n}-of-00003.gguf" for n in (1, 2, 3)]
-    assert llamacpp.model_file(here / "yours.gguf") == here / "yours.gguf"  # a link of yours is not a shard
+    assert llamacpp.model_file(gguf) == here / "m.gguf.partial-00001-of-00003.gguf"
+    assert llamacpp.gguf_files(gguf) == [here / f"m.gguf.partial-0000{n}-of-00003.gguf" for n in (1, 2, 3)]
+    # a link of yours at a GGUF name, to a split GGUF of yours: read through its first shard, never deleted
+    official = [models / f"X-0000{n}-of-00002.gguf" for n in (1, 2)]
+    for path in official:
+        path.write_bytes(b"GGUF yours")
+    (here / "yours.gguf").symlink_to(official[0])
+    assert llamacpp.gguf_files(here / "yours.gguf") == official
     removed = llamacpp.drop(gguf)
     assert sorted(p.name for p in here.iterdir()) == ["yours.gguf"] and not list(there.iterdir()), removed
-    assert llamacpp.drop(here / "yours.gguf") == [str(here / "yours.gguf")] and mine.read_bytes() == b"GGUF yours"
+    assert llamacpp.drop(here / "yours.gguf") == [str(here / "yours.gguf")]
+    assert all(path.read_bytes() == b"GGUF yours" for path in official)
 
 
-def test_check_disk_with_a_spill_counts_both_directories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_check_disk_with_a_spill_counts_another_file_system_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(llamacpp, "gguf_bytes_estimate", lambda model, widen: 5 * GiB)
     monkeypatch.setattr(llamacpp.shutil, "disk_usage", lambda path: llamacpp.shutil._ntuple_diskusage(8 * GiB, 4 * GiB, 4 * GiB))
-    assert not llamacpp.check_disk(tmp_path, tmp_path / "a" / "m.gguf", 4)["fits"]
-    assert llamacpp.check_disk(tmp_path, tmp_path / "a" / "m.gguf", 4, spill=tmp_path / "b")["fits"]  # 4 + 4 - 1 > 5 + 1
+    gguf, spill = tmp_path / "a" / "m.gguf", tmp_path / "b"
+    assert not llamacpp.check_disk(tmp_path, gguf, 4)["fits"]
+    assert not llamacpp.check_disk(tmp_path, gguf, 4, spill=spill, shard_bytes=GiB)["fits"]  # one file system: 3 GiB in all
+    monkeypatch.setattr(llamacpp, "_device", lambda path: 2 if Path(path).is_relative_to(spill) else 1)
+    record = llamacpp.check_disk(tmp_path, gguf, 4, spill=spill, shard_bytes=GiB)
+    assert record["fits"] and record["room_bytes"] == record["spill_free_bytes"] == 3 * GiB  # 3 + 3 >= 5 + a shard
+    assert not llamacpp.check_disk(tmp_path, gguf, 4, spill=spill, room=GiB, shard_bytes=GiB)["fits"]  # room capped
+
+
+def test_a_failed_spilled_conversion_leaves_nothing_in_either_directory(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "model").mkdir()
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir()
+
+    def run(cmd, **kwargs):  # the child placed its shards (manifest, spilled files, links), then stopped
+        partial = Path(cmd[cmd.index("--outfile") + 1])
+        assert Path(cmd[cmd.index("--spill") + 1]).is_absolute()  # a relative --spill is resolved first
+        _split_gguf(partial.parent, Path(cmd[cmd.index("--spill") + 1]), stem=partial.name.removesuffix(".partial"))
+        (partial.parent / partial.name.removesuffix(".partial")).unlink()  # (no completion link: it stopped)
+        return llamacpp.subprocess.CompletedProcess(cmd, 124, "", "Error: stopped at the deadline\n")
+
+    monkeypatch.setattr(llamacpp.subprocess, "run", run)
+    monkeypatch.chdir(tmp_path)
+    record = llamacpp.convert(tmp_path / "model", here / "m.gguf", spill=Path("there"))
+    assert record["rc"] == 124 and not list(here.iterdir()) and not list(there.iterdir())
 
 
 def test_the_default_gguf_names_the_widening() -> None:
@@ -344,11 +376,14 @@ def test_a_conversion_spills_the_shards_that_do_not_fit_and_keeps_every_tensor(t
     here, there = tmp_path / "here", tmp_path / "there"
     split = llamacpp.convert(model, here / "q.gguf", "f32", TREE, tmp_path / "split.log", spill=there, shard_bytes=MiB,
                              room=2 * MiB)
+    assert llamacpp.convert(model, here / "q.gguf", "f32", TREE, tmp_path / "again.log", spill=there, shard_bytes=MiB,
+                            room=2 * MiB)["rc"] == 0  # a second conversion replaces the first (its spill files too)
     assert split["rc"] == 0, (tmp_path / "split.log").read_text()[-2000:]
     shards = llamacpp.gguf_files(here / "q.gguf")
     assert len(shards) > 3 and (here / "q.gguf").is_symlink() and llamacpp.model_file(here / "q.gguf") == shards[0]
     assert not shards[0].is_symlink() and all(shard.is_symlink() and shard.resolve().parent == there.resolve()
                                               for shard in shards[2:])
+    assert llamacpp.manifest_path(here / "q.gguf").is_file()
     assert sum(shard.stat().st_size for shard in shards[:2]) <= 2 * MiB
     assert llamacpp.gguf_tensor_bytes(here / "q.gguf", TREE) == llamacpp.gguf_tensor_bytes(tmp_path / "whole" / "q.gguf", TREE)
     llamacpp.drop(here / "q.gguf")
