@@ -149,13 +149,18 @@ def placement_policy(config: EngineConfig):
         return None
     if config.placement_overlap is None:
         return plugins.load_policy("placement", config.cpu_experts)
+    hint = (f"placement_overlap (--placement-overlap) is an option of a cost-model placement such as 'auto'; leave it "
+            f"unset with cpu_experts {config.cpu_experts!r}")
     try:
-        return plugins.load_policy("placement", config.cpu_experts, overlap=config.placement_overlap)
+        policy = plugins.load_policy("placement", config.cpu_experts, overlap=config.placement_overlap)
     except PluginError as error:
         if not isinstance(error.__cause__, TypeError):  # (unknown or refused names say so themselves)
             raise
-        raise PluginError(f"{error}. placement_overlap (--placement-overlap) is an option of a cost-model placement "
-                          f"such as 'auto'; leave it unset with cpu_experts {config.cpu_experts!r}") from error
+        raise PluginError(f"{error}. {hint}") from error
+    if getattr(policy, "overlap", None) != config.placement_overlap:  # taken by **options and dropped, say
+        raise PluginError(f"placement plug-in {config.cpu_experts!r} was given overlap={config.placement_overlap} and "
+                          f"does not keep it as its `overlap` (as 'auto' does); {hint}")
+    return policy
 
 
 def load_backend(config: EngineConfig, device: torch.device):

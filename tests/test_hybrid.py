@@ -255,6 +255,18 @@ def test_placement_overlap_reaches_auto_and_splits_a_layer_the_sum_leaves_on_the
         asyncio.run(go(0, 1.0, cpu_experts="all"))
 
 
+def test_a_placement_that_takes_the_overlap_and_drops_it_is_refused(monkeypatch):
+    """A plug-in whose constructor swallows options (**kwargs) would silently ignore placement_overlap: refused."""
+    from types import SimpleNamespace
+
+    from specter.errors import PluginError
+
+    monkeypatch.setattr(plugins, "load_policy", lambda group, name, **options: SimpleNamespace(name=name))
+    with pytest.raises(PluginError, match="does not keep it as its `overlap`"):
+        build.placement_policy(EngineConfig(cpu_experts="swallows", placement_overlap=1.0))
+    assert build.placement_policy(EngineConfig(cpu_experts="swallows")).name == "swallows"  # no overlap asked: as before
+
+
 def test_a_prompt_cancelled_under_its_own_placement_leaves_decodings_placement(root, monkeypatch):
     """Cancel a prompt that runs under a placement of its own (all layers on the device) mid-forward: the cache and
     the host path are back on decoding's placement at once, the experts the prompt loaded leave at the next prompt, and
