@@ -525,7 +525,7 @@ def _auto_line(summary: dict) -> str:
            "device (pass --placement-profile TRACE, a `generate --trace` of your text)")
     overlap = summary.get("auto_overlap")
     return (f"{summary['auto_host_experts']} host experts ({spread}); predicted expert ms per token: {times} "
-            f"({summary['routing']} routing{'' if overlap is None else f', overlap {overlap:g}'}){why}")
+            f"({summary['routing']} routing{f', overlap {overlap:g}' if overlap else ''}){why}")  # (auto's default 0: unsaid)
 
 
 def _count(n: int) -> str:
