@@ -6,7 +6,7 @@
 # CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
 # Targets: gpu-tests gpu-widen qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
 #          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after engine-ab realism
-#          hybrid llamacpp llamacpp-matrix fulldepth fulldepth-prepare host-expert host-job exact-rowwise
+#          hybrid llamacpp llamacpp-matrix fulldepth fulldepth-prepare host-expert host-job exact-rowwise cmd
 set -u
 out=${OUT:-out}
 mkdir -p "$out/logs"
@@ -399,6 +399,12 @@ print(max(spec.top_k, spec.num_experts // 4), ",".join(map(str, window[:64])))' 
   else echo "placement trace: none recorded (rc=$rc, ${lines:-0} lines); the bench places without a trace" >&2; fi
 }
 
+run_cmd() {  # target cmd: CMD, a shell command, in the GPU machine's set-up environment (the staged wheels, the project,
+  # SPECTER_CACHE), for the one-off commands docs/BENCHMARKS.md states (a profile, a bench with its own options); its
+  # output to the terminal and $out/logs/cmd.log. Another target only for its set-up would run that target too.
+  bash -c "${CMD:?target cmd needs CMD, the command to run}" 2>&1 | tee -a "$out/logs/cmd.log"
+}
+
 fulldepth_prepare() {  # fulldepth's steps before its bench, alone as target fulldepth-prepare: SHAPE's narrow checkpoint
   # (trained unless there), its realism report and its placement trace (kept beside the checkpoint, so that the next
   # fulldepth call on the warm machine spends its 10 minutes on the bench). Sets profile (the trace's path, or empty).
@@ -486,6 +492,7 @@ for target in "$@"; do
     llamacpp-matrix) llamacpp_matrix ;;
     fulldepth) fulldepth ;;
     fulldepth-prepare) fulldepth_prepare ;;
+    cmd) run_cmd ;;
     host-expert) host_expert ;;
     host-job) host_job ;;
     exact-rowwise) exact_rowwise ;;
