@@ -435,16 +435,29 @@ def convert(model_dir: Path, outfile: Path, outtype: str = "bf16", tree: Path = 
 
 
 def partial_path(outfile: Path) -> Path:
-    """Where `convert` writes before the GGUF is complete (with `--spill`, the name its shards' names start with)."""
+    """Where `convert` writes before the GGUF is complete (split, gguf-py names the shards from its stem: NAME.gguf-
+    00001-of-0000N.gguf and so on; only the link `convert` makes at NAME.gguf marks them finished)."""
     return outfile.with_name(outfile.name + ".partial")
+
+
+def read_manifest(gguf: Path) -> dict[str, list[str]]:
+    """The manifest of a split conversion to `gguf` (`spill_shards`); empty when there is none."""
+    manifest = manifest_path(gguf)
+    if not manifest.is_file():
+        return {}
+    try:
+        return json.loads(manifest.read_text())
+    except ValueError as error:
+        raise SystemExit(f"{manifest} is not the manifest convert writes ({error}); delete it and the shards beside "
+                         f"{gguf} by hand") from error
 
 
 def written_files(gguf: Path) -> list[Path]:
     """What the converter wrote for a conversion to `gguf` (at `partial_path(gguf)`): its shards in order, as its
     manifest lists them (`spill_shards`), else the one partial file; empty when it wrote none."""
-    manifest = manifest_path(gguf)
-    if manifest.is_file():
-        return [Path(name) for name in json.loads(manifest.read_text())["shards"]]
+    listed = read_manifest(gguf)
+    if listed:
+        return [Path(name) for name in listed["shards"]]
     partial = partial_path(gguf)
     return [partial] if partial.is_file() else []
 
@@ -471,8 +484,9 @@ def manifest_path(gguf: Path) -> Path:
 
 def drop(gguf: Path) -> list[str]:
     """Delete a GGUF `convert` wrote at `gguf`: the file, or the link and every shard and spilled file its manifest
-    lists (a partial conversion's too); returns what it removed (`reproduce.sh llamacpp-matrix`'s DROP_GGUF). A link
-    at `gguf` that no conversion of ours made is removed alone, never what it points to."""
+    lists (a partial conversion's too); returns what it removed (`reproduce.sh llamacpp-matrix`'s DROP_GGUF). A plain
+    file at `gguf` goes too, whoever wrote it (as `convert` replaces it); a link there is removed alone, never what it
+    points to."""
     removed = []
     for path in ours(gguf):
         path.unlink()  # (a link is removed as a link: unlink never follows it)
@@ -483,9 +497,8 @@ def drop(gguf: Path) -> list[str]:
 def ours(gguf: Path) -> list[Path]:
     """The files and links `drop(gguf)` deletes: the manifest's spilled files and shards, the partial file, `gguf`
     itself and the manifest, those that exist."""
-    manifest = manifest_path(gguf)
-    listed = json.loads(manifest.read_text()) if manifest.is_file() else {}
-    names = [*listed.get("spilled", []), *listed.get("shards", []), str(partial_path(gguf)), str(gguf), str(manifest)]
+    listed = read_manifest(gguf)
+    names = [*listed.get("spilled", []), *listed.get("shards", []), str(partial_path(gguf)), str(gguf), str(manifest_path(gguf))]
     return [path for path in map(Path, dict.fromkeys(names)) if path.is_symlink() or path.is_file()]
 
 
@@ -513,13 +526,16 @@ def spill_shards(writer_class: Any, spill: Path, room: int | None = None) -> Non
         manifest = manifest_path(path.with_name(path.name.removesuffix(".partial")))  # (path: `partial_path`'s)
         if len(paths) > 1 and not manifest.is_file():
             sizes = [sum(info.nbytes for info in tensors.values()) for tensors in self.tensors]
-            here = shutil.disk_usage(path.parent).free - GiB if room is None else room
+            free = shutil.disk_usage(path.parent).free - GiB
+            here = free if room is None else min(room, free)
             targets = {shard: spill / shard.name for shard, spills in zip(paths, place_shards(sizes, here)) if spills}
             taken = [str(target) for target in targets.values() if target.exists() or target.is_symlink()]
             if taken:
                 raise FileExistsError(f"spill files already there: {taken}; drop the GGUF they belong to first")
-            manifest.write_text(json.dumps(
+            written = manifest.with_name(manifest.name + ".tmp")  # whole or absent: a child killed here leaves no half
+            written.write_text(json.dumps(
                 {"shards": [str(shard) for shard in paths], "spilled": [str(target) for target in targets.values()]}))
+            os.replace(written, manifest)
             for shard, target in targets.items():
                 target.touch()
                 shard.unlink(missing_ok=True)
@@ -991,7 +1007,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--room-gib", type=float, default=None,
                        help="with --spill, the GiB the GGUF's directory may take (default: its free space less 1 GiB; "
                             "cap it on a RAM-backed /dev/shm, whose free space is the machine's memory)")
-    drop_p = sub.add_parser("drop", help="delete a GGUF convert wrote: the file or link, its shards, their spilled files")
+    drop_p = sub.add_parser("drop", help="delete a GGUF convert wrote: the file at the path (whoever wrote it) or the "
+                                         "link there, and the shards and spilled files its manifest lists")
     drop_p.add_argument("gguf", type=Path)
     for p in (conv, sub.choices["all"], run_p):
         p.add_argument("--widen", type=int, default=None, metavar="F",
@@ -1091,7 +1108,8 @@ def run_or_all(args: argparse.Namespace) -> int:
             return 1
         bin_dir = build_dir / "bin"
         args.gguf = args.gguf or default_gguf(args.model, args.outtype, args.widen)
-        if not args.gguf.is_file() or args.gguf.stat().st_mtime < (args.model / "config.json").stat().st_mtime:
+        if (not all(path.is_file() for path in gguf_files(args.gguf))  # (a split one: every shard, spilled ones too)
+                or args.gguf.stat().st_mtime < (args.model / "config.json").stat().st_mtime):
             steps["disk"] = check_disk(args.model, args.gguf, args.widen, args.spill, _gib(args.room_gib), int(args.shard_gib * GiB))
             print("disk:", json.dumps(steps["disk"]), flush=True)
             if not steps["disk"]["fits"]:

@@ -337,6 +337,7 @@ llamacpp_matrix() {  # llama.cpp's cells beside a full-depth table: SHAPE's narr
   [ -f "$model/train.json" ] || { echo "llamacpp-matrix: no checkpoint at $model (run llamacpp with LLAMACPP_ONLY=build first)" >&2; return 1; }
   widen=$(python3 -c "import sys; from specter.bench.widen import DEFAULT_FACTORS as F; print(F[sys.argv[1]])" "$shape") || return 1
   [ -z "${GGUF_DIR:-}" ] || gguf=$GGUF_DIR/$shape-x$widen-bf16.gguf
+  [ -z "${GGUF_SPILL:-}" ] || [ -n "$gguf" ] || { echo "llamacpp-matrix: GGUF_SPILL needs GGUF_DIR (whose GGUF DROP_GGUF drops)" >&2; return 1; }
   local first=1
   for budget in ${BUDGETS_GIB:-24 16}; do
     for mode in greedy sampled threads8; do
@@ -403,6 +404,9 @@ run_cmd() {  # target cmd: CMD, a shell command, in the GPU machine's set-up env
   # SPECTER_CACHE), for the one-off commands docs/BENCHMARKS.md states (a profile, a bench with its own options); its
   # output to the terminal and $out/logs/cmd.log. Another target only for its set-up would run that target too.
   bash -c "${CMD:?target cmd needs CMD, the command to run}" 2>&1 | tee -a "$out/logs/cmd.log"
+  local rc=${PIPESTATUS[0]}
+  echo "cmd rc=$rc"
+  return "$rc"
 }
 
 fulldepth_prepare() {  # fulldepth's steps before its bench, alone as target fulldepth-prepare: SHAPE's narrow checkpoint

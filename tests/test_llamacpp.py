@@ -171,11 +171,12 @@ def test_shards_stay_beside_the_gguf_while_they_fit_and_spill_after() -> None:
 
 
 def _split_gguf(directory: Path, spill: Path, stem: str = "m.gguf", count: int = 3, spilled: int = 2) -> Path:
-    """What `convert --spill` leaves: m.gguf.partial-0000k-of-0000N.gguf shards, the last `spilled` of them links into
-    `spill`, the manifest listing them, and the GGUF's name a link to the first shard."""
+    """What `convert --spill` leaves: m.gguf-0000k-of-0000N.gguf shards (gguf-py names them from the partial file's
+    stem), the last `spilled` of them links into `spill`, the manifest listing them, and the GGUF's name a link to the
+    first shard."""
     shards, targets = [], []
     for number in range(1, count + 1):
-        shard = directory / f"{stem}.partial-{number:05d}-of-{count:05d}.gguf"
+        shard = directory / f"{stem}-{number:05d}-of-{count:05d}.gguf"
         if number > count - spilled:
             target = spill / shard.name
             target.write_bytes(b"GGUF" + bytes(number))
@@ -195,8 +196,8 @@ def test_a_split_gguf_is_read_from_its_first_shard_and_dropped_whole(tmp_path: P
     for directory in (here, there, models):
         directory.mkdir()
     gguf = _split_gguf(here, there)
-    assert llamacpp.model_file(gguf) == here / "m.gguf.partial-00001-of-00003.gguf"
-    assert llamacpp.gguf_files(gguf) == [here / f"m.gguf.partial-0000{n}-of-00003.gguf" for n in (1, 2, 3)]
+    assert llamacpp.model_file(gguf) == here / "m.gguf-00001-of-00003.gguf"
+    assert llamacpp.gguf_files(gguf) == [here / f"m.gguf-0000{n}-of-00003.gguf" for n in (1, 2, 3)]
     # a link of yours at a GGUF name, to a split GGUF of yours: read through its first shard, never deleted
     official = [models / f"X-0000{n}-of-00002.gguf" for n in (1, 2)]
     for path in official:
@@ -207,6 +208,12 @@ def test_a_split_gguf_is_read_from_its_first_shard_and_dropped_whole(tmp_path: P
     assert sorted(p.name for p in here.iterdir()) == ["yours.gguf"] and not list(there.iterdir()), removed
     assert llamacpp.drop(here / "yours.gguf") == [str(here / "yours.gguf")]
     assert all(path.read_bytes() == b"GGUF yours" for path in official)
+
+
+def test_an_unreadable_manifest_is_a_clear_error_not_a_guess(tmp_path: Path) -> None:
+    llamacpp.manifest_path(tmp_path / "m.gguf").write_text('{"shards": ["/tmp/x-00001-of-')  # cut short
+    with pytest.raises(SystemExit, match="not the manifest convert writes"):
+        llamacpp.drop(tmp_path / "m.gguf")
 
 
 def test_check_disk_with_a_spill_counts_another_file_system_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
