@@ -377,7 +377,7 @@ def _byte_set_vocab(self: Any) -> None:
 
 
 DEFAULT_SHARD_BYTES = 8 * GiB
-"""`convert --spill`'s shard size: small against either directory's 64 GiB, so little of one is left unused."""
+"""`convert --spill`'s shard size: small against either directory's room, so little of it is left unused."""
 SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})\.gguf$")
 """gguf-py's shard names (gguf_writer.SHARD_NAME_FORMAT), which llama.cpp's loader expects of a split GGUF."""
 

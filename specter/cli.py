@@ -154,7 +154,8 @@ def engine_config(args: argparse.Namespace):
         eviction=args.eviction, prefetch=args.prefetch, lookahead=args.lookahead, link=args.link, progress=args.progress,
         threads=args.threads, cpu_experts=args.cpu_experts, cpu_threads=args.cpu_threads, recalibrate=args.recalibrate,
         placement_profile=args.placement_profile, placement_overlap=args.placement_overlap,
-        tuning=TuningConfig().with_overrides(args.tune), draft=dict(k_max=args.k_max, quant=args.quant, sampling=args.sampling, scout=args.scout, overlap=args.overlap)
+        tuning=TuningConfig().with_overrides(args.tune),
+        draft=dict(k_max=args.k_max, quant=args.quant, sampling=args.sampling, scout=args.scout, overlap=args.overlap)
         | ({} if args.k is None else {"k": args.k}),  # no --k: the default depth, within --k-max
     )
 

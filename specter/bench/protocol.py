@@ -438,7 +438,7 @@ class ModelBench:
             # Baselines are shared by placement, not by policy name: the same policy may place a speculating system
             # and its k = 0 sibling differently (a trace profile's prefetch model), and each is held to its own.
             placement = await runtime.use_placement(system.cpu_experts, start_state, self.desktop_threads(link),
-                                                    **self.placement_options(system))
+                                                    self.placement_overlap(system))
             self.placed = placement.host if placement is not None else ()
             cell["host_threads"] = runtime.host_threads
             cell["placement"] = runtime.placement_decision
@@ -460,11 +460,11 @@ class ModelBench:
         self.cells.append(cell | {"status": "ok", "seconds": round(self.cell_seconds[-1], 2)})
         self._ended(name)
 
-    def placement_options(self, system: System) -> dict[str, float]:
-        """The placement plug-in's options: `auto`'s overlap, the system's own (`System.placement_overlap`) or else
-        `--placement-overlap`'s when it gives one."""
+    def placement_overlap(self, system: System) -> float | None:
+        """`auto`'s overlap for `system`: its own (`System.placement_overlap`), else `--placement-overlap`'s; None
+        (auto's default) for the other placements (`all` takes none)."""
         overlap = system.placement_overlap if system.placement_overlap is not None else self.options.placement_overlap
-        return {"overlap": overlap} if system.cpu_experts == "auto" and overlap is not None else {}
+        return overlap if system.cpu_experts == "auto" else None
 
     def desktop_threads(self, link: str) -> int | None:
         """The host path's threads at `link`: the desktop's at DESKTOP_LINK, else None (the engine's default)."""

@@ -20,7 +20,8 @@ from specter import plugins
 from specter.config import DraftConfig, EngineConfig
 from specter.errors import BudgetError, ConfigError
 from specter.experts.transfer import LinkEmulation, parse_link
-from specter.build import OFF, apply_placement, chosen_kernel, drafts_rounds, model_host_kernels, new_cache, placement_state
+from specter.build import (OFF, apply_placement, chosen_kernel, drafts_rounds, model_host_kernels, new_cache, placement_policy,
+                           placement_state)
 from specter.experts.costs import Calibration, HostKernel, calibrate
 from specter.experts.host import default_threads
 from specter.engine import Runtime
@@ -399,12 +400,13 @@ class BenchRuntime(Runtime):
             self.experts.on_routed = self._gate_prefetch if self.system.gate_prefetch else None
 
     async def use_placement(self, name: str, initial: Sequence[Sequence[int]] | None = None,
-                            threads: int | None = None, **options: Any) -> Placement | None:
+                            threads: int | None = None, overlap: float | None = None) -> Placement | None:
         """Place the experts as the `specter.placement` plug-in `name` does from a cache that holds `initial` (per layer;
         None: what it holds now), between requests: the bench's cells start from different caches, and each cell's
         placement is fixed for all of its requests. `threads`: the host path's torch threads, for the calibration the
-        policy decides from and for the path itself (None: the engine's `cpu_threads`). `options`: the plug-in's
-        constructor's (auto's `overlap`). 'off': no host path. Returns the placement (None for 'off')."""
+        policy decides from and for the path itself (None: the engine's `cpu_threads`). `overlap`: the plug-in's, as
+        EngineConfig.placement_overlap gives it (the builder's `placement_policy` loads it). 'off': no host path.
+        Returns the placement (None for 'off')."""
         assert isinstance(self.experts, OffloadedExperts) and self.cache is not None, "use_placement needs an offloaded runtime"
         self.experts.close()
         self.experts.host = None
@@ -414,7 +416,7 @@ class BenchRuntime(Runtime):
             return None
         self.host_threads = threads or self.config.cpu_threads or default_threads()
         state = await self._placement_state(initial, self.host_threads)
-        policy = plugins.load_policy("placement", name, **options)
+        policy = placement_policy(self.config.model_copy(update={"cpu_experts": name, "placement_overlap": overlap}))
         placement = policy.place(state=state)
         self.placement_decision = decision_record(state, placement, getattr(policy, "prefetch_discount", 0.0),
                                                   getattr(policy, "overlap", OVERLAP))
