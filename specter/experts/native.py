@@ -249,30 +249,36 @@ typedef struct {
     int64_t rows;
 } expert_job;
 
-/* This thread's share of one product phase over every job: output blocks of `step` rows of the weights (W13's 2I or
-   W2's D = n_len), numbered job by job, split into contiguous runs over the team. A block is computed the same way
-   whichever thread takes it and whatever job precedes it, so the split changes no bit. */
+/* This thread's part of one product phase over every job: output blocks of `step` rows of the weights (W13's 2I or
+   W2's D = n_len), numbered job by job, in runs of contiguous blocks (about 8 a thread) handed to whichever thread is
+   free, not fixed shares: with fixed shares the team waits at the phase's barrier for its slowest thread, and a thread
+   the OS placed on a busy core or woke late holds up all of them. A block is computed the same way whichever thread
+   takes it and whatever job precedes it, so the split changes no bit. Ends without a barrier: the caller's. */
 static void products(const expert_job *jobs, int count, int n_len, int k_len, int step, int path, int second,
-                     int team, int me) {
+                     int team) {
     int64_t units = (n_len + step - 1) / step, total = units * count;
-    int64_t lo = total * me / team, hi = total * (me + 1) / team;
-    for (int64_t u = lo; u < hi;) {
-        const expert_job *job = jobs + u / units;
-        int64_t first = u % units, last = units - first < hi - u ? units : first + (hi - u);
-        int n0 = (int)(first * step), n1 = (int)(last * step) < n_len ? (int)(last * step) : n_len;
-        const uint16_t *w = second ? job->w2 : job->w13;
-        float *y = second ? job->down : job->gate_up;
-        const uint16_t *x = second ? job->act : job->x;
+    int64_t grain = total / ((int64_t)team * 8) > 1 ? total / ((int64_t)team * 8) : 1, runs = (total + grain - 1) / grain;
+    #pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t run = 0; run < runs; run++) {
+        int64_t lo = run * grain, hi = lo + grain < total ? lo + grain : total;
+        for (int64_t u = lo; u < hi;) {
+            const expert_job *job = jobs + u / units;
+            int64_t first = u % units, last = units - first < hi - u ? units : first + (hi - u);
+            int n0 = (int)(first * step), n1 = (int)(last * step) < n_len ? (int)(last * step) : n_len;
+            const uint16_t *w = second ? job->w2 : job->w13;
+            float *y = second ? job->down : job->gate_up;
+            const uint16_t *x = second ? job->act : job->x;
 #ifdef __AMX_BF16__
-        if (path == 2) amx_product(job->packed, (int)job->rows, k_len, w, n0, n1, y, n_len);
+            if (path == 2) amx_product(job->packed, (int)job->rows, k_len, w, n0, n1, y, n_len);
 #endif
 #ifdef __AVX512BF16__
-        if (path == 1) gemv_tile(x, (int)job->rows, k_len, w, n0, n1, y, n_len);
+            if (path == 1) gemv_tile(x, (int)job->rows, k_len, w, n0, n1, y, n_len);
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-        if (path == 0) gemv8(x, (int)job->rows, k_len, w, n0, n1, y, n_len);
+            if (path == 0) gemv8(x, (int)job->rows, k_len, w, n0, n1, y, n_len);
 #endif
-        u += last - first;
+            u += last - first;
+        }
     }
 }
 
@@ -307,7 +313,7 @@ static void swiglu_team(const expert_job *jobs, int count, int hidden, int inter
     }
     #pragma omp barrier
 #endif
-    products(jobs, count, 2 * inter, hidden, step, path, 0, team, me);
+    products(jobs, count, 2 * inter, hidden, step, path, 0, team);
     #pragma omp barrier
     elementwise(jobs, count, inter, inter, 1, team, me);
     #pragma omp barrier
@@ -315,7 +321,7 @@ static void swiglu_team(const expert_job *jobs, int count, int hidden, int inter
     if (amx) for (int j = 0; j < count; j++) amx_pack(jobs[j].act, (int)jobs[j].rows, inter, jobs[j].packed, team, me);
     #pragma omp barrier
 #endif
-    products(jobs, count, hidden, inter, step, path, 1, team, me);
+    products(jobs, count, hidden, inter, step, path, 1, team);
 #ifdef __AMX_BF16__
     if (amx) _tile_release();
 #endif
