@@ -6,7 +6,7 @@
 # CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
 # Targets: gpu-tests gpu-widen qwen qwen-traces replay draft-step floor resident-hf transfer kernels reference
 #          reference-overlap paper-qwen paper-deepseek paper-phi paper-merge cpu-quick serve before-after engine-ab realism
-#          hybrid llamacpp llamacpp-matrix fulldepth fulldepth-prepare host-expert host-job exact-rowwise cmd
+#          hybrid llamacpp llamacpp-matrix fulldepth fulldepth-prepare host-expert host-job host-job-ab exact-rowwise cmd
 set -u
 out=${OUT:-out}
 mkdir -p "$out/logs"
@@ -270,6 +270,23 @@ host_job() {  # "What is not measured yet": a host job's fixed cost (benchmarks/
   echo "host-job layer rc=$? at ${SECONDS}s"; grep fixed "$out/host-job/host-job-layer.log"
 }
 
+host_job_ab() {  # table "A host job's cost around its kernel", the kernel's change: the kernel alone
+  # (benchmarks/host_job_cost.py: SHAPE, default mixtral-8x7b, 15 threads, cold, back to back, REPEATS rounds) in the
+  # tree of $OLD (`git archive REV specter policies backends pyproject.toml | tar -x -C .old`, carried) and in this one,
+  # alternating old new new old, each side's kernel built into a cache of its own; POLICY=active runs all four under
+  # OMP_WAIT_POLICY=active. About 40-60 s a process on Mixtral's experts.
+  local old here=$PWD side n=0 dest=$out/host-job-ab
+  old=$(cd "${OLD:-$here/.old}" && pwd) && [ -d "$old/specter" ] || { echo "host-job-ab: no old tree at ${OLD:-.old}" >&2; return 1; }
+  mkdir -p "$dest"
+  for side in old new new old; do  # from /tmp, so that only the side's own specter is importable
+    n=$((n + 1)); dir=$here; [ $side = old ] && dir=$old
+    (cd /tmp && SPECTER_CACHE=/tmp/specter-cache-$side PYTHONPATH=/tmp/site:$dir ${POLICY:+env OMP_WAIT_POLICY=$POLICY} \
+      timeout 150 python3 "$here/benchmarks/host_job_cost.py" "${SHAPE:-mixtral-8x7b}" 15 0 "${REPEATS:-12}" \
+      > "$dest/$side-$n.log" 2>&1
+     echo "$side $n rc=$? at ${SECONDS}s"; grep fixed "$dest/$side-$n.log")
+  done
+}
+
 hybrid() {  # issue 29 (no table yet): the hybrids beside the systems they extend, Mixtral-8x7B's shape (4 layers, random
             # weights) at 2 residents and Gen4; first one host expert's time, what auto's calibration measures at load.
             # PLACEMENT_OVERLAP=1: auto weighs the paths as overlapped and splits (4 of 6 non-residents per layer on
@@ -499,6 +516,7 @@ for target in "$@"; do
     cmd) run_cmd ;;
     host-expert) host_expert ;;
     host-job) host_job ;;
+    host-job-ab) host_job_ab ;;
     exact-rowwise) exact_rowwise ;;
     *) echo "unknown target: $target" >&2; exit 2 ;;
   esac
