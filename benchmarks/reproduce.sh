@@ -211,10 +211,17 @@ for (link, setting, system), sides in sorted(cells.items()):
 PY
 }
 
+old_tree() {  # TARGET: the old tree's absolute path ($OLD, default .old: `git archive REV specter policies backends
+  # pyproject.toml | tar -x -C .old`, carried); where it holds no specter, says so for TARGET and fails
+  local old
+  old=$(cd "${OLD:-$PWD/.old}" 2>/dev/null && pwd) && [ -d "$old/specter" ] || { echo "$1: no old tree at ${OLD:-.old}" >&2; return 1; }
+  echo "$old"
+}
+
 engine_ab() {  # table "Before and after the redesign", engine rows: benchmarks/engine_ab.py straight on the engine (no
   # bench harness) in the trees of $OLD and of this one, alternating old new new old, synthetic Qwen shape (8 layers)
   local side dir here=$PWD dest=$out/engine-ab n=0 old
-  old=$(cd "${OLD:-$here/.old}" && pwd) && [ -d "$old/specter" ] || { echo "engine-ab: no old tree at ${OLD:-.old}" >&2; return 1; }
+  old=$(old_tree engine-ab) || return 1
   mkdir -p "$dest"
   for side in old new new old; do  # from /tmp, so that only $dir's specter is importable
     n=$((n + 1)); dir=$here; [ $side = old ] && dir=$old
@@ -276,7 +283,7 @@ host_job_ab() {  # table "A host job's cost around its kernel", the kernel's cha
   # alternating old new new old, each side's kernel built into a cache of its own; POLICY=active runs all four under
   # OMP_WAIT_POLICY=active. About 40-60 s a process on Mixtral's experts.
   local old here=$PWD side n=0 dest=$out/host-job-ab
-  old=$(cd "${OLD:-$here/.old}" && pwd) && [ -d "$old/specter" ] || { echo "host-job-ab: no old tree at ${OLD:-.old}" >&2; return 1; }
+  old=$(old_tree host-job-ab) || return 1
   mkdir -p "$dest"
   for side in old new new old; do  # from /tmp, so that only the side's own specter is importable
     n=$((n + 1)); dir=$here; [ $side = old ] && dir=$old
