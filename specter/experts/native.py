@@ -257,7 +257,9 @@ typedef struct {
 static void products(const expert_job *jobs, int count, int n_len, int k_len, int step, int path, int second,
                      int team) {
     int64_t units = (n_len + step - 1) / step, total = units * count;
-    int64_t grain = total / ((int64_t)team * 8) > 1 ? total / ((int64_t)team * 8) : 1, runs = (total + grain - 1) / grain;
+    int64_t grain = total / ((int64_t)team * 8);
+    if (grain < 1) grain = 1;
+    int64_t runs = (total + grain - 1) / grain;
     #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t run = 0; run < runs; run++) {
         int64_t lo = run * grain, hi = lo + grain < total ? lo + grain : total;
