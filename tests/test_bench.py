@@ -979,3 +979,42 @@ def test_a_system_without_the_draft_reports_its_peak_without_the_shared_runtimes
     peaks = {row["system"]: row["peak_gib"] for row in results["summary"]}
     assert peaks["specter"] == 1.01 and peaks["ondemand"] == round((fake - unused["ondemand"]) / 2**30, 2) == 1.0
     assert "less the draft's bytes" in (tmp_path / "results.md").read_text()
+
+
+def test_a_cells_peak_is_split_into_live_tensors_fragmentation_and_the_plan(tmp_path, monkeypatch):
+    """Beside the peak reserve, each run records the peak of live tensors and of free bytes in partly used blocks (faked
+    here: the CPU has no allocator figures) and the plan's device bytes for the cell's slots; the summary gives each in
+    GiB, the draft's bytes left out for a system without it, except from the fragmentation, which is not the draft's."""
+    allocated, split = int(0.756 * 2**30), int(0.1265 * 2**30)  # tiny's draft (3 MiB) takes either under its rounding
+    monkeypatch.setattr(protocol, "gpu_memory_parts", lambda: {"peak_gpu_allocated_bytes": allocated,
+                                                               "peak_gpu_inactive_split_bytes": split})
+    code = cli.main(["--systems", "ondemand,specter", "--residents", "3", "--max-new-tokens", "4", "--warmup-tokens", "4",
+                     "--no-progress", "--no-plots", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert code == 0
+    model = results["models"][0]
+    runs = {run["system"]: run for run in results["runs"] if run["system"] in ("ondemand", "specter")}
+    for run in runs.values():  # the fixed parts (weights, draft, KV, workspace) and this cell's slots of experts
+        fixed = run["planned_gpu_bytes"] - model["moe_layers"] * run["slots"] * model["expert_bytes"]
+        assert run["slots"] == 3 and 0 < fixed < run["planned_gpu_bytes"], run
+    assert runs["specter"]["planned_gpu_bytes"] == runs["ondemand"]["planned_gpu_bytes"]  # one runtime, its draft in both
+    rows = {row["system"]: row for row in results["summary"]}
+    for system, run in runs.items():
+        unused = run["unused_draft_bytes"]
+        assert rows[system]["planned_gib"] == round((run["planned_gpu_bytes"] - unused) / 2**30, 2)
+        assert rows[system]["peak_allocated_gib"] == round((allocated - unused) / 2**30, 2)
+        assert rows[system]["peak_inactive_split_gib"] == 0.13
+    assert runs["ondemand"]["unused_draft_bytes"] > 0 == runs["specter"]["unused_draft_bytes"]
+    assert (rows["specter"]["peak_allocated_gib"], rows["ondemand"]["peak_allocated_gib"]) == (0.76, 0.75)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_allocators_figures_on_cuda_sit_inside_its_reserve():
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    blocks = [torch.empty(48 * 2**20, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    del blocks[0]  # a freed block the allocator keeps in its reserve
+    parts, reserved = protocol.gpu_memory_parts(), protocol.peak_gpu_bytes()
+    assert 96 * 2**20 <= parts["peak_gpu_allocated_bytes"] <= reserved, (parts, reserved)
+    assert 0 <= parts["peak_gpu_inactive_split_bytes"] <= reserved - 48 * 2**20, (parts, reserved)

@@ -515,6 +515,7 @@ class ModelBench:
                 "h2d_decode_floor_bytes": floor,
                 "seed": prompt.seed if prompt.sampling != "greedy" else None, **request_record(result.tokens, expected, result.stats),
                 "predictor_recall": runtime.predictor_recall, "wall_s": round(wall_s, 4), "peak_gpu_bytes": peak_gpu_bytes(),
+                **gpu_memory_parts(), "planned_gpu_bytes": runtime.memory.device_bytes,
                 "unused_draft_bytes": unused_draft_bytes(runtime, system), "host_experts_placed": placed_host_experts(runtime)}
 
 
@@ -548,6 +549,16 @@ def request_record(tokens: list[int], expected: list[int] | None, stats) -> dict
 
 def peak_gpu_bytes() -> int | None:
     return int(torch.cuda.max_memory_reserved()) if torch.cuda.is_available() else None
+
+
+def gpu_memory_parts() -> dict[str, int | None]:
+    """What the peak reserve (`peak_gpu_bytes`) holds, since the cell's warm-up (CUDA; None elsewhere): the peak of
+    live tensors, which the memory plan accounts for, and the peak of free bytes inside blocks still partly in use,
+    which `empty_cache` cannot give back (the allocator's fragmentation, which no plan counts)."""
+    if not torch.cuda.is_available():
+        return {"peak_gpu_allocated_bytes": None, "peak_gpu_inactive_split_bytes": None}
+    return {"peak_gpu_allocated_bytes": int(torch.cuda.max_memory_allocated()),
+            "peak_gpu_inactive_split_bytes": int(torch.cuda.memory_stats().get("inactive_split_bytes.all.peak", 0))}
 
 
 async def bench_models(targets: Sequence[ModelTarget], options: Options, budget_s: float | None,
