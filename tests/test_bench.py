@@ -140,13 +140,34 @@ def test_specter_and_exact_prefetch_specter_take_the_engines_default_draft_ahead
         assert (run["rounds"], run["drafted"], run["accepted"]) == (source["rounds"], source["drafted"], source["accepted"])
 
 
-def test_exact_prefetch_specter_without_specter_is_skipped_and_says_why(tmp_path):
+def test_exact_prefetch_specter_without_specter_is_refused_before_anything_runs(tmp_path, capsys):
+    """It replays specter's rounds of the same run: without specter it could only be skipped, after the load."""
     code = cli.main(["--systems", "ondemand,exact-prefetch-specter", "--max-new-tokens", "4", "--warmup-tokens", "2", "--link", "1",
-                     "--no-progress", "--no-plots", "--out", str(tmp_path)])
+                     "--no-progress", "--no-plots", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: exact-prefetch-specter replays the rounds specter runs") and err.count("\n") == 1, err
+    assert "add specter to --systems" in err and not (tmp_path / "out").exists()
+
+
+def test_exact_prefetch_specter_whose_specter_cell_did_not_run_is_skipped_and_says_why(tmp_path, monkeypatch):
+    """specter in the run, but its cell not run (as the time budget skips a cell): the replay is skipped with the
+    reason, not run on rounds that were never recorded."""
+    real = protocol.ModelBench._cell
+
+    async def cell(self, runtime, system, setting, link, slots, initial, note=""):
+        if system.name != "specter":
+            return await real(self, runtime, system, setting, link, slots, initial, note)
+        self.cells.append({"model": self.target.label, "setting": setting.label, "link": link, "system": system.name,
+                           "slots": slots, "note": note, "status": "skipped: time budget"})
+        self._ended((self.target.label, setting.label, link, system.name))
+
+    monkeypatch.setattr(protocol.ModelBench, "_cell", cell)
+    code = cli.main(["--systems", "specter,exact-prefetch-specter", "--max-new-tokens", "4", "--warmup-tokens", "2",
+                     "--link", "1", "--no-progress", "--no-plots", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
     assert code == 0
     status = {cell["system"]: cell["status"] for cell in results["cells"]}
-    assert status == {"ondemand": "ok", "exact-prefetch-specter": "skipped: needs specter earlier in the same run"}
+    assert status == {"specter": "skipped: time budget", "exact-prefetch-specter": "skipped: needs specter earlier in the same run"}
     assert any("exact-prefetch-specter: skipped: needs specter" in note for note in results["notes"])
 
 

@@ -18,7 +18,7 @@ from specter.bench.protocol import (CELL_FIELDS, SAMPLING_MODES, ModelTarget, Op
                                     run_matrix, synthetic_prompts, warmup_prompt)
 from specter.bench.stopping import BenchStopped, Stopper, exit_status
 from specter.bench.synthetic import SHAPES, family_available, shape_config, shape_label, synthetic_source
-from specter.bench.systems import DEFAULT_SYSTEMS, SYSTEMS, Setting
+from specter.bench.systems import DEFAULT_SYSTEMS, SCHEDULE_SOURCE, SYSTEMS, Setting
 from specter.build import resolve_dtype
 from specter.config import EngineConfig, TuningConfig, parse_bytes
 from specter.errors import ConfigError, SpecterError
@@ -270,7 +270,12 @@ def options_from_args(args: argparse.Namespace) -> Options:
     if unknown:
         raise ConfigError(f"unknown system(s) {unknown}; systems: {', '.join(SYSTEMS)}")
     # A system that replays specter's rounds (exact-prefetch-specter) needs them recorded first: it runs after the
-    # others, whatever the order given (without specter in the run it is skipped, and says why).
+    # others, whatever the order given. Without specter in the run it could only be skipped, after the load and every
+    # other cell had spent their time: refused here instead.
+    replaying = [name for name in systems if SYSTEMS[name].replay_schedule]
+    if replaying and SCHEDULE_SOURCE not in systems:
+        raise ConfigError(f"{', '.join(replaying)} replays the rounds {SCHEDULE_SOURCE} runs in the same bench run; add "
+                          f"{SCHEDULE_SOURCE} to --systems (the order does not matter)")
     systems = sorted(systems, key=lambda name: SYSTEMS[name].replay_schedule)
     modes = list(dict.fromkeys(args.sampling))
     if not modes or any(mode not in SAMPLING_MODES for mode in modes):
