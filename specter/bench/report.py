@@ -201,10 +201,10 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "copy_busy": round(sum(r.get("copy_busy_s", 0.0) for r in runs) / copy_window, 4) if copy_window else None,
         "copy_idle": _copy_idle(runs, copy_window),
         "pump_gaps": _pump_gaps(runs),
-        "peak_gib": _peak(runs),
-        "peak_allocated_gib": _peak(runs, "peak_gpu_allocated_bytes"),
-        "peak_inactive_split_gib": _peak(runs, "peak_gpu_inactive_split_bytes", less_draft=False),
-        "planned_gib": _peak(runs, "planned_gpu_bytes"),
+        "peak_gib": _gpu_gib(runs, "peak_gpu_bytes"),
+        "peak_allocated_gib": _gpu_gib(runs, "peak_gpu_allocated_bytes"),
+        "peak_inactive_split_gib": _gpu_gib(runs, "peak_gpu_inactive_split_bytes", less_draft=False),
+        "planned_gib": _gpu_gib(runs, "planned_gpu_bytes"),
         "host_threads": runs[0].get("host_threads"),
         "host_kernel": (runs[0].get("placement") or {}).get("host_kernel"),
         "host_experts_placed": max((r.get("host_experts_placed", 0) for r in runs), default=0),
@@ -279,9 +279,10 @@ def _counts(runs: Sequence[dict], key: str) -> Counter:
     return histogram
 
 
-def _peak(runs: list[dict], key: str = "peak_gpu_bytes", less_draft: bool = True) -> float | None:
-    """The cell's own peak GPU memory in GiB (`key`: max reserved; or max allocated, the allocator's split blocks, the
-    plan's device bytes), less a shared runtime's draft its system does not use (`less_draft`)."""
+def _gpu_gib(runs: list[dict], key: str, less_draft: bool = True) -> float | None:
+    """The cell's own GPU bytes under `key` in GiB, the most of its runs (the allocator's peak reserve, its live
+    tensors' peak, its split blocks' peak, or the plan's device bytes), less a shared runtime's draft its system does
+    not use (`less_draft`)."""
     peaks = [r[key] - ((r.get("unused_draft_bytes") or 0) if less_draft else 0) for r in runs if r.get(key) is not None]
     return round(max(peaks) / 2**30, 2) if peaks else None
 
