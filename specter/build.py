@@ -223,7 +223,8 @@ async def load_experts(source: WeightSource, config: EngineConfig, memory: Memor
     if memory.all_resident:
         resident = ResidentExperts.from_iter(source.experts(dtype, config.progress), spec.num_experts, device)
         stream = ((layer, e, resident.expert(layer, e)) for layer in spec.moe_layers for e in range(spec.num_experts))
-        draft = quantize_layers(stream, spec.hidden_size, spec.expert_intermediate, spec.num_experts, config.draft, device) if speculative else {}
+        draft = quantize_layers(stream, spec.hidden_size, spec.expert_intermediate, spec.num_experts, config.draft, device,
+                                layers=spec.moe_layers, dtype=dtype) if speculative else {}
         return resident, None, draft
     pool = ExpertPool(backend, len(spec.moe_layers), spec.num_experts, spec.expert_numel, dtype)
     moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
@@ -234,7 +235,8 @@ async def load_experts(source: WeightSource, config: EngineConfig, memory: Memor
             yield layer, expert, flat
 
     if speculative:
-        draft = quantize_layers(into_pool(), spec.hidden_size, spec.expert_intermediate, spec.num_experts, config.draft, device)
+        draft = quantize_layers(into_pool(), spec.hidden_size, spec.expert_intermediate, spec.num_experts, config.draft, device,
+                                layers=spec.moe_layers, dtype=dtype)
     else:
         draft = {}
         for _ in into_pool():

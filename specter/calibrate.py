@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from specter.config import DraftConfig
-from specter.draft import BITS, draft_group
+from specter.draft import BITS, layer_group
 from specter.log import get_logger
 from specter.model.transformer import ExpertMLP, ExpertProvider
 from specter.model.weights import unpack_expert
@@ -88,9 +88,7 @@ def _gptq_layer(flats: Sequence[Tensor], inputs: Tensor, choices: Tensor, hidden
         rows = inputs[routed]
         h = F.linear(rows, gate_up[expert])
         hessians_mid.experts[expert].add(F.silu(h[:, :inter]) * h[:, inter:])
-    group = draft_group(hidden, config.group_size)
-    if draft_group(inter, config.group_size) != group:
-        group = -1
+    group = layer_group(hidden, inter, config.group_size)
     h_in, h_mid = hessians_in.stacked(), hessians_mid.stacked()
     del hessians_in, hessians_mid  # the stacked copies are all GPTQ needs (on a GPU: 3 GB less at the Qwen shape)
     return gptq_quantize_experts(gate_up[:, :inter], gate_up[:, inter:], down, h_in, h_mid, BITS[config.quant], group,

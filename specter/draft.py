@@ -10,7 +10,7 @@ feeding the next step's input buffer on the device.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from specter.model.registry import transformer_for
 from specter.model.transformer import ExpertMLP, Transformer
 from specter.model.weights import unpack_expert
 from specter.quant import QuantizedExperts, fused_moe, quantize_experts
-from specter.quant.groupwise import packed_bytes_per_row
+from specter.quant.groupwise import default_scale_dtype, empty_experts, packed_bytes_per_row
 from specter.sampling import SamplingParams, sample
 
 log = get_logger(__name__)
@@ -80,27 +80,44 @@ class DraftExperts:
 
 
 def quantize_layers(experts: Iterable[tuple[int, int, Tensor]], spec_hidden: int, spec_inter: int, num_experts: int,
-                    config: DraftConfig, device: torch.device) -> dict[int, QuantizedExperts]:
-    """Quantize every layer's experts (streamed as packed flats, one layer at a time) onto the device."""
+                    config: DraftConfig, device: torch.device, *, layers: Sequence[int], dtype: torch.dtype) -> dict[int, QuantizedExperts]:
+    """Quantize every layer's experts (streamed as packed flats of `dtype`, one layer at a time) onto the device.
+
+    Every layer of `layers` gets its packed tensors before the first expert arrives: allocated on a reserve emptied of
+    cached blocks, each long-lived tensor has a segment of its own, and the stream's temporaries (a layer's flats
+    and their float copies, a widened load's) take segments that `empty_cache` gives back whole afterwards. Carved
+    from those temporaries' cached blocks instead, the draft had pinned about 1 GiB of the reserve beyond the plan
+    on the 32-layer full-depth shapes (docs/BENCHMARKS.md, "GPU memory beyond the plan")."""
     assert config.quant != "gptq4", "gptq4 drafts are built by Runtime.calibrate_draft, after loading"
-    layers: dict[int, QuantizedExperts] = {}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    bits, group = BITS[config.quant], layer_group(spec_hidden, spec_inter, config.group_size)
+    out = {layer: empty_experts(num_experts, spec_inter, spec_hidden, bits, group, default_scale_dtype(dtype), device)
+           for layer in layers}
     pending: dict[int, list[Tensor]] = {}
     for layer, expert, flat in experts:
+        if layer not in out:
+            raise ConfigError(f"the draft's expert stream gave layer {layer}, which is not one of its MoE layers {list(out)}")
         pending.setdefault(layer, [None] * num_experts)[expert] = flat  # type: ignore[list-item]
         if all(t is not None for t in pending[layer]):
-            layers[layer] = _quantize_layer(pending.pop(layer), spec_hidden, spec_inter, config, device)
+            _quantize_layer(pending.pop(layer), spec_hidden, spec_inter, bits, group, out[layer], device)
     assert not pending, f"layers {sorted(pending)} are missing experts"
-    return layers
+    return out
 
 
-def _quantize_layer(flats: list[Tensor], hidden: int, inter: int, config: DraftConfig, device: torch.device) -> QuantizedExperts:
+def layer_group(hidden: int, inter: int, group_size: int) -> int:
+    """The group both of a layer's projections are quantized with: the configured one where it divides both the
+    hidden and the intermediate size, else one group per row."""
+    group = draft_group(hidden, group_size)
+    return group if draft_group(inter, group_size) == group else -1
+
+
+def _quantize_layer(flats: list[Tensor], hidden: int, inter: int, bits: int, group: int, out: QuantizedExperts,
+                    device: torch.device) -> None:
     w13, w2 = zip(*(unpack_expert(flat.to(device), hidden, inter) for flat in flats))
     gate_up = torch.stack(w13)  # [E, 2I, D]
     down = torch.stack(w2)  # [E, D, I]
-    group = draft_group(hidden, config.group_size)
-    if draft_group(inter, config.group_size) != group:
-        group = -1
-    return quantize_experts(gate_up[:, :inter], gate_up[:, inter:], down, BITS[config.quant], group)
+    quantize_experts(gate_up[:, :inter], gate_up[:, inter:], down, bits, group, out=out)
 
 
 class Draft:

@@ -89,7 +89,8 @@ def test_a_replay_equals_the_same_step_run_eagerly(load, dtype):
 def draft_for(loaded: LoadedModel, static: bool) -> Draft:
     spec = loaded.spec
     stream = ((layer, e, loaded.experts.expert(layer, e)) for layer in spec.moe_layers for e in range(spec.num_experts))
-    layers = quantize_layers(stream, spec.hidden_size, spec.expert_intermediate, spec.num_experts, DraftConfig(), loaded.model.device)
+    layers = quantize_layers(stream, spec.hidden_size, spec.expert_intermediate, spec.num_experts, DraftConfig(), loaded.model.device,
+                             layers=spec.moe_layers, dtype=loaded.model.dtype)
     return Draft(loaded.model, DraftExperts(layers, spec.num_layers, spec.num_experts, loaded.model.device), static=static)
 
 

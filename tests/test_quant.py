@@ -19,7 +19,7 @@ from specter.quant import (
     quantize,
     quantize_experts,
 )
-from specter.quant.groupwise import CODES_PER_UNIT, level_limit, pack_codes, unpack_codes
+from specter.quant.groupwise import CODES_PER_UNIT, empty_experts, level_limit, pack_codes, unpack_codes
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -130,6 +130,49 @@ def test_quantize_experts_stacks_per_expert_quantization() -> None:
     assert torch.equal(up_q[2], dequantize(quantize(torch.cat([gate[2], up[2]]), 4, 32))[64:])
     assert torch.equal(down_q[1], dequantize(quantize(down[1], 4, 32)))
     assert qe.nbytes == 3 * (128 * 64 + 4 * 128 * 4 + 128 * 32 + 2 * 128 * 4)
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, -1), (3, 64), (2, 32)])
+def test_quantize_experts_into_a_preallocated_layer_equals_each_experts_own_quantization(bits, group) -> None:
+    gate, up, down = make_experts(3, 64, 128, seed=bits)
+    out = empty_experts(3, 64, 128, bits, group, torch.float32, "cpu")
+    assert quantize_experts(gate, up, down, bits=bits, group=group, out=out) is out
+    for e in range(3):
+        w13, w2 = quantize(torch.cat([gate[e], up[e]]), bits, group), quantize(down[e], bits, group)
+        assert torch.equal(out.w13[e], w13.packed) and torch.equal(out.w13_scales[e], w13.scales)
+        assert torch.equal(out.w2[e], w2.packed) and torch.equal(out.w2_scales[e], w2.scales)
+        assert (out.w13_group, out.w2_group) == (w13.group, w2.group)
+    allocated = quantize_experts(gate, up, down, bits=bits, group=group)  # no `out`: the same bytes
+    assert all(torch.equal(getattr(allocated, name), getattr(out, name)) for name in ("w13", "w13_scales", "w2", "w2_scales"))
+
+
+def test_quantize_experts_refuses_an_out_of_another_shape_or_format() -> None:
+    gate, up, down = make_experts(2, 64, 128)
+    for wrong, match in ((empty_experts(2, 64, 128, 4, 64, torch.float32, "cpu"), r"\(32, 32\)"),
+                         (empty_experts(3, 64, 128, 4, 32, torch.float32, "cpu"), "3, 128"),
+                         (empty_experts(2, 64, 128, 2, 32, torch.float32, "cpu"), "int2"),
+                         (empty_experts(2, 64, 128, 4, 32, torch.bfloat16, "cpu"), "bfloat16")):
+        with pytest.raises(ConfigError, match=match):
+            quantize_experts(gate, up, down, bits=4, group=32, out=wrong)
+
+
+def test_quantize_layers_fills_every_layer_as_quantize_experts_does_and_refuses_a_stranger() -> None:
+    from specter.config import DraftConfig
+    from specter.draft import quantize_layers
+
+    layers = {1: make_experts(2, 64, 128, seed=1), 3: make_experts(2, 64, 128, seed=3)}
+    # a packed flat: w13 [2I, D] (gate rows, then up rows), then w2 [D, I] (specter.model.weights.unpack_expert)
+    flats = {(layer, e): torch.cat([gate[e].flatten(), up[e].flatten(), down[e].flatten()])
+             for layer, (gate, up, down) in layers.items() for e in range(2)}
+    config = DraftConfig(quant="int4", group_size=32)
+    stream = [(layer, e, flats[layer, e]) for e in (1, 0) for layer in (3, 1)]  # interleaved, out of order
+    built = quantize_layers(stream, 128, 64, 2, config, torch.device("cpu"), layers=[1, 3], dtype=torch.float32)
+    assert sorted(built) == [1, 3]
+    for layer, (gate, up, down) in layers.items():
+        expected = quantize_experts(gate, up, down, bits=4, group=32)
+        assert all(torch.equal(getattr(built[layer], n), getattr(expected, n)) for n in ("w13", "w13_scales", "w2", "w2_scales"))
+    with pytest.raises(ConfigError, match="layer 3, which is not one of its MoE layers"):
+        quantize_layers(stream, 128, 64, 2, config, torch.device("cpu"), layers=[1], dtype=torch.float32)
 
 
 def test_quantize_experts_rejects_mismatched_shapes() -> None:
@@ -298,3 +341,54 @@ def test_gptq_on_cuda_gives_the_cpu_codes() -> None:
     scale_rows = torch.cat([(a.scales.cpu() != b.scales).any(dim=0) for a, b in zip(on_cuda, on_cpu, strict=True)])
     assert rows.float().mean() <= 0.01, f"{int(rows.sum())} of {rows.numel()} rows differ"
     assert not (scale_rows & ~rows).any()  # a scale differs only in a row whose codes differ
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_draft_built_on_cuda_from_a_stream_keeps_no_reserve_beyond_its_bytes() -> None:
+    """The draft's layers are allocated before the stream's temporaries (a widened load builds each expert through
+    float64 copies on the device): once they are freed and the cache emptied, the reserve is the draft's bytes (and
+    whatever was live before), not segments its tensors pinned. The control builds the same layers the way the draft
+    did before, stacking each layer's results after its temporaries, to show that the stream does fragment a reserve."""
+    from specter.config import DraftConfig
+    from specter.draft import quantize_layers
+    from specter.quant.groupwise import stack_experts
+
+    num_layers, num_experts, inter, hidden = 6, 16, 3200, 2048
+    bf16, cuda = torch.bfloat16, torch.device("cuda")
+
+    def stream():
+        for layer in range(num_layers):
+            for e in range(num_experts):
+                wide = torch.randn(3 * inter * hidden, dtype=torch.float64, device=cuda)
+                yield layer, e, (wide * 0.02).to(bf16)
+                del wide
+
+    def excess(build) -> tuple[int, int]:
+        torch.cuda.empty_cache()
+        live = torch.cuda.memory_allocated()
+        built = build()
+        torch.cuda.empty_cache()
+        stats = torch.cuda.memory_stats()
+        kept = sum(q.nbytes for q in built.values())
+        assert stats["allocated_bytes.all.current"] - live >= kept
+        return stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"], kept
+
+    def stacked() -> dict:  # the draft before: each layer's results stacked after its temporaries
+        layers, pending = {}, {}
+        for layer, e, flat in stream():
+            pending.setdefault(layer, []).append(flat)
+            if len(pending[layer]) == num_experts:
+                w13 = [quantize(f[: 2 * inter * hidden].view(2 * inter, hidden), 4, 128) for f in pending[layer]]
+                w2 = [quantize(f[2 * inter * hidden :].view(hidden, inter), 4, 128) for f in pending.pop(layer)]
+                layers[layer] = stack_experts(w13, w2)
+        return layers
+
+    config = DraftConfig(quant="int4", group_size=128)
+    free, draft_bytes = excess(lambda: quantize_layers(stream(), hidden, inter, num_experts, config, cuda,
+                                                       layers=range(num_layers), dtype=bf16))
+    control, control_bytes = excess(stacked)
+    assert control_bytes == draft_bytes
+    print(f"draft {draft_bytes / 2**20:.0f} MiB; reserve beyond live tensors: {free / 2**20:.1f} MiB, control {control / 2**20:.1f}")
+    assert free <= 32 * 2**20, f"{free / 2**20:.0f} MiB reserved beyond live tensors after the draft's build"
+    assert control > 4 * free + 64 * 2**20, f"control {control / 2**20:.0f} MiB, draft {free / 2**20:.0f} MiB"

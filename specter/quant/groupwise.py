@@ -256,6 +256,11 @@ class QuantizedExperts:
         w13 = self.dequantize_w13()
         return w13[:, : self.intermediate], w13[:, self.intermediate :], self.dequantize_w2()
 
+    def shapes(self) -> tuple:
+        """The tensors' shapes and the groups, as `empty_experts_shapes` gives them."""
+        return (tuple(self.w13.shape), tuple(self.w13_scales.shape), tuple(self.w2.shape), tuple(self.w2_scales.shape),
+                (self.w13_group, self.w2_group))
+
     def _shape_fields(self) -> dict[str, int]:
         return dict(
             bits=self.bits,
@@ -285,14 +290,51 @@ def quantize_experts(
     *,
     scale_dtype: torch.dtype | None = None,
     clip_search: bool | None = None,
+    out: QuantizedExperts | None = None,
 ) -> QuantizedExperts:
-    """Round-to-nearest quantization of one layer's routed experts (gate/up fused into w13)."""
-    _, intermediate, hidden = check_expert_shapes(gate, up, down)
+    """Round-to-nearest quantization of one layer's routed experts (gate/up fused into w13), one expert at a time
+    into `out` (`empty_experts` of the same shape, bits, groups and scale dtype; default: allocated here on the
+    weights' device). A caller that allocates `out` before the weights' temporaries keeps them out of its segments:
+    on CUDA a long-lived tensor carved from a freed temporary's cached block pins that block's whole segment in the
+    allocator's reserve, where `empty_cache` cannot give back its free part."""
+    num_experts, intermediate, hidden = check_expert_shapes(gate, up, down)
     scale_dtype = scale_dtype or default_scale_dtype(gate.dtype)
+    if out is None:
+        out = empty_experts(num_experts, intermediate, hidden, bits, group, scale_dtype, gate.device)
+    expected = empty_experts_shapes(num_experts, intermediate, hidden, bits, group)
+    if out.shapes() != expected or out.bits != bits or out.w13_scales.dtype != scale_dtype:
+        raise ConfigError(f"quantize_experts: `out` holds {out.shapes()} int{out.bits} with {out.w13_scales.dtype} "
+                          f"scales; these experts need {expected} int{bits} with {scale_dtype} scales")
     options = dict(scale_dtype=scale_dtype, clip_search=clip_search)
-    w13 = [quantize(torch.cat([g, u]), bits, group, **options) for g, u in zip(gate, up)]
-    w2 = [quantize(d, bits, group, **options) for d in down]
-    return stack_experts(w13, w2)
+    for e in range(num_experts):
+        w13 = quantize(torch.cat([gate[e], up[e]]), bits, group, **options)
+        w2 = quantize(down[e], bits, group, **options)
+        out.w13[e].copy_(w13.packed)
+        out.w13_scales[e].copy_(w13.scales)
+        out.w2[e].copy_(w2.packed)
+        out.w2_scales[e].copy_(w2.scales)
+    return out
+
+
+def empty_experts_shapes(num_experts: int, intermediate: int, hidden: int, bits: int, group: int) -> tuple:
+    """(w13, w13_scales, w2, w2_scales) shapes and the resolved (w13_group, w2_group) of a layer's packed experts."""
+    g13, g2 = resolve_group(hidden, group, bits), resolve_group(intermediate, group, bits)
+    return ((num_experts, 2 * intermediate, packed_bytes_per_row(hidden, bits)), (num_experts, hidden // g13, 2 * intermediate),
+            (num_experts, hidden, packed_bytes_per_row(intermediate, bits)), (num_experts, intermediate // g2, hidden), (g13, g2))
+
+
+def empty_experts(num_experts: int, intermediate: int, hidden: int, bits: int, group: int, scale_dtype: torch.dtype,
+                  device: torch.device | str) -> QuantizedExperts:
+    """Uninitialised packed experts of one layer, for `quantize_experts(..., out=)` to fill."""
+    w13, w13_scales, w2, w2_scales, (g13, g2) = empty_experts_shapes(num_experts, intermediate, hidden, bits, group)
+    codes = torch.int8 if bits == 8 else torch.uint8  # pack_codes' dtypes
+    return QuantizedExperts(
+        w13=torch.empty(w13, dtype=codes, device=device),
+        w13_scales=torch.empty(w13_scales, dtype=scale_dtype, device=device),
+        w2=torch.empty(w2, dtype=codes, device=device),
+        w2_scales=torch.empty(w2_scales, dtype=scale_dtype, device=device),
+        bits=bits, w13_group=g13, w2_group=g2, hidden=hidden, intermediate=intermediate,
+    )
 
 
 def stack_experts(w13: list[QuantizedTensor], w2: list[QuantizedTensor]) -> QuantizedExperts:
