@@ -40,11 +40,11 @@ def draft_group(k: int, group: int) -> int:
 
 
 def draft_expert_bytes(hidden: int, inter: int, quant: str, group: int, scale_bytes: int) -> int:
-    """Bytes one quantized expert takes on the device: packed codes plus group scales."""
-    bits = BITS[quant]
-    g13, g2 = draft_group(hidden, group), draft_group(inter, group)
-    groups13 = 1 if g13 == -1 else hidden // g13
-    groups2 = 1 if g2 == -1 else inter // g2
+    """Bytes one quantized expert takes on the device: packed codes plus group scales, with the group both of its
+    projections are quantized with (`layer_group`)."""
+    bits, common = BITS[quant], layer_group(hidden, inter, group)
+    groups13 = 1 if common == -1 else hidden // common
+    groups2 = 1 if common == -1 else inter // common
     codes = 2 * inter * packed_bytes_per_row(hidden, bits) + hidden * packed_bytes_per_row(inter, bits)
     return codes + (2 * inter * groups13 + hidden * groups2) * scale_bytes
 

@@ -42,6 +42,21 @@ def test_plain_decoding_needs_no_draft_bytes(tiny):
     assert plain.minimum_budget < speculative.minimum_budget
 
 
+@pytest.mark.parametrize("quant, group, hidden, inter", [("int4", 128, 256, 384), ("int4", 128, 256, 96), ("int8", 64, 128, 64),
+                                                        ("int3", 32, 64, 48), ("int2", 128, 64, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_plans_draft_bytes_are_the_built_drafts(quant, group, hidden, inter, dtype):
+    """Per expert, the plan's draft bytes are those of the layers `quantize_layers` allocates, also where the group
+    divides one projection's input and not the other's (256 and 96 at 128: both then take one group a row)."""
+    from specter.draft import BITS, draft_expert_bytes, layer_group
+    from specter.quant.groupwise import default_scale_dtype, empty_experts
+
+    scale_dtype = default_scale_dtype(dtype)
+    built = empty_experts(3, inter, hidden, BITS[quant], layer_group(hidden, inter, group), scale_dtype, "cpu")
+    scale_bytes = torch.empty((), dtype=scale_dtype).element_size()
+    assert draft_expert_bytes(hidden, inter, quant, group, scale_bytes) * 3 == built.nbytes
+
+
 def test_cache_slots_match_the_plan(tiny):
     async def go():
         runtime = await Runtime.load(tiny, EngineConfig(device="cpu", residents=3))
