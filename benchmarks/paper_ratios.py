@@ -1,0 +1,96 @@
+"""The paper's headline ratios over the full-depth cells: for each system, its TPOT against each baseline's, cell by
+cell (the same model, setting, link and sampling in one results.json: one run, one checkpoint), then the mean of
+those ratios per shape and over every cell. Full-depth cells are the widened checkpoints' (a model label `NAME xF`).
+
+    python benchmarks/paper_ratios.py benchmarks/results/h200-*/ [--systems specter,specter-hybrid]
+        [--baselines specmoeoff,ondemand] [--cells]
+
+Prints a markdown table: per shape and system, `x BASELINE` as the mean ratio (baseline's TPOT over the system's,
+above 1 when the system is faster) and the cells it averages; --cells lists every cell's ratios first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+WIDENED = re.compile(r"^(?P<shape>\S+) x\d+$")
+
+
+def result_files(paths: list[str]) -> list[Path]:
+    """Every results.json under the given files and directories, once, sorted."""
+    found: set[Path] = set()
+    for name in paths:
+        path = Path(name)
+        found.update([path] if path.is_file() else path.rglob("results.json"))
+    return sorted(found)
+
+
+def cells(path: Path) -> dict[tuple[str, str, str, str], dict[str, float]]:
+    """{(shape, setting, link, sampling): {system: TPOT ms}} of one results.json's full-depth rows."""
+    out: dict[tuple[str, str, str, str], dict[str, float]] = defaultdict(dict)
+    for row in json.loads(path.read_text()).get("summary") or []:
+        match = WIDENED.match(row.get("model", ""))
+        if match and row.get("tpot_ms"):
+            out[(match["shape"], row["setting"], row["link"], row["sampling"])][row["system"]] = row["tpot_ms"]
+    return out
+
+
+def ratios(files: list[Path], systems: list[str], baselines: list[str]) -> list[dict]:
+    """One record per (file, cell, system, baseline) where both ran: the baseline's TPOT over the system's."""
+    records = []
+    for path in files:
+        for (shape, setting, link, sampling), tpot in cells(path).items():
+            for system in systems:
+                for baseline in baselines:
+                    if system in tpot and baseline in tpot:
+                        records.append(dict(file=str(path), shape=shape, setting=setting, link=link, sampling=sampling,
+                                            system=system, baseline=baseline, ratio=tpot[baseline] / tpot[system]))
+    return records
+
+
+def summary(records: list[dict], systems: list[str], baselines: list[str]) -> list[list[str]]:
+    """Rows of the markdown table: shape (then "all cells"), system, and per baseline `mean (cells)`."""
+    groups: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    for record in records:
+        for shape in (record["shape"], "all cells"):
+            groups[(shape, record["system"], record["baseline"])].append(record["ratio"])
+    shapes = sorted({record["shape"] for record in records}) + ["all cells"]
+    rows = []
+    for shape in shapes:
+        for system in systems:
+            found = [groups.get((shape, system, baseline), []) for baseline in baselines]
+            if any(found):
+                rows.append([shape, system] + [f"{sum(v) / len(v):.2f} ({len(v)})" if v else "-" for v in found])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+", help="results.json files or directories holding them")
+    parser.add_argument("--systems", default="specter,specter-hybrid")
+    parser.add_argument("--baselines", default="specmoeoff,ondemand")
+    parser.add_argument("--cells", action="store_true", help="list every cell's ratio first")
+    args = parser.parse_args(argv)
+    systems, baselines = args.systems.split(","), args.baselines.split(",")
+    records = ratios(result_files(args.paths), systems, baselines)
+    if not records:
+        print("no full-depth cell holds one of the systems beside one of the baselines")
+        return 1
+    if args.cells:
+        for r in records:
+            print(f"{r['shape']} {r['setting']} {r['link']} {r['sampling']}: {r['system']} x {r['baseline']} "
+                  f"{r['ratio']:.2f} ({r['file']})")
+        print()
+    print("| shape | system | " + " | ".join(f"x {b}" for b in baselines) + " |")
+    print("|---|---|" + "---|" * len(baselines))
+    for row in summary(records, systems, baselines):
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
