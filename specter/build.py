@@ -225,6 +225,7 @@ async def load_experts(source: WeightSource, config: EngineConfig, memory: Memor
         stream = ((layer, e, resident.expert(layer, e)) for layer in spec.moe_layers for e in range(spec.num_experts))
         draft = quantize_layers(stream, spec.hidden_size, spec.expert_intermediate, spec.num_experts, config.draft, device,
                                 layers=spec.moe_layers, dtype=dtype) if speculative else {}
+        release_stream_blocks(device)
         return resident, None, draft
     pool = ExpertPool(backend, len(spec.moe_layers), spec.num_experts, spec.expert_numel, dtype)
     moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
@@ -241,11 +242,20 @@ async def load_experts(source: WeightSource, config: EngineConfig, memory: Memor
         draft = {}
         for _ in into_pool():
             pass
+    release_stream_blocks(device)
     pool.check_complete()
     cache = new_cache(config, memory.slots_per_layer, backend, kernel, new_transfer(config, backend, kernel, device), pool,
                       victims if victims is not None else (lambda *_: []))
     host = await place_experts(placement, cache, config, spec, device, kernel, host_kernels)
     return OffloadedExperts(cache, kernel, moe_index, tuning=config.tuning.verify, host=host), cache, draft
+
+
+def release_stream_blocks(device: torch.device) -> None:
+    """Give the expert stream's temporaries (a layer's stacked flats and their float copies for the draft, a widened
+    load's) back to the device before the cache's slots, the KV and the graphs allocate: a long-lived tensor carved
+    from a cached block of theirs would pin its whole segment in the reserve, beyond what the plan counts."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def placement_state(cache: ExpertCache, config: EngineConfig, spec: ModelSpec) -> PlacementState:
