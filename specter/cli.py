@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -345,7 +346,11 @@ def budget_slots(spec: Any, dtype: Any, config: Any, budget: str, draft_bytes: i
     return {"budget": sized.budget, "experts": spec.num_experts,
             "speculating": None if speculating is None else speculating.slots_per_layer,
             "without_draft": plain.slots_per_layer, "draft_bytes": draft_bytes,
-            "speculating_refused": None if why is None else str(why)}
+            "speculating_refused": None if why is None else str(why),
+            # slots are the same in every layer: what the budget leaves beyond them, and the budget of one slot more
+            "speculating_idle_bytes": None if speculating is None else speculating.idle_bytes,
+            "speculating_next_budget": None if speculating is None else speculating.next_slot_budget,
+            "without_draft_idle_bytes": plain.idle_bytes, "without_draft_next_budget": plain.next_slot_budget}
 
 
 def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int | None, cpu_experts: str,
@@ -497,11 +502,26 @@ def _budget_line(slots: dict) -> str:
     def count(slots_per_layer: int) -> str:
         return f"all {slots_per_layer} resident" if slots_per_layer >= slots["experts"] else str(slots_per_layer)
 
-    plain = f"{count(slots['without_draft'])} without a draft (--k-max 0: on-demand offloading)"
+    def spare(kind: str) -> str:  # the budget beyond the slots, and the budget of one slot more in every layer
+        nxt = slots[f"{kind}_next_budget"]
+        return "" if nxt is None else f"{fmt(slots[f'{kind}_idle_bytes'])} idle, {_fmt_at_least(nxt)} for one slot more"
+
+    plain = f"{count(slots['without_draft'])} without a draft (--k-max 0: on-demand offloading"
+    plain += f"; {spare('without_draft')})" if spare("without_draft") else ")"
     if slots["speculating"] is None:
         return f"{fmt(slots['budget'])}: below the minimum with the draft; expert slots per layer {plain}"
+    more = f"; {spare('speculating')}" if spare("speculating") else ""
     return (f"{fmt(slots['budget'])}: expert slots per layer {count(slots['speculating'])} speculating (the draft "
-            f"takes {fmt(slots['draft_bytes'])}), {plain}")
+            f"takes {fmt(slots['draft_bytes'])}{more}), {plain}")
+
+
+def _fmt_at_least(size: int) -> str:
+    """`memory.fmt`'s figure rounded up, so that a budget given as printed is not short of `size`."""
+    from specter.memory import GiB, MiB
+
+    if size >= GiB:
+        return f"{math.ceil(size / GiB * 100) / 100:.2f} GiB"
+    return f"{math.ceil(size / MiB * 10) / 10:.1f} MiB"
 
 
 def _costs_line(summary: dict) -> str:

@@ -102,6 +102,22 @@ class MemoryPlan:
         return self.fixed_bytes + self.moe_layers * self.slots_per_layer * self.slot_bytes
 
     @property
+    def idle_bytes(self) -> int:
+        """The budget's bytes the plan leaves unused: slots are the same in every MoE layer, so what is left after
+        them is less than a slot more in each (0 without a budget or with every expert resident)."""
+        return 0 if self.budget is None or self.all_resident else self.budget - self.device_bytes
+
+    @property
+    def next_slot_budget(self) -> int | None:
+        """The smallest budget that gives every MoE layer one slot more (the resident budget for the last one);
+        None with every expert resident."""
+        if self.all_resident:
+            return None
+        if self.slots_per_layer + 1 >= self.num_experts:
+            return self.resident_budget
+        return self.fixed_bytes + self.moe_layers * (self.slots_per_layer + 1) * self.slot_bytes
+
+    @property
     def host_pool_bytes(self) -> int:
         """The pinned host copy of every expert, when they do not all fit on the device."""
         return 0 if self.all_resident else self.moe_layers * self.num_experts * self.expert_bytes

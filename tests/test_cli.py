@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -149,7 +150,7 @@ def test_info_at_a_budget_gives_the_slots_with_and_without_the_draft(capsys):
     import torch
 
     from specter.builtin import resolve_model
-    from specter.config import EngineConfig
+    from specter.config import EngineConfig, parse_bytes
     from specter.memory import plan_memory
     from specter.model.checkpoint import Checkpoint
 
@@ -172,6 +173,18 @@ def test_info_at_a_budget_gives_the_slots_with_and_without_the_draft(capsys):
     assert main(["info", "tiny", "--no-measure", "--budget", str(budget)]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("at budget"))
     assert f"{got['speculating']} speculating" in line and f"{got['without_draft']} without a draft" in line
+
+    # the same slots in every layer: the budget beyond them, and the budget of one slot more, as the plan splits it
+    for kind, speculative in (("speculating", True), ("without_draft", False)):
+        plan = plan_memory(spec, torch.float32, EngineConfig(budget=budget), speculative=speculative)
+        assert got[f"{kind}_idle_bytes"] == budget - plan.device_bytes and 0 <= got[f"{kind}_idle_bytes"] < plan.moe_layers * plan.slot_bytes
+        nxt = got[f"{kind}_next_budget"]
+        assert (slots(nxt, speculative), slots(nxt - 1, speculative)) == (got[kind] + 1, got[kind])
+    printed = re.findall(r"idle, ([0-9.]+) (MiB|GiB) for one slot more", line)
+    assert len(printed) == 2
+    for (size, unit), kind, speculative in zip(printed, ("speculating", "without_draft"), (True, False)):
+        at_least = parse_bytes(f"{size}{unit}")  # a budget given as printed gets the slot it promises
+        assert at_least >= got[f"{kind}_next_budget"] and slots(at_least, speculative) == got[kind] + 1
 
     between = (plain_minimum + minimum) // 2
     assert main(["info", "tiny", "--json", "--no-measure", "--budget", str(between)]) == 0
