@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -502,26 +501,15 @@ def _budget_line(slots: dict) -> str:
     def count(slots_per_layer: int) -> str:
         return f"all {slots_per_layer} resident" if slots_per_layer >= slots["experts"] else str(slots_per_layer)
 
-    def spare(kind: str) -> str:  # the budget beyond the slots, and the budget of one slot more in every layer
+    def spare(kind: str) -> str:  # "; " + the budget beyond the slots and the budget of one slot more in every layer
         nxt = slots[f"{kind}_next_budget"]
-        return "" if nxt is None else f"{fmt(slots[f'{kind}_idle_bytes'])} idle, {_fmt_at_least(nxt)} for one slot more"
+        return "" if nxt is None else f"; {fmt(slots[f'{kind}_idle_bytes'])} idle, {fmt(nxt, round_up=True)} for one slot more"
 
-    plain = f"{count(slots['without_draft'])} without a draft (--k-max 0: on-demand offloading"
-    plain += f"; {spare('without_draft')})" if spare("without_draft") else ")"
+    plain = f"{count(slots['without_draft'])} without a draft (--k-max 0: on-demand offloading{spare('without_draft')})"
     if slots["speculating"] is None:
         return f"{fmt(slots['budget'])}: below the minimum with the draft; expert slots per layer {plain}"
-    more = f"; {spare('speculating')}" if spare("speculating") else ""
     return (f"{fmt(slots['budget'])}: expert slots per layer {count(slots['speculating'])} speculating (the draft "
-            f"takes {fmt(slots['draft_bytes'])}{more}), {plain}")
-
-
-def _fmt_at_least(size: int) -> str:
-    """`memory.fmt`'s figure rounded up, so that a budget given as printed is not short of `size`."""
-    from specter.memory import GiB, MiB
-
-    if size >= GiB:
-        return f"{math.ceil(size / GiB * 100) / 100:.2f} GiB"
-    return f"{math.ceil(size / MiB * 10) / 10:.1f} MiB"
+            f"takes {fmt(slots['draft_bytes'])}{spare('speculating')}), {plain}")
 
 
 def _costs_line(summary: dict) -> str:

@@ -7,6 +7,7 @@ refused with the minimum it needs, and the expert cache gets exactly what is lef
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import torch
@@ -111,11 +112,7 @@ class MemoryPlan:
     def next_slot_budget(self) -> int | None:
         """The smallest budget that gives every MoE layer one slot more (the resident budget for the last one);
         None with every expert resident."""
-        if self.all_resident:
-            return None
-        if self.slots_per_layer + 1 >= self.num_experts:
-            return self.resident_budget
-        return self.fixed_bytes + self.moe_layers * (self.slots_per_layer + 1) * self.slot_bytes
+        return None if self.all_resident else dataclasses.replace(self, slots_per_layer=self.slots_per_layer + 1).device_bytes
 
     @property
     def host_pool_bytes(self) -> int:
@@ -186,11 +183,11 @@ def _slots(plan: MemoryPlan, config: EngineConfig) -> int:
     return int(min(slots, plan.num_experts))
 
 
-def fmt(size: int) -> str:
-    """Bytes for people: 1.50 GiB, 12.0 MiB."""
-    if abs(size) >= GiB:
-        return f"{size / GiB:.2f} GiB"
-    return f"{size / MiB:.1f} MiB"
+def fmt(size: int, round_up: bool = False) -> str:
+    """Bytes for people: 1.50 GiB, 12.0 MiB; `round_up` for a budget to give as printed (never short of `size`)."""
+    unit, name, places = (GiB, "GiB", 2) if abs(size) >= GiB else (MiB, "MiB", 1)
+    value = math.ceil(size / unit * 10**places) / 10**places if round_up else size / unit
+    return f"{value:.{places}f} {name}"
 
 
 def available_host_bytes() -> int:

@@ -301,8 +301,8 @@ def quantize_experts(
     scale_dtype = scale_dtype or default_scale_dtype(gate.dtype)
     if out is None:
         out = empty_experts(num_experts, intermediate, hidden, bits, group, scale_dtype, gate.device)
-    expected = empty_experts_shapes(num_experts, intermediate, hidden, bits, group)
-    if out.shapes() != expected or out.bits != bits or out.w13_scales.dtype != scale_dtype:
+    elif (expected := empty_experts_shapes(num_experts, intermediate, hidden, bits, group)) != out.shapes() \
+            or out.bits != bits or out.w13_scales.dtype != scale_dtype:
         raise ConfigError(f"quantize_experts: `out` holds {out.shapes()} int{out.bits} with {out.w13_scales.dtype} "
                           f"scales; these experts need {expected} int{bits} with {scale_dtype} scales")
     options = dict(scale_dtype=scale_dtype, clip_search=clip_search)
