@@ -36,11 +36,11 @@ class Off:
 
 
 def kept_on_device(state: PlacementState, layer: int, rates: Sequence[float] | None = None) -> list[int]:
-    """The `slots_per_layer` experts a layer keeps on the device: its initial residents (the most recent ones), and
+    """The experts a layer keeps on the device, one for each of its slots (`PlacementState.slots`): its initial residents (the most recent ones), and
     where they leave slots free (a cache that starts empty, at load, or part-filled) the most used others by `rates`,
     else the lowest other ids (`fill_slots`)."""
     initial = state.initial_residents[layer] if layer < len(state.initial_residents) else ()
-    kept, fill = fill_slots(initial, state.slots_per_layer, state.num_experts, rates)
+    kept, fill = fill_slots(initial, state.slots(layer), state.num_experts, rates)
     return kept + fill
 
 
@@ -48,7 +48,7 @@ class All:
     """Every expert not resident on the device is computed on the host, so nothing is ever copied after load: the
     in-engine llama.cpp `--n-cpu-moe` / KTransformers style (the `cpu-experts` baseline).
 
-    The device keeps each layer's initial residents (`PlacementState.initial_residents`, at most `slots_per_layer`,
+    The device keeps each layer's initial residents (`PlacementState.initial_residents`, at most its slots,
     the most recently used), and fills the slots they leave free with the lowest other expert ids (all of them in a
     cache that starts empty, at load), which the builder loads once.
     """
@@ -191,12 +191,12 @@ class Auto:
 
     def place_prefill(self, state: PlacementState, decode: Placement, rows: int) -> Placement:
         rates = use_rates(state)
-        slots = preloaded(decode, state.slots_per_layer)
-        host = [decode.host[layer] if self.prompt_on_host(state, rates[layer], decode.host[layer], bool(slots[layer]), rows)
+        slots = preloaded(decode, [state.slots(layer) for layer in range(state.num_layers)])
+        host = [decode.host[layer] if self.prompt_on_host(state, layer, rates[layer], decode.host[layer], bool(slots[layer]), rows)
                 else frozenset() for layer in range(state.num_layers)]
         return Placement(tuple(host), state.num_experts)
 
-    def prompt_on_host(self, state: PlacementState, rates: Sequence[float], host: frozenset[int], preloaded_layer: bool,
+    def prompt_on_host(self, state: PlacementState, layer: int, rates: Sequence[float], host: frozenset[int], preloaded_layer: bool,
                        rows: int) -> bool:
         """Whether a prompt of `rows` rows computes the layer's decode host experts on the host (True) or copies them
         (False: only where that is predicted at least `margin` cheaper)."""
@@ -207,6 +207,6 @@ class Auto:
         on_host = sum(p * math.ceil(max(1.0, rows * rates[e]) / state.row_bucket) * block for e, p in used.items())
         on_host += (1.0 - math.prod(1.0 - p for p in used.values())) * (state.host_job_s or 0.0)  # the prompt's one job
         copied = sum(used.values())
-        evicted = min(float(state.slots_per_layer), copied) if preloaded_layer else 0.0
+        evicted = min(float(state.slots(layer)), copied) if preloaded_layer else 0.0
         on_device = (copied + evicted) * copy
         return not on_device <= (1.0 - self.margin) * on_host

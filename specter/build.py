@@ -244,7 +244,7 @@ async def load_experts(source: WeightSource, config: EngineConfig, memory: Memor
             pass
     release_stream_blocks(device)
     pool.check_complete()
-    cache = new_cache(config, memory.slots_per_layer, backend, kernel, new_transfer(config, backend, kernel, device), pool,
+    cache = new_cache(config, memory.layer_slots, backend, kernel, new_transfer(config, backend, kernel, device), pool,
                       victims if victims is not None else (lambda *_: []))
     host = await place_experts(placement, cache, config, spec, device, kernel, host_kernels)
     return OffloadedExperts(cache, kernel, moe_index, tuning=config.tuning.verify, host=host), cache, draft
@@ -262,7 +262,7 @@ def placement_state(cache: ExpertCache, config: EngineConfig, spec: ModelSpec) -
     """What a placement policy sees of this engine now: its shape, its cache and the costs measured so far."""
     gbps = parse_link(config.link)
     return PlacementState(num_layers=cache.num_layers, num_experts=cache.num_experts, top_k=spec.top_k,
-                          slots_per_layer=cache.slots_per_layer, initial_residents=cache.snapshot().layers,
+                          slots_per_layer=cache.slots_per_layer, layer_slots=cache.layer_slots, initial_residents=cache.snapshot().layers,
                           expert_bytes=cache.pool.expert_bytes, row_bucket=config.row_bucket,
                           host_threads=config.cpu_threads or host_default_threads(),
                           link_bytes_per_s=gbps * 1e9 if gbps is not None else cache.transfer.bandwidth_bytes_per_s,
@@ -326,7 +326,7 @@ async def apply_placement(placement: Placement, cache: ExpertCache, config: Engi
     the thread count the `state` was calibrated at (none: `cpu_threads`). With `policy` and the `state` it placed
     from, each prompt takes the policy's prompt placement (`place_prefill`), else `placement`."""
     cache.place(placement.host)
-    await cache.restore(CacheSnapshot(tuple(tuple(experts) for experts in preloaded(placement, cache.slots_per_layer))))
+    await cache.restore(CacheSnapshot(tuple(tuple(experts) for experts in preloaded(placement, cache.layer_slots))))
     log.info("engine.placed", host_experts=placement.total, per_layer=placement.counts())
     prompt = None
     if policy is not None and state is not None:
@@ -343,9 +343,10 @@ def new_transfer(config: EngineConfig, backend, kernel: Kernel, device: torch.de
     return TransferEngine(backend, kernel, link=link, tuning=config.tuning.transfer)
 
 
-def new_cache(config: EngineConfig, slots: int, backend, kernel: Kernel, transfer: TransferEngine, pool: ExpertPool,
-              victims) -> ExpertCache:
-    """An expert cache of `slots` per MoE layer over `pool`, choosing eviction victims through `victims`."""
+def new_cache(config: EngineConfig, slots: int | Sequence[int], backend, kernel: Kernel, transfer: TransferEngine,
+              pool: ExpertPool, victims) -> ExpertCache:
+    """An expert cache of `slots` per MoE layer (one count for all, or one each) over `pool`, choosing eviction
+    victims through `victims`."""
     return ExpertCache(backend, kernel, transfer, pool, slots, choose_victims=victims, tuning=config.tuning.cache)
 
 
@@ -420,7 +421,7 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
             backend.close()
         raise
     log.info("engine.loaded", family=spec.family, device=str(device), slots_per_layer=memory.slots_per_layer,
-             experts=spec.num_experts, speculative=speculative)
+             extra_slots=memory.extra_slots, experts=spec.num_experts, speculative=speculative)
     return runtime
 
 

@@ -342,11 +342,12 @@ def budget_slots(spec: Any, dtype: Any, config: Any, budget: str, draft_bytes: i
         plain = plan_memory(spec, dtype, sized, speculative=False)
     except BudgetError as error:  # below both minimums: the message with the draft's bytes names every way out
         raise (why or error) from None
-    return {"budget": sized.budget, "experts": spec.num_experts,
+    return {"budget": sized.budget, "experts": spec.num_experts, "moe_layers": plain.moe_layers,
             "speculating": None if speculating is None else speculating.slots_per_layer,
-            "without_draft": plain.slots_per_layer, "draft_bytes": draft_bytes,
+            "speculating_extra": None if speculating is None else speculating.extra_slots,
+            "without_draft": plain.slots_per_layer, "without_draft_extra": plain.extra_slots, "draft_bytes": draft_bytes,
             "speculating_refused": None if why is None else str(why),
-            # slots are the same in every layer: what the budget leaves beyond them, and the budget of one slot more
+            # what the budget leaves beyond the slots (less than one), and the budget of one slot more
             "speculating_idle_bytes": None if speculating is None else speculating.idle_bytes,
             "speculating_next_budget": None if speculating is None else speculating.next_slot_budget,
             "without_draft_idle_bytes": plain.idle_bytes, "without_draft_next_budget": plain.next_slot_budget}
@@ -498,17 +499,20 @@ def _format_info(summary: dict) -> str:
 def _budget_line(slots: dict) -> str:
     from specter.memory import fmt
 
-    def count(slots_per_layer: int) -> str:
-        return f"all {slots_per_layer} resident" if slots_per_layer >= slots["experts"] else str(slots_per_layer)
+    def count(kind: str) -> str:
+        per, extra = slots[kind], slots[f"{kind}_extra"]
+        if per >= slots["experts"]:
+            return f"all {per} resident"
+        return f"{per}" + (f" ({per + 1} in {extra} of {slots['moe_layers']} layers)" if extra else "")
 
-    def spare(kind: str) -> str:  # "; " + the budget beyond the slots and the budget of one slot more in every layer
+    def spare(kind: str) -> str:  # "; " + the budget beyond the slots and the budget of one slot more
         nxt = slots[f"{kind}_next_budget"]
         return "" if nxt is None else f"; {fmt(slots[f'{kind}_idle_bytes'])} idle, {fmt(nxt, round_up=True)} for one slot more"
 
-    plain = f"{count(slots['without_draft'])} without a draft (--k-max 0: on-demand offloading{spare('without_draft')})"
+    plain = f"{count('without_draft')} without a draft (--k-max 0: on-demand offloading{spare('without_draft')})"
     if slots["speculating"] is None:
         return f"{fmt(slots['budget'])}: below the minimum with the draft; expert slots per layer {plain}"
-    return (f"{fmt(slots['budget'])}: expert slots per layer {count(slots['speculating'])} speculating (the draft "
+    return (f"{fmt(slots['budget'])}: expert slots per layer {count('speculating')} speculating (the draft "
             f"takes {fmt(slots['draft_bytes'])}{spare('speculating')}), {plain}")
 
 

@@ -430,7 +430,8 @@ class Runtime:
         for observer in self.observers:
             observer.planned(steps_done, counts)
         self.plan = self.prefetch.plan(route_counts=self._device_path_counts(counts), resident=self._residency(), steps_done=steps_done, k=k,
-                                       timing=self._timing(), slots_per_layer=self.memory.slots_per_layer)
+                                       timing=self._timing(), slots_per_layer=self.cache.slots_per_layer,
+                                       layer_slots=self.cache.layer_slots)
         for layer in range(len(self.spec.moe_layers)):
             planned = self.plan.for_layer(layer)
             self.cache.protect(layer, planned, replace=True)
@@ -620,7 +621,8 @@ class Runtime:
             bandwidth_bytes_per_s=self.bandwidth(),
             predicted_new_bytes=self.estimates.predicted_new_bytes(self.k_max),
             k_max=self.k_max,
-            model_key=f"{self.spec.family}:{self.spec.hidden_size}x{self.spec.num_layers}:{self.memory.slots_per_layer}",
+            model_key=(f"{self.spec.family}:{self.spec.hidden_size}x{self.spec.num_layers}:{self.memory.slots_per_layer}"
+                       f"+{self.memory.extra_slots}"),
             round_overhead_s=self.estimates.overheads(),
             scout_s=(self.estimates.scout_s or sum(self.estimates.draft_fit())) if self._scouting() else 0.0,
             union_exponent=self.estimates.beta,

@@ -60,7 +60,8 @@ def workspace_bytes(spec: ModelSpec, config: EngineConfig) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """Bytes per part of the budget and the expert slots they leave (per MoE layer)."""
+    """Bytes per part of the budget and the expert slots they leave: `slots_per_layer` in every MoE layer and one
+    more in `extra_slots` of them, so that the budget's bytes past a whole count per layer hold experts too."""
 
     budget: int | None
     dense_bytes: int
@@ -70,9 +71,19 @@ class MemoryPlan:
     expert_bytes: int
     moe_layers: int
     num_experts: int
-    slots_per_layer: int
+    slots_per_layer: int  # the fewest slots a MoE layer holds
     min_slots_per_layer: int
     slot_overhead_bytes: int = 0  # device bytes per slot besides its expert (the static verify's expert-graph output)
+    extra_slots: int = 0  # MoE layers that hold one slot more than `slots_per_layer` (fewer than `moe_layers`)
+
+    @property
+    def layer_slots(self) -> tuple[int, ...]:
+        """Each MoE layer's slots, by MoE index (`spread_slots`)."""
+        return spread_slots(self.slots_per_layer, self.extra_slots, self.moe_layers)
+
+    @property
+    def total_slots(self) -> int:
+        return self.moe_layers * self.slots_per_layer + self.extra_slots
 
     @property
     def slot_bytes(self) -> int:
@@ -100,19 +111,19 @@ class MemoryPlan:
         """What the plan puts on the device: the fixed parts and the experts resident there (all, or the slots)."""
         if self.all_resident:
             return self.resident_budget
-        return self.fixed_bytes + self.moe_layers * self.slots_per_layer * self.slot_bytes
+        return self.fixed_bytes + self.total_slots * self.slot_bytes
 
     @property
     def idle_bytes(self) -> int:
-        """The budget's bytes the plan leaves unused: slots are the same in every MoE layer, so what is left after
-        them is less than a slot more in each (0 without a budget or with every expert resident)."""
+        """The budget's bytes the plan leaves unused: less than one slot (0 without a budget or with every expert
+        resident)."""
         return 0 if self.budget is None or self.all_resident else self.budget - self.device_bytes
 
     @property
     def next_slot_budget(self) -> int | None:
-        """The smallest budget that gives every MoE layer one slot more (the resident budget for the last one);
-        None with every expert resident."""
-        return None if self.all_resident else dataclasses.replace(self, slots_per_layer=self.slots_per_layer + 1).device_bytes
+        """The smallest budget that gives one MoE layer one slot more (at most the resident budget); None with every
+        expert resident."""
+        return None if self.all_resident else min(self.device_bytes + self.slot_bytes, self.resident_budget)
 
     @property
     def host_pool_bytes(self) -> int:
@@ -147,7 +158,15 @@ def plan_memory(spec: ModelSpec, dtype: torch.dtype, config: EngineConfig, specu
         expert_bytes=expert, moe_layers=len(spec.moe_layers), num_experts=spec.num_experts, slots_per_layer=spec.num_experts,
         min_slots_per_layer=spec.top_k, slot_overhead_bytes=_slot_overhead(spec, config, element, expert_graphs),
     )
-    return dataclasses.replace(plan, slots_per_layer=_slots(plan, config))
+    slots, extra = _slots(plan, config)
+    return dataclasses.replace(plan, slots_per_layer=slots, extra_slots=extra)
+
+
+def spread_slots(slots: int, extra: int, layers: int) -> tuple[int, ...]:
+    """`slots` for each of `layers` and one more for `extra` of them, spread evenly over the depth (the relay lends
+    a slot to the layer after, so an extra slot can serve its neighbour too)."""
+    assert 0 <= extra < max(layers, 1), f"{extra} extra slots over {layers} layers"
+    return tuple(slots + ((i + 1) * extra // layers - i * extra // layers) for i in range(layers))
 
 
 def _slot_overhead(spec: ModelSpec, config: EngineConfig, element: int, expert_graphs: bool | None) -> int:
@@ -159,7 +178,9 @@ def _slot_overhead(spec: ModelSpec, config: EngineConfig, element: int, expert_g
     return config.row_bucket * spec.hidden_size * element
 
 
-def _slots(plan: MemoryPlan, config: EngineConfig) -> int:
+def _slots(plan: MemoryPlan, config: EngineConfig) -> tuple[int, int]:
+    """Slots in every MoE layer, and the count of layers with one more: `residents` as given (none more), all
+    resident within the budget, or as many as the budget holds."""
     if config.residents is not None:
         if config.residents < plan.min_slots_per_layer:
             raise BudgetError(f"residents={config.residents} slots per layer is below this model's minimum of "
@@ -169,9 +190,9 @@ def _slots(plan: MemoryPlan, config: EngineConfig) -> int:
             raise BudgetError(f"residents={config.residents} slots per layer is more than this model's {plan.num_experts} experts "
                               f"per layer; use --residents {plan.num_experts} or less ({plan.num_experts}, or no --residents "
                               "and no --budget, keeps every expert resident)")
-        return config.residents
+        return config.residents, 0
     if config.budget is None or config.budget >= plan.resident_budget:
-        return plan.num_experts  # all resident: no cache, so no per-slot overhead either
+        return plan.num_experts, 0  # all resident: no cache, so no per-slot overhead either
     if config.budget < plan.minimum_budget:
         raise BudgetError(
             f"budget {fmt(config.budget)} is {fmt(plan.minimum_budget - config.budget)} short of the minimum {fmt(plan.minimum_budget)} "
@@ -179,8 +200,11 @@ def _slots(plan: MemoryPlan, config: EngineConfig) -> int:
             f"{fmt(plan.kv_bytes)}, workspace {fmt(plan.workspace_bytes)}, {plan.min_slots_per_layer} expert slots x "
             f"{plan.moe_layers} layers); raise the budget, lower max_context or use a smaller draft quantization"
         )
-    slots = (config.budget - plan.fixed_bytes) // (plan.moe_layers * plan.slot_bytes) if plan.moe_layers else 0
-    return int(min(slots, plan.num_experts))
+    if not plan.moe_layers:
+        return 0, 0
+    total = (config.budget - plan.fixed_bytes) // plan.slot_bytes
+    # Below the resident budget the total is under moe_layers * num_experts (a slot costs at least an expert).
+    return int(total // plan.moe_layers), int(total % plan.moe_layers)
 
 
 def fmt(size: int, round_up: bool = False) -> str:

@@ -136,10 +136,17 @@ class PlacementState:
     """EngineConfig.eviction: the `specter.eviction` plug-in the prefetch replay (`prefetch_misses`) evicts with."""
     prefetch: str = "topm-keep"
     """EngineConfig.prefetch: the `specter.prefetch` plug-in the prefetch replay plans with."""
+    layer_slots: tuple[int, ...] = ()
+    """Each MoE layer's own slots where they differ (`MemoryPlan.layer_slots`: one more in some layers); empty:
+    `slots_per_layer` in every layer. Read through `slots`."""
     _replayed: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """What `layer_path_uses` and `layer_host_uses` replayed of `route_sequence`, by layer and host set (and by
     layer and candidate order), so that the load's `decision_record` and `token_seconds` read what the policy's pass
     made instead of replaying the rounds again. Not an input: a `dataclasses.replace` starts empty."""
+
+    def slots(self, layer: int) -> int:
+        """The device slots of MoE layer `layer`."""
+        return self.layer_slots[layer] if self.layer_slots else self.slots_per_layer
 
 
 @dataclass(frozen=True)
@@ -219,14 +226,16 @@ def fill_slots(residents: Sequence[int], slots: int, num_experts: int,
     return kept, sorted(others[:max(0, min(slots, num_experts) - len(kept))])
 
 
-def preloaded(placement: Placement, slots_per_layer: int) -> list[list[int]]:
+def preloaded(placement: Placement, slots: int | Sequence[int]) -> list[list[int]]:
     """Per layer, the device-path experts to load once at start-up: all of them where they fit in the layer's slots
-    (none of them is then ever missed, so nothing of that layer crosses the link again), none where they do not (the
-    cache serves them on demand, as without placements). Nothing at all when no expert takes the host path."""
+    (`slots`: one count for every layer, or one each), so that none of them is ever missed and nothing of that layer
+    crosses the link again; none where they do not (the cache serves them on demand, as without placements). Nothing
+    at all when no expert takes the host path."""
     if not placement.active:
         return [[] for _ in range(placement.num_layers)]
     device = [placement.device_experts(layer) for layer in range(placement.num_layers)]
-    return [experts if len(experts) <= slots_per_layer else [] for experts in device]
+    counts = [slots] * placement.num_layers if isinstance(slots, int) else slots
+    return [experts if len(experts) <= count else [] for experts, count in zip(device, counts, strict=True)]
 
 
 def prefill_placement(policy: object, state: PlacementState, decode: Placement, rows: int) -> Placement:
@@ -487,7 +496,7 @@ def _lru_off(state: PlacementState, layer: int) -> int:
     """The LRU misses of `layer` with no host experts (`off`), replayed once per state and layer."""
     memo = state._replayed
     if (layer, "lru off") not in memo:
-        memo[layer, "lru off"] = lru_misses(state.route_sequence.used[layer], (), state.slots_per_layer,
+        memo[layer, "lru off"] = lru_misses(state.route_sequence.used[layer], (), state.slots(layer),
                                             _residents(state, layer))
     return memo[layer, "lru off"]
 
@@ -527,11 +536,11 @@ def _host_blocks(state: PlacementState, layer: int, expert: int) -> float:
     return _round_blocks(state, layer).get(expert, 0) / state.route_sequence.tokens
 
 
-def _per_token(state: PlacementState, hosted: int, misses: int, host_blocks: float) -> tuple[float, float]:
+def _per_token(state: PlacementState, layer: int, hosted: int, misses: int, host_blocks: float) -> tuple[float, float]:
     """(device misses, host blocks) per committed token from the rounds' misses and the host blocks per token; no
     misses where the layer's device-path experts fit its slots (`preloaded`)."""
     tokens = state.route_sequence.tokens
-    return (0.0 if state.num_experts - hosted <= state.slots_per_layer else misses / tokens), host_blocks
+    return (0.0 if state.num_experts - hosted <= state.slots(layer) else misses / tokens), host_blocks
 
 
 def layer_path_uses(state: PlacementState, layer: int, rates: Sequence[float], order: Sequence[int]) -> list[tuple[float, float]]:
@@ -550,7 +559,7 @@ def layer_path_uses(state: PlacementState, layer: int, rates: Sequence[float], o
     if _replays(state, layer):
         memo = state._replayed
         if (layer, tuple(order)) not in memo:
-            misses = lru_misses_by_host(state.route_sequence.used[layer], order, state.slots_per_layer,
+            misses = lru_misses_by_host(state.route_sequence.used[layer], order, state.slots(layer),
                                         _residents(state, layer))
             memo.setdefault((layer, "lru off"), misses[0])  # h = 0 is exact: `off` for `layer_host_uses`
             if _hides(state, layer):
@@ -559,7 +568,7 @@ def layer_path_uses(state: PlacementState, layer: int, rates: Sequence[float], o
             blocks = [_host_blocks(state, layer, e) for e in order]
             uses = []
             for h in range(len(order) + 1):  # fsum: exactly rounded, so equal to `layer_host_uses`' sum of the same set
-                uses.append(_per_token(state, h, misses[h], math.fsum(blocks[:h])))
+                uses.append(_per_token(state, layer, h, misses[h], math.fsum(blocks[:h])))
                 memo[layer, frozenset(order[:h])] = uses[-1]
             memo[layer, tuple(order)] = uses
         return list(memo[layer, tuple(order)])
@@ -570,7 +579,7 @@ def layer_path_uses(state: PlacementState, layer: int, rates: Sequence[float], o
             hosted.add(order[h - 1])
             host += rates[order[h - 1]]
         uses.append((expected_misses(rates, [e for e in range(state.num_experts) if e not in hosted],
-                                     state.slots_per_layer), host))
+                                     state.slots(layer)), host))
     return uses
 
 
@@ -582,14 +591,14 @@ def layer_host_uses(state: PlacementState, layer: int, rates: Sequence[float], h
     if _replays(state, layer):
         memo, hosted = state._replayed, frozenset(host)
         if (layer, hosted) not in memo:
-            misses = lru_misses(state.route_sequence.used[layer], hosted, state.slots_per_layer, _residents(state, layer))
+            misses = lru_misses(state.route_sequence.used[layer], hosted, state.slots(layer), _residents(state, layer))
             if _hides(state, layer):
                 misses *= _waited_share(state, layer, _lru_off(state, layer))
-            memo[layer, hosted] = _per_token(state, len(host), misses,
+            memo[layer, hosted] = _per_token(state, layer, len(host), misses,
                                              math.fsum(_host_blocks(state, layer, e) for e in host))
         return memo[layer, hosted]
     hosted = set(host)
-    return (expected_misses(rates, [e for e in range(state.num_experts) if e not in hosted], state.slots_per_layer),
+    return (expected_misses(rates, [e for e in range(state.num_experts) if e not in hosted], state.slots(layer)),
             sum(rates[e] for e in host))
 
 
@@ -696,6 +705,7 @@ def decision_record(state: PlacementState, placement: Placement, prefetch_discou
     off = Placement.device_only(state.num_layers, state.num_experts)
     return {
         "host_experts": placement.total, "host_experts_per_layer": placement.counts(), "slots_per_layer": state.slots_per_layer,
+        "layer_slots": list(state.layer_slots) or None,
         "copy_s_per_expert": copy_seconds(state), "host_s_per_expert_by_rows": {str(rows): seconds for rows, seconds in
                                                                                 sorted(state.host_expert_s.items())},
         "row_bucket": state.row_bucket, "link_bytes_per_s": state.link_bytes_per_s, "host_threads": state.host_threads,

@@ -276,7 +276,10 @@ class GuardedPrefetch(_Guarded):
         k: int,
         timing: LinkTiming,
         slots_per_layer: int,
+        layer_slots: Sequence[int] | None = None,
     ) -> Plan:
+        """The policy's plan, each layer's list checked against that layer's slots (`layer_slots`, the cache's own
+        counts, which the policy does not see; None: `slots_per_layer` in every layer)."""
         plan = self._call(
             "plan",
             route_counts=route_counts,
@@ -290,7 +293,8 @@ class GuardedPrefetch(_Guarded):
             raise self._wrong("plan", f"{type(plan).__name__} is not a specter.policy.Plan")
         num_layers, num_experts = np.shape(route_counts)
         for layer, experts in plan.experts.items():
-            self._check_layer_plan(layer, list(experts), num_layers, num_experts, slots_per_layer)
+            own = layer_slots[layer] if layer_slots is not None and 0 <= layer < len(layer_slots) else slots_per_layer
+            self._check_layer_plan(layer, list(experts), num_layers, num_experts, own)
         return plan
 
     def _check_layer_plan(self, layer: int, experts: list[int], layers: int, num_experts: int, slots: int) -> None:

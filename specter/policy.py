@@ -187,7 +187,9 @@ class PrefetchPolicy(Protocol):
         (top-k hits) so far this round; `resident` `[L, E]` bool is the cache's residency now. Both are
         host copies the policy may read but not keep.
 
-        Must return a `Plan` listing, per layer, at most `slots_per_layer` distinct expert ids in 0..E-1.
+        Must return a `Plan` listing, per layer, at most that layer's slots of distinct expert ids in 0..E-1.
+        `slots_per_layer` is the fewest slots a layer has (a budget between whole counts gives some layers one
+        more, `MemoryPlan.layer_slots`): at most `slots_per_layer` fits every layer.
         The engine loads the non-resident ones in layer order and protects all of them until verified.
         """
         ...

@@ -334,7 +334,7 @@ class OffloadedExperts:
         finally:
             host.placement = decode
             self.cache.place(decode.host)
-        dropped = await self.cache.drop_host_path(preloaded(decode, self.cache.slots_per_layer))
+        dropped = await self.cache.drop_host_path(preloaded(decode, self.cache.layer_slots))
         log.debug("prompt.placed", rows=rows, host_experts=prompt.total, decode_host_experts=decode.total, dropped=dropped)
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ from specter.bench.systems import SYSTEMS, BenchRuntime, Setting, initial_state,
 from specter.config import DraftConfig, EngineConfig, GenerationConfig
 from specter.engine import Runtime
 from specter.model.spec import spec_from_config
+from specter.memory import plan_memory
 from specter.model.weights import dense_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,15 +305,23 @@ def test_budgets_give_slots_per_system():
     spec = spec_from_config(shape_config("qwen1.5-moe-a2.7b", layers=4))
     full = spec_from_config(shape_config("qwen1.5-moe-a2.7b"))
     args = (spec, full, torch.bfloat16, 176, 8)
-    assert system_slots(SYSTEMS["specter"], Setting(residents=15), *args)[0] == 15
+
+    def total(system: str, setting: Setting, **options) -> int:  # every layer's slots, each layer's within one
+        counts = system_slots(SYSTEMS[system], setting, *args, **options)[0]
+        assert len(counts) == len(spec.moe_layers) and max(counts) - min(counts) <= 1
+        return sum(counts)
+
+    assert system_slots(SYSTEMS["specter"], Setting(residents=15), *args)[0] == (15,) * 4
     penalised, note = system_slots(SYSTEMS["specmoeoff"], Setting(residents=15), *args)
-    assert 1 <= penalised < 15 and "separate draft" in note
+    assert len(set(penalised)) == 1 and 1 <= penalised[0] < 15 and "separate draft" in note
     budget = Setting(budget=6 * 2**30)
-    plain, speculative = system_slots(SYSTEMS["ondemand"], budget, *args)[0], system_slots(SYSTEMS["specter"], budget, *args)[0]
-    assert plain >= speculative > system_slots(SYSTEMS["specmoeoff"], budget, *args)[0]
-    assert system_slots(SYSTEMS["scout-k0"], budget, *args)[0] == speculative  # a scout pays for the draft too
-    int8 = system_slots(SYSTEMS["specter"], budget, *args, quant="int8")[0]  # a bigger draft leaves fewer slots
-    assert int8 < speculative and system_slots(SYSTEMS["ondemand"], budget, *args, quant="int8")[0] == plain
+    plain, speculative = total("ondemand", budget), total("specter", budget)
+    assert plain >= speculative > total("specmoeoff", budget)
+    assert system_slots(SYSTEMS["specter"], budget, *args)[0] == plan_memory(
+        spec, torch.bfloat16, EngineConfig(budget=6 * 2**30, max_context=176, draft=DraftConfig(k_max=8))).layer_slots
+    assert total("scout-k0", budget) == speculative  # a scout pays for the draft too
+    int8 = total("specter", budget, quant="int8")  # a bigger draft leaves fewer slots
+    assert int8 < speculative and total("ondemand", budget, quant="int8") == plain
     assert initial_state(((1, 2, 3), (4,)), 2, 8) == ((2, 3), (0, 4))  # a short layer filled, least recent first
     assert initial_state(((1, 2, 3), ()), 3, 4) == ((1, 2, 3), (0, 1, 2))
     assert initial_state(((1,),), 6, 4) == ((0, 2, 3, 1),)  # never more than the layer's experts

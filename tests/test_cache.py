@@ -34,7 +34,7 @@ def expert_value(layer: int, expert: int) -> float:
 class Rig:
     """backend + kernel + pool + transfer engine + cache, with reader helpers that check what they read."""
 
-    def __init__(self, slots: int = SLOTS, link_gbps: float = 0.05, chooser=lru_victims, tuning: CacheTuning | None = None) -> None:
+    def __init__(self, slots: int | tuple[int, ...] = SLOTS, link_gbps: float = 0.05, chooser=lru_victims, tuning: CacheTuning | None = None) -> None:
         self.backend = CPUBackend(link_gbps=link_gbps)  # 8 KiB take ~0.16 ms: copies overlap readers
         self.kernel = Kernel(self.backend)
         self.pool = ExpertPool(self.backend, LAYERS, EXPERTS, NUMEL, torch.float32)
@@ -91,11 +91,11 @@ class Rig:
         """After close(): every mapped expert is resident with the right bytes; the slot table agrees."""
         self.backend.synchronize()  # table writes enqueued since close() (evictions of `unprotect_all`'s balance)
         table = self.cache.slot_table
-        counts = self.cache.slot_counts()
-        assert sum(counts) == LAYERS * self.cache.slots_per_layer, counts
+        counts, own = self.cache.slot_counts(), self.cache.layer_slots
+        assert sum(counts) == sum(own), counts
         for layer in range(LAYERS):
             mapped = self.cache.lru_order(layer)
-            assert len(mapped) <= counts[layer] and abs(counts[layer] - self.cache.slots_per_layer) <= 1, counts
+            assert len(mapped) <= counts[layer] and abs(counts[layer] - own[layer]) <= 1, counts
             for expert in range(EXPERTS):
                 slot = self.cache.lookup(layer, expert)
                 assert (slot is not None) == (expert in mapped), (layer, expert)
@@ -144,7 +144,7 @@ async def apply(rig: Rig, op: tuple) -> set[tuple[int, int]] | None:
         return {(layer, expert) for expert in range(EXPERTS)}
     if kind == "prefetch":
         issued = cache.prefetch(op[1], op[2])
-        assert issued == [e for e in dict.fromkeys(op[2]) if e in issued] and len(issued) <= SLOTS
+        assert issued == [e for e in dict.fromkeys(op[2]) if e in issued] and len(issued) <= cache.layer_slots[op[1]]
         return set()
     if kind == "protect":
         cache.protect(op[1], op[2])
@@ -186,15 +186,20 @@ def guarded(cache: ExpertCache) -> set[tuple[int, int]]:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(op_strategy, min_size=1, max_size=14))
-@example(ops=[("ensure", 0, [0, 1, 2]), ("protect", 0, [0, 1]), ("prefetch", 0, [3, 4]), ("ensure", 0, [5])])
-@example(ops=[("prefetch", 1, [0, 1, 2]), ("cancel_ensure", 1, [3, 4], 0.0001), ("iter_ready", 1, [4, 5, 0, 1])])
-@example(ops=[("prefetch", 0, [0, 1]), ("iter_issued", 0, [1, 2, 3, 4, 5, 0]), ("iter_issued", 0, [0, 5, 4])])
-@example(ops=[("ensure", 0, [0, 1, 2]), ("protect", 0, [0, 1]), ("lead", 0, [0, 3, 1, 4], 2), ("iter_issued", 0, [1, 3, 4, 5])])
+@given(ops=st.lists(op_strategy, min_size=1, max_size=14),
+       slots=st.sampled_from([SLOTS, (SLOTS, SLOTS + 1), (SLOTS + 1, SLOTS)]))
+@example(ops=[("ensure", 0, [0, 1, 2]), ("protect", 0, [0, 1]), ("prefetch", 0, [3, 4]), ("ensure", 0, [5])], slots=SLOTS)
+@example(ops=[("prefetch", 1, [0, 1, 2]), ("cancel_ensure", 1, [3, 4], 0.0001), ("iter_ready", 1, [4, 5, 0, 1])], slots=SLOTS)
+@example(ops=[("prefetch", 0, [0, 1]), ("iter_issued", 0, [1, 2, 3, 4, 5, 0]), ("iter_issued", 0, [0, 5, 4])], slots=SLOTS)
+@example(ops=[("ensure", 0, [0, 1, 2]), ("protect", 0, [0, 1]), ("lead", 0, [0, 3, 1, 4], 2), ("iter_issued", 0, [1, 3, 4, 5])], slots=SLOTS)
 @example(ops=[("ensure", 0, [0, 1, 2]), ("ensure", 1, [0, 1, 2]), ("protect", 1, [0, 1]), ("lead", 1, [0, 1, 2, 3, 4], 2),
-              ("iter_issued", 1, [0, 3, 4]), ("ensure", 0, [0, 1, 5])])
-def test_cache_invariants_hold_under_random_requests(ops):
-    rig = Rig()
+              ("iter_issued", 1, [0, 3, 4]), ("ensure", 0, [0, 1, 5])], slots=SLOTS)
+@example(ops=[("ensure", 1, [0, 1, 2]), ("prefetch", 1, [3, 4, 5]), ("protect", 0, [0, 1]), ("lead", 0, [0, 1, 2, 3], 2),
+              ("unprotect_all",)], slots=(SLOTS, SLOTS + 1))
+def test_cache_invariants_hold_under_random_requests(ops, slots):
+    """Also with a layer of one slot more (`MemoryPlan.layer_slots`): each layer keeps its own count but for loans."""
+    rig = Rig(slots)
+    own = list(rig.cache.layer_slots)
     evicted_while_protected: list[tuple[int, int]] = []
 
     async def scenario() -> None:
@@ -205,7 +210,7 @@ def test_cache_invariants_hold_under_random_requests(ops):
                 after = {(l, e) for l in range(LAYERS) for e in rig.cache.lru_order(l)}
                 evicted_while_protected.extend(sorted((before - lifted) - after))
             counts = rig.cache.slot_counts()
-            assert sum(counts) == LAYERS * SLOTS and all(abs(c - SLOTS) <= 1 for c in counts), counts
+            assert sum(counts) == sum(own) and all(abs(c - o) <= 1 for c, o in zip(counts, own)), counts
             for layer in range(LAYERS):
                 owned = rig.cache._layer_slots(layer)
                 assert all(slot.layer == layer for slot in owned)
@@ -215,7 +220,7 @@ def test_cache_invariants_hold_under_random_requests(ops):
         rig.cache.unprotect_all(rig.backend.record_event(rig.backend.compute_stream))
         await rig.close()
         rig.cache.unprotect_all()  # every load has landed: the slots a lead borrowed go back
-        assert rig.cache.slot_counts() == [SLOTS] * LAYERS
+        assert rig.cache.slot_counts() == own
 
     try:
         run(scenario())
@@ -906,6 +911,33 @@ def test_a_later_plan_replaces_the_protection_of_an_earlier_one(rig):
 def test_asking_for_more_experts_than_slots_is_a_budget_error(rig):
     with pytest.raises(BudgetError, match="3 slots"):
         run(rig.cache.ensure(0, [0, 1, 2, 3]))
+
+
+def test_each_layer_holds_its_own_slot_count():
+    """Slots of (2, 4): one device row each, consecutive per layer; a layer holds as many experts as its own slots
+    and no more, and a snapshot restores each layer's most recent ones up to its own count."""
+    rig = Rig((2, 4))
+    cache = rig.cache
+    try:
+        async def main() -> None:
+            assert cache.layer_slots == (2, 4) and cache.slots_per_layer == 2 and cache.weights.shape[0] == 6
+            assert cache.slot_counts() == [2, 4]
+            await rig.load_residents(1, [0, 1, 2, 3])  # all four of layer 1's slots at once
+            await rig.load_residents(0, [4, 5])
+            with pytest.raises(BudgetError, match="layer 0 needs 3 experts at once but has 2 slots"):
+                await cache.ensure(0, [0, 1, 2])
+            assert cache.prefetch(0, [0, 1, 2]) == [0, 1]  # two slots: the policy's victims, then no room left
+            await cache.restore(CacheSnapshot(((3, 4, 5), (5, 4, 3, 2, 1))))
+            assert cache.lru_order(0) == [4, 5] and cache.lru_order(1) == [4, 3, 2, 1]
+            await rig.close()
+
+        run(main())
+        assert rig.bad_reads == []
+        rig.check_consistent()
+    finally:
+        rig.shutdown()
+    with pytest.raises(BudgetError, match="slots in each of 2 layers"):
+        ExpertCache(rig.backend, rig.kernel, rig.transfer, rig.pool, (2, 0))
 
 
 def test_a_policy_choosing_a_protected_expert_is_a_plugin_error():

@@ -163,6 +163,9 @@ def test_info_at_a_budget_gives_the_slots_with_and_without_the_draft(capsys):
     def slots(budget: int, speculative: bool) -> int:
         return plan_memory(spec, torch.float32, EngineConfig(budget=budget), speculative=speculative).slots_per_layer
 
+    def total(budget: int, speculative: bool) -> int:  # every layer's slots: one more in some layers
+        return plan_memory(spec, torch.float32, EngineConfig(budget=budget), speculative=speculative).total_slots
+
     budget = minimum + 5 * 2**20
     assert main(["info", "tiny", "--json", "--no-measure", "--budget", str(budget)]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -172,19 +175,24 @@ def test_info_at_a_budget_gives_the_slots_with_and_without_the_draft(capsys):
     assert info["placement_slots"] == got["speculating"] and info["speculates"] is True
     assert main(["info", "tiny", "--no-measure", "--budget", str(budget)]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("at budget"))
-    assert f"{got['speculating']} speculating" in line and f"{got['without_draft']} without a draft" in line
+    for kind in ("speculating", "without_draft"):
+        per, extra, layers = got[kind], got[f"{kind}_extra"], got["moe_layers"]
+        assert 0 <= extra < layers
+        shown = f"{per} ({per + 1} in {extra} of {layers} layers)" if extra else f"{per}"
+        assert f"{shown} {'speculating' if kind == 'speculating' else 'without a draft'}" in line
 
-    # the same slots in every layer: the budget beyond them, and the budget of one slot more, as the plan splits it
+    # the budget beyond the slots (less than one slot), and the budget of one slot more, as the plan splits it
     for kind, speculative in (("speculating", True), ("without_draft", False)):
         plan = plan_memory(spec, torch.float32, EngineConfig(budget=budget), speculative=speculative)
-        assert got[f"{kind}_idle_bytes"] == budget - plan.device_bytes and 0 <= got[f"{kind}_idle_bytes"] < plan.moe_layers * plan.slot_bytes
+        assert got[f"{kind}_extra"] == plan.extra_slots and plan.total_slots == got[kind] * plan.moe_layers + plan.extra_slots
+        assert got[f"{kind}_idle_bytes"] == budget - plan.device_bytes and 0 <= got[f"{kind}_idle_bytes"] < plan.slot_bytes
         nxt = got[f"{kind}_next_budget"]
-        assert (slots(nxt, speculative), slots(nxt - 1, speculative)) == (got[kind] + 1, got[kind])
+        assert (total(nxt, speculative), total(nxt - 1, speculative)) == (plan.total_slots + 1, plan.total_slots)
     printed = re.findall(r"idle, ([0-9.]+) (MiB|GiB) for one slot more", line)
     assert len(printed) == 2
     for (size, unit), kind, speculative in zip(printed, ("speculating", "without_draft"), (True, False)):
         at_least = parse_bytes(f"{size}{unit}")  # a budget given as printed gets the slot it promises
-        assert at_least >= got[f"{kind}_next_budget"] and slots(at_least, speculative) == got[kind] + 1
+        assert at_least >= got[f"{kind}_next_budget"] and total(at_least, speculative) == total(budget, speculative) + 1
 
     between = (plain_minimum + minimum) // 2
     assert main(["info", "tiny", "--json", "--no-measure", "--budget", str(between)]) == 0

@@ -26,6 +26,52 @@ def test_slots_are_what_the_budget_leaves(tiny):
         assert plan.fixed_bytes + plan.slots_per_layer * plan.moe_layers * plan.slot_bytes <= budget
 
 
+def test_a_budget_between_whole_counts_gives_some_layers_one_slot_more(tiny):
+    """What is left past a whole count per layer holds a slot in as many layers as it pays for, spread over the
+    depth; less than one slot stays idle, and one slot more takes exactly a slot's bytes."""
+    spec = Checkpoint(tiny).spec
+    full = plan_memory(spec, torch.float32, EngineConfig())
+    layers = full.moe_layers
+    for slots, extra in ((spec.top_k, 1), (5, layers - 1), (spec.num_experts - 1, 2)):
+        budget = full.fixed_bytes + (slots * layers + extra) * full.slot_bytes + full.slot_bytes // 3
+        plan = plan_memory(spec, torch.float32, EngineConfig(budget=budget))
+        assert (plan.slots_per_layer, plan.extra_slots, plan.total_slots) == (slots, extra, slots * layers + extra)
+        assert sorted(plan.layer_slots) == [slots] * (layers - extra) + [slots + 1] * extra
+        assert plan.device_bytes <= budget and plan.idle_bytes == full.slot_bytes // 3
+        nxt = plan_memory(spec, torch.float32, EngineConfig(budget=plan.next_slot_budget))
+        assert nxt.total_slots == plan.total_slots + 1 or nxt.all_resident
+    spread = plan_memory(spec, torch.float32, EngineConfig(budget=full.fixed_bytes + (3 * layers + 2) * full.slot_bytes))
+    assert spread.layer_slots == (3, 4, 3, 4)  # every other layer: one extra slot each half of the depth
+    resident = plan_memory(spec, torch.float32, EngineConfig(residents=3))
+    assert resident.extra_slots == 0 and resident.layer_slots == (3,) * layers  # `residents` is a count per layer
+
+
+def test_an_engine_with_uneven_slots_decodes_the_resident_tokens(tiny):
+    """The cache allocates each layer's own slots, and decoding (k = 0 and speculating) gives the tokens of every
+    expert resident."""
+    spec = Checkpoint(tiny).spec
+    generation = GenerationConfig(max_new_tokens=24)
+
+    async def tokens(config: EngineConfig) -> tuple[list[int], tuple[int, ...]]:
+        runtime = await Runtime.load(tiny, config)
+        try:
+            slots = runtime.cache.layer_slots if runtime.cache is not None else ()
+            if runtime.cache is not None:
+                assert slots == runtime.memory.layer_slots and runtime.cache.weights.shape[0] == sum(slots)
+                assert runtime.cache.slot_counts() == list(slots)
+            return (await runtime.complete_ids([3, 1, 4, 1, 5], generation)).tokens, slots
+        finally:
+            await runtime.aclose()
+
+    expected, _ = asyncio.run(tokens(EngineConfig(device="cpu")))
+    for k in (0, 4):
+        config = EngineConfig(device="cpu", draft=DraftConfig(k=k))
+        plan = plan_memory(spec, torch.float32, config, speculative=may_speculate(config))
+        budget = plan.fixed_bytes + (spec.top_k * plan.moe_layers + 3) * plan.slot_bytes
+        got, slots = asyncio.run(tokens(EngineConfig(device="cpu", budget=budget, draft=DraftConfig(k=k))))
+        assert sorted(slots) == [spec.top_k] + [spec.top_k + 1] * 3 and got == expected
+
+
 def test_minimum_is_exact(tiny):
     spec = Checkpoint(tiny).spec
     minimum = plan_memory(spec, torch.float32, EngineConfig()).minimum_budget

@@ -49,6 +49,19 @@ def test_off_and_all():
     assert preloaded(warm, 2) == [[1, 6], [0, 3], [0, 1]]
 
 
+def test_all_keeps_each_layers_own_slots_on_the_device():
+    """With one slot more in some layers (`MemoryPlan.layer_slots`) `all` keeps that many there, and `preloaded`
+    loads them: the extra slot holds an expert instead of staying empty beside a host-path expert."""
+    import dataclasses
+
+    uneven = dataclasses.replace(state(), layer_slots=(2, 3, 2))
+    assert [uneven.slots(layer) for layer in range(3)] == [2, 3, 2] and state().slots(1) == 2
+    placed = plugins.load_policy("placement", "all").place(state=uneven)
+    assert placed.counts() == [6, 5, 6] and placed.device_experts(1) == [0, 1, 2]
+    assert preloaded(placed, (2, 3, 2)) == [[0, 1], [0, 1, 2], [0, 1]]
+    assert preloaded(placed, 2) == [[0, 1], [], [0, 1]]  # three device experts do not fit two slots: on demand
+
+
 def test_a_placement_policy_answering_wrong_is_named():
     class Wrong:
         name = "wrong"

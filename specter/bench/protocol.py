@@ -381,7 +381,8 @@ class ModelBench:
                 self._ended((self.target.label, setting.label, link, system.name))
         if not slots:
             return
-        initial = await self._initial_state(runtime, max(count for count, _ in slots.values()), link)
+        most = tuple(max(counts) for counts in zip(*(counts for counts, _ in slots.values())))  # per layer
+        initial = await self._initial_state(runtime, most, link)
         for system in systems:
             if system.name in slots:
                 count, note = slots[system.name]
@@ -397,7 +398,7 @@ class ModelBench:
             self._route_counts = route_profile(path, len(runtime.spec.moe_layers), runtime.spec.num_experts)
         return self._route_counts
 
-    async def _initial_state(self, runtime: BenchRuntime, slots: int, link: str) -> tuple[tuple[int, ...], ...]:
+    async def _initial_state(self, runtime: BenchRuntime, slots: tuple[int, ...], link: str) -> tuple[tuple[int, ...], ...]:
         """The same start for every system: the LRU cache an on-demand run of the warm-up prompt leaves."""
         await runtime.use_slots(slots)
         runtime.set_link(link)
@@ -408,10 +409,14 @@ class ModelBench:
         return runtime.cache.snapshot().layers
 
     # -- one cell: a system at a setting and a link -----------------------------------------------------------
-    async def _cell(self, runtime: BenchRuntime, system: System, setting: Setting, link: str, slots: int | None,
+    async def _cell(self, runtime: BenchRuntime, system: System, setting: Setting, link: str, slots: tuple[int, ...] | None,
                     initial: tuple[tuple[int, ...], ...] | None, note: str = "") -> None:
+        """`slots`: each MoE layer's (None: every expert resident). The cell records the fewest a layer has and how
+        many layers hold one more."""
+        fewest = min(slots) if slots is not None else None
         cell = {"model": self.target.label, "setting": setting.label if slots is not None else "all", "link": link,
-                "system": system.name, "slots": slots, "note": note, "host_threads": None, "placement": None}
+                "system": system.name, "slots": fewest, "extra_slots": sum(slots) - fewest * len(slots) if slots else None,
+                "note": note, "host_threads": None, "placement": None}
         self.bar.set_postfix(system=system.name, link=link, setting=cell["setting"])
         self.bar.update(1)
         name = (cell["model"], cell["setting"], link, system.name)
@@ -509,8 +514,7 @@ class ModelBench:
             expected = self.placed_baseline.get((*cell, self.placed, prompt.key))
         floor = None
         if routes is not None:  # the fewest decode bytes any system with these slots could have moved for these rounds
-            slots = runtime.memory.slots_per_layer
-            floor = decode_floor_loads(routes, len(runtime.spec.moe_layers), slots) * runtime.cache.pool.expert_bytes
+            floor = decode_floor_loads(routes, runtime.cache.layer_slots) * runtime.cache.pool.expert_bytes
         return {"prompt_kind": prompt.kind, "prompt_index": prompt.index, "sampling": prompt.sampling,
                 "h2d_decode_floor_bytes": floor,
                 "seed": prompt.seed if prompt.sampling != "greedy" else None, **request_record(result.tokens, expected, result.stats),

@@ -182,7 +182,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
     copy_window = sum(r.get("copy_window_s", 0.0) for r in runs)
     return {
         "model": model, "setting": setting, "link": link, "sampling": sampling, "system": system, "runs": len(runs),
-        "slots": runs[0].get("slots"),
+        "slots": runs[0].get("slots"), "extra_slots": runs[0].get("extra_slots"),
         "tpot_ms": round(1e3 * statistics.median(r["tpot_s"] for r in runs), 3),
         "tpot_ms_mean": round(1e3 * statistics.fmean(r["tpot_s"] for r in runs), 3),
         "ttft_ms": round(1e3 * statistics.median(r["ttft_s"] for r in runs), 3),

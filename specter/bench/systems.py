@@ -185,13 +185,15 @@ def separate_draft_bytes(full_spec: ModelSpec, dtype: torch.dtype, max_context: 
 
 def system_slots(system: System, setting: Setting, spec: ModelSpec, full_spec: ModelSpec, dtype: torch.dtype,
                  max_context: int, k_max: int, expert_graphs: bool = False, quant: str = "int4",
-                 row_bucket: int = 16) -> tuple[int, str]:
-    """Expert slots per layer the system gets under `setting`, and a note on how they were derived.
+                 row_bucket: int = 16) -> tuple[tuple[int, ...], str]:
+    """Expert slots of each MoE layer of `spec` the system gets under `setting`, and a note on how they were derived.
 
-    Residents: the same count for every system, except that specmoeoff loses the slots its separate draft
+    Residents: the same count in every layer for every system, except that specmoeoff loses the slots its separate draft
     would take at full depth (so `--layers` truncation does not shrink the penalty). Budget: the engine's
-    memory plan for the (possibly truncated) model, with or without the quantized draft.
+    memory plan for the (possibly truncated) model, with or without the quantized draft (one slot more in some
+    layers where the budget holds more than a whole count per layer: `MemoryPlan.layer_slots`).
     """
+    layers = len(spec.moe_layers)
     per_slot = len(full_spec.moe_layers) * full_spec.expert_bytes(_element(dtype))
     extra = separate_draft_bytes(full_spec, dtype, max_context) if system.separate_draft else 0
     if setting.residents is not None:
@@ -200,13 +202,13 @@ def system_slots(system: System, setting: Setting, spec: ModelSpec, full_spec: M
         note = f"{setting.residents} - {lost} slots for a separate draft ({extra / 2**30:.2f} GiB)" if lost else ""
         if slots < 1:
             raise BudgetError(f"{system.name}: its separate draft ({extra / 2**30:.2f} GiB) takes all {setting.residents} slots per layer")
-        return slots, note
+        return (slots,) * layers, note
     assert setting.budget is not None, "a setting has residents or a budget"
     truncated_extra = separate_draft_bytes(spec, dtype, max_context) if system.separate_draft else 0
     config = EngineConfig(budget=setting.budget - truncated_extra if truncated_extra < setting.budget else 1,
                           max_context=max_context, draft=DraftConfig(k_max=k_max, quant=quant), row_bucket=row_bucket)
     plan = plan_memory(spec, dtype, config, speculative=system.speculative, expert_graphs=expert_graphs)
-    return plan.slots_per_layer, (f"budget minus separate draft {truncated_extra / 2**30:.2f} GiB" if truncated_extra else "")
+    return plan.layer_slots, (f"budget minus separate draft {truncated_extra / 2**30:.2f} GiB" if truncated_extra else "")
 
 
 def _element(dtype: torch.dtype) -> int:
@@ -223,8 +225,8 @@ class BenchBooks(RoundObserver):
     the routes recorded for the round (`plan_before_draft`).
     """
 
-    def __init__(self, slots_per_layer: Callable[[], int]) -> None:
-        self.slots_per_layer = slots_per_layer
+    def __init__(self, layer_slots: Callable[[], Sequence[int]]) -> None:
+        self.layer_slots = layer_slots
         self.round_index = 0
         self.replayed_routes: Routes | None = None
         self.recorded_routes: Routes | None = None
@@ -262,8 +264,8 @@ class BenchBooks(RoundObserver):
     def plan_before_draft(self, k: int) -> Plan | None:
         if self.replayed_routes is None or self.round_index >= len(self.replayed_routes):
             return None
-        slots = self.slots_per_layer()
-        return Plan(experts={layer: experts[:slots] for layer, experts in self.replayed_routes[self.round_index].items()})
+        slots = self.layer_slots()
+        return Plan(experts={layer: experts[:slots[layer]] for layer, experts in self.replayed_routes[self.round_index].items()})
 
     def request_started(self, stats: RequestStats) -> None:
         self.round_index = 0
@@ -332,7 +334,7 @@ class BenchRuntime(Runtime):
     """A Runtime whose system (policies, hooks), slot count and link can change between requests."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.books = BenchBooks(lambda: self.memory.slots_per_layer)
+        self.books = BenchBooks(lambda: self.cache.layer_slots)
         super().__init__(*args, observers=[self.books], plan_source=self.books, **kwargs)
         self.system: System | None = None
         self.depth = 0  # the configured system's depth (its own k, else the bench's --k)
@@ -372,15 +374,16 @@ class BenchRuntime(Runtime):
         if isinstance(self.experts, OffloadedExperts):
             self.experts.on_routed = self._gate_prefetch if system.gate_prefetch else None
 
-    async def use_slots(self, slots: int) -> None:
-        """Rebuild the expert cache with `slots` per layer over the same host pool (no reload, no re-pinning).
+    async def use_slots(self, slots: Sequence[int]) -> None:
+        """Rebuild the expert cache with `slots` in each MoE layer over the same host pool (no reload, no re-pinning).
 
         Below the engine's minimum (top-k slots) the cache still works as a rolling window; the paper's
         Phi-3.5-MoE setting of 1 resident per layer needs that.
         """
         old = self.cache
         assert old is not None, "use_slots needs an offloaded runtime"
-        if slots == old.slots_per_layer:
+        slots = tuple(slots)
+        if slots == old.layer_slots:
             return
         await old.aclose()
         transfer, pool = old.transfer, old.pool
@@ -392,7 +395,8 @@ class BenchRuntime(Runtime):
         tuning = self.config.tuning
         self.cache = new_cache(self.config, slots, self.backend, self.kernel, transfer, pool, self.victims)
         self.experts = OffloadedExperts(self.cache, self.kernel, self.moe_index, tuning=tuning.verify)
-        self.memory = dataclasses.replace(self.memory, slots_per_layer=slots)
+        fewest = min(slots)  # the plan's bytes: its slot count (a warm-up's cache may not be one plan's spread)
+        self.memory = dataclasses.replace(self.memory, slots_per_layer=fewest, extra_slots=sum(slots) - fewest * len(slots))
         if self.segmented is not None:  # the old slots' expert graphs are stale: capture the new ones now, untimed
             self.segmented.reset_experts()
             self.segmented.prepare_experts([self.cache.slot_weights(slot) for slot in range(self.cache.weights.shape[0])])
@@ -509,7 +513,7 @@ class BenchRuntime(Runtime):
         # Host sync (a GEMV after the router we just awaited): the prediction must reach the cache now.
         order, votes = torch.argsort(counts, descending=True, stable=True).tolist(), counts.tolist()
         ranked = [expert for expert in order if votes[expert] > 0]
-        predicted = ranked[: self.memory.slots_per_layer]
+        predicted = ranked[: self.cache.layer_slots[self.moe_index[following]]]
         self.books.gate_predicted[following] = set(predicted)
         self.cache.prefetch(self.moe_index[following], predicted)
 
@@ -541,16 +545,16 @@ def fewest_loads(rounds: Sequence[Set[int]], slots: int) -> int:
     return loads
 
 
-def decode_floor_loads(routes: Routes, layers: int, slots: int) -> int:
+def decode_floor_loads(routes: Routes, slots: Sequence[int]) -> int:
     """A lower bound on the expert loads of a request's decode rounds (`routes`, recorded after the prompt) for any
-    system with `slots` per layer: per layer, fewest_loads less the `slots` experts the prompt may have left
+    system with `slots` in each MoE layer: per layer, fewest_loads less the slots' experts the prompt may have left
     resident (the state after the prompt is free to be the best one)."""
-    return sum(max(0, fewest_loads([round_.get(layer, ()) for round_ in routes], slots) - slots) for layer in range(layers))
+    return sum(max(0, fewest_loads([round_.get(layer, ()) for round_ in routes], count) - count) for layer, count in enumerate(slots))
 
 
-def initial_state(snapshot_layers: Sequence[Sequence[int]], slots: int, num_experts: int,
+def initial_state(snapshot_layers: Sequence[Sequence[int]], slots: int | Sequence[int], num_experts: int,
                   rates: Sequence[Sequence[float]] | None = None) -> tuple[tuple[int, ...], ...]:
-    """A snapshot cut to `slots` per layer, keeping the most recently used (the tail of the LRU order), and a layer
+    """A snapshot cut to `slots` per layer (one count for all, or one each), keeping the most recently used (the tail of the LRU order), and a layer
     the warm-up left short of `slots` filled as `kept_on_device` (policies/placement.py) fills it (`fill_slots`: the
     most used others by `rates`, per layer and expert, the placement profile's use counts; else the lowest other ids),
     the fill first in LRU order (least recent), so a placement keeps on the device what it would have kept.
@@ -559,12 +563,14 @@ def initial_state(snapshot_layers: Sequence[Sequence[int]], slots: int, num_expe
     the whole cell, so a slot left empty at the start stayed empty: at 55 slots of Qwen1.5-MoE's 60 the warm-up had
     used about 30 a layer, and `cpu-experts` computed 52 experts a token on the host where a filled cache leaves about 8."""
     cells = []
-    for index, layer in enumerate(snapshot_layers):
+    counts = [slots] * len(snapshot_layers) if isinstance(slots, int) else slots
+    for index, (layer, count) in enumerate(zip(snapshot_layers, counts, strict=True)):
         used = rates[index] if rates is not None and index < len(rates) and len(rates[index]) == num_experts else None
-        kept, fill = fill_slots(layer, slots, num_experts, used)
+        kept, fill = fill_slots(layer, count, num_experts, used)
         cells.append(tuple(fill + kept))
     return tuple(cells)
 
 
 def memory_summary(memory: MemoryPlan) -> dict[str, int]:
-    return {name: getattr(memory, name) for name in ("dense_bytes", "draft_bytes", "kv_bytes", "expert_bytes", "slots_per_layer")}
+    return {name: getattr(memory, name) for name in ("dense_bytes", "draft_bytes", "kv_bytes", "expert_bytes", "slots_per_layer",
+                                                     "extra_slots")}

@@ -15,7 +15,7 @@ A mix-in of `ExpertCache` over the slot state machine (experts/slots.py), whose 
 #     slot the layer before lends (`CacheTuning.lead_relay`), then computed residents the policy chooses.
 #  5. A loan moves one slot of the layer before, free or emptied by the policy among its unprotected, unpinned
 #     residents; the slot keeps its last-use event, so a copy into it waits for the donor's compute. A layer
-#     borrows only while it holds at most `slots_per_layer` and its donor at least that many.
+#     borrows only while it holds at most its own slots (`layer_slots`) and its donor at least its own.
 #  6. Loans go back: at the end of each round (`unprotect_all`) and whenever a layer short of a slot needs room,
 #     each short layer takes one from a layer over its count; a layer whose slots are all loading or held keeps
 #     them until the next call. A failing policy there is logged, never raised: cleanup must finish.
@@ -74,9 +74,9 @@ class LeadRelay(ExpertSlots):
 
         for miss, slot in zip(misses, room):  # these copies start before the relay's policy call below
             load(miss, slot)
-        per = self.slots_per_layer
-        if (len(room) < len(misses) and self.tuning.lead_relay and layer > 0 and per > 1 and len(self._by_layer[layer]) <= per
-                and len(self._by_layer[layer - 1]) >= per and (lent := self._lend(layer - 1, layer)) is not None):
+        donor = layer - 1
+        if (len(room) < len(misses) and self.tuning.lead_relay and layer > 0 and self.layer_slots[donor] > 1
+                and not self._over(layer) and not self._short(donor) and (lent := self._lend(donor, layer)) is not None):
             load(misses[len(room)], lent)
             room.append(lent)
         doomed = self._victims(layer, len(misses) - len(room), among=hot) if len(room) < len(misses) and hot else []
@@ -123,12 +123,11 @@ class LeadRelay(ExpertSlots):
         return slot
 
     def _balance(self) -> None:
-        """Give the slots the relay lent back: each layer short of `slots_per_layer` takes one from a layer over
-        it (free, or the policy's victim there). A layer over it whose slots are all loading or held keeps them
+        """Give the slots the relay lent back: each layer short of its own (`layer_slots`) takes one from a layer over
+        its own (free, or the policy's victim there). A layer over it whose slots are all loading or held keeps them
         until the next call."""
-        per = self.slots_per_layer
         for layer in range(self.num_layers):
-            while len(self._by_layer[layer]) < per:
-                donors = [d for d in range(self.num_layers) if len(self._by_layer[d]) > per]
+            while self._short(layer):
+                donors = [d for d in range(self.num_layers) if self._over(d)]
                 if not any(self._lend(donor, layer) for donor in donors):
                     break

@@ -148,8 +148,9 @@ class OwnedSlots(dict[int, Slot]):
 
 
 class ExpertSlots:
-    """L*S device slots (S per MoE layer) over an `ExpertPool`, loaded through a `TransferEngine`: the state machine
-    every reader of `ExpertCache` goes through. All methods run on the event-loop thread."""
+    """Device slots over an `ExpertPool` (`layer_slots[l]` allocated to MoE layer l), loaded through a
+    `TransferEngine`: the state machine every reader of `ExpertCache` goes through. All methods run on the
+    event-loop thread."""
 
     def __init__(
         self,
@@ -157,32 +158,38 @@ class ExpertSlots:
         kernel: Kernel,
         transfer: TransferEngine,
         pool: ExpertPool,
-        slots_per_layer: int,
+        slots: int | Sequence[int],
         choose_victims: VictimChooser | None = None,
         tuning: CacheTuning | None = None,
     ) -> None:
-        """`choose_victims`: the eviction policy (`lru_victims` when None); the `choose_victims` attribute may also be
+        """`slots`: per MoE layer, one count for all or one each (`MemoryPlan.layer_slots`). `choose_victims`: the eviction policy (`lru_victims` when None); the `choose_victims` attribute may also be
         replaced later, it is read at each choice. `tuning`: the rolling window's and the lead's knobs
         (EngineConfig.tuning.cache); read at run time."""
-        if not 1 <= slots_per_layer <= pool.num_experts:
+        layer_slots = (slots,) * pool.num_layers if isinstance(slots, int) else tuple(slots)
+        if len(layer_slots) != pool.num_layers or not all(1 <= count <= pool.num_experts for count in layer_slots):
             raise BudgetError(
-                f"the expert cache needs 1..{pool.num_experts} slots per layer, got {slots_per_layer}; "
-                "raise the memory budget or lower `residents`"
+                f"the expert cache needs 1..{pool.num_experts} slots in each of {pool.num_layers} layers, got "
+                f"{slots}; raise the memory budget or lower `residents`"
             )
         self.backend, self.kernel, self.transfer, self.pool = backend, kernel, transfer, pool
         self.num_layers, self.num_experts = pool.num_layers, pool.num_experts
-        self.slots_per_layer = slots_per_layer
+        self.layer_slots = layer_slots
+        """Each layer's own slots (its home count; the relay may lend one for a round)."""
+        self.slots_per_layer = min(layer_slots)
+        """The fewest slots a layer holds: what a planner may count on in every layer."""
         self.choose_victims: VictimChooser = choose_victims or lru_victims
         self.tuning = tuning or CacheTuning()
-        # [L*S, N] one flat expert per row; [L, E] slot index or -1. Allocated once, here.
-        self.weights = backend.alloc_device((self.num_layers * slots_per_layer, pool.expert_numel), pool.dtype)
+        # [sum of layer_slots, N] one flat expert per row, each layer's consecutive; [L, E] slot index or -1.
+        # Allocated once, here.
+        self.weights = backend.alloc_device((sum(layer_slots), pool.expert_numel), pool.dtype)
         self._slot_views = list(self.weights.unbind(0))  # slot_weights without an indexing op per call
         self.slot_table = backend.alloc_device((self.num_layers, self.num_experts), torch.int32)
         self.slot_table.fill_(-1)
         self._flat_table = self.slot_table.view(-1)
         self.stats = CacheStats([LayerStats() for _ in range(self.num_layers)])
-        self._slots = [Slot(index, index // slots_per_layer) for index in range(self.num_layers * slots_per_layer)]
-        self._by_layer = self._home_slots()  # each layer's slots: `slots_per_layer` each but while the relay lends
+        self._home = [layer for layer, count in enumerate(layer_slots) for _ in range(count)]  # each row's own layer
+        self._slots = [Slot(index, layer) for index, layer in enumerate(self._home)]
+        self._by_layer = self._home_slots()  # each layer's slots: its `layer_slots` but while the relay lends
         self._residents: list[OrderedDict[int, Slot]] = [OrderedDict() for _ in range(self.num_layers)]
         self._protected: list[set[int]] = [set() for _ in range(self.num_layers)]
         self._capacity_waiters: list[list[asyncio.Future[None]]] = [[] for _ in range(self.num_layers)]
@@ -258,7 +265,7 @@ class ExpertSlots:
         return expert in self._protected[layer] or (slot is not None and slot.pins > 0)
 
     def slot_counts(self) -> list[int]:
-        """How many slots each layer holds now (`slots_per_layer` each, but for the relay's loans in a round)."""
+        """How many slots each layer holds now (its `layer_slots`, but for the relay's loans in a round)."""
         return [len(slots) for slots in self._by_layer]
 
     async def ensure(self, layer: int, experts: Iterable[int], urgent: bool = True) -> dict[int, int]:
@@ -348,8 +355,9 @@ class ExpertSlots:
         assert len(snapshot.layers) == self.num_layers, "snapshot of a cache with another layer count"
         self.reset()
         for layer, experts in enumerate(snapshot.layers):
-            assert len(experts) <= self.slots_per_layer + 1, f"snapshot holds {len(experts)} experts for {self.slots_per_layer} slots"
-            for expert in self.device_path(layer, experts)[-self.slots_per_layer :]:  # the most recent (a round may lend a slot)
+            own = self.layer_slots[layer]
+            assert len(experts) <= own + 1, f"snapshot holds {len(experts)} experts of layer {layer} for {own} slots"
+            for expert in self.device_path(layer, experts)[-own:]:  # the most recent (a round may lend a slot)
                 self._start_load(layer, expert, self._make_room(layer, 1)[0], urgent=False)
         for slot in self._slots:
             if slot.loading is not None:
@@ -369,9 +377,9 @@ class ExpertSlots:
 
     def _distinct_within_budget(self, layer: int, experts: Iterable[int]) -> list[int]:
         wanted = list(dict.fromkeys(experts))
-        if len(wanted) > self.slots_per_layer:
+        if len(wanted) > self.layer_slots[layer]:
             raise BudgetError(
-                f"layer {layer} needs {len(wanted)} experts at once but has {self.slots_per_layer} slots; "
+                f"layer {layer} needs {len(wanted)} experts at once but has {self.layer_slots[layer]} slots; "
                 "use iter_ready (rolling window) or raise the budget"
             )
         return wanted
@@ -399,13 +407,13 @@ class ExpertSlots:
     async def _room_or_wait(self, layer: int, owned: list[Slot]) -> Slot:
         while not (room := self._make_room(layer, 1)):
             if not self._room_can_appear(layer, owned):
-                held = len(self._by_layer[layer])
+                held, own = len(self._by_layer[layer]), self.layer_slots[layer]
                 lent = (f" (it holds {held}: one is lent to a layer whose slots are all protected until the round "
-                        "ends, `unprotect_all`)") if held < self.slots_per_layer else ""
+                        "ends, `unprotect_all`)") if held < own else ""
                 raise BudgetError(
-                    f"layer {layer}: all {self.slots_per_layer} slots hold protected experts "
+                    f"layer {layer}: all {own} slots hold protected experts "
                     f"{sorted(self._protected[layer])} and none is loading or in use{lent}; plan at most "
-                    f"{self.slots_per_layer - 1} experts per layer or raise the budget"
+                    f"{own - 1} experts in this layer or raise the budget"
                 )
             await self._capacity_changed(layer)
         return room[0]
@@ -414,8 +422,8 @@ class ExpertSlots:
         """A slot may become evictable later: a load will land or a reader other than us will unpin."""
         ours = {slot.index for slot in owned}
         layers = [layer]
-        if len(self._by_layer[layer]) < self.slots_per_layer:  # short of a lent slot: the borrower's may free up
-            layers += [d for d in range(self.num_layers) if len(self._by_layer[d]) > self.slots_per_layer]
+        if self._short(layer):  # short of a lent slot: the borrower's may free up
+            layers += [d for d in range(self.num_layers) if self._over(d)]
         return any(
             slot.state is SlotState.LOADING or (slot.pins and slot.index not in ours)
             for donor in layers for slot in self._layer_slots(donor)
@@ -436,7 +444,7 @@ class ExpertSlots:
             # else dropped: gone, or still loading. A device-ordered reader (`iter_issued`) takes each miss as its
             # copy is issued, so on CUDA the miss handed out last is usually still loading here and the policy
             # chooses instead; the slots are recycled oldest first on the host-waiting path (`iter_ready`).
-        if len(room) < count and len(self._by_layer[layer]) < self.slots_per_layer:  # take back a lent slot first
+        if len(room) < count and self._short(layer):  # take back a lent slot first
             self._balance()
             room += [slot for slot in self._layer_slots(layer) if slot.state is SlotState.FREE and slot not in room][: count - len(room)]
         if len(room) < count:
@@ -477,11 +485,20 @@ class ExpertSlots:
         return self._by_layer[layer]
 
     def _home_slots(self) -> list[list[Slot]]:
-        """Every slot in the layer it was allocated to (`slots_per_layer` consecutive rows each)."""
-        per = self.slots_per_layer
-        for slot in self._slots:
-            slot.layer = slot.index // per
-        return [self._slots[layer * per : (layer + 1) * per] for layer in range(self.num_layers)]
+        """Every slot in the layer it was allocated to (its `layer_slots` consecutive rows)."""
+        by_layer: list[list[Slot]] = [[] for _ in range(self.num_layers)]
+        for slot, home in zip(self._slots, self._home):
+            slot.layer = home
+            by_layer[home].append(slot)
+        return by_layer
+
+    def _short(self, layer: int) -> bool:
+        """The layer holds fewer slots than its own (it lent one)."""
+        return len(self._by_layer[layer]) < self.layer_slots[layer]
+
+    def _over(self, layer: int) -> bool:
+        """The layer holds more slots than its own (it borrowed one)."""
+        return len(self._by_layer[layer]) > self.layer_slots[layer]
 
     def _balance(self) -> None:
         """Give the slots lent in this round back to their layers. Without the relay (`experts/lead.py`, which
@@ -585,9 +602,9 @@ class ExpertSlots:
         await waiter
 
     def _signal(self, layer: int) -> None:
-        if len(self._by_layer[layer]) > self.slots_per_layer:  # a layer short of the slot it lent may take it back
+        if self._over(layer):  # a layer short of the slot it lent may take it back
             for short in range(self.num_layers):
-                if short != layer and len(self._by_layer[short]) < self.slots_per_layer:
+                if short != layer and self._short(short):
                     self._signal(short)
         waiters, self._capacity_waiters[layer] = self._capacity_waiters[layer], []
         for waiter in waiters:
