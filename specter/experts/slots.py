@@ -162,9 +162,10 @@ class ExpertSlots:
         choose_victims: VictimChooser | None = None,
         tuning: CacheTuning | None = None,
     ) -> None:
-        """`slots`: per MoE layer, one count for all or one each (`MemoryPlan.layer_slots`). `choose_victims`: the eviction policy (`lru_victims` when None); the `choose_victims` attribute may also be
-        replaced later, it is read at each choice. `tuning`: the rolling window's and the lead's knobs
-        (EngineConfig.tuning.cache); read at run time."""
+        """`slots`: per MoE layer, one count for all or one each (`MemoryPlan.layer_slots`). `choose_victims`: the
+        eviction policy (`lru_victims` when None); the `choose_victims` attribute may also be replaced later, it is
+        read at each choice. `tuning`: the rolling window's and the lead's knobs (EngineConfig.tuning.cache); read at
+        run time."""
         layer_slots = (slots,) * pool.num_layers if isinstance(slots, int) else tuple(slots)
         if len(layer_slots) != pool.num_layers or not all(1 <= count <= pool.num_experts for count in layer_slots):
             raise BudgetError(
