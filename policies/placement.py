@@ -36,9 +36,9 @@ class Off:
 
 
 def kept_on_device(state: PlacementState, layer: int, rates: Sequence[float] | None = None) -> list[int]:
-    """The experts a layer keeps on the device, one for each of its slots (`PlacementState.slots`): its initial residents (the most recent ones), and
-    where they leave slots free (a cache that starts empty, at load, or part-filled) the most used others by `rates`,
-    else the lowest other ids (`fill_slots`)."""
+    """The experts a layer keeps on the device, one for each of its slots (`PlacementState.slots`): its initial
+    residents (the most recent ones), and where they leave slots free (a cache that starts empty, at load, or
+    part-filled) the most used others by `rates`, else the lowest other ids (`fill_slots`)."""
     initial = state.initial_residents[layer] if layer < len(state.initial_residents) else ()
     kept, fill = fill_slots(initial, state.slots(layer), state.num_experts, rates)
     return kept + fill
@@ -191,7 +191,7 @@ class Auto:
 
     def place_prefill(self, state: PlacementState, decode: Placement, rows: int) -> Placement:
         rates = use_rates(state)
-        slots = preloaded(decode, [state.slots(layer) for layer in range(state.num_layers)])
+        slots = preloaded(decode, state.layer_slots or state.slots_per_layer)
         host = [decode.host[layer] if self.prompt_on_host(state, layer, rates[layer], decode.host[layer], bool(slots[layer]), rows)
                 else frozenset() for layer in range(state.num_layers)]
         return Placement(tuple(host), state.num_experts)

@@ -226,6 +226,11 @@ def fill_slots(residents: Sequence[int], slots: int, num_experts: int,
     return kept, sorted(others[:max(0, min(slots, num_experts) - len(kept))])
 
 
+def layer_counts(slots: int | Sequence[int], layers: int) -> tuple[int, ...]:
+    """Each MoE layer's slots, from one count for every layer or one each (`MemoryPlan.layer_slots`)."""
+    return (slots,) * layers if isinstance(slots, int) else tuple(slots)
+
+
 def preloaded(placement: Placement, slots: int | Sequence[int]) -> list[list[int]]:
     """Per layer, the device-path experts to load once at start-up: all of them where they fit in the layer's slots
     (`slots`: one count for every layer, or one each), so that none of them is ever missed and nothing of that layer
@@ -234,7 +239,7 @@ def preloaded(placement: Placement, slots: int | Sequence[int]) -> list[list[int
     if not placement.active:
         return [[] for _ in range(placement.num_layers)]
     device = [placement.device_experts(layer) for layer in range(placement.num_layers)]
-    counts = [slots] * placement.num_layers if isinstance(slots, int) else slots
+    counts = layer_counts(slots, placement.num_layers)
     return [experts if len(experts) <= count else [] for experts, count in zip(device, counts, strict=True)]
 
 

@@ -27,7 +27,7 @@ from specter.experts.host import default_threads
 from specter.engine import Runtime
 from specter.log import get_logger
 from specter.memory import MemoryPlan, plan_memory
-from specter.placement import OVERLAP, Placement, PlacementState, decision_record, fill_slots
+from specter.placement import OVERLAP, Placement, PlacementState, decision_record, fill_slots, layer_counts
 from specter.metrics import Estimates, RequestStats
 from specter.model.spec import ModelSpec
 from specter.observers import RoundObserver, RoundReport
@@ -554,16 +554,17 @@ def decode_floor_loads(routes: Routes, slots: Sequence[int]) -> int:
 
 def initial_state(snapshot_layers: Sequence[Sequence[int]], slots: int | Sequence[int], num_experts: int,
                   rates: Sequence[Sequence[float]] | None = None) -> tuple[tuple[int, ...], ...]:
-    """A snapshot cut to `slots` per layer (one count for all, or one each), keeping the most recently used (the tail of the LRU order), and a layer
-    the warm-up left short of `slots` filled as `kept_on_device` (policies/placement.py) fills it (`fill_slots`: the
-    most used others by `rates`, per layer and expert, the placement profile's use counts; else the lowest other ids),
-    the fill first in LRU order (least recent), so a placement keeps on the device what it would have kept.
+    """A snapshot cut to `slots` per layer (one count for all, or one each), keeping the most recently used (the tail
+    of the LRU order), and a layer the warm-up left short of its slots filled as `kept_on_device`
+    (policies/placement.py) fills it (`fill_slots`: the most used others by `rates`, per layer and expert, the
+    placement profile's use counts; else the lowest other ids), the fill first in LRU order (least recent), so a
+    placement keeps on the device what it would have kept.
 
     Every cell starts with full slots. A placement that never copies (`cpu-experts`) keeps its starting residents for
     the whole cell, so a slot left empty at the start stayed empty: at 55 slots of Qwen1.5-MoE's 60 the warm-up had
     used about 30 a layer, and `cpu-experts` computed 52 experts a token on the host where a filled cache leaves about 8."""
     cells = []
-    counts = [slots] * len(snapshot_layers) if isinstance(slots, int) else slots
+    counts = layer_counts(slots, len(snapshot_layers))
     for index, (layer, count) in enumerate(zip(snapshot_layers, counts, strict=True)):
         used = rates[index] if rates is not None and index < len(rates) and len(rates[index]) == num_experts else None
         kept, fill = fill_slots(layer, count, num_experts, used)

@@ -54,6 +54,7 @@ from specter.errors import BudgetError, PluginError
 from specter.experts.pool import ExpertPool
 from specter.experts.transfer import Transfer, TransferEngine
 from specter.kernel import Kernel
+from specter.placement import layer_counts
 from specter.log import debug_enabled, get_logger
 
 log = get_logger(__name__)
@@ -166,7 +167,7 @@ class ExpertSlots:
         eviction policy (`lru_victims` when None); the `choose_victims` attribute may also be replaced later, it is
         read at each choice. `tuning`: the rolling window's and the lead's knobs (EngineConfig.tuning.cache); read at
         run time."""
-        layer_slots = (slots,) * pool.num_layers if isinstance(slots, int) else tuple(slots)
+        layer_slots = layer_counts(slots, pool.num_layers)
         if len(layer_slots) != pool.num_layers or not all(1 <= count <= pool.num_experts for count in layer_slots):
             raise BudgetError(
                 f"the expert cache needs 1..{pool.num_experts} slots in each of {pool.num_layers} layers, got "
