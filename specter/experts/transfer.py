@@ -36,8 +36,10 @@ class LinkEmulation:
     mode 'host': the pump delays each chunk's issue until the emulated link is about to be free, on a loop timer
     (works on every backend; a queue model times each chunk from when the link frees, so a timer's lateness costs
     no link time). mode 'device': after each chunk the copy stream sleeps
-    (torch.cuda._sleep) for the emulated minus the measured real copy time (no host timers; needs a
-    good real-bandwidth estimate). transfer_bench measures both.
+    (torch.cuda._sleep) for the emulated minus the estimated real copy time (no host timers). The estimate is the
+    real-bandwidth EMA; what it got wrong on retired chunks is made up on the next pads while the stream stays busy
+    (`TransferEngine._pad_error_s`), so a run of chunks keeps the asked rate even after a cold or disturbed
+    warm-up. transfer_bench measures both.
     """
 
     gbps: float
@@ -169,6 +171,8 @@ class _Chunk:
     offset: float = 0.0
     """Host-paced emulation: seconds from its issue to when the emulated link began it (the queue model's start); > 0
     when the pump issued it ahead (`_emulated_link_free`), < 0 when late (the model began it on time all the same)."""
+    real_estimate: float = 0.0
+    """Device-paced emulation: the copy time its pad assumed (the pad is the emulated time less this)."""
 
 
 class TransferEngine:
@@ -208,6 +212,11 @@ class TransferEngine:
         self._raw_bytes_per_s: float | None = None
         self._effective_bytes_per_s: float | None = None
         self._link_free_at = 0.0
+        """perf_counter time the emulated link frees: the host-paced queue model; in device mode the same model from
+        each chunk's issue, which bounds how long the pads make up an error."""
+        self._pad_error_s = 0.0
+        """Device-paced emulation: seconds of copy time the pads assumed beyond what retired chunks took, less what
+        later pads already made up (> 0: the stream ran ahead of the emulated link)."""
         self._wakeup: asyncio.Event | None = None
         self._pump_task: asyncio.Task[None] | None = None
         self._room_waited: Event | None = None  # the event the pump last waited on for room (TransferTuning.issue_marks)
@@ -452,9 +461,10 @@ class TransferEngine:
             except Exception as error:  # the copy is on the stream: track its chunk, then fail the transfer
                 failed = error
         copied = self.backend.record_event(self.stream, timed=True)
-        end = self._emulate_link(transfer, nbytes) or copied
-        chunk = _Chunk(nbytes, start, copied, end, issued, transfer.tag[0] if isinstance(transfer.tag, tuple) else None,
-                       transfer.urgent, queued, room, offset)
+        padded, real_estimate = self._emulate_link(transfer, nbytes)
+        chunk = _Chunk(nbytes, start, copied, padded or copied, issued,
+                       transfer.tag[0] if isinstance(transfer.tag, tuple) else None, transfer.urgent, queued, room, offset,
+                       real_estimate)
         self._in_flight.append(chunk)
         if self.chunk_log is not None:
             self.chunk_log.append(chunk)
@@ -477,20 +487,33 @@ class TransferEngine:
             return 0.0
         return max(transfer.submitted_at, self._link_free_at) - time.perf_counter()
 
-    def _emulate_link(self, transfer: Transfer, nbytes: int) -> Event | None:
-        """Account the chunk on the emulated link; in device mode pad the stream and return the pad's end."""
+    def _emulate_link(self, transfer: Transfer, nbytes: int) -> tuple[Event | None, float]:
+        """Account the chunk on the emulated link; in device mode pad the stream and return the pad's end and the
+        copy time the pad assumed (None and 0.0 otherwise)."""
         if self.link is None:
-            return None
+            return None, 0.0
         emulated_s = nbytes / (self.link.gbps * 1e9)
         if self.link.mode == "host":
             # Queue model in emulated time: a chunk begins when its transfer was submitted or when the
             # emulated link frees, whichever is later; late timer wake-ups are made up, not lost.
             self._link_free_at = max(transfer.submitted_at, self._link_free_at) + emulated_s
             transfer.emulated_landing = self._link_free_at
-            return None
+            return None, 0.0
         real_s = nbytes / self._raw_bytes_per_s if self._raw_bytes_per_s else 0.0
-        self.backend.stream_sleep(self.stream, max(0.0, emulated_s - real_s))
-        return self.backend.record_event(self.stream, timed=True)
+        now = time.perf_counter()
+        if now >= self._link_free_at:
+            # The emulated link would have gone idle by now: a real link does not make up for an earlier chunk that
+            # landed early, and a miss after a pause must not wait for it. (Not the stream's own idleness: a fast
+            # real copy empties it long before the emulated link frees.)
+            self._pad_error_s = 0.0
+        self._link_free_at = max(now, self._link_free_at) + emulated_s
+        planned = max(0.0, emulated_s - real_s)
+        # Make up the estimate's error on retired chunks, at most one emulated chunk time per pad (the rest waits
+        # for the next pads); the in-flight pads already hold what earlier ones made up.
+        pad = min(max(0.0, planned + self._pad_error_s), planned + emulated_s)
+        self._pad_error_s -= pad - planned
+        self.backend.stream_sleep(self.stream, pad)
+        return self.backend.record_event(self.stream, timed=True), emulated_s - planned  # (a copy slower than the link: no pad)
 
     def _finish(self, transfer: Transfer, ready: Event | None = None) -> None:
         """The last chunk is on the stream: `ready` is its event when `after_copy` already ran before it."""
@@ -510,6 +533,11 @@ class TransferEngine:
             effective_s = chunk.end.elapsed_since(chunk.start)
             if self.link is not None and self.link.mode == "host":
                 effective_s = max(effective_s, chunk.nbytes / (self.link.gbps * 1e9))
+            elif self.link is not None:
+                # Device-paced: the pads hold the emulated time over a run, not per chunk (one makes up for another's
+                # misestimated copy), so the chunk counts what the emulated link holds it for, as host-paced ones do.
+                self._pad_error_s += chunk.real_estimate - raw_s
+                effective_s = max(raw_s, chunk.nbytes / (self.link.gbps * 1e9))
             weight = self.ema_alpha * min(1.0, chunk.nbytes / self.chunk_bytes)
             self._raw_bytes_per_s = _ema(self._raw_bytes_per_s, chunk.nbytes / max(raw_s, 1e-9), weight)
             self._effective_bytes_per_s = _ema(self._effective_bytes_per_s, chunk.nbytes / max(effective_s, 1e-9), weight)
@@ -551,3 +579,4 @@ async def sleep_until(deadline: float) -> None:
 
 def _ema(previous: float | None, sample: float, weight: float) -> float:
     return sample if previous is None else (1.0 - weight) * previous + weight * sample
+
