@@ -190,7 +190,8 @@ class Runtime:
         """Write a routing trace (see specter.trace) of every speculative round from now on."""
         check_output_file(path, "trace path")  # a clear ConfigError instead of an OSError from open()
         header = TraceHeader(model=self.spec.family, num_layers=len(self.spec.moe_layers), num_experts=self.spec.num_experts,
-                             expert_bytes=self.memory.expert_bytes, top_k=self.spec.top_k, slots_per_layer=self.memory.slots_per_layer)
+                             expert_bytes=self.memory.expert_bytes, top_k=self.spec.top_k, slots_per_layer=self.memory.slots_per_layer,
+                             layer_slots=self.memory.layer_slots)
         for old in [observer for observer in self.observers if isinstance(observer, TraceRecorder)]:
             self.observers.remove(old)  # one trace at a time: the latest path
             old.close()

@@ -1,7 +1,8 @@
 """Replay a routing trace on the CPU through eviction x prefetch policy pairs; compare hits, bytes and stall.
 
 CLI: `python -m specter.replay TRACE [--link GBPS] [--slots S] [--eviction a,b] [--prefetch a,b] [--roll W|all]
-[--json]`. The rolling window is modelled as on the engine's host-waiting path (`iter_ready`: later misses recycle
+[--json]`. Each layer keeps the recording run's own slots (the header's `layer_slots`), or `--slots` in every layer.
+The rolling window is modelled as on the engine's host-waiting path (`iter_ready`: later misses recycle
 the oldest miss's slot); on CUDA the engine's policy picks most of those slots (see `CacheTuning.roll_hot_window`).
 
 With `--placement off,all,auto --host-ms MS` it compares placements instead (`replay_placements`): per placement, the
@@ -35,6 +36,7 @@ from specter.placement import (
     PlacementPolicy,
     PlacementState,
     RouteSequence,
+    layer_counts,
     overlapped,
     preloaded,
     token_seconds,
@@ -100,10 +102,12 @@ class ReplayResult:
 class CacheModel:
     """Per-layer expert slots and use history, as the engine's expert cache keeps them (no tensors)."""
 
-    def __init__(self, num_layers: int, slots_per_layer: int, eviction: EvictionPolicy,
+    def __init__(self, num_layers: int, slots: int | Sequence[int], eviction: EvictionPolicy,
                  residents: Sequence[Sequence[int]] | None = None) -> None:
-        assert slots_per_layer >= 1, "a layer needs at least one slot"
-        self.slots_per_layer = slots_per_layer
+        """`slots`: one count for every layer or one each (the recording cache's `layer_slots`)."""
+        self.layer_slots = layer_counts(slots, num_layers)
+        assert len(self.layer_slots) == num_layers and min(self.layer_slots) >= 1, "a layer needs at least one slot"
+        self.slots_per_layer = min(self.layer_slots)
         self.eviction = eviction
         self.residents: list[list[int]] = [list(layer) for layer in residents] if residents else [[] for _ in range(num_layers)]
         self.last_use: list[dict[int, int]] = [{} for _ in range(num_layers)]
@@ -128,7 +132,7 @@ class CacheModel:
         residents = self.residents[layer]
         if expert in residents:
             return False
-        if len(residents) >= self.slots_per_layer:
+        if len(residents) >= self.layer_slots[layer]:
             if not any(resident not in protected for resident in residents):
                 return False  # every slot holds a protected expert: the plan cannot grow this layer
             history = self.history(layer)
@@ -204,7 +208,7 @@ def replay(
     roll = engine_roll() if roll == "engine" else roll
     eviction = _as_policy("eviction", eviction)
     prefetch = _as_policy("prefetch", prefetch)
-    slots = slots_per_layer or header.slots_per_layer
+    slots = slots_per_layer or header.slots()
     placement = placement or Placement.device_only(header.num_layers, header.num_experts)
     if placement.active and host_block_s is None:
         raise SpecterError(f"placement {placement_name!r} computes experts on the host: give the host's seconds per expert "
@@ -242,7 +246,7 @@ def replay(
 
 
 def _walk(header: TraceHeader, rounds: Sequence[TraceRound], eviction: EvictionPolicy, prefetch: PrefetchPolicy,
-          bandwidth: float, slots: int, roll: int, placement: Placement, tally: _Tally):
+          bandwidth: float, slots: int | Sequence[int], roll: int, placement: Placement, tally: _Tally):
     """The replay's rounds in order, each as (round, its paths under `placement`, the (layer, expert) pairs its
     prefetch loaded, each layer's verify misses), through one cache that starts with `placement`'s preloaded experts."""
     cache = CacheModel(header.num_layers, slots, eviction, preloaded(placement, slots))
@@ -267,10 +271,10 @@ def layer_prefetch_costs(state: PlacementState, layer: int, host: frozenset[int]
     roll = engine_roll() if roll == "engine" else roll
     rounds = [dataclasses.replace(r, layers=[r.layers[layer]], checkpoints=None if r.checkpoints is None else tuple(
         (steps, (rows[layer],)) for steps, rows in r.checkpoints)) for r in state.route_sequence.rounds]
-    header = TraceHeader("", 1, state.num_experts, state.expert_bytes, state.top_k, state.slots_per_layer)
+    header = TraceHeader("", 1, state.num_experts, state.expert_bytes, state.top_k, state.slots(layer))
     placement = Placement.of([host], 1, state.num_experts)
     walk = _walk(header, rounds + rounds, load_policy("eviction", eviction), load_policy("prefetch", prefetch),
-                 state.link_bytes_per_s, state.slots_per_layer, roll, placement, _Tally())
+                 state.link_bytes_per_s, state.slots(layer), roll, placement, _Tally())
     counts = [(sum(1 for _ in prefetched), misses) for _, _, prefetched, [misses] in walk]
     return counts[len(rounds):]
 
@@ -330,6 +334,7 @@ def _prefetch_round(
             k=k,
             timing=timing,
             slots_per_layer=cache.slots_per_layer,
+            layer_slots=cache.layer_slots,
         )
         for layer in sorted(plan.experts):
             wanted = placement.split(layer, plan.experts[layer])[0] if placement is not None else plan.experts[layer]
@@ -361,7 +366,7 @@ def _verify_round(
         used = list(dict.fromkeys(routes.used))  # one verify pass pays for each expert once
         hits = [expert for expert in used if cache.is_resident(layer, expert)]
         misses = [expert for expert in used if expert not in hits]
-        fits = cache.slots_per_layer - len(hits)  # free slots and those of residents this layer does not use
+        fits = cache.layer_slots[layer] - len(hits)  # free slots and those of residents this layer does not use
         doomed: list[int] = []
         if len(misses) > fits and hits:
             wanted = len(misses) - fits if roll < 0 else max(0, roll - fits)
@@ -445,6 +450,7 @@ def trace_placement_state(header: TraceHeader, rounds: Sequence[TraceRound], lin
         sequence = RouteSequence.of_rounds(rounds, header.num_layers, SEQUENCE_TOKENS) if rounds else None
     return PlacementState(num_layers=header.num_layers, num_experts=header.num_experts, top_k=header.top_k,
                           slots_per_layer=slots_per_layer or header.slots_per_layer,
+                          layer_slots=() if slots_per_layer else header.layer_slots,
                           initial_residents=tuple(() for _ in range(header.num_layers)), expert_bytes=header.expert_bytes,
                           row_bucket=row_bucket, link_bytes_per_s=link_gbps * 1e9,
                           host_expert_s={row_bucket: host_block_s} if host_block_s is not None else {},
@@ -481,7 +487,7 @@ def replay_placements(
     for named in names:
         policy = load_policy("placement", named) if isinstance(named, str) else named
         placement = policy.place(state=state)
-        result = replay(header, rounds, eviction, prefetch, link_gbps, slots_per_layer=state.slots_per_layer, roll=roll,
+        result = replay(header, rounds, eviction, prefetch, link_gbps, slots_per_layer=slots_per_layer, roll=roll,
                         placement=placement, placement_name=policy.name, host_block_s=host_block_s, row_bucket=row_bucket,
                         overlap=overlap, host_job_s=host_job_s or 0.0)
         replays.append(PlacementReplay(result, placement, token_seconds(state, placement, overlap=overlap)))
@@ -530,7 +536,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specter.replay", description=__doc__.splitlines()[0])
     parser.add_argument("trace", help="a specter-trace JSON-lines file")
     parser.add_argument("--link", type=float, default=DEFAULT_LINK_GBPS, metavar="GBPS", help="H2D GB/s (1e9 bytes/s)")
-    parser.add_argument("--slots", type=int, default=None, help="cache slots per layer (default: the trace header's)")
+    parser.add_argument("--slots", type=int, default=None,
+                        help="cache slots in every layer (default: each layer's in the run that recorded the trace)")
     parser.add_argument("--eviction", default=None, help="comma-separated eviction plug-ins (default: all installed)")
     parser.add_argument("--prefetch", default=None, help="comma-separated prefetch plug-ins (default: all installed)")
     parser.add_argument("--roll", type=_roll, default="engine", metavar="W|all|engine",
@@ -599,7 +606,7 @@ def _compare_placements(args: argparse.Namespace, parser: argparse.ArgumentParse
     if args.json:
         print(json.dumps({"model": header.model, "link_gbps": args.link, "host_ms": args.host_ms,
                           "host_job_ms": args.host_job_ms, "overlap": args.overlap,
-                          "slots_per_layer": args.slots or header.slots_per_layer, "row_bucket": args.row_bucket,
+                          **_slots_json(header, args.slots), "row_bucket": args.row_bucket,
                           "results": [replayed.to_json() for replayed in replays]}, indent=1))
     else:
         first = replays[0].result if replays else None
@@ -623,16 +630,17 @@ def _roll(text: str) -> int | str:
 
 
 def offline_bound(header: TraceHeader, rounds: Sequence[TraceRound], slots_per_layer: int | None = None) -> int:
-    """The fewest expert loads a cache of `slots_per_layer` per layer could make on `rounds` (from empty), knowing
+    """The fewest expert loads a cache of `slots_per_layer` per layer (default: the recording run's, `header.slots()`)
+    could make on `rounds` (from empty), knowing
     the future: per layer and round, the resident experts the round uses are served first (a verify computes its
     hits first, and a hit never costs a load), then each other one is loaded, evicting the resident whose next use
     (the next round that uses it) is farthest: Belady's MIN with the order inside a round free. Prefetching cannot
     go below it (each load still fills one of the layer's slots), so it bounds what retention and prefetch together
     can save; no engine reaches it, since it knows which rounds come."""
-    slots = slots_per_layer or header.slots_per_layer
+    layer_slots = layer_counts(slots_per_layer or header.slots(), header.num_layers)
     loads = 0
     never = len(rounds)
-    for layer in range(header.num_layers):
+    for layer, slots in enumerate(layer_slots):
         used = [list(dict.fromkeys(trace_round.layers[layer].used)) for trace_round in rounds]
         following: list[dict[int, int]] = [{} for _ in rounds]  # round -> expert -> the next round using it
         later: dict[int, int] = {}
@@ -659,6 +667,15 @@ def recorded_bytes(rounds: Sequence[TraceRound]) -> int | None:
     return None if not loaded or None in loaded else sum(loaded)
 
 
+def _slots_json(header: TraceHeader, slots: int | None) -> dict[str, Any]:
+    """The replayed slots for a JSON report: `--slots` in every layer, else the header's (with each layer's where
+    they differ)."""
+    if slots is not None:
+        return {"slots_per_layer": slots}
+    varied = len(set(header.slots())) > 1
+    return {"slots_per_layer": header.slots_per_layer, **({"layer_slots": list(header.slots())} if varied else {})}
+
+
 def _names(csv: str | None) -> list[str] | None:
     return [name.strip() for name in csv.split(",") if name.strip()] if csv else None
 
@@ -671,8 +688,7 @@ def _print_results(
     roll = engine_roll() if args.roll == "engine" else args.roll
     bound = offline_bound(header, rounds, args.slots)
     if args.json:
-        slots = args.slots or header.slots_per_layer
-        report = {"model": header.model, "link_gbps": args.link, "slots_per_layer": slots, "roll": roll,
+        report = {"model": header.model, "link_gbps": args.link, **_slots_json(header, args.slots), "roll": roll,
                   "recorded_h2d_bytes": recorded, "offline_bound_loads": bound,
                   "offline_bound_h2d_bytes": bound * header.expert_bytes, "skipped": skipped}
         report["results"] = [result.to_json() for result in results]

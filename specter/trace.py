@@ -8,8 +8,10 @@ Line 1, the header::
      "expert_bytes": B, "top_k": A, "slots_per_layer": S, ...}
 
 `expert_bytes` is what one routed expert moves across the link, `top_k` the router's active experts per
-token, `slots_per_layer` the cache slots per layer of the run that recorded it. Other keys (e.g. the
-measured bandwidth, a date) are kept in `TraceHeader.extra`.
+token, `slots_per_layer` the cache slots per layer of the run that recorded it (the fewest, where layers differ).
+Optional: `"layer_slots": [S0, S1, ...]`, each layer's own slots where the recording cache gave some layers one more
+(`MemoryPlan.layer_slots`; L counts, the fewest equal to `slots_per_layer`). Other keys (e.g. the measured bandwidth,
+a date) are kept in `TraceHeader.extra`.
 
 Then one line per decode round::
 
@@ -62,10 +64,22 @@ class TraceHeader:
     top_k: int
     slots_per_layer: int
     extra: Mapping[str, Any] = field(default_factory=dict)
+    layer_slots: tuple[int, ...] = ()
+    """Each layer's own slots where they differ; empty: `slots_per_layer` in every layer."""
+
+    def __post_init__(self) -> None:
+        if self.layer_slots and (len(self.layer_slots) != self.num_layers or min(self.layer_slots) != self.slots_per_layer):
+            raise ValueError(f"layer_slots={list(self.layer_slots)}: expected num_layers={self.num_layers} counts whose "
+                             f"fewest is slots_per_layer={self.slots_per_layer}")
+
+    def slots(self) -> tuple[int, ...]:
+        """Each layer's slots in the recording run."""
+        return self.layer_slots or (self.slots_per_layer,) * self.num_layers
 
     def to_json(self) -> dict[str, Any]:
         fields = {name: getattr(self, name) for name in ("model", *_HEADER_INTS)}
-        return {"format": TRACE_FORMAT, "version": TRACE_VERSION, **fields, **self.extra}
+        varied = {"layer_slots": list(self.layer_slots)} if len(set(self.layer_slots)) > 1 else {}
+        return {"format": TRACE_FORMAT, "version": TRACE_VERSION, **fields, **varied, **self.extra}
 
 
 @dataclass(frozen=True)
@@ -235,8 +249,13 @@ def _header_from_json(obj: dict[str, Any]) -> TraceHeader:
             f"expected format={TRACE_FORMAT!r} version={TRACE_VERSION}"
         )
     ints = {name: _int_at_least(obj[name], name, 1) for name in _HEADER_INTS}
-    extra = {key: value for key, value in obj.items() if key not in ("format", "version", "model", *_HEADER_INTS)}
-    return TraceHeader(model=str(obj["model"]), extra=extra, **ints)
+    layer_slots = obj.get("layer_slots")
+    if layer_slots is not None and not isinstance(layer_slots, list):
+        raise ValueError(f"layer_slots={layer_slots!r}; expected a list of num_layers={ints['num_layers']} ints")
+    counts = tuple(_int_at_least(count, "layer_slots entry", 1) for count in layer_slots or ())
+    extra = {key: value for key, value in obj.items()
+             if key not in ("format", "version", "model", "layer_slots", *_HEADER_INTS)}
+    return TraceHeader(model=str(obj["model"]), extra=extra, layer_slots=counts, **ints)
 
 
 def _round_from_json(obj: dict[str, Any], header: TraceHeader) -> TraceRound:

@@ -13,6 +13,7 @@ from specter.errors import BudgetError
 from specter.build import may_speculate
 from specter.memory import plan_memory
 from specter.model.checkpoint import Checkpoint
+from specter.trace import read_trace
 
 
 def test_slots_are_what_the_budget_leaves(tiny):
@@ -46,11 +47,12 @@ def test_a_budget_between_whole_counts_gives_some_layers_one_slot_more(tiny):
     assert resident.extra_slots == 0 and resident.layer_slots == (3,) * layers  # `residents` is a count per layer
 
 
-def test_an_engine_with_uneven_slots_decodes_the_resident_tokens(tiny):
+def test_an_engine_with_uneven_slots_decodes_the_resident_tokens(tiny, tmp_path):
     """The cache allocates each layer's own slots, and decoding (k = 0 and speculating) gives the tokens of every
-    expert resident."""
+    expert resident; a trace it records says each layer's slots, for the replay."""
     spec = Checkpoint(tiny).spec
     generation = GenerationConfig(max_new_tokens=24)
+    trace = tmp_path / "uneven.jsonl"
 
     async def tokens(config: EngineConfig) -> tuple[list[int], tuple[int, ...]]:
         runtime = await Runtime.load(tiny, config)
@@ -59,6 +61,7 @@ def test_an_engine_with_uneven_slots_decodes_the_resident_tokens(tiny):
             if runtime.cache is not None:
                 assert slots == runtime.memory.layer_slots and runtime.cache.weights.shape[0] == sum(slots)
                 assert runtime.cache.slot_counts() == list(slots)
+                runtime.record_trace(trace)
             return (await runtime.complete_ids([3, 1, 4, 1, 5], generation)).tokens, slots
         finally:
             await runtime.aclose()
@@ -70,6 +73,8 @@ def test_an_engine_with_uneven_slots_decodes_the_resident_tokens(tiny):
         budget = plan.fixed_bytes + (spec.top_k * plan.moe_layers + 3) * plan.slot_bytes
         got, slots = asyncio.run(tokens(EngineConfig(device="cpu", budget=budget, draft=DraftConfig(k=k))))
         assert sorted(slots) == [spec.top_k] + [spec.top_k + 1] * 3 and got == expected
+        header, _ = read_trace(trace)
+        assert header.slots() == slots and header.slots_per_layer == spec.top_k
 
 
 def test_minimum_is_exact(tiny):

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from policies.eviction import LRU, BeladyLookahead, PlanProtect
 from policies.prefetch import NoPrefetch, TopMFrequency, TopMKeep
 from specter import plugins
-from specter.replay import main, offline_bound, recorded_bytes, replay, replay_all
+from policies.placement import Off
+from specter.replay import (main, offline_bound, recorded_bytes, replay, replay_all, replay_placements,
+                            trace_placement_state)
 from specter.trace import LayerRoutes, TraceError, TraceHeader, TraceRound, TraceWriter, read_trace
 
 EXPERT_BYTES = 10_000_000
@@ -132,6 +134,26 @@ def test_malformed_rounds_are_reported_with_their_line(tmp_path, bad_line, compl
     with pytest.raises(TraceError, match="line 2") as caught:
         read_trace(path)
     assert complaint in str(caught.value)
+
+
+def test_each_layers_slots_round_trip_and_malformed_ones_are_reported(tmp_path):
+    path = tmp_path / "uneven.jsonl"
+    uneven = dataclasses.replace(HEADER, layer_slots=(3, 2))
+    with TraceWriter(path, uneven) as writer:
+        writer.write_round(rotating_rounds(1)[0])
+    header, _ = read_trace(path)
+    assert header.slots() == (3, 2) and header.extra == {} and HEADER.slots() == (2, 2)
+    with TraceWriter(path, dataclasses.replace(HEADER, layer_slots=(2, 2))) as writer:
+        pass  # the same count everywhere: the header needs no list
+    assert "layer_slots" not in json.loads(path.read_text())
+    base = {"format": "specter-trace", "version": 1, "model": "m", "num_layers": 2, "num_experts": 4,
+            "expert_bytes": 100, "top_k": 1, "slots_per_layer": 2}  # fmt: skip
+    for bad, complaint in (([2, 3, 4], "num_layers=2"), ([3, 4], "fewest is slots_per_layer=2"),
+                           ([2, 0], "layer_slots entry=0"), (3, "expected a list")):
+        path.write_text(json.dumps({**base, "layer_slots": bad}) + "\n")
+        with pytest.raises(TraceError, match="line 1") as caught:
+            read_trace(path)
+        assert complaint in str(caught.value)
 
 
 def test_a_file_that_is_not_a_trace_is_rejected(tmp_path):
@@ -283,6 +305,22 @@ def test_slots_override_the_header():
     repeated = rotating_rounds(4) + rotating_rounds(4)
     assert replay(HEADER, repeated, LRU(), NoPrefetch(), slots_per_layer=8).hits == 16
     assert replay(HEADER, repeated, LRU(), NoPrefetch(), slots_per_layer=2).hits == 0
+
+
+def test_each_layer_keeps_the_recording_runs_own_slots():
+    """Layer 0 cycles through three experts, layer 1 through two. With the recording run's slots (3 and 2) only the
+    first uses miss, in the cache, in the placement replay and in the offline bound; `--slots 2` in every layer
+    misses every use of layer 0."""
+    header = dataclasses.replace(HEADER, layer_slots=(3, 2))
+    rounds = [TraceRound(r, 0, 0, 0.01, [LayerRoutes({}, [r % 3]), LayerRoutes({}, [r % 2])]) for r in range(12)]
+    own = replay(header, rounds, LRU(), NoPrefetch())
+    assert (own.misses, own.hits) == (3 + 2, 24 - 5)
+    assert replay(header, rounds, LRU(), NoPrefetch(), slots_per_layer=2).misses == 12 + 2
+    assert offline_bound(header, rounds) == 5 and offline_bound(header, rounds, slots_per_layer=2) == 7 + 2  # MIN: every other use after the first three
+    [placed] = replay_placements(header, rounds, [Off()], 1.0)
+    assert placed.result.misses == 5
+    assert trace_placement_state(header, rounds, 1.0, None).slots(0) == 3
+    assert trace_placement_state(header, rounds, 1.0, None, slots_per_layer=2).slots(0) == 2
 
 
 def test_replay_all_sorts_by_stall(reference_plugins):
