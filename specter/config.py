@@ -121,7 +121,7 @@ class DraftConfig(_Frozen):
                                 "runs, up to this many draft steps from that guess on a second stream; if the verify accepts "
                                 "every draft and its token equals the guess, the next round starts with those steps done. "
                                 "0 turns it off; None (default): 16 on CUDA with CUDA graphs (measured faster there in every "
-                                "cell, docs/journal.md), 0 elsewhere (no second stream: the steps would run in series).")
+                                "cell, journal, draft-ahead), 0 elsewhere (no second stream: the steps would run in series).")
 
     def overlap_steps(self, device_type: str, cuda_graphs: bool) -> int:
         """The draft-ahead depth on a device of this type (resolves overlap=None)."""
@@ -370,8 +370,12 @@ class HostTuning(_Frozen):
 
 
 class TuningConfig(_Frozen):
-    """Measured knobs of the runtime, by the part they tune; every default is the measured best (docs/journal.md), but
-    `host.parallel_experts` and `kernels.exact_rowwise`, off until they are measured on the GPU machine."""
+    """Measured knobs of the runtime, by the part they tune; every default is the measured best, but
+    `host.parallel_experts` and `kernels.exact_rowwise`, off until they are measured on the GPU machine.
+
+    Each field says where its default was measured: a test, a section of docs/BENCHMARKS.md, or "journal, SECTION", a
+    section of the H200 measurement journal of 2026-11-29/30, kept in git history (`git show
+    7950860:docs/journal.md`; the raw files it names, `git log --diff-filter=D -- PATH`)."""
 
     cache: CacheTuning = Field(default_factory=CacheTuning, description="The expert cache's rolling window and lead.")
     transfer: TransferTuning = Field(default_factory=TransferTuning, description="The transfer engine's pump.")

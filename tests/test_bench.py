@@ -726,7 +726,7 @@ def test_the_bare_quick_matrix_shows_the_idea_with_repeats_and_a_draft_that_agre
 
 def test_the_exact_prefetch_systems_carry_no_oracle_name_in_code_or_docs():
     """Issue 28 item 7: the systems that prefetch the recorded routes are no floor, so nothing calls them the oracle
-    (docs/journal.md is history and keeps the old names)."""
+    (the journal in git history keeps the old names)."""
     from specter.bench import report
 
     assert not [name for name in SYSTEMS if "oracle" in name]

@@ -235,7 +235,7 @@ def test_overlap_is_validated_and_reaches_the_config_from_the_command_line():
 def test_the_draft_fit_keeps_what_a_carried_round_paid():
     """A carried round's draft (the steps it ran itself) enters the depth fit; the per-step time only from
     rounds that ran steps. Leaving carried rounds out charged the draft-ahead twice (it is in the verify's
-    measured time already) and made the roofline governor choose shallow depths (docs/journal.md, draft-ahead)."""
+    measured time already) and made the roofline governor choose shallow depths (the journal in git history, draft-ahead)."""
     from specter.metrics import Estimates
 
     estimates = Estimates(8)
