@@ -171,8 +171,10 @@ class _Chunk:
     offset: float = 0.0
     """Host-paced emulation: seconds from its issue to when the emulated link began it (the queue model's start); > 0
     when the pump issued it ahead (`_emulated_link_free`), < 0 when late (the model began it on time all the same)."""
+    emulated_s: float = 0.0
+    """Device-paced emulation: the emulated link's time for the chunk (0 for a chunk not padded on the stream)."""
     real_estimate: float = 0.0
-    """Device-paced emulation: the copy time its pad assumed (the pad is the emulated time less this)."""
+    """Device-paced emulation: the copy time its pad assumed (the pad is `emulated_s` less this)."""
 
 
 class TransferEngine:
@@ -461,10 +463,10 @@ class TransferEngine:
             except Exception as error:  # the copy is on the stream: track its chunk, then fail the transfer
                 failed = error
         copied = self.backend.record_event(self.stream, timed=True)
-        padded, real_estimate = self._emulate_link(transfer, nbytes)
+        padded, emulated_s, real_estimate = self._emulate_link(transfer, nbytes)
         chunk = _Chunk(nbytes, start, copied, padded or copied, issued,
                        transfer.tag[0] if isinstance(transfer.tag, tuple) else None, transfer.urgent, queued, room, offset,
-                       real_estimate)
+                       emulated_s, real_estimate)
         self._in_flight.append(chunk)
         if self.chunk_log is not None:
             self.chunk_log.append(chunk)
@@ -487,18 +489,18 @@ class TransferEngine:
             return 0.0
         return max(transfer.submitted_at, self._link_free_at) - time.perf_counter()
 
-    def _emulate_link(self, transfer: Transfer, nbytes: int) -> tuple[Event | None, float]:
-        """Account the chunk on the emulated link; in device mode pad the stream and return the pad's end and the
-        copy time the pad assumed (None and 0.0 otherwise)."""
+    def _emulate_link(self, transfer: Transfer, nbytes: int) -> tuple[Event | None, float, float]:
+        """Account the chunk on the emulated link; in device mode pad the stream and return the pad's end, the emulated
+        time and the copy time the pad assumed (None, 0 and 0 otherwise)."""
         if self.link is None:
-            return None, 0.0
+            return None, 0.0, 0.0
         emulated_s = nbytes / (self.link.gbps * 1e9)
         if self.link.mode == "host":
             # Queue model in emulated time: a chunk begins when its transfer was submitted or when the
             # emulated link frees, whichever is later; late timer wake-ups are made up, not lost.
             self._link_free_at = max(transfer.submitted_at, self._link_free_at) + emulated_s
             transfer.emulated_landing = self._link_free_at
-            return None, 0.0
+            return None, 0.0, 0.0
         real_s = nbytes / self._raw_bytes_per_s if self._raw_bytes_per_s else 0.0
         now = time.perf_counter()
         if now >= self._link_free_at:
@@ -513,7 +515,8 @@ class TransferEngine:
         pad = min(max(0.0, planned + self._pad_error_s), planned + emulated_s)
         self._pad_error_s -= pad - planned
         self.backend.stream_sleep(self.stream, pad)
-        return self.backend.record_event(self.stream, timed=True), emulated_s - planned  # (a copy slower than the link: no pad)
+        # (a copy estimated slower than the link: no pad, and the estimate counts as the emulated time)
+        return self.backend.record_event(self.stream, timed=True), emulated_s, emulated_s - planned
 
     def _finish(self, transfer: Transfer, ready: Event | None = None) -> None:
         """The last chunk is on the stream: `ready` is its event when `after_copy` already ran before it."""
@@ -531,13 +534,13 @@ class TransferEngine:
             chunk = self._in_flight.popleft()
             raw_s = chunk.copied.elapsed_since(chunk.start)
             effective_s = chunk.end.elapsed_since(chunk.start)
-            if self.link is not None and self.link.mode == "host":
-                effective_s = max(effective_s, chunk.nbytes / (self.link.gbps * 1e9))
-            elif self.link is not None:
+            if chunk.emulated_s:
                 # Device-paced: the pads hold the emulated time over a run, not per chunk (one makes up for another's
                 # misestimated copy), so the chunk counts what the emulated link holds it for, as host-paced ones do.
                 self._pad_error_s += chunk.real_estimate - raw_s
-                effective_s = max(raw_s, chunk.nbytes / (self.link.gbps * 1e9))
+                effective_s = max(raw_s, chunk.emulated_s)
+            elif self.link is not None and self.link.mode == "host":
+                effective_s = max(effective_s, chunk.nbytes / (self.link.gbps * 1e9))
             weight = self.ema_alpha * min(1.0, chunk.nbytes / self.chunk_bytes)
             self._raw_bytes_per_s = _ema(self._raw_bytes_per_s, chunk.nbytes / max(raw_s, 1e-9), weight)
             self._effective_bytes_per_s = _ema(self._effective_bytes_per_s, chunk.nbytes / max(effective_s, 1e-9), weight)
