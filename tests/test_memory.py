@@ -147,6 +147,37 @@ def test_peak_reserved_gpu_memory_stays_within_the_budget(tiny, k):
     assert torch.cuda.max_memory_reserved() - baseline <= budget
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [0, 4])
+def test_uneven_slots_on_cuda_decode_the_resident_tokens_within_the_budget(tiny, k):
+    """One slot more in three layers, on CUDA with its graphs (the static verify's per-slot outputs, the slot table):
+    sampled tokens equal the all-resident engine's, and peak reserved memory stays within the budget."""
+    spec = Checkpoint(tiny).spec
+    draft = DraftConfig(k=k)
+    config = EngineConfig(device="cuda", draft=draft)
+    plan = plan_memory(spec, torch.float32, config, speculative=may_speculate(config))
+    budget = plan.fixed_bytes + (6 * plan.moe_layers + 3) * plan.slot_bytes
+    generation = GenerationConfig(max_new_tokens=48, temperature=0.7, seed=5)
+
+    async def tokens(config: EngineConfig) -> tuple[list[int], tuple[int, ...]]:
+        runtime = await Runtime.load(tiny, config)
+        try:
+            slots = runtime.cache.layer_slots if runtime.cache is not None else ()
+            return (await runtime.complete_ids([1, 2, 3, 4], generation)).tokens, slots
+        finally:
+            await runtime.aclose()
+
+    expected, _ = asyncio.run(tokens(EngineConfig(device="cuda", draft=draft)))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    got, slots = asyncio.run(tokens(EngineConfig(device="cuda", budget=budget, draft=draft)))
+    assert sorted(slots) == [6] * (plan.moe_layers - 3) + [7] * 3 and got == expected
+    assert torch.cuda.max_memory_reserved() - baseline <= budget
+
+
 def test_static_verify_graphs_on_cuda_charge_each_slot_its_expert_output(tiny):
     """The segmented verify's expert graphs keep an [R, D] output per slot; the plan counts it (CUDA only)."""
     spec = Checkpoint(tiny).spec
