@@ -120,12 +120,19 @@ class Runtime:
         new_tokens = min(new_tokens, self.config.max_context - max(len(p) for p in prompts))
         await calibrate.calibrate(lambda p: greedy_decode(self.model, recorder, p, new_tokens, kv=self.kv), recorder, prompts)
         self._end_request()
-        layers = {}
+        on_host = {}
         for layer in spec.moe_layers:
             inputs, choices = recorder.layer(layer)
             flats = [self._full_expert(layer, e) for e in range(spec.num_experts)]
-            layers[layer] = calibrate.gptq_layer(flats, inputs, choices, spec.hidden_size, spec.expert_intermediate, self.config.draft)
-            layers[layer] = layers[layer].to(self.model.device)
+            # Held on the host until every layer is done: then the Hessians' and GPTQ's temporaries go back to the
+            # device whole, and the draft's tensors take segments of their own, as `quantize_layers` allocates the
+            # int4 draft's, instead of pinning the temporaries' cached blocks in the reserve beyond the plan.
+            on_host[layer] = calibrate.gptq_layer(flats, inputs, choices, spec.hidden_size, spec.expert_intermediate,
+                                                  self.config.draft).to("cpu")
+        recorder = inputs = choices = flats = None  # the recorded activations are device temporaries too
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+        layers = {layer: quantized.to(self.model.device) for layer, quantized in on_host.items()}
         draft_experts = DraftExperts(layers, spec.num_layers, spec.num_experts, self.model.device, tiles=self.config.tuning.kernels.moe)
         self.draft = self.ahead.draft = make_draft(self.model, draft_experts, self.config)
         self.draft.capture(self.kv)
