@@ -37,8 +37,8 @@ class LinkEmulation:
     (works on every backend; a queue model times each chunk from when the link frees, so a timer's lateness costs
     no link time). mode 'device': after each chunk the copy stream sleeps
     (torch.cuda._sleep) for the emulated minus the estimated real copy time (no host timers). The estimate is the
-    real-bandwidth EMA; what it got wrong on retired chunks is made up on the next pads while the stream stays busy
-    (`TransferEngine._pad_error_s`), so a run of chunks keeps the asked rate even after a cold or disturbed
+    real-bandwidth EMA; what it got wrong on retired chunks is made up on the next pads while the emulated link stays
+    busy (`TransferEngine._pad_error_s`), so a run of chunks keeps the asked rate even after a cold or disturbed
     warm-up. transfer_bench measures both.
     """
 
@@ -582,4 +582,3 @@ async def sleep_until(deadline: float) -> None:
 
 def _ema(previous: float | None, sample: float, weight: float) -> float:
     return sample if previous is None else (1.0 - weight) * previous + weight * sample
-
