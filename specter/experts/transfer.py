@@ -533,7 +533,8 @@ class TransferEngine:
         while self._in_flight and self._in_flight[0].end.query():
             chunk = self._in_flight.popleft()
             raw_s = chunk.copied.elapsed_since(chunk.start)
-            effective_s = chunk.end.elapsed_since(chunk.start)
+            # (unpadded, the chunk ends at its copy: one elapsed-time query fewer per chunk, a cost the loop thread pays)
+            effective_s = raw_s if chunk.end is chunk.copied else chunk.end.elapsed_since(chunk.start)
             if chunk.emulated_s:
                 # Device-paced: the pads hold the emulated time over a run, not per chunk (one makes up for another's
                 # misestimated copy), so the chunk counts what the emulated link holds it for, as host-paced ones do.
