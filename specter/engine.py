@@ -196,9 +196,11 @@ class Runtime:
     def record_trace(self, path: str | Path) -> None:
         """Write a routing trace (see specter.trace) of every speculative round from now on."""
         check_output_file(path, "trace path")  # a clear ConfigError instead of an OSError from open()
+        # the cache's own counts: the bench may give a cache slots that are not one plan's spread
+        slots = self.cache.layer_slots if self.cache is not None else self.memory.layer_slots
         header = TraceHeader(model=self.spec.family, num_layers=len(self.spec.moe_layers), num_experts=self.spec.num_experts,
-                             expert_bytes=self.memory.expert_bytes, top_k=self.spec.top_k, slots_per_layer=self.memory.slots_per_layer,
-                             layer_slots=self.memory.layer_slots)
+                             expert_bytes=self.memory.expert_bytes, top_k=self.spec.top_k, slots_per_layer=min(slots),
+                             layer_slots=tuple(slots))
         for old in [observer for observer in self.observers if isinstance(observer, TraceRecorder)]:
             self.observers.remove(old)  # one trace at a time: the latest path
             old.close()
