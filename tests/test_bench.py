@@ -301,6 +301,29 @@ def test_synthetic_source_serves_every_weight_and_runs():
     assert asyncio.run(generate(0)) == asyncio.run(generate(3))
 
 
+def test_a_trace_of_a_bench_cache_gives_its_own_slots(tmp_path):
+    """`use_slots` may give the layers counts that are not one plan's spread (the first layer one more here, where the
+    plan's spread gives the last): a trace recorded then says the cache's counts."""
+    from specter.trace import read_trace
+
+    config = dict(shape_config("olmoe-1b-7b", layers=2), hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                  vocab_size=128, num_experts=8, num_experts_per_tok=2, intermediate_size=32, torch_dtype="float32")
+
+    async def go() -> tuple[int, ...]:
+        engine = EngineConfig(device="cpu", residents=3, max_context=64, draft=DraftConfig(k=2, k_max=4))
+        runtime = await BenchRuntime.build(SyntheticWeights(config, seed=3), engine)
+        try:
+            await runtime.use_slots((4, 3))
+            runtime.record_trace(tmp_path / "bench.jsonl")
+            return runtime.memory.layer_slots
+        finally:
+            await runtime.aclose()
+
+    assert asyncio.run(go()) == (3, 4)  # the plan's spread of the same total
+    header, _ = read_trace(tmp_path / "bench.jsonl")
+    assert header.slots() == (4, 3) and header.slots_per_layer == 3
+
+
 def test_budgets_give_slots_per_system():
     spec = spec_from_config(shape_config("qwen1.5-moe-a2.7b", layers=4))
     full = spec_from_config(shape_config("qwen1.5-moe-a2.7b"))
