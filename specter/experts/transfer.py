@@ -174,7 +174,8 @@ class _Chunk:
     emulated_s: float = 0.0
     """Device-paced emulation: the emulated link's time for the chunk (0 for a chunk not padded on the stream)."""
     real_estimate: float = 0.0
-    """Device-paced emulation: the copy time its pad assumed (the pad is `emulated_s` less this)."""
+    """Device-paced emulation: the copy time its pad's planned part assumed (that part is `emulated_s` less this; the
+    pad adds what it made up of earlier chunks' error)."""
 
 
 class TransferEngine:
@@ -245,8 +246,10 @@ class TransferEngine:
         self.chunk_log = None
 
     def forget_bandwidth(self) -> None:
-        """Drop the measured effective bandwidth, to measure it afresh (the link just changed)."""
+        """Drop the measured effective bandwidth, to measure it afresh (the link just changed), and the device-paced
+        pads' error still to make up (it was the old link's)."""
         self._effective_bytes_per_s = None
+        self._pad_error_s = 0.0
 
     def busy_intervals(self, chunks: Sequence[_Chunk], reference: Event, open_end: float) -> list[tuple[float, float]]:
         """[start, end] in seconds after the completed `reference` event: the time each chunk held the (emulated) link.
@@ -533,15 +536,16 @@ class TransferEngine:
         while self._in_flight and self._in_flight[0].end.query():
             chunk = self._in_flight.popleft()
             raw_s = chunk.copied.elapsed_since(chunk.start)
-            # (unpadded, the chunk ends at its copy: one elapsed-time query fewer per chunk, a cost the loop thread pays)
-            effective_s = raw_s if chunk.end is chunk.copied else chunk.end.elapsed_since(chunk.start)
             if chunk.emulated_s:
                 # Device-paced: the pads hold the emulated time over a run, not per chunk (one makes up for another's
                 # misestimated copy), so the chunk counts what the emulated link holds it for, as host-paced ones do.
                 self._pad_error_s += chunk.real_estimate - raw_s
                 effective_s = max(raw_s, chunk.emulated_s)
-            elif self.link is not None and self.link.mode == "host":
-                effective_s = max(effective_s, chunk.nbytes / (self.link.gbps * 1e9))
+            else:
+                # (unpadded, the chunk ends at its copy: one elapsed-time query fewer, a cost the loop thread pays)
+                effective_s = raw_s if chunk.end is chunk.copied else chunk.end.elapsed_since(chunk.start)
+                if self.link is not None and self.link.mode == "host":
+                    effective_s = max(effective_s, chunk.nbytes / (self.link.gbps * 1e9))
             weight = self.ema_alpha * min(1.0, chunk.nbytes / self.chunk_bytes)
             self._raw_bytes_per_s = _ema(self._raw_bytes_per_s, chunk.nbytes / max(raw_s, 1e-9), weight)
             self._effective_bytes_per_s = _ema(self._effective_bytes_per_s, chunk.nbytes / max(effective_s, 1e-9), weight)
