@@ -54,20 +54,21 @@ def default_prompts(vocab_size: int, count: int = DEFAULT_PROMPTS, length: int =
 
 
 def gptq_layer(flats: Sequence[Tensor], inputs: Tensor, choices: Tensor, hidden: int, inter: int, config: DraftConfig,
-               chunk: int | None = None) -> QuantizedExperts:
+               chunk: int | None = None, to: torch.device | str | None = None) -> QuantizedExperts:
     """GPTQ-quantize one layer's experts (packed flats) from its recorded inputs [n, D] and choices [n, A], on the
     inputs' device (the flats are copied there); `chunk` experts at a time (`gptq_quantize_batch`). On a GPU without
     room for the layer's Hessians and working memory (calibration runs beside the loaded model and its expert cache),
-    the layer runs on the CPU instead, with a warning, and its codes are moved back to the inputs' device."""
+    the layer runs on the CPU instead, with a warning. The codes end on `to` (default: the inputs' device)."""
+    to = inputs.device if to is None else torch.device(to)
     if _on_gpu(inputs):
         try:
-            return _gptq_layer(flats, inputs, choices, hidden, inter, config, chunk)
+            return _gptq_layer(flats, inputs, choices, hidden, inter, config, chunk).to(to)
         except torch.cuda.OutOfMemoryError as error:
             torch.cuda.empty_cache()
             log.warning("calibrate.gptq_on_cpu", reason=str(error).splitlines()[0][:200], hint="GPTQ of this layer "
                         "did not fit beside the loaded model on the GPU; it runs on the CPU (slower, same algorithm)")
-        return _gptq_layer(flats, inputs.cpu(), choices.cpu(), hidden, inter, config, chunk).to(inputs.device)
-    return _gptq_layer(flats, inputs, choices, hidden, inter, config, chunk)
+        return _gptq_layer(flats, inputs.cpu(), choices.cpu(), hidden, inter, config, chunk).to(to)
+    return _gptq_layer(flats, inputs, choices, hidden, inter, config, chunk).to(to)
 
 
 def _on_gpu(inputs: Tensor) -> bool:

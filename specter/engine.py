@@ -128,7 +128,7 @@ class Runtime:
             # device whole, and the draft's tensors take segments of their own, as `quantize_layers` allocates the
             # int4 draft's, instead of pinning the temporaries' cached blocks in the reserve beyond the plan.
             on_host[layer] = calibrate.gptq_layer(flats, inputs, choices, spec.hidden_size, spec.expert_intermediate,
-                                                  self.config.draft).to("cpu")
+                                                  self.config.draft, to="cpu")
         recorder = inputs = choices = flats = None  # the recorded activations are device temporaries too
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -88,6 +88,8 @@ def test_gptq_layer_runs_on_the_gpu_of_its_activations() -> None:
     on_cpu = gptq_layer(flats, inputs, choices, HIDDEN, INTER, CONFIG)
     on_cuda = gptq_layer(flats, inputs.cuda(), choices.cuda(), HIDDEN, INTER, CONFIG)
     assert on_cuda.w13.device.type == "cuda" and on_cuda.w2_scales.device.type == "cuda"
+    to_host = gptq_layer(flats, inputs.cuda(), choices.cuda(), HIDDEN, INTER, CONFIG, to="cpu")  # calibrate_draft's
+    assert to_host.w13.device.type == "cpu" and torch.equal(to_host.w13, on_cuda.w13.cpu())
     routed = slice(0, EXPERTS - 1)
     for got, want in ((on_cuda.w13, on_cpu.w13), (on_cuda.w2, on_cpu.w2)):
         rows = (got[routed].cpu() != want[routed]).any(dim=-1)
