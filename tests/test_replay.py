@@ -323,6 +323,24 @@ def test_each_layer_keeps_the_recording_runs_own_slots():
     assert trace_placement_state(header, rounds, 1.0, None, slots_per_layer=2).slots(0) == 2
 
 
+def test_a_prefetching_replay_and_the_cli_keep_each_layers_slots(tmp_path, capsys, reference_plugins):
+    """A prefetching replay runs with uneven slots (a draft that predicts every round's two experts: no miss in the
+    layer of two slots or of three), and the CLI's JSON says the slots it replayed: each layer's, or --slots."""
+    header = dataclasses.replace(HEADER, layer_slots=(3, 2))
+    result = replay(header, rotating_rounds(6), PlanProtect(), TopMFrequency(), link_gbps=1.0)
+    assert result.misses == 0 and result.prefetched_used == result.prefetched_experts > 0
+    path = tmp_path / "uneven.jsonl"
+    with TraceWriter(path, header) as writer:
+        for trace_round in rotating_rounds(4):
+            writer.write_round(trace_round)
+    assert main([str(path), "--json", "--eviction", "lru", "--prefetch", "none"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["slots_per_layer"] == 2 and report["layer_slots"] == [3, 2]
+    assert main([str(path), "--json", "--eviction", "lru", "--prefetch", "none", "--slots", "4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["slots_per_layer"] == 4 and "layer_slots" not in report
+
+
 def test_replay_all_sorts_by_stall(reference_plugins):
     results, skipped = replay_all(HEADER, rotating_rounds(6), link_gbps=1.0)
     assert skipped == []
