@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -167,6 +168,13 @@ def spread_slots(slots: int, extra: int, layers: int) -> tuple[int, ...]:
     a slot to the layer after, so an extra slot can serve its neighbour too)."""
     assert 0 <= extra < max(layers, 1), f"{extra} extra slots over {layers} layers"
     return tuple(slots + ((i + 1) * extra // layers - i * extra // layers) for i in range(layers))
+
+
+def split_slots(slots: Sequence[int]) -> tuple[int, int]:
+    """A cache's per-layer counts as a plan's two fields: the fewest a layer holds (`slots_per_layer`) and the slots
+    beyond that count over all layers (`extra_slots`)."""
+    fewest = min(slots)
+    return fewest, sum(slots) - fewest * len(slots)
 
 
 def _slot_overhead(spec: ModelSpec, config: EngineConfig, element: int, expert_graphs: bool | None) -> int:

@@ -28,6 +28,7 @@ from specter.experts.cache import CacheSnapshot, CacheStats, LayerStats
 from specter.experts.costs import route_profile
 from specter.build import resolve_dtype
 from specter.log import get_logger
+from specter.memory import split_slots
 from specter.model.checkpoint import Checkpoint
 from specter.model.spec import ModelSpec
 from specter.bench.report import CELL_FIELDS
@@ -413,9 +414,9 @@ class ModelBench:
                     initial: tuple[tuple[int, ...], ...] | None, note: str = "") -> None:
         """`slots`: each MoE layer's (None: every expert resident). The cell records the fewest a layer has and how
         many layers hold one more."""
-        fewest = min(slots) if slots is not None else None
+        fewest, extra = split_slots(slots) if slots else (None, None)
         cell = {"model": self.target.label, "setting": setting.label if slots is not None else "all", "link": link,
-                "system": system.name, "slots": fewest, "extra_slots": sum(slots) - fewest * len(slots) if slots else None,
+                "system": system.name, "slots": fewest, "extra_slots": extra,
                 "note": note, "host_threads": None, "placement": None}
         self.bar.set_postfix(system=system.name, link=link, setting=cell["setting"])
         self.bar.update(1)

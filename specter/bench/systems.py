@@ -26,7 +26,7 @@ from specter.experts.costs import Calibration, HostKernel, calibrate
 from specter.experts.host import default_threads
 from specter.engine import Runtime
 from specter.log import get_logger
-from specter.memory import MemoryPlan, plan_memory
+from specter.memory import MemoryPlan, plan_memory, split_slots
 from specter.placement import OVERLAP, Placement, PlacementState, decision_record, fill_slots, layer_counts
 from specter.metrics import Estimates, RequestStats
 from specter.model.spec import ModelSpec
@@ -395,8 +395,8 @@ class BenchRuntime(Runtime):
         tuning = self.config.tuning
         self.cache = new_cache(self.config, slots, self.backend, self.kernel, transfer, pool, self.victims)
         self.experts = OffloadedExperts(self.cache, self.kernel, self.moe_index, tuning=tuning.verify)
-        fewest = min(slots)  # the plan's bytes: its slot count (a warm-up's cache may not be one plan's spread)
-        self.memory = dataclasses.replace(self.memory, slots_per_layer=fewest, extra_slots=sum(slots) - fewest * len(slots))
+        fewest, extra = split_slots(slots)  # the plan's bytes: its slot count (a warm-up's cache may not be one plan's spread)
+        self.memory = dataclasses.replace(self.memory, slots_per_layer=fewest, extra_slots=extra)
         if self.segmented is not None:  # the old slots' expert graphs are stale: capture the new ones now, untimed
             self.segmented.reset_experts()
             self.segmented.prepare_experts([self.cache.slot_weights(slot) for slot in range(self.cache.weights.shape[0])])
