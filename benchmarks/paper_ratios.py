@@ -3,10 +3,13 @@ cell (the same model, setting, link and sampling in one results.json: one run, o
 those ratios per shape and over every cell. Full-depth cells are the widened checkpoints' (a model label `NAME xF`).
 
     python benchmarks/paper_ratios.py benchmarks/results/h200-*/ [--systems specter,specter-hybrid]
-        [--baselines specmoeoff,ondemand] [--cells]
+        [--baselines specmoeoff,ondemand] [--cells] [--by-placement]
 
 Prints a markdown table: per shape and system, `x BASELINE` as the mean ratio (baseline's TPOT over the system's,
 above 1 when the system is faster) and the cells it averages; --cells lists every cell's ratios first.
+--by-placement splits a system's cells by whether its placement put any expert on the host (the row's
+`host_experts_placed`): `SYSTEM (placed none)` is the same engine as with no host path, so its ratio against that
+engine (`--systems specter-hybrid --baselines specter`) is the bench's spread between two runs of one configuration.
 """
 
 from __future__ import annotations
@@ -29,31 +32,42 @@ def result_files(paths: list[str]) -> list[Path]:
     return sorted(found)
 
 
-def cells(path: Path) -> dict[tuple[str, str, str, str], dict[str, float]]:
-    """{(shape, setting, link, sampling): {system: TPOT ms}} of one results.json's full-depth rows."""
-    out: dict[tuple[str, str, str, str], dict[str, float]] = defaultdict(dict)
+def cells(path: Path) -> dict[tuple[str, str, str, str], dict[str, dict]]:
+    """{(shape, setting, link, sampling): {system: its summary row}} of one results.json's full-depth rows."""
+    out: dict[tuple[str, str, str, str], dict[str, dict]] = defaultdict(dict)
     for row in json.loads(path.read_text()).get("summary") or []:
         match = WIDENED.match(row.get("model", ""))
         if match and row.get("tpot_ms"):
-            out[(match["shape"], row["setting"], row["link"], row["sampling"])][row["system"]] = row["tpot_ms"]
+            out[(match["shape"], row["setting"], row["link"], row["sampling"])][row["system"]] = row
     return out
 
 
-def ratios(files: list[Path], systems: list[str], baselines: list[str]) -> list[dict]:
-    """One record per (file, cell, system, baseline) where both ran: the baseline's TPOT over the system's."""
+def placed_label(system: str, row: dict) -> str:
+    """`system` with whether its placement put experts on the host; unchanged for a row without a placement."""
+    placed = row.get("host_experts_placed")
+    return system if placed is None else f"{system} (placed {'some' if placed else 'none'})"
+
+
+def ratios(files: list[Path], systems: list[str], baselines: list[str], by_placement: bool = False) -> list[dict]:
+    """One record per (file, cell, system, baseline) where both ran: the baseline's TPOT over the system's (with
+    `by_placement`, the system named by `placed_label`)."""
     records = []
     for path in files:
-        for (shape, setting, link, sampling), tpot in cells(path).items():
+        for (shape, setting, link, sampling), rows in cells(path).items():
             for system in systems:
                 for baseline in baselines:
-                    if system in tpot and baseline in tpot:
+                    if system in rows and baseline in rows:
+                        label = placed_label(system, rows[system]) if by_placement else system
                         records.append(dict(file=str(path), shape=shape, setting=setting, link=link, sampling=sampling,
-                                            system=system, baseline=baseline, ratio=tpot[baseline] / tpot[system]))
+                                            system=label, baseline=baseline,
+                                            ratio=rows[baseline]["tpot_ms"] / rows[system]["tpot_ms"]))
     return records
 
 
 def summary(records: list[dict], systems: list[str], baselines: list[str]) -> list[list[str]]:
-    """Rows of the markdown table: shape (then "all cells"), system, and per baseline `mean (cells)`."""
+    """Rows of the markdown table: shape (then "all cells"), system (each of `systems`, then any `placed_label` of
+    it), and per baseline `mean (cells)`."""
+    systems = [label for system in systems for label in (system, f"{system} (placed none)", f"{system} (placed some)")]
     groups: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     for record in records:
         for shape in (record["shape"], "all cells"):
@@ -74,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default="specter,specter-hybrid")
     parser.add_argument("--baselines", default="specmoeoff,ondemand")
     parser.add_argument("--cells", action="store_true", help="list every cell's ratio first")
+    parser.add_argument("--by-placement", action="store_true",
+                        help="split each system's cells by whether its placement put any expert on the host")
     args = parser.parse_args(argv)
     systems, baselines = args.systems.split(","), args.baselines.split(",")
-    records = ratios(result_files(args.paths), systems, baselines)
+    records = ratios(result_files(args.paths), systems, baselines, args.by_placement)
     if not records:
         print("no full-depth cell holds one of the systems beside one of the baselines")
         return 1

@@ -19,10 +19,14 @@ def paper_ratios():
     return module
 
 
-def write(path: Path, rows: list[tuple[str, str, str, str, float]]) -> None:
+def write(path: Path, rows: list[tuple], placed: dict[tuple[str, str, str], int] | None = None) -> None:
+    """Rows (model, link, sampling, system, TPOT); `placed`: (link, sampling, system) -> its host experts placed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     summary = [dict(model=model, setting="budget=48.00GiB", link=link, sampling=sampling, system=system, tpot_ms=tpot)
                for model, link, sampling, system, tpot in rows]
+    for row in summary:
+        if (row["link"], row["sampling"], row["system"]) in (placed or {}):
+            row["host_experts_placed"] = placed[row["link"], row["sampling"], row["system"]]
     path.write_text(json.dumps({"summary": summary}))
 
 
@@ -51,3 +55,28 @@ def test_no_pair_is_a_failure_that_says_so(tmp_path, paper_ratios, capsys):
     write(tmp_path / "results.json", [("phi-3.5-moe x8", "native", "greedy", "ondemand", 10.0)])
     assert paper_ratios.main([str(tmp_path / "results.json")]) == 1
     assert "no full-depth cell" in capsys.readouterr().out
+
+
+def test_by_placement_splits_a_systems_cells_by_whether_it_placed_any_expert(tmp_path, paper_ratios, capsys):
+    """A hybrid cell that placed nothing runs the same engine as `specter`: --by-placement keeps it apart from the cells
+    where the placement acted, per shape and over all; without the flag they pool."""
+    write(tmp_path / "results.json", [
+        ("qwen1.5-moe-a2.7b x4", "native", "greedy", "specter", 10.0), ("qwen1.5-moe-a2.7b x4", "native", "greedy", "specter-hybrid", 12.5),
+        ("qwen1.5-moe-a2.7b x4", "gen4", "greedy", "specter", 20.0), ("qwen1.5-moe-a2.7b x4", "gen4", "greedy", "specter-hybrid", 10.0),
+        ("qwen1.5-moe-a2.7b x4", "gen4", "sampled", "specter", 30.0), ("qwen1.5-moe-a2.7b x4", "gen4", "sampled", "specter-hybrid", 60.0),
+    ], placed={("native", "greedy", "specter-hybrid"): 0, ("gen4", "greedy", "specter-hybrid"): 96,
+               ("gen4", "sampled", "specter-hybrid"): 12})
+    args = [str(tmp_path), "--systems", "specter-hybrid", "--baselines", "specter"]
+
+    def table() -> dict[tuple[str, str], str]:
+        lines = capsys.readouterr().out.splitlines()[2:]
+        return {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line.strip("|").split("|")[2].strip()
+                for line in lines}
+
+    assert paper_ratios.main(args) == 0
+    assert table() == {("qwen1.5-moe-a2.7b", "specter-hybrid"): "1.10 (3)", ("all cells", "specter-hybrid"): "1.10 (3)"}  # (0.8 + 2 + 0.5) / 3
+    assert paper_ratios.main(args + ["--by-placement"]) == 0
+    split = table()
+    assert split[("qwen1.5-moe-a2.7b", "specter-hybrid (placed none)")] == "0.80 (1)"
+    assert split[("all cells", "specter-hybrid (placed some)")] == "1.25 (2)"  # (2 + 0.5) / 2
+    assert ("all cells", "specter-hybrid") not in split
