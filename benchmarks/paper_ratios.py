@@ -43,9 +43,11 @@ def cells(path: Path) -> dict[tuple[str, str, str, str], dict[str, dict]]:
 
 
 def placed_label(system: str, row: dict) -> str:
-    """`system` with whether its placement put experts on the host; unchanged for a row without a placement."""
-    placed = row.get("host_experts_placed")
-    return system if placed is None else f"{system} (placed {'some' if placed else 'none'})"
+    """`system` with whether its placement put experts on the host; unchanged for a row without a placement decision
+    (a copy-only system's rows count 0 host experts too)."""
+    if row.get("placement") is None:
+        return system
+    return f"{system} (placed {'some' if row.get('host_experts_placed') else 'none'})"
 
 
 def ratios(files: list[Path], systems: list[str], baselines: list[str], by_placement: bool = False) -> list[dict]:

@@ -25,8 +25,10 @@ def write(path: Path, rows: list[tuple], placed: dict[tuple[str, str, str], int]
     summary = [dict(model=model, setting="budget=48.00GiB", link=link, sampling=sampling, system=system, tpot_ms=tpot)
                for model, link, sampling, system, tpot in rows]
     for row in summary:
+        row["host_experts_placed"] = 0  # as the bench writes it for every offloaded system
         if (row["link"], row["sampling"], row["system"]) in (placed or {}):
             row["host_experts_placed"] = placed[row["link"], row["sampling"], row["system"]]
+            row["placement"] = {"host_experts": row["host_experts_placed"]}  # its decision (summary rows hold more)
     path.write_text(json.dumps({"summary": summary}))
 
 
@@ -80,3 +82,6 @@ def test_by_placement_splits_a_systems_cells_by_whether_it_placed_any_expert(tmp
     assert split[("qwen1.5-moe-a2.7b", "specter-hybrid (placed none)")] == "0.80 (1)"
     assert split[("all cells", "specter-hybrid (placed some)")] == "1.25 (2)"  # (2 + 0.5) / 2
     assert ("all cells", "specter-hybrid") not in split
+    # a copy-only system has no placement to split by, though its rows count 0 host experts
+    assert paper_ratios.main([str(tmp_path), "--systems", "specter", "--baselines", "specter-hybrid", "--by-placement"]) == 0
+    assert set(table()) == {("qwen1.5-moe-a2.7b", "specter"), ("all cells", "specter")}
