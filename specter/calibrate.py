@@ -67,7 +67,7 @@ def gptq_layer(flats: Sequence[Tensor], inputs: Tensor, choices: Tensor, hidden:
             torch.cuda.empty_cache()
             log.warning("calibrate.gptq_on_cpu", reason=str(error).splitlines()[0][:200], hint="GPTQ of this layer "
                         "did not fit beside the loaded model on the GPU; it runs on the CPU (slower, same algorithm)")
-        return _gptq_layer(flats, inputs.cpu(), choices.cpu(), hidden, inter, config, chunk).to(to)
+        inputs, choices = inputs.cpu(), choices.cpu()
     return _gptq_layer(flats, inputs, choices, hidden, inter, config, chunk).to(to)
 
 

@@ -672,8 +672,7 @@ def _slots_json(header: TraceHeader, slots: int | None) -> dict[str, Any]:
     they differ)."""
     if slots is not None:
         return {"slots_per_layer": slots}
-    varied = len(set(header.slots())) > 1
-    return {"slots_per_layer": header.slots_per_layer, **({"layer_slots": list(header.slots())} if varied else {})}
+    return {key: value for key, value in header.to_json().items() if key in ("slots_per_layer", "layer_slots")}
 
 
 def _names(csv: str | None) -> list[str] | None:

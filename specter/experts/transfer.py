@@ -219,8 +219,8 @@ class TransferEngine:
         """perf_counter time the emulated link frees: the host-paced queue model; in device mode the same model from
         each chunk's issue, which bounds how long the pads make up an error."""
         self._pad_error_s = 0.0
-        """Device-paced emulation: seconds of copy time the pads assumed beyond what retired chunks took, less what
-        later pads already made up (> 0: the stream ran ahead of the emulated link)."""
+        """Device-paced emulation: seconds of stream time retired chunks were meant to take (copy and pad) beyond what
+        they took, less what later pads already made up (> 0: the stream ran ahead of the emulated link)."""
         self._wakeup: asyncio.Event | None = None
         self._pump_task: asyncio.Task[None] | None = None
         self._room_waited: Event | None = None  # the event the pump last waited on for room (TransferTuning.issue_marks)
