@@ -69,7 +69,7 @@ class Auto:
     computes, so that the expected per-token layer time `overlapped`(device misses x copy, host uses x host block +
     host jobs x a job's fixed part, `overlap`) is least (specter/placement.py; `layer_host_jobs`).
 
-    Issue 29 asked for a choice per miss, every round, among copy, host, and "both, first wins". Neither is made here:
+    No choice is made per miss, every round, among copy, host, and "both, first wins":
     a choice that depends on the round (its k, the draft, the cache, the queues) would make the target's function, and
     with it the tokens, depend on speculation, since host and device round differently; "both, first wins" would make
     them depend on timing. The per-round choice becomes a per (layer, expert) choice fixed at load, calibrated by the

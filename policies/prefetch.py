@@ -128,12 +128,9 @@ class TopMKeep(TopMFrequency):
     The plan lists every routed resident (so plan-protect and the cache's protection keep them), then the best
     routed non-residents, only as many as the layer has slots free or held by experts the draft did not route
     to. When a round wants more experts than a layer has slots, plain Top-M loads a routed expert in place of
-    another routed one that the verify then loads back on demand: two copies where one would do. The CPU replay
-    of four H200 routing traces (2026-11-30, fourteenth session; `python -m specter.replay TRACE --prefetch
-    topm-frequency,topm-keep`) moved 15-16 % fewer experts at 15 and 8 residents with the same misses. On the H200
-    (2026-11-30, fifteenth session, `next15`: bench system `specter-keep` against `specter` as it then was, one process, a
-    trained model accepting 0.996) it moved 13-16 % fewer decode bytes per token and was 16-19 % faster, with every
-    token equal. The engine's default since. The engine's first checkpoints see only the steps drafted so far, so a
+    another routed one that the verify then loads back on demand: two copies where one would do. Replaying routing traces
+    (`python -m specter.replay TRACE --prefetch topm-frequency,topm-keep`) shows the copies it saves at the same misses;
+    it is the engine's default. The engine's first checkpoints see only the steps drafted so far, so a
     resident the draft routes to later may still be evicted by an earlier plan.
     """
 

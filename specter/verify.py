@@ -138,7 +138,7 @@ class VerifyRecord:
 
         Every mark is recorded on the compute stream in order (compute_hot_first), so when the last one has
         completed all have: one query then, instead of two per pair (each a CUDA call at a round's end, where
-        the GPU waits for the host: the journal in git history, "Where the GPU idles")."""
+        the GPU waits for the host)."""
         if self.device_waits and self.device_waits[-1][1].query():
             self.stall_s += sum(max(0.0, after.elapsed_since(before)) for before, after in self.device_waits)
             self.device_waits = []

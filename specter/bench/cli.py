@@ -34,10 +34,9 @@ QUICK_LINKS = ("0.02", "0.1")
 """The quick matrix's emulated links in GB/s. tiny's routing is random (random weights), so speculation can win only
 by verifying many tokens per pass (each expert crosses once for all of them) while the link, not the CPU's compute,
 sets the pace: one 384 KiB expert takes 19 ms at 0.02 GB/s and 3.9 ms at 0.1 GB/s, against 4-18 ms per token of
-compute on a shared 2-core CPU. Measured there (2026-12-01, two runs): specter vs ondemand 1.72x and 1.37x lower
-TPOT at 0.02 GB/s; at 0.1 GB/s 1.41x in one run and 0.80x in the other, a link fast enough that the draft's CPU time
-(on a GPU a small fraction of a verify) can cost as much as the bytes it saves, so the busier the machine the smaller
-the win there."""
+compute on a shared 2-core CPU. At 0.1 GB/s the link is fast enough that the draft's CPU time (on a GPU a small
+fraction of a verify) can cost as much as the bytes it saves, so there the busier the machine the smaller specter's
+win over ondemand, and it may lose; at 0.02 GB/s the bytes dominate."""
 PLAIN_CPU_LINKS = ("0.25", "1")
 """The CPU's emulated links outside the quick matrix: slow enough that tiny's experts cost about as much as its compute."""
 QUICK_SYSTEMS = ("resident", "ondemand", "specter")
@@ -86,8 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=None, help=f"requests per prompt (default 1; quick: {QUICK_REPEATS})")
     parser.add_argument("--k", type=int, default=4, help="draft depth of specter-fixed and exact-prefetch")
     parser.add_argument("--k-max", type=int, default=15, help="largest depth the roofline governor may pick (15: 16 "
-                        "verify rows, one pass of the 16-row static verify; H200 2026-11-30, trained Qwen shape at 8 "
-                        "residents: specter 5.0 -> 2.83 ms from 8 to 15)")
+                        "verify rows, one pass of the 16-row static verify)")
     parser.add_argument("--row-bucket", type=int, default=16, help="every system's exact row block, also the static "
                         "verify's rows per pass (16; 32 lets a k-max of 31 verify in one pass)")
     parser.add_argument("--quant", default=None, choices=["int4", "int8", "int3", "int2"],

@@ -96,8 +96,7 @@ SYSTEMS: dict[str, System] = {
                           "expert the draft routed to (topm-keep), roofline lookahead (k adapted per round), the engine's "
                           "default draft-ahead (on CUDA: up to 16 steps beside each verify)",
                eviction="plan-protect", prefetch="topm-keep", lookahead="roofline", k=None, overlap=None),
-        System("specter-serial", "specter without the draft-ahead (each round drafts, then verifies): `specter` before "
-                                 "2026-11-30's sixth session", eviction="plan-protect", prefetch="topm-keep",
+        System("specter-serial", "specter without the draft-ahead (each round drafts, then verifies)", eviction="plan-protect", prefetch="topm-keep",
                lookahead="roofline", k=None),
         System("specter-scout", "specter whose plain rounds (k = 0) first run one draft step and prefetch the experts "
                                 "it routes the token to", eviction="plan-protect", prefetch="topm-keep",
@@ -106,16 +105,15 @@ SYSTEMS: dict[str, System] = {
                                   "target's next token, kept when the verify takes every draft)", eviction="plan-protect",
                prefetch="topm-keep", lookahead="roofline", k=None, overlap=16),
         System("specter-topm", "specter with plain frequency Top-M prefetch (topm-frequency), which may load a routed expert "
-                               "in place of another routed one: `specter` before 2026-11-30's fifteenth session",
+                               "in place of another routed one",
                eviction="plan-protect", prefetch="topm-frequency", lookahead="roofline", k=None, overlap=None),
         System("specter-fixed", "specter with a fixed draft depth (--k)",
                eviction="plan-protect", prefetch="topm-keep", k=None),
         System("specter-fixed-overlap", "specter-fixed that drafts ahead beside each verify: the draft-ahead measured at "
                                         "one depth, against specter-fixed", eviction="plan-protect", prefetch="topm-keep",
                k=None, overlap=16),
-        # The exact-prefetch systems were called `oracle*` until issue 28 item 7: they know every future route, but
-        # they are no floor. On tiny at 2 residents, link 1 GB/s (2026-12-01, CPU), `oracle` moved 3.15 decode MB/token
-        # against 3.02 for specter-fixed at the same k = 4 (same tokens, same routes): with fewer slots than a verify
+        # The exact-prefetch systems know every future route, but they are no floor: they can move more decode bytes
+        # than specter-fixed at the same k (same tokens, same routes): with fewer slots than a verify
         # uses per layer, the cache runs a rolling window in which Belady sees an expert the round already consumed and
         # one it still needs as both next used "this round", and the plan names the round's lowest expert ids (first
         # `slots`), not the first needed. report.exact_prefetch_flags notes every cell where a system beats them; the

@@ -9,7 +9,7 @@ are the router after its matrix product (torch: a cast, softmax, top-k as two ke
 renormalising models a sum and a division) and the shared expert's gate (torch: a cuBLAS dot and its
 reduction for the [1, D] product, a sigmoid and a product).
 In a CUDA graph every node costs a few microseconds whatever its size, and the one-row draft step is made
-of such nodes (about 64 per layer outside the MoE: journal, Eighth session). Which fused paths the non-exact
+of such nodes (about 64 per layer outside the MoE). Which fused paths the non-exact
 forward takes is chosen once per model (specter.model.tiers, from EngineConfig.tuning.kernels).
 """
 

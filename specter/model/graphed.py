@@ -56,7 +56,7 @@ def capture_graph(fn: Callable[[], T], pool: Any, stream: torch.cuda.Stream) -> 
 
     The garbage collector is paused for the capture instead: a collection inside it may destroy an
     unreachable CUDA graph (of an earlier engine, say), and destroying a graph is not permitted while this
-    thread captures: the capture is invalidated (seen on the H200, 2026-11-30, in the CUDA property tests).
+    thread captures: the capture is invalidated (the CUDA property tests hit it).
     """
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream()

@@ -1,8 +1,7 @@
 """The draft's one-row layer in few launches (KernelTuning.row_kernels): Triton GEMVs with their neighbours folded in.
 
 The graphed draft step is one row per layer, and in a CUDA graph each node costs about 1-2 us whatever its size
-(~18 nodes per Qwen2-MoE layer, ~21 us of them small: the measurement journal's ninth session, in git history as
-`git show 7950860:docs/journal.md`). Here a Qwen2-MoE-style layer (a shared expert, its sigmoid gate, int4 routed
+(~18 nodes per Qwen2-MoE layer, ~21 us of them small). Here a Qwen2-MoE-style layer (a shared expert, its sigmoid gate, int4 routed
 experts) runs as seven launches instead of ~18:
 
 1. `norm_linear`: RMSNorm in the GEMV's prologue (each program normalises the row itself, from L2), the q/k/v
