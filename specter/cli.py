@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="placement (specter.placement plug-in) whose host experts to count")
     info.add_argument("--link", default=None, metavar="PRESET|GBPS",
                       help="the link the copy time is for (default: a pinned copy measured on CUDA, none on the CPU)")
-    info.add_argument("--cpu-threads", type=int, default=None, metavar="N", help="host expert threads (default: the cores)")
+    info.add_argument("--cpu-threads", type=int, default=None, metavar="N", help="host expert threads (default: the cores less one)")
     info.add_argument("--placement-profile", default=None, metavar="TRACE",
                       help="routing trace whose expert use the placement weighs (default: uniform routing)")
     info.add_argument("--placement-overlap", type=float, default=None, metavar="O",
@@ -81,7 +81,7 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
                              "off (none, default), all (every expert not resident: nothing is copied), auto (a cost model "
                              "calibrated at load: the least used, where the host is predicted faster than the link)")
     memory.add_argument("--cpu-threads", type=int, default=None, metavar="N",
-                        help="torch threads of the host expert path (default: the host's cores); fewer emulate a smaller host")
+                        help="torch threads of the host expert path (default: the host's cores less one); fewer emulate a smaller host")
     memory.add_argument("--placement-profile", default=None, metavar="TRACE",
                         help="a routing trace (--trace) of this model whose expert use the placement weighs (default: uniform)")
     memory.add_argument("--placement-overlap", type=float, default=None, metavar="O",
@@ -113,7 +113,7 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     sampling.add_argument("--seed", type=int, default=0)
     sampling.add_argument("--sampling", default="coupled", choices=["coupled", "rejection"], help="acceptance rule when sampling")
     output = gen.add_argument_group("output")
-    output.add_argument("--json", action="store_true", help="print one JSON object with `tokens`, `text` and `stats` at the end")
+    output.add_argument("--json", action="store_true", help="print one JSON object with `tokens`, `text`, `finish_reason` and `stats` at the end")
     output.add_argument("--trace", default=None, metavar="PATH", help="record a routing trace of every speculative round")
     output.add_argument("--progress", action="store_true", help="progress bars while loading")
     _add_logging(gen)

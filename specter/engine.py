@@ -1,4 +1,4 @@
-"""The runtime: runs the decode round of DESIGN section 1 over parts that `specter.build` made.
+"""The runtime: runs the decode round (docs/ARCHITECTURE.md, "One decode round") over parts that `specter.build` made.
 
     draft k tokens (prefetching planned experts at checkpoints) -> verify k+1 tokens -> accept -> commit -> adapt
 
@@ -297,11 +297,11 @@ class Runtime:
             return self.experts.prompt_placement(rows)
         return contextlib.nullcontext()
 
-    # ---- one decode round (DESIGN section 1) ------------------------------------------------------
+    # ---- one decode round (docs/ARCHITECTURE.md) ------------------------------------------------------
     async def round(self, x0: int, params: SamplingParams, remaining: int, stats: RequestStats) -> list[int]:
         """Draft, plan and prefetch, verify, accept, commit, adapt. Returns the committed tokens (1..k+1).
 
-        The engine loop, one line per step of DESIGN section 1. With a draft-ahead (`DraftAhead`) the draft also
+        The engine loop, one line per step of docs/ARCHITECTURE.md's round. With a draft-ahead (`DraftAhead`) the draft also
         guesses the target's own next token, and the verify runs beside draft steps from that guess.
         """
         start = self.kv.length  # position of x0

@@ -166,7 +166,7 @@ class PrefetchPolicy(Protocol):
         """Draft-step counts (sorted, distinct, each in 1..k) after which `plan` is called this round.
 
         Called once per round by the engine before the draft starts, with k >= 1 (k = 0 has no draft and
-        no prefetch). DESIGN: the first after about 20 % of k, then chunks sized so that the bytes in
+        no prefetch). The design: the first after about 20 % of k, then chunks sized so that the bytes in
         flight match what the link moves in that many draft steps. An empty list means never plan.
         """
         ...

@@ -56,6 +56,23 @@ def _plain(command: str) -> str:
     return " ".join(word for word in command.split() if word != "-q").removeprefix("python -m ")
 
 
+def test_the_quick_starts_generate_runs_the_offloaded_speculative_path(tiny, capsys):
+    """The first command's generate, as the README spells it, exercises the main job: a draft, a verify and experts
+    copied from host memory (with every expert resident there would be no traffic to show)."""
+    from specter.cli import main
+
+    generate = next(part.strip() for part in quick_start_commands()[0].split("&&") if " generate " in part)
+    args = generate.split()
+    assert args[:3] == ["python", "-m", "specter"], generate
+    assert main(args[3:]) == 0
+    stats = capsys.readouterr().err.strip().splitlines()[-1]
+    tokens = int(re.search(r"\[(\d+) tokens", stats).group(1))
+    hit_rate = int(re.search(r"hit rate (\d+)%", stats).group(1))
+    moved = float(re.search(r"H2D ([\d.]+) MiB", stats).group(1))
+    assert tokens == int(args[args.index("--max-new-tokens") + 1]), stats
+    assert "acceptance" in stats and hit_rate < 100 and moved > 0, stats
+
+
 def test_the_readme_says_tiny_has_random_weights():
     readme = (REPO_ROOT / "README.md").read_text()
     assert "random weights" in readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]

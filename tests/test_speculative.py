@@ -61,7 +61,7 @@ def run(path: str, config: EngineConfig, prompt: list[int], generation: Generati
 
 def baseline(path: str, prompt: list[int], generation: GenerationConfig, residents: int | None = None,
              static_verify: bool | None = None) -> list[int]:
-    """The same engine with speculation off, at the same memory setting (DESIGN section 5)."""
+    """The same engine with speculation off, at the same memory setting (the exactness contract)."""
     config = EngineConfig(device=DEVICE, max_context=96, residents=residents, lookahead="fixed", draft=DraftConfig(k=0),
                           static_verify=static_verify)
     return run(path, config, prompt, generation).tokens

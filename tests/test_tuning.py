@@ -1,5 +1,5 @@
 """EngineConfig.tuning: the measured knobs are validated fields that reach the parts they tune, and no module-level
-switch or SPECTER_* toggle comes back (DESIGN section 11)."""
+switch or SPECTER_* toggle comes back (tuning knobs are typed, documented config fields)."""
 
 from __future__ import annotations
 
@@ -293,7 +293,7 @@ ALLOWED_CONSTANTS = {
     "specter/quant/gptq.py": {"GPTQ_WORKING_BYTES"},  # GPTQ's working-memory bound
     "specter/quant/moe_triton.py": {"MAX_PAIRS", "BLOCK_M"},  # the kernels' compile-time shapes
     "specter/bench/cli.py": {"QUICK_RESIDENTS", "QUICK_REPEATS"},  # the quick preset (CLI defaults, not engine knobs)
-    "specter/bench/protocol.py": {"PROMPT_TOKENS"},  # the measurement protocol (DESIGN section 8)
+    "specter/bench/protocol.py": {"PROMPT_TOKENS"},  # the measurement protocol
     "specter/bench/synthetic.py": {"DISTINCT_EXPERTS"},  # the synthetic models' routing
     "specter/bench/hf_baseline.py": {"MAX_TOKENS"},  # the baseline's length
 }

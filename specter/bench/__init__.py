@@ -1,4 +1,4 @@
-"""The benchmark: every compared system on the same engine, prompts, budget and initial cache (DESIGN section 8).
+"""The benchmark: every compared system on the same engine, prompts, budget and initial cache (benchmarks/README.md).
 
 Run `python -m specter.bench --help`; `specter.bench.cli.main(argv)` is the same from Python.
 """

@@ -1,4 +1,4 @@
-"""The measurement protocol of DESIGN section 8: same prompts, same budget, same initial cache, every system.
+"""The measurement protocol (benchmarks/README.md): same prompts, same budget, same initial cache, every system.
 
 Per model: the resident run gives the target-only baseline tokens; one offloaded runtime then serves every
 offloaded system, memory setting and link (slots and link are switched, weights are loaded once). Per
@@ -331,7 +331,7 @@ class ModelBench:
         runtime = await BenchRuntime.build(self.target.make_source(), self.engine_config(resident=False, speculative=speculative))
         try:
             self.memory = memory_summary(runtime.memory)
-            # The offloaded systems' own baseline: the same engine with speculation off (DESIGN section 5). On CUDA
+            # The offloaded systems' own baseline: the same engine with speculation off (the exactness contract). On CUDA
             # the resident run replays a graphed static step whose rounding differs from the eager offloaded path,
             # so offloaded tokens are held to this baseline and its agreement with the resident one is reported.
             await self._baseline_on(runtime)
@@ -478,7 +478,7 @@ class ModelBench:
 
     async def _placement_baseline(self, runtime: BenchRuntime, system: System, start_state, cell: tuple[str, str]) -> None:
         """The baseline of a system with host experts: the same placement at k = 0 from the same start (the engine
-        alone, one token at a time, DESIGN section 5), run untimed once per cell and placement. A host expert rounds
+        alone, one token at a time: the exactness contract), run untimed once per cell and placement. A host expert rounds
         as the host does, so the placement-off baseline is not the one its tokens must equal."""
         if all((*cell, self.placed, prompt.key) in self.placed_baseline for prompt in self.requests):
             return

@@ -1,4 +1,4 @@
-"""The compared systems, all configurations of one engine (DESIGN section 8), and the runtime hooks they need.
+"""The compared systems, all configurations of one engine (benchmarks/README.md, "Systems"), and the runtime hooks they need.
 
 `BenchRuntime` is the engine's `Runtime` plus what a benchmark needs and serving does not: switching the
 policies, the expert-slot count and the emulated link between runs without reloading the weights, the

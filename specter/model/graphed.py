@@ -297,7 +297,7 @@ class GraphedStep:
 
     def prepare(self, params: SamplingLike | None = None) -> None:
         """Capture the graph for `params` now (start-up). Capturing early keeps allocation out of decoding
-        (DESIGN section 3). Nothing to do without graphs.
+        (docs/ARCHITECTURE.md, "Memory"). Nothing to do without graphs.
 
         The warm-up writes KV at the first uncommitted position (scratch by the KV's contract), so this is
         safe after a prefill too; with a full KV the capture waits for first use instead.

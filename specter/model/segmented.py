@@ -80,7 +80,7 @@ class SegmentedStep:
 
     # ---- static buffers ---------------------------------------------------------------------------
     def _allocate_buffers(self) -> None:
-        """Everything a segment reads or writes, allocated once (DESIGN section 3: no allocation while decoding)."""
+        """Everything a segment reads or writes, allocated once (no allocation while decoding: docs/ARCHITECTURE.md, "Memory")."""
         model, spec, rows = self.model, self.model.spec, self.rows
         device, dtype = model.device, model.dtype
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)  # [R] input

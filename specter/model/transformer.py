@@ -3,7 +3,7 @@
 Shape legend: T tokens in this forward, B row bucket, D hidden, H heads, Hkv kv heads, hd head dim,
 S cache length, E experts, A active experts per token, I expert width, V vocabulary.
 
-Exact mode (DESIGN section 5) makes every row's result independent of which other rows share the
+Exact mode (docs/ARCHITECTURE.md, "Exactness") makes every row's result independent of which other rows share the
 forward: row-wise work runs on blocks of exactly B rows (padding rows are thrown away), attention runs
 one query row at a time with the same code as a single-token step, and expert outputs are summed per
 token in expert-id order. A forward over T rows then gives bit-identical logits and KV to T one-row

@@ -1,4 +1,4 @@
-"""`specter serve`: the OpenAI-compatible HTTP server over one `Engine` (DESIGN section 10)."""
+"""`specter serve`: the OpenAI-compatible HTTP server over one `Engine` (docs/ARCHITECTURE.md, "Serving")."""
 
 from __future__ import annotations
 
