@@ -536,7 +536,8 @@ class GenerationConfig(_Frozen):
     """Per-request decoding settings (the names follow transformers' generate)."""
 
     max_new_tokens: int = Field(64, ge=1, description="How many tokens to generate at most.")
-    temperature: float = Field(0.0, ge=0.0, description="0 is greedy; otherwise logits are divided by it before sampling.")
+    temperature: float = Field(0.0, ge=0.0, description="0 is greedy; otherwise logits are divided by it before sampling "
+                               "(below 1e-5, specter.sampling.MIN_SAMPLING_TEMPERATURE: greedy's argmax, the limit).")
     top_k: int | None = Field(None, ge=1, description="Keep only the k most likely tokens when sampling.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set with this much probability.")
     seed: int = Field(0, ge=0, lt=2**63, description="Seed of the per-position sampling noise; same seed, same tokens "

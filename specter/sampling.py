@@ -30,6 +30,12 @@ class SamplingLike(Protocol):
     seed: int
 
 
+MIN_SAMPLING_TEMPERATURE = 1e-5
+"""Temperatures in (0, this) sample as their limit, greedy's argmax: dividing float32 logits by them would overflow
+to inf (1e-39 turns two logits into inf, a tie Gumbel noise cannot break) or, below float32's smallest number, divide
+by zero into NaN. At 1e-5 a logit gap of 1e-4 is already a factor e^10 in probability, so nothing is lost."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request turns logits into tokens; temperature 0 is greedy (top-k/top-p then do nothing)."""
@@ -67,12 +73,12 @@ def process_logits(logits: Tensor, temperature: float, top_k: int | None = None,
     """Float32 logits [..., V] after temperature, top-k, top-p (transformers' warpers, in that order).
 
     Tokens outside the kept set are -inf. Temperature 0 (greedy) keeps only the argmax (lowest index on
-    ties) at 0.0. Each row is processed on its own, so results are bit-identical whatever else is in the
+    ties) at 0.0, and so does a positive one below MIN_SAMPLING_TEMPERATURE, greedy's limit. Each row is processed on its own, so results are bit-identical whatever else is in the
     batch (the verify pass relies on this to match the one-row baseline).
     """
     check_sampling_values(temperature, top_k, top_p)
     scores = logits.float()
-    if temperature == 0.0:
+    if temperature < MIN_SAMPLING_TEMPERATURE:
         return _keep_argmax_only(scores)
     if temperature != 1.0:  # transformers skips the warper at 1.0 too; dividing by 1.0 is exact anyway
         scores = scores / temperature

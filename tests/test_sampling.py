@@ -111,6 +111,28 @@ def test_greedy_sample_breaks_ties_towards_lowest_index():
     assert sample(logits, torch.arange(2), SamplingParams(0.0)).tolist() == [1, 0]
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-37, 1e-39, 1e-46, 5e-324])
+def test_a_tiny_positive_temperature_samples_greedys_tokens_without_overflow(temperature):
+    """Dividing by 1e-39 overflowed two logits to inf (a tie noise cannot break) and 1e-46, zero in float32, made
+    NaN; below MIN_SAMPLING_TEMPERATURE the limit, greedy's argmax, is taken instead."""
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(16, 301, generator=generator) * 8.0
+    logits[2, :2] = torch.tensor([2.0, 1.0])  # the helper's case: two large logits close together
+    logits[2, 2:] = -1.0
+    processed = process_logits(logits, temperature, None, 0.9)
+    assert not torch.isnan(processed).any() and not (processed == math.inf).any()
+    tokens = sample(logits, torch.arange(16), SamplingParams(temperature, None, 0.9, 7))
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+
+
+def test_temperatures_at_the_threshold_still_sample():
+    """At MIN_SAMPLING_TEMPERATURE itself the logits are divided as at any temperature: the threshold is a floor."""
+    from specter.sampling import MIN_SAMPLING_TEMPERATURE
+
+    logits = torch.tensor([[0.0, 1e-6, 2e-6]])
+    assert torch.equal(process_logits(logits, MIN_SAMPLING_TEMPERATURE), logits / MIN_SAMPLING_TEMPERATURE)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
