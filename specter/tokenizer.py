@@ -14,6 +14,13 @@ TOKENIZER_FILE = "tokenizer.json"
 REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
 
 
+GIL_FREE_CHARS = 1 << 16
+"""Texts longer than this are encoded by `encode_batch`, which releases the GIL while it works (`encode` holds it: a
+megabyte takes about a second), so a server thread encoding a long prompt leaves the event loop its turns; the ids
+are the same. Short texts keep `encode`, which sets no parallelism flag (a batch marks the process as having used
+its thread pool, which a later fork warns about)."""
+
+
 class Tokenizer:
     """A fast tokenizer plus what the checkpoint directory says about it (special tokens, chat template)."""
 
@@ -42,6 +49,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         check_text(text, "the prompt text")
+        if len(text) > GIL_FREE_CHARS:
+            return list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:

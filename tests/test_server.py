@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE_ARGS = ["--device", "cpu", "--residents", "2", "--max-context", "256"]  # speculation on, 2 of 16 experts resident
 ENGINE = EngineConfig(device="cpu", residents=2, max_context=256)  # the same engine in this process, for reference
 KEY = "test-key"
+BODY_LIMIT = 65536  # the `server` fixture's --max-body-bytes
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
@@ -126,7 +127,7 @@ def chat_model(tiny, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    live = LiveServer(tiny, "--max-queue", "64")
+    live = LiveServer(tiny, "--max-queue", "64", "--max-body-bytes", str(BODY_LIMIT))
     yield live
     live.stop()
 
@@ -250,6 +251,21 @@ BAD = {
     "unknown role": ("/v1/chat/completions", {"model": "M", "messages": [{"role": "robot", "content": "hi"}]}, 400,
                      "messages"),
     "unknown path": ("/v1/embeddings", {"model": "M", "input": "hi"}, 404, None),
+    "logprobs 0 (the sampled token's)": ("/v1/completions", {"model": "M", "prompt": "hi", "logprobs": 0}, 400, "logprobs"),
+    "logit_bias": ("/v1/completions", {"model": "M", "prompt": "hi", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+    "stream_options without a stream": ("/v1/completions", {"model": "M", "prompt": "hi",
+                                                            "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    "JSON mode": ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi"}],
+                                           "response_format": {"type": "json_object"}}, 400, "response_format"),
+    "tool_choice without tools": ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi"}],
+                                                           "tool_choice": "required"}, 400, "tool_choice"),
+    "legacy functions": ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi"}],
+                                                  "functions": [{"name": "f", "parameters": {}}]}, 400, "functions"),
+    "a user message without content": ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user"}]}, 400,
+                                       "messages"),
+    "a tool message without tool_call_id": ("/v1/chat/completions", {"model": "M", "messages": [
+        {"role": "tool", "content": "42"}]}, 400, "messages"),
+    "a body over --max-body-bytes": ("/v1/completions", {"model": "M", "prompt": "x" * BODY_LIMIT}, 413, None),
 }
 
 
@@ -285,6 +301,72 @@ def test_api_key_is_required_on_the_api_only(chat_server):
     assert response.headers["www-authenticate"] == "Bearer"
     assert chat_server.client(KEY).models.list().data[0].id == "fixture-chat"
     assert httpx.get(f"{chat_server.url}/health", timeout=10).status_code == 200  # probes need no key
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_not_sent_as_json_gets_415(server, content_type):
+    """A browser may POST text/plain or a form across sites without asking first; JSON only keeps a page the user
+    visits from starting generations on a server on their loopback."""
+    body = json.dumps({"model": server.model, "prompt": "hi", "max_tokens": 1}).encode()
+    headers = {"content-type": content_type} if content_type else {}
+    response = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=30)
+    assert response.status_code == 415, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unsupported_media_type" and "application/json" in error["message"]
+    charset = {"content-type": "application/json; charset=utf-8"}  # a parameter is fine
+    assert httpx.post(f"{server.url}/v1/completions", content=body, headers=charset, timeout=30).status_code == 200
+
+
+def test_a_chunked_body_over_the_limit_gets_413_as_it_comes(server):
+    """Without a Content-Length the body is counted as it arrives and refused once past the limit."""
+    def chunks():
+        yield b'{"model": "x", "prompt": "'
+        for _ in range(2 * BODY_LIMIT // 4096):
+            yield b"y" * 4096
+        yield b'"}'
+
+    response = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    assert "--max-body-bytes" in response.json()["error"]["message"]
+
+
+def test_one_models_card(server):
+    client = server.client()
+    card = client.models.retrieve(server.model)
+    assert card.id == server.model and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.code == "model_not_found"
+
+
+def test_max_completion_tokens_past_the_context_is_named_as_sent(chat_server):
+    with pytest.raises(openai.BadRequestError) as bad:
+        chat_server.client(KEY).chat.completions.create(model="fixture-chat", messages=[{"role": "user", "content": "hi"}],
+                                                        max_completion_tokens=5000)
+    assert bad.value.code == "context_length_exceeded" and bad.value.param == "max_completion_tokens"
+    assert "max_completion_tokens 5000" in bad.value.message
+
+
+def test_a_long_prompt_is_encoded_without_holding_the_server(chat_server):
+    """A prompt of megabytes takes the tokenizer about a second; the server answers others meanwhile (it held the
+    event loop, and every stream on it, for the whole encode)."""
+    prompt = "hello world " * 400_000  # 4.8 MB, under the default 8 MiB limit; far past the context
+    answer: list[httpx.Response] = []
+    big = threading.Thread(target=lambda: answer.append(httpx.post(
+        f"{chat_server.url}/v1/completions", json={"model": "fixture-chat", "prompt": prompt, "max_tokens": 1},
+        headers={"authorization": f"Bearer {KEY}"}, timeout=60)))
+    start = time.monotonic()
+    big.start()
+    time.sleep(0.3)  # the body is sent and the encode under way
+    asked = time.monotonic()
+    assert chat_server.health()["status"] == "ok"
+    health_s, big_running = time.monotonic() - asked, big.is_alive()
+    big.join(60)
+    big_s = time.monotonic() - start
+    assert answer[0].status_code == 400 and answer[0].json()["error"]["code"] == "context_length_exceeded"
+    if big_running:  # the health check ran during the encode: it was not held behind it
+        assert health_s < max(0.5, (big_s - 0.3) / 3), (health_s, big_s)
 
 
 # ---- hang-ups, a full queue, a storm ---------------------------------------------------------------------
@@ -428,6 +510,41 @@ def test_sigterm_drains_streams_then_exits(tiny, reference):
         for out, text in zip(outs, expected):
             assert out[-1] == "[DONE]"
             assert "".join(json.loads(event)["choices"][0]["text"] for event in out[:-1]) == text
+        assert not any("Traceback" in line for line in live.log), "".join(live.log)
+    finally:
+        live.stop()
+
+
+def test_past_the_drain_timeout_requests_end_with_503_and_an_error_event(tiny):
+    """SIGTERM with requests longer than --drain-timeout: the stream ends with an OpenAI error event, the queued
+    answer is a JSON 503, the process exits 0 and logs no traceback (uvicorn's own timeout cancelled the tasks:
+    a plain-text 500 and a cut stream)."""
+    live = LiveServer(tiny, "--drain-timeout", "0.3")
+    try:
+        events: list[str] = []
+        started = threading.Event()
+        streamer = threading.Thread(target=read_events, args=(live.url, {"model": str(tiny), "prompt": "hello world",
+                                                                         "max_tokens": 240, "temperature": 0,
+                                                                         "stream": True}, started, events), daemon=True)
+        streamer.start()
+        assert started.wait(30)
+        queued: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: queued.append(httpx.post(
+            f"{live.url}/v1/completions", json={"model": str(tiny), "prompt": "hi", "max_tokens": 200}, timeout=60)),
+            daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while live.health()["queue_depth"] < 1:
+            assert time.monotonic() < deadline, live.health()
+            time.sleep(0.005)
+        live.process.send_signal(signal.SIGTERM)
+        streamer.join(60)
+        waiter.join(60)
+        assert live.process.wait(60) == 0, "".join(live.log)
+        last = json.loads(events[-1])
+        assert last["error"]["type"] == "server_error" and "closed" in last["error"]["message"], events[-3:]
+        assert queued[0].status_code == 503 and queued[0].headers["content-type"] == "application/json"
+        assert queued[0].json()["error"]["type"] == "server_error"
         assert not any("Traceback" in line for line in live.log), "".join(live.log)
     finally:
         live.stop()

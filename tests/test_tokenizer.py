@@ -188,3 +188,27 @@ def test_streamed_text_never_shows_a_character_that_later_tokens_complete(tiny):
     for piece in pieces[:-1]:
         released += piece.text
         assert decoded.startswith(released)
+
+
+def test_a_long_text_encodes_to_the_same_ids_and_leaves_other_threads_their_turns(tokenizer):
+    """Past GIL_FREE_CHARS the text goes through encode_batch, which releases the GIL: the server encodes prompts on
+    a worker thread, and `encode` holding the GIL for a long prompt held the event loop (and every stream) with it."""
+    import threading
+    import time
+
+    from specter.tokenizer import GIL_FREE_CHARS
+
+    text = (MULTIBYTE + " ") * (2**19 // len(MULTIBYTE))
+    assert len(text) > GIL_FREE_CHARS
+    assert tokenizer.encode(text) == list(tokenizer.backend.encode(text).ids)
+    assert tokenizer.encode(text, add_special_tokens=False) == list(tokenizer.backend.encode(text, add_special_tokens=False).ids)
+    done, ticks = threading.Event(), 0
+    worker = threading.Thread(target=lambda: (tokenizer.encode(text * 4), done.set()))
+    start = time.perf_counter()
+    worker.start()
+    while not done.is_set():
+        time.sleep(0.001)  # each wake-up needs the GIL
+        ticks += 1
+    worker.join()
+    elapsed = time.perf_counter() - start
+    assert elapsed < 0.1 or ticks >= 10 * elapsed, (ticks, elapsed)  # held, it would be about 1 for the whole encode

@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes over one `Engine`: models, completions, chat completions, health, metrics.
 
-A request flows: the gate (API key) -> validate the body (pydantic) -> check the model name -> encode the prompt
-(chat template for messages) -> check it fits the context -> take a place in the queue (or 429) -> wait for the
+A request flows: the gate (API key) -> read the body (JSON only, at most `max_body_bytes`) -> validate it (pydantic)
+-> check the model name -> encode the prompt (chat template for messages; on a worker thread, so a long prompt never
+holds the event loop and the streams it serves) -> check it fits the context -> take a place in the queue (or 429) -> wait for the
 engine's turn -> stream pieces as server-sent events, or gather them into one answer. A client that hangs up
 cancels its request wherever it is (queued or mid-round).
 """
@@ -14,6 +15,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +44,9 @@ from specter.server.protocol import (
 log = get_logger(__name__)
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+"""The largest request body read (`specter serve --max-body-bytes`): a context of 128k tokens as text or as token ids
+is about 1 MB, so 8 MiB refuses only bodies no prompt needs, before they cost memory or tokenizer time."""
 
 
 @dataclass
@@ -51,7 +56,11 @@ class ServerState:
     engine: Engine
     model_name: str
     queue: AdmissionQueue
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    # One thread encodes every prompt, in arrival order: the engine serves one request at a time anyway, and a pool
+    # would grow a thread per concurrent request.
+    encoder: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="specter-encode"))
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -70,11 +79,13 @@ class Job:
     arrived: float
 
 
-def create_app(engine: Engine, *, model_name: str, max_queue: int = 64, api_key: str | None = None) -> Gate:
+def create_app(engine: Engine, *, model_name: str, max_queue: int = 64, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Gate:
     """The ASGI application serving `engine` as `model_name` (uvicorn runs it; tests may too)."""
-    state = ServerState(engine, model_name, AdmissionQueue(max_queue))
+    state = ServerState(engine, model_name, AdmissionQueue(max_queue), max_body_bytes)
     routes = [
         Route("/v1/models", _handler(state, list_models), methods=["GET"]),
+        Route("/v1/models/{model:path}", _handler(state, retrieve_model), methods=["GET"]),
         Route("/v1/completions", _handler(state, completions), methods=["POST"]),
         Route("/v1/chat/completions", _handler(state, chat_completions), methods=["POST"]),
         Route("/health", _handler(state, health), methods=["GET"]),
@@ -105,9 +116,20 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 # ---- routes -------------------------------------------------------------------------------------------
 async def list_models(state: ServerState, request: Request) -> Response:
-    card = {"id": state.model_name, "object": "model", "created": state.started, "owned_by": "specter",
+    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+
+async def retrieve_model(state: ServerState, request: Request) -> Response:
+    name = request.path_params["model"]
+    if name != state.model_name:
+        raise APIRequestError(404, f"the model '{name}' does not exist; this server serves '{state.model_name}'",
+                              param="model", code="model_not_found")
+    return JSONResponse(_model_card(state))
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": state.started, "owned_by": "specter",
             "max_model_len": state.max_context}
-    return JSONResponse({"object": "list", "data": [card]})
 
 
 async def health(state: ServerState, request: Request) -> Response:
@@ -126,28 +148,30 @@ async def metrics(state: ServerState, request: Request) -> Response:
 
 
 async def completions(state: ServerState, request: Request) -> Response | EventStream | NoResponse:
-    body = await _parse(request, CompletionRequest)
+    body = await _parse(state, request, CompletionRequest)
     _check_model(state, body)
-    prompt_ids = _encode(state, body.single_prompt(), "prompt")
+    prompt_ids = await _encode(state, body.single_prompt(), "prompt")
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
-    return await _serve(state, request, body, prompt_ids, max_tokens, "prompt", Answer(False, state.model_name, _id("cmpl")))
+    return await _serve(state, request, body, prompt_ids, max_tokens, ("prompt", "max_tokens"),
+                        Answer(False, state.model_name, _id("cmpl")))
 
 
 async def chat_completions(state: ServerState, request: Request) -> Response | EventStream | NoResponse:
-    body = await _parse(request, ChatCompletionRequest)
+    body = await _parse(state, request, ChatCompletionRequest)
     _check_model(state, body)
-    prompt_ids = _encode(state, [message.as_template_message() for message in body.messages], "messages")
+    prompt_ids = await _encode(state, [message.as_template_message() for message in body.messages], "messages")
     limit = body.token_limit()
     max_tokens = limit if limit is not None else max(1, state.max_context - len(prompt_ids))  # OpenAI: up to the context
     answer = Answer(True, state.model_name, _id("chatcmpl"))
-    return await _serve(state, request, body, prompt_ids, max_tokens, "messages", answer)
+    return await _serve(state, request, body, prompt_ids, max_tokens, ("messages", body.token_limit_param()), answer)
 
 
 # ---- a request, from checked body to answer ----------------------------------------------------------
 async def _serve(state: ServerState, request: Request, body: SamplingRequest, prompt_ids: list[int], max_tokens: int,
-                 prompt_param: str, answer: Answer) -> Response | EventStream | NoResponse:
+                 params: tuple[str, str], answer: Answer) -> Response | EventStream | NoResponse:
+    """`params`: the request's names for its prompt and its token limit, for errors about them."""
     arrived = time.monotonic()
-    _check_context(state, len(prompt_ids), max_tokens, prompt_param)
+    _check_context(state, len(prompt_ids), max_tokens, *params)
     generation = _generation(body, max_tokens)
     job = Job(prompt_ids, generation, _admit(state), arrived)
     if body.stream:
@@ -224,8 +248,8 @@ async def _events(state: ServerState, job: Job, answer: Answer, include_usage: b
 
 
 # ---- checks -------------------------------------------------------------------------------------------
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
+async def _parse(state: ServerState, request: Request, model: type[BaseModel]) -> Any:
+    raw = await _read_body(state, request)
     try:
         return model.model_validate_json(raw)
     except ValidationError as error:
@@ -254,9 +278,35 @@ def _check_model(state: ServerState, body: SamplingRequest) -> None:
                               param="model", code="model_not_found")
 
 
-def _encode(state: ServerState, prompt: Prompt, param: str) -> list[int]:
+async def _read_body(state: ServerState, request: Request) -> bytes:
+    """The body, if it is JSON and at most `state.max_body_bytes`. A POST of another type is refused: OpenAI's API
+    takes JSON only, and a browser sends a cross-site text/plain or form POST without asking first, so a page the
+    user visits could otherwise start generations on a server bound to their loopback."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise APIRequestError(415, f"the body must be JSON, sent with 'Content-Type: application/json' (got "
+                                   f"{media_type or 'no Content-Type'!r:.60})", code="unsupported_media_type")
+    limit = state.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:  # refused before a byte is read
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():  # a body sent without a length (chunked) is counted as it comes
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIRequestError:
+    return APIRequestError(413, f"the body is larger than this server's limit of {limit} bytes (specter serve "
+                                "--max-body-bytes); send a shorter prompt", code="request_too_large")
+
+
+async def _encode(state: ServerState, prompt: Prompt, param: str) -> list[int]:
     try:
-        prompt_ids = state.engine.encode(prompt)
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(state.encoder, state.engine.encode, prompt)
     except (PromptError, ConfigError) as error:  # no tokenizer, no chat template, a template that refuses
         raise APIRequestError(400, str(error), param=param) from None
     if not prompt_ids:
@@ -267,16 +317,16 @@ def _encode(state: ServerState, prompt: Prompt, param: str) -> list[int]:
     return prompt_ids
 
 
-def _check_context(state: ServerState, prompt_tokens: int, max_tokens: int, prompt_param: str) -> None:
+def _check_context(state: ServerState, prompt_tokens: int, max_tokens: int, prompt_param: str, limit_param: str) -> None:
     limit = state.max_context
     if prompt_tokens >= limit:
         raise APIRequestError(400, f"the {prompt_param} has {prompt_tokens} tokens; this model's context is {limit} "
                                    "tokens and must hold the prompt plus at least one new token",
                               param=prompt_param, code="context_length_exceeded")
     if prompt_tokens + max_tokens > limit:
-        raise APIRequestError(400, f"max_tokens {max_tokens} plus the {prompt_tokens}-token {prompt_param} exceeds this "
+        raise APIRequestError(400, f"{limit_param} {max_tokens} plus the prompt's {prompt_tokens} tokens exceeds this "
                                    f"model's context of {limit} tokens; ask for at most {limit - prompt_tokens}",
-                              param="max_tokens", code="context_length_exceeded")
+                              param=limit_param, code="context_length_exceeded")
 
 
 def _generation(body: SamplingRequest, max_tokens: int) -> GenerationConfig:

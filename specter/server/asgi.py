@@ -51,7 +51,8 @@ class Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        path = "/v1/models" if scope["path"].startswith("/v1/models/") else scope["path"]  # one model's card
+        endpoint = path if path in ENDPOINTS else "other"
         status = CLIENT_GONE
 
         async def counted(message: dict[str, Any]) -> None:

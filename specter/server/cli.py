@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import signal
 import sys
 from typing import Any
 
+from specter.log import get_logger
+
+log = get_logger(__name__)
+
+DRAIN_GRACE_S = 10.0
+"""How long uvicorn waits beyond --drain-timeout before it cancels the connections itself: closing the engine ends
+every request within a round, so this is only a backstop."""
 ENGINE_GROUPS = ("memory and device", "speculation and policies")  # generate's option groups that build the engine
 ENGINE_OPTIONS = ("--sampling", "--progress")  # engine options generate files under other groups
 
@@ -26,7 +34,10 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--max-queue", type=_non_negative, default=64, metavar="N",
                        help="requests that may wait for the engine; one more gets 429 with Retry-After (default 64)")
     serve.add_argument("--drain-timeout", type=_seconds, default=60.0, metavar="S",
-                       help="on SIGTERM, wait this long for admitted requests to finish, then end them (default 60)")
+                       help="on SIGTERM, wait this long for admitted requests to finish, then end them: a 503 for an "
+                            "answer not begun, an error event for a stream (default 60)")
+    serve.add_argument("--max-body-bytes", type=_positive, default=None, metavar="N",
+                       help="largest request body; a larger one gets 413 before it is read (default 8 MiB)")
     generate = argparse.ArgumentParser(add_help=False)
     _add_generate(generate)
     for group in generate._action_groups:  # argparse has no public way to copy a group
@@ -45,6 +56,13 @@ def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
     return value
 
 
@@ -81,16 +99,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 async def serve(args: argparse.Namespace, config: Any) -> int:
     from specter.api import Engine
-    from specter.server.app import create_app
+    from specter.server.app import DEFAULT_MAX_BODY_BYTES, create_app
 
     uvicorn = _require_server_packages()
     async with Engine.from_pretrained(args.model, config) as engine:
         name = args.served_model_name or args.model
-        app = create_app(engine, model_name=name, max_queue=args.max_queue, api_key=args.api_key)
+        app = create_app(engine, model_name=name, max_queue=args.max_queue, api_key=args.api_key,
+                         max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+        # uvicorn's own timeout cancels the connections' tasks, which would end a request with a bare 500 and a
+        # traceback: it only backs up the drain, which ends the requests itself by closing the engine.
         settings = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                                  lifespan="off", timeout_graceful_shutdown=args.drain_timeout,
+                                  lifespan="off", timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S,
                                   timeout_keep_alive=5)
-        server = _announcing_server(settings, name)
+        server = _draining_server(settings, name, engine, args.drain_timeout)
         # uvicorn re-raises the signal it drained on once it is done; a handler that does nothing lets the
         # process leave through its normal exit (status 0) after the engine is closed below.
         signal.signal(signal.SIGTERM, lambda *_: None)
@@ -109,15 +130,34 @@ def _require_server_packages() -> Any:
     return uvicorn
 
 
-def _announcing_server(settings: Any, name: str) -> Any:
-    """uvicorn's Server, saying on stderr where it listens once it does (the real port when --port 0)."""
+def _draining_server(settings: Any, name: str, engine: Any, drain_s: float) -> Any:
+    """uvicorn's Server, saying on stderr where it listens once it does (the real port when --port 0), and ending the
+    requests still admitted `drain_s` after a shutdown began by closing the engine: each then ends as the routes end
+    a request the engine refused (`specter.server.app._serve`, `_events`), a 503 or a stream's error event."""
     import uvicorn
 
-    class AnnouncingServer(uvicorn.Server):
+    class DrainingServer(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 print(f"specter serve: {name} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
 
-    return AnnouncingServer(settings)
+        async def shutdown(self, sockets: Any = None) -> None:
+            expired = asyncio.Event()
+            ender = asyncio.ensure_future(_end_after(drain_s, expired))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if expired.is_set():
+                    await ender  # a close begun is finished, never cut short (the engine's own close would skip it)
+                else:
+                    ender.cancel()
+
+    async def _end_after(seconds: float, expired: asyncio.Event) -> None:
+        await asyncio.sleep(seconds)
+        expired.set()
+        log.warning("server.drain_timeout", seconds=seconds, advice="the requests still admitted were ended (503)")
+        await engine.aclose()
+
+    return DrainingServer(settings)

@@ -1,7 +1,8 @@
 """The OpenAI wire format: pydantic models of the requests the server takes and builders of its answers.
 
-Only what Specter can honour is accepted; a field it cannot honour (n > 1, logprobs, echo, tools) is refused
-by name rather than silently ignored, and fields it has no use for (user, metadata) are ignored as OpenAI does.
+Only what Specter can honour is accepted; a field it cannot honour (n > 1, logprobs, echo, tools, tool_choice,
+response_format other than text, logit_bias, functions) is refused by name rather than silently ignored, and fields
+it has no use for (user, metadata) are ignored as OpenAI does.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from specter.api import FinishReason
 
@@ -53,9 +54,14 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="One choice per request (n > 1 is not supported).")
-    logprobs: Any = Field(None, description="Not supported: must be absent, null or false.")
+    logprobs: Any = Field(None, description="Not supported: must be absent, null or false (0 asks for the sampled "
+                          "token's logprob in the completions API, so it is refused too).")
+    top_logprobs: Any = Field(None, description="Not supported: must be absent or null.")
     presence_penalty: float | None = Field(None, description="Not supported: must be absent or 0.")
     frequency_penalty: float | None = Field(None, description="Not supported: must be absent or 0.")
+    logit_bias: dict[str, Any] | None = Field(None, description="Not supported: must be absent, null or empty.")
+    response_format: dict[str, Any] | None = Field(None, description="Only {\"type\": \"text\"} (the default); JSON "
+                                                   "modes and schemas are not supported.")
 
     @field_validator("stop")
     @classmethod
@@ -64,11 +70,39 @@ class SamplingRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         return value
 
-    @field_validator("logprobs", "presence_penalty", "frequency_penalty")
+    @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _unsupported(cls, value: Any) -> Any:
-        if value not in (None, False, 0):
+        if value not in (None, 0):
             raise ValueError("not supported by this server; leave it out")
+        return value
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: Any) -> Any:
+        if value is not None and value is not False:  # 0 is a request too: the sampled token's own logprob
+            raise ValueError("log probabilities are not supported by this server; leave it out")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value:
+            raise ValueError("logit_bias is not supported by this server; leave it out")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError("only {\"type\": \"text\"} is supported; this server cannot constrain output to JSON")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_a_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):  # `stream` is declared first, so it is validated
+            raise ValueError("stream_options is only allowed when stream is true")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -119,6 +153,16 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_where_required(self) -> "ChatMessage":
+        # As OpenAI: only an assistant's message may go without content (it would carry tool calls instead).
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content'")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs 'tool_call_id'")
+        return self
 
     def as_template_message(self) -> dict[str, Any]:
         """What the chat template sees: content parts joined into one string, as most templates expect."""
@@ -136,16 +180,30 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most; None: up to the context.")
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
     tools: list[Any] | None = Field(None, description="Not supported: must be absent or empty.")
+    functions: list[Any] | None = Field(None, description="The older tools: not supported, must be absent or empty.")
+    tool_choice: Any = Field(None, description="Only absent, null or \"none\": there are no tools to call.")
+    function_call: Any = Field(None, description="The older tool_choice: only absent, null or \"none\".")
 
-    @field_validator("tools")
+    @field_validator("tools", "functions")
     @classmethod
     def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
         if value:
             raise ValueError("tools are not supported by this server")
         return value
 
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "none"):
+            raise ValueError("tools are not supported by this server, so only \"none\" (or leaving it out) is allowed")
+        return value
+
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def token_limit_param(self) -> str:
+        """The field the limit came from, for an error about it."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 # ---- answers ------------------------------------------------------------------------------------------
