@@ -26,6 +26,10 @@ class Event(Protocol):
     stream: Stream
     """The stream the event was recorded on (the kernel keeps one waiter thread per stream and lane)."""
 
+    # Optional: `failure`, the error of work the backend ran before the event completed, or None. `Kernel.wait`
+    # raises it, so work that failed on a stream thread is never waited past as if done (a CUDA error is sticky the
+    # same way: every later call returns it). An event without the attribute never failed.
+
     def query(self) -> bool:
         """True once complete. Never blocks; safe to call from any thread."""
         ...

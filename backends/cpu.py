@@ -29,10 +29,13 @@ class CPUEvent:
     def __init__(self, stream: CPUStream) -> None:
         self.stream = stream
         self.completed_at: float | None = None
+        self.failure: BaseException | None = None
+        """The first error of any stream's work before this event completed (backends/base.py, `Event`)."""
         self._done = threading.Event()
 
     def complete(self) -> None:
         self.completed_at = time.perf_counter()
+        self.failure = self.stream.first_error()
         self._done.set()
 
     def query(self) -> bool:
@@ -82,9 +85,14 @@ class CPUStream:
                 self.previous_modeled_until, self.modeled_until = self.modeled_until, None
             try:
                 work()
-            except Exception as error:  # a failing item must not kill the stream; synchronize() re-raises it
+            except Exception as error:  # a failing item must not kill the stream (its events would never complete);
+                # every event completed after it carries the error, which Kernel.wait and synchronize() raise
                 log.error("cpu_stream.work_failed", stream=self.name, error=repr(error))
                 self._errors.append(error)
+
+    def first_error(self) -> BaseException | None:
+        """The backend's first failed work item on any stream, as CUDA's errors are the context's, not a stream's."""
+        return self._errors[0] if self._errors else None
 
     def sleep(self, seconds: float) -> None:
         """Keep the stream busy for `seconds`. time.sleep overshoots; the device-paced link emulation measures each

@@ -248,6 +248,13 @@ class Engine:
     async def load(cls, path: str | Path, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None) -> Engine:
         from specter.builtin import resolve_model
 
+        if isinstance(config, Mapping):  # as generate() takes a dict for its GenerationConfig
+            config = EngineConfig.build(**config)
+        elif config is not None and not isinstance(config, EngineConfig):
+            raise ConfigError(f"config must be an EngineConfig or a dict of its fields, not {type(config).__name__}")
+        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+            raise ConfigError(f"tokenizer must be a specter.Tokenizer (Tokenizer.from_dir(PATH)), not "
+                              f"{type(tokenizer).__name__}; or leave it out to read the checkpoint's tokenizer.json")
         directory = resolve_model(str(path))
         tokenizer = tokenizer or Tokenizer.from_dir(directory)  # before the weights: a broken file fails fast
         runtime = await Runtime.load(directory, config)
@@ -318,12 +325,20 @@ class Engine:
         if isinstance(prompt, (bytes, bytearray)):  # list() would make token ids of its bytes
             raise PromptError(f"a prompt is a str, token ids or chat messages, not {type(prompt).__name__}; "
                               "decode the bytes first (prompt.decode('utf-8'))")
+        if isinstance(prompt, Mapping):
+            raise PromptError("a prompt of chat messages is a list of them; wrap the one message: [message]")
+        if callable(getattr(prompt, "tolist", None)) and getattr(prompt, "ndim", None) == 1:  # a numpy or torch vector
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):  # a set has no order, a generator would be used up by a retry
+            raise PromptError(f"a prompt is a str, a list of int token ids, or a list of chat messages, not "
+                              f"{type(prompt).__name__}")
         items = list(prompt)
         if items and all(isinstance(item, Mapping) for item in items):
             return self._need_tokenizer("chat messages").encode_chat(items)
         if not all(isinstance(item, int) and not isinstance(item, bool) for item in items):
             raise PromptError("a prompt is a str, a list of int token ids, or a list of chat messages "
-                              f"({{'role': ..., 'content': ...}}); got a list with {sorted({type(i).__name__ for i in items})}")
+                              f"({{'role': ..., 'content': ...}}); got a {type(prompt).__name__} of "
+                              f"{sorted({type(i).__name__ for i in items})}")
         return [int(item) for item in items]
 
     def decode(self, token_ids: Sequence[int]) -> str:

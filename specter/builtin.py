@@ -50,8 +50,14 @@ def is_builtin(name: str) -> bool:
 def builtin_path(name: str) -> Path:
     """The directory of a built-in model, building it on first use."""
     path = cache_dir() / f"builtin-{name}-v{VERSION}"
-    if not (path / "config.json").exists():
-        write_builtin(name, path)
+    try:
+        if not (path / "config.json").exists():
+            write_builtin(name, path)
+    except OSError as error:  # SPECTER_CACHE is a file, read-only, full...
+        from specter.errors import ConfigError
+
+        raise ConfigError(f"cannot write the built-in model {name!r} under {cache_dir()} ({error.strerror or error}); "
+                          "set SPECTER_CACHE to a writable directory") from None
     return path
 
 

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from specter.errors import SpecterError
+from specter.errors import OutputError, SpecterError
 from specter.server.cli import add_serve_parser, cmd_serve
 
 DEFAULT_PROMPT_IDS = [1, 2, 3, 4]  # when neither --prompt nor --prompt-ids is given
 
 
 def _ids(text: str) -> list[int]:
+    parts = text.split(",")
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        return [int(part) for part in parts]  # an empty part (1,,2 or a trailing comma) is a typo, not a skip
     except ValueError:
         raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
@@ -137,12 +140,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.configure(json=args.log_json, level=args.log_level)
     try:
         return {"generate": cmd_generate, "info": cmd_info, "serve": cmd_serve}[args.command](args)
+    except BrokenPipeError:  # the reader left (`| head`): nothing more can be shown, and that is no error
+        _stdout_to_devnull()
+        return 141  # as a shell tool that SIGPIPE ended
     except SpecterError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of what is still buffered does not fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):  # no real stdout (a test's capture): nothing to flush
+        pass
+
+
+def _out(text: str) -> None:
+    """Write to stdout now; a write that fails (a full disk, /dev/full) is the user's output path, said so."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as error:
+        raise OutputError(f"cannot write the output to stdout: {error.strerror or error}; redirect it elsewhere") from None
 
 
 # ---- generate -----------------------------------------------------------------------------------------
@@ -198,9 +223,13 @@ def check_context(args: argparse.Namespace, config: Any) -> None:
 
 def check_generate_inputs(args: argparse.Namespace) -> None:
     """The text and the output paths the user typed (the model's limits are checked when its config is read)."""
+    from specter.errors import ConfigError
     from specter.paths import check_output_file
     from specter.tokenizer import check_text
 
+    if args.chat and args.prompt is None:
+        raise ConfigError("--chat sends --prompt through the chat template; give --prompt TEXT (token ids are "
+                          "sent as they are, so --prompt-ids takes no --chat)")
     if args.prompt is not None:
         check_text(args.prompt, "--prompt")
     for index, stop in enumerate(args.stop):
@@ -222,10 +251,10 @@ async def _generate(args: argparse.Namespace, config: Any, generation: Any) -> i
         result = stream.result
     assert result is not None, "the stream ended without a result"
     if args.json:
-        print(json.dumps({"tokens": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
-                          "stats": result.stats.as_dict()}))
+        _out(json.dumps({"tokens": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
+                         "stats": result.stats.as_dict()}) + "\n")
     else:
-        print(flush=True)
+        _out("\n")
     print(summary_line(result.stats.as_dict()), file=sys.stderr)
     return 0
 
@@ -239,10 +268,9 @@ def _prompt(args: argparse.Namespace) -> Any:
 def _show(piece: Any, text_mode: bool) -> None:
     """Stream to the terminal as tokens commit: text when there is a tokenizer, else token ids."""
     if text_mode:
-        sys.stdout.write(piece.text)
+        _out(piece.text)
     elif piece.token_ids:
-        sys.stdout.write(" ".join(map(str, piece.token_ids)) + " ")
-    sys.stdout.flush()
+        _out(" ".join(map(str, piece.token_ids)) + " ")
 
 
 def summary_line(stats: dict) -> str:
@@ -263,9 +291,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     if note := builtin_note(args.model):  # after the summary: a bad option is the only line its error prints
         print(note, file=sys.stderr)
     if args.json:
-        print(json.dumps(summary))
+        _out(json.dumps(summary) + "\n")
     else:
-        print(_format_info(summary))
+        _out(_format_info(summary) + "\n")
     return 0
 
 
@@ -366,8 +394,9 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
 
     layers, experts = len(spec.moe_layers), spec.num_experts
     slots = residents if residents is not None else spec.top_k
-    if not 1 <= slots <= experts:
-        raise ConfigError(f"--residents {slots}: expected 1..{experts} slots per MoE layer")
+    if not spec.top_k <= slots <= experts:  # as the engine's load refuses it (memory._slots)
+        raise ConfigError(f"--residents {slots}: expected {spec.top_k}..{experts} slots per MoE layer (at least one "
+                          f"token's active experts, its top-k {spec.top_k}; at most its {experts} experts)")
     if measure_dtype is not None:
         host_s, link, source, host_source, host_kernel, job_s = measured_costs(spec, config, measure_dtype)
     else:

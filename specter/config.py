@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,10 +63,16 @@ def parse_link(spec: str | float | None) -> float | None:
         gbps = float(spec)
     except ValueError:
         gbps = -1.0
-    if not gbps > 0:
+    if not MIN_LINK_GBPS <= gbps < math.inf:
         presets = ", ".join(f"{name} ({gbps:g} GB/s)" for name, gbps in LINK_PRESETS.items())
-        raise ConfigError(f"link {spec!r} is not a link preset or a positive GB/s figure; use one of {presets}, or e.g. 32")
+        raise ConfigError(f"link {spec!r} is not a link preset or a GB/s figure from {MIN_LINK_GBPS:g}; use one of "
+                          f"{presets}, or e.g. 32")
     return gbps
+
+
+MIN_LINK_GBPS = 1e-3
+"""The slowest link emulated, 1 MB/s: a megabyte expert then takes a second. Slower ones only hang a run (at 1e-9 a
+copy sleeps for years, past Ctrl-C) or overflow the link model's clock."""
 
 
 ByteCount = Annotated[int, BeforeValidator(parse_bytes)]
@@ -87,13 +94,18 @@ class _Frozen(BaseModel):
 
 
 def describe_validation_error(model: str, error: ValidationError) -> str:
-    """One line per invalid field: the field, the value given and what is allowed."""
-    lines = []
+    """Each invalid field with the value given and what is allowed, or a rule between fields in its own words: one
+    line for one problem (the CLI prints it after `error: `)."""
+    problems = []
     for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "(model)"
-        given = item.get("input")
-        lines.append(f"{model}.{field} = {given!r}: {item['msg']}")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
+        reason = item["msg"].removeprefix("Value error, ")
+        if item["loc"]:
+            problems.append(f"{model}.{'.'.join(str(part) for part in item['loc'])} = {item.get('input')!r:.200}: {reason}")
+        else:  # a rule across fields: its input is the whole model, which says nothing the rule does not
+            problems.append(f"{model}: {reason}")
+    if len(problems) == 1:
+        return f"invalid configuration: {problems[0]}"
+    return "invalid configuration:\n  " + "\n  ".join(problems)
 
 
 DEFAULT_K = 4
@@ -536,10 +548,10 @@ class GenerationConfig(_Frozen):
     """Per-request decoding settings (the names follow transformers' generate)."""
 
     max_new_tokens: int = Field(64, ge=1, description="How many tokens to generate at most.")
-    temperature: float = Field(0.0, ge=0.0, description="0 is greedy; otherwise logits are divided by it before sampling "
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="0 is greedy; otherwise logits are divided by it before sampling "
                                "(below 1e-5, specter.sampling.MIN_SAMPLING_TEMPERATURE: greedy's argmax, the limit).")
     top_k: int | None = Field(None, ge=1, description="Keep only the k most likely tokens when sampling.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set with this much probability.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling: keep the smallest set with this much probability.")
     seed: int = Field(0, ge=0, lt=2**63, description="Seed of the per-position sampling noise; same seed, same tokens "
                       "(below 2**63: the static step holds it in an int64).")
     stop_token_ids: tuple[int, ...] = Field((), description="Generation stops after emitting any of these ids.")

@@ -29,3 +29,7 @@ class PluginError(SpecterError):
 
 class RequestCancelled(SpecterError):
     """A generation request was cancelled before it finished."""
+
+
+class OutputError(SpecterError, OSError):
+    """An output the user named (stdout, a trace file) cannot be written: full disk, a closed device."""

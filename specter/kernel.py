@@ -255,17 +255,17 @@ class Kernel:
         self.stats.waits += 1
         if event.query():
             self.stats.already_done += 1
-            return
-        if self._deferred and poll_s <= 0 and self._idle(event):
+        elif self._deferred and poll_s <= 0 and self._idle(event):
             self.stats.idle_completed += 1
-            return
-        if self._spin(event, self.settings.spin_s if spin_s is None else spin_s):
+        elif self._spin(event, self.settings.spin_s if spin_s is None else spin_s):
             self.stats.spun += 1
-            return
-        if poll_s > 0 and await self._poll(event, poll_s):
+        elif poll_s > 0 and await self._poll(event, poll_s):
             self.stats.polled += 1
-            return
-        await self._park(event)
+        else:
+            await self._park(event)
+        failure = getattr(event, "failure", None)
+        if failure is not None:  # the stream ran past work that failed: what the event marks is not done
+            raise RuntimeError(f"work on the {event.stream} stream failed before this event: {failure!r}") from failure
 
     def defer(self, work: Iterator[Any]) -> None:
         """Queue host work that need not run now (bookkeeping that reads completed GPU events, say): an iterator

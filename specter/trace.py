@@ -34,15 +34,16 @@ first used them. Unknown keys are ignored, so version 1 may grow optional fields
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
-from specter.errors import SpecterError
+from specter.errors import OutputError, SpecterError
 
 TRACE_FORMAT = "specter-trace"
 TRACE_VERSION = 1
@@ -190,7 +191,8 @@ class TraceWriter:
     def __init__(self, path: str | Path, header: TraceHeader) -> None:
         self.path = Path(path)
         self.header = header
-        self._file: IO[str] = self.path.open("w", encoding="utf-8")
+        with self._writing():
+            self._file: IO[str] = self.path.open("w", encoding="utf-8")
         self._write_line(header.to_json())
 
     def write_round(self, trace_round: TraceRound) -> None:
@@ -198,10 +200,12 @@ class TraceWriter:
         self._write_line(trace_round.to_json())
 
     def flush(self) -> None:
-        self._file.flush()
+        with self._writing():
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        with self._writing():
+            self._file.close()
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -210,7 +214,16 @@ class TraceWriter:
         self.close()
 
     def _write_line(self, obj: dict[str, Any]) -> None:
-        self._file.write(json.dumps(obj, separators=(",", ":")) + "\n")
+        with self._writing():
+            self._file.write(json.dumps(obj, separators=(",", ":")) + "\n")
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as error:  # a full disk, a device that takes no writes: the user's path, said so
+            raise OutputError(f"cannot write the routing trace {self.path}: {error.strerror or error}; free space or "
+                              "choose another path") from None
 
 
 def read_trace(path: str | Path) -> tuple[TraceHeader, list[TraceRound]]:

@@ -78,8 +78,29 @@ def test_malformed_prompts(tiny, expected):
             await engine.complete([{"role": "user", "content": "hi"}])
         with pytest.raises(PromptError, match="needs a tokenizer"):
             await Engine(engine.runtime, tokenizer=None).complete("hello")
+        for bad in (None, 5, {1, 2, 3}, (token for token in PROMPT)):  # were TypeError, or taken as ids unordered
+            with pytest.raises(PromptError, match="a prompt is a str"):
+                await engine.complete(bad)
+        with pytest.raises(PromptError, match="wrap the one message"):
+            await engine.complete({"role": "user", "content": "hi"})
+        assert (await engine.complete(torch.tensor(PROMPT), max_new_tokens=6)).token_ids == expected  # a vector: ids
+        assert (await engine.complete(tuple(PROMPT), max_new_tokens=6)).token_ids == expected
 
     assert with_engine(tiny, OFFLOADED, check) == expected
+
+
+def test_the_engines_config_and_tokenizer_are_checked_before_the_weights_load(tiny, expected):
+    async def load(config=None, tokenizer=None):
+        async with Engine.from_pretrained(tiny, config, tokenizer=tokenizer) as engine:
+            return (await engine.complete(PROMPT, max_new_tokens=6)).token_ids
+
+    assert run(load({"device": "cpu", "residents": 2, "max_context": 64})) == expected  # a dict, as generate takes
+    with pytest.raises(ConfigError, match="residents"):
+        run(load({"device": "cpu", "residents": "two"}))
+    with pytest.raises(ConfigError, match="must be an EngineConfig"):
+        run(load(["cpu"]))
+    with pytest.raises(ConfigError, match="Tokenizer.from_dir"):
+        run(load(OFFLOADED, tokenizer=str(tiny)))
 
 
 @pytest.mark.parametrize("settings, field", [

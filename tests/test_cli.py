@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -385,3 +386,89 @@ def test_placement_overlap_reaches_the_engine_and_info(capsys):
     assert "overlap 0.5" in capsys.readouterr().out
     assert main(["generate", "--model", "tiny", "--prompt-ids", "1,2", "--placement-overlap", "1.5"]) == 2
     assert "placement_overlap" in capsys.readouterr().err
+
+
+# ---- outputs that fail, and inputs refused before loading --------------------------------------------------
+def _specter(*args: str, env: dict | None = None, **options) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "specter", *args], stderr=subprocess.PIPE, text=True,
+                            env=env, **options)
+
+
+def test_a_reader_that_leaves_early_ends_generate_quietly(tiny):
+    """`specter generate | head -c 5`: a broken pipe is no error (it was a BrokenPipeError traceback)."""
+    process = _specter("generate", "--model", str(tiny), "--max-new-tokens", "200", "--device", "cpu",
+                       stdout=subprocess.PIPE)
+    assert process.stdout is not None and process.stdout.read(5)
+    process.stdout.close()
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 141 and "Traceback" not in err and "error" not in err, err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("where", ["stdout", "trace"])
+def test_an_output_that_cannot_be_written_is_one_error_line(tiny, where):
+    """A full disk (here /dev/full) under stdout or the trace: exit 2 and one line naming it, not a traceback."""
+    args = ["generate", "--model", str(tiny), "--max-new-tokens", "4", "--device", "cpu", "--residents", "4"]
+    with open("/dev/full", "w") as full:
+        if where == "stdout":
+            process = _specter(*args, "--json", stdout=full)
+        else:
+            process = _specter(*args, "--trace", "/dev/full", stdout=subprocess.DEVNULL)
+        _, err = process.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert process.returncode == 2 and "Traceback" not in err, err
+    assert lines == [lines[0]] and "No space left on device" in lines[0]
+    assert ("stdout" if where == "stdout" else "routing trace /dev/full") in lines[0]
+
+
+def test_an_unusable_specter_cache_is_named(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result = subprocess.run([sys.executable, "-m", "specter", "generate", "--max-new-tokens", "2"], capture_output=True,
+                            text=True, env={"SPECTER_CACHE": str(blocker), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "SPECTER_CACHE" in result.stderr and str(blocker) in result.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--chat", "--prompt-ids", "1,2"], "--chat sends --prompt"),
+    (["--budget", "1GiB", "--residents", "4"], "give either budget or residents, not both"),
+    (["--temperature", "nan"], "finite"),
+    (["--top-p", "nan"], "finite"),
+    (["--residents", "2", "--link", "1e-9"], "from 0.001"),
+    (["--residents", "2", "--link", "inf"], "from 0.001"),
+])
+def test_inputs_refused_before_loading_with_a_short_message(capsys, monkeypatch, args, says):
+    import specter.api
+
+    monkeypatch.setattr(specter.api.Engine, "load", lambda *a, **k: pytest.fail("loaded before refusing"))
+    assert main(["generate", "--device", "cpu", *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    assert len(err) < 400, err  # one short message, not the whole configuration
+
+
+@pytest.mark.parametrize("ids", ["1,,2", "1,2,", ",1"])
+def test_prompt_ids_with_an_empty_item_are_refused(capsys, ids):
+    with pytest.raises(SystemExit) as refused:
+        main(["generate", "--prompt-ids", ids])
+    assert refused.value.code == 2 and "comma-separated integers" in capsys.readouterr().err
+
+
+def test_info_refuses_residents_below_top_k_as_generate_does(capsys):
+    assert main(["info", "tiny", "--residents", "1"]) == 2
+    assert "expected 2..16 slots per MoE layer" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_port_in_use_before_loading(monkeypatch, capsys):
+    import socket
+
+    import specter.server.cli
+
+    monkeypatch.setattr(specter.server.cli, "serve", lambda *a: pytest.fail("loaded before refusing"))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

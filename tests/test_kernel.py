@@ -45,6 +45,29 @@ def test_wait_resumes_after_the_event_and_not_before(backend, mechanism):
     kernel.close()
 
 
+@pytest.mark.parametrize("mechanism", ["waiter", "host_func"])
+def test_a_wait_past_work_that_failed_on_a_stream_raises_it(backend, mechanism):
+    """A failed copy on a CPU stream thread was only logged: its event completed and the reader computed with a slot
+    that was never filled. Every event completed after the failure, on any stream, carries it, and the wait raises."""
+    kernel = Kernel(backend, KernelSettings(mechanism=mechanism))
+
+    def fail() -> None:
+        raise OverflowError("timestamp out of range")
+
+    async def main() -> None:
+        assert (await kernel.wait(backend.record_event(backend.copy_stream))) is None  # before: nothing failed
+        backend.stream_sleep(backend.copy_stream, 0.02)  # parked, not already done
+        backend.copy_stream.enqueue(fail)
+        with pytest.raises(RuntimeError, match="timestamp out of range") as failed:
+            await kernel.wait(backend.record_event(backend.copy_stream))
+        assert isinstance(failed.value.__cause__, OverflowError)
+        with pytest.raises(RuntimeError):  # sticky, as CUDA's errors are: another stream's later event too
+            await kernel.wait(backend.record_event(backend.compute_stream))
+
+    run(main())
+    kernel.close()
+
+
 def test_completed_event_does_not_suspend_and_spin_catches_short_waits(backend):
     kernel = Kernel(backend, KernelSettings(spin_s=0.01))
 

@@ -94,7 +94,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specter.kernel import run
 
     config = engine_config(engine_args(args))  # validated before anything loads
+    check_address(args.host, args.port)
     return run(serve(args, config))
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuse an address that cannot be bound before the model loads (minutes for a large one), not after. Bound
+    with SO_REUSEADDR as uvicorn binds, so a port left in TIME_WAIT by a server just stopped is not refused."""
+    import socket
+
+    from specter.errors import ConfigError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as error:
+        raise ConfigError(f"cannot listen on {host}:{port} ({error.strerror or error}); check --host, stop what holds "
+                          "the port, or choose another --port (0: a free one)") from None
 
 
 async def serve(args: argparse.Namespace, config: Any) -> int:
