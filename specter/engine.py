@@ -26,7 +26,7 @@ from specter.build import CheckpointWeights, TargetSteps, WeightSource, build_ru
 from specter.config import EngineConfig, GenerationConfig, TuningConfig
 from specter.decode import check_prompt, greedy_decode
 from specter.draft import Draft, DraftExperts
-from specter.errors import ConfigError, RequestCancelled
+from specter.errors import CheckpointError, ConfigError, RequestCancelled
 from specter.experts.cache import ExpertCache
 from specter.kernel import Kernel, StageCounters, stage
 from specter.log import get_logger
@@ -287,8 +287,13 @@ class Runtime:
         self.kv.crop(len(prompt))
         logits = self.model.logits(hidden[-1:])
         token = sample(logits, torch.tensor([len(prompt)], device=logits.device), params)
-        first = int((await to_host(self.kernel, token))[0])
+        finite = torch.isfinite(logits).all().view(1).to(token.dtype)  # read with the token: no second sync
+        first, ok = (int(value) for value in await to_host(self.kernel, torch.cat([token, finite])))
         self._account(record, stats)  # after the host read: the device-side waits have completed
+        if not ok:  # an argmax over NaN is token 0 forever, which would pass for output
+            raise CheckpointError("the model's logits for the prompt are not finite (NaN or inf): its weights or "
+                                  "config.json (rope_theta, rms_norm_eps, a norm's weights) are broken; check the "
+                                  "checkpoint against its source")
         return first
 
     def _prompt_placement(self, rows: int) -> contextlib.AbstractAsyncContextManager:

@@ -340,3 +340,24 @@ def test_a_failed_build_leaves_no_thread_behind(tiny, monkeypatch):
     with pytest.raises(RuntimeError, match="capture failed"):
         run(Engine.from_pretrained(tiny, OFFLOADED).__aenter__())
     assert ours() == before
+
+
+def test_a_checkpoint_whose_logits_are_nan_is_refused_not_decoded_as_token_0(tiny, tmp_path):
+    """NaN weights made every logit NaN and greedy's argmax token 0, forever, with exit 0."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specter.errors import CheckpointError
+
+    broken = shutil.copytree(tiny, tmp_path / "nan")
+    tensors = load_file(broken / "model.safetensors")
+    tensors["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], float("nan"))
+    save_file(tensors, str(broken / "model.safetensors"))
+
+    async def main():
+        async with Engine.from_pretrained(broken, OFFLOADED) as engine:
+            with pytest.raises(CheckpointError, match="not finite"):
+                await engine.complete(PROMPT, max_new_tokens=6)
+
+    run(main())
