@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specter.errors import CheckpointError, ConfigError, PromptError
+from specter.errors import CheckpointError, ConfigError, PromptError, SpecterError
 
 TOKENIZER_FILE = "tokenizer.json"
 REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
@@ -25,23 +25,28 @@ class Tokenizer:
     """A fast tokenizer plus what the checkpoint directory says about it (special tokens, chat template)."""
 
     def __init__(self, backend: Any, *, chat_template: str | None = None, special_tokens: Mapping[str, str] | None = None,
-                 source: str = "<memory>") -> None:
+                 source: str = "<memory>", template_source: str | None = None) -> None:
         self.backend = backend
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})  # e.g. {"bos_token": "<s>", "eos_token": "</s>"}
         self.source = source
+        self.template_source = template_source or f"the chat template of the tokenizer at {source}"  # for its errors
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer | None:
         """The tokenizer of a checkpoint directory, or None when it has no tokenizer.json."""
         path = Path(path)
-        if not (path / TOKENIZER_FILE).is_file():
-            return None
-        settings = _read_json(path / "tokenizer_config.json")
-        template = _chat_template(path, settings)
+        try:
+            if not (path / TOKENIZER_FILE).is_file():
+                return None
+            settings = _read_json(path / "tokenizer_config.json")
+            template, template_source = _chat_template(path, settings)
+            backend = _load_backend(path / TOKENIZER_FILE)
+        except OSError as error:  # most often permissions: the directory or a file not readable by this user
+            raise _unreadable(Path(error.filename or path), error) from None
         special = {key: _token_text(settings.get(key)) for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
-        return cls(_load_backend(path / TOKENIZER_FILE), chat_template=template,
-                   special_tokens={key: text for key, text in special.items() if text}, source=str(path))
+        return cls(backend, chat_template=template, special_tokens={key: text for key, text in special.items() if text},
+                   source=str(path), template_source=template_source)
 
     @property
     def vocab_size(self) -> int:
@@ -68,8 +73,21 @@ class Tokenizer:
             for key, value in message.items():
                 if isinstance(value, str):
                     check_text(value, f"chat message {index}'s {key!r}")
-        template = _jinja_environment().from_string(self.chat_template)
-        return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        environment = _jinja_environment()
+        from jinja2 import TemplateSyntaxError
+
+        try:
+            template = environment.from_string(self.chat_template)
+        except TemplateSyntaxError as error:
+            raise PromptError(f"{self.template_source} is not a valid jinja template (line {error.lineno}: {error.message}); "
+                              "fix the template, or pass the prompt as text or token ids instead of messages") from None
+        try:
+            return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except SpecterError:
+            raise  # the template's own raise_exception: its message already says why
+        except Exception as error:  # the template is code from the checkpoint; whatever it trips on is its failure
+            raise PromptError(f"{self.template_source} failed on these messages ({type(error).__name__}: {error}); "
+                              "fix the template or the messages, or pass the prompt as text or token ids") from None
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The template writes the special tokens itself (BOS included), so the tokenizer must not add them again.
@@ -170,6 +188,8 @@ def _first_stop(text: str, stop_strings: Sequence[str], start: int) -> int | Non
 
 def _load_backend(file: Path) -> Any:
     tokenizers = _require_tokenizers()
+    with file.open("rb"):  # an unreadable file is an OSError here, not the library's vaguer message
+        pass
     try:
         return tokenizers.Tokenizer.from_file(str(file))
     except Exception as exc:  # the library raises a bare Exception for malformed files
@@ -189,20 +209,31 @@ def _read_json(file: Path) -> dict[str, Any]:
     if not file.is_file():
         return {}
     try:
-        return json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        settings = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{file}: not valid JSON ({exc}); fix or remove the file") from exc
+    if not isinstance(settings, dict):
+        raise CheckpointError(f"{file}: expected a JSON object at the top level, got {type(settings).__name__}; fix or remove the file")
+    return settings
 
 
-def _chat_template(path: Path, settings: Mapping[str, Any]) -> str | None:
-    """`chat_template.jinja` when present, else tokenizer_config.json's `chat_template` (a string, or named list)."""
+def _unreadable(path: Path, error: OSError) -> CheckpointError:
+    if isinstance(error, PermissionError):
+        return CheckpointError(f"{path}: permission denied; make the checkpoint readable by this user "
+                               f"(e.g. chmod -R a+rX {path.parent}) or run as a user who can read it")
+    return CheckpointError(f"{path}: cannot be read ({error.strerror or error})")
+
+
+def _chat_template(path: Path, settings: Mapping[str, Any]) -> tuple[str | None, str]:
+    """`chat_template.jinja` when present, else tokenizer_config.json's `chat_template` (a string, or named list);
+    with where it came from, for its errors."""
     if (path / "chat_template.jinja").is_file():
-        return (path / "chat_template.jinja").read_text()
+        return (path / "chat_template.jinja").read_text(), str(path / "chat_template.jinja")
     template = settings.get("chat_template")
     if isinstance(template, list):
         named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
         template = named.get("default") or next(iter(named.values()), None)
-    return template if isinstance(template, str) else None
+    return (template if isinstance(template, str) else None), f"{path / 'tokenizer_config.json'}'s chat_template"
 
 
 def _token_text(value: Any) -> str | None:

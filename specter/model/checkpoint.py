@@ -30,6 +30,7 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: not a directory; pass the checkpoint directory holding config.json and *.safetensors")
         self.config = self._read_config()
         self.spec: ModelSpec = spec_from_config(self.config, str(self.path / "config.json"))
+        self.weight_map: dict[str, str] = {}  # tensor name -> file name, from model.safetensors.index.json when there is one
         self.files = self._find_files()
         self.index = self._index_tensors()
         self._handles: dict[Path, Any] = {}
@@ -46,10 +47,12 @@ class Checkpoint:
 
     def _read_config(self) -> dict[str, Any]:
         config_path = self.path / "config.json"
-        if not config_path.is_file():
-            raise CheckpointError(f"{config_path}: missing; a Hugging Face checkpoint directory needs config.json")
         try:
             config = json.loads(config_path.read_text())
+        except (FileNotFoundError, IsADirectoryError):
+            raise CheckpointError(f"{config_path}: missing; a Hugging Face checkpoint directory needs config.json") from None
+        except OSError as error:
+            raise _unreadable(config_path, error) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise CheckpointError(f"{config_path}: not valid JSON ({error})") from None
         if not isinstance(config, dict):
@@ -72,10 +75,16 @@ class Checkpoint:
         return files
 
     def _files_from_index(self, index_path: Path) -> list[Path]:
+        malformed = f"{index_path}: malformed shard index, expected an object with 'weight_map' (tensor name -> file name)"
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise CheckpointError(f"{index_path}: malformed shard index, expected an object with 'weight_map' ({error!r})") from None
+        except OSError as error:
+            raise _unreadable(index_path, error) from None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{malformed} ({error!r})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+            raise CheckpointError(f"{malformed}, got 'weight_map' = {_abbreviate(weight_map)}")
+        self.weight_map = weight_map
         files = sorted({self.path / name for name in weight_map.values()})
         for file in files:
             if not file.is_file():
@@ -86,10 +95,25 @@ class Checkpoint:
         index: dict[str, Path] = {}
         for file in self.files:
             for name in self._open(file, check=True).keys():
-                index[name] = file
+                index[name] = self._holder(name, index[name], file) if name in index else file
         return index
 
+    def _holder(self, name: str, first: Path, second: Path) -> Path:
+        """The file to read a tensor that two files hold: the one the shard index names; without that, an error
+        (a stale copy left beside the weights must not win by its file name's sort order)."""
+        listed = self.weight_map.get(name)
+        if listed is not None and self.path / listed in (first, second):
+            return self.path / listed
+        where = ("model.safetensors.index.json names neither; fix its weight_map" if self.weight_map
+                 else "remove the stale file, or add a model.safetensors.index.json whose weight_map says which file holds each tensor")
+        raise CheckpointError(f"{self.path}: tensor '{name}' is in both {first.name} and {second.name}; {where}")
+
     def _open(self, file: Path, check: bool = False) -> Any:
+        try:
+            with file.open("rb"):  # safetensors reports a file it may not read as missing
+                pass
+        except OSError as error:
+            raise _unreadable(file, error) from None
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
         except (SafetensorError, OSError, ValueError) as error:
@@ -128,6 +152,19 @@ class Checkpoint:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def _unreadable(path: Path, error: OSError) -> CheckpointError:
+    """The error for a checkpoint file that exists but cannot be opened, saying why (most often its permissions)."""
+    if isinstance(error, PermissionError):
+        return CheckpointError(f"{path}: permission denied; make the checkpoint readable by this user "
+                               f"(e.g. chmod -R a+rX {path.parent}) or run as a user who can read it")
+    return CheckpointError(f"{path}: cannot be read ({error.strerror or error})")
+
+
+def _abbreviate(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _check_file_size(file: Path, handle: Any) -> None:

@@ -64,7 +64,7 @@ def _longrope(fields: _Fields, scaling: dict[str, Any] | None, head_dim: int, ma
     if kind != "longrope":
         raise CheckpointError(f"{fields.source}: rope scaling type {kind!r} is not supported for phimoe; supported: default, longrope")
     rope = _Fields(scaling, f"{fields.source} (rope_scaling)")
-    factors = {name: tuple(float(f) for f in rope.need(name, list)) for name in ("short_factor", "long_factor")}
+    factors = {name: tuple(rope.typed(name, f, float) for f in rope.need(name, list)) for name in ("short_factor", "long_factor")}
     for name, values in factors.items():
         if len(values) != head_dim // 2:
             raise CheckpointError(f"{fields.source}: rope {name} has {len(values)} entries, expected head_dim / 2 = {head_dim // 2}")

@@ -7,6 +7,7 @@ ModelSpec and names its tensors as they are on disk; the rest of the engine sees
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -70,8 +71,20 @@ class ModelSpec:
         return f"{self.layer_prefix(layer)}.{self.expert_prefix}.experts.{expert}.{self.expert_names[which]}.weight"
 
 
+_POSITIVE = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+    "max_position_embeddings", "original_max_position_embeddings", "sliding_window", "rms_norm_eps", "rope_theta", "factor",
+    "short_factor", "long_factor", "clip_qkv", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+    "v_head_dim", "n_group", "topk_group",
+})
+"""Sizes, counts, epsilons and rope bases: a zero or negative one gives a model that loads, runs and emits garbage
+(token 0 forever for a negative rope_theta), so it is refused when config.json is read."""
+_NON_NEGATIVE = frozenset({"shared_expert_intermediate_size", "n_shared_experts", "router_jitter_noise"})
+
+
 class _Fields:
-    """Reads config.json fields, naming the file and field when one is missing or malformed."""
+    """Reads config.json fields, naming the file and field when one is missing, malformed or out of range."""
 
     def __init__(self, config: dict[str, Any], source: str) -> None:
         self.config = config
@@ -79,7 +92,9 @@ class _Fields:
 
     def need(self, name: str, kind: type = int) -> Any:
         if name not in self.config or self.config[name] is None:
-            raise CheckpointError(f"{self.source}: config field '{name}' is missing; it is required for model_type '{self.config.get('model_type')}'")
+            model_type = self.config.get("model_type")
+            required = f"it is required for model_type '{model_type}'" if model_type else "it is required"
+            raise CheckpointError(f"{self.source}: config field '{name}' is missing; {required}")
         return self.typed(name, self.config[name], kind)
 
     def need_any(self, names: tuple[str, ...], kind: type = int) -> Any:
@@ -95,27 +110,48 @@ class _Fields:
 
     def typed(self, name: str, value: Any, kind: type) -> Any:
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            checked = float(value)
+        elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise CheckpointError(f"{self.source}: config field '{name}' = {value!r} should be of type {kind.__name__}")
-        return value
+        else:
+            checked = value
+        if kind in (int, float):
+            self.check_range(name, value, checked)
+        return checked
+
+    def check_range(self, name: str, value: Any, number: float) -> None:
+        # JSON as Python reads it admits NaN and Infinity, which no field can mean
+        if name in _POSITIVE and not 0 < number < math.inf:
+            rule = "must be positive"
+        elif name in _NON_NEGATIVE and not 0 <= number < math.inf:
+            rule = "must be zero or positive"
+        elif not math.isfinite(number):
+            rule = "must be a finite number"
+        else:
+            return
+        raise CheckpointError(f"{self.source}: config field '{name}' = {value!r} {rule}; "
+                              "set it to the model's value (as in its published config.json)")
 
     def rope(self) -> tuple[float, dict[str, Any] | None]:
         """rope_theta and scaling, from transformers v4 (`rope_theta`, `rope_scaling`) or v5 (`rope_parameters`)."""
-        params = self.config.get("rope_parameters") or {}
-        theta = params.get("rope_theta", self.config.get("rope_theta", 10000.0))
-        scaling = self.config.get("rope_scaling") or None
+        params = self.get("rope_parameters", None, dict) or {}
+        theta = params.get("rope_theta", self.config.get("rope_theta"))
+        theta = 10000.0 if theta is None else self.typed("rope_theta", theta, float)
+        scaling = self.get("rope_scaling", None, dict) or None
         if params.get("rope_type", "default") != "default":
             scaling = dict(params)
         if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
-        return float(theta), scaling
+        return theta, scaling
 
     def eos(self) -> tuple[int, ...]:
         eos = self.config.get("eos_token_id")
         if eos is None:
             return ()
-        return tuple(eos) if isinstance(eos, list) else (int(eos),)
+        ids = eos if isinstance(eos, list) else [eos]
+        if not all(isinstance(token, int) and not isinstance(token, bool) for token in ids):
+            raise CheckpointError(f"{self.source}: config field 'eos_token_id' = {eos!r} should be of type int, or a list of ints")
+        return tuple(ids)
 
 
 def _common(fields: _Fields) -> dict[str, Any]:
@@ -224,9 +260,11 @@ def _check(spec: ModelSpec, source: str) -> None:
         raise CheckpointError(f"{source}: num_attention_heads {spec.num_heads} is not a multiple of num_key_value_heads {spec.num_kv_heads}")
     if not 1 <= spec.top_k <= spec.num_experts:
         raise CheckpointError(f"{source}: num_experts_per_tok {spec.top_k} must be between 1 and the number of experts {spec.num_experts}")
-    if spec.head_dim % 2:
-        raise CheckpointError(f"{source}: head_dim {spec.head_dim} must be even for rotary embeddings")
+    if spec.head_dim <= 0 or spec.head_dim % 2:
+        raise CheckpointError(f"{source}: head_dim {spec.head_dim} (head_dim, else hidden_size // num_attention_heads) "
+                              "must be positive and even for rotary embeddings")
     if spec.rope_scaling is not None:
         kind = spec.rope_scaling.get("rope_type", spec.rope_scaling.get("type"))
         if kind not in ("linear",):
             raise CheckpointError(f"{source}: rope scaling type {kind!r} is not supported for {spec.family}; supported: default, linear")
+        _Fields(spec.rope_scaling, f"{source} (rope_scaling)").need("factor", float)
