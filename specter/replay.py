@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from specter.config import CacheTuning
-from specter.errors import SpecterError
+from specter.errors import PluginError, SpecterError
 from specter.log import get_logger
 from specter.placement import (
     OVERLAP,
@@ -535,7 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The CLI: replay a trace through every installed (allowed) eviction x prefetch pair."""
     parser = argparse.ArgumentParser(prog="python -m specter.replay", description=__doc__.splitlines()[0])
     parser.add_argument("trace", help="a specter-trace JSON-lines file")
-    parser.add_argument("--link", type=float, default=DEFAULT_LINK_GBPS, metavar="GBPS", help="H2D GB/s (1e9 bytes/s)")
+    parser.add_argument("--link", type=_above_zero, default=DEFAULT_LINK_GBPS, metavar="GBPS", help="H2D GB/s (1e9 bytes/s)")
     parser.add_argument("--slots", type=int, default=None,
                         help="cache slots in every layer (default: each layer's in the run that recorded the trace)")
     parser.add_argument("--eviction", default=None, help="comma-separated eviction plug-ins (default: all installed)")
@@ -548,9 +548,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     placing.add_argument("--placement", default=None, metavar="off,all,auto",
                          help="comma-separated placement plug-ins to compare, each placed as at load and replayed through "
                               "one eviction x prefetch pair (--eviction, --prefetch; default the engine's)")
-    placing.add_argument("--host-ms", type=float, default=None, metavar="MS",
+    placing.add_argument("--host-ms", type=_above_zero, default=None, metavar="MS",
                          help="host milliseconds per expert block of --row-bucket rows (`specter info` measures it)")
-    placing.add_argument("--host-job-ms", type=float, default=None, metavar="MS",
+    placing.add_argument("--host-job-ms", type=_zero_or_more, default=None, metavar="MS",
                          help="host milliseconds each layer's host job costs beyond its experts' blocks, once per round "
                               "that uses any (`specter info` measures it; default none)")
     placing.add_argument("--row-bucket", type=int, default=16, metavar="B", help="rows per host block (EngineConfig.row_bucket)")
@@ -561,13 +561,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     placing.add_argument("--profile", default=None, metavar="TRACE",
                          help="the routing profile the placements weigh, a trace (default: the replayed trace's own use counts and rounds)")
     args = parser.parse_args(argv)
-    if args.link <= 0 or (args.slots is not None and args.slots < 1):
-        parser.error("--link must be > 0 and --slots >= 1")
+    if args.slots is not None and args.slots < 1:
+        parser.error(f"--slots {args.slots}: expected 1 or more cache slots per layer")
     if args.placement is not None:
         return _compare_placements(args, parser)
     try:
+        evictions, prefetches = _named_plugins("eviction", args.eviction), _named_plugins("prefetch", args.prefetch)
         header, rounds = read_trace(args.trace)
-        evictions, prefetches = _names(args.eviction), _names(args.prefetch)
         results, skipped = replay_all(
             header, rounds, args.link, slots_per_layer=args.slots, evictions=evictions, prefetches=prefetches,
             roll=args.roll,
@@ -583,11 +583,13 @@ def _compare_placements(args: argparse.Namespace, parser: argparse.ArgumentParse
     """`--placement`: one row per placement."""
     from specter.config import EngineConfig
 
-    if ((args.host_ms is not None and args.host_ms <= 0) or (args.host_job_ms is not None and args.host_job_ms < 0)
-            or args.row_bucket < 1 or not 0 <= args.overlap <= 1):
-        parser.error("--host-ms must be > 0, --host-job-ms >= 0, --row-bucket >= 1 and 0 <= --overlap <= 1")
+    if args.row_bucket < 1 or not 0 <= args.overlap <= 1:
+        parser.error("--row-bucket must be >= 1 and 0 <= --overlap <= 1")
     engine = EngineConfig()
     try:
+        # Only the first eviction and prefetch are used here, but every name given is checked.
+        for group, csv in (("eviction", args.eviction), ("prefetch", args.prefetch), ("placement", args.placement)):
+            _named_plugins(group, csv)
         header, rounds = read_trace(args.trace)
         profile = sequence = None
         if args.profile is not None:
@@ -618,6 +620,41 @@ def _compare_placements(args: argparse.Namespace, parser: argparse.ArgumentParse
         print(f"link+host: replayed (per round: unhidden prefetch + per layer both paths at overlap {args.overlap}); "
               "model: the cost model's expected time per committed token the placements were chosen by", file=sys.stderr)
     return 0
+
+
+def _above_zero(text: str) -> float:
+    """A finite number above 0 (argparse type): NaN passes a `<= 0` check and infinity replays as nothing moved."""
+    value = _float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number above 0")
+    return value
+
+
+def _zero_or_more(text: str) -> float:
+    """A finite number of 0 or more (argparse type)."""
+    value = _float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number of 0 or more")
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from None
+
+
+def _named_plugins(group: str, csv: str | None) -> list[str] | None:
+    """The plug-ins of `group` named on the command line (None: none named), each loaded once here: a name that does
+    not load is the user's mistake, refused before the replay (PluginError: it lists the installed names). Only the
+    installed ones a default run tries are skipped with a note (`_loadable`)."""
+    names = _names(csv)
+    if csv is not None and not names:
+        raise PluginError(f"--{group} {csv!r}: expected a comma-separated list of {group} plug-in names")
+    for name in names or ():
+        load_policy(group, name)
+    return names
 
 
 def _roll(text: str) -> int | str:

@@ -376,5 +376,5 @@ def test_cli_reports_a_bad_trace_and_unknown_plugins(tmp_path, capsys, reference
     with pytest.raises(SystemExit):
         main([str(good), "--roll", "wide"])
     assert "expected a window size" in capsys.readouterr().err
-    assert main([str(good), "--eviction", "nope"]) == 1
+    assert main([str(good), "--eviction", "nope"]) == 2  # named, so refused before any replay
     assert "installed: lru, plan-protect" in capsys.readouterr().err

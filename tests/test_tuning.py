@@ -129,7 +129,7 @@ def test_nested_overrides_set_the_kernels_tiles():
     ("kernels.row_kernels.block_k=1", "kernels.row_kernels is a field, not a section"),
     ("kernels.row.block_k", "expected SECTION.FIELD=VALUE"),
     ("nothing.block_k=1", "the tuning has no 'nothing'; expected SECTION.FIELD=VALUE with one of cache.FIELD,"),
-    ("kernels.row.block_k=1000", "TuningConfig.kernels.row.block_k = 1000: Value error, 1000 is not a power of two"),
+    ("kernels.row.block_k=1000", "TuningConfig.kernels.row.block_k = 1000: 1000 is not a power of two"),
     ("kernels.moe.split_k_down=0", "TuningConfig.kernels.moe.split_k_down = 0: Input should be greater than or equal to 1"),
     ("kernels.row.int8_finish=maybe", "TuningConfig.kernels.row.int8_finish = 'maybe'"),
 ])
@@ -265,12 +265,15 @@ ALLOWED_CONSTANTS = {
     "specter/builtin.py": {"VERSION"},  # the built-in checkpoints' version
     "specter/experts/host.py": {"HOST_PATH_VERSION"},  # the host path's version in the stored cost figures' key
     "specter/calibrate.py": {"DEFAULT_PROMPTS", "DEFAULT_PROMPT_LEN", "DEFAULT_NEW_TOKENS"},  # calibrate_draft's defaults
-    "specter/config.py": {"DEFAULT_OVERLAP", "DEFAULT_K"},  # DraftConfig.overlap=None's depth on CUDA; k's default
+    "specter/config.py": {"DEFAULT_OVERLAP", "DEFAULT_K", "MIN_LINK_GBPS"},  # DraftConfig.overlap=None's depth on CUDA;
+    # k's default; the slowest link emulated, a bound on input (slower ones hang or overflow the link clock)
     "specter/memory.py": {"ALLOCATOR_SLACK_BYTES", "CUDA_LIBRARY_BYTES", "DEFAULT_CONTEXT"},  # measured reserves; max_context's default
     "specter/bench/realism.py": {"BALANCED_ENTROPY", "NEW_TOKENS", "TEMPERATURE", "REUSE_WINDOW", "PROMPTS_PER_KIND"},  # the report's definition
     "specter/bench/stopping.py": {"STOP_GRACE_S"},  # how long a stopped bench may take to end before its watchdog ends it
     "specter/bench/widen.py": {"SHARD_BYTES"},  # the written checkpoint's shard size
     "specter/server/app.py": {"DEFAULT_COMPLETION_TOKENS"},  # OpenAI's default max_tokens
+    "specter/server/cli.py": {"DRAIN_GRACE_S"},  # uvicorn's backstop after --drain-timeout, which ends requests itself
+    "specter/tokenizer.py": {"GIL_FREE_CHARS"},  # which tokenizer call encodes a text: the same ids either way
     "specter/server/asgi.py": {"CLIENT_GONE"},  # the status counted for a hang-up
     "specter/server/protocol.py": {"MAX_STOP_STRINGS", "SEED_LIMIT"},  # request limits of the API
     "specter/replay.py": {"DEFAULT_LINK_GBPS"},  # the replay CLI's default link
@@ -280,7 +283,8 @@ ALLOWED_CONSTANTS = {
     # work that also bounds what the placement is decided from (its docstring says so), not a tuned knob
     "specter/experts/costs.py": {"REPEATS", "LINK_PROBE_BYTES"},  # the load-time calibration's definition (median of
     # 3, a probe of at most 64 MiB), not a tuned knob
-    "specter/sampling.py": {"_MASK32"},  # a bit mask of the noise hash
+    "specter/sampling.py": {"_MASK32", "MIN_SAMPLING_TEMPERATURE"},  # a bit mask of the noise hash; where dividing
+    # float32 logits by the temperature would overflow, so its limit (greedy) is taken
     "specter/build.py": {"LARGE_CHECKPOINT_BYTES"},  # when loading shows progress on a terminal
     "specter/observers.py": {"MAX_DEFERRED_ROUNDS"},  # bounds the deferred copy-busy backlog (memory), never A/B'd
     "specter/kernel.py": {"_JOIN_TIMEOUT_S"},  # how long close() waits for a waiter thread

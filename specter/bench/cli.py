@@ -20,7 +20,7 @@ from specter.bench.stopping import BenchStopped, Stopper, exit_status
 from specter.bench.synthetic import SHAPES, family_available, shape_config, shape_label, synthetic_source
 from specter.bench.systems import DEFAULT_SYSTEMS, SCHEDULE_SOURCE, SYSTEMS, Setting
 from specter.build import resolve_dtype
-from specter.config import EngineConfig, TuningConfig, parse_bytes
+from specter.config import DraftConfig, EngineConfig, TuningConfig, parse_bytes, parse_link
 from specter.errors import ConfigError, SpecterError
 from specter.experts.costs import routing_profile
 from specter.model.spec import spec_from_config
@@ -84,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=int, default=1, help="prompts per kind (kinds: uniform/zipf/motif, or code/prose/docs)")
     parser.add_argument("--repeats", type=int, default=None, help=f"requests per prompt (default 1; quick: {QUICK_REPEATS})")
     parser.add_argument("--k", type=int, default=4, help="draft depth of specter-fixed and exact-prefetch")
-    parser.add_argument("--k-max", type=int, default=15, help="largest depth the roofline governor may pick (15: 16 "
-                        "verify rows, one pass of the 16-row static verify)")
+    parser.add_argument("--k-max", type=int, default=None, help="largest depth the roofline governor may pick, at least "
+                        f"--k (default {DraftConfig().k_max}, or --k when deeper: {DraftConfig().k_max} gives 16 verify rows, "
+                        "one pass of the 16-row static verify)")
     parser.add_argument("--row-bucket", type=int, default=16, help="every system's exact row block, also the static "
                         "verify's rows per pass (16; 32 lets a k-max of 31 verify in one pass)")
     parser.add_argument("--quant", default=None, choices=["int4", "int8", "int3", "int2"],
@@ -158,6 +159,55 @@ def _size_list(text: str) -> list[int]:
 
 def _name_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The counts, depths, links and lists of the command line, before any model opens: a bad one would otherwise
+    fail (or be replaced by a default) only after the resident cells had run."""
+    for option, count in (("--max-new-tokens", args.max_new_tokens), ("--warmup-tokens", args.warmup_tokens),
+                          ("--prompts", args.prompts), ("--repeats", args.repeats)):
+        if count is not None and count < 1:
+            raise ConfigError(f"{option} {count}: expected 1 or more")
+    for option, values in (("--systems", args.systems), ("--link", args.link), ("--residents", args.residents),
+                           ("--budget", args.budget)):
+        if values is not None and not values:  # `--link ,`: the defaults would run in its place
+            raise ConfigError(f"{option}: expected a comma-separated list of one or more values, got none")
+    # DraftConfig's own bounds, checked here: the engine would refuse them only when the offloaded part builds.
+    for option, depth in (("--k", args.k), ("--k-max", args.k_max)):
+        low, high = _draft_bounds("k" if option == "--k" else "k_max")
+        if depth is not None and not low <= depth <= high:
+            raise ConfigError(f"{option} {depth}: expected a draft depth of {low}..{high}")
+    if args.k_max is not None and args.k > args.k_max:
+        raise ConfigError(f"--k {args.k} is above --k-max {args.k_max}; lower --k to {args.k_max} or less, or raise "
+                          f"--k-max to {args.k} (left out, --k-max follows a deeper --k)")
+    for count in args.residents or ():
+        if count < 1:
+            raise ConfigError(f"--residents {count}: expected 1 or more expert slots per MoE layer")
+    for link in args.link or ():
+        if link != "native":  # the bench's name for the real link (BenchRuntime.set_link); the rest as it parses them
+            try:
+                parse_link(link)
+            except ConfigError as error:
+                raise ConfigError(f"--link: {error}; or native (the real link, no emulation)") from None
+
+
+def _draft_bounds(field: str) -> tuple[int, int]:
+    """DraftConfig's ge/le bounds of `field`."""
+    metadata = DraftConfig.model_fields[field].metadata
+    return (next(item.ge for item in metadata if hasattr(item, "ge")),
+            next(item.le for item in metadata if hasattr(item, "le")))
+
+
+def check_residents(residents: Sequence[int] | None, targets: Sequence[ModelTarget]) -> None:
+    """--residents at most each model's experts per layer, before any cell: above it the cells would run with every
+    expert resident under the label of the count given. Below the top-k is allowed: the bench's cache then works as a
+    rolling window (BenchRuntime.use_slots), as the paper's Phi-3.5-MoE setting of 1 slot needs."""
+    for target in targets:
+        experts = target.spec.num_experts
+        for count in residents or ():
+            if count > experts:
+                raise ConfigError(f"--residents {count}: {target.label} has {experts} experts per MoE layer; give 1.."
+                                  f"{experts} slots per layer ({experts}: every expert resident)")
 
 
 def targets_from_args(args: argparse.Namespace) -> tuple[list[ModelTarget], list[str]]:
@@ -263,7 +313,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
     # The quick matrix's own choices (systems, draft format, repeats, links) hold only while the user shapes
     # no matrix of their own: `--systems X` gets the plain defaults, as every run but the bare command does.
     quick_matrix = quick and args.systems is None
-    systems = args.systems or list(QUICK_SYSTEMS if quick_matrix else DEFAULT_SYSTEMS)
+    systems = args.systems if args.systems is not None else list(QUICK_SYSTEMS if quick_matrix else DEFAULT_SYSTEMS)
     unknown = [name for name in systems if name not in SYSTEMS]
     if unknown:
         raise ConfigError(f"unknown system(s) {unknown}; systems: {', '.join(SYSTEMS)}")
@@ -284,17 +334,19 @@ def options_from_args(args: argparse.Namespace) -> Options:
     # Through EngineConfig.threads, so that each runtime's build sets it (a torch.set_num_threads here would be reset
     # there to the engine's default); on the CPU the bench's own default is 1 (the help says why).
     threads = args.threads or (None if on_cuda else 1)
-    links = args.link or (["native"] if on_cuda else list(QUICK_LINKS if quick_matrix else PLAIN_CPU_LINKS))
-    max_new = args.max_new_tokens or (32 if quick else 128)
+    links = (args.link if args.link is not None
+             else ["native"] if on_cuda else list(QUICK_LINKS if quick_matrix else PLAIN_CPU_LINKS))
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else (32 if quick else 128)
     tuning = TuningConfig().with_overrides([*args.tune, *(["transfer.issue_marks=true"] if args.copy_gaps else [])])
-    repeats = args.repeats or (QUICK_REPEATS if quick_matrix else 1)
+    repeats = args.repeats if args.repeats is not None else (QUICK_REPEATS if quick_matrix else 1)
     quant = args.quant or (QUICK_QUANT if quick_matrix else "int4")
     if args.desktop_threads < 1:
         raise ConfigError(f"--desktop-threads {args.desktop_threads}: expected 1 or more host threads")
     if args.placement_overlap is not None and not 0.0 <= args.placement_overlap <= 1.0:
         raise ConfigError(f"--placement-overlap {args.placement_overlap}: expected 0 <= overlap <= 1")
+    k_max = args.k_max if args.k_max is not None else max(DraftConfig().k_max, args.k)
     return Options(systems=systems, links=links, max_new_tokens=max_new, warmup_tokens=min(args.warmup_tokens, max_new),
-                   repeats=repeats, k=args.k, k_max=max(args.k_max, args.k), row_bucket=args.row_bucket,
+                   repeats=repeats, k=args.k, k_max=k_max, row_bucket=args.row_bucket,
                    device=args.device, dtype=args.dtype,
                    progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=quant,
                    tuning=tuning, sampling=modes, desktop_threads=args.desktop_threads, threads=threads,
@@ -320,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     check_output_folder(args.out, "--out")  # before minutes of measurement, not after
     check_time_budget(args.time_budget)
+    check_args(args)
     if args.merge:
         payload = report.merge(args.merge)
         write_outputs(args.out, payload, plots=not args.no_plots)
@@ -331,6 +384,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 0
     started = time.monotonic()
     targets, notes = targets_from_args(args)
+    check_residents(args.residents, targets)
     check_placement_profile(args.placement_profile, targets)
     options = options_from_args(args)
     results = Results(args.out, argv, args, targets, options, notes, started)

@@ -1,0 +1,104 @@
+"""Bad input to `python -m specter.bench` is a one-line error (exit 2) before anything loads or runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from specter.bench import cli
+
+BASE = ["--no-progress", "--no-plots", "--no-hf", "--device", "cpu"]
+
+
+@pytest.fixture
+def no_cells(monkeypatch):
+    """A refused run never reaches the matrix; one that does fails here at once instead of running cells."""
+    def run_matrix(*args, **kwargs):
+        raise AssertionError("the matrix ran: the input was not refused before the work")
+
+    monkeypatch.setattr(cli, "run_matrix", run_matrix)
+
+
+def refused(argv, tmp_path, capsys) -> str:
+    """Run the bench on `argv`; assert exit 2, one `error:` line on stderr and no output folder; the line."""
+    out = tmp_path / "out"
+    code = cli.main([*BASE, *argv, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (code, err)
+    assert not out.exists()
+    return err
+
+
+@pytest.mark.parametrize("link", ["gen9", "0", "-1", "nan", "native2", ","])
+def test_a_link_that_is_no_preset_nor_positive_gbps_is_refused(link, tmp_path, capsys, no_cells):
+    err = refused([f"--link={link}"], tmp_path, capsys)
+    assert err.startswith("error: --link"), err
+    if link != ",":
+        assert "is not a link preset" in err and "native" in err, err
+
+
+def test_presets_native_and_gbps_figures_pass_the_link_check():
+    args = cli.build_parser().parse_args(["--link", "gen4,GEN3,ddr4-desktop,native,0.25,32"])
+    cli.check_args(args)
+
+
+@pytest.mark.parametrize("residents", ["0", "-2", "4,0", ","])
+def test_residents_below_one_are_refused_before_any_model_loads(residents, tmp_path, capsys, no_cells, monkeypatch):
+    def no_targets(args):
+        raise AssertionError("models were opened before --residents was checked")
+
+    monkeypatch.setattr(cli, "targets_from_args", no_targets)
+    err = refused([f"--residents={residents}"], tmp_path, capsys)
+    assert err.startswith("error: --residents"), err
+
+
+@pytest.mark.parametrize("residents", ["99", "17", "4,99"])
+def test_residents_above_the_models_experts_are_refused(residents, tmp_path, capsys, no_cells):
+    """tiny has 16 experts per MoE layer: 99 would run as 16, labelled residents=99."""
+    err = refused(["--model", "tiny", "--residents", residents], tmp_path, capsys)
+    assert err.startswith("error: --residents ") and "tiny has 16 experts per MoE layer" in err and "1..16" in err, err
+
+
+def test_residents_up_to_the_models_experts_pass_below_its_top_k_too(tmp_path):
+    """Fewer slots than tiny's top-2 is a rolling window the bench supports (the paper's Phi-3.5-MoE setting)."""
+    args = cli.build_parser().parse_args(["--model", "tiny", "--residents", "1,2,16"])
+    cli.check_args(args)
+    targets, _notes = cli.targets_from_args(args)
+    cli.check_residents(args.residents, targets)
+    assert [setting.residents for setting in targets[0].settings] == [1, 2, 16]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--k=-1"], "--k -1: expected a draft depth of 0..32"),
+    (["--k", "33"], "--k 33: expected a draft depth of 0..32"),
+    (["--k-max", "1000"], "--k-max 1000: expected a draft depth of 0..32"),
+    (["--k-max=-1"], "--k-max -1: expected a draft depth of 0..32"),
+    (["--k", "8", "--k-max", "2"], "--k 8 is above --k-max 2"),
+    (["--max-new-tokens=-5"], "--max-new-tokens -5: expected 1 or more"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: expected 1 or more"),
+    (["--warmup-tokens=-1"], "--warmup-tokens -1: expected 1 or more"),
+    (["--warmup-tokens", "0"], "--warmup-tokens 0: expected 1 or more"),
+    (["--prompts", "0"], "--prompts 0: expected 1 or more"),
+    (["--repeats", "0"], "--repeats 0: expected 1 or more"),
+    (["--systems", ","], "--systems: expected a comma-separated list"),
+    (["--budget", ","], "--budget: expected a comma-separated list"),
+])
+def test_bad_counts_and_depths_are_refused_before_anything_runs(argv, message, tmp_path, capsys, no_cells):
+    err = refused(argv, tmp_path, capsys)
+    assert err.startswith(f"error: {message}"), err
+
+
+def test_counts_given_are_kept_and_defaults_fill_only_what_is_left_out():
+    parse = cli.build_parser().parse_args
+    given = cli.options_from_args(parse(["--max-new-tokens", "1", "--repeats", "1", "--warmup-tokens", "1"]))
+    assert (given.max_new_tokens, given.repeats, given.warmup_tokens) == (1, 1, 1)
+    quick = cli.options_from_args(parse([]))
+    assert (quick.max_new_tokens, quick.repeats) == (32, cli.QUICK_REPEATS)
+
+
+def test_k_max_left_out_follows_a_deeper_k_and_a_given_one_is_kept():
+    parse = cli.build_parser().parse_args
+    assert (cli.options_from_args(parse([])).k, cli.options_from_args(parse([])).k_max) == (4, 15)
+    deep = parse(["--k", "20"])
+    cli.check_args(deep)
+    assert cli.options_from_args(deep).k_max == 20
+    assert cli.options_from_args(parse(["--k", "2", "--k-max", "3"])).k_max == 3
