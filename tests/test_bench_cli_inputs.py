@@ -81,6 +81,8 @@ def test_residents_up_to_the_models_experts_pass_below_its_top_k_too(tmp_path):
     (["--repeats", "0"], "--repeats 0: expected 1 or more"),
     (["--systems", ","], "--systems: expected a comma-separated list"),
     (["--budget", ","], "--budget: expected a comma-separated list"),
+    (["--budget", "1GiB", "--residents", "4"], "--residents and --budget both set"),
+    (["--layers", "0"], "--layers 0: expected 1 or more"),
 ])
 def test_bad_counts_and_depths_are_refused_before_anything_runs(argv, message, tmp_path, capsys, no_cells):
     err = refused(argv, tmp_path, capsys)

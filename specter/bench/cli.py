@@ -180,6 +180,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.k_max is not None and args.k > args.k_max:
         raise ConfigError(f"--k {args.k} is above --k-max {args.k_max}; lower --k to {args.k_max} or less, or raise "
                           f"--k-max to {args.k} (left out, --k-max follows a deeper --k)")
+    if args.residents is not None and args.budget is not None:  # the budgets would win, the residents go unused
+        raise ConfigError("--residents and --budget both set the memory settings; give one of them")
+    if args.layers is not None and args.layers < 1:
+        raise ConfigError(f"--layers {args.layers}: expected 1 or more decoder layers")
     for count in args.residents or ():
         if count < 1:
             raise ConfigError(f"--residents {count}: expected 1 or more expert slots per MoE layer")
