@@ -329,7 +329,7 @@ class Engine:
             raise PromptError("a prompt of chat messages is a list of them; wrap the one message: [message]")
         if callable(getattr(prompt, "tolist", None)) and getattr(prompt, "ndim", None) == 1:  # a numpy or torch vector
             prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)):  # a set has no order, a generator would be used up by a retry
+        if not isinstance(prompt, Sequence):  # a set has no order, a generator would be used up by a retry
             raise PromptError(f"a prompt is a str, a list of int token ids, or a list of chat messages, not "
                               f"{type(prompt).__name__}")
         items = list(prompt)

@@ -9,10 +9,11 @@ the round measures without steering it (copy-busy, recall, traces, the bench's b
 from __future__ import annotations
 
 import asyncio
+import inspect
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -157,19 +158,29 @@ class Runtime:
         return self.cache.pool.host(self.moe_index[layer], expert)
 
     async def aclose(self) -> None:
+        """Release everything, each part whatever the one before it raised (a CPU stream's failed work is raised by
+        every later wait, the transfer engine's last ones included: its threads, pump and trace must still end);
+        the first error is raised at the end."""
         self._closed = True
-        self._finish_deferred()  # reads events of chunks the cache and its transfer engine still hold
+        steps: list[Callable[[], Any]] = [self._finish_deferred]  # reads events of chunks the cache still holds
         if self.cache is not None:
-            await self.cache.aclose()
-            await self.cache.transfer.aclose()
+            steps += [self.cache.aclose, self.cache.transfer.aclose]
         if isinstance(self.experts, OffloadedExperts):
-            self.experts.close()  # the host expert path's thread
+            steps.append(self.experts.close)  # the host expert path's thread
         if self.kernel is not None:
-            self.kernel.close()
+            steps.append(self.kernel.close)
         if self.backend is not None:
-            self.backend.close()
-        for observer in self.observers:
-            observer.close()
+            steps.append(self.backend.close)
+        steps += [observer.close for observer in self.observers]
+        first: BaseException | None = None
+        for step in steps:
+            try:
+                if inspect.isawaitable(result := step()):
+                    await result
+            except Exception as error:
+                first = first or error
+        if first is not None:
+            raise first
 
     async def __aenter__(self) -> Runtime:
         return self

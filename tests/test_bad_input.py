@@ -85,6 +85,7 @@ def test_malformed_prompts(tiny, expected):
             await engine.complete({"role": "user", "content": "hi"})
         assert (await engine.complete(torch.tensor(PROMPT), max_new_tokens=6)).token_ids == expected  # a vector: ids
         assert (await engine.complete(tuple(PROMPT), max_new_tokens=6)).token_ids == expected
+        assert engine.encode(range(5, 9)) == [5, 6, 7, 8]  # any Sequence of ints, as the Prompt type says
 
     assert with_engine(tiny, OFFLOADED, check) == expected
 
@@ -361,3 +362,31 @@ def test_a_checkpoint_whose_logits_are_nan_is_refused_not_decoded_as_token_0(tin
                 await engine.complete(PROMPT, max_new_tokens=6)
 
     run(main())
+
+
+def test_closing_after_a_part_failed_still_closes_every_other_part(tiny, tmp_path, monkeypatch):
+    """A CPU stream's failed work is raised by every later wait, the transfer engine's last one at close included;
+    the close went no further, so the host, waiter and stream threads stayed up and the trace stayed open."""
+    import threading
+
+    async def main():
+        engine = await Engine.load(tiny, OFFLOADED)
+        engine.runtime.record_trace(tmp_path / "run.trace")
+        await engine.complete(PROMPT, max_new_tokens=4)
+        transfer = engine.runtime.cache.transfer
+
+        async def failing_close():
+            raise RuntimeError("work on the copy stream failed before this event: OverflowError()")
+
+        monkeypatch.setattr(transfer, "aclose", failing_close)
+        with pytest.raises(RuntimeError, match="copy stream failed"):
+            await engine.aclose()
+        return engine
+
+    before = {thread.name for thread in threading.enumerate()}
+    engine = run(main())
+    left = [t.name for t in threading.enumerate() if t.name.startswith("specter-") and t.is_alive() and t.name not in before]
+    assert left == [], left
+    writers = [observer.writer for observer in engine.runtime.observers if hasattr(observer, "writer")]
+    assert writers and all(writer._file.closed for writer in writers)
+    assert (tmp_path / "run.trace").read_text().count("\n") >= 2  # the header and the rounds were flushed

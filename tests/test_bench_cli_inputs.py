@@ -104,3 +104,12 @@ def test_k_max_left_out_follows_a_deeper_k_and_a_given_one_is_kept():
     cli.check_args(deep)
     assert cli.options_from_args(deep).k_max == 20
     assert cli.options_from_args(parse(["--k", "2", "--k-max", "3"])).k_max == 3
+
+
+@pytest.mark.parametrize("k_max, k", [("2", 2), ("0", 0), ("15", 4)])
+def test_k_left_out_is_the_default_within_a_given_k_max(k_max, k):
+    """--k-max 2 alone was refused as '--k 4 is above --k-max 2', naming a --k nobody typed."""
+    args = cli.build_parser().parse_args(["--k-max", k_max])
+    cli.check_args(args)
+    options = cli.options_from_args(args)
+    assert (options.k, options.k_max) == (k, int(k_max))

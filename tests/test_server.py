@@ -576,3 +576,55 @@ def test_serve_load_benchmark_against_a_running_server(server, tmp_path):
     assert [level["clients"] for level in results["levels"]] == [1, 3]
     assert all(level["tokens"] == 3 * level["requests"] and level["tokens_per_s"] > 0 for level in results["levels"])
     assert "TTFT p50 ms" in done.stdout
+
+
+def test_text_prompts_wait_for_the_encoder_in_a_bounded_line_and_token_ids_skip_it():
+    """The encoder thread sits before admission: without a bound, every connection's body would be read and held while
+    it waited there, past --max-queue. As many may wait as for the engine; one more is a 429."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from specter.server.admission import AdmissionQueue
+    from specter.server.app import _encode
+    from specter.server.protocol import APIRequestError
+
+    release = threading.Event()
+    encoded: list[object] = []
+
+    def encode(prompt):
+        encoded.append(prompt)
+        if isinstance(prompt, str):
+            release.wait(10)
+            return [1, 2]
+        return list(prompt)
+
+    engine = SimpleNamespace(encode=encode, spec=SimpleNamespace(vocab_size=100))
+    state = SimpleNamespace(engine=engine, queue=AdmissionQueue(1), encoder=ThreadPoolExecutor(1), encoding=0)
+
+    async def main():
+        first = asyncio.ensure_future(_encode(state, "a long text", "prompt"))
+        second = asyncio.ensure_future(_encode(state, "another", "prompt"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIRequestError) as busy:
+            await _encode(state, "one too many", "prompt")
+        assert busy.value.status == 429 and busy.value.code == "queue_full"
+        assert await _encode(state, [3, 4], "prompt") == [3, 4]  # ids need no tokenizer: not behind the texts
+        release.set()
+        assert await first == [1, 2] and await second == [1, 2]
+        assert state.encoding == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        state.encoder.shutdown()
+    assert "one too many" not in encoded
+
+
+def test_the_port_probe_takes_an_empty_host_and_names_a_bad_one():
+    from specter.errors import ConfigError
+    from specter.server.cli import check_address
+
+    check_address("", 0)  # all interfaces, as uvicorn reads it
+    with pytest.raises(ConfigError, match="cannot listen on"):
+        check_address("x" * 70 + ".example", 8000)  # too long a label for IDNA: a UnicodeError

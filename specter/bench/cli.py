@@ -20,7 +20,7 @@ from specter.bench.stopping import BenchStopped, Stopper, exit_status
 from specter.bench.synthetic import SHAPES, family_available, shape_config, shape_label, synthetic_source
 from specter.bench.systems import DEFAULT_SYSTEMS, SCHEDULE_SOURCE, SYSTEMS, Setting
 from specter.build import resolve_dtype
-from specter.config import DraftConfig, EngineConfig, TuningConfig, parse_bytes, parse_link
+from specter.config import DEFAULT_K, DraftConfig, EngineConfig, TuningConfig, parse_bytes, parse_link
 from specter.errors import ConfigError, SpecterError
 from specter.experts.costs import routing_profile
 from specter.model.spec import spec_from_config
@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup-tokens", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=1, help="prompts per kind (kinds: uniform/zipf/motif, or code/prose/docs)")
     parser.add_argument("--repeats", type=int, default=None, help=f"requests per prompt (default 1; quick: {QUICK_REPEATS})")
-    parser.add_argument("--k", type=int, default=4, help="draft depth of specter-fixed and exact-prefetch")
+    parser.add_argument("--k", type=int, default=None, help=f"draft depth of specter-fixed and exact-prefetch (default "
+                        f"{DEFAULT_K}, or --k-max when that is smaller)")
     parser.add_argument("--k-max", type=int, default=None, help="largest depth the roofline governor may pick, at least "
                         f"--k (default {DraftConfig().k_max}, or --k when deeper: {DraftConfig().k_max} gives 16 verify rows, "
                         "one pass of the 16-row static verify)")
@@ -177,7 +178,7 @@ def check_args(args: argparse.Namespace) -> None:
         low, high = _draft_bounds("k" if option == "--k" else "k_max")
         if depth is not None and not low <= depth <= high:
             raise ConfigError(f"{option} {depth}: expected a draft depth of {low}..{high}")
-    if args.k_max is not None and args.k > args.k_max:
+    if args.k is not None and args.k_max is not None and args.k > args.k_max:
         raise ConfigError(f"--k {args.k} is above --k-max {args.k_max}; lower --k to {args.k_max} or less, or raise "
                           f"--k-max to {args.k} (left out, --k-max follows a deeper --k)")
     if args.residents is not None and args.budget is not None:  # the budgets would win, the residents go unused
@@ -348,9 +349,11 @@ def options_from_args(args: argparse.Namespace) -> Options:
         raise ConfigError(f"--desktop-threads {args.desktop_threads}: expected 1 or more host threads")
     if args.placement_overlap is not None and not 0.0 <= args.placement_overlap <= 1.0:
         raise ConfigError(f"--placement-overlap {args.placement_overlap}: expected 0 <= overlap <= 1")
-    k_max = args.k_max if args.k_max is not None else max(DraftConfig().k_max, args.k)
+    # As DraftConfig resolves them: a depth given is kept (the other follows it), none given is the default within.
+    k_max = args.k_max if args.k_max is not None else max(DraftConfig().k_max, args.k or 0)
+    k = args.k if args.k is not None else min(DEFAULT_K, k_max)
     return Options(systems=systems, links=links, max_new_tokens=max_new, warmup_tokens=min(args.warmup_tokens, max_new),
-                   repeats=repeats, k=args.k, k_max=k_max, row_bucket=args.row_bucket,
+                   repeats=repeats, k=k, k_max=k_max, row_bucket=args.row_bucket,
                    device=args.device, dtype=args.dtype,
                    progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=quant,
                    tuning=tuning, sampling=modes, desktop_threads=args.desktop_threads, threads=threads,

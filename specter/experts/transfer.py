@@ -360,12 +360,14 @@ class TransferEngine:
         """Drop queued transfers, wait for issued chunks, stop the pump."""
         for transfer in [*self._urgent, *self._prefetch]:
             transfer.cancel()
-        if self._in_flight:
-            await self.kernel.wait(self._in_flight[-1].end)
-        if self._pump_task is not None:
-            self._pump_task.cancel()
-            await asyncio.gather(self._pump_task, return_exceptions=True)
-            self._pump_task = None
+        try:
+            if self._in_flight:
+                await self.kernel.wait(self._in_flight[-1].end)  # raises a stream's failed work: the pump stops anyway
+        finally:
+            if self._pump_task is not None:
+                self._pump_task.cancel()
+                await asyncio.gather(self._pump_task, return_exceptions=True)
+                self._pump_task = None
 
     # -- the pump ------------------------------------------------------------------------------------
 

@@ -110,7 +110,11 @@ class _Fields:
 
     def typed(self, name: str, value: Any, kind: type) -> Any:
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            checked = float(value)
+            try:
+                checked = float(value)
+            except OverflowError:  # an integer of hundreds of digits
+                raise CheckpointError(f"{self.source}: config field '{name}' = {value!r:.40} must be a finite number; "
+                                      "set it to the model's value (as in its published config.json)") from None
         elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise CheckpointError(f"{self.source}: config field '{name}' = {value!r} should be of type {kind.__name__}")
         else:
@@ -125,11 +129,11 @@ class _Fields:
             rule = "must be positive"
         elif name in _NON_NEGATIVE and not 0 <= number < math.inf:
             rule = "must be zero or positive"
-        elif not math.isfinite(number):
+        elif isinstance(number, float) and not math.isfinite(number):  # an int is finite, however long
             rule = "must be a finite number"
         else:
             return
-        raise CheckpointError(f"{self.source}: config field '{name}' = {value!r} {rule}; "
+        raise CheckpointError(f"{self.source}: config field '{name}' = {value!r:.40} {rule}; "
                               "set it to the model's value (as in its published config.json)")
 
     def rope(self) -> tuple[float, dict[str, Any] | None]:

@@ -58,9 +58,14 @@ class ServerState:
     queue: AdmissionQueue
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    # One thread encodes every prompt, in arrival order: the engine serves one request at a time anyway, and a pool
-    # would grow a thread per concurrent request.
+    # One thread encodes every text prompt, in arrival order: the engine serves one request at a time anyway, and a
+    # pool would grow a thread per concurrent request. `encoding` counts the prompts it holds, bounded as the queue is.
     encoder: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="specter-encode"))
+    encoding: int = 0
+
+    def close(self) -> None:
+        """Drop the prompts still waiting for the encoder (their requests are gone with the server)."""
+        self.encoder.shutdown(wait=False, cancel_futures=True)
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -93,7 +98,7 @@ def create_app(engine: Engine, *, model_name: str, max_queue: int = 64, api_key:
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.server = state
-    return Gate(app, state.metrics, api_key)
+    return Gate(app, state.metrics, api_key, on_close=state.close)
 
 
 def _handler(state: ServerState, route: Any) -> Any:
@@ -306,7 +311,10 @@ def _too_large(limit: int) -> APIRequestError:
 
 async def _encode(state: ServerState, prompt: Prompt, param: str) -> list[int]:
     try:
-        prompt_ids = await asyncio.get_running_loop().run_in_executor(state.encoder, state.engine.encode, prompt)
+        if isinstance(prompt, list) and all(isinstance(item, int) for item in prompt):
+            prompt_ids = state.engine.encode(prompt)  # token ids: checked, nothing to tokenize
+        else:
+            prompt_ids = await _encode_text(state, prompt)
     except (PromptError, ConfigError) as error:  # no tokenizer, no chat template, a template that refuses
         raise APIRequestError(400, str(error), param=param) from None
     if not prompt_ids:
@@ -315,6 +323,17 @@ async def _encode(state: ServerState, prompt: Prompt, param: str) -> list[int]:
     if any(not 0 <= token < vocab for token in prompt_ids):
         raise APIRequestError(400, f"token ids must lie in 0..{vocab - 1}", param=param, code="invalid_value")
     return prompt_ids
+
+
+async def _encode_text(state: ServerState, prompt: Prompt) -> list[int]:
+    """Text or messages, encoded on the encoder thread; as many may wait for it as for the engine, then 429."""
+    if state.encoding > state.queue.max_waiting:
+        raise _busy(state, state.encoding)
+    state.encoding += 1
+    try:
+        return await asyncio.get_running_loop().run_in_executor(state.encoder, state.engine.encode, prompt)
+    finally:
+        state.encoding -= 1
 
 
 def _check_context(state: ServerState, prompt_tokens: int, max_tokens: int, prompt_param: str, limit_param: str) -> None:
@@ -344,10 +363,13 @@ def _admit(state: ServerState) -> Ticket:
     try:
         return state.queue.admit()
     except QueueFull as full:
-        raise APIRequestError(429, f"the server is busy: {full.waiting} requests are waiting (--max-queue "
-                                   f"{state.queue.max_waiting}); retry after {full.retry_after_s} s",
-                              type="rate_limit_error", code="queue_full",
-                              headers={"Retry-After": str(full.retry_after_s)}) from None
+        raise _busy(state, full.waiting, full.retry_after_s) from None
+
+
+def _busy(state: ServerState, waiting: int, retry_after_s: int = 1) -> APIRequestError:
+    return APIRequestError(429, f"the server is busy: {waiting} requests are waiting (--max-queue "
+                                f"{state.queue.max_waiting}); retry after {retry_after_s} s",
+                           type="rate_limit_error", code="queue_full", headers={"Retry-After": str(retry_after_s)})
 
 
 def live_values(state: ServerState) -> dict[str, int]:

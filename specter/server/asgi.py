@@ -43,9 +43,16 @@ class Gate:
     """Outermost middleware: bearer-token check on /v1/*, responses counted by status, unexpected errors logged
     once and answered with a bare 500 (clients never see a traceback). Pure ASGI, so streams pass untouched."""
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, api_key: str | None,
+                 on_close: Callable[[], None] | None = None) -> None:
         self.app, self.metrics = app, metrics
         self._key = f"Bearer {api_key}".encode() if api_key else None
+        self._on_close = on_close
+
+    def close(self) -> None:
+        """Release what the routes hold beyond a request (the prompt encoder's thread); the server has stopped."""
+        if self._on_close is not None:
+            self._on_close()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -106,14 +106,15 @@ def check_address(host: str, port: int) -> None:
     from specter.errors import ConfigError
 
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)  # "": all
         family, kind, proto, _, address = infos[0]
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind(address)
-    except OSError as error:
-        raise ConfigError(f"cannot listen on {host}:{port} ({error.strerror or error}); check --host, stop what holds "
-                          "the port, or choose another --port (0: a free one)") from None
+    except (OSError, UnicodeError, ValueError) as error:  # a name too long for IDNA is a UnicodeError
+        reason = getattr(error, "strerror", None) or error
+        raise ConfigError(f"cannot listen on {host}:{port} ({reason}); check --host, stop what holds the port, or "
+                          "choose another --port (0: a free one)") from None
 
 
 async def serve(args: argparse.Namespace, config: Any) -> int:
@@ -134,7 +135,10 @@ async def serve(args: argparse.Namespace, config: Any) -> int:
         # uvicorn re-raises the signal it drained on once it is done; a handler that does nothing lets the
         # process leave through its normal exit (status 0) after the engine is closed below.
         signal.signal(signal.SIGTERM, lambda *_: None)
-        await server.serve()
+        try:
+            await server.serve()
+        finally:
+            app.close()
     return 0
 
 

@@ -170,6 +170,8 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:  # templates that render tool results name the call they answer
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
