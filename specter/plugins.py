@@ -8,11 +8,15 @@ installed plug-in, set but empty allows none. Every error names the plug-in, its
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import threading
-from collections.abc import Sequence, Set
+import time
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -35,6 +39,9 @@ ALLOW_LIST_ENV = "SPECTER_PLUGINS"
 GROUP_PREFIX = "specter."
 POLICY_GROUPS = ("eviction", "prefetch", "lookahead", "placement")
 BACKEND_GROUP = "backends"
+
+SLOW_CALL_S = 0.05
+"""A policy call longer than this is logged once per method (`plugin.slow_call`): it held the event loop."""
 
 _scan_lock = threading.RLock()
 _scanned: dict[str, dict[str, EntryPoint]] = {}
@@ -84,7 +91,11 @@ def _scan(short: str) -> dict[str, EntryPoint]:
     for entry_point in entry_points(group=GROUP_PREFIX + short):
         if entry_point.name in found:
             # Two distributions claim one name: keep the first, as importlib.metadata orders them.
-            log.warning("plugin.duplicate", group=short, name=entry_point.name, ignored=entry_point.value)
+            kept = found[entry_point.name]
+            log.warning("plugin.duplicate", group=short, name=entry_point.name, kept=kept.value,
+                        kept_dist=PluginOrigin.of(short, kept).dist, ignored=entry_point.value,
+                        ignored_dist=PluginOrigin.of(short, entry_point).dist,
+                        advice="uninstall one of the two distributions; SPECTER_PLUGINS selects names, not distributions")
             continue
         found[entry_point.name] = entry_point
     return found
@@ -153,6 +164,9 @@ def _backend_protocol_methods() -> tuple[str, ...]:
 def _load_and_construct(short: str, name: str, refresh: bool, options: dict[str, Any]) -> tuple[Any, PluginOrigin]:
     entry_point = _find(short, name, refresh)
     origin = PluginOrigin.of(short, entry_point)
+    if not re.fullmatch(r"[\w.]+(\s*:\s*[\w.]+)?(\s*\[.*\])?", entry_point.value.strip()):
+        raise PluginError(f"{origin.label()}: its entry point {entry_point.value!r} is not 'module:attribute' "
+                          f"(e.g. 'mypackage.policies:MyPolicy'); fix the distribution's entry points")
     try:
         factory = entry_point.load()
     except Exception as exc:
@@ -208,6 +222,7 @@ class _Guarded:
         self.policy = policy
         self.origin = origin
         self.name: str = policy.name
+        self._slow: set[str] = set()
 
     def __getattr__(self, attribute: str) -> Any:
         if attribute == "policy":  # not yet set (copy, unpickle): do not recurse
@@ -218,13 +233,36 @@ class _Guarded:
         return f"guarded({self.policy!r})"
 
     def _call(self, method: str, **arguments: Any) -> Any:
+        started = time.perf_counter()
         try:
             return getattr(self.policy, method)(**arguments)
-        except Exception as exc:  # BaseException (cancellation, KeyboardInterrupt) passes through on purpose
-            raise PluginError(f"{self.origin.label()}: {method}() raised {exc!r}") from exc
+        except (Exception, SystemExit) as exc:  # a policy's exit() is its bug, not the process's; cancellation and
+            # KeyboardInterrupt pass through on purpose
+            raise PluginError(f"{self.origin.label()}: {method}() raised {_short(exc)}") from exc
+        finally:
+            self._time(method, time.perf_counter() - started)
+
+    def _time(self, method: str, seconds: float) -> None:
+        """Warn once per method of a policy whose call held the event loop long: every decision runs on it, so the
+        copies, the GPU's next launches and every other request wait for it."""
+        if seconds > SLOW_CALL_S and method not in self._slow:
+            self._slow.add(method)
+            log.warning("plugin.slow_call", plugin=self.origin.label(), method=method, ms=round(seconds * 1e3, 1),
+                        advice="a policy runs on the engine's event loop; keep each decision to a millisecond or so")
 
     def _wrong(self, method: str, problem: str) -> PluginError:
         return PluginError(f"{self.origin.label()}: {method}() returned a wrong answer: {problem}")
+
+    def _ids(self, method: str, value: Any, what: str) -> list[int]:
+        """`value` as a list of ints (numpy's integers too), or a wrong answer: a float, a str or a bool is an id
+        only by accident (int() would take 2.7 as expert 2), and a generator is read once, here."""
+        try:
+            items = list(value)
+        except TypeError:
+            raise self._wrong(method, f"{what} {_short(value)} is not a list of ids") from None
+        if not all(isinstance(item, (int, np.integer)) and not isinstance(item, (bool, np.bool_)) for item in items):
+            raise self._wrong(method, f"{what} {_short(items)} is not a list of int ids")
+        return [int(item) for item in items]
 
 
 class GuardedEviction(_Guarded):
@@ -239,19 +277,15 @@ class GuardedEviction(_Guarded):
         history: UseHistory,
         plan: Plan | None,
     ) -> list[int]:
-        chosen = self._call(
+        resident_set, protected_set = set(residents), set(protected)  # before the call, which might change them
+        chosen = self._ids("victims", self._call(
             "victims", layer=layer, residents=residents, protected=protected, count=count, history=history, plan=plan
-        )
-        try:
-            chosen = [int(expert) for expert in chosen]
-        except (TypeError, ValueError) as exc:
-            raise self._wrong("victims", f"{chosen!r} is not a list of expert ids") from exc
-        resident_set = set(residents)
+        ), "the victims")
         if len(chosen) != count or len(set(chosen)) != count:
-            raise self._wrong("victims", f"{chosen} is not {count} distinct experts")
-        if not set(chosen) <= resident_set or set(chosen) & set(protected):
-            bad = sorted(set(chosen) - (resident_set - set(protected)))
-            raise self._wrong("victims", f"{bad} are not resident or are protected (layer {layer})")
+            raise self._wrong("victims", f"{_short(chosen)} is not {count} distinct experts")
+        if not set(chosen) <= resident_set or set(chosen) & protected_set:
+            bad = sorted(set(chosen) - (resident_set - protected_set))
+            raise self._wrong("victims", f"{_short(bad)} are not resident or are protected (layer {layer})")
         return chosen
 
 
@@ -259,13 +293,9 @@ class GuardedPrefetch(_Guarded):
     """A prefetch policy whose checkpoints and plans are checked against k, E and the slot count."""
 
     def checkpoints(self, k: int, timing: LinkTiming) -> list[int]:
-        steps = self._call("checkpoints", k=k, timing=timing)
-        try:
-            steps = [int(step) for step in steps]
-        except (TypeError, ValueError) as exc:
-            raise self._wrong("checkpoints", f"{steps!r} is not a list of draft-step counts") from exc
+        steps = self._ids("checkpoints", self._call("checkpoints", k=k, timing=timing), "the draft-step counts")
         if steps != sorted(set(steps)) or any(not 1 <= step <= k for step in steps):
-            raise self._wrong("checkpoints", f"{steps} are not sorted distinct steps in 1..{k}")
+            raise self._wrong("checkpoints", f"{_short(steps)} are not sorted distinct steps in 1..{k}")
         return steps
 
     def plan(
@@ -292,18 +322,45 @@ class GuardedPrefetch(_Guarded):
         if not isinstance(plan, Plan):
             raise self._wrong("plan", f"{type(plan).__name__} is not a specter.policy.Plan")
         num_layers, num_experts = np.shape(route_counts)
-        for layer, experts in plan.experts.items():
+        experts = {}
+        for layer, listed in self._layers(plan.experts, "experts", num_layers):
             own = layer_slots[layer] if layer_slots is not None and 0 <= layer < len(layer_slots) else slots_per_layer
-            self._check_layer_plan(layer, list(experts), num_layers, num_experts, own)
-        return plan
+            experts[layer] = self._layer_plan(layer, self._ids("plan", listed, f"layer {layer}'s experts"), num_experts, own)
+        scores = {layer: self._layer_scores(layer, scored, num_experts)
+                  for layer, scored in self._layers(plan.scores, "scores", num_layers)}
+        # The engine and the eviction policy read this copy, never the policy's object: read-only, so an eviction
+        # policy cannot edit the plan under the engine, and a Plan subclass's own methods are not the engine's.
+        return Plan(experts=MappingProxyType({layer: tuple(ids) for layer, ids in experts.items()}),
+                    scores=MappingProxyType({layer: MappingProxyType(scored) for layer, scored in scores.items()}))
 
-    def _check_layer_plan(self, layer: int, experts: list[int], layers: int, num_experts: int, slots: int) -> None:
-        if not 0 <= layer < layers:
-            raise self._wrong("plan", f"layer {layer} is outside 0..{layers - 1}")
+    def _layers(self, mapping: Any, field: str, layers: int) -> list[tuple[int, Any]]:
+        if not isinstance(mapping, Mapping):
+            raise self._wrong("plan", f"Plan.{field} {_short(mapping)} is not a mapping of layer -> ...")
+        items = list(mapping.items())
+        bad = [layer for layer, _ in items
+               if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < layers]
+        if bad:
+            raise self._wrong("plan", f"Plan.{field} names layers {_short(bad)}, not ints in 0..{layers - 1}")
+        return [(int(layer), value) for layer, value in items]
+
+    def _layer_plan(self, layer: int, experts: list[int], num_experts: int, slots: int) -> list[int]:
         if len(experts) > slots or len(set(experts)) != len(experts):
-            raise self._wrong("plan", f"layer {layer} lists {experts}: not at most {slots} distinct experts")
+            raise self._wrong("plan", f"layer {layer} lists {_short(experts)}: not at most {slots} distinct experts")
         if any(not 0 <= expert < num_experts for expert in experts):
-            raise self._wrong("plan", f"layer {layer} lists {experts}: ids outside 0..{num_experts - 1}")
+            raise self._wrong("plan", f"layer {layer} lists {_short(experts)}: ids outside 0..{num_experts - 1}")
+        return experts
+
+    def _layer_scores(self, layer: int, scored: Any, num_experts: int) -> dict[int, float]:
+        if not isinstance(scored, Mapping):
+            raise self._wrong("plan", f"layer {layer}'s scores {_short(scored)} are not a mapping of expert -> weight")
+        ids = self._ids("plan", scored.keys(), f"layer {layer}'s scored experts")
+        if any(not 0 <= expert < num_experts for expert in ids):
+            raise self._wrong("plan", f"layer {layer} scores {_short(ids)}: ids outside 0..{num_experts - 1}")
+        weights = list(scored.values())
+        if not all(isinstance(w, (int, float, np.integer, np.floating)) and not isinstance(w, bool) and math.isfinite(w)
+                   for w in weights):
+            raise self._wrong("plan", f"layer {layer}'s score weights {_short(weights)} are not finite numbers")
+        return dict(zip(ids, map(float, weights), strict=True))
 
 
 class GuardedLookahead(_Guarded):
@@ -326,6 +383,15 @@ class GuardedPlacement(_Guarded):
     def place(self, state: PlacementState) -> Placement:
         return self._checked("place", self._call("place", state=state), state)
 
+    def prices_misses(self, state: PlacementState) -> bool:
+        """The policy's optional answer (True where it has none): whether it can price a speculating engine's misses."""
+        if not hasattr(self.policy, "prices_misses"):
+            return True
+        answer = self._call("prices_misses", state=state)
+        if not isinstance(answer, (bool, np.bool_)):
+            raise self._wrong("prices_misses", f"{_short(answer)} is not a bool")
+        return bool(answer)
+
     def place_prefill(self, state: PlacementState, decode: Placement, rows: int) -> Placement:
         if not hasattr(self.policy, "place_prefill"):
             return decode
@@ -343,4 +409,19 @@ class GuardedPlacement(_Guarded):
         if placement.num_layers != state.num_layers or placement.num_experts != state.num_experts:
             raise self._wrong(method, f"a placement of {placement.num_layers} layers x {placement.num_experts} experts "
                                       f"for a model of {state.num_layers} x {state.num_experts}")
-        return placement
+        host = []
+        for layer, experts in enumerate(placement.host):
+            ids = self._ids(method, experts, f"layer {layer}'s host experts")
+            if any(not 0 <= expert < state.num_experts for expert in ids):  # Placement's own check is an assert
+                raise self._wrong(method, f"layer {layer}'s host experts {_short(sorted(ids))} are outside "
+                                          f"0..{state.num_experts - 1}")
+            host.append(frozenset(ids))
+        # A copy of frozensets: the policy's own sets, if it kept them, could change the placement after load, and
+        # the cache and the host path would then disagree on which experts each computes.
+        return Placement(tuple(host), state.num_experts)
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """repr(value), cut to `limit` characters: an answer of a million ids must not become the message."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

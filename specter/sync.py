@@ -23,6 +23,9 @@ from specter.tokenizer import Tokenizer
 
 T = TypeVar("T")
 
+LIVENESS_POLL_S = 0.5
+"""How often a blocked call checks that the loop thread still runs (`_result`)."""
+
 
 class SyncEngine:
     """Blocking `complete` and `generate` over an `Engine`; works where a loop already runs (Jupyter).
@@ -73,7 +76,7 @@ class SyncEngine:
         try:
             while True:
                 pending = asyncio.run_coroutine_threadsafe(self._next_piece(stream, step), self._loop)
-                piece = pending.result()
+                piece = _result(pending, self._thread)
                 if piece is None:
                     return
                 yield piece
@@ -96,7 +99,25 @@ class SyncEngine:
         await stream.aclose()
 
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        if not self._thread.is_alive():
+            coroutine.close()  # never scheduled: no loop would run it
+            raise RuntimeError(LOOP_ENDED)
+        return _result(asyncio.run_coroutine_threadsafe(coroutine, self._loop), self._thread)
+
+
+LOOP_ENDED = ("the engine's event-loop thread has ended (a KeyboardInterrupt or SystemExit raised on it, by a plug-in "
+              "say); this SyncEngine is unusable, load a new one")
+
+
+def _result(future: Future[T], thread: threading.Thread) -> T:
+    """The future's result, or an error if the loop thread ends first: an exception that ends run_forever leaves the
+    future pending forever."""
+    while True:
+        try:
+            return future.result(timeout=LIVENESS_POLL_S)
+        except TimeoutError:
+            if not thread.is_alive():
+                raise RuntimeError(LOOP_ENDED) from None
 
 
 def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, engine: Engine | None) -> None:
@@ -107,8 +128,8 @@ def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, engine:
         loop.call_soon(loop.stop)
         return
     try:
-        if engine is not None and loop.is_running():
-            asyncio.run_coroutine_threadsafe(engine.aclose(), loop).result()
+        if engine is not None and loop.is_running() and thread.is_alive():
+            _result(asyncio.run_coroutine_threadsafe(engine.aclose(), loop), thread)
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join()

@@ -390,3 +390,29 @@ def test_closing_after_a_part_failed_still_closes_every_other_part(tiny, tmp_pat
     writers = [observer.writer for observer in engine.runtime.observers if hasattr(observer, "writer")]
     assert writers and all(writer._file.closed for writer in writers)
     assert (tmp_path / "run.trace").read_text().count("\n") >= 2  # the header and the rounds were flushed
+
+
+def test_a_sync_call_whose_loop_thread_has_ended_raises_instead_of_hanging(tiny):
+    """A KeyboardInterrupt or SystemExit raised on the loop thread (a plug-in's, say) ends run_forever and the thread:
+    every later SyncEngine call then waited forever on a future no loop would run."""
+    import threading
+
+    from specter import SyncEngine
+
+    engine = SyncEngine(tiny, OFFLOADED)
+    engine._loop.call_soon_threadsafe(engine._loop.stop)  # the loop ends as it does on such an exception
+    engine._thread.join(10)
+    assert not engine._thread.is_alive()
+    done, outcome = threading.Event(), []
+
+    def call():
+        try:
+            engine.complete(PROMPT, max_new_tokens=2)
+        except BaseException as error:  # noqa: BLE001 - the test wants whatever ends the call
+            outcome.append(error)
+        done.set()
+
+    threading.Thread(target=call, daemon=True).start()
+    assert done.wait(20), "SyncEngine.complete still waits on a loop that has ended"
+    assert isinstance(outcome[0], RuntimeError) and "event-loop thread has ended" in str(outcome[0])
+    engine.close()  # returns: nothing left to close on a dead loop

@@ -324,3 +324,162 @@ def test_allow_list_hides_the_dummy_plugin(monkeypatch):
     assert "dummy-random" not in plugins.available("eviction")
     with pytest.raises(PluginError, match="SPECTER_PLUGINS"):
         plugins.load_policy("eviction", "dummy-random")
+
+
+# ---- a policy author's mistakes, caught by the guards ------------------------------------------------------------
+class _Author:
+    """A small policy of each group, its answers set per test (what a misbehaving third-party policy returns)."""
+
+    name = "author"
+
+
+def _guarded(group: str, **methods):
+    from specter.plugins import guarded
+
+    policy = _Author()
+    for method, answer in methods.items():
+        setattr(policy, method, answer)
+    if group == "prefetch" and "checkpoints" not in methods:
+        policy.checkpoints = lambda k, timing: [1]
+    if group == "placement":
+        policy.place = methods["place"]
+    return guarded(policy, group)
+
+
+def _plan_args(layers=2, experts=8, slots=3):
+    from specter.policy import LinkTiming
+
+    return dict(route_counts=np.zeros((layers, experts)), resident=np.zeros((layers, experts), dtype=bool), steps_done=1,
+                k=4, timing=LinkTiming(1e9, 1e-3, 1000), slots_per_layer=slots)
+
+
+@pytest.mark.parametrize("answer, says", [
+    (lambda: Plan(experts={0: [1.0, 2.0]}), "not a list of int ids"),  # floats broke the engine for good
+    (lambda: Plan(experts={0: [True]}), "not a list of int ids"),
+    (lambda: Plan(experts={0: ["1"]}), "not a list of int ids"),
+    (lambda: Plan(experts={"0": [1]}), "names layers"),  # were bare TypeErrors from inside the guard
+    (lambda: Plan(experts={0.5: [1]}), "names layers"),
+    (lambda: Plan(experts=[[1, 2]]), "not a mapping"),
+    (lambda: Plan(experts={0: None}), "not a list of ids"),
+    (lambda: Plan(experts={0: 3}), "not a list of ids"),
+    (lambda: Plan(experts={0: [1]}, scores={0: {999: 1.0}}), "ids outside 0..7"),  # the static verify indexed by it
+    (lambda: Plan(experts={0: [1]}, scores={0: {1: "high"}}), "not finite numbers"),  # was blamed on the eviction
+    (lambda: Plan(experts={0: [1]}, scores=None), "not a mapping"),
+    (lambda: Plan(experts={0: list(range(8)) * 1000}), "not at most 3 distinct"),
+])
+def test_a_malformed_plan_is_a_plugin_error_naming_the_prefetch_policy(answer, says):
+    policy = _guarded("prefetch", plan=lambda **_: answer())
+    with pytest.raises(PluginError, match=says) as error:
+        policy.plan(**_plan_args())
+    assert "prefetch plug-in 'author'" in str(error.value) and len(str(error.value)) < 600
+
+
+def test_the_engine_gets_a_read_only_copy_of_the_plan_with_the_ids_read_once():
+    from specter.policy import Plan as PlanType
+
+    class Subclass(PlanType):
+        def for_layer(self, layer):
+            return [999]
+
+    answer = Subclass(experts={0: (e for e in (3, 1))}, scores={1: {np.int64(2): np.float32(0.5)}})
+    plan = _guarded("prefetch", plan=lambda **_: answer).plan(**_plan_args())
+    assert type(plan) is PlanType and plan.for_layer(0) == [3, 1] and plan.score(1, 2) == 0.5  # a generator read once
+    with pytest.raises(TypeError):
+        plan.experts[0] = [999]  # what an eviction policy editing the plan it is given did to the engine's own dict
+    with pytest.raises(TypeError):
+        plan.scores[1][2] = 9.0
+
+
+def test_victims_are_checked_against_the_residents_before_the_call_and_as_ints():
+    def clearing(layer, residents, protected, count, history, plan):
+        residents.clear()  # the answer below was right when asked; the message said it was not resident
+        return [5]
+
+    assert _guarded("eviction", victims=clearing).victims(0, [5, 6], set(), 1, None, None) == [5]
+    for answer in (["5"], [5.0], [True]):  # int() took them: 2.7 became expert 2
+        policy = _guarded("eviction", victims=lambda answer=answer, **_: answer)
+        with pytest.raises(PluginError, match="not a list of int ids"):
+            policy.victims(layer=0, residents=[1, 5], protected=set(), count=1, history=None, plan=None)
+    assert _guarded("eviction", victims=lambda **_: [np.int64(5)]).victims(0, [5, 6], set(), 1, None, None) == [5]
+
+
+def test_a_policy_exit_is_a_plugin_error_and_a_slow_call_is_logged_once(caplog):
+    import time as clock
+
+    def exiting(**_):
+        raise SystemExit(3)
+
+    with pytest.raises(PluginError, match="SystemExit"):
+        _guarded("eviction", victims=exiting).victims(layer=0, residents=[1], protected=set(), count=1, history=None,
+                                                      plan=None)
+    from specter.plugins import SLOW_CALL_S
+
+    warnings = []
+    policy = _guarded("eviction", victims=lambda **_: (clock.sleep(SLOW_CALL_S * 1.5), [1])[1])
+    import specter.plugins
+
+    original = specter.plugins.log.warning
+    specter.plugins.log.warning = lambda event, **fields: warnings.append((event, fields))
+    try:
+        for _ in range(3):
+            policy.victims(layer=0, residents=[1], protected=set(), count=1, history=None, plan=None)
+    finally:
+        specter.plugins.log.warning = original
+    assert [event for event, _ in warnings] == ["plugin.slow_call"] and warnings[0][1]["method"] == "victims"
+
+
+def test_a_placement_is_copied_into_frozen_sets_with_its_ids_checked():
+    from specter.placement import Placement, PlacementState
+
+    state = PlacementState(num_layers=2, num_experts=8, top_k=2, slots_per_layer=2,
+                           initial_residents=((), ()), expert_bytes=1000, row_bucket=16)
+    live = [{4, 5}, {6}]
+
+    class Mutable:
+        name = "mutable"
+
+        def place(self, state):
+            return Placement(tuple(live), 8)  # plain sets: the policy could change them after load
+
+    from specter.plugins import guarded
+
+    placement = guarded(Mutable(), "placement").place(state)
+    live[0].clear()
+    assert placement.host == (frozenset({4, 5}), frozenset({6}))  # the engine's copy did not change with them
+    for bad in ((frozenset({1.5}), frozenset()), (frozenset({True}), frozenset())):  # Placement's range check takes them
+        policy = Mutable()
+        policy.place = lambda state, bad=bad: Placement(bad, 8)
+        with pytest.raises(PluginError, match="not a list of int ids"):
+            guarded(policy, "placement").place(state)
+
+
+def test_prices_misses_is_guarded():
+    from specter.placement import Placement, PlacementState
+
+    state = PlacementState(num_layers=1, num_experts=8, top_k=2, slots_per_layer=2, initial_residents=((),),
+                           expert_bytes=1000, row_bucket=16)
+
+    class Pricing:
+        name = "pricing"
+
+        def place(self, state):
+            return Placement.device_only(1, 8)
+
+        def prices_misses(self, state):
+            raise RuntimeError("prices_misses failed")
+
+    from specter.plugins import guarded
+
+    with pytest.raises(PluginError, match="prices_misses"):
+        guarded(Pricing(), "placement").prices_misses(state)
+    del Pricing.prices_misses
+    assert guarded(Pricing(), "placement").prices_misses(state) is True  # none: nothing to warn about
+
+
+@pytest.mark.parametrize("value", ["", ":", "badplug:"])
+def test_an_entry_point_that_is_not_module_attribute_says_so(monkeypatch, value):
+    """It said: importing '' failed: AttributeError("'NoneType' object has no attribute 'group'")."""
+    point = EntryPoint(name="broken", value=value, group="specter.eviction")
+    monkeypatch.setattr(plugins, "installed", lambda group, refresh=False: {"broken": point})
+    with pytest.raises(PluginError, match="is not 'module:attribute'"):
+        plugins.load_policy("eviction", "broken")

@@ -288,6 +288,8 @@ ALLOWED_CONSTANTS = {
     "specter/build.py": {"LARGE_CHECKPOINT_BYTES"},  # when loading shows progress on a terminal
     "specter/observers.py": {"MAX_DEFERRED_ROUNDS"},  # bounds the deferred copy-busy backlog (memory), never A/B'd
     "specter/kernel.py": {"_JOIN_TIMEOUT_S"},  # how long close() waits for a waiter thread
+    "specter/plugins.py": {"SLOW_CALL_S"},  # when a policy call is logged as holding the loop (a warning, no behaviour)
+    "specter/sync.py": {"LIVENESS_POLL_S"},  # how often a blocked SyncEngine call checks its loop thread is alive
     "specter/experts/pool.py": {"_MAX_SLAB_GROWTH"},  # pinned-slab allocation granularity
     "specter/experts/native.py": {"CHUNK", "CALL_ROWS"},  # bound the native kernel's scratch per job and per call; rows
     # and experts are independent, so they change no bit (tests/test_native_kernel.py) and no A/B ever weighed them
