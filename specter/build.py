@@ -118,6 +118,12 @@ def drafts_rounds(lookahead: str, k: int) -> bool:
     return not (lookahead == "fixed" and k == 0)
 
 
+def keeps_expert_graphs(config: EngineConfig, spec: ModelSpec, device: torch.device) -> bool:
+    """Whether the offloaded verify keeps one expert graph per cache slot (`plan_memory`'s `expert_graphs`): the
+    family's segmented verify under CUDA graphs. `specter info` plans with it too, so it reports the engine's slots."""
+    return bool(device.type == "cuda" and config.cuda_graphs and segmented_verify(config, device.type, transformer_for(spec)))
+
+
 def scout_only(config: EngineConfig) -> bool:
     """The draft would serve only the scout: the depth is fixed at 0."""
     return not drafts_rounds(config.lookahead, config.draft.k)
@@ -374,7 +380,7 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
     device, dtype = resolve_device(config), resolve_dtype(config, spec)
     policies = load_policies(config)
     speculative = may_speculate(config)
-    expert_graphs = device.type == "cuda" and config.cuda_graphs and segmented_verify(config, device.type, transformer_for(spec))
+    expert_graphs = keeps_expert_graphs(config, spec, device)
     if speculative and scout_only(config) and plan_memory(spec, dtype, config, False, expert_graphs=expert_graphs).all_resident:
         speculative = False  # every expert fits without a draft: a scout would have nothing to prefetch
     calibrated = speculative and config.draft.quant == "gptq4"

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--max-context", type=int, default=None,
                       help="context the budgets are planned for (default: min(2048, the model's max_position_embeddings))")
     info.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2", "gptq4"], help="draft quantization")
+    info.add_argument("--k-max", type=int, default=None, metavar="N",
+                      help="the draft depth the engine's verify is sized for, as generate's --k-max (default 15): "
+                           "deeper verifies take workspace from the expert slots")
     info.add_argument("--budget", default=None, metavar="SIZE",
                       help="GPU memory budget (e.g. 24GiB): print the expert slots per layer it leaves with the draft and "
                            "without one (--k-max 0), and make the placement for the first (the second where the draft "
@@ -287,7 +290,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     summary = checkpoint_summary(args.model, dtype=args.dtype, max_context=args.max_context, quant=args.quant,
                                  residents=args.residents, budget=args.budget, cpu_experts=args.cpu_experts, link=args.link,
                                  cpu_threads=args.cpu_threads, placement_profile=args.placement_profile, measure=args.measure,
-                                 tune=args.tune, recalibrate=args.recalibrate, placement_overlap=args.placement_overlap)
+                                 tune=args.tune, recalibrate=args.recalibrate, placement_overlap=args.placement_overlap,
+                                 k_max=args.k_max)
     if note := builtin_note(args.model):  # after the summary: a bad option is the only line its error prints
         print(note, file=sys.stderr)
     if args.json:
@@ -301,7 +305,7 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
                        residents: int | None = None, cpu_experts: str = "off", link: str | None = None,
                        cpu_threads: int | None = None, placement_profile: str | None = None, measure: bool = True,
                        tune: Sequence[str] = (), recalibrate: bool = False, budget: str | None = None,
-                       placement_overlap: float | None = None) -> dict:
+                       placement_overlap: float | None = None, k_max: int | None = None) -> dict:
     """What `specter info` prints: family, shape, parameter counts, expert bytes, the two budgets, with `budget` the
     expert slots per layer it leaves with the draft and without one (`budget_slots`), and how many experts the
     placement `cpu_experts` computes on the host at `residents` slots per layer (by default the budget's with the
@@ -312,8 +316,8 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
     `cpu_experts`'s, as EngineConfig.placement_overlap)."""
     from specter.builtin import resolve_model
     from specter.config import EngineConfig, TuningConfig
-    from specter.build import resolve_dtype
-    from specter.memory import plan_memory, with_model_context
+    from specter.build import keeps_expert_graphs, resolve_device, resolve_dtype
+    from specter.memory import plan_memory, spread_slots, with_model_context
     from specter.model.checkpoint import Checkpoint
     from specter.model.weights import dense_shapes
 
@@ -322,15 +326,20 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
     checkpoint = Checkpoint(path)
     checkpoint.close()
     spec = checkpoint.spec
-    config = with_model_context(EngineConfig.build(max_context=max_context, dtype=dtype, draft=dict(quant=quant), link=link,
+    draft = dict(quant=quant) | ({} if k_max is None else {"k_max": k_max})
+    config = with_model_context(EngineConfig.build(max_context=max_context, dtype=dtype, draft=draft, link=link,
                                                    cpu_threads=cpu_threads, placement_profile=placement_profile,
                                                    placement_overlap=placement_overlap, tuning=tuning,
                                                    recalibrate=recalibrate), spec)
     torch_dtype = resolve_dtype(config, spec)
-    plan = plan_memory(spec, torch_dtype, config, speculative=True)
-    slots = budget_slots(spec, torch_dtype, config, budget, plan.draft_bytes) if budget is not None else None
-    if residents is None and slots is not None:
-        residents = slots["speculating"] or slots["without_draft"]
+    graphs = keeps_expert_graphs(config, spec, resolve_device(config))  # as the engine plans (build_runtime)
+    plan = plan_memory(spec, torch_dtype, config, speculative=True, expert_graphs=graphs)
+    slots = budget_slots(spec, torch_dtype, config, budget, plan.draft_bytes, graphs) if budget is not None else None
+    layer_slots: tuple[int, ...] = ()
+    if residents is None and slots is not None:  # the budget's plan, with the extra slots some layers get (as loaded)
+        kind = "speculating" if slots["speculating"] else "without_draft"
+        residents = slots[kind]
+        layer_slots = spread_slots(residents, slots[f"{kind}_extra"], len(spec.moe_layers))
     if slots is not None and slots["speculating"] is None:  # the draft does not fit: placed as the engine without one
         config = config.model_copy(update={"draft": config.draft.model_copy(update={"k": 0, "k_max": 0})})
     dense = sum(_numel(shape) for shape in dense_shapes(spec).values())
@@ -345,10 +354,11 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
         "dense_bytes": plan.dense_bytes, "draft_bytes": plan.draft_bytes, "kv_bytes": plan.kv_bytes,
         "max_context": config.max_context, "max_position_embeddings": spec.max_position, "draft_quant": quant,
         "minimum_budget": plan.minimum_budget, "resident_budget": plan.resident_budget, "budget_slots": slots,
-    } | placement_summary(spec, plan.expert_bytes, config, residents, cpu_experts, torch_dtype if measure else None)
+    } | placement_summary(spec, plan.expert_bytes, config, residents, cpu_experts, torch_dtype if measure else None,
+                          layer_slots)
 
 
-def budget_slots(spec: Any, dtype: Any, config: Any, budget: str, draft_bytes: int) -> dict:
+def budget_slots(spec: Any, dtype: Any, config: Any, budget: str, draft_bytes: int, expert_graphs: bool | None = None) -> dict:
     """The expert slots per MoE layer `budget` leaves an engine with its draft (`speculating`; None below that plan's
     minimum) and without one (`without_draft`: `--k-max 0`, on-demand offloading, whose slots take the draft's bytes),
     and the draft's bytes: where the draft takes most of a budget, its verify's wider expert sets can cost more link
@@ -363,11 +373,11 @@ def budget_slots(spec: Any, dtype: Any, config: Any, budget: str, draft_bytes: i
     except ValueError as error:
         raise ConfigError(f"--budget: {error}") from None
     try:
-        speculating, why = plan_memory(spec, dtype, sized, speculative=True), None
+        speculating, why = plan_memory(spec, dtype, sized, speculative=True, expert_graphs=expert_graphs), None
     except BudgetError as error:
         speculating, why = None, error
     try:
-        plain = plan_memory(spec, dtype, sized, speculative=False)
+        plain = plan_memory(spec, dtype, sized, speculative=False, expert_graphs=expert_graphs)
     except BudgetError as error:  # below both minimums: the message with the draft's bytes names every way out
         raise (why or error) from None
     return {"budget": sized.budget, "experts": spec.num_experts, "moe_layers": plain.moe_layers,
@@ -382,7 +392,7 @@ def budget_slots(spec: Any, dtype: Any, config: Any, budget: str, draft_bytes: i
 
 
 def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int | None, cpu_experts: str,
-                      measure_dtype: Any = None) -> dict:
+                      measure_dtype: Any = None, layer_slots: tuple[int, ...] = ()) -> dict:
     """The host-expert count of placement `cpu_experts` for an engine with `residents` slots per layer, placed as the
     builder places at load (an empty cache); with `measure_dtype`, the costs measured as the builder calibrates them
     (one expert of the model's shape in that dtype, random values) and `auto`'s decisions and predicted times."""
@@ -408,6 +418,7 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
     profile = config.placement_profile
     counts, sequence = routing_profile(profile, layers, experts) if profile is not None else (None, None)
     state = PlacementState(num_layers=layers, num_experts=experts, top_k=spec.top_k, slots_per_layer=slots,
+                           layer_slots=layer_slots if len(set(layer_slots)) > 1 else (),
                            initial_residents=tuple(() for _ in range(layers)), expert_bytes=expert_bytes,
                            row_bucket=config.row_bucket, host_threads=config.cpu_threads or default_threads(),
                            link_bytes_per_s=link, host_expert_s={config.row_bucket: host_s} if host_s is not None else {},
@@ -513,8 +524,8 @@ def _format_info(summary: dict) -> str:
         ("expert bytes", f"{fmt(summary['expert_bytes'])} each, {fmt(summary['all_expert_bytes'])} all"),
         ("fixed bytes", f"non-expert {fmt(summary['dense_bytes'])}, draft ({summary['draft_quant']}) {fmt(summary['draft_bytes'])}, "
                         f"KV for {summary['max_context']} tokens {fmt(summary['kv_bytes'])}"),
-        ("minimum budget", fmt(summary["minimum_budget"])),
-        ("full residency", fmt(summary["resident_budget"])),
+        ("minimum budget", fmt(summary["minimum_budget"], round_up=True)),  # as printed, a budget that suffices
+        ("full residency", fmt(summary["resident_budget"], round_up=True)),
         *([("at budget", _budget_line(summary["budget_slots"]))] if summary.get("budget_slots") else []),
         ("host experts", f"{summary['host_experts']} of {summary['moe_layers'] * summary['experts']} "
                          f"(--cpu-experts {summary['cpu_experts']}, {summary['placement_slots']} slots per layer)"),

@@ -26,19 +26,24 @@ def parse_bytes(value: int | float | str) -> int:
     if isinstance(value, bool):
         raise ValueError(f"expected a byte count such as 24GiB, got {value!r}")
     if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"a byte count must be positive, got {value!r}")
+        if not 1 <= value < math.inf:  # 0.5 would truncate to 0 bytes; inf and NaN are no size
+            raise ValueError(f"a byte count must be a whole number of bytes from 1, got {value!r}")
         return int(value)
     match = _SIZE.match(str(value))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(f"{value!r} is not a size; use bytes or a number with a unit (KiB, MiB, GiB, KB, MB, GB), e.g. 24GiB")
-    size = int(float(match.group(1)) * _UNITS[unit])
+    number = match.group(1)
+    try:  # a whole number stays exact (a float would round 2**53 + 1); a fraction goes through float
+        size = int(number) * _UNITS[unit] if number.isdigit() else int(float(number) * _UNITS[unit])
+    except OverflowError:
+        raise ValueError(f"{value!r} is too large to be a size") from None
     if size <= 0:
         raise ValueError(f"a byte count must be positive, got {value!r}")
     if not unit and size < _UNITS["mib"]:
         # A bare number is bytes; written by hand below a MiB it is a unit left out (`--budget 24`), not a budget.
-        raise ValueError(f"{value!r} is {size} bytes; give a unit, e.g. {match.group(1)}GiB (a number without one is bytes)")
+        raise ValueError(f"{value!r} is {size} bytes; give a unit, e.g. {number}MiB or {number}GiB (a number without "
+                         "one is bytes)")
     return size
 
 

@@ -48,10 +48,11 @@ def on_cuda(config: EngineConfig) -> bool:
     return config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
 
 
-def workspace_bytes(spec: ModelSpec, config: EngineConfig) -> int:
+def workspace_bytes(spec: ModelSpec, config: EngineConfig, speculative: bool = True) -> int:
     """Activations of one row block through the widest layer, fp32 logits of a verify block, the segmented
-    verify's expert outputs staged by expert id, and slack."""
-    rows = max(config.row_bucket, config.draft.k_max + 1)
+    verify's expert outputs staged by expert id, and slack. A verify block is k_max + 1 rows where the engine builds a
+    draft, one row block where it does not (its k_max is then 0, whatever the config's)."""
+    rows = max(config.row_bucket, config.draft.k_max + 1) if speculative else config.row_bucket
     widest = max(spec.expert_intermediate * 2, spec.dense_intermediate * 2, spec.shared_intermediate * 2, 4 * spec.hidden_size)
     per_row = 4 * (spec.vocab_size + 8 * spec.hidden_size + 4 * widest)
     scores = 3 * 4 * spec.num_heads * rows * config.max_context  # the static step's whole-cache attention scores
@@ -155,7 +156,7 @@ def plan_memory(spec: ModelSpec, dtype: torch.dtype, config: EngineConfig, specu
     draft = per_draft_expert * spec.num_experts * len(spec.moe_layers) if speculative else 0
     expert = spec.expert_numel * element
     plan = MemoryPlan(
-        budget=config.budget, dense_bytes=dense, draft_bytes=draft, kv_bytes=kv, workspace_bytes=workspace_bytes(spec, config),
+        budget=config.budget, dense_bytes=dense, draft_bytes=draft, kv_bytes=kv, workspace_bytes=workspace_bytes(spec, config, speculative),
         expert_bytes=expert, moe_layers=len(spec.moe_layers), num_experts=spec.num_experts, slots_per_layer=spec.num_experts,
         min_slots_per_layer=spec.top_k, slot_overhead_bytes=_slot_overhead(spec, config, element, expert_graphs),
     )
@@ -203,7 +204,8 @@ def _slots(plan: MemoryPlan, config: EngineConfig) -> tuple[int, int]:
         return plan.num_experts, 0  # all resident: no cache, so no per-slot overhead either
     if config.budget < plan.minimum_budget:
         raise BudgetError(
-            f"budget {fmt(config.budget)} is {fmt(plan.minimum_budget - config.budget)} short of the minimum {fmt(plan.minimum_budget)} "
+            f"budget {fmt(config.budget)} is {fmt(plan.minimum_budget - config.budget, round_up=True)} short of the minimum "
+            f"{fmt(plan.minimum_budget, round_up=True)} "
             f"(non-expert weights {fmt(plan.dense_bytes)}, draft {fmt(plan.draft_bytes)}, KV for {config.max_context} tokens "
             f"{fmt(plan.kv_bytes)}, workspace {fmt(plan.workspace_bytes)}, {plan.min_slots_per_layer} expert slots x "
             f"{plan.moe_layers} layers); raise the budget, lower max_context or use a smaller draft quantization"

@@ -472,3 +472,54 @@ def test_serve_refuses_a_port_in_use_before_loading(monkeypatch, capsys):
         port = holder.getsockname()[1]
         assert main(["serve", "--port", str(port)]) == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+# ---- what info prints about a budget, as the engine loads it ---------------------------------------------------
+def _info(capsys, *args: str) -> dict:
+    assert main(["info", "tiny", "--no-measure", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _loaded_slots(budget: str, **draft) -> tuple[int, ...]:
+    from specter.builtin import builtin_path
+    from specter.config import EngineConfig
+    from specter.engine import Runtime
+    from specter.kernel import run
+
+    async def load():
+        runtime = await Runtime.load(builtin_path("tiny"), EngineConfig(device="cpu", budget=budget, draft=draft))
+        try:
+            return tuple(runtime.cache.layer_slots) if runtime.cache is not None else ()
+        finally:
+            await runtime.aclose()
+
+    return run(load())
+
+
+def test_the_minimum_and_full_residency_info_prints_work_when_typed_back(capsys):
+    """They were printed rounded down: `--budget 46.7MiB`, as printed, was refused as '0.0 MiB short of 46.7 MiB'."""
+    from specter.memory import fmt
+
+    summary = _info(capsys)
+    printed_minimum = fmt(summary["minimum_budget"], round_up=True).replace(" ", "")
+    printed_full = fmt(summary["resident_budget"], round_up=True).replace(" ", "")
+    assert len(set(_loaded_slots(printed_minimum))) >= 1  # loads: the minimum as printed suffices
+    assert _loaded_slots(printed_full) == ()  # every expert resident: no cache
+    assert main(["generate", "--device", "cpu", "--budget", str(summary["minimum_budget"] - 1)]) == 2
+    assert " 0.1 MiB short of the minimum" in capsys.readouterr().err  # a byte short is not "0.0 MiB short"
+
+
+def test_info_at_a_budget_counts_the_extra_slots_and_k_max_as_the_engine_does(capsys):
+    """`--cpu-experts all` counted host experts at the fewest slots in every layer (24 where the engine placed 21),
+    and a deeper --k-max, which takes workspace from the slots, could not be given to info at all."""
+    summary = _info(capsys, "--budget", "60MiB", "--cpu-experts", "all")
+    loaded = _loaded_slots("60MiB")
+    assert summary["host_experts"] == sum(16 - slots for slots in loaded) and len(set(loaded)) == 2
+    deep = _info(capsys, "--budget", "60MiB", "--k-max", "32")["budget_slots"]
+    assert (deep["speculating"], deep["speculating_extra"]) == (min(_loaded_slots("60MiB", k_max=32)),
+                                                                sum(_loaded_slots("60MiB", k_max=32)) - 4 * deep["speculating"])
+
+
+def test_an_engine_without_a_draft_sizes_its_verify_for_one_row_block():
+    """k = 0 with a k_max of 32 builds no draft, yet sized its workspace for 33 verify rows: 7 slots fewer."""
+    assert _loaded_slots("60MiB", k=0, k_max=32) == _loaded_slots("60MiB", k_max=0)

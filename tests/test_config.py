@@ -92,3 +92,15 @@ def test_an_unknown_link_is_refused_when_the_config_is_built():
     with pytest.raises(ConfigError, match="EngineConfig.link = 'gen9'.*not a link preset"):
         EngineConfig.build(link="gen9", residents=2)
     assert EngineConfig.build(link="gen4").link == "gen4" and EngineConfig.build(link="12.5").link == "12.5"
+
+
+@pytest.mark.parametrize("bad", ["1" + "0" * 308 + ".5GB", 0.5, float("inf"), float("nan")])
+def test_a_budget_that_overflows_or_truncates_to_nothing_is_a_config_error(bad):
+    """An OverflowError traceback (a float past its range), or 0.5 bytes accepted as a budget of 0."""
+    with pytest.raises(ConfigError, match="EngineConfig.budget"):
+        EngineConfig.build(budget=bad)
+
+
+def test_a_whole_number_of_bytes_stays_exact():
+    assert parse_bytes(str(2**53 + 1)) == 2**53 + 1  # through a float it was 2**53
+    assert parse_bytes("1.5GiB") == 3 * 2**29
