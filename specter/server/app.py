@@ -1,9 +1,9 @@
 """The OpenAI-compatible routes over one `Engine`: models, completions, chat completions, health, metrics.
 
 A request flows: the gate (API key) -> read the body (JSON only, at most `max_body_bytes`) -> validate it (pydantic)
--> check the model name -> encode the prompt (chat template for messages; on a worker thread, so a long prompt never
-holds the event loop and the streams it serves) -> check it fits the context -> take a place in the queue (or 429) -> wait for the
-engine's turn -> stream pieces as server-sent events, or gather them into one answer. A client that hangs up
+-> check the model name -> encode the prompt (chat template for messages; text on the encoder thread, so a long
+prompt never holds the event loop and the streams it serves) -> check it fits the context -> take a place in the
+queue (or 429) -> wait for the engine's turn -> stream pieces as server-sent events, or gather them into one answer. A client that hangs up
 cancels its request wherever it is (queued or mid-round).
 """
 
@@ -62,11 +62,11 @@ class ServerState:
     # pool would grow a thread per concurrent request. `encoding` counts the prompts it holds, bounded as the queue is.
     encoder: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="specter-encode"))
     encoding: int = 0
+    started: int = field(default_factory=lambda: int(time.time()))
 
     def close(self) -> None:
         """Drop the prompts still waiting for the encoder (their requests are gone with the server)."""
         self.encoder.shutdown(wait=False, cancel_futures=True)
-    started: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def max_context(self) -> int:
