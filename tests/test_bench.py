@@ -220,7 +220,7 @@ def test_a_budget_below_the_minimum_says_so_on_the_console(tmp_path, capsys):
 def test_a_budget_without_its_unit_is_refused_before_anything_runs(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main([*QUICK, "--systems", "ondemand", "--budget", "24", "--out", str(tmp_path / "out")])
-    assert "'24' is 24 bytes; give a unit, e.g. 24GiB" in capsys.readouterr().err
+    assert "'24' is 24 bytes; give a unit, e.g. 24MiB or 24GiB" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
