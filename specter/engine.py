@@ -273,6 +273,7 @@ class Runtime:
         stats.h2d_prefill_bytes = self._bytes_loaded() - stats.h2d_bytes_at_start
         stats.host_prefill_experts, stats.host_prefill_s = stats.host_computed_experts, stats.host_compute_s
         stats.routing_wait_prefill_s, stats.host_wait_prefill_s = stats.routing_wait_s, stats.host_wait_s
+        stats.stall_prefill_s = stats.stall_s
         produced = [first]
         stats.token_times.append(time.perf_counter())
         stats.new_tokens = 1

@@ -41,6 +41,7 @@ class RequestStats:
     h2d_bytes_at_start: int = 0  # the cache's running total when the request started
     h2d_prefill_bytes: int = 0  # of h2d_bytes, those copied before the first token (the prompt's forward)
     stall_s: float = 0.0
+    stall_prefill_s: float = 0.0  # of stall_s, the prompt's forward's (decode's per token leaves it out, as TPOT does)
     routing_wait_s: float = 0.0  # the verify awaiting MoE layers' routing reads (VerifyRecord.routing_wait_s)
     host_wait_s: float = 0.0  # the verify awaiting host jobs after their layer's device path (VerifyRecord.host_wait_s)
     routing_wait_prefill_s: float = 0.0  # of routing_wait_s, the prompt's forward's
@@ -129,7 +130,8 @@ class RequestStats:
             "h2d_bytes_per_token": round(self.h2d_bytes / self.new_tokens, 1) if self.new_tokens else 0.0,
             "h2d_prefill_bytes": self.h2d_prefill_bytes,
             "h2d_decode_bytes_per_token": round(self.h2d_decode_bytes_per_token, 1),
-            "stall_s": round(self.stall_s, 6), "routing_wait_s": round(self.routing_wait_s, 6),
+            "stall_s": round(self.stall_s, 6), "stall_prefill_s": round(self.stall_prefill_s, 6),
+            "routing_wait_s": round(self.routing_wait_s, 6),
             "host_wait_s": round(self.host_wait_s, 6), "routing_wait_prefill_s": round(self.routing_wait_prefill_s, 6),
             "host_wait_prefill_s": round(self.host_wait_prefill_s, 6),
             "copy_busy_fraction": None if self.copy_busy_fraction is None else round(self.copy_busy_fraction, 4),

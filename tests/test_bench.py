@@ -1071,3 +1071,18 @@ def test_the_allocators_figures_on_cuda_sit_inside_its_reserve():
     parts, reserved = protocol.gpu_memory_parts(), protocol.peak_gpu_bytes()
     assert 96 * 2**20 <= parts["peak_gpu_allocated_bytes"] <= reserved, (parts, reserved)
     assert 0 <= parts["peak_gpu_inactive_split_bytes"] <= reserved - 48 * 2**20, (parts, reserved)
+
+
+def test_a_run_into_a_folder_of_an_earlier_one_leaves_none_of_its_plots(tmp_path):
+    """Only the plots a run drew were rewritten: an earlier run's speedup.png, of systems and links the new results do
+    not have, stayed beside them (after a stop too, which draws none)."""
+    from specter.bench.plots import PLOT_FILES
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in PLOT_FILES:
+        (out / name).write_bytes(b"an earlier run's plot")
+    assert cli.main(["--model", "tiny", "--systems", "resident", "--max-new-tokens", "2", "--warmup-tokens", "1",
+                     "--no-plots", "--no-progress", "--out", str(out)]) == 0
+    assert not [name for name in PLOT_FILES if (out / name).exists()]
+    assert json.loads((out / "results.json").read_text())["complete"] is True

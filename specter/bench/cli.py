@@ -16,6 +16,7 @@ from pathlib import Path
 from specter.bench import report, stopping
 from specter.bench.protocol import (CELL_FIELDS, SAMPLING_MODES, ModelTarget, Options, Progress, checkpoint_target, planned_cells,
                                     run_matrix, synthetic_prompts, warmup_prompt)
+from specter.bench.plots import remove_plots
 from specter.bench.stopping import BenchStopped, Stopper, exit_status
 from specter.bench.synthetic import SHAPES, family_available, shape_config, shape_label, synthetic_source
 from specter.bench.systems import DEFAULT_SYSTEMS, SCHEDULE_SOURCE, SYSTEMS, Setting
@@ -463,6 +464,8 @@ class Results:
         self.lock = threading.Lock()  # the main thread's writes and the stop watchdog's (`force`)
         self.final = False
         """The files hold a stop's last word; the watchdog leaves them."""
+        out.mkdir(parents=True, exist_ok=True)
+        remove_plots(out)  # results.json and results.md are rewritten from the start: an earlier run's plots go too
 
     def update(self, progress: Progress) -> None:
         """bench_models' on_cell: the matrix so far, written at once."""

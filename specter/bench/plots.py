@@ -11,8 +11,20 @@ from specter.experts.transfer import LINK_PRESETS
 NATIVE_GBPS = LINK_PRESETS["gen5"]  # 'native' on the H200 machine is PCIe Gen5 (55 GB/s measured)
 
 
+PLOT_FILES = ("tpot_by_system.png", "speedup.png", "acceptance.png", "accepted_length_hist.png", "recall_by_layer.png",
+              "tpot_vs_link.png")
+"""Every plot a run may write, in `write_plots`' order."""
+
+
+def remove_plots(out: Path) -> None:
+    """Delete the plots an earlier run left in `out`: a run that draws fewer (other systems, a stop, --no-plots) must
+    not leave them beside results they do not show."""
+    for name in PLOT_FILES:
+        (out / name).unlink(missing_ok=True)
+
+
 def write_plots(payload: dict, out: Path) -> list[str]:
-    """Write every plot the data allows; returns the file names written."""
+    """Write every plot the data allows (any other of PLOT_FILES in `out` is removed); returns the names written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -22,9 +34,9 @@ def write_plots(payload: dict, out: Path) -> list[str]:
     summary = [row for row in payload["summary"] if (row.get("sampling") or "greedy") == mode]
     runs = [run for run in payload["runs"] if (run.get("sampling") or "greedy") == mode]
     written = []
-    for name, plot in (("tpot_by_system.png", _tpot_by_system), ("speedup.png", _speedups), ("acceptance.png", _acceptance),
-                       ("accepted_length_hist.png", _accepted_lengths), ("recall_by_layer.png", _recall_by_layer),
-                       ("tpot_vs_link.png", _tpot_vs_link)):
+    remove_plots(out)
+    drawers = (_tpot_by_system, _speedups, _acceptance, _accepted_lengths, _recall_by_layer, _tpot_vs_link)
+    for name, plot in zip(PLOT_FILES, drawers, strict=True):
         figure = plot(summary, runs)
         if figure is not None:
             figure.tight_layout()

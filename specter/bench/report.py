@@ -195,7 +195,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
         "h2d_mb_per_token": round(sum(r["h2d_bytes"] for r in runs) / tokens / 1e6, 3),
         "h2d_decode_mb_per_token": decode_mb_per_token(runs),
         "floor_decode_mb_per_token": floor_mb_per_token(runs),
-        "stall_ms_per_token": round(1e3 * sum(r["stall_s"] for r in runs) / tokens, 3),
+        "stall_ms_per_token": _decode_per_token(runs, "stall_s", "stall_prefill_s", scale=1e3),  # with TPOT
         "routing_wait_ms_per_token": _decode_per_token(runs, "routing_wait_s", "routing_wait_prefill_s", scale=1e3),
         "host_wait_ms_per_token": _decode_per_token(runs, "host_wait_s", "host_wait_prefill_s", scale=1e3),
         "copy_busy": round(sum(r.get("copy_busy_s", 0.0) for r in runs) / copy_window, 4) if copy_window else None,
