@@ -416,6 +416,11 @@ def test_merge_combines_disjoint_runs_and_refuses_overlaps(tmp_path, capsys):
         payload = json.loads((out / "results.json").read_text())
         payload["notes"] += ["shared note", f"note of part {index}"]
         payload["options"]["quant"] = ("int4", "int8")[index]
+        payload["options"]["repeats"] = (1, 2)[index]
+        if index == 1:  # part 1 noted a cell it skipped that part 0 ran: the run stands, the skip goes
+            cell = dict(zip(report.CELL_FIELDS, ("tiny", payload["summary"][0]["setting"], "1", "ondemand")))
+            payload["cells"].append(cell | {"status": "skipped: time budget"})
+            payload["notes"].append(f"tiny {cell['setting']} 1 ondemand: skipped: time budget")
         (out / "results.json").write_text(json.dumps(payload))
     merged = tmp_path / "merged"
     assert cli.main(["--merge", str(parts[0]), "--merge", str(parts[1]), "--no-plots", "--out", str(merged)]) == 0
@@ -423,12 +428,21 @@ def test_merge_combines_disjoint_runs_and_refuses_overlaps(tmp_path, capsys):
     assert {(row["link"], row["system"]) for row in results["summary"]} == {("1", "ondemand"), ("2", "ondemand")}
     assert [n for n in results["notes"] if "note" in n] == ["shared note", "note of part 0", "note of part 1"]
     assert "merged parts differ in the draft's expert format: ['int4', 'int8']" in results["notes"]
+    assert "merged parts differ in requests per prompt: [1, 2]" in results["notes"]  # the protocol line is part 0's
+    assert not [note for note in results["notes"] if "skipped: time budget" in note]
+    assert [cell["status"] for cell in results["cells"] if cell["link"] == "1"] == ["ok"]
+    assert [model["label"] for model in results["models"]] == ["tiny"]  # was listed once per part
     assert len(results["runs"]) == 6 and [part["directory"] for part in results["merged_from"]] == [str(p) for p in parts]
     assert "| model | setting | link | sampling | system |" in (merged / "results.md").read_text()
     assert cli.main(["--merge", str(parts[0]), "--merge", str(parts[0]), "--no-plots", "--out", str(tmp_path / "bad")]) == 2
     assert "is in both" in capsys.readouterr().err
     assert cli.main(["--merge", str(tmp_path / "missing"), "--out", str(tmp_path / "bad2")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "results.json").write_text('{"runs": []}')  # was a KeyError traceback
+    assert cli.main(["--merge", str(parts[0]), "--merge", str(stub), "--out", str(tmp_path / "bad3")]) == 2
+    assert "is not a bench results file" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad2").exists()
 
 

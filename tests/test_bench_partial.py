@@ -58,7 +58,7 @@ sys.exit(code)
 """
 
 
-def stopped_run(out: Path, mode: str) -> tuple[subprocess.CompletedProcess, float]:
+def stopped_run(out: Path, mode: str, signals: int = 1) -> tuple[subprocess.CompletedProcess, float]:
     """The bench in a child process on tiny, whose third cell hangs in its second measured request; SIGTERM once it
     hangs there and results.json, read as an observer would, holds two ended cells. Returns the process and the
     seconds from the signal to its exit."""
@@ -77,6 +77,9 @@ def stopped_run(out: Path, mode: str) -> tuple[subprocess.CompletedProcess, floa
         time.sleep(0.2)  # into the hang
         signalled = time.monotonic()
         child.send_signal(signal.SIGTERM)
+        for _ in range(signals - 1):  # an impatient user's next ones
+            time.sleep(0.3)
+            child.send_signal(signal.SIGTERM)
         stdout, stderr = child.communicate(timeout=60)
     finally:
         if child.poll() is None:
@@ -130,6 +133,14 @@ def test_a_cell_that_ignores_the_stop_is_ended_by_the_watchdog_with_the_files_ke
     results = read_results(tmp_path / "out")
     assert results["complete"] is False and "did not end within 2 s" in results["partial"]["reason"]
     assert [cell["system"] for cell in results["cells"]] == ["resident", "ondemand"] and len(results["runs"]) == 6
+
+
+def test_a_second_signal_ends_the_stop_at_once_and_says_so(tmp_path):
+    """The reason said the grace had run out when a second signal had ended the stop 0.1 s after the first."""
+    process, seconds = stopped_run(tmp_path / "out", "stuck", signals=2)
+    assert process.returncode == 143 and seconds < 2, (seconds, process.stderr)  # not the 2 s grace
+    reason = read_results(tmp_path / "out")["partial"]["reason"]
+    assert "a second SIGTERM" in reason and "did not end within" not in reason, reason
 
 
 def test_results_are_written_after_every_cell_and_marked_complete_at_the_end(tmp_path, monkeypatch):

@@ -496,14 +496,14 @@ class Results:
             self.final = final
         return payload
 
-    def force(self, signum: int) -> None:
-        """The stop watchdog's last write before it ends the process (the cell in progress would not let go)."""
+    def force(self, signum: int, why: str) -> None:
+        """The last write before the stopper ends the process (`why`: a second signal, or the cell in progress would
+        not let go within the grace)."""
         if not self.lock.acquire(timeout=2.0):  # a write in progress: its files stay valid either way
             return
         try:
             if not self.final:
-                reason = (f"stopped by {signal.Signals(signum).name}: the cell in progress did not end within "
-                          f"{stopping.STOP_GRACE_S:g} s of the signal, and the process was ended")
+                reason = f"stopped by {signal.Signals(signum).name}: {why}, and the process was ended"
                 write_outputs(self.out, self.payload(reason), plots=False)
         finally:
             self.lock.release()

@@ -320,6 +320,8 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
         try:
             payload = json.loads(path.read_text())
             runs = payload["runs"]
+            if not isinstance(payload.get("machine"), dict) or not isinstance(payload.get("options"), dict):
+                raise KeyError("machine and options")  # a stub with runs alone is no bench output either
         except FileNotFoundError:
             raise ConfigError(f"--merge: {path} does not exist; pass directories written by python -m specter.bench") from None
         except (ValueError, KeyError, TypeError) as error:
@@ -334,7 +336,8 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
     parts = [{"directory": str(d), "date": p["machine"].get("date"), "command": p["machine"].get("command"),
               "git_commit": p["machine"].get("git_commit"), "source_digest": p["machine"].get("source_digest"),
               "max_new_tokens": p["options"].get("max_new_tokens"), "quant": p["options"].get("quant", "int4"),
-              "placement_profile": p["options"].get("placement_profile"),
+              "placement_profile": p["options"].get("placement_profile"), "repeats": p["options"].get("repeats"),
+              "k": p["options"].get("k"), "sampling": p["options"].get("sampling"),
               "complete": is_complete(p)} for d, p in zip(directories, payloads)]
     machine = dict(payloads[0]["machine"])
     machine["command"] = " && ".join(str(part["command"]) for part in parts)
@@ -345,9 +348,17 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
         notes.append(f"merged parts differ in the draft's expert format: {[part['quant'] for part in parts]}")
     if len({part["placement_profile"] for part in parts}) > 1:  # the options kept are the first part's
         notes.append(f"merged parts placed from different routing traces: {[part['placement_profile'] for part in parts]}")
+    for field, what in (("repeats", "requests per prompt"), ("k", "fixed draft depth (--k)"), ("sampling", "sampling modes")):
+        if len({json.dumps(part[field]) for part in parts}) > 1:  # the protocol line is the first part's
+            notes.append(f"merged parts differ in {what}: {[part[field] for part in parts]}")
     if len({part["source_digest"] for part in parts}) > 1:
         notes.append("merged parts ran different engine sources (see merged_from)")
     cells = [cell for payload in payloads for cell in payload.get("cells", [])]
+    ran = {tuple(cell.get(field) for field in CELL_FIELDS) for cell in cells if cell.get("status") == "ok"}
+    # A cell one part skipped (time budget, no room) and another ran: the run stands, the skip and its note go.
+    cells = [cell for cell in cells
+             if cell.get("status") == "ok" or tuple(cell.get(field) for field in CELL_FIELDS) not in ran]
+    notes = [note for note in notes if not any(f"{' '.join(map(str, key))}: skipped" in note for key in ran)]
     ended = {tuple(cell.get(field) for field in CELL_FIELDS) for cell in cells}
     # the hf-accelerate baseline keeps records only, no cell: a part whose records hold it has run it
     ended |= {tuple(run.get(field) for field in CELL_FIELDS) for run in runs}
@@ -362,7 +373,8 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
     summary = summarize(runs)
     notes += [flag for flag in exact_prefetch_flags(summary) if flag not in notes]  # cells that met only in the merge
     merged = {"machine": machine, "options": payloads[0]["options"], "args": payloads[0].get("args", {}),
-              "models": [model for payload in payloads for model in payload.get("models", [])],
+              "models": list({model.get("label", model.get("name")): model  # one entry per model, the last part's
+                              for payload in payloads for model in payload.get("models", [])}.values()),
               "cells": cells, "summary": summary,
               "runs": runs, "notes": notes, "elapsed_s": round(sum(p.get("elapsed_s", 0.0) for p in payloads), 1),
               "merged_from": parts, "complete": not remaining}

@@ -51,10 +51,10 @@ class Stopper:
     """Turns a stop signal into the cancellation of the asyncio task `run` is running (or, outside one, BenchStopped
     at once), with the watchdog above. Install it with `installed()`; only the main thread can take signals."""
 
-    def __init__(self, grace_s: float = STOP_GRACE_S, on_force: Callable[[int], None] | None = None) -> None:
+    def __init__(self, grace_s: float = STOP_GRACE_S, on_force: Callable[[int, str], None] | None = None) -> None:
         self.grace_s = grace_s
         self.on_force = on_force
-        """Called (from the watchdog's thread, with the signal's number) just before the process is ended."""
+        """Called (with the signal's number and why the stop was forced) just before the process is ended."""
         self.signum: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
@@ -100,7 +100,7 @@ class Stopper:
 
     def _handle(self, signum: int, _frame: object) -> None:
         if self.signum is not None:  # a second signal: no more waiting
-            self._force(signum)
+            self._force(signum, f"a second {signal.Signals(signum).name} came before the cell in progress had ended")
         self.signum = signum
         _say(f"\n{signal.Signals(signum).name}: stopping the bench (abandoning the cell in progress, keeping the finished ones)")
         threading.Thread(target=self._watchdog, args=(signum,), name="bench-stop-watchdog", daemon=True).start()
@@ -113,12 +113,12 @@ class Stopper:
     def _watchdog(self, signum: int) -> None:
         if not self._done.wait(self.grace_s):
             _say(f"the stopped bench did not end within {self.grace_s:g} s; ending the process")
-            self._force(signum)
+            self._force(signum, f"the cell in progress did not end within {self.grace_s:g} s of the signal")
 
-    def _force(self, signum: int) -> None:
+    def _force(self, signum: int, why: str) -> None:
         try:
             if self.on_force is not None:
-                self.on_force(signum)
+                self.on_force(signum, why)
         finally:
             os._exit(exit_status(signum))
 
