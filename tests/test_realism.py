@@ -110,6 +110,8 @@ def test_report_of_a_tiny_checkpoint(checkpoint, tmp_path):
     assert draft["quant"] == "int8" and draft["drafted_greedy"] > 0 and 0 <= draft["acceptance_greedy"] <= 1
     assert json.loads(json.dumps(report)) == report  # JSON-ready as it is
     assert "entropy" in realism.format_report(report)
+    unmeasured = report | {"held_out": report["held_out"] | {"loss": None, "tokens": 0}}  # a checkpoint without held-out text
+    assert "held-out loss: not measured" in realism.format_report(unmeasured)  # was "loss None nats/token over 0 tokens"
 
 
 def test_cli_prints_the_table_and_writes_json(checkpoint, tmp_path, capsys):

@@ -326,7 +326,8 @@ def format_report(report: dict[str, Any]) -> str:
     routing, draft, rep = report["routing"], report["draft"], report["repetition"]
     lines = [f"realism: {report['model']} ({report['family']}, {report['num_layers']} layers, {report['num_experts']} experts "
              f"top-{report['top_k']}, hidden {report['hidden_size']})",
-             f"held-out loss {report['held_out']['loss']} nats/token over {report['held_out']['tokens']} tokens",
+             (f"held-out loss {report['held_out']['loss']} nats/token over {report['held_out']['tokens']} tokens"
+              if report["held_out"]["loss"] is not None else "held-out loss: not measured (no held-out text)"),
              f"repeated 4-grams in {report['new_tokens']} tokens: greedy {rep['greedy_4gram_repeat']}, sampled at "
              f"T={rep['temperature']} {rep['sampled_4gram_repeat']}",
              f"routing (greedy sequences) mean: {routing['mean']}",
