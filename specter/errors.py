@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 
 class SpecterError(Exception):
     """Base of every error Specter raises on purpose; the message says what to do."""
@@ -33,3 +36,17 @@ class RequestCancelled(SpecterError):
 
 class OutputError(SpecterError, OSError):
     """An output the user named (stdout, a trace file) cannot be written: full disk, a closed device."""
+
+
+def unreadable(path: Path, error: OSError) -> CheckpointError:
+    """The error for a checkpoint's file that exists but cannot be opened, saying why (most often its permissions)."""
+    if isinstance(error, PermissionError):
+        return CheckpointError(f"{path}: permission denied; make the checkpoint readable by this user "
+                               f"(e.g. chmod -R a+rX {path.parent}) or run as a user who can read it")
+    return CheckpointError(f"{path}: cannot be read ({error.strerror or error})")
+
+
+def abbreviate(value: Any, limit: int = 200) -> str:
+    """repr(value), cut to `limit` characters for a message: an answer of a million ids must not become the message."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from specter.errors import PluginError
+from specter.errors import PluginError, abbreviate
 from specter.log import get_logger
 from specter.placement import Placement, PlacementState
 from specter.policy import (
@@ -238,7 +238,7 @@ class _Guarded:
             return getattr(self.policy, method)(**arguments)
         except (Exception, SystemExit) as exc:  # a policy's exit() is its bug, not the process's; cancellation and
             # KeyboardInterrupt pass through on purpose
-            raise PluginError(f"{self.origin.label()}: {method}() raised {_short(exc)}") from exc
+            raise PluginError(f"{self.origin.label()}: {method}() raised {abbreviate(exc)}") from exc
         finally:
             self._time(method, time.perf_counter() - started)
 
@@ -259,9 +259,9 @@ class _Guarded:
         try:
             items = list(value)
         except TypeError:
-            raise self._wrong(method, f"{what} {_short(value)} is not a list of ids") from None
+            raise self._wrong(method, f"{what} {abbreviate(value)} is not a list of ids") from None
         if not all(isinstance(item, (int, np.integer)) and not isinstance(item, (bool, np.bool_)) for item in items):
-            raise self._wrong(method, f"{what} {_short(items)} is not a list of int ids")
+            raise self._wrong(method, f"{what} {abbreviate(items)} is not a list of int ids")
         return [int(item) for item in items]
 
 
@@ -282,10 +282,10 @@ class GuardedEviction(_Guarded):
             "victims", layer=layer, residents=residents, protected=protected, count=count, history=history, plan=plan
         ), "the victims")
         if len(chosen) != count or len(set(chosen)) != count:
-            raise self._wrong("victims", f"{_short(chosen)} is not {count} distinct experts")
+            raise self._wrong("victims", f"{abbreviate(chosen)} is not {count} distinct experts")
         if not set(chosen) <= resident_set or set(chosen) & protected_set:
             bad = sorted(set(chosen) - (resident_set - protected_set))
-            raise self._wrong("victims", f"{_short(bad)} are not resident or are protected (layer {layer})")
+            raise self._wrong("victims", f"{abbreviate(bad)} are not resident or are protected (layer {layer})")
         return chosen
 
 
@@ -295,7 +295,7 @@ class GuardedPrefetch(_Guarded):
     def checkpoints(self, k: int, timing: LinkTiming) -> list[int]:
         steps = self._ids("checkpoints", self._call("checkpoints", k=k, timing=timing), "the draft-step counts")
         if steps != sorted(set(steps)) or any(not 1 <= step <= k for step in steps):
-            raise self._wrong("checkpoints", f"{_short(steps)} are not sorted distinct steps in 1..{k}")
+            raise self._wrong("checkpoints", f"{abbreviate(steps)} are not sorted distinct steps in 1..{k}")
         return steps
 
     def plan(
@@ -335,31 +335,31 @@ class GuardedPrefetch(_Guarded):
 
     def _layers(self, mapping: Any, field: str, layers: int) -> list[tuple[int, Any]]:
         if not isinstance(mapping, Mapping):
-            raise self._wrong("plan", f"Plan.{field} {_short(mapping)} is not a mapping of layer -> ...")
+            raise self._wrong("plan", f"Plan.{field} {abbreviate(mapping)} is not a mapping of layer -> ...")
         items = list(mapping.items())
         bad = [layer for layer, _ in items
                if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < layers]
         if bad:
-            raise self._wrong("plan", f"Plan.{field} names layers {_short(bad)}, not ints in 0..{layers - 1}")
+            raise self._wrong("plan", f"Plan.{field} names layers {abbreviate(bad)}, not ints in 0..{layers - 1}")
         return [(int(layer), value) for layer, value in items]
 
     def _layer_plan(self, layer: int, experts: list[int], num_experts: int, slots: int) -> list[int]:
         if len(experts) > slots or len(set(experts)) != len(experts):
-            raise self._wrong("plan", f"layer {layer} lists {_short(experts)}: not at most {slots} distinct experts")
+            raise self._wrong("plan", f"layer {layer} lists {abbreviate(experts)}: not at most {slots} distinct experts")
         if any(not 0 <= expert < num_experts for expert in experts):
-            raise self._wrong("plan", f"layer {layer} lists {_short(experts)}: ids outside 0..{num_experts - 1}")
+            raise self._wrong("plan", f"layer {layer} lists {abbreviate(experts)}: ids outside 0..{num_experts - 1}")
         return experts
 
     def _layer_scores(self, layer: int, scored: Any, num_experts: int) -> dict[int, float]:
         if not isinstance(scored, Mapping):
-            raise self._wrong("plan", f"layer {layer}'s scores {_short(scored)} are not a mapping of expert -> weight")
+            raise self._wrong("plan", f"layer {layer}'s scores {abbreviate(scored)} are not a mapping of expert -> weight")
         ids = self._ids("plan", scored.keys(), f"layer {layer}'s scored experts")
         if any(not 0 <= expert < num_experts for expert in ids):
-            raise self._wrong("plan", f"layer {layer} scores {_short(ids)}: ids outside 0..{num_experts - 1}")
+            raise self._wrong("plan", f"layer {layer} scores {abbreviate(ids)}: ids outside 0..{num_experts - 1}")
         weights = list(scored.values())
         if not all(isinstance(w, (int, float, np.integer, np.floating)) and not isinstance(w, bool) and math.isfinite(w)
                    for w in weights):
-            raise self._wrong("plan", f"layer {layer}'s score weights {_short(weights)} are not finite numbers")
+            raise self._wrong("plan", f"layer {layer}'s score weights {abbreviate(weights)} are not finite numbers")
         return dict(zip(ids, map(float, weights), strict=True))
 
 
@@ -389,7 +389,7 @@ class GuardedPlacement(_Guarded):
             return True
         answer = self._call("prices_misses", state=state)
         if not isinstance(answer, (bool, np.bool_)):
-            raise self._wrong("prices_misses", f"{_short(answer)} is not a bool")
+            raise self._wrong("prices_misses", f"{abbreviate(answer)} is not a bool")
         return bool(answer)
 
     def place_prefill(self, state: PlacementState, decode: Placement, rows: int) -> Placement:
@@ -413,15 +413,10 @@ class GuardedPlacement(_Guarded):
         for layer, experts in enumerate(placement.host):
             ids = self._ids(method, experts, f"layer {layer}'s host experts")
             if any(not 0 <= expert < state.num_experts for expert in ids):  # Placement's own check is an assert
-                raise self._wrong(method, f"layer {layer}'s host experts {_short(sorted(ids))} are outside "
+                raise self._wrong(method, f"layer {layer}'s host experts {abbreviate(sorted(ids))} are outside "
                                           f"0..{state.num_experts - 1}")
             host.append(frozenset(ids))
         # A copy of frozensets: the policy's own sets, if it kept them, could change the placement after load, and
         # the cache and the host path would then disagree on which experts each computes.
         return Placement(tuple(host), state.num_experts)
 
-
-def _short(value: Any, limit: int = 200) -> str:
-    """repr(value), cut to `limit` characters: an answer of a million ids must not become the message."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

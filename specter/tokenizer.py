@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specter.errors import CheckpointError, ConfigError, PromptError, SpecterError
+from specter.errors import CheckpointError, ConfigError, PromptError, SpecterError, unreadable
 
 TOKENIZER_FILE = "tokenizer.json"
 REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
@@ -43,7 +43,7 @@ class Tokenizer:
             template, template_source = _chat_template(path, settings)
             backend = _load_backend(path / TOKENIZER_FILE)
         except OSError as error:  # most often permissions: the directory or a file not readable by this user
-            raise _unreadable(Path(error.filename or path), error) from None
+            raise unreadable(Path(error.filename or path), error) from None
         special = {key: _token_text(settings.get(key)) for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
         return cls(backend, chat_template=template, special_tokens={key: text for key, text in special.items() if text},
                    source=str(path), template_source=template_source)
@@ -215,13 +215,6 @@ def _read_json(file: Path) -> dict[str, Any]:
     if not isinstance(settings, dict):
         raise CheckpointError(f"{file}: expected a JSON object at the top level, got {type(settings).__name__}; fix or remove the file")
     return settings
-
-
-def _unreadable(path: Path, error: OSError) -> CheckpointError:
-    if isinstance(error, PermissionError):
-        return CheckpointError(f"{path}: permission denied; make the checkpoint readable by this user "
-                               f"(e.g. chmod -R a+rX {path.parent}) or run as a user who can read it")
-    return CheckpointError(f"{path}: cannot be read ({error.strerror or error})")
 
 
 def _chat_template(path: Path, settings: Mapping[str, Any]) -> tuple[str | None, str]:

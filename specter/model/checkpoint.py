@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from specter.errors import CheckpointError
+from specter.errors import CheckpointError, abbreviate, unreadable
 from specter.model.spec import ModelSpec, spec_from_config
 
 FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
@@ -52,7 +52,7 @@ class Checkpoint:
         except (FileNotFoundError, IsADirectoryError):
             raise CheckpointError(f"{config_path}: missing; a Hugging Face checkpoint directory needs config.json") from None
         except OSError as error:
-            raise _unreadable(config_path, error) from None
+            raise unreadable(config_path, error) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise CheckpointError(f"{config_path}: not valid JSON ({error})") from None
         if not isinstance(config, dict):
@@ -79,11 +79,11 @@ class Checkpoint:
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
         except OSError as error:
-            raise _unreadable(index_path, error) from None
+            raise unreadable(index_path, error) from None
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
             raise CheckpointError(f"{malformed} ({error!r})") from None
         if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
-            raise CheckpointError(f"{malformed}, got 'weight_map' = {_abbreviate(weight_map)}")
+            raise CheckpointError(f"{malformed}, got 'weight_map' = {abbreviate(weight_map, 80)}")
         self.weight_map = weight_map
         files = sorted({self.path / name for name in weight_map.values()})
         for file in files:
@@ -113,7 +113,7 @@ class Checkpoint:
             with file.open("rb"):  # safetensors reports a file it may not read as missing
                 pass
         except OSError as error:
-            raise _unreadable(file, error) from None
+            raise unreadable(file, error) from None
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
         except (SafetensorError, OSError, ValueError) as error:
@@ -152,19 +152,6 @@ class Checkpoint:
 
     def close(self) -> None:
         self._handles.clear()
-
-
-def _unreadable(path: Path, error: OSError) -> CheckpointError:
-    """The error for a checkpoint file that exists but cannot be opened, saying why (most often its permissions)."""
-    if isinstance(error, PermissionError):
-        return CheckpointError(f"{path}: permission denied; make the checkpoint readable by this user "
-                               f"(e.g. chmod -R a+rX {path.parent}) or run as a user who can read it")
-    return CheckpointError(f"{path}: cannot be read ({error.strerror or error})")
-
-
-def _abbreviate(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _check_file_size(file: Path, handle: Any) -> None:
