@@ -105,6 +105,7 @@ def refresh() -> None:
     """Forget the cached entry-point scan (after installing a plug-in into the running process)."""
     with _scan_lock:
         _scanned.clear()
+        _checked_allow_lists.clear()
 
 
 def is_allowed(group: str, name: str) -> bool:
@@ -113,7 +114,37 @@ def is_allowed(group: str, name: str) -> bool:
     if allow_list is None:
         return True
     entries = {entry.strip() for entry in allow_list.split(",") if entry.strip()}
-    return name in entries or f"{short_group(group)}:{name}" in entries
+    _warn_unmatched(allow_list, entries)
+    short = short_group(group)
+    return name in entries or f"{short}:{name}" in entries or f"{GROUP_PREFIX}{short}:{name}" in entries
+
+
+_checked_allow_lists: set[str] = set()
+
+
+def _warn_unmatched(allow_list: str, entries: set[str]) -> None:
+    """Log once per allow-list value the entries that name no installed plug-in.
+
+    A misspelt entry allows nothing, so the plug-in it meant is refused later under its own name; the warning
+    names the misspelling itself.
+    """
+    with _scan_lock:
+        if allow_list in _checked_allow_lists:
+            return
+        _checked_allow_lists.add(allow_list)
+    groups = (*POLICY_GROUPS, BACKEND_GROUP)
+    names = {group: installed(group) for group in groups}
+    unmatched = []
+    for entry in sorted(entries):
+        group, _, name = entry.rpartition(":")
+        if group.removeprefix(GROUP_PREFIX) not in ("", *groups):
+            unmatched.append(f"{entry!r} (no group {group!r}; the groups are {', '.join(groups)})")
+        elif not any(name in names[g] for g in ((group.removeprefix(GROUP_PREFIX),) if group else groups)):
+            unmatched.append(f"{entry!r} (no such plug-in installed)")
+    if unmatched:
+        log.warning("plugin.allow_list_unmatched", variable=ALLOW_LIST_ENV, entries=unmatched,
+                    installed={g: sorted(found) for g, found in names.items()},
+                    advice=f"correct or remove these {ALLOW_LIST_ENV} entries; as written they allow nothing")
 
 
 def available(group: str, *, refresh: bool = False) -> dict[str, EntryPoint]:

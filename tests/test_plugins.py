@@ -160,6 +160,22 @@ def test_empty_allow_list_allows_nothing_and_unset_allows_all(fake_entry_points,
     assert plugins.available("prefetch") == {}
 
 
+def test_allow_list_entries_that_match_nothing_are_named_once(fake_entry_points, monkeypatch):
+    warnings = []
+    monkeypatch.setattr(plugins.log, "warning", lambda event, **fields: warnings.append((event, fields)))
+    monkeypatch.setenv(plugins.ALLOW_LIST_ENV, "lur, evictoin:lfu, prefetch:none, specter.eviction:lfu")
+    assert plugins.is_allowed("eviction", "lfu")  # the full group name is a group too
+    assert plugins.is_allowed("prefetch", "none") and not plugins.is_allowed("eviction", "lru")
+    assert [event for event, _ in warnings] == ["plugin.allow_list_unmatched"]  # once per value
+    named = warnings[0][1]["entries"]
+    assert len(named) == 2
+    assert "'evictoin:lfu' (no group 'evictoin'" in named[0] and named[1] == "'lur' (no such plug-in installed)"
+    assert "lru" in warnings[0][1]["installed"]["eviction"]
+    monkeypatch.setenv(plugins.ALLOW_LIST_ENV, "lru")
+    plugins.is_allowed("eviction", "lru")
+    assert len(warnings) == 1  # every entry matches
+
+
 # --- guarded decisions -----------------------------------------------------------------------------------
 
 
