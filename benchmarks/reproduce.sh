@@ -218,8 +218,8 @@ old_tree() {  # TARGET: the old tree's absolute path ($OLD, default .old: `git a
   echo "$old"
 }
 
-engine_ab() {  # table "Before and after the redesign", engine rows: benchmarks/engine_ab.py straight on the engine (no
-  # bench harness) in the trees of $OLD and of this one, alternating old new new old, synthetic Qwen shape (8 layers)
+engine_ab() {  # a change's A/B on the engine alone: benchmarks/engine_ab.py (no bench harness) in the trees of $OLD and
+  # of this one, alternating old new new old, synthetic Qwen shape (8 layers)
   local side dir here=$PWD dest=$out/engine-ab n=0 old
   old=$(old_tree engine-ab) || return 1
   mkdir -p "$dest"
