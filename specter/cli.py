@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from specter.errors import OutputError, SpecterError
+from specter.exits import run_tool
 from specter.server.cli import add_serve_parser, cmd_serve
 
 DEFAULT_PROMPT_IDS = [1, 2, 3, 4]  # when neither --prompt nor --prompt-ids is given
@@ -141,36 +139,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specter import log
 
     log.configure(json=args.log_json, level=args.log_level)
-    try:
-        return {"generate": cmd_generate, "info": cmd_info, "serve": cmd_serve}[args.command](args)
-    except BrokenPipeError:  # the reader left (`| head`): nothing more can be shown, and that is no error
-        _stdout_to_devnull()
-        return 141  # as a shell tool that SIGPIPE ended
-    except SpecterError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-
-
-def _stdout_to_devnull() -> None:
-    """Point stdout at /dev/null, so the interpreter's last flush of what is still buffered does not fail again."""
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError, io.UnsupportedOperation):  # no real stdout (a test's capture): nothing to flush
-        pass
+    return run_tool(lambda: {"generate": cmd_generate, "info": cmd_info, "serve": cmd_serve}[args.command](args))
 
 
 def _out(text: str) -> None:
-    """Write to stdout now; a write that fails (a full disk, /dev/full) is the user's output path, said so."""
-    try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        raise
-    except OSError as error:
-        raise OutputError(f"cannot write the output to stdout: {error.strerror or error}; redirect it elsewhere") from None
+    """Write to stdout now (a stream's tokens as they commit); `run_tool` names a write that fails."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 # ---- generate -----------------------------------------------------------------------------------------

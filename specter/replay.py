@@ -28,6 +28,7 @@ import numpy as np
 
 from specter.config import CacheTuning
 from specter.errors import PluginError, SpecterError
+from specter.exits import run_tool
 from specter.log import get_logger
 from specter.placement import (
     OVERLAP,
@@ -564,47 +565,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.slots is not None and args.slots < 1:
         parser.error(f"--slots {args.slots}: expected 1 or more cache slots per layer")
     if args.placement is not None:
-        return _compare_placements(args, parser)
-    try:
-        evictions, prefetches = _named_plugins("eviction", args.eviction), _named_plugins("prefetch", args.prefetch)
-        header, rounds = read_trace(args.trace)
-        results, skipped = replay_all(
-            header, rounds, args.link, slots_per_layer=args.slots, evictions=evictions, prefetches=prefetches,
-            roll=args.roll,
-        )
-    except SpecterError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        if args.row_bucket < 1 or not 0 <= args.overlap <= 1:
+            parser.error("--row-bucket must be >= 1 and 0 <= --overlap <= 1")
+        return run_tool(lambda: _compare_placements(args))
+    return run_tool(lambda: _compare_policies(args))
+
+
+def _compare_policies(args: argparse.Namespace) -> int:
+    """Every eviction x prefetch pair: one row each."""
+    evictions, prefetches = _named_plugins("eviction", args.eviction), _named_plugins("prefetch", args.prefetch)
+    header, rounds = read_trace(args.trace)
+    results, skipped = replay_all(
+        header, rounds, args.link, slots_per_layer=args.slots, evictions=evictions, prefetches=prefetches,
+        roll=args.roll,
+    )
     _print_results(header, rounds, results, skipped, args)
     return 0 if results else 1
 
 
-def _compare_placements(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _compare_placements(args: argparse.Namespace) -> int:
     """`--placement`: one row per placement."""
     from specter.config import EngineConfig
 
-    if args.row_bucket < 1 or not 0 <= args.overlap <= 1:
-        parser.error("--row-bucket must be >= 1 and 0 <= --overlap <= 1")
     engine = EngineConfig()
-    try:
-        # Only the first eviction and prefetch are used here, but every name given is checked.
-        for group, csv in (("eviction", args.eviction), ("prefetch", args.prefetch), ("placement", args.placement)):
-            _named_plugins(group, csv)
-        header, rounds = read_trace(args.trace)
-        profile = sequence = None
-        if args.profile is not None:
-            from specter.experts.costs import routing_profile
+    # Only the first eviction and prefetch are used here, but every name given is checked.
+    for group, csv in (("eviction", args.eviction), ("prefetch", args.prefetch), ("placement", args.placement)):
+        _named_plugins(group, csv)
+    header, rounds = read_trace(args.trace)
+    profile = sequence = None
+    if args.profile is not None:
+        from specter.experts.costs import routing_profile
 
-            profile, sequence = routing_profile(args.profile, header.num_layers, header.num_experts)
-        replays = replay_placements(
-            header, rounds, _names(args.placement) or ["off"], args.link,
-            args.host_ms / 1e3 if args.host_ms is not None else None, slots_per_layer=args.slots,
-            eviction=(_names(args.eviction) or [engine.eviction])[0], prefetch=(_names(args.prefetch) or [engine.prefetch])[0],
-            row_bucket=args.row_bucket, profile=profile, roll=args.roll, overlap=args.overlap, sequence=sequence,
-            host_job_s=args.host_job_ms / 1e3 if args.host_job_ms is not None else None)
-    except SpecterError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        profile, sequence = routing_profile(args.profile, header.num_layers, header.num_experts)
+    replays = replay_placements(
+        header, rounds, _names(args.placement) or ["off"], args.link,
+        args.host_ms / 1e3 if args.host_ms is not None else None, slots_per_layer=args.slots,
+        eviction=(_names(args.eviction) or [engine.eviction])[0], prefetch=(_names(args.prefetch) or [engine.prefetch])[0],
+        row_bucket=args.row_bucket, profile=profile, roll=args.roll, overlap=args.overlap, sequence=sequence,
+        host_job_s=args.host_job_ms / 1e3 if args.host_job_ms is not None else None)
     if args.json:
         print(json.dumps({"model": header.model, "link_gbps": args.link, "host_ms": args.host_ms,
                           "host_job_ms": args.host_job_ms, "overlap": args.overlap,

@@ -23,6 +23,7 @@ from specter.bench.systems import DEFAULT_SYSTEMS, SCHEDULE_SOURCE, SYSTEMS, Set
 from specter.build import resolve_dtype
 from specter.config import DEFAULT_K, DraftConfig, EngineConfig, TuningConfig, parse_bytes, parse_link
 from specter.errors import ConfigError, SpecterError
+from specter.exits import run_tool
 from specter.experts.costs import routing_profile
 from specter.model.spec import spec_from_config
 from specter.paths import check_output_folder
@@ -189,6 +190,8 @@ def check_args(args: argparse.Namespace) -> None:
     for count in args.residents or ():
         if count < 1:
             raise ConfigError(f"--residents {count}: expected 1 or more expert slots per MoE layer")
+    # The engine's own fields, in its words: they would otherwise fail as a validation traceback at the first cell.
+    EngineConfig.build(device=args.device, dtype=args.dtype)
     for link in args.link or ():
         if link != "native":  # the bench's name for the real link (BenchRuntime.set_link); the rest as it parses them
             try:
@@ -370,11 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specter import log
 
     log.configure(level="ERROR")
-    try:
-        return run(args, argv)
-    except SpecterError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    return run_tool(lambda: run(args, argv))
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 from specter.config import DraftConfig, EngineConfig, GenerationConfig
 from specter.engine import Runtime
-from specter.errors import ConfigError, SpecterError
+from specter.errors import ConfigError, OutputError
+from specter.exits import run_tool
 from specter.model.transformer import ExpertMLP, ExpertProvider, Transformer
 
 Tensor = torch.Tensor
@@ -355,16 +356,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        prompts, held = checkpoint_inputs(args.model, args.per_kind)
-        report = realism_report(args.model, prompts or None, held_out=held, factor=args.factor,
-                                config=realism_config(args.device, args.quant), new_tokens=args.new_tokens)
-    except SpecterError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    return run_tool(lambda: _print_report(args))
+
+
+def _print_report(args: argparse.Namespace) -> int:
+    prompts, held = checkpoint_inputs(args.model, args.per_kind)
+    report = realism_report(args.model, prompts or None, held_out=held, factor=args.factor,
+                            config=realism_config(args.device, args.quant), new_tokens=args.new_tokens)
     print(format_report(report))
     if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        try:
+            args.json.write_text(json.dumps(report, indent=1) + "\n")
+        except OSError as error:
+            raise OutputError(f"cannot write the report to {args.json}: {error.strerror or error}") from None
     return 0
 
 

@@ -56,7 +56,8 @@ from safetensors.torch import save_file
 
 import specter.model  # noqa: F401  (registers the extra families: phimoe, deepseek_v2)
 from specter.bench.synthetic import SHAPES
-from specter.errors import CheckpointError, ConfigError, SpecterError
+from specter.errors import CheckpointError, ConfigError
+from specter.exits import run_tool
 from specter.model.checkpoint import Checkpoint
 from specter.model.deepseek_v2 import DeepseekSpec
 from specter.model.spec import ModelSpec, spec_from_config
@@ -509,26 +510,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        if args.table:
-            print(json.dumps(narrow_table(), indent=1))
-            return 0
-        if args.narrow_config:
-            if args.shape is None:
-                raise ConfigError("--narrow-config needs --shape")
-            print(json.dumps(shape_narrow_config(args.shape, args.factor, args.vocab_size), indent=2))
-            return 0
-        if args.src is None or args.dst is None:
-            raise ConfigError("widening needs --src NARROW_DIR and --dst WIDE_DIR (or use --narrow-config / --table)")
-        if args.factor is None and args.shape is None:
-            raise ConfigError("widening needs --factor F, or --shape to take that shape's default factor")
-        factor = args.factor if args.factor is not None else DEFAULT_FACTORS[args.shape]
-        if args.shape is not None:
-            check_matches_shape(Checkpoint(args.src).config, args.shape, check_factor(factor))
-        out = widen_checkpoint(args.src, args.dst, check_factor(factor), int(args.shard_gb * 2**30), _DTYPES[args.dtype])
-    except SpecterError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    return run_tool(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.table:
+        print(json.dumps(narrow_table(), indent=1))
+        return 0
+    if args.narrow_config:
+        if args.shape is None:
+            raise ConfigError("--narrow-config needs --shape")
+        print(json.dumps(shape_narrow_config(args.shape, args.factor, args.vocab_size), indent=2))
+        return 0
+    if args.src is None or args.dst is None:
+        raise ConfigError("widening needs --src NARROW_DIR and --dst WIDE_DIR (or use --narrow-config / --table)")
+    if args.factor is None and args.shape is None:
+        raise ConfigError("widening needs --factor F, or --shape to take that shape's default factor")
+    factor = args.factor if args.factor is not None else DEFAULT_FACTORS[args.shape]
+    if args.shape is not None:
+        check_matches_shape(Checkpoint(args.src).config, args.shape, check_factor(factor))
+    out = widen_checkpoint(args.src, args.dst, check_factor(factor), int(args.shard_gb * 2**30), _DTYPES[args.dtype])
     print(f"widened {args.src} x{factor} ({args.dtype}) -> {out}")
     return 0
 

@@ -1,0 +1,83 @@
+"""The exit statuses every command-line tool shares (`specter`, `specter.bench`, `specter.replay`).
+
+0 done; 2 a `SpecterError` (bad input, an unusable output path), its message on stderr after `error: `; 130
+interrupted; 141 the reader of stdout left (`| head`), as a shell tool that SIGPIPE ended. A tool may have
+statuses of its own besides (the bench's 1: a system's tokens differ from the baseline's).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from collections.abc import Callable
+from typing import TextIO
+
+from specter.errors import OutputError, SpecterError
+
+BROKEN_PIPE_STATUS = 141
+INTERRUPTED_STATUS = 130
+ERROR_STATUS = 2
+
+
+class _GuardedStdout(io.TextIOBase):
+    """Stdout whose failed writes say they were stdout's: a full disk under `> file` is the user's output path, not
+    a crash of the tool. A closed pipe stays a `BrokenPipeError`, which `run_tool` turns into 141."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def _guard(self, call: Callable[[], object]) -> object:
+        try:
+            return call()
+        except BrokenPipeError:
+            raise
+        except OSError as error:
+            _stdout_to_devnull(self._stream)  # what is still buffered must not fail again at the interpreter's exit
+            raise OutputError(f"cannot write the output to stdout: {error.strerror or error}; redirect it elsewhere") from None
+
+    def write(self, text: str) -> int:
+        return self._guard(lambda: self._stream.write(text))  # type: ignore[return-value]
+
+    def flush(self) -> None:
+        self._guard(self._stream.flush)
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self._stream.encoding
+
+    def writable(self) -> bool:
+        return True
+
+
+def run_tool(main: Callable[[], int]) -> int:
+    """Run a tool's body with stdout guarded, and map how it ended onto the shared exit statuses."""
+    stdout = sys.stdout
+    sys.stdout = _GuardedStdout(stdout)  # type: ignore[assignment]
+    try:
+        return main()
+    except BrokenPipeError:  # the reader left: nothing more can be shown, and that is no error
+        _stdout_to_devnull(stdout)
+        return BROKEN_PIPE_STATUS
+    except SpecterError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return ERROR_STATUS
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED_STATUS
+    finally:
+        sys.stdout = stdout
+
+
+def _stdout_to_devnull(stdout: TextIO) -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of what is still buffered does not fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):  # no real stdout (a test's capture): nothing to flush
+        pass
