@@ -106,3 +106,37 @@ def test_the_architecture_page_stands_alone():
         if not target.startswith("http"):
             assert (REPO_ROOT / "docs" / target).resolve().is_relative_to(REPO_ROOT), target
             assert (REPO_ROOT / "docs" / target).exists(), target
+
+
+def test_the_readmes_info_example_is_what_info_prints(tmp_path, capsys):
+    """README's `info` block for Mixtral-8x7B and its Qwen1.5-MoE and 60/16 GiB figures, from the real shapes'
+    configs beside an empty safetensors file (info reads headers only): a change of the planner must change them."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from specter.bench.synthetic import shape_config
+    from specter.cli import main
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    block = re.search(r"\$ python -m specter info \S+ --no-measure\n(.*?)\n```", readme, re.S)
+    assert block, "README has no info example"
+    expected = [line for line in block.group(1).splitlines()[1:] if not line.endswith("...")]  # the path is the user's
+
+    def info(shape: str, *extra: str) -> str:
+        folder = tmp_path / shape
+        folder.mkdir(exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(shape_config(shape)))
+        save_file({}, str(folder / "model.safetensors"))
+        assert main(["info", str(folder), "--no-measure", *extra]) == 0
+        return capsys.readouterr().out
+
+    printed = info("mixtral-8x7b").splitlines()
+    assert [line for line in expected if line not in printed] == []
+    assert "minimum budget 11.47 GiB, full residency 33.12 GiB" in " ".join(readme.split())
+    qwen = info("qwen1.5-moe-a2.7b")
+    assert "minimum budget  11.47 GiB" in qwen and "full residency  33.12 GiB" in qwen
+    assert "expert slots per layer 3 (4 in 10 of 32 layers) speculating" in info("mixtral-8x7b", "--budget", "60GiB")
+    assert "expert slots per layer 15 (16 in 17 of 24 layers) speculating" in info("qwen1.5-moe-a2.7b", "--budget", "16GiB")
+    assert "3 per layer and a fourth in 10 of its 32 layers" in readme
+    assert "15 slots per\nlayer and a 16th in 17 of its 24 layers" in readme
