@@ -263,6 +263,7 @@ ALLOWED_CONSTANTS = {
     # true constants: formats, unit tables, hardware figures, bounds that no A/B ever flipped
     "specter/trace.py": {"TRACE_VERSION"},  # the trace format's version
     "specter/builtin.py": {"VERSION"},  # the built-in checkpoints' version
+    "specter/exits.py": {"BROKEN_PIPE_STATUS", "INTERRUPTED_STATUS", "ERROR_STATUS"},  # exit statuses: a contract
     "specter/experts/host.py": {"HOST_PATH_VERSION"},  # the host path's version in the stored cost figures' key
     "specter/calibrate.py": {"DEFAULT_PROMPTS", "DEFAULT_PROMPT_LEN", "DEFAULT_NEW_TOKENS"},  # calibrate_draft's defaults
     "specter/config.py": {"DEFAULT_OVERLAP", "DEFAULT_K", "MIN_LINK_GBPS"},  # DraftConfig.overlap=None's depth on CUDA;
