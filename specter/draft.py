@@ -87,7 +87,7 @@ def quantize_layers(experts: Iterable[tuple[int, int, Tensor]], spec_hidden: int
     cached blocks, each long-lived tensor has a segment of its own, and the stream's temporaries (a layer's flats
     and their float copies, a widened load's) take segments that `empty_cache` gives back whole afterwards. Carved
     from those temporaries' cached blocks instead, the draft had pinned about 1 GiB of the reserve beyond the plan
-    on the 32-layer full-depth shapes (docs/BENCHMARKS.md, "GPU memory beyond the plan")."""
+    on the 32-layer full-depth shapes."""
     assert config.quant != "gptq4", "gptq4 drafts are built by Runtime.calibrate_draft, after loading"
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -68,7 +68,7 @@ def test_overlapped_runs_from_the_sum_to_the_longer():
 
 
 def test_the_first_hybrid_run_on_the_h200_is_predicted_and_auto_picks_all():
-    """docs/BENCHMARKS.md, "Hybrid systems, first run": Mixtral-8x7B shape, 4 MoE layers, 2 of 8 experts resident,
+    """The H200's first hybrid run (`git show 53cdb1d:docs/BENCHMARKS.md`, "Hybrid systems"): Mixtral-8x7B shape, 4 MoE layers, 2 of 8 experts resident,
     Gen4 (25 GB/s: 14.1 ms per 352 MB expert), host 7.77 ms per expert block of 16 rows. Measured per layer and
     token: cpu-experts (`all`, 6 host experts per layer) 48.6 / 4 = 12.1 ms, the first `auto` (4 host experts per
     layer) 57.8 / 4 = 14.5 ms, ondemand 81.2 / 4 = 20.3 ms. The model must pick `all` and predict each within 10 %;

@@ -76,7 +76,7 @@ def default_threads(cores: int | None = None) -> int:
     emulated link) while the host path computes, and an OpenMP team on every core leaves it none, so either it waits
     for a time slice or it preempts one of the team's threads and the whole team waits at its barrier for that one.
     A reasoned default, not yet measured: the H200's first hybrid run (16 threads on 16 cores) cost a layer the sum of
-    its two paths (docs/BENCHMARKS.md, "Hybrid systems, first run")."""
+    its two paths (tests/test_placement_auto.py, the first hybrid run)."""
     cores = cores if cores is not None else os.cpu_count()
     return max(1, (cores or 1) - 1)
 
