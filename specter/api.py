@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import threading
 import weakref
 from collections.abc import AsyncIterator, Generator, Mapping, Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any, Literal, Union
 from specter.config import EngineConfig, GenerationConfig
 from specter.decode import check_prompt
 from specter.engine import Runtime
-from specter.errors import ConfigError, PromptError, RequestCancelled
+from specter.errors import ConfigError, EngineLoopError, PromptError, RequestCancelled
 from specter.log import get_logger
 from specter.metrics import RequestStats
 from specter.model.spec import ModelSpec
@@ -64,9 +65,11 @@ class GenerationStream:
     The request joins the engine's queue (first come, first served) when iteration starts and holds the
     engine until it finishes, is closed, or its task is cancelled. Leave a loop early inside `async with`
     (or `await aclose()`), so the engine is free at once. A bare `async for` left early keeps the engine
-    until the next request finds it abandoned: started by the task that read it (which cannot read both),
-    or after that task ended and nothing references the stream any more. The first is closed with a
-    warning (`stream.abandoned`) and raises RequestCancelled if read again.
+    until the stream is found abandoned: when the task that read it starts another request (it cannot read
+    both; closed with a warning, `stream.abandoned`), or when that task ends and nothing references the
+    stream any more. A request started from that task through `asyncio.wait_for` or `gather` runs in a task
+    of its own (Python 3.11), which the engine cannot tell from another reader's: it waits until the first
+    task ends. Reading a stream that was closed, cancelled or failed raises RequestCancelled.
     """
 
     def __init__(self, engine: Engine, prompt_ids: list[int], generation: GenerationConfig, stop_ids: frozenset[int]) -> None:
@@ -94,13 +97,16 @@ class GenerationStream:
         return self
 
     async def __anext__(self) -> Piece:
-        self._consumer = asyncio.current_task()
-        self._reader = weakref.ref(self._consumer) if self._consumer is not None else None
+        task = asyncio.current_task()
+        if task is not None and (self._reader is None or self._reader() is not task):
+            task.add_done_callback(self._engine._when_reader_ends(self))
+        self._consumer = task
+        self._reader = weakref.ref(task) if task is not None else None
         try:
             return await anext(self._pieces)
         except StopAsyncIteration:
-            if self._abort_reason is not None and self.result is None:  # closed by the engine between pieces
-                raise RequestCancelled(self._abort_reason) from None
+            if self.result is None:  # it ended without its last piece: closed, cancelled or failed before
+                raise RequestCancelled(self._abort_reason or self._unfinished()) from None
             raise
         except asyncio.CancelledError:
             self._mark_ended("cancelled")
@@ -128,13 +134,20 @@ class GenerationStream:
         """Run the request to the end; the pieces' text and ids are gathered into the `Result`."""
         async for _ in self:
             pass
-        assert self.result is not None, "stream ended without a result"
+        if self.result is None:  # (__anext__ raises first; kept for a subclass that ends otherwise)
+            raise RequestCancelled(self._unfinished())
         return self.result
+
+    def _unfinished(self) -> str:
+        if self.finish_reason == "error":
+            return "this stream ended with the error it raised earlier; start a new request"
+        return "this stream was closed or cancelled before it finished; start a new request"
 
     # ---- the request, as the engine's queue sees it ----------------------------------------------------
     async def _run(self) -> AsyncIterator[Piece]:
         """Hold the engine's turn for the whole request; the last piece is yielded after letting go of it."""
         final: Piece | None = None
+        self._engine._enter_loop()
         await self._engine._reclaim_abandoned()
         async with self._engine._turn:
             self._engine._holder = weakref.ref(self)
@@ -228,7 +241,12 @@ class EngineLoader:
 
 
 class Engine:
-    """One model, loaded once, serving requests one at a time in arrival order."""
+    """One model, loaded once, serving requests one at a time in arrival order.
+
+    An engine serves one event loop at a time: the one it was loaded on, or a later one once that has ended
+    (`asyncio.run` after `asyncio.run`). Other threads use `SyncEngine`, or hand their calls to the engine's
+    loop (`asyncio.run_coroutine_threadsafe`); a request from another running loop is an `EngineLoopError`.
+    """
 
     def __init__(self, runtime: Runtime, tokenizer: Tokenizer | None = None, eos_token_ids: Sequence[int] = ()) -> None:
         self.runtime = runtime
@@ -238,6 +256,9 @@ class Engine:
         self._streams: weakref.WeakSet[GenerationStream] = weakref.WeakSet()
         self._holder: weakref.ref[GenerationStream] | None = None  # the stream that last took the turn
         self._closed = False
+        self._closing: asyncio.Task[None] | None = None
+        self._loop = _running_loop()  # the loop it serves (None until a request runs, when made outside one)
+        self._loop_guard = threading.Lock()  # two threads' loops may ask at once
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None) -> EngineLoader:
@@ -275,15 +296,44 @@ class Engine:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Refuse new requests, end the running and queued ones (RequestCancelled), release the device."""
-        if self._closed:
-            return
-        self._closed = True
+        """Refuse new requests, end the running and queued ones (RequestCancelled), release the device. Every call
+        returns once the device is released, a second one too (an `async with` exit racing a signal's close)."""
+        if self._closing is None:
+            self._enter_loop()
+            self._closed = True
+            self._closing = asyncio.get_running_loop().create_task(self._close(), name="specter-engine-close")
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
         for stream in list(self._streams):
             await stream._abort("the engine was closed while the request was running or queued")
         async with self._turn:  # the aborted requests have unwound
             await self.runtime.aclose()
         log.debug("engine.closed")
+
+    def _enter_loop(self) -> None:
+        """Serve the running loop: the one the engine serves, or a new one once that has ended, when nothing of
+        the ended one is left in flight. Anything else is an EngineLoopError, not asyncio's own errors or a hang."""
+        loop = asyncio.get_running_loop()
+        with self._loop_guard:
+            if loop is self._loop:
+                return
+            if self._loop is not None and not self._loop.is_closed() and self._loop.is_running():
+                raise EngineLoopError(
+                    "this Engine serves another event loop, which is running (in another thread); an Engine is not "
+                    "thread-safe: from other threads use specter.SyncEngine, or hand the call to the engine's loop "
+                    "with asyncio.run_coroutine_threadsafe")
+            if self._turn.locked() or self.runtime.loads_in_flight():
+                raise EngineLoopError(
+                    "the event loop this Engine served ended while a request or an expert load was in flight, and its "
+                    "tasks never unwound; the engine's device state cannot be trusted: load a new Engine")
+            self._loop, self._turn = loop, asyncio.Lock()  # (a lock stays bound to the loop it first waited on)
+
+    def stream_abandoned(self, stream: GenerationStream, reason: str) -> None:
+        """Log that `stream` was left unfinished and will be closed for `reason` (RequestCancelled if read again)."""
+        log.warning("stream.abandoned", prompt_tokens=len(stream.prompt_ids), new_tokens=len(stream.token_ids),
+                    advice="leave a stream early inside `async with engine.generate(...) as stream:` or call aclose()")
+        stream._abort_reason = reason
 
     async def _reclaim_abandoned(self) -> None:
         """Before queueing: free the turn from a stream left early by a bare `async for` (see GenerationStream)."""
@@ -291,14 +341,27 @@ class Engine:
         if holder is None or not self._turn.locked():
             return
         if holder._abandoned_by(asyncio.current_task()):
-            log.warning("stream.abandoned", prompt_tokens=len(holder.prompt_ids), new_tokens=len(holder.token_ids),
-                        advice="leave a stream early inside `async with engine.generate(...) as stream:` or call aclose()")
-            holder._abort_reason = ("this stream was closed because its loop was left early and the same task started "
-                                    "another request; use `async with engine.generate(...)` to stop a stream early")
+            self.stream_abandoned(holder, "this stream was closed because its loop was left early and the same task "
+                                          "started another request; use `async with engine.generate(...)` to stop a "
+                                          "stream early")
             await holder.aclose()
         elif holder._reader_ended():
             del holder
             gc.collect()  # an unreferenced stream is in a cycle with its generator; collecting it gives the turn back
+
+    def _when_reader_ends(self, stream: GenerationStream) -> Any:
+        """A done callback for a task that reads `stream`: if the task ends with the stream unfinished and nothing
+        else references it, collecting it gives the turn back now, not when the next request happens to queue."""
+        ref = weakref.ref(stream)
+
+        def ended(_task: asyncio.Task[Any]) -> None:
+            left = ref()
+            if left is None or left.finish_reason is not None or not left._reader_ended():
+                return
+            del left
+            asyncio.get_running_loop().call_soon(gc.collect)  # after the task's frame has let go of its locals
+
+        return ended
 
     # ---- requests ------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None,
@@ -357,6 +420,13 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RequestCancelled("the engine is closed; load a new one with Engine.from_pretrained")
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def make_generation_config(base: GenerationConfig | Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> GenerationConfig:

@@ -157,6 +157,10 @@ class Runtime:
         assert self.cache is not None
         return self.cache.pool.host(self.moe_index[layer], expert)
 
+    def loads_in_flight(self) -> int:
+        """The expert cache's loads not yet settled (0 without a cache)."""
+        return self.cache.loads_in_flight() if self.cache is not None else 0
+
     async def aclose(self) -> None:
         """Release everything, each part whatever the one before it raised (a CPU stream's failed work is raised by
         every later wait, the transfer engine's last ones included: its threads, pump and trace must still end);

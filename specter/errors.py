@@ -34,6 +34,10 @@ class RequestCancelled(SpecterError):
     """A generation request was cancelled before it finished."""
 
 
+class EngineLoopError(SpecterError, RuntimeError):
+    """An engine was used from an event loop (or thread) that does not own it, or its loop ended under it."""
+
+
 class OutputError(SpecterError, OSError):
     """An output the user named (stdout, a trace file) cannot be written: full disk, a closed device."""
 

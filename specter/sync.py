@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from specter.api import Engine, GenerationStream, Piece, Prompt, Result
 from specter.config import EngineConfig, GenerationConfig
+from specter.errors import EngineLoopError, RequestCancelled
 from specter.kernel import new_event_loop
 from specter.tokenizer import Tokenizer
 
@@ -32,10 +33,14 @@ class SyncEngine:
 
     The engine lives on a private event loop in a daemon thread, so the caller's thread never needs a loop.
     Close it (or use `with`) to release the device and stop the thread; an engine that is not closed is
-    closed when it is garbage-collected or, at the latest, when the interpreter exits.
+    closed when it is garbage-collected or, at the latest, when the interpreter exits. A `generate` iterator
+    left open when the same thread starts another request is closed with a warning (`stream.abandoned`),
+    as the async API closes a stream its reading task left: that thread cannot read both.
     """
 
     def __init__(self, path: str | Path, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None) -> None:
+        self._closed = False
+        self._open: dict[int, weakref.ref[GenerationStream]] = {}  # per calling thread: its unfinished iterator's stream
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="specter-sync-loop", daemon=True)
         self._thread.start()
@@ -55,17 +60,31 @@ class SyncEngine:
 
     def close(self) -> None:
         """Release the engine and stop the loop thread. Idempotent."""
+        self._closed = True
         self._finalizer()
 
     def complete(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None,
                  **overrides: Any) -> Result:
+        self._leave_open_iterator()
         return self._call(self.engine.complete(prompt, generation_config, **overrides))
 
     def generate(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None,
                  **overrides: Any) -> Iterator[Piece]:
         """Pieces as they are committed; closing the iterator early (or Ctrl-C) ends the request."""
+        self._leave_open_iterator()
         stream = self._call(self._start(prompt, generation_config, overrides))
+        self._open[threading.get_ident()] = weakref.ref(stream)
         return self._pieces(stream)
+
+    def _leave_open_iterator(self) -> None:
+        """This thread's `generate` iterator, if unfinished, holds the engine and would make this thread's new request
+        wait for it forever: close it first."""
+        ref = self._open.pop(threading.get_ident(), None)
+        stream = ref() if ref is not None else None
+        if stream is not None and stream.finish_reason is None:
+            self.engine.stream_abandoned(stream, "this iterator was closed because its thread started another request "
+                                                 "before reading it to the end; close() an iterator to stop it early")
+            self._call(stream.aclose())
 
     async def _start(self, prompt: Prompt, generation_config: Any, overrides: dict[str, Any]) -> GenerationStream:
         return self.engine.generate(prompt, generation_config, **overrides)  # made on the loop: it owns the stream
@@ -75,7 +94,7 @@ class SyncEngine:
         pending: Future[Piece | None] | None = None
         try:
             while True:
-                pending = asyncio.run_coroutine_threadsafe(self._next_piece(stream, step), self._loop)
+                pending = self._submit(self._next_piece(stream, step))
                 piece = _result(pending, self._thread)
                 if piece is None:
                     return
@@ -83,7 +102,8 @@ class SyncEngine:
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()  # Ctrl-C or an abandoned iterator: the loop-side task is cancelled
-            self._call(self._end(stream, step[0]))
+            if not self._closed and self._thread.is_alive():  # (closing the engine ended the stream already)
+                self._call(self._end(stream, step[0]))
 
     @staticmethod
     async def _next_piece(stream: GenerationStream, step: list[asyncio.Task[Any] | None]) -> Piece | None:
@@ -98,11 +118,21 @@ class SyncEngine:
             await asyncio.wait([step])
         await stream.aclose()
 
-    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        if not self._thread.is_alive():
+    def _submit(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
+        if self._closed or not self._thread.is_alive():
             coroutine.close()  # never scheduled: no loop would run it
-            raise RuntimeError(LOOP_ENDED)
-        return _result(asyncio.run_coroutine_threadsafe(coroutine, self._loop), self._thread)
+            if self._closed:
+                raise RequestCancelled("this SyncEngine is closed; load a new one")
+            raise EngineLoopError(LOOP_ENDED)
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        future = self._submit(coroutine)
+        try:
+            return _result(future, self._thread)
+        except BaseException:
+            future.cancel()  # Ctrl-C in the caller's thread: the request on the loop ends too (no-op once done)
+            raise
 
 
 LOOP_ENDED = ("the engine's event-loop thread has ended (a KeyboardInterrupt or SystemExit raised on it, by a plug-in "
@@ -117,7 +147,7 @@ def _result(future: Future[T], thread: threading.Thread) -> T:
             return future.result(timeout=LIVENESS_POLL_S)
         except TimeoutError:
             if not thread.is_alive():
-                raise RuntimeError(LOOP_ENDED) from None
+                raise EngineLoopError(LOOP_ENDED) from None
 
 
 def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, engine: Engine | None) -> None:

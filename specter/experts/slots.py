@@ -365,6 +365,11 @@ class ExpertSlots:
             if slot.loading is not None:
                 await asyncio.shield(slot.loading)
 
+    def loads_in_flight(self) -> int:
+        """Loads whose completion has not run yet (none is left once they settle; a loop that ended without running
+        its cancelled tasks leaves them for good)."""
+        return sum(not task.done() for task in self._loads)
+
     async def aclose(self) -> None:
         """Wait for every load in flight to complete (shutdown, tests)."""
         while self._loads:
@@ -528,6 +533,7 @@ class ExpertSlots:
         slot.loading = asyncio.get_running_loop().create_task(self._complete_load(slot, slot.generation, slot.transfer))
         self._loads.add(slot.loading)
         slot.loading.add_done_callback(self._loads.discard)
+        slot.loading.add_done_callback(partial(self._load_cancelled, slot, slot.generation, transfer))
         if debug_enabled():
             log.debug("expert.load", layer=layer, expert=expert, slot=slot.index, urgent=urgent)
 
@@ -540,6 +546,15 @@ class ExpertSlots:
             self._settle_load(slot, generation, None)
             raise
         self._settle_load(slot, generation, None if transfer.cancelled else ready)
+
+    def _load_cancelled(self, slot: Slot, generation: int, transfer: Transfer, task: asyncio.Task[None]) -> None:
+        """Only the loop's end cancels a completion (asyncio.run cancels what is left when its main returns or
+        raises), perhaps before it ever ran: drop what is not issued and free the slot, so that an engine used on a
+        later loop finds no load that nothing will complete. Chunks on the stream still land; a later load into
+        the slot is issued behind them on the same stream."""
+        if task.cancelled():
+            transfer.cancel()
+            self._settle_load(slot, generation, None)
 
     def _count_bytes(self, layer: int, transfer: Transfer) -> None:
         self.stats.layers[layer].bytes_loaded += transfer.bytes_issued

@@ -364,10 +364,11 @@ class TransferEngine:
             if self._in_flight:
                 await self.kernel.wait(self._in_flight[-1].end)  # raises a stream's failed work: the pump stops anyway
         finally:
-            if self._pump_task is not None:
-                self._pump_task.cancel()
-                await asyncio.gather(self._pump_task, return_exceptions=True)
-                self._pump_task = None
+            pump, self._pump_task = self._pump_task, None
+            # (a pump of a loop that has ended is done, or can never run again: only this loop's is awaited)
+            if pump is not None and not pump.done() and pump.get_loop() is asyncio.get_running_loop():
+                pump.cancel()
+                await asyncio.gather(pump, return_exceptions=True)
 
     # -- the pump ------------------------------------------------------------------------------------
 

@@ -1,0 +1,175 @@
+"""The API's lifecycle at its edges: an engine over several event loops and threads, Ctrl-C and close under a
+SyncEngine, streams read after they ended, a stream abandoned by a task that then ends, and a second close."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from specter import Engine, EngineConfig, SyncEngine
+from specter.errors import EngineLoopError, RequestCancelled
+
+OFFLOADED = EngineConfig(device="cpu", residents=2)
+PROMPT = [5, 17, 300, 42]
+
+
+@pytest.fixture(scope="module")
+def engine_and_reference(tiny):
+    """One engine loaded on a loop that has ended (`asyncio.run`), and its tokens for PROMPT."""
+    engine = asyncio.run(Engine.load(tiny, OFFLOADED))
+    reference = asyncio.run(engine.complete(PROMPT, max_new_tokens=8)).token_ids
+    yield engine, reference
+    asyncio.run(engine.aclose())
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.01, 0.05, 0.2])
+def test_a_loop_that_ends_mid_request_leaves_the_engine_usable_on_the_next(engine_and_reference, after_s):
+    """asyncio.run's main fails while two requests stream: the loop's end cancels them, perhaps before an expert
+    load's completion ever ran; the next loop's requests must get the same tokens (they got 'Event loop is closed')."""
+    engine, reference = engine_and_reference
+
+    async def app():
+        background = asyncio.create_task(engine.complete(PROMPT, max_new_tokens=400))  # noqa: F841
+        asyncio.create_task(engine.complete([9, 8, 7], max_new_tokens=400))
+        await asyncio.sleep(after_s)
+        raise ValueError("the application failed")
+
+    with pytest.raises(ValueError):
+        asyncio.run(app())
+    assert engine.runtime.loads_in_flight() == 0
+    for _ in range(2):
+        assert asyncio.run(asyncio.wait_for(engine.complete(PROMPT, max_new_tokens=8), 60)).token_ids == reference
+
+
+def test_another_threads_running_loop_is_refused_by_name(engine_and_reference):
+    engine, reference = engine_and_reference
+    started, release, seen = threading.Event(), threading.Event(), {}
+
+    async def own():  # the engine's loop, held running while the other thread asks
+        seen["own"] = (await engine.complete(PROMPT, max_new_tokens=8)).token_ids
+        started.set()
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 60)
+
+    owner = threading.Thread(target=lambda: asyncio.run(own()))
+    owner.start()
+    assert started.wait(60)
+    try:
+        with pytest.raises(EngineLoopError, match="serves another event loop.*SyncEngine"):
+            asyncio.run(engine.complete(PROMPT, max_new_tokens=8))
+    finally:
+        release.set()
+        owner.join(60)
+    assert seen["own"] == reference
+    assert asyncio.run(engine.complete(PROMPT, max_new_tokens=8)).token_ids == reference  # its loop ended: taken over
+
+
+def test_a_stream_read_after_it_was_closed_or_cancelled_says_so(engine_and_reference):
+    engine, reference = engine_and_reference
+
+    async def main():
+        async with engine.generate(PROMPT, max_new_tokens=8) as stream:
+            pass  # left before reading: closed
+        with pytest.raises(RequestCancelled, match="closed or cancelled before it finished"):
+            await stream.collect()
+        stream = engine.generate(PROMPT, max_new_tokens=50)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(anext(stream), 1e-4)  # cancels the read, and so the request
+        with pytest.raises(RequestCancelled):
+            [piece async for piece in stream]  # was: no piece, no error, then collect()'s AssertionError
+        return (await engine.complete(PROMPT, max_new_tokens=8)).token_ids
+
+    assert asyncio.run(main()) == reference
+
+
+def test_a_stream_abandoned_by_a_task_that_ends_frees_the_engine_for_a_request_already_waiting(engine_and_reference):
+    engine, reference = engine_and_reference
+
+    async def main():
+        async def leaves_early():
+            async for _ in engine.generate(PROMPT, max_new_tokens=200):
+                break  # a bare `async for` left early: the stream holds the engine
+            await asyncio.sleep(0.3)  # still alive when the other request queues, then ends
+
+        async def waits():
+            await asyncio.sleep(0.1)
+            return (await engine.complete(PROMPT, max_new_tokens=8)).token_ids
+
+        first, second = asyncio.create_task(leaves_early()), asyncio.create_task(waits())
+        await first
+        return await asyncio.wait_for(second, 60)  # waited forever: the check ran only as it queued
+
+    assert asyncio.run(main()) == reference
+
+
+def test_a_second_close_returns_only_once_the_engine_is_closed(tiny):
+    async def main():
+        engine = await Engine.load(tiny, OFFLOADED)
+        request = asyncio.create_task(engine.complete(PROMPT, max_new_tokens=2000))
+        await asyncio.sleep(0.2)
+        first = asyncio.create_task(engine.aclose())
+        await asyncio.sleep(0)
+        await engine.aclose()
+        closed = engine.runtime._closed
+        await first
+        with pytest.raises(RequestCancelled):
+            await request
+        return closed
+
+    assert asyncio.run(main())
+
+
+def test_sync_engine_closes_an_iterator_its_thread_left_open_before_its_next_request(tiny, engine_and_reference):
+    _, reference = engine_and_reference
+    with SyncEngine(tiny, OFFLOADED) as engine:
+        left_open = engine.generate(PROMPT, max_new_tokens=50)
+        next(left_open)
+        outcome: dict = {}
+        worker = threading.Thread(target=lambda: outcome.setdefault("ids", engine.complete(PROMPT, max_new_tokens=8).token_ids))
+        worker.start()  # another thread's request waits for the open iterator (its own thread could read it)
+        time.sleep(0.2)
+        assert "ids" not in outcome
+        assert engine.complete(PROMPT, max_new_tokens=8).token_ids == reference  # this thread's: was a deadlock
+        with pytest.raises(RequestCancelled, match="started another request"):
+            next(left_open)
+        worker.join(60)
+        assert outcome["ids"] == reference
+
+
+def test_sync_engine_interrupted_in_complete_ends_the_request(tiny, engine_and_reference, monkeypatch):
+    """Ctrl-C in the caller's thread, as the wait for the loop's answer sees it: a KeyboardInterrupt out of the wait."""
+    import specter.sync
+
+    _, reference = engine_and_reference
+    waited = specter.sync._result
+
+    def interrupted(future, thread):
+        try:
+            future.result(timeout=0.3)
+        except TimeoutError:
+            raise KeyboardInterrupt from None
+        return waited(future, thread)
+
+    with SyncEngine(tiny, OFFLOADED) as engine:
+        monkeypatch.setattr(specter.sync, "_result", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            engine.complete(PROMPT, max_new_tokens=2000)  # tens of seconds on the CPU if it ran on
+        monkeypatch.setattr(specter.sync, "_result", waited)
+        deadline = time.monotonic() + 30
+        while engine.engine._turn.locked() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.engine._turn.locked()  # the request was cancelled, not left running on the loop
+        assert engine.complete(PROMPT, max_new_tokens=8).token_ids == reference
+
+
+def test_a_closed_sync_engine_says_so(tiny):
+    engine = SyncEngine(tiny, OFFLOADED)
+    left_open = engine.generate(PROMPT, max_new_tokens=50)
+    next(left_open)
+    engine.close()
+    with pytest.raises(RequestCancelled, match="SyncEngine is closed"):
+        engine.complete(PROMPT, max_new_tokens=4)
+    with pytest.raises(RequestCancelled):
+        next(left_open)
