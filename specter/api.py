@@ -440,13 +440,16 @@ def make_generation_config(base: GenerationConfig | Mapping[str, Any] | None, ov
 
 
 def checkpoint_eos(directory: Path, spec: ModelSpec) -> tuple[int, ...]:
-    """The checkpoint's end-of-sequence ids: config.json's plus generation_config.json's (as transformers reads them)."""
-    ids = set(spec.eos_token_ids)
+    """The checkpoint's end-of-sequence ids as transformers' generate reads them: generation_config.json's when it
+    names any (a chat model's file often lists the turn's end beside config.json's id, or instead of it), else
+    config.json's."""
     file = Path(directory) / "generation_config.json"
+    eos = None
     if file.is_file():
         try:
             eos = json.loads(file.read_text()).get("eos_token_id")
-        except (OSError, json.JSONDecodeError):
+        except (OSError, json.JSONDecodeError, AttributeError):
             eos = None  # generation_config.json is advisory; a broken one must not stop the model from loading
-        ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
-    return tuple(sorted(ids))
+    ids = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos if isinstance(eos, list) else []
+    ids = [token for token in ids if isinstance(token, int) and not isinstance(token, bool)]
+    return tuple(sorted(set(ids))) if ids else tuple(sorted(set(spec.eos_token_ids)))

@@ -378,3 +378,27 @@ def test_threads_are_set_once_at_load(tiny):
         assert default_threads(torch.device("cuda")) == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_generation_configs_eos_replaces_config_jsons_as_in_transformers(tiny, tmp_path, baseline):
+    """transformers' generate stops at generation_config.json's eos ids alone when the file names any; config.json's
+    id stopped Specter too (the union), cutting the text early where the two files disagree."""
+    free_run = baseline(PROMPT, 16)
+    early = free_run[2]
+    late = next(token for token in free_run[3:] if token not in free_run[:3])
+    directory = shutil.copytree(tiny, tmp_path / "m")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"eos_token_id": early}))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [late]}))
+
+    async def main():
+        async with Engine.from_pretrained(directory, OFFLOADED) as engine:
+            with_both = await engine.complete(PROMPT, max_new_tokens=16)
+        (directory / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+        async with Engine.from_pretrained(directory, OFFLOADED) as engine:
+            config_only = await engine.complete(PROMPT, max_new_tokens=16)
+        return with_both, config_only
+
+    with_both, config_only = run(main())
+    assert with_both.token_ids == free_run[: free_run.index(late) + 1] and with_both.finish_reason == "stop"
+    assert config_only.token_ids == free_run[: free_run.index(early) + 1] and config_only.finish_reason == "stop"
