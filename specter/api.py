@@ -88,6 +88,8 @@ class GenerationStream:
         self._reader: weakref.ref[asyncio.Task[Any]] | None = None  # the task that last read a piece
         self._abort_reason: str | None = None
         self._h2d_before = 0
+        self._track_readers = True  # SyncEngine reads each piece in a task of its own and watches its iterator itself
+        self._watched: tuple[asyncio.Task[Any], Any] | None = None  # the reading task and its done callback
 
     @property
     def text(self) -> str:
@@ -98,8 +100,8 @@ class GenerationStream:
 
     async def __anext__(self) -> Piece:
         task = asyncio.current_task()
-        if task is not None and (self._reader is None or self._reader() is not task):
-            task.add_done_callback(self._engine._when_reader_ends(self))
+        if task is not None and self._track_readers and (self._reader is None or self._reader() is not task):
+            self._watch_reader(task)
         self._consumer = task
         self._reader = weakref.ref(task) if task is not None else None
         try:
@@ -197,12 +199,28 @@ class GenerationStream:
         del self.stats.token_times[len(self.token_ids):]  # tokens cut by a stop string take their timestamps along
         self.finish_reason = reason
         self.result = Result(self.text, list(self.token_ids), self.stats, reason, list(self.prompt_ids))
+        self._unwatch_reader()
         return Piece(text, taken, finished=True, finish_reason=reason)
 
     def _mark_ended(self, reason: FinishReason) -> None:
         if self.finish_reason is None:
             self.finish_reason = reason
             self.stats.new_tokens = len(self.token_ids)
+        self._unwatch_reader()
+
+    def _watch_reader(self, task: asyncio.Task[Any]) -> None:
+        """Watch only the latest reading task, and none once the stream ended: a long-lived worker task reading
+        request after request must not gather one callback per request."""
+        self._unwatch_reader()
+        callback = self._engine._when_reader_ends(self)
+        task.add_done_callback(callback)
+        self._watched = (task, callback)
+
+    def _unwatch_reader(self) -> None:
+        if self._watched is not None:
+            task, callback = self._watched
+            self._watched = None
+            task.remove_done_callback(callback)
 
     def _abandoned_by(self, task: asyncio.Task[Any] | None) -> bool:
         """Between pieces, and last read by `task` (which is now busy elsewhere, so it cannot read this one)."""
@@ -298,7 +316,7 @@ class Engine:
     async def aclose(self) -> None:
         """Refuse new requests, end the running and queued ones (RequestCancelled), release the device. Every call
         returns once the device is released, a second one too (an `async with` exit racing a signal's close)."""
-        if self._closing is None:
+        if self._closing is None or (self._closing.done() and self._closing.cancelled()):  # (a close cut short)
             self._enter_loop()
             self._closed = True
             self._closing = asyncio.get_running_loop().create_task(self._close(), name="specter-engine-close")
@@ -329,11 +347,18 @@ class Engine:
                     "tasks never unwound; the engine's device state cannot be trusted: load a new Engine")
             self._loop, self._turn = loop, asyncio.Lock()  # (a lock stays bound to the loop it first waited on)
 
-    def stream_abandoned(self, stream: GenerationStream, reason: str) -> None:
+    def stream_abandoned(self, stream: GenerationStream, reason: str,
+                         advice: str = "leave a stream early inside `async with engine.generate(...) as stream:` or "
+                                       "call aclose()") -> None:
         """Log that `stream` was left unfinished and will be closed for `reason` (RequestCancelled if read again)."""
         log.warning("stream.abandoned", prompt_tokens=len(stream.prompt_ids), new_tokens=len(stream.token_ids),
-                    advice="leave a stream early inside `async with engine.generate(...) as stream:` or call aclose()")
+                    advice=advice)
         stream._abort_reason = reason
+
+    def holds_turn_between_pieces(self, stream: GenerationStream) -> bool:
+        """`stream` has been read, holds the engine's turn and is not being read now (its reader is elsewhere)."""
+        return (self._holder is not None and self._holder() is stream and self._turn.locked()
+                and stream.finish_reason is None and stream._consumer is None and stream._reader is not None)
 
     async def _reclaim_abandoned(self) -> None:
         """Before queueing: free the turn from a stream left early by a bare `async for` (see GenerationStream)."""
@@ -358,8 +383,11 @@ class Engine:
             left = ref()
             if left is None or left.finish_reason is not None or not left._reader_ended():
                 return
+            left._watched = None
+            holds_a_waited_turn = self._holder is not None and self._holder() is left and bool(getattr(self._turn, "_waiters", None))
             del left
-            asyncio.get_running_loop().call_soon(gc.collect)  # after the task's frame has let go of its locals
+            if holds_a_waited_turn:  # a full collection costs milliseconds: only when a request waits for this turn
+                asyncio.get_running_loop().call_soon(gc.collect)  # after the task's frame has let go of its locals
 
         return ended
 

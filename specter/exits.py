@@ -55,13 +55,22 @@ class _GuardedStdout(io.TextIOBase):
     def writable(self) -> bool:
         return True
 
+    def close(self) -> None:
+        """Not stdout's to close: `run_tool` flushes it, and the guard's own collection must not (a failed flush
+        there would be swallowed, and the tool exit 0 with its output lost)."""
+
+    def __getattr__(self, name: str) -> object:  # buffer, errors, line_buffering, reconfigure: the stream's own
+        return getattr(self._stream, name)
+
 
 def run_tool(main: Callable[[], int]) -> int:
     """Run a tool's body with stdout guarded, and map how it ended onto the shared exit statuses."""
     stdout = sys.stdout
     sys.stdout = _GuardedStdout(stdout)  # type: ignore[assignment]
     try:
-        return main()
+        status = main()
+        sys.stdout.flush()  # what print() left in the buffer fails here, named, not at the interpreter's exit
+        return status
     except BrokenPipeError:  # the reader left: nothing more can be shown, and that is no error
         _stdout_to_devnull(stdout)
         return BROKEN_PIPE_STATUS

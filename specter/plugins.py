@@ -131,9 +131,12 @@ def _warn_unmatched(allow_list: str, entries: set[str]) -> None:
     with _scan_lock:
         if allow_list in _checked_allow_lists:
             return
-        _checked_allow_lists.add(allow_list)
     groups = (*POLICY_GROUPS, BACKEND_GROUP)
     names = {group: installed(group) for group in groups}
+    with _scan_lock:
+        if allow_list in _checked_allow_lists:  # (another thread checked it meanwhile)
+            return
+        _checked_allow_lists.add(allow_list)
     unmatched = []
     for entry in sorted(entries):
         group, _, name = entry.rpartition(":")

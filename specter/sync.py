@@ -40,7 +40,7 @@ class SyncEngine:
 
     def __init__(self, path: str | Path, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None) -> None:
         self._closed = False
-        self._open: dict[int, weakref.ref[GenerationStream]] = {}  # per calling thread: its unfinished iterator's stream
+        self._open: dict[int, weakref.ref[GenerationStream]] = {}  # per thread: the stream it last read a piece of
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="specter-sync-loop", daemon=True)
         self._thread.start()
@@ -63,6 +63,12 @@ class SyncEngine:
         self._closed = True
         self._finalizer()
 
+    @property
+    def closed(self) -> bool:
+        """Closed by close(), by garbage collection or at the interpreter's exit."""
+        finalizer = getattr(self, "_finalizer", None)
+        return self._closed or (finalizer is not None and not finalizer.alive)
+
     def complete(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None,
                  **overrides: Any) -> Result:
         self._leave_open_iterator()
@@ -73,21 +79,29 @@ class SyncEngine:
         """Pieces as they are committed; closing the iterator early (or Ctrl-C) ends the request."""
         self._leave_open_iterator()
         stream = self._call(self._start(prompt, generation_config, overrides))
-        self._open[threading.get_ident()] = weakref.ref(stream)
         return self._pieces(stream)
 
     def _leave_open_iterator(self) -> None:
-        """This thread's `generate` iterator, if unfinished, holds the engine and would make this thread's new request
-        wait for it forever: close it first."""
+        """The iterator this thread read last, if it holds the engine between pieces, would make this thread's new
+        request wait for it forever (the thread cannot read both): close it first. An iterator not read yet holds
+        nothing (it queues when read), and one another thread read last is that thread's."""
         ref = self._open.pop(threading.get_ident(), None)
         stream = ref() if ref is not None else None
         if stream is not None and stream.finish_reason is None:
+            self._call(self._abandon(stream))
+
+    async def _abandon(self, stream: GenerationStream) -> None:
+        if self.engine.holds_turn_between_pieces(stream):
             self.engine.stream_abandoned(stream, "this iterator was closed because its thread started another request "
-                                                 "before reading it to the end; close() an iterator to stop it early")
-            self._call(stream.aclose())
+                                                 "before reading it to the end; close() an iterator to stop it early",
+                                         advice="read a generate() iterator to the end or close() it before the "
+                                                "thread's next request")
+            await stream.aclose()
 
     async def _start(self, prompt: Prompt, generation_config: Any, overrides: dict[str, Any]) -> GenerationStream:
-        return self.engine.generate(prompt, generation_config, **overrides)  # made on the loop: it owns the stream
+        stream = self.engine.generate(prompt, generation_config, **overrides)  # made on the loop: it owns the stream
+        stream._track_readers = False  # each piece is read by a task of its own: _leave_open_iterator watches instead
+        return stream
 
     def _pieces(self, stream: GenerationStream) -> Iterator[Piece]:
         step: list[asyncio.Task[Any] | None] = [None]  # the loop-side task of the piece being awaited
@@ -96,13 +110,16 @@ class SyncEngine:
             while True:
                 pending = self._submit(self._next_piece(stream, step))
                 piece = _result(pending, self._thread)
+                self._open[threading.get_ident()] = weakref.ref(stream)
                 if piece is None:
                     return
                 yield piece
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()  # Ctrl-C or an abandoned iterator: the loop-side task is cancelled
-            if not self._closed and self._thread.is_alive():  # (closing the engine ended the stream already)
+            if threading.current_thread() is self._thread:  # finalized by a collection on the loop: cannot wait on it
+                self._loop.create_task(self._end(stream, step[0]))
+            elif not self.closed and self._thread.is_alive():  # (closing the engine ended the stream already)
                 self._call(self._end(stream, step[0]))
 
     @staticmethod
@@ -119,9 +136,9 @@ class SyncEngine:
         await stream.aclose()
 
     def _submit(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
-        if self._closed or not self._thread.is_alive():
+        if self.closed or not self._thread.is_alive():
             coroutine.close()  # never scheduled: no loop would run it
-            if self._closed:
+            if self.closed:
                 raise RequestCancelled("this SyncEngine is closed; load a new one")
             raise EngineLoopError(LOOP_ENDED)
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)

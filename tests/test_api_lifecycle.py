@@ -173,3 +173,60 @@ def test_a_closed_sync_engine_says_so(tiny):
         engine.complete(PROMPT, max_new_tokens=4)
     with pytest.raises(RequestCancelled):
         next(left_open)
+
+
+def test_a_loop_closed_without_cancelling_its_tasks_leaves_a_pump_the_next_loop_replaces(engine_and_reference):
+    """`run_until_complete` then `close()` leaves the transfer pump pending on the dead loop; the next loop's first
+    prefetch must start a pump of its own (it woke the dead one: 'Event loop is closed')."""
+    engine, reference = engine_and_reference
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(engine.complete(PROMPT, max_new_tokens=8)).token_ids == reference
+    finally:
+        loop.close()
+    assert asyncio.run(engine.complete(PROMPT, max_new_tokens=8)).token_ids == reference
+
+
+def test_a_finished_stream_leaves_no_callback_on_its_reading_task(engine_and_reference):
+    engine, reference = engine_and_reference
+
+    async def worker():  # one long-lived task, request after request
+        streams = []
+        for _ in range(3):
+            async with engine.generate(PROMPT, max_new_tokens=8) as stream:
+                async for piece in stream:
+                    if not piece.finished:  # (the last piece comes after the stream let go of its reader)
+                        assert stream._watched is not None and stream._watched[0] is asyncio.current_task()
+            streams.append(stream)
+        return streams
+
+    streams = asyncio.run(worker())
+    assert all(stream._watched is None and stream.result.token_ids == reference for stream in streams)
+
+
+def test_sync_engine_streams_made_before_they_are_read_each_run(tiny, engine_and_reference):
+    """`[engine.generate(p) for p in prompts]`, then reading each: none was read when the next was made, so none
+    holds the engine and none is closed (the check closed every stream but the last)."""
+    _, reference = engine_and_reference
+    with SyncEngine(tiny, OFFLOADED) as engine:
+        first, second = engine.generate(PROMPT, max_new_tokens=8), engine.generate(PROMPT, max_new_tokens=8)
+        assert [t for piece in first for t in piece.token_ids] == reference
+        assert [t for piece in second for t in piece.token_ids] == reference
+
+
+def test_sync_engine_reading_makes_no_full_collection_per_piece(tiny):
+    import gc
+
+    full = []
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    with SyncEngine(tiny, EngineConfig(device="cpu", residents=2, draft={"k": 0, "k_max": 0})) as engine:
+        gc.callbacks.append(count)
+        try:
+            pieces = list(engine.generate(PROMPT, max_new_tokens=24))
+        finally:
+            gc.callbacks.remove(count)
+    assert len(pieces) >= 20 and len(full) <= 2, (len(pieces), len(full))  # was one a piece

@@ -3,6 +3,7 @@ disk under stdout one `error:` line and 2, an engine field the bench cannot use 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,9 @@ def tools(tmp_path) -> dict[str, list[str]]:
 
 
 def _run(argv: list[str], stdout) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", *argv], stdout=stdout, stderr=subprocess.PIPE, text=True)
+    """The tool as a shell runs it: stdout block-buffered (PYTHONUNBUFFERED would hide an unflushed print's failure)."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
+    return subprocess.Popen([sys.executable, "-m", *argv], stdout=stdout, stderr=subprocess.PIPE, text=True, env=env)
 
 
 @pytest.mark.parametrize("tool", ["bench", "replay", "widen", "info"])

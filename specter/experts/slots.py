@@ -553,6 +553,8 @@ class ExpertSlots:
         later loop finds no load that nothing will complete. Chunks on the stream still land; a later load into
         the slot is issued behind them on the same stream."""
         if task.cancelled():
+            if slot.generation == generation and transfer.fully_issued and not transfer.cancelled:
+                self._write_table(slot.layer, slot.expert, -1)  # its after_copy mapped the expert to the slot it frees
             transfer.cancel()
             self._settle_load(slot, generation, None)
 

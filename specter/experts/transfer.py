@@ -373,7 +373,8 @@ class TransferEngine:
     # -- the pump ------------------------------------------------------------------------------------
 
     def _ensure_pump(self) -> None:
-        if self._pump_task is None or self._pump_task.done():
+        # (a loop that ended without cancelling its tasks leaves its pump pending for good: this loop needs its own)
+        if self._pump_task is None or self._pump_task.done() or self._pump_task.get_loop() is not asyncio.get_running_loop():
             self._wakeup = asyncio.Event()
             self._pump_task = asyncio.get_running_loop().create_task(self._pump(), name="specter-transfer-pump")
 
