@@ -23,7 +23,7 @@ import torch
 from specter import plugins
 from specter.config import EngineConfig
 from specter.draft import DraftExperts, quantize_layers
-from specter.errors import BudgetError, ConfigError, PluginError
+from specter.errors import BudgetError, CheckpointError, ConfigError, PluginError
 from specter.experts.cache import CacheSnapshot, ExpertCache
 from specter.experts.costs import HostKernel, calibrate, default_cost_store, host_kernels
 from specter.experts.host import HostExperts
@@ -109,8 +109,15 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 
 def resolve_dtype(config: EngineConfig, spec: ModelSpec) -> torch.dtype:
-    name = spec.dtype if config.dtype == "auto" else config.dtype
-    return _DTYPES.get(name, torch.float32)
+    """EngineConfig.dtype, or with 'auto' the checkpoint's (spec.dtype: config.json's, else its tensors'). A declared
+    dtype the engine does not compute in (float8_e4m3fn, say) is refused rather than guessed: its weights are not the
+    float32/16 or bfloat16 the loader reads, or the config is wrong, and one --dtype settles either."""
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    if spec.dtype not in _DTYPES:
+        raise CheckpointError(f"config.json declares dtype {spec.dtype!r} (its 'torch_dtype' or 'dtype' field), which Specter does not "
+                              f"compute in; supported: {', '.join(sorted(_DTYPES))}; pass --dtype (EngineConfig.dtype) to choose one")
+    return _DTYPES[spec.dtype]
 
 
 def drafts_rounds(lookahead: str, k: int) -> bool:

@@ -190,6 +190,11 @@ def _slot_overhead(spec: ModelSpec, config: EngineConfig, element: int, expert_g
 def _slots(plan: MemoryPlan, config: EngineConfig) -> tuple[int, int]:
     """Slots in every MoE layer, and the count of layers with one more: `residents` as given (none more), all
     resident within the budget, or as many as the budget holds."""
+    if config.residents is not None and not plan.moe_layers:
+        # Every layer dense (decoder_sparse_step beyond the depth, all in mlp_only_layers, first_k_dense_replace = depth):
+        # there is no expert to offload, so `residents` caps nothing and the model runs as without it (a budget too small
+        # for the rest is still refused below). Refusing would fail a setting that only asks for at most so many experts.
+        config = config.model_copy(update={"residents": None})
     if config.residents is not None:
         if config.residents < plan.min_slots_per_layer:
             raise BudgetError(f"residents={config.residents} slots per layer is below this model's minimum of "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -237,18 +238,44 @@ def _token_text(value: Any) -> str | None:
 
 
 def _jinja_environment() -> Any:
+    """The environment transformers renders chat templates in (its `_compile_jinja_template`), so templates render
+    identically: its settings, the loop controls ({% break %}, {% continue %}), the {% generation %} block (rendered as
+    its body; transformers only notes where it falls), `strftime_now(format)`, and its `tojson` (not HTML-escaped,
+    non-ASCII kept, keys in their order, with indent and separators)."""
     try:
+        import jinja2.ext
+        from jinja2 import nodes
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise ConfigError("chat templates need the `jinja2` package; install it (pip install jinja2) "
                           "or pass the prompt as text or token ids") from None
 
+    class Generation(jinja2.ext.Extension):
+        """{% generation %}...{% endgeneration %}: marks an assistant's text for training masks; renders its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
     def raise_exception(message: str) -> None:  # templates call this to refuse a conversation
         raise ConfigError(f"the chat template refused the messages: {message}")
 
-    # The same settings transformers uses, so templates render identically.
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format: str) -> str:  # templates that date the system prompt (Llama 3's "Today Date")
+        return datetime.now().strftime(format)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = strftime_now
     return environment
 
 

@@ -15,9 +15,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from specter.errors import CheckpointError, abbreviate, unreadable
-from specter.model.spec import ModelSpec, spec_from_config
+from specter.model.spec import ModelSpec, declared_dtype, spec_from_config
 
 FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
+_STORED_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensors' header names of FLOAT_DTYPES
 _PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 
 
@@ -29,21 +30,48 @@ class Checkpoint:
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: not a directory; pass the checkpoint directory holding config.json and *.safetensors")
         self.config = self._read_config()
-        self.spec: ModelSpec = spec_from_config(self.config, str(self.path / "config.json"))
         self.weight_map: dict[str, str] = {}  # tensor name -> file name, from model.safetensors.index.json when there is one
-        self.files = self._find_files()
-        self.index = self._index_tensors()
+        self.files = self._find_files()  # first: a pickle checkpoint is refused whatever its config says
+        self.spec: ModelSpec = spec_from_config(self.config, str(self.path / "config.json"))
+        self.index = self._index_tensors()  # by the names the engine reads (`model.` prefixed), see _add_model_prefix
+        self._unprefixed = False  # a base model's save: names in the files lack `model.` (_add_model_prefix)
+        self._add_model_prefix()
         self._handles: dict[Path, Any] = {}
         self.spec = self._adapt_expert_prefix(self.spec)
+        self.spec = self._stored_dtype(self.spec)
 
     def _adapt_expert_prefix(self, spec: ModelSpec) -> ModelSpec:
-        """transformers v5 writes Mixtral's `block_sparse_moe` as `mlp`; follow whichever the files use."""
-        if not spec.moe_layers or spec.expert_prefix == "mlp":
+        """transformers v5 writes Mixtral's and Phi-MoE's `block_sparse_moe` as `mlp`, and Phi-MoE's router `gate` as
+        `router`; follow whichever the files use (the first MoE layer's router says)."""
+        if not spec.moe_layers:
             return spec
         layer = spec.layer_prefix(spec.moe_layers[0])
-        if f"{layer}.{spec.expert_prefix}.gate.weight" not in self.index and f"{layer}.mlp.gate.weight" in self.index:
-            return dataclasses.replace(spec, expert_prefix="mlp")
-        return spec
+        for prefix, router in ((spec.expert_prefix, spec.router), ("mlp", "gate"), ("mlp", "router")):
+            if f"{layer}.{prefix}.{router}.weight" in self.index:
+                return dataclasses.replace(spec, expert_prefix=prefix, router=router)
+        return spec  # the loader names the missing router
+
+    def _add_model_prefix(self) -> None:
+        """A base model's save (transformers' `model.model.save_pretrained`, or a converter's) names its tensors without
+        the `model.` prefix (`embed_tokens.weight`, `layers.0....`); transformers loads it, so index it by the prefixed
+        names the engine reads, keeping the names in the file to read them by. Its LM head is the tied embedding."""
+        if "model.embed_tokens.weight" in self.index or "embed_tokens.weight" not in self.index:
+            return
+        self._unprefixed = True
+        self.index = {name if name.startswith("lm_head.") else f"model.{name}": file for name, file in self.index.items()}
+
+    def _stored_dtype(self, spec: ModelSpec) -> ModelSpec:
+        """Without a dtype in config.json, the checkpoint's is the one its tensors are stored in, as transformers'
+        dtype="auto" takes it: the embedding's, from the safetensors header (nothing else is read)."""
+        name = "model.embed_tokens.weight"
+        if declared_dtype(self.config) is not None or name not in self.index:
+            return spec
+        stored = _STORED_DTYPES.get(self._handle(name).get_slice(self.disk_name(name)).get_dtype())
+        return spec if stored is None else dataclasses.replace(spec, dtype=stored)  # (another dtype: refused when read)
+
+    def disk_name(self, name: str) -> str:
+        """The name in the files of the tensor the engine calls `name` (errors name that one)."""
+        return name.removeprefix("model.") if self._unprefixed else name
 
     def _read_config(self) -> dict[str, Any]:
         config_path = self.path / "config.json"
@@ -126,11 +154,12 @@ class Checkpoint:
         return name in self.index
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._handle(name).get_slice(self.disk_name(name)).get_shape())
 
     def _handle(self, name: str) -> Any:
         if name not in self.index:
-            raise CheckpointError(f"{self.path}: tensor '{name}' is missing from the checkpoint (files: {', '.join(f.name for f in self.files)})")
+            raise CheckpointError(f"{self.path}: tensor '{self.disk_name(name)}' is missing from the checkpoint "
+                                  f"(files: {', '.join(f.name for f in self.files)})")
         file = self.index[name]
         if file not in self._handles:
             self._handles[file] = self._open(file)
@@ -139,15 +168,15 @@ class Checkpoint:
     def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Read one tensor, checking its shape and that it holds floating-point weights."""
         handle = self._handle(name)
-        file = self.index[name]
+        file, disk = self.index[name], self.disk_name(name)
         if shape is not None and self.shape(name) != tuple(shape):
-            raise CheckpointError(f"{file}: tensor '{name}' has shape {list(self.shape(name))}, expected {list(shape)} from config.json")
+            raise CheckpointError(f"{file}: tensor '{disk}' has shape {list(self.shape(name))}, expected {list(shape)} from config.json")
         try:
-            value = handle.get_tensor(name)
+            value = handle.get_tensor(disk)
         except (SafetensorError, OSError, ValueError, RuntimeError) as error:
-            raise CheckpointError(f"{file}: tensor '{name}' cannot be read, the file is truncated or corrupt ({error})") from None
+            raise CheckpointError(f"{file}: tensor '{disk}' cannot be read, the file is truncated or corrupt ({error})") from None
         if value.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(f"{file}: tensor '{name}' has dtype {value.dtype}, expected float32, float16 or bfloat16 weights")
+            raise CheckpointError(f"{file}: tensor '{disk}' has dtype {value.dtype}, expected float32, float16 or bfloat16 weights")
         return value
 
     def close(self) -> None:
@@ -179,6 +208,9 @@ class InMemoryCheckpoint:
         self.index = {key: self.path for key in tensors}
         self.files = [self.path]
         self.spec = Checkpoint._adapt_expert_prefix(self, self.spec)  # type: ignore[arg-type]
+        embed = tensors.get("model.embed_tokens.weight")
+        if declared_dtype(config) is None and embed is not None and embed.dtype in FLOAT_DTYPES:  # as Checkpoint._stored_dtype
+            self.spec = dataclasses.replace(self.spec, dtype=str(embed.dtype).removeprefix("torch."))
 
     def has(self, name: str) -> bool:
         return name in self.tensors

@@ -18,7 +18,7 @@ from specter.config import KernelTuning
 from specter.errors import CheckpointError
 from specter.model.kv import KVCache
 from specter.model.registry import register_transformer
-from specter.model.spec import ModelSpec, _common, _Fields, register_family
+from specter.model.spec import Defaults, ModelSpec, _common, _Fields, register_family
 from specter.model.transformer import FamilySpec, Tensor, Transformer, rms_norm
 from specter.model.weights import DENSE_SHAPES, standard_dense_shapes
 
@@ -53,9 +53,14 @@ class DeepseekSpec(ModelSpec):
 
 
 # ---- reading config.json ------------------------------------------------------------------------
+DEEPSEEK_V2 = Defaults(rms_eps=1e-6, max_position=2048)  # transformers' DeepseekV2Config
+
+
 def read_deepseek_v2(fields: _Fields) -> DeepseekSpec:
-    """Map a DeepSeek-V2 / V2-Lite config.json (transformers v4 or v5 spelling) to a DeepseekSpec."""
-    common = _common(fields)
+    """Map a DeepSeek-V2 / V2-Lite config.json (transformers v4 or v5 spelling) to a DeepseekSpec. Where a field is
+    left out, transformers' default (DeepseekV2Config): q_lora_rank 1536 and two shared experts; an explicit null
+    q_lora_rank is no q LoRA (V2-Lite), a null n_shared_experts none."""
+    common = _common(fields, DEEPSEEK_V2)
     _, scaling = fields.rope()
     latent, rope_dim = fields.need("kv_lora_rank"), fields.need("qk_rope_head_dim")
     common.update(rope_scaling=None, num_kv_heads=1, head_dim=-(-(latent + rope_dim) // 4) * 2)
@@ -65,9 +70,10 @@ def read_deepseek_v2(fields: _Fields) -> DeepseekSpec:
         family="deepseek_v2", **common,
         num_experts=fields.need_any(("n_routed_experts", "num_experts")), top_k=fields.need("num_experts_per_tok"),
         expert_intermediate=moe_width, dense_intermediate=fields.need("intermediate_size"),
-        norm_topk_prob=fields.get("norm_topk_prob", False, bool), shared_intermediate=moe_width * fields.get("n_shared_experts", 0),
+        norm_topk_prob=fields.get("norm_topk_prob", False, bool),
+        shared_intermediate=moe_width * fields.get_or_null("n_shared_experts", 2, 0),
         dense_layers=_dense_layers(fields, common["num_layers"]),
-        q_lora_rank=fields.get("q_lora_rank", None), kv_lora_rank=latent, qk_nope_head_dim=fields.need("qk_nope_head_dim"),
+        q_lora_rank=fields.get_or_null("q_lora_rank", 1536, None), kv_lora_rank=latent, qk_nope_head_dim=fields.need("qk_nope_head_dim"),
         qk_rope_head_dim=rope_dim, v_head_dim=fields.need("v_head_dim"), attention_bias=fields.get("attention_bias", False, bool),
         routed_scaling_factor=fields.get("routed_scaling_factor", 1.0, float), **_gate_groups(fields),
         yarn=_yarn(fields, scaling, common["max_position"]),

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from specter.errors import CheckpointError
 from specter.model.registry import register_transformer
-from specter.model.spec import ModelSpec, _common, _Fields, register_family
+from specter.model.spec import Defaults, ModelSpec, _common, _Fields, register_family
 from specter.model.transformer import FamilySpec, Tensor, Transformer
 from specter.model.weights import DENSE_SHAPES, standard_dense_shapes
 
@@ -35,11 +35,15 @@ class PhimoeSpec(ModelSpec):
     original_max_position: int = 0
 
 
+PHIMOE = Defaults(rms_eps=1e-5, max_position=4096 * 32, rope_theta=1e6, kv_heads=8)  # transformers' PhimoeConfig
+"""rms_eps: the LayerNorm eps, despite the field's name (rms_norm_eps)."""
+
+
 def read_phimoe(fields: _Fields) -> PhimoeSpec:
     """Map a Phi-3.5-MoE config.json (transformers v4 or v5 spelling) to a PhimoeSpec."""
-    common = _common(fields)
+    common = _common(fields, PHIMOE)
     _, scaling = fields.rope()
-    common.update(rope_scaling=None, rms_eps=fields.get("rms_norm_eps", 1e-5, float))  # LayerNorm eps, despite the name
+    common.update(rope_scaling=None)
     top_k = fields.need("num_experts_per_tok")
     if top_k != 2:
         raise CheckpointError(f"{fields.source}: num_experts_per_tok = {top_k}, but phimoe's sparsemixer router always picks "

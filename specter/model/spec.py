@@ -41,12 +41,14 @@ class ModelSpec:
     shared_intermediate: int = 0  # shared expert width (Qwen2-MoE); 0 = none
     shared_gate: bool = False  # sigmoid gate on the shared expert (Qwen2-MoE)
     dense_layers: frozenset[int] = frozenset()  # layers with a dense MLP instead of experts
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the window of every layer not in full_attention_layers; None: no window
+    full_attention_layers: frozenset[int] = frozenset()  # layers that see the whole context (Qwen2-MoE's layer_types)
     tie_word_embeddings: bool = False
-    dtype: str = "float32"  # the checkpoint's declared torch dtype
+    dtype: str = "float32"  # the checkpoint's torch dtype: declared in config.json, else its tensors' (Checkpoint)
     eos_token_ids: tuple[int, ...] = ()
     expert_prefix: str = "mlp"  # "block_sparse_moe" for Mixtral
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down on disk
+    router: str = "gate"  # the router's name under expert_prefix ("router" in Phi-MoE's transformers v5 layout)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -60,11 +62,15 @@ class ModelSpec:
     def expert_bytes(self, element_size: int) -> int:
         return self.expert_numel * element_size
 
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`'s attention (keys within the last `window` positions), or None: all of them."""
+        return None if layer in self.full_attention_layers else self.sliding_window
+
     def layer_prefix(self, layer: int) -> str:
         return f"model.layers.{layer}"
 
     def router_name(self, layer: int) -> str:
-        return f"{self.layer_prefix(layer)}.{self.expert_prefix}.gate.weight"
+        return f"{self.layer_prefix(layer)}.{self.expert_prefix}.{self.router}.weight"
 
     def expert_tensor_name(self, layer: int, expert: int, which: int) -> str:
         """Per-expert tensor name on disk; which: 0 gate, 1 up, 2 down."""
@@ -108,6 +114,13 @@ class _Fields:
         value = self.config.get(name)
         return default if value is None else self.typed(name, value, kind)
 
+    def get_or_null(self, name: str, absent: Any, null: Any, kind: type = int) -> Any:
+        """A field whose transformers default (`absent`, where config.json leaves it out) differs from what an explicit
+        null means (`null`): e.g. DeepSeek's q_lora_rank, 1536 when left out and no q LoRA when null."""
+        if name not in self.config:
+            return absent
+        return self.get(name, null, kind)
+
     def typed(self, name: str, value: Any, kind: type) -> Any:
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             try:
@@ -136,11 +149,12 @@ class _Fields:
         raise CheckpointError(f"{self.source}: config field '{name}' = {value!r:.40} {rule}; "
                               "set it to the model's value (as in its published config.json)")
 
-    def rope(self) -> tuple[float, dict[str, Any] | None]:
-        """rope_theta and scaling, from transformers v4 (`rope_theta`, `rope_scaling`) or v5 (`rope_parameters`)."""
+    def rope(self, default_theta: float = 10000.0) -> tuple[float, dict[str, Any] | None]:
+        """rope_theta and scaling, from transformers v4 (`rope_theta`, `rope_scaling`) or v5 (`rope_parameters`);
+        `default_theta`: the family's where both leave it out (transformers' `default_theta` of its config class)."""
         params = self.get("rope_parameters", None, dict) or {}
         theta = params.get("rope_theta", self.config.get("rope_theta"))
-        theta = 10000.0 if theta is None else self.typed("rope_theta", theta, float)
+        theta = default_theta if theta is None else self.typed("rope_theta", theta, float)
         scaling = self.get("rope_scaling", None, dict) or None
         if params.get("rope_type", "default") != "default":
             scaling = dict(params)
@@ -158,23 +172,43 @@ class _Fields:
         return tuple(ids)
 
 
-def _common(fields: _Fields) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """What transformers' config class of a family (v5: MixtralConfig, Qwen2MoeConfig, ...) puts where config.json
+    leaves a field out: a checkpoint that relies on them must run as it does in transformers (a Mixtral config without
+    rope_theta is a 1e6 base, and one rotated with 10000 emits other tokens). kv_heads None: num_attention_heads."""
+
+    rms_eps: float
+    max_position: int
+    rope_theta: float = 10000.0
+    kv_heads: int | None = None
+
+
+def declared_dtype(config: dict[str, Any]) -> str | None:
+    """The dtype config.json declares (`torch_dtype` in transformers v4, `dtype` in v5) as a torch name, or None where
+    it declares none (or "auto", which is no dtype either): transformers then takes its tensors'."""
+    value = config.get("torch_dtype") or config.get("dtype")
+    name = str(value).removeprefix("torch.") if value else None
+    return None if name in (None, "auto") else name
+
+
+def _common(fields: _Fields, defaults: Defaults) -> dict[str, Any]:
     hidden = fields.need("hidden_size")
     heads = fields.need("num_attention_heads")
-    theta, scaling = fields.rope()
+    theta, scaling = fields.rope(defaults.rope_theta)
     return dict(
         vocab_size=fields.need("vocab_size"),
         hidden_size=hidden,
         num_layers=fields.need("num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=fields.get("num_key_value_heads", heads),
+        num_kv_heads=fields.get_or_null("num_key_value_heads", defaults.kv_heads or heads, heads),
         head_dim=fields.get("head_dim", hidden // heads),
-        rms_eps=fields.get("rms_norm_eps", 1e-6, float),
+        rms_eps=fields.get("rms_norm_eps", defaults.rms_eps, float),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position=fields.get("max_position_embeddings", 4096),
+        max_position=fields.get("max_position_embeddings", defaults.max_position),
         tie_word_embeddings=fields.get("tie_word_embeddings", False, bool),
-        dtype=str(fields.config.get("torch_dtype") or fields.config.get("dtype") or "float32"),
+        dtype=declared_dtype(fields.config) or "float32",  # Checkpoint puts the tensors' where config.json declares none
         eos_token_ids=fields.eos(),
     )
 
@@ -186,8 +220,14 @@ def _sparse_layers(fields: _Fields, num_layers: int) -> frozenset[int]:
     return frozenset(layer for layer in range(num_layers) if layer in only_dense or step <= 0 or (layer + 1) % step != 0)
 
 
+MIXTRAL = Defaults(rms_eps=1e-5, max_position=4096 * 32, rope_theta=1e6, kv_heads=8)
+QWEN2_MOE = Defaults(rms_eps=1e-6, max_position=32768, kv_heads=16)
+QWEN3_MOE = Defaults(rms_eps=1e-6, max_position=32768, kv_heads=4)
+OLMOE = Defaults(rms_eps=1e-5, max_position=4096)
+
+
 def _mixtral(fields: _Fields) -> ModelSpec:
-    common = _common(fields)
+    common = _common(fields, MIXTRAL)
     window = fields.get("sliding_window", None)
     return ModelSpec(
         family="mixtral", **common,
@@ -197,34 +237,64 @@ def _mixtral(fields: _Fields) -> ModelSpec:
     )
 
 
+def _qwen_window(fields: _Fields) -> int | None:
+    """Qwen's sliding window: `sliding_window` (4096 where left out) with `use_sliding_window`, else none (transformers
+    writes sliding_window 0 then)."""
+    if not fields.get("use_sliding_window", False, bool):
+        return None
+    return fields.get_or_null("sliding_window", 4096, None)
+
+
+def _qwen2_windows(fields: _Fields, num_layers: int) -> dict[str, Any]:
+    """Qwen2-MoE windows some layers only: those `layer_types` calls "sliding_attention"; a config without it (written
+    before transformers v5) means transformers' rule, every other layer from the first below `max_window_layers`."""
+    window = _qwen_window(fields)
+    if window is None:
+        return dict(sliding_window=None)
+    types = fields.get("layer_types", None, list)
+    if types is None:
+        below = fields.get("max_window_layers", 28)
+        sliding = {layer for layer in range(num_layers) if layer % 2 == 0 and layer < below}
+    elif len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise CheckpointError(f"{fields.source}: config field 'layer_types' = {types!r:.120} should list 'sliding_attention' or "
+                              f"'full_attention' for each of the {num_layers} layers (num_hidden_layers)")
+    else:
+        sliding = {layer for layer, kind in enumerate(types) if kind == "sliding_attention"}
+    if not sliding:
+        return dict(sliding_window=None)
+    return dict(sliding_window=window, full_attention_layers=frozenset(set(range(num_layers)) - sliding))
+
+
 def _qwen2_moe(fields: _Fields) -> ModelSpec:
-    common = _common(fields)
-    window = fields.get("sliding_window", None) if fields.get("use_sliding_window", False, bool) else None
+    common = _common(fields, QWEN2_MOE)
+    dense = _sparse_layers(fields, common["num_layers"])
     return ModelSpec(
         family="qwen2_moe", **common,
         num_experts=fields.need_any(("num_experts", "num_local_experts")), top_k=fields.need("num_experts_per_tok"),
-        expert_intermediate=fields.need("moe_intermediate_size"), dense_intermediate=fields.get("intermediate_size", 0),
+        # transformers' default width only where some layer has a dense MLP (it would size the workspace otherwise)
+        expert_intermediate=fields.need("moe_intermediate_size"), dense_intermediate=fields.get("intermediate_size", 5632 if dense else 0),
         norm_topk_prob=fields.get("norm_topk_prob", False, bool), qkv_bias=fields.get("qkv_bias", True, bool),
         shared_intermediate=fields.need("shared_expert_intermediate_size"), shared_gate=True,
-        dense_layers=_sparse_layers(fields, common["num_layers"]), sliding_window=window,
+        dense_layers=dense, **_qwen2_windows(fields, common["num_layers"]),
     )
 
 
 def _qwen3_moe(fields: _Fields) -> ModelSpec:
-    common = _common(fields)
+    common = _common(fields, QWEN3_MOE)
     bias = fields.get("attention_bias", False, bool)
-    window = fields.get("sliding_window", None) if fields.get("use_sliding_window", False, bool) else None
+    dense = _sparse_layers(fields, common["num_layers"])
     return ModelSpec(
         family="qwen3_moe", **common,
         num_experts=fields.need_any(("num_experts", "num_local_experts")), top_k=fields.need("num_experts_per_tok"),
-        expert_intermediate=fields.need("moe_intermediate_size"), dense_intermediate=fields.get("intermediate_size", 0),
+        expert_intermediate=fields.need("moe_intermediate_size"), dense_intermediate=fields.get("intermediate_size", 6144 if dense else 0),
         norm_topk_prob=fields.get("norm_topk_prob", False, bool), qkv_bias=bias, o_bias=bias, qk_norm="head",
-        dense_layers=_sparse_layers(fields, common["num_layers"]), sliding_window=window,
+        # transformers' Qwen3-MoE windows every layer (it reads neither layer_types nor max_window_layers)
+        dense_layers=dense, sliding_window=_qwen_window(fields),
     )
 
 
 def _olmoe(fields: _Fields) -> ModelSpec:
-    common = _common(fields)
+    common = _common(fields, OLMOE)
     bias = fields.get("attention_bias", False, bool)
     return ModelSpec(
         family="olmoe", **common,

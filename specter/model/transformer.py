@@ -196,6 +196,8 @@ class Transformer:
         # the eager one-row step's decode_attention counters, one set per layer (kernels.merge_in_launch; the graphed
         # step keeps its own)
         self.attention_counters = torch.zeros(spec.num_layers, spec.num_kv_heads, dtype=torch.int32, device=self.device)
+        # key positions [S] for the static step's causal mask of a windowed model's full-attention layers (static_attention)
+        self._key_positions: Tensor | None = torch.arange(max_context, device=self.device) if spec.full_attention_layers else None
         # The draft looks its packed tensors up once (_packed): the entries of `dense` are fixed from here on.
         self._packed: dict[tuple[str, int], tuple[Tensor, Tensor | None, tuple[int, ...]] | None] = {}
         packed_any = False
@@ -311,10 +313,10 @@ class Transformer:
         else:
             h = self.norm(x, norm_name)
             q, k, v = (self.linear(h, f"{prefix}.{name}") for name in ("q_proj", "k_proj", "v_proj"))
-        if spec.clip_qkv is not None:
-            q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
         if spec.qk_norm == "full":
             q, k = self.norm(q, f"{prefix}.q_norm"), self.norm(k, f"{prefix}.k_norm")
+        if spec.clip_qkv is not None:  # after the norms, as transformers' OLMoE clamps (every path computes q/k/v here)
+            q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
         rows = x.shape[0]
         q = q.view(rows, spec.num_heads, spec.head_dim)
         k = k.view(rows, spec.num_kv_heads, spec.head_dim)
@@ -442,8 +444,8 @@ class Transformer:
         family = declared(self)
         return family is not None and family.routing == "softmax_topk"
 
-    def _key_range(self, position: int) -> tuple[int, int]:
-        window = self.spec.sliding_window
+    def _key_range(self, layer: int, position: int) -> tuple[int, int]:
+        window = self.spec.window(layer)
         first = 0 if window is None or window <= 0 else max(0, position - window + 1)
         return first, position + 1
 
@@ -455,22 +457,21 @@ class Transformer:
             positions = torch.arange(first_position, first_position + 1, device=q.device)
             counters = self.attention_counters[layer] if self.tiers.merge_in_launch else None
             splits = fused.split_count(kv.k[layer].shape[1], self.kernels)
-            return fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, self.spec.sliding_window, splits, counters)
+            return fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, self.spec.window(layer), splits, counters)
         if self.tiers.exact_attention:  # every row over its visible positions in one launch, as the static step does
             return self._attend_visible(q, torch.arange(first_position, first_position + q.shape[0], device=q.device),
-                                        kv.k[layer], kv.v[layer])
+                                        kv.k[layer], kv.v[layer], self.spec.window(layer))
         if self.exact or q.shape[0] == 1:
             return torch.cat([self._attend_row(layer, q[t], first_position + t, kv) for t in range(q.shape[0])])
         return self._attend_block(layer, q, first_position, kv)
 
-    def _attend_visible(self, q: Tensor, positions: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+    def _attend_visible(self, q: Tensor, positions: Tensor, keys: Tensor, values: Tensor, window: int | None) -> Tensor:
         """The exact forward's attention with kernels.exact_rowwise: each row q [T, H, hd] over the positions it sees
         (fused.decode_attention, its runs merged in a second launch): a row's result depends on its own query,
         position and keys only, so the eager forward and the static step give each row the same bits. At most
         `row_bucket` rows per launch: the runs' float32 partials grow with rows x heads x runs, and a long prompt's
-        would outgrow the workspace the memory plan holds for one row block."""
+        would outgrow the workspace the memory plan holds for one row block. `window`: the layer's (spec.window)."""
         splits = fused.split_count(keys.shape[1], self.kernels)
-        window = self.spec.sliding_window
         if q.shape[0] <= self.bucket:
             return fused.decode_attention(q, keys, values, positions, window, splits, None)
         return torch.cat([fused.decode_attention(q[start : start + self.bucket], keys, values,
@@ -480,7 +481,7 @@ class Transformer:
     def _attend_row(self, layer: int, q: Tensor, position: int, kv: KVCache) -> Tensor:
         """One query row, the decode kernel: q [H, hd] -> [1, H*hd]."""
         spec = self.spec
-        first, end = self._key_range(position)
+        first, end = self._key_range(layer, position)
         keys, values = kv.keys(layer, first, end), kv.values(layer, first, end)  # [Hkv, L, hd]
         group = spec.num_heads // spec.num_kv_heads
         q = q.view(spec.num_kv_heads, group, spec.head_dim)  # [Hkv, G, hd]
@@ -497,8 +498,9 @@ class Transformer:
         query_pos = torch.arange(first_position, end, device=q.device)[:, None]
         key_pos = torch.arange(end, device=q.device)[None, :]
         allowed = key_pos <= query_pos
-        if spec.sliding_window:
-            allowed &= key_pos > query_pos - spec.sliding_window
+        window = spec.window(layer)
+        if window:
+            allowed &= key_pos > query_pos - window
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys, values, attn_mask=allowed, enable_gqa=spec.num_heads != spec.num_kv_heads
         )  # [H, T, hd]
@@ -507,7 +509,8 @@ class Transformer:
     # ---- the static step's attention (graphed.StaticStep: R rows at device positions, whole cache) ----
     def static_attention(self, layer: int, x: Tensor, positions: Tensor, blocked: Tensor, kv: KVCache, counters: Tensor) -> Tensor:
         """Attention of R rows at device positions [R] for graphed.StaticStep: KV written with index_copy_, every row
-        over the whole cache [0, S) under `blocked` [1, R, 1, S] (graphed.py's principles 2-4); x [R, D] -> [R, D].
+        over the whole cache [0, S) under `blocked` [1, R, 1, S] (graphed.py's principles 2-4: causal, within
+        spec.sliding_window; a layer that spec.window leaves unwindowed masks causally itself); x [R, D] -> [R, D].
         The draft (non-exact, CUDA) ropes and writes in one launch and attends the visible positions only,
         merging its runs in the launch with `counters` [R*Hkv] (kernels.merge_in_launch)."""
         prefix = f"{self.spec.layer_prefix(layer)}.self_attn"
@@ -518,13 +521,17 @@ class Transformer:
             q, k, v = self._qkv(layer, prefix, x, positions)  # [R, H, hd], [R, Hkv, hd] x 2
             kv.k[layer].index_copy_(1, positions, k.transpose(0, 1))
             kv.v[layer].index_copy_(1, positions, v.transpose(0, 1))
+        window = self.spec.window(layer)
         if self.tiers.decode_attention:  # the draft: the visible positions only
             merged = counters if self.tiers.merge_in_launch else None
             splits = fused.split_count(kv.k[layer].shape[1], self.kernels)
-            out = fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, self.spec.sliding_window, splits, merged)
+            out = fused.decode_attention(q, kv.k[layer], kv.v[layer], positions, window, splits, merged)
         elif self.tiers.exact_attention:
-            out = self._attend_visible(q, positions, kv.k[layer], kv.v[layer])
+            out = self._attend_visible(q, positions, kv.k[layer], kv.v[layer], window)
         else:
+            if window != self.spec.sliding_window:  # a full-attention layer of a windowed model: `blocked` holds the window
+                assert self._key_positions is not None, "made where the spec has full-attention layers"
+                blocked = (self._key_positions[None, :] > positions[:, None])[None, :, None, :]
             out = self._attend_all(q, kv.k[layer], kv.v[layer], blocked)  # [R, H*hd]
         return self.plus_linear(x, out, f"{prefix}.o_proj")
 
