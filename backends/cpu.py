@@ -18,6 +18,8 @@ from specter.log import get_logger
 
 log = get_logger(__name__)
 
+# Stream sleeps pay back time.sleep's overshoot on the next sleep, up to this much.
+_MAX_SLEEP_DEBT_S = 0.002
 # A copy whose worker started it later than this after its model begin was held up by the stream itself
 # (a stream_wait, earlier work), not by a late wake-up; it then begins when it really started.
 _WAKE_UP_TOLERANCE_S = 0.0005
@@ -60,6 +62,7 @@ class CPUStream:
         self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._errors = errors
+        self._sleep_debt = 0.0
         self.modeled_until: float | None = None
         """The link-model time at which this stream's last copy landed, while nothing but event records ran
         after it; None once other work ran. Read by the copy after it."""
@@ -95,10 +98,15 @@ class CPUStream:
         return self._errors[0] if self._errors else None
 
     def sleep(self, seconds: float) -> None:
-        """Keep the stream busy for `seconds`. time.sleep overshoots; the device-paced link emulation measures each
-        padded chunk's stream time and makes that up on its next pads, so a sleep here pays nothing back itself."""
-        if seconds > 0:
-            time.sleep(seconds)
+        """Keep the stream busy for `seconds`; time.sleep's overshoot is paid back by the next sleep, so a
+        run of pads (device-side link emulation) keeps its average rate."""
+        wanted = seconds - self._sleep_debt
+        if wanted <= 0:
+            self._sleep_debt = -wanted
+            return
+        started = time.perf_counter()
+        time.sleep(wanted)
+        self._sleep_debt = min(time.perf_counter() - started - wanted, _MAX_SLEEP_DEBT_S)
 
     def close(self) -> None:
         if self._thread is not None:

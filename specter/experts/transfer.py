@@ -37,10 +37,9 @@ class LinkEmulation:
     (works on every backend; a queue model times each chunk from when the link frees, so a timer's lateness costs
     no link time). mode 'device': after each chunk the copy stream sleeps
     (torch.cuda._sleep) for the emulated minus the estimated real copy time (no host timers). The estimate is the
-    real-bandwidth EMA; how far each retired chunk's stream time (its copy and its pad, as measured) missed what it
-    was meant to take is made up on the next pads while the emulated link stays busy (`TransferEngine._pad_error_s`),
-    so a run of chunks keeps the asked rate after a cold or disturbed warm-up and whatever a short sleep kernel
-    overshoots. transfer_bench measures both.
+    real-bandwidth EMA; what it got wrong on retired chunks is made up on the next pads while the emulated link stays
+    busy (`TransferEngine._pad_error_s`), so a run of chunks keeps the asked rate even after a cold or disturbed
+    warm-up. transfer_bench measures both.
     """
 
     gbps: float
@@ -174,9 +173,9 @@ class _Chunk:
     when the pump issued it ahead (`_emulated_link_free`), < 0 when late (the model began it on time all the same)."""
     emulated_s: float = 0.0
     """Device-paced emulation: the emulated link's time for the chunk (0 for a chunk not padded on the stream)."""
-    paced_s: float = 0.0
-    """Device-paced emulation: the stream time the chunk was meant to take, its estimated copy plus its pad (the pad
-    holds what it made up of earlier chunks' error)."""
+    real_estimate: float = 0.0
+    """Device-paced emulation: the copy time its pad's planned part assumed (that part is `emulated_s` less this; the
+    pad adds what it made up of earlier chunks' error)."""
 
 
 class TransferEngine:
@@ -471,10 +470,10 @@ class TransferEngine:
             except Exception as error:  # the copy is on the stream: track its chunk, then fail the transfer
                 failed = error
         copied = self.backend.record_event(self.stream, timed=True)
-        padded, emulated_s, paced_s = self._emulate_link(transfer, nbytes)
+        padded, emulated_s, real_estimate = self._emulate_link(transfer, nbytes)
         chunk = _Chunk(nbytes, start, copied, padded or copied, issued,
                        transfer.tag[0] if isinstance(transfer.tag, tuple) else None, transfer.urgent, queued, room, offset,
-                       emulated_s, paced_s)
+                       emulated_s, real_estimate)
         self._in_flight.append(chunk)
         if self.chunk_log is not None:
             self.chunk_log.append(chunk)
@@ -499,7 +498,7 @@ class TransferEngine:
 
     def _emulate_link(self, transfer: Transfer, nbytes: int) -> tuple[Event | None, float, float]:
         """Account the chunk on the emulated link; in device mode pad the stream and return the pad's end, the emulated
-        time and the stream time the copy and pad are meant to take (None, 0 and 0 otherwise)."""
+        time and the copy time the pad assumed (None, 0 and 0 otherwise)."""
         if self.link is None:
             return None, 0.0, 0.0
         emulated_s = nbytes / (self.link.gbps * 1e9)
@@ -524,7 +523,7 @@ class TransferEngine:
         self._pad_error_s -= pad - planned
         self.backend.stream_sleep(self.stream, pad)
         # (a copy estimated slower than the link: no pad, and the estimate counts as the emulated time)
-        return self.backend.record_event(self.stream, timed=True), emulated_s, emulated_s - planned + pad
+        return self.backend.record_event(self.stream, timed=True), emulated_s, emulated_s - planned
 
     def _finish(self, transfer: Transfer, ready: Event | None = None) -> None:
         """The last chunk is on the stream: `ready` is its event when `after_copy` already ran before it."""
@@ -543,10 +542,8 @@ class TransferEngine:
             raw_s = chunk.copied.elapsed_since(chunk.start)
             if chunk.emulated_s:
                 # Device-paced: the pads hold the emulated time over a run, not per chunk (one makes up for another's
-                # misestimated copy or overshot sleep), so the chunk counts what the emulated link holds it for, as
-                # host-paced ones do. Its whole stream time, not the copy alone: a sleep kernel of a fraction of a
-                # millisecond runs over what its cycles ask by a fixed part, which would otherwise slow every chunk.
-                self._pad_error_s += chunk.paced_s - chunk.end.elapsed_since(chunk.start)
+                # misestimated copy), so the chunk counts what the emulated link holds it for, as host-paced ones do.
+                self._pad_error_s += chunk.real_estimate - raw_s
                 effective_s = max(raw_s, chunk.emulated_s)
             else:
                 # (unpadded, the chunk ends at its copy: one elapsed-time query fewer, a cost the loop thread pays)
