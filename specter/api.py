@@ -478,6 +478,5 @@ def checkpoint_eos(directory: Path, spec: ModelSpec) -> tuple[int, ...]:
             eos = json.loads(file.read_text()).get("eos_token_id")
         except (OSError, json.JSONDecodeError, AttributeError):
             eos = None  # generation_config.json is advisory; a broken one must not stop the model from loading
-    ids = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos if isinstance(eos, list) else []
-    ids = [token for token in ids if isinstance(token, int) and not isinstance(token, bool)]
-    return tuple(sorted(set(ids))) if ids else tuple(sorted(set(spec.eos_token_ids)))
+    ids = {token for token in (eos if isinstance(eos, list) else [eos]) if isinstance(token, int) and not isinstance(token, bool)}
+    return tuple(sorted(ids or set(spec.eos_token_ids)))

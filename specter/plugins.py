@@ -128,15 +128,12 @@ def _warn_unmatched(allow_list: str, entries: set[str]) -> None:
     A misspelt entry allows nothing, so the plug-in it meant is refused later under its own name; the warning
     names the misspelling itself.
     """
-    with _scan_lock:
+    groups = (*POLICY_GROUPS, BACKEND_GROUP)
+    with _scan_lock:  # (reentrant: installed() takes it too)
         if allow_list in _checked_allow_lists:
             return
-    groups = (*POLICY_GROUPS, BACKEND_GROUP)
-    names = {group: installed(group) for group in groups}
-    with _scan_lock:
-        if allow_list in _checked_allow_lists:  # (another thread checked it meanwhile)
-            return
-        _checked_allow_lists.add(allow_list)
+        names = {group: installed(group) for group in groups}
+        _checked_allow_lists.add(allow_list)  # after the scan: a scan that failed is tried again
     unmatched = []
     for entry in sorted(entries):
         group, _, name = entry.rpartition(":")

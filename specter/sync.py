@@ -39,7 +39,6 @@ class SyncEngine:
     """
 
     def __init__(self, path: str | Path, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None) -> None:
-        self._closed = False
         self._open: dict[int, weakref.ref[GenerationStream]] = {}  # per thread: the stream it last read a piece of
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="specter-sync-loop", daemon=True)
@@ -60,14 +59,13 @@ class SyncEngine:
 
     def close(self) -> None:
         """Release the engine and stop the loop thread. Idempotent."""
-        self._closed = True
         self._finalizer()
 
     @property
     def closed(self) -> bool:
         """Closed by close(), by garbage collection or at the interpreter's exit."""
-        finalizer = getattr(self, "_finalizer", None)
-        return self._closed or (finalizer is not None and not finalizer.alive)
+        finalizer = getattr(self, "_finalizer", None)  # (none yet while __init__ loads the engine)
+        return finalizer is not None and not finalizer.alive
 
     def complete(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None,
                  **overrides: Any) -> Result:
