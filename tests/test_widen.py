@@ -29,7 +29,7 @@ from specter.build import load_resident
 from specter.build import CheckpointWeights
 from specter.model.checkpoint import Checkpoint
 from specter.model.spec import spec_from_config
-from tests.hf_models import hf_model, save_fused, save_hf
+from tests.hf_models import hf_model, rewrite_config, save_fused, save_hf
 from tests.test_families_extra import hf_variant
 
 PROMPT = [3, 17, 42, 5, 88, 12, 7, 60]
@@ -191,6 +191,17 @@ def test_bad_factors_are_refused_with_the_field_named():
             widen.narrow_config(SHAPES["mixtral-8x7b"], factor)
         with pytest.raises(ConfigError, match="whole number >= 1"):
             widen.widen_config(SHAPES["mixtral-8x7b"], factor)
+
+
+def test_a_widened_checkpoint_without_a_declared_dtype_computes_in_its_stored_one(tmp_path):
+    """As the engine reads the narrow checkpoint (its stored dtype when config.json declares none), so the widened
+    one; an explicit dtype still wins."""
+    src = tmp_path / "src"
+    save_hf(hf_model("mixtral").to(torch.bfloat16), src)
+    rewrite_config(src, torch_dtype=None, dtype=None)
+    assert Checkpoint(src).spec.dtype == "bfloat16"
+    assert widen.WidenedCheckpoint(src, 2).spec.dtype == "bfloat16"
+    assert widen.WidenedCheckpoint(src, 2, torch.float32).spec.dtype == "float32"
 
 
 # ---- the CLI and the on-disk layout --------------------------------------------------------------

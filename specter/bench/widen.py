@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import shutil
 import sys
@@ -349,6 +350,8 @@ class WidenedCheckpoint:
         for key in ([key for key in ("torch_dtype", "dtype") if key in self.config] or ["torch_dtype"]) if dtype else []:
             self.config[key] = str(dtype).removeprefix("torch.")  # transformers v4 and v5 spellings
         self.spec: ModelSpec = spec_from_config(self.config, f"{self.path}/config.json widened x{factor}")
+        if dtype is None:  # the narrow checkpoint's dtype, its stored one when config.json declares none
+            self.spec = dataclasses.replace(self.spec, dtype=self.narrow.spec.dtype)
         self.index = dict(self.narrow.index)
         self.tied = self.narrow.spec.tie_word_embeddings and "lm_head.weight" not in self.index
         if self.tied:
