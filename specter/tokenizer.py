@@ -159,10 +159,24 @@ class Detokenizer:
         window = self.token_ids[self._prefix_offset:]
         before = self.tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset])
         full = self.tokenizer.decode(window)
-        if len(full) <= len(before) or (full.endswith(REPLACEMENT) and not allow_incomplete):
+        if len(full) <= len(before):
+            return ""
+        if full.endswith(REPLACEMENT) and not allow_incomplete:
+            self._stop_before_incomplete(full[len(before):].rstrip(REPLACEMENT))
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
         return full[len(before):]
+
+    def _stop_before_incomplete(self, complete: str) -> None:
+        """The new text ends inside a character and waits for it, but a stop string may already stand whole in its
+        `complete` part before that character: cut there now, not a token or more later (when the text may have hit
+        its token limit and would end as 'length', with a token past the stop counted)."""
+        if not complete or not self.stop_strings:
+            return
+        text = self._decoded + complete
+        cut = _first_stop(text, self.stop_strings, max(0, len(self._decoded) - self._hold))
+        if cut is not None:
+            self._decoded, self.stopped = text[:cut], True
 
     def _append(self, new_text: str) -> None:
         if not new_text:

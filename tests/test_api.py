@@ -162,6 +162,22 @@ def test_stop_string_truncates_text_and_tokens(tiny):
     assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)] and len(stopped.token_ids) < len(free.token_ids)
 
 
+def test_a_stop_string_ending_where_a_character_begins_stops_with_its_token(tiny):
+    """Byte-level BPE: the token that completes a stop string can also carry the first byte of the next character
+    (tiny greedy from "hello": 'rg' and the lead byte of a character in its 8th token). The stop is found at that
+    token, so a request whose token limit falls there ends with 'stop' and no token after it (it ended 'length')."""
+    with SyncEngine(tiny, OFFLOADED) as engine:
+        free = engine.complete("hello", max_new_tokens=12)
+        decode = engine.engine.tokenizer.decode
+        at = next(n for n in range(1, 13) if "rg" in decode(free.token_ids[:n]).rstrip("\ufffd"))
+        assert at == 8 and decode(free.token_ids[:at]).endswith("\ufffd")  # the premise: a character begun there
+        stopped = engine.complete("hello", max_new_tokens=at, stop_strings=("rg",))
+        longer = engine.complete("hello", max_new_tokens=12, stop_strings=("rg",))
+    expected = decode(free.token_ids[:at]).split("rg")[0]
+    for result in (stopped, longer):
+        assert (result.finish_reason, result.text, result.token_ids) == ("stop", expected, free.token_ids[:at])
+
+
 def test_concurrent_requests_are_served_in_arrival_order(tiny, baseline):
     prompts = [[3, 4, 5], [9, 8], [100, 200, 300, 400], [7]]
     events: list[int] = []

@@ -72,6 +72,19 @@ def test_stop_string_cuts_before_it_even_across_tokens(tokenizer):
     assert all("the target" not in piece for piece in pieces)
 
 
+def test_a_stop_string_before_a_split_character_stops_at_its_token(tokenizer):
+    """A token may end a stop string and begin a character ('rg' and the first byte of 'å' in the builtin's vocab):
+    the detokenizer stops at that token, not when the character completes."""
+    ids = tokenizer.encode("smörgåsbord")
+    detokenizer = tokenizer.detokenizer(("rg",))
+    for n, token in enumerate(ids, 1):
+        detokenizer.push([token])
+        if "rg" in tokenizer.decode(ids[:n]).rstrip(REPLACEMENT):
+            break
+    assert tokenizer.decode(ids[:n]).endswith(REPLACEMENT)  # the premise: the character after the stop is split
+    assert detokenizer.stopped and detokenizer.text + detokenizer.finish() == "smö"
+
+
 def test_stop_string_never_partly_released_before_stopping(tokenizer):
     """Held back: no piece released before the stop shows the stop string's first characters past the cut."""
     ids = tokenizer.encode("hello world. the quick brown fox")
