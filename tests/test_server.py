@@ -282,6 +282,46 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cas
     assert server.client().completions.create(model=model, prompt="hi", max_tokens=1, temperature=0).choices[0].text is not None
 
 
+def test_null_means_the_default_where_openai_allows_it(server, reference):
+    """The official client sends null for a parameter given as None (n=None); OpenAI's schema allows it for these."""
+    model = server.client().models.list().data[0].id
+    expected = reference.complete("hello", max_new_tokens=4, temperature=0).text
+    body = {"model": model, "prompt": "hello", "max_tokens": 4, "temperature": 0, "n": None, "stream": None,
+            "echo": None, "stop": None, "seed": None}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == expected
+    streamed = server.client().completions.create(model=model, prompt="hello", max_tokens=4, temperature=0, n=None,
+                                                  stream=True, stream_options={"include_usage": None})
+    text, finish, usage = stream_text(streamed)
+    assert (text, finish, usage) == (expected, "length", None)  # include_usage null: no usage chunk
+
+
+def test_a_client_gone_while_sending_its_body_is_no_server_error(server):
+    """Hanging up before the declared body arrived is the client's doing: counted as a hang-up (499), not logged as an
+    internal error with a traceback whose locals hold the partial body."""
+    import socket
+
+    host, port = server.url.removeprefix("http://").split(":")
+    before, logged = server.metrics(), len(server.log)
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 100\r\n\r\n{\"model\": \"secret")
+        time.sleep(0.3)  # the server is reading the body
+    deadline = time.monotonic() + 10
+    while (after := server.metrics()).get(GONE, 0) == before.get(GONE, 0):
+        assert time.monotonic() < deadline, "the hang-up was never counted"
+        time.sleep(0.05)
+    assert after.get(FAILED, 0) == before.get(FAILED, 0)
+    assert not any("internal_error" in line or "secret" in line for line in server.log[logged:]), server.log[logged:]
+    model = server.client().models.list().data[0].id
+    assert server.client().completions.create(model=model, prompt="hi", max_tokens=1, temperature=0).choices
+
+
+GONE = 'specter_http_responses_total{endpoint="/v1/completions",status="499"}'
+FAILED = 'specter_http_responses_total{endpoint="/v1/completions",status="500"}'
+
+
 def test_the_openai_client_reads_the_errors(server):
     client = server.client()
     with pytest.raises(openai.BadRequestError) as bad:
@@ -542,9 +582,11 @@ def test_past_the_drain_timeout_requests_end_with_503_and_an_error_event(tiny):
         waiter.join(60)
         assert live.process.wait(60) == 0, "".join(live.log)
         last = json.loads(events[-1])
-        assert last["error"]["type"] == "server_error" and "closed" in last["error"]["message"], events[-3:]
+        assert last["error"]["type"] == "server_error" and "shutting down" in last["error"]["message"], events[-3:]
         assert queued[0].status_code == 503 and queued[0].headers["content-type"] == "application/json"
         assert queued[0].json()["error"]["type"] == "server_error"
+        for message in (last["error"]["message"], queued[0].json()["error"]["message"]):  # not the Python API's advice
+            assert "from_pretrained" not in message, message
         assert not any("Traceback" in line for line in live.log), "".join(live.log)
     finally:
         live.stop()
@@ -599,7 +641,8 @@ def test_text_prompts_wait_for_the_encoder_in_a_bounded_line_and_token_ids_skip_
         return list(prompt)
 
     engine = SimpleNamespace(encode=encode, spec=SimpleNamespace(vocab_size=100))
-    state = SimpleNamespace(engine=engine, queue=AdmissionQueue(1), encoder=ThreadPoolExecutor(1), encoding=0)
+    state = SimpleNamespace(engine=engine, queue=AdmissionQueue(1), encoder=ThreadPoolExecutor(1),
+                            long_encoder=ThreadPoolExecutor(1), encoding=0)
 
     async def main():
         first = asyncio.ensure_future(_encode(state, "a long text", "prompt"))
@@ -618,7 +661,77 @@ def test_text_prompts_wait_for_the_encoder_in_a_bounded_line_and_token_ids_skip_
     finally:
         release.set()
         state.encoder.shutdown()
+        state.long_encoder.shutdown()
     assert "one too many" not in encoded
+
+
+def test_the_queue_holds_one_running_and_max_queue_waiting_even_before_the_first_takes_its_turn():
+    """A ticket admitted to an idle engine counts as waiting until its task takes the turn (a stream's only when its
+    response starts): two requests arriving together at an idle server with --max-queue 1 both fit (the second got
+    a 429), a third does not; with --max-queue 0 only one is in flight."""
+    from specter.server.admission import AdmissionQueue, QueueFull
+
+    async def main():
+        queue = AdmissionQueue(1)
+        first, second = queue.admit(), queue.admit()  # neither has taken the turn yet
+        with pytest.raises(QueueFull) as full:
+            queue.admit()
+        assert full.value.waiting == 1
+        async with first:
+            with pytest.raises(QueueFull):
+                queue.admit()
+        async with second:
+            third = queue.admit()  # the first is done: a place is free
+        third.close()
+        assert (queue.waiting, queue.running) == (0, 0)
+        alone = AdmissionQueue(0)
+        ticket = alone.admit()
+        with pytest.raises(QueueFull):
+            alone.admit()
+        ticket.close()
+        alone.admit().close()
+
+    asyncio.run(main())
+
+
+def test_a_short_text_prompt_is_not_encoded_behind_a_long_one():
+    """Long texts (past GIL_FREE_CHARS) have their own encoder thread: seconds of tokenizing a megabyte, which the
+    context check may then refuse, hold up no short prompt."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from specter.server.admission import AdmissionQueue
+    from specter.server.app import _encode
+    from specter.tokenizer import GIL_FREE_CHARS
+
+    release = threading.Event()
+
+    def encode(prompt):
+        if len(prompt if isinstance(prompt, str) else prompt[0]["content"]) > GIL_FREE_CHARS:
+            release.wait(10)
+        return [1, 2]
+
+    engine = SimpleNamespace(encode=encode, spec=SimpleNamespace(vocab_size=100))
+    state = SimpleNamespace(engine=engine, queue=AdmissionQueue(4), encoder=ThreadPoolExecutor(1),
+                            long_encoder=ThreadPoolExecutor(1), encoding=0)
+
+    async def main():
+        long_text = asyncio.ensure_future(_encode(state, "x" * (GIL_FREE_CHARS + 1), "prompt"))
+        long_chat = asyncio.ensure_future(_encode(state, [{"role": "user", "content": "y" * (GIL_FREE_CHARS + 1)}],
+                                                  "messages"))
+        await asyncio.sleep(0.05)
+        assert await asyncio.wait_for(_encode(state, "short", "prompt"), 5) == [1, 2]
+        assert await asyncio.wait_for(_encode(state, [{"role": "user", "content": "hi"}], "messages"), 5) == [1, 2]
+        assert not long_text.done() and not long_chat.done()
+        release.set()
+        assert await long_text == [1, 2] and await long_chat == [1, 2]
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        state.encoder.shutdown()
+        state.long_encoder.shutdown()
 
 
 def test_the_port_probe_takes_an_empty_host_and_names_a_bad_one():

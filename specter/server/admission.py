@@ -31,9 +31,14 @@ class AdmissionQueue:
         self._service_s = 1.0  # moving average of how long a request holds the turn, for Retry-After
 
     def admit(self) -> Ticket:
-        """A place in the queue now, or QueueFull. Admission is synchronous so a refusal is a plain 429."""
-        if self.waiting >= self.max_waiting and (self.running or self.waiting):
-            raise QueueFull(self.waiting, self._retry_after())
+        """A place in the queue now, or QueueFull. Admission is synchronous so a refusal is a plain 429.
+
+        One request runs and `max_waiting` wait: a ticket admitted to an idle engine counts as waiting until its task
+        takes the turn (a streamed one only when its response starts), so the tickets held are what is bounded, not
+        the waiting count alone, else a burst arriving at an idle server is refused one place early."""
+        held = self.waiting + self.running
+        if held > self.max_waiting:
+            raise QueueFull(held - 1, self._retry_after())
         self.waiting += 1
         return Ticket(self)
 

@@ -22,13 +22,14 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from specter.api import Engine, FinishReason, Piece, Prompt
 from specter.config import GenerationConfig
-from specter.errors import ConfigError, PromptError, SpecterError
+from specter.tokenizer import GIL_FREE_CHARS
+from specter.errors import ConfigError, PromptError, RequestCancelled, SpecterError
 from specter.log import get_logger
 from specter.server.admission import AdmissionQueue, QueueFull, Ticket
 from specter.server.asgi import ClientGone, EventStream, Gate, NoResponse, sse, unless_hangup
@@ -58,15 +59,19 @@ class ServerState:
     queue: AdmissionQueue
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    # One thread encodes every text prompt, in arrival order: the engine serves one request at a time anyway, and a
-    # pool would grow a thread per concurrent request. `encoding` counts the prompts it holds, bounded as the queue is.
+    # Text prompts are encoded in arrival order on two threads, one for long texts and one for the others, so that a
+    # short prompt never waits behind a megabyte's seconds of tokenizing (which the context check may then refuse); a
+    # pool would grow a thread per concurrent request. `encoding` counts the prompts both hold, bounded as the queue is.
     encoder: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="specter-encode"))
+    long_encoder: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="specter-encode-long"))
     encoding: int = 0
     started: int = field(default_factory=lambda: int(time.time()))
 
     def close(self) -> None:
-        """Drop the prompts still waiting for the encoder (their requests are gone with the server)."""
+        """Drop the prompts still waiting for the encoders (their requests are gone with the server)."""
         self.encoder.shutdown(wait=False, cancel_futures=True)
+        self.long_encoder.shutdown(wait=False, cancel_futures=True)
 
     @property
     def max_context(self) -> int:
@@ -107,6 +112,9 @@ def _handler(state: ServerState, route: Any) -> Any:
             return await route(state, request)
         except APIRequestError as error:
             return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        except ClientDisconnect:  # hung up while its body was being read: no one to answer, nothing went wrong
+            log.debug("server.client_gone", path=request.url.path)
+            return NoResponse()
     endpoint.__name__ = route.__name__
     return endpoint
 
@@ -187,7 +195,7 @@ async def _serve(state: ServerState, request: Request, body: SamplingRequest, pr
         log.debug("server.client_gone", path=request.url.path)
         return NoResponse()
     except SpecterError as error:  # e.g. the engine closed under a request past the drain timeout: as streamed, a 503
-        raise APIRequestError(503, str(error), type="server_error") from None
+        raise _unavailable(error) from None
     finally:
         job.ticket.close()
     return JSONResponse(answer.whole(text, reason, len(prompt_ids), new_tokens))
@@ -241,7 +249,7 @@ async def _events(state: ServerState, job: Job, answer: Answer, include_usage: b
                     yield sse(answer.chunk(piece.text, piece.finish_reason, with_usage=include_usage))
     except SpecterError as error:  # e.g. the engine closed under a request past the drain timeout
         log.warning("server.stream_ended", error=str(error))
-        yield sse(APIRequestError(503, str(error), type="server_error").body())
+        yield sse(_unavailable(error).body())
         return
     except Exception:
         log.exception("server.stream_failed")
@@ -326,14 +334,23 @@ async def _encode(state: ServerState, prompt: Prompt, param: str) -> list[int]:
 
 
 async def _encode_text(state: ServerState, prompt: Prompt) -> list[int]:
-    """Text or messages, encoded on the encoder thread; as many may wait for it as for the engine, then 429."""
+    """Text or messages, encoded on an encoder thread (long texts on their own); as many may wait for the two as for
+    the engine, then 429."""
     if state.encoding > state.queue.max_waiting:
         raise _busy(state, state.encoding)
+    lane = state.long_encoder if _text_chars(prompt) > GIL_FREE_CHARS else state.encoder
     state.encoding += 1
     try:
-        return await asyncio.get_running_loop().run_in_executor(state.encoder, state.engine.encode, prompt)
+        return await asyncio.get_running_loop().run_in_executor(lane, state.engine.encode, prompt)
     finally:
         state.encoding -= 1
+
+
+def _text_chars(prompt: Prompt) -> int:
+    """The characters a text or chat prompt gives the tokenizer, but for its template's own."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(message.get("content") or "") for message in prompt if isinstance(message, dict))
 
 
 def _check_context(state: ServerState, prompt_tokens: int, max_tokens: int, prompt_param: str, limit_param: str) -> None:
@@ -357,6 +374,13 @@ def _generation(body: SamplingRequest, max_tokens: int) -> GenerationConfig:
             stop_strings=body.stop_strings())
     except ConfigError as error:
         raise APIRequestError(400, str(error)) from None
+
+
+def _unavailable(error: SpecterError) -> APIRequestError:
+    """A request the engine ended: the engine's own words, but for its closing, whose advice is the Python API's."""
+    message = ("the server is shutting down and ended this request; send it again" if isinstance(error, RequestCancelled)
+               else str(error))
+    return APIRequestError(503, message, type="server_error")
 
 
 def _admit(state: ServerState) -> Ticket:

@@ -37,7 +37,8 @@ class APIRequestError(Exception):
 class StreamOptions(BaseModel):
     model_config = WIRE
 
-    include_usage: bool = Field(False, description="Send one more chunk before [DONE] with the request's usage.")
+    include_usage: bool | None = Field(False, description="Send one more chunk before [DONE] with the request's "
+                                       "usage; null is false.")
 
 
 class SamplingRequest(BaseModel):
@@ -51,9 +52,10 @@ class SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=1, description="Keep the k most likely tokens (not in OpenAI's API; vLLM's name).")
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="Same seed and parameters, same tokens; None draws one.")
     stop: str | list[str] | None = Field(None, description="Stop strings; the text ends before the first one found.")
-    stream: bool = False
+    # OpenAI's schema lets a client send null for these (the official client's n=None does), meaning the default.
+    stream: bool | None = Field(False, description="Server-sent events; null is false.")
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="One choice per request (n > 1 is not supported).")
+    n: int | None = Field(1, ge=1, le=1, description="One choice per request (n > 1 is not supported); null is 1.")
     logprobs: Any = Field(None, description="Not supported: must be absent, null or false (0 asks for the sampled "
                           "token's logprob in the completions API, so it is refused too).")
     top_logprobs: Any = Field(None, description="Not supported: must be absent or null.")
@@ -119,13 +121,13 @@ class CompletionRequest(SamplingRequest):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most; OpenAI's default is 16.")
-    echo: bool = Field(False, description="Not supported: must be false.")
+    echo: bool | None = Field(False, description="Not supported: must be false (or null).")
     best_of: int | None = Field(None, ge=1, le=1, description="Not supported beyond 1.")
     suffix: None = Field(None, description="Not supported: must be absent.")
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, value: bool) -> bool:
+    def _no_echo(cls, value: bool | None) -> bool | None:
         if value:
             raise ValueError("echo is not supported by this server")
         return value
