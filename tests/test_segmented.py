@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
 import textwrap
 
 import pytest
@@ -424,3 +425,48 @@ def test_triton_routed_sum_in_the_interpreter_equals_the_torch_sum():
     cases = [(8, 5, 2, 64, "float32"), (60, 16, 4, 300, "bfloat16"), (16, 3, 1, 40, "float16"), (64, 9, 6, 33, "bfloat16"),
              (8, 4, 8, 256, "bfloat16")]
     assert run_interpreted(ROUTED_SUM_SCRIPT, json.dumps(cases)) == [True] * (len(cases) + 1)
+
+
+def test_float16_draft_overflow_leaves_the_static_verify_exact_and_the_next_request_clean(tmp_path):
+    """A float16 model whose experts' outputs overflow for some tokens: the draft writes inf K/V beyond the committed
+    length, which the whole-cache static attention weighs by 0 (0 x inf is NaN: the target's logits turned NaN and it
+    emitted token 0 forever, and the next request on the engine from the stale tail too). Speculating equals k = 0."""
+    from specter import Engine
+    from specter.config import DraftConfig
+
+    model = hf_model("mixtral", seed=7)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "experts" in name and ("down" in name or "w2" in name):
+                parameter.mul_(25000.0)  # the checkpoint's own tokens stay finite; the draft's int2 guesses overflow
+    path = save_hf(model, tmp_path / "mixtral")
+    prompts = [[1, 2, 3], [40, 50, 60, 70, 80]]
+
+    async def tokens(k: int, quant: str) -> list[list[int]]:
+        config = EngineConfig(device="cpu", dtype="float16", max_context=64, static_verify=True,
+                              draft=DraftConfig(k=k, overlap=k, quant=quant))
+        async with Engine.from_pretrained(path, config) as engine:
+            return [(await engine.complete(prompt, max_new_tokens=40)).token_ids for prompt in prompts]
+
+    plain = asyncio.run(tokens(0, "int4"))
+    assert all(sequence[-4:] != [0] * 4 for sequence in plain)  # the premise: plain decoding's logits stay finite
+    assert asyncio.run(tokens(8, "int2")) == plain
+
+
+def test_mla_whole_cache_attention_weighs_a_non_finite_latent_it_must_not_see_as_nothing():
+    """attend_latent in float16: an inf or NaN latent at a position blocked for the row (a draft's overflow left in
+    the cache) leaves the row's context as if that position held zeros (0 x inf made it NaN)."""
+    from specter.model.deepseek_v2 import attend_latent
+
+    torch.manual_seed(0)
+    rows, heads, rank, rope_dim, positions = 2, 2, 8, 4, 6
+    q_latent, q_rope = torch.randn(rows, heads, rank).half(), torch.randn(rows, heads, rope_dim).half()
+    latents, rope_keys = torch.randn(positions, rank).half(), torch.randn(positions, rope_dim).half()
+    blocked = torch.zeros(rows, 1, positions, dtype=torch.bool)
+    blocked[:, :, 4:] = True  # positions 4 and 5: beyond both rows
+    clean = attend_latent(q_latent, q_rope, latents, rope_keys, blocked, 0.5)
+    for bad in (math.inf, math.nan):
+        stale = latents.clone()
+        stale[4], stale[5, :2] = bad, -math.inf
+        got = attend_latent(q_latent, q_rope, stale, rope_keys, blocked, 0.5)
+        assert torch.isfinite(got).all() and torch.equal(got, clean)

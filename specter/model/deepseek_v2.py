@@ -19,7 +19,7 @@ from specter.errors import CheckpointError
 from specter.model.kv import KVCache
 from specter.model.registry import register_transformer
 from specter.model.spec import Defaults, ModelSpec, _common, _Fields, register_family
-from specter.model.transformer import FamilySpec, Tensor, Transformer, rms_norm
+from specter.model.transformer import FamilySpec, Tensor, Transformer, finite_values, rms_norm
 from specter.model.weights import DENSE_SHAPES, standard_dense_shapes
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use the RMSNorm default, not rms_norm_eps
@@ -219,7 +219,7 @@ def attend_latent(q_latent: Tensor, q_rope: Tensor, latents: Tensor, rope_keys: 
     scores = q_latent.reshape(rows * heads, rank) @ latents.T + q_rope.reshape(rows * heads, -1) @ rope_keys.T  # [R*H, S]
     scores = (scores * softmax_scale).float().view(rows, heads, -1).masked_fill(blocked, -math.inf)
     probs = torch.softmax(scores, dim=-1).to(q_latent.dtype).view(rows * heads, -1)
-    return (probs @ latents).view(rows, heads, rank)
+    return (probs @ finite_values(latents)).view(rows, heads, rank)
 
 
 # ---- the model ----------------------------------------------------------------------------------

@@ -175,6 +175,14 @@ def packed_projections(w: dict[str, Tensor], names: Sequence[str]) -> tuple[Tens
     return weight, bias, tuple(t.shape[0] for t in weights)  # type: ignore[union-attr]
 
 
+def finite_values(values: Tensor) -> Tensor:
+    """The whole-cache attention's values with non-finite entries zeroed, in float16 only. It multiplies positions a
+    row must not see (stale K/V beyond the committed length, later rows) by a probability of exactly 0, and 0 x inf
+    is NaN: float16 overflows where a draft token's hidden state runs large (its K/V stay in the cache after a
+    rejection, and after the request), which bfloat16's and float32's range do not. A position a row does see with a
+    non-finite value is broken decoding either way (plain decoding's logits are NaN there too)."""
+    return torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0) if values.dtype == torch.float16 else values
+
 class Transformer:
     """A loaded MoE decoder: non-expert weights by on-disk name, the spec, and the forward pass."""
 
@@ -544,7 +552,7 @@ class Transformer:
         scores = torch.matmul(q, keys.transpose(1, 2)) * head_dim**-0.5  # [Hkv, R*G, S]
         scores = scores.float().view(kv_heads, rows, group, -1).masked_fill(blocked, -math.inf)
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads, rows * group, -1)
-        out = torch.matmul(probs, values)  # [Hkv, R*G, hd]
+        out = torch.matmul(probs, finite_values(values))  # [Hkv, R*G, hd]
         return out.view(kv_heads, rows, group, head_dim).transpose(0, 1).reshape(rows, spec.num_heads * head_dim)
 
     # ---- feed-forward: routed experts, shared expert, or dense MLP ----------------------------
