@@ -118,7 +118,11 @@ class Runtime:
         spec = self.spec
         recorder = calibrate.RecordingExperts(self.experts)
         prompts = prompts or calibrate.default_prompts(spec.vocab_size)
-        new_tokens = min(new_tokens, self.config.max_context - max(len(p) for p in prompts))
+        # The target decodes them into the engine's own KV: in a short context (max_context may be as small as 8), a
+        # prompt keeps at most half of it, so that some tokens are decoded after it too.
+        limit = self.config.max_context
+        prompts = [list(prompt)[: max(1, limit // 2)] for prompt in prompts]
+        new_tokens = max(1, min(new_tokens, limit - max(len(p) for p in prompts)))
         await calibrate.calibrate(lambda p: greedy_decode(self.model, recorder, p, new_tokens, kv=self.kv), recorder, prompts)
         self._end_request()
         on_host = {}

@@ -97,3 +97,17 @@ def test_gptq_layer_runs_on_the_gpu_of_its_activations() -> None:
     for got, want in ((on_cuda.dequantize_w13(), on_cpu.dequantize_w13()), (on_cuda.dequantize_w2(), on_cpu.dequantize_w2())):
         gap = (got.cpu().double() - want.double()).norm() / want.double().norm()
         assert gap < 1e-2, gap
+
+
+@pytest.mark.parametrize("max_context", [8, 12])
+def test_a_gptq_draft_calibrates_in_the_smallest_contexts(max_context) -> None:
+    """Calibration decodes its 16-token prompts into the engine's own KV: with max_context below 16 (8 is allowed)
+    the load failed with a bare AssertionError. The draft speculates, and its tokens equal plain decoding's."""
+    from specter import EngineConfig, SyncEngine
+
+    config = EngineConfig(device="cpu", max_context=max_context, draft=DraftConfig(k=3, quant="gptq4"))
+    with SyncEngine("tiny", config) as engine:
+        speculated = engine.complete([1, 2, 3], max_new_tokens=4)
+        assert engine.engine.runtime.draft is not None
+    with SyncEngine("tiny", config.model_copy(update={"draft": DraftConfig(k=0, k_max=0)})) as plain:
+        assert speculated.token_ids == plain.complete([1, 2, 3], max_new_tokens=4).token_ids
