@@ -532,12 +532,17 @@ class Runtime:
             verdict = rejection_verdict(drafts, probs(draft_logits, params), probs(logits, params), generator)
         else:
             verdict = coupled_verdict(drafts, logits, positions, params)
-        if guess is not None:
-            verdict = torch.cat([verdict, guess.to(verdict.dtype)])
-        host = await to_host(self.kernel, verdict)  # await point: the round's one host sync for acceptance
-        if guess is not None:
-            return read_verdict(torch.tensor(host[:-1])), host[-1]
-        return read_verdict(torch.tensor(host)), None
+        size, rows = verdict.shape[0], logits.shape[0]
+        finite = torch.isfinite(logits).all(dim=-1).to(verdict.dtype)  # [k+1], read with the verdict: no second sync
+        parts = [verdict, finite] + ([guess.to(verdict.dtype)] if guess is not None else [])
+        host = await to_host(self.kernel, torch.cat(parts))  # await point: the round's one host sync for acceptance
+        acceptance = read_verdict(torch.tensor(host[:size]))
+        if not all(host[size : size + acceptance.n_accepted + 1]):  # the rows whose tokens are committed
+            # An argmax over NaN is token 0 forever, which would pass for output (the prompt's logits are checked too).
+            raise CheckpointError(f"the model's logits at position {start + 1 + host[size : size + rows].index(0)} are "
+                                "not finite (NaN or inf): in float16 its activations can overflow, so run it in "
+                                "bfloat16 (--dtype bfloat16); otherwise its weights or config.json are broken")
+        return acceptance, (host[-1] if guess is not None else None)
 
     def _rejection_generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:

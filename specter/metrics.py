@@ -14,7 +14,12 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class RequestStats:
-    """What one generation did; `as_dict` is the stable JSON the CLI prints under `stats`."""
+    """What one generation did; `as_dict` is the stable JSON the CLI prints under `stats`.
+
+    The speculation counts (`drafted`, `accepted`, `accepted_lengths`, `depths`) are the rounds' verdicts as the
+    verify gave them: a stop (id or string) inside a round's accepted drafts ends the output there, and `new_tokens`
+    and `token_times` count only what was emitted, but the drafts the target accepted past the stop stay counted, since
+    they describe the draft's agreement with the target, not the output."""
 
     prompt_tokens: int = 0
     new_tokens: int = 0

@@ -418,3 +418,28 @@ def test_generation_configs_eos_replaces_config_jsons_as_in_transformers(tiny, t
     with_both, config_only = run(main())
     assert with_both.token_ids == free_run[: free_run.index(late) + 1] and with_both.finish_reason == "stop"
     assert config_only.token_ids == free_run[: free_run.index(early) + 1] and config_only.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_logits_that_turn_non_finite_mid_stream_end_the_request_with_an_error(tmp_path, k):
+    """A float16 model whose activations overflow a few tokens in: plain decoding (and speculation alike) emitted token
+    0 forever, finish_reason 'length', since an argmax over NaN is 0. Now the request fails naming the position and
+    bfloat16, and the engine serves the next one."""
+    import torch
+
+    from specter.config import DraftConfig
+    from specter.errors import CheckpointError
+    from tests.hf_models import hf_model, save_hf
+
+    model = hf_model("mixtral", seed=7)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "experts" in name and ("down" in name or "w2" in name):
+                parameter.mul_(30000.0)
+    path = save_hf(model, tmp_path / "overflows")
+    config = EngineConfig(device="cpu", dtype="float16", max_context=64, draft=DraftConfig(k=k, k_max=k, quant="int8"))
+    with SyncEngine(path, config) as engine:
+        with pytest.raises(CheckpointError, match=r"logits at position \d+ are not finite.*bfloat16"):
+            engine.complete([1, 2, 3], max_new_tokens=40)
+        short = engine.complete([1, 2, 3], max_new_tokens=3)  # before the overflow: served, and its tokens are real
+        assert short.finish_reason == "length" and len(short.token_ids) == 3
