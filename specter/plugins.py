@@ -89,16 +89,33 @@ def installed(group: str, *, refresh: bool = False) -> dict[str, EntryPoint]:
 def _scan(short: str) -> dict[str, EntryPoint]:
     found: dict[str, EntryPoint] = {}
     for entry_point in entry_points(group=GROUP_PREFIX + short):
-        if entry_point.name in found:
-            # Two distributions claim one name: keep the first, as importlib.metadata orders them.
-            kept = found[entry_point.name]
-            log.warning("plugin.duplicate", group=short, name=entry_point.name, kept=kept.value,
-                        kept_dist=PluginOrigin.of(short, kept).dist, ignored=entry_point.value,
-                        ignored_dist=PluginOrigin.of(short, entry_point).dist,
-                        advice="uninstall one of the two distributions; SPECTER_PLUGINS selects names, not distributions")
+        if entry_point.name not in found:
+            found[entry_point.name] = entry_point
             continue
-        found[entry_point.name] = entry_point
+        # Two distributions claim one name. A reference plug-in's name stays the reference plug-in's: else whichever
+        # importlib.metadata lists first (an order of sys.path the user never chose) would silently run a third party's
+        # code as `lru` in every engine, replay and bench baseline, and through an allow-list that names `lru` only.
+        # Between two third parties, keep the first.
+        kept, ignored = found[entry_point.name], entry_point
+        if _is_reference(ignored) and not _is_reference(kept):
+            kept, ignored = ignored, kept
+            found[entry_point.name] = kept
+        ignored_dist = PluginOrigin.of(short, ignored).dist
+        advice = (f"rename the entry point in {ignored_dist or 'its distribution'}: {entry_point.name!r} is a reference "
+                  f"plug-in's name, which a third party cannot replace; select yours by its new name"
+                  if _is_reference(kept) and not _is_reference(ignored) else
+                  "uninstall one of the two distributions; SPECTER_PLUGINS selects names, not distributions")
+        log.warning("plugin.duplicate", group=short, name=entry_point.name, kept=kept.value,
+                    kept_dist=PluginOrigin.of(short, kept).dist, ignored=ignored.value, ignored_dist=ignored_dist,
+                    advice=advice)
     return found
+
+
+def _is_reference(entry_point: EntryPoint) -> bool:
+    """Whether an entry point names one of the engine's own plug-ins (`policies/`, `backends/`): its module is one of
+    those packages, which one process imports from one place, whichever distribution declared the entry point."""
+    module = entry_point.value.partition(":")[0].strip()
+    return module.partition(".")[0] in ("policies", "backends")
 
 
 def refresh() -> None:
@@ -198,16 +215,26 @@ def _load_and_construct(short: str, name: str, refresh: bool, options: dict[str,
     if not re.fullmatch(r"[\w.]+(\s*:\s*[\w.]+)?(\s*\[.*\])?", entry_point.value.strip()):
         raise PluginError(f"{origin.label()}: its entry point {entry_point.value!r} is not 'module:attribute' "
                           f"(e.g. 'mypackage.policies:MyPolicy'); fix the distribution's entry points")
+    # SystemExit too, as in a decision (`_Guarded._call`): a plug-in's exit() at import or construction is its bug,
+    # and it would end the process without a word (a replay over every installed plug-in, a server starting).
     try:
         factory = entry_point.load()
-    except Exception as exc:
-        raise PluginError(f"{origin.label()}: importing {entry_point.value!r} failed: {exc!r}") from exc
+    except (Exception, SystemExit) as exc:
+        raise PluginError(f"{origin.label()}: importing {entry_point.value!r} failed: {exc!r}; fix or reinstall the "
+                          f"distribution that declares it, or uninstall it") from exc
     if not callable(factory):
         raise PluginError(f"{origin.label()}: {entry_point.value!r} is not a class or factory")
     try:
         return factory(**options), origin
-    except Exception as exc:
-        raise PluginError(f"{origin.label()}: construction with options {options} failed: {exc}") from exc
+    except (Exception, SystemExit) as exc:
+        advice = ("; the engine calls a plug-in's entry point with no arguments, so give every parameter of its "
+                  "constructor a default, or point the entry point at a factory that supplies them"
+                  if not options and isinstance(exc, TypeError) and "required" in str(exc) else "")
+        if isinstance(exc, SystemExit):
+            detail, advice = f"it called exit({exc.code!r})", "; a plug-in must raise an exception, never exit the process"
+        else:
+            detail = str(exc)
+        raise PluginError(f"{origin.label()}: construction with options {options} failed: {detail}{advice}") from exc
 
 
 def _find(short: str, name: str, refresh: bool) -> EntryPoint:
@@ -252,7 +279,10 @@ class _Guarded:
     def __init__(self, policy: Any, origin: PluginOrigin) -> None:
         self.policy = policy
         self.origin = origin
-        self.name: str = policy.name
+        # The name it was selected by (its entry point's), not the object's own `name`, which the docs ask for but do
+        # not tie to the entry point: the replay labels its rows with this, and an object named as another plug-in
+        # (a copied `name = "lru"`) must not show as that one.
+        self.name: str = origin.name
         self._slow: set[str] = set()
 
     def __getattr__(self, attribute: str) -> Any:
