@@ -564,7 +564,7 @@ class Runtime:
         return RoundReport(index=stats.rounds, k=k, scouted=scouted, acceptance=acceptance, verify=record,
                            draft_counts=self.ahead.round_counts() if (k or scouted) and self.draft is not None else None,
                            moe_layers=self.spec.moe_layers, window=clock.window, loaded_bytes=self._bytes_loaded() - bytes_at_start,
-                           draft_step_s=self.estimates.draft_step_s or 0.0, stats=stats)
+                           draft_step_s=self._timing().draft_step_s, stats=stats)
 
     def _adapt(self, report: RoundReport, clock: RoundClock) -> None:
         """Step 6: lift the round's protections, then feed what it measured to the estimates and the lookahead policy."""

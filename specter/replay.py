@@ -1,14 +1,18 @@
 """Replay a routing trace on the CPU through eviction x prefetch policy pairs; compare hits, bytes and stall.
 
-CLI: `python -m specter.replay TRACE [--link GBPS] [--slots S] [--eviction a,b] [--prefetch a,b] [--roll W|all]
-[--json]`. Each layer keeps the recording run's own slots (the header's `layer_slots`), or `--slots` in every layer.
+CLI: `python -m specter.replay TRACE [--link GBPS|PRESET] [--slots S] [--eviction a,b] [--prefetch a,b] [--roll W|all]
+[--json]`. Each layer keeps the recording run's own slots (the header's `layer_slots`), or `--slots` in every layer
+(top_k..num_experts, as the engine takes `--residents`); `--link` is parsed as the engine's (`parse_link`). A trace
+without rounds (recorded from a resident or k = 0 engine) is refused: there is nothing to replay.
 The rolling window is modelled as on the engine's host-waiting path (`iter_ready`: later misses recycle
 the oldest miss's slot); on CUDA the engine's policy picks most of those slots (see `CacheTuning.roll_hot_window`).
 
-With `--placement off,all,auto --host-ms MS` it compares placements instead (`replay_placements`): per placement, the
-device path's misses and bytes over the link, the host path's expert computations, and a modelled expert time per
-token from the link's and the host's costs (the device's own compute left out, as in the placement cost model; per
-layer the two paths combine as `specter.placement.overlapped` with `--overlap`, default the sum).
+With `--placement off,all,auto --host-ms MS` it compares placements instead (`replay_placements`): per placement and
+eviction x prefetch pair named (default the engine's), the device path's misses and bytes over the link, the host
+path's expert computations, and a modelled expert time per token from the link's and the host's costs (the device's
+own compute left out, as in the placement cost model; per layer the two paths combine as
+`specter.placement.overlapped` with `--overlap`, default the sum). The placement-only options (`--host-ms`,
+`--host-job-ms`, `--row-bucket`, `--overlap`, `--profile`) are refused without `--placement`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import collections
 import dataclasses
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -26,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from specter.config import CacheTuning
-from specter.errors import PluginError, SpecterError
+from specter.config import CacheTuning, parse_link
+from specter.errors import ConfigError, PluginError, SpecterError
 from specter.exits import run_tool
 from specter.log import get_logger
 from specter.placement import (
@@ -42,7 +47,7 @@ from specter.placement import (
     preloaded,
     token_seconds,
 )
-from specter.plugins import available, guarded, load_policy
+from specter.plugins import ALLOW_LIST_ENV, available, guarded, installed, load_policy
 from specter.policy import EvictionPolicy, LinkTiming, Plan, PrefetchPolicy, UseHistory
 from specter.trace import LayerRoutes, TraceHeader, TraceRound, read_trace, use_counts
 
@@ -440,13 +445,15 @@ def trace_placement_state(header: TraceHeader, rounds: Sequence[TraceRound], lin
                           *, slots_per_layer: int | None = None, row_bucket: int = 16,
                           profile: Sequence[Sequence[float]] | None = None,
                           sequence: RouteSequence | None = None, eviction: str = "plan-protect",
-                          prefetch: str = "topm-keep", host_job_s: float | None = None) -> PlacementState:
+                          prefetch: str = "topm-keep", host_job_s: float | None = None,
+                          uniform: bool = False) -> PlacementState:
     """What a placement policy would see of the engine that recorded the trace, placing at load (an empty cache):
     the link at `link_gbps`, the host at `host_block_s` per block and `host_job_s` per job, and the routing profile `profile` with its rounds
     in order `sequence` (None for both: the trace's own use counts and rounds, up to `SEQUENCE_TOKENS` tokens, which
-    flatters a policy that reads them, since they are the future being replayed). The engine speculates, with
+    flatters a policy that reads them, since they are the future being replayed; with `uniform`, neither: the policy
+    sees no profile, as the engine does given a profile without rounds). The engine speculates, with
     `eviction` and `prefetch`, where some replayed round drafted (k > 0), as the recording engine did."""
-    if profile is None and sequence is None:
+    if profile is None and sequence is None and not uniform:
         profile = use_counts(rounds, header.num_layers, header.num_experts)
         sequence = RouteSequence.of_rounds(rounds, header.num_layers, SEQUENCE_TOKENS) if rounds else None
     return PlacementState(num_layers=header.num_layers, num_experts=header.num_experts, top_k=header.top_k,
@@ -476,14 +483,16 @@ def replay_placements(
     overlap: float = OVERLAP,
     sequence: RouteSequence | None = None,
     host_job_s: float | None = None,
+    uniform: bool = False,
 ) -> list[PlacementReplay]:
     """Each `specter.placement` policy (an installed name, constructed with its defaults, or a policy object) placed
     once from `trace_placement_state`, then the trace replayed under it through one eviction x prefetch pair (the
     engine's defaults unless given), in the order given. `overlap`: how the replay and the prediction combine a layer's
-    two paths (`specter.placement.overlapped`); a policy object brings its own for its choice."""
+    two paths (`specter.placement.overlapped`); a policy object brings its own for its choice. `uniform`: place without
+    a routing profile (a given one without rounds), never from the trace's own."""
     state = trace_placement_state(header, rounds, link_gbps, host_block_s, slots_per_layer=slots_per_layer,
                                   row_bucket=row_bucket, profile=profile, sequence=sequence, eviction=eviction,
-                                  prefetch=prefetch, host_job_s=host_job_s)
+                                  prefetch=prefetch, host_job_s=host_job_s, uniform=uniform)
     replays = []
     for named in names:
         policy = load_policy("placement", named) if isinstance(named, str) else named
@@ -536,45 +545,64 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The CLI: replay a trace through every installed (allowed) eviction x prefetch pair."""
     parser = argparse.ArgumentParser(prog="python -m specter.replay", description=__doc__.splitlines()[0])
     parser.add_argument("trace", help="a specter-trace JSON-lines file")
-    parser.add_argument("--link", type=_above_zero, default=DEFAULT_LINK_GBPS, metavar="GBPS", help="H2D GB/s (1e9 bytes/s)")
+    parser.add_argument("--link", type=_link, default=DEFAULT_LINK_GBPS, metavar="GBPS|PRESET",
+                        help="H2D GB/s (1e9 bytes/s) from the engine's slowest link up, or a preset (gen5, gen4, gen3, "
+                             "ddr4-desktop), as `generate --link` takes it (default 25)")
     parser.add_argument("--slots", type=int, default=None,
-                        help="cache slots in every layer (default: each layer's in the run that recorded the trace)")
+                        help="cache slots in every layer, from the trace's top-k to its experts, as the engine takes "
+                             "--residents (default: each layer's in the run that recorded the trace)")
     parser.add_argument("--eviction", default=None, help="comma-separated eviction plug-ins (default: all installed)")
     parser.add_argument("--prefetch", default=None, help="comma-separated prefetch plug-ins (default: all installed)")
     parser.add_argument("--roll", type=_roll, default="engine", metavar="W|all|engine",
                         help="the verify's rolling window: a layer's waiting misses hold at most W slots at once (hot "
                              "experts give theirs only up to it); all: no limit; engine: as the engine is set (the default)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    placing = parser.add_argument_group("placements (instead of policy pairs)")
+    placing = parser.add_argument_group("placements (instead of policy pairs; the options below need --placement)")
     placing.add_argument("--placement", default=None, metavar="off,all,auto",
                          help="comma-separated placement plug-ins to compare, each placed as at load and replayed through "
-                              "one eviction x prefetch pair (--eviction, --prefetch; default the engine's)")
+                              "each eviction x prefetch pair named (--eviction, --prefetch; default the engine's)")
     placing.add_argument("--host-ms", type=_above_zero, default=None, metavar="MS",
                          help="host milliseconds per expert block of --row-bucket rows (`specter info` measures it)")
     placing.add_argument("--host-job-ms", type=_zero_or_more, default=None, metavar="MS",
                          help="host milliseconds each layer's host job costs beyond its experts' blocks, once per round "
                               "that uses any (`specter info` measures it; default none)")
-    placing.add_argument("--row-bucket", type=int, default=16, metavar="B", help="rows per host block (EngineConfig.row_bucket)")
-    placing.add_argument("--overlap", type=float, default=OVERLAP, metavar="O",
+    placing.add_argument("--row-bucket", type=int, default=None, metavar="B",
+                         help="rows per host block (default EngineConfig.row_bucket's, 16)")
+    placing.add_argument("--overlap", type=float, default=None, metavar="O",
                          help="share of the shorter of a layer's two paths hidden under the longer in the modelled time "
                               "and the prediction (1: the longer, 0: the sum, the default; specter.placement.OVERLAP); "
                               "the named policies choose with their own defaults")
     placing.add_argument("--profile", default=None, metavar="TRACE",
-                         help="the routing profile the placements weigh, a trace (default: the replayed trace's own use counts and rounds)")
+                         help="the routing profile the placements weigh, a trace of the same model (default: the "
+                              "replayed trace's own use counts and rounds; one without rounds: uniform routing, as the "
+                              "engine's --placement-profile)")
     args = parser.parse_args(argv)
     if args.slots is not None and args.slots < 1:
         parser.error(f"--slots {args.slots}: expected 1 or more cache slots per layer")
-    if args.placement is not None:
-        if args.row_bucket < 1 or not 0 <= args.overlap <= 1:
-            parser.error("--row-bucket must be >= 1 and 0 <= --overlap <= 1")
-        return run_tool(lambda: _compare_placements(args))
-    return run_tool(lambda: _compare_policies(args))
+    if args.placement is None:
+        # Without --placement these options would change nothing: refused, so that a run never looks as if it had
+        # weighed a profile or a host cost it ignored.
+        given = [option for option, value in (("--host-ms", args.host_ms), ("--host-job-ms", args.host_job_ms),
+                                              ("--row-bucket", args.row_bucket), ("--overlap", args.overlap),
+                                              ("--profile", args.profile)) if value is not None]
+        if given:
+            applies, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
+            parser.error(f"{', '.join(given)} only {applies} to placements: add --placement (e.g. --placement "
+                         f"off,all,auto --host-ms MS), or leave {them} out")
+        return run_tool(lambda: _compare_policies(args))
+    args.overlap = OVERLAP if args.overlap is None else args.overlap
+    if (args.row_bucket is not None and args.row_bucket < 1) or not 0 <= args.overlap <= 1:
+        parser.error("--row-bucket must be >= 1 and 0 <= --overlap <= 1")
+    return run_tool(lambda: _compare_placements(args))
 
 
 def _compare_policies(args: argparse.Namespace) -> int:
     """Every eviction x prefetch pair: one row each."""
     evictions, prefetches = _named_plugins("eviction", args.eviction), _named_plugins("prefetch", args.prefetch)
-    header, rounds = read_trace(args.trace)
+    for group, names in (("eviction", evictions), ("prefetch", prefetches)):
+        if names is None:
+            _some_allowed(group)
+    header, rounds = _replayed_trace(args.trace, args.slots)
     results, skipped = replay_all(
         header, rounds, args.link, slots_per_layer=args.slots, evictions=evictions, prefetches=prefetches,
         roll=args.roll,
@@ -584,40 +612,94 @@ def _compare_policies(args: argparse.Namespace) -> int:
 
 
 def _compare_placements(args: argparse.Namespace) -> int:
-    """`--placement`: one row per placement."""
+    """`--placement`: one row per placement and eviction x prefetch pair named (default: the engine's pair)."""
     from specter.config import EngineConfig
 
     engine = EngineConfig()
-    # Only the first eviction and prefetch are used here, but every name given is checked.
     for group, csv in (("eviction", args.eviction), ("prefetch", args.prefetch), ("placement", args.placement)):
         _named_plugins(group, csv)
-    header, rounds = read_trace(args.trace)
+    args.row_bucket = engine.row_bucket if args.row_bucket is None else args.row_bucket
+    header, rounds = _replayed_trace(args.trace, args.slots)
     profile = sequence = None
+    uniform = False
     if args.profile is not None:
         from specter.experts.costs import routing_profile
 
+        # As the engine reads its --placement-profile: a trace without rounds is uniform routing, never replaced by
+        # the replayed trace's own rounds (which `specter info` would not see).
         profile, sequence = routing_profile(args.profile, header.num_layers, header.num_experts)
-    replays = replay_placements(
+        uniform = profile is None and sequence is None
+    pairs = [(eviction, prefetch) for eviction in _names(args.eviction) or [engine.eviction]
+             for prefetch in _names(args.prefetch) or [engine.prefetch]]
+    tables = [((eviction, prefetch), replay_placements(
         header, rounds, _names(args.placement) or ["off"], args.link,
         args.host_ms / 1e3 if args.host_ms is not None else None, slots_per_layer=args.slots,
-        eviction=(_names(args.eviction) or [engine.eviction])[0], prefetch=(_names(args.prefetch) or [engine.prefetch])[0],
-        row_bucket=args.row_bucket, profile=profile, roll=args.roll, overlap=args.overlap, sequence=sequence,
-        host_job_s=args.host_job_ms / 1e3 if args.host_job_ms is not None else None)
+        eviction=eviction, prefetch=prefetch, row_bucket=args.row_bucket, profile=profile, roll=args.roll,
+        overlap=args.overlap, sequence=sequence, uniform=uniform,
+        host_job_s=args.host_job_ms / 1e3 if args.host_job_ms is not None else None)) for eviction, prefetch in pairs]
+    replays = [replayed for _, table in tables for replayed in table]
     if args.json:
         print(json.dumps({"model": header.model, "link_gbps": args.link, "host_ms": args.host_ms,
                           "host_job_ms": args.host_job_ms, "overlap": args.overlap,
                           **_slots_json(header, args.slots), "row_bucket": args.row_bucket,
+                          "profile": args.profile,
+                          "routing": "uniform" if uniform else "profile" if args.profile else "replayed trace",
                           "results": [replayed.to_json() for replayed in replays]}, indent=1))
     else:
-        first = replays[0].result if replays else None
-        print(f"{header.model}: {header.num_layers} layers x {header.num_experts} experts, link {args.link} GB/s, host "
-              f"{args.host_ms} ms per expert block" + (f" + {args.host_job_ms} ms per job" if args.host_job_ms else "")
-              + f", {len(rounds)} rounds"
-              + (f" ({first.eviction} x {first.prefetch})" if first else ""))
-        print(format_placements(replays))
+        host = (f"host {args.host_ms} ms per expert block" + (f" + {args.host_job_ms} ms per job" if args.host_job_ms else "")
+                if args.host_ms is not None else "no host cost given (--host-ms)")
+        only = pairs[0] if len(pairs) == 1 else None
+        print(f"{header.model}: {header.num_layers} layers x {header.num_experts} experts, link {args.link} GB/s, {host}, "
+              f"{len(rounds)} rounds" + (f" ({only[0]} x {only[1]})" if only else ""))
+        for (eviction, prefetch), table in tables:  # one table per pair, each placed for it (its prefetch prices misses)
+            if not only:
+                print(f"{eviction} x {prefetch}:")
+            print(format_placements(table))
         print(f"link+host: replayed (per round: unhidden prefetch + per layer both paths at overlap {args.overlap}); "
               "model: the cost model's expected time per committed token the placements were chosen by", file=sys.stderr)
+    if uniform:
+        print(f"note: the profile {args.profile} holds no rounds: the placements assume uniform routing, as the engine "
+              "does with it as --placement-profile", file=sys.stderr)
     return 0
+
+
+def _replayed_trace(path: str, slots: int | None) -> tuple[TraceHeader, list[TraceRound]]:
+    """The trace to replay, refused where it has no rounds (every pair would "hit" all of nothing) or `slots` (--slots)
+    is a count the engine would refuse for its model."""
+    header, rounds = read_trace(path)
+    if not rounds:
+        raise SpecterError(
+            f"{path} holds no speculative rounds (only its header), so there is nothing to replay: an engine writes a "
+            "round only when it drafts with experts offloaded, so a trace recorded from a resident engine (every expert "
+            "on the device) or with k = 0 (plain decoding) stays empty; record one with --residents or --budget below "
+            "full residency and a draft depth k > 0")
+    if slots is not None and not header.top_k <= slots <= header.num_experts:  # as the engine's load (memory._slots)
+        raise ConfigError(f"--slots {slots}: expected {header.top_k}..{header.num_experts} slots per MoE layer (at least "
+                          f"one token's active experts, the trace's top-k {header.top_k}; at most its {header.num_experts} "
+                          "experts), as the engine refuses other --residents")
+    return header, rounds
+
+
+def _some_allowed(group: str) -> None:
+    """Refuse a run over every allowed plug-in of `group` where SPECTER_PLUGINS allows none: it would replay no pair."""
+    if available(group):
+        return
+    names = sorted(installed(group))
+    if not names:
+        raise PluginError(f"no {group} plug-in is installed, so no pair can be replayed; reinstall specter (its reference "
+                          "policies are entry points of its distribution) or install a package that provides one")
+    raise PluginError(f"no {group} plug-in is allowed by {ALLOW_LIST_ENV}={os.environ.get(ALLOW_LIST_ENV)!r} (installed: "
+                      f"{', '.join(names)}), so no pair can be replayed; add one, e.g. '{group}:{names[0]}', to "
+                      f"{ALLOW_LIST_ENV}, or unset it")
+
+
+def _link(text: str) -> float:
+    """A link as the engine takes it (argparse type): a preset or GB/s from `MIN_LINK_GBPS` (`parse_link`); a slower
+    one models copies of years and prints stalls of hundreds of digits."""
+    try:
+        return parse_link(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _above_zero(text: str) -> float:

@@ -11,31 +11,42 @@ Line 1, the header::
 token, `slots_per_layer` the cache slots per layer of the run that recorded it (the fewest, where layers differ).
 Optional: `"layer_slots": [S0, S1, ...]`, each layer's own slots where the recording cache gave some layers one more
 (`MemoryPlan.layer_slots`; L counts, the fewest equal to `slots_per_layer`). Other keys (e.g. the measured bandwidth,
-a date) are kept in `TraceHeader.extra`.
+a date) are kept in `TraceHeader.extra`. The reader bounds the shape far above any real model's (a replay allocates
+per layer and expert, so a 200-byte header must not ask for 1e8 experts): 1 <= L <= `MAX_LAYERS`,
+1 <= E <= `MAX_EXPERTS`, 1 <= B <= `MAX_EXPERT_BYTES`, 1 <= A <= E, and every layer's slots in 1..E.
 
 Then one line per decode round::
 
     {"round": r, "k": k, "accepted": n, "draft_step_s": t,
      "layers": [{"predicted": {"<expert>": count, ...}, "used": [expert, ...]}, ...]}
 
-`k` is the draft depth (0: plain decode), `accepted` the accepted draft tokens (0..k), `draft_step_s` the
-seconds one draft step took. Optional: `loaded_bytes`, the H2D bytes the engine moved in the round (its
-prefetches and its verify's misses), for checking a replay against the run that recorded the trace; and
-`checkpoints`, the counts each of the engine's prefetch plans saw, in order::
+`r` is the request's round count (an int >= 0; a trace of several requests repeats them), `k` the draft depth
+(0: plain decode; at most `MAX_DRAFT_DEPTH`), `accepted` the accepted draft tokens (0..k), `draft_step_s` the
+engine's estimate of one draft step's seconds as it stood before the round (`Estimates.draft_step_s`, what its
+prefetch timing planned with, its fallback of 1e-3 s before it first timed a draft step: `Runtime._timing`), not
+the round's measured time. A replay takes it as recorded: the round's drafting hides k * draft_step_s of the link's
+time.
+Optional: `loaded_bytes`, the H2D bytes the engine moved in the round (its prefetches and its verify's misses), for
+checking a replay against the run that recorded the trace; and `checkpoints`, the counts each of the engine's prefetch
+plans saw, in order::
 
     "checkpoints": [{"steps": s, "predicted": [{"<expert>": count, ...}, ...one per layer]}, ...]
 
 (`steps`: draft steps done when the plan was made; a replay plans from these instead of scaling the round's
 totals). `layers` has exactly L entries in layer order: `predicted` maps expert id
-(a JSON key, so a string) to the draft's top-k hits on it over the round's k steps (zero counts may be
-left out); `used` lists the distinct experts the target's verify pass used at that layer, in the order it
-first used them. Unknown keys are ignored, so version 1 may grow optional fields.
+(a JSON key, so a string) to the draft's top-k hits on it over the round's k steps (a finite number >= 0; zero
+counts may be left out); `used` lists the distinct experts (JSON ints, no repeats) the target's verify pass used at
+that layer, in the order it first used them: at most (k + 1) * A of them, the verify's k + 1 rows choosing A each.
+Unknown keys are ignored, so version 1 may grow optional fields. Lines are split on "\n" alone (JSON strings may hold
+U+2028 and other characters `str.splitlines` would split on).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,11 +54,22 @@ from typing import IO, Any
 
 import numpy as np
 
-from specter.errors import OutputError, SpecterError
+from specter.errors import OutputError, SpecterError, abbreviate
 
 TRACE_FORMAT = "specter-trace"
 TRACE_VERSION = 1
 _HEADER_INTS = ("num_layers", "num_experts", "expert_bytes", "top_k", "slots_per_layer")
+MAX_LAYERS = 512
+"""Most MoE layers a trace's header may give: real models have at most a hundred or so (DeepSeek-V3 58, Qwen3-235B 94)."""
+MAX_EXPERTS = 4096
+"""Most routed experts per layer a trace's header may give: real models have at most a few hundred (DeepSeek-V3 256,
+Qwen3-Next 512). With MAX_LAYERS it caps a replay's [L, E] arrays at 2M entries (the placement cost model's work grows
+faster than L x E: at both bounds `--placement auto` takes a minute or more, at a real model's shape seconds)."""
+MAX_EXPERT_BYTES = 1 << 40
+"""Most bytes one expert may move (1 TiB): the largest real experts are about a GB (Grok-1's, bf16: 1.2 GB)."""
+MAX_DRAFT_DEPTH = 1024
+"""Most draft steps a round may give: the engine drafts at most `DraftConfig.k_max` <= 32; a replay's prefetch
+policies plan per step, so a k of 1e12 would hang it."""
 
 
 class TraceError(SpecterError, ValueError):
@@ -230,7 +252,9 @@ def read_trace(path: str | Path) -> tuple[TraceHeader, list[TraceRound]]:
     """Read and validate a whole trace; raises TraceError naming the file and line of the first problem."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # "\n" alone ends a line (as the writer writes them): str.splitlines would also split a JSON string at U+2028,
+        # U+0085 and the like, which JSON leaves unescaped; a CRLF line keeps its "\r", JSON whitespace.
+        lines = path.read_text(encoding="utf-8").split("\n")
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc}") from exc
     except UnicodeDecodeError as exc:  # a ValueError, not an OSError: a binary file would escape as a traceback
@@ -261,18 +285,28 @@ def _header_from_json(obj: dict[str, Any]) -> TraceHeader:
             f"header says format={obj.get('format')!r} version={obj.get('version')!r}; "
             f"expected format={TRACE_FORMAT!r} version={TRACE_VERSION}"
         )
-    ints = {name: _int_at_least(obj[name], name, 1) for name in _HEADER_INTS}
+    if not isinstance(obj["model"], str):
+        raise ValueError(f"model={abbreviate(obj['model'])}; expected the model's name, a string")
+    # Bounded before anything is sized from them: a replay allocates per layer and expert (see MAX_EXPERTS).
+    layers = _int_in(obj["num_layers"], "num_layers", 1, MAX_LAYERS, "MAX_LAYERS, far above any real model's")
+    experts = _int_in(obj["num_experts"], "num_experts", 1, MAX_EXPERTS, "MAX_EXPERTS, far above any real model's")
+    expert_bytes = _int_in(obj["expert_bytes"], "expert_bytes", 1, MAX_EXPERT_BYTES, "MAX_EXPERT_BYTES, 1 TiB")
+    top_k = _int_in(obj["top_k"], "top_k", 1, experts, "num_experts: a token picks top_k of the layer's experts")
+    slots = _int_in(obj["slots_per_layer"], "slots_per_layer", 1, experts, "num_experts: no cache holds more")
     layer_slots = obj.get("layer_slots")
     if layer_slots is not None and not isinstance(layer_slots, list):
-        raise ValueError(f"layer_slots={layer_slots!r}; expected a list of num_layers={ints['num_layers']} ints")
-    counts = tuple(_int_at_least(count, "layer_slots entry", 1) for count in layer_slots or ())
+        raise ValueError(f"layer_slots={abbreviate(layer_slots)}; expected a list of num_layers={layers} ints")
+    counts = tuple(_int_in(count, "layer_slots entry", 1, experts, "num_experts: no cache holds more")
+                   for count in layer_slots or ())
     extra = {key: value for key, value in obj.items()
              if key not in ("format", "version", "model", "layer_slots", *_HEADER_INTS)}
-    return TraceHeader(model=str(obj["model"]), extra=extra, layer_slots=counts, **ints)
+    return TraceHeader(model=obj["model"], extra=extra, layer_slots=counts, num_layers=layers, num_experts=experts,
+                       expert_bytes=expert_bytes, top_k=top_k, slots_per_layer=slots)
 
 
 def _round_from_json(obj: dict[str, Any], header: TraceHeader) -> TraceRound:
-    k = _int_at_least(obj["k"], "k", 0)
+    number = _int_at_least(obj["round"], "round", 0)
+    k = _int_in(obj["k"], "k", 0, MAX_DRAFT_DEPTH, "MAX_DRAFT_DEPTH, far above the engine's k_max")
     accepted = _int_at_least(obj["accepted"], "accepted", 0)
     if accepted > k:
         raise ValueError(f"accepted={accepted} exceeds k={k}")
@@ -280,13 +314,16 @@ def _round_from_json(obj: dict[str, Any], header: TraceHeader) -> TraceRound:
     if not isinstance(layers, list) or len(layers) != header.num_layers:
         raise ValueError(f"'layers' must be a list of num_layers={header.num_layers} entries")
     routes = [_layer_from_json(layer, index, header.num_experts) for index, layer in enumerate(layers)]
-    draft_step_s = float(obj["draft_step_s"])
-    if not draft_step_s >= 0:
-        raise ValueError(f"draft_step_s={draft_step_s} must be >= 0")
+    most = (k + 1) * header.top_k  # the verify's k + 1 rows each choose top_k experts
+    for index, layer in enumerate(routes):
+        if len(layer.used) > most:
+            raise ValueError(f"layer {index}: {len(layer.used)} experts used, more than the verify's k + 1 = {k + 1} rows "
+                             f"choose at top_k={header.top_k} each ({most})")
+    draft_step_s = _count(obj["draft_step_s"], "draft_step_s")
     loaded = obj.get("loaded_bytes")
     loaded_bytes = None if loaded is None else _int_at_least(loaded, "loaded_bytes", 0)
     checkpoints = None if obj.get("checkpoints") is None else _checkpoints_from_json(obj["checkpoints"], k, header)
-    return TraceRound(round=int(obj["round"]), k=k, accepted=accepted, draft_step_s=draft_step_s, layers=routes,
+    return TraceRound(round=number, k=k, accepted=accepted, draft_step_s=draft_step_s, layers=routes,
                       loaded_bytes=loaded_bytes, checkpoints=checkpoints)
 
 
@@ -310,10 +347,16 @@ def _checkpoints_from_json(items: Any, k: int, header: TraceHeader) -> tuple[tup
 def _layer_from_json(obj: Any, layer: int, num_experts: int) -> LayerRoutes:
     if not isinstance(obj, dict) or not isinstance(obj["predicted"], dict) or not isinstance(obj["used"], list):
         raise ValueError(f"layer {layer}: expected {{'predicted': {{expert: count}}, 'used': [experts]}}")
-    predicted = {_expert_id(key, layer, num_experts): float(count) for key, count in obj["predicted"].items()}
-    if any(count < 0 for count in predicted.values()):
-        raise ValueError(f"layer {layer}: predicted counts must be >= 0")
-    used = [_expert_id(expert, layer, num_experts) for expert in obj["used"]]
+    predicted = {_expert_id(key, layer, num_experts): _count(count, f"layer {layer}: predicted count of expert {key}")
+                 for key, count in obj["predicted"].items()}
+    used = []
+    for expert in obj["used"]:
+        if isinstance(expert, bool) or not isinstance(expert, int):  # ids are JSON ints here (keys only are strings)
+            raise ValueError(f"layer {layer}: used expert {abbreviate(expert)} is not an int in 0..{num_experts - 1}")
+        used.append(_expert_id(expert, layer, num_experts))
+    if len(set(used)) != len(used):  # the verify pays for each expert once: a repeat is a broken writer
+        repeated = sorted(e for e, times in collections.Counter(used).items() if times > 1)
+        raise ValueError(f"layer {layer}: 'used' lists expert(s) {repeated} more than once; expected distinct experts")
     return LayerRoutes(predicted=predicted, used=used)
 
 
@@ -326,5 +369,24 @@ def _expert_id(value: Any, layer: int, num_experts: int) -> int:
 
 def _int_at_least(value: Any, name: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r}; expected an int >= {minimum}")
+        raise ValueError(f"{name}={abbreviate(value)}; expected an int >= {minimum}")
     return value
+
+
+def _int_in(value: Any, name: str, minimum: int, maximum: int, why: str) -> int:
+    """An int in minimum..maximum; `why` names the bound above."""
+    value = _int_at_least(value, name, minimum)
+    if value > maximum:
+        raise ValueError(f"{name}={abbreviate(value)}; expected an int in {minimum}..{maximum} ({why})")
+    return value
+
+
+def _count(value: Any, name: str) -> float:
+    """A finite JSON number >= 0: json reads NaN and Infinity, and float() would take "0.01" and true."""
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an int beyond a float's range
+        number = math.nan
+    if not (math.isfinite(number) and number >= 0):
+        raise ValueError(f"{name}={abbreviate(value)} must be >= 0 and finite, a JSON number")
+    return number

@@ -186,7 +186,7 @@ def test_the_routing_profile_comes_from_a_trace(root, tmp_path):
     spec = Checkpoint(path).spec
     layers, experts = len(spec.moe_layers), spec.num_experts
     trace = tmp_path / "profile.jsonl"
-    write_trace(trace, layers, experts, [[[0, 1]] * layers, [[1, 2, 1]] * layers])
+    write_trace(trace, layers, experts, [[[0, 1]] * layers, [[1, 2]] * layers])
     expected = [[1.0, 2.0, 1.0] + [0.0] * (experts - 3)] * layers
     assert costs.route_profile(trace, layers, experts) == expected
     policy = Recording()

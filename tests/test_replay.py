@@ -124,6 +124,22 @@ GOOD_ROUND = {"round": 0, "k": 2, "accepted": 1, "draft_step_s": 0.01, "layers":
         (json.dumps({**GOOD_ROUND, "checkpoints": [{"steps": 4, "predicted": [{}]}]}), "exceeds k + 1"),
         (json.dumps({**GOOD_ROUND, "checkpoints": [{"steps": 1, "predicted": []}]}), "num_layers=1"),
         (json.dumps({**GOOD_ROUND, "checkpoints": [{"steps": 1, "predicted": [{"1": -1}]}]}), "must be >= 0"),
+        # json reads NaN and Infinity; float() took strings and booleans: none is a count or a time
+        (json.dumps({**GOOD_ROUND, "layers": [{"predicted": {"1": float("nan")}, "used": [1]}]}), "count of expert 1=nan"),
+        (json.dumps({**GOOD_ROUND, "layers": [{"predicted": {"1": float("inf")}, "used": [1]}]}), "count of expert 1=inf"),
+        (json.dumps({**GOOD_ROUND, "checkpoints": [{"steps": 1, "predicted": [{"1": float("nan")}]}]}), "=nan must be"),
+        (json.dumps({**GOOD_ROUND, "layers": [{"predicted": {"1": "2"}, "used": [1]}]}), "count of expert 1='2'"),
+        (json.dumps({**GOOD_ROUND, "draft_step_s": "0.01"}), "draft_step_s='0.01' must be >= 0 and finite"),
+        (json.dumps({**GOOD_ROUND, "draft_step_s": True}), "draft_step_s=True must be"),
+        (json.dumps({**GOOD_ROUND, "draft_step_s": float("inf")}), "draft_step_s=inf must be"),
+        (json.dumps({**GOOD_ROUND, "k": 10 ** 12}), "k=1000000000000; expected an int in 0..1024"),
+        # top_k 1: the verify's k + 1 = 3 rows use at most 3 experts, each once
+        (json.dumps({**GOOD_ROUND, "layers": [{"predicted": {}, "used": [0, 1, 2, 3]}]}), "4 experts used, more than"),
+        (json.dumps({**GOOD_ROUND, "layers": [{"predicted": {}, "used": [1, 2, 1]}]}), "expert(s) [1] more than once"),
+        (json.dumps({**GOOD_ROUND, "layers": [{"predicted": {}, "used": ["1"]}]}), "used expert '1' is not an int"),
+        (json.dumps({**GOOD_ROUND, "round": 1.5}), "round=1.5; expected an int >= 0"),
+        (json.dumps({**GOOD_ROUND, "round": -1}), "round=-1; expected an int >= 0"),
+        (json.dumps({**GOOD_ROUND, "round": "7"}), "round='7'; expected an int >= 0"),
     ],
 )
 def test_malformed_rounds_are_reported_with_their_line(tmp_path, bad_line, complaint):
@@ -154,6 +170,39 @@ def test_each_layers_slots_round_trip_and_malformed_ones_are_reported(tmp_path):
         with pytest.raises(TraceError, match="line 1") as caught:
             read_trace(path)
         assert complaint in str(caught.value)
+
+
+@pytest.mark.parametrize(("field", "value", "complaint"), [
+    # 200-byte headers that had a replay allocate per layer and expert until it hung
+    ("num_experts", 10 ** 8, "num_experts=100000000; expected an int in 1..4096"),
+    ("num_layers", 10 ** 7, "num_layers=10000000; expected an int in 1..512"),
+    ("expert_bytes", 10 ** 30, "expected an int in 1..1099511627776"),
+    ("top_k", 5, "top_k=5; expected an int in 1..4"),
+    ("slots_per_layer", 5, "slots_per_layer=5; expected an int in 1..4"),
+    ("layer_slots", [2, 9], "layer_slots entry=9; expected an int in 1..4"),
+    ("model", {"a": 1}, "expected the model's name, a string"),
+])
+def test_a_header_beyond_any_real_models_shape_is_refused(tmp_path, field, value, complaint):
+    header = {"format": "specter-trace", "version": 1, "model": "m", "num_layers": 2, "num_experts": 4,
+              "expert_bytes": 100, "top_k": 1, "slots_per_layer": 2}  # fmt: skip
+    path = tmp_path / "huge.jsonl"
+    round_line = json.dumps({**GOOD_ROUND, "layers": [{"predicted": {}, "used": [1]}] * 2})
+    path.write_text(json.dumps({**header, field: value}) + "\n" + round_line + "\n")
+    with pytest.raises(TraceError, match="line 1") as caught:
+        read_trace(path)
+    assert complaint in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_a_json_line_holding_a_line_separator_is_one_line(tmp_path):
+    """JSON leaves U+2028 (and U+0085, U+001C...) unescaped in a string; str.splitlines broke the line there. A CRLF
+    file still reads."""
+    path = tmp_path / "u2028.jsonl"
+    path.write_text(json.dumps({**HEADER.to_json(), "model": "a\u2028b\x85c"}, ensure_ascii=False) + "\n"
+                    + json.dumps(rotating_rounds(1)[0].to_json()) + "\n", encoding="utf-8")
+    header, rounds = read_trace(path)
+    assert header.model == "a\u2028b\x85c" and rounds == rotating_rounds(1)
+    path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
+    assert read_trace(path)[1] == rotating_rounds(1)
 
 
 def test_a_file_that_is_not_a_trace_is_rejected(tmp_path):
@@ -363,6 +412,33 @@ def test_cli_prints_a_table_and_json(tmp_path, capsys, reference_plugins):
     report = json.loads(capsys.readouterr().out)
     assert [(r["eviction"], r["prefetch"]) for r in report["results"]] == [("lru", "topm-frequency"), ("lru", "none")]
     assert report["offline_bound_loads"] == 16 and report["offline_bound_h2d_bytes"] == 16 * EXPERT_BYTES  # all first uses
+
+
+@pytest.mark.parametrize("argv", [[], ["--placement", "off,auto", "--host-ms", "1"]])
+def test_cli_refuses_a_trace_without_rounds(tmp_path, capsys, monkeypatch, argv):
+    """A resident or k = 0 engine writes only the header: every pair would "hit" all of nothing (hit rate 1.000)."""
+    monkeypatch.delenv("SPECTER_PLUGINS", raising=False)  # the installed plug-ins, placements included
+    path = tmp_path / "resident.jsonl"
+    with TraceWriter(path, HEADER):
+        pass
+    assert main([str(path), *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"error: {path} holds no speculative rounds" in captured.err, captured
+    assert "resident engine" in captured.err and "k = 0" in captured.err
+
+
+@pytest.mark.parametrize(("allowed", "group"), [("lru", "prefetch"), ("prefetch:none", "eviction")])
+def test_cli_says_when_the_allow_list_leaves_a_group_no_plugin(tmp_path, capsys, reference_plugins, monkeypatch,
+                                                               allowed, group):
+    """It printed an empty table and exited 1 with nothing on stderr."""
+    path = tmp_path / "toy.jsonl"
+    with TraceWriter(path, HEADER) as writer:
+        writer.write_round(rotating_rounds(1)[0])
+    monkeypatch.setenv("SPECTER_PLUGINS", allowed)
+    assert main([str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "", captured
+    assert f"error: no {group} plug-in is allowed by SPECTER_PLUGINS={allowed!r}" in captured.err, captured.err
 
 
 def test_cli_reports_a_bad_trace_and_unknown_plugins(tmp_path, capsys, reference_plugins):

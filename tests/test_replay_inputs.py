@@ -1,7 +1,10 @@
-"""Bad input to `python -m specter.replay` is refused with exit 2 before any replay: links and host costs that are
-no finite positive number, and plug-in names that do not load."""
+"""Bad input to `python -m specter.replay` is refused with exit 2 before any replay: links the engine would refuse,
+host costs that are no finite positive number, slots the engine would refuse, placement options without --placement,
+and plug-in names that do not load."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -29,10 +32,18 @@ def exits_2(argv, capsys) -> str:
     return captured.err
 
 
-@pytest.mark.parametrize("link", ["nan", "inf", "-inf", "0", "-1"])
-def test_a_link_that_is_no_finite_positive_gbps_is_refused(trace, capsys, reference_plugins, link):
+@pytest.mark.parametrize("link", ["nan", "inf", "-inf", "0", "-1", "1e-300", "0.0009", "gen6"])
+def test_a_link_the_engine_would_refuse_is_refused(trace, capsys, reference_plugins, link):
+    """As `generate --link` (`parse_link`): 1e-300 GB/s printed a stall hundreds of digits long."""
     err = exits_2([str(trace), f"--link={link}"], capsys)
-    assert f"argument --link: {link!r}: expected a finite number above 0" in err, err
+    assert f"argument --link: link {link!r} is not a link preset or a GB/s figure from 0.001" in err, err
+
+
+@pytest.mark.parametrize(("link", "gbps"), [("gen3", 12.0), ("GEN4", 25.0), ("gen5", 55.0), ("ddr4-desktop", 20.0),
+                                            ("0.001", 0.001)])
+def test_the_engines_link_presets_are_taken(trace, capsys, reference_plugins, link, gbps):
+    assert main([str(trace), "--link", link, "--json", "--eviction", "lru", "--prefetch", "none"]) == 0
+    assert json.loads(capsys.readouterr().out)["link_gbps"] == gbps
 
 
 @pytest.mark.parametrize("option, value, expected", [
@@ -51,6 +62,30 @@ def test_slots_below_one_are_refused(trace, capsys, reference_plugins):
     assert "--slots 0: expected 1 or more" in exits_2([str(trace), "--slots", "0"], capsys)
 
 
+@pytest.mark.parametrize("slots", ["1", "9"])
+def test_slots_the_engine_would_refuse_are_refused(trace, capsys, reference_plugins, slots):
+    """The toy trace's model has top_k 2 and 8 experts: the engine takes 2..8 slots per layer (memory._slots); 1 replayed
+    a cache no engine can have. (With --placement: tests/test_replay_placement.py.)"""
+    assert main([str(trace), "--slots", slots]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"error: --slots {slots}: expected 2..8 slots per MoE layer" in captured.err, captured
+    assert main([str(trace), "--slots", "2", "--eviction", "lru", "--prefetch", "none"]) == 0
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--profile", "nonexist"], "--profile only applies"),
+    (["--profile", "/tmp"], "--profile only applies"),
+    (["--overlap", "7"], "--overlap only applies"),
+    (["--row-bucket", "0"], "--row-bucket only applies"),
+    (["--host-ms", "1"], "--host-ms only applies"),
+    (["--host-job-ms", "1", "--overlap", "1"], "--host-job-ms, --overlap only apply"),
+])
+def test_placement_options_without_placement_are_refused(trace, capsys, reference_plugins, argv, said):
+    """They changed nothing and were silently ignored."""
+    err = exits_2([str(trace), *argv], capsys)
+    assert f"error: {said} to placements: add --placement" in err, err
+
+
 @pytest.mark.parametrize("argv, group", [
     (["--eviction", "nope"], "eviction"),
     (["--eviction", "lru,nope"], "eviction"),
@@ -66,8 +101,8 @@ def test_an_unknown_plugin_named_is_refused_listing_the_installed_ones(trace, ca
 
 
 @pytest.mark.parametrize("option", ["--eviction", "--prefetch", "--placement"])
-def test_an_unknown_plugin_named_beside_placements_is_refused(trace, capsys, option):
-    """With --placement only the first eviction and prefetch are used; every name given is still checked."""
+def test_an_unknown_plugin_named_beside_placements_is_refused(trace, capsys, reference_plugins, option):
+    """With --placement every eviction x prefetch pair named is replayed; every name given is checked first."""
     placements = "nope" if option == "--placement" else "off"
     extra = [] if option == "--placement" else [option, "lru,nope" if option == "--eviction" else "none,nope"]
     assert main([str(trace), "--placement", placements, "--host-ms", "10", *extra]) == 2

@@ -10,7 +10,7 @@ import pytest
 
 from policies.placement import Auto
 from specter.placement import Placement
-from specter.replay import main, replay, replay_placements
+from specter.replay import main, replay, replay_placements, trace_placement_state
 from specter.trace import LayerRoutes, TraceHeader, TraceRound, TraceWriter
 
 EXPERT_BYTES = 10_000_000  # 10 ms at 1 GB/s
@@ -108,3 +108,77 @@ def test_the_cli_compares_placements(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["overlap"] == 1.0
     with pytest.raises(SystemExit):
         main([str(path), "--placement", "all", "--host-ms", "10", "--overlap", "2"])
+
+
+@pytest.fixture
+def own_plugins(monkeypatch):
+    """specter's own policies as entry points (pyproject.toml's), whatever else the environment has installed."""
+    from importlib.metadata import EntryPoint
+
+    from specter import plugins
+
+    own = {"eviction": {"lru": "LRU", "lfu": "LFU", "plan-protect": "PlanProtect"},
+           "prefetch": {"none": "NoPrefetch", "topm-keep": "TopMKeep"}, "placement": {"off": "Off", "all": "All", "auto": "Auto"}}
+    fake = {f"specter.{group}": [EntryPoint(name, f"policies.{group}:{cls}", f"specter.{group}") for name, cls in named.items()]
+            for group, named in own.items()}
+    monkeypatch.delenv(plugins.ALLOW_LIST_ENV, raising=False)
+    monkeypatch.setattr(plugins, "entry_points", lambda group: fake.get(group, []))
+    plugins.refresh()
+    yield
+    plugins.refresh()
+
+
+@pytest.fixture
+def toy_trace(tmp_path, own_plugins):
+    path = tmp_path / "toy.jsonl"
+    with TraceWriter(path, HEADER) as writer:
+        for trace_round in random_rounds(40, k=2, seed=3):
+            writer.write_round(trace_round)
+    return path
+
+
+def test_a_profile_without_rounds_is_uniform_routing_not_the_replayed_traces(toy_trace, tmp_path, capsys):
+    """As the engine reads such a --placement-profile (`routing_profile`: (None, None), uniform): the replay fell back
+    to the replayed trace's own rounds, so it and `specter info` disagreed. A speculating engine without a trace to
+    price its misses is placed off by auto."""
+    empty = tmp_path / "empty.jsonl"
+    with TraceWriter(empty, HEADER):
+        pass
+    argv = [str(toy_trace), "--placement", "off,auto", "--host-ms", "1", "--link", "1", "--json"]
+    assert main(argv) == 0
+    own = json.loads(capsys.readouterr().out)
+    assert own["results"][1]["host_experts"] > 0  # placed from the replayed trace's own rounds, it puts some on the host
+    assert main([*argv, "--profile", str(empty)]) == 0
+    captured = capsys.readouterr()
+    given = json.loads(captured.out)
+    assert [row["host_experts"] for row in given["results"]] == [0, 0]
+    assert f"note: the profile {empty} holds no rounds: the placements assume uniform routing" in captured.err
+    assert (own["routing"], given["routing"], given["profile"]) == ("replayed trace", "uniform", str(empty))
+    state = trace_placement_state(HEADER, random_rounds(3, k=2), 1.0, 1e-3, uniform=True)
+    assert state.route_counts is None and state.route_sequence is None and state.speculates
+
+
+def test_every_eviction_and_prefetch_named_is_replayed_with_the_placements(toy_trace, capsys):
+    """`--eviction lru,plan-protect` replayed lru alone, silently."""
+    argv = [str(toy_trace), "--placement", "off,all", "--host-ms", "1", "--link", "1", "--eviction", "lru,plan-protect",
+            "--prefetch", "topm-keep"]
+    assert main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert [(row["eviction"], row["prefetch"], row["placement"]) for row in rows] == [
+        ("lru", "topm-keep", "off"), ("lru", "topm-keep", "all"),
+        ("plan-protect", "topm-keep", "off"), ("plan-protect", "topm-keep", "all")]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "lru x topm-keep:" in table and "plan-protect x topm-keep:" in table
+
+
+def test_the_text_says_when_no_host_cost_was_given(toy_trace, capsys):
+    assert main([str(toy_trace), "--placement", "off"]) == 0
+    out = capsys.readouterr().out
+    assert "no host cost given (--host-ms)" in out and "None" not in out
+
+
+@pytest.mark.parametrize("slots", ["1", "9"])
+def test_placements_refuse_slots_the_engine_would_refuse(toy_trace, capsys, slots):
+    assert main([str(toy_trace), "--placement", "off", "--slots", slots]) == 2
+    assert f"error: --slots {slots}: expected 2..8 slots per MoE layer" in capsys.readouterr().err

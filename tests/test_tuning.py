@@ -261,7 +261,9 @@ def test_lead_misses_sets_how_many_predicted_misses_each_layer_starts(tiny, defa
 # ---- no module-level switch comes back ----------------------------------------------------------------------------
 ALLOWED_CONSTANTS = {
     # true constants: formats, unit tables, hardware figures, bounds that no A/B ever flipped
-    "specter/trace.py": {"TRACE_VERSION"},  # the trace format's version
+    # the trace format's version; the header's shape bounds (far above real models: DeepSeek-V3 58 x 256, Qwen3-235B 94
+    # layers), an expert's bytes and a round's draft depth, so that a 200-byte file cannot make a replay allocate for ever
+    "specter/trace.py": {"TRACE_VERSION", "MAX_LAYERS", "MAX_EXPERTS", "MAX_EXPERT_BYTES", "MAX_DRAFT_DEPTH"},
     "specter/builtin.py": {"VERSION"},  # the built-in checkpoints' version
     "specter/exits.py": {"BROKEN_PIPE_STATUS", "INTERRUPTED_STATUS", "ERROR_STATUS"},  # exit statuses: a contract
     "specter/experts/host.py": {"HOST_PATH_VERSION"},  # the host path's version in the stored cost figures' key
