@@ -25,7 +25,7 @@ from specter.config import EngineConfig
 from specter.draft import DraftExperts, quantize_layers
 from specter.errors import BudgetError, CheckpointError, ConfigError, PluginError
 from specter.experts.cache import CacheSnapshot, ExpertCache
-from specter.experts.costs import HostKernel, calibrate, default_cost_store, host_kernels
+from specter.experts.costs import HostKernel, calibrate, check_profile, default_cost_store, host_kernels
 from specter.experts.host import HostExperts
 from specter.experts.host import default_threads as host_default_threads
 from specter.experts.pool import ExpertPool
@@ -379,6 +379,36 @@ def target_steps(model: Transformer, experts: ExpertProvider, config: EngineConf
     return TargetSteps(kv, graphed_target(model, experts, kv, config), segmented_step(model, experts, kv, config))
 
 
+def engine_plan(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> tuple[bool, MemoryPlan]:
+    """Whether the engine of `config` (with its model context) builds a draft, and its memory plan (a BudgetError below
+    the minimum): what `build_runtime` loads by, and what `unrecorded_rounds` tells a trace from before loading."""
+    speculative = may_speculate(config)
+    expert_graphs = keeps_expert_graphs(config, spec, device)
+    if speculative and scout_only(config) and plan_memory(spec, dtype, config, False, expert_graphs=expert_graphs).all_resident:
+        speculative = False  # every expert fits without a draft: a scout would have nothing to prefetch
+    return speculative, plan_memory(spec, dtype, config, speculative, expert_graphs=expert_graphs)
+
+
+def unrecorded_rounds(config: EngineConfig, spec: ModelSpec) -> str | None:
+    """Why a routing trace (`Runtime.record_trace`) of the engine `config` loads for `spec` would hold no round, as
+    planned before loading; None where it records its rounds. A trace holds the speculative rounds (k > 0) of an
+    offloaded engine (observers.TraceRecorder: plain rounds, scouted or not, are not written, and a resident engine
+    has no cache to trace), and a trace of none is a header that every replay of it would find vacuous."""
+    if config.draft.k_max == 0:
+        return "--k-max 0 turns speculation off, and only speculative rounds are recorded; give --k-max N above 0"
+    if scout_only(config):
+        return (f"--k 0 makes every round plain{' (scouted)' if config.draft.scout else ''}, and only speculative rounds "
+                "are recorded; give --k N above 0")
+    config = with_model_context(config, spec)
+    _speculative, memory = engine_plan(config, spec, resolve_device(config), resolve_dtype(config, spec))
+    if memory.all_resident:
+        why = ("no --budget or --residents keeps them all" if config.budget is None and config.residents is None
+               else f"{'--residents' if config.residents is not None else '--budget'} holds all {spec.num_experts} per layer")
+        return (f"every expert is resident ({why}), so no round moves an expert and none is recorded; give --residents "
+                f"N below {spec.num_experts} or a --budget below full residency ({fmt(memory.resident_budget)}) to offload")
+    return None
+
+
 async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | None = None) -> Any:
     """Plan memory (refusing a budget below the minimum before allocating), then load from `source` into a `cls`
     (a Runtime or a subclass), every collaborator made first and passed to its constructor."""
@@ -386,12 +416,10 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
     config = with_model_context(config or EngineConfig(), spec)  # max_context=None becomes a number here
     device, dtype = resolve_device(config), resolve_dtype(config, spec)
     policies = load_policies(config)
-    speculative = may_speculate(config)
-    expert_graphs = keeps_expert_graphs(config, spec, device)
-    if speculative and scout_only(config) and plan_memory(spec, dtype, config, False, expert_graphs=expert_graphs).all_resident:
-        speculative = False  # every expert fits without a draft: a scout would have nothing to prefetch
+    if config.placement_profile is not None:  # with `off` too, which reads no more of it: another model's trace is a mistake
+        check_profile(config.placement_profile, len(spec.moe_layers), spec.num_experts)
+    speculative, memory = engine_plan(config, spec, device, dtype)
     calibrated = speculative and config.draft.quant == "gptq4"
-    memory = plan_memory(spec, dtype, config, speculative, expert_graphs=expert_graphs)
     check_device_memory(config, device, memory)
     source.validate()
     if policies["placement"] is not None and config.tuning.host.kernel == "native" and not memory.all_resident:

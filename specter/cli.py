@@ -118,7 +118,9 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     sampling.add_argument("--sampling", default="coupled", choices=["coupled", "rejection"], help="acceptance rule when sampling")
     output = gen.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object with `tokens`, `text`, `finish_reason` and `stats` at the end")
-    output.add_argument("--trace", default=None, metavar="PATH", help="record a routing trace of every speculative round")
+    output.add_argument("--trace", default=None, metavar="PATH",
+                        help="record a routing trace of every speculative round of an offloaded engine (refused where it "
+                             "would record none: every expert resident, --k 0 or --k-max 0)")
     output.add_argument("--progress", action="store_true", help="progress bars while loading")
     _add_logging(gen)
 
@@ -178,15 +180,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Validate everything the user typed before loading anything.
     check_generate_inputs(args)
     config, generation = engine_config(args), generation_config(args)
-    check_context(args, config)
+    spec = check_context(args, config)
+    if args.trace is not None:
+        check_trace_records(args.trace, config, spec)
     if note := builtin_note(args.model):
         print(note, file=sys.stderr)
+    if args.placement_profile is not None and config.cpu_experts == "off":  # checked at load all the same (build_runtime)
+        print("note: --placement-profile weighs where a placement (--cpu-experts auto) puts experts; with --cpu-experts "
+              "off every expert stays on the device path, so the trace is checked but not used", file=sys.stderr)
     return run(_generate(args, config, generation))
 
 
-def check_context(args: argparse.Namespace, config: Any) -> None:
+def check_trace_records(path: str, config: Any, spec: Any) -> None:
+    """Refuse, before loading, a --trace that would be written with no round: the engine records only its speculative
+    rounds of offloaded experts (`build.unrecorded_rounds` says why none would come), and a header-only trace replays
+    as a vacuous hit rate of 1 and is refused as a placement profile. A refusal costs the user nothing; a warning
+    would scroll past a long load and leave a file that looks like a trace."""
+    from specter.build import unrecorded_rounds
+    from specter.errors import ConfigError
+
+    if why := unrecorded_rounds(config, spec):
+        raise ConfigError(f"--trace {path}: this engine would record no round: {why}")
+
+
+def check_context(args: argparse.Namespace, config: Any) -> Any:
     """The context against the model's positions, from its config.json alone (before any weight is read); a
-    text prompt counts as one token here, its real length is checked once it is tokenized."""
+    text prompt counts as one token here, its real length is checked once it is tokenized. Returns the model's spec."""
     from specter.builtin import resolve_model
     from specter.decode import check_context_length
     from specter.memory import with_model_context
@@ -197,6 +216,7 @@ def check_context(args: argparse.Namespace, config: Any) -> None:
     context = with_model_context(config, checkpoint.spec).max_context
     prompt_tokens = 1 if args.prompt is not None else len(args.prompt_ids if args.prompt_ids is not None else DEFAULT_PROMPT_IDS)
     check_context_length(prompt_tokens, args.max_new_tokens, context, checkpoint.spec.max_position)
+    return checkpoint.spec
 
 
 def check_generate_inputs(args: argparse.Namespace) -> None:
@@ -212,7 +232,9 @@ def check_generate_inputs(args: argparse.Namespace) -> None:
         check_text(args.prompt, "--prompt")
     for index, stop in enumerate(args.stop):
         check_text(stop, f"--stop {index + 1}", instead="")
-    if args.trace:
+    if args.trace is not None:
+        if not args.trace:  # `if args.trace` took '' (an unset variable in a script, say) as no --trace: nothing recorded
+            raise ConfigError("--trace: empty path; give the file to write the routing trace to, or leave --trace out")
         check_output_file(args.trace, "--trace")
 
 
@@ -269,6 +291,9 @@ def cmd_info(args: argparse.Namespace) -> int:
                                  k_max=args.k_max)
     if note := builtin_note(args.model):  # after the summary: a bad option is the only line its error prints
         print(note, file=sys.stderr)
+    if not summary["tensors_checked"]:
+        print(f"note: {summary['path']} holds no tensors: these figures are config.json's alone, unchecked (a load "
+              "refuses the directory)", file=sys.stderr)
     if args.json:
         _out(json.dumps(summary) + "\n")
     else:
@@ -294,12 +319,20 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
     from specter.build import keeps_expert_graphs, resolve_device, resolve_dtype
     from specter.memory import plan_memory, spread_slots, with_model_context
     from specter.model.checkpoint import Checkpoint
-    from specter.model.weights import dense_shapes
+    from specter.model.weights import check_checkpoint, dense_shapes
 
     tuning = TuningConfig().with_overrides(tune)  # a bad override is refused before the checkpoint is read
     path = resolve_model(model)
     checkpoint = Checkpoint(path)
-    checkpoint.close()
+    # What a load would refuse, from the headers: every size below is config.json's, so it must match the files. A
+    # config.json beside an empty file (a model not downloaded, planned from its config alone) is not checked, and
+    # `tensors_checked` says so (cmd_info: a note).
+    checked = bool(checkpoint.index)
+    try:
+        if checked:
+            check_checkpoint(checkpoint)
+    finally:
+        checkpoint.close()
     spec = checkpoint.spec
     draft = dict(quant=quant) | ({} if k_max is None else {"k_max": k_max})
     config = with_model_context(EngineConfig.build(max_context=max_context, dtype=dtype, draft=draft, link=link,
@@ -329,6 +362,7 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
         "dense_bytes": plan.dense_bytes, "draft_bytes": plan.draft_bytes, "kv_bytes": plan.kv_bytes,
         "max_context": config.max_context, "max_position_embeddings": spec.max_position, "draft_quant": quant,
         "minimum_budget": plan.minimum_budget, "resident_budget": plan.resident_budget, "budget_slots": slots,
+        "tensors_checked": checked,
     } | placement_summary(spec, plan.expert_bytes, config, residents, cpu_experts, torch_dtype if measure else None,
                           layer_slots)
 

@@ -523,3 +523,71 @@ def test_info_at_a_budget_counts_the_extra_slots_and_k_max_as_the_engine_does(ca
 def test_an_engine_without_a_draft_sizes_its_verify_for_one_row_block():
     """k = 0 with a k_max of 32 builds no draft, yet sized its workspace for 33 verify rows: 7 slots fewer."""
     assert _loaded_slots("60MiB", k=0, k_max=32) == _loaded_slots("60MiB", k_max=0)
+
+
+# ---- --placement-profile and --trace: checked whatever the run does with them ---------------------------------
+def _trace_header(path: Path, layers: int, experts: int) -> Path:
+    path.write_text(json.dumps({"format": "specter-trace", "version": 1, "model": "other", "num_layers": layers,
+                                "num_experts": experts, "expert_bytes": 64, "top_k": 2, "slots_per_layer": 2}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("cpu_experts", ["off", "all"])
+def test_a_placement_profile_is_checked_whatever_places(capsys, tmp_path, cpu_experts):
+    """A gzip file or another model's trace was accepted with rc 0 and no note under the default --cpu-experts off
+    (never read), and refused under `all`: it is refused at load under both, with the same message."""
+    import gzip
+
+    packed = tmp_path / "run.trace.gz"
+    packed.write_bytes(gzip.compress(b'{"format": "specter-trace"}\n'))
+    other = _trace_header(tmp_path / "other.trace", 3, 6)  # tiny is 4 MoE layers x 16 experts
+    base = ["generate", "--device", "cpu", "--residents", "4", "--max-new-tokens", "2", "--cpu-experts", cpu_experts]
+    assert main([*base, "--placement-profile", str(packed)]) == 2
+    assert f"{packed} is not a routing trace (not UTF-8 text" in capsys.readouterr().err
+    assert main([*base, "--placement-profile", str(other)]) == 2
+    assert (f"placement_profile {other}: a trace of 3 MoE layers x 6 experts (other) for a model of 4 x 16"
+            in capsys.readouterr().err)
+    assert main([*base[:3], "--max-new-tokens", "2", "--placement-profile", str(other)]) == 2  # every expert resident
+    assert "a trace of 3 MoE layers x 6 experts" in capsys.readouterr().err
+
+
+def test_a_placement_profile_under_cpu_experts_off_is_said_unused(capsys, tmp_path):
+    profile = _trace_header(tmp_path / "tiny.trace", 4, 16)
+    assert main(["generate", "--device", "cpu", "--residents", "4", "--max-new-tokens", "2",
+                 "--placement-profile", str(profile)]) == 0
+    assert "with --cpu-experts off every expert stays on the device path" in capsys.readouterr().err
+    assert main(["generate", "--device", "cpu", "--residents", "4", "--max-new-tokens", "2", "--cpu-experts", "all",
+                 "--placement-profile", str(profile)]) == 0
+    assert "--cpu-experts off" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, says", [
+    ([], "every expert is resident (no --budget or --residents keeps them all)"),
+    (["--residents", "16"], "every expert is resident (--residents holds all 16 per layer)"),
+    (["--budget", "1GiB"], "every expert is resident (--budget holds all 16 per layer)"),
+    (["--residents", "4", "--k", "0"], "--k 0 makes every round plain, and only speculative rounds are recorded"),
+    (["--residents", "4", "--k", "0", "--scout"], "--k 0 makes every round plain (scouted)"),
+    (["--residents", "4", "--k-max", "0"], "--k-max 0 turns speculation off"),
+])
+def test_a_trace_that_would_record_no_round_is_refused_before_loading(capsys, monkeypatch, tmp_path, args, says):
+    """These runs wrote a header-only trace and said nothing; its replay is a vacuous hit rate of 1."""
+    _refuse_loading(monkeypatch)
+    trace = tmp_path / "run.trace"
+    assert main(["generate", "--device", "cpu", "--max-new-tokens", "2", *args, "--trace", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --trace {trace}: this engine would record no round: ") and says in err, err
+    assert not trace.exists()
+
+
+def test_a_trace_of_an_offloaded_speculating_engine_is_recorded(capsys, tmp_path):
+    trace = tmp_path / "run.trace"
+    assert main(["generate", "--device", "cpu", "--max-new-tokens", "8", "--residents", "4", "--trace", str(trace)]) == 0
+    assert len(trace.read_text().splitlines()) > 1
+
+
+def test_an_empty_trace_path_is_refused(capsys, monkeypatch):
+    """`--trace ''` (an unset variable in a script) was taken as no --trace: nothing recorded, nothing said."""
+    _refuse_loading(monkeypatch)
+    assert main(["generate", "--device", "cpu", "--residents", "4", "--trace", ""]) == 2
+    assert capsys.readouterr().err == ("error: --trace: empty path; give the file to write the routing trace to, or "
+                                       "leave --trace out\n")

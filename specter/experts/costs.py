@@ -29,7 +29,7 @@ from specter.experts.pool import ExpertPool
 from specter.kernel import Kernel
 from specter.log import get_logger
 from specter.placement import SEQUENCE_TOKENS, Placement, PlacementState, RouteSequence
-from specter.trace import read_trace, use_counts
+from specter.trace import TraceRound, read_trace, use_counts
 
 log = get_logger(__name__)
 Tensor = torch.Tensor
@@ -413,15 +413,25 @@ def route_profile(path: Path, num_layers: int, num_experts: int) -> list[list[fl
     return routing_profile(path, num_layers, num_experts)[0]
 
 
-def routing_profile(path: Path, num_layers: int, num_experts: int) -> tuple[list[list[float]] | None, RouteSequence | None]:
-    """The routing trace at `path` as the cost model reads it: its use counts (`route_profile`) and its rounds in order
-    up to `SEQUENCE_TOKENS` committed tokens (`RouteSequence`: the locality counts cannot carry); (None, None) for a
-    trace without rounds. A trace of another shape is refused."""
+def check_profile(path: Path, num_layers: int, num_experts: int) -> list[TraceRound]:
+    """The rounds of the routing trace at `path`, refused (a TraceError or ConfigError naming it) where it is not a
+    trace or is one of another shape than `num_layers` MoE layers x `num_experts`. The load checks it so whatever the
+    placement (`build_runtime`): with `off`, which places nothing from it, a gzip file or another model's trace is still
+    the user's mistake, and it is refused as `info --placement-profile`, the bench and a placing load refuse it. One
+    read of the file (a 36 MB trace of 1000 rounds of 48 layers took 3 s), before any weight is read."""
     header, rounds = read_trace(path)
     if (header.num_layers, header.num_experts) != (num_layers, num_experts):
         raise ConfigError(f"placement_profile {path}: a trace of {header.num_layers} MoE layers x {header.num_experts} "
                           f"experts ({header.model}) for a model of {num_layers} x {num_experts}; record one of this "
                           "model with `specter generate --trace PATH`")
+    return rounds
+
+
+def routing_profile(path: Path, num_layers: int, num_experts: int) -> tuple[list[list[float]] | None, RouteSequence | None]:
+    """The routing trace at `path` as the cost model reads it: its use counts (`route_profile`) and its rounds in order
+    up to `SEQUENCE_TOKENS` committed tokens (`RouteSequence`: the locality counts cannot carry); (None, None) for a
+    trace without rounds. A trace of another shape is refused."""
+    rounds = check_profile(path, num_layers, num_experts)
     if not rounds:
         log.warning("placement.empty_profile", path=str(path), hint="the trace has no rounds: routing assumed uniform")
         return None, None
@@ -434,4 +444,3 @@ def reference_expert(hidden_size: int, intermediate: int) -> ExpertFunction:
     from specter.model.weights import swiglu
 
     return functools.partial(swiglu, hidden=hidden_size, inter=intermediate)
-

@@ -19,6 +19,10 @@ from specter.model.spec import ModelSpec, declared_dtype, spec_from_config
 
 FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
 _STORED_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensors' header names of FLOAT_DTYPES
+_HEADER_DTYPES = _STORED_DTYPES | {  # the others, so that a refusal from the header names the dtype as torch does
+    "F64": "float64", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32",
+    "U16": "uint16", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
 _PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 
 
@@ -165,19 +169,28 @@ class Checkpoint:
             self._handles[file] = self._open(file)
         return self._handles[file]
 
-    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Read one tensor, checking its shape and that it holds floating-point weights."""
-        handle = self._handle(name)
+    def check(self, name: str, shape: tuple[int, ...] | None = None) -> None:
+        """What `tensor` checks before it reads, from the safetensors header alone (no tensor data): the tensor exists,
+        has `shape` (when given) and holds floating-point weights. `specter info` checks a whole checkpoint this way
+        (`weights.check_checkpoint`), so it refuses what a load would, with the load's message."""
+        view = self._handle(name).get_slice(self.disk_name(name))
         file, disk = self.index[name], self.disk_name(name)
-        if shape is not None and self.shape(name) != tuple(shape):
-            raise CheckpointError(f"{file}: tensor '{disk}' has shape {list(self.shape(name))}, expected {list(shape)} from config.json")
+        found = tuple(view.get_shape())
+        if shape is not None and found != tuple(shape):
+            raise CheckpointError(f"{file}: tensor '{disk}' has shape {list(found)}, expected {list(shape)} from config.json")
+        stored = view.get_dtype()
+        if stored not in _STORED_DTYPES:
+            named = f"torch.{_HEADER_DTYPES[stored]}" if stored in _HEADER_DTYPES else stored
+            raise CheckpointError(f"{file}: tensor '{disk}' has dtype {named}, expected float32, float16 or bfloat16 weights")
+
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Read one tensor, checking its shape and that it holds floating-point weights (`check`) first."""
+        self.check(name, shape)
+        file, disk = self.index[name], self.disk_name(name)
         try:
-            value = handle.get_tensor(disk)
+            return self._handle(name).get_tensor(disk)
         except (SafetensorError, OSError, ValueError, RuntimeError) as error:
             raise CheckpointError(f"{file}: tensor '{disk}' cannot be read, the file is truncated or corrupt ({error})") from None
-        if value.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(f"{file}: tensor '{disk}' has dtype {value.dtype}, expected float32, float16 or bfloat16 weights")
-        return value
 
     def close(self) -> None:
         self._handles.clear()

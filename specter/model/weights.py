@@ -6,6 +6,7 @@ over PCIe in one copy. Checkpoints that store a layer's experts as fused 3-D ten
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import torch
@@ -127,10 +128,15 @@ def iter_experts(ckpt: Checkpoint, dtype: torch.dtype, progress: bool = False) -
     bar.close()
 
 
+def _expert_shapes(spec: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """One routed expert's gate, up and down on disk."""
+    D, inter = spec.hidden_size, spec.expert_intermediate
+    return (inter, D), (inter, D), (D, inter)
+
+
 def _read_expert_layer(ckpt: Checkpoint, layer: int) -> Iterator[tuple[torch.Tensor, ...]]:
     spec = ckpt.spec
-    D, inter = spec.hidden_size, spec.expert_intermediate
-    shapes = ((inter, D), (inter, D), (D, inter))
+    shapes = _expert_shapes(spec)
     for expert in range(spec.num_experts):
         yield tuple(ckpt.tensor(spec.expert_tensor_name(layer, expert, which), shapes[which]) for which in range(3))
 
@@ -144,20 +150,54 @@ def _is_fused(ckpt: Checkpoint, layer: int) -> bool:
     return ckpt.has(f"{prefix}.gate_up_proj") or ckpt.has(f"{prefix}.gate_proj")
 
 
-def _read_fused_layer(ckpt: Checkpoint, layer: int) -> Iterator[tuple[torch.Tensor, ...]]:
-    """transformers v5 layout: gate_up_proj [E, 2I, D] (gate half first) and down_proj [E, D, I]."""
+def _fused_shapes(ckpt: Checkpoint, layer: int) -> dict[str, tuple[int, ...]]:
+    """A fused layer's expert tensors and their shapes, in the order the loader reads them: gate_up_proj [E, 2I, D]
+    (or gate_proj and up_proj [E, I, D]), then down_proj [E, D, I]."""
     spec = ckpt.spec
     E, D, inter = spec.num_experts, spec.hidden_size, spec.expert_intermediate
     prefix = _fused_prefix(spec, layer)
     if ckpt.has(f"{prefix}.gate_up_proj"):
-        gate_up = ckpt.tensor(f"{prefix}.gate_up_proj", (E, 2 * inter, D))
-        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        shapes = {f"{prefix}.gate_up_proj": (E, 2 * inter, D)}
     else:
-        gate = ckpt.tensor(f"{prefix}.gate_proj", (E, inter, D))
-        up = ckpt.tensor(f"{prefix}.up_proj", (E, inter, D))
-    down = ckpt.tensor(f"{prefix}.down_proj", (E, D, inter))
-    for expert in range(E):
+        shapes = {f"{prefix}.gate_proj": (E, inter, D), f"{prefix}.up_proj": (E, inter, D)}
+    return shapes | {f"{prefix}.down_proj": (E, D, inter)}
+
+
+def _read_fused_layer(ckpt: Checkpoint, layer: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """transformers v5 layout: gate_up_proj [E, 2I, D] (gate half first) and down_proj [E, D, I]."""
+    inter = ckpt.spec.expert_intermediate
+    tensors = [ckpt.tensor(name, shape) for name, shape in _fused_shapes(ckpt, layer).items()]
+    if len(tensors) == 2:
+        gate, up, down = tensors[0][:, :inter], tensors[0][:, inter:], tensors[1]
+    else:
+        gate, up, down = tensors
+    for expert in range(ckpt.spec.num_experts):
         yield gate[expert], up[expert], down[expert]
+
+
+def check_checkpoint(ckpt: Checkpoint) -> None:
+    """Refuse what loading `ckpt` would refuse, from the safetensors headers alone (no tensor data is read): every
+    tensor config.json implies present, of its shape and a float dtype (`Checkpoint.check`, the loader's own check),
+    and no expert beyond its count, in the order a load reads them, so the first problem is the one `generate` names.
+    `specter info` runs it before sizing anything by config.json's numbers (a billion experts were a cost model's loop)."""
+    check_no_unknown_experts(ckpt)
+    spec = ckpt.spec
+    # Every layer has an input_layernorm, so a config claiming more layers than the files hold tensors misses one
+    # among its first len(index) + 1 layers, and the load's first missing tensor is among theirs: check those rather
+    # than build the shapes of every layer claimed (10 million took minutes).
+    layers = min(spec.num_layers, len(ckpt.index) + 1)
+    bounded = spec if layers == spec.num_layers else dataclasses.replace(spec, num_layers=layers)
+    for name, shape in dense_shapes(bounded).items():
+        ckpt.check(name, shape)
+    shapes = _expert_shapes(spec)
+    for layer in bounded.moe_layers:
+        if _is_fused(ckpt, layer):
+            for name, shape in _fused_shapes(ckpt, layer).items():
+                ckpt.check(name, shape)
+            continue
+        for expert in range(spec.num_experts):  # stops at the first expert missing: no more than the files hold
+            for which in range(3):
+                ckpt.check(spec.expert_tensor_name(layer, expert, which), shapes[which])
 
 
 def check_no_unknown_experts(ckpt: Checkpoint) -> None:
