@@ -16,11 +16,11 @@ from pathlib import Path
 from specter.bench import report, stopping
 from specter.bench.protocol import (CELL_FIELDS, SAMPLING_MODES, ModelTarget, Options, Progress, checkpoint_target, planned_cells,
                                     run_matrix, synthetic_prompts, warmup_prompt)
-from specter.bench.plots import remove_plots
+from specter.bench.plots import PLOT_FILES, remove_plots
 from specter.bench.stopping import BenchStopped, Stopper, exit_status
 from specter.bench.synthetic import SHAPES, family_available, shape_config, shape_label, synthetic_source
 from specter.bench.systems import DEFAULT_SYSTEMS, SCHEDULE_SOURCE, SYSTEMS, Setting
-from specter.build import resolve_dtype
+from specter.build import resolve_device, resolve_dtype
 from specter.config import DEFAULT_K, DraftConfig, EngineConfig, TuningConfig, parse_bytes, parse_link
 from specter.errors import ConfigError, SpecterError
 from specter.exits import run_tool
@@ -146,22 +146,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The lists name cells, once each: a value given twice would run its cells twice and pool both measurements into one
+# row of the summary (twice the runs, under one label), so a repeat is dropped, as --merge refuses cells seen twice.
 def _int_list(text: str) -> list[int]:
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        return list(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _size_list(text: str) -> list[int]:
     try:
-        return [parse_bytes(part) for part in text.split(",") if part.strip()]
+        return list(dict.fromkeys(parse_bytes(part) for part in text.split(",") if part.strip()))
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _name_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
+    return list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -191,7 +193,9 @@ def check_args(args: argparse.Namespace) -> None:
         if count < 1:
             raise ConfigError(f"--residents {count}: expected 1 or more expert slots per MoE layer")
     # The engine's own fields, in its words: they would otherwise fail as a validation traceback at the first cell.
-    EngineConfig.build(device=args.device, dtype=args.dtype)
+    config = EngineConfig.build(device=args.device, dtype=args.dtype)
+    if not args.merge:  # CUDA asked for where there is none: every part would be skipped and the run exit 0 empty
+        resolve_device(config)
     for link in args.link or ():
         if link != "native":  # the bench's name for the real link (BenchRuntime.set_link); the rest as it parses them
             try:
@@ -223,6 +227,9 @@ def targets_from_args(args: argparse.Namespace) -> tuple[list[ModelTarget], list
     """The models of the matrix with their settings; shapes whose family is missing are noted, not fatal."""
     check_widen(args)
     names = args.model or (list(PAPER_SETTINGS) if args.preset == "paper" else ["tiny"])
+    if args.layers is not None and not any(name in SHAPES for name in names):  # else it would be dropped unsaid
+        raise ConfigError(f"--layers {args.layers} truncates synthetic shapes ({', '.join(SHAPES)}), and this run benches "
+                          f"none ({', '.join(names)}): leave --layers out, or bench a shape")
     targets, notes = [], []
     for name in names:
         settings = _settings(args, name)
@@ -242,6 +249,11 @@ def targets_from_args(args: argparse.Namespace) -> tuple[list[ModelTarget], list
             if name == "tiny":
                 target.label = target.label.replace(path.name, "tiny", 1)
             targets.append(target)
+    labels = [target.label for target in targets]
+    if twice := sorted({label for label in labels if labels.count(label) > 1}):
+        # records are filed under the label: two models of one label would pool into one row of the summary
+        raise ConfigError(f"--model: two models are labelled {', '.join(twice)} (one given twice, or checkpoint folders of "
+                          "one name); give each model once, and a folder named like another through a symlink of another name")
     return targets, notes
 
 
@@ -356,6 +368,10 @@ def options_from_args(args: argparse.Namespace) -> Options:
     # As DraftConfig resolves them: a depth given is kept (the other follows it), none given is the default within.
     k_max = args.k_max if args.k_max is not None else max(DraftConfig().k_max, args.k or 0)
     k = args.k if args.k is not None else min(DEFAULT_K, k_max)
+    drafting = [name for name in systems if SYSTEMS[name].speculative]
+    if k_max == 0 and drafting:  # the runtime they share would be built without a draft: none of its cells would run
+        raise ConfigError(f"--k-max 0 leaves no draft depth, and {', '.join(drafting)} need a draft; raise --k-max to 1 or "
+                          "more, or leave them out of --systems")
     return Options(systems=systems, links=links, max_new_tokens=max_new, warmup_tokens=min(args.warmup_tokens, max_new),
                    repeats=repeats, k=k, k_max=k_max, row_bucket=args.row_bucket,
                    device=args.device, dtype=args.dtype,
@@ -378,10 +394,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     check_output_folder(args.out, "--out")  # before minutes of measurement, not after
+    check_output_names(args.out)
     check_time_budget(args.time_budget)
     check_args(args)
     if args.merge:
         payload = report.merge(args.merge)
+        if args.out.is_dir():  # an earlier run's plots would stay beside the merged results, which they do not show
+            remove_plots(args.out)
         write_outputs(args.out, payload, plots=not args.no_plots)
         print("\n".join(report.table_lines(payload["summary"], report.SHORT_COLUMNS)))
         print(f"\nmerged {len(args.merge)} result sets ({len(payload['runs'])} requests) into {args.out}/")
@@ -431,6 +450,15 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if note not in flags:
             print(f"note: {note}", file=sys.stderr)
     return 0 if all(row["tokens_equal"] for row in summary if row["system"] != "hf-accelerate") else 1
+
+
+def check_output_names(out: Path) -> None:
+    """The files the bench writes into --out (results, plots) are free to write: a folder of one of their names would
+    fail the first write, or the plots at the end, after the work."""
+    for name in ("results.json", "results.md", *PLOT_FILES):
+        if (out / name).is_dir():
+            raise ConfigError(f"--out {out}: {out / name} is a folder, where the bench writes its {name}; move it or "
+                              "choose another --out")
 
 
 def check_time_budget(budget_s: float | None) -> None:

@@ -83,13 +83,17 @@ def _integer_axis(axis) -> None:
 
 
 def _bars(ax, groups: list[str], series: dict[str, list[float | None]]) -> None:
+    """One bar per group and series; a value that is None (a cell that did not run, a baseline not in the run) gets
+    no bar, and a series with none no place in the legend: a bar at 0 would read as a measured TPOT or speedup of 0."""
+    series = {label: values for label, values in series.items() if any(v is not None for v in values)}
     width = 0.8 / max(1, len(series))
     for index, (label, values) in enumerate(series.items()):
-        xs = [g + index * width for g in range(len(groups))]
-        ax.bar(xs, [v or 0.0 for v in values], width, label=label)
+        drawn = [(g + index * width, v) for g, v in enumerate(values) if v is not None]
+        ax.bar([x for x, _ in drawn], [v for _, v in drawn], width, label=label)
     ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], groups, fontsize=7)
     ax.set_xlabel("model, memory setting, host link (GB/s)")
-    _legend_outside(ax)
+    if series:
+        _legend_outside(ax)
 
 
 def _tpot_by_system(summary: list[dict], runs: list[dict]):

@@ -254,7 +254,7 @@ class ModelBench:
         self.dtype = resolve_dtype(EngineConfig(dtype=options.dtype), target.spec)
         self.max_context = PROMPT_TOKENS + max(options.max_new_tokens, options.warmup_tokens) + options.k_max + 8
         self.cell_seconds: list[float] = []
-        cells = 1 + len(options.links) * len(target.settings) * len(self.systems)
+        cells = len(self.planned["resident"]) + len(self.planned["offloaded"])  # the cells `_cell` counts off
         self.bar = tqdm(total=cells, desc=target.label, disable=not options.progress, unit="cell", leave=False)
 
     def generation(self, warm: bool = False, prompt: Prompt | None = None) -> GenerationConfig:
@@ -266,9 +266,12 @@ class ModelBench:
     def engine_config(self, *, resident: bool, speculative: bool) -> EngineConfig:
         k_max = self.options.k_max if speculative else 0
         residents = None if resident else self.target.spec.top_k
+        # The build's fixed depth decides only whether the runtime gets a draft (each system sets its own depth in
+        # `configure`): at --k 0 it would get none, and specter, whose depth is the roofline's, could not run.
+        k = max(self.options.k, 1) if speculative else 0
         return EngineConfig(device=self.options.device, dtype=self.options.dtype, residents=residents, max_context=self.max_context,
                             threads=self.options.threads,
-                            draft=DraftConfig(k=self.options.k if speculative else 0, k_max=k_max, quant=self.options.quant),
+                            draft=DraftConfig(k=k, k_max=k_max, quant=self.options.quant),
                             lookahead="fixed", row_bucket=self.options.row_bucket,
                             progress=self.options.progress, static_verify=self.options.static_verify,
                             tuning=self.options.tuning, placement_profile=self.options.placement_profile)
