@@ -481,7 +481,8 @@ class EngineConfig(_Frozen):
     placement_profile: Path | None = Field(None, description="A routing trace (`generate --trace`, specter/trace.py) of "
                                            "this model whose per-layer expert use the placement's cost model weighs "
                                            "(`auto`: the least used go to the host first). None (default): uniform "
-                                           "routing assumed. Read once at load; ignored with cpu_experts 'off'.")
+                                           "routing assumed. Checked at every load (a file that is not a trace of "
+                                           "this model's shape is refused); placed from by any cpu_experts but 'off'.")
     placement_overlap: float | None = Field(None, ge=0.0, le=1.0, description="The `overlap` of the placement plug-in "
                                             "named by cpu_experts (`auto`'s cost model): the share of the shorter of a "
                                             "layer's two paths, host compute and copies, that hides under the longer; 1 "
