@@ -410,6 +410,7 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
     from specter.build import placement_policy, speculation
     from specter.experts.host import default_threads
     from specter.placement import OVERLAP, Placement, PlacementState, copy_seconds, host_seconds, routing_source, token_seconds
+    from specter.plugins import is_allowed
 
     layers, experts = len(spec.moe_layers), spec.num_experts
     slots = residents if residents is not None else spec.top_k
@@ -436,20 +437,28 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
         overlap = config.placement_overlap if name in ("auto", cpu_experts) else None
         return placement_policy(config.model_copy(update={"cpu_experts": name, "placement_overlap": overlap}))
 
-    policies = {name: policy(name) for name in dict.fromkeys(("all", "auto", cpu_experts)) if name != "off"}
+    # `all` and `auto` are shown beside the one asked for, where SPECTER_PLUGINS lets them load (the one asked for
+    # must: its refusal is the user's answer); an allow-list without them leaves their figures out, not info failing.
+    shown = [name for name in dict.fromkeys(("all", "auto", cpu_experts))
+             if name != "off" and (name == cpu_experts or is_allowed("placement", name))]
+    policies = {name: policy(name) for name in shown}
     placed = {"off": Placement.device_only(layers, experts)} | {name: p.place(state=state) for name, p in policies.items()}
-    placement, auto = placed[cpu_experts], placed["auto"]
-    overlap = getattr(policies["auto"], "overlap", OVERLAP)
+    placement, auto = placed[cpu_experts], placed.get("auto")
+    overlap = getattr(policies["auto"], "overlap", OVERLAP) if auto is not None else None
     ms = lambda seconds: None if seconds is None else round(seconds * 1e3, 4)  # noqa: E731
     return {"cpu_experts": cpu_experts, "placement_slots": slots, "host_experts": placement.total,
             "host_experts_per_layer": placement.counts(), "host_threads": state.host_threads, "row_bucket": state.row_bucket,
             "link_gbps": None if link is None else round(link / 1e9, 3), "link_source": source,
             "copy_ms_per_expert": ms(copy_seconds(state)), "host_ms_per_expert": ms(host_seconds(state, 1)),
             "host_ms_per_job": ms(job_s),
-            "host_source": host_source, "host_kernel": host_kernel, "auto_host_experts": auto.total, "auto_host_experts_per_layer": auto.counts(),
+            "host_source": host_source, "host_kernel": host_kernel,
+            "auto_host_experts": None if auto is None else auto.total,
+            "auto_host_experts_per_layer": None if auto is None else auto.counts(),
             "routing": routing_source(state), "speculates": state.speculates,
-            "auto_prices_misses": getattr(policies["auto"], "prices_misses", lambda state: True)(state), "auto_overlap": overlap,
-            "predicted_ms_per_token": {name: ms(token_seconds(state, placed[name], overlap=overlap)) for name in ("off", "all", "auto")}}
+            "auto_prices_misses": None if auto is None else getattr(policies["auto"], "prices_misses", lambda state: True)(state),
+            "auto_overlap": overlap,
+            "predicted_ms_per_token": {name: ms(token_seconds(state, placed[name], overlap=OVERLAP if overlap is None else overlap))
+                                       for name in ("off", "all", "auto") if name in placed}}
 
 
 def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | None, str | None, str, str, float | None]:
@@ -578,6 +587,8 @@ def _costs_line(summary: dict) -> str:
 
 
 def _auto_line(summary: dict) -> str:
+    if summary["auto_host_experts"] is None:
+        return "auto not shown: SPECTER_PLUGINS does not allow the placement 'auto'"
     predicted = summary["predicted_ms_per_token"]
     times = ", ".join(f"{name} {'-' if ms is None else f'{ms:.3f}'}" for name, ms in predicted.items())
     per_layer = summary["auto_host_experts_per_layer"]

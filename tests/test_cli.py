@@ -143,6 +143,19 @@ def test_info_matches_the_files(capsys):
     assert "minimum budget" in text and "full residency" in text and "qwen2_moe" in text
 
 
+def test_info_under_an_allow_list_without_all_and_auto_shows_what_it_may(capsys, monkeypatch):
+    """info shows `all` and `auto` beside the placement asked for: an allow-list that leaves them out made info fail
+    though neither was asked for; now their figures are left out. The one asked for must still be allowed."""
+    monkeypatch.setenv("SPECTER_PLUGINS", "lru,topm-keep,plan-protect,fixed,cpu,off")
+    assert main(["info", "tiny", "--residents", "6", "--no-measure", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["auto_host_experts"] is None and set(info["predicted_ms_per_token"]) == {"off"}
+    assert main(["info", "tiny", "--residents", "6", "--no-measure"]) == 0
+    assert "SPECTER_PLUGINS does not allow the placement 'auto'" in capsys.readouterr().out
+    assert main(["info", "tiny", "--residents", "6", "--no-measure", "--cpu-experts", "all"]) == 2
+    assert "does not allow it" in capsys.readouterr().err
+
+
 def test_info_at_a_budget_gives_the_slots_with_and_without_the_draft(capsys):
     """`info --budget`: the slots per layer the budget leaves speculating (the draft's bytes taken first) and without a
     draft (what `--k-max 0` loads with), each as the engine's memory plan splits that budget; the placement is made for
