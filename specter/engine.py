@@ -564,7 +564,7 @@ class Runtime:
         return RoundReport(index=stats.rounds, k=k, scouted=scouted, acceptance=acceptance, verify=record,
                            draft_counts=self.ahead.round_counts() if (k or scouted) and self.draft is not None else None,
                            moe_layers=self.spec.moe_layers, window=clock.window, loaded_bytes=self._bytes_loaded() - bytes_at_start,
-                           draft_step_s=self._timing().draft_step_s, stats=stats)
+                           draft_step_s=self._draft_step_s(), stats=stats)
 
     def _adapt(self, report: RoundReport, clock: RoundClock) -> None:
         """Step 6: lift the round's protections, then feed what it measured to the estimates and the lookahead policy."""
@@ -650,8 +650,12 @@ class Runtime:
         return float(measured or 25e9)
 
     def _timing(self) -> LinkTiming:
-        return LinkTiming(bandwidth_bytes_per_s=self.bandwidth(), draft_step_s=self.estimates.draft_step_s or 1e-3,
+        return LinkTiming(bandwidth_bytes_per_s=self.bandwidth(), draft_step_s=self._draft_step_s(),
                           expert_bytes=self.memory.expert_bytes)
+
+    def _draft_step_s(self) -> float:
+        """The draft-step time the prefetch plans with: the estimate, or 1 ms before a draft step was timed."""
+        return self.estimates.draft_step_s or 1e-3
 
     def _lookahead_state(self) -> LookaheadState:
         return LookaheadState(
