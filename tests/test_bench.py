@@ -735,6 +735,17 @@ def test_the_reading_line_states_the_ratios_of_the_medians():
     assert report.reading([row for row in _plot_payload()["summary"] if row["system"] != "ondemand"]) is None
 
 
+def test_the_reading_line_and_the_table_round_one_ratio():
+    """A ratio of 1.6648 was stored to three decimals (1.665) and printed in the table as 1.67, while the closing line,
+    from the medians, said 1.66x: both now print the one stored ratio (four decimals)."""
+    rows = [{"model": "m", "setting": "residents=2", "link": "1", "sampling": "greedy", "system": name, "tpot_ms": tpot,
+             "tokens_equal": True} for name, tpot in (("ondemand", 16.648), ("specter", 10.0))]
+    report._add_speedups(rows)
+    specter = next(row for row in rows if row["system"] == "specter")
+    table = report.table_lines([specter], (("x_ondemand", "x ondemand"),))[-1].strip()
+    assert table == "1.66" and "1.66x lower TPOT" in report.reading(rows)
+
+
 def test_the_matrix_prints_its_reading_consistent_with_its_table(tmp_path):
     import contextlib
     import io

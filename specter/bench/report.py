@@ -109,6 +109,12 @@ def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+RATIO_DECIMALS = 4
+"""A speedup's decimals in the summary, and in the closing line before it prints two: the table prints three
+significant figures of the stored ratio, and one rounded to three decimals first (1.6648 to 1.665) printed 1.67 where
+the line said 1.66x."""
+
+
 def reading(summary: Sequence[dict[str, Any]], system: str = "specter", baseline: str = "ondemand") -> str | None:
     """The matrix in one line: `system`'s median TPOT against `baseline`'s in every cell that ran both.
 
@@ -121,7 +127,7 @@ def reading(summary: Sequence[dict[str, Any]], system: str = "specter", baseline
         other = by_key.get((model, setting, link, sampling, baseline))
         if name != system or other is None or not row["tpot_ms"]:
             continue
-        ratio = other["tpot_ms"] / row["tpot_ms"]
+        ratio = round(other["tpot_ms"] / row["tpot_ms"], RATIO_DECIMALS)  # as the table's column: one number, one rounding
         change = f"{ratio:.2f}x lower TPOT" if ratio >= 1 else f"{1 / ratio:.2f}x higher TPOT"
         unit = " GB/s" if is_number(link) else ""
         mode = f", {sampling}" if sampling != "greedy" else ""
@@ -300,7 +306,7 @@ def _add_speedups(rows: list[dict]) -> None:
                          and r["setting"] == row["setting"] and r["link"] == row["link"] and sampling_of(r) == mode]
                 other = min(exact, key=lambda r: r["tpot_ms"], default=None)
             ok = other is not None and other["tpot_ms"] > 0 and row["tpot_ms"] > 0
-            row[f"x_{baseline}"] = round(other["tpot_ms"] / row["tpot_ms"], 3) if ok else None
+            row[f"x_{baseline}"] = round(other["tpot_ms"] / row["tpot_ms"], RATIO_DECIMALS) if ok else None
 
 
 # ---- merging ----------------------------------------------------------------------------------------------
