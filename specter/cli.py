@@ -405,18 +405,16 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
     """The host-expert count of placement `cpu_experts` for an engine with `residents` slots per layer, placed as the
     builder places at load (an empty cache); with `measure_dtype`, the costs measured as the builder calibrates them
     (one expert of the model's shape in that dtype, random values) and `auto`'s decisions and predicted times."""
-    from specter.errors import ConfigError
     from specter.experts.costs import routing_profile
     from specter.build import placement_policy, speculation
     from specter.experts.host import default_threads
-    from specter.placement import OVERLAP, Placement, PlacementState, copy_seconds, host_seconds, routing_source, token_seconds
+    from specter.placement import (OVERLAP, Placement, PlacementState, check_slot_count, copy_seconds, host_seconds,
+                                   routing_source, token_seconds)
     from specter.plugins import is_allowed
 
     layers, experts = len(spec.moe_layers), spec.num_experts
     slots = residents if residents is not None else spec.top_k
-    if not spec.top_k <= slots <= experts:  # as the engine's load refuses it (memory._slots)
-        raise ConfigError(f"--residents {slots}: expected {spec.top_k}..{experts} slots per MoE layer (at least one "
-                          f"token's active experts, its top-k {spec.top_k}; at most its {experts} experts)")
+    check_slot_count("--residents", slots, spec.top_k, experts)
     if measure_dtype is not None:
         host_s, link, source, host_source, host_kernel, job_s = measured_costs(spec, config, measure_dtype)
     else:

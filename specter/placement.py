@@ -213,6 +213,14 @@ class PlacementPolicy(Protocol):
     #   dropped after). Absent: the prompt uses `decode` (`prefill_placement`).
 
 
+def check_slot_count(option: str, slots: int, top_k: int, num_experts: int, beside: str = "") -> None:
+    """Refuse `slots` per MoE layer outside top_k..num_experts, as the engine's load does (`memory._slots`), for the
+    tools that model a cache without loading one (`specter info`, the replay); `option` names the flag given."""
+    if not top_k <= slots <= num_experts:
+        raise ConfigError(f"{option} {slots}: expected {top_k}..{num_experts} slots per MoE layer (at least one token's "
+                          f"active experts, its top-k {top_k}; at most its {num_experts} experts){beside}")
+
+
 def fill_slots(residents: Sequence[int], slots: int, num_experts: int,
                rates: Sequence[float] | None = None) -> tuple[list[int], list[int]]:
     """A layer's device experts from the cache it starts with: (kept, fill). `kept`: the last `slots` of `residents`

@@ -42,6 +42,7 @@ from specter.placement import (
     PlacementPolicy,
     PlacementState,
     RouteSequence,
+    check_slot_count,
     layer_counts,
     overlapped,
     preloaded,
@@ -673,10 +674,8 @@ def _replayed_trace(path: str, slots: int | None) -> tuple[TraceHeader, list[Tra
             "round only when it drafts with experts offloaded, so a trace recorded from a resident engine (every expert "
             "on the device) or with k = 0 (plain decoding) stays empty; record one with --residents or --budget below "
             "full residency and a draft depth k > 0")
-    if slots is not None and not header.top_k <= slots <= header.num_experts:  # as the engine's load (memory._slots)
-        raise ConfigError(f"--slots {slots}: expected {header.top_k}..{header.num_experts} slots per MoE layer (at least "
-                          f"one token's active experts, the trace's top-k {header.top_k}; at most its {header.num_experts} "
-                          "experts), as the engine refuses other --residents")
+    if slots is not None:
+        check_slot_count("--slots", slots, header.top_k, header.num_experts, ", as the engine refuses other --residents")
     return header, rounds
 
 

@@ -170,19 +170,19 @@ class Detokenizer:
     def _stop_before_incomplete(self, complete: str) -> None:
         """The new text ends inside a character and waits for it, but a stop string may already stand whole in its
         `complete` part before that character: cut there now, not a token or more later (when the text may have hit
-        its token limit and would end as 'length', with a token past the stop counted)."""
-        if not complete or not self.stop_strings:
-            return
-        text = self._decoded + complete
-        cut = _first_stop(text, self.stop_strings, max(0, len(self._decoded) - self._hold))
-        if cut is not None:
-            self._decoded, self.stopped = text[:cut], True
+        its token limit and would end as 'length', with a token past the stop counted). Without a stop the part stays
+        unread, to be decoded whole with its character."""
+        if complete and _first_stop(self._decoded + complete, self.stop_strings, self._search_from()) is not None:
+            self._append(complete)
+
+    def _search_from(self) -> int:
+        """Where a stop string in text added now could begin: it may straddle the old text and the new."""
+        return max(0, len(self._decoded) - self._hold)
 
     def _append(self, new_text: str) -> None:
         if not new_text:
             return
-        # A stop string may straddle the old text and the new: search from where it could begin.
-        search_from = max(0, len(self._decoded) - self._hold)
+        search_from = self._search_from()
         self._decoded += new_text
         cut = _first_stop(self._decoded, self.stop_strings, search_from)
         if cut is not None:

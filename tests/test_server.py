@@ -620,6 +620,16 @@ def test_serve_load_benchmark_against_a_running_server(server, tmp_path):
     assert "TTFT p50 ms" in done.stdout
 
 
+def run_releasing(main, state, release: threading.Event) -> None:
+    """Run an encoder test's `main`, then release its held encodes and stop the state's two encoder threads."""
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        state.encoder.shutdown()
+        state.long_encoder.shutdown()
+
+
 def test_text_prompts_wait_for_the_encoder_in_a_bounded_line_and_token_ids_skip_it():
     """The encoder thread sits before admission: without a bound, every connection's body would be read and held while
     it waited there, past --max-queue. As many may wait as for the engine; one more is a 429."""
@@ -656,12 +666,7 @@ def test_text_prompts_wait_for_the_encoder_in_a_bounded_line_and_token_ids_skip_
         assert await first == [1, 2] and await second == [1, 2]
         assert state.encoding == 0
 
-    try:
-        asyncio.run(main())
-    finally:
-        release.set()
-        state.encoder.shutdown()
-        state.long_encoder.shutdown()
+    run_releasing(main, state, release)
     assert "one too many" not in encoded
 
 
@@ -726,12 +731,7 @@ def test_a_short_text_prompt_is_not_encoded_behind_a_long_one():
         release.set()
         assert await long_text == [1, 2] and await long_chat == [1, 2]
 
-    try:
-        asyncio.run(main())
-    finally:
-        release.set()
-        state.encoder.shutdown()
-        state.long_encoder.shutdown()
+    run_releasing(main, state, release)
 
 
 def test_the_port_probe_takes_an_empty_host_and_names_a_bad_one():

@@ -183,6 +183,7 @@ def finite_values(values: Tensor) -> Tensor:
     non-finite value is broken decoding either way (plain decoding's logits are NaN there too)."""
     return torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0) if values.dtype == torch.float16 else values
 
+
 class Transformer:
     """A loaded MoE decoder: non-expert weights by on-disk name, the spec, and the forward pass."""
 
