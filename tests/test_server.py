@@ -35,7 +35,8 @@ ENGINE_ARGS = ["--device", "cpu", "--residents", "2", "--max-context", "256"]  #
 ENGINE = EngineConfig(device="cpu", residents=2, max_context=256)  # the same engine in this process, for reference
 KEY = "test-key"
 BODY_LIMIT = 65536  # the `server` fixture's --max-body-bytes
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['content'] == 'trip' %}{{ m.missing.attribute }}{% endif %}"
+                 "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
@@ -378,6 +379,17 @@ def test_one_models_card(server):
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("gpt-4")
     assert missing.value.code == "model_not_found"
+
+
+def test_a_template_error_names_the_served_model_not_its_directory(chat_server, chat_model):
+    """The checkpoint's place on the server's disk stays there: a client sees the name --served-model-name chose."""
+    response = httpx.post(f"{chat_server.url}/v1/chat/completions", timeout=30,
+                          headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": "fixture-chat", "messages": [{"role": "user", "content": "trip"}]})
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "<model 'fixture-chat'>/tokenizer_config.json's chat_template failed on these messages" in message, message
+    assert str(chat_model) not in response.text and str(chat_model.parent) not in response.text
 
 
 def test_max_completion_tokens_past_the_context_is_named_as_sent(chat_server):

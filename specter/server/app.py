@@ -195,7 +195,7 @@ async def _serve(state: ServerState, request: Request, body: SamplingRequest, pr
         log.debug("server.client_gone", path=request.url.path)
         return NoResponse()
     except SpecterError as error:  # e.g. the engine closed under a request past the drain timeout: as streamed, a 503
-        raise _unavailable(error) from None
+        raise _unavailable(state, error) from None
     finally:
         job.ticket.close()
     return JSONResponse(answer.whole(text, reason, len(prompt_ids), new_tokens))
@@ -249,7 +249,7 @@ async def _events(state: ServerState, job: Job, answer: Answer, include_usage: b
                     yield sse(answer.chunk(piece.text, piece.finish_reason, with_usage=include_usage))
     except SpecterError as error:  # e.g. the engine closed under a request past the drain timeout
         log.warning("server.stream_ended", error=str(error))
-        yield sse(_unavailable(error).body())
+        yield sse(_unavailable(state, error).body())
         return
     except Exception:
         log.exception("server.stream_failed")
@@ -324,7 +324,7 @@ async def _encode(state: ServerState, prompt: Prompt, param: str) -> list[int]:
         else:
             prompt_ids = await _encode_text(state, prompt)
     except (PromptError, ConfigError) as error:  # no tokenizer, no chat template, a template that refuses
-        raise APIRequestError(400, str(error), param=param) from None
+        raise APIRequestError(400, _public(state, str(error)), param=param) from None
     if not prompt_ids:
         raise APIRequestError(400, f"the {param} is empty; give at least one token", param=param)
     vocab = state.engine.spec.vocab_size
@@ -376,11 +376,21 @@ def _generation(body: SamplingRequest, max_tokens: int) -> GenerationConfig:
         raise APIRequestError(400, str(error)) from None
 
 
-def _unavailable(error: SpecterError) -> APIRequestError:
+def _unavailable(state: ServerState, error: SpecterError) -> APIRequestError:
     """A request the engine ended: the engine's own words, but for its closing, whose advice is the Python API's."""
     message = ("the server is shutting down and ended this request; send it again" if isinstance(error, RequestCancelled)
-               else str(error))
+               else _public(state, str(error)))
     return APIRequestError(503, message, type="server_error")
+
+
+def _public(state: ServerState, message: str) -> str:
+    """An engine's message for a client: the checkpoint's directory named by the served name, as `--served-model-name`
+    chose to show it: where the checkpoint lives on the server's disk is no client's business."""
+    tokenizer = state.engine.tokenizer
+    source = tokenizer.source if tokenizer is not None else None
+    if not source or source == "<memory>" or source == state.model_name:
+        return message
+    return message.replace(source, f"<model {state.model_name!r}>")
 
 
 def _admit(state: ServerState) -> Ticket:
