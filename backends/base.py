@@ -47,8 +47,7 @@ class Event(Protocol):
 class Backend(Protocol):
     """Memory, streams and copies for one device. Built once per engine, before any weight is loaded.
 
-    Threading: every method is called from the event-loop thread, except `Event.wait` (waiter threads)
-    and callbacks given to `launch_host_func`, which the backend calls from its own thread.
+    Threading: every method is called from the event-loop thread, except `Event.wait` (waiter threads).
     """
 
     name: str
@@ -130,14 +129,6 @@ class Backend(Protocol):
         input id (on the current compute stream, before a replay). The write must be ordered after earlier
         work on `stream` and before later work on it; the values the caller passes are not kept (cuda copies
         4 bytes from an immutable pinned table of values, so the call costs microseconds of host time).
-        """
-        ...
-
-    def launch_host_func(self, stream: Stream, callback: Callable[[], None]) -> None:
-        """Call `callback` on a backend thread once `stream` reaches this point.
-
-        Used by the kernel's `host_func` completion mechanism; the callback must do nothing but
-        `loop.call_soon_threadsafe(...)` (on cuda it runs inside the driver and may not call CUDA).
         """
         ...
 

@@ -237,9 +237,6 @@ class CPUBackend:
     def launch(self, stream: CPUStream, work: Callable[[], None]) -> None:
         stream.enqueue(work)
 
-    def launch_host_func(self, stream: CPUStream, callback: Callable[[], None]) -> None:
-        stream.enqueue(callback)
-
     def synchronize(self) -> None:
         for event in [self.record_event(stream) for stream in self._streams]:
             event.wait()

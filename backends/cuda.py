@@ -7,7 +7,6 @@ Tested on the GPU machine only: tests/test_gpu_transfer.py and benchmarks/transf
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -64,7 +63,6 @@ class CUDABackend:
         self.compute_stream = torch.cuda.current_stream(self.device)
         self.copy_stream = self.new_stream("copy")
         self._cycles_per_s: float | None = None
-        self._host_streams: dict[int, Any] = {}
         self._memcpy_async = cupy_memcpy_async()
         self._value_tables: list[torch.Tensor] = []  # pinned int32 -1..n, for set_int32
 
@@ -163,28 +161,11 @@ class CUDABackend:
         with torch.cuda.stream(stream):
             work()
 
-    def launch_host_func(self, stream: torch.cuda.Stream, callback: Callable[[], None]) -> None:
-        self._cupy_stream(stream).launch_host_func(lambda _unused: callback(), None)
-
-    def _cupy_stream(self, stream: torch.cuda.Stream) -> Any:
-        try:
-            import cupy
-        except ImportError as error:
-            raise ConfigError(
-                "kernel mechanism 'host_func' on cuda needs cupy; install it (pip install cupy-cuda12x, "
-                "or specter[cuda]) or use mechanism='waiter'"
-            ) from error
-        key = stream.cuda_stream
-        if key not in self._host_streams:
-            self._host_streams[key] = cupy.cuda.ExternalStream(key, self.device.index or 0)
-        return self._host_streams[key]
-
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         self.synchronize()
-        self._host_streams.clear()
 
 
 def measure_h2d_gbps(backend: CUDABackend, nbytes: int = 256 << 20, repeats: int = 5) -> float:

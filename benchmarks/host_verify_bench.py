@@ -176,9 +176,6 @@ class InstantBackend:
     def launch(self, stream, work) -> None:
         work()
 
-    def launch_host_func(self, stream, callback) -> None:
-        callback()
-
     def synchronize(self) -> None:
         pass
 

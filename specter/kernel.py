@@ -18,9 +18,9 @@ Code elsewhere never blocks on the device; it does `await kernel.wait(event)`.
 #     the round that started it.
 #  6. The loop thread never blocks on the device. The one exception is the spin budget: a bounded,
 #     explicit poll of `event.query()` for waits known to be short (cheaper than two thread hops).
-#  7. The completion mechanism is a setting: `waiter` (one thread per stream blocking on a
-#     blocking-sync event, GIL released) or `host_func` (the backend calls back from the stream itself).
-#     benchmarks/transfer_bench.py measures both; `waiter` is the default because it needs no cupy.
+#  7. A parked wait completes through a waiter: one thread per stream blocking on a blocking-sync event with
+#     the GIL released, which then knocks on the loop (a driver callback from the stream needed cupy and cost more
+#     CPU per await).
 #  8. Everything that waits is counted (`Kernel.stats`), and every stage is a structured event.
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import Backend, Event, Stream
-from specter.errors import ConfigError
 from specter.log import debug_enabled, get_logger
 
 log = get_logger(__name__)
@@ -57,11 +56,6 @@ class KernelSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    mechanism: Literal["waiter", "host_func"] = Field(
-        "waiter",
-        description="'waiter': a thread per stream blocks on the event; 'host_func': the backend calls back "
-        "when the stream reaches it (cupy launch_host_func on cuda).",
-    )
     spin_s: float = Field(
         0.0, ge=0.0, le=0.01, description="Default seconds to poll event.query() on the loop thread before parking."
     )
@@ -239,8 +233,6 @@ class Kernel:
         self._deferred: collections.deque[Iterator[Any]] = collections.deque()
         self._in_deferred = False
         self._closed = False
-        if self.settings.mechanism == "host_func" and backend is None:
-            raise ConfigError("kernel mechanism 'host_func' needs a backend to launch host functions; pass backend=")
 
     async def wait(self, event: Event, *, spin_s: float | None = None, poll_s: float = 0.0) -> None:
         """Suspend the calling task until `event` completes (the only GPU await point, principle 1).
@@ -346,10 +338,7 @@ class Kernel:
         loop = asyncio.get_running_loop()
         completion = loop.create_future()
         notify = self._notifier(loop, completion)
-        if self.settings.mechanism == "host_func":
-            self.backend.launch_host_func(event.stream, notify)
-        else:
-            self._waiter_for(event.stream).add(event, notify)
+        self._waiter_for(event.stream).add(event, notify)
         self.stats.parked += 1
         started = time.perf_counter()
         try:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specter.experts import ExpertCache, ExpertPool, LinkEmulation, TransferEngine
-from specter.kernel import Kernel, KernelSettings, run
+from specter.kernel import Kernel, run
 from specter.experts.slots import lru_victims  # the default chooser: the least recently used unprotected residents
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -52,12 +52,9 @@ def test_urgent_lands_before_queued_prefetches_on_cuda(cuda):
     assert all(bool((target == index).all()) for index, target in enumerate(targets))
 
 
-@pytest.mark.parametrize("mechanism", ["waiter", "host_func"])
-def test_cache_readers_never_see_overwritten_or_unlanded_slots_on_cuda(cuda, mechanism):
-    if mechanism == "host_func":
-        pytest.importorskip("cupy")
+def test_cache_readers_never_see_overwritten_or_unlanded_slots_on_cuda(cuda):
     backend, _ = cuda
-    kernel = Kernel(backend, KernelSettings(mechanism=mechanism))
+    kernel = Kernel(backend)
     pool = ExpertPool(backend, LAYERS, EXPERTS, NUMEL, torch.bfloat16)
     pool.load((l, e, torch.full((NUMEL,), float(l * 16 + e), dtype=torch.bfloat16)) for l in range(LAYERS) for e in range(EXPERTS))
     engine = TransferEngine(backend, kernel, chunk_bytes=MiB)

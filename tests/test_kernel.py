@@ -9,7 +9,6 @@ import time
 import pytest
 
 from backends.cpu import CPUBackend
-from specter.errors import ConfigError
 from specter.kernel import Kernel, KernelSettings, StageCounters, TaskGroup, new_event_loop, run, stage
 
 
@@ -29,9 +28,8 @@ def backend():
     backend.close()
 
 
-@pytest.mark.parametrize("mechanism", ["waiter", "host_func"])
-def test_wait_resumes_after_the_event_and_not_before(backend, mechanism):
-    kernel = Kernel(backend, KernelSettings(mechanism=mechanism))
+def test_wait_resumes_after_the_event_and_not_before(backend):
+    kernel = Kernel(backend)
 
     async def main() -> float:
         event = delayed_event(backend, 0.05)
@@ -45,11 +43,10 @@ def test_wait_resumes_after_the_event_and_not_before(backend, mechanism):
     kernel.close()
 
 
-@pytest.mark.parametrize("mechanism", ["waiter", "host_func"])
-def test_a_wait_past_work_that_failed_on_a_stream_raises_it(backend, mechanism):
+def test_a_wait_past_work_that_failed_on_a_stream_raises_it(backend):
     """A failed copy on a CPU stream thread was only logged: its event completed and the reader computed with a slot
     that was never filled. Every event completed after the failure, on any stream, carries it, and the wait raises."""
-    kernel = Kernel(backend, KernelSettings(mechanism=mechanism))
+    kernel = Kernel(backend)
 
     def fail() -> None:
         raise OverflowError("timestamp out of range")
@@ -192,11 +189,6 @@ def test_no_thread_is_left_after_close(backend):
     backend.close()
     assert kernel.threads == []
     assert set(specter_threads()) <= before
-
-
-def test_host_func_without_backend_is_a_config_error():
-    with pytest.raises(ConfigError, match="host_func"):
-        Kernel(None, KernelSettings(mechanism="host_func"))
 
 
 def test_run_uses_uvloop_when_installed():
