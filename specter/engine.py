@@ -324,13 +324,13 @@ class Runtime:
 
     # ---- one decode round (docs/ARCHITECTURE.md) ------------------------------------------------------
     async def round(self, x0: int, params: SamplingParams, remaining: int, stats: RequestStats) -> list[int]:
-        """Draft, plan and prefetch, verify, accept, commit, adapt. Returns the committed tokens (1..k+1).
+        """Choose k, draft, plan and prefetch, verify, accept, commit, adapt. Returns the committed tokens (1..k+1).
 
         The engine loop, one line per step of docs/ARCHITECTURE.md's round. With a draft-ahead (`DraftAhead`) the draft also
         guesses the target's own next token, and the verify runs beside draft steps from that guess.
         """
         start = self.kv.length  # position of x0
-        k = self._next_k(remaining)
+        k = self._next_k(remaining)  # 1. choose k
         self._plan_before_draft(k)
         ahead = self.ahead.steps(start, k, remaining, params, self.kv.capacity)  # draft-ahead steps beside the verify (0: none)
         prefix = self.ahead.take(x0, start, k + 1 if ahead else k)  # the last draft-ahead's steps, if they start here
@@ -339,7 +339,7 @@ class Runtime:
         clock.mark_start()
         for observer in self.observers:
             observer.round_started()
-        # 1. draft, 2. plan and prefetch beside it
+        # 2. draft, 3. plan and prefetch beside it
         drafted, draft_logits, guess, scouted = await self._draft_stage(x0_tensor, start, k, ahead, params, prefix)
         clock.drafted()
         block = torch.cat([x0_tensor, drafted]) if k else x0_tensor  # [x0, d1..dk]
@@ -347,21 +347,21 @@ class Runtime:
         clock.verify_started()
         try:
             async with stage("verify", counters=self.stages, rows=k + 1):
-                logits = await self._verify_stage(block, start, guess, ahead, params)  # 3. verify: [k+1, V]
+                logits = await self._verify_stage(block, start, guess, ahead, params)  # 4. verify: [k+1, V]
                 clock.verified()
-                acceptance, guessed = await self._accept(block[1:], logits, draft_logits, start, params, guess)  # 4. accept
+                acceptance, guessed = await self._accept(block[1:], logits, draft_logits, start, params, guess)  # 5. accept
                 if record is not None:
                     record.settle()  # the verdict has been read: the verify's device-side waits are complete
         finally:
             self.ahead.join()
         clock.accepted()
-        self.kv.crop(start + acceptance.n_accepted + 1)  # 5. commit
+        self.kv.crop(start + acceptance.n_accepted + 1)  # 6. commit
         self.ahead.settle(start, k, ahead, acceptance, guessed, stats)
         clock.ended()
         report = self._count_round(k, scouted, acceptance, record, stats, clock, bytes_at_start)
         for observer in self.observers:
             observer.round_done(report)
-        self._adapt(report, clock)  # 6. adapt
+        self._adapt(report, clock)  # 7. adapt
         return acceptance.tokens
 
     def _next_k(self, remaining: int) -> int:
@@ -384,7 +384,7 @@ class Runtime:
 
     async def _draft_stage(self, x0: Tensor, start: int, k: int, ahead: int, params: SamplingParams,
                            prefix: Tensor | None) -> tuple[Tensor | None, Tensor | None, Tensor | None, bool]:
-        """Steps 1 and 2: k draft steps (k + 1 with a draft-ahead: the last is its guess), planning and prefetching
+        """Steps 2 and 3: k draft steps (k + 1 with a draft-ahead: the last is its guess), planning and prefetching
         beside them; or, in a plain round with a scout, one step whose token is dropped (its routes for x0 plan the
         prefetch). Returns (drafts [k], their logits (rejection sampling), the guess [1], whether it scouted)."""
         scouted = not k and self._scouting()
@@ -507,7 +507,7 @@ class Runtime:
         return predicted
 
     async def _verify_stage(self, block: Tensor, start: int, guess: Tensor | None, ahead: int, params: SamplingParams) -> Tensor:
-        """Step 3, with the draft-ahead's steps beside it when there are any (from the guess, at start + k + 1)."""
+        """Step 4, with the draft-ahead's steps beside it when there are any (from the guess, at start + k + 1)."""
         if not ahead:
             return await self._verify(block, start)
         return await self.ahead.beside(lambda: self._verify(block, start), guess, start + block.shape[0], ahead, self.kv, params)
@@ -523,7 +523,7 @@ class Runtime:
 
     async def _accept(self, drafts: Tensor, logits: Tensor, draft_logits: Tensor | None, start: int,
                       params: SamplingParams, guess: Tensor | None = None) -> tuple[Acceptance, int | None]:
-        """Step 4: the verdict, and the draft-ahead's guess (host) in the same copy when there is one."""
+        """Step 5: the verdict, and the draft-ahead's guess (host) in the same copy when there is one."""
         positions = torch.arange(start + 1, start + 2 + drafts.shape[0], device=logits.device)
         if params.greedy:
             verdict = greedy_verdict(drafts, logits)
@@ -567,7 +567,7 @@ class Runtime:
                            draft_step_s=self._draft_step_s(), stats=stats)
 
     def _adapt(self, report: RoundReport, clock: RoundClock) -> None:
-        """Step 6: lift the round's protections, then feed what it measured to the estimates and the lookahead policy."""
+        """Step 7: lift the round's protections, then feed what it measured to the estimates and the lookahead policy."""
         k, accepted, record = report.k, report.acceptance.n_accepted, report.verify
         if report.scouted:  # the scout's time is the plain rounds' own (LookaheadState.scout_s), not a depth-1 draft
             self.estimates.observe_scout(clock.draft_s)

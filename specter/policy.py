@@ -60,12 +60,12 @@ class Plan:
 
 @dataclass(frozen=True)
 class LinkTiming:
-    """What the host-to-device link and the draft cost, as measured by the engine."""
+    """What the host-to-device link and the draft cost, as measured by the engine (`Runtime._timing`)."""
 
     bandwidth_bytes_per_s: float
-    """Sustained H2D bandwidth of the copy stream (emulated links included)."""
+    """Sustained H2D bandwidth of the copy stream (emulated links included); 25e9 until a copy has been measured."""
     draft_step_s: float
-    """Seconds for one draft step (one token through the quantized draft)."""
+    """Seconds for one draft step (one token through the quantized draft); 1e-3 until a draft step has been timed."""
     expert_bytes: int
     """Bytes one routed expert moves across the link."""
 
@@ -76,7 +76,8 @@ class LinkTiming:
 
 @dataclass(frozen=True)
 class LookaheadState:
-    """Everything the lookahead policy may use to pick the next draft depth k (measured, not assumed)."""
+    """Everything the lookahead policy may use to pick the next draft depth k: measured, but for the stand-ins a fresh
+    engine gives before its first measurement (`bandwidth_bytes_per_s` 25e9, as `LinkTiming`'s)."""
 
     acceptance_by_position: list[float]
     """EMA of P(draft token i accepted | all before accepted); index 0 is the first draft token. Only the
@@ -184,7 +185,8 @@ class PrefetchPolicy(Protocol):
 
         Called by the engine at each checkpoint, after `steps_done` of `k` draft steps, with keyword
         arguments. `route_counts` `[L, E]` float counts how often the draft's router picked each expert
-        (top-k hits) so far this round; `resident` `[L, E]` bool is the cache's residency now. Both are
+        (top-k hits) so far this round, 0 for the experts the placement computes on the host (the cache never holds
+        them, so a plan's slots go elsewhere); `resident` `[L, E]` bool is the cache's residency now. Both are
         host copies the policy may read but not keep.
 
         Must return a `Plan` listing, per layer, at most that layer's slots of distinct expert ids in 0..E-1.

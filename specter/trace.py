@@ -15,7 +15,8 @@ a date) are kept in `TraceHeader.extra`. The reader bounds the shape far above a
 per layer and expert, so a 200-byte header must not ask for 1e8 experts): 1 <= L <= `MAX_LAYERS`,
 1 <= E <= `MAX_EXPERTS`, 1 <= B <= `MAX_EXPERT_BYTES`, 1 <= A <= E, and every layer's slots in 1..E.
 
-Then one line per decode round::
+Then one line per speculative round (the engine records no k = 0 round: nothing was predicted; a reader accepts
+them)::
 
     {"round": r, "k": k, "accepted": n, "draft_step_s": t,
      "layers": [{"predicted": {"<expert>": count, ...}, "used": [expert, ...]}, ...]}
@@ -36,7 +37,7 @@ plans saw, in order::
 totals). `layers` has exactly L entries in layer order: `predicted` maps expert id
 (a JSON key, so a string) to the draft's top-k hits on it over the round's k steps (a finite number >= 0; zero
 counts may be left out); `used` lists the distinct experts (JSON ints, no repeats) the target's verify pass used at
-that layer, in the order it first used them: at most (k + 1) * A of them, the verify's k + 1 rows choosing A each.
+that layer, the device path's in the order it first used them, then the host path's (a placement's): at most (k + 1) * A of them, the verify's k + 1 rows choosing A each.
 Unknown keys are ignored, so version 1 may grow optional fields. Lines are split on "\n" alone (JSON strings may hold
 U+2028 and other characters `str.splitlines` would split on).
 """
