@@ -81,10 +81,10 @@ class Auto:
     time winning (ties: fewer on the host). Least used first: a rarely used device-path expert is the one most likely
     to have left the cache by its next use, so per second of host time it saves the most copies. With h < E - S the
     layer's D = E - h device-path experts do not all fit in its S slots and churn through them: each use misses with
-    the probability Che's approximation gives an LRU cache (`expected_misses`; 1 - S/D under uniform use). The first
-    version counted only the uses beyond the S most used, as if the cache kept those: the same (D - S) x r per token
-    under uniform use, but under skewed use a floor well below what an LRU cache misses (a simulated LRU on a skewed
-    profile missed 0.77 per token, Che 0.70, the floor 0.48: tests/test_placement_auto.py).
+    the probability Che's approximation gives an LRU cache (`expected_misses`; 1 - S/D under uniform use). Counting
+    only the uses beyond the S most used, as if the cache kept those, would give the same (D - S) x r per token under
+    uniform use, but under skewed use a floor well below what an LRU cache misses, which Che's approximation follows
+    (tests/test_placement_auto.py simulates the LRU).
 
     Without a trace an engine that speculates is placed `off` (`prices_misses`, below); for the others, and as the
     rows' arithmetic for every engine, one row per forward (k = 0): a speculative verify of R <= row_bucket rows copies
@@ -113,19 +113,22 @@ class Auto:
     replay's own cache walk over the trace's predictions, warm, with the engine's eviction and prefetch plug-ins),
     as a share of the LRU's misses in `off` that scales every h's (one replay per layer bounds the load's work;
     hosting the least used experts leaves the device the better predicted ones, so the share errs toward the
-    device). Counting each miss's full copy had put experts on the host where the replay found that slower than
-    `off`. A k = 0 engine, or a profile without rounds, keeps the LRU's misses (or Che's) at full copy, except that
-    a speculating engine without rounds (and without a `prefetch_discount`) is placed `off` (`prices_misses`). Whether an
-    engine speculates is config, never the round: its placement is still one for its life, and its output still
-    equals the same placement's k = 0 output.
+    device). Counting each miss's full copy instead would over-price the device path of an engine whose draft
+    prefetches, and put experts on the host where the replay finds that slower than `off`. A k = 0 engine, or a
+    profile without rounds, keeps the LRU's misses (or Che's) at full copy, except that a speculating engine
+    without rounds (and without a `prefetch_discount`) is placed `off` (`prices_misses`). Whether an engine
+    speculates is config, never the round: its placement is still one for its life, and its output still equals the
+    same placement's k = 0 output.
 
     `overlap` (default 0.0, `specter.placement.OVERLAP`): the share of the shorter path's expected time per layer
-    that hides under the longer one, 1 for the longer alone, 0 for the sum. The sum is what the H200's first hybrid
-    run fits with the calibrated costs (per layer and token, predicted 14.8 ms, measured 14.5 ms), and with it the
-    model picks what measured fastest there (`all`: 12.1 ms against the split's 14.5 ms); that run fits paths that
-    overlap wherever they meet just as well (its host path ran 1.4x slower beside the link, and at one row per token
-    the paths meet in few layers: `specter.placement.OVERLAP` says how to measure it). Raise it from such a
-    measurement: it moves experts onto the device path, splitting uses between the two.
+    that hides under the longer one; a layer costs the longer path plus (1 - overlap) x the shorter, so 1 gives the
+    longer alone and 0 the sum. At 0 the two costs add, and under uniform use a layer puts all its non-residents on
+    the host or none. Toward 1 the model balances the two paths and splits a layer between them: from 0 that moves
+    experts onto the host where a host expert costs more than its copy, and back onto the device path where it costs
+    less. The default is the sum because the calibrated costs, added, predict the per-layer time of a measured hybrid
+    run and pick the placement that ran fastest there (docs/BENCHMARKS.md, "Hybrid systems"); that run fits paths
+    that overlap where they meet just as well (at one row per token they meet in few layers), so raise it only from
+    a measurement of the hidden share (`specter.placement.OVERLAP` says how).
 
     `prefetch_discount` (default 0.0): the share of a miss's copy time that speculation's prefetch hides. 0 counts
     the copy in full because the placement also serves k = 0 (the `ondemand-hybrid` baseline), and a prefetched copy
@@ -168,9 +171,9 @@ class Auto:
         """Whether the model can price the device path's misses for this engine: always at k = 0; for an engine that
         speculates, only from a trace's rounds (its prefetch replay) or a `prefetch_discount` the deployment measured.
         Without either, the model charges every miss its full copy under independent use, while the engine's draft
-        prefetches most of them ahead of the verify and its rounds reuse what the last ones loaded; on the H200's
-        full-depth Qwen1.5-MoE cells it then put every non-resident on the host and decoded 1.8-2.1x slower than
-        placing nothing, so without a trace such an engine keeps every expert on the device path."""
+        prefetches most of them ahead of the verify and its rounds reuse what the last ones loaded; so priced, it
+        puts every non-resident on the host, which, where measured, decoded slower than placing nothing; so without
+        a trace such an engine keeps every expert on the device path."""
         return not state.speculates or has_rounds(state) or self.prefetch_discount > 0.0
 
     def layer_host(self, state: PlacementState, layer: int, rates: Sequence[float]) -> list[int]:

@@ -156,7 +156,7 @@ def load_policies(config: EngineConfig) -> dict:
 
 def placement_policy(config: EngineConfig):
     """The `specter.placement` plug-in named by EngineConfig.cpu_experts; None for 'off', which needs none: no expert
-    takes the host path and the engine runs as it did before placements (no plug-in, no host thread, no cost).
+    takes the host path and the engine runs without a placement (no plug-in, no host thread, no cost).
     EngineConfig.placement_overlap, when set, is the plug-in's `overlap` keyword."""
     if config.cpu_experts == OFF:
         return None
@@ -204,18 +204,18 @@ def check_device_memory(config: EngineConfig, device: torch.device, memory: Memo
 
 
 def apply_threads(config: EngineConfig, device: torch.device) -> None:
-    """Set torch's intra-op CPU threads (process-wide) to EngineConfig.threads, or to the measured default."""
+    """Set torch's intra-op CPU threads (process-wide) to EngineConfig.threads, or to the default for the device."""
     threads = config.threads if config.threads is not None else default_threads(device)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
 
 
 def default_threads(device: torch.device) -> int:
-    """EngineConfig.threads=None: see its description for the measurements behind it."""
+    """EngineConfig.threads=None: see its description for why."""
     if device.type == "cuda":
         return 1  # the host only enqueues work and keeps books
     # Never one thread per core: torch's OpenMP workers spin while they wait, and with one other busy process
-    # they fight it for every core (2 cores, 2 threads: 1.1 s TPOT on tiny against 54 ms with 1).
+    # they fight it for every core, each barrier waiting for a preempted worker's next time slice.
     return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 

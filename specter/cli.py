@@ -90,8 +90,10 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
                         help="a routing trace (--trace) of this model whose expert use the placement weighs (default: uniform)")
     memory.add_argument("--placement-overlap", type=float, default=None, metavar="O",
                         help="auto's overlap (0..1): the share of the shorter of a layer's host and copy paths that "
-                             "hides under the longer; 1 prices a layer at the longer, and puts experts on the host to "
-                             "take bytes off a busy link (default: auto's own, 0, their sum)")
+                             "hides under the longer. 0 (auto's default) prices a layer at their sum, and under "
+                             "uniform use puts all of its non-residents on the host or none; 1 prices it at the longer "
+                             "and balances the two paths, splitting a layer: against 0, more experts on the host "
+                             "where a host expert costs more than its copy, fewer where it costs less")
     memory.add_argument("--recalibrate", action="store_true",
                         help="time the host expert and the link anew at load (default: reuse this machine's earlier "
                              "figures for the same shape and threads, so that auto places the same from run to run)")
@@ -102,7 +104,7 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     policies.add_argument("--k", type=int, default=None, metavar="N",
                           help="draft depth for the fixed lookahead (default 4, at most --k-max); 0 turns speculation off")
     policies.add_argument("--k-max", type=int, default=15, metavar="N", help="largest draft depth any lookahead may choose "
-                          "(15: 16 verify rows, one pass of the static verify)")
+                          "(15: 16 verify rows, one pass of the static verify at the default row bucket of 16)")
     policies.add_argument("--quant", default="int4", choices=["int4", "int8", "int3", "int2", "gptq4"], help="draft expert format")
     policies.add_argument("--scout", action="store_true",
                           help="offloaded plain rounds (k = 0) prefetch the experts of one draft step's routes first")
@@ -233,7 +235,7 @@ def check_generate_inputs(args: argparse.Namespace) -> None:
     for index, stop in enumerate(args.stop):
         check_text(stop, f"--stop {index + 1}", instead="")
     if args.trace is not None:
-        if not args.trace:  # `if args.trace` took '' (an unset variable in a script, say) as no --trace: nothing recorded
+        if not args.trace:  # not `if args.trace`, which would take '' (an unset variable in a script, say) as no --trace
             raise ConfigError("--trace: empty path; give the file to write the routing trace to, or leave --trace out")
         check_output_file(args.trace, "--trace")
 

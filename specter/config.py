@@ -117,19 +117,24 @@ DEFAULT_K = 4
 """Draft depth of the `fixed` lookahead when `DraftConfig.k` is not given (k_max when that is smaller)."""
 
 DEFAULT_OVERLAP = 16
-"""Draft-ahead steps of `DraftConfig.overlap=None` on CUDA (clamped to k + 1 per round by the runtime)."""
+"""Draft-ahead steps of `DraftConfig.overlap=None` on CUDA with CUDA graphs (clamped to k + 1 per round by the runtime)."""
 
 
 class DraftConfig(_Frozen):
     """How the quantized draft is built and how far it looks ahead."""
 
     quant: QuantName = Field("int4", description="Weight format of the draft's routed experts (gptq4 = int4 with GPTQ calibration).")
-    group_size: int = Field(128, description="Quantization group size along the input dimension; -1 for one group per row.")
+    group_size: int = Field(128, description="Quantization group size along the input dimension: -1 for one group per "
+                            "row, else at least 8. A size that does not divide both the model's hidden and intermediate "
+                            "sizes falls back to one group per row for that model (specter.draft.layer_group), which the "
+                            "memory plan counts too.")
     k: int = Field(DEFAULT_K, ge=0, le=32, description="Draft depth for the `fixed` lookahead policy; 0 disables speculation. "
                    "Default 4, or k_max when that is smaller; a k above k_max is an error (it would be cut to k_max).")
-    k_max: int = Field(15, ge=0, le=32, description="Largest draft depth any lookahead policy may choose (15: with the "
-                       "token before the drafts, 16 verify rows, one pass of the 16-row static verify; 16 would take a "
-                       "second pass for one more token).")
+    k_max: int = Field(15, ge=0, le=32, description="Largest draft depth any lookahead policy may choose. The static "
+                       "verify runs EngineConfig.row_bucket rows per pass and a round verifies k + 1 (the token before "
+                       "the drafts, then the drafts), so 15 is the deepest round that fits one pass at the default "
+                       "row_bucket of 16; a deeper k_max, or a smaller row_bucket, takes more passes for the deepest "
+                       "rounds.")
     sampling: SamplingRule = Field("coupled", description="Acceptance rule when sampling: coupled (token-identical) or rejection.")
     scout: bool = Field(False, description="Offloaded plain rounds (k = 0) first run one draft step for its routes only: the "
                                            "experts it routes the round's token to are prefetched before and during the verify.")
@@ -137,8 +142,10 @@ class DraftConfig(_Frozen):
                                 "round drafts one more step (a guess at the target's own next token) and, while the verify "
                                 "runs, up to this many draft steps from that guess on a second stream; if the verify accepts "
                                 "every draft and its token equals the guess, the next round starts with those steps done. "
-                                "0 turns it off; None (default): 16 on CUDA with CUDA graphs (measured faster there in every "
-                                "cell, journal, draft-ahead), 0 elsewhere (no second stream: the steps would run in series).")
+                                "0 turns it off; None (default): 16 on CUDA with CUDA graphs (there the steps run beside "
+                                "the verify, and the draft-ahead was faster in every cell of its A/B on the GPU); 0 on "
+                                "the CPU (no second stream: the steps would run in series with the verify) and on CUDA "
+                                "with EngineConfig.cuda_graphs=False.")
 
     def overlap_steps(self, device_type: str, cuda_graphs: bool) -> int:
         """The draft-ahead depth on a device of this type (resolves overlap=None)."""
@@ -180,34 +187,40 @@ class CacheTuning(_Frozen):
 
     roll_hot_window: int | None = Field(2, ge=0, le=256, description="Most slots a layer's waiting misses hold at once "
                                         "in the verify's rolling window, so the hot experts the policy keeps stay for "
-                                        "the next round; None: every hot expert gives way (decode MB/token -11.7 % at "
-                                        "15 residents, -8.8 % at 8; journal, Fourteenth session).")
+                                        "the next round. 0 acts as 1: a layer that holds no slot still lets one miss "
+                                        "through (specter/experts/window.py), or its verify could not go on. None: no "
+                                        "limit, every hot expert gives way. 2 (default): keeping the hot experts "
+                                        "for the next round moved fewer decode bytes per token than None in the A/B, "
+                                        "at few and at many residents.")
     lead_relay: bool = Field(True, description="A layer's lead may borrow one slot from the layer before for a "
-                             "predicted miss, so its copy waits only for that layer's compute (slot idle 0.058 -> 0.029 "
-                             "and TPOT 0.967x at 15 residents, neutral at 8; journal, Sixteenth session).")
+                             "predicted miss, so its copy waits only for that layer's compute, not for a slot of its own "
+                             "to free. On: it cut the slots' idle time and TPOT where slots are scarce, and was neutral "
+                             "with more of them.")
 
 
 class TransferTuning(_Frozen):
     """The transfer engine's pump (specter/experts/transfer.py)."""
 
     max_chunks_in_flight: int = Field(4, ge=1, le=64, description="Chunks on the copy stream (urgent ones count) before "
-                                      "the pump issues another prefetch chunk (4 against 2: copy busy 0.884 -> 0.906, "
-                                      "TPOT 0.985x / 0.981x; journal, Thirteenth session).")
+                                      "the pump issues another prefetch chunk, 1 to 64. More keep the link from idling "
+                                      "between chunks; fewer let an urgent miss pass a shorter queue. 4: a busier copy "
+                                      "stream and a lower TPOT than 2 in the A/B.")
     issue_marks: bool = Field(False, description="Record a timed event per chunk as it is issued, so the copy-busy "
-                              "measurement splits the copy stream's idle time by cause (`bench --copy-gaps`); costs "
-                              "0.01-0.02 of copy busy, so off (journal, Twelfth session).")
+                              "measurement splits the copy stream's idle time by cause (`bench --copy-gaps`). Off: "
+                              "the events take a little of the copy stream's busy time, so they are for diagnosis only.")
 
 
 class VerifyTuning(_Frozen):
     """The offloaded verify (specter/verify.py)."""
 
     lead_misses: int = Field(2, ge=0, le=256, description="Predicted misses each MoE layer of a segmented verify starts "
-                             "while its routing travels to the host; 0: no lead (hand-over + issue idle 0.137 -> 0.058, "
-                             "TPOT 0.926x at 15 residents; 64 was 1.044x slower; journal, Fifteenth and Sixteenth "
-                             "sessions).")
-    routing_poll_s: float = Field(3e-3, ge=0.0, le=0.1, description="Seconds the verify polls for its router's choice "
-                                  "before parking on a waiter thread (CUDA, misses ordered on the device): a thread hop "
-                                  "would add 0.1-0.3 ms per MoE layer (journal, The verify's misses ordered on the device).")
+                             "while its routing travels to the host, 0 to 256; 0: no lead. 2: the copy stream works "
+                             "through the routing's hand-over instead of idling, and TPOT was lower than without a lead; a deep lead "
+                             "(tens of experts) copies experts the verify may not use, and was slower.")
+    routing_poll_s: float = Field(3e-3, ge=0.0, le=0.1, description="Seconds (0 to 0.1) the verify polls for its "
+                                  "router's choice before parking on a waiter thread (CUDA, misses ordered on the "
+                                  "device): a choice that comes within the poll skips the thread hop, which would add a "
+                                  "fraction of a millisecond per MoE layer.")
 
 
 def _power_of_two(value: int) -> int:
@@ -221,59 +234,57 @@ PowerOfTwo = Annotated[int, AfterValidator(_power_of_two)]
 
 class RowTiles(_Frozen):
     """Tiles of the draft step's one-row kernels (specter/model/rowfused.py); `benchmarks/graphed_tpot.py --row-config`
-    and `benchmarks/row_kernels_bench.py` sweep them. Figures: H200, Qwen1.5-MoE shape; ms per graphed draft step, us
-    per kernel alone."""
+    and `benchmarks/row_kernels_bench.py` sweep them. Each default is the best of those sweeps, or of an A/B of the
+    graphed draft step, on the GPU machine at the Qwen1.5-MoE shape (docs/BENCHMARKS.md, "The draft step's row
+    kernels, each alone")."""
 
     block_n: PowerOfTwo = Field(8, description="Output rows per program of norm_linear (the packed q/k/v product): the "
-                                "tile sweep's best (journal, Tenth session, row10c).")
-    block_k: PowerOfTwo = Field(512, description="Elements per K step of norm_linear and of the FFN input product "
-                                "(1024: 2.00 ms against 1.91; journal, Tenth session, row10c).")
+                                "tile sweep's best.")
+    block_k: PowerOfTwo = Field(512, description="Elements per K step of norm_linear and of the FFN input product: the "
+                                "tile sweep's best (K steps of 1024 made the draft step slower).")
     block_n_moe: PowerOfTwo = Field(16, description="Intermediate columns per program of moe_gate_up (twice as many "
-                                    "weight rows: gate and up), and the int8 finish's scale group (gate/up alone with "
-                                    "int8 h: 5.83 us at 16 rows; journal, Eleventh session, int8g11).")
+                                    "weight rows: gate and up), and the int8 finish's scale group: the sweep's best for "
+                                    "gate/up with int8 h.")
     block_k_moe: PowerOfTwo = Field(512, description="Elements per K step of moe_finish's int4 GEMV, a whole number of "
-                                    "groups or a divisor of one: the tile sweep's best (journal, Tenth session, row10c).")
-    block_k_gate_up: PowerOfTwo = Field(1024, description="Likewise for moe_gate_up (gate/up alone with int8 h: 7.19 us "
-                                        "at 16 rows / 512 / 4 warps, 5.83 at 16 / 1024 / 8 warps; journal, Eleventh "
-                                        "session, int8g11).")
-    block_n_finish: PowerOfTwo = Field(4, description="Hidden rows per program of moe_finish (2 rows: 1.91 ms either "
-                                       "way, 8: 1.99; journal, Tenth session, row10c).")
+                                    "groups or a divisor of one: the tile sweep's best.")
+    block_k_gate_up: PowerOfTwo = Field(1024, description="Likewise for moe_gate_up: with int8 h, K steps of 1024 at 8 "
+                                        "warps (warps_moe) ran gate/up faster than 512 at 4.")
+    block_n_finish: PowerOfTwo = Field(4, description="Hidden rows per program of moe_finish: the sweep's best (2 rows "
+                                       "tied with it, 8 made the draft step slower).")
     words_gate_up: bool = Field(False, description="moe_gate_up's float path reads the int4 codes as 32-bit words of 8 "
-                                "(off: bytes, even and odd k; gate/up 51.9 us as words, 14.3 as bytes; journal, Tenth "
-                                "session, row10/row10b). The int8 path always reads words.")
-    words_finish: bool = Field(True, description="moe_finish reads the int4 codes as 32-bit words (17.1 us; bytes 24.5; "
-                               "journal, Tenth session, row10/row10b).")
-    warps_moe: PowerOfTwo = Field(8, description="num_warps of moe_gate_up (with its K steps of 1024: draft step 1.61 -> "
-                                  "1.56 ms; journal, Eleventh session, attn11).")
-    warps_finish: PowerOfTwo = Field(4, description="num_warps of moe_finish (8 warps, or 2 rows per program: 1.99-2.12 ms "
-                                     "against 1.85; journal, Tenth session, row10d).")
-    block_k_shared: PowerOfTwo = Field(2048, description="Elements per K step of moe_finish's bf16 shared down product "
-                                       "(with evict_first: 1.91 -> 1.85 ms; journal, Tenth session, row10d).")
-    evict_first: bool = Field(True, description="Weight loads marked evict-first, each weight byte being read once per "
-                              "step (with block_k_shared 2048: 1.91 -> 1.85 ms; journal, Tenth session, row10d).")
+                                "(off: bytes, even and odd k). Off: as words, gate/up alone took several times as long "
+                                "as with bytes. The int8 path always reads words.")
+    words_finish: bool = Field(True, description="moe_finish reads the int4 codes as 32-bit words (off: bytes). On: "
+                               "words ran the finish faster than bytes.")
+    warps_moe: PowerOfTwo = Field(8, description="num_warps of moe_gate_up: with its K steps of 1024 "
+                                  "(block_k_gate_up), 8 gave a shorter draft step than 4.")
+    warps_finish: PowerOfTwo = Field(4, description="num_warps of moe_finish: 8 warps, or 2 rows per program, made the "
+                                     "draft step slower.")
+    block_k_shared: PowerOfTwo = Field(2048, description="Elements per K step of moe_finish's bf16 shared down product: "
+                                       "with evict_first, 2048 gave a shorter draft step.")
+    evict_first: bool = Field(True, description="Weight loads marked evict-first: each weight byte is read once per "
+                              "step, so keeping it in L2 would only displace what is read again. On: with "
+                              "block_k_shared 2048, a shorter draft step.")
     topk_in_router: bool = Field(True, description="The router's top-k runs in the input product's launch (rowfused."
-                                 "Select), not in every moe_gate_up program (1.84 -> 1.80-1.81 ms; journal, Tenth "
-                                 "session, row10g/row10h).")
+                                 "Select), once, not in every moe_gate_up program before its first weight load. On: a "
+                                 "shorter draft step.")
     num_warps: PowerOfTwo = Field(4, description="num_warps of the bf16 GEMVs: norm_linear, linear_residual, the input "
-                                  "product (8 warps x 16 rows or 2 x 4: 1.99-2.12 ms against 1.85; journal, Tenth "
-                                  "session, row10d).")
-    num_stages: int = Field(3, ge=1, le=8, description="num_stages of every one-row kernel (4: 1.91 ms either way; "
-                            "journal, Tenth session, row10c).")
-    block_n_residual: PowerOfTwo = Field(2, description="Output rows per program of linear_residual (o_proj alone: 5.16 "
-                                         "us at 8 rows / K steps of 512, 4.09 at 2 / 1024; journal, Eleventh session, "
-                                         "kern11).")
-    block_k_residual: PowerOfTwo = Field(1024, description="linear_residual's K step (see block_n_residual; journal, "
-                                         "Eleventh session, kern11).")
+                                  "product. 4: 8 warps (at 16 rows) or 2 (at 4) made the draft step slower.")
+    num_stages: int = Field(3, ge=1, le=8, description="num_stages of every one-row kernel, 1 to 8: 4 stages were no "
+                            "faster than 3.")
+    block_n_residual: PowerOfTwo = Field(2, description="Output rows per program of linear_residual: with K steps of "
+                                         "1024 (block_k_residual), 2 rows ran o_proj alone faster than 8 rows at 512.")
+    block_k_residual: PowerOfTwo = Field(1024, description="linear_residual's K step, swept together with "
+                                         "block_n_residual (see there).")
     block_n_input: PowerOfTwo = Field(4, description="Gate/up column pairs (tail rows: twice as many) per program of the "
-                                      "input product, norm_ffn_input and norm_router (the FFN input alone: 15.0 us at 8, "
-                                      "14.3 at 4; journal, Eleventh session, kern11).")
+                                      "input product, norm_ffn_input and norm_router: 4 ran the FFN input alone faster "
+                                      "than 8.")
     int8_gate_up: bool = Field(True, description="moe_gate_up quantises h to int8 per weight group and sums codes x "
-                               "activations in int32 by dp4a; the float path spends ~8 instructions per code (gate/up "
-                               "12.54 -> 7.19 us, draft step 1.76 -> 1.66 ms; journal, Eleventh session, int8g11).")
+                               "activations in int32 by dp4a, four per instruction; the float path spends ~8 "
+                               "instructions per code and is issue-bound. On: a faster gate/up and draft step.")
     int8_finish: bool = Field(True, description="moe_gate_up also stores its output in int8 and moe_finish sums the "
-                              "routed down rows against it by dp4a, where rowfused.int8_finish_fits (1.56 -> 1.49 ms; "
-                              "acceptance 0.967 against 0.941 with the float finish; journal, Eleventh and Twelfth "
-                              "sessions).")
+                              "routed down rows against it by dp4a, where rowfused.int8_finish_fits. On: a shorter draft "
+                              "step, with the draft's acceptance no lower than with the float finish.")
     dp4a: bool = Field(True, description="The int8 sums by the dp4a instruction on CUDA; off: plain integer operations, "
                        "as Triton's interpreter runs them (the same bits: tests/test_gpu_rowfused.py).")
 
@@ -281,31 +292,33 @@ class RowTiles(_Frozen):
 class MoETiles(_Frozen):
     """Tiles of the Triton MoE kernels over packed experts (specter/quant/moe_triton.py: the draft's quantized MoE;
     specter/model/graphed.py's resident kernel reads block_n_gate_up, block_n_down, block_k, num_warps, num_stages).
-    `benchmarks/moe_kernel_bench.py` sweeps them. Figures: H200, Qwen1.5-MoE experts, us per call."""
+    `benchmarks/moe_kernel_bench.py` sweeps them; each default is its sweeps' best on the GPU machine at the
+    Qwen1.5-MoE experts' shape (docs/BENCHMARKS.md, "The draft's fused MoE kernel")."""
 
     block_n_gate_up: PowerOfTwo = Field(32, description="Intermediate columns per program of the gate/up GEMM of several "
                                         "tokens (the tile holds twice as many rows: gate and up); no tile of the sweep "
-                                        "was more than 5 % faster (journal, Seventh session).")
+                                        "was faster by more than its noise.")
     block_n_down: PowerOfTwo = Field(32, description="Hidden columns per program of the down GEMM of several tokens "
-                                     "(same sweep; journal, Seventh session).")
+                                     "(the same sweep as block_n_gate_up).")
     block_k: PowerOfTwo = Field(128, description="Input elements per K step of the GEMMs; a divisor of the group keeps "
-                                "one scale per row per step (same sweep; journal, Seventh session).")
-    num_warps: PowerOfTwo = Field(4, description="num_warps of every MoE launch (the GEMV sweep: 4 warps best at every "
-                                  "block; journal, Eighth session).")
-    num_stages: int = Field(3, ge=1, le=8, description="num_stages of every MoE launch (every sweep held it at 3; "
-                            "journal, Seventh and Eighth sessions).")
-    split_k_down: int = Field(2, ge=1, le=64, description="K parts of the down GEMM, at most one per K step; 1: no split "
-                              "(T = 1: 60.3 us against 67.7; draft step 4.47 against 4.62 ms; journal, Seventh session).")
+                                "one scale per row per step (the same sweep).")
+    num_warps: PowerOfTwo = Field(4, description="num_warps of every MoE launch: 4 warps were the best at every block "
+                                  "of the GEMV sweep.")
+    num_stages: int = Field(3, ge=1, le=8, description="num_stages of every MoE launch, 1 to 8: every sweep held it at "
+                            "3.")
+    split_k_down: int = Field(2, ge=1, le=64, description="K parts of the down GEMM, 1 to 64, at most one per K step; 1: "
+                              "no split. 2: more programs for the short down GEMM of few tokens, faster than 1 at every "
+                              "token count of a decode, the draft step included.")
     single_token_gemv: bool = Field(True, description="One token runs GEMV kernels without the route kernel or 16-row "
-                                    "tiles (33.9 us against 51.9 for the general kernel; journal, Eighth session).")
+                                    "tiles, which at one token are mostly padding. On: the GEMVs were faster than the "
+                                    "general kernel.")
     block_n_gemv: PowerOfTwo = Field(16, description="Output rows per GEMV program (gate/up: twice, gate and up): the "
-                                     "one-token sweep's best (journal, Ninth session).")
+                                     "one-token sweep's best.")
     block_k_gemv: PowerOfTwo = Field(512, description="Input elements per GEMV step; a step of several groups reads one "
-                                     "scale per group (26.2 us against 33.5 at 128 with gate/up whole; journal, Ninth "
-                                     "session).")
-    split_k_gemv_gate_up: int = Field(4, ge=1, le=64, description="K parts of the one-token gate/up GEMV (> 1: float32 "
-                                      "parts, then an activation launch; with block_k_gemv 512 the sweep's best of 42; "
-                                      "journal, Ninth session).")
+                                     "scale per group. 512: faster than 128, with gate/up whole.")
+    split_k_gemv_gate_up: int = Field(4, ge=1, le=64, description="K parts of the one-token gate/up GEMV, 1 to 64 (> 1: "
+                                      "float32 parts, then an activation launch): with block_k_gemv 512, the best of "
+                                      "the sweep.")
 
 
 
@@ -314,33 +327,36 @@ class KernelTuning(_Frozen):
 
     static_mla: bool = Field(True, description="Run DeepSeek-V2's multi-head latent attention through the static "
                              "(CUDA-graph) step; off: DeepSeek runs the eager forward everywhere (target, verify, "
-                             "draft). Measured on the H200 (tests/test_gpu_graphed_mla.py; journal, GPU test runs, "
-                             "2026-11-30).")
+                             "draft). On: on the GPU its graphed step equals the eager paths, token for token "
+                             "(tests/test_gpu_graphed_mla.py).")
     positions_per_split: int = Field(128, ge=1, description="Cache positions per run of the draft's decode attention "
-                                     "(runs of 512 left a 2048-position cache at 4.17 ms per draft step against 3.36; "
-                                     "journal, Eighth session).")
-    max_splits: int = Field(64, ge=1, le=1024, description="Most runs one decode attention is cut into (programs per "
-                            "row and cache head; journal, Eighth session).")
-    merge_in_launch: bool = Field(True, description="The draft's decode attention merges its runs in its own launch "
-                                  "(1.56 against 1.61 ms per draft step; journal, Eleventh session). Off: a second "
-                                  "launch, for A/B and the kernel tests.")
+                                     "(at least 1): shorter runs give a long cache more programs at once; runs of 512 "
+                                     "made the draft step at a 2048-position cache slower.")
+    max_splits: int = Field(64, ge=1, le=1024, description="Most runs one decode attention is cut into, 1 to 1024 "
+                            "(programs per row and cache head): a cache longer than max_splits x positions_per_split "
+                            "takes longer runs instead of more partials to merge.")
+    merge_in_launch: bool = Field(True, description="The draft's decode attention merges its runs in its own launch. "
+                                  "On: one launch fewer per layer, a shorter draft step. Off: a second launch, for A/B "
+                                  "and the kernel tests.")
     decode_attention: bool = Field(True, description="The non-exact one-row step attends over the visible positions "
-                                   "only (draft step 4.16 -> 3.48 ms at a 2048-position cache; journal, Eighth "
-                                   "session). Off: torch's masked attention, for A/B and the kernel tests.")
+                                   "only, so its attention grows with the context, not the cache's capacity. On: a "
+                                   "shorter draft step at a long cache. Off: torch's masked attention, for A/B "
+                                   "and the kernel tests.")
     rope_writes_cache: bool = Field(True, description="The draft's static step rotates q and k and writes the KV cache "
-                                    "in one launch (draft step 3.14 -> 2.99 ms; journal, Ninth session). Off: RoPE and "
-                                    "two index_copy_, for A/B and the kernel tests.")
+                                    "in one launch. On: a shorter draft step. Off: RoPE and two index_copy_, for A/B "
+                                    "and the kernel tests.")
     router_and_gate: bool = Field(True, description="The non-exact forward (and the exact one with exact_rowwise) fuses "
-                                  "the router's softmax + top-k and the shared expert's gate, one launch each (journal, "
-                                  "Seventh session). Off: torch's ops, for A/B.")
+                                  "the router's softmax + top-k and the shared expert's gate, one launch each where "
+                                  "torch issues several. Off: torch's ops, for A/B.")
     packed_qkv: bool = Field(True, description="The non-exact forward projects q, k and v with one product over the "
-                             "packed weights (0.22 ms per draft step; journal, Ninth session). Off: three products, for A/B.")
+                             "packed weights, one launch instead of three. On: a shorter draft step. Off: three "
+                             "products, for A/B.")
     packed_ffn_input: bool = Field(True, description="The non-exact Qwen2-MoE-style layer runs its router, shared gate "
-                                   "and shared gate/up as one packed product (0.12 ms per draft step; journal, Ninth "
-                                   "session). Off: separate products, for A/B.")
+                                   "and shared gate/up as one packed product. On: a shorter draft step. Off: separate "
+                                   "products, for A/B.")
     residual_addend: bool = Field(True, description="The non-exact forward adds the residual inside the attention's "
-                                  "output product: one launch fewer, no measurable change (2.60 ms either way; journal, Ninth "
-                                  "session). Off: a separate add, for A/B.")
+                                  "output product: one launch fewer, though the draft step's time did not measurably "
+                                  "change. Off: a separate add, for A/B.")
     exact_rowwise: bool = Field(False, description="The exact forward (the target: prefill, decode and verify, eager "
                                 "and static alike, so every pair of paths the exactness contract compares runs the same "
                                 "kernels) also takes the fused launches that compute each row on its own: RMSNorm, RoPE, "
@@ -349,21 +365,22 @@ class KernelTuning(_Frozen):
                                 "8, or one per row in the eager attention (about 30 fewer of the static step's 55 "
                                 "launches per layer for the Qwen/Mixtral/OLMoE families; DeepSeek-V2 its three norms "
                                 "only, its attention, RoPE and routing being its own; Phi-MoE its RoPE and attention). "
-                                "CUDA, or Triton's interpreter. Off until measured on the H200; its tokens: "
+                                "CUDA, or Triton's interpreter. Off until an A/B on the GPU shows it pays; its tokens: "
                                 "tests/test_exact_rowwise.py.")
     row_kernels: bool = Field(True, description="The draft step runs Qwen2-MoE-style layers through the one-row "
-                              "kernels of specter/model/rowfused.py (draft step 2.30 -> 1.81 ms; journal, Tenth "
-                              "session). Off: the general non-exact forward, for A/B and the kernel tests.")
+                              "kernels of specter/model/rowfused.py, seven launches a layer where the general forward "
+                              "takes about 18. On: a shorter draft step. Off: the general non-exact forward, for A/B "
+                              "and the kernel tests.")
     row: RowTiles = Field(default_factory=RowTiles, description="Tiles and paths of the one-row kernels: each default "
-                          "the best a sweep or an A/B found (journal, Tenth to Twelfth sessions).")
-    moe: MoETiles = Field(default_factory=MoETiles, description="Tiles of the draft's quantized MoE kernels (one token: "
-                          "51.9 us in the general kernel, 26.2 in the GEMVs at the swept tiles; journal, Eighth and "
-                          "Ninth sessions).")
+                          "the best a sweep or an A/B found.")
+    moe: MoETiles = Field(default_factory=MoETiles, description="Tiles of the draft's quantized MoE kernels: the general "
+                          "kernel for several tokens, the GEMVs for one (single_token_gemv).")
     resident: MoETiles = Field(default_factory=lambda: MoETiles(block_n_gate_up=16, block_n_down=16),
                                description="Tiles of the resident bf16 experts' Triton kernel (specter/model/graphed.py): "
-                               "narrow column blocks, so a one-row decode has enough programs to fill the GPU (chosen, "
-                               "not swept; the graphed resident decode: journal, Resident decoding). The static target "
-                               "and the segmented verify read the same tiles, so their logits agree bit for bit.")
+                               "narrow column blocks, so a one-row decode has enough programs to fill the GPU (chosen "
+                               "for that, not swept; docs/BENCHMARKS.md, \"Resident decoding against its HBM floor\"). "
+                               "The static target and the segmented verify read the same tiles, so their logits agree "
+                               "bit for bit.")
 
 
 class HostTuning(_Frozen):
@@ -372,27 +389,25 @@ class HostTuning(_Frozen):
     parallel_experts: bool = Field(False, description="Compute a layer's host experts each on its own one-thread worker, "
                                    "up to cpu_threads at once, instead of one after another, each on a team of cpu_threads "
                                    "torch threads. A one-thread expert's result does not depend on what runs beside it, "
-                                   "so the tokens stay a function of the config. Off until measured on the H200's host "
-                                   "(benchmarks/host_expert.py's parallel mode; on the 2-core development Xeon, cold, 1.64 against "
-                                   "1.91 ms per expert, and 1.8 against 8.2 while another process took a core); its tokens: "
-                                   "tests/test_hybrid.py, tests/test_host_experts.py.")
+                                   "so the tokens stay a function of the config. Off until an A/B on the GPU machine's "
+                                   "host shows it pays (benchmarks/host_expert.py's parallel mode measures it); its "
+                                   "tokens: tests/test_hybrid.py, tests/test_host_experts.py.")
     kernel: Literal["auto", "torch", "native"] = Field(
         "auto", description="The host path's expert kernel: 'torch' (the F.linear chain on zero-padded blocks of "
         "row_bucket rows), 'native' (specter/experts/native.py: AMX, else AVX512-BF16, else AVX2 with FMA, weights read once as "
         "they lie, each row on its own at any count; needs a C compiler), or 'auto': the faster of those available as "
-        "the load's calibration times them, stored with the costs. On the H200's host (15 threads, cold) the host path with "
-        "native against torch: Mixtral's expert 4.2 / 5.1 ms against 7.5 / 7.9 at 1 / 16 rows, Qwen1.5-MoE's 0.67 against "
-        "1.1-1.2 (benchmarks/host_expert.py, docs/BENCHMARKS.md \"The native host kernel\"). Tokens: "
+        "the load's calibration times them, stored with the costs, since which is faster depends on the CPU and the "
+        "expert's shape (benchmarks/host_expert.py; docs/BENCHMARKS.md, \"The native host kernel\"). Tokens: "
         "tests/test_native_kernel.py.")
 
 
 class TuningConfig(_Frozen):
-    """Measured knobs of the runtime, by the part they tune; every default is the measured best, but
-    `host.parallel_experts` and `kernels.exact_rowwise`, off until they are measured on the GPU machine.
+    """Knobs of the runtime, by the part they tune. Every default is the best a sweep or an A/B found on the GPU
+    machine, but `host.parallel_experts` and `kernels.exact_rowwise`, off until an A/B there shows they pay.
 
-    Each field says where its default was measured: a test, a section of docs/BENCHMARKS.md, or "journal, SECTION", a
-    section of the H200 measurement journal of 2026-11-29/30, kept in git history (`git show
-    7950860:docs/journal.md`; the raw files it names, `git log --diff-filter=D -- PATH`)."""
+    Each field says what it tunes and why its default is what it is. docs/BENCHMARKS.md holds the current figures;
+    `--tune SECTION.FIELD=VALUE` (bench, generate, serve, info) and `benchmarks/ab_bench.py` measure a field against
+    another value, and the section docstrings name the scripts that sweep the kernels' tiles."""
 
     cache: CacheTuning = Field(default_factory=CacheTuning, description="The expert cache's rolling window and lead.")
     transfer: TransferTuning = Field(default_factory=TransferTuning, description="The transfer engine's pump.")
@@ -458,7 +473,12 @@ class EngineConfig(_Frozen):
     residents: int | None = Field(None, description="Expert cache slots per MoE layer; an alternative to `budget`. At least "
                                   "the model's top-k (one token's active experts), at most its experts per layer (checked at load).")
     exact: bool = Field(True, description="Batch-invariant numerics, so speculative output is token-identical to plain decoding.")
-    row_bucket: int = Field(16, ge=1, le=256, description="Row bucket for exact mode: every matrix product runs on blocks of this many rows.")
+    row_bucket: int = Field(16, ge=1, le=256, description="Rows per block, 1 to 256. In exact mode every matrix product "
+                            "runs on zero-padded blocks of this many rows, so a row's numerics do not depend on how "
+                            "many rows run beside it; the static (CUDA-graph) decode and verify step runs this many "
+                            "rows per pass, so a verify of k + 1 rows takes ceil((k + 1) / row_bucket) passes (16 holds "
+                            "DraftConfig.k_max's default of 15 in one); the host path's torch kernel computes an expert "
+                            "on blocks of this many rows.")
     max_context: int | None = Field(None, ge=8, description="Longest prompt plus generation, in tokens; sizes the static KV cache "
                                     "and the attention workspace. None (default): min(2048, the model's max_position_embeddings). "
                                     "Above max_position_embeddings is an error; so is a context whose KV does not fit in memory.")
@@ -466,8 +486,8 @@ class EngineConfig(_Frozen):
                                 "(torch.set_num_threads is process-wide: it applies to all torch work in the process). "
                                 "None (default): 1 on CUDA (the host only enqueues work); on the CPU half the cores, "
                                 "1 to 4. Torch's own default, one thread per core, spins its workers against any other "
-                                "busy process: on 2 shared cores, tiny's TPOT was 1.1 s with 2 threads against 54 ms "
-                                "with 1 (benchmarks/threads_tpot.py).")
+                                "busy process, and on a shared machine with few cores that made decoding many times "
+                                "slower than one thread (benchmarks/threads_tpot.py measures it).")
     cpu_experts: str = Field("off", min_length=1, description="Name of the `specter.placement` plug-in that decides, once "
                              "at load, which routed experts the host CPU computes for the engine's life (never copied to "
                              "the device): 'off' (none), 'all' (every expert not resident on the device: nothing is copied "
@@ -476,7 +496,7 @@ class EngineConfig(_Frozen):
                                     "worker thread (its own OpenMP team: the loop thread keeps `threads`). None "
                                     "(default): the host's cores less one, at least 1, so that the event loop, which "
                                     "issues the device's work and the copies while the host computes, keeps a core "
-                                    "(reasoned, not yet measured: specter.experts.host.default_threads). Fewer emulate "
+                                    "(a reasoned default, not an A/B's: specter.experts.host.default_threads). Fewer emulate "
                                     "a smaller host.")
     placement_profile: Path | None = Field(None, description="A routing trace (`generate --trace`, specter/trace.py) of "
                                            "this model whose per-layer expert use the placement's cost model weighs "
@@ -485,13 +505,16 @@ class EngineConfig(_Frozen):
                                            "this model's shape is refused); placed from by any cpu_experts but 'off'.")
     placement_overlap: float | None = Field(None, ge=0.0, le=1.0, description="The `overlap` of the placement plug-in "
                                             "named by cpu_experts (`auto`'s cost model): the share of the shorter of a "
-                                            "layer's two paths, host compute and copies, that hides under the longer; 1 "
-                                            "prices a layer at the longer path, 0 at their sum. A higher value puts "
-                                            "experts on the host even where one costs more there than its copy, to take "
-                                            "bytes off a busy link. None (default): the plug-in's own (`auto`: 0). "
-                                            "docs/BENCHMARKS.md, 'The hybrid with overlapped paths', measures 1 against "
-                                            "it. A plug-in that takes no `overlap` is refused at load; ignored with "
-                                            "cpu_experts 'off'.")
+                                            "layer's two paths, host compute and copies, that hides under the longer, 0 "
+                                            "to 1: a layer is priced at the longer path plus (1 - overlap) x the "
+                                            "shorter. At 0 (their sum) the two costs add, so under uniform use a layer "
+                                            "puts all its non-residents on the host or none; toward 1 the model "
+                                            "balances the two paths and splits a layer between them, which moves "
+                                            "experts onto the host where a host expert costs more than its copy, and "
+                                            "back onto the device path where it costs less. None (default): the "
+                                            "plug-in's own (`auto`: 0). docs/BENCHMARKS.md (\"`auto`'s overlap, 0 "
+                                            "against 1, in one process\") compares 1 with it. A plug-in that takes no "
+                                            "`overlap` is refused at load; ignored with cpu_experts 'off'.")
     recalibrate: bool = Field(False, description="Measure the placement's costs (one host expert's time, the link's "
                               "rate) anew at load instead of taking the ones measured before on this machine for the "
                               "same expert shape, dtype, block and host threads (SPECTER_CACHE/placement-costs.json), and "
@@ -505,17 +528,21 @@ class EngineConfig(_Frozen):
     link: str | None = Field(None, description="Link emulation for host-to-device copies: gen5, gen4, gen3, ddr4-desktop or GB/s.")
     progress: bool = Field(False, description="Show progress bars while loading (checkpoints over 1 GiB show them on a terminal anyway).")
     cuda_graphs: bool = Field(
-        True, description="On CUDA, replay the resident decode/verify step and the draft step as CUDA graphs.",
+        True, description="On CUDA, replay the resident decode/verify step and the draft step as CUDA graphs. False "
+        "also changes two defaults that follow it: static_verify=None then verifies eagerly, and "
+        "DraftConfig.overlap=None then drafts no steps ahead (0).",
     )
     static_verify: bool | None = Field(
         None,
         description="Verify with offloaded experts through the segmented static step (specter/model/segmented.py): "
         "the resident graph's numerics, one CUDA graph per MoE layer's pre-expert part and per expert slot, routed "
         "experts hot first from the cache. True also runs the resident target through the static step on the CPU, "
-        "so both agree. None (default): on where CUDA graphs run (measured faster on the H200), off on the CPU.",
+        "so both agree. None (default): on CUDA with cuda_graphs (faster than the eager verify in the A/B on the GPU), "
+        "off otherwise (the CPU, or cuda_graphs False).",
     )
     tuning: TuningConfig = Field(default_factory=TuningConfig, description="Measured knobs of the cache, transfer "
-                                 "engine, verify and kernels; the defaults are the measured best.")
+                                 "engine, verify, kernels and host path; the defaults are the measured best, but two "
+                                 "left off until measured (TuningConfig).")
 
     def verify_is_static(self, device_type: str) -> bool:
         """Whether the verify runs the static step on a device of this type (resolves static_verify=None)."""

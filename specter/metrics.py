@@ -260,8 +260,8 @@ class Estimates:
         """The acceptance EMAs of the positions some round has reached (a prefix of 0..k_max-1).
 
         A governor that saw positions 0 and 1 accepted 95 % of the time must not read position 2 as the
-        initial 0.7 it never updated: it would then never draft deep enough to measure it (seen on the
-        H200's reference model: k stuck at 2 where a fixed k = 4 was 1.2x faster)."""
+        initial 0.7 it never updated: it would then never draft deep enough to measure it, and stay at a
+        shallower k than a fixed depth that pays more."""
         seen = 0
         while seen < min(k_max, len(self.acceptance)) and self.acceptance_seen[seen]:
             seen += 1
@@ -316,7 +316,7 @@ class Estimates:
         """A plain (k = 0) round's (layer, expert) pairs. Consecutive plain tokens are the rows a verify would
         have checked together, so the union of the last k_max + 1 (at least 3) measures beta (`observe_union`) before any
         speculative round has: without it beta stays 1 (every row brings its own experts), by which no depth
-        pays where the link dominates, and a link-bound engine that started plain stayed plain until a probe."""
+        pays where the link dominates, and a link-bound engine that started plain would stay plain until a probe."""
         self._plain_window.append(routed)
         # From 3 rows on: two tokens alone that happen to route alike would set beta to 0 outright (the first
         # observation replaces the unmeasured 1), and every depth would then look free of new experts.
@@ -353,9 +353,8 @@ class Estimates:
 
         Over rows ** beta, not rows: a verify's expert work follows the distinct experts its rows need (the weights
         a device expert reads once for all its rows, a host expert's blocks), which grow as rows ** beta. A line in
-        rows through shallow verifies extrapolated a host-bound 16-row verify of Phi-3.5-MoE's shape at about 1.5x its
-        distinct experts (10.9 a layer by its trace, against 2 + 0.95 * 15 from rows 1 and 6), so deep rounds looked
-        dearer than they are."""
+        rows through shallow verifies counts every further row's experts as new, so where rows share experts it
+        over-predicts a deep verify (a host-bound one most), and deep rounds would look dearer than they are."""
         if not self.verify_points:
             return (0.0, 0.0)
         beta = self.beta

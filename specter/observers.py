@@ -126,8 +126,8 @@ class CopyBusy(RoundObserver):
     """Copy-stream busy time inside each verify window that stalled on a copy (`RequestStats.copy_busy_fraction`).
 
     The window runs from the verify's start to the end of the last chunk that started before the verify ended
-    (capped at the verify's end). Reading the chunks' events costs a few microseconds each (H200 trace: 42 % of the
-    GPU-idle time in round-boundary gaps of 1 ms or more), so the reading is deferred to the kernel's idle work
+    (capped at the verify's end). Reading the chunks' events costs a few microseconds each, which at the round's end
+    would leave the GPU idle between rounds, so the reading is deferred to the kernel's idle work
     (`Kernel.defer`: it runs while a later wait's event is pending) and finished when the request ends. Only the
     chunk list is taken at the round's end. Without a kernel the events are read then, and a round whose window
     marks have not completed is left out. With issue marks the idle rest of each window is split by cause.

@@ -8,7 +8,7 @@ from pathlib import Path
 from specter.bench.report import accepted_histogram, is_number
 from specter.experts.transfer import LINK_PRESETS
 
-NATIVE_GBPS = LINK_PRESETS["gen5"]  # 'native' on the H200 machine is PCIe Gen5 (55 GB/s measured)
+NATIVE_GBPS = LINK_PRESETS["gen5"]  # 'native' (no emulation) is plotted as the GPU machine's PCIe Gen5 link
 
 
 PLOT_FILES = ("tpot_by_system.png", "speedup.png", "acceptance.png", "accepted_length_hist.png", "recall_by_layer.png",

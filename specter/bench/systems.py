@@ -91,7 +91,8 @@ SYSTEMS: dict[str, System] = {
         System("specmoeoff", "SpecMoEOff as adapted by the Specter authors: k=3, frequency Top-M prefetch at 20 % and 60 % "
                              "of the draft, LRU; separate draft weights and KV taken out of the expert slots",
                prefetch="topm-frequency", prefetch_options={"fractions": (0.2, 0.6)}, k=3, separate_draft=True),
-        # `specter` adapts k with the roofline governor: on the quick CPU matrix it beat fixed k=4 (benchmarks/README.md).
+        # `specter` adapts k with the roofline governor, which drafts deeper where acceptance pays and falls back to
+        # k = 0 where the draft costs more than it saves, as a fixed k cannot (benchmarks/README.md says more).
         System("specter", "this design: plan-protect eviction, link-paced frequency Top-M prefetch that never displaces an "
                           "expert the draft routed to (topm-keep), roofline lookahead (k adapted per round), the engine's "
                           "default draft-ahead (on CUDA: up to 16 steps beside each verify)",
@@ -133,8 +134,9 @@ SYSTEMS: dict[str, System] = {
                                  "engine's misses without its rounds); the others copied and prefetched as specter does",
                eviction="plan-protect", prefetch="topm-keep", lookahead="roofline", k=None, overlap=None, cpu_experts="auto"),
         System("specter-hybrid-longer", "specter-hybrid whose cost model prices a layer at the longer of its host and "
-                                        "copy paths (auto's overlap 1), not their sum: more experts on the host, to take "
-                                        "bytes off a busy link (--placement-overlap 1 beside the default, in one process)",
+                                        "copy paths (auto's overlap 1), not their sum: it balances the two paths, so a "
+                                        "layer's experts split between them (--placement-overlap 1 beside the default, "
+                                        "in one process)",
                eviction="plan-protect", prefetch="topm-keep", lookahead="roofline", k=None, overlap=None, cpu_experts="auto",
                placement_overlap=1.0),
         System("ondemand-hybrid", "ondemand (k=0, LRU, load on miss) with --cpu-experts auto: the host computes what the "
@@ -559,8 +561,8 @@ def initial_state(snapshot_layers: Sequence[Sequence[int]], slots: int | Sequenc
     placement keeps on the device what it would have kept.
 
     Every cell starts with full slots. A placement that never copies (`cpu-experts`) keeps its starting residents for
-    the whole cell, so a slot left empty at the start stayed empty: at 55 slots of Qwen1.5-MoE's 60 the warm-up had
-    used about 30 a layer, and `cpu-experts` computed 52 experts a token on the host where a filled cache leaves about 8."""
+    the whole cell, so a slot left empty at the start would stay empty: after a warm-up that used few of a layer's
+    experts, `cpu-experts` would compute on the host, every token, experts that a filled cache holds."""
     cells = []
     counts = layer_counts(slots, len(snapshot_layers))
     for index, (layer, count) in enumerate(zip(snapshot_layers, counts, strict=True)):

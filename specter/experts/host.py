@@ -50,10 +50,9 @@ layer job in one call (specter.experts.native.native_layer_job): expert j (its p
 as `ExpertFunction` gives it times its routing weight as `HostExperts.compute` weights it, written to `out`
 ([sum counts, D], or with `dense` [experts x T, D], each expert's rows in place in its block, the others zero)."""
 HOST_PATH_VERSION = 4
-"""Bumped when a host job's own work changes what it costs, or what the stored figures mean (2: its gather, weighting
-and pinned output once per job; 3: all of them in the kernel's one call; 4: the figure per expert is what one more
-expert adds to a job, beside the job's fixed part): the calibration's stored figures (`costs.cost_key`) of an earlier
-version are measured anew."""
+"""Bumped when a host job's own work changes what it costs, or what the stored figures mean: the calibration's stored
+figures (`costs.cost_key`) of an earlier version are measured anew. The figure per expert is what one more expert adds
+to a job, beside the job's fixed part."""
 Routes = Mapping[int, tuple[list[int], list[int]]]
 """expert -> (rows that chose it, ascending; the top-A slot of each): which rows a host expert computes."""
 
@@ -75,8 +74,8 @@ def default_threads(cores: int | None = None) -> int:
     os.cpu_count(). The core left is the event loop's: it issues the device's compute and the copies (and paces an
     emulated link) while the host path computes, and an OpenMP team on every core leaves it none, so either it waits
     for a time slice or it preempts one of the team's threads and the whole team waits at its barrier for that one.
-    A reasoned default, not yet measured: the H200's first hybrid run (16 threads on 16 cores) cost a layer the sum of
-    its two paths (tests/test_placement_auto.py, the first hybrid run)."""
+    A reasoned default, not an A/B's: with a team on every core, a hybrid run's host and copy paths added up per
+    layer instead of overlapping (tests/test_placement_auto.py fits such a run)."""
     cores = cores if cores is not None else os.cpu_count()
     return max(1, (cores or 1) - 1)
 

@@ -19,7 +19,7 @@ experts) runs as seven launches instead of ~18:
 6. `moe_gate_up`: the int4 gate/up GEMV of each pick's expert with the activation in the epilogue (replaces top-k,
    the gate/up GEMV, its K parts' activation launch). With RowTiles.int8_gate_up (on) each K step quantises h to
    int8 per weight group and sums codes x activations in int32 by dp4a, four per instruction (`rowkernels._int4_rows_int8`):
-   the float path spent ~8 instructions per code and was issue-bound (H200: 12.5 -> 7.2 us alone). With
+   the float path spends ~8 instructions per code and is issue-bound. With
    topk_in_router off every program takes the top-k itself (softmax over E logits) before its first weight load, and
    program 0 writes the picks and counts the routes.
 7. `moe_finish`: per block of output rows, the routed experts' int4 down products (rows of all picks, weighted and

@@ -3,7 +3,7 @@ first use by `jitted()`, so that importing this module does not need triton.
 
 The float int4 GEMVs read the packed codes as bytes (even k in the low nibble: `moe_gate_up` without int8) or as
 32-bit words (8 codes each, code k at bits 4 (k % 8) of word k // 8, as the bytes lie: `moe_finish` by default; RowTiles.
-words_gate_up / words_finish; H200: words cost gate/up 51.9 us against 14.3, bytes cost the finish 24.5 against 17.1),
+words_gate_up / words_finish: bytes are the faster read for gate/up, words for the finish),
 and turn a code c into a float by the exponent trick (c | 0x4B000000 is 2^23 + c), not by an integer-to-float
 conversion; a group's sum is scale * (sum c * a - 7.5 * sum a) (stored code c = q + 8, level q + 0.5). The int8
 paths (RowTiles.int8_gate_up, int8_finish) sum codes x int8 activations in int32 by dp4a, four per instruction.

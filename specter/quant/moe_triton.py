@@ -9,9 +9,9 @@ Kernel design (decode: T <= 16 tokens, P = T * A (token, expert) pairs):
    expert's run reads that expert's packed tile once for all its tokens (other programs exit at once),
    dequantizes in registers and writes h = silu(gate x) * up x. Gate and up rows are interleaved in one tile.
 3. Down GEMM, grid (P, cdiv(D, BLOCK_N), S): out_pair = weight * down h, fp32, one row per sorted slot and
-   K part (split-K: program s covers one S-th of I; S = 2 by default, measured 0.5-11 % faster than 1 on the
-   H200 at T = 16..1; the gate/up GEMM is not split: its parts would have to be added before the activation,
-   and doing that in the down GEMM's operand load measured 1.6-3.2x slower).
+   K part (split-K: program s covers one S-th of I; S = 2 by default, MoETiles.split_k_down: more programs for a
+   short GEMM; the gate/up GEMM is not split: its parts would have to be added before the activation, and adding
+   them in the down GEMM's operand load redoes that sum in every down program, which costs more than the split saves).
 4. Combine, grid (T, cdiv(D, BLOCK_D)): each token adds its A rows (each the sum of its S parts) in ascending
    expert id (fixed order, deterministic; no atomics).
 
