@@ -106,9 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--placement-overlap", type=float, default=None, metavar="O",
                         help="the cost model's overlap (0..1) for the systems that place with auto (the hybrids): the share "
                              "of the shorter path's time per layer it counts as hidden under the longer (default: "
-                             "specter.placement.OVERLAP). 1 puts 4 of the 6 non-residents of each layer on the host at "
-                             "Mixtral's shape, Gen4 and 2 residents (the first hybrid run's split), where the default "
-                             "puts all 6 there: a split placement, to measure how much the two paths overlap")
+                             "specter.placement.OVERLAP, 0: their sum). 1 balances the two paths and splits a layer "
+                             "between them where the sum puts all or none of its non-residents on the host: a split "
+                             "placement, to measure how much the two paths overlap")
     parser.add_argument("--placement-profile", type=Path, default=None, metavar="TRACE",
                         help="a routing trace of the bench's one model (`specter generate --trace`; for --widen, one "
                              "recorded on the narrow checkpoint: the widened model routes as it does) that every engine the "
