@@ -23,7 +23,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from specter.experts.transfer import LinkEmulation, TransferEngine
-from specter.kernel import Kernel, KernelSettings, run
+from specter.config import WaitTuning
+from specter.kernel import Kernel, run
 
 MiB = 1 << 20
 MIXTRAL_EXPERT_BYTES = 3 * 14336 * 4096 * 2  # gate + up + down, bf16: 352 MB
@@ -145,7 +146,7 @@ def bench_await(backend: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Wall and CPU cost of one await of a short GPU event, per completion mechanism."""
     results: dict[str, Any] = {}
     for label, spin_s in [("waiter", 0.0), ("waiter_spin50us", 50e-6)]:
-        kernel = Kernel(backend, KernelSettings(spin_s=spin_s))
+        kernel = Kernel(backend, WaitTuning(spin_s=spin_s))
         try:
             results[label] = run(await_loop(backend, kernel, args.awaits))
         finally:

@@ -433,7 +433,7 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
     experts = None
     try:
         apply_threads(config, device)  # process-wide, so only once the checkpoint and the backend are known to load
-        kernel = Kernel(backend)
+        kernel = Kernel(backend, config.tuning.wait)
         dense = source.dense(dtype, device, config.progress)
         model = transformer_for(spec)(spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context,
                                       kernels=config.tuning.kernels)

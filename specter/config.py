@@ -383,6 +383,18 @@ class KernelTuning(_Frozen):
                                "bit for bit.")
 
 
+class WaitTuning(_Frozen):
+    """How a task's wait on a GPU event uses the loop thread (specter/kernel.py, `Kernel.wait`)."""
+
+    spin_s: float = Field(0.0, ge=0.0, le=0.01, description="Seconds (0 to 0.01) a wait polls the event on the loop "
+                          "thread before parking on its stream's waiter thread. 0: park at once, so the loop thread "
+                          "stays free for other tasks; the waits known to be short (the verify's) spin for their own "
+                          "budget whatever this says.")
+    idle_s: float = Field(0.0005, ge=0.0, le=0.01, description="Most seconds (0 to 0.01) one wait spends on deferred "
+                          "host work (`Kernel.defer`) while its event is pending, so that a ready task is never held up "
+                          "for longer; 0.5 ms keeps the delay below a draft step's time.")
+
+
 class HostTuning(_Frozen):
     """The host expert path (specter/experts/host.py)."""
 
@@ -414,6 +426,7 @@ class TuningConfig(_Frozen):
     verify: VerifyTuning = Field(default_factory=VerifyTuning, description="The offloaded verify.")
     kernels: KernelTuning = Field(default_factory=KernelTuning, description="The static steps and the draft's kernels.")
     host: HostTuning = Field(default_factory=HostTuning, description="The host expert path.")
+    wait: WaitTuning = Field(default_factory=WaitTuning, description="How waits on GPU events use the loop thread.")
 
     def with_overrides(self, overrides: Sequence[str]) -> "TuningConfig":
         """This tuning with each `PATH=VALUE` applied, PATH a field's dotted name (`cache.lead_relay`, or in a nested

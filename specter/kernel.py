@@ -35,9 +35,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
 
 from backends.base import Backend, Event, Stream
+from specter.config import WaitTuning
 from specter.log import debug_enabled, get_logger
 
 log = get_logger(__name__)
@@ -49,20 +49,6 @@ TaskGroup = asyncio.TaskGroup
 _JOIN_TIMEOUT_S = 5.0
 NOT_READY = object()
 """What a deferred work's step yields when it cannot progress yet (see Kernel.defer)."""
-
-
-class KernelSettings(BaseModel):
-    """How awaited GPU events wake the event loop."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    spin_s: float = Field(
-        0.0, ge=0.0, le=0.01, description="Default seconds to poll event.query() on the loop thread before parking."
-    )
-    idle_s: float = Field(
-        0.0005, ge=0.0, le=0.01, description="At most this long per wait is spent on deferred work (Kernel.defer) "
-        "while the wait's event is pending, so other ready tasks are never held up for longer.",
-    )
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -225,8 +211,8 @@ class HostThread:
 class Kernel:
     """Awaitable GPU events for one engine. Create it on any thread; use `wait` from the loop thread only."""
 
-    def __init__(self, backend: Backend | None = None, settings: KernelSettings | None = None) -> None:
-        self.settings = settings or KernelSettings()
+    def __init__(self, backend: Backend | None = None, settings: WaitTuning | None = None) -> None:
+        self.settings = settings or WaitTuning()
         self.backend = backend
         self.stats = WaitStats()
         self._waiters: dict[Stream, _StreamWaiter] = {}  # one per stream

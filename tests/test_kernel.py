@@ -9,7 +9,8 @@ import time
 import pytest
 
 from backends.cpu import CPUBackend
-from specter.kernel import Kernel, KernelSettings, StageCounters, TaskGroup, new_event_loop, run, stage
+from specter.config import WaitTuning
+from specter.kernel import Kernel, StageCounters, TaskGroup, new_event_loop, run, stage
 
 
 def specter_threads() -> list[threading.Thread]:
@@ -66,7 +67,7 @@ def test_a_wait_past_work_that_failed_on_a_stream_raises_it(backend):
 
 
 def test_completed_event_does_not_suspend_and_spin_catches_short_waits(backend):
-    kernel = Kernel(backend, KernelSettings(spin_s=0.01))
+    kernel = Kernel(backend, WaitTuning(spin_s=0.01))
 
     async def main() -> None:
         done = backend.record_event(backend.compute_stream)
@@ -254,7 +255,7 @@ def test_stage_events_are_logged_only_when_debug_is_on():
 def test_deferred_work_fills_a_pending_wait_within_its_idle_budget_and_run_deferred_finishes_it(backend):
     """Deferred steps run only while a wait's event is pending, for at most idle_s per wait (then the wait parks
     as usual); a completed event runs none; run_deferred finishes the rest in order."""
-    kernel = Kernel(backend, KernelSettings(spin_s=0.0, idle_s=0.005))
+    kernel = Kernel(backend, WaitTuning(spin_s=0.0, idle_s=0.005))
     steps: list[int] = []
 
     def work(name: int, count: int, pause_s: float):
@@ -284,7 +285,7 @@ def test_deferred_work_fills_a_pending_wait_within_its_idle_budget_and_run_defer
 
 
 def test_a_wait_whose_event_completes_during_deferred_work_returns_without_parking(backend):
-    kernel = Kernel(backend, KernelSettings(spin_s=0.0, idle_s=0.01))
+    kernel = Kernel(backend, WaitTuning(spin_s=0.0, idle_s=0.01))
     steps: list[int] = []
 
     def work():
@@ -310,7 +311,7 @@ def test_a_wait_whose_event_completes_during_deferred_work_returns_without_parki
 def test_a_work_that_is_not_ready_is_stepped_once_per_wait_not_busy_polled(backend):
     from specter.kernel import NOT_READY
 
-    kernel = Kernel(backend, KernelSettings(spin_s=0.0, idle_s=0.01))
+    kernel = Kernel(backend, WaitTuning(spin_s=0.0, idle_s=0.01))
     ready = threading.Event()
     polls: list[int] = []
 
@@ -354,7 +355,7 @@ def test_run_deferred_from_inside_a_deferred_step_returns_at_once(backend):
 
 
 def test_a_deferred_step_that_raises_is_logged_and_dropped_not_raised_into_the_wait(backend):
-    kernel = Kernel(backend, KernelSettings(spin_s=0.0, idle_s=0.01))
+    kernel = Kernel(backend, WaitTuning(spin_s=0.0, idle_s=0.01))
     after: list[str] = []
 
     def broken():
@@ -378,7 +379,7 @@ def test_a_deferred_step_that_raises_is_logged_and_dropped_not_raised_into_the_w
 def test_a_polled_wait_runs_no_deferred_work(backend):
     """A wait that polls is on the critical path (the verify's router choice): deferred steps must not delay its
     wake-up; the next plain wait runs them."""
-    kernel = Kernel(backend, KernelSettings(spin_s=0.0, idle_s=0.005))
+    kernel = Kernel(backend, WaitTuning(spin_s=0.0, idle_s=0.005))
     steps: list[int] = []
 
     def work():

@@ -12,7 +12,7 @@ import pytest
 from pydantic import BaseModel
 
 from specter.config import (CacheTuning, DraftConfig, EngineConfig, GenerationConfig, KernelTuning, MoETiles, RowTiles,
-                            TransferTuning, TuningConfig, VerifyTuning)
+                            TransferTuning, TuningConfig, VerifyTuning, WaitTuning)
 from specter.engine import Runtime
 from specter.errors import ConfigError
 
@@ -177,17 +177,17 @@ def test_a_runtime_hands_its_tuning_to_the_cache_transfer_verify_and_model(tiny)
     tuning = TuningConfig(cache=CacheTuning(roll_hot_window=1, lead_relay=False),
                           transfer=TransferTuning(max_chunks_in_flight=3, issue_marks=True),
                           verify=VerifyTuning(lead_misses=1, routing_poll_s=0.0),
-                          kernels=KernelTuning(positions_per_split=64))
+                          kernels=KernelTuning(positions_per_split=64), wait=WaitTuning(spin_s=1e-4, idle_s=2e-3))
     seen = {}
 
     def spy(runtime: Runtime) -> None:
         seen.update(cache=runtime.cache.tuning, transfer=runtime.cache.transfer.tuning, verify=runtime.experts.tuning,
                     kernels=runtime.model.kernels, draft=runtime.draft.model.kernels,
-                    cap=runtime.cache.transfer.max_chunks_in_flight)
+                    cap=runtime.cache.transfer.max_chunks_in_flight, wait=runtime.kernel.settings)
 
     run_request(tiny, offloaded(tuning), spy)
     assert seen == {"cache": tuning.cache, "transfer": tuning.transfer, "verify": tuning.verify, "kernels": tuning.kernels,
-                    "draft": tuning.kernels, "cap": 3}
+                    "draft": tuning.kernels, "cap": 3, "wait": tuning.wait}
 
 
 def test_the_kernels_tiles_reach_the_draft_moe_and_the_resident_kernel(tiny, monkeypatch):
