@@ -297,7 +297,11 @@ class Engine:
         directory = resolve_model(str(path))
         tokenizer = tokenizer or Tokenizer.from_dir(directory)  # before the weights: a broken file fails fast
         runtime = await Runtime.load(directory, config)
-        return cls(runtime, tokenizer, checkpoint_eos(directory, runtime.spec))
+        try:
+            return cls(runtime, tokenizer, checkpoint_eos(directory, runtime.spec))
+        except BaseException:  # the device memory and threads the load took must not wait for the collector
+            await runtime.aclose()
+            raise
 
     @property
     def spec(self) -> ModelSpec:
@@ -397,6 +401,10 @@ class Engine:
         """Start a request (validated now, queued when iterated); keyword overrides follow transformers' names."""
         self._check_open()
         generation = make_generation_config(generation_config, overrides)
+        if generation.stop_strings and self.tokenizer is None:  # text is what they match: without it none ever would
+            raise PromptError("stop strings need the checkpoint's tokenizer.json to read the generated text, and this "
+                              "checkpoint has none; stop on token ids instead (stop_token_ids), or give "
+                              "Engine.from_pretrained(..., tokenizer=...)")
         prompt_ids = self.encode(prompt)
         check_prompt(prompt_ids, generation.max_new_tokens, self.spec.vocab_size, self.config.max_context, self.spec.max_position)
         stream = GenerationStream(self, prompt_ids, generation, self.eos_token_ids | set(generation.stop_token_ids))
@@ -412,7 +420,8 @@ class Engine:
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: ids as they are, text through the tokenizer, messages through the chat template."""
         if isinstance(prompt, str):
-            return self._need_tokenizer("a text prompt").encode(prompt)
+            tokenizer = self._need_tokenizer("a text prompt")
+            return tokenizer.within(tokenizer.encode(prompt), self.spec.vocab_size)
         if isinstance(prompt, (bytes, bytearray)):  # list() would make token ids of its bytes
             raise PromptError(f"a prompt is a str, token ids or chat messages, not {type(prompt).__name__}; "
                               "decode the bytes first (prompt.decode('utf-8'))")
@@ -425,7 +434,8 @@ class Engine:
                               f"{type(prompt).__name__}")
         items = list(prompt)
         if items and all(isinstance(item, Mapping) for item in items):
-            return self._need_tokenizer("chat messages").encode_chat(items)
+            tokenizer = self._need_tokenizer("chat messages")
+            return tokenizer.within(tokenizer.encode_chat(items), self.spec.vocab_size)
         if not all(isinstance(item, int) and not isinstance(item, bool) for item in items):
             raise PromptError("a prompt is a str, a list of int token ids, or a list of chat messages "
                               f"({{'role': ..., 'content': ...}}); got a {type(prompt).__name__} of "
@@ -476,7 +486,7 @@ def checkpoint_eos(directory: Path, spec: ModelSpec) -> tuple[int, ...]:
     if file.is_file():
         try:
             eos = json.loads(file.read_text()).get("eos_token_id")
-        except (OSError, json.JSONDecodeError, AttributeError):
+        except (OSError, ValueError, AttributeError):  # ValueError: not JSON, or not UTF-8
             eos = None  # generation_config.json is advisory; a broken one must not stop the model from loading
     ids = {token for token in (eos if isinstance(eos, list) else [eos]) if isinstance(token, int) and not isinstance(token, bool)}
     return tuple(sorted(ids or set(spec.eos_token_ids)))

@@ -182,7 +182,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Validate everything the user typed before loading anything.
     check_generate_inputs(args)
     config, generation = engine_config(args), generation_config(args)
-    spec = check_context(args, config)
+    spec, tokenizer, prompt = check_context(args, config)
     if args.trace is not None:
         check_trace_records(args.trace, config, spec)
     if note := builtin_note(args.model):
@@ -190,7 +190,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.placement_profile is not None and config.cpu_experts == "off":  # checked at load all the same (build_runtime)
         print("note: --placement-profile weighs where a placement (--cpu-experts auto) puts experts; with --cpu-experts "
               "off every expert stays on the device path, so the trace is checked but not used", file=sys.stderr)
-    return run(_generate(args, config, generation))
+    return run(_generate(args, config, generation, tokenizer, prompt))
 
 
 def check_trace_records(path: str, config: Any, spec: Any) -> None:
@@ -205,20 +205,34 @@ def check_trace_records(path: str, config: Any, spec: Any) -> None:
         raise ConfigError(f"--trace {path}: this engine would record no round: {why}")
 
 
-def check_context(args: argparse.Namespace, config: Any) -> Any:
-    """The context against the model's positions, from its config.json alone (before any weight is read); a
-    text prompt counts as one token here, its real length is checked once it is tokenized. Returns the model's spec."""
+def check_context(args: argparse.Namespace, config: Any) -> tuple[Any, Any, Any]:
+    """The prompt against the checkpoint's tokenizer and the context against the model's positions, from its
+    config.json and tokenizer files alone (before any weight is read: a text prompt without tokenizer.json, --chat
+    without a chat template or a prompt too long for the context costs no load). Returns the model's spec, the
+    tokenizer (None when the run needs none) and the prompt for the engine (a text prompt as its token ids)."""
     from specter.builtin import resolve_model
     from specter.decode import check_context_length
+    from specter.errors import ConfigError
     from specter.memory import with_model_context
     from specter.model.checkpoint import Checkpoint
+    from specter.tokenizer import Tokenizer
 
-    checkpoint = Checkpoint(resolve_model(args.model))
+    directory = resolve_model(args.model)
+    checkpoint = Checkpoint(directory)
     checkpoint.close()
     context = with_model_context(config, checkpoint.spec).max_context
-    prompt_tokens = 1 if args.prompt is not None else len(args.prompt_ids if args.prompt_ids is not None else DEFAULT_PROMPT_IDS)
-    check_context_length(prompt_tokens, args.max_new_tokens, context, checkpoint.spec.max_position)
-    return checkpoint.spec
+    tokenizer, prompt = None, _prompt(args)
+    if args.prompt is not None or args.stop:
+        tokenizer = Tokenizer.from_dir(directory)
+        if tokenizer is None:
+            uses = "--prompt" if args.prompt is not None else "--stop"
+            raise ConfigError(f"{uses} is text, and the checkpoint at {directory} has no tokenizer.json to read it; "
+                              "give the prompt as --prompt-ids and no --stop (its text could not be matched)")
+        if args.prompt is not None:
+            ids = tokenizer.encode_chat(prompt) if args.chat else tokenizer.encode(prompt)
+            prompt = tokenizer.within(ids, checkpoint.spec.vocab_size)
+    check_context_length(len(prompt), args.max_new_tokens, context, checkpoint.spec.max_position)
+    return checkpoint.spec, tokenizer, prompt
 
 
 def check_generate_inputs(args: argparse.Namespace) -> None:
@@ -240,13 +254,13 @@ def check_generate_inputs(args: argparse.Namespace) -> None:
         check_output_file(args.trace, "--trace")
 
 
-async def _generate(args: argparse.Namespace, config: Any, generation: Any) -> int:
+async def _generate(args: argparse.Namespace, config: Any, generation: Any, tokenizer: Any, prompt: Any) -> int:
     from specter.api import Engine
 
-    async with Engine.from_pretrained(args.model, config) as engine:
+    async with Engine.from_pretrained(args.model, config, tokenizer=tokenizer) as engine:
         if args.trace:
             engine.runtime.record_trace(args.trace)
-        async with engine.generate(_prompt(args), generation) as stream:
+        async with engine.generate(prompt, generation) as stream:
             async for piece in stream:
                 if not args.json:
                     _show(piece, text_mode=engine.tokenizer is not None)

@@ -495,7 +495,7 @@ class EngineConfig(_Frozen):
     max_context: int | None = Field(None, ge=8, description="Longest prompt plus generation, in tokens; sizes the static KV cache "
                                     "and the attention workspace. None (default): min(2048, the model's max_position_embeddings). "
                                     "Above max_position_embeddings is an error; so is a context whose KV does not fit in memory.")
-    threads: int | None = Field(None, ge=1, description="Torch intra-op CPU threads, set once when the engine loads "
+    threads: int | None = Field(None, ge=1, le=1024, description="Torch intra-op CPU threads (1 to 1024), set once when the engine loads "
                                 "(torch.set_num_threads is process-wide: it applies to all torch work in the process). "
                                 "None (default): 1 on CUDA (the host only enqueues work); on the CPU half the cores, "
                                 "1 to 4. Torch's own default, one thread per core, spins its workers against any other "

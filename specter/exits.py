@@ -32,6 +32,10 @@ class _GuardedStdout(io.TextIOBase):
             return call()
         except BrokenPipeError:
             raise
+        except UnicodeEncodeError:  # raised before a byte of the call is written, so writing it again loses nothing
+            if not _escape_what_it_cannot_encode(self._stream):
+                raise
+            return call()
         except OSError as error:
             _stdout_to_devnull(self._stream)  # what is still buffered must not fail again at the interpreter's exit
             raise OutputError(f"cannot write the output to stdout: {error.strerror or error}; redirect it elsewhere") from None
@@ -61,6 +65,18 @@ class _GuardedStdout(io.TextIOBase):
 
     def __getattr__(self, name: str) -> object:  # buffer, errors, line_buffering, reconfigure: the stream's own
         return getattr(self._stream, name)
+
+
+def _escape_what_it_cannot_encode(stream: TextIO) -> bool:
+    """Let a stdout whose encoding lacks a character of the output (ascii under LANG=C, cp1252 redirected on Windows)
+    write it as a backslash escape, and say so once on stderr: the rest of the output is not lost to a traceback.
+    False when the stream cannot be changed (it escapes already, or is no TextIOWrapper)."""
+    if getattr(stream, "errors", "strict") == "backslashreplace" or not callable(getattr(stream, "reconfigure", None)):
+        return False
+    stream.reconfigure(errors="backslashreplace")
+    print(f"note: stdout's encoding ({stream.encoding}) cannot show some characters of the output; they are written "
+          "as backslash escapes; set PYTHONIOENCODING=utf-8 (or a UTF-8 locale) to get them as text", file=sys.stderr)
+    return True
 
 
 def run_tool(main: Callable[[], int]) -> int:

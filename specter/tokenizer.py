@@ -83,16 +83,34 @@ class Tokenizer:
             raise PromptError(f"{self.template_source} is not a valid jinja template (line {error.lineno}: {error.message}); "
                               "fix the template, or pass the prompt as text or token ids instead of messages") from None
         try:
-            return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            text = template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except SpecterError:
             raise  # the template's own raise_exception: its message already says why
         except Exception as error:  # the template is code from the checkpoint; whatever it trips on is its failure
             raise PromptError(f"{self.template_source} failed on these messages ({type(error).__name__}: {error}); "
                               "fix the template or the messages, or pass the prompt as text or token ids") from None
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:  # the messages were checked above: the template wrote it
+            raise PromptError(f"{self.template_source} rendered text that is not valid Unicode (character "
+                              f"{error.start} is U+{ord(text[error.start]):04X}, a lone surrogate, from the template "
+                              "itself); fix the template, or pass the prompt as text or token ids") from None
+        return text
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The template writes the special tokens itself (BOS included), so the tokenizer must not add them again.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def within(self, ids: list[int], vocab_size: int) -> list[int]:
+        """`ids` this tokenizer gave for a text, refused where the model has no embedding row for one: the message
+        names the mismatch between tokenizer and checkpoint, not the user's text."""
+        beyond = sorted({token for token in ids if token >= vocab_size})
+        if beyond:
+            raise PromptError(f"the tokenizer at {self.source} gave token ids {beyond[:5]} for this text, beyond the "
+                              f"model's vocabulary 0..{vocab_size - 1} (config.json vocab_size): the tokenizer does "
+                              "not match the checkpoint's embeddings; use the checkpoint's own tokenizer.json, or "
+                              "avoid the tokens it has beyond the model's (often added special tokens)")
+        return ids
 
     def detokenizer(self, stop_strings: Iterable[str] = ()) -> Detokenizer:
         return Detokenizer(self, stop_strings)
@@ -235,8 +253,13 @@ def _read_json(file: Path) -> dict[str, Any]:
 def _chat_template(path: Path, settings: Mapping[str, Any]) -> tuple[str | None, str]:
     """`chat_template.jinja` when present, else tokenizer_config.json's `chat_template` (a string, or named list);
     with where it came from, for its errors."""
-    if (path / "chat_template.jinja").is_file():
-        return (path / "chat_template.jinja").read_text(), str(path / "chat_template.jinja")
+    file = path / "chat_template.jinja"
+    if file.is_file():
+        try:
+            return file.read_bytes().decode("utf-8"), str(file)
+        except UnicodeDecodeError as error:
+            raise CheckpointError(f"{file}: not UTF-8 text ({error}); save the template as UTF-8, or remove the file "
+                                  "to use tokenizer_config.json's chat_template") from None
     template = settings.get("chat_template")
     if isinstance(template, list):
         named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}

@@ -443,3 +443,87 @@ def test_logits_that_turn_non_finite_mid_stream_end_the_request_with_an_error(tm
             engine.complete([1, 2, 3], max_new_tokens=40)
         short = engine.complete([1, 2, 3], max_new_tokens=3)  # before the overflow: served, and its tokens are real
         assert short.finish_reason == "length" and len(short.token_ids) == 3
+
+
+# ---- the checkpoint's text files, read as a user's mistakes are: named, and nothing held --------------------------
+def _tiny_copy(tiny, tmp_path, name="m") -> Path:
+    return shutil.copytree(tiny, tmp_path / name)
+
+
+def test_tokenizer_files_that_are_not_utf8_are_named_or_ignored(tiny, tmp_path):
+    """A chat template that is not UTF-8 is the checkpoint's error, named (it was a bare UnicodeDecodeError); a
+    generation_config.json that is not, advisory as a broken one is, is ignored (it failed after every weight loaded)."""
+    from specter.errors import CheckpointError
+
+    template = _tiny_copy(tiny, tmp_path, "template")
+    (template / "chat_template.jinja").write_bytes(b"{{ messages }}\xff")
+    with pytest.raises(CheckpointError, match=r"chat_template\.jinja: not UTF-8 text .*save the template as UTF-8"):
+        specter.Tokenizer.from_dir(template)
+    generation = _tiny_copy(tiny, tmp_path, "generation")
+    (generation / "generation_config.json").write_bytes(b'{"eos_token_id": 3\xff}')
+    with SyncEngine(generation, OFFLOADED) as engine:
+        assert engine.engine.eos_token_ids == set(engine.engine.spec.eos_token_ids)
+
+
+def test_a_load_that_fails_after_the_weights_releases_them(tiny, monkeypatch):
+    """Whatever fails between the runtime's load and the engine's start closes the runtime: on CUDA its device memory
+    and pinned pool would otherwise wait for the garbage collector."""
+    from specter import api
+    from specter.engine import Runtime
+
+    closed = []
+    real_close = Runtime.aclose
+
+    async def aclose(self):
+        closed.append(self)
+        await real_close(self)
+
+    def broken(directory, spec):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(Runtime, "aclose", aclose)
+    monkeypatch.setattr(api, "checkpoint_eos", broken)
+    with pytest.raises(OSError, match="disk gone"):
+        run(Engine.load(tiny, OFFLOADED))
+    assert len(closed) == 1
+
+
+def test_stop_strings_without_a_tokenizer_are_refused_not_ignored(tiny, tmp_path):
+    """Stop strings match the generated text; without tokenizer.json there is none, and they silently never matched."""
+    from specter.errors import PromptError
+
+    ids_only = _tiny_copy(tiny, tmp_path)
+    (ids_only / "tokenizer.json").unlink()
+    with SyncEngine(ids_only, OFFLOADED) as engine:
+        with pytest.raises(PromptError, match="stop strings need the checkpoint's tokenizer.json.*stop_token_ids"):
+            engine.complete(PROMPT, max_new_tokens=4, stop_strings=["a"])
+        assert len(engine.complete(PROMPT, max_new_tokens=4, temperature=0).token_ids) == 4  # and it keeps serving
+
+
+def test_a_tokenizer_beyond_the_models_vocabulary_is_named_not_the_text(tiny, tmp_path):
+    """Text whose tokens the model has no rows for: the tokenizer and checkpoint do not match (the message blamed the
+    prompt's ids, which the user never typed)."""
+    from specter.errors import PromptError
+
+    directory = _tiny_copy(tiny, tmp_path)
+    vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
+    tokenizer = json.loads((directory / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({"id": vocab, "content": "<extra>", "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": True})
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with SyncEngine(directory, OFFLOADED) as engine:
+        assert engine.complete("hello", max_new_tokens=2, temperature=0).token_ids  # its own tokens are fine
+        with pytest.raises(PromptError, match=rf"gave token ids \[{vocab}\] for this text, beyond the model's "
+                                              rf"vocabulary 0\.\.{vocab - 1}.*does not match"):
+            engine.complete("hello <extra>", max_new_tokens=2)
+
+
+def test_a_template_that_writes_a_lone_surrogate_is_named(tiny, tmp_path):
+    from specter.errors import PromptError
+
+    directory = _tiny_copy(tiny, tmp_path)
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings | {"chat_template": "\udcff{{ messages[0]['content'] }}"}))
+    tokenizer = specter.Tokenizer.from_dir(directory)
+    with pytest.raises(PromptError, match=r"rendered text that is not valid Unicode .*U\+DCFF.*from the template itself"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])

@@ -124,7 +124,7 @@ def test_budget_option_and_its_errors(capsys):
 def test_text_prompt_without_tokenizer_is_a_clear_error(capsys, tmp_path):
     path = save_hf(hf_model("olmoe"), tmp_path / "m")
     assert main(["generate", "--model", str(path), "--prompt", "hi", "--device", "cpu"]) == 2
-    assert "needs a tokenizer" in capsys.readouterr().err
+    assert "has no tokenizer.json to read it" in capsys.readouterr().err
 
 
 def test_info_matches_the_files(capsys):
@@ -604,3 +604,51 @@ def test_an_empty_trace_path_is_refused(capsys, monkeypatch):
     assert main(["generate", "--device", "cpu", "--residents", "4", "--trace", ""]) == 2
     assert capsys.readouterr().err == ("error: --trace: empty path; give the file to write the routing trace to, or "
                                        "leave --trace out\n")
+
+
+def _without_tokenizer(tmp_path) -> str:
+    directory = shutil.copytree(builtin_path("tiny"), tmp_path / "ids-only")
+    (directory / "tokenizer.json").unlink()
+    return str(directory)
+
+
+def test_text_the_checkpoint_cannot_read_is_refused_before_loading(capsys, monkeypatch, tmp_path):
+    """A text prompt or --stop without tokenizer.json, --chat without a chat template and a text prompt longer than the
+    context are known from the tokenizer files: refused before a load that on a large model takes minutes."""
+    _refuse_loading(monkeypatch)
+    ids_only = _without_tokenizer(tmp_path)
+    cases = [(["--model", ids_only, "--prompt", "hello"], "--prompt is text, and the checkpoint at"),
+             (["--model", ids_only, "--prompt-ids", "1,2", "--stop", "x"], "--stop is text, and the checkpoint at"),
+             (["--prompt", "hello", "--chat"], "has no chat template"),
+             (["--model", _short_model(tmp_path), "--prompt", "hello world " * 40, "--max-new-tokens", "4"],
+              "exceeds the maximum context of 64")]
+    for args, says in cases:
+        assert main(["generate", "--device", "cpu", *args]) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1 and err.startswith("error: "), err
+
+
+def test_a_text_prompt_is_tokenized_once_and_decodes_as_the_api_does(capsys):
+    """The CLI hands the engine the ids it checked the context with: the same tokens as the Python API's text prompt."""
+    from specter import EngineConfig, SyncEngine
+
+    assert main(["generate", "--device", "cpu", "--prompt", "hello world", "--max-new-tokens", "6", "--k", "2",
+                 "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    with SyncEngine(builtin_path("tiny"), EngineConfig(device="cpu", draft={"k": 2})) as engine:
+        expected = engine.complete("hello world", max_new_tokens=6, temperature=0)
+    assert printed["tokens"] == expected.token_ids and printed["text"] == expected.text
+
+
+def test_output_stdout_cannot_encode_is_escaped_not_a_traceback(tmp_path):
+    """stdout in ASCII (LANG=C, a redirected cp1252 console): the characters it lacks come out escaped, with one note;
+    the rest of the output is all there and the status is 0."""
+    env = {"SPECTER_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONIOENCODING": "ascii"}
+    script = ("import sys; from specter.exits import run_tool\n"
+              "def main():\n    print('before'); print('caf\\u00e9 \\u4e2d'); print('after'); return 0\n"
+              "sys.exit(run_tool(main))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60,
+                            cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "before\ncaf\\xe9 \\u4e2d\nafter\n"
+    assert "Traceback" not in result.stderr and result.stderr.count("note: stdout's encoding (ascii)") == 1

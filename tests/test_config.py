@@ -104,3 +104,11 @@ def test_a_budget_that_overflows_or_truncates_to_nothing_is_a_config_error(bad):
 def test_a_whole_number_of_bytes_stays_exact():
     assert parse_bytes(str(2**53 + 1)) == 2**53 + 1  # through a float it was 2**53
     assert parse_bytes("1.5GiB") == 3 * 2**29
+
+
+def test_a_thread_count_past_what_openmp_can_start_is_refused():
+    """torch.set_num_threads(4096) ended the process in a segfault (20000: libgomp's "Thread creation failed" first)."""
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.build(threads=4096)
+    assert "EngineConfig.threads" in str(info.value) and "less than or equal to 1024" in str(info.value)
+    assert EngineConfig.build(threads=1024).threads == 1024

@@ -605,6 +605,21 @@ def test_past_the_drain_timeout_requests_end_with_503_and_an_error_event(tiny):
 
 
 # ---- the command line and the load generator ---------------------------------------------------------------
+def test_serve_refuses_a_checkpoint_without_a_tokenizer_before_loading(tiny, tmp_path, monkeypatch, capsys):
+    """Every answer is text: a server on a checkpoint without tokenizer.json answered empty strings."""
+    from specter.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the checkpoint's tokenizer was checked")
+
+    monkeypatch.setattr("specter.api.Engine.load", no_load)
+    ids_only = shutil.copytree(tiny, tmp_path / "ids-only")
+    (ids_only / "tokenizer.json").unlink()
+    assert main(["serve", "--model", str(ids_only), "--port", "0", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer.json, and every answer of the server is text" in err and err.count("\n") == 1, err
+
+
 def test_serve_takes_generate_engine_options():
     from specter.cli import build_parser, engine_config
     from specter.server.cli import engine_args

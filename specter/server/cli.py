@@ -94,8 +94,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specter.kernel import run
 
     config = engine_config(engine_args(args))  # validated before anything loads
+    tokenizer = served_tokenizer(args.model)
     check_address(args.host, args.port)
-    return run(serve(args, config))
+    return run(serve(args, config, tokenizer))
+
+
+def served_tokenizer(model: str) -> Any:
+    """The checkpoint's tokenizer, read before the weights: every answer of the API is text, so a checkpoint without
+    tokenizer.json is refused before a load that would end in a server answering empty strings."""
+    from specter.builtin import resolve_model
+    from specter.errors import ConfigError
+    from specter.tokenizer import Tokenizer
+
+    directory = resolve_model(model)
+    tokenizer = Tokenizer.from_dir(directory)
+    if tokenizer is None:
+        raise ConfigError(f"the checkpoint at {directory} has no tokenizer.json, and every answer of the server is "
+                          "text; add the tokenizer the model was trained with (or use `specter generate --prompt-ids`, "
+                          "which answers in token ids)")
+    return tokenizer
 
 
 def check_address(host: str, port: int) -> None:
@@ -117,12 +134,12 @@ def check_address(host: str, port: int) -> None:
                           "choose another --port (0: a free one)") from None
 
 
-async def serve(args: argparse.Namespace, config: Any) -> int:
+async def serve(args: argparse.Namespace, config: Any, tokenizer: Any) -> int:
     from specter.api import Engine
     from specter.server.app import DEFAULT_MAX_BODY_BYTES, create_app
 
     uvicorn = _require_server_packages()
-    async with Engine.from_pretrained(args.model, config) as engine:
+    async with Engine.from_pretrained(args.model, config, tokenizer=tokenizer) as engine:
         name = args.served_model_name or args.model
         app = create_app(engine, model_name=name, max_queue=args.max_queue, api_key=args.api_key,
                          max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
