@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import operator
 import threading
 import weakref
 from collections.abc import AsyncIterator, Generator, Mapping, Sequence
@@ -436,11 +437,11 @@ class Engine:
         if items and all(isinstance(item, Mapping) for item in items):
             tokenizer = self._need_tokenizer("chat messages")
             return tokenizer.within(tokenizer.encode_chat(items), self.spec.vocab_size)
-        if not all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+        if not all(_token_id(item) for item in items):
             raise PromptError("a prompt is a str, a list of int token ids, or a list of chat messages "
                               f"({{'role': ..., 'content': ...}}); got a {type(prompt).__name__} of "
                               f"{sorted({type(i).__name__ for i in items})}")
-        return [int(item) for item in items]
+        return [operator.index(item) for item in items]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._need_tokenizer("decoding").decode(token_ids)
@@ -475,6 +476,18 @@ def make_generation_config(base: GenerationConfig | Mapping[str, Any] | None, ov
         raise ConfigError(f"generation_config must be a GenerationConfig or a dict, got {type(base).__name__}")
     values = base.model_dump() if isinstance(base, GenerationConfig) else dict(base or {})
     return GenerationConfig.build(**(values | dict(overrides)))
+
+
+def _token_id(item: object) -> bool:
+    """An integer as a token id: an int, or an integer scalar of numpy or torch (`list(array)` gives those); not a
+    bool, and not a float, however whole."""
+    if isinstance(item, bool) or str(getattr(item, "dtype", "")).endswith("bool"):
+        return False
+    try:
+        operator.index(item)
+    except TypeError:
+        return False
+    return True
 
 
 def checkpoint_eos(directory: Path, spec: ModelSpec) -> tuple[int, ...]:

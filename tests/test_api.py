@@ -527,3 +527,22 @@ def test_a_template_that_writes_a_lone_surrogate_is_named(tiny, tmp_path):
     tokenizer = specter.Tokenizer.from_dir(directory)
     with pytest.raises(PromptError, match=r"rendered text that is not valid Unicode .*U\+DCFF.*from the template itself"):
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_token_ids_from_numpy_or_torch_are_ids_and_bools_or_floats_are_not(tiny):
+    """A vector, or a list of its scalars (`list(array)`), is the same prompt as its ints; bools and floats, even whole
+    ones, are refused by type."""
+    import numpy as np
+    import torch
+
+    from specter.errors import PromptError
+
+    with SyncEngine(tiny, OFFLOADED) as engine:
+        expected = engine.complete(PROMPT, max_new_tokens=3, temperature=0).token_ids
+        for prompt in (np.array(PROMPT), torch.tensor(PROMPT), list(np.array(PROMPT)), list(torch.tensor(PROMPT)),
+                       [np.int32(token) for token in PROMPT]):
+            assert engine.complete(prompt, max_new_tokens=3, temperature=0).token_ids == expected, type(prompt)
+        for bad, named in (([1, True], "bool"), ([np.float32(1.0)], "float32"), ([torch.tensor(True)], "Tensor"),
+                           ([1.0], "float")):
+            with pytest.raises(PromptError, match=f"a list of int token ids.*{named}"):
+                engine.complete(bad, max_new_tokens=1)
