@@ -10,7 +10,10 @@ target's function is fixed and speculative output equals target-only (k = 0) out
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -140,9 +143,10 @@ class PlacementState:
     """Each MoE layer's own slots where they differ (`MemoryPlan.layer_slots`: one more in some layers); empty:
     `slots_per_layer` in every layer. Read through `slots`."""
     _replayed: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    """What `layer_path_uses` and `layer_host_uses` replayed of `route_sequence`, by layer and host set (and by
-    layer and candidate order), so that the load's `decision_record` and `token_seconds` read what the policy's pass
-    made instead of replaying the rounds again. Not an input: a `dataclasses.replace` starts empty."""
+    """What `layer_path_uses` and `layer_host_uses` replayed of `route_sequence`, by layer and candidate order (which
+    answers each host set that is a prefix of it: `_prefix_uses`) and by layer and host set (a set replayed alone), so
+    that the load's `decision_record` and `token_seconds` read what the policy's pass made instead of replaying the
+    rounds again. Not an input: a `dataclasses.replace` starts empty."""
 
     def slots(self, layer: int) -> int:
         """The device slots of MoE layer `layer`."""
@@ -228,7 +232,8 @@ def fill_slots(residents: Sequence[int], slots: int, num_experts: int,
     (lower id first on ties), else the lowest other ids, ascending. A free slot left out would never be used by a
     placement that does not copy (`all`), nor by a bench cell that starts from that cache."""
     kept = list(residents[-slots:]) if slots > 0 else []
-    others = [e for e in range(num_experts) if e not in kept]
+    held = set(kept)  # a set: the list would make this O(E x slots) per layer
+    others = [e for e in range(num_experts) if e not in held]
     if rates is not None:
         others.sort(key=lambda e: (-rates[e], e))
     return kept, sorted(others[:max(0, min(slots, num_experts) - len(kept))])
@@ -360,30 +365,44 @@ come from the whole trace."""
 
 
 def _recency(rounds: Sequence[Sequence[int]], slots: int, residents: Sequence[int]) -> list[int]:
-    """The LRU stack (least recently used first) that one uncounted pass over `rounds` leaves (`_push_round`), then
-    `residents` used one at a time."""
-    stack: list[int] = []
+    """The LRU stack (least recently used first) that one uncounted pass over `rounds` (each its distinct experts)
+    leaves, each round's experts moved to the top as the verify uses them (those within the top `slots` as it found
+    the stack first, then the others, each in the round's order), then `residents` used one at a time."""
+    stack: dict = {}  # an ordered set, least recent first, so that moving an expert to the top is O(1)
+    head: OrderedDict = OrderedDict()  # the stack's top `slots` (`_touch`)
     for experts in rounds:
-        head = set(stack[max(0, len(stack) - slots):])
-        _push_round(stack, [e for e in experts if e in head], [e for e in experts if e not in head])
-    _push_round(stack, [], list(dict.fromkeys(residents)))
-    return stack
+        moved = [e for e in experts if e in head] + [e for e in experts if e not in head]
+        for e in moved:
+            stack.pop(e, None)
+            stack[e] = None
+        _touch(head, moved, slots)
+    for e in dict.fromkeys(residents):
+        stack.pop(e, None)
+        stack[e] = None
+    return list(stack)
 
 
-def _push_round(stack: list[int], hits: Sequence[int], misses: Sequence[int]) -> None:
-    """A round's experts to the top of `stack`: its hits, then its misses, each in the round's order, as the engine's
-    verify uses them (the replay's `_verify_round`)."""
-    used = set(hits) | set(misses)
-    stack[:] = [e for e in stack if e not in used]
-    stack.extend(hits)
-    stack.extend(misses)
+def _touch(head: OrderedDict, moved: Sequence, slots: int) -> None:
+    """Keep `head` the top `slots` of an LRU stack (most recent last) whose distinct experts `moved` go to the top, in
+    order. Exact whatever the stack below holds: an expert moved from below the top enters it and pushes out its
+    oldest, one moved within it only reorders it; `slots` of them or more are the top themselves."""
+    slots = max(0, slots)
+    if len(moved) >= slots:
+        head.clear()
+        head.update(dict.fromkeys(moved[len(moved) - slots:]))
+        return
+    for e in moved:
+        head[e] = None
+        head.move_to_end(e)
+    while len(head) > slots:
+        head.popitem(last=False)
 
 
 def lru_misses_by_host(rounds: Sequence[Sequence[int]], order: Sequence[int], slots: int,
                        residents: Sequence[int] = ()) -> list[int]:
     """Per h in 0..len(order): the misses of a layer's LRU cache of `slots` slots over `rounds` (each round the distinct
     experts its verify used) when the experts order[:h] take the host path (never in the cache, their uses not
-    counted), for every h in one pass.
+    counted), for every h in one pass. `order` names each expert at most once.
 
     As the engine counts them: per round, not per use. The verify checks each expert it uses against the cache as the
     round found it, and its misses take the slots of residents the round does not use, so an early miss never evicts
@@ -403,54 +422,125 @@ def lru_misses_by_host(rounds: Sequence[Sequence[int]], order: Sequence[int], sl
 
     The cache starts warm, as one uncounted pass over the rounds leaves it (as if they repeated: the one-time cold
     misses of a load are not what a layer pays per token over an engine's life), with `residents` (least recently
-    used first) used last."""
+    used first) used last.
+
+    The stack is kept as a timeline (`_Timeline`), so moving a round's experts to the top costs the round, not the
+    stack; only a round's misses read the stack above them (`_miss_ranks`)."""
     top = len(order)
     rounds = [list(dict.fromkeys(experts)) for experts in rounds]
     stack = _recency(rounds, slots, residents)  # holds every expert the rounds use
     key = {e: index for index, e in enumerate(order)}  # its place in `order`; the others past every h, each its own
+    assert len(key) == top, "lru_misses_by_host: `order` names an expert twice"  # a key must name one expert
     for e in stack:
         key.setdefault(e, len(key))
     keys = [key[e] for e in stack]
-    counted = [0] * (top + 2)  # counted[m]: uses that miss for every h <= m
+    head = OrderedDict.fromkeys(keys[max(0, len(keys) - max(0, slots)):])  # fewer than `slots` above: a hit for every h
+    line = _Timeline(keys, top, len(key), max(map(len, rounds), default=0))
+    found: list[int] = []  # per counted use, the largest h under which it misses (`_miss_ranks`)
     for experts in rounds:
-        head = set(keys[max(0, len(keys) - slots):])  # fewer than `slots` experts above: a hit for every h
-        hits, misses = [], []
-        for e in experts:
-            own = key[e]
-            (hits if own in head else misses).append(own)
+        if not experts:
+            continue
+        own = [key[e] for e in experts]
+        hits, misses = [k for k in own if k in head], [k for k in own if k not in head]
         if misses:
-            if slots > 0:
-                stacked = np.array(keys)
-                above = np.arange(len(keys))[None, :] > np.array([keys.index(own) for own in misses])[:, None]
-                reach = np.partition(np.where(above, stacked[None, :], -1), len(keys) - slots, axis=1)[:, len(keys) - slots]
+            found += _miss_ranks(line, misses, slots, top) if slots > 0 else [min(k, top) for k in misses]
+        line.to_top(hits + misses)
+        _touch(head, hits + misses, slots)
+    counted = np.bincount(np.array(found, dtype=np.int64), minlength=top + 1)  # counted[m]: uses that miss for h <= m
+    return np.cumsum(counted[::-1])[::-1].tolist()
+
+
+class _Timeline:
+    """An LRU stack of distinct keys as the places of their last moves, least recent first: `capped` holds each key
+    (capped at `top`, past which every key is alike) at its place and -1 at the places keys have left, so a move to
+    the top writes only the keys moved, and the stack above a key is the timeline after its place."""
+
+    def __init__(self, keys: Sequence[int], top: int, count: int, most_moved: int) -> None:
+        self.top, self.size, self.end = top, len(keys), len(keys)
+        self.capped = np.full(2 * (len(keys) + most_moved) + 1, -1, dtype=np.int64)
+        self.capped[:self.end] = np.minimum(keys, top)
+        self.place = np.zeros(count, dtype=np.int64)  # key -> its place (keys not in the stack: never read)
+        self.place[keys] = np.arange(self.end)
+
+    def to_top(self, moved: Sequence[int]) -> None:
+        """Move the keys `moved` to the top of the stack, in order (the last one most recent)."""
+        if self.end + len(moved) > len(self.capped):  # full: drop the places left (once per stack's worth of moves)
+            live = self.capped[:self.end] >= 0
+            self.place = (np.cumsum(live) - 1)[self.place]
+            self.capped[:self.size] = self.capped[:self.end][live]
+            self.capped[self.size:] = -1
+            self.end = self.size
+        keys = np.array(moved, dtype=np.int64)
+        self.capped[self.place[keys]] = -1
+        self.capped[self.end:self.end + len(keys)] = np.minimum(keys, self.top)
+        self.place[keys] = np.arange(self.end, self.end + len(keys))
+        self.end += len(keys)
+
+
+def _miss_ranks(line: _Timeline, misses: Sequence[int], slots: int, top: int) -> list[int]:
+    """For a round's misses (keys each at least `slots` deep in `line`'s stack), each's min(own key, the `slots`-th
+    highest key above it, `top`): the largest h under which it misses (`lru_misses_by_host`). Taken from the
+    shallowest miss down, each one's keys above are the last one's plus those between the two, so a heap of the
+    `slots` highest seen so far answers each, and only a key above its floor ever enters it. The floor only rises on
+    the way down, so once it reaches every deeper miss's own key those misses are their own keys."""
+    capped = line.capped[:line.end]
+    own = np.array(misses, dtype=np.int64)
+    at = line.place[own]
+    rank = np.argsort(-at)  # shallowest first (each key has one place)
+    at = at[rank].tolist()
+    owns = np.minimum(own[rank], top).tolist()  # the floor never passes `top`
+    above = capped[at[0] + 1:]  # at least `slots` keys, and places left behind (-1, below every key)
+    cut = len(above) - slots
+    best = np.partition(above, cut)[cut:]  # the `slots` highest keys above the shallowest miss
+    floor = int(best[0])
+    ranks = [min(owns[0], floor)]
+    if len(at) == 1:
+        return ranks
+    deepest_own = list(itertools.accumulate(reversed(owns), max))[::-1]  # per miss, the highest own key from it down
+    # each stretch between two misses (the keys one more miss down sees): its highest key, shallowest stretch first
+    highest = np.maximum.reduceat(capped[at[-1] + 1:at[0] + 1], [place - at[-1] for place in reversed(at[1:])])
+    highest = highest[::-1].tolist()
+    heap: list[int] | None = None  # `best` as a heap, while keys enter it a few at a time
+    for j in range(1, len(owns)):
+        if floor >= deepest_own[j]:
+            return ranks + owns[j:]
+        if highest[j - 1] > floor:  # else the stretch leaves the `slots` highest as they are
+            stretch = capped[at[j] + 1:at[j - 1] + 1]
+            rising = stretch[stretch > floor]
+            if len(rising) > 32:  # many: one partition costs less than a heap step each
+                pool = np.concatenate((best if heap is None else np.array(heap, dtype=np.int64), rising))
+                best, heap = np.partition(pool, len(pool) - slots)[len(pool) - slots:], None
+                floor = int(best[0])
             else:
-                reach = [top] * len(misses)
-            for own, furthest in zip(misses, reach.tolist() if slots > 0 else reach):
-                counted[min(own, furthest, top)] += 1
-        _push_round(keys, hits, misses)
-    misses_by_h, total = [0] * (top + 1), 0
-    for h in range(top, -1, -1):
-        total += counted[h]
-        misses_by_h[h] = total
-    return misses_by_h
+                if heap is None:
+                    heap = best.tolist()
+                    heapq.heapify(heap)
+                for value in rising.tolist():
+                    if value > heap[0]:
+                        heapq.heapreplace(heap, value)
+                floor = heap[0]
+        ranks.append(min(owns[j], floor))
+    return ranks
 
 
 def lru_misses(rounds: Sequence[Sequence[int]], host: Iterable[int], slots: int, residents: Sequence[int] = ()) -> int:
     """`lru_misses_by_host`'s count for one host set, without the others: the same warm stack and the same order of
     each round's experts (its h = 0 hits first), so exactly lru_misses_by_host(rounds, order, ...)[len(order)] for any
     `order` of `host`. The device-path experts keep the whole stack's relative order, so a use misses iff its expert
-    is not among the `slots` most recent of them."""
+    is not among the `slots` most recent of them. Only the top `slots` of the whole stack (which sorts a round into
+    hits and misses) and of its device-path experts matter, each kept as it moves (`_touch`)."""
     host = frozenset(host)
     rounds = [list(dict.fromkeys(experts)) for experts in rounds]
     stack = _recency(rounds, slots, residents)
     device = [e for e in stack if e not in host]
+    head = OrderedDict.fromkeys(stack[max(0, len(stack) - max(0, slots)):])
+    near = OrderedDict.fromkeys(device[max(0, len(device) - max(0, slots)):])
     missed = 0
     for experts in rounds:
-        head, near = set(stack[max(0, len(stack) - slots):]), set(device[max(0, len(device) - slots):])
-        hits, misses = [e for e in experts if e in head], [e for e in experts if e not in head]
+        moved = [e for e in experts if e in head] + [e for e in experts if e not in head]
         missed += sum(e not in host and e not in near for e in experts)
-        _push_round(stack, hits, misses)
-        _push_round(device, [e for e in hits if e not in host], [e for e in misses if e not in host])
+        _touch(head, moved, slots)
+        _touch(near, [e for e in moved if e not in host], slots)
     return missed
 
 
@@ -578,12 +668,10 @@ def layer_path_uses(state: PlacementState, layer: int, rates: Sequence[float], o
             if _hides(state, layer):
                 scale = _waited_share(state, layer, misses[0])
                 misses = [m * scale for m in misses]
-            blocks = [_host_blocks(state, layer, e) for e in order]
-            uses = []
-            for h in range(len(order) + 1):  # fsum: exactly rounded, so equal to `layer_host_uses`' sum of the same set
-                uses.append(_per_token(state, layer, h, misses[h], math.fsum(blocks[:h])))
-                memo[layer, frozenset(order[:h])] = uses[-1]
-            memo[layer, tuple(order)] = uses
+            blocks = _prefix_sums([_host_blocks(state, layer, e) for e in order])  # fsum's, as `layer_host_uses`' sums
+            memo[layer, tuple(order)] = [_per_token(state, layer, h, misses[h], blocks[h])
+                                         for h in range(len(order) + 1)]
+            memo.setdefault((layer, "orders"), []).append(tuple(order))  # `_prefix_uses` reads each host set order[:h]
         return list(memo[layer, tuple(order)])
     uses, host = [], 0.0
     hosted = set()
@@ -603,6 +691,9 @@ def layer_host_uses(state: PlacementState, layer: int, rates: Sequence[float], h
     host = sorted(set(host))
     if _replays(state, layer):
         memo, hosted = state._replayed, frozenset(host)
+        kept = _prefix_uses(memo, layer, hosted)
+        if kept is not None:
+            return kept
         if (layer, hosted) not in memo:
             misses = lru_misses(state.route_sequence.used[layer], hosted, state.slots(layer), _residents(state, layer))
             if _hides(state, layer):
@@ -613,6 +704,34 @@ def layer_host_uses(state: PlacementState, layer: int, rates: Sequence[float], h
     hosted = set(host)
     return (expected_misses(rates, [e for e in range(state.num_experts) if e not in hosted], state.slots(layer)),
             sum(rates[e] for e in host))
+
+
+def _prefix_uses(memo: dict, layer: int, hosted: frozenset) -> tuple[float, float] | None:
+    """What `layer_path_uses` kept for the host set `hosted` at `layer`: the entry h = len(hosted) of the latest
+    order it replayed whose first h experts are that set (None: no such order). The orders are kept whole, not one
+    entry per prefix, which would hold O(E^2) experts per layer."""
+    h = len(hosted)
+    for order in reversed(memo.get((layer, "orders"), ())):
+        if h <= len(order) and hosted.issuperset(order[:h]):  # h distinct experts, all in the set: the set itself
+            return memo[layer, order][h]
+    return None
+
+
+def _prefix_sums(values: Sequence[float]) -> list[float]:
+    """math.fsum(values[:h]) for each h in 0..len(values), in one pass: fsum is exactly rounded, and so is the exact
+    running sum (integers over the values' common power-of-two denominator) divided once per prefix, as int / int is
+    in Python, so each is bit for bit fsum's (both give 0.0 for a zero sum). A value that is not finite takes fsum
+    itself for every prefix."""
+    values = [float(v) for v in values]
+    if not all(math.isfinite(v) for v in values):
+        return [math.fsum(values[:h]) for h in range(len(values) + 1)]
+    ratios = [v.as_integer_ratio() for v in values]
+    scale = max((d for _, d in ratios), default=1)  # each d a power of two, so scale // d is exact
+    total, sums = 0, [0.0]
+    for numerator, denominator in ratios:
+        total += numerator * (scale // denominator)
+        sums.append(total / scale)
+    return sums
 
 
 def layer_host_jobs(state: PlacementState, layer: int, rates: Sequence[float], order: Sequence[int]) -> list[float]:
