@@ -41,7 +41,7 @@ from specter.model.resident import ResidentExperts
 from specter.model.segmented import SegmentedStep
 from specter.model.spec import ModelSpec
 from specter.model.transformer import ExpertProvider, Transformer
-from specter.model.weights import check_no_unknown_experts, iter_experts, load_dense
+from specter.model.weights import check_checkpoint, check_no_unknown_experts, iter_experts, load_dense
 from specter.placement import OVERLAP, Placement, PlacementState, decision_record, prefill_placement, preloaded
 from specter.steps import graphed_target, make_draft, segmented_step, segmented_verify
 from specter.verify import OffloadedExperts
@@ -63,7 +63,8 @@ class WeightSource(Protocol):
     spec: ModelSpec
 
     def validate(self) -> None:
-        """Raise CheckpointError for problems detectable before loading (called after the memory plan)."""
+        """Raise CheckpointError for problems detectable before loading: called before the memory plan, which is sized
+        by the spec's numbers (a config.json claiming 10 million layers must be refused by the files, not planned)."""
 
     def dense(self, dtype: torch.dtype, device: torch.device, progress: bool) -> dict[str, Tensor]:
         """Every non-expert tensor by on-disk name, on the device."""
@@ -85,7 +86,13 @@ class CheckpointWeights:
         self.auto_progress = on_disk > LARGE_CHECKPOINT_BYTES and sys.stderr.isatty()
 
     def validate(self) -> None:
-        check_no_unknown_experts(self.ckpt)
+        """What `specter info` checks, from the safetensors headers (`check_checkpoint`: every tensor present, of its
+        shape and a float dtype, no expert beyond the count), so a load refuses with the same message, in seconds. A
+        stand-in for a Checkpoint (the bench's WidenedCheckpoint, which reads no headers) gets the unknown-expert check."""
+        if isinstance(self.ckpt, Checkpoint):
+            check_checkpoint(self.ckpt)
+        else:
+            check_no_unknown_experts(self.ckpt)
 
     def dense(self, dtype: torch.dtype, device: torch.device, progress: bool) -> dict[str, Tensor]:
         return load_dense(self.ckpt, dtype, device, progress=progress or self.auto_progress)
@@ -416,12 +423,14 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
     config = with_model_context(config or EngineConfig(), spec)  # max_context=None becomes a number here
     device, dtype = resolve_device(config), resolve_dtype(config, spec)
     policies = load_policies(config)
+    # The files before anything sized by config.json's numbers (the plan, the profile's shape): they refuse a claim they
+    # do not hold (10 million layers planned for minutes before the first missing tensor was named).
+    source.validate()
     if config.placement_profile is not None:  # with `off` too, which reads no more of it: another model's trace is a mistake
-        check_profile(config.placement_profile, len(spec.moe_layers), spec.num_experts)
+        check_profile(config.placement_profile, spec.num_moe_layers, spec.num_experts)
     speculative, memory = engine_plan(config, spec, device, dtype)
     calibrated = speculative and config.draft.quant == "gptq4"
     check_device_memory(config, device, memory)
-    source.validate()
     if policies["placement"] is not None and config.tuning.host.kernel == "native" and not memory.all_resident:
         # refused before any expert is read, not at placement time after all of them (the same check, `host_kernels`)
         family = transformer_for(spec)
@@ -485,7 +494,7 @@ def load_resident(path: str | Path, config: EngineConfig | None = None) -> Loade
     ckpt = Checkpoint(path)
     config = with_model_context(config, ckpt.spec)
     device, dtype = resolve_device(config), resolve_dtype(config, ckpt.spec)
-    check_no_unknown_experts(ckpt)
+    check_checkpoint(ckpt)  # the headers first, as build_runtime: load_dense lists every layer config.json claims
     dense = load_dense(ckpt, dtype, device, progress=config.progress)
     model = transformer_for(ckpt.spec)(ckpt.spec, dense, exact=config.exact, row_bucket=config.row_bucket, max_context=config.max_context,
                                        kernels=config.tuning.kernels)

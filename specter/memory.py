@@ -17,7 +17,7 @@ from specter.config import EngineConfig
 from specter.draft import draft_expert_bytes
 from specter.errors import BudgetError, ConfigError
 from specter.model.spec import ModelSpec
-from specter.model.weights import dense_shapes
+from specter.model.weights import dense_numel
 
 MiB = 2**20
 GiB = 2**30
@@ -134,13 +134,6 @@ class MemoryPlan:
         return 0 if self.all_resident else self.moe_layers * self.num_experts * self.expert_bytes
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total
-
-
 def plan_memory(spec: ModelSpec, dtype: torch.dtype, config: EngineConfig, speculative: bool = True,
                 expert_graphs: bool | None = None) -> MemoryPlan:
     """Split the budget; raise BudgetError when it cannot hold the minimum.
@@ -150,15 +143,16 @@ def plan_memory(spec: ModelSpec, dtype: torch.dtype, config: EngineConfig, specu
     """
     config = with_model_context(config, spec)
     element = torch.empty((), dtype=dtype).element_size()
-    dense = sum(_numel(shape) for shape in dense_shapes(spec).values()) * element
+    dense = dense_numel(spec) * element  # per kind of layer: as many layers as config.json claims cost nothing more
+    moe_layers = spec.num_moe_layers
     kv = 2 * spec.num_layers * spec.num_kv_heads * config.max_context * spec.head_dim * element
     scale_bytes = element if dtype in (torch.float16, torch.bfloat16) else 4
     per_draft_expert = draft_expert_bytes(spec.hidden_size, spec.expert_intermediate, config.draft.quant, config.draft.group_size, scale_bytes)
-    draft = per_draft_expert * spec.num_experts * len(spec.moe_layers) if speculative else 0
+    draft = per_draft_expert * spec.num_experts * moe_layers if speculative else 0
     expert = spec.expert_numel * element
     plan = MemoryPlan(
         budget=config.budget, dense_bytes=dense, draft_bytes=draft, kv_bytes=kv, workspace_bytes=workspace_bytes(spec, config, speculative),
-        expert_bytes=expert, moe_layers=len(spec.moe_layers), num_experts=spec.num_experts, slots_per_layer=spec.num_experts,
+        expert_bytes=expert, moe_layers=moe_layers, num_experts=spec.num_experts, slots_per_layer=spec.num_experts,
         min_slots_per_layer=spec.top_k, slot_overhead_bytes=_slot_overhead(spec, config, element, expert_graphs),
     )
     slots, extra = _slots(plan, config)

@@ -312,6 +312,7 @@ ALLOWED_CONSTANTS = {
     # and experts are independent, so they change no bit (tests/test_native_kernel.py) and no A/B ever weighed them
     "specter/experts/transfer.py": {"TIMER_SLACK_S"},  # the host-paced emulation's timer slack (uvloop's resolution)
     "specter/model/deepseek_v2.py": {"LORA_NORM_EPS"},  # the checkpoint's own RMSNorm epsilon
+    "specter/model/spec.py": {"MAX_LAYERS"},  # a bound on config.json's layer count, far above any real model's
     "specter/model/transformer.py": {"PACK_ROWS"},  # packed tensors' row alignment for cuBLAS's tensor-core kernels
     "specter/quant/gptq.py": {"GPTQ_WORKING_BYTES"},  # GPTQ's working-memory bound
     "specter/quant/moe_triton.py": {"MAX_PAIRS", "BLOCK_M"},  # the kernels' compile-time shapes

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from specter.errors import CheckpointError
+from specter.errors import CheckpointError, abbreviate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,14 @@ class ModelSpec:
 
     @property
     def moe_layers(self) -> list[int]:
+        if not self.dense_layers:
+            return list(range(self.num_layers))
         return [layer for layer in range(self.num_layers) if layer not in self.dense_layers]
+
+    @property
+    def num_moe_layers(self) -> int:
+        """len(moe_layers), counted from the dense layers alone (no list of every layer)."""
+        return self.num_layers - sum(1 for layer in self.dense_layers if 0 <= layer < self.num_layers)
 
     @property
     def expert_numel(self) -> int:
@@ -87,6 +94,12 @@ _POSITIVE = frozenset({
 """Sizes, counts, epsilons and rope bases: a zero or negative one gives a model that loads, runs and emits garbage
 (token 0 forever for a negative rope_theta), so it is refused when config.json is read."""
 _NON_NEGATIVE = frozenset({"shared_expert_intermediate_size", "n_shared_experts", "router_jitter_noise"})
+MAX_LAYERS = 1 << 24
+"""The most decoder layers config.json may claim (real models have tens, a few over a hundred): the spec's layer sets,
+and everything sized by the layer count before the tensors are checked against it, are built from the claim, so a
+num_hidden_layers of 10**30 would run forever there. Any count up to this one is refused by the tensor check instead
+(the first layer the files lack), in seconds."""
+_AT_MOST = {"num_hidden_layers": MAX_LAYERS}
 
 
 class _Fields:
@@ -113,6 +126,15 @@ class _Fields:
     def get(self, name: str, default: Any, kind: type = int) -> Any:
         value = self.config.get(name)
         return default if value is None else self.typed(name, value, kind)
+
+    def get_list(self, name: str, kind: type, what: str) -> list[Any] | None:
+        """A list field whose every item is of `kind` (an int not a bool), or None where config.json leaves it out;
+        `what` says what its items are, for the message (a list of lists would be an unhashable set member)."""
+        items = self.get(name, None, list)
+        if items is not None and not all(isinstance(item, kind) and not (kind is int and isinstance(item, bool)) for item in items):
+            raise CheckpointError(f"{self.source}: config field '{name}' = {abbreviate(items, 120)} should be a list of "
+                                  f"{kind.__name__}s ({what}); set it to the model's value (as in its published config.json)")
+        return items
 
     def get_or_null(self, name: str, absent: Any, null: Any, kind: type = int) -> Any:
         """A field whose transformers default (`absent`, where config.json leaves it out) differs from what an explicit
@@ -144,6 +166,8 @@ class _Fields:
             rule = "must be zero or positive"
         elif isinstance(number, float) and not math.isfinite(number):  # an int is finite, however long
             rule = "must be a finite number"
+        elif name in _AT_MOST and number > _AT_MOST[name]:
+            rule = f"is more than {_AT_MOST[name]}, far beyond any model's"
         else:
             return
         raise CheckpointError(f"{self.source}: config field '{name}' = {value!r:.40} {rule}; "
@@ -216,7 +240,9 @@ def _common(fields: _Fields, defaults: Defaults) -> dict[str, Any]:
 def _sparse_layers(fields: _Fields, num_layers: int) -> frozenset[int]:
     """Qwen-style dense layers: `mlp_only_layers` plus layers skipped by `decoder_sparse_step`."""
     step = fields.get("decoder_sparse_step", 1)
-    only_dense = set(fields.get("mlp_only_layers", [], list))
+    only_dense = set(fields.get_list("mlp_only_layers", int, "layer indices") or ())
+    if step == 1:  # every layer sparse but those listed: no need to visit every layer
+        return frozenset(layer for layer in only_dense if 0 <= layer < num_layers)
     return frozenset(layer for layer in range(num_layers) if layer in only_dense or step <= 0 or (layer + 1) % step != 0)
 
 
@@ -254,9 +280,9 @@ def _qwen2_windows(fields: _Fields, num_layers: int) -> dict[str, Any]:
     types = fields.get("layer_types", None, list)
     if types is None:
         below = fields.get("max_window_layers", 28)
-        sliding = {layer for layer in range(num_layers) if layer % 2 == 0 and layer < below}
-    elif len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
-        raise CheckpointError(f"{fields.source}: config field 'layer_types' = {types!r:.120} should list 'sliding_attention' or "
+        sliding = set(range(0, min(num_layers, below), 2))
+    elif len(types) != num_layers or not all(kind in ("sliding_attention", "full_attention") for kind in types):  # compared, not hashed
+        raise CheckpointError(f"{fields.source}: config field 'layer_types' = {abbreviate(types, 120)} should list 'sliding_attention' or "
                               f"'full_attention' for each of the {num_layers} layers (num_hidden_layers)")
     else:
         sliding = {layer for layer, kind in enumerate(types) if kind == "sliding_attention"}
@@ -321,6 +347,9 @@ def register_family(model_type: str, reader: Callable[[_Fields], ModelSpec]) -> 
 def spec_from_config(config: dict[str, Any], source: str = "config.json") -> ModelSpec:
     """Build the ModelSpec for a parsed config.json, or explain why it cannot be read."""
     model_type = config.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):  # a list or an object would be an unhashable key
+        raise CheckpointError(f"{source}: config field 'model_type' = {abbreviate(model_type, 80)} should be of type str, "
+                              f"the model family's name; supported model types: {', '.join(sorted(FAMILIES))}")
     if model_type not in FAMILIES:
         supported = ", ".join(sorted(FAMILIES))
         raise CheckpointError(f"{source}: model_type {model_type!r} is not supported; supported model types: {supported}")

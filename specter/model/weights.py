@@ -81,6 +81,49 @@ def dense_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return DENSE_SHAPES.get(spec.family, standard_dense_shapes)(spec)
 
 
+def layer_kinds(spec: ModelSpec) -> dict[tuple[bool, bool], int]:
+    """How many of the model's layers are of each kind, (dense MLP, full attention), counted from the spec's layer
+    sets alone; kinds no layer has are left out."""
+    layers = range(spec.num_layers)
+    dense = {layer for layer in spec.dense_layers if layer in layers}
+    full = {layer for layer in spec.full_attention_layers if layer in layers} if spec.sliding_window is not None else set()
+    both = len(dense & full)
+    counts = {(True, True): both, (True, False): len(dense) - both, (False, True): len(full) - both,
+              (False, False): spec.num_layers - len(dense | full)}
+    return {kind: count for kind, count in counts.items() if count}
+
+
+def dense_numel(spec: ModelSpec) -> int:
+    """The elements of every non-routed-expert tensor: the sum over `dense_shapes`, counted per kind of layer (one layer
+    of each kind times the layers of that kind) rather than from every layer's names, so that a plan of a config.json
+    claiming millions of layers (`specter info` beside an empty safetensors file plans from the config alone) costs
+    what a real one does. A family's tensors differ between layers only by their kind (`layer_kinds`):
+    tests/test_checkpoint_shapes.py compares this with the listing on every family's real config."""
+    kinds = layer_kinds(spec)
+    order = list(kinds)
+    sample = dataclasses.replace(
+        spec, num_layers=len(order), dense_layers=frozenset(i for i, (dense, _) in enumerate(order) if dense),
+        full_attention_layers=frozenset(i for i, (_, full) in enumerate(order) if full))
+    prefixes = [f"{sample.layer_prefix(i)}." for i in range(len(order))]
+    per_layer = [0] * len(order)
+    total = 0
+    for name, shape in dense_shapes(sample).items():
+        numel = _numel(shape)
+        layer = next((i for i, prefix in enumerate(prefixes) if name.startswith(prefix)), None)
+        if layer is None:
+            total += numel  # the embedding, the final norm, the LM head
+        else:
+            per_layer[layer] += numel
+    return total + sum(kinds[kind] * numel for kind, numel in zip(order, per_layer))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
 def load_dense(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, progress: bool = False) -> dict[str, torch.Tensor]:
     """Read every non-expert tensor, checked against the shape config.json implies, onto the device."""
     shapes = dense_shapes(ckpt.spec)
@@ -203,7 +246,8 @@ def check_checkpoint(ckpt: Checkpoint) -> None:
 def check_no_unknown_experts(ckpt: Checkpoint) -> None:
     """Fail early when the checkpoint has more experts than config.json declares (a config/weights mismatch)."""
     spec = ckpt.spec
-    layer = spec.moe_layers[0] if spec.moe_layers else None
+    # the first MoE layer, found without listing every layer config.json claims (this runs before the tensor check)
+    layer = next((layer for layer in range(spec.num_layers) if layer not in spec.dense_layers), None)
     if layer is None or _is_fused(ckpt, layer):
         return
     extra = spec.expert_tensor_name(layer, spec.num_experts, 0)
