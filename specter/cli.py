@@ -335,7 +335,7 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
     from specter.build import keeps_expert_graphs, resolve_device, resolve_dtype
     from specter.memory import plan_memory, spread_slots, with_model_context
     from specter.model.checkpoint import Checkpoint
-    from specter.model.weights import check_checkpoint, dense_shapes
+    from specter.model.weights import check_checkpoint, dense_numel
 
     tuning = TuningConfig().with_overrides(tune)  # a bad override is refused before the checkpoint is read
     path = resolve_model(model)
@@ -366,7 +366,7 @@ def checkpoint_summary(model: str, dtype: str = "auto", max_context: int | None 
         layer_slots = spread_slots(residents, slots[f"{kind}_extra"], len(spec.moe_layers))
     if slots is not None and slots["speculating"] is None:  # the draft does not fit: placed as the engine without one
         config = config.model_copy(update={"draft": config.draft.model_copy(update={"k": 0, "k_max": 0})})
-    dense = sum(_numel(shape) for shape in dense_shapes(spec).values())
+    dense = dense_numel(spec)
     moe_layers = len(spec.moe_layers)
     return {
         "path": str(path), "family": spec.family, "dtype": str(torch_dtype).removeprefix("torch."),
@@ -535,13 +535,6 @@ def measured_costs(spec: Any, config: Any, dtype: Any) -> tuple[float, float | N
         link_source = "measured"
     return (calibration.host_expert_s[config.row_bucket], link, link_source, host_source, calibration.host_kernel,
             calibration.host_job_s)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total
 
 
 def _format_info(summary: dict) -> str:

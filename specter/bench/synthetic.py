@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 import specter.model  # noqa: F401  (registers the extra families: phimoe, deepseek_v2)
 from specter.errors import CheckpointError, ConfigError
 from specter.model.spec import FAMILIES, ModelSpec, spec_from_config
-from specter.model.weights import dense_shapes
+from specter.model.weights import dense_numel, dense_shapes
 
 Tensor = torch.Tensor
 
@@ -165,13 +165,6 @@ def synthetic_source(name: str, layers: int | None = None, seed: int = 0) -> Syn
 
 def shape_bytes(spec: ModelSpec, element_size: int = 2) -> dict[str, int]:
     """Sizes of a shape without allocating it: one expert, all routed experts, and the dense weights."""
-    dense = sum(_numel(shape) for shape in dense_shapes(spec).values()) * element_size
+    dense = dense_numel(spec) * element_size
     expert = spec.expert_bytes(element_size)
     return {"expert_bytes": expert, "experts_bytes": expert * spec.num_experts * len(spec.moe_layers), "dense_bytes": dense}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total
