@@ -201,6 +201,17 @@ def test_rejection_never_keeps_a_token_the_target_forbids():
         assert result.n_accepted == 0 and result.tokens[0] in (1, 2)
 
 
+def test_a_rejected_draft_ends_the_run_even_where_a_later_draft_would_be_kept():
+    """d1 has target probability 0 (always rejected); d2 has p == q (kept whenever it is reached): n_accepted is 0,
+    and the one committed token is the residual's draw at row 0, never d2."""
+    target = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5], [0.3, 0.3, 0.4]])
+    draft = torch.tensor([[1.0, 0.0, 0.0], [0.2, 0.3, 0.5]])
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        result = accept_rejection(torch.tensor([0, 2]), draft, target, generator)
+        assert result.n_accepted == 0 and len(result.tokens) == 1 and result.tokens[0] in (1, 2)
+
+
 def test_rejection_is_a_different_rule_from_coupled():
     """Where the draft's seeded sample d differs from the target's and p(d) >= q(d), rejection must keep
     d while coupled must replace it with the target's own sample: same distribution, other tokens."""

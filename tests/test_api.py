@@ -445,6 +445,38 @@ def test_logits_that_turn_non_finite_mid_stream_end_the_request_with_an_error(tm
         assert short.finish_reason == "length" and len(short.token_ids) == 3
 
 
+def test_non_finite_logits_in_a_later_row_of_an_accepted_run_end_the_request(tiny, monkeypatch):
+    """Every verify row whose token a round commits is checked, not only the first: NaN in row 1 (the token after an
+    accepted d1) ends the request naming that row's position."""
+    import torch
+
+    from specter.config import DraftConfig
+    from specter.engine import Runtime
+    from specter.errors import CheckpointError
+
+    verify, starts = Runtime._verify, []
+
+    async def nan_in_row_1(self, block, start):
+        logits = (await verify(self, block, start)).clone()
+        if logits.shape[0] > 1:
+            logits[1] = float("nan")
+            starts.append(start)
+        return logits
+
+    monkeypatch.setattr(Runtime, "_verify", nan_in_row_1)
+
+    async def main():
+        config = EngineConfig(device="cpu", residents=2, max_context=96, lookahead="fixed",
+                              draft=DraftConfig(k=3, quant="int8"))
+        async with await Runtime.load(tiny, config) as runtime:
+            with pytest.raises(CheckpointError, match=r"logits at position \d+ are not finite") as caught:
+                await runtime.complete_ids(PROMPT, GenerationConfig(max_new_tokens=40))
+            return str(caught.value)
+
+    message = run(main())
+    assert starts and f"position {starts[-1] + 2} " in message, starts  # row 1 produces the token at start + 2
+
+
 # ---- the checkpoint's text files, read as a user's mistakes are: named, and nothing held --------------------------
 def _tiny_copy(tiny, tmp_path, name="m") -> Path:
     return shutil.copytree(tiny, tmp_path / name)

@@ -131,9 +131,11 @@ def test_a_large_seed_samples_with_the_rejection_rule(tiny, expected):
 
 
 def test_top_p_one_is_allowed(tiny):
+    """top_p=1.0 keeps every token: the same tokens as no top-p at all."""
     async def check(engine):
-        result = await engine.complete(PROMPT, GenerationConfig(max_new_tokens=3, temperature=0.7, top_p=1.0, seed=3))
-        assert len(result.token_ids) == 3
+        result = await engine.complete(PROMPT, GenerationConfig(max_new_tokens=6, temperature=0.7, top_p=1.0, seed=3))
+        unfiltered = await engine.complete(PROMPT, GenerationConfig(max_new_tokens=6, temperature=0.7, top_p=None, seed=3))
+        assert len(result.token_ids) == 6 and result.token_ids == unfiltered.token_ids
 
     with_engine(tiny, OFFLOADED, check)
 

@@ -1167,3 +1167,46 @@ def test_a_prompt_placement_leaves_no_host_path_expert_behind(rig):
 
     run(main())
     rig.check_consistent()
+
+
+# -- the target's use history (specter.victims) ----------------------------------------------------------
+
+
+def test_the_use_clock_orders_uses_across_calls_and_layers_and_counts_them():
+    from specter.victims import UseClock
+
+    uses = UseClock(2)
+    uses.used(0, [3, 1])
+    uses.used(1, [3])
+    uses.used(0, [2, 3])
+    layer0, layer1 = uses.history(0), uses.history(1)
+    assert layer0.last_use[1] < layer0.last_use[2] < layer0.last_use[3]  # 3 was used again last
+    assert layer1.last_use[3] < layer0.last_use[2]  # one clock for every layer
+    assert layer0.use_count == {3: 2, 1: 1, 2: 1} and layer1.use_count == {3: 1}
+    assert layer0.clock == layer1.clock == max(layer0.last_use.values())
+    assert len(set(layer0.last_use.values())) == 3  # each use its own tick, also within one call
+
+
+def test_the_cache_evicts_what_the_targets_use_history_names_least_recent():
+    """With `Victims` as the chooser (the engine's), LRU reads the target's history, not the cache's read order: the
+    cache read 0, 1, 2 in that order, the history says 2 was used before 0 and 1, so the new expert takes 2's slot."""
+    from policies.eviction import LRU
+    from specter.victims import Victims
+
+    chooser = Victims(LRU(), LAYERS)
+    rig = Rig(chooser=chooser)
+
+    async def main() -> set[int]:
+        await rig.load_residents(0, [0, 1, 2])
+        chooser.uses.used(0, [2])
+        chooser.uses.used(0, [0, 1])
+        await rig.load_residents(0, [3])
+        resident = set(rig.cache.lru_order(0))
+        await rig.close()
+        return resident
+
+    try:
+        assert run(main()) == {0, 1, 3}
+        assert rig.bad_reads == []
+    finally:
+        rig.shutdown()

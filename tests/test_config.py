@@ -62,9 +62,15 @@ def test_budget_and_residents_are_exclusive():
 
 
 def test_frozen_and_described():
+    from pydantic import ValidationError
+
     config = EngineConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen_instance") as caught:
         config.exact = False  # type: ignore[misc]
+    assert [error["loc"] for error in caught.value.errors()] == [("exact",)]
+    assert config.exact is EngineConfig().exact  # unchanged
+    with pytest.raises(ValidationError, match="frozen_instance"):
+        GenerationConfig().max_new_tokens = 5  # type: ignore[misc]
     for model in (EngineConfig, GenerationConfig):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"

@@ -55,7 +55,8 @@ def test_all_on_cuda(root, family, static, temperature):
 @pytest.mark.parametrize("static", [None, False])
 def test_random_placement_on_cuda(root, seed, static):
     """A random placement (host and device experts in one layer, misses copied on demand beside host compute):
-    speculative equals k = 0 with the same placement, greedy and sampled."""
+    speculative equals k = 0 with the same placement, greedy and sampled, and both computed experts on the host (the
+    placement was taken: seeds 1..3 put about half of each layer's experts there)."""
     path = checkpoint("mixtral", root)
     for temperature in (0.0, 0.8):
         generation = GenerationConfig(max_new_tokens=16, temperature=temperature, seed=seed)
@@ -64,6 +65,8 @@ def test_random_placement_on_cuda(root, seed, static):
             plain, _, _ = run(path, EngineConfig(**common, draft=DraftConfig(k=0)), [2, 7, 1], generation)
             speculative, _, _ = run(path, EngineConfig(**common, draft=DraftConfig(k=5, quant="int8")), [2, 7, 1], generation)
         assert speculative.tokens == plain.tokens
+        for stats in (plain.stats, speculative.stats):
+            assert stats.host_computed_experts > 0, stats.as_dict()
 
 
 def test_the_host_thread_holds_its_own_count_on_cuda(root):

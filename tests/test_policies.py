@@ -105,6 +105,12 @@ def test_lru_skips_protected():
     assert victims(LRU(), [1, 2, 3], protected={2}, count=2, hist=hist) == [1, 3]
 
 
+def test_lru_breaks_ties_in_last_use_toward_the_lower_id():
+    assert victims(LRU(), [5, 2, 7], count=2) == [2, 5]  # none used yet: all tie
+    hist = history({3: 4, 1: 4, 6: 9})
+    assert victims(LRU(), [6, 3, 1], count=1, hist=hist) == [1]
+
+
 def test_lfu_evicts_least_frequent_then_least_recent():
     hist = history({1: 9, 2: 3, 3: 4}, {1: 1, 2: 5, 3: 1})
     assert victims(LFU(), [1, 2, 3], count=2, hist=hist) == [3, 1]
@@ -120,6 +126,12 @@ def test_plan_protect_keeps_planned_experts_while_others_remain():
 def test_plan_protect_evicts_lowest_scored_planned_when_only_planned_remain():
     plan = Plan(experts={0: [1, 2, 3]}, scores={0: {1: 4.0, 2: 1.0, 3: 2.0}})
     assert victims(PlanProtect(), [1, 2, 3, 4], protected={4}, count=2, plan=plan) == [2, 3]
+
+
+def test_plan_protect_evicts_the_planned_expert_the_plan_ranks_lowest_among_equal_scores():
+    plan = Plan(experts={0: [4, 1, 3]}, scores={0: {4: 2.0, 1: 2.0, 3: 2.0}})  # plan order: 4 first, 3 last
+    assert victims(PlanProtect(), [1, 3, 4], count=2, plan=plan) == [3, 1]
+    assert victims(PlanProtect(), [1, 3, 4, 9], protected={9}, count=1, plan=plan) == [3]
 
 
 def test_plan_protect_only_reads_its_layer_of_the_plan():

@@ -119,6 +119,9 @@ GOOD_ROUND = {"round": 0, "k": 2, "accepted": 1, "draft_step_s": 0.01, "layers":
         (json.dumps({**GOOD_ROUND, "layers": []}), "num_layers=1"),
         (json.dumps({**GOOD_ROUND, "layers": [{"predicted": {"9": 1}, "used": []}]}), "expert id '9'"),
         (json.dumps({**GOOD_ROUND, "layers": [{"predicted": {}, "used": [-1]}]}), "expert id -1"),
+        # num_experts is 4: ids run 0..3
+        (json.dumps({**GOOD_ROUND, "layers": [{"predicted": {}, "used": [4]}]}), "expert id 4 is not an int in 0..3"),
+        (json.dumps({**GOOD_ROUND, "layers": [{"predicted": {"4": 1}, "used": []}]}), "expert id '4' is not an int in 0..3"),
         (json.dumps({key: v for key, v in GOOD_ROUND.items() if key != "k"}), "missing key 'k'"),
         (json.dumps({**GOOD_ROUND, "loaded_bytes": -5}), "loaded_bytes"),
         (json.dumps({**GOOD_ROUND, "checkpoints": [{"steps": 4, "predicted": [{}]}]}), "exceeds k + 1"),

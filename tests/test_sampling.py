@@ -246,3 +246,34 @@ def test_processing_and_sampling_are_batch_invariant_on_cuda(params):
     assert torch.equal(together, alone)
     tokens = torch.cat([sample(logits[i : i + 1], positions[i : i + 1], params) for i in range(9)])
     assert torch.equal(sample(logits, positions, params), tokens)
+
+
+def test_each_token_decoded_without_a_draft_is_the_seeded_sample_of_its_position(tiny):
+    """The engine's plain rounds (k = 0) against a reference outside its acceptance path: token i of the output is
+    `sample` of the target's logits after prompt + tokens[:i] (one forward over the whole sequence), with the noise of
+    its own absolute position len(prompt) + i."""
+    import asyncio
+
+    from specter.build import load_resident
+    from specter.config import DraftConfig, EngineConfig, GenerationConfig
+    from specter.decode import run_sync
+    from specter.engine import Runtime
+
+    prompt = [5, 17, 300, 42]
+    for temperature, top_k, seed in ((1.0, None, 11), (0.8, 20, 4)):
+        generation = GenerationConfig(max_new_tokens=10, temperature=temperature, top_k=top_k, seed=seed)
+
+        async def decode() -> list[int]:
+            config = EngineConfig(device="cpu", max_context=64, draft=DraftConfig(k=0))
+            async with await Runtime.load(tiny, config) as runtime:
+                return (await runtime.complete_ids(prompt, generation)).tokens
+
+        tokens = asyncio.run(decode())
+        loaded = load_resident(tiny, EngineConfig(device="cpu", max_context=64))
+        sequence = torch.tensor(prompt + tokens[:-1])
+        hidden = run_sync(loaded.model.forward(sequence, 0, loaded.model.new_kv(), loaded.experts))
+        logits = loaded.model.logits(hidden)[len(prompt) - 1 :]  # row j produces the token at len(prompt) + j
+        positions = torch.arange(len(prompt), len(prompt) + len(tokens))
+        params = SamplingParams(temperature, top_k, None, seed)
+        assert tokens == sample(logits, positions, params).tolist(), (temperature, seed)
+        assert tokens[1:] != sample(logits, positions + 1, params).tolist()[1:]  # the position matters

@@ -247,6 +247,36 @@ def test_predicted_misses_start_before_the_routing_is_read_and_the_logits_stay_b
     assert sum(len(computed) for computed, _ in leads) > 0, "no resident was computed ahead of its routing"
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_the_eager_offloaded_verify_records_every_expert_its_router_chose(load, family):
+    """The eager verify (OffloadedExperts.run, the CPU's): its record's `used` holds, per MoE layer, exactly the experts
+    the router picked for the verified rows (the ids the forward handed it), each once, and hits + misses count them."""
+    from specter.calibrate import RecordingExperts
+
+    loaded = load(family, "float32")
+
+    async def go() -> None:
+        for slots in (2, 3, loaded.spec.num_experts):
+            offloaded = Offloaded(loaded, slots)
+            try:
+                for size in (1, 3, 5):
+                    block = torch.arange(40 + size, 40 + 2 * size) % loaded.spec.vocab_size
+                    kv = await after_prompt(loaded)
+                    routed = RecordingExperts(offloaded.experts)
+                    record = offloaded.experts.start_record()
+                    await loaded.model.forward(block, len(PROMPT), kv, routed)
+                    chosen = {layer: set(routed.layer(layer)[1].flatten().tolist()) for layer in loaded.spec.moe_layers}
+                    where = f"{slots} slots, {size} rows"
+                    assert {layer: set(used) for layer, used in record.used.items()} == chosen, where
+                    assert all(len(used) == len(set(used)) for used in record.used.values()), where
+                    assert record.hits + record.misses == sum(len(used) for used in chosen.values()), where
+                    offloaded.cache.unprotect_all()
+            finally:
+                await offloaded.close()
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("predict", [False, True])
 def test_a_verify_longer_than_the_row_bucket_runs_in_chunks_and_counts_each_expert_once(load, predict, monkeypatch):
     """Also with a prediction: a block longer than the step's rows runs no lead (its chunks' rows differ)."""

@@ -450,8 +450,10 @@ def test_a_full_queue_answers_429_with_retry_after(chat_server):
         assert chat_server.health()["queue_depth"] == 1
         with pytest.raises(openai.RateLimitError) as refused:
             client.chat.completions.create(model="fixture-chat", messages=messages, max_tokens=4)
-        assert int(refused.value.response.headers["retry-after"]) >= 1
+        retry_after = refused.value.response.headers["retry-after"]
+        assert retry_after.isdigit() and 1 <= int(retry_after) <= 60  # whole seconds, at most a minute
         assert refused.value.code == "queue_full"
+        assert f"retry after {retry_after} s" in refused.value.response.json()["error"]["message"]  # the body says it too
     finally:
         running.close()
         waiting.close()
@@ -724,6 +726,78 @@ def test_the_queue_holds_one_running_and_max_queue_waiting_even_before_the_first
         alone.admit().close()
 
     asyncio.run(main())
+
+
+def test_retry_after_follows_how_long_requests_held_the_turn(monkeypatch):
+    """Retry-After is about one service time: a moving average of how long each request held the engine, whole
+    seconds rounded up, 1 at least and 60 at most; it starts at 1 s."""
+    from specter.server import admission
+    from specter.server.admission import AdmissionQueue, QueueFull
+
+    clock = [100.0]
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
+    queue = AdmissionQueue(0)
+
+    def retry_after() -> int:
+        held = queue.admit()
+        with pytest.raises(QueueFull) as full:
+            queue.admit()
+        held.close()
+        return full.value.retry_after_s
+
+    async def serve(seconds: float) -> None:
+        async with queue.admit():
+            clock[0] += seconds
+
+    async def main() -> list[int]:
+        seen = [retry_after()]
+        await serve(10.0)  # 0.8 * 1 + 0.2 * 10 = 2.8 s
+        seen.append(retry_after())
+        for _ in range(20):
+            await serve(10.0)
+        seen.append(retry_after())  # about 10 s
+        for _ in range(40):
+            await serve(0.01)
+        seen.append(retry_after())  # fast requests again: never below 1
+        for _ in range(40):
+            await serve(1000.0)
+        seen.append(retry_after())  # capped at a minute
+        return seen
+
+    assert asyncio.run(main()) == [1, 3, 10, 1, 60]
+
+
+def test_a_request_cancelled_while_it_waits_gives_its_place_back():
+    from specter.server.admission import AdmissionQueue, QueueFull
+
+    async def main():
+        queue = AdmissionQueue(1)
+        running = queue.admit()
+        await running.__aenter__()
+        waiter = queue.admit()
+        entered = asyncio.Event()
+
+        async def wait_for_turn():
+            entered.set()
+            async with waiter:
+                pytest.fail("the turn is held: the waiter must not get it")
+
+        task = asyncio.ensure_future(wait_for_turn())
+        await entered.wait()
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull):  # one running, one waiting: full
+            queue.admit()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (queue.waiting, queue.running) == (0, 1)
+        after = queue.admit()  # the cancelled waiter's place is free again
+        await running.__aexit__(None, None, None)
+        async with after:
+            assert (queue.waiting, queue.running) == (0, 1)
+        assert (queue.waiting, queue.running) == (0, 0)
+
+    asyncio.run(asyncio.wait_for(main(), 10))
 
 
 def test_a_short_text_prompt_is_not_encoded_behind_a_long_one():

@@ -155,12 +155,136 @@ def test_scout_prefetches_plain_rounds_from_one_draft_step(root, family):
     assert stats.misses < plain.misses, (stats.as_dict(), plain.as_dict())
 
 
-def test_rejection_sampling_runs_and_differs_in_rule(root):
+def test_rejection_sampling_runs_and_differs_in_rule(root, monkeypatch):
+    """The rejection rule: reproducible for a seed, other tokens than the coupled rule's (which are the baseline's)
+    after the first (the prompt's sample, the same in both), and fresh uniforms each round: its generator is seeded
+    by the request's seed and the round's position."""
+    import torch
+
+    from specter import engine
+
+    uniforms: list[float] = []
+    verdict = engine.rejection_verdict
+
+    def first_uniform(drafts, draft_probs, target_probs, generator):
+        peek = torch.Generator(device=generator.device)
+        peek.set_state(generator.get_state())
+        uniforms.append(torch.rand(1, generator=peek, device=generator.device, dtype=target_probs.dtype).item())
+        return verdict(drafts, draft_probs, target_probs, generator)
+
+    monkeypatch.setattr(engine, "rejection_verdict", first_uniform)
     path = checkpoint("mixtral", root)
     generation = GenerationConfig(max_new_tokens=10, temperature=1.0, seed=3)
     config = EngineConfig(device=DEVICE, max_context=96, draft=DraftConfig(k=3, sampling="rejection"))
     tokens = run(path, config, [4, 5], generation).tokens
+    rounds = list(uniforms)
     assert len(tokens) == 10 and all(0 <= t < 96 for t in tokens)
+    assert len(rounds) >= 2 and len(set(rounds)) == len(rounds), rounds  # each round its own draws
+    uniforms.clear()
+    assert run(path, config, [4, 5], generation).tokens == tokens and uniforms == rounds
+    coupled = run(path, EngineConfig(device=DEVICE, max_context=96, draft=DraftConfig(k=3)), [4, 5], generation).tokens
+    assert coupled == baseline(path, [4, 5], generation)
+    assert tokens[0] == coupled[0] and tokens != coupled
+
+
+def test_rejection_sampling_draws_each_token_from_the_targets_distribution(root):
+    """Over many seeds, the first token a rejection round commits follows the target's distribution for its position
+    (chi-square over the top-4 tokens). The prompt's own token comes from the seeded Gumbel noise, so the seeds taken
+    are those whose first token is the likeliest one: the second token is then drawn from one known distribution."""
+    import torch
+
+    from specter.build import load_resident
+    from specter.decode import run_sync
+    from specter.sampling import SamplingParams, probs, sample
+
+    path, prompt, temperature, top_k = checkpoint("mixtral", root), [4, 5], 1.5, 4
+    loaded = load_resident(path, EngineConfig(device=DEVICE, max_context=96))
+
+    def last_logits(tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor(tokens, device=loaded.model.device)
+        return loaded.model.logits(run_sync(loaded.model.forward(ids, 0, loaded.model.new_kv(), loaded.experts))[-1:])
+
+    logits = last_logits(prompt)
+    position = torch.tensor([len(prompt)], device=logits.device)
+    firsts = [int(sample(logits, position, SamplingParams(temperature, top_k, None, seed))) for seed in range(1500)]
+    first = max(set(firsts), key=firsts.count)
+    seeds = [seed for seed, token in enumerate(firsts) if token == first][:300]
+    target = probs(last_logits(prompt + [first]), SamplingParams(temperature, top_k))[0].double().cpu()
+    assert len(seeds) == 300 and int((target > 0).sum()) == top_k
+
+    async def second_tokens() -> list[int]:
+        config = EngineConfig(device=DEVICE, max_context=96, draft=DraftConfig(k=1, quant="int8", sampling="rejection"))
+        async with await Runtime.load(path, config) as runtime:
+            seconds = []
+            for seed in seeds:
+                generation = GenerationConfig(max_new_tokens=3, temperature=temperature, top_k=top_k, seed=seed)
+                result = await runtime.complete_ids(prompt, generation)
+                assert result.stats.drafted >= 1, (seed, result.stats.as_dict())
+                if result.tokens[0] == first:  # all of them on the CPU; elsewhere rounding may flip a near tie
+                    seconds.append(result.tokens[1])
+            return seconds
+
+    seconds = asyncio.run(second_tokens())
+    assert len(seconds) >= 0.95 * len(seeds)
+    observed = torch.bincount(torch.tensor(seconds), minlength=target.numel()).double()
+    assert observed[target == 0].sum() == 0  # never a token top-k leaves out
+    expected = target * len(seconds)
+    kept = target > 0
+    chi_square = (((observed - expected)[kept] ** 2) / expected[kept]).sum().item()
+    assert chi_square < 21.108, (chi_square, observed[kept].tolist(), expected[kept].tolist())  # alpha 1e-4, 3 dof
+
+
+def test_speculation_stops_at_a_stop_token_inside_an_accepted_run(root):
+    """Runtime.complete_ids (the bench's entry) with stop_token_ids and k > 0: the output ends exactly at the first
+    stop token, as the baseline's does, though the round that committed it accepted tokens past it."""
+    path = checkpoint("mixtral", root)
+    free = baseline(path, [1, 2, 3], GenerationConfig(max_new_tokens=24), residents=3)
+    stops = [token for index, token in enumerate(free) if index > 0 and token not in free[:index]]
+    assert len(stops) >= 3, free
+
+    async def go() -> list[list[int]]:
+        config = EngineConfig(device=DEVICE, max_context=96, residents=3, draft=DraftConfig(k=4, quant="int8"))
+        async with await Runtime.load(path, config) as runtime:
+            return [(await runtime.complete_ids([1, 2, 3], GenerationConfig(max_new_tokens=24, stop_token_ids=(stop,)))).tokens
+                    for stop in stops]
+
+    for stop, tokens in zip(stops, asyncio.run(go())):
+        assert tokens == free[: free.index(stop) + 1], stop
+
+
+def test_the_runtime_records_the_experts_each_forward_used_in_its_use_history(root, monkeypatch):
+    """Offloaded with LRU: every forward's record (the prompt's, each verify's) goes into the use history the eviction
+    policy reads: per layer, how often each expert was used, and the last forward's experts the most recent."""
+    from specter.verify import OffloadedExperts
+
+    records = []
+    start_record = OffloadedExperts.start_record
+
+    def kept(self):
+        records.append(start_record(self))
+        return records[-1]
+
+    monkeypatch.setattr(OffloadedExperts, "start_record", kept)
+    path = checkpoint("mixtral", root)
+
+    async def go():
+        config = EngineConfig(device=DEVICE, max_context=96, residents=2, eviction="lru", draft=DraftConfig(k=3, quant="int8"))
+        async with await Runtime.load(path, config) as runtime:
+            await runtime.complete_ids([1, 2, 3], GenerationConfig(max_new_tokens=12))
+            return runtime.spec.moe_layers, [runtime.uses.history(index) for index in range(len(runtime.spec.moe_layers))]
+
+    moe_layers, histories = asyncio.run(go())
+    assert len(records) >= 3  # the prompt and at least two rounds
+    for index, layer in enumerate(moe_layers):
+        counts: dict[int, int] = {}
+        for record in records:
+            for expert in record.used[layer]:
+                counts[expert] = counts.get(expert, 0) + 1
+        history = histories[index]
+        assert history.use_count == counts, layer
+        last = set(records[-1].used[layer])
+        older = set(history.last_use) - last
+        assert min(history.last_use[e] for e in last) > max((history.last_use[e] for e in older), default=-1), layer
 
 
 def test_gptq_draft_is_calibrated_and_exact(root):

@@ -96,6 +96,14 @@ def test_stop_string_never_partly_released_before_stopping(tokenizer):
     assert detokenizer.stopped and released + detokenizer.finish() == "hello world. the "
 
 
+def test_the_stop_string_that_comes_first_in_the_text_wins_whatever_its_place_in_the_list(tokenizer):
+    """Both stop strings arrive in one push (a round's tokens come together): the text ends before the earlier one."""
+    for stops in (("b", "a"), ("a", "b")):
+        detokenizer = tokenizer.detokenizer(stops)
+        text = detokenizer.push(tokenizer.encode("xaby")) + detokenizer.finish()
+        assert detokenizer.stopped and text == detokenizer.text == "x", stops
+
+
 def test_no_stop_string_leaves_text_whole(tokenizer):
     text = "experts that are resident on the device"
     _, joined, stopped = stream(tokenizer, tokenizer.encode(text), stop_strings=("absent",))
