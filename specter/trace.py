@@ -64,8 +64,8 @@ MAX_LAYERS = 512
 """Most MoE layers a trace's header may give: real models have at most a hundred or so (DeepSeek-V3 58, Qwen3-235B 94)."""
 MAX_EXPERTS = 4096
 """Most routed experts per layer a trace's header may give: real models have at most a few hundred (DeepSeek-V3 256,
-Qwen3-Next 512). With MAX_LAYERS it caps a replay's [L, E] arrays at 2M entries (the placement cost model's work grows
-faster than L x E: at both bounds `--placement auto` takes a minute or more, at a real model's shape seconds)."""
+Qwen3-Next 512). With MAX_LAYERS it caps a replay's [L, E] arrays at 2M entries (a replay's work grows with L x E
+and the rounds: at both bounds `--placement off,all,auto` takes minutes, at a real model's shape seconds)."""
 MAX_EXPERT_BYTES = 1 << 40
 """Most bytes one expert may move (1 TiB): the largest real experts are about a GB (Grok-1's, bf16: 1.2 GB)."""
 MAX_DRAFT_DEPTH = 1024
