@@ -35,7 +35,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-
 from backends.base import Backend, Event, Stream
 from specter.config import WaitTuning
 from specter.log import debug_enabled, get_logger
