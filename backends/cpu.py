@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from specter.daemons import Mark, settle_at_exit
 from specter.errors import ConfigError
 from specter.log import get_logger
 
@@ -80,6 +81,7 @@ class CPUStream:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"specter-cpu-stream-{self.name}", daemon=True)
             self._thread.start()
+            settle_at_exit(self)
         self._work.put(work)
 
     def _run(self) -> None:
@@ -107,6 +109,16 @@ class CPUStream:
         started = time.perf_counter()
         time.sleep(wanted)
         self._sleep_debt = min(time.perf_counter() - started - wanted, _MAX_SLEEP_DEBT_S)
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until the work enqueued so far has run (`specter.daemons`); False if `timeout_s` passed first."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        mark = Mark()
+        mark.keeps_model_time = True  # type: ignore[attr-defined]  # like an event record, it does not hold the stream
+        self._work.put(mark)
+        return mark.wait(thread, timeout_s)
 
     def close(self) -> None:
         if self._thread is not None:

@@ -37,6 +37,7 @@ from typing import Any, Generic, TypeVar
 
 from backends.base import Backend, Event, Stream
 from specter.config import WaitTuning
+from specter.daemons import Mark, settle_at_exit
 from specter.log import debug_enabled, get_logger
 
 log = get_logger(__name__)
@@ -96,6 +97,7 @@ class _StreamWaiter:
         self._pending: queue.SimpleQueue[tuple[Event, Callable[[], None]] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name=f"specter-waiter-{stream!r}", daemon=True)
         self.thread.start()
+        settle_at_exit(self)
 
     def add(self, event: Event, notify: Callable[[], None]) -> None:
         self._pending.put((event, notify))
@@ -106,11 +108,39 @@ class _StreamWaiter:
             event.wait()  # blocking-sync: the thread sleeps with the GIL released
             notify()
 
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until every event parked so far has completed and been told (`specter.daemons`)."""
+        if self.thread is threading.current_thread():
+            return True
+        mark = Mark()
+        self._pending.put((_Completed(), mark))
+        return mark.wait(self.thread, timeout_s)
+
     def stop(self) -> None:
         self._pending.put(None)
         self.thread.join(_JOIN_TIMEOUT_S)
         if self.thread.is_alive():
             log.warning("kernel.waiter_stuck", thread=self.thread.name, hint="an awaited event never completed")
+
+
+class _Completed:
+    """An event already complete: what a waiter's settle mark waits on."""
+
+    def wait(self) -> None:
+        pass
+
+
+class _MarkJob:
+    """A host thread's settle mark in a job's clothes: reached whether the thread runs or fails its jobs."""
+
+    def __init__(self, mark: Mark) -> None:
+        self.mark = mark
+
+    def run(self) -> None:
+        self.mark()
+
+    def fail(self, error: BaseException) -> None:
+        self.mark()
 
 
 class HostJob(Generic[T]):
@@ -161,6 +191,7 @@ class HostThread:
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, args=(setup,), name=name, daemon=True)
         self.thread.start()
+        settle_at_exit(self)
 
     def submit(self, job: HostJob[Any]) -> None:
         with self._lock:
@@ -198,6 +229,14 @@ class HostThread:
             finally:
                 with self._lock:
                     self._pending -= 1
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until the jobs submitted so far have run or been skipped (`specter.daemons`)."""
+        if self.thread is threading.current_thread():
+            return True
+        mark = Mark()
+        self.submit(_MarkJob(mark))  # type: ignore[arg-type]  # run() or fail(), as a job
+        return mark.wait(self.thread, timeout_s)
 
     def stop(self) -> None:
         """Finish the job running, skip none queued (they run, or are skipped when cancelled), then end the thread."""

@@ -305,6 +305,8 @@ ALLOWED_CONSTANTS = {
     "specter/build.py": {"LARGE_CHECKPOINT_BYTES"},  # when loading shows progress on a terminal
     "specter/observers.py": {"MAX_DEFERRED_ROUNDS"},  # bounds the deferred copy-busy backlog (memory), never A/B'd
     "specter/kernel.py": {"_JOIN_TIMEOUT_S"},  # how long close() waits for a waiter thread
+    # how long the exit waits for daemon threads' queued work, and how often that wait checks a thread still runs
+    "specter/daemons.py": {"EXIT_SETTLE_S", "_POLL_S"},
     "specter/plugins.py": {"SLOW_CALL_S"},  # when a policy call is logged as holding the loop (a warning, no behaviour)
     "specter/sync.py": {"LIVENESS_POLL_S"},  # how often a blocked SyncEngine call checks its loop thread is alive
     "specter/experts/pool.py": {"_MAX_SLAB_GROWTH"},  # pinned-slab allocation granularity
