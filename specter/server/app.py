@@ -165,7 +165,8 @@ async def completions(state: ServerState, request: Request) -> Response | EventS
     _check_model(state, body)
     prompt_ids = await _encode(state, body.single_prompt(), "prompt")
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
-    return await _serve(state, request, body, prompt_ids, max_tokens, ("prompt", "max_tokens"),
+    how = "" if body.max_tokens is not None else " (OpenAI's default for completions: none was given)"
+    return await _serve(state, request, body, prompt_ids, max_tokens, ("prompt", "max_tokens", how),
                         Answer(False, state.model_name, _id("cmpl")))
 
 
@@ -181,8 +182,9 @@ async def chat_completions(state: ServerState, request: Request) -> Response | E
 
 # ---- a request, from checked body to answer ----------------------------------------------------------
 async def _serve(state: ServerState, request: Request, body: SamplingRequest, prompt_ids: list[int], max_tokens: int,
-                 params: tuple[str, str], answer: Answer) -> Response | EventStream | NoResponse:
-    """`params`: the request's names for its prompt and its token limit, for errors about them."""
+                 params: tuple[str, ...], answer: Answer) -> Response | EventStream | NoResponse:
+    """`params`: the request's names for its prompt and its token limit (and how the limit was set, when the client
+    did not), for errors about them."""
     arrived = time.monotonic()
     _check_context(state, len(prompt_ids), max_tokens, *params)
     generation = _generation(body, max_tokens)
@@ -275,12 +277,15 @@ def _validation_error(error: ValidationError) -> APIRequestError:
     if item["type"] == "json_invalid":
         return APIRequestError(400, f"the body is not valid JSON: {item.get('ctx', {}).get('error', item['msg'])}",
                                code="invalid_json")
-    if item["type"] in ("model_type", "model_attributes_type"):
+    if item["type"] in ("model_type", "model_attributes_type") and not item["loc"]:
         return APIRequestError(400, "the body must be a JSON object", code="invalid_json")
     where = ".".join(str(part) for part in item["loc"])
     param = str(item["loc"][0]) if item["loc"] else None  # OpenAI names the top-level field
     if item["type"] == "missing":
         return APIRequestError(400, f"'{where}' is required", param=param, code="missing_required_parameter")
+    if item["type"] in ("model_type", "model_attributes_type"):  # pydantic's message would name our class
+        return APIRequestError(400, f"'{where}' must be a JSON object (got {item.get('input')!r:.80})", param=param,
+                               code="invalid_value")
     return APIRequestError(400, f"'{where}': {item['msg']} (got {item.get('input')!r:.80})", param=param,
                            code="invalid_value")
 
@@ -320,6 +325,7 @@ def _too_large(limit: int) -> APIRequestError:
 async def _encode(state: ServerState, prompt: Prompt, param: str) -> list[int]:
     try:
         if isinstance(prompt, list) and all(isinstance(item, int) for item in prompt):
+            _check_prompt_length(state, len(prompt), param)  # before a pass per id: megabytes of ids hold the loop
             prompt_ids = state.engine.encode(prompt)  # token ids: checked, nothing to tokenize
         else:
             prompt_ids = await _encode_text(state, prompt)
@@ -353,15 +359,22 @@ def _text_chars(prompt: Prompt) -> int:
     return sum(len(message.get("content") or "") for message in prompt if isinstance(message, dict))
 
 
-def _check_context(state: ServerState, prompt_tokens: int, max_tokens: int, prompt_param: str, limit_param: str) -> None:
+def _check_prompt_length(state: ServerState, prompt_tokens: int, prompt_param: str) -> None:
     limit = state.max_context
     if prompt_tokens >= limit:
         raise APIRequestError(400, f"the {prompt_param} has {prompt_tokens} tokens; this model's context is {limit} "
                                    "tokens and must hold the prompt plus at least one new token",
                               param=prompt_param, code="context_length_exceeded")
+
+
+def _check_context(state: ServerState, prompt_tokens: int, max_tokens: int, prompt_param: str, limit_param: str,
+                   how: str = "") -> None:
+    """`how`: how the limit was set when the client did not send it, for the error."""
+    _check_prompt_length(state, prompt_tokens, prompt_param)
+    limit = state.max_context
     if prompt_tokens + max_tokens > limit:
-        raise APIRequestError(400, f"{limit_param} {max_tokens} plus the prompt's {prompt_tokens} tokens exceeds this "
-                                   f"model's context of {limit} tokens; ask for at most {limit - prompt_tokens}",
+        raise APIRequestError(400, f"{limit_param} {max_tokens}{how} plus the prompt's {prompt_tokens} tokens exceeds "
+                                   f"this model's context of {limit} tokens; ask for at most {limit - prompt_tokens}",
                               param=limit_param, code="context_length_exceeded")
 
 

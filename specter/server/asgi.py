@@ -46,7 +46,9 @@ class Gate:
     def __init__(self, app: ASGIApp, metrics: ServerMetrics, api_key: str | None,
                  on_close: Callable[[], None] | None = None) -> None:
         self.app, self.metrics = app, metrics
-        self._key = f"Bearer {api_key}".encode() if api_key else None
+        if api_key is not None and not api_key.strip():
+            raise ValueError("the API key must not be empty or blank; pass None to serve without one")
+        self._key = api_key.encode() if api_key is not None else None
         self._on_close = on_close
 
     def close(self) -> None:
@@ -84,8 +86,9 @@ class Gate:
             self.metrics.response(endpoint, status)
 
     def _authorized(self, scope: Scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        return hmac.compare_digest(given, self._key or b"")
+        # The scheme is case-insensitive (RFC 9110, section 11.1), the key exact.
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._key or b"")
 
 
 async def until_hangup(receive: Receive) -> None:

@@ -30,7 +30,9 @@ def add_serve_parser(commands: Any) -> None:
                        help="the model name clients send and /v1/models lists (default: --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=_port, default=8000, help="port to bind; 0 picks a free one (printed on start)")
-    serve.add_argument("--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve.add_argument("--api-key", type=_api_key, default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on /v1/* (not empty: an unset variable must not "
+                            "turn the check off)")
     serve.add_argument("--max-queue", type=_non_negative, default=64, metavar="N",
                        help="requests that may wait for the engine; one more gets 429 with Retry-After (default 64)")
     serve.add_argument("--drain-timeout", type=_seconds, default=60.0, metavar="S",
@@ -50,6 +52,12 @@ def add_serve_parser(commands: Any) -> None:
         if any(flag in ENGINE_OPTIONS for flag in action.option_strings):
             extra._add_action(action)
     _add_logging(serve)
+
+
+def _api_key(text: str) -> str:
+    if not text.strip():  # `--api-key "$UNSET"` would otherwise serve everyone
+        raise argparse.ArgumentTypeError("must not be empty or blank; leave --api-key out to serve without a key")
+    return text
 
 
 def _non_negative(text: str) -> int:

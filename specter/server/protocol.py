@@ -7,6 +7,7 @@ it has no use for (user, metadata) are ignored as OpenAI does.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -19,6 +20,21 @@ SEED_LIMIT = 2**63  # the engine's seed is a non-negative int64
 # Unknown fields are ignored (clients send ones we have no use for); known ones take JSON types strictly, as
 # OpenAI does: "yes" is not true and "0.5" is not a number.
 WIRE = ConfigDict(extra="ignore", strict=True)
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _first_not(values: list[Any], fits: Any) -> str:
+    """The first element that does not fit, named by its index, for an error."""
+    index = next(i for i, value in enumerate(values) if not fits(value))
+    return f"element {index} is {_json(values[index])}"
+
+
+def _json(value: Any) -> str:
+    """A value as the client wrote it (true, null), cut to 40 characters."""
+    return json.dumps(value)[:40]
 
 
 class APIRequestError(Exception):
@@ -64,6 +80,16 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[str, Any] | None = Field(None, description="Not supported: must be absent, null or empty.")
     response_format: dict[str, Any] | None = Field(None, description="Only {\"type\": \"text\"} (the default); JSON "
                                                    "modes and schemas are not supported.")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value: Any) -> Any:
+        # Before pydantic's union, whose error would name only its string branch ("stop.str").
+        if isinstance(value, list) and not all(isinstance(item, str) for item in value):
+            raise ValueError(f"stop strings must be strings; {_first_not(value, lambda item: isinstance(item, str))}")
+        if value is not None and not isinstance(value, (str, list)):
+            raise ValueError("stop must be a string or a list of strings")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -125,6 +151,32 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = Field(None, ge=1, le=1, description="Not supported beyond 1.")
     suffix: None = Field(None, description="Not supported: must be absent.")
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        """Text, token ids, or a batch (a list) of either, with an error naming the element that fits none: pydantic's
+        union would report only its first branch ("prompt.str: Input should be a valid string")."""
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("the prompt must be text, a list of token ids, or a batch of one of these")
+        if not value or _is_id(value[0]):
+            if not all(_is_id(item) for item in value):
+                raise ValueError(f"token ids must be integers; {_first_not(value, _is_id)}")
+        elif isinstance(value[0], str):
+            if not all(isinstance(item, str) for item in value):
+                raise ValueError(f"a batch of texts holds only strings; {_first_not(value, lambda item: isinstance(item, str))}")
+        elif isinstance(value[0], list):
+            def ids(item: Any) -> bool:
+                return isinstance(item, list) and all(_is_id(token) for token in item)
+
+            if not all(ids(item) for item in value):
+                raise ValueError(f"a batch of token-id prompts holds only lists of integers; {_first_not(value, ids)}")
+        else:
+            raise ValueError(f"element 0 is {_json(value[0])}; a prompt is text, token ids (integers), or a batch of "
+                             "one of these")
+        return value
+
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, value: bool | None) -> bool | None:
@@ -156,6 +208,25 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, value: Any) -> Any:
+        """Text or text parts, with an error naming the part that is not one (an image, say): pydantic's union would
+        report only its string branch ("content.str: Input should be a valid string")."""
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("content must be a string or a list of text parts")
+        for index, part in enumerate(value):
+            if not isinstance(part, dict):
+                raise ValueError(f"content part {index} must be an object {{\"type\": \"text\", \"text\": ...}}")
+            if part.get("type") != "text":
+                raise ValueError(f"content part {index} is of type {_json(part.get('type'))}: only text parts are "
+                                 "supported (no images, audio or files)")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {index} needs 'text', a string")
+        return value
 
     @model_validator(mode="after")
     def _content_where_required(self) -> "ChatMessage":
