@@ -1,5 +1,10 @@
 """`python -m specter`: the command line."""
 
-from specter.cli import main
+import importlib
 
-raise SystemExit(main())
+from specter.exits import load_tool, quiet_late_interrupt
+
+main = load_tool(lambda: importlib.import_module("specter.cli").main)
+status = main()
+quiet_late_interrupt()
+raise SystemExit(status)

@@ -143,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specter import log
 
     log.configure(json=args.log_json, level=args.log_level)
-    return run_tool(lambda: {"generate": cmd_generate, "info": cmd_info, "serve": cmd_serve}[args.command](args))
+    return run_tool(lambda: {"generate": cmd_generate, "info": cmd_info, "serve": cmd_serve}[args.command](args),
+                    preload=("torch",))
 
 
 def _out(text: str) -> None:

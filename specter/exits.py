@@ -7,17 +7,22 @@ statuses of its own besides (the bench's 1: a system's tokens differ from the ba
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import io
 import os
+import signal
 import sys
-from collections.abc import Callable
-from typing import TextIO
+from collections.abc import Callable, Iterator, Sequence
+from typing import TextIO, TypeVar
 
 from specter.errors import OutputError, SpecterError
 
 BROKEN_PIPE_STATUS = 141
 INTERRUPTED_STATUS = 130
 ERROR_STATUS = 2
+
+T = TypeVar("T")
 
 
 class _GuardedStdout(io.TextIOBase):
@@ -79,11 +84,53 @@ def _escape_what_it_cannot_encode(stream: TextIO) -> bool:
     return True
 
 
-def run_tool(main: Callable[[], int]) -> int:
-    """Run a tool's body with stdout guarded, and map how it ended onto the shared exit statuses."""
+@contextlib.contextmanager
+def interrupt_held() -> Iterator[None]:
+    """Hold a Ctrl-C until the block has ended, then raise it. For imports: `import torch` interrupted inside its C
+    code loses the KeyboardInterrupt and leaves numpy half-imported, so the tool went on to fail with a false error
+    (a plug-in "raised AttributeError: module 'numpy' has no attribute 'nonzero'"), to finish as if never
+    interrupted, or to abort (status 134). Off the main thread, where no handler can be set, the block runs as is."""
+    held: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
+def load_tool(load: Callable[[], T]) -> T:
+    """An entry point's imports (`load` returns the tool's main), with a Ctrl-C held until they are whole; one that
+    came meanwhile ends the process as `run_tool` ends an interrupted tool: 'interrupted', 130, no traceback."""
+    try:
+        with interrupt_held():
+            return load()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(INTERRUPTED_STATUS) from None
+
+
+def quiet_late_interrupt() -> None:
+    """After an entry point's tool has returned: a Ctrl-C now, during the interpreter's exit handlers, ends the
+    process as the signal's default does, not with an 'Exception ignored in atexit callback' traceback and status 0."""
+    with contextlib.suppress(ValueError):  # not the main thread
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def run_tool(main: Callable[[], int], preload: Sequence[str] = ()) -> int:
+    """Run a tool's body with stdout guarded, and map how it ended onto the shared exit statuses. `preload`: modules
+    the body needs whose import must not be cut by a Ctrl-C (torch: `interrupt_held`), imported first."""
     stdout = sys.stdout
     sys.stdout = _GuardedStdout(stdout)  # type: ignore[assignment]
     try:
+        with interrupt_held():
+            for name in preload:
+                importlib.import_module(name)
         status = main()
         sys.stdout.flush()  # what print() left in the buffer fails here, named, not at the interpreter's exit
         return status

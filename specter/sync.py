@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import weakref
 from collections.abc import Coroutine, Iterator, Mapping
@@ -26,6 +27,9 @@ T = TypeVar("T")
 
 LIVENESS_POLL_S = 0.5
 """How often a blocked call checks that the loop thread still runs (`_result`)."""
+UNWIND_S = 10.0
+"""How long closing waits for the loop's other tasks to unwind once cancelled (a task that ignores its cancellation
+must not hang the close)."""
 
 
 class SyncEngine:
@@ -176,6 +180,17 @@ def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, engine:
         if engine is not None and loop.is_running() and thread.is_alive():
             _result(asyncio.run_coroutine_threadsafe(engine.aclose(), loop), thread)
     finally:
+        if loop.is_running() and thread.is_alive():  # as asyncio.run ends: what is left unwinds before the loop closes
+            with contextlib.suppress(Exception):  # (a load cut short leaves its copies' tasks, pending for good else)
+                asyncio.run_coroutine_threadsafe(_cancel_the_rest(), loop).result(UNWIND_S)
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
         loop.close()
+
+
+async def _cancel_the_rest() -> None:
+    """Cancel every other task of the running loop and wait for them to unwind."""
+    rest = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in rest:
+        task.cancel()
+    await asyncio.gather(*rest, return_exceptions=True)

@@ -3,9 +3,14 @@ disk under stdout one `error:` line and 2, an engine field the bench cannot use 
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import os
+import signal
 import subprocess
 import sys
+import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -68,3 +73,114 @@ def test_the_bench_refuses_a_device_before_any_cell(device, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: invalid configuration: EngineConfig.device = ") and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+# ---- Ctrl-C during the imports and after the tool ---------------------------------------------------------------
+# A Ctrl-C that landed inside `import torch` was lost in its C code with numpy half-imported: the tool then failed with
+# a false error (a plug-in's "module 'numpy' has no attribute 'nonzero'"), finished as if never interrupted, or aborted.
+# These stand in for torch with a module that interrupts its own import midway.
+INTERRUPTING_MODULE = """
+import os, signal
+os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C midway through this import
+import time
+time.sleep(0.05)  # (the signal's handler runs here at the latest)
+WHOLE = True
+"""
+
+
+@pytest.fixture
+def interrupting_module(tmp_path, monkeypatch):
+    name = f"interrupts_its_import_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(INTERRUPTING_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_a_ctrl_c_during_a_preloaded_import_waits_for_the_import_then_ends_the_tool(interrupting_module, capsys):
+    from specter.exits import INTERRUPTED_STATUS, run_tool
+
+    ran: list[bool] = []
+    assert run_tool(lambda: ran.append(True) or 0, preload=(interrupting_module,)) == INTERRUPTED_STATUS
+    assert sys.modules[interrupting_module].WHOLE and ran == []  # the import completed; the body never ran
+    assert capsys.readouterr().err == "interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
+
+
+def test_a_ctrl_c_during_an_entry_points_imports_is_interrupted_not_a_traceback(interrupting_module, capsys):
+    from specter.exits import INTERRUPTED_STATUS, load_tool
+
+    with pytest.raises(SystemExit) as ended:
+        load_tool(lambda: importlib.import_module(interrupting_module))
+    assert ended.value.code == INTERRUPTED_STATUS and sys.modules[interrupting_module].WHOLE
+    assert capsys.readouterr().err == "interrupted\n"
+    assert load_tool(lambda: "the tool's main") == "the tool's main"  # no Ctrl-C: what load returns
+
+
+def test_interrupt_held_raises_nothing_without_a_ctrl_c_and_runs_as_is_off_the_main_thread():
+    from specter.exits import interrupt_held
+
+    with interrupt_held():
+        pass
+    outcome: list[object] = []
+
+    def off_main() -> None:
+        with interrupt_held():
+            outcome.append("ran")
+
+    thread = threading.Thread(target=off_main)
+    thread.start()
+    thread.join(10)
+    assert outcome == ["ran"]
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_a_ctrl_c_during_the_exit_handlers_after_the_tool_ends_quietly(quiet):
+    """A late Ctrl-C (the tool done, the interpreter's exit handlers running) printed 'Exception ignored in atexit
+    callback' with a KeyboardInterrupt traceback, and the process exited 0."""
+    script = textwrap.dedent(f"""
+        import atexit, os, signal, time
+        from specter.exits import quiet_late_interrupt
+        atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))
+        print("done", flush=True)
+        if {quiet}:
+            quiet_late_interrupt()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout == "done\n"
+    if quiet:
+        assert done.returncode == -signal.SIGINT and "Traceback" not in done.stderr, done.stderr
+    else:  # the control: what the entry points did before
+        assert done.returncode == 0 and "Exception ignored" in done.stderr
+
+
+def test_a_sync_engine_load_interrupted_in_the_callers_thread_unwinds_its_tasks(monkeypatch):
+    """A Ctrl-C while a SyncEngine loaded left the load's copy tasks pending on a loop closed at once ("Task was
+    destroyed but it is pending!" by the dozen): they are cancelled and unwound first now."""
+    from specter import sync
+
+    started, unwound = threading.Event(), []
+
+    async def load(*args, **kwargs):
+        async def copy() -> None:
+            try:
+                await asyncio.sleep(60)
+            finally:
+                unwound.append("copy")
+
+        asyncio.get_running_loop().create_task(copy())
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        finally:
+            unwound.append("load")
+
+    def interrupted(future, thread):  # the caller's wait for the load, cut by a Ctrl-C
+        started.wait(10)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sync.Engine, "load", load)
+    monkeypatch.setattr(sync, "_result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sync.SyncEngine("tiny")
+    assert sorted(unwound) == ["copy", "load"]

@@ -308,7 +308,8 @@ ALLOWED_CONSTANTS = {
     # how long the exit waits for daemon threads' queued work, and how often that wait checks a thread still runs
     "specter/daemons.py": {"EXIT_SETTLE_S", "_POLL_S"},
     "specter/plugins.py": {"SLOW_CALL_S"},  # when a policy call is logged as holding the loop (a warning, no behaviour)
-    "specter/sync.py": {"LIVENESS_POLL_S"},  # how often a blocked SyncEngine call checks its loop thread is alive
+    # how often a blocked SyncEngine call checks its loop thread is alive; how long its close waits for tasks to unwind
+    "specter/sync.py": {"LIVENESS_POLL_S", "UNWIND_S"},
     "specter/experts/pool.py": {"_MAX_SLAB_GROWTH"},  # pinned-slab allocation granularity
     "specter/experts/native.py": {"CHUNK", "CALL_ROWS"},  # bound the native kernel's scratch per job and per call; rows
     # and experts are independent, so they change no bit (tests/test_native_kernel.py) and no A/B ever weighed them
