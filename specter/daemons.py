@@ -47,9 +47,10 @@ def settle_at_exit(owner: Settles) -> None:
 
 
 def settle_all(timeout_s: float = EXIT_SETTLE_S) -> list[Settles]:
-    """Settle every registered owner within `timeout_s` in all; the owners still busy at the deadline."""
+    """Settle every registered owner within `timeout_s` in all; the owners still busy at the deadline. Each gets at
+    least `_POLL_S`, so an idle one is not called busy because one before it used up the time."""
     deadline = time.monotonic() + timeout_s
-    return [owner for owner in list(_threads) if not owner.settle(max(0.0, deadline - time.monotonic()))]
+    return [owner for owner in list(_threads) if not owner.settle(max(_POLL_S, deadline - time.monotonic()))]
 
 
 class Mark:

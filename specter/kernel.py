@@ -130,19 +130,6 @@ class _Completed:
         pass
 
 
-class _MarkJob:
-    """A host thread's settle mark in a job's clothes: reached whether the thread runs or fails its jobs."""
-
-    def __init__(self, mark: Mark) -> None:
-        self.mark = mark
-
-    def run(self) -> None:
-        self.mark()
-
-    def fail(self, error: BaseException) -> None:
-        self.mark()
-
-
 class HostJob(Generic[T]):
     """One piece of host work on a `HostThread` and its outcome; made by `Kernel.submit_host`."""
 
@@ -235,7 +222,9 @@ class HostThread:
         if self.thread is threading.current_thread():
             return True
         mark = Mark()
-        self.submit(_MarkJob(mark))  # type: ignore[arg-type]  # run() or fail(), as a job
+        job: HostJob[None] = HostJob(mark, None)  # type: ignore[arg-type]  # no task awaits it
+        job.notify = mark  # reached whether the thread runs the job or fails it (its setup failed)
+        self.submit(job)
         return mark.wait(self.thread, timeout_s)
 
     def stop(self) -> None:

@@ -327,15 +327,15 @@ async def _encode(state: ServerState, prompt: Prompt, param: str) -> list[int]:
         if isinstance(prompt, list) and all(isinstance(item, int) for item in prompt):
             _check_prompt_length(state, len(prompt), param)  # before a pass per id: megabytes of ids hold the loop
             prompt_ids = state.engine.encode(prompt)  # token ids: checked, nothing to tokenize
+            vocab = state.engine.spec.vocab_size  # (a text's ids the engine checked against it: `Tokenizer.within`)
+            if any(not 0 <= token < vocab for token in prompt_ids):
+                raise APIRequestError(400, f"token ids must lie in 0..{vocab - 1}", param=param, code="invalid_value")
         else:
             prompt_ids = await _encode_text(state, prompt)
     except (PromptError, ConfigError) as error:  # no tokenizer, no chat template, a template that refuses
         raise APIRequestError(400, _public(state, str(error)), param=param) from None
     if not prompt_ids:
         raise APIRequestError(400, f"the {param} is empty; give at least one token", param=param)
-    vocab = state.engine.spec.vocab_size
-    if any(not 0 <= token < vocab for token in prompt_ids):
-        raise APIRequestError(400, f"token ids must lie in 0..{vocab - 1}", param=param, code="invalid_value")
     return prompt_ids
 
 
