@@ -325,6 +325,95 @@ def test_every_prompt_shape_openai_takes_still_validates(prompt):
     assert CompletionRequest.model_validate_json(json.dumps({"model": "m", "prompt": prompt})).prompt == prompt
 
 
+# The value a client sent, echoed in its error as it wrote it: JSON (true, null, "abc"), not Python's repr (True, None,
+# 'abc', {'5': 100}), as the shape messages above already did. "M" is the served name.
+ECHOED = {  # path, body, status, what the message must say
+    "a boolean temperature": ("/v1/completions", {"model": "M", "prompt": "hi", "temperature": True}, 400,
+                              "'temperature': Input should be a valid number (got true)"),
+    "a null model": ("/v1/completions", {"model": None, "prompt": "hi"}, 400,
+                     "'model': Input should be a valid string (got null)"),
+    "max_tokens as a string": ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": "16"}, 400,
+                               '(got "16")'),
+    "logit_bias": ("/v1/completions", {"model": "M", "prompt": "hi", "logit_bias": {"5": 100}}, 400, '(got {"5":100})'),
+    "non-ASCII text": ("/v1/completions", {"model": "M", "prompt": "hi", "top_p": "é"}, 400, '(got "é")'),
+    "stream_options not an object": ("/v1/completions", {"model": "M", "prompt": "hi", "stream": True,
+                                                         "stream_options": "yes"}, 400,
+                                     "'stream_options' must be a JSON object (got \"yes\")"),
+    "a message without content": ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "name": None}]},
+                                  400, '(got {"role":"user","name":null})'),
+    "an unknown model": ("/v1/completions", {"model": "gpt-4's", "prompt": "hi"}, 404,
+                         'the model "gpt-4\'s" does not exist; this server serves "M"'),
+}
+
+
+@pytest.mark.parametrize("case", ECHOED, ids=list(ECHOED))
+def test_an_error_echoes_the_clients_value_as_json(server, case):
+    path, body, status, expected = ECHOED[case]
+    body = {key: server.model if value == "M" else value for key, value in body.items()}
+    expected = expected.replace('"M"', json.dumps(server.model))
+    response = httpx.post(server.url + path, content=json.dumps(body).encode(), timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    message = response.json()["error"]["message"]
+    assert expected in message, message
+    assert not re.search(r"\b(True|False|None)\b", message), message
+
+
+def test_every_echoed_value_is_json_and_so_is_the_rest(server):
+    """The model's 404 from /v1/models/{name}, the 415's Content-Type and a long value (cut, with the cut shown)."""
+    served = json.dumps(server.model)
+    missing = httpx.get(f"{server.url}/v1/models/it's", timeout=10)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["message"] == f'the model "it\'s" does not exist; this server serves {served}'
+    plain = httpx.post(f"{server.url}/v1/completions", content=b"{}", timeout=10,
+                       headers={"content-type": "text/plain"})
+    assert plain.status_code == 415 and plain.json()["error"]["message"].endswith('(got "text/plain")')
+    bare = httpx.post(f"{server.url}/v1/completions", content=b"{}", headers={"content-type": ""}, timeout=10)
+    assert bare.status_code == 415 and bare.json()["error"]["message"].endswith("(got no Content-Type)")
+    long = httpx.post(f"{server.url}/v1/completions", timeout=10,
+                      json={"model": server.model, "prompt": "hi", "top_p": "y" * 1000})
+    assert long.status_code == 400 and long.json()["error"]["message"].endswith(f'(got "{"y" * 79}…)')
+
+
+def test_a_value_json_cannot_write_still_gets_a_message_a_utf8_answer_can_carry():
+    """Python-mode inputs (bytes, a Decimal, a key that is no string, a cycle) fall back to their repr; a lone
+    surrogate (the wire's parser refuses one, a Python caller need not) is escaped as JSON would, not a 500 on encoding
+    the answer; a megabyte of ids is rendered only as far as the cut."""
+    from decimal import Decimal
+
+    from pydantic import ValidationError
+    from starlette.responses import JSONResponse
+
+    from specter.server.app import _validation_error
+    from specter.server.protocol import CompletionRequest, as_json
+
+    assert as_json(True) == "true" and as_json(None) == "null" and as_json("é") == '"é"'
+    assert as_json(float("nan")) == "NaN"  # as the wire's parser takes it
+    assert as_json({"a": [1, None]}) == '{"a":[1,null]}' and as_json("a\nb") == '"a\\nb"'
+    assert as_json("\ud800x") == '"\\ud800x"'
+    assert as_json(b"ab") == '"b\'ab\'"' and as_json(Decimal("1.5")) == '"Decimal(\'1.5\')"'
+    assert as_json({(1, 2): 3}) == "{(1, 2): 3}"
+    cycle: list = []
+    cycle.append(cycle)
+    assert as_json(cycle) == "[[...]]"
+    assert as_json("x" * 50) == '"' + "x" * 39 + "…"
+    seen: list[int] = []
+
+    class Ids(list):
+        def __iter__(self):
+            for token in super().__iter__():
+                seen.append(token)
+                yield token
+
+    assert as_json(Ids([1] * 10**6), 10) == "[1,1,1,1,1…" and len(seen) < 10
+    assert as_json("x" * 50, None) == json.dumps("x" * 50)
+    for value in (b"\xff", Decimal("2.5"), "\ud800", {"\udc00": 1}):
+        with pytest.raises(ValidationError) as invalid:
+            CompletionRequest.model_validate({"model": "m", "prompt": "hi", "temperature": value})
+        error = _validation_error(invalid.value)
+        assert error.message.startswith("'temperature': ") and JSONResponse(error.body()).body
+
+
 def test_a_token_id_prompt_past_the_context_is_refused_before_any_pass_over_its_ids():
     """Megabytes of ids past the context were checked id by id on the event loop first (1.3 s for 4 million, every
     stream held), where the same text's refusal took its JSON parse alone."""

@@ -40,6 +40,7 @@ from specter.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,
+    as_json,
 )
 
 log = get_logger(__name__)
@@ -135,8 +136,7 @@ async def list_models(state: ServerState, request: Request) -> Response:
 async def retrieve_model(state: ServerState, request: Request) -> Response:
     name = request.path_params["model"]
     if name != state.model_name:
-        raise APIRequestError(404, f"the model '{name}' does not exist; this server serves '{state.model_name}'",
-                              param="model", code="model_not_found")
+        raise _unknown_model(state, name)
     return JSONResponse(_model_card(state))
 
 
@@ -272,7 +272,8 @@ async def _parse(state: ServerState, request: Request, model: type[BaseModel]) -
 
 
 def _validation_error(error: ValidationError) -> APIRequestError:
-    """The first problem, named by its field (OpenAI's `param`), with pydantic's reason and the value given."""
+    """The first problem, named by its field (OpenAI's `param`), with pydantic's reason and the value given, as the
+    client wrote it (JSON: true, null, "abc"; not Python's True, None, 'abc')."""
     item = error.errors(include_url=False)[0]
     if item["type"] == "json_invalid":
         return APIRequestError(400, f"the body is not valid JSON: {item.get('ctx', {}).get('error', item['msg'])}",
@@ -284,16 +285,21 @@ def _validation_error(error: ValidationError) -> APIRequestError:
     if item["type"] == "missing":
         return APIRequestError(400, f"'{where}' is required", param=param, code="missing_required_parameter")
     if item["type"] in ("model_type", "model_attributes_type"):  # pydantic's message would name our class
-        return APIRequestError(400, f"'{where}' must be a JSON object (got {item.get('input')!r:.80})", param=param,
-                               code="invalid_value")
-    return APIRequestError(400, f"'{where}': {item['msg']} (got {item.get('input')!r:.80})", param=param,
+        return APIRequestError(400, f"'{where}' must be a JSON object (got {as_json(item.get('input'), 80)})",
+                               param=param, code="invalid_value")
+    return APIRequestError(400, f"'{where}': {item['msg']} (got {as_json(item.get('input'), 80)})", param=param,
                            code="invalid_value")
 
 
 def _check_model(state: ServerState, body: SamplingRequest) -> None:
     if body.model != state.model_name:
-        raise APIRequestError(404, f"the model '{body.model}' does not exist; this server serves '{state.model_name}'",
-                              param="model", code="model_not_found")
+        raise _unknown_model(state, body.model)
+
+
+def _unknown_model(state: ServerState, name: str) -> APIRequestError:
+    """A model name the server does not serve (in a body or a /v1/models path), named beside the one it does."""
+    return APIRequestError(404, f"the model {as_json(name, 200)} does not exist; this server serves "
+                                f"{as_json(state.model_name, None)}", param="model", code="model_not_found")
 
 
 async def _read_body(state: ServerState, request: Request) -> bytes:
@@ -302,8 +308,9 @@ async def _read_body(state: ServerState, request: Request) -> bytes:
     user visits could otherwise start generations on a server bound to their loopback."""
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type != "application/json":
-        raise APIRequestError(415, f"the body must be JSON, sent with 'Content-Type: application/json' (got "
-                                   f"{media_type or 'no Content-Type'!r:.60})", code="unsupported_media_type")
+        got = as_json(media_type, 60) if media_type else "no Content-Type"
+        raise APIRequestError(415, f"the body must be JSON, sent with 'Content-Type: application/json' (got {got})",
+                              code="unsupported_media_type")
     limit = state.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:  # refused before a byte is read

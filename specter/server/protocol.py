@@ -29,12 +29,28 @@ def _is_id(value: Any) -> bool:
 def _first_not(values: list[Any], fits: Any) -> str:
     """The first element that does not fit, named by its index, for an error."""
     index = next(i for i, value in enumerate(values) if not fits(value))
-    return f"element {index} is {_json(values[index])}"
+    return f"element {index} is {as_json(values[index])}"
 
 
-def _json(value: Any) -> str:
-    """A value as the client wrote it (true, null), cut to 40 characters."""
-    return json.dumps(value)[:40]
+def as_json(value: Any, limit: int | None = 40) -> str:
+    """A client's value for an error message, as the client wrote it: compact JSON (true, null, "é", {"a":1}), cut to
+    `limit` characters with "…" after a cut. A list or object is rendered only as far as the cut, so a megabyte of
+    token ids costs no more than a few. What JSON cannot write (bytes or a Decimal: Python's values, never the wire's)
+    is written as its repr; a lone surrogate, which no UTF-8 answer can carry, as JSON's escape (\\ud800)."""
+    pieces: list[str] = []
+    size = 0
+    try:
+        for piece in json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=repr).iterencode(value):
+            pieces.append(piece)
+            size += len(piece)
+            if limit is not None and size > limit:
+                break
+        text = "".join(pieces)
+    except (TypeError, ValueError, RecursionError):  # a key JSON cannot name, a cycle, nesting past the stack
+        text = repr(value)
+    if limit is not None and len(text) > limit:
+        text = text[:limit] + "…"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class APIRequestError(Exception):
@@ -173,7 +189,7 @@ class CompletionRequest(SamplingRequest):
             if not all(ids(item) for item in value):
                 raise ValueError(f"a batch of token-id prompts holds only lists of integers; {_first_not(value, ids)}")
         else:
-            raise ValueError(f"element 0 is {_json(value[0])}; a prompt is text, token ids (integers), or a batch of "
+            raise ValueError(f"element 0 is {as_json(value[0])}; a prompt is text, token ids (integers), or a batch of "
                              "one of these")
         return value
 
@@ -222,7 +238,7 @@ class ChatMessage(BaseModel):
             if not isinstance(part, dict):
                 raise ValueError(f"content part {index} must be an object {{\"type\": \"text\", \"text\": ...}}")
             if part.get("type") != "text":
-                raise ValueError(f"content part {index} is of type {_json(part.get('type'))}: only text parts are "
+                raise ValueError(f"content part {index} is of type {as_json(part.get('type'))}: only text parts are "
                                  "supported (no images, audio or files)")
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"content part {index} needs 'text', a string")
