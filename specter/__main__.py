@@ -1,10 +1,5 @@
-"""`python -m specter`: the command line."""
+"""`python -m specter`: the command line, as the `specter` console script runs it (`specter.entry`)."""
 
-import importlib
+from specter.entry import specter
 
-from specter.exits import load_tool, quiet_late_interrupt
-
-main = load_tool(lambda: importlib.import_module("specter.cli").main)
-status = main()
-quiet_late_interrupt()
-raise SystemExit(status)
+raise SystemExit(specter())

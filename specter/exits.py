@@ -122,6 +122,20 @@ def quiet_late_interrupt() -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def run_entry(module: str) -> int:
+    """A command's entry point (`specter.entry`): `module`'s main imported under `load_tool`, run, and its status
+    returned with a late Ctrl-C quieted (`quiet_late_interrupt`). A Ctrl-C that escapes main (its argument parsing,
+    before its `run_tool`) ends as `run_tool` ends one: 'interrupted', 130."""
+    main = load_tool(lambda: importlib.import_module(module).main)
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED_STATUS
+    finally:  # also after a SystemExit of main's (argparse's usage error, --help)
+        quiet_late_interrupt()
+
+
 def run_tool(main: Callable[[], int], preload: Sequence[str] = ()) -> int:
     """Run a tool's body with stdout guarded, and map how it ended onto the shared exit statuses. `preload`: modules
     the body needs whose import must not be cut by a Ctrl-C (torch: `interrupt_held`), imported first."""

@@ -17,6 +17,11 @@ own compute left out, as in the placement cost model; per layer the two paths co
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m specter.replay`: as the console script, a Ctrl-C held over the imports below
+    from specter.entry import replay
+
+    raise SystemExit(replay())
+
 import argparse
 import collections
 import dataclasses
@@ -819,7 +824,3 @@ def _print_results(
         print(format_table(results))
     for reason in skipped:
         print(f"skipped {reason}", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,101 @@ def test_a_ctrl_c_during_the_exit_handlers_after_the_tool_ends_quietly(quiet):
         assert done.returncode == -signal.SIGINT and "Traceback" not in done.stderr, done.stderr
     else:  # the control: what the entry points did before
         assert done.returncode == 0 and "Exception ignored" in done.stderr
+
+
+
+# Every entry point a user starts, with the `tools` command it runs: the console scripts (run as pip's wrapper runs
+# them, from pyproject's [project.scripts], so no reinstall is needed) and `python -m` (as runpy runs it).
+ENTRY_POINTS = {"-m specter": "info", "-m specter.bench": "bench", "-m specter.replay": "replay",
+                "specter": "info", "specter-bench": "bench", "specter-replay": "replay"}
+
+
+def _console_scripts() -> dict[str, str]:
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as file:
+        return tomllib.load(file)["project"]["scripts"]
+
+
+def _start(entry: str, argv: list[str], prelude: str) -> subprocess.CompletedProcess:
+    """`entry` run with argv in a fresh interpreter, after `prelude`."""
+    if entry.startswith("-m "):
+        module = entry.removeprefix("-m ")
+        start = (f"import runpy, sys\nsys.argv = {[module, *argv]!r}\n"
+                 f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
+    else:  # pip's wrapper
+        module, function = _console_scripts()[entry].split(":")
+        start = f"import sys\nfrom {module} import {function}\nsys.argv = {[entry, *argv]!r}\nsys.exit({function}())\n"
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(prelude) + start], capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_each_console_script_is_a_light_entry_that_imports_its_tool_itself():
+    """A console script imports its target before any code of ours runs: `specter.replay:main` and
+    `specter.bench.cli:main` imported numpy, pydantic (the bench torch) with no Ctrl-C handling in place yet."""
+    scripts = _console_scripts()
+    assert set(scripts) == {entry for entry in ENTRY_POINTS if not entry.startswith("-m ")}
+    for name, target in scripts.items():
+        module, function = target.split(":")
+        code = (f"import sys\nfrom {module} import {function}\nassert callable({function})\n"
+                "print(*sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'pydantic')\n"
+                "              or m in ('specter.cli', 'specter.replay') or m.startswith('specter.bench')))")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and done.stdout == "\n", (name, target, done.stdout, done.stderr)
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_ctrl_c_while_an_entry_point_imports_is_interrupted_130(tools, entry):
+    """A Ctrl-C as numpy or torch (whichever comes first) starts to import: through a console script or `python -m
+    specter.replay` it was a KeyboardInterrupt traceback (status 1)."""
+    prelude = """
+        import os, signal, sys
+        class CtrlC:
+            @staticmethod
+            def find_spec(name, path=None, target=None):
+                if name in ("numpy", "torch"):
+                    sys.meta_path.remove(CtrlC)
+                    os.kill(os.getpid(), signal.SIGINT)
+                return None
+        sys.meta_path.insert(0, CtrlC)
+    """
+    done = _start(entry, tools[ENTRY_POINTS[entry]][1:], prelude)
+    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1:] == ["interrupted"] and done.stdout == "", done.stderr
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_ctrl_c_after_an_entry_points_tool_ended_is_quiet(tools, entry):
+    """Through a console script or `python -m specter.replay`, a Ctrl-C during the exit handlers was 'Exception
+    ignored in atexit callback' with a traceback, and status 0."""
+    prelude = """
+        import atexit, os, signal, time
+        atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))  # registered first: runs last
+    """
+    done = _start(entry, tools[ENTRY_POINTS[entry]][1:], prelude)
+    assert done.stdout and done.returncode == -signal.SIGINT, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("raised", ["KeyboardInterrupt", "SystemExit(2)"])
+def test_run_entry_ends_a_ctrl_c_that_escaped_main_as_interrupted_and_quiets_the_exit(raised, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """A Ctrl-C in a tool's argument parsing, before its `run_tool`, is 'interrupted' and 130 too; whatever ends main
+    (argparse's SystemExit included), a later Ctrl-C is quieted."""
+    from specter import exits
+
+    name = f"a_tool_{tmp_path.name}"
+    (tmp_path / f"{name}.py").write_text(f"def main():\n    raise {raised}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    quieted: list[bool] = []
+    monkeypatch.setattr(exits, "quiet_late_interrupt", lambda: quieted.append(True))  # not this test process's SIGINT
+    try:
+        if raised == "KeyboardInterrupt":
+            assert exits.run_entry(name) == exits.INTERRUPTED_STATUS and capsys.readouterr().err == "interrupted\n"
+        else:
+            with pytest.raises(SystemExit):
+                exits.run_entry(name)
+    finally:
+        sys.modules.pop(name, None)
+    assert quieted == [True]
 
 
 def test_a_sync_engine_load_interrupted_in_the_callers_thread_unwinds_its_tasks(monkeypatch):
