@@ -99,6 +99,20 @@ def placement_costs(monkeypatch, tmp_path):
     return store
 
 
+@pytest.fixture(autouse=True)
+def logging_as_found():
+    """Each test ends with logging as it began: a tool run in-process (a CLI's main, the bench) configures structlog
+    for the process, and a level of ERROR left by one test hid the warnings another captures (`capture_logs`)."""
+    import structlog
+
+    from specter import log
+
+    config, state = structlog.get_config(), (log._configured, log._debug)
+    yield
+    structlog.configure(**config)
+    log._configured, log._debug = state
+
+
 @pytest.fixture
 def fresh_plugin_scan(monkeypatch):
     """Each test scans entry points afresh, with no allow-list unless it sets one (plug-in and backend tests)."""
