@@ -23,3 +23,13 @@ def bench() -> None:
     from specter.bench.stopping import exit_bounded  # loaded already, by the bench's own imports
 
     exit_bounded(status)
+
+
+def widen() -> int:
+    """`python -m specter.bench.widen`: `specter.bench.widen.main`."""
+    return run_entry("specter.bench.widen")
+
+
+def realism() -> int:
+    """`python -m specter.bench.realism`: `specter.bench.realism.main`."""
+    return run_entry("specter.bench.realism")

@@ -159,7 +159,8 @@ def test_a_ctrl_c_during_the_exit_handlers_after_the_tool_ends_quietly(quiet):
 # Every entry point a user starts, with the `tools` command it runs: the console scripts (run as pip's wrapper runs
 # them, from pyproject's [project.scripts], so no reinstall is needed) and `python -m` (as runpy runs it).
 ENTRY_POINTS = {"-m specter": "info", "-m specter.bench": "bench", "-m specter.replay": "replay",
-                "specter": "info", "specter-bench": "bench", "specter-replay": "replay"}
+                "-m specter.bench.widen": "widen", "specter": "info", "specter-bench": "bench",
+                "specter-replay": "replay"}
 
 
 def _console_scripts() -> dict[str, str]:

@@ -20,11 +20,15 @@ CLI: `python -m specter.bench.realism --model PATH [--factor F] [--json OUT]`.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m specter.bench.realism`: a Ctrl-C held over the imports below (`specter.entry`)
+    from specter.entry import realism
+
+    raise SystemExit(realism())
+
 import argparse
 import asyncio
 import json
 import math
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -371,6 +375,3 @@ def _print_report(args: argparse.Namespace) -> int:
             raise OutputError(f"cannot write the report to {args.json}: {error.strerror or error}") from None
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

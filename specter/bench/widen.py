@@ -42,12 +42,16 @@ CLI: `python -m specter.bench.widen --shape mixtral-8x7b --factor 8 --src NARROW
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m specter.bench.widen`: a Ctrl-C held over the imports below (`specter.entry`)
+    from specter.entry import widen
+
+    raise SystemExit(widen())
+
 import argparse
 import copy
 import dataclasses
 import json
 import shutil
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -536,6 +540,3 @@ def _run(args: argparse.Namespace) -> int:
     print(f"widened {args.src} x{factor} ({args.dtype}) -> {out}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
