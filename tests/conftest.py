@@ -99,16 +99,27 @@ def placement_costs(monkeypatch, tmp_path):
     return store
 
 
-@pytest.fixture(autouse=True)
-def logging_as_found():
-    """Each test ends with logging as it began: a tool run in-process (a CLI's main, the bench) configures structlog
-    for the process, and a level of ERROR left by one test hid the warnings another captures (`capture_logs`)."""
+@pytest.fixture(scope="session")
+def initial_logging():
+    """structlog's configuration as the session found it (`logging_as_found`)."""
     import structlog
 
     from specter import log
 
-    config, state = structlog.get_config(), (log._configured, log._debug)
+    return structlog.get_config(), (log._configured, log._debug)
+
+
+@pytest.fixture(autouse=True)
+def logging_as_found(initial_logging):
+    """Each test ends with logging as the session began: a tool run in-process (a CLI's main, the bench, also from a
+    module's fixture) configures structlog for the process, and the level of ERROR it left hid the warnings a later
+    test captures (`capture_logs`)."""
+    import structlog
+
+    from specter import log
+
     yield
+    config, state = initial_logging
     structlog.configure(**config)
     log._configured, log._debug = state
 
