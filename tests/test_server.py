@@ -1035,3 +1035,19 @@ def test_the_port_probe_takes_an_empty_host_and_names_a_bad_one():
     check_address("", 0)  # all interfaces, as uvicorn reads it
     with pytest.raises(ConfigError, match="cannot listen on"):
         check_address("x" * 70 + ".example", 8000)  # too long a label for IDNA: a UnicodeError
+
+
+@pytest.mark.parametrize("error, status", [("PluginError", 500), ("RequestCancelled", 503), ("EngineClosed", 503)])
+def test_a_request_the_engine_ended_is_500_for_a_plugins_failure_and_503_otherwise(error, status):
+    """A policy plug-in that raised mid-request was a 503, 'try again later', where sent again it fails again: the
+    server's defect, a 500; the engine's closing stays a 503. The served model is named, not the checkpoint's path."""
+    from types import SimpleNamespace
+
+    from specter import errors
+    from specter.server.app import _ended
+
+    cause = getattr(errors, error, None) or type(error, (errors.SpecterError,), {})
+    state = SimpleNamespace(model_name="served", engine=SimpleNamespace(tokenizer=SimpleNamespace(source="/srv/ckpt")))
+    answer = _ended(state, cause("eviction plug-in 'x' (dist y): victims() raised in /srv/ckpt"))
+    assert answer.status == status and answer.body()["error"]["type"] == "server_error"
+    assert ("/srv/ckpt" not in answer.message) and (error == "RequestCancelled" or "<model 'served'>" in answer.message)

@@ -29,7 +29,7 @@ from starlette.routing import Route
 from specter.api import Engine, FinishReason, Piece, Prompt
 from specter.config import GenerationConfig
 from specter.tokenizer import GIL_FREE_CHARS
-from specter.errors import ConfigError, PromptError, RequestCancelled, SpecterError
+from specter.errors import ConfigError, PluginError, PromptError, RequestCancelled, SpecterError
 from specter.log import get_logger
 from specter.server.admission import AdmissionQueue, QueueFull, Ticket
 from specter.server.asgi import ClientGone, EventStream, Gate, NoResponse, sse, unless_hangup
@@ -196,8 +196,9 @@ async def _serve(state: ServerState, request: Request, body: SamplingRequest, pr
     except ClientGone:
         log.debug("server.client_gone", path=request.url.path)
         return NoResponse()
-    except SpecterError as error:  # e.g. the engine closed under a request past the drain timeout: as streamed, a 503
-        raise _unavailable(state, error) from None
+    except SpecterError as error:  # e.g. the engine closed under a request past the drain timeout; as streamed
+        log.warning("server.request_ended", error=str(error))
+        raise _ended(state, error) from None
     finally:
         job.ticket.close()
     return JSONResponse(answer.whole(text, reason, len(prompt_ids), new_tokens))
@@ -251,7 +252,7 @@ async def _events(state: ServerState, job: Job, answer: Answer, include_usage: b
                     yield sse(answer.chunk(piece.text, piece.finish_reason, with_usage=include_usage))
     except SpecterError as error:  # e.g. the engine closed under a request past the drain timeout
         log.warning("server.stream_ended", error=str(error))
-        yield sse(_unavailable(state, error).body())
+        yield sse(_ended(state, error).body())
         return
     except Exception:
         log.exception("server.stream_failed")
@@ -396,11 +397,12 @@ def _generation(body: SamplingRequest, max_tokens: int) -> GenerationConfig:
         raise APIRequestError(400, str(error)) from None
 
 
-def _unavailable(state: ServerState, error: SpecterError) -> APIRequestError:
-    """A request the engine ended: the engine's own words, but for its closing, whose advice is the Python API's."""
+def _ended(state: ServerState, error: SpecterError) -> APIRequestError:
+    """A request the engine ended: the engine's own words, but for its closing, whose advice is the Python API's. A
+    plug-in's failure is the server's defect (500: sent again, it fails again), the rest a 503."""
     message = ("the server is shutting down and ended this request; send it again" if isinstance(error, RequestCancelled)
                else _public(state, str(error)))
-    return APIRequestError(503, message, type="server_error")
+    return APIRequestError(500 if isinstance(error, PluginError) else 503, message, type="server_error")
 
 
 def _public(state: ServerState, message: str) -> str:
