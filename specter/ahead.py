@@ -146,5 +146,8 @@ def single_failure() -> Iterator[None]:
         yield
     except BaseExceptionGroup as group:
         if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
+            failure = group.exceptions[0]
+            # the group hidden, the failure's own cause kept (`from None` would erase it: a plug-in's exception,
+            # the file and line its author needs)
+            raise failure from failure.__cause__
         raise

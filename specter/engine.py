@@ -367,7 +367,7 @@ class Runtime:
     def _next_k(self, remaining: int) -> int:
         if self.draft is None:
             return 0
-        k = self.lookahead.next_k(self._lookahead_state())
+        k = self.lookahead.next_k(state=self._lookahead_state())
         return max(0, min(k, self.k_max, remaining - 1))
 
     def _plan_before_draft(self, k: int) -> None:

@@ -13,6 +13,7 @@ import io
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import TextIO, TypeVar
 
@@ -152,6 +153,7 @@ def run_tool(main: Callable[[], int], preload: Sequence[str] = ()) -> int:
         _stdout_to_devnull(stdout)
         return BROKEN_PIPE_STATUS
     except SpecterError as error:
+        _cause_when_debugging(error)
         print(f"error: {error}", file=sys.stderr)
         return ERROR_STATUS
     except KeyboardInterrupt:
@@ -159,6 +161,15 @@ def run_tool(main: Callable[[], int], preload: Sequence[str] = ()) -> int:
         return INTERRUPTED_STATUS
     finally:
         sys.stdout = stdout
+
+
+def _cause_when_debugging(error: SpecterError) -> None:
+    """At --log-level debug, the traceback of what `error` was raised from (a plug-in's own exception: its author
+    needs the file and line in their code, which the one-line message leaves out)."""
+    from specter.log import debug_enabled  # loaded by then: the tool logs through it
+
+    if error.__cause__ is not None and debug_enabled():
+        traceback.print_exception(error.__cause__, file=sys.stderr)
 
 
 def _stdout_to_devnull(stdout: TextIO) -> None:

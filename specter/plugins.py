@@ -89,6 +89,14 @@ def installed(group: str, *, refresh: bool = False) -> dict[str, EntryPoint]:
 def _scan(short: str) -> dict[str, EntryPoint]:
     found: dict[str, EntryPoint] = {}
     for entry_point in entry_points(group=GROUP_PREFIX + short):
+        if not _selectable(entry_point.name):
+            # SPECTER_PLUGINS splits on ',' and reads 'group:name': a ',' makes the name unselectable there, a ':'
+            # lets `prefetch:none` (an eviction plug-in's name) pass an allow-list meant for the prefetch `none`
+            log.warning("plugin.bad_name", group=short, name=entry_point.name, value=entry_point.value,
+                        dist=PluginOrigin.of(short, entry_point).dist,
+                        advice="a plug-in's name holds no ',' or ':' and no space at its ends; rename the entry point "
+                               "in its distribution (it is skipped until then)")
+            continue
         if entry_point.name not in found:
             found[entry_point.name] = entry_point
             continue
@@ -109,6 +117,11 @@ def _scan(short: str) -> dict[str, EntryPoint]:
                     kept_dist=PluginOrigin.of(short, kept).dist, ignored=ignored.value, ignored_dist=ignored_dist,
                     advice=advice)
     return found
+
+
+def _selectable(name: str) -> bool:
+    """Whether `name` can be named on the command line and in SPECTER_PLUGINS (`is_allowed`) as it is."""
+    return bool(name) and name == name.strip() and not any(mark in name for mark in ",:")
 
 
 def _is_reference(entry_point: EntryPoint) -> bool:
@@ -232,8 +245,8 @@ def _load_and_construct(short: str, name: str, refresh: bool, options: dict[str,
                   if not options and isinstance(exc, TypeError) and "required" in str(exc) else "")
         if isinstance(exc, SystemExit):
             detail, advice = f"it called exit({exc.code!r})", "; a plug-in must raise an exception, never exit the process"
-        else:
-            detail = str(exc)
+        else:  # the type too: str() of an AssertionError is empty, of a KeyError its key alone
+            detail = str(exc) if advice else f"raised {abbreviate(exc)}"
         raise PluginError(f"{origin.label()}: construction with options {options} failed: {detail}{advice}") from exc
 
 

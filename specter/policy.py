@@ -6,9 +6,10 @@ CPU from a routing trace (`specter.replay`). Each is built with keyword-only opt
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence, Set
+import inspect
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -244,7 +245,26 @@ def protocol_problems(policy: object, group: str) -> list[str]:
         for method in REQUIRED_METHODS[group]
         if hasattr(policy, method) and not callable(getattr(policy, method))
     ]
+    problems += [problem for method in REQUIRED_METHODS[group] if callable(getattr(policy, method, None))
+                 for problem in _call_problems(getattr(policy, method), getattr(PROTOCOLS[group], method), method)]
     name = getattr(policy, "name", None)
     if not isinstance(name, str) or not name:
         problems.append("`name` attribute missing or not a non-empty str")
     return problems
+
+
+def _call_problems(method: Callable[..., Any], protocol_method: Callable[..., Any], name: str) -> list[str]:
+    """What keeps `method` from taking the engine's call, found at load and not at the first decision after the whole
+    model loaded: an `async def` (the engine calls policies synchronously: it would get a coroutine) and parameter
+    names other than the protocol's (every call passes them as keywords)."""
+    if inspect.iscoroutinefunction(method) or inspect.isasyncgenfunction(method):
+        return [f"{name}() is async; the engine calls policies synchronously, so make it a plain def"]
+    keywords = [parameter for parameter in inspect.signature(protocol_method).parameters if parameter != "self"]
+    try:
+        inspect.signature(method).bind(**dict.fromkeys(keywords))
+    except ValueError:  # no signature to read (a builtin): the call itself will tell
+        return []
+    except TypeError as error:
+        return [f"{name}() cannot take the engine's call {name}({', '.join(f'{k}=...' for k in keywords)}): {error}; "
+                "keep the protocol's parameter names"]
+    return []

@@ -33,19 +33,37 @@ class NeedsSeed(Evicts):
 class ExitsOnConstruction(Evicts):
     def __init__(self):
         sys.exit(3)
+
+class AssertsOnConstruction(Evicts):
+    def __init__(self):
+        assert False
+
+class RenamedParameters(Evicts):
+    def victims(self, layer_index, residents, protected, count, history, plan):
+        return []
+
+class AsyncVictims(Evicts):
+    async def victims(self, layer, residents, protected, count, history, plan):
+        return []
+
+class RaisesInVictims(Evicts):
+    def victims(self, layer, residents, protected, count, history, plan):
+        raise ValueError("boom in the author's code")
 '''
 
 
 @pytest.fixture
 def author_package(tmp_path, monkeypatch):
-    """A third party's module on sys.path, and a way to make the installed entry points of `specter.eviction`."""
+    """A third party's module on sys.path, and a way to make the installed entry points of `specter.eviction` (the other
+    groups' as installed)."""
     (tmp_path / "author_policies.py").write_text(AUTHOR_MODULE)
     (tmp_path / "author_exits_at_import.py").write_text("import sys\nsys.exit('no GPU here')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
 
     def install(*points: tuple[str, str]) -> None:
-        listed = [EntryPoint(name, value, "specter.eviction") for name, value in points]
-        monkeypatch.setattr(plugins, "entry_points", lambda group: listed if group == "specter.eviction" else [])
+        listed, installed = [EntryPoint(name, value, "specter.eviction") for name, value in points], plugins.entry_points
+        monkeypatch.setattr(plugins, "entry_points",
+                            lambda group: listed if group == "specter.eviction" else installed(group=group))
         plugins.refresh()
 
     return install
@@ -93,3 +111,59 @@ def test_a_loaded_plugin_answers_to_its_entry_points_name(author_package):
     assert plugins.load_policy("eviction", "my-lru").name == "my-lru"
     assert plugins.load_policy("eviction", "my-lru", guard=False).name == "lru"  # the object itself is left alone
     assert plugins.guarded(plugins.load_policy("eviction", "lru", guard=False), "eviction").name == "lru"
+
+
+@pytest.mark.parametrize("name", ["prefetch:none", "a,b", " spaced", ""])
+def test_a_name_the_allow_list_cannot_select_as_written_is_skipped_with_a_warning(author_package, monkeypatch, name):
+    """An eviction plug-in named `prefetch:none` passed `SPECTER_PLUGINS=...,prefetch:none` meant for the prefetch
+    plug-in `none` (the replay then ran it); one named `a,b` could be used and never allow-listed."""
+    from structlog.testing import capture_logs
+
+    author_package((name, "author_policies:Evicts"), ("fine", "author_policies:Evicts"))
+    with capture_logs() as logs:
+        assert sorted(plugins.installed("eviction")) == ["fine"]
+    assert [(entry["event"], entry["name"]) for entry in logs] == [("plugin.bad_name", name)]
+    monkeypatch.setenv(plugins.ALLOW_LIST_ENV, "prefetch:none,fine")
+    assert sorted(plugins.available("eviction")) == ["fine"]
+
+
+def test_a_constructors_exception_is_named_with_its_type(author_package):
+    """`assert False` in a constructor was 'construction with options {} failed: ' and nothing more."""
+    author_package(("asserts", "author_policies:AssertsOnConstruction"))
+    with pytest.raises(PluginError, match=r"construction with options \{\} failed: raised AssertionError\(\)$"):
+        plugins.load_policy("eviction", "asserts")
+
+
+@pytest.mark.parametrize("value, says", [
+    ("author_policies:RenamedParameters", r"victims\(\) cannot take the engine's call victims\(layer=\.\.\., residents=.*"
+                                          r"keep the protocol's parameter names"),
+    ("author_policies:AsyncVictims", r"victims\(\) is async; the engine calls policies synchronously"),
+])
+def test_a_method_the_engine_cannot_call_is_refused_at_load(author_package, value, says):
+    """They loaded, and failed at the first decision after the whole model had loaded (a TypeError on `layer=`; a
+    coroutine that 'is not a list of ids' and a 'never awaited' warning)."""
+    author_package(("wrong", value))
+    with pytest.raises(PluginError, match=rf"eviction plug-in 'wrong' \(dist unknown\): {says}"):
+        plugins.load_policy("eviction", "wrong")
+
+
+def test_a_plugins_exception_reaches_the_user_as_the_cause_and_at_debug_as_a_traceback(author_package, tiny, capsys):
+    """The engine's task group re-raised the PluginError `from None`, which erased its cause: the author's file and
+    line were nowhere, not in the Python API's `__cause__`, not under `--log-level debug`."""
+    from specter import EngineConfig, SyncEngine
+    from specter.cli import main
+
+    author_package(("raises", "author_policies:RaisesInVictims"))
+    with SyncEngine(tiny, EngineConfig(residents=4, eviction="raises")) as engine:
+        with pytest.raises(PluginError) as caught:
+            engine.complete([1, 2, 3], max_new_tokens=8)
+    assert isinstance(caught.value.__cause__, ValueError) and "boom" in str(caught.value.__cause__)
+    capsys.readouterr()
+    argv = ["generate", "--model", str(tiny), "--residents", "4", "--eviction", "raises", "--prompt-ids", "1,2,3",
+            "--max-new-tokens", "8", "--json"]
+    assert main([*argv, "--log-level", "debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and 'raise ValueError("boom in the author\'s code")' in err and "author_policies.py" in err
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.rstrip().endswith("victims() raised ValueError(\"boom in the author\'s code\")")

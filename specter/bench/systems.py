@@ -318,14 +318,14 @@ class ReplayedDepths:
         return getattr(self.policy, name)
 
     def next_k(self, state: LookaheadState) -> int:
-        k = self.policy.next_k(state)
+        k = self.policy.next_k(state=state)
         depths, index = self.books.replayed_depths, self.books.round_index
         if depths is None:
             return k
         return depths[index] if index < len(depths) else 0  # the runtime clamps it as it clamped the recorded run's
 
     def observe(self, outcome: RoundOutcome) -> None:
-        self.policy.observe(outcome)
+        self.policy.observe(outcome=outcome)
 
 
 # ---- the runtime ----------------------------------------------------------------------------------------
