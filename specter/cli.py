@@ -258,13 +258,24 @@ def check_generate_inputs(args: argparse.Namespace) -> None:
 async def _generate(args: argparse.Namespace, config: Any, generation: Any, tokenizer: Any, prompt: Any) -> int:
     from specter.api import Engine
 
+    from specter.errors import SpecterError
+
     async with Engine.from_pretrained(args.model, config, tokenizer=tokenizer) as engine:
         if args.trace:
             engine.runtime.record_trace(args.trace)
-        async with engine.generate(prompt, generation) as stream:
-            async for piece in stream:
-                if not args.json:
-                    _show(piece, text_mode=engine.tokenizer is not None)
+        pieces: list[Any] = []
+        try:
+            async with engine.generate(prompt, generation) as stream:
+                async for piece in stream:
+                    pieces.append(piece)
+                    if not args.json:
+                        _show(piece, text_mode=engine.tokenizer is not None)
+        except SpecterError as error:
+            if args.json and pieces:  # what was committed before the failure, as text mode has shown it already
+                _out(json.dumps({"tokens": [token for piece in pieces for token in piece.token_ids],
+                                 "text": "".join(piece.text for piece in pieces), "finish_reason": "error",
+                                 "error": str(error), "stats": stream.stats.as_dict()}) + "\n")
+            raise
         result = stream.result
     assert result is not None, "the stream ended without a result"
     if args.json:

@@ -3,6 +3,7 @@ a plug-in that exits while loading, a constructor that needs arguments, the name
 
 from __future__ import annotations
 
+import json
 from importlib.metadata import EntryPoint
 
 import pytest
@@ -165,5 +166,9 @@ def test_a_plugins_exception_reaches_the_user_as_the_cause_and_at_debug_as_a_tra
     err = capsys.readouterr().err
     assert "Traceback" in err and 'raise ValueError("boom in the author\'s code")' in err and "author_policies.py" in err
     assert main(argv) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert "Traceback" not in err and err.rstrip().endswith("victims() raised ValueError(\"boom in the author\'s code\")")
+    # --json: what was committed before the failure is on stdout, as text mode streams it (it printed nothing)
+    partial = json.loads(out)
+    assert partial["finish_reason"] == "error" and partial["error"] in err and partial["tokens"]
+    assert partial["stats"]["new_tokens"] == len(partial["tokens"])
