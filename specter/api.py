@@ -24,7 +24,7 @@ from typing import Any, Literal, Union
 from specter.config import EngineConfig, GenerationConfig
 from specter.decode import check_prompt
 from specter.engine import Runtime
-from specter.errors import ConfigError, EngineLoopError, PromptError, RequestCancelled
+from specter.errors import ConfigError, EngineLoopError, PromptError, RequestCancelled, StreamBusy
 from specter.log import get_logger
 from specter.metrics import RequestStats
 from specter.model.spec import ModelSpec
@@ -60,6 +60,10 @@ class Result:
     prompt_ids: list[int]
 
 
+IDLE_HOLDER_WARN_S = 10.0
+"""How long a request waits behind a stream nobody reads before the engine warns (`Engine._watch_idle_holder`)."""
+
+
 class GenerationStream:
     """One request: an async iterator of `Piece`s, live `stats`, and `result` once finished.
 
@@ -67,8 +71,9 @@ class GenerationStream:
     engine until it finishes, is closed, or its task is cancelled. Leave a loop early inside `async with`
     (or `await aclose()`), so the engine is free at once. A bare `async for` left early keeps the engine
     until the stream is found abandoned: when the task that read it starts another request (it cannot read
-    both; closed with a warning, `stream.abandoned`), or when that task ends and nothing references the
-    stream any more. A request started from that task through `asyncio.wait_for` or `gather` runs in a task
+    both; closed with a warning, `stream.abandoned`), when that task ends with an exception or cancelled
+    between pieces (closed, with the warning), or when it ends otherwise and nothing references the stream
+    any more. A request started from that task through `asyncio.wait_for` or `gather` runs in a task
     of its own (Python 3.11), which the engine cannot tell from another reader's: it waits until the first
     task ends. Reading a stream that was closed, cancelled or failed raises RequestCancelled.
     """
@@ -91,6 +96,7 @@ class GenerationStream:
         self._h2d_before = 0
         self._track_readers = True  # SyncEngine reads each piece in a task of its own and watches its iterator itself
         self._watched: tuple[asyncio.Task[Any], Any] | None = None  # the reading task and its done callback
+        self._left: asyncio.Event | None = None  # set when the reader in __anext__ leaves it (aclose from another task)
 
     @property
     def text(self) -> str:
@@ -101,6 +107,11 @@ class GenerationStream:
 
     async def __anext__(self) -> Piece:
         task = asyncio.current_task()
+        if self._consumer is not None:  # before any state is touched: the running reader's stream stays whole
+            raise StreamBusy("this stream is being read by another task; read a stream from one task at a time "
+                             "(hand the pieces to others through a queue)")
+        if self._abort_reason is not None and self.finish_reason is None:  # closed between pieces, not yet unwound
+            raise RequestCancelled(self._abort_reason)
         if task is not None and self._track_readers and (self._reader is None or self._reader() is not task):
             self._watch_reader(task)
         self._consumer = task
@@ -121,6 +132,8 @@ class GenerationStream:
             raise
         finally:
             self._consumer = None
+            if self._left is not None:
+                self._left.set()
 
     async def __aenter__(self) -> GenerationStream:
         return self
@@ -129,7 +142,15 @@ class GenerationStream:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop the request (if it still runs) and give the engine to the next one. Idempotent."""
+        """Stop the request (if it still runs) and give the engine to the next one. Idempotent. From a task other
+        than the one reading it (a stop button, a hang-up handler), the reader's wait ends in RequestCancelled and
+        this returns once the request has unwound."""
+        consumer = self._consumer
+        if consumer is not None and consumer is not asyncio.current_task():
+            self._abort_reason = self._abort_reason or "this stream was closed by aclose() from another task"
+            self._left = asyncio.Event()
+            consumer.cancel()
+            await self._left.wait()
         await self._pieces.aclose()
         self._mark_ended("cancelled")
 
@@ -152,7 +173,10 @@ class GenerationStream:
         final: Piece | None = None
         self._engine._enter_loop()
         await self._engine._reclaim_abandoned()
+        watch = self._engine._watch_idle_holder(self) if self._engine._turn.locked() else None
         async with self._engine._turn:
+            if watch is not None:
+                watch.cancel()
             self._engine._holder = weakref.ref(self)
             self._engine._check_open()
             self._h2d_before = self._engine._bytes_loaded()
@@ -278,6 +302,7 @@ class Engine:
         self._closing: asyncio.Task[None] | None = None
         self._loop = _running_loop()  # the loop it serves (None until a request runs, when made outside one)
         self._loop_guard = threading.Lock()  # two threads' loops may ask at once
+        self._closers: set[asyncio.Task[None]] = set()  # streams being closed for a reader that failed (_closer)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None) -> EngineLoader:
@@ -329,7 +354,10 @@ class Engine:
 
     async def _close(self) -> None:
         for stream in list(self._streams):
-            await stream._abort("the engine was closed while the request was running or queued")
+            try:
+                await stream._abort("the engine was closed while the request was running or queued")
+            except Exception as error:  # one stream's misuse must not keep the device and threads held for good
+                log.warning("engine.close_stream_failed", error=repr(error))
         async with self._turn:  # the aborted requests have unwound
             await self.runtime.aclose()
         log.debug("engine.closed")
@@ -384,17 +412,46 @@ class Engine:
         else references it, collecting it gives the turn back now, not when the next request happens to queue."""
         ref = weakref.ref(stream)
 
-        def ended(_task: asyncio.Task[Any]) -> None:
+        def ended(task: asyncio.Task[Any]) -> None:
             left = ref()
             if left is None or left.finish_reason is not None or not left._reader_ended():
                 return
             left._watched = None
+            if task.cancelled() or task.exception() is not None:
+                # The reader failed or was cancelled between pieces: a gather(..., return_exceptions=True) or a task
+                # list keeps the task, its traceback the frame, the frame the stream, so no collection would free
+                # the turn and every later request would wait for good.
+                self.stream_abandoned(left, "this stream was closed because the task reading it ended with an "
+                                            "exception or was cancelled between pieces")
+                self._closer(left)
+                return
             holds_a_waited_turn = self._holder is not None and self._holder() is left and bool(getattr(self._turn, "_waiters", None))
             del left
             if holds_a_waited_turn:  # a full collection costs milliseconds: only when a request waits for this turn
                 asyncio.get_running_loop().call_soon(gc.collect)  # after the task's frame has let go of its locals
 
         return ended
+
+    def _watch_idle_holder(self, waiting: GenerationStream) -> asyncio.TimerHandle:
+        """A timer, cancelled once `waiting` has the turn: if it still waits after IDLE_HOLDER_WARN_S behind a stream
+        that nobody reads (between pieces: left by a thread or task that still holds it, which the engine cannot
+        tell from a slow reader), say so, once, rather than wait in silence."""
+        def check() -> None:
+            holder = self._holder() if self._holder is not None else None
+            if holder is not None and self.holds_turn_between_pieces(holder):
+                log.warning("engine.waiting_on_idle_stream", waited_s=IDLE_HOLDER_WARN_S,
+                            holder_new_tokens=len(holder.token_ids), waiting_prompt_tokens=len(waiting.prompt_ids),
+                            advice="a stream holds the engine between pieces and nobody reads it: read each stream to "
+                                   "the end, or leave it in `async with` / call aclose() (SyncEngine: close() the "
+                                   "iterator); one kept by a failed thread's traceback is never freed")
+
+        return asyncio.get_running_loop().call_later(IDLE_HOLDER_WARN_S, check)
+
+    def _closer(self, stream: GenerationStream) -> None:
+        """Close `stream` in a task of its own (from a done callback, which cannot await), kept until it ends."""
+        task = asyncio.get_running_loop().create_task(stream.aclose(), name="specter-stream-close")
+        self._closers.add(task)
+        task.add_done_callback(self._closers.discard)
 
     # ---- requests ------------------------------------------------------------------------------------
     def generate(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None,

@@ -34,6 +34,10 @@ class RequestCancelled(SpecterError):
     """A generation request was cancelled before it finished."""
 
 
+class StreamBusy(SpecterError, RuntimeError):
+    """A stream read by a second task while another reads it (one stream has one reader at a time)."""
+
+
 class EngineLoopError(SpecterError, RuntimeError):
     """An engine was used from an event loop (or thread) that does not own it, or its loop ended under it."""
 

@@ -578,3 +578,133 @@ def test_token_ids_from_numpy_or_torch_are_ids_and_bools_or_floats_are_not(tiny)
                            ([1.0], "float")):
             with pytest.raises(PromptError, match=f"a list of int token ids.*{named}"):
                 engine.complete(bad, max_new_tokens=1)
+
+
+@pytest.mark.parametrize("how", ["raises", "cancelled"])
+def test_a_reader_that_fails_between_pieces_frees_the_engine_though_its_task_is_kept(tiny, baseline, how):
+    """A task reading a bare `async for` that raised in its body, or was cancelled between pieces (a client gone
+    during a send), ended; `gather(..., return_exceptions=True)` kept the task, its traceback the frame, the frame the
+    stream: no collection freed the turn, and every later request waited for good, in silence."""
+    async def main():
+        async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
+            got_one = asyncio.Event()
+
+            async def reader():
+                stream = engine.generate(PROMPT, max_new_tokens=30)
+                async for _ in stream:
+                    got_one.set()
+                    if how == "raises":
+                        raise ValueError("a bug in the reader")
+                    await asyncio.sleep(3600)  # cancelled here, between pieces
+
+            task = asyncio.create_task(reader())
+            await got_one.wait()
+            if how == "cancelled":
+                task.cancel()
+            with capture_logs() as logs:
+                async with asyncio.timeout(60):
+                    kept, second = await asyncio.gather(task, engine.complete(PROMPT, max_new_tokens=6),
+                                                        return_exceptions=True)
+            assert isinstance(kept, ValueError if how == "raises" else asyncio.CancelledError)
+            assert [entry["event"] for entry in logs if entry["log_level"] == "warning"] == ["stream.abandoned"]
+            assert_engine_clean(engine)
+            return second
+
+    assert run(main()).token_ids == baseline(PROMPT, 6)
+
+
+def test_aclose_from_another_task_stops_the_running_request(tiny, baseline):
+    """A stop button: aclose() from a task other than the reader's raised 'aclose(): asynchronous generator is
+    already running' and the request ran on to max_new_tokens."""
+    async def main():
+        async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
+            stream = engine.generate(PROMPT, max_new_tokens=300)
+            read: list[int] = []
+
+            async def reader():
+                async for piece in stream:
+                    read.extend(piece.token_ids)
+
+            task = asyncio.create_task(reader())
+            while not read:
+                await asyncio.sleep(0.001)
+            async with asyncio.timeout(60):
+                await stream.aclose()
+                with pytest.raises(RequestCancelled, match="closed by aclose\\(\\) from another task"):
+                    await task
+            assert stream.finish_reason == "cancelled" and 0 < len(read) < 300
+            with pytest.raises(RequestCancelled):
+                await anext(stream)
+            assert_engine_clean(engine)
+            async with asyncio.timeout(60):
+                return await engine.complete(PROMPT, max_new_tokens=6)
+
+    assert run(main()).token_ids == baseline(PROMPT, 6)
+
+
+def test_a_second_reader_of_one_stream_is_refused_and_leaves_it_whole(tiny, baseline):
+    """The stray second read's error marked the stream 'error' and cleared its reader while the first still read it:
+    the engine's close then raised 'already running' and never released the runtime, on every later aclose too."""
+    from specter.errors import StreamBusy
+
+    async def main():
+        engine = await Engine.from_pretrained(tiny, OFFLOADED)
+        stream = engine.generate(PROMPT, max_new_tokens=40)
+        first: list[int] = []
+
+        async def read():
+            async for piece in stream:
+                first.extend(piece.token_ids)
+
+        task = asyncio.create_task(read())
+        while not first:
+            await asyncio.sleep(0.001)
+        while stream._consumer is None:  # the first reader inside its next piece
+            await asyncio.sleep(0)
+        with pytest.raises(StreamBusy, match="being read by another task"):
+            await anext(stream)
+        async with asyncio.timeout(60):
+            await task
+        assert stream.finish_reason == "length"
+        await engine.aclose()
+        return engine, first
+
+    engine, first = run(main())
+    assert first == baseline(PROMPT, 40) and engine.runtime._closed  # released: its device memory and threads
+
+
+def test_a_request_waiting_behind_a_stream_nobody_reads_is_said_once(tiny, baseline, monkeypatch):
+    """A stream held between pieces by a live task (or a failed thread's traceback, which no one can close) made the
+    next request wait without a word."""
+    import specter.api
+
+    monkeypatch.setattr(specter.api, "IDLE_HOLDER_WARN_S", 0.2)
+
+    async def main():
+        async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
+            stream = engine.generate(PROMPT, max_new_tokens=30)
+            release = asyncio.Event()
+
+            async def holder():
+                async for _ in stream:
+                    await release.wait()  # between pieces, alive: its reader may yet come back
+                    break
+                await stream.aclose()
+
+            task = asyncio.create_task(holder())
+            while not stream.token_ids:
+                await asyncio.sleep(0.001)
+            with capture_logs() as logs:
+                waiting = asyncio.create_task(engine.complete(PROMPT, max_new_tokens=6))
+                await asyncio.sleep(0.6)
+                assert not waiting.done()
+                release.set()
+                async with asyncio.timeout(60):
+                    await task
+                    second = await waiting
+            warnings = [entry for entry in logs if entry["log_level"] == "warning"]
+            assert [entry["event"] for entry in warnings] == ["engine.waiting_on_idle_stream"]
+            assert warnings[0]["holder_new_tokens"] == len(stream.token_ids)
+            return second
+
+    assert run(main()).token_ids == baseline(PROMPT, 6)

@@ -310,6 +310,8 @@ ALLOWED_CONSTANTS = {
     "specter/plugins.py": {"SLOW_CALL_S"},  # when a policy call is logged as holding the loop (a warning, no behaviour)
     # how often a blocked SyncEngine call checks its loop thread is alive; how long its close waits for tasks to unwind
     "specter/sync.py": {"LIVENESS_POLL_S", "UNWIND_S"},
+    # a warning's patience, not a tuning knob: how long a request waits behind a stream nobody reads before it is said
+    "specter/api.py": {"IDLE_HOLDER_WARN_S"},
     "specter/experts/pool.py": {"_MAX_SLAB_GROWTH"},  # pinned-slab allocation granularity
     "specter/experts/native.py": {"CHUNK", "CALL_ROWS"},  # bound the native kernel's scratch per job and per call; rows
     # and experts are independent, so they change no bit (tests/test_native_kernel.py) and no A/B ever weighed them
