@@ -463,6 +463,10 @@ class Engine:
             raise PromptError("stop strings need the checkpoint's tokenizer.json to read the generated text, and this "
                               "checkpoint has none; stop on token ids instead (stop_token_ids), or give "
                               "Engine.from_pretrained(..., tokenizer=...)")
+        beyond = [token for token in generation.stop_token_ids if token >= self.spec.vocab_size]
+        if beyond:  # never produced: the request would run to max_new_tokens where the caller meant it to stop
+            raise PromptError(f"stop_token_ids {beyond[:4]} are beyond this model's vocabulary of {self.spec.vocab_size} "
+                              f"ids, so it can never produce them; give ids below {self.spec.vocab_size}")
         prompt_ids = self.encode(prompt)
         check_prompt(prompt_ids, generation.max_new_tokens, self.spec.vocab_size, self.config.max_context, self.spec.max_position)
         stream = GenerationStream(self, prompt_ids, generation, self.eos_token_ids | set(generation.stop_token_ids))

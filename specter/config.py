@@ -7,7 +7,7 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -602,6 +602,30 @@ class GenerationConfig(_Frozen):
                       "(below 2**63: the static step holds it in an int64).")
     stop_token_ids: tuple[int, ...] = Field((), description="Generation stops after emitting any of these ids.")
     stop_strings: tuple[str, ...] = Field((), description="Generation stops once the text contains any of these.")
+
+    @field_validator("max_new_tokens", "temperature", "top_k", "top_p", "seed", mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, value: Any) -> Any:
+        # pydantic's lax mode reads True as 1 and "3" as 3: seed=True or max_new_tokens="3" is a caller's slip
+        # (token ids that are bools are refused too: api._token_id), not a number to guess
+        if isinstance(value, (bool, str, bytes)):
+            raise ValueError(f"must be a number, not {type(value).__name__} {value!r}")
+        return value
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_ids_are_ints(cls, value: Any) -> Any:
+        if isinstance(value, (str, bytes)):
+            raise ValueError(f"must be a list of token ids, not {type(value).__name__} {value!r}")
+        try:
+            items = list(value)
+        except TypeError:
+            return value  # pydantic names what it is
+        bad = next((index for index, item in enumerate(items) if isinstance(item, (bool, str, bytes))
+                    or (isinstance(item, int) and item < 0)), None)
+        if bad is not None:
+            raise ValueError(f"token ids are integers from 0; element {bad} is {items[bad]!r}")
+        return value
 
     @field_validator("stop_strings")
     @classmethod

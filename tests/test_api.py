@@ -708,3 +708,30 @@ def test_a_request_waiting_behind_a_stream_nobody_reads_is_said_once(tiny, basel
             return second
 
     assert run(main()).token_ids == baseline(PROMPT, 6)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ({"seed": True}, "seed.*must be a number, not bool True"),
+    ({"max_new_tokens": "3"}, "max_new_tokens.*must be a number, not str '3'"),
+    ({"temperature": "0.5"}, "temperature.*must be a number, not str"),
+    ({"stop_token_ids": [-1]}, "token ids are integers from 0; element 0 is -1"),
+    ({"stop_token_ids": [4, True]}, "element 1 is True"),
+    ({"stop_token_ids": [99999]}, r"stop_token_ids \[99999\] are beyond this model's vocabulary of \d+ ids"),
+])
+def test_a_generation_setting_of_the_wrong_kind_is_refused_not_guessed(tiny, overrides, says):
+    """pydantic's lax mode read seed=True as 1 and max_new_tokens='3' as 3; a stop id of -1 or past the vocabulary was
+    taken and could never stop anything."""
+    from specter.errors import SpecterError
+
+    async def main():
+        async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
+            with pytest.raises(SpecterError, match=says):
+                engine.generate(PROMPT, **overrides)
+            return (await engine.complete(PROMPT, max_new_tokens=3, seed=np_int(7))).token_ids
+
+    def np_int(value):
+        import numpy as np
+
+        return np.int64(value)  # numpy's ints stay numbers
+
+    assert len(run(main())) == 3
