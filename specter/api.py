@@ -145,12 +145,9 @@ class GenerationStream:
         """Stop the request (if it still runs) and give the engine to the next one. Idempotent. From a task other
         than the one reading it (a stop button, a hang-up handler), the reader's wait ends in RequestCancelled and
         this returns once the request has unwound."""
-        consumer = self._consumer
-        if consumer is not None and consumer is not asyncio.current_task():
+        if self._consumer is not None and self._consumer is not asyncio.current_task():
             self._abort_reason = self._abort_reason or "this stream was closed by aclose() from another task"
-            self._left = asyncio.Event()
-            consumer.cancel()
-            await self._left.wait()
+            await self._stop_reader().wait()
         await self._pieces.aclose()
         self._mark_ended("cancelled")
 
@@ -173,10 +170,13 @@ class GenerationStream:
         final: Piece | None = None
         self._engine._enter_loop()
         await self._engine._reclaim_abandoned()
-        watch = self._engine._watch_idle_holder(self) if self._engine._turn.locked() else None
-        async with self._engine._turn:
+        watch = self._engine._watch_idle_holder(len(self.prompt_ids)) if self._engine._turn.locked() else None
+        try:
+            await self._engine._turn.acquire()
+        finally:  # the turn taken, or the wait cancelled: either way no one waits any more
             if watch is not None:
                 watch.cancel()
+        try:
             self._engine._holder = weakref.ref(self)
             self._engine._check_open()
             self._h2d_before = self._engine._bytes_loaded()
@@ -189,6 +189,8 @@ class GenerationStream:
                         final = piece
                         break
                     yield piece
+        finally:
+            self._engine._turn.release()
         yield final or self._finish("length", [], "")
 
     def _per_request_h2d(self) -> None:
@@ -259,9 +261,19 @@ class GenerationStream:
         """Engine shutdown: end this request whether it runs in another task or sits between pieces."""
         self._abort_reason = reason
         if self._consumer is not None and self._consumer is not asyncio.current_task():
-            self._consumer.cancel()
+            self._stop_reader()
         elif self._consumer is None:
             await self.aclose()
+
+    def _stop_reader(self) -> asyncio.Event:
+        """Cancel the task reading this stream, once, and return what is set when it has left `__anext__`: a second
+        cancel (a second aclose, or the engine's close beside one) would leave the reader's uncancel count above 0, so
+        CancelledError, not RequestCancelled, would end its whole task, and the first closer would wait for good."""
+        if self._left is None or self._left.is_set():
+            assert self._consumer is not None, "a reader to stop"
+            self._left = asyncio.Event()
+            self._consumer.cancel()
+        return self._left
 
 
 class EngineLoader:
@@ -432,15 +444,16 @@ class Engine:
 
         return ended
 
-    def _watch_idle_holder(self, waiting: GenerationStream) -> asyncio.TimerHandle:
-        """A timer, cancelled once `waiting` has the turn: if it still waits after IDLE_HOLDER_WARN_S behind a stream
+    def _watch_idle_holder(self, prompt_tokens: int) -> asyncio.TimerHandle:
+        """A timer, cancelled once a waiting request has the turn or stops waiting: if it still waits after
+        IDLE_HOLDER_WARN_S behind a stream
         that nobody reads (between pieces: left by a thread or task that still holds it, which the engine cannot
         tell from a slow reader), say so, once, rather than wait in silence."""
         def check() -> None:
             holder = self._holder() if self._holder is not None else None
             if holder is not None and self.holds_turn_between_pieces(holder):
                 log.warning("engine.waiting_on_idle_stream", waited_s=IDLE_HOLDER_WARN_S,
-                            holder_new_tokens=len(holder.token_ids), waiting_prompt_tokens=len(waiting.prompt_ids),
+                            holder_new_tokens=len(holder.token_ids), waiting_prompt_tokens=prompt_tokens,
                             advice="a stream holds the engine between pieces and nobody reads it: read each stream to "
                                    "the end, or leave it in `async with` / call aclose() (SyncEngine: close() the "
                                    "iterator); one kept by a failed thread's traceback is never freed")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -608,8 +609,8 @@ class GenerationConfig(_Frozen):
     def _numbers_are_numbers(cls, value: Any) -> Any:
         # pydantic's lax mode reads True as 1 and "3" as 3: seed=True or max_new_tokens="3" is a caller's slip
         # (token ids that are bools are refused too: api._token_id), not a number to guess
-        if isinstance(value, (bool, str, bytes)):
-            raise ValueError(f"must be a number, not {type(value).__name__} {value!r}")
+        if value is not None and (isinstance(value, (bool, str, bytes)) or not isinstance(value, numbers.Number)):
+            raise ValueError(f"must be a number, not {type(value).__name__} {value!r}")  # numpy's bool_ is none
         return value
 
     @field_validator("stop_token_ids", mode="before")
@@ -621,11 +622,11 @@ class GenerationConfig(_Frozen):
             items = list(value)
         except TypeError:
             return value  # pydantic names what it is
-        bad = next((index for index, item in enumerate(items) if isinstance(item, (bool, str, bytes))
-                    or (isinstance(item, int) and item < 0)), None)
+        bad = next((index for index, item in enumerate(items) if isinstance(item, bool)
+                    or not isinstance(item, numbers.Integral) or item < 0), None)  # numpy's ints are Integral
         if bad is not None:
             raise ValueError(f"token ids are integers from 0; element {bad} is {items[bad]!r}")
-        return value
+        return tuple(items)  # (an iterator given is spent by now)
 
     @field_validator("stop_strings")
     @classmethod

@@ -642,6 +642,34 @@ def test_aclose_from_another_task_stops_the_running_request(tiny, baseline):
     assert run(main()).token_ids == baseline(PROMPT, 6)
 
 
+@pytest.mark.parametrize("second", ["aclose", "engine close"])
+def test_two_closers_at_once_both_return_and_the_reader_gets_request_cancelled(tiny, second):
+    """A stop pressed twice (or a stop beside the engine's close) cancelled the reader twice: CancelledError ended its
+    whole task, and the first closer waited for good on an event the second had replaced."""
+    async def main():
+        engine = await Engine.from_pretrained(tiny, OFFLOADED)
+        stream = engine.generate(PROMPT, max_new_tokens=300)
+        read: list[int] = []
+
+        async def reader():
+            async for piece in stream:
+                read.extend(piece.token_ids)
+
+        task = asyncio.create_task(reader())
+        while not read or stream._consumer is None:
+            await asyncio.sleep(0)
+        closers = [asyncio.create_task(stream.aclose()),
+                   asyncio.create_task(stream.aclose() if second == "aclose" else engine.aclose())]
+        async with asyncio.timeout(30):
+            await asyncio.gather(*closers)
+            outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+        await engine.aclose()
+        return outcome
+
+    outcome = run(main())
+    assert isinstance(outcome, RequestCancelled), repr(outcome)
+
+
 def test_a_second_reader_of_one_stream_is_refused_and_leaves_it_whole(tiny, baseline):
     """The stray second read's error marked the stream 'error' and cleared its reader while the first still read it:
     the engine's close then raised 'already running' and never released the runtime, on every later aclose too."""
@@ -705,6 +733,17 @@ def test_a_request_waiting_behind_a_stream_nobody_reads_is_said_once(tiny, basel
             warnings = [entry for entry in logs if entry["log_level"] == "warning"]
             assert [entry["event"] for entry in warnings] == ["engine.waiting_on_idle_stream"]
             assert warnings[0]["holder_new_tokens"] == len(stream.token_ids)
+
+            # a request that stops waiting (its task cancelled) takes its timer along: nobody waits, nothing is said
+            held = engine.generate(PROMPT, max_new_tokens=30)
+            await anext(held)
+            with capture_logs() as logs:
+                gone = asyncio.create_task(engine.complete(PROMPT, max_new_tokens=6))
+                await asyncio.sleep(0.05)
+                gone.cancel()
+                await asyncio.sleep(0.5)
+            assert [entry["event"] for entry in logs if entry["log_level"] == "warning"] == []
+            await held.aclose()
             return second
 
     assert run(main()).token_ids == baseline(PROMPT, 6)
@@ -717,16 +756,26 @@ def test_a_request_waiting_behind_a_stream_nobody_reads_is_said_once(tiny, basel
     ({"stop_token_ids": [-1]}, "token ids are integers from 0; element 0 is -1"),
     ({"stop_token_ids": [4, True]}, "element 1 is True"),
     ({"stop_token_ids": [99999]}, r"stop_token_ids \[99999\] are beyond this model's vocabulary of \d+ ids"),
+    ({"stop_token_ids": "numpy negative"}, r"element 1 is np.int64\(-2\)"),
+    ({"seed": "numpy bool"}, "seed.*must be a number, not bool"),
 ])
 def test_a_generation_setting_of_the_wrong_kind_is_refused_not_guessed(tiny, overrides, says):
     """pydantic's lax mode read seed=True as 1 and max_new_tokens='3' as 3; a stop id of -1 or past the vocabulary was
     taken and could never stop anything."""
     from specter.errors import SpecterError
 
+    import numpy as np
+
+    numpy_values = {"numpy negative": np.array([3, -2]), "numpy bool": np.bool_(True)}
+    overrides = {key: numpy_values.get(value, value) if isinstance(value, str) else value
+                 for key, value in overrides.items()}
+
     async def main():
         async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
             with pytest.raises(SpecterError, match=says):
                 engine.generate(PROMPT, **overrides)
+            ids = engine.generate(PROMPT, stop_token_ids=(token for token in [5, 6])).generation.stop_token_ids
+            assert ids == (5, 6)  # an iterator's ids, not the spent iterator's ()
             return (await engine.complete(PROMPT, max_new_tokens=3, seed=np_int(7))).token_ids
 
     def np_int(value):
