@@ -236,6 +236,9 @@ REQUIRED_METHODS: Mapping[str, tuple[str, ...]] = {
 }
 """Short group name -> methods a policy of that group must have (used by the plug-in loader)."""
 
+OPTIONAL_METHODS: Mapping[str, tuple[str, ...]] = {"placement": ("prices_misses", "place_prefill")}
+"""Short group name -> methods a policy may have, called when present (checked at load for what they can be checked)."""
+
 
 def protocol_problems(policy: object, group: str) -> list[str]:
     """What keeps `policy` from satisfying the protocol of `group` ('eviction', ...); empty when fine."""
@@ -247,6 +250,8 @@ def protocol_problems(policy: object, group: str) -> list[str]:
     ]
     problems += [problem for method in REQUIRED_METHODS[group] if callable(getattr(policy, method, None))
                  for problem in _call_problems(getattr(policy, method), getattr(PROTOCOLS[group], method), method)]
+    problems += [f"{method}() is async; the engine calls policies synchronously, so make it a plain def"
+                 for method in OPTIONAL_METHODS.get(group, ()) if _is_async(getattr(policy, method, None))]
     name = getattr(policy, "name", None)
     if not isinstance(name, str) or not name:
         problems.append("`name` attribute missing or not a non-empty str")
@@ -257,7 +262,7 @@ def _call_problems(method: Callable[..., Any], protocol_method: Callable[..., An
     """What keeps `method` from taking the engine's call, found at load and not at the first decision after the whole
     model loaded: an `async def` (the engine calls policies synchronously: it would get a coroutine) and parameter
     names other than the protocol's (every call passes them as keywords)."""
-    if inspect.iscoroutinefunction(method) or inspect.isasyncgenfunction(method):
+    if _is_async(method):
         return [f"{name}() is async; the engine calls policies synchronously, so make it a plain def"]
     keywords = [parameter for parameter in inspect.signature(protocol_method).parameters if parameter != "self"]
     try:
@@ -268,3 +273,7 @@ def _call_problems(method: Callable[..., Any], protocol_method: Callable[..., An
         return [f"{name}() cannot take the engine's call {name}({', '.join(f'{k}=...' for k in keywords)}): {error}; "
                 "keep the protocol's parameter names"]
     return []
+
+
+def _is_async(method: object) -> bool:
+    return inspect.iscoroutinefunction(method) or inspect.isasyncgenfunction(method)

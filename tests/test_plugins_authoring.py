@@ -47,6 +47,15 @@ class AsyncVictims(Evicts):
     async def victims(self, layer, residents, protected, count, history, plan):
         return []
 
+class AsyncPricesMisses:
+    name = "async-prices"
+
+    def place(self, state):
+        raise AssertionError("not reached")
+
+    async def prices_misses(self, state):
+        return True
+
 class RaisesInVictims(Evicts):
     def victims(self, layer, residents, protected, count, history, plan):
         raise ValueError("boom in the author's code")
@@ -172,3 +181,16 @@ def test_a_plugins_exception_reaches_the_user_as_the_cause_and_at_debug_as_a_tra
     partial = json.loads(out)
     assert partial["finish_reason"] == "error" and partial["error"] in err and partial["tokens"]
     assert partial["stats"]["new_tokens"] == len(partial["tokens"])
+
+
+def test_an_optional_method_that_is_async_is_refused_at_load(monkeypatch, tmp_path):
+    """`async def prices_misses` passed the load and returned a coroutine (always true) at its first call."""
+    (tmp_path / "author_placements.py").write_text(AUTHOR_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    listed = [EntryPoint("async-prices", "author_placements:AsyncPricesMisses", "specter.placement")]
+    installed = plugins.entry_points
+    monkeypatch.setattr(plugins, "entry_points",
+                        lambda group: listed if group == "specter.placement" else installed(group=group))
+    plugins.refresh()
+    with pytest.raises(PluginError, match=r"prices_misses\(\) is async; the engine calls policies synchronously"):
+        plugins.load_policy("placement", "async-prices")

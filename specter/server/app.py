@@ -30,7 +30,7 @@ from specter.api import Engine, FinishReason, Piece, Prompt
 from specter.config import GenerationConfig
 from specter.tokenizer import GIL_FREE_CHARS
 from specter.errors import ConfigError, PluginError, PromptError, RequestCancelled, SpecterError
-from specter.log import get_logger
+from specter.log import debug_enabled, get_logger
 from specter.server.admission import AdmissionQueue, QueueFull, Ticket
 from specter.server.asgi import ClientGone, EventStream, Gate, NoResponse, sse, unless_hangup
 from specter.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -197,7 +197,7 @@ async def _serve(state: ServerState, request: Request, body: SamplingRequest, pr
         log.debug("server.client_gone", path=request.url.path)
         return NoResponse()
     except SpecterError as error:  # e.g. the engine closed under a request past the drain timeout; as streamed
-        log.warning("server.request_ended", error=str(error))
+        log.warning("server.request_ended", error=str(error), exc_info=debug_enabled())  # its cause: a plug-in's
         raise _ended(state, error) from None
     finally:
         job.ticket.close()
@@ -251,7 +251,7 @@ async def _events(state: ServerState, job: Job, answer: Answer, include_usage: b
                 if piece.text or piece.finished:
                     yield sse(answer.chunk(piece.text, piece.finish_reason, with_usage=include_usage))
     except SpecterError as error:  # e.g. the engine closed under a request past the drain timeout
-        log.warning("server.stream_ended", error=str(error))
+        log.warning("server.stream_ended", error=str(error), exc_info=debug_enabled())
         yield sse(_ended(state, error).body())
         return
     except Exception:
