@@ -613,21 +613,27 @@ def test_a_reader_that_fails_between_pieces_frees_the_engine_though_its_task_is_
     assert run(main()).token_ids == baseline(PROMPT, 6)
 
 
+async def read_in_a_task(stream) -> tuple[asyncio.Task, list[int]]:
+    """`stream` read to its end by a task of its own, returned once that reader is inside its next piece (after one)."""
+    read: list[int] = []
+
+    async def reader():
+        async for piece in stream:
+            read.extend(piece.token_ids)
+
+    task = asyncio.create_task(reader())
+    while not read or stream._consumer is None:
+        await asyncio.sleep(0)
+    return task, read
+
+
 def test_aclose_from_another_task_stops_the_running_request(tiny, baseline):
     """A stop button: aclose() from a task other than the reader's raised 'aclose(): asynchronous generator is
     already running' and the request ran on to max_new_tokens."""
     async def main():
         async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
             stream = engine.generate(PROMPT, max_new_tokens=300)
-            read: list[int] = []
-
-            async def reader():
-                async for piece in stream:
-                    read.extend(piece.token_ids)
-
-            task = asyncio.create_task(reader())
-            while not read:
-                await asyncio.sleep(0.001)
+            task, read = await read_in_a_task(stream)
             async with asyncio.timeout(60):
                 await stream.aclose()
                 with pytest.raises(RequestCancelled, match="closed by aclose\\(\\) from another task"):
@@ -649,15 +655,7 @@ def test_two_closers_at_once_both_return_and_the_reader_gets_request_cancelled(t
     async def main():
         engine = await Engine.from_pretrained(tiny, OFFLOADED)
         stream = engine.generate(PROMPT, max_new_tokens=300)
-        read: list[int] = []
-
-        async def reader():
-            async for piece in stream:
-                read.extend(piece.token_ids)
-
-        task = asyncio.create_task(reader())
-        while not read or stream._consumer is None:
-            await asyncio.sleep(0)
+        task, _ = await read_in_a_task(stream)
         closers = [asyncio.create_task(stream.aclose()),
                    asyncio.create_task(stream.aclose() if second == "aclose" else engine.aclose())]
         async with asyncio.timeout(30):
@@ -678,17 +676,7 @@ def test_a_second_reader_of_one_stream_is_refused_and_leaves_it_whole(tiny, base
     async def main():
         engine = await Engine.from_pretrained(tiny, OFFLOADED)
         stream = engine.generate(PROMPT, max_new_tokens=40)
-        first: list[int] = []
-
-        async def read():
-            async for piece in stream:
-                first.extend(piece.token_ids)
-
-        task = asyncio.create_task(read())
-        while not first:
-            await asyncio.sleep(0.001)
-        while stream._consumer is None:  # the first reader inside its next piece
-            await asyncio.sleep(0)
+        task, first = await read_in_a_task(stream)
         with pytest.raises(StreamBusy, match="being read by another task"):
             await anext(stream)
         async with asyncio.timeout(60):
