@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Generator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from specter.config import EngineConfig, GenerationConfig
+from specter.config import EngineConfig, GenerationConfig, is_token_id
 from specter.decode import check_prompt
 from specter.engine import Runtime
 from specter.errors import ConfigError, EngineLoopError, PromptError, RequestCancelled, StreamBusy
@@ -511,7 +511,7 @@ class Engine:
         if items and all(isinstance(item, Mapping) for item in items):
             tokenizer = self._need_tokenizer("chat messages")
             return tokenizer.within(tokenizer.encode_chat(items), self.spec.vocab_size)
-        if not all(_token_id(item) for item in items):
+        if not all(is_token_id(item) for item in items):
             raise PromptError("a prompt is a str, a list of int token ids, or a list of chat messages "
                               f"({{'role': ..., 'content': ...}}); got a {type(prompt).__name__} of "
                               f"{sorted({type(i).__name__ for i in items})}")
@@ -550,18 +550,6 @@ def make_generation_config(base: GenerationConfig | Mapping[str, Any] | None, ov
         raise ConfigError(f"generation_config must be a GenerationConfig or a dict, got {type(base).__name__}")
     values = base.model_dump() if isinstance(base, GenerationConfig) else dict(base or {})
     return GenerationConfig.build(**(values | dict(overrides)))
-
-
-def _token_id(item: object) -> bool:
-    """An integer as a token id: an int, or an integer scalar of numpy or torch (`list(array)` gives those); not a
-    bool, and not a float, however whole."""
-    if isinstance(item, bool) or str(getattr(item, "dtype", "")).endswith("bool"):
-        return False
-    try:
-        operator.index(item)
-    except TypeError:
-        return False
-    return True
 
 
 def checkpoint_eos(directory: Path, spec: ModelSpec) -> tuple[int, ...]:

@@ -257,23 +257,20 @@ def check_generate_inputs(args: argparse.Namespace) -> None:
 
 async def _generate(args: argparse.Namespace, config: Any, generation: Any, tokenizer: Any, prompt: Any) -> int:
     from specter.api import Engine
-
     from specter.errors import SpecterError
 
     async with Engine.from_pretrained(args.model, config, tokenizer=tokenizer) as engine:
         if args.trace:
             engine.runtime.record_trace(args.trace)
-        pieces: list[Any] = []
+        stream = engine.generate(prompt, generation)
         try:
-            async with engine.generate(prompt, generation) as stream:
+            async with stream:
                 async for piece in stream:
-                    pieces.append(piece)
                     if not args.json:
                         _show(piece, text_mode=engine.tokenizer is not None)
         except SpecterError as error:
-            if args.json and pieces:  # what was committed before the failure, as text mode has shown it already
-                _out(json.dumps({"tokens": [token for piece in pieces for token in piece.token_ids],
-                                 "text": "".join(piece.text for piece in pieces), "finish_reason": "error",
+            if args.json and stream.token_ids:  # what was committed before the failure, as text mode showed it
+                _out(json.dumps({"tokens": stream.token_ids, "text": stream.text, "finish_reason": "error",
                                  "error": str(error), "stats": stream.stats.as_dict()}) + "\n")
             raise
         result = stream.result

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import operator
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -591,6 +592,18 @@ class EngineConfig(_Frozen):
         return self
 
 
+def is_token_id(item: object) -> bool:
+    """An integer as a token id: an int, or an integer scalar of numpy or torch (`list(array)` gives those); not a
+    bool, and not a float, however whole."""
+    if isinstance(item, bool) or str(getattr(item, "dtype", "")).endswith("bool"):
+        return False
+    try:
+        operator.index(item)
+    except TypeError:
+        return False
+    return True
+
+
 class GenerationConfig(_Frozen):
     """Per-request decoding settings (the names follow transformers' generate)."""
 
@@ -607,10 +620,10 @@ class GenerationConfig(_Frozen):
     @field_validator("max_new_tokens", "temperature", "top_k", "top_p", "seed", mode="before")
     @classmethod
     def _numbers_are_numbers(cls, value: Any) -> Any:
-        # pydantic's lax mode reads True as 1 and "3" as 3: seed=True or max_new_tokens="3" is a caller's slip
-        # (token ids that are bools are refused too: api._token_id), not a number to guess
-        if value is not None and (isinstance(value, (bool, str, bytes)) or not isinstance(value, numbers.Number)):
-            raise ValueError(f"must be a number, not {type(value).__name__} {value!r}")  # numpy's bool_ is none
+        # pydantic's lax mode reads True as 1 and "3" as 3: seed=True or max_new_tokens="3" is a caller's slip, not a
+        # number to guess (numpy's bool_ is no numbers.Number)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Number)):
+            raise ValueError(f"must be a number, not {type(value).__name__} {value!r}")
         return value
 
     @field_validator("stop_token_ids", mode="before")
@@ -622,11 +635,11 @@ class GenerationConfig(_Frozen):
             items = list(value)
         except TypeError:
             return value  # pydantic names what it is
-        bad = next((index for index, item in enumerate(items) if isinstance(item, bool)
-                    or not isinstance(item, numbers.Integral) or item < 0), None)  # numpy's ints are Integral
+        bad = next((index for index, item in enumerate(items)
+                    if not is_token_id(item) or operator.index(item) < 0), None)  # type: ignore[call-overload]
         if bad is not None:
             raise ValueError(f"token ids are integers from 0; element {bad} is {items[bad]!r}")
-        return tuple(items)  # (an iterator given is spent by now)
+        return tuple(operator.index(item) for item in items)  # type: ignore[call-overload]  # (an iterator is spent)
 
     @field_validator("stop_strings")
     @classmethod

@@ -112,8 +112,7 @@ def load_tool(load: Callable[[], T]) -> T:
         with interrupt_held():
             return load()
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        raise SystemExit(INTERRUPTED_STATUS) from None
+        raise SystemExit(_interrupted()) from None
 
 
 def quiet_late_interrupt() -> None:
@@ -131,8 +130,7 @@ def run_entry(module: str) -> int:
     try:
         return main()
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return INTERRUPTED_STATUS
+        return _interrupted()
     finally:  # also after a SystemExit of main's (argparse's usage error, --help)
         quiet_late_interrupt()
 
@@ -157,10 +155,15 @@ def run_tool(main: Callable[[], int], preload: Sequence[str] = ()) -> int:
         print(f"error: {error}", file=sys.stderr)
         return ERROR_STATUS
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return INTERRUPTED_STATUS
+        return _interrupted()
     finally:
         sys.stdout = stdout
+
+
+def _interrupted() -> int:
+    """How every tool ends on a Ctrl-C: one line, no traceback, and the status a shell gives SIGINT."""
+    print("interrupted", file=sys.stderr)
+    return INTERRUPTED_STATUS
 
 
 def _cause_when_debugging(error: SpecterError) -> None:

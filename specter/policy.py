@@ -248,10 +248,14 @@ def protocol_problems(policy: object, group: str) -> list[str]:
         for method in REQUIRED_METHODS[group]
         if hasattr(policy, method) and not callable(getattr(policy, method))
     ]
-    problems += [problem for method in REQUIRED_METHODS[group] if callable(getattr(policy, method, None))
+    asynchronous = [method for method in (*REQUIRED_METHODS[group], *OPTIONAL_METHODS.get(group, ()))
+                    if inspect.iscoroutinefunction(getattr(policy, method, None))
+                    or inspect.isasyncgenfunction(getattr(policy, method, None))]
+    problems += [f"{method}() is async; the engine calls policies synchronously (it would get a coroutine), so make "
+                 "it a plain def" for method in asynchronous]
+    problems += [problem for method in REQUIRED_METHODS[group]
+                 if callable(getattr(policy, method, None)) and method not in asynchronous
                  for problem in _call_problems(getattr(policy, method), getattr(PROTOCOLS[group], method), method)]
-    problems += [f"{method}() is async; the engine calls policies synchronously, so make it a plain def"
-                 for method in OPTIONAL_METHODS.get(group, ()) if _is_async(getattr(policy, method, None))]
     name = getattr(policy, "name", None)
     if not isinstance(name, str) or not name:
         problems.append("`name` attribute missing or not a non-empty str")
@@ -259,11 +263,8 @@ def protocol_problems(policy: object, group: str) -> list[str]:
 
 
 def _call_problems(method: Callable[..., Any], protocol_method: Callable[..., Any], name: str) -> list[str]:
-    """What keeps `method` from taking the engine's call, found at load and not at the first decision after the whole
-    model loaded: an `async def` (the engine calls policies synchronously: it would get a coroutine) and parameter
-    names other than the protocol's (every call passes them as keywords)."""
-    if _is_async(method):
-        return [f"{name}() is async; the engine calls policies synchronously, so make it a plain def"]
+    """Whether `method` takes the engine's call, found at load and not at the first decision after the whole model
+    loaded: parameter names other than the protocol's fail it (every call passes them as keywords)."""
     keywords = [parameter for parameter in inspect.signature(protocol_method).parameters if parameter != "self"]
     try:
         inspect.signature(method).bind(**dict.fromkeys(keywords))
@@ -273,7 +274,3 @@ def _call_problems(method: Callable[..., Any], protocol_method: Callable[..., An
         return [f"{name}() cannot take the engine's call {name}({', '.join(f'{k}=...' for k in keywords)}): {error}; "
                 "keep the protocol's parameter names"]
     return []
-
-
-def _is_async(method: object) -> bool:
-    return inspect.iscoroutinefunction(method) or inspect.isasyncgenfunction(method)
