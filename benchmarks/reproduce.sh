@@ -386,8 +386,12 @@ llamacpp_matrix() {  # llama.cpp's cells beside a full-depth table: SHAPE's narr
 train_length() {  # a full-depth narrow training's length: MINUTES (default 3), or STEPS steps (the same seeds, data
   # order and learning rate each step: calls on fresh machines train the same model, up to the GPU's non-deterministic
   # sums, so their cells compare; the minutes then only cap it, at 3.5, so that training and the save end within the
-  # 330 s timeout and leave the bench its time: choose STEPS to end well inside that, about 140 for Qwen3-30B-A3B)
+  # 330 s timeout (TRAIN_TIMEOUT_S) and leave the bench its time: choose STEPS to end well inside that, about 140 for
+  # Qwen3-30B-A3B). RECOMPUTE_LAYERS=N: the first N layers recompute their activations in the backward pass, the same
+  # weights in less GPU memory (Qwen3-30B-A3B's training peaks at 91 GiB: N = 24 on an H100, with MINUTES and
+  # TRAIN_TIMEOUT_S raised for the recomputation's time and a slower card, the call then only training)
   if [ -n "${STEPS:-}" ]; then echo "--max-steps $STEPS --minutes ${MINUTES:-3.5}"; else echo "--minutes ${MINUTES:-3}"; fi
+  [ -z "${RECOMPUTE_LAYERS:-}" ] || echo "--recompute-layers $RECOMPUTE_LAYERS"
 }
 
 placement_trace() {  # DIR TRACE LOG: record a routing trace of the checkpoint DIR (reference_model.py --shape's) to TRACE
@@ -437,8 +441,8 @@ fulldepth_prepare() {  # fulldepth's steps before its bench, alone as target ful
   # (trained unless there), its realism report and its placement trace (kept beside the checkpoint, so that the next
   # fulldepth call on the warm machine spends its 10 minutes on the bench). Sets profile (the trace's path, or empty).
   local shape=${SHAPE:-qwen1.5-moe-a2.7b}
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 benchmarks/reference_model.py --shape "$shape" \
-    $(train_length) --batch 32 --reuse --out "/tmp/narrow/$shape" >> "$out/logs/train-$shape.log" 2>&1
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${TRAIN_TIMEOUT_S:-330}" python3 benchmarks/reference_model.py \
+    --shape "$shape" $(train_length) --batch 32 --reuse --out "/tmp/narrow/$shape" >> "$out/logs/train-$shape.log" 2>&1
   echo "train $shape rc=$? at ${SECONDS}s"; grep -h "^trained\|already holds\|holds a run of other settings" "$out/logs/train-$shape.log"
   mkdir -p "$out/fulldepth-$shape"  # the checkpoint's realism report, on the narrow model (its function, seconds)
   [ -n "${NO_REALISM:-}" ] || { timeout 150 python3 -m specter.bench.realism --model "/tmp/narrow/$shape" \

@@ -199,3 +199,34 @@ def test_a_run_of_max_steps_does_not_depend_on_the_machines_speed(trainer, tmp_p
     assert fast.keys() == slow.keys() and all(torch.equal(fast[k], slow[k]) for k in fast)
     fast, slow = run("fast-minutes", 0.01, False), run("slow-minutes", 5.0, False)
     assert any(not torch.equal(fast[k], slow[k]) for k in fast)
+
+
+def test_recomputed_layers_train_the_same_weights_and_keep_one_routing_per_layer(trainer, tmp_path, one_thread):
+    """--recompute-layers N: the first N layers' forward runs again in the backward pass (activation checkpointing,
+    for GPU memory); the weights equal those of a run without it, and the balance loss still reads each router once
+    a forward (the recomputation would otherwise add its routers' inputs a second time)."""
+    from safetensors.torch import load_file
+
+    def run(name: str, recompute: int) -> dict[str, torch.Tensor]:
+        out = tmp_path / name
+        assert trainer.main(["--shape", "qwen3-30b-a3b", "--tiny", "--max-steps", "3", "--length", "16", "--device",
+                             "cpu", "--recompute-layers", str(recompute), "--out", str(out)]) == 0
+        return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    plain, recomputed = run("plain", 0), run("recomputed", 2)
+    assert plain.keys() == recomputed.keys()
+    assert all(torch.allclose(plain[k], recomputed[k], rtol=0, atol=1e-6) for k in plain), "recomputation changed the weights"
+
+    config = small_config(trainer, "qwen3-30b-a3b")
+    model = trainer.make_shape_model(config, torch.device("cpu"))
+    trainer.recompute_activations(model, len(model.model.layers))
+    balance = trainer.BalanceLoss(model, "qwen3_moe", config["num_experts_per_tok"], trainer.num_experts_of(config))
+    calls = []
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    loss, _ = trainer.balanced_loss(model, batch(), balance)
+    loss.backward()
+    assert len(calls) == 2, "the layer's forward did not run again in the backward pass"
+    assert len(balance.inputs) == len(balance.routers)
+    assert all(p.grad is not None for _, router in balance.routers for p in router.parameters())
+    with pytest.raises(SystemExit, match="decoder layers"):
+        trainer.recompute_activations(model, len(model.model.layers) + 1)
