@@ -645,6 +645,9 @@ class GenerationConfig(_Frozen):
     @classmethod
     def _stop_strings_are_text(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for index, stop in enumerate(value):
+            if not stop:  # found at once, before any text: no place to stop (the detokenizer skips it, unsaid)
+                raise ValueError(f"stop string {index} is empty, and an empty string is found before any text; give "
+                                 "the text to stop at, or leave it out")
             try:
                 stop.encode("utf-8")
             except UnicodeEncodeError as error:

@@ -746,10 +746,11 @@ def test_a_request_waiting_behind_a_stream_nobody_reads_is_said_once(tiny, basel
     ({"stop_token_ids": [99999]}, r"stop_token_ids \[99999\] are beyond this model's vocabulary of \d+ ids"),
     ({"stop_token_ids": "numpy negative"}, r"element 1 is np.int64\(-2\)"),
     ({"seed": "numpy bool"}, "seed.*must be a number, not bool"),
+    ({"stop_strings": ["\n", ""]}, "stop_strings.*stop string 1 is empty"),
 ])
 def test_a_generation_setting_of_the_wrong_kind_is_refused_not_guessed(tiny, overrides, says):
     """pydantic's lax mode read seed=True as 1 and max_new_tokens='3' as 3; a stop id of -1 or past the vocabulary was
-    taken and could never stop anything."""
+    taken and could never stop anything, and an empty stop string was dropped unsaid."""
     from specter.errors import SpecterError
 
     import numpy as np

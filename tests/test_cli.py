@@ -359,6 +359,14 @@ def test_clamped_settings_are_errors(capsys, monkeypatch):
     assert engine_config(args).draft.k == 2 and engine_config(args).threads == 3  # no --k: the default within --k-max
 
 
+def test_an_empty_stop_string_is_refused_before_loading(capsys, monkeypatch):
+    """`--stop ""` (an unset variable in a script) was dropped, and the run went on without the stop it was given."""
+    _refuse_loading(monkeypatch)
+    assert main(["generate", "--prompt", "hi", "--stop", "", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "stop string 0 is empty" in err and err.count("\n") == 1, err
+
+
 def test_info_shows_the_stored_host_figure_the_next_load_takes(monkeypatch, capsys):
     """`info` takes this machine's stored host figure as a load would (and says so), measures and stores one where
     there is none or with --recalibrate; `generate --recalibrate` reaches the engine's config."""

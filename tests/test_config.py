@@ -49,6 +49,17 @@ def test_generation_errors(field, value, rule):
     assert f"GenerationConfig.{field}" in message and repr(value) in message and rule in message
 
 
+@pytest.mark.parametrize("stops", [("",), ("\n", "")])
+def test_an_empty_stop_string_is_refused_not_dropped(stops):
+    """An empty stop string is found before any text, so it names no place to stop; the detokenizer dropped it and the
+    request ran on as if none had been given."""
+    with pytest.raises(ConfigError) as info:
+        GenerationConfig.build(stop_strings=stops)
+    message = str(info.value)
+    assert "GenerationConfig.stop_strings" in message and f"stop string {len(stops) - 1} is empty" in message, message
+    assert "leave it out" in message
+
+
 def test_unknown_field_and_device():
     with pytest.raises(ConfigError, match="budgett"):
         EngineConfig.build(budgett="1GiB")

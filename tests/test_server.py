@@ -274,6 +274,7 @@ BAD = {
                                                          "stream_options": "yes"}, 400, "stream_options"),
     "a token id that is a boolean": ("/v1/completions", {"model": "M", "prompt": [1, True]}, 400, "prompt"),
     "a null stop string": ("/v1/completions", {"model": "M", "prompt": "hi", "stop": [None]}, 400, "stop"),
+    "an empty stop string": ("/v1/completions", {"model": "M", "prompt": "hi", "stop": ["\n", ""]}, 400, "stop"),
 }
 
 # What each malformed part of a valid JSON object is told: the element and what it must be, as the client wrote it.
@@ -298,6 +299,9 @@ NAMED = {  # the fields beside "model", the error's param, what its message must
     "a null stop string": ({"prompt": "hi", "stop": ["\n", None]}, "stop",
                            "stop strings must be strings; element 1 is null"),
     "a numeric stop": ({"prompt": "hi", "stop": 5}, "stop", "stop must be a string or a list of strings"),
+    "an empty stop string": ({"prompt": "hi", "stop": ["\n", ""]}, "stop",
+                             'stop strings must not be empty; element 1 is ""'),
+    "an empty stop": ({"prompt": "hi", "stop": ""}, "stop", "stop is empty; give the text to stop at"),
 }
 
 

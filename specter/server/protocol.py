@@ -112,6 +112,12 @@ class SamplingRequest(BaseModel):
     def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
         if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        # GenerationConfig refuses an empty one too; here it is named as the client wrote it, before any encoding
+        if value == "":
+            raise ValueError("stop is empty; give the text to stop at, or leave stop out")
+        if isinstance(value, list) and "" in value:
+            raise ValueError(f"stop strings must not be empty; {_first_not(value, bool)}; give the text to stop at, "
+                             "or leave it out")
         return value
 
     @field_validator("presence_penalty", "frequency_penalty")
