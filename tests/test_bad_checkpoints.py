@@ -115,6 +115,28 @@ def test_wrongly_typed_fields_name_the_field(changes, field):
 def test_eos_ids_are_read():
     assert spec_from_config(tiny_config(eos_token_id=[3, 4])).eos_token_ids == (3, 4)
     assert spec_from_config(tiny_config(eos_token_id=5)).eos_token_ids == (5,)
+    vocab = BUILTIN["tiny"]["vocab_size"]
+    assert spec_from_config(tiny_config(eos_token_id=[0, vocab - 1])).eos_token_ids == (0, vocab - 1)
+    # many real configs say no eos: null, absent or an empty list, each as none
+    assert spec_from_config(BUILTIN["tiny"] | {"eos_token_id": None}).eos_token_ids == ()
+    assert spec_from_config(tiny_config(eos_token_id=None)).eos_token_ids == ()
+    assert spec_from_config(tiny_config(eos_token_id=[])).eos_token_ids == ()
+
+
+@pytest.mark.parametrize("eos", [-1, -2, 512, 10**30, [3, -1], [3, 512]])
+def test_an_eos_id_outside_the_vocabulary_is_refused_naming_file_and_field(eos, ck, capsys):
+    """An eos id of -1 or past the vocabulary loaded, and generation never stopped there: no such token is sampled."""
+    assert BUILTIN["tiny"]["vocab_size"] == 512
+    with pytest.raises(CheckpointError) as info:
+        spec_from_config(tiny_config(eos_token_id=eos), "ck/config.json")
+    message = str(info.value)
+    assert message.startswith("ck/config.json: config field 'eos_token_id' = ") and repr(eos) in message, message
+    assert "vocabulary of 512 (0 to 511)" in message and "or null for none" in message, message
+    rewrite_config(ck, eos_token_id=eos)
+    with pytest.raises(CheckpointError, match="config field 'eos_token_id'") as info:
+        Checkpoint(ck)
+    assert str(ck / "config.json") in str(info.value)
+    assert "'eos_token_id'" in cli_error(capsys, "info", str(ck))
 
 
 @pytest.mark.parametrize("field,value", [

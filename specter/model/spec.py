@@ -186,13 +186,21 @@ class _Fields:
             scaling = None
         return theta, scaling
 
-    def eos(self) -> tuple[int, ...]:
+    def eos(self, vocab_size: int) -> tuple[int, ...]:
+        """The end-of-sequence ids: none where config.json leaves eos_token_id out or null (as many do), else ids the
+        model can emit (a -1 or an id past the vocabulary is never sampled, so generation would never stop there)."""
         eos = self.config.get("eos_token_id")
         if eos is None:
             return ()
         ids = eos if isinstance(eos, list) else [eos]
         if not all(isinstance(token, int) and not isinstance(token, bool) for token in ids):
             raise CheckpointError(f"{self.source}: config field 'eos_token_id' = {eos!r} should be of type int, or a list of ints")
+        outside = [token for token in ids if not 0 <= token < vocab_size]
+        if outside:
+            what = f"holds {abbreviate(outside[0], 40)}, not" if isinstance(eos, list) else "is not"
+            raise CheckpointError(f"{self.source}: config field 'eos_token_id' = {abbreviate(eos, 120)} {what} a token "
+                                  f"id of this model's vocabulary of {vocab_size} (0 to {vocab_size - 1}); set it to the "
+                                  "model's end-of-sequence id (as in its published config.json), or null for none")
         return tuple(ids)
 
 
@@ -220,8 +228,9 @@ def _common(fields: _Fields, defaults: Defaults) -> dict[str, Any]:
     hidden = fields.need("hidden_size")
     heads = fields.need("num_attention_heads")
     theta, scaling = fields.rope(defaults.rope_theta)
+    vocab_size = fields.need("vocab_size")
     return dict(
-        vocab_size=fields.need("vocab_size"),
+        vocab_size=vocab_size,
         hidden_size=hidden,
         num_layers=fields.need("num_hidden_layers"),
         num_heads=heads,
@@ -233,7 +242,7 @@ def _common(fields: _Fields, defaults: Defaults) -> dict[str, Any]:
         max_position=fields.get("max_position_embeddings", defaults.max_position),
         tie_word_embeddings=fields.get("tie_word_embeddings", False, bool),
         dtype=declared_dtype(fields.config) or "float32",  # Checkpoint puts the tensors' where config.json declares none
-        eos_token_ids=fields.eos(),
+        eos_token_ids=fields.eos(vocab_size),
     )
 
 
