@@ -135,6 +135,16 @@ def run_entry(module: str) -> int:
         quiet_late_interrupt()
 
 
+def prog_name(module: str) -> str:
+    """A tool's name for its usage line, as the user started it: `python -m MODULE` where runpy runs `module` as
+    __main__, else the name it was run by, as argparse's default takes it (a console script's: `specter-replay`).
+    Not argparse's default alone: before Python 3.14 it names `python -m` by the module's file (`replay.py`)."""
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if (main_spec is not None and main_spec.name == module) or not (sys.argv and sys.argv[0]):
+        return f"python -m {module}"
+    return os.path.basename(sys.argv[0])
+
+
 def run_tool(main: Callable[[], int], preload: Sequence[str] = ()) -> int:
     """Run a tool's body with stdout guarded, and map how it ended onto the shared exit statuses. `preload`: modules
     the body needs whose import must not be cut by a Ctrl-C (torch: `interrupt_held`), imported first."""

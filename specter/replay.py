@@ -36,9 +36,11 @@ from typing import Any
 
 import numpy as np
 
+from specter.cli import _add_logging
 from specter.config import CacheTuning, parse_link
 from specter.errors import ConfigError, PluginError, SpecterError
-from specter.exits import run_tool
+from specter.exits import prog_name, run_tool
+from specter.log import configure as configure_logging
 from specter.log import get_logger
 from specter.placement import (
     OVERLAP,
@@ -549,7 +551,7 @@ def format_table(results: Sequence[ReplayResult]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI: replay a trace through every installed (allowed) eviction x prefetch pair."""
-    parser = argparse.ArgumentParser(prog="python -m specter.replay", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog_name("specter.replay"), description=__doc__.splitlines()[0])
     parser.add_argument("trace", help="a specter-trace JSON-lines file")
     parser.add_argument("--link", type=_link, default=DEFAULT_LINK_GBPS, metavar="GBPS|PRESET",
                         help="H2D GB/s (1e9 bytes/s) from the engine's slowest link up, or a preset (gen5, gen4, gen3, "
@@ -582,7 +584,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="the routing profile the placements weigh, a trace of the same model (default: the "
                               "replayed trace's own use counts and rounds; one without rounds: uniform routing, as the "
                               "engine's --placement-profile)")
+    _add_logging(parser)
     args = parser.parse_args(argv)
+    configure_logging(json=args.log_json, level=args.log_level)
     if args.slots is not None and args.slots < 1:
         parser.error(f"--slots {args.slots}: expected 1 or more cache slots per layer")
     if args.placement is None:

@@ -122,3 +122,27 @@ def test_a_plugin_the_allow_list_leaves_out_is_refused_when_named(trace, capsys,
 def test_named_plugins_that_load_still_replay(trace, capsys, reference_plugins):
     assert main([str(trace), "--link", "0.5", "--eviction", "lru", "--prefetch", "none"]) == 0
     assert "link 0.5 GB/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("entry, usage", [("specter-replay", "usage: specter-replay "),
+                                          ("-m specter.replay", "usage: python -m specter.replay ")])
+def test_the_usage_names_the_tool_as_it_was_started(entry, usage):
+    """`specter-replay --help` said `usage: python -m specter.replay`: the name was written in, not taken from the
+    command the user ran."""
+    from tests.test_exits import _start
+
+    done = _start(entry, ["--help"], "")
+    assert done.returncode == 0 and done.stdout.startswith(usage), (done.stdout[:200], done.stderr)
+
+
+def test_log_level_and_json_logs_as_the_other_tools(trace, capsys, reference_plugins):
+    """The replay had no --log-level: a plug-in's debug events could not be shown, nor its warnings quieted. It takes
+    the other tools' logging options, with their choices."""
+    argv = [str(trace), "--eviction", "lru", "--prefetch", "none"]
+    assert main([*argv, "--log-level", "debug", "--log-json"]) == 0
+    events = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    assert {(event["event"], event["name"]) for event in events} >= {("plugin.loaded", "lru"), ("plugin.loaded", "none")}
+    assert main(argv) == 0
+    assert "plugin.loaded" not in capsys.readouterr().err  # the default stays warning
+    err = exits_2([*argv, "--log-level", "loud"], capsys)
+    assert "argument --log-level: invalid choice" in err and "debug" in err and "error" in err, err
