@@ -139,8 +139,8 @@ def prog_name(module: str) -> str:
     """A tool's name for its usage line, as the user started it: `python -m MODULE` where runpy runs `module` as
     __main__, else the name it was run by, as argparse's default takes it (a console script's: `specter-replay`).
     Not argparse's default alone: before Python 3.14 it names `python -m` by the module's file (`replay.py`)."""
-    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if (main_spec is not None and main_spec.name == module) or not (sys.argv and sys.argv[0]):
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # a package's -m runs its __main__ module
+    if (main_spec is not None and main_spec.name in (module, f"{module}.__main__")) or not (sys.argv and sys.argv[0]):
         return f"python -m {module}"
     return os.path.basename(sys.argv[0])
 

@@ -125,10 +125,12 @@ def test_named_plugins_that_load_still_replay(trace, capsys, reference_plugins):
 
 
 @pytest.mark.parametrize("entry, usage", [("specter-replay", "usage: specter-replay "),
-                                          ("-m specter.replay", "usage: python -m specter.replay ")])
+                                          ("-m specter.replay", "usage: python -m specter.replay "),
+                                          ("specter-bench", "usage: specter-bench "),
+                                          ("-m specter.bench", "usage: python -m specter.bench ")])
 def test_the_usage_names_the_tool_as_it_was_started(entry, usage):
-    """`specter-replay --help` said `usage: python -m specter.replay`: the name was written in, not taken from the
-    command the user ran."""
+    """`specter-replay --help` said `usage: python -m specter.replay` (`specter-bench` the same): the name was written
+    in, not taken from the command the user ran."""
     from tests.test_exits import _start
 
     done = _start(entry, ["--help"], "")

@@ -23,7 +23,7 @@ from specter.bench.systems import DEFAULT_SYSTEMS, SCHEDULE_SOURCE, SYSTEMS, Set
 from specter.build import resolve_device, resolve_dtype
 from specter.config import DEFAULT_K, DraftConfig, EngineConfig, TuningConfig, parse_bytes, parse_link
 from specter.errors import ConfigError, SpecterError
-from specter.exits import run_tool
+from specter.exits import prog_name, run_tool
 from specter.experts.costs import routing_profile
 from specter.model.spec import spec_from_config
 from specter.paths import check_output_folder
@@ -57,7 +57,7 @@ EPILOG = (f"Exit status: 0 done; 1 an engine system's tokens differed from its b
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m specter.bench", description=__doc__, epilog=EPILOG,
+    parser = argparse.ArgumentParser(prog=prog_name("specter.bench"), description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", action="append", default=None,
                         help=f"checkpoint dir, 'tiny', or a synthetic real shape ({', '.join(SHAPES)}); repeatable")
