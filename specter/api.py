@@ -564,4 +564,9 @@ def checkpoint_eos(directory: Path, spec: ModelSpec) -> tuple[int, ...]:
         except (OSError, ValueError, AttributeError):  # ValueError: not JSON, or not UTF-8
             eos = None  # generation_config.json is advisory; a broken one must not stop the model from loading
     ids = {token for token in (eos if isinstance(eos, list) else [eos]) if isinstance(token, int) and not isinstance(token, bool)}
+    outside = sorted(token for token in ids if not 0 <= token < spec.vocab_size)
+    if outside:  # never sampled: kept, they would replace config.json's ids and the text would never stop at one
+        log.warning("checkpoint.eos_outside_vocabulary", file=str(file), ids=outside[:8], vocab_size=spec.vocab_size,
+                    hint="those ids are ignored; set eos_token_id to the model's end-of-sequence id, or remove it")
+        ids -= set(outside)
     return tuple(sorted(ids or set(spec.eos_token_ids)))

@@ -497,6 +497,24 @@ def test_tokenizer_files_that_are_not_utf8_are_named_or_ignored(tiny, tmp_path):
         assert engine.engine.eos_token_ids == set(engine.engine.spec.eos_token_ids)
 
 
+@pytest.mark.parametrize("named", [[-1], [3, -1], [10**9], -2])
+def test_generation_config_eos_ids_outside_the_vocabulary_are_ignored_and_said(tiny, tmp_path, named, capsys):
+    """generation_config.json's eos ids replace config.json's; one that no sampling can produce (-1, past the
+    vocabulary) was kept, so a file naming only -1 meant the text never stopped at an end-of-sequence. The advisory
+    file is not refused (a broken one never stops a load): its impossible ids are dropped, with a warning naming them."""
+    from specter.api import checkpoint_eos
+    from specter.build import CheckpointWeights
+    from specter.model.checkpoint import Checkpoint
+
+    directory = _tiny_copy(tiny, tmp_path)
+    spec = CheckpointWeights(Checkpoint(directory)).spec
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": named}))
+    kept = [token for token in (named if isinstance(named, list) else [named]) if 0 <= token < spec.vocab_size]
+    assert checkpoint_eos(directory, spec) == (tuple(kept) or tuple(sorted(spec.eos_token_ids)))
+    err = capsys.readouterr().err
+    assert "checkpoint.eos_outside_vocabulary" in err and "generation_config.json" in err, err
+
+
 def test_a_load_that_fails_after_the_weights_releases_them(tiny, monkeypatch):
     """Whatever fails between the runtime's load and the engine's start closes the runtime: on CUDA its device memory
     and pinned pool would otherwise wait for the garbage collector."""
