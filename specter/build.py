@@ -25,7 +25,7 @@ from specter.config import EngineConfig
 from specter.draft import DraftExperts, quantize_layers
 from specter.errors import BudgetError, CheckpointError, ConfigError, PluginError
 from specter.experts.cache import CacheSnapshot, ExpertCache
-from specter.experts.costs import HostKernel, calibrate, check_profile, default_cost_store, host_kernels
+from specter.experts.costs import HostKernel, calibrate, default_cost_store, host_kernels, routing_profile
 from specter.experts.host import HostExperts
 from specter.experts.host import default_threads as host_default_threads
 from specter.experts.pool import ExpertPool
@@ -427,7 +427,7 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
     # do not hold (10 million layers planned for minutes before the first missing tensor was named).
     source.validate()
     if config.placement_profile is not None:  # with `off` too, which reads no more of it: another model's trace is a mistake
-        check_profile(config.placement_profile, spec.num_moe_layers, spec.num_experts)
+        routing_profile(config.placement_profile, spec.num_moe_layers, spec.num_experts)  # parsed once: calibrate reads it
     speculative, memory = engine_plan(config, spec, device, dtype)
     calibrated = speculative and config.draft.quant == "gptq4"
     check_device_memory(config, device, memory)

@@ -206,6 +206,32 @@ def test_the_routing_profile_comes_from_a_trace(root, tmp_path):
     assert costs.routing_profile(empty, layers, experts) == (None, None)
 
 
+def test_a_load_parses_its_profile_once_and_a_rewritten_one_again(root, tmp_path, monkeypatch):
+    """The load checked the trace before any weight, then the calibration parsed it again (3 s each for a 36 MB trace;
+    the bench added one more before loading and one per host-thread count). Parsed once while the file is unchanged;
+    a rewritten file is read anew, and each caller gets counts of its own."""
+    path = checkpoint("mixtral", root)
+    from specter.model.checkpoint import Checkpoint
+
+    spec = Checkpoint(path).spec
+    layers, experts = len(spec.moe_layers), spec.num_experts
+    trace = tmp_path / "profile.jsonl"
+    write_trace(trace, layers, experts, [[[0, 1]] * layers])
+    parsed = []
+    real = costs.read_trace
+    monkeypatch.setattr(costs, "read_trace", lambda p: parsed.append(p) or real(p))
+    costs._profile_of.cache_clear()
+    policy = Recording()
+    with placed_by(policy):
+        load(path, EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_threads=1, link="1", placement_profile=trace))
+    assert len(parsed) == 1, parsed
+    first = costs.route_profile(trace, layers, experts)
+    first[0][0] = 99.0  # a caller's own copy
+    assert costs.route_profile(trace, layers, experts)[0][0] == 1.0 and len(parsed) == 1
+    write_trace(trace, layers, experts, [[[2, 3]] * layers, [[2]] * layers])
+    assert costs.route_profile(trace, layers, experts)[0][:4] == [0.0, 0.0, 2.0, 1.0] and len(parsed) == 2
+
+
 def test_the_profile_the_load_places_from_does_not_depend_on_k(root, tmp_path):
     """The exactness contract: what a placement is decided from (and so `auto`'s answer) is the same for speculative
     engines of any k with the same profile, and a k = 0 engine's differs only in saying it does not speculate (a

@@ -416,9 +416,9 @@ def route_profile(path: Path, num_layers: int, num_experts: int) -> list[list[fl
 def check_profile(path: Path, num_layers: int, num_experts: int) -> list[TraceRound]:
     """The rounds of the routing trace at `path`, refused (a TraceError or ConfigError naming it) where it is not a
     trace or is one of another shape than `num_layers` MoE layers x `num_experts`. The load checks it so whatever the
-    placement (`build_runtime`): with `off`, which places nothing from it, a gzip file or another model's trace is still
-    the user's mistake, and it is refused as `info --placement-profile`, the bench and a placing load refuse it. One
-    read of the file (a 36 MB trace of 1000 rounds of 48 layers took 3 s), before any weight is read."""
+    placement (`build_runtime`, through `routing_profile`): with `off`, which places nothing from it, a gzip file or
+    another model's trace is still the user's mistake, and it is refused as `info --placement-profile`, the bench and
+    a placing load refuse it, before any weight is read."""
     header, rounds = read_trace(path)
     if (header.num_layers, header.num_experts) != (num_layers, num_experts):
         raise ConfigError(f"placement_profile {path}: a trace of {header.num_layers} MoE layers x {header.num_experts} "
@@ -430,7 +430,27 @@ def check_profile(path: Path, num_layers: int, num_experts: int) -> list[TraceRo
 def routing_profile(path: Path, num_layers: int, num_experts: int) -> tuple[list[list[float]] | None, RouteSequence | None]:
     """The routing trace at `path` as the cost model reads it: its use counts (`route_profile`) and its rounds in order
     up to `SEQUENCE_TOKENS` committed tokens (`RouteSequence`: the locality counts cannot carry); (None, None) for a
-    trace without rounds. A trace of another shape is refused."""
+    trace without rounds. A trace of another shape is refused. The file is parsed once while it is unchanged: a load
+    checks it before any weight and its calibration reads it again, the bench once more before it loads and for each
+    host-thread count (a 36 MB trace takes 3 s to parse); what is kept is the counts and the bounded sequence."""
+    try:
+        stat = os.stat(path)
+        identity = (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    except OSError:  # read_trace names the problem (missing, a directory, unreadable)
+        return _read_profile(Path(path), num_layers, num_experts)
+    counts, sequence = _profile_of(identity, Path(path), num_layers, num_experts)
+    return (None if counts is None else [list(row) for row in counts]), sequence
+
+
+@functools.lru_cache(maxsize=2)
+def _profile_of(identity: tuple, path: Path, num_layers: int, num_experts: int) -> tuple[tuple | None, RouteSequence | None]:
+    """`_read_profile` of one version of a file (`identity`: its real path, inode, size and change time), counts frozen:
+    every caller gets its own lists (a policy may change what it is given)."""
+    counts, sequence = _read_profile(path, num_layers, num_experts)
+    return (None if counts is None else tuple(tuple(row) for row in counts)), sequence
+
+
+def _read_profile(path: Path, num_layers: int, num_experts: int) -> tuple[list[list[float]] | None, RouteSequence | None]:
     rounds = check_profile(path, num_layers, num_experts)
     if not rounds:
         log.warning("placement.empty_profile", path=str(path), hint="the trace has no rounds: routing assumed uniform")
