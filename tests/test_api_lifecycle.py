@@ -176,8 +176,9 @@ def test_a_closed_sync_engine_says_so(tiny):
 
 
 def test_a_loop_closed_without_cancelling_its_tasks_leaves_a_pump_the_next_loop_replaces(engine_and_reference):
-    """`run_until_complete` then `close()` leaves the transfer pump pending on the dead loop; the next loop's first
-    prefetch must start a pump of its own (it woke the dead one: 'Event loop is closed')."""
+    """`run_until_complete` then `close()` leaves a transfer pump still copying (prefetches queued at the request's
+    end) pending on the dead loop; the next loop's first prefetch must start a pump of its own (it woke the dead one:
+    'Event loop is closed')."""
     engine, reference = engine_and_reference
     loop = asyncio.new_event_loop()
     try:

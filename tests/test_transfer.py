@@ -136,6 +136,31 @@ def test_an_urgent_copy_is_on_the_stream_when_submit_returns_unless_a_host_paced
     assert all(torch.equal(target, source) for target, source in zip(targets[:3], sources[:3]))
 
 
+def test_the_pump_ends_once_nothing_is_queued_so_a_loop_closed_after_its_copies_leaves_no_task(rig):
+    """`run_until_complete`, then `close()` without cancelling the loop's tasks: a pump waiting for more work was left
+    pending on the closed loop ('Task was destroyed but it is pending!' when collected)."""
+    backend, kernel = rig
+    engine = TransferEngine(backend, kernel, chunk_bytes=4096, max_chunks_in_flight=2)
+    sources, targets = buffers(6, 8192)
+
+    async def copies(indices: range) -> None:
+        for index in indices:  # one at a time: each finds the pump of the last one ended, and starts another
+            engine.submit(targets[index], sources[index])
+            await engine.drain()
+            for _ in range(3):  # the pump's last chunk is followed by a yield to the loop; then it sees no work
+                await asyncio.sleep(0)
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(copies(range(3)))
+        left = [task.get_name() for task in asyncio.all_tasks(loop)]
+    finally:
+        loop.close()
+    assert left == [], left
+    run(copies(range(3, 6)))  # the next loop's copies start a pump of their own
+    assert all(torch.equal(target, source) for target, source in zip(targets, sources))
+
+
 def test_landed_urgent_chunks_are_retired_so_the_chunk_log_starts_small(rig):
     backend, kernel = rig
     engine = TransferEngine(backend, kernel, chunk_bytes=4096, max_chunks_in_flight=2)

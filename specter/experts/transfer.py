@@ -181,8 +181,10 @@ class _Chunk:
 class TransferEngine:
     """Issues `Transfer`s on `backend.copy_stream` from one pump task on the event loop.
 
-    Use from the loop thread. The pump is a service task for the engine's lifetime (started by the first
-    `submit`, stopped by `aclose`), not a per-round task.
+    Use from the loop thread. The pump runs while transfers are queued: `submit` starts it, it ends once both
+    queues are empty, and `aclose` stops one still running. A pump left waiting for work would outlive the work
+    of its loop: a loop closed without cancelling its tasks (`run_until_complete`, then `close()`) left it
+    pending, reported as destroyed when collected.
     """
 
     def __init__(
@@ -220,7 +222,6 @@ class TransferEngine:
         self._pad_error_s = 0.0
         """Device-paced emulation: seconds of stream time retired chunks were meant to take (copy and pad) beyond what
         they took, less what later pads already made up (> 0: the stream ran ahead of the emulated link)."""
-        self._wakeup: asyncio.Event | None = None
         self._pump_task: asyncio.Task[None] | None = None
         self._room_waited: Event | None = None  # the event the pump last waited on for room (TransferTuning.issue_marks)
         self.chunk_log: list[_Chunk] | None = None  # when a list: every chunk issued is appended (busy measurement)
@@ -302,8 +303,6 @@ class TransferEngine:
         self._ensure_pump()
         if urgent:
             self._flush_urgent()
-        else:
-            self._wakeup.set()
         return transfer
 
     def _flush_urgent(self) -> None:
@@ -311,7 +310,7 @@ class TransferEngine:
         caller next yields to the loop (a verify first launches its resident experts' compute). Not with a
         host-paced link emulation, whose pacing lives in the pump."""
         if self.host_paced:
-            self._wakeup.set()
+            self._ensure_pump()
             return
         current = None
         try:
@@ -372,22 +371,20 @@ class TransferEngine:
     # -- the pump ------------------------------------------------------------------------------------
 
     def _ensure_pump(self) -> None:
-        # (a loop that ended without cancelling its tasks leaves its pump pending for good: this loop needs its own)
+        # (a loop that ended mid-copy without cancelling its tasks leaves its pump pending for good: this loop needs its own)
         if self._pump_task is None or self._pump_task.done() or self._pump_task.get_loop() is not asyncio.get_running_loop():
-            self._wakeup = asyncio.Event()
             self._pump_task = asyncio.get_running_loop().create_task(self._pump(), name="specter-transfer-pump")
 
     async def _pump(self) -> None:
-        """The engine loop: wait for room on the stream, for the emulated link, then issue the next chunk."""
+        """The engine loop: wait for room on the stream, for the emulated link, then issue the next chunk; end
+        when nothing is queued (the next `submit` starts another)."""
         transfer = None
         try:
             while True:
                 self._retire_completed()  # urgent chunks skip the room check: retire here, or _in_flight only grows
                 transfer = self._next_transfer()
                 if transfer is None:
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
+                    return
                 if not transfer.urgent:  # a prefetch waits for room; an urgent miss is wanted now: no cap
                     await self._room_on_stream()
                 await self._emulated_link_free()
