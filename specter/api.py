@@ -97,6 +97,7 @@ class GenerationStream:
         self._track_readers = True  # SyncEngine reads each piece in a task of its own and watches its iterator itself
         self._watched: tuple[asyncio.Task[Any], Any] | None = None  # the reading task and its done callback
         self._left: asyncio.Event | None = None  # set when the reader in __anext__ leaves it (aclose from another task)
+        self._stranded = False  # its request's task was left on a loop that ended under it (`_strand`)
 
     @property
     def text(self) -> str:
@@ -110,7 +111,7 @@ class GenerationStream:
         if self._consumer is not None:  # before any state is touched: the running reader's stream stays whole
             raise StreamBusy("this stream is being read by another task; read a stream from one task at a time "
                              "(hand the pieces to others through a queue)")
-        if self._abort_reason is not None and self.finish_reason is None:  # closed between pieces, not yet unwound
+        if self._abort_reason is not None and self.result is None:  # closed between pieces, unwound or not; stranded
             raise RequestCancelled(self._abort_reason)
         if task is not None and self._track_readers and (self._reader is None or self._reader() is not task):
             self._watch_reader(task)
@@ -145,6 +146,8 @@ class GenerationStream:
         """Stop the request (if it still runs) and give the engine to the next one. Idempotent. From a task other
         than the one reading it (a stop button, a hang-up handler), the reader's wait ends in RequestCancelled and
         this returns once the request has unwound."""
+        if self._stranded:  # its generator is suspended on a loop that ended: it can be neither resumed nor closed
+            return
         if self._consumer is not None and self._consumer is not asyncio.current_task():
             self._abort_reason = self._abort_reason or "this stream was closed by aclose() from another task"
             await self._stop_reader().wait()
@@ -265,6 +268,13 @@ class GenerationStream:
         elif self._consumer is None:
             await self.aclose()
 
+    def _strand(self, reason: str) -> None:
+        """Engine shutdown after the loop this request ran on ended under it: that loop will never run its task again,
+        so end it here, without the task (reading it raises RequestCancelled)."""
+        if self.finish_reason is None:
+            self._abort_reason, self._consumer, self._stranded = reason, None, True
+            self._mark_ended("cancelled")
+
     def _stop_reader(self) -> asyncio.Event:
         """Cancel the task reading this stream, once, and return what is set when it has left `__anext__`: a second
         cancel (a second aclose, or the engine's close beside one) would leave the reader's uncancel count above 0, so
@@ -312,6 +322,7 @@ class Engine:
         self._holder: weakref.ref[GenerationStream] | None = None  # the stream that last took the turn
         self._closed = False
         self._closing: asyncio.Task[None] | None = None
+        self._stranded = False  # closed from a later loop than one that ended mid-request (`_enter_loop(closing=True)`)
         self._loop = _running_loop()  # the loop it serves (None until a request runs, when made outside one)
         self._loop_guard = threading.Lock()  # two threads' loops may ask at once
         self._closers: set[asyncio.Task[None]] = set()  # streams being closed for a reader that failed (_closer)
@@ -357,15 +368,20 @@ class Engine:
 
     async def aclose(self) -> None:
         """Refuse new requests, end the running and queued ones (RequestCancelled), release the device. Every call
-        returns once the device is released, a second one too (an `async with` exit racing a signal's close)."""
+        returns once the device is released, a second one too (an `async with` exit racing a signal's close). From a
+        later loop than one that ended mid-request (closed without unwinding its tasks), the requests of that loop
+        are ended where they stand and the device, memory and threads are released all the same."""
         if self._closing is None or (self._closing.done() and self._closing.cancelled()):  # (a close cut short)
-            self._enter_loop()
+            self._enter_loop(closing=True)
             self._closed = True
             self._closing = asyncio.get_running_loop().create_task(self._close(), name="specter-engine-close")
         await asyncio.shield(self._closing)
 
     async def _close(self) -> None:
         for stream in list(self._streams):
+            if self._stranded:  # their tasks belong to a loop that will never run them again: none can be awaited
+                stream._strand("the engine was closed after the event loop this request ran on ended under it")
+                continue
             try:
                 await stream._abort("the engine was closed while the request was running or queued")
             except Exception as error:  # one stream's misuse must not keep the device and threads held for good
@@ -374,9 +390,10 @@ class Engine:
             await self.runtime.aclose()
         log.debug("engine.closed")
 
-    def _enter_loop(self) -> None:
+    def _enter_loop(self, closing: bool = False) -> None:
         """Serve the running loop: the one the engine serves, or a new one once that has ended, when nothing of
-        the ended one is left in flight. Anything else is an EngineLoopError, not asyncio's own errors or a hang."""
+        the ended one is left in flight, or when `closing` (the engine only releases what it holds: its device state
+        need not be trusted). Anything else is an EngineLoopError, not asyncio's own errors or a hang."""
         loop = asyncio.get_running_loop()
         with self._loop_guard:
             if loop is self._loop:
@@ -387,9 +404,15 @@ class Engine:
                     "thread-safe: from other threads use specter.SyncEngine, or hand the call to the engine's loop "
                     "with asyncio.run_coroutine_threadsafe")
             if self._turn.locked() or self.runtime.loads_in_flight():
-                raise EngineLoopError(
-                    "the event loop this Engine served ended while a request or an expert load was in flight, and its "
-                    "tasks never unwound; the engine's device state cannot be trusted: load a new Engine")
+                if not closing:
+                    raise EngineLoopError(
+                        "the event loop this Engine served ended while a request or an expert load was in flight, and "
+                        "its tasks never unwound; the engine's device state cannot be trusted: close it (await "
+                        "engine.aclose() from this loop releases its memory and threads) and load a new Engine")
+                log.warning("engine.closed_after_loop_ended", requests_in_flight=self._turn.locked(),
+                            hint="the loop the engine served was closed without cancelling its tasks (asyncio.run "
+                                 "cancels them); its requests are ended, the engine's memory and threads released")
+                self._stranded = True
             self._loop, self._turn = loop, asyncio.Lock()  # (a lock stays bound to the loop it first waited on)
 
     def stream_abandoned(self, stream: GenerationStream, reason: str,

@@ -155,7 +155,7 @@ class SyncEngine:
 
 
 LOOP_ENDED = ("the engine's event-loop thread has ended (a KeyboardInterrupt or SystemExit raised on it, by a plug-in "
-              "say); this SyncEngine is unusable, load a new one")
+              "say); this SyncEngine is unusable: close() it, which releases its memory and threads, and load a new one")
 
 
 def _result(future: Future[T], thread: threading.Thread) -> T:
@@ -176,6 +176,11 @@ def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, engine:
     if threading.current_thread() is thread:  # dropped on its own loop: it cannot wait for itself
         loop.call_soon(loop.stop)
         return
+    if engine is not None and not thread.is_alive():
+        # A KeyboardInterrupt or SystemExit raised on the loop ended its thread, not the loop: run it again, as
+        # asyncio.run does after Ctrl-C, so the engine's requests unwind and its memory and threads are released.
+        thread = threading.Thread(target=loop.run_forever, name="specter-sync-close", daemon=True)
+        thread.start()
     try:
         if engine is not None and loop.is_running() and thread.is_alive():
             _result(asyncio.run_coroutine_threadsafe(engine.aclose(), loop), thread)

@@ -4,8 +4,10 @@ SyncEngine, streams read after they ended, a stream abandoned by a task that the
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+from unittest import mock
 
 import pytest
 
@@ -231,3 +233,54 @@ def test_sync_engine_reading_makes_no_full_collection_per_piece(tiny):
         finally:
             gc.callbacks.remove(count)
     assert len(pieces) >= 20 and len(full) <= 2, (len(pieces), len(full))  # was one a piece
+
+
+def _started_threads(before: set[threading.Thread]) -> list[str]:
+    return [thread.name for thread in threading.enumerate() if thread not in before and thread.name.startswith("specter-")]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the closed loop's coroutines, collected
+def test_an_engine_whose_loop_was_closed_mid_request_is_still_released_by_aclose(tiny):
+    """`run_until_complete`, then `close()` while a request runs: the engine refuses requests (its device state cannot be
+    trusted), and its aclose from a later loop raised that same EngineLoopError, so nothing released its threads."""
+    before = set(threading.enumerate())
+    engine = asyncio.run(Engine.load(tiny, OFFLOADED))
+    loop = asyncio.new_event_loop()
+    try:
+        request = loop.create_task(engine.complete(PROMPT, max_new_tokens=2000))
+        loop.run_until_complete(asyncio.sleep(0.3))
+        assert not request.done() and _started_threads(before)
+    finally:
+        loop.close()
+    with pytest.raises(EngineLoopError) as refused:
+        asyncio.run(engine.complete(PROMPT, max_new_tokens=8))
+    asyncio.run(asyncio.wait_for(engine.aclose(), 60))
+    assert engine.runtime._closed and _started_threads(before) == []
+    assert "engine.aclose() from this loop releases" in str(refused.value)  # the refusal says how to release it
+    with pytest.raises(RequestCancelled, match="closed"):
+        asyncio.run(engine.complete(PROMPT, max_new_tokens=8))
+    del request
+    gc.collect()  # the closed loop's tasks are reported here (asyncio's log), not at the exit
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the ended loop's coroutines, collected
+def test_a_sync_engine_whose_loop_thread_ended_mid_request_is_still_released_by_close(tiny):
+    """A KeyboardInterrupt raised on the loop (a plug-in's, say) ends the loop's thread while an iterator holds the
+    engine: close() closed the loop and returned, leaving the engine's threads running with nothing left to stop them."""
+    before = set(threading.enumerate())
+    engine = SyncEngine(tiny, OFFLOADED)
+    pieces = engine.generate(PROMPT, max_new_tokens=2000)
+    next(pieces)
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    with mock.patch.object(threading, "excepthook"):  # (the interrupt's traceback on the loop thread)
+        engine._loop.call_soon_threadsafe(interrupt)
+        engine._thread.join(10)
+    assert not engine._thread.is_alive() and _started_threads(before)
+    engine.close()
+    assert engine.engine.runtime._closed and _started_threads(before) == []
+    with pytest.raises(RequestCancelled):
+        next(pieces)
+    gc.collect()

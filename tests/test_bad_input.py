@@ -417,4 +417,4 @@ def test_a_sync_call_whose_loop_thread_has_ended_raises_instead_of_hanging(tiny)
     threading.Thread(target=call, daemon=True).start()
     assert done.wait(20), "SyncEngine.complete still waits on a loop that has ended"
     assert isinstance(outcome[0], RuntimeError) and "event-loop thread has ended" in str(outcome[0])
-    engine.close()  # returns: nothing left to close on a dead loop
+    engine.close()  # returns, the engine closed on its loop run again (test_api_lifecycle: its threads stop)

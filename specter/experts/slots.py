@@ -371,13 +371,16 @@ class ExpertSlots:
         return sum(not task.done() for task in self._loads)
 
     async def aclose(self) -> None:
-        """Wait for every load in flight to complete (shutdown, tests)."""
+        """Wait for every load in flight to complete (shutdown, tests); one of a loop that ended under it never will,
+        and is forgotten (its chunks on the stream land all the same: the transfer engine's close waits for them)."""
+        loop = asyncio.get_running_loop()
         while self._loads:
             # Forget the gathered tasks here, not only in their done callbacks: those run from the loop, and on
             # Python 3.12 gathering tasks that are all done returns without yielding to it, so a loop that
             # waited for the callbacks to empty `_loads` would spin forever.
             tasks = list(self._loads)
-            await asyncio.gather(*[asyncio.shield(task) for task in tasks], return_exceptions=True)
+            ours = [task for task in tasks if task.get_loop() is loop]
+            await asyncio.gather(*[asyncio.shield(task) for task in ours], return_exceptions=True)
             self._loads.difference_update(tasks)
 
     # -- internals: claiming slots -----------------------------------------------------------------

@@ -357,7 +357,10 @@ class TransferEngine:
     async def aclose(self) -> None:
         """Drop queued transfers, wait for issued chunks, stop the pump."""
         for transfer in [*self._urgent, *self._prefetch]:
-            transfer.cancel()
+            if transfer._ready.get_loop().is_closed():  # queued on a loop that ended under it: none can await it, and
+                self._drop(transfer)                    # telling its owners would raise 'Event loop is closed'
+            else:
+                transfer.cancel()
         try:
             if self._in_flight:
                 await self.kernel.wait(self._in_flight[-1].end)  # raises a stream's failed work: the pump stops anyway
@@ -562,11 +565,15 @@ class TransferEngine:
     def _cancel(self, transfer: Transfer) -> None:
         if transfer.fully_issued or transfer.cancelled:
             return
+        self._drop(transfer)
+        # Chunks already on the stream still land; the event tells the owner when the slot is quiet.
+        transfer._ready.set_result(self.backend.record_event(self.stream) if transfer.bytes_issued else None)
+
+    def _drop(self, transfer: Transfer) -> None:
+        """Take a queued transfer off its queue, its chunks not issued yet never to be."""
         (self._urgent if transfer in self._urgent else self._prefetch).remove(transfer)
         transfer.cancelled = True
         self.stats.cancelled += 1
-        # Chunks already on the stream still land; the event tells the owner when the slot is quiet.
-        transfer._ready.set_result(self.backend.record_event(self.stream) if transfer.bytes_issued else None)
 
 
 TIMER_SLACK_S = 1e-3
