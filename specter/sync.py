@@ -176,16 +176,21 @@ def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, engine:
     if threading.current_thread() is thread:  # dropped on its own loop: it cannot wait for itself
         loop.call_soon(loop.stop)
         return
+    restarted = False
     if engine is not None and not thread.is_alive():
         # A KeyboardInterrupt or SystemExit raised on the loop ended its thread, not the loop: run it again, as
         # asyncio.run does after Ctrl-C, so the engine's requests unwind and its memory and threads are released.
         thread = threading.Thread(target=loop.run_forever, name="specter-sync-close", daemon=True)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:  # at interpreter shutdown no thread starts: the process's end releases what it holds
+            return
+        restarted = True  # (its loop may not run yet: what is handed to it below waits for it, not for is_running)
     try:
-        if engine is not None and loop.is_running() and thread.is_alive():
+        if engine is not None and (restarted or loop.is_running()) and thread.is_alive():
             _result(asyncio.run_coroutine_threadsafe(engine.aclose(), loop), thread)
     finally:
-        if loop.is_running() and thread.is_alive():  # as asyncio.run ends: what is left unwinds before the loop closes
+        if (restarted or loop.is_running()) and thread.is_alive():  # as asyncio.run ends: what is left unwinds first
             with contextlib.suppress(Exception):  # (a load cut short leaves its copies' tasks, pending for good else)
                 asyncio.run_coroutine_threadsafe(_cancel_the_rest(), loop).result(UNWIND_S)
         loop.call_soon_threadsafe(loop.stop)

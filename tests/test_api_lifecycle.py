@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 
-from specter import Engine, EngineConfig, SyncEngine
+from specter import Engine, EngineConfig, SyncEngine, sync
 from specter.errors import EngineLoopError, RequestCancelled
 
 OFFLOADED = EngineConfig(device="cpu", residents=2)
@@ -280,6 +280,38 @@ def test_a_sync_engine_whose_loop_thread_ended_mid_request_is_still_released_by_
         engine._thread.join(10)
     assert not engine._thread.is_alive() and _started_threads(before)
     engine.close()
+    assert engine.engine.runtime._closed and _started_threads(before) == []
+    with pytest.raises(RequestCancelled):
+        next(pieces)
+    gc.collect()
+
+
+def test_close_releases_a_sync_engine_whose_loop_thread_ended_even_when_the_new_loop_thread_starts_late(tiny):
+    """close() runs the ended loop again on a new thread to release the engine; it asked whether the loop was running
+    right after starting that thread, and where the thread had not entered the loop yet it closed nothing."""
+    before = set(threading.enumerate())
+    engine = SyncEngine(tiny, OFFLOADED)
+    pieces = engine.generate(PROMPT, max_new_tokens=2000)
+    next(pieces)
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    with mock.patch.object(threading, "excepthook"):
+        engine._loop.call_soon_threadsafe(interrupt)
+        engine._thread.join(10)
+    run_forever = engine._loop.run_forever
+
+    def late_start() -> None:
+        time.sleep(0.3)
+        run_forever()
+
+    with mock.patch.object(threading.Thread, "start", side_effect=RuntimeError("can't create new thread at "
+                                                                              "interpreter shutdown")):
+        sync._shutdown(engine._loop, engine._thread, engine.engine)  # at exit: returns, the process's end releases
+    assert not engine.engine.runtime._closed and not engine._loop.is_closed()
+    with mock.patch.object(engine._loop, "run_forever", late_start):
+        engine.close()
     assert engine.engine.runtime._closed and _started_threads(before) == []
     with pytest.raises(RequestCancelled):
         next(pieces)
