@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import re
@@ -22,7 +23,7 @@ from specter.bench.synthetic import SHAPES, family_available, shape_config, shap
 from specter.bench.systems import DEFAULT_SYSTEMS, SCHEDULE_SOURCE, SYSTEMS, Setting
 from specter.build import resolve_device, resolve_dtype
 from specter.config import DEFAULT_K, DraftConfig, EngineConfig, TuningConfig, parse_bytes, parse_link
-from specter.errors import ConfigError, SpecterError
+from specter.errors import ConfigError, OutputError, SpecterError
 from specter.exits import prog_name, run_tool
 from specter.experts.costs import routing_profile
 from specter.model.spec import spec_from_config
@@ -122,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "budget")
     parser.add_argument("--out", type=Path, default=Path("bench-out"),
                         help="directory for results.json, results.md (both rewritten after every cell, marked partial "
-                             "until the end) and plots (at the end)")
+                             "until the end) and plots (at the end); an earlier run's move to previous/DATE/ first")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers + accelerate baseline")
     parser.add_argument("--no-progress", action="store_true")
@@ -399,6 +400,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     check_args(args)
     if args.merge:
         payload = report.merge(args.merge)
+        keep_previous(args.out)
         if args.out.is_dir():  # an earlier run's plots would stay beside the merged results, which they do not show
             remove_plots(args.out)
         write_outputs(args.out, payload, plots=not args.no_plots)
@@ -413,8 +415,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     check_residents(args.residents, targets)
     check_placement_profile(args.placement_profile, targets)
     options = options_from_args(args)
+    keep_previous(args.out)
     results = Results(args.out, argv, args, targets, options, notes, started)
-    results.write(RUNNING)  # from the start: a run that dies before its first cell leaves no older run's files
+    results.write(RUNNING)  # from the start: a run that dies before its first cell leaves its own files, marked partial
     stopper = Stopper(grace_s=stopping.STOP_GRACE_S, on_force=results.force)
     try:
         with stopper.installed():
@@ -461,6 +464,45 @@ def check_output_names(out: Path) -> None:
                               "choose another --out")
 
 
+PREVIOUS = "previous"
+"""The subfolder of --out that an earlier run's files move into (`keep_previous`)."""
+
+
+def keep_previous(out: Path) -> Path | None:
+    """Move an earlier run's results.json, results.md and plots out of `out` into `out/previous/<its date>/` before
+    this run writes a byte, and say where on stderr: a second run into one --out (the default bench-out) replaced them
+    at its start, and a crash or stop of it left a file of 0 runs. Returns the folder, or None when there was nothing."""
+    names = [name for name in ("results.json", "results.md", *PLOT_FILES) if (out / name).is_file()]
+    if not names:
+        return None
+    stamp = _run_stamp(out, names)
+    folder, suffix = out / PREVIOUS / stamp, 1
+    while folder.exists():  # two runs stamped alike (one second apart): neither overwrites the other
+        suffix += 1
+        folder = out / PREVIOUS / f"{stamp}-{suffix}"
+    try:
+        folder.mkdir(parents=True)
+        for name in names:
+            (out / name).replace(folder / name)
+    except OSError as error:
+        raise OutputError(f"--out {out}: cannot move the earlier run's {', '.join(names)} into {folder} ({error.strerror or error}); "
+                          "move them yourself or choose another --out") from None
+    print(f"note: the earlier run's {', '.join(names)} in {out} moved to {folder}", file=sys.stderr)
+    return folder
+
+
+def _run_stamp(out: Path, names: Sequence[str]) -> str:
+    """A folder name for the run whose files are in `out`: the date its results.json records, else the newest mtime of
+    its files; in UTC, without ':' (not allowed in Windows names)."""
+    try:
+        date = json.loads((out / "results.json").read_text())["machine"]["date"]
+        stamp = datetime.datetime.fromisoformat(date).astimezone(datetime.timezone.utc)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # not a bench file, or torn by hand
+        mtime = max((out / name).stat().st_mtime for name in names)
+        stamp = datetime.datetime.fromtimestamp(mtime, datetime.timezone.utc)
+    return stamp.strftime("%Y-%m-%dT%H-%M-%SZ")
+
+
 def check_time_budget(budget_s: float | None) -> None:
     """--time-budget is a positive, finite number of seconds; no budget is leaving it out (0 once meant that)."""
     if budget_s is not None and not (math.isfinite(budget_s) and budget_s > 0):
@@ -492,7 +534,7 @@ class Results:
         self.final = False
         """The files hold a stop's last word; the watchdog leaves them."""
         out.mkdir(parents=True, exist_ok=True)
-        remove_plots(out)  # results.json and results.md are rewritten from the start: an earlier run's plots go too
+        remove_plots(out)  # keep_previous moved an earlier run's; a caller that skipped it must not keep stale ones
 
     def update(self, progress: Progress) -> None:
         """bench_models' on_cell: the matrix so far, written at once."""
