@@ -23,7 +23,7 @@ import torch
 from specter import plugins
 from specter.config import EngineConfig
 from specter.draft import DraftExperts, quantize_layers
-from specter.errors import BudgetError, CheckpointError, ConfigError, PluginError
+from specter.errors import BudgetError, CheckpointError, ConfigError, MemoryShortError, PluginError
 from specter.experts.cache import CacheSnapshot, ExpertCache
 from specter.experts.costs import HostKernel, calibrate, default_cost_store, host_kernels, routing_profile
 from specter.experts.host import HostExperts
@@ -202,12 +202,11 @@ def check_device_memory(config: EngineConfig, device: torch.device, memory: Memo
         free = available_host_bytes()
         needed, where = memory.device_bytes + memory.host_pool_bytes, "the host's available memory"
     if config.budget is None and needed > free:
-        raise BudgetError(
+        raise MemoryShortError(
             f"this configuration needs about {fmt(needed)} and {where} is {fmt(free)}: KV for max_context "
             f"{config.max_context} tokens {fmt(memory.kv_bytes)}, workspace {fmt(memory.workspace_bytes)}, non-expert weights "
-            f"{fmt(memory.dense_bytes)}, draft {fmt(memory.draft_bytes)}, experts {fmt(needed - memory.fixed_bytes)}; "
-            "lower --max-context (KV and workspace grow with it), or give --residents or --budget"
-        )
+            f"{fmt(memory.dense_bytes)}, draft {fmt(memory.draft_bytes)}, experts {fmt(needed - memory.fixed_bytes)}",
+            "lower --max-context (KV and workspace grow with it), or give --residents or --budget")
 
 
 def apply_threads(config: EngineConfig, device: torch.device) -> None:

@@ -22,6 +22,15 @@ class BudgetError(SpecterError):
     """The GPU memory budget cannot hold the model's minimum (says the minimum)."""
 
 
+class MemoryShortError(BudgetError):
+    """The machine's free memory cannot hold the plan. `shortfall` is what is short, without the engine command line's
+    remedy, for a tool with other options (the bench) to give its own."""
+
+    def __init__(self, shortfall: str, remedy: str) -> None:
+        super().__init__(f"{shortfall}; {remedy}")
+        self.shortfall = shortfall
+
+
 class PromptError(SpecterError, ValueError):
     """A prompt or generation request is invalid (empty, too long, ids out of range)."""
 

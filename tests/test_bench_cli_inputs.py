@@ -114,3 +114,32 @@ def test_k_left_out_is_the_default_within_a_given_k_max(k_max, k):
     cli.check_args(args)
     options = cli.options_from_args(args)
     assert (options.k, options.k_max) == (k, int(k_max))
+
+
+@pytest.mark.parametrize("argv, fits", [(["--max-new-tokens", "100000"], "give --max-new-tokens 4057 or less"),
+                                        (["--max-new-tokens", "4070", "--k-max", "32"], "give --max-new-tokens 4040 or less"),
+                                        (["--realism", "--realism-tokens", "5000"], "give --realism-tokens 4080 or less")])
+def test_requests_beyond_the_models_positions_are_refused_with_a_length_that_fits(argv, fits, tmp_path, capsys, no_cells):
+    """tiny has 4096 positions: every part was skipped, the run exited 0 on 0 requests, and its note said to use
+    --max-context, which the bench does not have."""
+    err = refused(["--model", "tiny", *argv], tmp_path, capsys)
+    assert "tiny has 4096 positions" in err and fits in err and "--max-context" not in err, err
+
+
+def test_a_run_that_measured_nothing_exits_3_and_its_notes_name_the_benchs_own_options(tmp_path, capsys, monkeypatch):
+    """Every part skipped (here: memory) exited 0, and the note's remedy named --max-context, which the bench lacks."""
+    from specter.bench import protocol
+    from specter.errors import MemoryShortError
+
+    async def too_big(*args, **kwargs):
+        raise MemoryShortError("this configuration needs about 87 GiB and the host's available memory is 21 GiB",
+                               "lower --max-context (KV and workspace grow with it), or give --residents or --budget")
+
+    monkeypatch.setattr(protocol.BenchRuntime, "build", too_big)
+    out = tmp_path / "out"
+    code = cli.main([*BASE, "--model", "tiny", "--systems", "resident,ondemand", "--max-new-tokens", "2",
+                     "--warmup-tokens", "1", "--link", "1", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == cli.NOTHING_MEASURED == 3, err
+    assert "nothing was measured" in err and "--max-context" not in err and "--budget" not in err, err
+    assert "resident part skipped: this configuration needs about 87 GiB" in err and "lower --max-new-tokens" in err, err

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specter.bench import report, stopping
-from specter.bench.protocol import (CELL_FIELDS, SAMPLING_MODES, ModelTarget, Options, Progress, checkpoint_target, planned_cells,
+from specter.bench.protocol import (CELL_FIELDS, PROMPT_TOKENS, SAMPLING_MODES, ModelTarget, Options, Progress, bench_context,
+                                    checkpoint_target, planned_cells,
                                     run_matrix, synthetic_prompts, warmup_prompt)
 from specter.bench.plots import PLOT_FILES, remove_plots
 from specter.bench.stopping import BenchStopped, Stopper, exit_status
@@ -23,10 +24,11 @@ from specter.bench.synthetic import SHAPES, family_available, shape_config, shap
 from specter.bench.systems import DEFAULT_SYSTEMS, SCHEDULE_SOURCE, SYSTEMS, Setting
 from specter.build import resolve_device, resolve_dtype
 from specter.config import DEFAULT_K, DraftConfig, EngineConfig, TuningConfig, parse_bytes, parse_link
-from specter.errors import ConfigError, OutputError, SpecterError
+from specter.errors import ConfigError, OutputError, PromptError, SpecterError
 from specter.exits import prog_name, run_tool
 from specter.experts.costs import routing_profile
 from specter.model.spec import spec_from_config
+from specter.memory import DEFAULT_CONTEXT
 from specter.paths import check_output_folder
 
 PAPER_SETTINGS = {"deepseek-v2-lite": (16, 4), "qwen1.5-moe-a2.7b": (15, 8), "phi-3.5-moe": (2, 1)}
@@ -51,7 +53,8 @@ QUICK_REPEATS = 2
 """Requests per prompt in the quick matrix: a median over 6 requests (3 prompts x 2) per cell, within 2 minutes."""
 
 
-EPILOG = (f"Exit status: 0 done; 1 an engine system's tokens differed from its baseline; 2 bad input; "
+EPILOG = (f"Exit status: 0 done; 1 an engine system's tokens differed from its baseline; 2 bad input; 3 nothing "
+          "measured (every cell skipped; the notes say why); "
           f"{exit_status(signal.SIGTERM)} stopped by SIGTERM ({exit_status(signal.SIGINT)} by SIGINT, 128 + the signal's "
           "number): the cell in progress is abandoned and results.json and results.md keep the cells that ended, with "
           "complete false and partial.remaining the cells still to run.")
@@ -415,6 +418,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     check_residents(args.residents, targets)
     check_placement_profile(args.placement_profile, targets)
     options = options_from_args(args)
+    check_context(targets, options, args.realism_tokens if args.realism else None)
     keep_previous(args.out)
     results = Results(args.out, argv, args, targets, options, notes, started)
     results.write(RUNNING)  # from the start: a run that dies before its first cell leaves its own files, marked partial
@@ -452,7 +456,43 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     for note in payload["notes"]:  # skipped cells and why (a budget below the minimum, the time budget), model notes
         if note not in flags:
             print(f"note: {note}", file=sys.stderr)
-    return 0 if all(row["tokens_equal"] for row in summary if row["system"] != "hf-accelerate") else 1
+    engine_rows = [row for row in summary if row["system"] != "hf-accelerate"]
+    if not engine_rows:  # all() of none is True: a run that measured nothing read as a success
+        print(f"nothing was measured: every cell was skipped (the notes above say why); exit status {NOTHING_MEASURED}",
+              file=sys.stderr)
+        return NOTHING_MEASURED
+    return 0 if all(row["tokens_equal"] for row in engine_rows) else 1
+
+
+NOTHING_MEASURED = 3
+"""The exit status of a run that ended without measuring a cell (each skipped: memory, time budget, a model part
+that failed), told apart from 0 (done), 1 (tokens differ) and 2 (refused before the work)."""
+
+
+def check_context(targets: Sequence[ModelTarget], options: Options, realism_tokens: int | None) -> None:
+    """Every request, warm-up and draft within each model's positions, before any model loads: beyond them every
+    part was skipped, and the run measured nothing. With --realism, its report's requests too."""
+    need = bench_context(options)
+    for target in targets:
+        positions = target.spec.max_position
+        if need > positions:
+            extra = need - max(options.max_new_tokens, options.warmup_tokens)  # the prompt, the draft's depth, the slack
+            fits = positions - extra
+            remedy = (f"give --max-new-tokens {fits} or less" if fits >= 1
+                      else f"lower --k-max (it alone leaves no room for a new token)")
+            raise ConfigError(f"--max-new-tokens {options.max_new_tokens}: {target.label} has {positions} positions, and a "
+                              f"request takes {need} ({PROMPT_TOKENS} prompt, {options.max_new_tokens} new, --k-max "
+                              f"{options.k_max} drafted and 8 of slack); {remedy}")
+        if realism_tokens is not None and target.path is not None and PROMPT_TOKENS + realism_tokens > positions:
+            raise ConfigError(f"--realism-tokens {realism_tokens}: {target.label} has {positions} positions, and a report's "
+                              f"request takes a {PROMPT_TOKENS}-token prompt plus them; give --realism-tokens "
+                              f"{positions - PROMPT_TOKENS} or less")
+
+
+def realism_context(target: ModelTarget, new_tokens: int) -> int:
+    """The realism report's context: the engine's default, or more when --realism-tokens asks for it (the engine's
+    default would refuse its requests), within the model's positions."""
+    return min(target.spec.max_position, max(DEFAULT_CONTEXT, PROMPT_TOKENS + new_tokens))
 
 
 def check_output_names(out: Path) -> None:
@@ -593,11 +633,17 @@ def realism_reports(targets: Sequence[ModelTarget], options: Options, new_tokens
         if target.path is None:
             target.notes.append(f"{target.label}: no realism report (synthetic random weights route at random)")
             continue
-        config = realism_config(options.device, options.quant).model_copy(update={"threads": options.threads})
+        context = realism_context(target, new_tokens)
+        config = realism_config(options.device, options.quant, context)
+        config = config.model_copy(update={"threads": options.threads})
         try:
             run = stopper.run if stopper is not None else asyncio.run
             reports[target.label] = run(realism_for_bench(target.make_source(), target.path, config=config,
                                                           new_tokens=new_tokens, label=target.label))
+        except PromptError as error:  # a prompts.json prompt longer than the bench's: the engine's advice names --max-context
+            target.notes.append(f"{target.label}: realism report skipped: a prompt plus --realism-tokens {new_tokens} does "
+                                f"not fit the report's context of {context} tokens; lower --realism-tokens")
+            continue
         except SpecterError as error:
             target.notes.append(f"{target.label}: realism report skipped: {error}")
             continue

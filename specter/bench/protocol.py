@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from specter.config import DraftConfig, EngineConfig, GenerationConfig, TuningConfig
 from specter.engine import CheckpointWeights, WeightSource
-from specter.errors import BudgetError, SpecterError
+from specter.errors import BudgetError, MemoryShortError, SpecterError
 from specter.experts.cache import CacheSnapshot, CacheStats, LayerStats
 from specter.experts.costs import route_profile
 from specter.build import resolve_dtype
@@ -190,6 +190,12 @@ def synthetic_prompts(vocab_size: int, per_kind: int, seed: int = 0) -> list[Pro
     return prompts
 
 
+def bench_context(options: Options) -> int:
+    """The context (tokens) every engine of the bench plans for: a prompt, the longer of a request and the warm-up, the
+    deepest draft's tokens past the last one kept, and 8 of slack."""
+    return PROMPT_TOKENS + max(options.max_new_tokens, options.warmup_tokens) + options.k_max + 8
+
+
 def checkpoint_prompts(path: Path, vocab_size: int, per_kind: int) -> list[Prompt]:
     """The reference model's held-out corpus snippets (prompts.json) when present, else synthetic ones."""
     listed = path / "prompts.json"
@@ -252,7 +258,7 @@ class ModelBench:
         self.requests = [dataclasses.replace(prompt, sampling=mode) for prompt in target.prompts for mode in options.sampling]
         """Every prompt in every sampling mode: what each cell runs (times the repeats)."""
         self.dtype = resolve_dtype(EngineConfig(dtype=options.dtype), target.spec)
-        self.max_context = PROMPT_TOKENS + max(options.max_new_tokens, options.warmup_tokens) + options.k_max + 8
+        self.max_context = bench_context(options)
         self.cell_seconds: list[float] = []
         cells = len(self.planned["resident"]) + len(self.planned["offloaded"])  # the cells `_cell` counts off
         self.bar = tqdm(total=cells, desc=target.label, disable=not options.progress, unit="cell", leave=False)
@@ -305,7 +311,7 @@ class ModelBench:
         try:
             await work()
         except (SpecterError, torch.cuda.OutOfMemoryError, MemoryError) as error:
-            note = f"{self.target.label}: {part} part skipped: {error}"
+            note = f"{self.target.label}: {part} part skipped: {self._in_bench_words(error)}"
             log.warning("bench.skipped", model=self.target.label, part=part, error=str(error))
             self.target.notes.append(note)
             self._ended(*self.planned[part])
@@ -313,6 +319,16 @@ class ModelBench:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+    def _in_bench_words(self, error: BaseException) -> str:
+        """The engine's message with the bench's remedy where the engine's names options the bench does not have
+        (--max-context: the bench sizes the context from --max-new-tokens; --residents and --budget do not shrink the
+        host pool, nor the resident part)."""
+        if not isinstance(error, MemoryShortError):
+            return str(error)
+        smaller = ("truncate the shape with --layers N (each layer's experts take memory)" if self.target.path is None
+                   else "bench a smaller model, or on a machine with more memory")
+        return f"{error.shortfall}; {smaller}, or lower --max-new-tokens (the KV cache and workspace grow with it)"
 
     # -- resident: the ceiling and the baseline tokens ------------------------------------------------------
     async def _run_resident(self) -> None:
