@@ -143,3 +143,23 @@ def test_a_run_that_measured_nothing_exits_3_and_its_notes_name_the_benchs_own_o
     assert code == cli.NOTHING_MEASURED == 3, err
     assert "nothing was measured" in err and "--max-context" not in err and "--budget" not in err, err
     assert "resident part skipped: this configuration needs about 87 GiB" in err and "lower --max-new-tokens" in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--threads", "10000"], "--threads 10000: expected 1..1024 torch threads"),
+    (["--desktop-threads", "10000"], "--desktop-threads 10000: expected 1..1024 host threads"),
+    (["--desktop-threads", "0"], "--desktop-threads 0: expected 1 or more host threads"),
+    (["--realism", "--realism-tokens", "0"], "--realism-tokens 0: expected 1 or more"),
+    (["--realism", "--realism-tokens=-3"], "--realism-tokens -3: expected 1 or more"),
+])
+def test_threads_beyond_the_engines_limits_and_no_realism_tokens_are_one_line_errors(argv, message, tmp_path, capsys,
+                                                                                       no_cells):
+    """--threads 10000 was a pydantic traceback (exit 1) at the first build; --desktop-threads 10000 ran for minutes."""
+    err = refused(["--model", "tiny", *argv], tmp_path, capsys)
+    assert err.startswith(f"error: {message}"), err
+
+
+def test_the_thread_limits_are_engine_configs_own():
+    from specter.config import EngineConfig
+
+    assert cli._field_bounds(EngineConfig, "threads") == (1, EngineConfig.model_fields["threads"].metadata[-1].le)

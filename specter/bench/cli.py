@@ -14,6 +14,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from specter.bench import report, stopping
 from specter.bench.protocol import (CELL_FIELDS, PROMPT_TOKENS, SAMPLING_MODES, ModelTarget, Options, Progress, bench_context,
                                     checkpoint_target, planned_cells,
@@ -181,9 +183,12 @@ def check_args(args: argparse.Namespace) -> None:
                            ("--budget", args.budget)):
         if values is not None and not values:  # `--link ,`: the defaults would run in its place
             raise ConfigError(f"{option}: expected a comma-separated list of one or more values, got none")
+    if args.realism_tokens < 1:
+        raise ConfigError(f"--realism-tokens {args.realism_tokens}: expected 1 or more new tokens per prompt")
+    check_threads(args)
     # DraftConfig's own bounds, checked here: the engine would refuse them only when the offloaded part builds.
     for option, depth in (("--k", args.k), ("--k-max", args.k_max)):
-        low, high = _draft_bounds("k" if option == "--k" else "k_max")
+        low, high = _field_bounds(DraftConfig, "k" if option == "--k" else "k_max")
         if depth is not None and not low <= depth <= high:
             raise ConfigError(f"{option} {depth}: expected a draft depth of {low}..{high}")
     if args.k is not None and args.k_max is not None and args.k > args.k_max:
@@ -208,9 +213,21 @@ def check_args(args: argparse.Namespace) -> None:
                 raise ConfigError(f"--link: {error}; or native (the real link, no emulation)") from None
 
 
-def _draft_bounds(field: str) -> tuple[int, int]:
-    """DraftConfig's ge/le bounds of `field`."""
-    metadata = DraftConfig.model_fields[field].metadata
+def check_threads(args: argparse.Namespace) -> None:
+    """--threads and --desktop-threads within EngineConfig's own bounds: beyond them the first runtime's build failed
+    as a validation traceback, or (the host path's threads) ran for minutes on a thread count no machine has."""
+    for option, count, field in (("--threads", args.threads, "threads"), ("--desktop-threads", args.desktop_threads, "cpu_threads")):
+        low, high = _field_bounds(EngineConfig, field)
+        what = "torch threads" if field == "threads" else "host threads"
+        if count is not None and count < low:
+            raise ConfigError(f"{option} {count}: expected {low} or more {what} (at most {high})")
+        if count is not None and count > high:
+            raise ConfigError(f"{option} {count}: expected {low}..{high} {what} (EngineConfig's limit)")
+
+
+def _field_bounds(model: type[BaseModel], field: str) -> tuple[int, int]:
+    """The ge/le bounds of a config model's `field` (DraftConfig.k, EngineConfig.threads): one copy of each limit."""
+    metadata = model.model_fields[field].metadata
     return (next(item.ge for item in metadata if hasattr(item, "ge")),
             next(item.le for item in metadata if hasattr(item, "le")))
 
@@ -354,8 +371,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
     if not modes or any(mode not in SAMPLING_MODES for mode in modes):
         raise ConfigError(f"--sampling {','.join(args.sampling)}: expected a comma-separated list of {', '.join(SAMPLING_MODES)}")
     on_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"--threads {args.threads}: expected 1 or more torch threads")
+    check_threads(args)
     # Through EngineConfig.threads, so that each runtime's build sets it (a torch.set_num_threads here would be reset
     # there to the engine's default); on the CPU the bench's own default is 1 (the help says why).
     threads = args.threads or (None if on_cuda else 1)
@@ -365,8 +381,6 @@ def options_from_args(args: argparse.Namespace) -> Options:
     tuning = TuningConfig().with_overrides([*args.tune, *(["transfer.issue_marks=true"] if args.copy_gaps else [])])
     repeats = args.repeats if args.repeats is not None else (QUICK_REPEATS if quick_matrix else 1)
     quant = args.quant or (QUICK_QUANT if quick_matrix else "int4")
-    if args.desktop_threads < 1:
-        raise ConfigError(f"--desktop-threads {args.desktop_threads}: expected 1 or more host threads")
     if args.placement_overlap is not None and not 0.0 <= args.placement_overlap <= 1.0:
         raise ConfigError(f"--placement-overlap {args.placement_overlap}: expected 0 <= overlap <= 1")
     # As DraftConfig resolves them: a depth given is kept (the other follows it), none given is the default within.
