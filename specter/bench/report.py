@@ -322,16 +322,18 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
         raise ConfigError("--merge needs at least one results directory")
     payloads, owner = [], {}
     for index, directory in enumerate(directories):
-        path = Path(directory) / "results.json"
+        # a results.json named for its folder (a natural slip: it is the file merged) is taken as its folder
+        path = Path(directory) if Path(directory).name == "results.json" and Path(directory).is_file() else Path(directory) / "results.json"
         try:
             payload = json.loads(path.read_text())
-            runs = payload["runs"]
-            if not isinstance(payload.get("machine"), dict) or not isinstance(payload.get("options"), dict):
-                raise KeyError("machine and options")  # a stub with runs alone is no bench output either
+            runs = _checked_payload(payload)
         except FileNotFoundError:
             raise ConfigError(f"--merge: {path} does not exist; pass directories written by python -m specter.bench") from None
         except (ValueError, KeyError, TypeError) as error:
             raise ConfigError(f"--merge: {path} is not a bench results file ({error})") from None
+        except OSError as error:  # a file where the folder should be, a folder named results.json, no permission
+            raise ConfigError(f"--merge: {path} cannot be read ({error.strerror or error}); pass the folder of a bench "
+                              "output, which holds results.json") from None
         for run in runs:
             key = cell_key(run)
             if owner.setdefault(key, index) != index:
@@ -376,7 +378,11 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
         notes.append(f"merged part {directory} is partial ({part.get('reason', 'no reason recorded')}): "
                      f"{len(part.get('remaining') or [])} of its planned cells had not ended")
         remaining += [cell for cell in part.get("remaining") or [] if tuple(cell.get(field) for field in CELL_FIELDS) not in ended]
-    summary = summarize(runs)
+    try:
+        summary = summarize(runs)
+    except (KeyError, TypeError, ValueError) as error:  # a run of the right key but not a measurement
+        raise ConfigError(f"--merge: a run of {', '.join(map(str, directories))} is not a bench measurement (field {error}); "
+                          "merge results.json files as python -m specter.bench wrote them") from None
     notes += [flag for flag in exact_prefetch_flags(summary) if flag not in notes]  # cells that met only in the merge
     merged = {"machine": machine, "options": payloads[0]["options"], "args": payloads[0].get("args", {}),
               "models": list({model.get("label", model.get("name")): model  # one entry per model, the last part's
@@ -387,6 +393,27 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
     if remaining:
         merged["partial"] = {"reason": "merged from partial parts whose cells no other part ran", "remaining": remaining}
     return merged
+
+
+def _checked_payload(payload: Any) -> list[dict[str, Any]]:
+    """A results.json's runs, once its parts `merge` reads have the types it reads them as (else a KeyError or
+    TypeError naming what is wrong, which `merge` reports with the file's name)."""
+    if not isinstance(payload, dict):
+        raise TypeError(f"a JSON {type(payload).__name__}, not an object")
+    if not isinstance(payload.get("machine"), dict) or not isinstance(payload.get("options"), dict):
+        raise KeyError("machine and options")  # a stub with runs alone is no bench output either
+    for field in ("runs", "cells", "notes", "models"):
+        if not isinstance(payload.get(field, []), list):
+            raise TypeError(f"{field} is a {type(payload[field]).__name__}, not a list")
+    runs = payload["runs"]
+    for field, entries, keys in (("runs", runs, ("model", "setting", "link", "system")), ("cells", payload.get("cells", []), CELL_FIELDS),
+                                 ("models", payload.get("models", []), ())):
+        for number, entry in enumerate(entries):
+            if not isinstance(entry, dict):
+                raise TypeError(f"{field}[{number}] is {json.dumps(entry)[:40]}, not an object")
+            if missing := [key for key in keys if not isinstance(entry.get(key), str)]:
+                raise KeyError(f"{field}[{number}] has no {', '.join(missing)}")
+    return runs
 
 
 def _copy_idle(runs: Sequence[dict], copy_window: float) -> dict[str, float] | None:

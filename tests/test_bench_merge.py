@@ -1,0 +1,59 @@
+"""`python -m specter.bench --merge` on what is not a bench output: a one-line error naming the file (exit 2), never a
+traceback. CPU, the built-in tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specter.bench import cli
+
+RUN = ["--model", "tiny", "--systems", "resident", "--max-new-tokens", "2", "--warmup-tokens", "1", "--no-plots",
+       "--no-progress", "--no-hf", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def part(tmp_path_factory):
+    out = tmp_path_factory.mktemp("part") / "out"
+    assert cli.main([*RUN, "--out", str(out)]) == 0
+    return out
+
+
+def test_a_results_json_given_for_its_folder_merges(part, tmp_path):
+    """--merge DIR/results.json was a NotADirectoryError traceback."""
+    out = tmp_path / "merged"
+    assert cli.main(["--merge", str(part / "results.json"), "--no-plots", "--out", str(out)]) == 0
+    assert len(json.loads((out / "results.json").read_text())["runs"]) == 3
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda payload: payload | {"runs": [{}]}, "runs[0] has no model"),
+    (lambda payload: payload | {"runs": [1]}, "runs[0] is 1, not an object"),
+    (lambda payload: payload | {"cells": [1]}, "cells[0] is 1, not an object"),
+    (lambda payload: payload | {"runs": {"a": 1}}, "runs is a dict, not a list"),
+    (lambda payload: [payload], "a JSON list, not an object"),
+    (lambda payload: payload | {"runs": [{"model": "m", "setting": "s", "link": "l", "system": "x"}]}, "not a bench measurement"),
+])
+def test_entries_of_the_wrong_shape_are_one_line_errors_naming_the_file(change, says, part, tmp_path, capsys):
+    """runs: [{}] was a KeyError traceback, runs: [1] a TypeError, cells: [1] an AttributeError."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "results.json").write_text(json.dumps(change(json.loads((part / "results.json").read_text()))))
+    code = cli.main(["--merge", str(bad), "--no-plots", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: --merge: ") and err.count("\n") == 1 and says in err, err
+    assert str(bad) in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_results_json_that_is_a_folder_or_a_file_that_is_no_folder_is_a_one_line_error(tmp_path, capsys):
+    """IsADirectoryError and NotADirectoryError tracebacks."""
+    folder = tmp_path / "folder"
+    (folder / "results.json").mkdir(parents=True)
+    afile = tmp_path / "afile"
+    afile.write_text("not a bench output")
+    for given in (folder, afile):
+        code = cli.main(["--merge", str(given), "--no-plots", "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error: --merge: ") and "cannot be read" in err and err.count("\n") == 1, err
