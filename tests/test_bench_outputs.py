@@ -38,3 +38,33 @@ def test_runs_stamped_alike_each_keep_their_own_previous_folder(tmp_path, capsys
         cli.keep_previous(out)
     assert sorted((kept / "results.md").read_text() for kept in (out / cli.PREVIOUS).iterdir()) == ["first", "second"]
     assert not (out / "results.md").exists() and cli.keep_previous(out) is None
+
+
+def test_a_full_disk_is_a_one_line_error_naming_the_file(tmp_path, capsys, monkeypatch):
+    """ENOSPC in report.write_text was a traceback and exit 1."""
+    import errno
+
+    from specter.bench import report
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(report, "write_text", full)
+    code = cli.main([*RUN, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: --out: cannot write ") and err.count("\n") == 1, err
+    assert str(tmp_path / "out" / "results.json") in err and "No space left on device" in err, err
+
+
+def test_an_out_folder_that_cannot_be_made_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    """A mkdir refused at the start (--out under /sys as root: PermissionError) was a traceback and exit 1."""
+    from pathlib import Path
+
+    def refused(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refused)
+    code = cli.main([*RUN, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: --out: cannot write {tmp_path / 'out'} (Permission denied)"), err
+    assert err.count("\n") == 1, err

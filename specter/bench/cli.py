@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -11,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -451,6 +452,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
               f"finished ones are in {args.out}/ (results.json, results.md: partial; no plots); exit status {stop.status}",
               file=sys.stderr)
         return stop.status
+    except OutputError:  # --out cannot be written: writing the partial results there would fail again
+        raise
     except BaseException as error:  # a crash or an error no part caught: keep what finished, then let it through
         try:
             results.write(f"failed: {type(error).__name__}: {error} (the cell in progress was abandoned)")
@@ -587,8 +590,9 @@ class Results:
         self.lock = threading.Lock()  # the main thread's writes and the stop watchdog's (`force`)
         self.final = False
         """The files hold a stop's last word; the watchdog leaves them."""
-        out.mkdir(parents=True, exist_ok=True)
-        remove_plots(out)  # keep_previous moved an earlier run's; a caller that skipped it must not keep stale ones
+        with output_errors(out):
+            out.mkdir(parents=True, exist_ok=True)
+            remove_plots(out)  # keep_previous moved an earlier run's; a caller that skipped it must not keep stale ones
 
     def update(self, progress: Progress) -> None:
         """bench_models' on_cell: the matrix so far, written at once."""
@@ -681,10 +685,28 @@ def _model_info(target: ModelTarget, options: Options) -> dict:
 
 
 def write_outputs(out: Path, payload: dict, plots: bool = True) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    report.write_json(out / "results.json", payload)
-    report.write_text(out / "results.md", report.markdown_report(payload))
+    """results.json, results.md and (`plots`) the plots into `out`; a write the system refuses (a full disk, a folder
+    that cannot be made) is an OutputError naming the path (exit 2), not a traceback."""
+    with output_errors(out):
+        out.mkdir(parents=True, exist_ok=True)
+    with output_errors(out / "results.json"):
+        report.write_json(out / "results.json", payload)
+    with output_errors(out / "results.md"):
+        report.write_text(out / "results.md", report.markdown_report(payload))
     if plots:
         from specter.bench.plots import write_plots
 
-        payload["plots"] = write_plots(payload, out)
+        with output_errors(out):
+            payload["plots"] = write_plots(payload, out)
+
+
+@contextlib.contextmanager
+def output_errors(path: Path) -> Iterator[None]:
+    """An OSError of a write of `path` (--out or a file in it) as the bench's output error, naming it and why."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except OSError as error:
+        raise OutputError(f"--out: cannot write {error.filename or path} ({error.strerror or error}); free space, or "
+                          "choose another --out") from None
