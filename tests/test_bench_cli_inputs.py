@@ -163,3 +163,30 @@ def test_the_thread_limits_are_engine_configs_own():
     from specter.config import EngineConfig
 
     assert cli._field_bounds(EngineConfig, "threads") == (1, EngineConfig.model_fields["threads"].metadata[-1].le)
+
+
+@pytest.mark.parametrize("experts, top_k, residents", [(4, 2, 2), (6, 2, 3), (2, 1, 1), (6, 4, 4)])
+def test_the_default_residents_are_lowered_below_a_checkpoints_few_experts_with_a_note(experts, top_k, residents,
+                                                                                        monkeypatch):
+    """A 4-expert checkpoint got cells labelled residents=6 (every expert resident), a 6-expert one compared nothing."""
+    import dataclasses
+
+    make = cli.checkpoint_target
+
+    def few_experts(*args, **kwargs):
+        target = make(*args, **kwargs)
+        target.spec = dataclasses.replace(target.spec, num_experts=experts, top_k=top_k)
+        return target
+
+    monkeypatch.setattr(cli, "checkpoint_target", few_experts)
+    targets, notes = cli.targets_from_args(cli.build_parser().parse_args(["--model", "tiny"]))
+    assert [setting.residents for setting in targets[0].settings] == [residents]
+    assert notes == [f"tiny: {experts} experts per MoE layer, so the default of 6 resident would keep every expert on "
+                     f"the device; benched at {residents} (give --residents below {experts} to choose)"]
+    given, _notes = cli.targets_from_args(cli.build_parser().parse_args(["--model", "tiny", "--residents", "16"]))
+    assert [setting.residents for setting in given[0].settings] == [16]  # typed, and checked by check_residents
+
+
+def test_the_default_residents_stay_where_the_checkpoint_has_more_experts():
+    targets, notes = cli.targets_from_args(cli.build_parser().parse_args(["--model", "tiny"]))
+    assert [setting.residents for setting in targets[0].settings] == [cli.QUICK_RESIDENTS] and notes == []

@@ -270,6 +270,8 @@ def targets_from_args(args: argparse.Namespace) -> tuple[list[ModelTarget], list
             target = checkpoint_target(path, settings, args.prompts, widen_factor(args.widen, path), args.device)
             if name == "tiny":
                 target.label = target.label.replace(path.name, "tiny", 1)
+            if not (args.budget or args.residents) and (note := fit_default_residents(target)):
+                notes.append(note)
             targets.append(target)
     labels = [target.label for target in targets]
     if twice := sorted({label for label in labels if labels.count(label) > 1}):
@@ -339,6 +341,21 @@ def _settings(args: argparse.Namespace, name: str) -> list[Setting]:
         experts = SHAPES[name].get("num_experts") or SHAPES[name].get("num_local_experts") or SHAPES[name].get("n_routed_experts")
         return [Setting(residents=max(SHAPES[name]["num_experts_per_tok"], experts // 4))]
     return [Setting(residents=QUICK_RESIDENTS)]
+
+
+def fit_default_residents(target: ModelTarget) -> str | None:
+    """The default of QUICK_RESIDENTS slots (no --residents or --budget given) lowered for a checkpoint of that many
+    experts per layer or fewer, where it would keep every expert resident (cells labelled residents=6 on a 4-expert
+    model, nothing offloaded to compare); returns the note saying so, else None. A default the user did not type
+    adapts, as a synthetic shape's does (a quarter of its experts): half of them, at least the top-k, one fewer than
+    all."""
+    experts, top_k = target.spec.num_experts, target.spec.top_k
+    if any(setting.residents is None or setting.residents < experts for setting in target.settings):
+        return None
+    residents = max(1, min(experts - 1, max(top_k, experts // 2)))
+    target.settings = [Setting(residents=residents)]
+    return (f"{target.label}: {experts} experts per MoE layer, so the default of {QUICK_RESIDENTS} resident would keep "
+            f"every expert on the device; benched at {residents} (give --residents below {experts} to choose)")
 
 
 def _synthetic_target(name: str, layers: int | None, settings: list[Setting], per_kind: int) -> ModelTarget:
