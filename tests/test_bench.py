@@ -166,7 +166,7 @@ def test_exact_prefetch_specter_whose_specter_cell_did_not_run_is_skipped_and_sa
     code = cli.main(["--systems", "specter,exact-prefetch-specter", "--max-new-tokens", "4", "--warmup-tokens", "2",
                      "--link", "1", "--no-progress", "--no-plots", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
-    assert code == 0
+    assert code == cli.NOTHING_MEASURED  # both cells skipped: nothing measured
     status = {cell["system"]: cell["status"] for cell in results["cells"]}
     assert status == {"specter": "skipped: time budget", "exact-prefetch-specter": "skipped: needs specter earlier in the same run"}
     assert any("exact-prefetch-specter: skipped: needs specter" in note for note in results["notes"])
@@ -198,7 +198,7 @@ def test_time_budget_skips_cells_and_says_so(tmp_path):
     code = cli.main(["--systems", "ondemand", "--max-new-tokens", "4", "--time-budget", "1e-9", "--no-progress", "--no-plots",
                      "--out", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
-    assert code == 0 and results["runs"] == []
+    assert code == cli.NOTHING_MEASURED and results["runs"] == []
     assert results["cells"] and all(cell["status"] == "skipped: time budget" for cell in results["cells"])
     assert all(cell["note"] == "offloaded part not loaded: its time was up" for cell in results["cells"])  # no load
     assert any("time budget" in note for note in results["notes"])
@@ -211,7 +211,7 @@ QUICK = ["--max-new-tokens", "4", "--warmup-tokens", "2", "--link", "1", "--no-p
 def test_a_budget_below_the_minimum_says_so_on_the_console(tmp_path, capsys):
     """Every cell of a budget too small is skipped: the reason (what the model needs) is printed, not only stored, so
     an empty table does not read as a run that measured nothing for no reason."""
-    assert cli.main([*QUICK, "--systems", "ondemand", "--budget", "1MiB", "--out", str(tmp_path)]) == 0
+    assert cli.main([*QUICK, "--systems", "ondemand", "--budget", "1MiB", "--out", str(tmp_path)]) == cli.NOTHING_MEASURED
     err = capsys.readouterr().err
     assert "note: " in err and "ondemand skipped: budget 1.0 MiB is" in err and "short of the minimum" in err, err
     assert json.loads((tmp_path / "results.json").read_text())["runs"] == []
@@ -259,12 +259,13 @@ def test_the_first_cell_of_a_model_is_held_to_the_time_budget(tmp_path, monkeypa
         await cell(self, *args, **kwargs)
 
     monkeypatch.setattr(protocol.ModelBench, "_cell", first_cell)
-    assert cli.main([*QUICK, "--systems", "ondemand", "--time-budget", "7", "--out", str(tmp_path)]) == 0
+    code = cli.main([*QUICK, "--systems", "ondemand", "--time-budget", "7", "--out", str(tmp_path)])
     if time_left[0] <= 0:  # a machine so busy that the load and the baseline pass alone spent the budget
         pytest.skip("the load and the baseline pass took the whole budget")
     assert time_left[0] < 3 * 1.5  # what the pass took: it says the cell will not fit
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["runs"] == [] and [cell["status"] for cell in results["cells"]] == ["skipped: time budget"]
+    assert code == cli.NOTHING_MEASURED
 
 
 def test_real_shapes_have_published_sizes_and_truncate_with_a_label():
