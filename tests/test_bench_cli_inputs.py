@@ -190,3 +190,16 @@ def test_the_default_residents_are_lowered_below_a_checkpoints_few_experts_with_
 def test_the_default_residents_stay_where_the_checkpoint_has_more_experts():
     targets, notes = cli.targets_from_args(cli.build_parser().parse_args(["--model", "tiny"]))
     assert [setting.residents for setting in targets[0].settings] == [cli.QUICK_RESIDENTS] and notes == []
+
+
+@pytest.mark.parametrize("given, kept", [("1,1.0", ["1"]), ("gen4,25,gen5", ["gen4", "gen5"]), ("0.5,native,native", ["0.5", "native"])])
+def test_a_link_given_twice_in_two_spellings_is_measured_once(given, kept):
+    """`--link 1,1.0` measured the same link twice under two labels (gen4 is 25 GB/s)."""
+    args = cli.build_parser().parse_args(["--link", given])
+    cli.check_args(args)
+    assert args.link == kept
+
+
+def test_a_comma_separated_model_says_to_repeat_the_option(tmp_path, capsys, no_cells):
+    err = refused(["--model", "tiny,/nonexistent"], tmp_path, capsys)
+    assert "--model tiny --model /nonexistent" in err and "repeat it" in err, err

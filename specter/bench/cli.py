@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--systems", type=_name_list, default=None,
                         help=f"of: {', '.join(SYSTEMS)}; exact-prefetch-specter runs last, on specter's rounds "
                              f"(default: {','.join(DEFAULT_SYSTEMS)}; quick: {','.join(QUICK_SYSTEMS)})")
-    parser.add_argument("--link", type=_name_list, default=None,
+    parser.add_argument("--link", type=_link_list, default=None,
                         help=f"links to emulate: gen5, gen4, gen3, ddr4-desktop, native or GB/s (default: native on CUDA, "
                              f"{','.join(PLAIN_CPU_LINKS)} on the CPU; quick: {','.join(QUICK_LINKS)})")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="output tokens per request (default 128; quick: 32)")
@@ -171,6 +171,19 @@ def _size_list(text: str) -> list[int]:
 
 def _name_list(text: str) -> list[str]:
     return list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+
+
+def _link_list(text: str) -> list[str]:
+    """--link's names, once per link they emulate (the first spelling kept): `1,1.0`, or `gen4,25` where gen4 is
+    25 GB/s, measured one link twice under two labels. A name that does not parse is kept for check_args to refuse."""
+    kept: dict[object, str] = {}
+    for name in _name_list(text):
+        try:
+            value: object = name if name == "native" else parse_link(name)
+        except ConfigError:
+            value = name
+        kept.setdefault(value, name)
+    return list(kept.values())
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -267,6 +280,9 @@ def targets_from_args(args: argparse.Namespace) -> tuple[list[ModelTarget], list
             from specter.builtin import resolve_model
 
             path = resolve_model(name)
+            if "," in name and not path.is_dir():  # the lists of --link and --residents are commas; --model repeats
+                raise ConfigError(f"--model {name}: not a directory; --model takes one model: repeat it for more "
+                                  f"(--model {' --model '.join(part.strip() for part in name.split(','))})")
             target = checkpoint_target(path, settings, args.prompts, widen_factor(args.widen, path), args.device)
             if name == "tiny":
                 target.label = target.label.replace(path.name, "tiny", 1)
