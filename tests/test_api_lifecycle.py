@@ -263,10 +263,9 @@ def test_an_engine_whose_loop_was_closed_mid_request_is_still_released_by_aclose
     gc.collect()  # the closed loop's tasks are reported here (asyncio's log), not at the exit
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the ended loop's coroutines, collected
-def test_a_sync_engine_whose_loop_thread_ended_mid_request_is_still_released_by_close(tiny):
-    """A KeyboardInterrupt raised on the loop (a plug-in's, say) ends the loop's thread while an iterator holds the
-    engine: close() closed the loop and returned, leaving the engine's threads running with nothing left to stop them."""
+def _loop_thread_interrupted_mid_request(tiny):
+    """A SyncEngine mid-request whose loop thread a KeyboardInterrupt raised on the loop (a plug-in's, say) ended:
+    (the engine, its request's iterator, the threads from before it loaded)."""
     before = set(threading.enumerate())
     engine = SyncEngine(tiny, OFFLOADED)
     pieces = engine.generate(PROMPT, max_new_tokens=2000)
@@ -279,6 +278,14 @@ def test_a_sync_engine_whose_loop_thread_ended_mid_request_is_still_released_by_
         engine._loop.call_soon_threadsafe(interrupt)
         engine._thread.join(10)
     assert not engine._thread.is_alive() and _started_threads(before)
+    return engine, pieces, before
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the ended loop's coroutines, collected
+def test_a_sync_engine_whose_loop_thread_ended_mid_request_is_still_released_by_close(tiny):
+    """The loop's thread ended while an iterator holds the engine: close() closed the loop and returned, leaving the
+    engine's threads running with nothing left to stop them."""
+    engine, pieces, before = _loop_thread_interrupted_mid_request(tiny)
     engine.close()
     assert engine.engine.runtime._closed and _started_threads(before) == []
     with pytest.raises(RequestCancelled):
@@ -286,20 +293,12 @@ def test_a_sync_engine_whose_loop_thread_ended_mid_request_is_still_released_by_
     gc.collect()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_close_releases_a_sync_engine_whose_loop_thread_ended_even_when_the_new_loop_thread_starts_late(tiny):
     """close() runs the ended loop again on a new thread to release the engine; it asked whether the loop was running
-    right after starting that thread, and where the thread had not entered the loop yet it closed nothing."""
-    before = set(threading.enumerate())
-    engine = SyncEngine(tiny, OFFLOADED)
-    pieces = engine.generate(PROMPT, max_new_tokens=2000)
-    next(pieces)
-
-    def interrupt() -> None:
-        raise KeyboardInterrupt
-
-    with mock.patch.object(threading, "excepthook"):
-        engine._loop.call_soon_threadsafe(interrupt)
-        engine._thread.join(10)
+    right after starting that thread, and where the thread had not entered the loop yet it closed nothing. At
+    interpreter shutdown, where no thread starts, it returns (the process's end releases the engine)."""
+    engine, pieces, before = _loop_thread_interrupted_mid_request(tiny)
     run_forever = engine._loop.run_forever
 
     def late_start() -> None:
@@ -308,7 +307,7 @@ def test_close_releases_a_sync_engine_whose_loop_thread_ended_even_when_the_new_
 
     with mock.patch.object(threading.Thread, "start", side_effect=RuntimeError("can't create new thread at "
                                                                               "interpreter shutdown")):
-        sync._shutdown(engine._loop, engine._thread, engine.engine)  # at exit: returns, the process's end releases
+        sync._shutdown(engine._loop, engine._thread, engine.engine)
     assert not engine.engine.runtime._closed and not engine._loop.is_closed()
     with mock.patch.object(engine._loop, "run_forever", late_start):
         engine.close()
