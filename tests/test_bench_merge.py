@@ -57,3 +57,14 @@ def test_a_results_json_that_is_a_folder_or_a_file_that_is_no_folder_is_a_one_li
         code = cli.main(["--merge", str(given), "--no-plots", "--out", str(tmp_path / "out")])
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("error: --merge: ") and "cannot be read" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("extra, named", [(["--systems", "foo"], "--systems"), (["--model", "/nonexist"], "--model"),
+                                          (["--device", "cuda", "--max-new-tokens", "3"], "--max-new-tokens, --device")])
+def test_run_options_beside_merge_are_refused_naming_them(extra, named, part, tmp_path, capsys):
+    """--merge runs nothing: the options of a run beside it exited 0, unread, as if they had shaped the merged table."""
+    out = tmp_path / "out"
+    code = cli.main(["--merge", str(part), *extra, "--no-plots", "--no-progress", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--merge runs nothing, so {named} would be ignored" in err and err.count("\n") == 1, err
+    assert not out.exists()

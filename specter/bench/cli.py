@@ -186,9 +186,27 @@ def _link_list(text: str) -> list[str]:
     return list(kept.values())
 
 
+MERGE_OPTIONS = frozenset({"merge", "out", "no_plots", "no_progress"})
+"""The options a --merge reads (and the progress bar's, which has nothing to show): every other one would be ignored."""
+
+
+def check_merge_alone(args: argparse.Namespace) -> None:
+    """--merge runs nothing: `--merge A --systems foo` (or --model, --device) exited 0, the options unread and unchecked,
+    so the user believed they had shaped the merged table."""
+    if not args.merge:
+        return
+    ignored = [action.option_strings[0] for action in build_parser()._actions
+               if action.option_strings and action.dest not in MERGE_OPTIONS | {"help"}
+               and getattr(args, action.dest, action.default) != action.default]
+    if ignored:
+        raise ConfigError(f"--merge runs nothing, so {', '.join(ignored)} would be ignored; leave "
+                          f"{'it' if len(ignored) == 1 else 'them'} out (the merged parts keep the options they ran with)")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """The counts, depths, links and lists of the command line, before any model opens: a bad one would otherwise
     fail (or be replaced by a default) only after the resident cells had run."""
+    check_merge_alone(args)
     for option, count in (("--max-new-tokens", args.max_new_tokens), ("--warmup-tokens", args.warmup_tokens),
                           ("--prompts", args.prompts), ("--repeats", args.repeats)):
         if count is not None and count < 1:
