@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates the tables of docs/BENCHMARKS.md, one target per table, with the commands the tables state.
-# GPU targets run on the H200 machine, one device call each (each fits its 10-minute limit); stage the wheels first
+# GPU targets run on the GPU machine (an H200; an H100 where none is lent: Qwen3's full-depth training then needs
+# RECOMPUTE_LAYERS, see train_length), one device call each (each fits its 10-minute limit); stage the wheels first
 # (../shared/device/stage-wheels.sh) and carry .whl:
 #   run(command="bash benchmarks/reproduce.sh qwen", carry=[".whl"])
 # CPU targets (replay, cpu-quick) run on the development machine. Everything lands under $OUT (default out/).
@@ -326,7 +327,7 @@ llamacpp() {  # issue 28 item 5, llama.cpp as a peer: build it with CUDA (timed)
     model=${MODEL:-/tmp/narrow/$SHAPE}
     [ -n "$widen" ] || widen=$(python3 -c "import sys; from specter.bench.widen import DEFAULT_FACTORS as F; print(F[sys.argv[1]])" "$SHAPE") \
       || { echo "llamacpp: no widening factor for SHAPE=$SHAPE" >&2; return 1; }
-    [ -f "$model/train.json" ] || { PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 330 python3 \
+    [ -f "$model/train.json" ] || { PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${TRAIN_TIMEOUT_S:-330}" python3 \
       benchmarks/reference_model.py --shape "$SHAPE" $(train_length) --batch 32 --reuse --out "$model" \
       >> "$out/logs/train-$SHAPE.log" 2>&1 & trainer=$!; }
   elif [ -z "${MODEL:-}" ] && [ "${LLAMACPP_ONLY:-}" != build ]; then

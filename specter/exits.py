@@ -2,7 +2,9 @@
 
 0 done; 2 a `SpecterError` (bad input, an unusable output path), its message on stderr after `error: `; 130
 interrupted; 141 the reader of stdout left (`| head`), as a shell tool that SIGPIPE ended. A tool may have
-statuses of its own besides (the bench's 1: a system's tokens differ from the baseline's).
+statuses of its own besides (the bench's 1: a system's tokens differ from the baseline's, 3: nothing measured, 128 +
+a signal's number when SIGTERM or SIGINT stopped it; the replay's 1: no policy pair ran). An unexpected error is
+Python's own traceback and exit 1.
 """
 
 from __future__ import annotations

@@ -68,3 +68,18 @@ def test_run_options_beside_merge_are_refused_naming_them(extra, named, part, tm
     err = capsys.readouterr().err
     assert code == 2 and f"--merge runs nothing, so {named} would be ignored" in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("change, status", [
+    (lambda payload: payload | {"runs": [run | {"tokens_equal": False} for run in payload["runs"]]}, 1),
+    (lambda payload: payload | {"runs": [], "cells": []}, cli.NOTHING_MEASURED),
+])
+def test_a_merge_exits_as_its_parts_runs_would(change, status, part, tmp_path, capsys):
+    """A merge exited 0 whatever it held: a part whose rows differ from their baseline (the bench's exit 1), or parts
+    with no run at all (exit 3), read as a success."""
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    (changed / "results.json").write_text(json.dumps(change(json.loads((part / "results.json").read_text()))))
+    assert cli.main(["--merge", str(changed), "--no-plots", "--out", str(tmp_path / "out")]) == status
+    assert (tmp_path / "out" / "results.json").is_file()
+    assert (status == cli.NOTHING_MEASURED) == ("nothing was measured: the merged parts hold no run" in capsys.readouterr().err)

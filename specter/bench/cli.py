@@ -56,8 +56,9 @@ QUICK_REPEATS = 2
 """Requests per prompt in the quick matrix: a median over 6 requests (3 prompts x 2) per cell, within 2 minutes."""
 
 
-EPILOG = (f"Exit status: 0 done; 1 an engine system's tokens differed from its baseline; 2 bad input; 3 nothing "
-          "measured (every cell skipped; the notes say why); "
+EPILOG = (f"Exit status: 0 done; 1 an engine system's tokens differed from its baseline (or an unexpected error, "
+          "with a traceback and results.json's partial reason 'failed: ...'); 2 bad input, or an --out it cannot write; "
+          "3 nothing measured (every cell skipped; the notes say why); 141 the reader of stdout left; "
           f"{exit_status(signal.SIGTERM)} stopped by SIGTERM ({exit_status(signal.SIGINT)} by SIGINT, 128 + the signal's "
           "number): the cell in progress is abandoned and results.json and results.md keep the cells that ended, with "
           "complete false and partial.remaining the cells still to run.")
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=["quick", "paper"], default="quick",
                         help="paper: DeepSeek-V2-Lite 16/4, Qwen1.5-MoE 15/8, Phi-3.5-MoE 2/1 residents per layer")
     parser.add_argument("--layers", type=int, default=None, help="truncate synthetic shapes to N decoder layers (labelled)")
-    parser.add_argument("--residents", type=_int_list, default=None, help="expert slots per MoE layer, e.g. 16,4")
+    parser.add_argument("--residents", type=_int_list, default=None, help="expert slots per MoE layer, e.g. 16,4 (left out: 6 for a checkpoint, half its experts where it has 6 or fewer; a synthetic shape: a quarter of its experts)")
     parser.add_argument("--budget", type=_size_list, default=None, help="GPU budgets instead of residents, e.g. 8GiB,4GiB")
     parser.add_argument("--systems", type=_name_list, default=None,
                         help=f"of: {', '.join(SYSTEMS)}; exact-prefetch-specter runs last, on specter's rounds "
@@ -134,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers + accelerate baseline")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--merge", type=Path, action="append", default=None, metavar="DIR",
-                        help="run nothing: merge the results.json of these bench outputs (repeatable, disjoint cells) into --out")
+                        help="run nothing: merge the results.json of these bench outputs (a folder or its results.json; repeatable, disjoint cells) into --out; only --out, --no-plots and --no-progress may go with it")
     parser.add_argument("--realism", action="store_true",
                         help="before the matrix, the realism report of each checkpoint model (not of synthetic shapes): "
                              "held-out loss, repetition, routing balance and locality, the draft's match and acceptance "
@@ -235,7 +236,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"--residents {count}: expected 1 or more expert slots per MoE layer")
     # The engine's own fields, in its words: they would otherwise fail as a validation traceback at the first cell.
     config = EngineConfig.build(device=args.device, dtype=args.dtype)
-    if not args.merge:  # CUDA asked for where there is none: every part would be skipped and the run exit 0 empty
+    if not args.merge:  # CUDA asked for where there is none: every part would be skipped, nothing measured
         resolve_device(config)
     for link in args.link or ():
         if link != "native":  # the bench's name for the real link (BenchRuntime.set_link); the rest as it parses them
@@ -478,7 +479,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         for note in payload["notes"]:
             if note.startswith("merged part "):
                 print(f"note: {note}")
-        return 0
+        return verdict(payload["summary"], "the merged parts hold no run")  # as the parts' own runs ended
     started = time.monotonic()
     targets, notes = targets_from_args(args)
     check_residents(args.residents, targets)
@@ -524,17 +525,22 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     for note in payload["notes"]:  # skipped cells and why (a budget below the minimum, the time budget), model notes
         if note not in flags:
             print(f"note: {note}", file=sys.stderr)
+    return verdict(summary, "every cell was skipped (the notes above say why)")
+
+
+def verdict(summary: Sequence[dict], why_empty: str) -> int:
+    """The exit status of a run's (or a merge's) summary: 1 where an engine system's tokens differ from its baseline,
+    NOTHING_MEASURED where no engine row is there (`all()` of none is True: nothing measured read as a success)."""
     engine_rows = [row for row in summary if row["system"] != "hf-accelerate"]
-    if not engine_rows:  # all() of none is True: a run that measured nothing read as a success
-        print(f"nothing was measured: every cell was skipped (the notes above say why); exit status {NOTHING_MEASURED}",
-              file=sys.stderr)
+    if not engine_rows:
+        print(f"nothing was measured: {why_empty}; exit status {NOTHING_MEASURED}", file=sys.stderr)
         return NOTHING_MEASURED
     return 0 if all(row["tokens_equal"] for row in engine_rows) else 1
 
 
 NOTHING_MEASURED = 3
 """The exit status of a run that ended without measuring a cell (each skipped: memory, time budget, a model part
-that failed), told apart from 0 (done), 1 (tokens differ) and 2 (refused before the work)."""
+that failed), told apart from 0 (done), 1 (tokens differ) and 2 (bad input, or an --out it cannot write)."""
 
 
 def check_context(targets: Sequence[ModelTarget], options: Options, realism_tokens: int | None) -> None:

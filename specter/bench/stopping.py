@@ -31,7 +31,8 @@ On the GPU machine `timeout` runs the bench within a 10-minute call; leave it mo
 
 def exit_status(signum: int) -> int:
     """The bench's exit status when a signal stopped it: 128 + the signal's number (143 for SIGTERM, 130 for SIGINT),
-    what a shell reports for a process the signal ended; distinct from 1 (tokens differ) and 2 (bad input)."""
+    what a shell reports for a process the signal ended; distinct from 1 (tokens differ), 2 (bad input or an --out it
+    cannot write) and 3 (nothing measured)."""
     return 128 + signum
 
 

@@ -435,7 +435,7 @@ def routing_profile(path: Path, num_layers: int, num_experts: int) -> tuple[list
     host-thread count (a 36 MB trace takes 3 s to parse); what is kept is the counts and the bounded sequence."""
     try:
         stat = os.stat(path)
-        identity = (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        identity = (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
     except OSError:  # read_trace names the problem (missing, a directory, unreadable)
         return _read_profile(Path(path), num_layers, num_experts)
     counts, sequence = _profile_of(identity, Path(path), num_layers, num_experts)
@@ -444,8 +444,9 @@ def routing_profile(path: Path, num_layers: int, num_experts: int) -> tuple[list
 
 @functools.lru_cache(maxsize=2)
 def _profile_of(identity: tuple, path: Path, num_layers: int, num_experts: int) -> tuple[tuple | None, RouteSequence | None]:
-    """`_read_profile` of one version of a file (`identity`: its real path, inode, size and change time), counts frozen:
-    every caller gets its own lists (a policy may change what it is given)."""
+    """`_read_profile` of one version of a file (`identity`: its real path, inode, size, modification and change
+    times: a rewrite that keeps its size and mtime, `cp -p`, still moves the change time), counts frozen: every caller
+    gets its own lists (a policy may change what it is given)."""
     counts, sequence = _read_profile(path, num_layers, num_experts)
     return (None if counts is None else tuple(tuple(row) for row in counts)), sequence
 
