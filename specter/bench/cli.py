@@ -424,7 +424,6 @@ def options_from_args(args: argparse.Namespace) -> Options:
     if not modes or any(mode not in SAMPLING_MODES for mode in modes):
         raise ConfigError(f"--sampling {','.join(args.sampling)}: expected a comma-separated list of {', '.join(SAMPLING_MODES)}")
     on_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
-    check_threads(args)
     # Through EngineConfig.threads, so that each runtime's build sets it (a torch.set_num_threads here would be reset
     # there to the engine's default); on the CPU the bench's own default is 1 (the help says why).
     threads = args.threads or (None if on_cuda else 1)
@@ -470,9 +469,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     check_args(args)
     if args.merge:
         payload = report.merge(args.merge)
-        keep_previous(args.out)
-        if args.out.is_dir():  # an earlier run's plots would stay beside the merged results, which they do not show
-            remove_plots(args.out)
+        keep_previous(args.out)  # an earlier run's plots go with it: they would not show the merged results
         write_outputs(args.out, payload, plots=not args.no_plots)
         print("\n".join(report.table_lines(payload["summary"], report.SHORT_COLUMNS)))
         print(f"\nmerged {len(args.merge)} result sets ({len(payload['runs'])} requests) into {args.out}/")
