@@ -161,6 +161,23 @@ def test_the_pump_ends_once_nothing_is_queued_so_a_loop_closed_after_its_copies_
     assert all(torch.equal(target, source) for target, source in zip(targets, sources))
 
 
+def test_an_urgent_copy_issued_from_the_caller_starts_no_pump(rig):
+    """Without a host-paced link an urgent copy goes on the stream from `submit` itself; with the pump ending when idle,
+    `submit` started one anyway, a task per miss on the decode's hot path that found nothing to do."""
+    backend, kernel = rig
+    engine = TransferEngine(backend, kernel, chunk_bytes=4096, max_chunks_in_flight=2)
+    sources, targets = buffers(2, 8192)
+
+    async def urgent() -> list[str]:
+        engine.submit(targets[0], sources[0], urgent=True)
+        started = [task.get_name() for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        await engine.drain()
+        return started
+
+    assert run(urgent()) == []
+    assert torch.equal(targets[0], sources[0])
+
+
 def test_landed_urgent_chunks_are_retired_so_the_chunk_log_starts_small(rig):
     backend, kernel = rig
     engine = TransferEngine(backend, kernel, chunk_bytes=4096, max_chunks_in_flight=2)

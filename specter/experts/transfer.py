@@ -300,9 +300,10 @@ class TransferEngine:
         (self._urgent if urgent else self._prefetch).append(transfer)
         self.stats.transfers += 1
         self.stats.urgent_transfers += urgent
-        self._ensure_pump()
-        if urgent:
+        if urgent and not self.host_paced:  # issued whole from here: a pump started for it would find nothing
             self._flush_urgent()
+        else:
+            self._ensure_pump()
         return transfer
 
     def _flush_urgent(self) -> None:
