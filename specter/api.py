@@ -469,9 +469,8 @@ class Engine:
 
     def _watch_idle_holder(self, prompt_tokens: int) -> asyncio.TimerHandle:
         """A timer, cancelled once a waiting request has the turn or stops waiting: if it still waits after
-        IDLE_HOLDER_WARN_S behind a stream
-        that nobody reads (between pieces: left by a thread or task that still holds it, which the engine cannot
-        tell from a slow reader), say so, once, rather than wait in silence."""
+        IDLE_HOLDER_WARN_S behind a stream that nobody reads (between pieces: left by a thread or task that still holds
+        it, which the engine cannot tell from a slow reader), say so, once, rather than wait in silence."""
         def check() -> None:
             holder = self._holder() if self._holder is not None else None
             if holder is not None and self.holds_turn_between_pieces(holder):
