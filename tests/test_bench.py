@@ -268,6 +268,31 @@ def test_the_first_cell_of_a_model_is_held_to_the_time_budget(tmp_path, monkeypa
     assert code == cli.NOTHING_MEASURED
 
 
+def test_a_cell_on_a_slow_emulated_link_is_held_to_the_time_budget_by_its_bytes(tmp_path):
+    """The cells so far ran on a fast link and the untimed passes on the real one: a cell on a link 500 times slower
+    is expected to take the bytes a cell copied at that link's speed (about 20 s here), so it is skipped, and the
+    run ends inside its budget. Before, it was expected to take the fast cell's 0.4 s and ran past the budget."""
+    started = time.monotonic()
+    code = cli.main([*QUICK, "--link", "1,0.002", "--systems", "ondemand", "--time-budget", "15", "--out", str(tmp_path)])
+    elapsed = time.monotonic() - started
+    results = json.loads((tmp_path / "results.json").read_text())
+    statuses = {cell["link"]: cell["status"] for cell in results["cells"]}
+    assert statuses == {"1": "ok", "0.002": "skipped: time budget"}, results["cells"]
+    moved = sum(run["h2d_bytes"] for run in results["runs"])
+    assert moved / 0.002e9 > 15  # the skipped cell would have copied past the budget at 2 MB/s
+    assert code == 0 and elapsed < 15
+
+
+def test_the_first_cell_on_a_slow_emulated_link_is_held_to_the_time_budget(tmp_path):
+    """The first cell of a model, on a slow emulated link: its estimate adds the baseline pass's bytes at the link's
+    speed (the pass ran on the real link), so it is skipped without running its warm-up on the slow link."""
+    started = time.monotonic()
+    code = cli.main([*QUICK, "--link", "0.002", "--systems", "ondemand", "--time-budget", "15", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [cell["status"] for cell in results["cells"]] == ["skipped: time budget"], results["cells"]
+    assert code == cli.NOTHING_MEASURED and time.monotonic() - started < 15
+
+
 def test_real_shapes_have_published_sizes_and_truncate_with_a_label():
     mixtral = spec_from_config(shape_config("mixtral-8x7b"))
     assert shape_bytes(mixtral)["expert_bytes"] == 3 * 4096 * 14336 * 2

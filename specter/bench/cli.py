@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds above 0, shared out between the models; a cell is skipped (noted) when the time left "
                              "is below the longest cell so far or, for a model's first cells, below its baseline pass over "
-                             "the same requests times the repeats; a model part whose time is up is not loaded. None: no "
+                             "the same requests times the repeats (on an emulated link, at least the most bytes a cell or "
+                             "that pass copied at the link's speed); a model part whose time is up is not loaded. None: no "
                              "budget")
     parser.add_argument("--out", type=Path, default=Path("bench-out"),
                         help="directory for results.json, results.md (both rewritten after every cell, marked partial "

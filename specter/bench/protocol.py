@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from specter.config import DraftConfig, EngineConfig, GenerationConfig, TuningConfig
+from specter.config import DraftConfig, EngineConfig, GenerationConfig, TuningConfig, parse_link
 from specter.engine import CheckpointWeights, WeightSource
 from specter.errors import BudgetError, MemoryShortError, SpecterError
 from specter.experts.cache import CacheSnapshot, CacheStats, LayerStats
@@ -244,7 +244,10 @@ class ModelBench:
         """Called after every cell that ended (`bench_models` writes the results so far)."""
         self.first_cell_s = 0.0
         """What the time budget expects of a cell before one has run: each part's untimed baseline pass over every
-        request (the cell's own requests at k = 0), times the repeats; see `_cell`."""
+        request (the cell's own requests at k = 0), times the repeats; see `expected_cell_s`."""
+        self.first_cell_bytes = 0
+        """The offloaded baseline pass's host-to-device bytes, times the repeats: it ran on the real link, so a cell on
+        a slower emulated one is expected to take at least these bytes' time there."""
         self.baseline: dict[tuple[str, str, int], list[int]] = {}  # Prompt.key -> tokens: resident, k = 0
         self.offloaded_baseline: dict[tuple[str, str, int], list[int]] = {}  # offloaded, k = 0 (ondemand)
         self.placed_baseline: dict[tuple, list[int]] = {}
@@ -260,6 +263,7 @@ class ModelBench:
         self.dtype = resolve_dtype(EngineConfig(dtype=options.dtype), target.spec)
         self.max_context = bench_context(options)
         self.cell_seconds: list[float] = []
+        self.cell_bytes: list[int] = []  # each finished cell's host-to-device bytes (its measured requests)
         cells = len(self.planned["resident"]) + len(self.planned["offloaded"])  # the cells `_cell` counts off
         self.bar = tqdm(total=cells, desc=target.label, disable=not options.progress, unit="cell", leave=False)
 
@@ -365,18 +369,32 @@ class ModelBench:
     async def _baseline_on(self, runtime: BenchRuntime) -> None:
         """The target alone on the offloaded runtime (k=0, on demand): the offloaded systems' baseline tokens."""
         runtime.configure(SYSTEMS["ondemand"], 0)
-        started = time.monotonic()
+        started, moved = time.monotonic(), 0
         for prompt in self.requests:
             key = prompt.key
-            self.offloaded_baseline[key] = (await runtime.complete_ids(prompt.ids, self.generation(prompt=prompt))).tokens
+            result = await runtime.complete_ids(prompt.ids, self.generation(prompt=prompt))
+            self.offloaded_baseline[key], moved = result.tokens, moved + result.stats.h2d_bytes
             if key in self.baseline and self.baseline[key] != self.offloaded_baseline[key]:
                 self.target.notes.append(f"prompt {key}: the resident (graphed) and offloaded (eager) baselines differ in "
                                          "rounding and here in tokens; offloaded systems are compared with the offloaded one")
-        self._expect_first_cell(time.monotonic() - started)
+        self._expect_first_cell(time.monotonic() - started, moved)
 
-    def _expect_first_cell(self, pass_s: float) -> None:
-        """A part's baseline pass took `pass_s`: a cell runs the same requests `repeats` times (and a warm-up)."""
+    def _expect_first_cell(self, pass_s: float, moved: int = 0) -> None:
+        """A part's baseline pass took `pass_s` and copied `moved` bytes: a cell runs the same requests `repeats` times
+        (and a warm-up)."""
         self.first_cell_s = max(self.first_cell_s, pass_s * self.options.repeats)
+        self.first_cell_bytes = max(self.first_cell_bytes, moved * self.options.repeats)
+
+    def expected_cell_s(self, link: str) -> float:
+        """What the time budget expects the next cell at `link` to take: the longest cell so far; before any has run,
+        the part's baseline pass (`first_cell_s`). The untimed passes ran on the real link and the cells so far may
+        have run on a faster one, so on an emulated link a cell is also expected to take at least the most bytes a
+        pass or cell copied, at that link's speed (on a slow link that is most of a cell: without it a first cell
+        at 0.02 GB/s, expected to take its 1 s pass, ran 24 s against a budget of 10)."""
+        expected, moved = ((max(self.cell_seconds), max(self.cell_bytes)) if self.cell_seconds
+                           else (self.first_cell_s, self.first_cell_bytes))
+        gbps = parse_link(link) if link not in ("native", "-") else None
+        return expected if gbps is None else max(expected, moved / (gbps * 1e9))
 
     def _depth(self, system: System) -> int:
         return system.k if system.k is not None else self.options.k
@@ -400,6 +418,12 @@ class ModelBench:
                 self.target.notes.append(f"{self.target.label} {setting.label}: {system.name} skipped: {error}")
                 self._ended((self.target.label, setting.label, link, system.name))
         if not slots:
+            return
+        if not Clock.fits(self.deadline, self.expected_cell_s(link)):  # not even the cells' common start (a warm-up
+            for system in systems:  # on the emulated link) is run for cells that would not fit
+                if system.name in slots:
+                    count, note = slots[system.name]
+                    await self._cell(runtime, system, setting, link, slots=count, initial=None, note=note)
             return
         most = tuple(max(counts) for counts in zip(*(counts for counts, _ in slots.values())))  # per layer
         initial = await self._initial_state(runtime, most, link)
@@ -443,8 +467,7 @@ class ModelBench:
         # The longest cell so far; before any cell ran, the part's baseline pass times the repeats (so the first cell
         # of a model is held to the budget too). Not a floor afterwards: the pass was the runtime's first use (graph
         # captures, compiles), and it would skip cells that now fit.
-        expected = max(self.cell_seconds) if self.cell_seconds else self.first_cell_s
-        if not Clock.fits(self.deadline, expected):
+        if not Clock.fits(self.deadline, self.expected_cell_s(link)):
             self.cells.append(cell | {"status": "skipped: time budget"})
             self._ended(name)
             return
@@ -482,6 +505,7 @@ class ModelBench:
                 records.append(cell | record | {"repeat": repeat})
         self.records += records
         self.cell_seconds.append(time.monotonic() - started)
+        self.cell_bytes.append(sum(record["h2d_bytes"] for record in records))
         self.cells.append(cell | {"status": "ok", "seconds": round(self.cell_seconds[-1], 2)})
         self._ended(name)
 
