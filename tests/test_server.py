@@ -227,6 +227,28 @@ def test_chat_uses_the_template_and_equals_engine(chat_server, chat_reference):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_a_developer_message_is_the_system_message(chat_server, chat_reference):
+    """OpenAI's newer name for the system role (the official client sends it): templates know "system", and the
+    fixture's renders any role by name, so a "developer" turn passed through would read "developer: ..." (a template
+    that knows only user, assistant and system drops it without a word)."""
+    client = chat_server.client(KEY)
+    system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    developer = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    expected = chat_reference.complete(system, max_new_tokens=6, temperature=0)
+    answer = client.chat.completions.create(model="fixture-chat", messages=developer, max_tokens=6, temperature=0)
+    assert answer.usage.prompt_tokens == len(expected.prompt_ids)
+    assert answer.choices[0].message.content == expected.text
+
+
+def test_top_p_0_keeps_the_most_likely_token_alone(server, reference):
+    """OpenAI takes top_p from 0 to 1; 0 keeps only the most likely token: the greedy text, whatever the temperature."""
+    expected = reference.complete("hello world", max_new_tokens=8, temperature=0).text
+    for temperature in (None, 1.5):
+        answer = server.client().completions.create(model=server.model, prompt="hello world", max_tokens=8, top_p=0,
+                                                    seed=3, **({} if temperature is None else {"temperature": temperature}))
+        assert answer.choices[0].text == expected
+
+
 # ---- bad requests -----------------------------------------------------------------------------------------
 BAD = {
     "malformed JSON": ("/v1/completions", b'{"model": "M", "prompt": "hi",', 400, None),
@@ -275,6 +297,14 @@ BAD = {
     "a token id that is a boolean": ("/v1/completions", {"model": "M", "prompt": [1, True]}, 400, "prompt"),
     "a null stop string": ("/v1/completions", {"model": "M", "prompt": "hi", "stop": [None]}, 400, "stop"),
     "an empty stop string": ("/v1/completions", {"model": "M", "prompt": "hi", "stop": ["\n", ""]}, 400, "stop"),
+    "top_p < 0": ("/v1/completions", {"model": "M", "prompt": "hi", "top_p": -0.1}, 400, "top_p"),
+    "audio output": ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi"}],
+                                              "modalities": ["text", "audio"], "audio": {"voice": "alloy"}}, 400,
+                     "modalities"),
+    "audio settings alone": ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi"}],
+                                                      "audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),
+    "a predicted output": ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "hi"}],
+                                                    "prediction": {"type": "content", "content": "x"}}, 400, "prediction"),
 }
 
 # What each malformed part of a valid JSON object is told: the element and what it must be, as the client wrote it.

@@ -390,8 +390,9 @@ def _generation(body: SamplingRequest, max_tokens: int) -> GenerationConfig:
     """The engine's settings for the request: the same fields the Python API takes, so the tokens are the same."""
     try:
         return GenerationConfig.build(
-            max_new_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-            top_k=body.top_k, top_p=body.top_p, seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
+            # top_p 0 keeps the most likely token alone (OpenAI takes it): greedy, which the engine spells temperature 0
+            max_new_tokens=max_tokens, temperature=0.0 if body.top_p == 0 else 1.0 if body.temperature is None else body.temperature,
+            top_k=body.top_k, top_p=body.top_p or None, seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
             stop_strings=body.stop_strings())
     except ConfigError as error:
         raise APIRequestError(400, str(error)) from None

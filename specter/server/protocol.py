@@ -1,8 +1,8 @@
 """The OpenAI wire format: pydantic models of the requests the server takes and builders of its answers.
 
 Only what Specter can honour is accepted; a field it cannot honour (n > 1, logprobs, echo, tools, tool_choice,
-response_format other than text, logit_bias, functions) is refused by name rather than silently ignored, and fields
-it has no use for (user, metadata) are ignored as OpenAI does.
+response_format other than text, logit_bias, functions, audio output, predicted outputs) is refused by name rather
+than silently ignored, and fields it has no use for (user, metadata) are ignored as OpenAI does.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ class SamplingRequest(BaseModel):
 
     model: str = Field(description="The served model name (GET /v1/models).")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 is greedy; None means OpenAI's default, 1.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling; 1 (or None) keeps every token.")
+    top_p: float | None = Field(None, ge=0.0, le=1.0, description="Nucleus sampling; 1 (or None) keeps every token, "
+                                "0 only the most likely one (greedy), as OpenAI takes it.")
     top_k: int | None = Field(None, ge=1, description="Keep the k most likely tokens (not in OpenAI's API; vLLM's name).")
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="Same seed and parameters, same tokens; None draws one.")
     stop: str | list[str] | None = Field(None, description="Stop strings; the text ends before the first one found.")
@@ -262,7 +263,10 @@ class ChatMessage(BaseModel):
     def as_template_message(self) -> dict[str, Any]:
         """What the chat template sees: content parts joined into one string, as most templates expect."""
         content = self.content if not isinstance(self.content, list) else "".join(part.text for part in self.content)
-        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        # OpenAI's newer name for the system role: checkpoints' templates know "system" (one that knows no other role
+        # drops a "developer" turn without a word, and another would render a role the model was never trained on).
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:  # templates that render tool results name the call they answer
@@ -280,6 +284,9 @@ class ChatCompletionRequest(SamplingRequest):
     functions: list[Any] | None = Field(None, description="The older tools: not supported, must be absent or empty.")
     tool_choice: Any = Field(None, description="Only absent, null or \"none\": there are no tools to call.")
     function_call: Any = Field(None, description="The older tool_choice: only absent, null or \"none\".")
+    modalities: list[Any] | None = Field(None, description="Output kinds: only [\"text\"] (or absent); no audio.")
+    audio: Any = Field(None, description="Audio output's settings: not supported, must be absent or null.")
+    prediction: Any = Field(None, description="Predicted outputs: not supported, must be absent or null.")
 
     @field_validator("tools", "functions")
     @classmethod
@@ -293,6 +300,21 @@ class ChatCompletionRequest(SamplingRequest):
     def _no_tool_choice(cls, value: Any) -> Any:
         if value not in (None, "none"):
             raise ValueError("tools are not supported by this server, so only \"none\" (or leaving it out) is allowed")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_out(cls, value: list[Any] | None) -> list[Any] | None:
+        if value is not None and value != ["text"]:
+            raise ValueError(f"only [\"text\"] output is supported by this server, not {as_json(value)}")
+        return value
+
+    @field_validator("audio", "prediction")
+    @classmethod
+    def _not_honoured(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            what = "audio output is" if info.field_name == "audio" else "predicted outputs are"
+            raise ValueError(f"{what} not supported by this server; leave it out")
         return value
 
     def token_limit(self) -> int | None:
