@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from collections.abc import Sequence
@@ -272,6 +273,11 @@ async def _generate(args: argparse.Namespace, config: Any, generation: Any, toke
             if args.json and stream.token_ids:  # what was committed before the failure, as text mode showed it
                 _out(json.dumps({"tokens": stream.token_ids, "text": stream.text, "finish_reason": "error",
                                  "error": str(error), "stats": stream.stats.as_dict()}) + "\n")
+            raise
+        except asyncio.CancelledError:  # Ctrl-C (the runner cancels this task): what was committed, as text mode kept it
+            if args.json and stream.token_ids:
+                _out(json.dumps({"tokens": stream.token_ids, "text": stream.text, "finish_reason": "cancelled",
+                                 "stats": stream.stats.as_dict()}) + "\n")
             raise
         result = stream.result
     assert result is not None, "the stream ended without a result"

@@ -10,6 +10,7 @@ Python's own traceback and exit 1.
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import io
 import os
@@ -128,6 +129,7 @@ def run_entry(module: str) -> int:
     """A command's entry point (`specter.entry`): `module`'s main imported under `load_tool`, run, and its status
     returned with a late Ctrl-C quieted (`quiet_late_interrupt`). A Ctrl-C that escapes main (its argument parsing,
     before its `run_tool`) ends as `run_tool` ends one: 'interrupted', 130."""
+    standard_streams()  # before the imports: the logging's set-up reads stderr
     main = load_tool(lambda: importlib.import_module(module).main)
     try:
         return main()
@@ -150,8 +152,9 @@ def prog_name(module: str) -> str:
 def run_tool(main: Callable[[], int], preload: Sequence[str] = ()) -> int:
     """Run a tool's body with stdout guarded, and map how it ended onto the shared exit statuses. `preload`: modules
     the body needs whose import must not be cut by a Ctrl-C (torch: `interrupt_held`), imported first."""
+    standard_streams()
     stdout = sys.stdout
-    sys.stdout = _GuardedStdout(stdout)  # type: ignore[assignment]
+    sys.stdout = _GuardedStdout(stdout if stdout is not None else _ClosedStdout())  # type: ignore[assignment]
     try:
         with interrupt_held():
             for name in preload:
@@ -170,6 +173,38 @@ def run_tool(main: Callable[[], int], preload: Sequence[str] = ()) -> int:
         return _interrupted()
     finally:
         sys.stdout = stdout
+
+
+class _ClosedStdout(io.TextIOBase):
+    """What a tool started with stdout closed (`>&-`) writes to: Python leaves `sys.stdout` None then, and a write
+    fails as one to a full disk does, named (2), not with an AttributeError."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "stdout is closed")
+
+    def flush(self) -> None:
+        return None
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("stdout is closed")
+
+
+def standard_streams() -> None:
+    """A tool started with descriptors 0-2 closed (`<&-`, `>&-`, `2>&-`): they are opened on /dev/null, since the
+    next file the process opens would take the lowest free descriptor and so become its stdin or stdout, and uvloop's
+    libuv aborts the process when it closes one of its own there (`kernel.new_event_loop`). `sys.stdin` and
+    `sys.stdout` stay None, as Python set them (a write to stdout fails, named: `_ClosedStdout`); a closed stderr's
+    lines are dropped, as they would have been, where its None stopped the logging's set-up with an AttributeError."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (the process's stderr until it exits)
 
 
 def _interrupted() -> int:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import queue
 import threading
 import time
@@ -52,12 +53,27 @@ NOT_READY = object()
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A uvloop loop when uvloop is installed, else asyncio's default loop."""
+    """A uvloop loop when uvloop is installed and the standard descriptors are open, else asyncio's default loop.
+
+    libuv asserts that none of its own descriptors is 0, 1 or 2, and the lowest free one goes to the next it opens:
+    in a process started with stdin or stdout closed (`<&-`), closing the loop aborted it (status 134, its output
+    lost). The command-line tools reopen such descriptors on /dev/null first (`exits.run_tool`); a program that
+    closed its own gets asyncio's loop."""
     try:
         import uvloop
     except ImportError:
         return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+    return uvloop.new_event_loop() if standard_fds_open() else asyncio.new_event_loop()
+
+
+def standard_fds_open() -> bool:
+    """Whether descriptors 0, 1 and 2 are all open."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            return False
+    return True
 
 
 def run(main: Awaitable[T], *, debug: bool = False) -> T:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import tomllib
 from pathlib import Path
 
@@ -281,3 +284,63 @@ def test_a_sync_engine_load_interrupted_in_the_callers_thread_unwinds_its_tasks(
     with pytest.raises(KeyboardInterrupt):
         sync.SyncEngine("tiny")
     assert sorted(unwound) == ["copy", "load"]
+
+
+# ---- standard descriptors closed at the start, and Ctrl-C under --json ---------------------------------------------
+GENERATE = ["specter", "generate", "--prompt", "hi", "--residents", "6", "--max-new-tokens", "8"]
+
+
+def _shell(argv: list[str], redirect: str) -> subprocess.CompletedProcess:
+    """The tool as a shell starts it with `redirect` (`<&-`: stdin closed; `2>&-`: stderr closed), stdout and stderr
+    kept where the redirect leaves them."""
+    command = " ".join(["exec", sys.executable, "-m", *argv, redirect])
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=180)
+
+
+def test_a_tool_started_with_stdin_closed_runs():
+    """uvloop's libuv asserts none of its descriptors is 0-2: with stdin closed it opened one there and aborted the
+    process on closing it (status 134, the output lost)."""
+    done = _shell(GENERATE, "<&-")
+    assert done.returncode == 0 and done.stdout and "Assertion" not in done.stderr, (done.returncode, done.stderr)
+
+
+@pytest.mark.parametrize("argv", [GENERATE, ["specter", "info", "tiny", "--no-measure"]])
+def test_a_tool_started_with_stdout_closed_says_so_in_one_line(argv):
+    """Python leaves sys.stdout None: `info` died with an AttributeError traceback, `generate` with libuv's abort."""
+    done = _shell(argv, ">&-")
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, (done.returncode, done.stderr)
+    assert last == "error: cannot write the output to stdout: stdout is closed; redirect it elsewhere", done.stderr
+
+
+def test_a_tool_started_with_stderr_closed_writes_its_output():
+    """The logging's set-up read sys.stderr.isatty() of None: every tool died before its first line (status 1)."""
+    done = _shell(GENERATE, "2>&-")
+    assert done.returncode == 0 and done.stdout, done.returncode
+
+
+def test_a_ctrl_c_under_json_prints_what_was_committed():
+    """Text mode keeps the streamed text of an interrupted request; --json printed nothing at all (status 130): it now
+    prints the object with the committed tokens and finish_reason "cancelled"."""
+    process = subprocess.Popen([sys.executable, "-m", "specter", "generate", "--prompt", "hi", "--residents", "6",
+                                "--max-new-tokens", "4000", "--json", "--max-context", "4096"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None
+    note = process.stderr.readline()  # the built-in model's note, printed as it loads
+    assert "built-in model" in note, note
+    time.sleep(5)  # decoding: tens of tokens a second even on a slow machine, 4000 would take minutes
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and err.strip().endswith("interrupted"), (process.returncode, err)
+    answer = json.loads(out)
+    assert answer["finish_reason"] == "cancelled" and answer["tokens"], answer
+    assert len(answer["tokens"]) == answer["stats"]["new_tokens"] < 4000
+
+
+def test_a_program_that_closed_stdin_gets_a_loop_that_closes():
+    """The engine's loop in a library caller's process whose stdin is closed: asyncio's (uvloop's libuv aborts there)."""
+    code = ("import asyncio; from specter.kernel import new_event_loop; loop = new_event_loop(); "
+            "loop.run_until_complete(asyncio.sleep(0)); print(type(loop).__module__); loop.close()")
+    done = subprocess.run(["bash", "-c", f"exec {sys.executable} -c {shlex.quote(code)} <&-"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip().startswith("asyncio"), (done.returncode, done.stdout, done.stderr)
