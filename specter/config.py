@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import json
 import math
 import numbers
@@ -88,16 +89,34 @@ QuantName = Literal["int4", "int8", "int3", "int2", "gptq4"]
 SamplingRule = Literal["coupled", "rejection"]
 
 
+_CONSTRUCTING: contextvars.ContextVar[int] = contextvars.ContextVar("specter_config_constructing", default=0)
+"""How many configuration constructors are running in this context (`_Frozen.__init__`)."""
+
+
 class _Frozen(BaseModel):
+    """A configuration whose constructor raises ConfigError, one line per bad field, value and rule (pydantic's own
+    ValidationError, several lines with a link to its docs, is no SpecterError: the API's callers and the tools catch
+    those). A nested configuration given as a mapping is validated by its parent, whose error names its path."""
+
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    def __init__(self, **values: Any) -> None:
+        # pydantic runs a model's own __init__ for a nested one given as a mapping too: only the outermost turns the
+        # error into a ConfigError, so the nested one's ValidationError reaches it with its path.
+        depth = _CONSTRUCTING.set(_CONSTRUCTING.get() + 1)
+        try:
+            super().__init__(**values)
+        except ValidationError as error:
+            if _CONSTRUCTING.get() > 1:
+                raise
+            raise ConfigError(describe_validation_error(type(self).__name__, error)) from None
+        finally:
+            _CONSTRUCTING.reset(depth)
 
     @classmethod
     def build(cls, **values: object) -> "_Frozen":
-        """Validate like the constructor, but raise ConfigError naming each bad field, value and rule."""
-        try:
-            return cls(**values)
-        except ValidationError as error:
-            raise ConfigError(describe_validation_error(cls.__name__, error)) from None
+        """The constructor (kept for callers that name the conversion): ConfigError naming each bad field."""
+        return cls(**values)
 
 
 def describe_validation_error(model: str, error: ValidationError) -> str:

@@ -55,12 +55,20 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         check_text(text, "the prompt text")
-        if len(text) > GIL_FREE_CHARS:
-            return list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        try:
+            if len(text) > GIL_FREE_CHARS:
+                return list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+            return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        except Exception as error:  # the tokenizers library raises a bare Exception: a tokenizer.json that loads but
+            # cannot encode (a vocabulary without the unknown token it needs, say) is the checkpoint's fault
+            raise CheckpointError(f"the tokenizer at {self.source} cannot encode this text ({error}); fix its "
+                                  f"{TOKENIZER_FILE}, or give the prompt as token ids") from error
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        try:
+            return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        except (TypeError, OverflowError, ValueError) as error:  # not a sequence of non-negative ints
+            raise PromptError(f"cannot decode {_shown(token_ids)}: token ids are a sequence of ints from 0 ({error})") from None
 
     def token_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
@@ -114,6 +122,11 @@ class Tokenizer:
 
     def detokenizer(self, stop_strings: Iterable[str] = ()) -> Detokenizer:
         return Detokenizer(self, stop_strings)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_text(text: str, what: str, instead: str = ", or the prompt as token ids") -> None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specter.config import EngineConfig, GenerationConfig, parse_bytes
+from specter.config import DraftConfig, EngineConfig, GenerationConfig, parse_bytes
 from specter.errors import ConfigError
 
 
@@ -129,3 +129,20 @@ def test_a_thread_count_past_what_openmp_can_start_is_refused():
         EngineConfig.build(threads=4096)
     assert "EngineConfig.threads" in str(info.value) and "less than or equal to 1024" in str(info.value)
     assert EngineConfig.build(threads=1024).threads == 1024
+
+
+@pytest.mark.parametrize(("values", "said"), [
+    ({"residents": 6.5}, "EngineConfig.residents = 6.5: Input should be a valid integer"),
+    ({"budget": -5}, "EngineConfig.budget = -5: a byte count must be a whole number of bytes from 1"),
+    ({"foo": 1}, "EngineConfig.foo = 1: Extra inputs are not permitted"),
+    ({"draft": {"k": -1}}, "EngineConfig.draft.k = -1"),
+    ({"tuning": {"cache": {"roll_hot_window": -1}}}, "EngineConfig.tuning.cache.roll_hot_window = -1"),
+])
+def test_a_configuration_constructor_raises_a_config_error_naming_the_field(values, said):
+    """The constructors the README shows raised pydantic's ValidationError (several lines and a link, no SpecterError:
+    a caller catching SpecterError missed it); a nested configuration's error keeps its path."""
+    with pytest.raises(ConfigError) as caught:
+        EngineConfig(**values)
+    assert said in str(caught.value) and "errors.pydantic.dev" not in str(caught.value), str(caught.value)
+    with pytest.raises(ConfigError, match="DraftConfig.k = -1"):
+        DraftConfig(k=-1)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pydantic
 import pytest
 import torch
 
@@ -20,6 +19,7 @@ from specter.cli import build_parser, engine_config
 from specter.config import DraftConfig, EngineConfig, GenerationConfig
 from specter.ahead import DraftAhead
 from specter.engine import Carry, Runtime
+from specter.errors import ConfigError
 from specter.sampling import SamplingParams
 from tests.test_speculative import DEVICE, baseline, checkpoint, run
 
@@ -220,9 +220,9 @@ def test_cancelled_round_with_draft_ahead_leaves_nothing_behind(root):
 
 
 def test_overlap_is_validated_and_reaches_the_config_from_the_command_line():
-    with pytest.raises(pydantic.ValidationError, match="overlap"):
+    with pytest.raises(ConfigError, match="overlap"):
         DraftConfig(overlap=33)
-    with pytest.raises(pydantic.ValidationError, match="overlap"):
+    with pytest.raises(ConfigError, match="overlap"):
         DraftConfig(overlap=-1)
     args = build_parser().parse_args(["generate", "--model", "tiny", "--overlap", "8"])
     assert engine_config(args).draft.overlap == 8

@@ -233,3 +233,25 @@ def test_a_long_text_encodes_to_the_same_ids_and_leaves_other_threads_their_turn
     worker.join()
     elapsed = time.perf_counter() - start
     assert elapsed < 0.1 or ticks >= 10 * elapsed, (ticks, elapsed)  # held, it would be about 1 for the whole encode
+
+
+def test_a_tokenizer_that_loads_but_cannot_encode_is_the_checkpoints_error(tmp_path):
+    """A Unigram vocabulary without the unknown token it needs loads, then fails on any other text: the tokenizers
+    library's bare Exception was a traceback of `generate`, now a CheckpointError naming the tokenizer."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import Unigram
+
+    (tmp_path / "tokenizer.json").write_text(Backend(Unigram([("a", 0.0)])).to_str())
+    broken = Tokenizer.from_dir(tmp_path)
+    assert broken is not None and broken.encode("a")  # what it knows, it encodes
+    with pytest.raises(CheckpointError, match=f"the tokenizer at {tmp_path} cannot encode this text .*give the prompt "
+                                              "as token ids"):
+        broken.encode("hi")
+
+
+@pytest.mark.parametrize("ids", [[99999, -1], "abc", [1.5]])
+def test_decoding_what_is_no_token_id_sequence_is_a_prompt_error(tokenizer, ids):
+    from specter.errors import PromptError
+
+    with pytest.raises(PromptError, match="token ids are a sequence of ints from 0"):
+        tokenizer.decode(ids)
