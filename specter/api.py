@@ -581,11 +581,18 @@ def checkpoint_eos(directory: Path, spec: ModelSpec) -> tuple[int, ...]:
     file = Path(directory) / "generation_config.json"
     eos = None
     if file.is_file():
+        # generation_config.json is advisory: a broken one must not stop the model from loading, but the end-of-turn
+        # ids it may hold are lost with it (the text then runs past the turn's end), so it is said
         try:
             eos = json.loads(file.read_text()).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):  # ValueError: not JSON, or not UTF-8
-            eos = None  # generation_config.json is advisory; a broken one must not stop the model from loading
-    ids = {token for token in (eos if isinstance(eos, list) else [eos]) if isinstance(token, int) and not isinstance(token, bool)}
+        except (OSError, ValueError, AttributeError) as error:  # ValueError: not JSON, or not UTF-8
+            log.warning("checkpoint.generation_config_unreadable", file=str(file), error=str(error) or type(error).__name__,
+                        hint="its eos_token_id is ignored (config.json's is used); fix the file or remove it")
+    entries = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    ids = {token for token in entries if isinstance(token, int) and not isinstance(token, bool)}
+    if len(ids) < len(entries):
+        log.warning("checkpoint.eos_not_token_ids", file=str(file), eos_token_id=repr(eos)[:80],
+                    hint="eos_token_id is an id or a list of ids (integers); the others are ignored")
     outside = sorted(token for token in ids if not 0 <= token < spec.vocab_size)
     if outside:  # never sampled: kept, they would replace config.json's ids and the text would never stop at one
         log.warning("checkpoint.eos_outside_vocabulary", file=str(file), ids=outside[:8], vocab_size=spec.vocab_size,

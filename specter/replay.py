@@ -801,7 +801,14 @@ def _slots_json(header: TraceHeader, slots: int | None) -> dict[str, Any]:
 
 
 def _names(csv: str | None) -> list[str] | None:
-    return [name.strip() for name in csv.split(",") if name.strip()] if csv else None
+    """The names of a comma-separated option; an empty one (`lru,,lfu`, a trailing comma) is a typo, not a skip."""
+    if not csv:
+        return None
+    names = [name.strip() for name in csv.split(",")]
+    if not all(names):
+        raise ConfigError(f"an empty name in {csv!r} (a doubled, leading or trailing comma); list the names separated "
+                          "by single commas")
+    return names
 
 
 def _print_results(

@@ -515,6 +515,28 @@ def test_generation_config_eos_ids_outside_the_vocabulary_are_ignored_and_said(t
     assert "checkpoint.eos_outside_vocabulary" in err and "generation_config.json" in err, err
 
 
+@pytest.mark.parametrize(("content", "event"), [
+    (b'{"eos_token_id": [2, 3', "checkpoint.generation_config_unreadable"),
+    (b'[2, 3]', "checkpoint.generation_config_unreadable"),
+    (b'{"eos_token_id": "x"}', "checkpoint.eos_not_token_ids"),
+    (b'{"eos_token_id": [2, "x"]}', "checkpoint.eos_not_token_ids"),
+])
+def test_a_generation_config_whose_eos_ids_cannot_be_read_is_said(tiny, tmp_path, content, event, capsys):
+    """A broken or mistyped generation_config.json was dropped without a word, its end-of-turn ids with it (the text
+    then runs past the turn's end): the load goes on, with a warning naming the file."""
+    from specter.api import checkpoint_eos
+    from specter.build import CheckpointWeights
+    from specter.model.checkpoint import Checkpoint
+
+    directory = _tiny_copy(tiny, tmp_path)
+    spec = CheckpointWeights(Checkpoint(directory)).spec
+    (directory / "generation_config.json").write_bytes(content)
+    kept = checkpoint_eos(directory, spec)
+    assert kept == ((2,) if content == b'{"eos_token_id": [2, "x"]}' else tuple(sorted(spec.eos_token_ids)))
+    err = capsys.readouterr().err
+    assert event in err and "generation_config.json" in err, err
+
+
 def test_a_load_that_fails_after_the_weights_releases_them(tiny, monkeypatch):
     """Whatever fails between the runtime's load and the engine's start closes the runtime: on CUDA its device memory
     and pinned pool would otherwise wait for the garbage collector."""

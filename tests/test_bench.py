@@ -1137,3 +1137,17 @@ def test_a_run_into_a_folder_of_an_earlier_one_leaves_none_of_its_plots(tmp_path
                      "--no-plots", "--no-progress", "--out", str(out)]) == 0
     assert not [name for name in PLOT_FILES if (out / name).exists()]
     assert json.loads((out / "results.json").read_text())["complete"] is True
+
+
+@pytest.mark.parametrize("argv", [["--out", ""], ["--merge", "", "--out", "merged"], ["--placement-profile", " "],
+                                  ["--residents", "6,,4"], ["--systems", "ondemand,"], ["--budget", ",1GiB"]])
+def test_an_empty_path_or_list_value_is_refused_before_anything_runs(argv, tmp_path, monkeypatch, capsys):
+    """`--out ''` (an unset variable in a script) wrote into the current directory, moving its results.* aside, and
+    `--merge ''` merged it; `--residents 6,,4` ran as 6,4: a value may have been lost at the doubled comma."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*QUICK, *argv])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "empty path" in err or "an empty value in" in err, err
+    assert list(tmp_path.iterdir()) == []

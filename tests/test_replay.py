@@ -457,3 +457,15 @@ def test_cli_reports_a_bad_trace_and_unknown_plugins(tmp_path, capsys, reference
     assert "expected a window size" in capsys.readouterr().err
     assert main([str(good), "--eviction", "nope"]) == 2  # named, so refused before any replay
     assert "installed: lru, plan-protect" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--eviction", "--prefetch", "--placement"])
+@pytest.mark.parametrize("value", ["lru,,lfu", "lru,", ",lru"])
+def test_cli_refuses_an_empty_name_in_a_list(tmp_path, capsys, option, value):
+    """`--eviction lru,,lfu` ran as `lru,lfu`: a name may have been lost at the doubled comma."""
+    path = tmp_path / "toy.jsonl"
+    with TraceWriter(path, HEADER) as writer:
+        for trace_round in rotating_rounds(4):
+            writer.write_round(trace_round)
+    assert main([str(path), option, value]) == 2
+    assert f"error: an empty name in {value!r}" in capsys.readouterr().err

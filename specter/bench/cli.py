@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "specter.placement.OVERLAP, 0: their sum). 1 balances the two paths and splits a layer "
                              "between them where the sum puts all or none of its non-residents on the host: a split "
                              "placement, to measure how much the two paths overlap")
-    parser.add_argument("--placement-profile", type=Path, default=None, metavar="TRACE",
+    parser.add_argument("--placement-profile", type=given_path, default=None, metavar="TRACE",
                         help="a routing trace of the bench's one model (`specter generate --trace`; for --widen, one "
                              "recorded on the narrow checkpoint: the widened model routes as it does) that every engine the "
                              "bench builds places from (EngineConfig.placement_profile): auto's cost model (the hybrids) "
@@ -129,13 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "the same requests times the repeats (on an emulated link, at least the most bytes a cell or "
                              "that pass copied at the link's speed); a model part whose time is up is not loaded. None: no "
                              "budget")
-    parser.add_argument("--out", type=Path, default=Path("bench-out"),
+    parser.add_argument("--out", type=given_path, default=Path("bench-out"),
                         help="directory for results.json, results.md (both rewritten after every cell, marked partial "
                              "until the end) and plots (at the end); an earlier run's move to previous/DATE/ first")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers + accelerate baseline")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--merge", type=Path, action="append", default=None, metavar="DIR",
+    parser.add_argument("--merge", type=given_path, action="append", default=None, metavar="DIR",
                         help="run nothing: merge the results.json of these bench outputs (a folder or its results.json; repeatable, disjoint cells) into --out; only --out, --no-plots and --no-progress may go with it")
     parser.add_argument("--realism", action="store_true",
                         help="before the matrix, the realism report of each checkpoint model (not of synthetic shapes): "
@@ -157,22 +157,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 # The lists name cells, once each: a value given twice would run its cells twice and pool both measurements into one
 # row of the summary (twice the runs, under one label), so a repeat is dropped, as --merge refuses cells seen twice.
+def _parts(text: str) -> list[str]:
+    """A list option's comma-separated values; an empty one (`6,,4`, a trailing comma) is a typo, not a skip: a
+    value may have been lost there."""
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):  # no value at all (`--link ,`): check_args says that
+        return []
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"an empty value in {text!r} (a doubled, leading or trailing comma); list "
+                                         "the values separated by single commas")
+    return parts
+
+
 def _int_list(text: str) -> list[int]:
+    parts = _parts(text)
     try:
-        return list(dict.fromkeys(int(part) for part in text.split(",") if part.strip()))
+        return list(dict.fromkeys(int(part) for part in parts))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _size_list(text: str) -> list[int]:
+    parts = _parts(text)
     try:
-        return list(dict.fromkeys(parse_bytes(part) for part in text.split(",") if part.strip()))
+        return list(dict.fromkeys(parse_bytes(part) for part in parts))
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _name_list(text: str) -> list[str]:
-    return list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    return list(dict.fromkeys(_parts(text)))
 
 
 def _link_list(text: str) -> list[str]:
@@ -613,6 +627,14 @@ def _run_stamp(out: Path, names: Sequence[str]) -> str:
         mtime = max((out / name).stat().st_mtime for name in names)
         stamp = datetime.datetime.fromtimestamp(mtime, datetime.timezone.utc)
     return stamp.strftime("%Y-%m-%dT%H-%M-%SZ")
+
+
+def given_path(text: str) -> Path:
+    """A path option's value: an empty one is refused, not read as the current directory (an unset variable in a
+    script, `--out "$DIR"`, would write into, or merge from, wherever the run started)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty path; give a file or folder (the current one is '.')")
+    return Path(text)
 
 
 def check_time_budget(budget_s: float | None) -> None:
