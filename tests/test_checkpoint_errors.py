@@ -106,6 +106,14 @@ def test_more_experts_than_config(ckpt):
     expect(ckpt, "experts.5", "declares only 5 experts")
 
 
+def test_more_layers_than_config(ckpt):
+    """A config.json declaring fewer layers than the weights hold ran the model cut short, the rest unread."""
+    layers = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
+    assert layers > 1
+    rewrite_config(ckpt, num_hidden_layers=layers - 1)
+    expect(ckpt, f"model.layers.{layers - 1}.input_layernorm.weight", f"declares only {layers - 1} layers")
+
+
 def test_pickle_checkpoint_refused(tmp_path):
     path = tmp_path / "bin"
     path.mkdir()

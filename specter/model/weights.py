@@ -244,8 +244,13 @@ def check_checkpoint(ckpt: Checkpoint) -> None:
 
 
 def check_no_unknown_experts(ckpt: Checkpoint) -> None:
-    """Fail early when the checkpoint has more experts than config.json declares (a config/weights mismatch)."""
+    """Fail early when the checkpoint has more layers or experts than config.json declares (a config/weights mismatch:
+    the model would run cut short, the rest of its weights unread)."""
     spec = ckpt.spec
+    beyond = f"{spec.layer_prefix(spec.num_layers)}.input_layernorm.weight"
+    if ckpt.has(beyond):
+        raise CheckpointError(f"{ckpt.index[beyond]}: tensor '{beyond}' exists but config.json declares only "
+                              f"{spec.num_layers} layers (num_hidden_layers); set it to the number the weights hold")
     # the first MoE layer, found without listing every layer config.json claims (this runs before the tensor check)
     layer = next((layer for layer in range(spec.num_layers) if layer not in spec.dense_layers), None)
     if layer is None or _is_fused(ckpt, layer):
