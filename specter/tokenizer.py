@@ -274,10 +274,17 @@ def _chat_template(path: Path, settings: Mapping[str, Any]) -> tuple[str | None,
             raise CheckpointError(f"{file}: not UTF-8 text ({error}); save the template as UTF-8, or remove the file "
                                   "to use tokenizer_config.json's chat_template") from None
     template = settings.get("chat_template")
+    source = f"{path / 'tokenizer_config.json'}'s chat_template"
     if isinstance(template, list):
         named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
         template = named.get("default") or next(iter(named.values()), None)
-    return (template if isinstance(template, str) else None), f"{path / 'tokenizer_config.json'}'s chat_template"
+        if template is not None and not isinstance(template, str) or (template is None and settings["chat_template"]):
+            raise CheckpointError(f"{source} is a list without a template string: each entry is "
+                                  "{\"name\": ..., \"template\": \"...\"}; fix it, or remove it to serve without chat")
+    elif template is not None and not isinstance(template, str):  # it would read as no template at all
+        raise CheckpointError(f"{source} is {type(template).__name__} {str(template)[:40]!r}, not a template string; "
+                              "fix it, or remove it to serve without chat")
+    return template, source
 
 
 def _token_text(value: Any) -> str | None:

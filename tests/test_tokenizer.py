@@ -255,3 +255,13 @@ def test_decoding_what_is_no_token_id_sequence_is_a_prompt_error(tokenizer, ids)
 
     with pytest.raises(PromptError, match="token ids are a sequence of ints from 0"):
         tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("template", [5, ["x"], [{"name": "default", "template": 5}], {"default": "x"}])
+def test_a_chat_template_that_is_no_template_string_is_said_so(tmp_path, tokenizer, template):
+    """A chat_template of another type read as no template at all ("has no chat template"), sending the user to
+    look for a template that is there."""
+    shutil.copy(builtin_path("tiny") / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    with pytest.raises(CheckpointError, match="tokenizer_config.json's chat_template is .*fix it, or remove it"):
+        Tokenizer.from_dir(tmp_path)
