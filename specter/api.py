@@ -223,7 +223,10 @@ class GenerationStream:
         return Piece("".join(text), taken)
 
     def _finish(self, reason: FinishReason, taken: list[int], text: str) -> Piece:
-        text += self._detokenizer.finish() if self._detokenizer is not None else ""
+        if self._detokenizer is not None:
+            text += self._detokenizer.finish()
+            if self._detokenizer.stopped:  # the last character, complete only now (or a stop string holding U+FFFD),
+                reason = "stop"  # completed a stop string: the text was cut there, whatever ended the tokens
         self._text.append(text)
         self.stats.new_tokens = len(self.token_ids)
         del self.stats.token_times[len(self.token_ids):]  # tokens cut by a stop string take their timestamps along
@@ -540,7 +543,13 @@ class Engine:
         return [operator.index(item) for item in items]
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self._need_tokenizer("decoding").decode(token_ids)
+        """Text of `token_ids`, ids of this model (0 .. vocab_size - 1; the tokenizer drops one past it silently)."""
+        tokenizer = self._need_tokenizer("decoding")
+        if not isinstance(token_ids, (str, bytes)) and isinstance(token_ids, Sequence):
+            beyond = [token for token in token_ids if is_token_id(token) and token >= self.spec.vocab_size]
+            if beyond:
+                raise PromptError(f"cannot decode token ids {beyond[:5]}: this model's ids are 0..{self.spec.vocab_size - 1}")
+        return tokenizer.decode(token_ids)
 
     def _need_tokenizer(self, purpose: str) -> Tokenizer:
         if self.tokenizer is None:

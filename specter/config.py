@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 from specter.errors import ConfigError
 
@@ -638,11 +639,14 @@ class GenerationConfig(_Frozen):
 
     @field_validator("max_new_tokens", "temperature", "top_k", "top_p", "seed", mode="before")
     @classmethod
-    def _numbers_are_numbers(cls, value: Any) -> Any:
-        # pydantic's lax mode reads True as 1 and "3" as 3: seed=True or max_new_tokens="3" is a caller's slip, not a
-        # number to guess (numpy's bool_ is no numbers.Number)
+    def _numbers_are_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads True as 1, "3" as 3 and 3.0 as 3: seed=True, max_new_tokens="3" or top_k=2.0 is a
+        # caller's slip, not a number to guess (numpy's bool_ is no numbers.Number; its integers are Integral), as a
+        # token id of 1.0 is refused (stop_token_ids, prompts)
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Number)):
             raise ValueError(f"must be a number, not {type(value).__name__} {value!r}")
+        if value is not None and info.field_name in ("max_new_tokens", "top_k", "seed") and not isinstance(value, numbers.Integral):
+            raise ValueError(f"must be an integer, not {type(value).__name__} {value!r}")
         return value
 
     @field_validator("stop_token_ids", mode="before")

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 import specter
 from specter import Engine, EngineConfig, GenerationConfig, SyncEngine
 from specter.decode import greedy_decode, run_sync
-from specter.errors import RequestCancelled
+from specter.errors import PromptError, RequestCancelled
 from specter.kernel import run
 from specter.build import load_resident
 
@@ -813,3 +813,24 @@ def test_a_generation_setting_of_the_wrong_kind_is_refused_not_guessed(tiny, ove
         return np.int64(value)  # numpy's ints stay numbers
 
     assert len(run(main())) == 3
+
+
+def test_a_stop_string_completed_by_the_last_flush_finishes_as_stop(tiny):
+    """The last token left a character incomplete; the final flush wrote it as U+FFFD and found the stop string there,
+    cutting the text, but the request finished as "length" (by max_new_tokens) where one token more said "stop"."""
+    prompt, stop = [5, 17, 300, 42], " token\ufffd"
+    with SyncEngine(tiny, OFFLOADED) as engine:
+        full = engine.complete(prompt, max_new_tokens=17)
+        if stop not in full.text:
+            pytest.skip("tiny's text for this prompt no longer holds the stop string")
+        cut = engine.complete(prompt, max_new_tokens=17, stop_strings=[stop])
+    assert cut.text == full.text[:full.text.index(stop)] and cut.finish_reason == "stop", (cut.text, cut.finish_reason)
+
+
+def test_decoding_an_id_past_the_models_vocabulary_is_refused(tiny):
+    """The tokenizer drops an id it does not know without a word: Engine.decode([vocab_size]) returned ''."""
+    with SyncEngine(tiny, OFFLOADED) as engine:
+        vocab = engine.engine.spec.vocab_size
+        assert engine.engine.decode([1, 2]) == engine.engine.tokenizer.decode([1, 2])
+        with pytest.raises(PromptError, match=f"cannot decode token ids \\[{vocab}\\]: this model's ids are 0..{vocab - 1}"):
+            engine.engine.decode([1, vocab])

@@ -146,3 +146,13 @@ def test_a_configuration_constructor_raises_a_config_error_naming_the_field(valu
     assert said in str(caught.value) and "errors.pydantic.dev" not in str(caught.value), str(caught.value)
     with pytest.raises(ConfigError, match="DraftConfig.k = -1"):
         DraftConfig(k=-1)
+
+
+@pytest.mark.parametrize("field", ["max_new_tokens", "top_k", "seed"])
+def test_an_integer_generation_field_refuses_a_float_however_whole(field):
+    """3.0 was read as 3 for these, while a token id of 1.0 is refused: one rule, an integer is an integer."""
+    import numpy as np
+
+    with pytest.raises(ConfigError, match=f"GenerationConfig.{field} = 3.0: must be an integer, not float"):
+        GenerationConfig.build(**{field: 3.0})
+    assert getattr(GenerationConfig.build(**{field: np.int64(3)}), field) == 3
