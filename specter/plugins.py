@@ -55,9 +55,12 @@ class PluginOrigin:
     name: str
     dist: str | None = None
     version: str | None = None
+    cls: str | None = None
+    """The class of a policy object handed over directly (not loaded by name): its `name` may be any, a reference
+    plug-in's too, so its errors name the class that made the decision."""
 
     def label(self) -> str:
-        source = f"dist {self.dist} {self.version}" if self.dist else "dist unknown"
+        source = f"dist {self.dist} {self.version}" if self.dist else f"an object of {self.cls}" if self.cls else "dist unknown"
         return f"{self.group} plug-in {self.name!r} ({source})"
 
     @classmethod
@@ -275,7 +278,8 @@ def guarded(policy: Any, group: str, origin: PluginOrigin | None = None) -> Any:
     if isinstance(policy, _Guarded):
         return policy
     short = short_group(group)
-    origin = origin or PluginOrigin(short, str(getattr(policy, "name", type(policy).__name__)))
+    origin = origin or PluginOrigin(short, str(getattr(policy, "name", type(policy).__name__)),
+                                    cls=f"{type(policy).__module__}.{type(policy).__qualname__}")
     wrappers = {"eviction": GuardedEviction, "prefetch": GuardedPrefetch, "lookahead": GuardedLookahead,
                 "placement": GuardedPlacement}
     if short not in wrappers:

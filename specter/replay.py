@@ -503,7 +503,7 @@ def replay_placements(
                                   prefetch=prefetch, host_job_s=host_job_s, uniform=uniform)
     replays = []
     for named in names:
-        policy = load_policy("placement", named) if isinstance(named, str) else named
+        policy = _as_policy("placement", named)  # an object as a loaded plug-in: a wrong answer named, not a crash
         placement = policy.place(state=state)
         result = replay(header, rounds, eviction, prefetch, link_gbps, slots_per_layer=slots_per_layer, roll=roll,
                         placement=placement, placement_name=policy.name, host_block_s=host_block_s, row_bucket=row_bucket,

@@ -469,3 +469,18 @@ def test_cli_refuses_an_empty_name_in_a_list(tmp_path, capsys, option, value):
             writer.write_round(trace_round)
     assert main([str(path), option, value]) == 2
     assert f"error: an empty name in {value!r}" in capsys.readouterr().err
+
+
+def test_a_placement_object_is_guarded_as_a_loaded_one_and_named_by_its_class():
+    """replay_placements called an object's place() bare: None came back as an AttributeError deep in the replay.
+    And an object named as a reference plug-in ('off') showed as that one in the error: its class is named now."""
+    from specter.errors import PluginError
+
+    class BadPlace:
+        name = "off"
+
+        def place(self, *, state):
+            return None
+
+    with pytest.raises(PluginError, match=r"placement plug-in 'off' \(an object of .*BadPlace\): place\(\) returned"):
+        replay_placements(HEADER, rotating_rounds(4), [BadPlace()], 1.0)
