@@ -91,6 +91,13 @@ def test_unknown_model_type_lists_supported(ckpt):
     expect(ckpt, "'llama'", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
 
 
+def test_a_config_json_that_is_a_directory_is_named_as_one(ckpt):
+    """It was reported "missing", sending the user to look for a file that is there, as a folder."""
+    (ckpt / "config.json").unlink()
+    (ckpt / "config.json").mkdir()
+    expect(ckpt, "config.json: a directory, not the model's JSON configuration")
+
+
 def test_missing_config_field(ckpt):
     rewrite_config(ckpt, hidden_size=None)
     expect(ckpt, "config.json", "'hidden_size'", "missing")

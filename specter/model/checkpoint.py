@@ -81,8 +81,11 @@ class Checkpoint:
         config_path = self.path / "config.json"
         try:
             config = json.loads(config_path.read_text())
-        except (FileNotFoundError, IsADirectoryError):
+        except FileNotFoundError:
             raise CheckpointError(f"{config_path}: missing; a Hugging Face checkpoint directory needs config.json") from None
+        except IsADirectoryError:
+            raise CheckpointError(f"{config_path}: a directory, not the model's JSON configuration; replace it with "
+                                  "the checkpoint's config.json file") from None
         except OSError as error:
             raise unreadable(config_path, error) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
