@@ -1,5 +1,5 @@
 """The paper's headline ratios over the full-depth cells: for each system, its TPOT against each baseline's, cell by
-cell (the same model, setting, link and sampling in one results.json: one run, one checkpoint), then the mean of
+cell (the same model, setting, link and sampling in one results.json, a merged file's parts apart: one run, one checkpoint), then the mean of
 those ratios per shape and over every cell. Full-depth cells are the widened checkpoints' (a model label `NAME xF`).
 
     python benchmarks/paper_ratios.py benchmarks/results/h200-*/ [--systems specter,specter-hybrid]
@@ -24,21 +24,25 @@ WIDENED = re.compile(r"^(?P<shape>\S+) x\d+$")
 
 
 def result_files(paths: list[str]) -> list[Path]:
-    """Every results.json under the given files and directories, once, sorted."""
+    """Every results.json under the given files and directories, once, sorted; not those a later run into the same
+    folder moved to its `previous/` (superseded: counted beside their successor, a cell would count twice), unless
+    named."""
     found: set[Path] = set()
     for name in paths:
         path = Path(name)
-        found.update([path] if path.is_file() else path.rglob("results.json"))
+        found.update([path] if path.is_file() else
+                     (file for file in path.rglob("results.json") if "previous" not in file.relative_to(path).parts[:-1]))
     return sorted(found)
 
 
-def cells(path: Path) -> dict[tuple[str, str, str, str], dict[str, dict]]:
-    """{(shape, setting, link, sampling): {system: its summary row}} of one results.json's full-depth rows."""
-    out: dict[tuple[str, str, str, str], dict[str, dict]] = defaultdict(dict)
+def cells(path: Path) -> dict[tuple[str, str, str, str, int | None], dict[str, dict]]:
+    """{(shape, setting, link, sampling, part): {system: its summary row}} of one results.json's full-depth rows; a
+    merged file's parts (processes) apart, so that a ratio compares two systems one process measured."""
+    out: dict[tuple[str, str, str, str, int | None], dict[str, dict]] = defaultdict(dict)
     for row in json.loads(path.read_text()).get("summary") or []:
         match = WIDENED.match(row.get("model", ""))
         if match and row.get("tpot_ms"):
-            out[(match["shape"], row["setting"], row["link"], row["sampling"])][row["system"]] = row
+            out[(match["shape"], row["setting"], row["link"], row["sampling"], row.get("part"))][row["system"]] = row
     return out
 
 
@@ -55,7 +59,7 @@ def ratios(files: list[Path], systems: list[str], baselines: list[str], by_place
     `by_placement`, the system named by `placed_label`)."""
     records = []
     for path in files:
-        for (shape, setting, link, sampling), rows in cells(path).items():
+        for (shape, setting, link, sampling, _part), rows in cells(path).items():
             for system in systems:
                 for baseline in baselines:
                     if system in rows and baseline in rows:

@@ -83,3 +83,21 @@ def test_a_merge_exits_as_its_parts_runs_would(change, status, part, tmp_path, c
     assert cli.main(["--merge", str(changed), "--no-plots", "--out", str(tmp_path / "out")]) == status
     assert (tmp_path / "out" / "results.json").is_file()
     assert (status == cli.NOTHING_MEASURED) == ("nothing was measured: the merged parts hold no run" in capsys.readouterr().err)
+
+
+def test_a_merge_compares_no_systems_of_different_parts(tmp_path, capsys):
+    """Parts that ran different systems in the same cell are disjoint (a cell names its system), and the merged table's
+    x columns compared one process's TPOT with another's, unsaid. They are left out now, with a note; the same pair
+    run in one part keeps its ratio."""
+    base = ["--model", "tiny", "--max-new-tokens", "3", "--warmup-tokens", "1", "--no-plots", "--no-progress", "--no-hf",
+            "--device", "cpu", "--link", "0.1"]
+    assert cli.main([*base, "--systems", "ondemand,specter", "--out", str(tmp_path / "a")]) == 0
+    assert cli.main([*base, "--systems", "specmoeoff", "--out", str(tmp_path / "b")]) == 0
+    out = tmp_path / "merged"
+    assert cli.main(["--merge", str(tmp_path / "a"), "--merge", str(tmp_path / "b"), "--no-plots", "--out", str(out)]) == 0
+    merged = json.loads((out / "results.json").read_text())
+    rows = {row["system"]: row for row in merged["summary"]}
+    assert rows["specter"]["x_ondemand"] is not None and rows["specter"]["part"] == rows["ondemand"]["part"] == 0
+    assert rows["specter"]["x_specmoeoff"] is None and rows["specmoeoff"]["x_ondemand"] is None
+    assert any("no x column compares systems run in different parts" in note and "specter and specmoeoff" in note
+               for note in merged["notes"]), merged["notes"]

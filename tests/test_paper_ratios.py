@@ -85,3 +85,21 @@ def test_by_placement_splits_a_systems_cells_by_whether_it_placed_any_expert(tmp
     # a copy-only system has no placement to split by, though its rows count 0 host experts
     assert paper_ratios.main([str(tmp_path), "--systems", "specter", "--baselines", "specter-hybrid", "--by-placement"]) == 0
     assert set(table()) == {("qwen1.5-moe-a2.7b", "specter"), ("all cells", "specter")}
+
+
+def test_a_merged_files_parts_are_not_paired_and_a_superseded_run_is_not_counted(tmp_path, paper_ratios, capsys):
+    """A merge's rows of different parts (processes, maybe machines) paired into a ratio; and the run a later one moved
+    to `previous/` was averaged beside it (each cell counted twice)."""
+    path = tmp_path / "merged" / "results.json"
+    write(path, [("phi-3.5-moe x8", "gen4", "greedy", "specter", 50.0), ("phi-3.5-moe x8", "gen4", "greedy", "ondemand", 100.0),
+                 ("phi-3.5-moe x8", "native", "greedy", "specter", 10.0), ("phi-3.5-moe x8", "native", "greedy", "ondemand", 90.0)])
+    payload = json.loads(path.read_text())
+    for row in payload["summary"]:
+        row["part"] = 0 if row["link"] == "gen4" or row["system"] == "specter" else 1  # native: specter and ondemand apart
+    path.write_text(json.dumps(payload))
+    (tmp_path / "merged" / "previous" / "2026-12-01T00-00-00Z").mkdir(parents=True)
+    (tmp_path / "merged" / "previous" / "2026-12-01T00-00-00Z" / "results.json").write_text(path.read_text())
+    assert paper_ratios.main([str(tmp_path), "--baselines", "ondemand"]) == 0
+    table = {tuple(cell.strip() for cell in line.strip("|").split("|")[:2]): line.strip("|").split("|")[2:]
+             for line in capsys.readouterr().out.splitlines()[2:]}
+    assert [c.strip() for c in table["all cells", "specter"]] == ["2.00 (1)"]  # gen4 alone, once

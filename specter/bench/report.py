@@ -176,6 +176,7 @@ def is_number(text: str) -> bool:
 
 def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
     model, setting, link, sampling, system = key
+    part = runs[0].get("part")  # a merge's part (one process); a cell's runs are all one part's
     tokens = sum(r["new_tokens"] for r in runs) or 1
     drafted = sum(r.get("drafted", 0) for r in runs)
     recall_total = sum(r.get("recall_total", 0) for r in runs)
@@ -188,6 +189,7 @@ def _row(key: tuple, runs: list[dict]) -> dict[str, Any]:
     copy_window = sum(r.get("copy_window_s", 0.0) for r in runs)
     return {
         "model": model, "setting": setting, "link": link, "sampling": sampling, "system": system, "runs": len(runs),
+        **({"part": part} if part is not None else {}),
         "slots": runs[0].get("slots"), "extra_slots": runs[0].get("extra_slots"),
         "tpot_ms": round(1e3 * statistics.median(r["tpot_s"] for r in runs), 3),
         "tpot_ms_mean": round(1e3 * statistics.fmean(r["tpot_s"] for r in runs), 3),
@@ -295,17 +297,19 @@ def _gpu_gib(runs: list[dict], key: str, less_draft: bool = True) -> float | Non
 
 def _add_speedups(rows: list[dict]) -> None:
     by_cell = {cell_key(r): r for r in rows}
-    resident = {(r["model"], sampling_of(r)): r for r in rows if r["system"] == "resident"}
+    resident = {(r["model"], sampling_of(r), r.get("part")): r for r in rows if r["system"] == "resident"}
     for row in rows:
         mode = sampling_of(row)
         for baseline in BASELINES:
-            other = (resident.get((row["model"], mode)) if baseline == "resident"
+            other = (resident.get((row["model"], mode, row.get("part"))) if baseline == "resident"
                      else by_cell.get((row["model"], row["setting"], row["link"], mode, baseline)))
             if baseline == "exact-prefetch":  # the fastest of its variants (k as specter-fixed's, specter's, k=0)
                 exact = [r for r in rows if r["system"].startswith("exact-prefetch") and r["model"] == row["model"]
+                         and r.get("part") == row.get("part")
                          and r["setting"] == row["setting"] and r["link"] == row["link"] and sampling_of(r) == mode]
                 other = min(exact, key=lambda r: r["tpot_ms"], default=None)
-            ok = other is not None and other["tpot_ms"] > 0 and row["tpot_ms"] > 0
+            ok = (other is not None and other["tpot_ms"] > 0 and row["tpot_ms"] > 0
+                  and other.get("part") == row.get("part"))  # one process measured both (a merge's parts: `merge`)
             row[f"x_{baseline}"] = round(other["tpot_ms"] / row["tpot_ms"], RATIO_DECIMALS) if ok else None
 
 
@@ -340,7 +344,9 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
                 raise ConfigError(f"--merge: cell {' '.join(key)} is in both {directories[owner[key]]} and {directory}; "
                                   "merge runs of disjoint cells")
         payloads.append(payload)
-    runs = [run for payload in payloads for run in payload["runs"]]
+    # Each run is tagged with its part: a speedup compares two systems' rows only where one process measured both
+    # (`_add_speedups`); a part's systems beside another part's would compare two processes, even two machines.
+    runs = [run | {"part": index} for index, payload in enumerate(payloads) for run in payload["runs"]]
     parts = [{"directory": str(d), "date": p["machine"].get("date"), "command": p["machine"].get("command"),
               "git_commit": p["machine"].get("git_commit"), "source_digest": p["machine"].get("source_digest"),
               "max_new_tokens": p["options"].get("max_new_tokens"), "quant": p["options"].get("quant", "int4"),
@@ -356,9 +362,16 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
         notes.append(f"merged parts differ in the draft's expert format: {[part['quant'] for part in parts]}")
     if len({part["placement_profile"] for part in parts}) > 1:  # the options kept are the first part's
         notes.append(f"merged parts placed from different routing traces: {[part['placement_profile'] for part in parts]}")
-    for field, what in (("repeats", "requests per prompt"), ("k", "fixed draft depth (--k)"), ("sampling", "sampling modes")):
-        if len({json.dumps(part[field]) for part in parts}) > 1:  # the protocol line is the first part's
-            notes.append(f"merged parts differ in {what}: {[part[field] for part in parts]}")
+    for field, what in (("repeats", "requests per prompt"), ("k", "fixed draft depth (--k)"), ("sampling", "sampling modes"),
+                        ("warmup_tokens", "warm-up tokens"), ("k_max", "deepest draft (--k-max)"),
+                        ("row_bucket", "verify row bucket"), ("threads", "torch threads"), ("tuning", "tuning (--tune)")):
+        values = [payload["options"].get(field) for payload in payloads]
+        if len({json.dumps(value, sort_keys=True) for value in values}) > 1:  # the protocol line is the first part's
+            shown = values if field != "tuning" else [f"part {index}" for index in range(len(values))]
+            notes.append(f"merged parts differ in {what}: {shown}")
+    machines = [(payload["machine"].get("gpu"), payload["machine"].get("cpu")) for payload in payloads]
+    if len(set(machines)) > 1:  # the header names the first part's machine
+        notes.append(f"merged parts ran on different machines (GPU, CPU): {list(dict.fromkeys(machines))}")
     if len({part["source_digest"] for part in parts}) > 1:
         notes.append("merged parts ran different engine sources (see merged_from)")
     cells = [cell for payload in payloads for cell in payload.get("cells", [])]
@@ -384,6 +397,14 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
         raise ConfigError(f"--merge: a run of {', '.join(map(str, directories))} is not a bench measurement (field {error}); "
                           "merge results.json files as python -m specter.bench wrote them") from None
     notes += [flag for flag in exact_prefetch_flags(summary) if flag not in notes]  # cells that met only in the merge
+    apart = sorted({f"{row['system']} and {baseline}" for row in summary for baseline in BASELINES
+                    if row.get(f"x_{baseline}") is None and row["system"] != baseline
+                    and any(other["system"] == baseline and other.get("part") != row.get("part")
+                            and other["model"] == row["model"] and other["setting"] == row["setting"]
+                            and other["link"] == row["link"] and other["sampling"] == row["sampling"] for other in summary)})
+    if apart:
+        notes.append(f"no x column compares systems run in different parts (processes): {', '.join(apart)} ran apart, "
+                     "so their ratio is left out; run them in one call to compare them")
     merged = {"machine": machine, "options": payloads[0]["options"], "args": payloads[0].get("args", {}),
               "models": list({model.get("label", model.get("name")): model  # one entry per model, the last part's
                               for payload in payloads for model in payload.get("models", [])}.values()),
