@@ -460,7 +460,8 @@ fulldepth() {  # table "Full-depth Qwen1.5-MoE-A2.7B shape" (one per shape): SHA
   # minutes. Phi-3.5-MoE and Mixtral-8x7B default to larger BUDGETS: their int4 draft alone is 19.3 and 21.7 GiB
   # (minimum budgets 31.4 and 45.3 GiB). `resident` (25.7 to 86.7 GiB of GPU memory: it fits for all five) costs one
   # more widened load of every expert; add it to SYSTEMS in a call of its own. Narrow LINKS, SYSTEMS or BUDGETS per
-  # call and --merge the outputs where one call does not hold the matrix (the first call on a fresh machine trains).
+  # call and --merge the outputs where one call does not hold the matrix (the first call on a fresh machine trains;
+  # the merge compares only systems one call ran together, so split LINKS or BUDGETS before SYSTEMS).
   # The narrow checkpoint's realism report goes to fulldepth-SHAPE/realism.json first (NO_REALISM=1 skips it).
   # Then a routing trace of the narrow checkpoint (its routing is the widened model's), fulldepth-SHAPE/placement-trace.jsonl
   # (placement_trace), goes to the bench as --placement-profile: without one auto cannot price a speculating engine's
