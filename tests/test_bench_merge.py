@@ -101,3 +101,17 @@ def test_a_merge_compares_no_systems_of_different_parts(tmp_path, capsys):
     assert rows["specter"]["x_specmoeoff"] is None and rows["specmoeoff"]["x_ondemand"] is None
     assert any("no x column compares systems run in different parts" in note and "specter and specmoeoff" in note
                for note in merged["notes"]), merged["notes"]
+
+
+def test_a_merge_of_one_run_prints_what_the_run_printed(tmp_path, capsys):
+    """The merge printed its short table alone: no host-path table, no reading, no flags, where the run printed them
+    (the merged results.md had them)."""
+    base = ["--model", "tiny", "--max-new-tokens", "3", "--warmup-tokens", "1", "--no-plots", "--no-progress", "--no-hf",
+            "--device", "cpu", "--link", "0.1", "--systems", "ondemand,cpu-experts"]
+    assert cli.main([*base, "--out", str(tmp_path / "a")]) == 0
+    ran = capsys.readouterr()
+    assert cli.main(["--merge", str(tmp_path / "a"), "--no-plots", "--out", str(tmp_path / "merged")]) == 0
+    merged = capsys.readouterr()
+    run_lines = [line for line in ran.out.splitlines() if " requests in " not in line]
+    merge_lines = [line for line in merged.out.splitlines() if not line.startswith("merged 1 result sets")]
+    assert any(line.startswith("Host path") for line in run_lines) and merge_lines == run_lines

@@ -486,11 +486,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         payload = report.merge(args.merge)
         keep_previous(args.out)  # an earlier run's plots go with it: they would not show the merged results
         write_outputs(args.out, payload, plots=not args.no_plots)
-        print("\n".join(report.table_lines(payload["summary"], report.SHORT_COLUMNS)))
-        print(f"\nmerged {len(args.merge)} result sets ({len(payload['runs'])} requests) into {args.out}/")
-        for note in payload["notes"]:
-            if note.startswith("merged part "):
-                print(f"note: {note}")
+        show(payload, f"merged {len(args.merge)} result sets ({len(payload['runs'])} requests) into {args.out}/")
         return verdict(payload["summary"], "the merged parts hold no run")  # as the parts' own runs ended
     started = time.monotonic()
     targets, notes = targets_from_args(args)
@@ -525,19 +521,25 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             print(f"could not write the partial results: {failure}", file=sys.stderr)
         raise
     payload = results.write(None, plots=not args.no_plots)
+    show(payload, f"{len(payload['runs'])} requests in {payload['elapsed_s']} s; results in {args.out}/ (results.json, "
+                  f"results.md{', plots' if not args.no_plots else ''})")
+    return verdict(payload["summary"], "every cell was skipped (the notes above say why)")
+
+
+def show(payload: dict, headline: str) -> None:
+    """What a run (or a merge, the same for its rows) prints: the tables, `headline`, the reading, the flags on
+    stdout, the notes (skipped cells and why, model notes, a merge's) on stderr."""
     summary, flags = payload["summary"], report.exact_prefetch_flags(payload["summary"])
     print("\n".join(report.table_lines(summary, report.SHORT_COLUMNS) + report.copy_idle_lines(summary)
                     + report.host_path_lines(summary)))
-    print(f"\n{len(payload['runs'])} requests in {payload['elapsed_s']} s; results in {args.out}/ (results.json, results.md"
-          f"{', plots' if not args.no_plots else ''})")
+    print(f"\n{headline}")
     if line := report.reading(summary):
         print(line)
     for flag in flags:
         print(f"flag: {flag}")
-    for note in payload["notes"]:  # skipped cells and why (a budget below the minimum, the time budget), model notes
+    for note in payload["notes"]:
         if note not in flags:
             print(f"note: {note}", file=sys.stderr)
-    return verdict(summary, "every cell was skipped (the notes above say why)")
 
 
 def verdict(summary: Sequence[dict], why_empty: str) -> int:
