@@ -192,7 +192,8 @@ def load_backend(config: EngineConfig, device: torch.device):
 
 def check_device_memory(config: EngineConfig, device: torch.device, memory: MemoryPlan) -> None:
     """Refuse, before allocating, a plan the machine cannot hold: a budget above the GPU's free memory, or (without
-    a budget) the plan's device bytes, plus the host pool on the CPU, above what is free there."""
+    a budget) the plan's device bytes above what is free there; on the CPU, budget or not, the plan's device bytes
+    plus the host pool above the host's available memory."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         if config.budget is not None and config.budget > free:
@@ -201,6 +202,12 @@ def check_device_memory(config: EngineConfig, device: torch.device, memory: Memo
     else:
         free = available_host_bytes()
         needed, where = memory.device_bytes + memory.host_pool_bytes, "the host's available memory"
+        if config.budget is not None and needed > free:  # on the CPU the budget's part is host memory as well
+            raise MemoryShortError(
+                f"this configuration needs about {fmt(needed)} and {where} is {fmt(free)}: the budget's device part "
+                f"{fmt(memory.device_bytes)} and the experts' host copy {fmt(memory.host_pool_bytes)}",
+                "lower --budget, or run on a machine with more memory (the experts' host copy does not shrink with the "
+                "budget)")
     if config.budget is None and needed > free:
         raise MemoryShortError(
             f"this configuration needs about {fmt(needed)} and {where} is {fmt(free)}: KV for max_context "

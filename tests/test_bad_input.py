@@ -296,6 +296,21 @@ def test_a_context_the_memory_cannot_hold_is_refused_before_allocation(tiny, mon
     assert "lower --max-context" in message
 
 
+def test_a_budget_the_hosts_memory_cannot_hold_on_the_cpu_is_refused_before_allocation(tiny, monkeypatch):
+    """On the CPU the budget's part and the experts' host copy are both host memory: with --budget the check was
+    skipped, and a run the host could not hold failed late, in its allocations."""
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated before refusing the budget")
+
+    monkeypatch.setattr(CheckpointWeights, "dense", no_allocation)
+    monkeypatch.setattr("specter.build.available_host_bytes", lambda: 8 * 2**20)
+    with pytest.raises(BudgetError) as error:
+        run(Engine.load(tiny, EngineConfig(device="cpu", budget="60MiB")))
+    message = str(error.value)
+    assert "the host's available memory is 8.0 MiB" in message and "the experts' host copy" in message, message
+    assert "lower --budget, or run on a machine with more memory" in message
+
+
 @pytest.mark.parametrize("residents, says", [
     (0, "below this model's minimum of 2"), (1, "below this model's minimum of 2"), (999, "more than this model's 16 experts"),
 ])
