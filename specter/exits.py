@@ -189,20 +189,28 @@ class _ClosedStdout(io.TextIOBase):
         raise io.UnsupportedOperation("stdout is closed")
 
 
+def closed_standard_fds() -> list[int]:
+    """Which of descriptors 0, 1 and 2 are closed."""
+    closed = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            closed.append(fd)
+    return closed
+
+
 def standard_streams() -> None:
     """A tool started with descriptors 0-2 closed (`<&-`, `>&-`, `2>&-`): they are opened on /dev/null, since the
     next file the process opens would take the lowest free descriptor and so become its stdin or stdout, and uvloop's
     libuv aborts the process when it closes one of its own there (`kernel.new_event_loop`). `sys.stdin` and
     `sys.stdout` stay None, as Python set them (a write to stdout fails, named: `_ClosedStdout`); a closed stderr's
     lines are dropped, as they would have been, where its None stopped the logging's set-up with an AttributeError."""
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-        except OSError:
-            null = os.open(os.devnull, os.O_RDWR)
-            if null != fd:
-                os.dup2(null, fd)
-                os.close(null)
+    for fd in closed_standard_fds():
+        null = os.open(os.devnull, os.O_RDWR)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (the process's stderr until it exits)
 

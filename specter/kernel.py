@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import queue
 import threading
 import time
@@ -57,23 +56,15 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
     libuv asserts that none of its own descriptors is 0, 1 or 2, and the lowest free one goes to the next it opens:
     in a process started with stdin or stdout closed (`<&-`), closing the loop aborted it (status 134, its output
-    lost). The command-line tools reopen such descriptors on /dev/null first (`exits.run_tool`); a program that
+    lost). The command-line tools reopen such descriptors on /dev/null first (`exits.standard_streams`); a program that
     closed its own gets asyncio's loop."""
     try:
         import uvloop
     except ImportError:
         return asyncio.new_event_loop()
-    return uvloop.new_event_loop() if standard_fds_open() else asyncio.new_event_loop()
+    from specter.exits import closed_standard_fds
 
-
-def standard_fds_open() -> bool:
-    """Whether descriptors 0, 1 and 2 are all open."""
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-        except OSError:
-            return False
-    return True
+    return asyncio.new_event_loop() if closed_standard_fds() else uvloop.new_event_loop()
 
 
 def run(main: Awaitable[T], *, debug: bool = False) -> T:

@@ -16,9 +16,9 @@ REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
 
 
 GIL_FREE_CHARS = 1 << 16
-"""Texts longer than this are encoded by `encode_batch_fast` (or `encode_batch`), which releases the GIL while it works (`encode` holds it: a
-megabyte takes about a second), so a server thread encoding a long prompt leaves the event loop its turns; the ids
-are the same. Short texts keep `encode`, which sets no parallelism flag (a batch marks the process as having used
+"""Texts longer than this are encoded by `encode_batch_fast` (or `encode_batch`), which releases the GIL while it
+works (`encode` holds it: a megabyte takes about a second), so a server thread encoding a long prompt leaves the event
+loop its turns; the ids are the same. Short texts keep `encode`, which sets no parallelism flag (a batch marks the process as having used
 its thread pool, which a later fork warns about)."""
 
 
@@ -57,8 +57,8 @@ class Tokenizer:
         check_text(text, "the prompt text")
         try:
             if len(text) > GIL_FREE_CHARS:
-                # encode_batch_fast (tokenizers 0.20+) keeps no character offsets: the ids are the same, the encoding
-                # takes half the time, and freeing it, which holds the GIL, a quarter (6 MB of text: 0.33 s -> 0.08)
+                # encode_batch_fast (tokenizers 0.20+) keeps no character offsets: the same ids, and an encoding that
+                # is quicker to make and to free (freeing it holds the GIL, and with it the server's event loop)
                 encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
                 return list(encode([text], add_special_tokens=add_special_tokens)[0].ids)
             return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)

@@ -389,8 +389,7 @@ class ModelBench:
         """What the time budget expects the next cell at `link` to take: the longest cell so far; before any has run,
         the part's baseline pass (`first_cell_s`). The untimed passes ran on the real link and the cells so far may
         have run on a faster one, so on an emulated link a cell is also expected to take at least the most bytes a
-        pass or cell copied, at that link's speed (on a slow link that is most of a cell: without it a first cell
-        at 0.02 GB/s, expected to take its 1 s pass, ran 24 s against a budget of 10)."""
+        pass or cell copied, at that link's speed (on a slow link, most of a cell)."""
         expected, moved = ((max(self.cell_seconds), max(self.cell_bytes)) if self.cell_seconds
                            else (self.first_cell_s, self.first_cell_bytes))
         gbps = parse_link(link) if link not in ("native", "-") else None

@@ -99,13 +99,16 @@ def cell_key(record: dict[str, Any]) -> tuple[str, str, str, str, str]:
     return (record["model"], record["setting"], record["link"], sampling_of(record), record["system"])
 
 
-def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (model, setting, link, sampling, system): medians of time, pooled ratios, and speedups."""
+def summarize(records: Sequence[dict[str, Any]], apart: set[str] | None = None) -> list[dict[str, Any]]:
+    """One row per (model, setting, link, sampling, system): medians of time, pooled ratios, and speedups; `apart`
+    gets the "system and baseline" pairs whose speedup is left out because a merge's different parts ran them."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for record in records:
         groups[cell_key(record)].append(record)
     rows = [_row(key, runs) for key, runs in groups.items()]
-    _add_speedups(rows)
+    found = _add_speedups(rows)
+    if apart is not None:
+        apart |= found
     return rows
 
 
@@ -295,22 +298,29 @@ def _gpu_gib(runs: list[dict], key: str, less_draft: bool = True) -> float | Non
     return round(max(peaks) / 2**30, 2) if peaks else None
 
 
-def _add_speedups(rows: list[dict]) -> None:
+def _add_speedups(rows: list[dict]) -> set[str]:
+    """Each row's `x_BASELINE` columns, where one process measured both rows (a merge's part, `merge`); returns the
+    "system and baseline" pairs left out because different parts ran them."""
     by_cell = {cell_key(r): r for r in rows}
-    resident = {(r["model"], sampling_of(r), r.get("part")): r for r in rows if r["system"] == "resident"}
+    resident = {(r["model"], sampling_of(r)): r for r in rows if r["system"] == "resident"}
+    apart = set()
     for row in rows:
         mode = sampling_of(row)
         for baseline in BASELINES:
-            other = (resident.get((row["model"], mode, row.get("part"))) if baseline == "resident"
-                     else by_cell.get((row["model"], row["setting"], row["link"], mode, baseline)))
             if baseline == "exact-prefetch":  # the fastest of its variants (k as specter-fixed's, specter's, k=0)
                 exact = [r for r in rows if r["system"].startswith("exact-prefetch") and r["model"] == row["model"]
-                         and r.get("part") == row.get("part")
                          and r["setting"] == row["setting"] and r["link"] == row["link"] and sampling_of(r) == mode]
-                other = min(exact, key=lambda r: r["tpot_ms"], default=None)
-            ok = (other is not None and other["tpot_ms"] > 0 and row["tpot_ms"] > 0
-                  and other.get("part") == row.get("part"))  # one process measured both (a merge's parts: `merge`)
+                same = [r for r in exact if r.get("part") == row.get("part")]
+                other = min(same or exact, key=lambda r: r["tpot_ms"], default=None)
+            else:
+                other = (resident.get((row["model"], mode)) if baseline == "resident"
+                         else by_cell.get((row["model"], row["setting"], row["link"], mode, baseline)))
+            if other is not None and other.get("part") != row.get("part"):
+                apart.add(f"{row['system']} and {other['system']}")
+                other = None
+            ok = other is not None and other["tpot_ms"] > 0 and row["tpot_ms"] > 0
             row[f"x_{baseline}"] = round(other["tpot_ms"] / row["tpot_ms"], RATIO_DECIMALS) if ok else None
+    return apart
 
 
 # ---- merging ----------------------------------------------------------------------------------------------
@@ -391,19 +401,15 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
         notes.append(f"merged part {directory} is partial ({part.get('reason', 'no reason recorded')}): "
                      f"{len(part.get('remaining') or [])} of its planned cells had not ended")
         remaining += [cell for cell in part.get("remaining") or [] if tuple(cell.get(field) for field in CELL_FIELDS) not in ended]
+    apart: set[str] = set()
     try:
-        summary = summarize(runs)
+        summary = summarize(runs, apart)
     except (KeyError, TypeError, ValueError) as error:  # a run of the right key but not a measurement
         raise ConfigError(f"--merge: a run of {', '.join(map(str, directories))} is not a bench measurement (field {error}); "
                           "merge results.json files as python -m specter.bench wrote them") from None
     notes += [flag for flag in exact_prefetch_flags(summary) if flag not in notes]  # cells that met only in the merge
-    apart = sorted({f"{row['system']} and {baseline}" for row in summary for baseline in BASELINES
-                    if row.get(f"x_{baseline}") is None and row["system"] != baseline
-                    and any(other["system"] == baseline and other.get("part") != row.get("part")
-                            and other["model"] == row["model"] and other["setting"] == row["setting"]
-                            and other["link"] == row["link"] and other["sampling"] == row["sampling"] for other in summary)})
     if apart:
-        notes.append(f"no x column compares systems run in different parts (processes): {', '.join(apart)} ran apart, "
+        notes.append(f"no x column compares systems run in different parts (processes): {', '.join(sorted(apart))} ran apart, "
                      "so their ratio is left out; run them in one call to compare them")
     merged = {"machine": machine, "options": payloads[0]["options"], "args": payloads[0].get("args", {}),
               "models": list({model.get("label", model.get("name")): model  # one entry per model, the last part's
