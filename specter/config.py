@@ -62,6 +62,16 @@ LINK_PRESETS: dict[str, float] = {
 """Link emulation presets, in GB/s (1e9 bytes per second) of sustained pinned H2D bandwidth."""
 
 
+def split_list(text: str, what: str = "value") -> list[str]:
+    """A comma-separated option's values (each a `what`), stripped; none at all (`,`) is []; an empty one among others
+    (`6,,4`, a trailing comma) is a typo, not a skip (a value may have been lost there): ConfigError."""
+    parts = [part.strip() for part in text.split(",")]
+    if any(parts) and not all(parts):
+        raise ConfigError(f"an empty {what} in {text!r} (a doubled, leading or trailing comma); list the {what}s "
+                          "separated by single commas")
+    return [part for part in parts if part]
+
+
 def parse_link(spec: str | float | None) -> float | None:
     """GB/s for a link spec: a preset name (gen5, gen4, gen3, ddr4-desktop), a number, or None (no emulation)."""
     if spec is None:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from specter.cli import _add_logging
-from specter.config import CacheTuning, parse_link
+from specter.config import CacheTuning, parse_link, split_list
 from specter.errors import ConfigError, PluginError, SpecterError
 from specter.exits import prog_name, run_tool
 from specter.log import configure as configure_logging
@@ -801,14 +801,8 @@ def _slots_json(header: TraceHeader, slots: int | None) -> dict[str, Any]:
 
 
 def _names(csv: str | None) -> list[str] | None:
-    """The names of a comma-separated option; an empty one (`lru,,lfu`, a trailing comma) is a typo, not a skip."""
-    if not csv:
-        return None
-    names = [name.strip() for name in csv.split(",")]
-    if not all(names):
-        raise ConfigError(f"an empty name in {csv!r} (a doubled, leading or trailing comma); list the names separated "
-                          "by single commas")
-    return names
+    """The names of a comma-separated option (`split_list`: `lru,,lfu` is refused); None where it was not given."""
+    return split_list(csv, "name") if csv else None
 
 
 def _print_results(

@@ -26,7 +26,7 @@ from specter.bench.stopping import BenchStopped, Stopper, exit_status
 from specter.bench.synthetic import SHAPES, family_available, shape_config, shape_label, synthetic_source
 from specter.bench.systems import DEFAULT_SYSTEMS, SCHEDULE_SOURCE, SYSTEMS, Setting
 from specter.build import resolve_device, resolve_dtype
-from specter.config import DEFAULT_K, DraftConfig, EngineConfig, TuningConfig, parse_bytes, parse_link
+from specter.config import DEFAULT_K, DraftConfig, EngineConfig, TuningConfig, parse_bytes, parse_link, split_list
 from specter.errors import ConfigError, OutputError, PromptError, SpecterError
 from specter.exits import prog_name, run_tool
 from specter.experts.costs import routing_profile
@@ -158,15 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
 # The lists name cells, once each: a value given twice would run its cells twice and pool both measurements into one
 # row of the summary (twice the runs, under one label), so a repeat is dropped, as --merge refuses cells seen twice.
 def _parts(text: str) -> list[str]:
-    """A list option's comma-separated values; an empty one (`6,,4`, a trailing comma) is a typo, not a skip: a
-    value may have been lost there."""
-    parts = [part.strip() for part in text.split(",")]
-    if not any(parts):  # no value at all (`--link ,`): check_args says that
-        return []
-    if not all(parts):
-        raise argparse.ArgumentTypeError(f"an empty value in {text!r} (a doubled, leading or trailing comma); list "
-                                         "the values separated by single commas")
-    return parts
+    """A list option's values (`split_list`; none at all, `--link ,`, is check_args' to refuse)."""
+    try:
+        return split_list(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _int_list(text: str) -> list[int]:
