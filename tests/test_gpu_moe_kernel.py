@@ -61,6 +61,18 @@ def test_int8_kernel_matches_torch_path() -> None:
     assert relative_error(fused_moe_triton(x, ids, weights, qe), expected) < 1e-2
 
 
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_int2_and_int3_kernels_match_torch_path_on_qwen3_shapes(bits: int, tokens: int) -> None:
+    """The draft formats below int4 on Qwen3-30B-A3B's expert shape (groups of 128, bf16): the one-token GEMVs (the
+    draft's step) and the 16-row GEMMs, against the torch path on the same codes."""
+    qe = cuda_layer(experts=16, hidden=2048, intermediate=768, bits=bits, seed=bits)
+    ids, weights = cuda_routes(tokens, 8, 16, seed=tokens)
+    x = torch.randn(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    expected = moe_forward(x.float(), ids, weights, qe)
+    assert relative_error(fused_moe(x, ids, weights, qe), expected) < 1e-2
+
+
 def test_kernel_is_deterministic_and_order_free(qwen_int4: QuantizedExperts) -> None:
     ids, weights = cuda_routes(8, QWEN["active"], QWEN["experts"], seed=3)
     x = torch.randn(8, QWEN["hidden"], device="cuda", dtype=torch.bfloat16)

@@ -199,6 +199,24 @@ INTERPRETER_CASES = [
          gemv=True, block_k_gemv=64, split_gate_up=3, split_down=3),
     dict(bits=4, group=32, experts=4, intermediate=96, hidden=64, tokens=1, active=2, dtype="float16", repeat=False,
          gemv=True, block_k_gemv=32, split_gate_up=4),
+    # int2 (four codes a byte) and int3 (eight in three bytes): the batch GEMMs with a run past 16 rows and split
+    # down parts, one group per row, a group that divides the K step (24), K steps of several groups and of one
+    # group in the GEMVs, gate/up in parts, fp16
+    dict(bits=2, group=32, experts=5, intermediate=64, hidden=96, tokens=3, active=2, dtype="float32", repeat=False),
+    dict(bits=3, group=32, experts=2, intermediate=96, hidden=64, tokens=18, active=2, dtype="float32", repeat=True,
+         split_down=3),
+    dict(bits=3, group=-1, experts=3, intermediate=48, hidden=64, tokens=2, active=3, dtype="float32", repeat=False),
+    dict(bits=2, group=-1, experts=3, intermediate=48, hidden=64, tokens=1, active=3, dtype="float32", repeat=False,
+         gemv=True),
+    dict(bits=3, group=24, experts=4, intermediate=48, hidden=72, tokens=1, active=2, dtype="float32", repeat=False,
+         gemv=True),
+    dict(bits=2, group=32, experts=6, intermediate=96, hidden=160, tokens=1, active=4, dtype="float32", repeat=False,
+         gemv=True, block_k_gemv=64, split_gate_up=2, split_down=2),
+    dict(bits=3, group=32, experts=5, intermediate=128, hidden=256, tokens=1, active=3, dtype="float32", repeat=False,
+         gemv=True, block_k_gemv=32, split_down=3),
+    dict(bits=3, group=32, experts=4, intermediate=64, hidden=128, tokens=2, active=2, dtype="float16", repeat=False),
+    dict(bits=2, group=32, experts=8, intermediate=64, hidden=128, tokens=1, active=8, dtype="float16", repeat=False,
+         gemv=True),
 ]
 
 

@@ -1,4 +1,4 @@
-"""Triton fused draft MoE over packed int4/int8 experts: sync-free, CUDA-graph capturable; `fused_moe` dispatches.
+"""Triton fused draft MoE over packed int2/3/4/8 experts: sync-free, CUDA-graph capturable; `fused_moe` dispatches.
 
 Kernel design (decode: T <= 16 tokens, P = T * A (token, expert) pairs):
 
@@ -37,7 +37,7 @@ from specter.quant.moe_torch import check_routes, moe_forward
 
 log = get_logger(__name__)
 
-KERNEL_BITS = (4, 8)
+KERNEL_BITS = (2, 3, 4, 8)
 MAX_PAIRS = 256  # the route kernel ranks all pairs in one program
 BLOCK_M = 16  # tokens per expert chunk; tl.dot needs at least 16 rows
 
@@ -65,7 +65,7 @@ def fused_moe(
     x: Tensor, expert_ids: Tensor, weights: Tensor, qe: QuantizedExperts, tiles: MoETiles | None = None,
     counts: Tensor | None = None,
 ) -> Tensor:
-    """[T, D] MoE output; Triton on CUDA for int4/int8, the torch reference otherwise. Never syncs.
+    """[T, D] MoE output; Triton on CUDA (every packed width), the torch reference otherwise. Never syncs.
     tiles: the kernels' tiles, EngineConfig.tuning.kernels.moe (the draft's DraftExperts passes them; None: their
     defaults). counts [E] float32, when given, gets +1 per (token, slot) at its expert (the draft's route counter):
     inside the kernels on the Triton path, by index_add_ otherwise."""
@@ -83,7 +83,7 @@ def fused_moe_triton(
 ) -> Tensor:
     """The Triton path (CUDA, or the interpreter for CPU tensors); four launches, no host sync."""
     check_routes(x, expert_ids, weights, qe.hidden)
-    assert kernel_supports(x, expert_ids, qe), f"Triton MoE handles int4/int8 and <= {MAX_PAIRS} pairs"
+    assert kernel_supports(x, expert_ids, qe), f"Triton MoE: {KERNEL_BITS} bits, even groups, <= {MAX_PAIRS} pairs"
     tiles = tiles or MoETiles()
     assert x.is_cuda or interpreting(), "the Triton MoE needs CUDA tensors (or TRITON_INTERPRET=1 for CPU ones)"
     kernels = _kernels()
@@ -401,6 +401,19 @@ def _codes(w_base, k0, k_even, pair_idx, w_ok, even_ok, odd_ok, k_dim, BITS: tl.
         packed = tl.load(w_base[:, None] + byte[None, :], mask=w_ok[:, None] & (byte < k_dim // 2)[None, :], other=0)
         q_even = (packed & 0xF).to(tl.float32) - 7.5  # stored code + 8; level (code + 0.5) * scale
         q_odd = (packed >> 4).to(tl.float32) - 7.5
+    elif BITS == 2:  # four codes a byte (code + 2, two bits each from the low end): a pair shares its byte
+        packed = tl.load(w_base[:, None] + (k_even // 4)[None, :], mask=w_mask, other=0).to(tl.int32)
+        shift = ((k_even % 4) * 2)[None, :]
+        q_even = ((packed >> shift) & 0x3).to(tl.float32) - 1.5
+        q_odd = ((packed >> (shift + 2)) & 0x3).to(tl.float32) - 1.5
+    elif BITS == 3:  # eight codes in a 24-bit little-endian word of three bytes (code + 4, three bits each)
+        unit = w_base[:, None] + ((k_even // 8) * 3)[None, :]
+        word = (tl.load(unit, mask=w_mask, other=0).to(tl.int32)
+                | (tl.load(unit + 1, mask=w_mask, other=0).to(tl.int32) << 8)
+                | (tl.load(unit + 2, mask=w_mask, other=0).to(tl.int32) << 16))  # fmt: skip
+        shift = ((k_even % 8) * 3)[None, :]
+        q_even = ((word >> shift) & 0x7).to(tl.float32) - 3.5
+        q_odd = ((word >> (shift + 3)) & 0x7).to(tl.float32) - 3.5
     else:
         q_even = tl.load(w_base[:, None] + k_even[None, :], mask=w_mask, other=0).to(tl.float32) + 0.5
         q_odd = tl.load(w_base[:, None] + k_even[None, :] + 1, mask=w_ok[:, None] & odd_ok[None, :],
