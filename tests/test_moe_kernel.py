@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +18,7 @@ from hypothesis import strategies as st
 from specter.errors import ConfigError
 from specter.quant import QuantizedExperts, fused_moe, moe_forward, moe_reference, quantize_experts
 from specter.quant.moe_triton import triton_available
-from tests.interpreter import run_interpreted
+from tests.interpreter import REPO_ROOT, run_interpreted
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -238,3 +243,74 @@ def test_odd_groups_are_left_to_the_torch_path() -> None:
     assert not kernel_supports(x, ids, random_layer(experts=3, intermediate=12, hidden=24, bits=8, group=3, seed=1))
     assert kernel_supports(x, ids, random_layer(experts=3, intermediate=12, hidden=24, bits=8, group=4, seed=1))
     assert kernel_supports(x, ids, random_layer(experts=3, intermediate=12, hidden=24, bits=4, group=6, seed=1))
+
+
+# Compiled for a Hopper GPU (sm_90) on this machine, no GPU needed: Triton lowers the kernels to PTX and its bundled
+# ptxas assembles them, so a kernel the interpreter runs but the compiler rejects fails here, not first on the GPU.
+COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import inspect, json, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from specter.quant import moe_triton
+
+    kernels = moe_triton._kernels()
+    bits = int(sys.argv[1])
+    common = dict(a_ptr="*bf16", stride_a="i32", w_ptr="*i8" if bits == 8 else "*u8", stride_we="i64",
+                  stride_wn="i32", s_ptr="*bf16", stride_se="i32", stride_sg="i32", stride_out="i32",
+                  stride_out_part="i32", n_out="i32", k_dim="i32", k_part="i32", intermediate="i32")
+    gemv = dict(common, out_ptr="*bf16", ids_ptr="*i64", weights_ptr="*fp32")
+    gemm = dict(common, out_ptr="*fp32", token_ptr="*i32", expert_ptr="*i32", weight_ptr="*fp32",
+                run_offset_ptr="*i32", num_pairs="i32")
+
+    def compiled(kernel, types, constants):
+        signature, constexprs = {}, {}
+        for index, name in enumerate(inspect.signature(kernel.fn).parameters):
+            if name in constants:
+                signature[name], constexprs[(index,)] = "constexpr", constants[name]
+            else:
+                signature[name] = types[name]
+        binary = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                target=GPUTarget("cuda", 90, 32))
+        return len(binary.asm["cubin"])
+
+    sizes = []
+    for block_k, groups, per_tile in ((256, 2, False), (128, 1, True), (64, 1, False)):  # the GEMV's scale paths
+        for gate_up in (True, False):
+            sizes.append(compiled(kernels.gemv, gemv, dict(
+                GROUP=128, BITS=bits, GATE_UP=gate_up, BLOCK_N=16, BLOCK_K=block_k, SCALE_PER_TILE=per_tile,
+                GROUPS=groups, PARTIAL=gate_up and groups == 2, ROWS=32 if gate_up else 16)))
+    for gate_up in (True, False):
+        for per_tile in (True, False):
+            sizes.append(compiled(kernels.gemm, gemm, dict(
+                GROUP=128, BITS=bits, GATE_UP=gate_up, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64,
+                SCALE_PER_TILE=per_tile, DOT_PRECISION="tf32")))
+    print(json.dumps(sizes))
+    """
+)
+
+
+def _can_compile_for_cuda() -> bool:
+    if not triton_available():
+        return False
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
+        from triton.compiler import ASTSource
+
+        return "constexprs" in inspect.signature(ASTSource).parameters  # Triton >= 3.3's form
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not _can_compile_for_cuda(), reason="needs Triton >= 3.3 with its NVIDIA backend")
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_kernels_compile_for_the_gpu_on_a_machine_without_one(bits: int, tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(REPO_ROOT))
+    completed = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(bits)], env=env, capture_output=True,
+                               text=True, timeout=600, check=False, cwd=REPO_ROOT)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    sizes = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert len(sizes) == 10 and all(size > 0 for size in sizes)
