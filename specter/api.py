@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
-import json
 import operator
 import threading
 import weakref
@@ -28,6 +27,7 @@ from specter.errors import ConfigError, EngineLoopError, PromptError, RequestCan
 from specter.log import get_logger
 from specter.metrics import RequestStats
 from specter.model.spec import ModelSpec
+from specter.paths import json_value
 from specter.tokenizer import Detokenizer, Tokenizer
 
 log = get_logger(__name__)
@@ -593,8 +593,8 @@ def checkpoint_eos(directory: Path, spec: ModelSpec) -> tuple[int, ...]:
         # generation_config.json is advisory: a broken one must not stop the model from loading, but the end-of-turn
         # ids it may hold are lost with it (the text then runs past the turn's end), so it is said
         try:
-            eos = json.loads(file.read_text()).get("eos_token_id")
-        except (OSError, ValueError, AttributeError) as error:  # ValueError: not JSON, or not UTF-8
+            eos = json_value(file.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as error:  # ValueError: not JSON, not UTF-8, nested too deeply
             log.warning("checkpoint.generation_config_unreadable", file=str(file), error=str(error) or type(error).__name__,
                         hint="its eos_token_id is ignored (config.json's is used); fix the file or remove it")
     entries = eos if isinstance(eos, list) else [] if eos is None else [eos]

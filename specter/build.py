@@ -209,11 +209,14 @@ def check_device_memory(config: EngineConfig, device: torch.device, memory: Memo
                 "lower --budget, or run on a machine with more memory (the experts' host copy does not shrink with the "
                 "budget)")
     if config.budget is None and needed > free:
+        # On the CPU the cache's slots and the experts' host copy are both host memory: offloading adds to it
+        offload = "" if device.type == "cpu" else " or lower --residents" if config.residents is not None else " or give --residents or --budget"
         raise MemoryShortError(
             f"this configuration needs about {fmt(needed)} and {where} is {fmt(free)}: KV for max_context "
             f"{config.max_context} tokens {fmt(memory.kv_bytes)}, workspace {fmt(memory.workspace_bytes)}, non-expert weights "
             f"{fmt(memory.dense_bytes)}, draft {fmt(memory.draft_bytes)}, experts {fmt(needed - memory.fixed_bytes)}",
-            "lower --max-context (KV and workspace grow with it), or give --residents or --budget")
+            f"lower --max-context (KV and workspace grow with it){offload}"
+            + (", or run on a machine with more memory" if device.type == "cpu" else ""))
 
 
 def apply_threads(config: EngineConfig, device: torch.device) -> None:
@@ -414,6 +417,8 @@ def unrecorded_rounds(config: EngineConfig, spec: ModelSpec) -> str | None:
                 "are recorded; give --k N above 0")
     config = with_model_context(config, spec)
     _speculative, memory = engine_plan(config, spec, resolve_device(config), resolve_dtype(config, spec))
+    if not spec.moe_layers:
+        return "the model has no MoE layer (every layer is dense), so no round moves an expert and none is recorded"
     if memory.all_resident:
         why = ("no --budget or --residents keeps them all" if config.budget is None and config.residents is None
                else f"{'--residents' if config.residents is not None else '--budget'} holds all {spec.num_experts} per layer")

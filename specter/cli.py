@@ -240,7 +240,7 @@ def check_context(args: argparse.Namespace, config: Any) -> tuple[Any, Any, Any]
 def check_generate_inputs(args: argparse.Namespace) -> None:
     """The text and the output paths the user typed (the model's limits are checked when its config is read)."""
     from specter.errors import ConfigError
-    from specter.paths import check_output_file
+    from specter.paths import check_not_an_input, check_output_file
     from specter.tokenizer import check_text
 
     if args.chat and args.prompt is None:
@@ -254,6 +254,7 @@ def check_generate_inputs(args: argparse.Namespace) -> None:
         if not args.trace:  # not `if args.trace`, which would take '' (an unset variable in a script, say) as no --trace
             raise ConfigError("--trace: empty path; give the file to write the routing trace to, or leave --trace out")
         check_output_file(args.trace, "--trace")
+        check_not_an_input(args.trace, args.model, "--trace")
 
 
 async def _generate(args: argparse.Namespace, config: Any, generation: Any, tokenizer: Any, prompt: Any) -> int:
@@ -445,7 +446,10 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
 
     layers, experts = len(spec.moe_layers), spec.num_experts
     slots = residents if residents is not None else spec.top_k
-    check_slot_count("--residents", slots, spec.top_k, experts)
+    if layers:
+        check_slot_count("--residents", slots, spec.top_k, experts)
+    else:  # no expert to place: --residents caps nothing, as at load (memory._slots)
+        slots = min(max(slots, spec.top_k), experts)
     if measure_dtype is not None:
         host_s, link, source, host_source, host_kernel, job_s = measured_costs(spec, config, measure_dtype)
     else:

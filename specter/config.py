@@ -17,6 +17,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from specter.errors import ConfigError
 
+MIN_CONTEXT = 8
+"""The shortest context the engine runs (EngineConfig.max_context's floor: a prompt token and a verify block)."""
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -494,7 +497,7 @@ def _override_target(values: dict, override: str) -> tuple[dict, str, object]:
                           f"{', '.join(_names(holder[parts[-1]], target.strip()))}")
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # not JSON: the text itself, which the field's type then judges
         value = text.strip()
     return holder, parts[-1], value
 
@@ -524,7 +527,7 @@ class EngineConfig(_Frozen):
                             "rows per pass, so a verify of k + 1 rows takes ceil((k + 1) / row_bucket) passes (16 holds "
                             "DraftConfig.k_max's default of 15 in one); the host path's torch kernel computes an expert "
                             "on blocks of this many rows.")
-    max_context: int | None = Field(None, ge=8, description="Longest prompt plus generation, in tokens; sizes the static KV cache "
+    max_context: int | None = Field(None, ge=MIN_CONTEXT, description="Longest prompt plus generation, in tokens; sizes the static KV cache "
                                     "and the attention workspace. None (default): min(2048, the model's max_position_embeddings). "
                                     "Above max_position_embeddings is an error; so is a context whose KV does not fit in memory.")
     threads: int | None = Field(None, ge=1, le=1024, description="Torch intra-op CPU threads (1 to 1024), set once when the engine loads "

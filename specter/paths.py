@@ -2,10 +2,41 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from specter.errors import ConfigError
+
+
+def json_value(text: str | bytes) -> Any:
+    """json.loads whose every failure on a document is a ValueError: a deeply nested one (`[[[[...`) raises
+    RecursionError in the decoder, which callers catching ValueError (JSONDecodeError, UnicodeDecodeError) let
+    through as a traceback."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply to parse") from None
+
+
+# What a Hugging Face checkpoint folder holds: weights, configurations, tokenizer files, chat templates.
+CHECKPOINT_FILES = ("*.safetensors", "*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken")
+
+
+def check_not_an_input(path: str | Path, inputs: str | Path | None, option: str) -> None:
+    """Refuse an output path that is a checkpoint file of the folder `inputs` (the checkpoint the run reads), by
+    any name (a link, another path): writing it would destroy the model, and a float32 checkpoint's weights are
+    mapped from their files, so the run would read the truncated file. A new file in that folder, or one of
+    other kinds (an earlier trace), is no harm."""
+    path = Path(path)
+    folder = Path(inputs) if inputs is not None else None
+    if folder is None or not folder.is_dir() or not path.exists():
+        return
+    for file in (file for pattern in CHECKPOINT_FILES for file in folder.rglob(pattern)):
+        if file.is_file() and os.path.samefile(file, path):
+            raise ConfigError(f"{option} {path}: is {file.relative_to(folder)}, a file of the checkpoint {folder}; "
+                              "writing it would destroy the model; choose another path")
 
 
 def check_output_file(path: str | Path, option: str) -> Path:

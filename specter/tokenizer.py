@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from specter.errors import CheckpointError, ConfigError, PromptError, SpecterError, unreadable
+from specter.paths import json_value
 
 TOKENIZER_FILE = "tokenizer.json"
 REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
@@ -258,8 +259,8 @@ def _read_json(file: Path) -> dict[str, Any]:
     if not file.is_file():
         return {}
     try:
-        settings = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        settings = json_value(file.read_text())
+    except ValueError as exc:  # not JSON, not UTF-8, nested too deeply
         raise CheckpointError(f"{file}: not valid JSON ({exc}); fix or remove the file") from exc
     if not isinstance(settings, dict):
         raise CheckpointError(f"{file}: expected a JSON object at the top level, got {type(settings).__name__}; fix or remove the file")

@@ -56,6 +56,7 @@ from typing import IO, Any
 import numpy as np
 
 from specter.errors import OutputError, SpecterError, abbreviate
+from specter.paths import json_value
 
 TRACE_FORMAT = "specter-trace"
 TRACE_VERSION = 1
@@ -271,7 +272,7 @@ def read_trace(path: str | Path) -> tuple[TraceHeader, list[TraceRound]]:
 
 def _parse(path: Path, number: int, line: str, build: Any) -> Any:
     try:
-        obj = json.loads(line)
+        obj = json_value(line)
         if not isinstance(obj, dict):
             raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
         return build(obj)

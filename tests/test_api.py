@@ -520,6 +520,7 @@ def test_generation_config_eos_ids_outside_the_vocabulary_are_ignored_and_said(t
     (b'[2, 3]', "checkpoint.generation_config_unreadable"),
     (b'{"eos_token_id": "x"}', "checkpoint.eos_not_token_ids"),
     (b'{"eos_token_id": [2, "x"]}', "checkpoint.eos_not_token_ids"),
+    (b"[" * 100_000 + b"]" * 100_000, "checkpoint.generation_config_unreadable"),  # nested too deeply to parse
 ])
 def test_a_generation_config_whose_eos_ids_cannot_be_read_is_said(tiny, tmp_path, content, event, capsys):
     """A broken or mistyped generation_config.json was dropped without a word, its end-of-turn ids with it (the text
@@ -588,6 +589,15 @@ def test_a_tokenizer_beyond_the_models_vocabulary_is_named_not_the_text(tiny, tm
         with pytest.raises(PromptError, match=rf"gave token ids \[{vocab}\] for this text, beyond the model's "
                                               rf"vocabulary 0\.\.{vocab - 1}.*does not match"):
             engine.complete("hello <extra>", max_new_tokens=2)
+
+
+def test_a_tokenizer_config_nested_too_deeply_is_named(tiny, tmp_path):
+    from specter.errors import CheckpointError
+
+    directory = _tiny_copy(tiny, tmp_path)
+    (directory / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match=r"tokenizer_config.json: not valid JSON \(nested too deeply"):
+        specter.Tokenizer.from_dir(directory)
 
 
 def test_a_template_that_writes_a_lone_surrogate_is_named(tiny, tmp_path):

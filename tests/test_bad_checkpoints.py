@@ -153,6 +153,17 @@ def test_out_of_range_fields_name_file_field_and_value(field, value):
     assert message.startswith("ck/config.json: ") and f"'{field}' = {value!r:.40}" in message, message
 
 
+def test_fewer_positions_than_the_shortest_context_are_refused_when_read(ck, capsys):
+    """max_position_embeddings 4 ran at a context of 4, below the engine's floor of 8, and left no --max-context to
+    give (4 was refused as below 8, 8 as beyond the model's positions)."""
+    with pytest.raises(CheckpointError, match=r"'max_position_embeddings' = 4 is less than 8, the shortest context"):
+        spec_from_config(tiny_config(max_position_embeddings=4), "ck/config.json")
+    assert spec_from_config(tiny_config(max_position_embeddings=8), "ck/config.json").max_position == 8
+    rewrite_config(ck, max_position_embeddings=4)
+    assert main(["generate", "--model", str(ck), "--device", "cpu", "--prompt-ids", "1,2", "--max-new-tokens", "1"]) == 2
+    assert "'max_position_embeddings' = 4 is less than 8" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("scaling,fragment", [({"type": "linear", "factor": 0}, "'factor' = 0 must be positive"),
                                               ({"type": "linear"}, "'factor' is missing")])
 def test_linear_rope_scaling_needs_a_positive_factor(scaling, fragment):

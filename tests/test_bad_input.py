@@ -296,6 +296,18 @@ def test_a_context_the_memory_cannot_hold_is_refused_before_allocation(tiny, mon
     assert "lower --max-context" in message
 
 
+@pytest.mark.parametrize("residents", [None, 2])
+def test_on_the_cpu_the_memory_refusal_does_not_advise_offloading(tiny, monkeypatch, residents):
+    """On the CPU the cache's slots and the experts' host copy are both host memory, so --residents or --budget adds
+    to what is needed; the advice said to give them (with --residents already given, too)."""
+    monkeypatch.setattr("specter.build.available_host_bytes", lambda: 20 * 2**20)
+    with pytest.raises(BudgetError) as error:
+        run(Engine.load(tiny, EngineConfig(device="cpu", residents=residents, max_context=64)))
+    message = str(error.value)
+    assert "lower --max-context" in message and "run on a machine with more memory" in message, message
+    assert "--residents" not in message and "--budget" not in message, message
+
+
 def test_a_budget_the_hosts_memory_cannot_hold_on_the_cpu_is_refused_before_allocation(tiny, monkeypatch):
     """On the CPU the budget's part and the experts' host copy are both host memory: with --budget the check was
     skipped, and a run the host could not hold failed late, in its allocations."""

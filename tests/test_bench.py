@@ -469,6 +469,9 @@ def test_merge_combines_disjoint_runs_and_refuses_overlaps(tmp_path, capsys):
     (stub / "results.json").write_text('{"runs": []}')  # was a KeyError traceback
     assert cli.main(["--merge", str(parts[0]), "--merge", str(stub), "--out", str(tmp_path / "bad3")]) == 2
     assert "is not a bench results file" in capsys.readouterr().err
+    (stub / "results.json").write_text("[" * 100_000 + "]" * 100_000)  # was a RecursionError traceback
+    assert cli.main(["--merge", str(parts[0]), "--merge", str(stub), "--out", str(tmp_path / "bad4")]) == 2
+    assert "is not a bench results file (nested too deeply" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad2").exists()
 
 

@@ -58,7 +58,7 @@ def test_widen_auto_takes_the_trainers_factor(tmp_path):
     assert cli.widen_factor(None, tmp_path) is None
     with pytest.raises(cli.ConfigError, match="records no widening factor"):
         cli.widen_factor("auto", tmp_path / "elsewhere")
-    for text in ("{not json", "[8]", '{"factor": true}', '{"factor": "8"}'):
+    for text in ("{not json", "[8]", '{"factor": true}', '{"factor": "8"}', "[" * 100_000 + "]" * 100_000):
         (tmp_path / "train.json").write_text(text)
         with pytest.raises(cli.ConfigError, match="--widen auto: "):
             cli.widen_factor("auto", tmp_path)

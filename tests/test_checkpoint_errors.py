@@ -86,6 +86,19 @@ def test_config_not_json(ckpt):
     expect(ckpt, "config.json", "not valid JSON")
 
 
+NESTED = "[" * 100_000 + "]" * 100_000  # the JSON decoder recurses per level: a RecursionError, no ValueError
+
+
+def test_a_config_nested_too_deeply_is_not_valid_json(ckpt):
+    (ckpt / "config.json").write_text(NESTED)
+    expect(ckpt, "config.json", "not valid JSON", "nested too deeply")
+
+
+def test_a_shard_index_nested_too_deeply_is_malformed(ckpt):
+    (ckpt / "model.safetensors.index.json").write_text(NESTED)
+    expect(ckpt, "model.safetensors.index.json", "malformed shard index")
+
+
 def test_unknown_model_type_lists_supported(ckpt):
     rewrite_config(ckpt, model_type="llama")
     expect(ckpt, "'llama'", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")

@@ -614,6 +614,28 @@ def test_an_empty_trace_path_is_refused(capsys, monkeypatch):
                                        "leave --trace out\n")
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json"])
+def test_a_trace_onto_a_file_of_the_checkpoint_is_refused_before_loading(capsys, monkeypatch, tmp_path, name):
+    """`--trace MODEL/model.safetensors` truncated the weights (a float32 run then died of SIGBUS reading its mapped
+    file, output lost) and `--trace MODEL/config.json` left a trace in its place: both destroyed the model."""
+    _refuse_loading(monkeypatch)
+    model = shutil.copytree(builtin_path("tiny"), tmp_path / "model")
+    before = (model / name).read_bytes()
+    link = tmp_path / "elsewhere.trace"
+    link.symlink_to(model / name)  # the same file by another name
+    for target in (model / name, link):
+        assert main(["generate", "--model", str(model), "--device", "cpu", "--residents", "4", "--max-new-tokens", "2",
+                     "--trace", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert f"is {name}, a file of the checkpoint {model}" in err and "choose another path" in err, err
+    assert (model / name).read_bytes() == before
+    from specter.paths import check_not_an_input
+
+    check_not_an_input(model / "new.trace", model, "--trace")  # a new file beside the checkpoint's is no harm
+    (model / "old.trace").write_text("a previous trace")
+    check_not_an_input(model / "old.trace", model, "--trace")  # nor one of a kind no checkpoint holds
+
+
 def _without_tokenizer(tmp_path) -> str:
     directory = shutil.copytree(builtin_path("tiny"), tmp_path / "ids-only")
     (directory / "tokenizer.json").unlink()

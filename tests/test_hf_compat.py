@@ -7,6 +7,7 @@ checkpoints built with its own classes, reloaded from the directory Specter read
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,20 @@ def test_a_checkpoint_without_a_dtype_runs_in_its_stored_dtype(declared, tmp_pat
     assert run_sync(greedy_decode(auto.model, auto.experts, PROMPT, 16)) == declared_bf16
 
 
+@pytest.mark.parametrize(("dtype", "torch_dtype", "computes"), [
+    ("bfloat16", "float16", torch.bfloat16),  # both: `dtype` wins, as transformers v5 keeps it
+    ("bfloat16", "auto", torch.bfloat16),  # an "auto" torch_dtype hid a declared dtype
+])
+def test_dtype_wins_over_torch_dtype_as_in_transformers(tmp_path, dtype, torch_dtype, computes):
+    import transformers as tf
+
+    path = saved_model("qwen3_moe", tmp_path / "m", dtype=torch.float32)
+    rewrite_config(path, dtype=dtype, torch_dtype=torch_dtype)
+    if torch_dtype != "auto":  # (transformers cannot read a config that declares "auto")
+        assert tf.AutoConfig.from_pretrained(path).dtype == computes
+    assert Checkpoint(path).spec.dtype == str(computes).removeprefix("torch.")
+
+
 def test_a_dtype_specter_does_not_compute_in_is_refused(tmp_path):
     path = saved_model("mixtral", tmp_path / "fp8")
     rewrite_config(path, dtype="float8_e4m3fn")
@@ -239,6 +254,21 @@ def test_offloading_settings_on_a_model_without_moe_layers_run_it_resident(famil
             return (await engine.complete(PROMPT, max_new_tokens=16)).token_ids
 
     assert run(complete()) == hf_tokens(path, n=16)
+
+
+def test_info_and_trace_on_a_model_without_moe_layers(tmp_path, capsys):
+    """`info --residents 100` was refused as outside 2..6 slots per MoE layer where the load runs the model resident,
+    and `--trace` was refused as if --residents kept every expert resident, with advice that could not help."""
+    from specter.cli import main
+
+    path = saved_model("qwen3_moe", tmp_path / "dense", **DENSE_ONLY["qwen3_moe"])
+    for residents in ("1", "100"):
+        assert main(["info", str(path), "--no-measure", "--residents", residents, "--json"]) == 0, capsys.readouterr().err
+        assert json.loads(capsys.readouterr().out)["moe_layers"] == 0
+    assert main(["generate", "--model", str(path), "--device", "cpu", "--residents", "2", "--prompt-ids", "1,2",
+                 "--trace", str(tmp_path / "run.trace")]) == 2
+    err = capsys.readouterr().err
+    assert "the model has no MoE layer (every layer is dense)" in err and "--residents N below" not in err, err
 
 
 # ---- 7. Phi-MoE's fused layout ----------------------------------------------------------------------------

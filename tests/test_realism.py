@@ -130,3 +130,40 @@ def test_no_prompts_is_refused(checkpoint):
 
     with pytest.raises(realism.ConfigError, match="at least one prompt"):
         run_sync(empty())
+
+
+@pytest.mark.parametrize(("name", "content", "says"), [
+    ("prompts.json", "{not json", "prompts.json: expected {\"kinds\": {KIND: [[token ids], ...]}}"),
+    ("prompts.json", '{"kinds": {"code": [[1, "x"]]}}', "every entry must be a list of token ids"),
+    ("prompts.json", '{"kind": {}}', "(no 'kinds')"),
+    ("prompts.json", "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ("held_out.json", '{"windows": [[1, 2], 3]}', "held_out.json: expected {\"windows\": [[token ids], ...]}"),
+    ("held_out.json", '{"windows": [[1, -2]]}', "every entry must be a list of token ids (integers >= 0)"),
+])
+def test_a_trainers_malformed_prompt_file_is_named(checkpoint, tmp_path, capsys, name, content, says):
+    """prompts.json and held_out.json beside a checkpoint were read unchecked: a traceback (KeyError, ValueError,
+    RecursionError), after a load of minutes for the bench."""
+    import shutil
+
+    from specter.bench.protocol import checkpoint_prompts
+    from specter.errors import CheckpointError
+
+    copy = Path(shutil.copytree(checkpoint, tmp_path / "copy"))
+    (copy / name).write_text(content)
+    assert realism.main(["--model", str(copy), "--new-tokens", "2", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err and str(copy / name) in err, err
+    if name == "prompts.json":
+        with pytest.raises(CheckpointError, match="prompts.json"):
+            checkpoint_prompts(copy, 512, 1)
+
+
+def test_a_report_onto_a_file_of_the_checkpoint_is_refused_before_decoding(checkpoint, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    copy = Path(shutil.copytree(checkpoint, tmp_path / "copy"))
+    before = (copy / "config.json").read_bytes()
+    monkeypatch.setattr(realism, "realism_report", lambda *a, **k: pytest.fail("decoded before checking --json"))
+    assert realism.main(["--model", str(copy), "--device", "cpu", "--json", str(copy / "config.json")]) == 2
+    assert "is config.json, a file of the checkpoint" in capsys.readouterr().err
+    assert (copy / "config.json").read_bytes() == before

@@ -143,6 +143,7 @@ GOOD_ROUND = {"round": 0, "k": 2, "accepted": 1, "draft_step_s": 0.01, "layers":
         (json.dumps({**GOOD_ROUND, "round": 1.5}), "round=1.5; expected an int >= 0"),
         (json.dumps({**GOOD_ROUND, "round": -1}), "round=-1; expected an int >= 0"),
         (json.dumps({**GOOD_ROUND, "round": "7"}), "round='7'; expected an int >= 0"),
+        ('{"layers": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),  # was a RecursionError traceback
     ],
 )
 def test_malformed_rounds_are_reported_with_their_line(tmp_path, bad_line, complaint):

@@ -122,6 +122,8 @@ def test_overrides_set_fields_and_name_what_is_wrong():
         TuningConfig().with_overrides(["cache.lead_rleay=false"])
     with pytest.raises(ConfigError, match="TuningConfig.transfer.max_chunks_in_flight = 0"):
         TuningConfig().with_overrides(["transfer.max_chunks_in_flight=0"])
+    with pytest.raises(ConfigError, match="TuningConfig.transfer.max_chunks_in_flight"):  # was a RecursionError
+        TuningConfig().with_overrides(["transfer.max_chunks_in_flight=" + "[" * 100_000 + "]" * 100_000])
 
 
 def test_nested_overrides_set_the_kernels_tiles():
@@ -282,8 +284,9 @@ ALLOWED_CONSTANTS = {
     "specter/exits.py": {"BROKEN_PIPE_STATUS", "INTERRUPTED_STATUS", "ERROR_STATUS"},  # exit statuses: a contract
     "specter/experts/host.py": {"HOST_PATH_VERSION"},  # the host path's version in the stored cost figures' key
     "specter/calibrate.py": {"DEFAULT_PROMPTS", "DEFAULT_PROMPT_LEN", "DEFAULT_NEW_TOKENS"},  # calibrate_draft's defaults
-    "specter/config.py": {"DEFAULT_OVERLAP", "DEFAULT_K", "MIN_LINK_GBPS"},  # DraftConfig.overlap=None's depth on CUDA;
-    # k's default; the slowest link emulated, a bound on input (slower ones hang or overflow the link clock)
+    "specter/config.py": {"DEFAULT_OVERLAP", "DEFAULT_K", "MIN_LINK_GBPS", "MIN_CONTEXT"},  # DraftConfig.overlap=None's
+    # depth on CUDA; k's default; the slowest link emulated, a bound on input (slower ones hang or overflow the link
+    # clock); max_context's floor, a bound on input that config.json's positions are checked against too
     "specter/memory.py": {"ALLOCATOR_SLACK_BYTES", "CUDA_LIBRARY_BYTES", "DEFAULT_CONTEXT"},  # measured reserves; max_context's default
     "specter/bench/realism.py": {"BALANCED_ENTROPY", "NEW_TOKENS", "TEMPERATURE", "REUSE_WINDOW", "PROMPTS_PER_KIND"},  # the report's definition
     "specter/bench/stopping.py": {"STOP_GRACE_S"},  # how long a stopped bench may take to end before its watchdog ends it

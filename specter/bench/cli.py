@@ -32,7 +32,7 @@ from specter.exits import prog_name, run_tool
 from specter.experts.costs import routing_profile
 from specter.model.spec import spec_from_config
 from specter.memory import DEFAULT_CONTEXT
-from specter.paths import check_output_folder
+from specter.paths import check_output_folder, json_value
 
 PAPER_SETTINGS = {"deepseek-v2-lite": (16, 4), "qwen1.5-moe-a2.7b": (15, 8), "phi-3.5-moe": (2, 1)}
 """Resident experts per layer in the Specter paper's two memory settings per model."""
@@ -366,7 +366,7 @@ def widen_factor(text: str | None, path: Path) -> int | None:
         return int(text)
     record = path / "train.json"
     try:
-        data = json.loads(record.read_text()) if record.is_file() else None
+        data = json_value(record.read_text()) if record.is_file() else None
     except (OSError, ValueError) as error:
         raise ConfigError(f"--widen auto: {record} cannot be read as JSON ({error}); give --widen F") from None
     factor = data.get("factor") if isinstance(data, dict) else None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
-import json
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -23,11 +22,12 @@ from tqdm.auto import tqdm
 
 from specter.config import DraftConfig, EngineConfig, GenerationConfig, TuningConfig, parse_link
 from specter.engine import CheckpointWeights, WeightSource
-from specter.errors import BudgetError, MemoryShortError, SpecterError
+from specter.errors import BudgetError, CheckpointError, MemoryShortError, SpecterError
 from specter.experts.cache import CacheSnapshot, CacheStats, LayerStats
 from specter.experts.costs import route_profile
 from specter.build import resolve_dtype
 from specter.log import get_logger
+from specter.paths import json_value
 from specter.memory import split_slots
 from specter.model.checkpoint import Checkpoint
 from specter.model.spec import ModelSpec
@@ -198,12 +198,39 @@ def bench_context(options: Options) -> int:
 
 def checkpoint_prompts(path: Path, vocab_size: int, per_kind: int) -> list[Prompt]:
     """The reference model's held-out corpus snippets (prompts.json) when present, else synthetic ones."""
-    listed = path / "prompts.json"
-    if not listed.exists():
+    kinds = listed_prompts(path)
+    if kinds is None:
         return synthetic_prompts(vocab_size, per_kind)
-    kinds = json.loads(listed.read_text())["kinds"]
-    return [Prompt(kind, i, [int(t) for t in ids][:PROMPT_TOKENS]) for kind, snippets in kinds.items()
+    return [Prompt(kind, i, ids[:PROMPT_TOKENS]) for kind, snippets in kinds.items()
             for i, ids in enumerate(snippets[:per_kind])]
+
+
+def listed_prompts(path: Path) -> dict[str, list[list[int]]] | None:
+    """prompts.json's token-id snippets by kind (benchmarks/reference_model.py writes it beside its checkpoint), or
+    None without the file; a malformed one is a CheckpointError naming it (it was a traceback)."""
+    return token_lists(path / "prompts.json", "kinds", "{\"kinds\": {KIND: [[token ids], ...]}}")
+
+
+def token_lists(file: Path, key: str, shape: str) -> Any:
+    """`key`'s value in the JSON object of `file`: lists of token-id lists, or a mapping of names to them."""
+    if not file.is_file():
+        return None
+    try:
+        value = json_value(file.read_text())[key]
+        named = isinstance(value, dict)
+        groups = value.values() if named else [value]
+        if not all(isinstance(group, list) and all(_ids(ids) for ids in group) for group in groups):
+            raise ValueError("every entry must be a list of token ids (integers >= 0)")
+    except OSError as error:
+        raise CheckpointError(f"{file}: cannot be read ({error.strerror or error}); fix or remove the file") from None
+    except (ValueError, KeyError, TypeError) as error:
+        detail = f"no {error}" if isinstance(error, KeyError) else str(error) or type(error).__name__
+        raise CheckpointError(f"{file}: expected {shape} ({detail}); fix or remove the file") from None
+    return value
+
+
+def _ids(ids: Any) -> bool:
+    return isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
 
 
 def warmup_prompt(vocab_size: int) -> Prompt:

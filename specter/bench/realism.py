@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specter.paths import check_not_an_input, check_output_file
 from specter.config import DraftConfig, EngineConfig, GenerationConfig
 from specter.engine import Runtime
 from specter.errors import ConfigError, OutputError
@@ -256,13 +257,11 @@ def flags(report: dict[str, Any]) -> list[str]:
 # ---- entry points ----------------------------------------------------------------------------------
 def checkpoint_inputs(path: Path, per_kind: int = PROMPTS_PER_KIND) -> tuple[list[list[int]], list[list[int]] | None]:
     """The prompts (prompts.json's, `per_kind` of each kind) and held-out windows (held_out.json) a trainer left."""
-    prompts: list[list[int]] = []
-    if (path / "prompts.json").is_file():
-        kinds = json.loads((path / "prompts.json").read_text())["kinds"]
-        prompts = [list(map(int, ids)) for snippets in kinds.values() for ids in snippets[:per_kind]]
-    held = None
-    if (path / HELD_OUT_FILE).is_file():
-        held = [list(map(int, w)) for w in json.loads((path / HELD_OUT_FILE).read_text())["windows"]]
+    from specter.bench.protocol import token_lists, listed_prompts
+
+    kinds = listed_prompts(path) or {}
+    prompts = [ids for snippets in kinds.values() for ids in snippets[:per_kind]]
+    held = token_lists(path / HELD_OUT_FILE, "windows", '{"windows": [[token ids], ...]}')
     return prompts, held
 
 
@@ -364,6 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _print_report(args: argparse.Namespace) -> int:
+    if args.json is not None:  # before minutes of decoding, not after
+        check_output_file(args.json, "--json")
+        check_not_an_input(args.json, args.model, "--json")
     prompts, held = checkpoint_inputs(args.model, args.per_kind)
     report = realism_report(args.model, prompts or None, held_out=held, factor=args.factor,
                             config=realism_config(args.device, args.quant), new_tokens=args.new_tokens)

@@ -331,6 +331,7 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
     runs of different sessions are not one measurement. Speedups are recomputed within each model, setting
     and link, so they still compare systems of the same run when each part holds whole cells."""
     from specter.errors import ConfigError
+    from specter.paths import json_value
 
     if not directories:
         raise ConfigError("--merge needs at least one results directory")
@@ -339,7 +340,7 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
         # a results.json named for its folder (a natural slip: it is the file merged) is taken as its folder
         path = Path(directory) if Path(directory).name == "results.json" and Path(directory).is_file() else Path(directory) / "results.json"
         try:
-            payload = json.loads(path.read_text())
+            payload = json_value(path.read_text())
             runs = _checked_payload(payload)
         except FileNotFoundError:
             raise ConfigError(f"--merge: {path} does not exist; pass directories written by python -m specter.bench") from None

@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from specter.errors import CheckpointError, abbreviate, unreadable
 from specter.model.spec import ModelSpec, declared_dtype, spec_from_config
+from specter.paths import json_value
 
 FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
 _STORED_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensors' header names of FLOAT_DTYPES
@@ -80,7 +81,7 @@ class Checkpoint:
     def _read_config(self) -> dict[str, Any]:
         config_path = self.path / "config.json"
         try:
-            config = json.loads(config_path.read_text())
+            config = json_value(config_path.read_text())
         except FileNotFoundError:
             raise CheckpointError(f"{config_path}: missing; a Hugging Face checkpoint directory needs config.json") from None
         except IsADirectoryError:
@@ -88,7 +89,7 @@ class Checkpoint:
                                   "the checkpoint's config.json file") from None
         except OSError as error:
             raise unreadable(config_path, error) from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        except ValueError as error:  # not JSON, not UTF-8, nested too deeply
             raise CheckpointError(f"{config_path}: not valid JSON ({error})") from None
         if not isinstance(config, dict):
             raise CheckpointError(f"{config_path}: expected a JSON object at the top level")
@@ -112,10 +113,10 @@ class Checkpoint:
     def _files_from_index(self, index_path: Path) -> list[Path]:
         malformed = f"{index_path}: malformed shard index, expected an object with 'weight_map' (tensor name -> file name)"
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
+            weight_map = json_value(index_path.read_text())["weight_map"]
         except OSError as error:
             raise unreadable(index_path, error) from None
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+        except (ValueError, KeyError, TypeError) as error:
             raise CheckpointError(f"{malformed} ({error!r})") from None
         if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
             raise CheckpointError(f"{malformed}, got 'weight_map' = {abbreviate(weight_map, 80)}")

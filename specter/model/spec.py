@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from specter.config import MIN_CONTEXT
 from specter.errors import CheckpointError, abbreviate
 
 
@@ -100,6 +101,8 @@ and everything sized by the layer count before the tensors are checked against i
 num_hidden_layers of 10**30 would run forever there. Any count up to this one is refused by the tensor check instead
 (the first layer the files lack), in seconds."""
 _AT_MOST = {"num_hidden_layers": MAX_LAYERS}
+# A model whose positions are fewer than the shortest context the engine runs would leave no --max-context to give
+_AT_LEAST = {"max_position_embeddings": MIN_CONTEXT}
 
 
 class _Fields:
@@ -168,6 +171,8 @@ class _Fields:
             rule = "must be a finite number"
         elif name in _AT_MOST and number > _AT_MOST[name]:
             rule = f"is more than {_AT_MOST[name]}, far beyond any model's"
+        elif name in _AT_LEAST and number < _AT_LEAST[name]:
+            rule = f"is less than {_AT_LEAST[name]}, the shortest context Specter runs"
         else:
             return
         raise CheckpointError(f"{self.source}: config field '{name}' = {value!r:.40} {rule}; "
@@ -218,8 +223,9 @@ class Defaults:
 
 def declared_dtype(config: dict[str, Any]) -> str | None:
     """The dtype config.json declares (`torch_dtype` in transformers v4, `dtype` in v5) as a torch name, or None where
-    it declares none (or "auto", which is no dtype either): transformers then takes its tensors'."""
-    value = config.get("torch_dtype") or config.get("dtype")
+    it declares none (or "auto", which is no dtype either): transformers then takes its tensors'. Where both are
+    declared, `dtype` wins, as in transformers v5 (a file saved by v5 keeps a stale `torch_dtype` beside it)."""
+    value = config.get("dtype") or config.get("torch_dtype")
     name = str(value).removeprefix("torch.") if value else None
     return None if name in (None, "auto") else name
 
