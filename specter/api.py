@@ -239,6 +239,10 @@ class GenerationStream:
         if self.finish_reason is None:
             self.finish_reason = reason
             self.stats.new_tokens = len(self.token_ids)
+            if self._detokenizer is not None:
+                # The text held back while a stop string might still complete (and a last character's first bytes):
+                # none can now, so `text` is the committed tokens' text, as a finished request's is
+                self._text.append(self._detokenizer.finish())
         self._unwatch_reader()
 
     def _watch_reader(self, task: asyncio.Task[Any]) -> None:

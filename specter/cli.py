@@ -265,19 +265,22 @@ async def _generate(args: argparse.Namespace, config: Any, generation: Any, toke
         if args.trace:
             engine.runtime.record_trace(args.trace)
         stream = engine.generate(prompt, generation)
+        shown = 0  # characters of text printed
         try:
             async with stream:
                 async for piece in stream:
                     if not args.json:
                         _show(piece, text_mode=engine.tokenizer is not None)
-        except SpecterError as error:
-            if args.json and stream.token_ids:  # what was committed before the failure, as text mode showed it
-                _out(json.dumps({"tokens": stream.token_ids, "text": stream.text, "finish_reason": "error",
-                                 "error": str(error), "stats": stream.stats.as_dict()}) + "\n")
-            raise
-        except asyncio.CancelledError:  # Ctrl-C (the runner cancels this task): what was committed, as text mode kept it
-            if args.json and stream.token_ids:
-                _out(json.dumps({"tokens": stream.token_ids, "text": stream.text, "finish_reason": "cancelled",
+                        shown += len(piece.text)
+        except (SpecterError, asyncio.CancelledError) as error:  # a failure, or Ctrl-C (the runner cancels this task)
+            # what was committed before it: the text the stream held back for a stop string too (it ended, so none
+            # can complete), in text mode after what was printed
+            if not args.json and engine.tokenizer is not None:
+                _out(stream.text[shown:])
+            elif args.json and stream.token_ids:
+                failed = {"finish_reason": "error", "error": str(error)} if isinstance(error, SpecterError) else {
+                    "finish_reason": "cancelled"}
+                _out(json.dumps({"tokens": stream.token_ids, "text": stream.text, **failed,
                                  "stats": stream.stats.as_dict()}) + "\n")
             raise
         result = stream.result

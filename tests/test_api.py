@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import threading
@@ -225,6 +226,32 @@ def test_cancel_waiting_and_running_requests_leaves_engine_clean(tiny, baseline)
             return await engine.complete([1, 2], max_new_tokens=8)
 
     assert run(main()).token_ids == baseline([1, 2], 8)
+
+
+@pytest.mark.parametrize("how", ["break", "cancel"])
+def test_a_stream_ended_early_keeps_the_text_it_held_back_for_a_stop_string(tiny, how):
+    """While a stop string may still complete, the stream holds back up to its length less one character; a stream
+    left or cancelled kept `text` at what was released (empty for 12 committed tokens with a long stop string)."""
+    async def main():
+        async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
+            stream = engine.generate("hello", max_new_tokens=40, stop_strings=("a stop string that never appears " * 4,))
+
+            async def read() -> None:
+                async with stream:
+                    async for _ in stream:
+                        if len(stream.token_ids) >= 10:
+                            if how == "break":
+                                break
+                            asyncio.current_task().cancel()
+                            await asyncio.sleep(0)
+
+            reader = asyncio.create_task(read())
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            assert stream.finish_reason == "cancelled" and len(stream.token_ids) >= 10
+            assert stream.text and stream.text == engine.decode(stream.token_ids), (stream.text, stream.token_ids)
+
+    run(main())
 
 
 def test_leaving_a_stream_early_frees_the_engine(tiny, baseline):

@@ -323,7 +323,8 @@ def test_a_ctrl_c_under_json_prints_what_was_committed():
     """Text mode keeps the streamed text of an interrupted request; --json printed nothing at all (status 130): it now
     prints the object with the committed tokens and finish_reason "cancelled"."""
     process = subprocess.Popen([sys.executable, "-m", "specter", "generate", "--prompt", "hi", "--residents", "6",
-                                "--max-new-tokens", "4000", "--json", "--max-context", "4096"],
+                                "--max-new-tokens", "4000", "--json", "--max-context", "4096",
+                                "--stop", "a stop string that the text never holds " * 8],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stderr is not None
     note = process.stderr.readline()  # the built-in model's note, printed as it loads
@@ -335,6 +336,11 @@ def test_a_ctrl_c_under_json_prints_what_was_committed():
     answer = json.loads(out)
     assert answer["finish_reason"] == "cancelled" and answer["tokens"], answer
     assert len(answer["tokens"]) == answer["stats"]["new_tokens"] < 4000
+    from specter.builtin import builtin_path
+    from specter.tokenizer import Tokenizer
+
+    # the text the stream held back for the stop string is in: the committed tokens' text (it was "")
+    assert answer["text"] and answer["text"] == Tokenizer.from_dir(builtin_path("tiny")).decode(answer["tokens"]), answer
 
 
 def test_a_program_that_closed_stdin_gets_a_loop_that_closes():
