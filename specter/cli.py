@@ -240,6 +240,7 @@ def check_context(args: argparse.Namespace, config: Any) -> tuple[Any, Any, Any]
 def check_generate_inputs(args: argparse.Namespace) -> None:
     """The text and the output paths the user typed (the model's limits are checked when its config is read)."""
     from specter.errors import ConfigError
+    from specter.builtin import resolve_model
     from specter.paths import check_not_an_input, check_output_file
     from specter.tokenizer import check_text
 
@@ -254,7 +255,7 @@ def check_generate_inputs(args: argparse.Namespace) -> None:
         if not args.trace:  # not `if args.trace`, which would take '' (an unset variable in a script, say) as no --trace
             raise ConfigError("--trace: empty path; give the file to write the routing trace to, or leave --trace out")
         check_output_file(args.trace, "--trace")
-        check_not_an_input(args.trace, args.model, "--trace")
+        check_not_an_input(args.trace, resolve_model(args.model), "--trace")  # a built-in model's folder too
 
 
 async def _generate(args: argparse.Namespace, config: Any, generation: Any, tokenizer: Any, prompt: Any) -> int:

@@ -20,20 +20,23 @@ def json_value(text: str | bytes) -> Any:
         raise ValueError("nested too deeply to parse") from None
 
 
-# What a Hugging Face checkpoint folder holds: weights, configurations, tokenizer files, chat templates.
-CHECKPOINT_FILES = ("*.safetensors", "*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken")
+# The files of a Hugging Face checkpoint folder the engine or its tokenizer reads: the weights (shards may sit in
+# subfolders the index names), configurations, tokenizer files and chat templates.
+CHECKPOINT_FILES = ("**/*.safetensors", "config.json", "generation_config.json", "model.safetensors.index.json",
+                    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "chat_template.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def check_not_an_input(path: str | Path, inputs: str | Path | None, option: str) -> None:
     """Refuse an output path that is a checkpoint file of the folder `inputs` (the checkpoint the run reads), by
     any name (a link, another path): writing it would destroy the model, and a float32 checkpoint's weights are
-    mapped from their files, so the run would read the truncated file. A new file in that folder, or one of
-    other kinds (an earlier trace), is no harm."""
+    mapped from their files, so the run would read the truncated file. A new file in that folder, or another one
+    there (an earlier trace, an earlier report), is no harm."""
     path = Path(path)
     folder = Path(inputs) if inputs is not None else None
     if folder is None or not folder.is_dir() or not path.exists():
         return
-    for file in (file for pattern in CHECKPOINT_FILES for file in folder.rglob(pattern)):
+    for file in (file for pattern in CHECKPOINT_FILES for file in folder.glob(pattern)):
         if file.is_file() and os.path.samefile(file, path):
             raise ConfigError(f"{option} {path}: is {file.relative_to(folder)}, a file of the checkpoint {folder}; "
                               "writing it would destroy the model; choose another path")

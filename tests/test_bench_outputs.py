@@ -38,6 +38,8 @@ def test_runs_stamped_alike_each_keep_their_own_previous_folder(tmp_path, capsys
         cli.keep_previous(out)
     assert sorted((kept / "results.md").read_text() for kept in (out / cli.PREVIOUS).iterdir()) == ["first", "second"]
     assert not (out / "results.md").exists() and cli.keep_previous(out) is None
+    (out / "results.json").write_text("[" * 100_000 + "]" * 100_000)  # was a RecursionError traceback
+    assert cli.keep_previous(out) is not None and not (out / "results.json").exists()
 
 
 def test_a_full_disk_is_a_one_line_error_naming_the_file(tmp_path, capsys, monkeypatch):

@@ -632,8 +632,21 @@ def test_a_trace_onto_a_file_of_the_checkpoint_is_refused_before_loading(capsys,
     from specter.paths import check_not_an_input
 
     check_not_an_input(model / "new.trace", model, "--trace")  # a new file beside the checkpoint's is no harm
-    (model / "old.trace").write_text("a previous trace")
-    check_not_an_input(model / "old.trace", model, "--trace")  # nor one of a kind no checkpoint holds
+    for earlier in ("old.trace", "trace.json", "sub/report.json"):  # nor another one there: an earlier output
+        (model / earlier).parent.mkdir(exist_ok=True)
+        (model / earlier).write_text("an earlier output")
+        check_not_an_input(model / earlier, model, "--trace")
+
+
+def test_a_trace_onto_a_file_of_the_built_in_model_is_refused(capsys, monkeypatch):
+    """`--model tiny` names the built-in model by name: its folder in the cache was not checked, and a trace written
+    over its config.json broke it for good (it is rebuilt only when config.json is missing)."""
+    _refuse_loading(monkeypatch)
+    config = builtin_path("tiny") / "config.json"
+    before = config.read_bytes()
+    assert main(["generate", "--model", "tiny", "--device", "cpu", "--residents", "4", "--trace", str(config)]) == 2
+    assert "is config.json, a file of the checkpoint" in capsys.readouterr().err
+    assert config.read_bytes() == before
 
 
 def _without_tokenizer(tmp_path) -> str:

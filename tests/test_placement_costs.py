@@ -363,6 +363,9 @@ def test_a_bad_or_unwritable_store_costs_only_the_measurement(tmp_path, monkeypa
     store.path.write_text("{not json")
     assert store.get(key) == {}
     assert "placement.costs_unreadable" in capsys.readouterr().err
+    store.path.write_text("[" * 100_000 + "]" * 100_000)  # was a RecursionError traceback
+    assert store.get(key) == {}
+    assert "placement.costs_unreadable" in capsys.readouterr().err
     store.update(key, {}, host_expert_s=1e-3, link_bytes_per_s=None)
     assert store.get(key)["host_expert_s"] == 1e-3 and "link_bytes_per_s" not in store.get(key)
     store.update(key, store.get(key), link_bytes_per_s=5e9)  # the link added beside the host figure

@@ -137,6 +137,8 @@ def test_no_prompts_is_refused(checkpoint):
     ("prompts.json", '{"kinds": {"code": [[1, "x"]]}}', "every entry must be a list of token ids"),
     ("prompts.json", '{"kind": {}}', "(no 'kinds')"),
     ("prompts.json", "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ("prompts.json", '{"kinds": [[1, 2, 3]]}', "('kinds' is a list)"),
+    ("held_out.json", '{"windows": {"w": [[1, 2, 3, 4, 5]]}}', "('windows' is a dict)"),
     ("held_out.json", '{"windows": [[1, 2], 3]}', "held_out.json: expected {\"windows\": [[token ids], ...]}"),
     ("held_out.json", '{"windows": [[1, -2]]}', "every entry must be a list of token ids (integers >= 0)"),
 ])

@@ -619,7 +619,7 @@ def _run_stamp(out: Path, names: Sequence[str]) -> str:
     """A folder name for the run whose files are in `out`: the date its results.json records, else the newest mtime of
     its files; in UTC, without ':' (not allowed in Windows names)."""
     try:
-        date = json.loads((out / "results.json").read_text())["machine"]["date"]
+        date = json_value((out / "results.json").read_text())["machine"]["date"]
         stamp = datetime.datetime.fromisoformat(date).astimezone(datetime.timezone.utc)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # not a bench file, or torn by hand
         mtime = max((out / name).stat().st_mtime for name in names)

@@ -208,16 +208,18 @@ def checkpoint_prompts(path: Path, vocab_size: int, per_kind: int) -> list[Promp
 def listed_prompts(path: Path) -> dict[str, list[list[int]]] | None:
     """prompts.json's token-id snippets by kind (benchmarks/reference_model.py writes it beside its checkpoint), or
     None without the file; a malformed one is a CheckpointError naming it (it was a traceback)."""
-    return token_lists(path / "prompts.json", "kinds", "{\"kinds\": {KIND: [[token ids], ...]}}")
+    return token_lists(path / "prompts.json", "kinds", "{\"kinds\": {KIND: [[token ids], ...]}}", named=True)
 
 
-def token_lists(file: Path, key: str, shape: str) -> Any:
-    """`key`'s value in the JSON object of `file`: lists of token-id lists, or a mapping of names to them."""
+def token_lists(file: Path, key: str, shape: str, named: bool = False) -> Any:
+    """`key`'s value in the JSON object of `file`: a list of token-id lists, or with `named` a mapping of names to
+    such lists; None without the file."""
     if not file.is_file():
         return None
     try:
         value = json_value(file.read_text())[key]
-        named = isinstance(value, dict)
+        if not isinstance(value, dict if named else list):
+            raise ValueError(f"'{key}' is a {type(value).__name__}")
         groups = value.values() if named else [value]
         if not all(isinstance(group, list) and all(_ids(ids) for ids in group) for group in groups):
             raise ValueError("every entry must be a list of token ids (integers >= 0)")

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specter.builtin import resolve_model
 from specter.paths import check_not_an_input, check_output_file
 from specter.config import DraftConfig, EngineConfig, GenerationConfig
 from specter.engine import Runtime
@@ -365,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _print_report(args: argparse.Namespace) -> int:
     if args.json is not None:  # before minutes of decoding, not after
         check_output_file(args.json, "--json")
-        check_not_an_input(args.json, args.model, "--json")
+        check_not_an_input(args.json, resolve_model(str(args.model)), "--json")
     prompts, held = checkpoint_inputs(args.model, args.per_kind)
     report = realism_report(args.model, prompts or None, held_out=held, factor=args.factor,
                             config=realism_config(args.device, args.quant), new_tokens=args.new_tokens)

@@ -28,6 +28,7 @@ from specter.experts.host import HOST_PATH_VERSION, ExpertFunction, HostExperts,
 from specter.experts.pool import ExpertPool
 from specter.kernel import Kernel
 from specter.log import get_logger
+from specter.paths import json_value
 from specter.placement import SEQUENCE_TOKENS, Placement, PlacementState, RouteSequence
 from specter.trace import TraceRound, read_trace, use_counts
 
@@ -235,7 +236,7 @@ class CostStore:
 
     def _entries(self) -> dict[str, dict]:
         try:
-            data = json.loads(self.path.read_text())
+            data = json_value(self.path.read_text())
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as error:
