@@ -588,7 +588,9 @@ class Runtime:
         if k or record is None:
             self.estimates.break_plain_run()
         self.estimates.observe_verify(rows, max(0.0, clock.verify_s - (record.stall_s if record else 0.0)), report.loaded_bytes)
-        self.lookahead.observe(outcome=RoundOutcome(k=k, accepted=accepted, tpot_s=round_s / (accepted + 1), round_s=round_s))
+        if self.draft is not None:  # without a draft `_next_k` asks the policy nothing: no outcome of its choice to learn
+            self.lookahead.observe(outcome=RoundOutcome(k=k, accepted=accepted, tpot_s=round_s / (accepted + 1),
+                                                        round_s=round_s))
 
     # ---- measurements -------------------------------------------------------------------------------
     def _start_record(self):

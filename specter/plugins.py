@@ -8,12 +8,13 @@ installed plug-in, set but empty allows none. Every error names the plug-in, its
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from types import MappingProxyType
@@ -195,7 +196,7 @@ def load_policy(group: str, name: str, *, guard: bool = True, refresh: bool = Fa
     if short not in POLICY_GROUPS:
         raise PluginError(f"{group!r} is not a policy group; expected one of {', '.join(POLICY_GROUPS)}")
     policy, origin = _load_and_construct(short, name, refresh, options)
-    problems = protocol_problems(policy, short)
+    problems = _checked_protocol(policy, short, origin)
     if problems:
         raise PluginError(f"{origin.label()}: {'; '.join(problems)}")
     log.debug("plugin.loaded", group=short, name=name, dist=origin.dist, version=origin.version)
@@ -235,14 +236,18 @@ def _load_and_construct(short: str, name: str, refresh: bool, options: dict[str,
     # and it would end the process without a word (a replay over every installed plug-in, a server starting).
     try:
         factory = entry_point.load()
-    except (Exception, SystemExit) as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 (see `_Guarded._call`)
         raise PluginError(f"{origin.label()}: importing {entry_point.value!r} failed: {exc!r}; fix or reinstall the "
                           f"distribution that declares it, or uninstall it") from exc
     if not callable(factory):
         raise PluginError(f"{origin.label()}: {entry_point.value!r} is not a class or factory")
     try:
         return factory(**options), origin
-    except (Exception, SystemExit) as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001
         advice = ("; the engine calls a plug-in's entry point with no arguments, so give every parameter of its "
                   "constructor a default, or point the entry point at a factory that supplies them"
                   if not options and isinstance(exc, TypeError) and "required" in str(exc) else "")
@@ -251,6 +256,27 @@ def _load_and_construct(short: str, name: str, refresh: bool, options: dict[str,
         else:  # the type too: str() of an AssertionError is empty, of a KeyError its key alone
             detail = str(exc) if advice else f"raised {abbreviate(exc)}"
         raise PluginError(f"{origin.label()}: construction with options {options} failed: {detail}{advice}") from exc
+
+
+def _checked_protocol(policy: object, short: str, origin: PluginOrigin) -> list[str]:
+    """protocol_problems, with a plug-in whose attribute lookup itself raises (a `name` property, `__getattr__`)
+    named rather than a traceback from the check."""
+    with _plugin_errors(f"{origin.label()}: checking its methods and name"):
+        return protocol_problems(policy, short)
+
+
+@contextlib.contextmanager
+def _plugin_errors(what: str) -> Iterator[None]:
+    """Every exception of a plug-in's code run inside as a PluginError saying `what` ran. Not only Exception: a
+    policy's code is synchronous, so a SystemExit, a GeneratorExit or even a CancelledError raised there is the
+    plug-in's own (the engine's cancellation reaches its task at an await, never inside a policy call); only
+    KeyboardInterrupt, the user's, passes through."""
+    try:
+        yield
+    except (KeyboardInterrupt, PluginError):
+        raise
+    except BaseException as exc:  # noqa: BLE001
+        raise PluginError(f"{what} raised {abbreviate(exc)}") from exc
 
 
 def _find(short: str, name: str, refresh: bool) -> EntryPoint:
@@ -278,13 +304,17 @@ def guarded(policy: Any, group: str, origin: PluginOrigin | None = None) -> Any:
     if isinstance(policy, _Guarded):
         return policy
     short = short_group(group)
-    origin = origin or PluginOrigin(short, str(getattr(policy, "name", type(policy).__name__)),
-                                    cls=f"{type(policy).__module__}.{type(policy).__qualname__}")
+    if origin is None:
+        try:
+            named = str(getattr(policy, "name", type(policy).__name__))
+        except Exception:  # noqa: BLE001 (a `name` property that raises: the protocol check below names it)
+            named = type(policy).__name__
+        origin = PluginOrigin(short, named, cls=f"{type(policy).__module__}.{type(policy).__qualname__}")
     wrappers = {"eviction": GuardedEviction, "prefetch": GuardedPrefetch, "lookahead": GuardedLookahead,
                 "placement": GuardedPlacement}
     if short not in wrappers:
         raise PluginError(f"cannot guard a {short} plug-in; only {', '.join(wrappers)} policies are guarded")
-    problems = protocol_problems(policy, short)
+    problems = _checked_protocol(policy, short, origin)
     if problems:
         raise PluginError(f"{origin.label()}: {'; '.join(problems)}")
     return wrappers[short](policy, origin)
@@ -313,12 +343,15 @@ class _Guarded:
     def _call(self, method: str, **arguments: Any) -> Any:
         started = time.perf_counter()
         try:
-            return getattr(self.policy, method)(**arguments)
-        except (Exception, SystemExit) as exc:  # a policy's exit() is its bug, not the process's; cancellation and
-            # KeyboardInterrupt pass through on purpose
-            raise PluginError(f"{self.origin.label()}: {method}() raised {abbreviate(exc)}") from exc
+            with _plugin_errors(f"{self.origin.label()}: {method}()"):
+                return getattr(self.policy, method)(**arguments)
         finally:
             self._time(method, time.perf_counter() - started)
+
+    def _reading(self, method: str) -> contextlib.AbstractContextManager[None]:
+        """The check of `method`'s answer, which reads the plug-in's objects (a generator, a mapping's items): their
+        code's exceptions are the plug-in's too."""
+        return _plugin_errors(f"{self.origin.label()}: reading the answer of {method}()")
 
     def _time(self, method: str, seconds: float) -> None:
         """Warn once per method of a policy whose call held the event loop long: every decision runs on it, so the
@@ -335,9 +368,11 @@ class _Guarded:
         """`value` as a list of ints (numpy's integers too), or a wrong answer: a float, a str or a bool is an id
         only by accident (int() would take 2.7 as expert 2), and a generator is read once, here."""
         try:
-            items = list(value)
+            iterator = iter(value)
         except TypeError:
             raise self._wrong(method, f"{what} {abbreviate(value)} is not a list of ids") from None
+        with self._reading(method):
+            items = list(iterator)
         if not all(isinstance(item, (int, np.integer)) and not isinstance(item, (bool, np.bool_)) for item in items):
             raise self._wrong(method, f"{what} {abbreviate(items)} is not a list of int ids")
         return [int(item) for item in items]
@@ -414,7 +449,8 @@ class GuardedPrefetch(_Guarded):
     def _layers(self, mapping: Any, field: str, layers: int) -> list[tuple[int, Any]]:
         if not isinstance(mapping, Mapping):
             raise self._wrong("plan", f"Plan.{field} {abbreviate(mapping)} is not a mapping of layer -> ...")
-        items = list(mapping.items())
+        with self._reading("plan"):
+            items = list(mapping.items())
         bad = [layer for layer, _ in items
                if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < layers]
         if bad:
@@ -434,7 +470,8 @@ class GuardedPrefetch(_Guarded):
         ids = self._ids("plan", scored.keys(), f"layer {layer}'s scored experts")
         if any(not 0 <= expert < num_experts for expert in ids):
             raise self._wrong("plan", f"layer {layer} scores {abbreviate(ids)}: ids outside 0..{num_experts - 1}")
-        weights = list(scored.values())
+        with self._reading("plan"):
+            weights = list(scored.values())
         if not all(isinstance(w, (int, float, np.integer, np.floating)) and not isinstance(w, bool) and math.isfinite(w)
                    for w in weights):
             raise self._wrong("plan", f"layer {layer}'s score weights {abbreviate(weights)} are not finite numbers")

@@ -216,7 +216,8 @@ class LookaheadPolicy(Protocol):
         """Learn from the round just committed.
 
         Called by the engine once per round after commit, always after the `next_k` that chose
-        `outcome.k` (the engine may have clamped it). Must not raise for ordinary outcomes.
+        `outcome.k` (the engine may have clamped it); an engine without a draft asks no `next_k` and observes
+        nothing. Must not raise for ordinary outcomes.
         """
         ...
 

@@ -192,6 +192,12 @@ class Misbehaving:
             raise KeyError("oops")
         if self.mode == "cancel":
             raise asyncio.CancelledError()
+        if self.mode == "interrupt":
+            raise KeyboardInterrupt
+        if self.mode == "base":
+            raise BaseException("a base exception")
+        if self.mode == "lazy":  # a generator that fails while the guard reads it
+            return (expert for expert in [1, 3] if expert != 3 or {}["lazy"])
         return {"protected": [2], "duplicate": [1, 1], "foreign": [9], "short": []}[self.mode]
 
     def checkpoints(self, k, timing):
@@ -228,9 +234,43 @@ def test_an_exception_inside_a_decision_becomes_a_plugin_error_and_the_wrapper_s
     assert policy.victims(0, [1, 2], frozenset(), 1, UseHistory.empty(), None) == [2]
 
 
-def test_cancellation_is_not_swallowed():
-    with pytest.raises(asyncio.CancelledError):
-        guarded_victims("cancel")
+def test_the_users_interrupt_passes_and_a_policys_own_cancellation_is_its_error():
+    """A decision is synchronous, so the engine's cancellation reaches the task at an await, never inside one: a
+    CancelledError or another BaseException raised there is the plug-in's bug. It was let through, and `generate
+    --json` reported a plug-in's bug as the user's cancellation (or printed nothing for a BaseException)."""
+    with pytest.raises(KeyboardInterrupt):
+        guarded_victims("interrupt")
+    for mode, kind in [("cancel", "CancelledError"), ("base", "BaseException")]:
+        with pytest.raises(PluginError, match=rf"'misbehaving'.*victims\(\) raised {kind}"):
+            guarded_victims(mode)
+
+
+def test_an_answer_that_fails_while_it_is_read_is_the_plugins_error():
+    """A generator of victims, or a plan's mapping, is the plug-in's code running when the guard reads it: its
+    exception was a traceback through the engine's internals."""
+    with pytest.raises(PluginError, match=r"'misbehaving'.*reading the answer of victims\(\) raised KeyError"):
+        plugins.guarded(Misbehaving("lazy"), "eviction").victims(0, [1, 2, 3], frozenset(), 2, UseHistory.empty(), None)
+
+    class Exploding(dict):
+        def items(self):
+            raise RuntimeError("items")
+
+    class Planner(Misbehaving):
+        def plan(self, route_counts, resident, steps_done, k, timing, slots_per_layer):
+            return Plan(experts=Exploding({0: [1]}))
+
+    with pytest.raises(PluginError, match=r"reading the answer of plan\(\) raised RuntimeError"):
+        plugins.guarded(Planner("x"), "prefetch").plan(np.zeros((1, 4)), np.zeros((1, 4), bool), 1, 2, timing(), 2)
+
+
+def test_a_name_that_raises_is_named_at_the_protocol_check():
+    class Nameless(Misbehaving):
+        @property
+        def name(self):
+            raise ValueError("no name")
+
+    with pytest.raises(PluginError, match=r"checking its methods and name raised ValueError"):
+        plugins.guarded(Nameless("x"), "eviction")
 
 
 @pytest.mark.parametrize("mode", ["unsorted", "out-of-range"])
@@ -499,3 +539,36 @@ def test_an_entry_point_that_is_not_module_attribute_says_so(monkeypatch, value)
     monkeypatch.setattr(plugins, "installed", lambda group, refresh=False: {"broken": point})
     with pytest.raises(PluginError, match="is not 'module:attribute'"):
         plugins.load_policy("eviction", "broken")
+
+
+def test_a_lookahead_policy_is_observed_only_after_it_chose(tiny):
+    """Without a draft (k_max 0) the engine asks no next_k, yet it called observe() every round: a policy that pairs
+    the two (as the protocol promises) failed the run."""
+    from specter import Engine, EngineConfig
+    from specter.kernel import run
+
+    class Paired:
+        name = "paired"
+
+        def __init__(self) -> None:
+            self.pending, self.observed = False, 0
+
+        def next_k(self, state):
+            self.pending = True
+            return min(2, state.k_max)
+
+        def observe(self, outcome):
+            if not self.pending:
+                raise RuntimeError("observe() without next_k()")
+            self.pending, self.observed = False, self.observed + 1
+
+    async def tokens(k_max: int) -> tuple[list[int], int]:
+        config = EngineConfig(device="cpu", residents=4, max_context=64, draft={"k_max": k_max})
+        async with Engine.from_pretrained(tiny, config) as engine:
+            paired = Paired()
+            engine.runtime.lookahead = plugins.guarded(paired, "lookahead")
+            return (await engine.complete([5, 17, 300], max_new_tokens=8)).token_ids, paired.observed
+
+    plain, unobserved = run(tokens(0))
+    speculated, observed = run(tokens(4))
+    assert plain == speculated and unobserved == 0 and observed > 0
