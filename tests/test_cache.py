@@ -476,10 +476,11 @@ def test_iter_ready_yields_residents_first_and_rolls_through_more_experts_than_s
     assert rig.cache.stats.layers[0].hits == 2 and rig.cache.stats.layers[0].misses == 2 + 4
 
 
-@pytest.mark.parametrize("window, kept", [(None, {0, 1, 2}), (2, {5, 1, 2}), (1, {4, 5, 2}), (0, {4, 5, 2})])
-def test_the_roll_window_keeps_the_hot_experts_the_policy_keeps(window, kept):
+@pytest.mark.parametrize("window, hot", [(None, 0), (2, 1), (1, 2), (0, 2)])
+def test_the_roll_window_keeps_the_hot_experts_the_policy_keeps(window, hot):
     """A layer that wants twice its slots: with no window every hot expert gives its slot to a miss; with a window
-    the misses roll through that many slots and the hot experts the policy prefers stay for the next round."""
+    the misses roll through that many slots (at least one) and the hot experts the policy prefers stay for the next
+    round. Which misses stay is the last ones to come (their loads may finish in either order on a loaded host)."""
     def keep_four_and_five(layer, residents, protected, count):  # plan-protect-like: 4 and 5 are the planned ones
         free = [e for e in residents if e not in protected]
         return sorted(free, key=lambda e: e in (4, 5))[:count]
@@ -488,7 +489,9 @@ def test_the_roll_window_keeps_the_hot_experts_the_policy_keeps(window, kept):
     try:
         order = roll_through(rig, [3, 4, 5], [3, 4, 5, 0, 1, 2])
         assert sorted(order) == list(range(6)) and set(order[:3]) == {3, 4, 5}
-        assert set(rig.cache.lru_order(0)) == kept
+        kept = set(rig.cache.lru_order(0))
+        assert len(kept & {4, 5}) == hot and 3 not in kept  # the policy's planned experts, the unplanned one gone
+        assert kept - {4, 5} == set(order[3:][-(3 - hot):] if hot < 3 else []), (order, kept)
         assert rig.bad_reads == []
         assert rig.cache.stats.layers[0].hits == 3 and rig.cache.stats.layers[0].misses == 3 + 3
     finally:
