@@ -209,14 +209,15 @@ def check_device_memory(config: EngineConfig, device: torch.device, memory: Memo
                 "lower --budget, or run on a machine with more memory (the experts' host copy does not shrink with the "
                 "budget)")
     if config.budget is None and needed > free:
-        # On the CPU the cache's slots and the experts' host copy are both host memory: offloading adds to it
-        offload = "" if device.type == "cpu" else " or lower --residents" if config.residents is not None else " or give --residents or --budget"
+        if device.type == "cpu":  # the cache's slots and the experts' host copy are both host memory: offloading adds
+            instead = "run on a machine with more memory"
+        else:
+            instead = "lower --residents" if config.residents is not None else "give --residents or --budget"
         raise MemoryShortError(
             f"this configuration needs about {fmt(needed)} and {where} is {fmt(free)}: KV for max_context "
             f"{config.max_context} tokens {fmt(memory.kv_bytes)}, workspace {fmt(memory.workspace_bytes)}, non-expert weights "
             f"{fmt(memory.dense_bytes)}, draft {fmt(memory.draft_bytes)}, experts {fmt(needed - memory.fixed_bytes)}",
-            f"lower --max-context (KV and workspace grow with it){offload}"
-            + (", or run on a machine with more memory" if device.type == "cpu" else ""))
+            f"lower --max-context (KV and workspace grow with it), or {instead}")
 
 
 def apply_threads(config: EngineConfig, device: torch.device) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextvars
-import json
 import math
 import numbers
 import operator
@@ -16,6 +15,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       field_validator, model_validator)
 
 from specter.errors import ConfigError
+from specter.paths import json_value
 
 MIN_CONTEXT = 8
 """The shortest context the engine runs (EngineConfig.max_context's floor: a prompt token and a verify block)."""
@@ -496,8 +496,8 @@ def _override_target(values: dict, override: str) -> tuple[dict, str, object]:
         raise ConfigError(f"tuning override {override!r}: {target.strip()} is a section; set one of its fields: "
                           f"{', '.join(_names(holder[parts[-1]], target.strip()))}")
     try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):  # not JSON: the text itself, which the field's type then judges
+        value = json_value(text)
+    except ValueError:  # not JSON: the text itself, which the field's type then judges
         value = text.strip()
     return holder, parts[-1], value
 

@@ -265,15 +265,20 @@ def _checked_protocol(policy: object, short: str, origin: PluginOrigin) -> list[
         return protocol_problems(policy, short)
 
 
+_PASSING = (KeyboardInterrupt, PluginError)
+"""What a plug-in's code may raise through the guard: the user's interrupt, and a guard's own error. Everything else,
+not only Exception, is the plug-in's failure: its code is synchronous, so a SystemExit, a GeneratorExit or even a
+CancelledError raised there is its own (the engine's cancellation reaches its task at an await, never inside a
+policy call)."""
+
+
 @contextlib.contextmanager
 def _plugin_errors(what: str) -> Iterator[None]:
-    """Every exception of a plug-in's code run inside as a PluginError saying `what` ran. Not only Exception: a
-    policy's code is synchronous, so a SystemExit, a GeneratorExit or even a CancelledError raised there is the
-    plug-in's own (the engine's cancellation reaches its task at an await, never inside a policy call); only
-    KeyboardInterrupt, the user's, passes through."""
+    """Every exception of a plug-in's code run inside (but `_PASSING`) as a PluginError saying `what` ran; for the
+    cold paths: a decision's own call and its ids (`_Guarded._call`, `_ids`) build no message unless one fails."""
     try:
         yield
-    except (KeyboardInterrupt, PluginError):
+    except _PASSING:
         raise
     except BaseException as exc:  # noqa: BLE001
         raise PluginError(f"{what} raised {abbreviate(exc)}") from exc
@@ -343,8 +348,11 @@ class _Guarded:
     def _call(self, method: str, **arguments: Any) -> Any:
         started = time.perf_counter()
         try:
-            with _plugin_errors(f"{self.origin.label()}: {method}()"):
-                return getattr(self.policy, method)(**arguments)
+            return getattr(self.policy, method)(**arguments)
+        except _PASSING:
+            raise
+        except BaseException as exc:  # noqa: BLE001 (see _PASSING)
+            raise PluginError(f"{self.origin.label()}: {method}() raised {abbreviate(exc)}") from exc
         finally:
             self._time(method, time.perf_counter() - started)
 
@@ -371,8 +379,12 @@ class _Guarded:
             iterator = iter(value)
         except TypeError:
             raise self._wrong(method, f"{what} {abbreviate(value)} is not a list of ids") from None
-        with self._reading(method):
-            items = list(iterator)
+        try:
+            items = list(iterator)  # a generator's code runs here: its exceptions are the plug-in's
+        except _PASSING:
+            raise
+        except BaseException as exc:  # noqa: BLE001 (see _PASSING)
+            raise PluginError(f"{self.origin.label()}: reading the answer of {method}() raised {abbreviate(exc)}") from exc
         if not all(isinstance(item, (int, np.integer)) and not isinstance(item, (bool, np.bool_)) for item in items):
             raise self._wrong(method, f"{what} {abbreviate(items)} is not a list of int ids")
         return [int(item) for item in items]
