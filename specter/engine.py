@@ -358,7 +358,7 @@ class Runtime:
         self.kv.crop(start + acceptance.n_accepted + 1)  # 6. commit
         self.ahead.settle(start, k, ahead, acceptance, guessed, stats)
         clock.ended()
-        report = self._count_round(k, scouted, acceptance, record, stats, clock, bytes_at_start)
+        report = self._count_round(k, scouted, acceptance, record, stats, clock, bytes_at_start, k + 1 if ahead and k else k)
         for observer in self.observers:
             observer.round_done(report)
         self._adapt(report, clock)  # 7. adapt
@@ -550,7 +550,7 @@ class Runtime:
         return self._generator
 
     def _count_round(self, k: int, scouted: bool, acceptance: Acceptance, record, stats: RequestStats, clock: RoundClock,
-                     bytes_at_start: int) -> RoundReport:
+                     bytes_at_start: int, drafted: int) -> RoundReport:
         """Count the round in the request's stats and the use history; the report the observers get."""
         stats.rounds += 1
         self._account(record, stats)
@@ -561,7 +561,7 @@ class Runtime:
             stats.depths[k] += 1
         if scouted:
             stats.scouted += 1
-        return RoundReport(index=stats.rounds, k=k, scouted=scouted, acceptance=acceptance, verify=record,
+        return RoundReport(index=stats.rounds, k=k, drafted=drafted, scouted=scouted, acceptance=acceptance, verify=record,
                            draft_counts=self.ahead.round_counts() if (k or scouted) and self.draft is not None else None,
                            moe_layers=self.spec.moe_layers, window=clock.window, loaded_bytes=self._bytes_loaded() - bytes_at_start,
                            draft_step_s=self._draft_step_s(), stats=stats)

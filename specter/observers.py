@@ -74,6 +74,7 @@ class RoundReport:
 
     index: int  # the request's round count, 1 for its first round
     k: int  # drafts verified (0: a plain round)
+    drafted: int  # draft steps the round's prefetch plans were made for: k, or k + 1 where it drafted ahead (its guess)
     scouted: bool  # a plain round that ran a one-step scout first
     acceptance: Acceptance
     verify: Any  # the verify's VerifyRecord (offloaded experts only, else None): hits, misses, stall, experts used
@@ -219,7 +220,7 @@ class TraceRecorder(RoundObserver):
                 for layer in report.moe_layers]
         self.writer.write_round(TraceRound.from_arrays(report.index, report.k, report.acceptance.n_accepted, report.draft_step_s,
                                                        report.route_counts, used, loaded_bytes=report.loaded_bytes,
-                                                       checkpoints=self.checkpoints))
+                                                       checkpoints=self.checkpoints, drafted=report.drafted))
 
     def close(self) -> None:
         self.writer.close()

@@ -332,8 +332,9 @@ def _prefetch_round(
     placement: Placement | None = None,
 ) -> tuple[Plan | None, set[tuple[int, int]]]:
     """Run the round's checkpoints; return the last plan and the (layer, expert) pairs it loaded."""
-    k, plan, prefetched = trace_round.k, None, set()
-    if k < 1:
+    # The recording engine planned a round that drafted ahead for k + 1 steps (the last its guess): plan_k.
+    k, plan, prefetched = trace_round.plan_k, None, set()
+    if trace_round.k < 1:
         return None, prefetched
     if trace_round.checkpoints is not None:  # the recording engine's own plans' counts
         schedule = trace_round.checkpoint_counts(header.num_experts)

@@ -34,7 +34,9 @@ plans saw, in order::
     "checkpoints": [{"steps": s, "predicted": [{"<expert>": count, ...}, ...one per layer]}, ...]
 
 (`steps`: draft steps done when the plan was made; a replay plans from these instead of scaling the round's
-totals). `layers` has exactly L entries in layer order: `predicted` maps expert id
+totals); and `drafted`, the draft steps the round's prefetch plans were made for, where it is not `k`: k + 1 in a round
+that drafted ahead (its last step guesses the target's next token, `DraftConfig.overlap`), which the engine's prefetch
+policy saw as its `k` and a replay gives it likewise. `layers` has exactly L entries in layer order: `predicted` maps expert id
 (a JSON key, so a string) to the draft's top-k hits on it over the round's k steps (a finite number >= 0; zero
 counts may be left out); `used` lists the distinct experts (JSON ints, no repeats) the target's verify pass used at
 that layer, the device path's in the order it first used them, then the host path's (a placement's): at most (k + 1) * A of them, the verify's k + 1 rows choosing A each.
@@ -128,6 +130,13 @@ class TraceRound:
     """The H2D bytes the recording engine moved in this round; None where the trace does not say."""
     checkpoints: tuple[tuple[int, tuple[Mapping[int, float], ...]], ...] | None = None
     """(steps done, per-layer counts) of each prefetch plan the recording engine made; None where not recorded."""
+    drafted: int | None = None
+    """The draft steps the round's prefetch plans were made for (their `k`): k + 1 where the round drafted ahead; None: k."""
+
+    @property
+    def plan_k(self) -> int:
+        """The `k` the recording engine's prefetch policy planned this round with."""
+        return self.k if self.drafted is None else self.drafted
 
     @classmethod
     def from_arrays(
@@ -140,6 +149,7 @@ class TraceRound:
         used: Iterable[Iterable[int]],
         loaded_bytes: int | None = None,
         checkpoints: Iterable[tuple[int, np.ndarray]] | None = None,  # (steps done, [L, E] counts)
+        drafted: int | None = None,
     ) -> TraceRound:
         """Build a round from the draft's `[L, E]` route counters and the target's per-layer used experts."""
         layers = [
@@ -150,7 +160,7 @@ class TraceRound:
             (int(steps), tuple(_nonzero(row) for row in np.asarray(counts))) for steps, counts in checkpoints
         )
         return cls(round=round, k=k, accepted=accepted, draft_step_s=draft_step_s, layers=layers,
-                   loaded_bytes=loaded_bytes, checkpoints=planned)
+                   loaded_bytes=loaded_bytes, checkpoints=planned, drafted=None if drafted == k else drafted)
 
     def predicted_counts(self, num_experts: int) -> np.ndarray:
         """The predicted counts as a dense `[L, E]` float array."""
@@ -168,6 +178,8 @@ class TraceRound:
         scalars = {"round": self.round, "k": self.k, "accepted": self.accepted, "draft_step_s": self.draft_step_s}
         if self.loaded_bytes is not None:
             scalars["loaded_bytes"] = self.loaded_bytes
+        if self.drafted is not None:
+            scalars["drafted"] = self.drafted
         if self.checkpoints is not None:
             scalars["checkpoints"] = [
                 {"steps": steps, "predicted": [_counts_json(row) for row in rows]}
@@ -325,8 +337,11 @@ def _round_from_json(obj: dict[str, Any], header: TraceHeader) -> TraceRound:
     loaded = obj.get("loaded_bytes")
     loaded_bytes = None if loaded is None else _int_at_least(loaded, "loaded_bytes", 0)
     checkpoints = None if obj.get("checkpoints") is None else _checkpoints_from_json(obj["checkpoints"], k, header)
+    drafted = obj.get("drafted")
+    if drafted is not None:  # a draft-ahead round drafts its k steps and one more, its guess
+        drafted = _int_in(drafted, "drafted", k, k + 1, f"k + 1 = {k + 1}")
     return TraceRound(round=number, k=k, accepted=accepted, draft_step_s=draft_step_s, layers=routes,
-                      loaded_bytes=loaded_bytes, checkpoints=checkpoints)
+                      loaded_bytes=loaded_bytes, checkpoints=checkpoints, drafted=None if drafted == k else drafted)
 
 
 def _checkpoints_from_json(items: Any, k: int, header: TraceHeader) -> tuple[tuple[int, tuple[dict[int, float], ...]], ...]:

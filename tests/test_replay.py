@@ -485,3 +485,70 @@ def test_a_placement_object_is_guarded_as_a_loaded_one_and_named_by_its_class():
 
     with pytest.raises(PluginError, match=r"placement plug-in 'off' \(an object of .*BadPlace\): place\(\) returned"):
         replay_placements(HEADER, rotating_rounds(4), [BadPlace()], 1.0)
+
+
+# --- rounds that drafted ahead ------------------------------------------------------------------------------
+
+def test_a_rounds_drafted_steps_round_trip_and_are_bounded_by_k_plus_one(tmp_path):
+    ahead = TraceRound.from_arrays(0, 3, 2, 0.01, np.ones((2, 8)), [[0, 1], [0, 1]], drafted=4)
+    plain = TraceRound.from_arrays(1, 3, 2, 0.01, np.ones((2, 8)), [[0, 1], [0, 1]], drafted=3)
+    assert (ahead.drafted, ahead.plan_k, plain.drafted, plain.plan_k) == (4, 4, None, 3)
+    path = tmp_path / "ahead.jsonl"
+    with TraceWriter(path, HEADER) as writer:
+        writer.write_round(ahead)
+        writer.write_round(plain)
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[1])["drafted"] == 4 and "drafted" not in json.loads(lines[2])
+    assert read_trace(path)[1] == [ahead, plain]
+    for drafted, says in ((5, "drafted=5; expected an int in 3..4"), (2, "drafted")):
+        line = json.loads(lines[1]) | {"drafted": drafted}
+        path.write_text(lines[0] + "\n" + json.dumps(line) + "\n")
+        with pytest.raises(TraceError, match=says):
+            read_trace(path)
+
+
+class _PlanKs(TopMKeep):
+    """TopMKeep that notes the (steps done, k) of every plan it is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[tuple[int, int]] = []
+
+    def plan(self, *, steps_done, k, **kwargs):
+        self.asked.append((steps_done, k))
+        return super().plan(steps_done=steps_done, k=k, **kwargs)
+
+
+def test_a_replayed_round_that_drafted_ahead_plans_with_the_engines_k():
+    """The engine plans a draft-ahead round's prefetch for its k + 1 steps; a replay gave the policy k."""
+    [trace_round] = rotating_rounds(1, k=3)
+    policy = _PlanKs()
+    replay(HEADER, [dataclasses.replace(trace_round, drafted=4)], PlanProtect(), policy, link_gbps=1.0)
+    assert policy.asked and {k for _, k in policy.asked} == {4}
+    plain = _PlanKs()
+    replay(HEADER, [trace_round], PlanProtect(), plain, link_gbps=1.0)
+    assert plain.asked and {k for _, k in plain.asked} == {3}
+
+
+def test_a_draft_ahead_engines_trace_replays_the_plans_it_made(tiny, tmp_path, monkeypatch):
+    """Recorded on the CPU with the draft-ahead forced on: the replay asks the prefetch policy for the very
+    (steps done, k) the engine asked, round by round (k + 1 where the round drafted ahead)."""
+    from specter import Engine, EngineConfig
+    from specter.kernel import run
+
+    engine_policy = _PlanKs()
+    monkeypatch.setattr("policies.prefetch.TopMKeep", lambda *args, **kwargs: engine_policy)
+    config = EngineConfig(device="cpu", residents=4, lookahead="fixed", draft=dict(k=3, overlap=16))
+
+    async def main():
+        async with Engine.from_pretrained(tiny, config) as engine:
+            engine.runtime.record_trace(tmp_path / "ahead.jsonl")
+            await engine.complete([5, 17, 300, 42], max_new_tokens=24)
+
+    run(main())
+    header, rounds = read_trace(tmp_path / "ahead.jsonl")
+    assert rounds and any(r.drafted == r.k + 1 for r in rounds)
+    replayed = _PlanKs()
+    replay(header, rounds, PlanProtect(), replayed, link_gbps=1.0)
+    assert engine_policy.asked and replayed.asked == engine_policy.asked
+    assert any(k == 4 for _, k in replayed.asked)
