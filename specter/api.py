@@ -87,7 +87,8 @@ class GenerationStream:
         self.finish_reason: FinishReason | None = None
         self._engine = engine
         self._stop_ids = stop_ids
-        self._detokenizer: Detokenizer | None = engine.tokenizer.detokenizer(generation.stop_strings) if engine.tokenizer else None
+        self._detokenizer: Detokenizer | None = (engine.tokenizer.detokenizer(generation.stop_strings, prompt_ids)
+                                                     if engine.tokenizer else None)
         self._text: list[str] = []
         self._pieces = self._run()
         self._consumer: asyncio.Task[Any] | None = None  # the task inside __anext__, if any

@@ -124,8 +124,8 @@ class Tokenizer:
                               "avoid the tokens it has beyond the model's (often added special tokens)")
         return ids
 
-    def detokenizer(self, stop_strings: Iterable[str] = ()) -> Detokenizer:
-        return Detokenizer(self, stop_strings)
+    def detokenizer(self, stop_strings: Iterable[str] = (), context: Sequence[int] = ()) -> Detokenizer:
+        return Detokenizer(self, stop_strings, context)
 
 
 def _shown(value: Any) -> str:
@@ -147,6 +147,11 @@ def check_text(text: str, what: str, instead: str = ", or the prompt as token id
                           f"give the text as UTF-8 (check the terminal's or the file's encoding){instead}") from None
 
 
+CONTEXT_TOKENS = 6
+"""Prompt ids a detokenizer decodes its first new tokens after: enough for any decoder's look-back (a SentencePiece
+space, a byte-level character of up to 4 tokens), few enough to cost nothing."""
+
+
 class Detokenizer:
     """Turns committed token ids into text pieces as they arrive.
 
@@ -155,15 +160,24 @@ class Detokenizer:
     strings, the last `len(longest stop) - 1` characters are held back too, so that text before a stop
     string is never released past it; once a stop string appears, the text is cut just before it and
     `stopped` is set. `finish()` releases what is left. The pieces joined equal `text`.
+
+    `context`: the prompt's ids, of which the last `CONTEXT_TOKENS` are decoded before the first new token and never
+    released, so that the new text continues the prompt's as the whole sequence decodes (prompt + text ==
+    decode(prompt + tokens)): a SentencePiece decoder (Metaspace: Mixtral's, Phi's) strips a leading space from text
+    that starts at a token, which dropped the space between a prompt and its continuation. A context whose text
+    ends inside a character is left out (its character is split between prompt and answer).
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop_strings: Iterable[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop_strings: Iterable[str] = (), context: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = tuple(s for s in stop_strings if s)
         self._hold = max((len(s) for s in self.stop_strings), default=1) - 1
-        self.token_ids: list[int] = []
+        context = list(context)[-CONTEXT_TOKENS:]
+        if context and tokenizer.decode(context).endswith(REPLACEMENT):
+            context = []
+        self.token_ids: list[int] = context  # the context's ids, then the new ones
         self._prefix_offset = 0  # decoding restarts here, so decoders that strip a leading space see context
-        self._read_offset = 0  # tokens before this are in `_decoded`
+        self._read_offset = len(context)  # tokens before this are in `_decoded` (or are the context)
         self._decoded = ""  # complete text decoded so far (cut at a stop string)
         self._released = 0  # characters of `_decoded` handed out
         self.stopped = False

@@ -23,9 +23,10 @@ def tokenizer() -> Tokenizer:
     return loaded
 
 
-def stream(tokenizer: Tokenizer, ids: list[int], stop_strings: tuple[str, ...] = ()) -> tuple[list[str], str, bool]:
+def stream(tokenizer: Tokenizer, ids: list[int], stop_strings: tuple[str, ...] = (),
+           context: list[int] | None = None) -> tuple[list[str], str, bool]:
     """Push ids one at a time; return the pieces (the last from finish()), their join and whether it stopped."""
-    detokenizer = tokenizer.detokenizer(stop_strings)
+    detokenizer = tokenizer.detokenizer(stop_strings, context or ())
     pieces = [detokenizer.push([token]) for token in ids]
     pieces.append(detokenizer.finish())
     assert "".join(pieces) == detokenizer.text
@@ -124,6 +125,26 @@ def test_metaspace_decoder_keeps_spaces_incrementally():
     assert tokenizer.decode(ids) == text
     _, joined, _ = stream(tokenizer, ids)
     assert joined == text
+    # A continuation after a prompt keeps the space between them (it began 'that c experts': 'tokens andthat c ...')
+    for cut in range(1, len(ids)):
+        prompt, answer = ids[:cut], ids[cut:]
+        _, joined, _ = stream(tokenizer, answer, context=prompt)
+        assert tokenizer.decode(prompt) + joined == text, cut
+    cut = next(n for n in range(len(ids)) if tokenizer.decode(ids[:n]) == "the draft")
+    assert stream(tokenizer, ids[cut:], ("tokens",), context=ids[:cut])[1:] == (" proposes ", True)
+
+
+def test_a_continuation_after_a_prompt_is_its_text_in_the_whole_decode(tokenizer):
+    """Byte-level BPE: after any prompt cut that ends on a whole character, prompt text + new text = the whole
+    decode; a prompt ending inside a character leaves its context out (the character is split between them)."""
+    ids = tokenizer.encode("smörgåsbord and " + MULTIBYTE + " experts")
+    for cut in range(1, len(ids)):
+        prompt = tokenizer.decode(ids[:cut])
+        _, joined, _ = stream(tokenizer, ids[cut:], context=ids[:cut])
+        if not prompt.endswith(REPLACEMENT):
+            assert prompt + joined == tokenizer.decode(ids), cut
+        else:
+            assert joined == stream(tokenizer, ids[cut:])[1], cut
 
 
 def test_builtin_tokenizer_is_deterministic_and_fits_the_vocabulary(tmp_path, tokenizer):
