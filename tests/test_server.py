@@ -197,6 +197,11 @@ def test_seeded_sampling_is_reproducible_and_matches_engine(server, reference):
     other = client.completions.create(model=model, prompt="the quick brown fox", max_tokens=10, extra_body={"top_k": 40},
                                       **(params | {"seed": 12}))
     assert other.choices[0].text != expected.text  # the seed is used, not ignored
+    # OpenAI's seed is an int64 (some clients send -1): a negative one is the engine's seed modulo 2**63
+    minus_one = client.completions.create(model=model, prompt="the quick brown fox", max_tokens=10,
+                                          extra_body={"top_k": 40}, **(params | {"seed": -1}))
+    assert minus_one.choices[0].text == reference.complete("the quick brown fox", max_new_tokens=10, top_k=40,
+                                                            **(params | {"seed": 2**63 - 1})).text
 
 
 def test_stop_string_ends_the_text_with_finish_reason_stop(server, reference):
@@ -260,7 +265,7 @@ BAD = {
     "top_p > 1": ("/v1/completions", {"model": "M", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     "max_tokens 0": ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     "n > 1": ("/v1/completions", {"model": "M", "prompt": "hi", "n": 2}, 400, "n"),
-    "negative seed": ("/v1/completions", {"model": "M", "prompt": "hi", "seed": -3}, 400, "seed"),
+    "seed below int64": ("/v1/completions", {"model": "M", "prompt": "hi", "seed": -2**63 - 1}, 400, "seed"),
     "logprobs": ("/v1/completions", {"model": "M", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
     "stream not a bool": ("/v1/completions", {"model": "M", "prompt": "hi", "stream": "yes"}, 400, "stream"),
     "unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
@@ -322,9 +327,10 @@ NAMED = {  # the fields beside "model", the error's param, what its message must
                                 "content must be a string or a list of text parts"),
     "a boolean token id": ({"prompt": [1, True]}, "prompt", "token ids must be integers; element 1 is true"),
     "a float token id": ({"prompt": [1.5]}, "prompt", "element 0 is 1.5; a prompt is text, token ids (integers)"),
-    "a text in a batch of id lists": ({"prompt": [[1, 2], "a"]}, "prompt",
-                                      "holds only lists of integers; element 1 is \"a\""),
-    "a number in a batch of texts": ({"prompt": ["a", 2]}, "prompt", "a batch of texts holds only strings; element 1 is 2"),
+    "a text in a batch's id list": ({"prompt": [[1, "a"]]}, "prompt",
+                                    "a batch's token-id prompt holds only integers; element 1 is \"a\""),
+    "a batch of two, one not a prompt": ({"prompt": ["a", 2]}, "prompt",
+                                         "got a batch of 2 prompts; send one prompt per request"),
     "a prompt object": ({"prompt": {"text": "hi"}}, "prompt", "the prompt must be text, a list of token ids, or a batch"),
     "a null stop string": ({"prompt": "hi", "stop": ["\n", None]}, "stop",
                            "stop strings must be strings; element 1 is null"),
@@ -1085,3 +1091,138 @@ def test_a_request_the_engine_ended_is_500_for_a_plugins_failure_and_503_otherwi
     answer = _ended(state, cause("eviction plug-in 'x' (dist y): victims() raised in /srv/ckpt"))
     assert answer.status == status and answer.body()["error"]["type"] == "server_error"
     assert ("/srv/ckpt" not in answer.message) and (error == "RequestCancelled" or "<model 'served'>" in answer.message)
+
+
+def test_a_client_that_stops_reading_its_stream_does_not_hold_the_engine():
+    """A streamed answer's writes block while the client reads nothing (its socket full): the request held the
+    engine's turn until the client read, so every request behind it waited (20 s and more, for as long as the client
+    stayed). The events now drain into a buffer: the turn ends with the generation; a hang-up still cancels it."""
+    from specter.server.admission import AdmissionQueue
+    from specter.server.asgi import EventStream
+
+    queue = AdmissionQueue(4)
+    generated: list[int] = []
+    gone = asyncio.Event()
+
+    async def events(ticket, count):
+        async with ticket:  # the engine's turn, as app._pieces holds it
+            for index in range(count):
+                generated.append(index)
+                await asyncio.sleep(0)
+                yield f"data: {index}\n\n".encode()
+
+    async def stalled_send(message):
+        if message["type"] == "http.response.body":
+            await asyncio.Event().wait()  # the client never reads
+
+    async def receive():
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def main():
+        first = queue.admit()
+        stalled = asyncio.ensure_future(EventStream(events(first, 50), first)({"path": "/v1/completions"}, receive, stalled_send))
+        second = queue.admit()
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+
+        await asyncio.wait_for(EventStream(events(second, 3), second)({"path": "/v1/completions"}, receive, send), 5)
+        assert [m.get("body") for m in sent[1:]] == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
+        assert generated.count(49) == 1 and not stalled.done()  # the first generated all of its answer meanwhile
+        gone.set()  # it hangs up: its stream ends
+        await asyncio.wait_for(stalled, 5)
+        assert (queue.waiting, queue.running) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_a_hang_up_mid_generation_cancels_the_drawing_of_events():
+    from specter.server.admission import AdmissionQueue
+    from specter.server.asgi import EventStream
+
+    queue = AdmissionQueue(1)
+    drawn, closed = [], []
+    gone = asyncio.Event()
+
+    async def events(ticket):
+        try:
+            async with ticket:
+                for index in range(10_000):
+                    drawn.append(index)
+                    if index == 5:
+                        gone.set()
+                    await asyncio.sleep(0.001)
+                    yield b"data: x\n\n"
+        finally:
+            closed.append(True)
+
+    async def send(message):
+        pass
+
+    async def receive():
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def main():
+        ticket = queue.admit()
+        await asyncio.wait_for(EventStream(events(ticket), ticket)({"path": "/v1/completions"}, receive, send), 5)
+        assert closed == [True] and len(drawn) < 100 and (queue.waiting, queue.running) == (0, 0)
+
+    asyncio.run(main())
+
+
+class _FailingEngine:
+    """An engine that admits a token-id prompt and fails inside its generation (a CUDA error, a lost file)."""
+
+    def __init__(self, error: BaseException) -> None:
+        from types import SimpleNamespace
+
+        self.error = error
+        self.config = SimpleNamespace(max_context=64)
+        self.spec = SimpleNamespace(max_position=64, vocab_size=100)
+        self.tokenizer = SimpleNamespace(source="/srv/ckpt")
+
+    def encode(self, prompt):
+        return list(prompt)
+
+    def generate(self, prompt_ids, generation):
+        error = self.error
+
+        class Failing:
+            async def __aenter__(self):
+                raise error
+
+            async def __aexit__(self, *exc_info):
+                return False
+
+        return Failing()
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), OSError(5, "Input/output error")])
+def test_an_unexpected_engine_error_is_a_logged_openai_500_streamed_or_not(error):
+    """Unstreamed, Starlette's own plain-text 'Internal Server Error' answered; an engine's OSError was taken for the
+    client's hang-up (counted 499, its cause never logged)."""
+    from structlog.testing import capture_logs
+
+    from specter.server.app import create_app
+
+    app = create_app(_FailingEngine(error), model_name="m")
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            whole = await client.post("/v1/completions", json=body)
+            streamed = await client.post("/v1/completions", json=body | {"stream": True})
+        return whole, streamed, app.metrics.render({})
+
+    with capture_logs() as logs:
+        whole, streamed, metrics = asyncio.run(main())
+    assert whole.status_code == 500 and whole.headers["content-type"] == "application/json"
+    assert whole.json()["error"]["type"] == "server_error" and "logged the cause" in whole.json()["error"]["message"]
+    assert '"server_error"' in streamed.text and streamed.text.rstrip().endswith("}")
+    assert [entry["event"] for entry in logs].count("server.internal_error") == 1  # the unstreamed one, once
+    assert any(entry["event"] == "server.stream_failed" for entry in logs)
+    assert 'status="500"' in metrics and 'status="499"' not in metrics

@@ -39,6 +39,7 @@ from specter.server.protocol import (
     APIRequestError,
     ChatCompletionRequest,
     CompletionRequest,
+    SEED_LIMIT,
     SamplingRequest,
     as_json,
 )
@@ -102,9 +103,16 @@ def create_app(engine: Engine, *, model_name: str, max_queue: int = 64, api_key:
         Route("/health", _handler(state, health), methods=["GET"]),
         Route("/metrics", _handler(state, metrics), methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.server = state
     return Gate(app, state.metrics, api_key, on_close=state.close)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """An unexpected error in OpenAI's error shape, not Starlette's plain-text page (Starlette raises it on after this
+    answer, and the gate logs it with its traceback)."""
+    error = APIRequestError(500, "internal server error; the server logged the cause", type="server_error")
+    return JSONResponse(error.body(), status_code=500)
 
 
 def _handler(state: ServerState, route: Any) -> Any:
@@ -392,7 +400,7 @@ def _generation(body: SamplingRequest, max_tokens: int) -> GenerationConfig:
         return GenerationConfig.build(
             # top_p 0 keeps the most likely token alone (OpenAI takes it): greedy, which the engine spells temperature 0
             max_new_tokens=max_tokens, temperature=0.0 if body.top_p == 0 else 1.0 if body.temperature is None else body.temperature,
-            top_k=body.top_k, top_p=body.top_p or None, seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
+            top_k=body.top_k, top_p=body.top_p or None, seed=secrets.randbelow(2**31) if body.seed is None else body.seed % SEED_LIMIT,
             stop_strings=body.stop_strings())
     except ConfigError as error:
         raise APIRequestError(400, str(error)) from None

@@ -113,9 +113,7 @@ async def unless_hangup(work: Awaitable[T], receive: Receive) -> T:
         await asyncio.gather(job, hangup, return_exceptions=True)
     if job.cancelled():
         raise ClientGone()
-    if isinstance(job.exception(), OSError):  # a write to a socket the client closed
-        raise ClientGone() from job.exception()
-    return job.result()
+    return job.result()  # (the engine's OSError is its own failure, not a hang-up: only a write says that, `_write`)
 
 
 class NoResponse:
@@ -127,7 +125,11 @@ class NoResponse:
 
 class EventStream:
     """A server-sent-event response from an async iterator of encoded events; the ticket is given back at the end
-    whatever happens (finished, client gone, shutdown), so the queue never keeps a dead request's place."""
+    whatever happens (finished, client gone, shutdown), so the queue never keeps a dead request's place.
+
+    The events are drawn by a task of their own into a buffer the writes drain: the request holds the engine's turn
+    while it generates, not while its client reads, so a client that stops reading (a full socket) keeps only its
+    connection and its answer's bytes, never the requests behind it. A hang-up still cancels the generation."""
 
     def __init__(self, events: AsyncIterator[bytes], ticket: Ticket) -> None:
         self.events, self.ticket = events, ticket
@@ -143,11 +145,34 @@ class EventStream:
     async def _produce(self, send: Send) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                    (b"x-accel-buffering", b"no")]  # proxies must not hold pieces back
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        async with contextlib.aclosing(self.events) as events:
-            async for event in events:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await _write(send, {"type": "http.response.start", "status": 200, "headers": headers})
+        buffer: asyncio.Queue[bytes | None] = asyncio.Queue()  # unbounded: at most one answer's events
+        drawing = asyncio.ensure_future(self._draw(buffer))
+        try:
+            while (event := await buffer.get()) is not None:
+                await _write(send, {"type": "http.response.body", "body": event, "more_body": True})
+            await drawing  # the events' own error, if they ended on one
+        finally:
+            drawing.cancel()  # a no-op when done; else the client went or the server stops: the generation ends
+            await asyncio.gather(drawing, return_exceptions=True)
+        await _write(send, {"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _draw(self, buffer: asyncio.Queue[bytes | None]) -> None:
+        try:
+            async with contextlib.aclosing(self.events) as events:
+                async for event in events:
+                    buffer.put_nowait(event)
+        finally:
+            buffer.put_nowait(None)
+
+
+async def _write(send: Send, message: dict[str, Any]) -> None:
+    """`send`, where an OSError says the client closed the socket (servers other than uvicorn's HTTP/1.1, which
+    drops a write to a closed connection, raise one)."""
+    try:
+        await send(message)
+    except OSError as error:
+        raise ClientGone() from error
 
 
 def sse(data: dict[str, Any] | str) -> bytes:

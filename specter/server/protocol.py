@@ -83,7 +83,9 @@ class SamplingRequest(BaseModel):
     top_p: float | None = Field(None, ge=0.0, le=1.0, description="Nucleus sampling; 1 (or None) keeps every token, "
                                 "0 only the most likely one (greedy), as OpenAI takes it.")
     top_k: int | None = Field(None, ge=1, description="Keep the k most likely tokens (not in OpenAI's API; vLLM's name).")
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="Same seed and parameters, same tokens; None draws one.")
+    seed: int | None = Field(None, ge=-SEED_LIMIT, lt=SEED_LIMIT, description="Same seed and parameters, same tokens; "
+                             "None draws one. An int64, as OpenAI's (some clients send -1): a negative one is taken "
+                             "modulo 2**63, the engine's non-negative seed.")
     stop: str | list[str] | None = Field(None, description="Stop strings; the text ends before the first one found.")
     # OpenAI's schema lets a client send null for these (the official client's n=None does), meaning the default.
     stream: bool | None = Field(False, description="Server-sent events; null is false.")
@@ -165,10 +167,15 @@ class SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+BATCH_REFUSED = "got a batch of {count} prompts; send one prompt per request"
+
+
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions. The prompt is text or token ids; a batch of one is taken, larger batches refused."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # Left to right: the shape check below already chose the branch, and a smart union would validate a long prompt
+    # against every branch (seconds of the event loop for an 8 MB body).
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(union_mode="left_to_right")
     max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most; OpenAI's default is 16.")
     echo: bool | None = Field(False, description="Not supported: must be false (or null).")
     best_of: int | None = Field(None, ge=1, le=1, description="Not supported beyond 1.")
@@ -177,8 +184,9 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
-        """Text, token ids, or a batch (a list) of either, with an error naming the element that fits none: pydantic's
-        union would report only its first branch ("prompt.str: Input should be a valid string")."""
+        """Text, token ids, or a batch (a list) of one of either, with an error naming the element that fits none:
+        pydantic's union would report only its first branch ("prompt.str: Input should be a valid string"). A larger
+        batch is refused before any pass over its prompts (the server takes one prompt a request)."""
         if isinstance(value, str):
             return value
         if not isinstance(value, list):
@@ -186,18 +194,13 @@ class CompletionRequest(SamplingRequest):
         if not value or _is_id(value[0]):
             if not all(_is_id(item) for item in value):
                 raise ValueError(f"token ids must be integers; {_first_not(value, _is_id)}")
-        elif isinstance(value[0], str):
-            if not all(isinstance(item, str) for item in value):
-                raise ValueError(f"a batch of texts holds only strings; {_first_not(value, lambda item: isinstance(item, str))}")
-        elif isinstance(value[0], list):
-            def ids(item: Any) -> bool:
-                return isinstance(item, list) and all(_is_id(token) for token in item)
-
-            if not all(ids(item) for item in value):
-                raise ValueError(f"a batch of token-id prompts holds only lists of integers; {_first_not(value, ids)}")
-        else:
+        elif not isinstance(value[0], (str, list)):
             raise ValueError(f"element 0 is {as_json(value[0])}; a prompt is text, token ids (integers), or a batch of "
                              "one of these")
+        elif len(value) != 1:
+            raise ValueError(BATCH_REFUSED.format(count=len(value)))
+        elif isinstance(value[0], list) and not all(_is_id(token) for token in value[0]):
+            raise ValueError(f"a batch's token-id prompt holds only integers; {_first_not(value[0], _is_id)}")
         return value
 
     @field_validator("echo")
@@ -211,8 +214,7 @@ class CompletionRequest(SamplingRequest):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise APIRequestError(400, f"got a batch of {len(prompt)} prompts; send one prompt per request",
-                                      param="prompt")
+                raise APIRequestError(400, BATCH_REFUSED.format(count=len(prompt)), param="prompt")
             return prompt[0]  # type: ignore[return-value]
         return prompt  # type: ignore[return-value]
 
