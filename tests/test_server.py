@@ -868,6 +868,27 @@ def test_serve_takes_generate_engine_options():
     for bad in (["--max-queue", "-1"], ["--port", "70000"], ["--port", "-1"], ["--drain-timeout", "-5"]):
         with pytest.raises(SystemExit):  # argparse's exit 2 with the rule, before any model loads
             build_parser().parse_args(["serve", *bad])
+    sizes = {"65536": 65536, "8MiB": 8 * 2**20, "1KiB": 1024}  # as --budget takes sizes; a bare number is bytes
+    assert {text: build_parser().parse_args(["serve", "--max-body-bytes", text]).max_body_bytes for text in sizes} == sizes
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--host", "", "--host: must not be empty or blank; leave --host out for loopback only"),  # an unset $HOST: not
+    ("--host", " ", "--host: must not be empty"),  # every interface with no word said
+    ("--served-model-name", "", "--served-model-name: must not be empty"),
+    ("--port", "abc", "--port: expected a TCP port, a whole number from 0 to 65535, got 'abc'"),  # was "invalid _port value"
+    ("--max-queue", "x", "--max-queue: expected a whole number 0 or more, got 'x'"),
+    ("--drain-timeout", "soon", "--drain-timeout: expected seconds (a number 0 or more), got 'soon'"),
+    ("--max-body-bytes", "8MB!", "--max-body-bytes: '8MB!' is not a size"),
+    ("--max-body-bytes", "0", "--max-body-bytes: must be 1 byte or more, got 0"),
+])
+def test_serve_options_name_what_was_wrong(option, value, says, capsys):
+    from specter.cli import build_parser
+
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["serve", option, value])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and says in err and "_port" not in err and "_positive" not in err, err
 
 
 def test_serve_load_benchmark_against_a_running_server(server, tmp_path):

@@ -26,9 +26,10 @@ def add_serve_parser(commands: Any) -> None:
 
     serve = commands.add_parser("serve", help="serve the OpenAI API (completions, chat, streaming, metrics)")
     serve.add_argument("--model", default="tiny", help="checkpoint directory, or the name of a built-in model (default: tiny)")
-    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+    serve.add_argument("--served-model-name", type=_name, default=None, metavar="NAME",
                        help="the model name clients send and /v1/models lists (default: --model)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--host", type=_host, default="127.0.0.1",
+                       help="address to bind (default: loopback only; 0.0.0.0 for every interface, said so)")
     serve.add_argument("--port", type=_port, default=8000, help="port to bind; 0 picks a free one (printed on start)")
     serve.add_argument("--api-key", type=_api_key, default=None, metavar="KEY",
                        help="require 'Authorization: Bearer KEY' on /v1/* (not empty: an unset variable must not "
@@ -38,8 +39,9 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--drain-timeout", type=_seconds, default=60.0, metavar="S",
                        help="on SIGTERM, wait this long for admitted requests to finish, then end them: a 503 for an "
                             "answer not begun, an error event for a stream (default 60)")
-    serve.add_argument("--max-body-bytes", type=_positive, default=None, metavar="N",
-                       help="largest request body; a larger one gets 413 before it is read (default 8 MiB)")
+    serve.add_argument("--max-body-bytes", type=_body_bytes, default=None, metavar="N",
+                       help="largest request body, in bytes or with a unit (8MiB); a larger one gets 413 before it is "
+                            "read (default 8 MiB)")
     generate = argparse.ArgumentParser(add_help=False)
     _add_generate(generate)
     for group in generate._action_groups:  # argparse has no public way to copy a group
@@ -60,29 +62,61 @@ def _api_key(text: str) -> str:
     return text
 
 
+def _host(text: str) -> str:
+    if not text.strip():  # `--host "$UNSET"` would otherwise bind every interface
+        raise argparse.ArgumentTypeError("must not be empty or blank; leave --host out for loopback only, or give "
+                                         "0.0.0.0 to serve every interface")
+    return text
+
+
+def _name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty or blank; leave --served-model-name out to serve the "
+                                         "model under its --model name")
+    return text
+
+
+def _integer(text: str, expected: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
 def _non_negative(text: str) -> int:
-    value = int(text)
+    value = _integer(text, "a whole number 0 or more")
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
+def _body_bytes(text: str) -> int:
+    """A byte count: a bare whole number is bytes (any from 1), or a size with its unit (8MiB), as --budget takes."""
+    from specter.config import parse_bytes
+
+    if text.strip().isdigit():
+        value = int(text)
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be 1 byte or more, got {value}")
+        return value
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _port(text: str) -> int:
-    value = int(text)
+    value = _integer(text, "a TCP port, a whole number from 0 to 65535")
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port from 0 to 65535 (0 picks a free one), got {value}")
     return value
 
 
 def _seconds(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number 0 or more), got {text!r}") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
     return value
