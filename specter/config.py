@@ -114,7 +114,10 @@ class _Frozen(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
-    def __init__(self, **values: Any) -> None:
+    def __init__(self, *positional: Any, **values: Any) -> None:
+        if positional:  # pydantic's own message is a TypeError about `__init__`'s arguments
+            raise ConfigError(f"{type(self).__name__} takes its fields by name, e.g. {_EXAMPLES.get(type(self).__name__, type(self).__name__ + '(...)')}; "
+                              f"got {len(positional)} positional value(s)")
         # pydantic runs a model's own __init__ for a nested one given as a mapping too: only the outermost turns the
         # error into a ConfigError, so the nested one's ValidationError reaches it with its path.
         depth = _CONSTRUCTING.set(_CONSTRUCTING.get() + 1)
@@ -127,10 +130,28 @@ class _Frozen(BaseModel):
         finally:
             _CONSTRUCTING.reset(depth)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A configuration is shared by what was built from it (a runtime reads it once), so it is never changed in
+        # place; pydantic's own error here is a multi-line ValidationError that names no way out.
+        kind = type(self).__name__
+        if kind in ("EngineConfig", "GenerationConfig"):
+            how = (f"build one with the value instead, e.g. {_EXAMPLES[kind]}, or from another: "
+                   f"{kind}(**{{**old.model_dump(), '{name}': value}})")
+        else:  # a section, built through its EngineConfig
+            how = f"give it when the EngineConfig is built, e.g. {_EXAMPLES['EngineConfig']} (on the command line: its options, --tune SECTION.FIELD=VALUE)"
+        raise ConfigError(f"{kind} is immutable: {name} cannot be set on it; {how}")
+
     @classmethod
     def build(cls, **values: object) -> "_Frozen":
         """The constructor (kept for callers that name the conversion): ConfigError naming each bad field."""
         return cls(**values)
+
+
+_EXAMPLES = {
+    "EngineConfig": "EngineConfig(residents=4, tuning={'kernels': {'static_mla': False}})",
+    "GenerationConfig": "GenerationConfig(max_new_tokens=64, temperature=0.7)",
+}
+"""How each configuration is built, for the errors of one used another way (a section is built through its parent)."""
 
 
 def describe_validation_error(model: str, error: ValidationError) -> str:
