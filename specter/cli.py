@@ -285,13 +285,15 @@ async def _generate(args: argparse.Namespace, config: Any, generation: Any, toke
                                  "stats": stream.stats.as_dict()}) + "\n")
             raise
         result = stream.result
-    assert result is not None, "the stream ended without a result"
-    if args.json:
-        _out(json.dumps({"tokens": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
-                         "stats": result.stats.as_dict()}) + "\n")
-    else:
-        _out("\n")
-    print(summary_line(result.stats.as_dict()), file=sys.stderr)
+        assert result is not None, "the stream ended without a result"
+        # Before the engine closes: closing writes the trace's last lines, and a failure there (a full disk) must not
+        # take the finished request's output with it
+        if args.json:
+            _out(json.dumps({"tokens": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
+                             "stats": result.stats.as_dict()}) + "\n")
+        else:
+            _out("\n")
+        print(summary_line(result.stats.as_dict()), file=sys.stderr)
     return 0
 
 
