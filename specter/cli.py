@@ -241,7 +241,7 @@ def check_generate_inputs(args: argparse.Namespace) -> None:
     """The text and the output paths the user typed (the model's limits are checked when its config is read)."""
     from specter.errors import ConfigError
     from specter.builtin import resolve_model
-    from specter.paths import check_not_an_input, check_output_file
+    from specter.paths import check_not_an_input, check_not_the_file, check_output_file
     from specter.tokenizer import check_text
 
     if args.chat and args.prompt is None:
@@ -256,6 +256,7 @@ def check_generate_inputs(args: argparse.Namespace) -> None:
             raise ConfigError("--trace: empty path; give the file to write the routing trace to, or leave --trace out")
         check_output_file(args.trace, "--trace")
         check_not_an_input(args.trace, resolve_model(args.model), "--trace")  # a built-in model's folder too
+        check_not_the_file(args.trace, args.placement_profile, "--trace", "--placement-profile")
 
 
 async def _generate(args: argparse.Namespace, config: Any, generation: Any, tokenizer: Any, prompt: Any) -> int:

@@ -42,6 +42,14 @@ def check_not_an_input(path: str | Path, inputs: str | Path | None, option: str)
                               "writing it would destroy the model; choose another path")
 
 
+def check_not_the_file(path: str | Path, read: str | Path | None, option: str, read_option: str) -> None:
+    """Refuse an output path that is, by any name, the file the run reads through `read_option`."""
+    path = Path(path)
+    if read is not None and path.exists() and Path(read).is_file() and os.path.samefile(path, read):
+        raise ConfigError(f"{option} {path}: is the {read_option} this run reads; writing it would replace it; "
+                          "choose another path")
+
+
 def check_output_file(path: str | Path, option: str) -> Path:
     """The path of a file to write, refused (ConfigError naming `option`) when it cannot be created or overwritten."""
     path = Path(path)

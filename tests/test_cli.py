@@ -652,6 +652,22 @@ def test_a_trace_onto_a_file_of_the_built_in_model_is_refused(capsys, monkeypatc
     assert config.read_bytes() == before
 
 
+def test_a_trace_onto_the_placement_profile_it_reads_is_refused(capsys, monkeypatch, tmp_path):
+    """`--placement-profile prof.trace --trace prof.trace` replaced the profile with the run's own trace, rc 0."""
+    _refuse_loading(monkeypatch)
+    profile = tmp_path / "prof.trace"
+    profile.write_text('{"format": "specter-trace"}\n')
+    before = profile.read_bytes()
+    link = tmp_path / "same.trace"
+    link.symlink_to(profile)
+    for target in (profile, link):
+        assert main(["generate", "--device", "cpu", "--residents", "4", "--cpu-experts", "auto",
+                     "--placement-profile", str(profile), "--trace", str(target)]) == 2
+        assert (f"--trace {target}: is the --placement-profile this run reads; writing it would replace it; choose "
+                "another path") in capsys.readouterr().err
+    assert profile.read_bytes() == before
+
+
 def _without_tokenizer(tmp_path) -> str:
     directory = shutil.copytree(builtin_path("tiny"), tmp_path / "ids-only")
     (directory / "tokenizer.json").unlink()
