@@ -351,7 +351,7 @@ class Engine:
         if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
             raise ConfigError(f"tokenizer must be a specter.Tokenizer (Tokenizer.from_dir(PATH)), not "
                               f"{type(tokenizer).__name__}; or leave it out to read the checkpoint's tokenizer.json")
-        directory = resolve_model(str(path))
+        directory = resolve_model(path)
         tokenizer = tokenizer or Tokenizer.from_dir(directory)  # before the weights: a broken file fails fast
         runtime = await Runtime.load(directory, config)
         try:

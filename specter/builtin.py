@@ -40,7 +40,8 @@ TOKENIZER_SPECIAL = ("<|endoftext|>",)
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SPECTER_CACHE", Path.home() / ".cache" / "specter"))
+    """SPECTER_CACHE, or ~/.cache/specter where it is unset or empty (an empty one was the current directory)."""
+    return Path(os.environ.get("SPECTER_CACHE") or Path.home() / ".cache" / "specter")
 
 
 def is_builtin(name: str) -> bool:
@@ -130,6 +131,15 @@ def builtin_note(name_or_path: str) -> str | None:
             f"It shows the engine at work; for real text pass --model a checkpoint directory (README: Run a real model).")
 
 
-def resolve_model(name_or_path: str) -> Path:
+def resolve_model(name_or_path: str | os.PathLike) -> Path:
     """A checkpoint path, or the path of a built-in model given by name."""
-    return builtin_path(name_or_path) if is_builtin(name_or_path) else Path(name_or_path)
+    from specter.errors import ConfigError
+
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ConfigError(f"the model must be a checkpoint directory (a str or Path) or a built-in model's name "
+                          f"({', '.join(sorted(BUILTIN))}), got {type(name_or_path).__name__}")
+    name = os.fspath(name_or_path)
+    if not str(name).strip():  # Path('') is the current directory, whose missing config.json was the message
+        raise ConfigError(f"the model path is empty; give a checkpoint directory or a built-in model's name "
+                          f"({', '.join(sorted(BUILTIN))})")
+    return builtin_path(name) if is_builtin(name) else Path(name)

@@ -625,6 +625,14 @@ class EngineConfig(_Frozen):
         parse_link(value)  # a typo is refused here, before hours of loading, not when the transfer engine is built
         return value
 
+    @field_validator("placement_profile", mode="before")
+    @classmethod
+    def _placement_profile_given(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():  # Path('') is the current directory: "'.' is not a file"
+            raise ValueError("empty path; give a routing trace file (`specter generate --trace PATH` records one), or "
+                             "leave it out")
+        return value
+
     @field_validator("placement_profile")
     @classmethod
     def _placement_profile(cls, value: Path | None) -> Path | None:

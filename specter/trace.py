@@ -264,6 +264,8 @@ class TraceWriter:
 
 def read_trace(path: str | Path) -> tuple[TraceHeader, list[TraceRound]]:
     """Read and validate a whole trace; raises TraceError naming the file and line of the first problem."""
+    if isinstance(path, str) and not path.strip():  # Path('') is the current directory: "Is a directory: '.'"
+        raise TraceError("the trace path is empty; give a routing trace file (`specter generate --trace PATH` records one)")
     path = Path(path)
     try:
         # "\n" alone ends a line (as the writer writes them): str.splitlines would also split a JSON string at U+2028,

@@ -714,3 +714,47 @@ def test_output_stdout_cannot_encode_is_escaped_not_a_traceback(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout == "before\ncaf\\xe9 \\u4e2d\nafter\n"
     assert "Traceback" not in result.stderr and result.stderr.count("note: stdout's encoding (ascii)") == 1
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "--model", ""], "error: the model path is empty; give a checkpoint directory or a built-in model's "
+                                  "name (tiny)\n"),  # was "config.json: missing" (Path('') is the current directory)
+    (["info", ""], "error: the model path is empty"),
+    (["generate", "--model", "TINY"], "TINY: not a directory; pass the checkpoint directory holding config.json and "
+                                      "*.safetensors (or a built-in model's name: tiny)"),
+    (["generate", "--cpu-experts", "auto", "--placement-profile", ""], "placement_profile = '': empty path; give a "
+                                                                         "routing trace file"),  # was "'.' is not a file"
+])
+def test_an_empty_or_unknown_model_or_profile_path_says_so(argv, says, capsys, monkeypatch):
+    _refuse_loading(monkeypatch)
+    assert main([*argv, "--device", "cpu"] if argv[0] == "generate" else argv) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_an_empty_trace_path_to_replay_says_so(capsys):
+    from specter.replay import main as replay_main
+
+    assert replay_main([""]) == 2
+    assert "the trace path is empty; give a routing trace file" in capsys.readouterr().err
+
+
+def test_an_empty_specter_cache_is_the_default_not_the_current_directory(monkeypatch, tmp_path):
+    """SPECTER_CACHE="" wrote the 27 MB built-in model into the current directory."""
+    from specter.builtin import cache_dir
+
+    monkeypatch.setenv("SPECTER_CACHE", "")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache_dir() == tmp_path / ".cache" / "specter"
+
+
+@pytest.mark.parametrize("model", [None, 5])
+def test_the_python_api_names_a_model_of_the_wrong_type(model):
+    from specter import Engine, EngineConfig
+    from specter.errors import ConfigError
+    from specter.kernel import run
+
+    with pytest.raises(ConfigError, match=r"the model must be a checkpoint directory \(a str or Path\) or a built-in "
+                                          rf"model's name \(tiny\), got {type(model).__name__}"):
+        run(Engine.load(model, EngineConfig(device="cpu")))
+    with pytest.raises(ConfigError, match="got EngineConfig"):  # SyncEngine(EngineConfig()): the config as the model
+        run(Engine.load(EngineConfig(), None))

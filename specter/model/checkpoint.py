@@ -33,7 +33,11 @@ class Checkpoint:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         if not self.path.is_dir():
-            raise CheckpointError(f"{self.path}: not a directory; pass the checkpoint directory holding config.json and *.safetensors")
+            from specter.builtin import BUILTIN
+
+            missing = "" if self.path.exists() else f" (or a built-in model's name: {', '.join(sorted(BUILTIN))})"
+            raise CheckpointError(f"{self.path}: not a directory; pass the checkpoint directory holding config.json and "
+                                  f"*.safetensors{missing}")
         self.config = self._read_config()
         self.weight_map: dict[str, str] = {}  # tensor name -> file name, from model.safetensors.index.json when there is one
         self.files = self._find_files()  # first: a pickle checkpoint is refused whatever its config says
