@@ -217,6 +217,19 @@ def test_a_budget_below_the_minimum_says_so_on_the_console(tmp_path, capsys):
     assert json.loads((tmp_path / "results.json").read_text())["runs"] == []
 
 
+def test_a_run_where_only_the_ceiling_ran_compared_nothing(tmp_path, capsys):
+    """`--budget 1KiB` on the quick matrix: `resident` ran, every other cell was skipped, and the bench exited 0; its
+    notes read 'budget=0.00GiB', twice alike (one per link, unnamed)."""
+    code = cli.main([*QUICK, "--link", "1,2", "--systems", "resident,ondemand", "--budget", "1KiB", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == cli.NOTHING_MEASURED, err
+    assert "nothing was compared: only resident (the ceiling) ran; every cell of ondemand was skipped" in err
+    notes = [line for line in err.splitlines() if "ondemand skipped" in line]
+    assert len(notes) == len(set(notes)) == 2 and all("budget=1024B link=" in line for line in notes), notes
+    assert {row["system"] for row in json.loads((tmp_path / "results.json").read_text())["summary"]} == {"resident"}
+    assert cli.main([*QUICK, "--systems", "resident", "--budget", "1KiB", "--out", str(tmp_path / "alone")]) == 0
+
+
 def test_a_budget_without_its_unit_is_refused_before_anything_runs(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main([*QUICK, "--systems", "ondemand", "--budget", "24", "--out", str(tmp_path / "out")])

@@ -58,7 +58,7 @@ QUICK_REPEATS = 2
 
 EPILOG = (f"Exit status: 0 done; 1 an engine system's tokens differed from its baseline (or an unexpected error, "
           "with a traceback and results.json's partial reason 'failed: ...'); 2 bad input, or an --out it cannot write; "
-          "3 nothing measured (every cell skipped; the notes say why); 141 the reader of stdout left; "
+          "3 nothing measured (every cell skipped, or all but resident's; the notes say why); 141 the reader of stdout left; "
           f"{exit_status(signal.SIGTERM)} stopped by SIGTERM ({exit_status(signal.SIGINT)} by SIGINT, 128 + the signal's "
           "number): the cell in progress is abandoned and results.json and results.md keep the cells that ended, with "
           "complete false and partial.remaining the cells still to run.")
@@ -519,7 +519,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     payload = results.write(None, plots=not args.no_plots)
     show(payload, f"{len(payload['runs'])} requests in {payload['elapsed_s']} s; results in {args.out}/ (results.json, "
                   f"results.md{', plots' if not args.no_plots else ''})")
-    return verdict(payload["summary"], "every cell was skipped (the notes above say why)")
+    return verdict(payload["summary"], "every cell was skipped (the notes above say why)", options.systems)
 
 
 def show(payload: dict, headline: str) -> None:
@@ -538,12 +538,19 @@ def show(payload: dict, headline: str) -> None:
             print(f"note: {note}", file=sys.stderr)
 
 
-def verdict(summary: Sequence[dict], why_empty: str) -> int:
+def verdict(summary: Sequence[dict], why_empty: str, asked: Sequence[str] = ()) -> int:
     """The exit status of a run's (or a merge's) summary: 1 where an engine system's tokens differ from its baseline,
-    NOTHING_MEASURED where no engine row is there (`all()` of none is True: nothing measured read as a success)."""
+    NOTHING_MEASURED where no engine row is there (`all()` of none is True: nothing measured read as a success), or
+    where only `resident` ran of the `asked` systems (the others' every cell skipped: a budget below the model's
+    minimum, say) and there is nothing to compare."""
     engine_rows = [row for row in summary if row["system"] != "hf-accelerate"]
     if not engine_rows:
         print(f"nothing was measured: {why_empty}; exit status {NOTHING_MEASURED}", file=sys.stderr)
+        return NOTHING_MEASURED
+    others = [name for name in asked if name != "resident"]
+    if others and all(row["system"] == "resident" for row in engine_rows):
+        print(f"nothing was compared: only resident (the ceiling) ran; every cell of {', '.join(others)} was skipped "
+              f"(the notes above say why); exit status {NOTHING_MEASURED}", file=sys.stderr)
         return NOTHING_MEASURED
     return 0 if all(row["tokens_equal"] for row in engine_rows) else 1
 

@@ -443,7 +443,7 @@ class ModelBench:
                                                   self.options.k_max, expert_graphs=runtime.segmented is not None,
                                                   quant=self.options.quant, row_bucket=self.options.row_bucket)
             except BudgetError as error:
-                self.target.notes.append(f"{self.target.label} {setting.label}: {system.name} skipped: {error}")
+                self.target.notes.append(f"{self.target.label} {setting.label} link={link}: {system.name} skipped: {error}")
                 self._ended((self.target.label, setting.label, link, system.name))
         if not slots:
             return

@@ -174,7 +174,11 @@ class Setting:
 
     @property
     def label(self) -> str:
-        return f"residents={self.residents}" if self.residents is not None else f"budget={self.budget / 2**30:.2f}GiB"
+        if self.residents is not None:
+            return f"residents={self.residents}"
+        if self.budget >= 2**30 / 100:  # the label stored results carry (budget=24.00GiB)
+            return f"budget={self.budget / 2**30:.2f}GiB"
+        return f"budget={self.budget / 2**20:.2f}MiB" if self.budget >= 2**20 / 100 else f"budget={self.budget}B"
 
 
 def separate_draft_bytes(full_spec: ModelSpec, dtype: torch.dtype, max_context: int) -> int:
