@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -48,6 +49,12 @@ def check_not_the_file(path: str | Path, read: str | Path | None, option: str, r
     if read is not None and path.exists() and Path(read).is_file() and os.path.samefile(path, read):
         raise ConfigError(f"{option} {path}: is the {read_option} this run reads; writing it would replace it; "
                           "choose another path")
+
+
+def write_advice(error: OSError, instead: str) -> str:
+    """What to do about a failed write: free space where the disk (or a quota) is full, else `instead`."""
+    full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return f"free space or {instead}" if full else instead
 
 
 def check_output_file(path: str | Path, option: str) -> Path:

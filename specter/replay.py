@@ -602,8 +602,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"off,all,auto --host-ms MS), or leave {them} out")
         return run_tool(lambda: _compare_policies(args))
     args.overlap = OVERLAP if args.overlap is None else args.overlap
-    if (args.row_bucket is not None and args.row_bucket < 1) or not 0 <= args.overlap <= 1:
-        parser.error("--row-bucket must be >= 1 and 0 <= --overlap <= 1")
+    if args.row_bucket is not None and args.row_bucket < 1:
+        parser.error(f"--row-bucket must be 1 or more rows, got {args.row_bucket}")
+    if not 0 <= args.overlap <= 1:  # (NaN fails this too)
+        parser.error(f"--overlap must be from 0 to 1, got {args.overlap}")
     return run_tool(lambda: _compare_placements(args))
 
 

@@ -58,7 +58,7 @@ from typing import IO, Any
 import numpy as np
 
 from specter.errors import OutputError, SpecterError, abbreviate
-from specter.paths import json_value
+from specter.paths import json_value, write_advice
 
 TRACE_FORMAT = "specter-trace"
 TRACE_VERSION = 1
@@ -258,8 +258,8 @@ class TraceWriter:
         try:
             yield
         except OSError as error:  # a full disk, a device that takes no writes: the user's path, said so
-            raise OutputError(f"cannot write the routing trace {self.path}: {error.strerror or error}; free space or "
-                              "choose another path") from None
+            raise OutputError(f"cannot write the routing trace {self.path}: {error.strerror or error}; "
+                              f"{write_advice(error, 'choose another path')}") from None
 
 
 def read_trace(path: str | Path) -> tuple[TraceHeader, list[TraceRound]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import json
 from importlib.metadata import EntryPoint
 
@@ -472,6 +473,20 @@ def test_cli_refuses_an_empty_name_in_a_list(tmp_path, capsys, option, value):
     assert f"error: an empty name in {value!r}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option, value, says", [("--row-bucket", "0", "--row-bucket must be 1 or more rows, got 0"),
+                                                 ("--overlap", "3", "--overlap must be from 0 to 1, got 3.0")])
+def test_cli_names_the_placement_option_that_is_out_of_range(tmp_path, capsys, option, value, says):
+    """Both were refused by one message naming both rules, whichever was wrong."""
+    path = tmp_path / "toy.jsonl"
+    with TraceWriter(path, HEADER) as writer:
+        writer.write_round(rotating_rounds(1)[0])
+    with pytest.raises(SystemExit) as refused:
+        main([str(path), "--placement", "off", "--host-ms", "1", option, value])
+    err = capsys.readouterr().err
+    other = "--overlap must" if option == "--row-bucket" else "--row-bucket must"
+    assert refused.value.code == 2 and says in err and other not in err, err
+
+
 def test_a_placement_object_is_guarded_as_a_loaded_one_and_named_by_its_class():
     """replay_placements called an object's place() bare: None came back as an AttributeError deep in the replay.
     And an object named as a reference plug-in ('off') showed as that one in the error: its class is named now."""
@@ -552,3 +567,26 @@ def test_a_draft_ahead_engines_trace_replays_the_plans_it_made(tiny, tmp_path, m
     replay(header, rounds, PlanProtect(), replayed, link_gbps=1.0)
     assert engine_policy.asked and replayed.asked == engine_policy.asked
     assert any(k == 4 for _, k in replayed.asked)
+
+
+@pytest.mark.parametrize("code, advice", [(28, "; free space or choose another path"), (5, "; choose another path")])
+def test_a_trace_write_that_fails_advises_free_space_only_for_a_full_disk(tmp_path, code, advice):
+    """`--trace /proc/version` (EIO) was told to free space, as a full disk (ENOSPC) is."""
+    import errno as errnos
+
+    from specter.errors import OutputError
+
+    assert code == (errnos.ENOSPC if "free" in advice else errnos.EIO)
+    writer = TraceWriter(tmp_path / "t.jsonl", HEADER)
+
+    class Failing:
+        def write(self, text):
+            raise OSError(code, os.strerror(code))
+
+        def close(self):
+            pass
+
+    writer._file = Failing()
+    with pytest.raises(OutputError) as failed:
+        writer.write_round(rotating_rounds(1)[0])
+    assert str(failed.value).endswith(os.strerror(code) + advice), str(failed.value)

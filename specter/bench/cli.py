@@ -32,7 +32,7 @@ from specter.exits import prog_name, run_tool
 from specter.experts.costs import routing_profile
 from specter.model.spec import spec_from_config
 from specter.memory import DEFAULT_CONTEXT
-from specter.paths import check_output_folder, json_value
+from specter.paths import check_output_folder, json_value, write_advice
 
 PAPER_SETTINGS = {"deepseek-v2-lite": (16, 4), "qwen1.5-moe-a2.7b": (15, 8), "phi-3.5-moe": (2, 1)}
 """Resident experts per layer in the Specter paper's two memory settings per model."""
@@ -790,5 +790,5 @@ def output_errors(path: Path) -> Iterator[None]:
     except OutputError:
         raise
     except OSError as error:
-        raise OutputError(f"--out: cannot write {error.filename or path} ({error.strerror or error}); free space, or "
-                          "choose another --out") from None
+        raise OutputError(f"--out: cannot write {error.filename or path} ({error.strerror or error}); "
+                          f"{write_advice(error, 'choose another --out')}") from None
