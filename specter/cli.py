@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -155,7 +156,46 @@ def _out(text: str) -> None:
 
 
 # ---- generate -----------------------------------------------------------------------------------------
+FLAGS = {
+    "EngineConfig.device": "--device", "EngineConfig.dtype": "--dtype", "EngineConfig.max_context": "--max-context",
+    "EngineConfig.budget": "--budget", "EngineConfig.residents": "--residents", "EngineConfig.eviction": "--eviction",
+    "EngineConfig.prefetch": "--prefetch", "EngineConfig.lookahead": "--lookahead", "EngineConfig.link": "--link",
+    "EngineConfig.threads": "--threads", "EngineConfig.cpu_experts": "--cpu-experts",
+    "EngineConfig.cpu_threads": "--cpu-threads", "EngineConfig.placement_profile": "--placement-profile",
+    "EngineConfig.placement_overlap": "--placement-overlap", "EngineConfig.draft.k": "--k",
+    "EngineConfig.draft.k_max": "--k-max", "EngineConfig.draft.quant": "--quant",
+    "EngineConfig.draft.sampling": "--sampling", "EngineConfig.draft.overlap": "--overlap",
+    "GenerationConfig.max_new_tokens": "--max-new-tokens", "GenerationConfig.temperature": "--temperature",
+    "GenerationConfig.top_k": "--top-k", "GenerationConfig.top_p": "--top-p", "GenerationConfig.seed": "--seed",
+    "GenerationConfig.stop_strings": "--stop",
+}
+"""The command-line option of each configuration field the CLI sets, for its errors: a user typed `--max-context 0`,
+not `EngineConfig.max_context = 0`."""
+_FIELD = re.compile(r"\b((?:EngineConfig|GenerationConfig)(?:\.[a-z_]+)+) = ")
+_DRAFT_DUMP = re.compile(r"\bEngineConfig\.draft = \{[^{}]*\}: ")
+
+
+def in_flags(message: str) -> str:
+    """A configuration error in the command line's words: each field the CLI sets named by its option."""
+    message = _DRAFT_DUMP.sub("the draft's options (--k, --k-max, --quant, --sampling, --overlap): ", message)
+    return _FIELD.sub(lambda match: f"{FLAGS[match.group(1)]} " if match.group(1) in FLAGS else match.group(0), message)
+
+
+def _flag_errors(build: Any) -> Any:
+    from specter.errors import ConfigError
+
+    try:
+        return build()
+    except ConfigError as error:  # the same error (its kind: a BudgetError stays one), in the command line's words
+        error.args = (in_flags(str(error)),)
+        raise
+
+
 def engine_config(args: argparse.Namespace):
+    return _flag_errors(lambda: _engine_config(args))
+
+
+def _engine_config(args: argparse.Namespace):
     from specter.config import EngineConfig, TuningConfig
 
     return EngineConfig.build(
@@ -170,6 +210,10 @@ def engine_config(args: argparse.Namespace):
 
 
 def generation_config(args: argparse.Namespace):
+    return _flag_errors(lambda: _generation_config(args))
+
+
+def _generation_config(args: argparse.Namespace):
     from specter.config import GenerationConfig
 
     return GenerationConfig.build(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -177,6 +221,10 @@ def generation_config(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    return _flag_errors(lambda: _cmd_generate(args))
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
     from specter.kernel import run
 
     from specter.builtin import builtin_note

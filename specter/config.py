@@ -112,7 +112,8 @@ class _Frozen(BaseModel):
     ValidationError, several lines with a link to its docs, is no SpecterError: the API's callers and the tools catch
     those). A nested configuration given as a mapping is validated by its parent, whose error names its path."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # allow_inf_nan: NaN was refused as out of range ("less than or equal to 1"), inf as too large; both are no setting
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
 
     def __init__(self, *positional: Any, **values: Any) -> None:
         if positional:  # pydantic's own message is a TypeError about `__init__`'s arguments

@@ -406,7 +406,7 @@ def test_placement_overlap_reaches_the_engine_and_info(capsys):
                  "--placement-overlap", "0.5"]) == 0
     assert "overlap 0.5" in capsys.readouterr().out
     assert main(["generate", "--model", "tiny", "--prompt-ids", "1,2", "--placement-overlap", "1.5"]) == 2
-    assert "placement_overlap" in capsys.readouterr().err
+    assert "--placement-overlap 1.5: Input should be less than or equal to 1" in capsys.readouterr().err
 
 
 # ---- outputs that fail, and inputs refused before loading --------------------------------------------------
@@ -722,7 +722,7 @@ def test_output_stdout_cannot_encode_is_escaped_not_a_traceback(tmp_path):
     (["info", ""], "error: the model path is empty"),
     (["generate", "--model", "TINY"], "TINY: not a directory; pass the checkpoint directory holding config.json and "
                                       "*.safetensors (or a built-in model's name: tiny)"),
-    (["generate", "--cpu-experts", "auto", "--placement-profile", ""], "placement_profile = '': empty path; give a "
+    (["generate", "--cpu-experts", "auto", "--placement-profile", ""], "--placement-profile '': empty path; give a "
                                                                          "routing trace file"),  # was "'.' is not a file"
 ])
 def test_an_empty_or_unknown_model_or_profile_path_says_so(argv, says, capsys, monkeypatch):
@@ -758,3 +758,27 @@ def test_the_python_api_names_a_model_of_the_wrong_type(model):
         run(Engine.load(model, EngineConfig(device="cpu")))
     with pytest.raises(ConfigError, match="got EngineConfig"):  # SyncEngine(EngineConfig()): the config as the model
         run(Engine.load(EngineConfig(), None))
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--max-context", "0"], "error: invalid configuration: --max-context 0: Input should be greater than or equal to 8\n"),
+    (["--k-max", "40"], "--k-max 40: Input should be less than or equal to 32"),
+    (["--k", "16"], "the draft's options (--k, --k-max, --quant, --sampling, --overlap): k = 16 is above k_max = 15"),
+    (["--placement-overlap", "nan"], "--placement-overlap nan: Input should be a finite number"),  # was "<= 1"
+    (["--temperature", "nan"], "--temperature nan: Input should be a finite number"),
+    (["--top-p", "2"], "--top-p 2.0: Input should be less than or equal to 1"),
+])
+def test_a_bad_option_is_named_as_typed_not_as_its_config_field(argv, says, capsys, monkeypatch):
+    """The CLI's errors named Python fields (`EngineConfig.max_context = 0`) and dumped the draft's whole dict."""
+    _refuse_loading(monkeypatch)
+    assert main(["generate", "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "EngineConfig." not in err and "GenerationConfig." not in err, err
+
+
+def test_the_python_apis_errors_keep_the_field_names():
+    from specter import EngineConfig
+    from specter.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"EngineConfig\.max_context = 0: Input should be greater than or equal to 8"):
+        EngineConfig(max_context=0)

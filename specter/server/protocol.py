@@ -19,7 +19,7 @@ MAX_STOP_STRINGS = 16  # OpenAI allows 4; more only slows the detokenizer's sear
 SEED_LIMIT = 2**63  # the engine's seed is a non-negative int64
 # Unknown fields are ignored (clients send ones we have no use for); known ones take JSON types strictly, as
 # OpenAI does: "yes" is not true and "0.5" is not a number.
-WIRE = ConfigDict(extra="ignore", strict=True)
+WIRE = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)  # NaN read "less than or equal to 2 (got NaN)"
 
 
 def _is_id(value: Any) -> bool:
