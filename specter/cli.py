@@ -237,10 +237,33 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         check_trace_records(args.trace, config, spec)
     if note := builtin_note(args.model):
         print(note, file=sys.stderr)
-    if args.placement_profile is not None and config.cpu_experts == "off":  # checked at load all the same (build_runtime)
-        print("note: --placement-profile weighs where a placement (--cpu-experts auto) puts experts; with --cpu-experts "
-              "off every expert stays on the device path, so the trace is checked but not used", file=sys.stderr)
+    for note in unused_options(args, config, generation):
+        print(f"note: {note}", file=sys.stderr)
     return run(_generate(args, config, generation, tokenizer, prompt))
+
+
+def unused_options(args: argparse.Namespace, config: Any, generation: Any) -> list[str]:
+    """The options given that this run's other options leave unused, each said once: a run is not refused for them
+    (a script may set them all), but a user who tuned one should not read the result as its effect."""
+    notes = []
+    if args.placement_profile is not None and config.cpu_experts == "off":  # checked at load all the same (build_runtime)
+        notes.append("--placement-profile weighs where a placement (--cpu-experts auto) puts experts; with --cpu-experts "
+                     "off every expert stays on the device path, so the trace is checked but not used")
+    placing = [option for option, given in (("--cpu-threads", args.cpu_threads is not None),
+                                            ("--placement-overlap", args.placement_overlap is not None),
+                                            ("--recalibrate", args.recalibrate)) if given]
+    if placing and config.cpu_experts == "off":
+        notes.append(f"{', '.join(placing)} set{'s' if len(placing) == 1 else ''} how the host expert path runs or is "
+                     "placed; with --cpu-experts off no expert is computed on the host, so "
+                     f"{'it is' if len(placing) == 1 else 'they are'} not used")
+    if args.k is not None and config.lookahead != "fixed":
+        notes.append(f"--k sets the fixed lookahead's depth; --lookahead {config.lookahead} chooses k each round (up to "
+                     "--k-max), so --k is not used")
+    sampling = [option for option, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None]
+    if sampling and generation.temperature == 0:
+        notes.append(f"{' and '.join(sampling)} shape sampling; at --temperature 0 (the default) decoding is greedy, the "
+                     "most likely token, so they are not used; give --temperature above 0 to sample")
+    return notes
 
 
 def check_trace_records(path: str, config: Any, spec: Any) -> None:

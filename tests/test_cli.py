@@ -782,3 +782,26 @@ def test_the_python_apis_errors_keep_the_field_names():
 
     with pytest.raises(ConfigError, match=r"EngineConfig\.max_context = 0: Input should be greater than or equal to 8"):
         EngineConfig(max_context=0)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--k", "7", "--lookahead", "roofline"], "note: --k sets the fixed lookahead's depth; --lookahead roofline chooses k"),
+    (["--cpu-threads", "3", "--recalibrate"], "note: --cpu-threads, --recalibrate set how the host expert path runs or "
+                                              "is placed; with --cpu-experts off no expert is computed on the host, so "
+                                              "they are not used"),
+    (["--top-p", "0.9"], "note: --top-p shape sampling; at --temperature 0 (the default) decoding is greedy"),
+])
+def test_an_option_the_others_leave_unused_is_noted(argv, says, capsys, monkeypatch):
+    """These ran with rc 0 and no word, as if they had been used."""
+    _refuse_loading(monkeypatch)
+    with pytest.raises(AssertionError, match="the model was loaded"):  # said before the load, which the test stops
+        main(["generate", "--device", "cpu", "--residents", "4", *argv])
+    assert says in capsys.readouterr().err
+
+
+def test_options_that_are_used_are_not_noted():
+    from specter.cli import generation_config, unused_options
+
+    args = build_parser().parse_args(["generate", "--k", "3", "--lookahead", "fixed", "--temperature", "0.7", "--top-p",
+                                      "0.9", "--cpu-experts", "auto", "--cpu-threads", "2"])
+    assert unused_options(args, engine_config(args), generation_config(args)) == []
