@@ -28,15 +28,30 @@ PROMPT = "Once upon a time there was a small model that could not hold all of it
 ANNOUNCE = re.compile(r"specter serve: (\S+) on (http://\S+)/v1")
 
 
+def _count(noun: str) -> Any:
+    """An argparse type: a whole number of `noun` from 1 (0 clients measure nothing, and the medians of nothing are an
+    error, not a result)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number of {noun}, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be 1 or more {noun}, got {value}")
+        return value
+    parse.__name__ = noun  # argparse names the type in its own messages
+    return parse
+
+
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", help="checkpoint or built-in model for the server it starts")
     parser.add_argument("--url", default=None, help="a running server (http://HOST:PORT) instead of starting one")
     parser.add_argument("--served-model-name", default=None, help="model name to ask for (default: the server's only one)")
     parser.add_argument("--api-key", default="none")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], metavar="N")
-    parser.add_argument("--requests", type=int, default=2, metavar="N", help="requests per client per level (default 2)")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=_count("clients"), nargs="+", default=[1, 4, 16], metavar="N")
+    parser.add_argument("--requests", type=_count("requests"), default=2, metavar="N", help="requests per client per level (default 2)")
+    parser.add_argument("--max-tokens", type=_count("tokens"), default=64)
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     parser.add_argument("--out", default="serve_load.json", help="JSON results (default: ./serve_load.json)")

@@ -27,5 +27,18 @@ async def main(rounds: int, new: int, counts: list[int]) -> None:
     for threads, values in times.items():
         print(f"threads={threads}: TPOT median {statistics.median(values):.1f} ms, runs {[round(v, 1) for v in values]}", flush=True)
 
+def parse(argv: list[str]) -> tuple[int, int, list[int]]:
+    """ROUNDS NEW_TOKENS COUNTS, each a positive integer (COUNTS comma-separated); SystemExit(2) with the usage else."""
+    try:
+        rounds, new, counts = int(argv[0]), int(argv[1]), [int(n) for n in argv[2].split(",")]
+        if len(argv) != 3 or min(rounds, new, *counts) < 1:
+            raise ValueError
+    except (IndexError, ValueError):
+        print("usage: python benchmarks/threads_tpot.py ROUNDS NEW_TOKENS COUNTS (positive integers; COUNTS comma-"
+              "separated thread counts, e.g. 8 48 1,2,4)", file=sys.stderr)
+        raise SystemExit(2) from None
+    return rounds, new, counts
+
+
 if __name__ == "__main__":
-    run(main(int(sys.argv[1]), int(sys.argv[2]), [int(n) for n in sys.argv[3].split(",")]))
+    run(main(*parse(sys.argv[1:])))

@@ -5,6 +5,7 @@ A merge once swapped two function headers, leaving `gpu-widen` calling an undefi
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -53,3 +54,18 @@ def test_every_helper_a_target_calls_is_defined() -> None:
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
 def test_the_script_parses() -> None:
     assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("script, args, says", [
+    ("threads_tpot.py", [], "usage: python benchmarks/threads_tpot.py ROUNDS NEW_TOKENS COUNTS"),  # an IndexError traceback
+    ("threads_tpot.py", ["1", "4", "0"], "usage: python benchmarks/threads_tpot.py"),  # torch's RuntimeError
+    ("serve_load.py", ["--concurrency", "0"], "argument --concurrency: must be 1 or more clients, got 0"),  # StatisticsError
+])
+def test_a_benchmark_scripts_bad_arguments_are_its_usage_not_a_traceback(script, args, says):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / script), *args], capture_output=True, text=True,
+                          timeout=120, cwd=root, env=os.environ | {"PYTHONPATH": str(root)})
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
