@@ -40,7 +40,8 @@ TOKENIZER_SPECIAL = ("<|endoftext|>",)
 
 
 def cache_dir() -> Path:
-    """SPECTER_CACHE, or ~/.cache/specter where it is unset or empty (an empty one was the current directory)."""
+    """The folder of the built-in models and cached figures: $SPECTER_CACHE, else ~/.cache/specter (also where it is
+    set empty: an empty one was the current directory)."""
     return Path(os.environ.get("SPECTER_CACHE") or Path.home() / ".cache" / "specter")
 
 

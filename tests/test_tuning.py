@@ -293,7 +293,9 @@ ALLOWED_CONSTANTS = {
     "specter/bench/widen.py": {"SHARD_BYTES"},  # the written checkpoint's shard size
     "specter/server/app.py": {"DEFAULT_COMPLETION_TOKENS"},  # OpenAI's default max_tokens
     "specter/server/cli.py": {"DRAIN_GRACE_S"},  # uvicorn's backstop after --drain-timeout, which ends requests itself
-    "specter/tokenizer.py": {"GIL_FREE_CHARS"},  # which tokenizer call encodes a text: the same ids either way
+    # which tokenizer call encodes a text: the same ids either way; the prompt ids a detokenizer decodes after, a bound on
+    # any decoder's look-back (the text is the same for any value above it), not a speed knob
+    "specter/tokenizer.py": {"GIL_FREE_CHARS", "CONTEXT_TOKENS"},
     "specter/server/asgi.py": {"CLIENT_GONE"},  # the status counted for a hang-up
     "specter/server/protocol.py": {"MAX_STOP_STRINGS", "SEED_LIMIT"},  # request limits of the API
     "specter/replay.py": {"DEFAULT_LINK_GBPS"},  # the replay CLI's default link
