@@ -78,7 +78,8 @@ class GenerationStream:
     task ends. Reading a stream that was closed, cancelled or failed raises RequestCancelled.
     """
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], generation: GenerationConfig, stop_ids: frozenset[int]) -> None:
+    def __init__(self, engine: Engine, prompt_ids: list[int], generation: GenerationConfig, stop_ids: frozenset[int],
+                 continuation: bool = True) -> None:
         self.prompt_ids = prompt_ids
         self.generation = generation
         self.stats = RequestStats()
@@ -87,7 +88,7 @@ class GenerationStream:
         self.finish_reason: FinishReason | None = None
         self._engine = engine
         self._stop_ids = stop_ids
-        self._detokenizer: Detokenizer | None = (engine.tokenizer.detokenizer(generation.stop_strings, prompt_ids)
+        self._detokenizer: Detokenizer | None = (engine.tokenizer.detokenizer(generation.stop_strings, prompt_ids if continuation else ())
                                                      if engine.tokenizer else None)
         self._text: list[str] = []
         self._pieces = self._run()
@@ -497,9 +498,14 @@ class Engine:
         task.add_done_callback(self._closers.discard)
 
     # ---- requests ------------------------------------------------------------------------------------
-    def generate(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None,
-                 **overrides: Any) -> GenerationStream:
-        """Start a request (validated now, queued when iterated); keyword overrides follow transformers' names."""
+    def generate(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None, *,
+                 continuation: bool | None = None, **overrides: Any) -> GenerationStream:
+        """Start a request (validated now, queued when iterated); keyword overrides follow transformers' names.
+
+        `continuation`: whether the text continues the prompt's, decoded after the prompt's last ids so that prompt +
+        text reads as the whole sequence decodes (a SentencePiece decoder keeps the space between them), or is an
+        answer decoded alone (a chat reply starts without that space, as Hugging Face and OpenAI give it). None: a
+        continuation unless the prompt is chat messages; a server that applies the chat template itself says False."""
         self._check_open()
         generation = make_generation_config(generation_config, overrides)
         if generation.stop_strings and self.tokenizer is None:  # text is what they match: without it none ever would
@@ -512,14 +518,17 @@ class Engine:
                               f"ids, so it can never produce them; give ids below {self.spec.vocab_size}")
         prompt_ids = self.encode(prompt)
         check_prompt(prompt_ids, generation.max_new_tokens, self.spec.vocab_size, self.config.max_context, self.spec.max_position)
-        stream = GenerationStream(self, prompt_ids, generation, self.eos_token_ids | set(generation.stop_token_ids))
+        if continuation is None:
+            continuation = not _is_chat(prompt)
+        stream = GenerationStream(self, prompt_ids, generation, self.eos_token_ids | set(generation.stop_token_ids),
+                                  continuation)
         self._streams.add(stream)
         return stream
 
-    async def complete(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None,
-                       **overrides: Any) -> Result:
-        """Generate to the end and return the whole `Result`."""
-        async with self.generate(prompt, generation_config, **overrides) as stream:
+    async def complete(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None, *,
+                       continuation: bool | None = None, **overrides: Any) -> Result:
+        """Generate to the end and return the whole `Result` (`continuation`: as `generate`'s)."""
+        async with self.generate(prompt, generation_config, continuation=continuation, **overrides) as stream:
             return await stream.collect()
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -613,3 +622,9 @@ def checkpoint_eos(directory: Path, spec: ModelSpec) -> tuple[int, ...]:
                     hint="those ids are ignored; set eos_token_id to the model's end-of-sequence id, or remove it")
         ids -= set(outside)
     return tuple(sorted(ids or set(spec.eos_token_ids)))
+
+
+def _is_chat(prompt: Any) -> bool:
+    """A prompt of chat messages (what `Engine.encode` sends through the chat template)."""
+    return isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes, bytearray)) and bool(prompt) and all(
+        isinstance(item, Mapping) for item in prompt)

@@ -177,7 +177,7 @@ _DRAFT_DUMP = re.compile(r"\bEngineConfig\.draft = \{[^{}]*\}: ")
 
 def in_flags(message: str) -> str:
     """A configuration error in the command line's words: each field the CLI sets named by its option."""
-    message = _DRAFT_DUMP.sub("the draft's options (--k, --k-max, --quant, --sampling, --overlap): ", message)
+    message = _DRAFT_DUMP.sub("the draft's options (--k, --k-max, --quant, --sampling, --scout, --overlap): ", message)
     return _FIELD.sub(lambda match: f"{FLAGS[match.group(1)]} " if match.group(1) in FLAGS else match.group(0), message)
 
 
@@ -186,7 +186,7 @@ def _flag_errors(build: Any) -> Any:
 
     try:
         return build()
-    except ConfigError as error:  # the same error (its kind: a BudgetError stays one), in the command line's words
+    except ConfigError as error:  # the same error, of its own kind (a subclass stays one), in the command line's words
         error.args = (in_flags(str(error)),)
         raise
 
@@ -337,7 +337,7 @@ async def _generate(args: argparse.Namespace, config: Any, generation: Any, toke
     async with Engine.from_pretrained(args.model, config, tokenizer=tokenizer) as engine:
         if args.trace:
             engine.runtime.record_trace(args.trace)
-        stream = engine.generate(prompt, generation)
+        stream = engine.generate(prompt, generation, continuation=not args.chat)  # (the chat's ids: encoded above)
         shown = 0  # characters of text printed
         try:
             async with stream:
@@ -392,6 +392,10 @@ def summary_line(stats: dict) -> str:
 
 # ---- info ---------------------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
+    return _flag_errors(lambda: _cmd_info(args))
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
     from specter.builtin import builtin_note
 
     summary = checkpoint_summary(args.model, dtype=args.dtype, max_context=args.max_context, quant=args.quant,

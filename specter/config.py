@@ -135,12 +135,17 @@ class _Frozen(BaseModel):
         # A configuration is shared by what was built from it (a runtime reads it once), so it is never changed in
         # place; pydantic's own error here is a multi-line ValidationError that names no way out.
         kind = type(self).__name__
+        if name not in type(self).model_fields:  # a typo (`config.resident = 4`): no field to build one with either
+            raise ConfigError(f"{kind} has no field {name!r}; its fields: {', '.join(type(self).model_fields)}")
         if kind in ("EngineConfig", "GenerationConfig"):
             how = (f"build one with the value instead, e.g. {_EXAMPLES[kind]}, or from another: "
                    f"{kind}(**{{**old.model_dump(), '{name}': value}})")
         else:  # a section, built through its EngineConfig
             how = f"give it when the EngineConfig is built, e.g. {_EXAMPLES['EngineConfig']} (on the command line: its options, --tune SECTION.FIELD=VALUE)"
         raise ConfigError(f"{kind} is immutable: {name} cannot be set on it; {how}")
+
+    def __delattr__(self, name: str) -> None:
+        raise ConfigError(f"{type(self).__name__} is immutable: {name} cannot be deleted from it; build one without it")
 
     @classmethod
     def build(cls, **values: object) -> "_Frozen":

@@ -272,7 +272,9 @@ def _walk(header: TraceHeader, rounds: Sequence[TraceRound], eviction: EvictionP
 
 
 def hidden_bytes(trace_round: TraceRound, bandwidth: float) -> float:
-    """The bytes of a round's prefetch its drafting hides: what the link moves in the round's k draft steps."""
+    """The bytes of a round's prefetch its drafting hides: what the link moves in the round's k draft steps. k, not
+    `plan_k`: where the previous verify's draft-ahead carried steps into the round, its own draft stage ran fewer than
+    its k + 1 (the trace does not say how many), so k is the estimate kept."""
     return trace_round.k * trace_round.draft_step_s * bandwidth
 
 

@@ -37,7 +37,7 @@ plans saw, in order::
 totals); and `drafted`, the draft steps the round's prefetch plans were made for, where it is not `k`: k + 1 in a round
 that drafted ahead (its last step guesses the target's next token, `DraftConfig.overlap`), which the engine's prefetch
 policy saw as its `k` and a replay gives it likewise. `layers` has exactly L entries in layer order: `predicted` maps expert id
-(a JSON key, so a string) to the draft's top-k hits on it over the round's k steps (a finite number >= 0; zero
+(a JSON key, so a string) to the draft's top-k hits on it over the round's draft steps (`plan_k`: k, or k + 1 in a round that drafted ahead) (a finite number >= 0; zero
 counts may be left out); `used` lists the distinct experts (JSON ints, no repeats) the target's verify pass used at
 that layer, the device path's in the order it first used them, then the host path's (a placement's): at most (k + 1) * A of them, the verify's k + 1 rows choosing A each.
 Unknown keys are ignored, so version 1 may grow optional fields. Lines are split on "\n" alone (JSON strings may hold

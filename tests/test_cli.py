@@ -763,7 +763,7 @@ def test_the_python_api_names_a_model_of_the_wrong_type(model):
 @pytest.mark.parametrize("argv, says", [
     (["--max-context", "0"], "error: invalid configuration: --max-context 0: Input should be greater than or equal to 8\n"),
     (["--k-max", "40"], "--k-max 40: Input should be less than or equal to 32"),
-    (["--k", "16"], "the draft's options (--k, --k-max, --quant, --sampling, --overlap): k = 16 is above k_max = 15"),
+    (["--k", "16"], "the draft's options (--k, --k-max, --quant, --sampling, --scout, --overlap): k = 16 is above k_max = 15"),
     (["--placement-overlap", "nan"], "--placement-overlap nan: Input should be a finite number"),  # was "<= 1"
     (["--temperature", "nan"], "--temperature nan: Input should be a finite number"),
     (["--top-p", "2"], "--top-p 2.0: Input should be less than or equal to 1"),
@@ -774,6 +774,12 @@ def test_a_bad_option_is_named_as_typed_not_as_its_config_field(argv, says, caps
     assert main(["generate", "--device", "cpu", *argv]) == 2
     err = capsys.readouterr().err
     assert says in err and "EngineConfig." not in err and "GenerationConfig." not in err, err
+
+
+def test_info_names_a_bad_option_as_typed_too(capsys):
+    assert main(["info", "tiny", "--k-max", "40"]) == 2
+    err = capsys.readouterr().err
+    assert "--k-max 40: Input should be less than or equal to 32" in err and "EngineConfig." not in err, err
 
 
 def test_the_python_apis_errors_keep_the_field_names():

@@ -92,6 +92,14 @@ def test_frozen_and_described():
     with pytest.raises(ConfigError, match=r"EngineConfig takes its fields by name, e\.g\. EngineConfig\(residents=4"):
         EngineConfig(6)  # type: ignore[misc]
     assert EngineConfig(**{**config.model_dump(), "residents": 3}).residents == 3
+    with pytest.raises(ConfigError, match="^EngineConfig has no field 'resident'; its fields: device, "):
+        config.resident = 4  # type: ignore[attr-defined]  # a typo: no advice to build one with a field that is not
+    with pytest.raises(ConfigError, match="EngineConfig is immutable: residents cannot be deleted"):
+        del config.residents
+    import copy
+    import pickle
+
+    assert pickle.loads(pickle.dumps(config)) == config and copy.deepcopy(config) == config  # neither sets attributes
     for model in (EngineConfig, GenerationConfig):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"

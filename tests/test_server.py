@@ -197,11 +197,21 @@ def test_seeded_sampling_is_reproducible_and_matches_engine(server, reference):
     other = client.completions.create(model=model, prompt="the quick brown fox", max_tokens=10, extra_body={"top_k": 40},
                                       **(params | {"seed": 12}))
     assert other.choices[0].text != expected.text  # the seed is used, not ignored
-    # OpenAI's seed is an int64 (some clients send -1): a negative one is the engine's seed modulo 2**63
+    # OpenAI's seed is an int64; -1 from clients of llama.cpp means "random": answered, not refused
     minus_one = client.completions.create(model=model, prompt="the quick brown fox", max_tokens=10,
                                           extra_body={"top_k": 40}, **(params | {"seed": -1}))
-    assert minus_one.choices[0].text == reference.complete("the quick brown fox", max_new_tokens=10, top_k=40,
-                                                            **(params | {"seed": 2**63 - 1})).text
+    assert minus_one.choices[0].finish_reason == "length"
+
+
+def test_a_negative_seed_draws_one_as_no_seed_does(monkeypatch):
+    """It was refused (400), then taken modulo 2**63: every -1 request sampled alike, where its clients mean random."""
+    from specter.server import app
+    from specter.server.protocol import CompletionRequest
+
+    monkeypatch.setattr(app.secrets, "randbelow", lambda bound: 1234)
+    seeds = [app._generation(CompletionRequest.model_validate({"model": "m", "prompt": "a", "seed": seed}), 4).seed
+             for seed in (-1, -2**63, None, 0, 7)]
+    assert seeds == [1234, 1234, 1234, 0, 7]
 
 
 def test_stop_string_ends_the_text_with_finish_reason_stop(server, reference):

@@ -286,3 +286,45 @@ def test_a_chat_template_that_is_no_template_string_is_said_so(tmp_path, tokeniz
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     with pytest.raises(CheckpointError, match="tokenizer_config.json's chat_template is .*fix it, or remove it"):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_a_completion_continues_its_prompt_and_a_chat_answer_is_decoded_alone(tmp_path):
+    """With a SentencePiece (Metaspace) tokenizer: a completion's text continues the prompt's (prompt + text reads as
+    the whole sequence decodes; the space between them was dropped), a chat answer starts without that space (as
+    Hugging Face, which decodes the new tokens alone, and OpenAI give it), and `continuation` says which for ids."""
+    from tokenizers import Tokenizer as Fast, decoders, models, pre_tokenizers, trainers
+
+    from specter import EngineConfig, SyncEngine
+
+    directory = shutil.copytree(builtin_path("tiny"), tmp_path / "sp")
+    fast = Fast(models.BPE(unk_token="<unk>"))
+    fast.pre_tokenizer = pre_tokenizers.Metaspace()
+    fast.decoder = decoders.Metaspace()
+    fast.train_from_iterator([TOKENIZER_TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"], show_progress=False))
+    fast.save(str(directory / "tokenizer.json"))
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}{{ m['content'] }} [/INST]{% endfor %}"
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings | {"chat_template": template}))
+    engine = SyncEngine(directory, EngineConfig(device="cpu"))
+    try:
+        tokenizer = engine.engine.tokenizer
+        ids = tokenizer.encode("tokens and")
+        spaced = [t for t in range(300) if tokenizer.decode(ids + [t]).startswith("tokens and ")
+                  and tokenizer.decode([t]) and not tokenizer.decode([t]).startswith(" ")]
+        assert spaced, "the premise: tokens that decode with a leading space after context and without it alone"
+        completion = engine.complete("tokens and", max_new_tokens=6)
+        assert "tokens and" + completion.text == tokenizer.decode(ids + completion.token_ids)
+        for content in TOKENIZER_TEXT.split()[:200]:  # a chat whose answer starts with a token a space begins
+            chat_ids = engine.engine.encode([{"role": "user", "content": content}])
+            answer = engine.complete([{"role": "user", "content": content}], max_new_tokens=6)
+            if tokenizer.decode(chat_ids + answer.token_ids[:1]).endswith(" " + tokenizer.decode(answer.token_ids[:1])):
+                break
+        else:
+            pytest.fail("no answer began with a spaced token")
+        assert answer.text == tokenizer.decode(answer.token_ids) and not answer.text.startswith(" ")  # decoded alone
+        as_ids = engine.complete(chat_ids, max_new_tokens=6, continuation=False)
+        assert (as_ids.token_ids, as_ids.text) == (answer.token_ids, answer.text)
+        continued = engine.complete(chat_ids, max_new_tokens=6)  # ids: a continuation unless said otherwise
+        assert tokenizer.decode(chat_ids) + continued.text == tokenizer.decode(chat_ids + continued.token_ids)
+    finally:
+        engine.close()

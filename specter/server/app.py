@@ -39,7 +39,6 @@ from specter.server.protocol import (
     APIRequestError,
     ChatCompletionRequest,
     CompletionRequest,
-    SEED_LIMIT,
     SamplingRequest,
     as_json,
 )
@@ -89,6 +88,7 @@ class Job:
     generation: GenerationConfig
     ticket: Ticket
     arrived: float
+    continuation: bool = True  # the text continues the prompt's (completions); False: a chat answer, decoded alone
 
 
 def create_app(engine: Engine, *, model_name: str, max_queue: int = 64, api_key: str | None = None,
@@ -196,7 +196,7 @@ async def _serve(state: ServerState, request: Request, body: SamplingRequest, pr
     arrived = time.monotonic()
     _check_context(state, len(prompt_ids), max_tokens, *params)
     generation = _generation(body, max_tokens)
-    job = Job(prompt_ids, generation, _admit(state), arrived)
+    job = Job(prompt_ids, generation, _admit(state), arrived, continuation=not answer.chat)
     if body.stream:
         return EventStream(_events(state, job, answer, body.include_usage()), job.ticket)
     try:
@@ -219,7 +219,7 @@ async def _pieces(state: ServerState, job: Job) -> AsyncIterator[Piece]:
     try:
         async with job.ticket:
             state.metrics.queue_wait.observe(time.monotonic() - job.arrived)
-            async with state.engine.generate(job.prompt_ids, job.generation) as stream:
+            async with state.engine.generate(job.prompt_ids, job.generation, continuation=job.continuation) as stream:
                 stats = stream.stats
                 first = True
                 async for piece in stream:
@@ -400,7 +400,7 @@ def _generation(body: SamplingRequest, max_tokens: int) -> GenerationConfig:
         return GenerationConfig.build(
             # top_p 0 keeps the most likely token alone (OpenAI takes it): greedy, which the engine spells temperature 0
             max_new_tokens=max_tokens, temperature=0.0 if body.top_p == 0 else 1.0 if body.temperature is None else body.temperature,
-            top_k=body.top_k, top_p=body.top_p or None, seed=secrets.randbelow(2**31) if body.seed is None else body.seed % SEED_LIMIT,
+            top_k=body.top_k, top_p=body.top_p or None, seed=secrets.randbelow(2**31) if body.seed is None or body.seed < 0 else body.seed,
             stop_strings=body.stop_strings())
     except ConfigError as error:
         raise APIRequestError(400, str(error)) from None

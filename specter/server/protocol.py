@@ -84,8 +84,8 @@ class SamplingRequest(BaseModel):
                                 "0 only the most likely one (greedy), as OpenAI takes it.")
     top_k: int | None = Field(None, ge=1, description="Keep the k most likely tokens (not in OpenAI's API; vLLM's name).")
     seed: int | None = Field(None, ge=-SEED_LIMIT, lt=SEED_LIMIT, description="Same seed and parameters, same tokens; "
-                             "None draws one. An int64, as OpenAI's (some clients send -1): a negative one is taken "
-                             "modulo 2**63, the engine's non-negative seed.")
+                             "None draws one. An int64, as OpenAI's; a negative one draws one too (llama.cpp's -1, "
+                             "which some clients send, means a random seed).")
     stop: str | list[str] | None = Field(None, description="Stop strings; the text ends before the first one found.")
     # OpenAI's schema lets a client send null for these (the official client's n=None does), meaning the default.
     stream: bool | None = Field(False, description="Server-sent events; null is false.")
