@@ -9,6 +9,7 @@ import operator
 import re
 from collections.abc import Sequence
 from pathlib import Path
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
@@ -144,6 +145,17 @@ class _Frozen(BaseModel):
             how = f"give it when the EngineConfig is built, e.g. {_EXAMPLES['EngineConfig']} (on the command line: its options, --tune SECTION.FIELD=VALUE)"
         raise ConfigError(f"{kind} is immutable: {name} cannot be set on it; {how}")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, values: object) -> object:
+        # pydantic's lax mode reads True as 1: EngineConfig(residents=True) loaded with one slot a layer
+        if isinstance(values, dict):
+            for name, value in values.items():
+                field = cls.model_fields.get(name)
+                if isinstance(value, bool) and field is not None and _number_not_bool(field.annotation):
+                    raise ValueError(f"{name} = {value}: must be a number, not bool {value!r}")
+        return values
+
     def __delattr__(self, name: str) -> None:
         raise ConfigError(f"{type(self).__name__} is immutable: {name} cannot be deleted from it; build one without it")
 
@@ -151,6 +163,19 @@ class _Frozen(BaseModel):
     def build(cls, **values: object) -> "_Frozen":
         """The constructor (kept for callers that name the conversion): ConfigError naming each bad field."""
         return cls(**values)
+
+
+def _number_not_bool(annotation: Any) -> bool:
+    """Whether a field's type takes an int or a float and not a bool (Optional and Annotated looked through)."""
+    kinds, stack = set(), [annotation]
+    while stack:
+        kind = stack.pop()
+        arguments = typing.get_args(kind)
+        if arguments and typing.get_origin(kind) is not Literal:
+            stack.extend(arguments)
+        else:
+            kinds.add(kind)
+    return bool(kinds & {int, float}) and bool not in kinds
 
 
 _EXAMPLES = {

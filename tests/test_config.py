@@ -174,3 +174,12 @@ def test_an_integer_generation_field_refuses_a_float_however_whole(field):
     with pytest.raises(ConfigError, match=f"GenerationConfig.{field} = 3.0: must be an integer, not float"):
         GenerationConfig.build(**{field: 3.0})
     assert getattr(GenerationConfig.build(**{field: np.int64(3)}), field) == 3
+
+
+@pytest.mark.parametrize("values", [dict(residents=True), dict(max_context=False), dict(draft={"k_max": True}),
+                                    dict(placement_overlap=True), dict(tuning={"cache": {"roll_hot_window": True}})])
+def test_a_bool_is_no_number(values):
+    """pydantic's lax mode took True as 1: EngineConfig(residents=True) loaded with one slot a layer."""
+    with pytest.raises(ConfigError, match=r"= (True|False): must be a number, not bool (True|False)"):
+        EngineConfig(**values)
+    assert EngineConfig(recalibrate=True).recalibrate is True  # a bool field takes one
