@@ -547,7 +547,7 @@ class Engine:
             raise PromptError(f"a prompt is a str, a list of int token ids, or a list of chat messages, not "
                               f"{type(prompt).__name__}")
         items = list(prompt)
-        if items and all(isinstance(item, Mapping) for item in items):
+        if _is_chat(items):
             tokenizer = self._need_tokenizer("chat messages")
             return tokenizer.within(tokenizer.encode_chat(items), self.spec.vocab_size)
         if not all(is_token_id(item) for item in items):

@@ -145,8 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specter import log
 
     log.configure(json=args.log_json, level=args.log_level)
-    return run_tool(lambda: {"generate": cmd_generate, "info": cmd_info, "serve": cmd_serve}[args.command](args),
-                    preload=("torch",))
+    command = {"generate": cmd_generate, "info": cmd_info, "serve": cmd_serve}[args.command]
+    return run_tool(lambda: _flag_errors(lambda: command(args)), preload=("torch",))
 
 
 def _out(text: str) -> None:
@@ -182,6 +182,7 @@ def in_flags(message: str) -> str:
 
 
 def _flag_errors(build: Any) -> Any:
+    """`build()`, a command, whose ConfigError (generate's, info's, serve's alike) is said in the command line's words."""
     from specter.errors import ConfigError
 
     try:
@@ -192,10 +193,6 @@ def _flag_errors(build: Any) -> Any:
 
 
 def engine_config(args: argparse.Namespace):
-    return _flag_errors(lambda: _engine_config(args))
-
-
-def _engine_config(args: argparse.Namespace):
     from specter.config import EngineConfig, TuningConfig
 
     return EngineConfig.build(
@@ -210,10 +207,6 @@ def _engine_config(args: argparse.Namespace):
 
 
 def generation_config(args: argparse.Namespace):
-    return _flag_errors(lambda: _generation_config(args))
-
-
-def _generation_config(args: argparse.Namespace):
     from specter.config import GenerationConfig
 
     return GenerationConfig.build(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -221,10 +214,6 @@ def _generation_config(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    return _flag_errors(lambda: _cmd_generate(args))
-
-
-def _cmd_generate(args: argparse.Namespace) -> int:
     from specter.kernel import run
 
     from specter.builtin import builtin_note
@@ -392,10 +381,6 @@ def summary_line(stats: dict) -> str:
 
 # ---- info ---------------------------------------------------------------------------------------------
 def cmd_info(args: argparse.Namespace) -> int:
-    return _flag_errors(lambda: _cmd_info(args))
-
-
-def _cmd_info(args: argparse.Namespace) -> int:
     from specter.builtin import builtin_note
 
     summary = checkpoint_summary(args.model, dtype=args.dtype, max_context=args.max_context, quant=args.quant,

@@ -7,9 +7,9 @@ import math
 import numbers
 import operator
 import re
+import typing
 from collections.abc import Sequence
 from pathlib import Path
-import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
