@@ -73,8 +73,9 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     memory = gen.add_argument_group("memory and device")
-    memory.add_argument("--budget", default=None, metavar="SIZE", help="GPU memory budget, e.g. 24GiB (default: all experts resident)")
-    memory.add_argument("--residents", type=int, default=None, metavar="N", help="expert cache slots per MoE layer (instead of --budget)")
+    size = memory.add_mutually_exclusive_group()  # argparse names both options when they come together
+    size.add_argument("--budget", default=None, metavar="SIZE", help="GPU memory budget, e.g. 24GiB (default: all experts resident)")
+    size.add_argument("--residents", type=int, default=None, metavar="N", help="expert cache slots per MoE layer (instead of --budget)")
     memory.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     memory.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     memory.add_argument("--max-context", type=int, default=None,

@@ -114,8 +114,11 @@ def test_budget_option_and_its_errors(capsys):
     assert "short of the minimum" in capsys.readouterr().err
     assert main(["generate", "--budget", "lots", "--device", "cpu"]) == 2
     assert "is not a size" in capsys.readouterr().err
-    assert main(["generate", "--budget", "1GiB", "--residents", "2", "--device", "cpu"]) == 2
-    assert "either budget or residents" in capsys.readouterr().err
+    from specter.config import EngineConfig
+    from specter.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="either budget or residents"):  # the command line refuses the pair itself
+        EngineConfig(budget="1GiB", residents=2)
     assert main(["generate", "--eviction", "nope", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "no eviction plug-in named 'nope'" in err and "lru" in err
@@ -456,7 +459,6 @@ def test_an_unusable_specter_cache_is_named(tmp_path):
 
 @pytest.mark.parametrize("args, says", [
     (["--chat", "--prompt-ids", "1,2"], "--chat sends --prompt"),
-    (["--budget", "1GiB", "--residents", "4"], "give either budget or residents, not both"),
     (["--temperature", "nan"], "finite"),
     (["--top-p", "nan"], "finite"),
     (["--residents", "2", "--link", "1e-9"], "from 0.001"),
@@ -811,3 +813,14 @@ def test_options_that_are_used_are_not_noted():
     args = build_parser().parse_args(["generate", "--k", "3", "--lookahead", "fixed", "--temperature", "0.7", "--top-p",
                                       "0.9", "--cpu-experts", "auto", "--cpu-threads", "2"])
     assert unused_options(args, engine_config(args), generation_config(args)) == []
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_budget_and_residents_together_are_refused_in_the_options_words(capsys, command):
+    """Both name the device's expert memory: the command line refuses the pair by its options (argparse's usage
+    error, exit 2, nothing loaded), where the configuration's rule names its fields."""
+    with pytest.raises(SystemExit) as refused:
+        main([command, "--budget", "1GiB", "--residents", "4"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "argument --residents: not allowed with argument --budget" in err, err
+    assert "[--budget SIZE | --residents N]" in err  # the usage line shows them as alternatives

@@ -53,6 +53,10 @@ def add_serve_parser(commands: Any) -> None:
     for action in generate._actions:
         if any(flag in ENGINE_OPTIONS for flag in action.option_strings):
             extra._add_action(action)
+    copied = set(serve._actions)
+    for group in generate._mutually_exclusive_groups:  # --budget or --residents, refused together as generate does
+        if set(group._group_actions) <= copied:
+            serve.add_mutually_exclusive_group()._group_actions.extend(group._group_actions)
     _add_logging(serve)
 
 
