@@ -24,7 +24,7 @@ from specter.bench.protocol import (CELL_FIELDS, PROMPT_TOKENS, SAMPLING_MODES, 
 from specter.bench.plots import PLOT_FILES, remove_plots
 from specter.bench.stopping import BenchStopped, Stopper, exit_status
 from specter.bench.synthetic import SHAPES, family_available, shape_config, shape_label, synthetic_source
-from specter.bench.systems import DEFAULT_SYSTEMS, SCHEDULE_SOURCE, SYSTEMS, Setting
+from specter.bench.systems import DEFAULT_SYSTEMS, SCHEDULE_SOURCE, SYSTEMS, Setting, custom_system
 from specter.build import resolve_device, resolve_dtype
 from specter.config import DEFAULT_K, DraftConfig, EngineConfig, TuningConfig, parse_bytes, parse_link, split_list
 from specter.errors import ConfigError, OutputError, PromptError, SpecterError
@@ -58,7 +58,8 @@ QUICK_REPEATS = 2
 
 EPILOG = (f"Exit status: 0 done; 1 an engine system's tokens differed from its baseline (or an unexpected error, "
           "with a traceback and results.json's partial reason 'failed: ...'); 2 bad input, or an --out it cannot write; "
-          "3 nothing measured (every cell skipped, or all but resident's; the notes say why); 141 the reader of stdout left; "
+          "3 nothing measured (every cell skipped, or all but resident's; the notes say why); 4 some cells failed (a "
+          "plug-in raised or answered wrongly; results.json keeps each one's reason), the others ran; 141 the reader of stdout left; "
           f"{exit_status(signal.SIGTERM)} stopped by SIGTERM ({exit_status(signal.SIGINT)} by SIGINT, 128 + the signal's "
           "number): the cell in progress is abandoned and results.json and results.md keep the cells that ended, with "
           "complete false and partial.remaining the cells still to run.")
@@ -81,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--systems", type=_name_list, default=None,
                         help=f"of: {', '.join(SYSTEMS)}; exact-prefetch-specter runs last, on specter's rounds "
                              f"(default: {','.join(DEFAULT_SYSTEMS)}; quick: {','.join(QUICK_SYSTEMS)})")
+    parser.add_argument("--system", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="a system of installed plug-ins, run after --systems' (repeatable): NAME:like=SYSTEM (a "
+                             "built-in offloaded one to start from, default ondemand), eviction=, prefetch=, lookahead=, "
+                             "k= (fixed lookahead's depth), overlap= (draft-ahead steps), cpu-experts= (placement); e.g. "
+                             "mine:like=specter,eviction=my-eviction. Its tokens are held to the same baseline as the "
+                             "built-in systems'")
     parser.add_argument("--link", type=_link_list, default=None,
                         help=f"links to emulate: gen5, gen4, gen3, ddr4-desktop, native or GB/s (default: native on CUDA, "
                              f"{','.join(PLAIN_CPU_LINKS)} on the CPU; quick: {','.join(QUICK_LINKS)})")
@@ -422,15 +429,24 @@ def options_from_args(args: argparse.Namespace) -> Options:
     systems = args.systems if args.systems is not None else list(QUICK_SYSTEMS if quick_matrix else DEFAULT_SYSTEMS)
     unknown = [name for name in systems if name not in SYSTEMS]
     if unknown:
-        raise ConfigError(f"unknown system(s) {unknown}; systems: {', '.join(SYSTEMS)}")
+        raise ConfigError(f"unknown system(s) {unknown}; systems: {', '.join(SYSTEMS)} (a system of your own plug-ins: "
+                          "--system NAME:KEY=VALUE,...)")
+    custom = {}
+    for text in args.system:
+        system = custom_system(text)
+        if system.name in custom:
+            raise ConfigError(f"--system {system.name}: given twice")
+        custom[system.name] = system
+    systems = [*systems, *custom]
+    table = SYSTEMS | custom
     # A system that replays specter's rounds (exact-prefetch-specter) needs them recorded first: it runs after the
     # others, whatever the order given. Without specter in the run it could only be skipped, after the load and every
     # other cell had spent their time: refused here instead.
-    replaying = [name for name in systems if SYSTEMS[name].replay_schedule]
+    replaying = [name for name in systems if table[name].replay_schedule]
     if replaying and SCHEDULE_SOURCE not in systems:
         raise ConfigError(f"{', '.join(replaying)} replays the rounds {SCHEDULE_SOURCE} runs in the same bench run; add "
                           f"{SCHEDULE_SOURCE} to --systems (the order does not matter)")
-    systems = sorted(systems, key=lambda name: SYSTEMS[name].replay_schedule)
+    systems = sorted(systems, key=lambda name: table[name].replay_schedule)
     modes = list(dict.fromkeys(args.sampling))
     if not modes or any(mode not in SAMPLING_MODES for mode in modes):
         raise ConfigError(f"--sampling {','.join(args.sampling)}: expected a comma-separated list of {', '.join(SAMPLING_MODES)}")
@@ -449,7 +465,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
     # As DraftConfig resolves them: a depth given is kept (the other follows it), none given is the default within.
     k_max = args.k_max if args.k_max is not None else max(DraftConfig().k_max, args.k or 0)
     k = args.k if args.k is not None else min(DEFAULT_K, k_max)
-    drafting = [name for name in systems if SYSTEMS[name].speculative]
+    drafting = [name for name in systems if table[name].speculative]
     if k_max == 0 and drafting:  # the runtime they share would be built without a draft: none of its cells would run
         raise ConfigError(f"--k-max 0 leaves no draft depth, and {', '.join(drafting)} need a draft; raise --k-max to 1 or "
                           "more, or leave them out of --systems")
@@ -458,7 +474,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    device=args.device, dtype=args.dtype,
                    progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=quant,
                    tuning=tuning, sampling=modes, desktop_threads=args.desktop_threads, threads=threads,
-                   placement_overlap=args.placement_overlap, placement_profile=args.placement_profile)
+                   placement_overlap=args.placement_overlap, placement_profile=args.placement_profile, custom=custom)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -483,7 +499,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         keep_previous(args.out)  # an earlier run's plots go with it: they would not show the merged results
         write_outputs(args.out, payload, plots=not args.no_plots)
         show(payload, f"merged {len(args.merge)} result sets ({len(payload['runs'])} requests) into {args.out}/")
-        return verdict(payload["summary"], "the merged parts hold no run")  # as the parts' own runs ended
+        return verdict(payload["summary"], "the merged parts hold no run", cells=payload["cells"])  # as the parts' own runs ended
     started = time.monotonic()
     targets, notes = targets_from_args(args)
     check_residents(args.residents, targets)
@@ -519,7 +535,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     payload = results.write(None, plots=not args.no_plots)
     show(payload, f"{len(payload['runs'])} requests in {payload['elapsed_s']} s; results in {args.out}/ (results.json, "
                   f"results.md{', plots' if not args.no_plots else ''})")
-    return verdict(payload["summary"], "every cell was skipped (the notes above say why)", options.systems)
+    return verdict(payload["summary"], "every cell was skipped or failed (the notes above say why)", options.systems,
+                   payload["cells"])
 
 
 def show(payload: dict, headline: str) -> None:
@@ -538,11 +555,11 @@ def show(payload: dict, headline: str) -> None:
             print(f"note: {note}", file=sys.stderr)
 
 
-def verdict(summary: Sequence[dict], why_empty: str, asked: Sequence[str] = ()) -> int:
+def verdict(summary: Sequence[dict], why_empty: str, asked: Sequence[str] = (), cells: Sequence[dict] = ()) -> int:
     """The exit status of a run's (or a merge's) summary: 1 where an engine system's tokens differ from its baseline,
     NOTHING_MEASURED where no engine row is there (`all()` of none is True: nothing measured read as a success), or
     where only `resident` ran of the `asked` systems (the others' every cell skipped: a budget below the model's
-    minimum, say) and there is nothing to compare."""
+    minimum, say) and there is nothing to compare; CELLS_FAILED where a cell of `cells` failed and the rest ran."""
     engine_rows = [row for row in summary if row["system"] != "hf-accelerate"]
     if not engine_rows:
         print(f"nothing was measured: {why_empty}; exit status {NOTHING_MEASURED}", file=sys.stderr)
@@ -552,12 +569,22 @@ def verdict(summary: Sequence[dict], why_empty: str, asked: Sequence[str] = ()) 
         print(f"nothing was compared: only resident (the ceiling) ran; every cell of {', '.join(others)} was skipped "
               f"(the notes above say why); exit status {NOTHING_MEASURED}", file=sys.stderr)
         return NOTHING_MEASURED
-    return 0 if all(row["tokens_equal"] for row in engine_rows) else 1
+    if not all(row["tokens_equal"] for row in engine_rows):
+        return 1
+    failed = [f"{c['model']} {c['setting']} {c['link']} {c['system']}" for c in cells if str(c.get("status")).startswith("failed")]
+    if failed:
+        print(f"{len(failed)} cell(s) failed, the others ran: {'; '.join(failed)} (the notes above say why); exit "
+              f"status {CELLS_FAILED}", file=sys.stderr)
+        return CELLS_FAILED
+    return 0
 
 
 NOTHING_MEASURED = 3
 """The exit status of a run that ended without measuring a cell (each skipped: memory, time budget, a model part
 that failed), told apart from 0 (done), 1 (tokens differ) and 2 (bad input, or an --out it cannot write)."""
+CELLS_FAILED = 4
+"""The exit status of a run whose other cells ran but some failed: a plug-in under test raised or answered wrongly
+(results.json's cells keep each one's `failed: ...` status), so a script does not read the matrix as whole."""
 
 
 def check_context(targets: Sequence[ModelTarget], options: Options, realism_tokens: int | None) -> None:

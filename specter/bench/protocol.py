@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from specter.config import DraftConfig, EngineConfig, GenerationConfig, TuningConfig, parse_link
 from specter.engine import CheckpointWeights, WeightSource
-from specter.errors import BudgetError, CheckpointError, MemoryShortError, SpecterError
+from specter.errors import BudgetError, CheckpointError, MemoryShortError, PluginError, SpecterError
 from specter.experts.cache import CacheSnapshot, CacheStats, LayerStats
 from specter.experts.costs import route_profile
 from specter.build import resolve_dtype
@@ -121,6 +121,12 @@ class Options:
     placement_profile: Path | None = None
     """EngineConfig.placement_profile of every engine (`--placement-profile`): the routing trace `auto` places from
     (None: uniform routing)."""
+    custom: dict[str, System] = dataclasses.field(default_factory=dict)
+    """The run's own systems by name (`--system NAME:KEY=VALUE,...`: installed plug-ins), beside SYSTEMS."""
+
+    def system(self, name: str) -> System:
+        """The system `name` of this run: a built-in one or its own."""
+        return self.custom[name] if name in self.custom else SYSTEMS[name]
 
 
 class Clock:
@@ -146,7 +152,7 @@ CellKey = tuple[str, str, str, str]
 def planned_cells(target: ModelTarget, options: Options) -> dict[str, list[CellKey]]:
     """The cells the matrix will run for `target`, by part ('resident', 'offloaded', 'hf'), in the order it runs them:
     what a partial results.json lists as still to run."""
-    systems = [SYSTEMS[name] for name in options.systems]
+    systems = [options.system(name) for name in options.systems]
     parts: dict[str, list[CellKey]] = {"resident": [], "offloaded": [], "hf": []}
     if any(system.resident for system in systems):
         parts["resident"].append((target.label, "all", "-", "resident"))
@@ -262,7 +268,7 @@ class ModelBench:
 
     def __init__(self, target: ModelTarget, options: Options, deadline: float | None) -> None:
         self.target, self.options, self.deadline = target, options, deadline
-        self.systems = [SYSTEMS[name] for name in options.systems]
+        self.systems = [options.system(name) for name in options.systems]
         self.records: list[dict[str, Any]] = []
         """One per measured request, of cells that ended: a cell's records are added when its last request ends."""
         self.cells: list[dict[str, Any]] = []
@@ -451,14 +457,30 @@ class ModelBench:
             for system in systems:  # on the emulated link) is run for cells that would not fit
                 if system.name in slots:
                     count, note = slots[system.name]
-                    await self._cell(runtime, system, setting, link, slots=count, initial=None, note=note)
+                    await self._guarded_cell(runtime, system, setting, link, slots=count, initial=None, note=note)
             return
         most = tuple(max(counts) for counts in zip(*(counts for counts, _ in slots.values())))  # per layer
         initial = await self._initial_state(runtime, most, link)
         for system in systems:
             if system.name in slots:
                 count, note = slots[system.name]
-                await self._cell(runtime, system, setting, link, slots=count, initial=initial, note=note)
+                await self._guarded_cell(runtime, system, setting, link, slots=count, initial=initial, note=note)
+
+    async def _guarded_cell(self, runtime: BenchRuntime, system: System, setting: Setting, link: str,
+                            slots: tuple[int, ...], initial: tuple[tuple[int, ...], ...] | None, note: str) -> None:
+        """`_cell`, whose plug-in failure (a policy that raised or answered wrongly, or one SPECTER_PLUGINS does not
+        allow) fails that cell alone: the engine ended the request and kept its state, so the other systems' cells run
+        (one author's policy under test must not cost the baselines beside it). The cell is kept as failed, with why."""
+        try:
+            await self._cell(runtime, system, setting, link, slots=slots, initial=initial, note=note)
+        except PluginError as error:
+            fewest, extra = split_slots(slots)
+            log.warning("bench.cell_failed", model=self.target.label, setting=setting.label, link=link,
+                        system=system.name, error=str(error))
+            self.cells.append({"model": self.target.label, "setting": setting.label, "link": link, "system": system.name,
+                               "slots": fewest, "extra_slots": extra, "note": note, "host_threads": None,
+                               "placement": None, "status": f"failed: {error}"})
+            self._ended((self.target.label, setting.label, link, system.name))
 
     def _use_counts(self, runtime: BenchRuntime) -> list[list[float]] | None:
         """The placement profile's use counts per MoE layer and expert (None without a profile): the starting cache

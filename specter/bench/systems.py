@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
@@ -161,6 +162,63 @@ def get_system(name: str) -> System:
     if name not in SYSTEMS:
         raise ConfigError(f"no benchmark system named {name!r}; systems: {', '.join(SYSTEMS)}")
     return SYSTEMS[name]
+
+
+CUSTOM_KEYS = {"like": "a built-in system to start from (default ondemand)", "eviction": "specter.eviction plug-in",
+               "prefetch": "specter.prefetch plug-in", "lookahead": "specter.lookahead plug-in",
+               "k": "draft depth (fixed lookahead; 0: no speculation)", "overlap": "draft-ahead steps beside a verify",
+               "cpu-experts": "specter.placement plug-in (off, all, auto or another)"}
+"""The keys of `--system NAME:KEY=VALUE,...`, and what each sets."""
+_CUSTOM_GROUPS = {"eviction": "eviction", "prefetch": "prefetch", "lookahead": "lookahead", "cpu-experts": "placement"}
+
+
+def custom_system(text: str) -> System:
+    """A system of installed plug-ins, `NAME:KEY=VALUE,...` (`--system`): a policy author's own strategy beside the
+    built-in ones, e.g. `mine:like=specter,eviction=my-eviction`. It starts from `like` (ondemand: k = 0, LRU, no
+    prefetch) and takes its prefetch options only from it (a plug-in named here gets none). Each plug-in name is
+    checked against what is installed, so a typo is refused before any model loads."""
+    name, colon, body = text.partition(":")
+    name = name.strip()
+    if not colon or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise ConfigError(f"--system {text!r}: expected NAME:KEY=VALUE,... (a name of letters, digits, '.', '_' or '-'), "
+                          "e.g. mine:like=specter,eviction=my-eviction")
+    if name in SYSTEMS:
+        raise ConfigError(f"--system {name}: a built-in system has that name; choose another (built-in: {', '.join(SYSTEMS)})")
+    values: dict[str, str] = {}
+    for item in (part.strip() for part in body.split(",")):
+        key, equals, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not equals or not value or key not in CUSTOM_KEYS:
+            raise ConfigError(f"--system {name}: {item!r} is not KEY=VALUE with a key of "
+                              f"{', '.join(f'{k} ({what})' for k, what in CUSTOM_KEYS.items())}")
+        if key in values:
+            raise ConfigError(f"--system {name}: {key} given twice")
+        values[key] = value
+    like = values.pop("like", "ondemand")
+    if like not in SYSTEMS or SYSTEMS[like].resident or SYSTEMS[like].exact_prefetch or SYSTEMS[like].gate_prefetch:
+        plain = [n for n, s in SYSTEMS.items() if not (s.resident or s.exact_prefetch or s.gate_prefetch)]
+        raise ConfigError(f"--system {name}: like={like} is not a built-in offloaded system it can start from; one of "
+                          f"{', '.join(plain)}")
+    base = SYSTEMS[like]
+    changes: dict[str, Any] = {"name": name, "description": f"{text} (--system)"}
+    for key, group in _CUSTOM_GROUPS.items():
+        if key in values:
+            found = plugins.available(group)
+            if values[key] not in found:
+                raise ConfigError(f"--system {name}: no {group} plug-in named {values[key]!r} is installed; installed: "
+                                  f"{', '.join(sorted(found))}")
+            changes[key.replace("-", "_")] = values[key]
+    if "prefetch" in values and values["prefetch"] != base.prefetch:
+        changes["prefetch_options"] = {}  # `like`'s options belong to its own prefetch plug-in
+    for key in ("k", "overlap"):
+        if key in values:
+            try:
+                changes[key] = int(values[key])
+            except ValueError:
+                raise ConfigError(f"--system {name}: {key}={values[key]!r} is not a whole number") from None
+            if changes[key] < 0:
+                raise ConfigError(f"--system {name}: {key}={changes[key]} is below 0")
+    return dataclasses.replace(base, **changes)
 
 
 # ---- budgets ------------------------------------------------------------------------------------------
