@@ -219,7 +219,9 @@ class Runtime:
         slots = self.cache.layer_slots if self.cache is not None else self.memory.layer_slots
         header = TraceHeader(model=self.spec.family, num_layers=len(self.spec.moe_layers), num_experts=self.spec.num_experts,
                              expert_bytes=self.memory.expert_bytes, top_k=self.spec.top_k, slots_per_layer=min(slots),
-                             layer_slots=tuple(slots))
+                             layer_slots=tuple(slots),
+                             # whose schedule the rounds' checkpoints are: a replay keeps it for this prefetch only
+                             extra={"eviction": self.victims.policy.name, "prefetch": self.prefetch.name})
         for old in [observer for observer in self.observers if isinstance(observer, TraceRecorder)]:
             self.observers.remove(old)  # one trace at a time: the latest path
             old.close()

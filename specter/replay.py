@@ -212,10 +212,10 @@ def replay(
     a layer used any, `host_job_s` once (the job's fixed part, `PlacementState.host_job_s`); a layer's
     modelled time is its misses' copies and its host blocks combined by `overlapped` with `overlap` (0: their sum).
 
-    Per round: at each checkpoint the recording engine planned at, plan from the counts it saw (a trace
-    with `checkpoints`: the recording policy's schedule, not the replayed policy's, so policies that plan at
-    other steps are not compared on their own schedules); else at each of prefetch's checkpoints, from the
-    round's predicted counts scaled to the steps done. Load the plan layer by layer, protecting it;
+    Per round: the policy that recorded the trace (`recorded_by`) plans at the checkpoints the engine planned at, from
+    the counts it saw then (`checkpoints`); any other plans at its own checkpoints, from the counts the engine's draft
+    had seen at that step where the trace recorded a plan there, else from the round's predicted counts scaled to the
+    steps done; so each policy is compared on its own schedule, whichever policy recorded the trace. Load the plan layer by layer, protecting it;
     then each layer's verify uses its experts hot first, loading misses on demand through a rolling window
     (`roll`, see `_verify_round`; "engine": the engine's default window, `engine_roll()`).
     """
@@ -329,6 +329,17 @@ def _as_policy(group: str, policy: Any) -> Any:
     return load_policy(group, policy) if isinstance(policy, str) else guarded(policy, group)
 
 
+def recorded_by(header: TraceHeader, prefetch: PrefetchPolicy, trace_round: TraceRound) -> bool:
+    """Whether `prefetch` is the policy whose plans the trace's checkpoints are: the header's `prefetch` (the recording
+    engine's plug-in, by name) where the trace says; in an older trace that does not, any policy a schedule was
+    recorded for, but none for a round whose recorded schedule is empty (a policy that plans nothing, `none`, recorded
+    it: another policy is not held to it)."""
+    recorder = header.extra.get("prefetch")
+    if isinstance(recorder, str):
+        return recorder == getattr(prefetch, "name", None)
+    return bool(trace_round.checkpoints)
+
+
 def _prefetch_round(
     cache: CacheModel, trace_round: TraceRound, header: TraceHeader, prefetch: PrefetchPolicy, timing: LinkTiming,
     placement: Placement | None = None,
@@ -338,11 +349,15 @@ def _prefetch_round(
     k, plan, prefetched = trace_round.plan_k, None, set()
     if trace_round.k < 1:
         return None, prefetched
-    if trace_round.checkpoints is not None:  # the recording engine's own plans' counts
-        schedule = trace_round.checkpoint_counts(header.num_experts)
+    if trace_round.checkpoints is not None and recorded_by(header, prefetch, trace_round):
+        schedule = trace_round.checkpoint_counts(header.num_experts)  # the recording engine's own plans, as it made them
     else:
+        # Another policy plans at its own checkpoints: at a step the recording engine also planned at, from the
+        # counts its draft had seen then; at another, from the round's totals scaled to the steps done.
+        recorded = dict(trace_round.checkpoint_counts(header.num_experts))
         round_counts = trace_round.predicted_counts(header.num_experts)  # [L, E]
-        schedule = [(steps, round_counts * (steps / k)) for steps in prefetch.checkpoints(k=k, timing=timing)]
+        schedule = [(steps, recorded[steps] if steps in recorded else round_counts * (steps / k))
+                    for steps in prefetch.checkpoints(k=k, timing=timing)]
     for steps_done, counts in schedule:
         plan = prefetch.plan(
             route_counts=counts,
@@ -819,6 +834,7 @@ def _print_results(
     bound = offline_bound(header, rounds, args.slots)
     if args.json:
         report = {"model": header.model, "link_gbps": args.link, **_slots_json(header, args.slots), "roll": roll,
+                  "recorded_with": {key: header.extra.get(key) for key in ("eviction", "prefetch")},
                   "recorded_h2d_bytes": recorded, "offline_bound_loads": bound,
                   "offline_bound_h2d_bytes": bound * header.expert_bytes, "skipped": skipped}
         report["results"] = [result.to_json() for result in results]
@@ -829,6 +845,9 @@ def _print_results(
               f"rolling window {window}")
         if recorded is not None:
             print(f"the recording engine moved {recorded / 1e9:.3f} GB over these {len(rounds)} rounds")
+        if isinstance(by := header.extra.get("prefetch"), str):
+            print(f"recorded with eviction {header.extra.get('eviction')}, prefetch {by}: {by} replays the plans the "
+                  "engine made; another prefetch plans at its own checkpoints")
         print(f"offline bound (Belady's MIN on the verify's uses, knowing the future): {bound} loads, "
               f"{bound * header.expert_bytes / 1e9:.3f} GB")
         print(format_table(results))

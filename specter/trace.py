@@ -10,8 +10,9 @@ Line 1, the header::
 `expert_bytes` is what one routed expert moves across the link, `top_k` the router's active experts per
 token, `slots_per_layer` the cache slots per layer of the run that recorded it (the fewest, where layers differ).
 Optional: `"layer_slots": [S0, S1, ...]`, each layer's own slots where the recording cache gave some layers one more
-(`MemoryPlan.layer_slots`; L counts, the fewest equal to `slots_per_layer`). Other keys (e.g. the measured bandwidth,
-a date) are kept in `TraceHeader.extra`. The reader bounds the shape far above any real model's (a replay allocates
+(`MemoryPlan.layer_slots`; L counts, the fewest equal to `slots_per_layer`); `"eviction"` and `"prefetch"`, the
+recording engine's plug-ins by name (a replay holds only that prefetch policy to the rounds' recorded `checkpoints`).
+Other keys (e.g. the measured bandwidth, a date) are kept in `TraceHeader.extra`, these two as well. The reader bounds the shape far above any real model's (a replay allocates
 per layer and expert, so a 200-byte header must not ask for 1e8 experts): 1 <= L <= `MAX_LAYERS`,
 1 <= E <= `MAX_EXPERTS`, 1 <= B <= `MAX_EXPERT_BYTES`, 1 <= A <= E, and every layer's slots in 1..E.
 

@@ -98,8 +98,55 @@ def test_a_rounds_checkpoints_round_trip_and_drive_the_replays_plans(tmp_path):
     scaled = replay(HEADER, [dataclasses.replace(read_back, checkpoints=None)], PlanProtect(), TopMFrequency(), link_gbps=1.0)
     assert (recorded.prefetched_experts, recorded.prefetched_used, recorded.misses) == (2, 0, 4)  # 5 per layer, unused
     assert (scaled.prefetched_experts, scaled.prefetched_used, scaled.misses) == (4, 4, 0)
+    # an empty schedule (a policy that plans nothing recorded it) holds no other policy to it: its own, scaled
     none = replay(HEADER, [dataclasses.replace(read_back, checkpoints=())], PlanProtect(), TopMFrequency(), link_gbps=1.0)
-    assert none.prefetched_experts == 0 and none.misses == 4  # recorded: the engine made no plan
+    assert (none.prefetched_experts, none.misses) == (scaled.prefetched_experts, scaled.misses)
+
+
+def _named(policy, name):
+    policy.name = name
+    return policy
+
+
+def test_only_the_prefetch_policy_that_recorded_the_checkpoints_is_held_to_them():
+    """A header that names the recording engine's prefetch: that policy replays the plans the engine made (its
+    checkpoints, their counts); another plans at its own steps, from the recorded counts where it plans at a step
+    the engine planned at too, else from the round's totals scaled."""
+    counts = np.zeros((2, 8))
+    counts[:, 5] = 1.0
+    trace_round = TraceRound.from_arrays(0, 4, 3, 0.01, np.array([[3, 2, 0, 0, 0, 1, 0, 0]] * 2, dtype=float),
+                                         [[0, 1], [0, 1]], checkpoints=[(1, counts)])
+    by = lambda name: dataclasses.replace(HEADER, extra={"prefetch": name})  # noqa: E731
+    same = replay(by("topm-frequency"), [trace_round], PlanProtect(), TopMFrequency(), link_gbps=1.0)
+    assert (same.prefetched_experts, same.prefetched_used, same.misses) == (2, 0, 4)  # the engine's plan: expert 5
+    other = replay(by("none"), [trace_round], PlanProtect(), TopMFrequency(), link_gbps=1.0)
+    # its own schedule: step 1 (as the engine's, from the counts it saw: expert 5) and later steps (scaled totals: 0, 1)
+    assert (other.prefetched_experts, other.prefetched_used, other.misses) == (6, 4, 0)
+    # planning at step 1, as the engine did, it takes the counts the engine's draft had seen then
+    at_one = replay(by("none"), [trace_round], PlanProtect(), _named(TopMFrequency(fractions=(0.25,)), "at-one"),
+                    link_gbps=1.0)
+    assert (at_one.prefetched_experts, at_one.prefetched_used) == (2, 0)
+
+
+def test_a_trace_recorded_without_prefetch_replays_each_prefetch_policy_on_its_own_schedule(tiny, tmp_path, capsys):
+    """`generate --prefetch none --trace` records rounds with no checkpoint; every prefetch policy replayed on them
+    read as `none` (the same misses and stall in every row). The header names the recording plug-ins, and a
+    prefetching policy now plans, so it misses less than none on the same rounds."""
+    from specter.cli import main as generate_main
+
+    path = tmp_path / "none.jsonl"
+    assert generate_main(["generate", "--model", str(tiny), "--device", "cpu", "--residents", "6", "--prompt-ids",
+                          "1,2,3,4,5", "--max-new-tokens", "48", "--prefetch", "none", "--eviction", "lru",
+                          "--trace", str(path)]) == 0
+    capsys.readouterr()
+    header, rounds = read_trace(path)
+    assert (header.extra["prefetch"], header.extra["eviction"]) == ("none", "lru")
+    assert rounds and all(r.checkpoints == () for r in rounds if r.k > 0)
+    replayed, skipped = replay_all(header, rounds, 0.1, evictions=["lru"], prefetches=["none", "topm-keep"])
+    results = {r.prefetch: r for r in replayed}
+    assert not skipped
+    assert results["none"].prefetched_experts == 0
+    assert results["topm-keep"].prefetched_experts > 0 and results["topm-keep"].misses < results["none"].misses
 
 
 def test_round_from_arrays_keeps_nonzero_counts():
