@@ -142,8 +142,9 @@ class EvictionPolicy(Protocol):
         the layer has fewer than `count` free ones: while prefetching a plan during the draft, and when
         the verify pass misses. Called with keyword arguments.
 
-        `residents` are the layer's resident expert ids; `protected` are ids that must stay (planned and not
-        yet verified, or in use by the current pass); `history` is this layer's use history; `plan` is the
+        `residents` are the layer's resident expert ids, least recently used first (a load counts as a use), a
+        fresh list in the engine and the replay alike; `protected` are ids that must stay (planned and not
+        yet verified, or in use by the current pass); `history` is this layer's use history (copies); `plan` is the
         current round's plan, or None outside speculation. The caller guarantees at least `count`
         residents are unprotected, else it does not call.
 

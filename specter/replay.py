@@ -31,7 +31,6 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -138,8 +137,9 @@ class CacheModel:
         return mask
 
     def history(self, layer: int) -> UseHistory:
-        # Read-only views: a policy must not mutate the cache's bookkeeping.
-        return UseHistory(MappingProxyType(self.last_use[layer]), MappingProxyType(self.use_count[layer]), self.clock)
+        # Copies, as the engine's `UseClock.history` gives: what a policy does to them cannot reach the bookkeeping,
+        # and a policy behaves in a replay as in the engine.
+        return UseHistory(dict(self.last_use[layer]), dict(self.use_count[layer]), self.clock)
 
     def load(self, layer: int, expert: int, protected: frozenset[int], plan: Plan | None) -> bool:
         """Make `expert` resident, evicting one if the layer is full; False if it was resident or cannot be."""
@@ -151,7 +151,7 @@ class CacheModel:
                 return False  # every slot holds a protected expert: the plan cannot grow this layer
             history = self.history(layer)
             [victim] = self.eviction.victims(
-                layer=layer, residents=tuple(residents), protected=protected, count=1, history=history, plan=plan
+                layer=layer, residents=list(residents), protected=protected, count=1, history=history, plan=plan
             )
             residents.remove(victim)
         residents.append(expert)
@@ -162,7 +162,7 @@ class CacheModel:
         if count <= 0:
             return []
         others = frozenset(e for e in self.residents[layer] if e not in among)
-        return list(self.eviction.victims(layer=layer, residents=tuple(self.residents[layer]), protected=others,
+        return list(self.eviction.victims(layer=layer, residents=list(self.residents[layer]), protected=others,
                                           count=count, history=self.history(layer), plan=plan))
 
     def replace(self, layer: int, victim: int, expert: int) -> None:
@@ -173,6 +173,10 @@ class CacheModel:
     def use(self, layer: int, expert: int) -> None:
         self.clock += 1
         self.last_use[layer][expert] = self.clock
+        residents = self.residents[layer]
+        if expert in residents:  # least recently used first, as the engine's cache hands `residents` to the policy
+            residents.remove(expert)
+            residents.append(expert)
         self.use_count[layer][expert] = self.use_count[layer].get(expert, 0) + 1
 
 

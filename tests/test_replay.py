@@ -637,3 +637,33 @@ def test_a_trace_write_that_fails_advises_free_space_only_for_a_full_disk(tmp_pa
     with pytest.raises(OutputError) as failed:
         writer.write_round(rotating_rounds(1)[0])
     assert str(failed.value).endswith(os.strerror(code) + advice), str(failed.value)
+
+
+class _FirstResident:
+    """Evicts the first unprotected resident: an LRU where `residents` comes least recently used first (the engine's
+    order), a FIFO where it comes in load order."""
+
+    name = "first-resident"
+
+    def victims(self, layer, residents, protected, count, history, plan):
+        return [expert for expert in residents if expert not in protected][:count]
+
+
+class _SortsInPlace(_FirstResident):
+    name = "sorts-in-place"
+
+    def victims(self, layer, residents, protected, count, history, plan):
+        residents.sort(key=lambda expert: history.last_use.get(expert, -1))  # a list, as the engine gives
+        return super().victims(layer, residents, protected, count, history, plan)
+
+
+def test_an_eviction_policy_sees_residents_as_the_engine_gives_them():
+    """The engine hands `residents` as a fresh list, least recently used first; the replay gave a tuple in load order,
+    so a policy taking residents[0] replayed as FIFO and one sorting the list failed. Uses 0, 1, 0, 2, 0 in two
+    slots: LRU evicts 1 for 2 and hits 0 again (3 misses), FIFO evicts 0 (4)."""
+    rounds = [TraceRound.from_arrays(r, 0, 0, 0.01, np.zeros((2, 8)), [[expert], [expert]])
+              for r, expert in enumerate([0, 1, 0, 2, 0])]
+    lru = replay(HEADER, rounds, LRU(), NoPrefetch(), link_gbps=1.0, roll=-1)
+    first = replay(HEADER, rounds, _FirstResident(), NoPrefetch(), link_gbps=1.0, roll=-1)
+    sorts = replay(HEADER, rounds, _SortsInPlace(), NoPrefetch(), link_gbps=1.0, roll=-1)
+    assert lru.misses == first.misses == sorts.misses == 6  # 3 a layer
