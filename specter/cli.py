@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -61,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print one JSON object")
     _add_logging(info)
     add_serve_parser(commands)
+    listing = commands.add_parser("plugins", help="list the installed plug-ins of every group: name, distribution, "
+                                                  "the default, and what SPECTER_PLUGINS leaves out")
+    listing.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_logging(listing)
     return parser
 
 
@@ -146,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from specter import log
 
     log.configure(json=args.log_json, level=args.log_level)
-    command = {"generate": cmd_generate, "info": cmd_info, "serve": cmd_serve}[args.command]
+    command = {"generate": cmd_generate, "info": cmd_info, "serve": cmd_serve, "plugins": cmd_plugins}[args.command]
     return run_tool(lambda: _flag_errors(lambda: command(args)), preload=("torch",))
 
 
@@ -381,6 +386,46 @@ def summary_line(stats: dict) -> str:
 
 
 # ---- info ---------------------------------------------------------------------------------------------
+PLUGIN_DEFAULTS = {"eviction": "eviction", "prefetch": "prefetch", "lookahead": "lookahead", "placement": "cpu_experts",
+                   "backends": "backend"}
+"""The EngineConfig field that names each group's plug-in (its default is the group's default)."""
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    """Every group's installed plug-ins: what `--eviction`, `--prefetch`, `--lookahead`, `--cpu-experts` and the
+    bench's `--system` can name, where each comes from, and which SPECTER_PLUGINS hides."""
+    from specter import plugins
+    from specter.config import EngineConfig
+
+    listing = {}
+    for group, field in PLUGIN_DEFAULTS.items():
+        default = EngineConfig.model_fields[field].default
+        rows = []
+        for name, entry_point in sorted(plugins.installed(group).items()):
+            origin = plugins.PluginOrigin.of(group, entry_point)
+            rows.append({"name": name, "dist": origin.dist, "version": origin.version, "object": entry_point.value,
+                         "default": name == default, "allowed": plugins.is_allowed(group, name)})
+        listing[plugins.GROUP_PREFIX + group] = {"default": default, "plugins": rows}
+    if args.json:
+        _out(json.dumps({"allow_list": os.environ.get(plugins.ALLOW_LIST_ENV), "groups": listing}, indent=1) + "\n")
+        return 0
+    lines = []
+    for group, entry in listing.items():
+        lines.append(f"{group} (default: {entry['default']})")
+        width = max((len(row["name"]) for row in entry["plugins"]), default=0)
+        for row in entry["plugins"]:
+            marks = [mark for mark, on in (("default", row["default"]),
+                                           (f"not allowed by {plugins.ALLOW_LIST_ENV}", not row["allowed"])) if on]
+            lines.append(f"  {row['name']:<{width}}  {row['dist'] or '?'} {row['version'] or ''}  {row['object']}"
+                         + (f"  ({', '.join(marks)})" if marks else ""))
+        if not entry["plugins"]:
+            lines.append("  (none installed)")
+    if allow_list := os.environ.get(plugins.ALLOW_LIST_ENV):
+        lines.append(f"{plugins.ALLOW_LIST_ENV}={allow_list}: only the plug-ins it names may load")
+    _out("\n".join(lines) + "\n")
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from specter.builtin import builtin_note
 

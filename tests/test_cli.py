@@ -824,3 +824,23 @@ def test_budget_and_residents_together_are_refused_in_the_options_words(capsys, 
     err = capsys.readouterr().err
     assert refused.value.code == 2 and "argument --residents: not allowed with argument --budget" in err, err
     assert "[--budget SIZE | --residents N]" in err  # the usage line shows them as alternatives
+
+
+def test_plugins_lists_every_group_with_where_each_comes_from(capsys, monkeypatch):
+    """A policy author's first question, which plug-ins are installed and under which names, had no answer but a
+    wrong name's error. `specter plugins` lists each group's plug-ins with distribution, object, the default and
+    what SPECTER_PLUGINS hides."""
+    assert main(["plugins", "--json"]) == 0
+    groups = json.loads(capsys.readouterr().out)["groups"]
+    assert set(groups) == {"specter.eviction", "specter.prefetch", "specter.lookahead", "specter.placement", "specter.backends"}
+    eviction = {row["name"]: row for row in groups["specter.eviction"]["plugins"]}
+    assert groups["specter.eviction"]["default"] == "plan-protect" and eviction["plan-protect"]["default"]
+    assert eviction["lru"]["object"] == "policies.eviction:LRU" and eviction["lru"]["allowed"]
+    assert eviction["dummy-random"]["dist"] == "specter-dummy-policy"  # the tests' third-party package
+    assert groups["specter.prefetch"]["default"] == "topm-keep"
+    monkeypatch.setenv("SPECTER_PLUGINS", "lru,cpu")
+    assert main(["plugins"]) == 0
+    text = capsys.readouterr().out
+    assert "dummy-random" in text and "(not allowed by SPECTER_PLUGINS)" in text
+    assert [line for line in text.splitlines() if line.strip().startswith("lru ")][0].endswith("policies.eviction:LRU")
+    assert "SPECTER_PLUGINS=lru,cpu: only the plug-ins it names may load" in text
