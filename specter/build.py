@@ -10,6 +10,7 @@ on the device, no runtime), for tests and parity checks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -42,7 +43,16 @@ from specter.model.segmented import SegmentedStep
 from specter.model.spec import ModelSpec
 from specter.model.transformer import ExpertProvider, Transformer
 from specter.model.weights import check_checkpoint, check_no_unknown_experts, iter_experts, load_dense
-from specter.placement import OVERLAP, Placement, PlacementState, decision_record, prefill_placement, preloaded
+from specter.placement import (
+    OVERLAP,
+    Placement,
+    PlacementState,
+    PricingError,
+    decision_record,
+    has_rounds,
+    prefill_placement,
+    preloaded,
+)
 from specter.steps import graphed_target, make_draft, segmented_step, segmented_verify
 from specter.verify import OffloadedExperts
 from specter.victims import Victims
@@ -318,17 +328,36 @@ async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: 
     state = placement_state(cache, config, spec)
     state = (await calibrate(kernel, cache.pool, kernels, state, spec.hidden_size, device, config.placement_profile,
                              config.tuning.host.parallel_experts, default_cost_store(), config.recalibrate)).apply(state)
-    placement = policy.place(state=state)
-    decision = decision_record(state, placement, getattr(policy, "prefetch_discount", 0.0), getattr(policy, "overlap", OVERLAP))
-    log.info("placement.decided", policy=getattr(policy, "name", None), **decision)
-    if getattr(policy, "prices_misses", None) is not None and not policy.prices_misses(state):
-        log.warning("placement.needs_trace", policy=policy.name,
-                    hint="this engine speculates and has no routing trace with rounds (none, or one without rounds) to "
-                         "price its misses from, so every expert stays on the device path; record one with `specter "
-                         "generate --trace PATH` on your own text and pass it as placement_profile (--placement-profile)")
+    name, trace = getattr(policy, "name", None), config.placement_profile
+    with pricing_context(f"while the placement plug-in {name!r} priced the routing trace {trace} at load"):
+        placement = policy.place(state=state)
+    with pricing_context(f"while the engine priced the placement of plug-in {name!r} against the routing trace {trace} "
+                         f"at load (its decision record)"):
+        decision = decision_record(state, placement, getattr(policy, "prefetch_discount", 0.0), getattr(policy, "overlap", OVERLAP))
+    log.info("placement.decided", policy=name, **decision)
+    # prices_misses() answers for an engine that speculates without a trace's rounds: anywhere else its "no" is about
+    # an engine this is not, and the warning would tell the user to give a trace it has or does not need
+    if (state.speculates and not has_rounds(state) and getattr(policy, "prices_misses", None) is not None
+            and not policy.prices_misses(state)):
+        given = "no placement_profile was given" if trace is None else f"placement_profile {str(trace)!r} has no rounds"
+        log.warning("placement.needs_trace", policy=name, host_experts=placement.total,
+                    hint=f"placement plug-in {name!r} says it cannot price a speculating engine's misses without a "
+                         f"routing trace with rounds, and this engine speculates and {given}; record one with `specter "
+                         "generate --trace PATH` on your own text and give it as placement_profile (--placement-profile "
+                         "TRACE)")
     if not placement.active:
         return None
     return await apply_placement(placement, cache, config, device, chosen_kernel(kernels, state), policy, state)
+
+
+@contextlib.contextmanager
+def pricing_context(what: str) -> Iterator[None]:
+    """An eviction or prefetch plug-in's error inside the cost model's replay of the routing trace (a `PricingError`)
+    re-raised with `what` the load was doing then, the plug-in's own error as its cause."""
+    try:
+        yield
+    except PricingError as error:
+        raise PluginError(f"{error}, {what}") from error.__cause__
 
 
 def chosen_kernel(kernels: Sequence[HostKernel], state: PlacementState) -> HostKernel:

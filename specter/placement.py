@@ -10,17 +10,19 @@ target's function is fixed and speculative output equals target-only (k = 0) out
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from types import MappingProxyType
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from specter.errors import ConfigError
+from specter.errors import ConfigError, PluginError
 
 # Layers here are the compact MoE-layer indices the expert cache and the pool use (0..L-1), not model layers.
 
@@ -90,7 +92,13 @@ class Placement:
 
 @dataclass(frozen=True)
 class PlacementState:
-    """What a placement policy may use, measured where the engine has measured it (others are None or empty)."""
+    """What a placement policy may use, measured where the engine has measured it (others are None or empty).
+
+    Read-only all through: its mappings are `MappingProxyType`s and its sequences tuples (copies of what it is built
+    from), and its `route_sequence` is read-only too. The engine hands this object to the policy and keeps it, for
+    its decision record and every prompt's `place_prefill` (the bench and the replay likewise for the policies they
+    compare): a policy that changed it (a measured cost set to 0, a count appended) would change what the engine
+    records and what the next call is given. The cost model's own memo (`_replayed`) is the one part that fills in."""
 
     num_layers: int
     """MoE layers (the compact indices of `Placement.host`)."""
@@ -148,6 +156,13 @@ class PlacementState:
     that the load's `decision_record` and `token_seconds` read what the policy's pass made instead of replaying the
     rounds again. Not an input: a `dataclasses.replace` starts empty."""
 
+    def __post_init__(self) -> None:
+        frozen = {"initial_residents": tuple(tuple(layer) for layer in self.initial_residents),
+                  "layer_slots": tuple(self.layer_slots), "host_expert_s": MappingProxyType(dict(self.host_expert_s)),
+                  "route_counts": None if self.route_counts is None else tuple(tuple(row) for row in self.route_counts)}
+        for name, value in frozen.items():
+            object.__setattr__(self, name, value)
+
     def slots(self, layer: int) -> int:
         """The device slots of MoE layer `layer`."""
         return self.layer_slots[layer] if self.layer_slots else self.slots_per_layer
@@ -168,7 +183,15 @@ class RouteSequence:
     """Tokens the rounds committed (accepted + 1 each): the cost model's misses and host blocks are per one of these."""
     rounds: tuple = field(default=(), compare=False, repr=False)
     """The trace's rounds themselves (`specter.trace.TraceRound`), with the draft's predictions: for an engine that
-    speculates, the cost model replays the prefetch over them (`prefetch_misses`). Empty: uses only."""
+    speculates, the cost model replays the prefetch over them (`prefetch_misses`). Empty: uses only. Kept as read-only
+    copies (`_read_only_round`: tuples and `MappingProxyType`s over the trace's own mappings), as the rest: a
+    sequence is shared by every state placed from the same trace (`costs.routing_profile` keeps it for the next
+    load), and by the replay that read the trace, so a policy must not be able to change it."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "used", tuple(tuple(tuple(experts) for experts in layer) for layer in self.used))
+        object.__setattr__(self, "rows", tuple(self.rows))
+        object.__setattr__(self, "rounds", tuple(_read_only_round(trace_round) for trace_round in self.rounds))
 
     @classmethod
     def of_rounds(cls, rounds: Iterable, num_layers: int, max_tokens: int | None = None) -> RouteSequence:
@@ -190,6 +213,23 @@ class RouteSequence:
             tokens += trace_round.accepted + 1
             kept.append(trace_round)
         return cls(tuple(tuple(layer) for layer in used), tuple(rows), tokens, tuple(kept))
+
+
+def _read_only_round(trace_round: Any) -> Any:
+    """A `specter.trace.TraceRound` whose layers, their `used` and the checkpoints are tuples and whose predicted counts
+    are read-only views of the round's own (one already so is returned as it is)."""
+    if isinstance(trace_round.layers, tuple) and all(isinstance(routes.predicted, MappingProxyType)
+                                                     and isinstance(routes.used, tuple) for routes in trace_round.layers):
+        return trace_round
+    layers = tuple(dataclasses.replace(routes, predicted=_read_only(routes.predicted), used=tuple(routes.used))
+                   for routes in trace_round.layers)
+    checkpoints = None if trace_round.checkpoints is None else tuple(
+        (steps, tuple(_read_only(counts) for counts in rows)) for steps, rows in trace_round.checkpoints)
+    return dataclasses.replace(trace_round, layers=layers, checkpoints=checkpoints)
+
+
+def _read_only(mapping: Mapping) -> Mapping:
+    return mapping if isinstance(mapping, MappingProxyType) else MappingProxyType(mapping)
 
 
 @runtime_checkable
@@ -563,18 +603,29 @@ def _hides(state: PlacementState, layer: int) -> bool:
     return state.speculates and _replays(state, layer) and has_rounds(state) and bool(state.link_bytes_per_s)
 
 
+class PricingError(PluginError):
+    """An eviction or prefetch plug-in's error (its own message, the plug-in's PluginError as the cause) raised inside
+    the cost model's replay of a routing trace (`prefetch_misses`, with the engine's eviction and prefetch plug-ins),
+    through the placement policy or the decision record that asked for the price: the loader says which placement
+    priced which trace (`build.place_experts`), which the plug-in's message alone cannot."""
+
+
 def prefetch_misses(state: PlacementState, layer: int) -> float:
     """The copies of one expert `layer` waits for per pass over the state's rounds in `off`, in a speculating engine:
     the replay's verify misses after the draft's prefetch (`specter.replay.layer_prefetch_costs`, warm), plus the part
     of each round's prefetch its drafting does not hide, in expert copies. The replay charges a round's prefetch beyond
     what the link moves in its k draft steps to the round as a whole; each layer's share of that budget here is its
-    share of the round's prefetched experts, so the layers sum to the replay's time exactly."""
+    share of the round's prefetched experts, so the layers sum to the replay's time exactly. A plug-in's error in that
+    replay is raised as a `PricingError`."""
     memo = state._replayed
     if "off walks" not in memo:
         from specter.replay import hidden_bytes, layer_prefetch_costs  # the replay imports this module
 
-        walks = [layer_prefetch_costs(state, other, frozenset(), state.eviction, state.prefetch)
-                 for other in range(state.num_layers)]
+        try:
+            walks = [layer_prefetch_costs(state, other, frozenset(), state.eviction, state.prefetch)
+                     for other in range(state.num_layers)]
+        except PluginError as error:  # the plug-in's message cannot say that a placement's pricing ran it
+            raise PricingError(str(error)) from error
         waited = [0.0] * state.num_layers
         for index, trace_round in enumerate(state.route_sequence.rounds):
             total = sum(walk[index][0] for walk in walks)

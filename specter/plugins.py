@@ -44,6 +44,11 @@ BACKEND_GROUP = "backends"
 SLOW_CALL_S = 0.05
 """A policy call longer than this is logged once per method (`plugin.slow_call`): it held the event loop."""
 
+LOAD_SLOW_CALL_S = 10.0
+"""The same for a placement's load-time methods (`GuardedPlacement._at_load`): the engine asks them once while it loads
+(the bench once per cell), before any request waits, and a cost model may take a while there (`auto` replays a routing
+trace), so only a call that visibly delays the load is worth a warning."""
+
 _scan_lock = threading.RLock()
 _scanned: dict[str, dict[str, EntryPoint]] = {}
 
@@ -328,6 +333,10 @@ def guarded(policy: Any, group: str, origin: PluginOrigin | None = None) -> Any:
 class _Guarded:
     """Shared part of the guarded wrappers: the policy, its origin, and the call that names it on error."""
 
+    _at_load: frozenset[str] = frozenset()
+    """Methods the engine calls only while it loads, before any request waits (timed against `LOAD_SLOW_CALL_S`);
+    every other method is a decision on the event loop (`SLOW_CALL_S`)."""
+
     def __init__(self, policy: Any, origin: PluginOrigin) -> None:
         self.policy = policy
         self.origin = origin
@@ -363,11 +372,16 @@ class _Guarded:
 
     def _time(self, method: str, seconds: float) -> None:
         """Warn once per method of a policy whose call held the event loop long: every decision runs on it, so the
-        copies, the GPU's next launches and every other request wait for it."""
-        if seconds > SLOW_CALL_S and method not in self._slow:
+        copies, the GPU's next launches and every other request wait for it. A load-time method (`_at_load`) holds up
+        no request, only the load, and is held to `LOAD_SLOW_CALL_S`."""
+        at_load = method in self._at_load
+        if seconds > (LOAD_SLOW_CALL_S if at_load else SLOW_CALL_S) and method not in self._slow:
             self._slow.add(method)
+            advice = (f"{method}() runs once while the engine loads (once per bench cell), before any request waits: it "
+                      "held up no request, but it delayed the load; keep it to a few seconds (bound what it computes)"
+                      if at_load else "a policy runs on the engine's event loop; keep each decision to a millisecond or so")
             log.warning("plugin.slow_call", plugin=self.origin.label(), method=method, ms=round(seconds * 1e3, 1),
-                        advice="a policy runs on the engine's event loop; keep each decision to a millisecond or so")
+                        advice=advice)
 
     def _wrong(self, method: str, problem: str) -> PluginError:
         return PluginError(f"{self.origin.label()}: {method}() returned a wrong answer: {problem}")
@@ -505,7 +519,10 @@ class GuardedLookahead(_Guarded):
 
 class GuardedPlacement(_Guarded):
     """A placement policy whose place() is checked: a `Placement` of every MoE layer with ids in range; and whose
-    optional place_prefill() is checked too (its host experts within the decode placement's), `decode` without one."""
+    optional place_prefill() is checked too (its host experts within the decode placement's), `decode` without one.
+    The state it is given is read-only (`PlacementState`): the engine keeps it for its record and the prompts' calls."""
+
+    _at_load = frozenset({"place", "prices_misses"})  # place_prefill runs before each prompt, on the event loop
 
     def place(self, state: PlacementState) -> Placement:
         return self._checked("place", self._call("place", state=state), state)

@@ -312,7 +312,8 @@ ALLOWED_CONSTANTS = {
     "specter/kernel.py": {"_JOIN_TIMEOUT_S"},  # how long close() waits for a waiter thread
     # how long the exit waits for daemon threads' queued work, and how often that wait checks a thread still runs
     "specter/daemons.py": {"EXIT_SETTLE_S", "_POLL_S"},
-    "specter/plugins.py": {"SLOW_CALL_S"},  # when a policy call is logged as holding the loop (a warning, no behaviour)
+    # when a policy call is logged as holding the loop, or a placement's load-time call the load (warnings, no behaviour)
+    "specter/plugins.py": {"SLOW_CALL_S", "LOAD_SLOW_CALL_S"},
     # how often a blocked SyncEngine call checks its loop thread is alive; how long its close waits for tasks to unwind
     "specter/sync.py": {"LIVENESS_POLL_S", "UNWIND_S"},
     # a warning's patience, not a tuning knob: how long a request waits behind a stream nobody reads before it is said
@@ -326,8 +327,8 @@ ALLOWED_CONSTANTS = {
     "specter/model/transformer.py": {"PACK_ROWS"},  # packed tensors' row alignment for cuBLAS's tensor-core kernels
     "specter/quant/gptq.py": {"GPTQ_WORKING_BYTES"},  # GPTQ's working-memory bound
     "specter/quant/moe_triton.py": {"MAX_PAIRS", "BLOCK_M"},  # the kernels' compile-time shapes
-    "specter/bench/cli.py": {"QUICK_RESIDENTS", "QUICK_REPEATS", "NOTHING_MEASURED"},  # the quick preset (CLI defaults,
-    # not engine knobs); an exit status (a contract)
+    # the quick preset (CLI defaults, not engine knobs); two exit statuses (contracts)
+    "specter/bench/cli.py": {"QUICK_RESIDENTS", "QUICK_REPEATS", "NOTHING_MEASURED", "CELLS_FAILED"},
     "specter/bench/protocol.py": {"PROMPT_TOKENS"},  # the measurement protocol
     "specter/bench/report.py": {"RATIO_DECIMALS"},  # how a speedup is stored, so that the table and the line agree
     "specter/bench/synthetic.py": {"DISTINCT_EXPERTS"},  # the synthetic models' routing
