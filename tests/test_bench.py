@@ -893,7 +893,7 @@ def _fewest_loads_by_search(rounds: list[set[int]], slots: int) -> int:
 @settings(max_examples=150, deadline=None)
 def test_fewest_loads_is_the_optimum_of_every_keep_choice(rounds, slots):
     """Belady on whole rounds is the optimum of the relaxation the bytes floor stands on (issue 28 item 7)."""
-    from specter.bench.systems import fewest_loads
+    from specter.replay import fewest_loads
 
     assert fewest_loads(rounds, slots) == _fewest_loads_by_search(rounds, slots)
 

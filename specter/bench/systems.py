@@ -29,6 +29,7 @@ from specter.engine import Runtime
 from specter.log import get_logger
 from specter.memory import MemoryPlan, plan_memory, split_slots
 from specter.placement import OVERLAP, Placement, PlacementState, decision_record, fill_slots, layer_counts
+from specter.replay import fewest_loads
 from specter.metrics import Estimates, RequestStats
 from specter.model.spec import ModelSpec
 from specter.observers import RoundObserver, RoundReport
@@ -578,33 +579,6 @@ class BenchRuntime(Runtime):
         predicted = ranked[: self.cache.layer_slots[self.moe_index[following]]]
         self.books.gate_predicted[following] = set(predicted)
         self.cache.prefetch(self.moe_index[following], predicted)
-
-
-def fewest_loads(rounds: Sequence[Set[int]], slots: int) -> int:
-    """The fewest loads of one layer's experts that serve `rounds` (per round, the experts its verify used) with
-    `slots` slots, from an empty cache: Belady on whole rounds (load what the round misses, then keep the `slots`
-    experts used again soonest). A lower bound for any cache of `slots` per layer at every round boundary, whatever it
-    does inside a round (a rolling window, the relay's loans, given back at the round's end) or ahead of it
-    (prefetches only move loads earlier): what round r uses and the cache did not hold at the end of round r - 1 is
-    loaded during round r, and a load that waits until it is needed costs no more than one made earlier."""
-    uses: dict[int, list[int]] = {}
-    for index, used in enumerate(rounds):
-        for expert in used:
-            uses.setdefault(expert, []).append(index)
-
-    def next_use(expert: int, after: int) -> float:
-        rounds_used = uses[expert]
-        position = bisect.bisect_right(rounds_used, after)
-        return rounds_used[position] if position < len(rounds_used) else math.inf
-
-    held: set[int] = set()
-    loads = 0
-    for index, used in enumerate(rounds):
-        loads += len(set(used) - held)
-        held |= set(used)
-        while len(held) > slots:
-            held.remove(max(held, key=lambda expert: (next_use(expert, index), expert)))
-    return loads
 
 
 def decode_floor_loads(routes: Routes, slots: Sequence[int]) -> int:
