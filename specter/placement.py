@@ -188,13 +188,18 @@ class RouteSequence:
     sequence is shared by every state placed from the same trace (`costs.routing_profile` keeps it for the next
     load), and by the replay that read the trace, so a policy must not be able to change it."""
 
+    recorded_prefetch: str | None = None
+    """The prefetch plug-in whose plans the rounds' checkpoints are (the trace header's `prefetch`; None where it does
+    not say): the cost model's replay holds only that policy to them (`specter.replay.recorded_by`)."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "used", tuple(tuple(tuple(experts) for experts in layer) for layer in self.used))
         object.__setattr__(self, "rows", tuple(self.rows))
         object.__setattr__(self, "rounds", tuple(_read_only_round(trace_round) for trace_round in self.rounds))
 
     @classmethod
-    def of_rounds(cls, rounds: Iterable, num_layers: int, max_tokens: int | None = None) -> RouteSequence:
+    def of_rounds(cls, rounds: Iterable, num_layers: int, max_tokens: int | None = None,
+                  recorded_prefetch: str | None = None) -> RouteSequence:
         """From a trace's rounds (`specter.trace.TraceRound`: `k`, `accepted` and per layer `used`), in order, the
         first ones up to `max_tokens` committed tokens (None: all; `SEQUENCE_TOKENS` bounds what the load replays).
         A round that routes fewer than `num_layers` layers is refused: it would put the later rounds' experts against
@@ -212,7 +217,7 @@ class RouteSequence:
             rows.append(trace_round.k + 1)
             tokens += trace_round.accepted + 1
             kept.append(trace_round)
-        return cls(tuple(tuple(layer) for layer in used), tuple(rows), tokens, tuple(kept))
+        return cls(tuple(tuple(layer) for layer in used), tuple(rows), tokens, tuple(kept), recorded_prefetch)
 
 
 def _read_only_round(trace_round: Any) -> Any:

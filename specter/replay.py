@@ -292,7 +292,9 @@ def layer_prefetch_costs(state: PlacementState, layer: int, host: frozenset[int]
     roll = engine_roll() if roll == "engine" else roll
     rounds = [dataclasses.replace(r, layers=[r.layers[layer]], checkpoints=None if r.checkpoints is None else tuple(
         (steps, (rows[layer],)) for steps, rows in r.checkpoints)) for r in state.route_sequence.rounds]
-    header = TraceHeader("", 1, state.num_experts, state.expert_bytes, state.top_k, state.slots(layer))
+    recorder = state.route_sequence.recorded_prefetch
+    header = TraceHeader("", 1, state.num_experts, state.expert_bytes, state.top_k, state.slots(layer),
+                         extra={} if recorder is None else {"prefetch": recorder})
     placement = Placement.of([host], 1, state.num_experts)
     walk = _walk(header, rounds + rounds, load_policy("eviction", eviction), load_policy("prefetch", prefetch),
                  state.link_bytes_per_s, state.slots(layer), roll, placement, _Tally())
@@ -486,7 +488,10 @@ def trace_placement_state(header: TraceHeader, rounds: Sequence[TraceRound], lin
     `eviction` and `prefetch`, where some replayed round drafted (k > 0), as the recording engine did."""
     if profile is None and sequence is None and not uniform:
         profile = use_counts(rounds, header.num_layers, header.num_experts)
-        sequence = RouteSequence.of_rounds(rounds, header.num_layers, SEQUENCE_TOKENS) if rounds else None
+        recorder = header.extra.get("prefetch")
+        sequence = (RouteSequence.of_rounds(rounds, header.num_layers, SEQUENCE_TOKENS,
+                                            recorded_prefetch=recorder if isinstance(recorder, str) else None)
+                    if rounds else None)
     return PlacementState(num_layers=header.num_layers, num_experts=header.num_experts, top_k=header.top_k,
                           slots_per_layer=slots_per_layer or header.slots_per_layer,
                           layer_slots=() if slots_per_layer else header.layer_slots,

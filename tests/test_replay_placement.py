@@ -182,3 +182,33 @@ def test_the_text_says_when_no_host_cost_was_given(toy_trace, capsys):
 def test_placements_refuse_slots_the_engine_would_refuse(toy_trace, capsys, slots):
     assert main([str(toy_trace), "--placement", "off", "--slots", slots]) == 2
     assert f"error: --slots {slots}: expected 2..8 slots per MoE layer" in capsys.readouterr().err
+
+
+def test_the_cost_models_replay_holds_only_the_recording_prefetch_to_the_traces_plans():
+    """A profile recorded with `--prefetch none` has rounds whose checkpoints are empty: auto's replay of the engine's
+    own prefetch (topm-keep) over them planned nothing, pricing the device path as if nothing were prefetched. The
+    header names the recording plug-in, and only that one is held to the recorded plans."""
+    import dataclasses
+
+    import numpy as np
+
+    from specter.placement import prefetch_misses
+    from specter.replay import layer_prefetch_costs
+
+    rounds = []
+    for r in range(6):  # three pairs in turn through 2 slots, each predicted by the draft: a prefetch has work
+        pair = [2 * (r % 3), 2 * (r % 3) + 1]
+        counts = np.zeros((2, 8))
+        counts[:, pair] = 3.0
+        rounds.append(TraceRound.from_arrays(r, 4, 4, 0.01, counts, [pair, pair], checkpoints=[]))
+
+    def state(recorder):
+        header = dataclasses.replace(HEADER, extra={} if recorder is None else {"prefetch": recorder})
+        return trace_placement_state(header, rounds, 1.0, 1e-3, slots_per_layer=2, eviction="lru", prefetch="topm-keep")
+
+    by_none, by_keep = state("none"), state("topm-keep")
+    assert by_none.route_sequence.recorded_prefetch == "none"
+    planned = layer_prefetch_costs(by_none, 0, frozenset(), "lru", "topm-keep")
+    held = layer_prefetch_costs(by_keep, 0, frozenset(), "lru", "topm-keep")
+    assert sum(loaded for loaded, _ in planned) > 0 == sum(loaded for loaded, _ in held)
+    assert prefetch_misses(by_none, 0) <= prefetch_misses(by_keep, 0)

@@ -30,7 +30,7 @@ from specter.kernel import Kernel
 from specter.log import get_logger
 from specter.paths import json_value
 from specter.placement import SEQUENCE_TOKENS, Placement, PlacementState, RouteSequence
-from specter.trace import TraceRound, read_trace, use_counts
+from specter.trace import TraceHeader, TraceRound, read_trace, use_counts
 
 log = get_logger(__name__)
 Tensor = torch.Tensor
@@ -420,12 +420,17 @@ def check_profile(path: Path, num_layers: int, num_experts: int) -> list[TraceRo
     placement (`build_runtime`, through `routing_profile`): with `off`, which places nothing from it, a gzip file or
     another model's trace is still the user's mistake, and it is refused as `info --placement-profile`, the bench and
     a placing load refuse it, before any weight is read."""
+    return checked_trace(path, num_layers, num_experts)[1]
+
+
+def checked_trace(path: Path, num_layers: int, num_experts: int) -> tuple[TraceHeader, list[TraceRound]]:
+    """`check_profile`, with the trace's header."""
     header, rounds = read_trace(path)
     if (header.num_layers, header.num_experts) != (num_layers, num_experts):
         raise ConfigError(f"placement_profile {path}: a trace of {header.num_layers} MoE layers x {header.num_experts} "
                           f"experts ({header.model}) for a model of {num_layers} x {num_experts}; record one of this "
                           "model with `specter generate --trace PATH`")
-    return rounds
+    return header, rounds
 
 
 def routing_profile(path: Path, num_layers: int, num_experts: int) -> tuple[list[list[float]] | None, RouteSequence | None]:
@@ -453,11 +458,13 @@ def _profile_of(identity: tuple, path: Path, num_layers: int, num_experts: int) 
 
 
 def _read_profile(path: Path, num_layers: int, num_experts: int) -> tuple[list[list[float]] | None, RouteSequence | None]:
-    rounds = check_profile(path, num_layers, num_experts)
+    header, rounds = checked_trace(path, num_layers, num_experts)
     if not rounds:
         log.warning("placement.empty_profile", path=str(path), hint="the trace has no rounds: routing assumed uniform")
         return None, None
-    return use_counts(rounds, num_layers, num_experts), RouteSequence.of_rounds(rounds, num_layers, SEQUENCE_TOKENS)
+    prefetch = header.extra.get("prefetch")  # whose plans the rounds' checkpoints are
+    return use_counts(rounds, num_layers, num_experts), RouteSequence.of_rounds(
+        rounds, num_layers, SEQUENCE_TOKENS, recorded_prefetch=prefetch if isinstance(prefetch, str) else None)
 
 
 def reference_expert(hidden_size: int, intermediate: int) -> ExpertFunction:
