@@ -447,9 +447,13 @@ class Engine:
                                           "started another request; use `async with engine.generate(...)` to stop a "
                                           "stream early")
             await holder.aclose()
-        elif holder._reader_ended():
+        elif holder._reader_ended() or self.holds_turn_between_pieces(holder):
+            # An unreferenced stream is in a cycle with its generator, so only a collection gives its turn back: one
+            # whose reader task ended, or one left between pieces by a task that goes on (a loop left by `break` or
+            # an exception it caught, then `gather` of new requests), which would otherwise hold the turn until the
+            # collector happened to run. A stream still referenced survives it (a slow reader: a few ms wasted).
             del holder
-            gc.collect()  # an unreferenced stream is in a cycle with its generator; collecting it gives the turn back
+            gc.collect()
 
     def _when_reader_ends(self, stream: GenerationStream) -> Any:
         """A done callback for a task that reads `stream`: if the task ends with the stream unfinished and nothing
@@ -482,6 +486,10 @@ class Engine:
         it, which the engine cannot tell from a slow reader), say so, once, rather than wait in silence."""
         def check() -> None:
             holder = self._holder() if self._holder is not None else None
+            if holder is not None and self.holds_turn_between_pieces(holder):
+                del holder
+                gc.collect()  # a holder that has become garbage since the request queued gives its turn back now
+                holder = self._holder() if self._holder is not None else None
             if holder is not None and self.holds_turn_between_pieces(holder):
                 log.warning("engine.waiting_on_idle_stream", waited_s=IDLE_HOLDER_WARN_S,
                             holder_new_tokens=len(holder.token_ids), waiting_prompt_tokens=prompt_tokens,

@@ -106,6 +106,32 @@ def test_a_stream_abandoned_by_a_task_that_ends_frees_the_engine_for_a_request_a
     assert asyncio.run(main()) == reference
 
 
+@pytest.mark.parametrize("leave", ["break", "caught"])
+def test_a_stream_left_by_a_task_that_goes_on_frees_the_engine_for_requests_it_gathers(engine_and_reference, leave):
+    """A loop left by `break` (or by an exception its task caught, as a websocket handler does) and then a gather of
+    new requests from the same task: the unreferenced stream held the turn until the collector happened to run (with
+    it off, as here, for good). A request queueing behind a stream left between pieces collects it."""
+    engine, reference = engine_and_reference
+
+    async def main():
+        try:
+            async for _ in engine.generate(PROMPT, max_new_tokens=200):
+                if leave == "break":
+                    break
+                raise ConnectionResetError("the client went away")
+        except ConnectionResetError:
+            pass
+        async with asyncio.timeout(60):
+            return await asyncio.gather(engine.complete(PROMPT, max_new_tokens=8), engine.complete(PROMPT, max_new_tokens=8))
+
+    gc.disable()
+    try:
+        first, second = asyncio.run(main())
+    finally:
+        gc.enable()
+    assert first.token_ids == second.token_ids == reference
+
+
 def test_a_second_close_returns_only_once_the_engine_is_closed(tiny):
     async def main():
         engine = await Engine.load(tiny, OFFLOADED)
