@@ -47,7 +47,10 @@ def debug_enabled() -> bool:
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
-    """A logger bound to a module name; configures a quiet default on first use."""
-    if not _configured:
+    """A logger bound to a module name; configures a quiet default on first use, unless the process has configured
+    structlog already: an application that did (its renderer, its level, its output) keeps its configuration, and
+    Specter's events go through it. (A library that replaced it at import hid the application's own info events and
+    moved its JSON lines to Specter's console format on stderr.) The command-line tools configure it themselves."""
+    if not _configured and not structlog.is_configured():
         configure()
     return structlog.get_logger(name)

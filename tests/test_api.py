@@ -871,3 +871,27 @@ def test_decoding_an_id_past_the_models_vocabulary_is_refused(tiny):
         assert engine.engine.decode([1, 2]) == engine.engine.tokenizer.decode([1, 2])
         with pytest.raises(PromptError, match=f"cannot decode token ids \\[{vocab}\\]: this model's ids are 0..{vocab - 1}"):
             engine.engine.decode([1, vocab])
+
+
+def test_importing_specter_keeps_an_applications_structlog_configuration():
+    """An application that configured structlog (JSON to stdout, its own level) before importing Specter kept it no
+    longer: the import's first logger replaced it with Specter's quiet console default, which dropped the
+    application's info events and moved the rest to stderr."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = """
+import logging, sys
+import structlog
+structlog.configure(processors=[structlog.processors.JSONRenderer()],
+                    wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
+                    logger_factory=structlog.PrintLoggerFactory(file=sys.stdout))
+structlog.get_logger("app").info("before", x=1)
+import specter.api, specter.server.app, specter.bench.cli
+structlog.get_logger("app").info("after", x=2)
+"""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ['{"x": 1, "event": "before"}', '{"x": 2, "event": "after"}'], done.stdout
