@@ -83,19 +83,24 @@ class SyncEngine:
         stream = self._call(self._start(prompt, generation_config, overrides))
         return self._pieces(stream)
 
-    def _leave_open_iterator(self) -> None:
+    def _leave_open_iterator(self, reading: GenerationStream | None = None) -> None:
         """The iterator this thread read last, if it holds the engine between pieces, would make this thread's new
-        request wait for it forever (the thread cannot read both): close it first. An iterator not read yet holds
-        nothing (it queues when read), and one another thread read last is that thread's."""
-        ref = self._open.pop(threading.get_ident(), None)
+        request wait for it forever (the thread cannot read both): close it first. That new request is a call, or the
+        first read of another iterator (`reading`: two generate() iterators read in turn, a `zip` of them). An
+        iterator not read yet holds nothing (it queues when read), and one another thread read last is that thread's."""
+        ref = self._open.get(threading.get_ident())
         stream = ref() if ref is not None else None
+        if reading is not None and stream is reading:
+            return
+        self._open.pop(threading.get_ident(), None)
         if stream is not None and stream.finish_reason is None:
             self._call(self._abandon(stream))
 
     async def _abandon(self, stream: GenerationStream) -> None:
         if self.engine.holds_turn_between_pieces(stream):
             self.engine.stream_abandoned(stream, "this iterator was closed because its thread started another request "
-                                                 "before reading it to the end; close() an iterator to stop it early",
+                                                 "(or read another iterator) before reading it to the end; the engine "
+                                                 "serves one request at a time: close() an iterator to stop it early",
                                          advice="read a generate() iterator to the end or close() it before the "
                                                 "thread's next request")
             await stream.aclose()
@@ -110,6 +115,7 @@ class SyncEngine:
         pending: Future[Piece | None] | None = None
         try:
             while True:
+                self._leave_open_iterator(reading=stream)
                 pending = self._submit(self._next_piece(stream, step))
                 piece = _result(pending, self._thread)
                 self._open[threading.get_ident()] = weakref.ref(stream)

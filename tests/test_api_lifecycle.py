@@ -166,6 +166,30 @@ def test_sync_engine_closes_an_iterator_its_thread_left_open_before_its_next_req
         assert outcome["ids"] == reference
 
 
+def test_sync_engine_reading_two_iterators_in_turn_closes_the_first_instead_of_waiting_forever(tiny, engine_and_reference):
+    """`next(a)` then `next(b)` in one thread (a `zip` of two generate() iterators): b's first read waited for the turn
+    a held, which only this thread could give back. b's read closes a (as a new request does), b runs to the end
+    token for token, and a, read again, says why it ended."""
+    _, reference = engine_and_reference
+    with SyncEngine(tiny, OFFLOADED) as engine:
+        first = engine.generate(PROMPT, max_new_tokens=50)
+        second = engine.generate(PROMPT, max_new_tokens=8)
+        outcome: dict = {}
+
+        def reads_in_turn():
+            next(first)
+            outcome["second"] = [token for piece in second for token in piece.token_ids]
+            with pytest.raises(RequestCancelled, match="read another iterator"):
+                next(first)
+            outcome["first"] = "closed"
+
+        worker = threading.Thread(target=reads_in_turn, daemon=True)
+        worker.start()
+        worker.join(60)
+        assert not worker.is_alive(), "the second iterator waited for the first one's turn"
+        assert outcome == {"second": reference, "first": "closed"}
+
+
 def test_sync_engine_interrupted_in_complete_ends_the_request(tiny, engine_and_reference, monkeypatch):
     """Ctrl-C in the caller's thread, as the wait for the loop's answer sees it: a KeyboardInterrupt out of the wait."""
     import specter.sync
