@@ -15,6 +15,7 @@ import dataclasses
 import gc
 import operator
 import threading
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Generator, Mapping, Sequence
 from pathlib import Path
@@ -314,6 +315,16 @@ class EngineLoader:
             await self._engine.aclose()
 
 
+def _release_unclosed(runtime: Runtime) -> None:
+    """An `Engine` collected without aclose(): stop its runtime's threads, then say so."""
+    runtime.release_threads()
+    try:
+        warnings.warn("an Engine was garbage-collected without being closed; its threads are stopped now. Close it "
+                      "with `async with Engine.from_pretrained(...)` or `await engine.aclose()`", ResourceWarning)
+    except Exception:  # noqa: BLE001 (warnings turned into errors: a finalizer has no caller to raise to)
+        pass
+
+
 class Engine:
     """One model, loaded once, serving requests one at a time in arrival order.
 
@@ -335,6 +346,11 @@ class Engine:
         self._loop = _running_loop()  # the loop it serves (None until a request runs, when made outside one)
         self._loop_guard = threading.Lock()  # two threads' loops may ask at once
         self._closers: set[asyncio.Task[None]] = set()  # streams being closed for a reader that failed (_closer)
+        # An engine dropped without aclose() (a notebook cell run again, a test) kept its runtime's threads alive for
+        # the process's life, three more per engine: collected, it stops them and says so (ResourceWarning, as
+        # asyncio's unclosed objects do). Not at exit: daemon threads end with the process.
+        self._finalizer = weakref.finalize(self, _release_unclosed, runtime)
+        self._finalizer.atexit = False
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None) -> EngineLoader:
@@ -396,6 +412,7 @@ class Engine:
             except Exception as error:  # one stream's misuse must not keep the device and threads held for good
                 log.warning("engine.close_stream_failed", error=repr(error))
         async with self._turn:  # the aborted requests have unwound
+            self._finalizer.detach()
             await self.runtime.aclose()
         log.debug("engine.closed")
 

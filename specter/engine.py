@@ -190,6 +190,21 @@ class Runtime:
         if first is not None:
             raise first
 
+    def release_threads(self) -> None:
+        """What `aclose` releases that needs no event loop, for a runtime nobody closed (`Engine`'s finalizer): the host
+        expert path's thread, the kernel's waiters, the backend's streams, the observers' files; each whatever the one
+        before it raised. The loop's own tasks (the transfer pump) ended with their loop."""
+        self._closed = True
+        steps: list[Callable[[], Any]] = [self.experts.close] if isinstance(self.experts, OffloadedExperts) else []
+        steps += [part.close for part in (self.kernel, self.backend) if part is not None]
+        steps += [observer.close for observer in self.observers]
+        for step in steps:
+            try:
+                if inspect.isawaitable(result := step()):
+                    result.close()  # (a coroutine: nothing runs it now)
+            except Exception as error:  # noqa: BLE001 (a finalizer has no caller to raise to)
+                log.warning("runtime.release_failed", step=getattr(step, "__qualname__", repr(step)), error=repr(error))
+
     async def __aenter__(self) -> Runtime:
         return self
 
