@@ -706,7 +706,8 @@ class GenerationConfig(_Frozen):
     top_k: int | None = Field(None, ge=1, description="Keep only the k most likely tokens when sampling.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling: keep the smallest set with this much probability.")
     seed: int = Field(0, ge=0, lt=2**63, description="Seed of the per-position sampling noise; same seed, same tokens "
-                      "(below 2**63: the static step holds it in an int64).")
+                      "(below 2**63: the static step holds it in an int64). 0 by default, so unseeded requests alike "
+                      "sample alike: give each its own seed for different samples.")
     stop_token_ids: tuple[int, ...] = Field((), description="Generation stops after emitting any of these ids.")
     stop_strings: tuple[str, ...] = Field((), description="Generation stops once the text contains any of these.")
 
