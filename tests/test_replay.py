@@ -410,34 +410,6 @@ def _exhaustive_optimum(used: list[list[int]], slots: int) -> int:
     return min(best.values())
 
 
-def _exhaustive_optimum(used: list[list[int]], slots: int) -> int:
-    """The fewest loads by search over every schedule: per round the hits first, then the misses in every order, each
-    loaded into a free slot or in place of any resident (every one is used already, or not in this round)."""
-    import functools
-
-    @functools.lru_cache(maxsize=None)
-    def ends(cache: frozenset, left: frozenset) -> frozenset:  # every cache the round can leave
-        if not left:
-            return frozenset({cache})
-        out: set = set()
-        for expert in left:
-            rest = left - {expert}
-            victims = [None] if len(cache) < slots else sorted(cache)
-            for victim in victims:
-                out |= ends((cache - {victim}) | {expert}, rest)
-        return frozenset(out)
-
-    best = {frozenset(): 0}
-    for experts in used:
-        after: dict[frozenset, int] = {}
-        for held, cost in best.items():
-            misses = frozenset(experts) - held
-            for cache in ends(held, misses):
-                after[cache] = min(after.get(cache, cost + len(misses)), cost + len(misses))
-        best = after
-    return min(best.values())
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(used=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True), min_size=1, max_size=6),
        slots=st.integers(1, 3))
