@@ -249,7 +249,7 @@ def _load_and_construct(short: str, name: str, refresh: bool, options: dict[str,
     if not callable(factory):
         raise PluginError(f"{origin.label()}: {entry_point.value!r} is not a class or factory")
     try:
-        return factory(**options), origin
+        made = factory(**options)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001
@@ -261,6 +261,15 @@ def _load_and_construct(short: str, name: str, refresh: bool, options: dict[str,
         else:  # the type too: str() of an AssertionError is empty, of a KeyError its key alone
             detail = str(exc) if advice else f"raised {abbreviate(exc)}"
         raise PluginError(f"{origin.label()}: construction with options {options} failed: {detail}{advice}") from exc
+    # What the protocol check would say of these (a missing method, `self` unfilled) points away from the slip
+    if made is None:
+        raise PluginError(f"{origin.label()}: its entry point {entry_point.value!r} returned None; a factory must return "
+                          "the policy object (point the entry point at the class itself, or return an instance)")
+    if isinstance(made, type):
+        raise PluginError(f"{origin.label()}: its entry point {entry_point.value!r} returned the class {made.__name__}, "
+                          "not an instance; return an instance (e.g. `return MyPolicy()`), or point the entry point at "
+                          "the class itself")
+    return made, origin
 
 
 def _checked_protocol(policy: object, short: str, origin: PluginOrigin) -> list[str]:

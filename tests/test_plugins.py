@@ -33,6 +33,8 @@ FAKE_ENTRY_POINTS = {
         EntryPoint("lfu", "policies.eviction:LFU", "specter.eviction"),
         EntryPoint("import-fails", "specter_no_such_module_xyz:Policy", "specter.eviction"),
         EntryPoint("not-a-factory", "policies.prefetch:__doc__", "specter.eviction"),
+        EntryPoint("returns-none", "specter_dummy_policy:returns_none", "specter.eviction"),
+        EntryPoint("returns-class", "specter_dummy_policy:returns_class", "specter.eviction"),
         EntryPoint("wrong-group", "policies.prefetch:TopMFrequency", "specter.eviction"),
     ],
     "specter.prefetch": [
@@ -95,6 +97,18 @@ def test_failing_import_names_the_plugin(fake_entry_points):
 def test_a_non_callable_target_is_rejected(fake_entry_points):
     with pytest.raises(PluginError, match="'not-a-factory'.*not a class or factory"):
         plugins.load_policy("eviction", "not-a-factory")
+
+
+@pytest.mark.parametrize("name, says", [
+    ("returns-none", "returned None; a factory must return the policy object"),
+    ("returns-class", "returned the class DummyRandom, not an instance; return an instance"),
+])
+def test_a_factory_that_returns_no_policy_object_says_what_it_returned(fake_entry_points, name, says):
+    """A factory returning None read as `victims() missing; name missing`, one returning the class as "missing a
+    required argument: 'self'; keep the protocol's parameter names": advice about the wrong mistake."""
+    with pytest.raises(PluginError, match=f"'{name}'.*") as refused:
+        plugins.load_policy("eviction", name)
+    assert says in str(refused.value), str(refused.value)
 
 
 def test_an_object_of_the_wrong_protocol_is_rejected(fake_entry_points):

@@ -26,3 +26,12 @@ class DummyBroken:
 
     def __init__(self) -> None:
         self.name = "dummy-broken"
+
+
+def returns_none() -> None:
+    """A factory that forgot its return: the loader must say so (tests/test_plugins.py names it in a fake entry point)."""
+
+
+def returns_class() -> type:
+    """A factory that returns the class, not an instance (tests/test_plugins.py names it in a fake entry point)."""
+    return DummyRandom
