@@ -346,11 +346,7 @@ class Engine:
         self._loop = _running_loop()  # the loop it serves (None until a request runs, when made outside one)
         self._loop_guard = threading.Lock()  # two threads' loops may ask at once
         self._closers: set[asyncio.Task[None]] = set()  # streams being closed for a reader that failed (_closer)
-        # An engine dropped without aclose() (a notebook cell run again, a test) kept its runtime's threads alive for
-        # the process's life, three more per engine: collected, it stops them and says so (ResourceWarning, as
-        # asyncio's unclosed objects do). Not at exit: daemon threads end with the process.
-        self._finalizer = weakref.finalize(self, _release_unclosed, runtime)
-        self._finalizer.atexit = False
+        self._finalizer: weakref.finalize | None = None  # set by `load`, whose engine owns the runtime it loaded
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None) -> EngineLoader:
@@ -372,7 +368,15 @@ class Engine:
         tokenizer = tokenizer or Tokenizer.from_dir(directory)  # before the weights: a broken file fails fast
         runtime = await Runtime.load(directory, config)
         try:
-            return cls(runtime, tokenizer, checkpoint_eos(directory, runtime.spec))
+            engine = cls(runtime, tokenizer, checkpoint_eos(directory, runtime.spec))
+            # An engine dropped without aclose() (a notebook cell run again, a test) kept its runtime's threads alive
+            # for the process's life, three more per engine: collected, it stops them and says so (ResourceWarning,
+            # as asyncio's unclosed objects do). Only the engine that loaded the runtime: another made on the same
+            # runtime (`Engine(engine.runtime, tokenizer=...)`) and dropped must leave it running. Not at exit:
+            # daemon threads end with the process.
+            engine._finalizer = weakref.finalize(engine, _release_unclosed, runtime)
+            engine._finalizer.atexit = False
+            return engine
         except BaseException:  # the device memory and threads the load took must not wait for the collector
             await runtime.aclose()
             raise
@@ -412,7 +416,8 @@ class Engine:
             except Exception as error:  # one stream's misuse must not keep the device and threads held for good
                 log.warning("engine.close_stream_failed", error=repr(error))
         async with self._turn:  # the aborted requests have unwound
-            self._finalizer.detach()
+            if self._finalizer is not None:
+                self._finalizer.detach()
             await self.runtime.aclose()
         log.debug("engine.closed")
 
