@@ -331,6 +331,9 @@ class Engine:
     An engine serves one event loop at a time: the one it was loaded on, or a later one once that has ended
     (`asyncio.run` after `asyncio.run`). Other threads use `SyncEngine`, or hand their calls to the engine's
     loop (`asyncio.run_coroutine_threadsafe`); a request from another running loop is an `EngineLoopError`.
+
+    The engine `load` made owns its runtime: garbage-collected without `aclose`, it stops the runtime's threads. One
+    made on a runtime (`Engine(runtime, tokenizer)`) does not, and must not outlive the engine that owns it.
     """
 
     def __init__(self, runtime: Runtime, tokenizer: Tokenizer | None = None, eos_token_ids: Sequence[int] = ()) -> None:
@@ -347,6 +350,7 @@ class Engine:
         self._loop_guard = threading.Lock()  # two threads' loops may ask at once
         self._closers: set[asyncio.Task[None]] = set()  # streams being closed for a reader that failed (_closer)
         self._finalizer: weakref.finalize | None = None  # set by `load`, whose engine owns the runtime it loaded
+        self._collected_for: weakref.ref[GenerationStream] | None = None  # `_reclaim_abandoned`'s last collection
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None) -> EngineLoader:
@@ -371,9 +375,9 @@ class Engine:
             engine = cls(runtime, tokenizer, checkpoint_eos(directory, runtime.spec))
             # An engine dropped without aclose() (a notebook cell run again, a test) kept its runtime's threads alive
             # for the process's life, three more per engine: collected, it stops them and says so (ResourceWarning,
-            # as asyncio's unclosed objects do). Only the engine that loaded the runtime: another made on the same
-            # runtime (`Engine(engine.runtime, tokenizer=...)`) and dropped must leave it running. Not at exit:
-            # daemon threads end with the process.
+            # as asyncio's unclosed objects do). Only the engine that loaded the runtime, which owns it: another made
+            # on the same runtime (`Engine(engine.runtime, tokenizer=...)`) and dropped leaves it running, and the
+            # owner dropped stops it under that one too. Not at exit: daemon threads end with the process.
             engine._finalizer = weakref.finalize(engine, _release_unclosed, runtime)
             engine._finalizer.atexit = False
             return engine
@@ -469,13 +473,21 @@ class Engine:
                                           "started another request; use `async with engine.generate(...)` to stop a "
                                           "stream early")
             await holder.aclose()
-        elif holder._reader_ended() or self.holds_turn_between_pieces(holder):
-            # An unreferenced stream is in a cycle with its generator, so only a collection gives its turn back: one
-            # whose reader task ended, or one left between pieces by a task that goes on (a loop left by `break` or
-            # an exception it caught, then `gather` of new requests), which would otherwise hold the turn until the
-            # collector happened to run. A stream still referenced survives it (a slow reader: a few ms wasted).
+        elif holder._reader_ended():
+            del holder
+            gc.collect()  # an unreferenced stream is in a cycle with its generator; collecting it gives the turn back
+        elif self.holds_turn_between_pieces(holder) and not self._collected_behind(holder):
+            # One left between pieces by a task that goes on (a loop left by `break` or an exception it caught, then a
+            # `gather` of new requests) would hold the turn until the collector happened to run. Once per holder: a
+            # full collection holds the loop (tens of ms, more on a large heap), and a live slow reader survives it;
+            # one dropped later is collected by the idle watch (`_watch_idle_holder`).
+            self._collected_for = weakref.ref(holder)
             del holder
             gc.collect()
+
+    def _collected_behind(self, holder: GenerationStream) -> bool:
+        """Whether a request queueing behind `holder` collected already."""
+        return self._collected_for is not None and self._collected_for() is holder
 
     def _when_reader_ends(self, stream: GenerationStream) -> Any:
         """A done callback for a task that reads `stream`: if the task ends with the stream unfinished and nothing

@@ -132,6 +132,47 @@ def test_a_stream_left_by_a_task_that_goes_on_frees_the_engine_for_requests_it_g
     assert first.token_ids == second.token_ids == reference
 
 
+def test_requests_queueing_behind_a_live_slow_reader_collect_once(engine_and_reference):
+    """A full collection holds the event loop (tens of ms, more on a large heap): requests queueing behind a stream
+    whose reader is alive but slow (a client that reads slowly) collected once each, stalling the stream they wait
+    for; they collect once per holder."""
+    engine, reference = engine_and_reference
+    collections: list[int] = []
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            collections.append(1)
+
+    async def main():
+        first_piece = asyncio.Event()
+
+        async def slow_reader():
+            async with engine.generate(PROMPT, max_new_tokens=4) as stream:
+                async for _ in stream:
+                    first_piece.set()
+                    await asyncio.sleep(0.5)  # a slow client: between pieces, alive
+
+        async def queued(delay):
+            await first_piece.wait()
+            await asyncio.sleep(delay)  # all four queue within the reader's first wait
+            return (await engine.complete(PROMPT, max_new_tokens=8)).token_ids
+
+        reader = asyncio.create_task(slow_reader())
+        results = await asyncio.gather(*(queued(0.02 * index) for index in range(4)))
+        await reader
+        return results
+
+    gc.disable()
+    gc.callbacks.append(count)
+    try:
+        results = asyncio.run(main())
+    finally:
+        gc.callbacks.remove(count)
+        gc.enable()
+    assert results == [reference] * 4
+    assert len(collections) == 1, len(collections)
+
+
 def test_a_second_close_returns_only_once_the_engine_is_closed(tiny):
     async def main():
         engine = await Engine.load(tiny, OFFLOADED)
