@@ -4,8 +4,8 @@ One engine per cache size (`--residents 15,8`); its prompts (the checkpoint's pr
 them) run one after another from the cache the previous one left, each round written to
 `OUT/trace-r{N}.jsonl`. Each traced round (one that drafted) carries the bytes the engine moved in it
 (`loaded_bytes`, which `python -m specter.replay` prints beside its own figure) and the counts each of its prefetch
-plans saw (`checkpoints`: the replay plans from those, so a prefetch policy is judged on what the draft had routed
-when the engine planned, not on the round's totals). `OUT/stats-r{N}.json` keeps each
+plans saw (`checkpoints`: the recording prefetch policy replays its plans from those, what the draft had routed when
+the engine planned; another policy takes them where it plans at the same step, else the round's totals scaled). `OUT/stats-r{N}.json` keeps each
 request's stats (H2D bytes with the prompt's forward apart, acceptance, rounds): whole requests, so their bytes
 include rounds that did not draft and the prompt's loads.
 

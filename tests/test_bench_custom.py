@@ -28,6 +28,7 @@ def test_a_custom_system_starts_from_its_like_and_takes_the_plug_ins_named():
 @pytest.mark.parametrize("text, says", [
     ("mine", "expected NAME:KEY=VALUE"),
     ("ondemand:eviction=lru", "a built-in system has that name"),
+    ("hf-accelerate:like=specter", "a built-in system has that name"),  # its rows are out of the exactness verdict
     ("mine:evict=lru", "'evict=lru' is not KEY=VALUE"),
     ("mine:eviction=", "is not KEY=VALUE"),
     ("mine:eviction=nope", "no eviction plug-in named 'nope' is installed; installed: "),
@@ -71,3 +72,11 @@ def test_a_custom_system_runs_beside_the_built_in_ones_and_a_failing_one_fails_a
     assert rows["mine"]["acceptance"] is not None and rows["ondemand"]["acceptance"] is None  # it speculated (like specter-fixed, at k = 2)
     assert "1 cell(s) failed, the others ran" in captured.err and "broken" in captured.err
     assert any("broken" in note and "failed" in note for note in payload["notes"])
+
+
+def test_a_custom_system_naming_a_plug_in_the_allow_list_hides_is_refused_saying_so(monkeypatch):
+    """With SPECTER_PLUGINS set, an installed plug-in it leaves out read as not installed."""
+    monkeypatch.setenv("SPECTER_PLUGINS", "lru,plan-protect,none,topm-keep,fixed,roofline,cpu")
+    with pytest.raises(ConfigError) as refused:
+        custom_system("mine:eviction=lfu")
+    assert "the eviction plug-in 'lfu' is installed, but SPECTER_PLUGINS does not allow it" in str(refused.value)

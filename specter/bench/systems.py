@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from specter import plugins
+from specter.bench.hf_baseline import SYSTEM as HF_SYSTEM
 from specter.config import DraftConfig, EngineConfig
 from specter.errors import BudgetError, ConfigError
 from specter.experts.transfer import LinkEmulation, parse_link
@@ -183,8 +184,9 @@ def custom_system(text: str) -> System:
     if not colon or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise ConfigError(f"--system {text!r}: expected NAME:KEY=VALUE,... (a name of letters, digits, '.', '_' or '-'), "
                           "e.g. mine:like=specter,eviction=my-eviction")
-    if name in SYSTEMS:
-        raise ConfigError(f"--system {name}: a built-in system has that name; choose another (built-in: {', '.join(SYSTEMS)})")
+    if name in SYSTEMS or name == HF_SYSTEM:  # the HF baseline's rows are left out of the exactness verdict
+        raise ConfigError(f"--system {name}: a built-in system has that name; choose another (built-in: "
+                          f"{', '.join([*SYSTEMS, HF_SYSTEM])})")
     values: dict[str, str] = {}
     for item in (part.strip() for part in body.split(",")):
         key, equals, value = item.partition("=")
@@ -204,10 +206,13 @@ def custom_system(text: str) -> System:
     changes: dict[str, Any] = {"name": name, "description": f"{text} (--system)"}
     for key, group in _CUSTOM_GROUPS.items():
         if key in values:
-            found = plugins.available(group)
+            found = plugins.installed(group)
             if values[key] not in found:
                 raise ConfigError(f"--system {name}: no {group} plug-in named {values[key]!r} is installed; installed: "
                                   f"{', '.join(sorted(found))}")
+            if not plugins.is_allowed(group, values[key]):
+                raise ConfigError(f"--system {name}: the {group} plug-in {values[key]!r} is installed, but "
+                                  f"{plugins.ALLOW_LIST_ENV} does not allow it; add it there, or name another")
             changes[key.replace("-", "_")] = values[key]
     if "prefetch" in values and values["prefetch"] != base.prefetch:
         changes["prefetch_options"] = {}  # `like`'s options belong to its own prefetch plug-in
