@@ -173,13 +173,7 @@ class Runtime:
         steps: list[Callable[[], Any]] = [self._finish_deferred]  # reads events of chunks the cache still holds
         if self.cache is not None:
             steps += [self.cache.aclose, self.cache.transfer.aclose]
-        if isinstance(self.experts, OffloadedExperts):
-            steps.append(self.experts.close)  # the host expert path's thread
-        if self.kernel is not None:
-            steps.append(self.kernel.close)
-        if self.backend is not None:
-            steps.append(self.backend.close)
-        steps += [observer.close for observer in self.observers]
+        steps += self._loop_free_closes()
         first: BaseException | None = None
         for step in steps:
             try:
@@ -195,15 +189,19 @@ class Runtime:
         expert path's thread, the kernel's waiters, the backend's streams, the observers' files; each whatever the one
         before it raised. The loop's own tasks (the transfer pump) ended with their loop."""
         self._closed = True
-        steps: list[Callable[[], Any]] = [self.experts.close] if isinstance(self.experts, OffloadedExperts) else []
-        steps += [part.close for part in (self.kernel, self.backend) if part is not None]
-        steps += [observer.close for observer in self.observers]
-        for step in steps:
+        for step in self._loop_free_closes():
             try:
                 if inspect.isawaitable(result := step()):
                     result.close()  # (a coroutine: nothing runs it now)
             except Exception as error:  # noqa: BLE001 (a finalizer has no caller to raise to)
                 log.warning("runtime.release_failed", step=getattr(step, "__qualname__", repr(step)), error=repr(error))
+
+    def _loop_free_closes(self) -> list[Callable[[], Any]]:
+        """The closes of the parts that own threads or files, in `aclose`'s order: the host expert path's thread, the
+        kernel's waiters, the backend's streams, the observers."""
+        steps: list[Callable[[], Any]] = [self.experts.close] if isinstance(self.experts, OffloadedExperts) else []
+        steps += [part.close for part in (self.kernel, self.backend) if part is not None]
+        return steps + [observer.close for observer in self.observers]
 
     async def __aenter__(self) -> Runtime:
         return self

@@ -341,9 +341,8 @@ def recorded_by(header: TraceHeader, prefetch: PrefetchPolicy, trace_round: Trac
     engine's plug-in, by name) where the trace says; in an older trace that does not, any policy a schedule was
     recorded for, but none for a round whose recorded schedule is empty (a policy that plans nothing, `none`, recorded
     it: another policy is not held to it)."""
-    recorder = header.extra.get("prefetch")
-    if isinstance(recorder, str):
-        return recorder == getattr(prefetch, "name", None)
+    if header.recorded_prefetch is not None:
+        return header.recorded_prefetch == getattr(prefetch, "name", None)
     return bool(trace_round.checkpoints)
 
 
@@ -488,10 +487,8 @@ def trace_placement_state(header: TraceHeader, rounds: Sequence[TraceRound], lin
     `eviction` and `prefetch`, where some replayed round drafted (k > 0), as the recording engine did."""
     if profile is None and sequence is None and not uniform:
         profile = use_counts(rounds, header.num_layers, header.num_experts)
-        recorder = header.extra.get("prefetch")
         sequence = (RouteSequence.of_rounds(rounds, header.num_layers, SEQUENCE_TOKENS,
-                                            recorded_prefetch=recorder if isinstance(recorder, str) else None)
-                    if rounds else None)
+                                            recorded_prefetch=header.recorded_prefetch) if rounds else None)
     return PlacementState(num_layers=header.num_layers, num_experts=header.num_experts, top_k=header.top_k,
                           slots_per_layer=slots_per_layer or header.slots_per_layer,
                           layer_slots=() if slots_per_layer else header.layer_slots,
@@ -864,7 +861,7 @@ def _print_results(
               f"rolling window {window}")
         if recorded is not None:
             print(f"the recording engine moved {recorded / 1e9:.3f} GB over these {len(rounds)} rounds")
-        if isinstance(by := header.extra.get("prefetch"), str):
+        if (by := header.recorded_prefetch) is not None:
             print(f"recorded with eviction {header.extra.get('eviction')}, prefetch {by}: {by} replays the plans the "
                   "engine made; another prefetch plans at its own checkpoints")
         print(f"offline bound (a floor: Belady's MIN on the verify's uses, knowing the future): {bound} loads, "

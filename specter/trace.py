@@ -104,6 +104,13 @@ class TraceHeader:
         """Each layer's slots in the recording run."""
         return self.layer_slots or (self.slots_per_layer,) * self.num_layers
 
+    @property
+    def recorded_prefetch(self) -> str | None:
+        """The recording engine's prefetch plug-in (the header's `prefetch`), whose plans the rounds' checkpoints are;
+        None where the trace does not say."""
+        name = self.extra.get("prefetch")
+        return name if isinstance(name, str) else None
+
     def to_json(self) -> dict[str, Any]:
         fields = {name: getattr(self, name) for name in ("model", *_HEADER_INTS)}
         varied = {"layer_slots": list(self.layer_slots)} if len(set(self.layer_slots)) > 1 else {}

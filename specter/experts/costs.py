@@ -462,9 +462,8 @@ def _read_profile(path: Path, num_layers: int, num_experts: int) -> tuple[list[l
     if not rounds:
         log.warning("placement.empty_profile", path=str(path), hint="the trace has no rounds: routing assumed uniform")
         return None, None
-    prefetch = header.extra.get("prefetch")  # whose plans the rounds' checkpoints are
     return use_counts(rounds, num_layers, num_experts), RouteSequence.of_rounds(
-        rounds, num_layers, SEQUENCE_TOKENS, recorded_prefetch=prefetch if isinstance(prefetch, str) else None)
+        rounds, num_layers, SEQUENCE_TOKENS, recorded_prefetch=header.recorded_prefetch)
 
 
 def reference_expert(hidden_size: int, intermediate: int) -> ExpertFunction:
