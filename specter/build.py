@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,8 +48,10 @@ from specter.placement import (
     Placement,
     PlacementState,
     PricingError,
+    copy_seconds,
     decision_record,
     has_rounds,
+    host_seconds,
     prefill_placement,
     preloaded,
 )
@@ -249,16 +251,12 @@ def default_threads(device: torch.device) -> int:
 # ---- the experts ----------------------------------------------------------------------------------------
 
 async def load_experts(source: WeightSource, config: EngineConfig, memory: MemoryPlan, backend, kernel: Kernel, dtype: torch.dtype,
-                       device: torch.device, speculative: bool, victims: Victims | None = None, placement=None,
-                       host_kernels: Callable[[], list[HostKernel]] | None = None):
+                       device: torch.device, speculative: bool, victims: Victims | None = None):
     """Stream every expert once: into device memory (all resident) or the host pool, and into the draft's quantizer.
 
     Returns (the verify's expert provider, the expert cache or None, the draft's quantized layers). The cache gets
-    `victims` as its victim chooser (none given: it never evicts by choice). `placement`: the `specter.placement`
-    policy (None: 'off'), asked once the cache exists, from the costs calibrated then with `host_kernels()` (the
-    kernels the host may compute the family's routed expert with, `model_host_kernels`; the calibration takes the
-    fastest, which the host path then runs; required with a placement); with every expert resident there is nothing
-    to place."""
+    `victims` as its victim chooser (none given: it never evicts by choice). Every expert takes the device path: the
+    runtime is placed once it is built (`place_runtime`), where it can record its own routing trace first."""
     spec = source.spec
     if memory.all_resident:
         resident = ResidentExperts.from_iter(source.experts(dtype, config.progress), spec.num_experts, device)
@@ -286,8 +284,7 @@ async def load_experts(source: WeightSource, config: EngineConfig, memory: Memor
     pool.check_complete()
     cache = new_cache(config, memory.layer_slots, backend, kernel, new_transfer(config, backend, kernel, device), pool,
                       victims if victims is not None else (lambda *_: []))
-    host = await place_experts(placement, cache, config, spec, device, kernel, host_kernels)
-    return OffloadedExperts(cache, kernel, moe_index, tuning=config.tuning.verify, host=host), cache, draft
+    return OffloadedExperts(cache, kernel, moe_index, tuning=config.tuning.verify), cache, draft
 
 
 def release_stream_blocks(device: torch.device) -> None:
@@ -316,11 +313,32 @@ def speculation(config: EngineConfig) -> dict:
             "prefetch": config.prefetch}
 
 
+OwnProfiler = Callable[[], Awaitable[Any]]
+"""Records the engine's own routing trace and returns it as the cost model reads one (`Runtime.own_routing_profile`:
+an `engine.OwnProfile`, its use counts and rounds in order each None where it recorded no speculative round)."""
+OWN_PROFILE = "the engine's own routing trace, recorded at load (self_profile_tokens)"
+"""How the load's messages name the trace a placement priced when the engine recorded it itself."""
+
+
+def wants_own_profile(policy, state: PlacementState, config: EngineConfig) -> bool:
+    """Whether the engine records its own routing trace before `policy` places it (`EngineConfig.self_profile_tokens`):
+    only where the policy says it cannot price this engine's misses without a trace's rounds (`prices_misses`: a
+    speculating engine, whose draft prefetches), none was given (placement_profile), and both costs a pricing weighs
+    are measured (on the CPU without a link nothing could be priced, so decoding for a trace would be wasted)."""
+    return (config.placement_profile is None and config.self_profile_tokens > 0 and state.speculates
+            and not has_rounds(state) and copy_seconds(state) is not None and host_seconds(state, 1) is not None
+            and getattr(policy, "prices_misses", None) is not None and not policy.prices_misses(state))
+
+
 async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: ModelSpec, device: torch.device,
-                        kernel: Kernel, host_kernels: Callable[[], list[HostKernel]] | None = None) -> HostExperts | None:
+                        kernel: Kernel, host_kernels: Callable[[], list[HostKernel]] | None = None,
+                        own_profile: OwnProfiler | None = None) -> HostExperts | None:
     """Calibrate the costs (`specter.experts.costs`), ask the placement policy (None: 'off', which needs neither) once,
     tell the cache, load the device-path experts that fit in their layer's slots, and start the host path; None when
-    no expert takes it (the engine as without placements)."""
+    no expert takes it (the engine as without placements). `host_kernels()`: the kernels the host may compute the
+    family's routed expert with (`model_host_kernels`; the calibration takes the fastest, which the host path then
+    runs). `own_profile`: where the policy needs a trace's rounds and none was given (`wants_own_profile`), the
+    engine's own routing trace is recorded through it and priced instead."""
     if policy is None:
         return None
     assert host_kernels is not None, "a placement needs the family's host expert kernels to time and run"
@@ -329,6 +347,13 @@ async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: 
     state = (await calibrate(kernel, cache.pool, kernels, state, spec.hidden_size, device, config.placement_profile,
                              config.tuning.host.parallel_experts, default_cost_store(), config.recalibrate)).apply(state)
     name, trace = getattr(policy, "name", None), config.placement_profile
+    own = own_profile is not None and wants_own_profile(policy, state, config)
+    if own:
+        own_trace = await own_profile()
+        log.info("placement.own_profile", tokens=own_trace.tokens, rounds=own_trace.rounds,
+                 acceptance=round(own_trace.acceptance, 3), seconds=round(own_trace.seconds, 2))
+        state = dataclasses.replace(state, route_counts=own_trace.route_counts, route_sequence=own_trace.route_sequence)
+        trace = OWN_PROFILE
     with pricing_context(f"while the placement plug-in {name!r} priced the routing trace {trace} at load"):
         placement = policy.place(state=state)
     with pricing_context(f"while the engine priced the placement of plug-in {name!r} against the routing trace {trace} "
@@ -339,7 +364,9 @@ async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: 
     # an engine this is not, and the warning would tell the user to give a trace it has or does not need
     if (state.speculates and not has_rounds(state) and getattr(policy, "prices_misses", None) is not None
             and not policy.prices_misses(state)):
-        given = "no placement_profile was given" if trace is None else f"placement_profile {str(trace)!r} has no rounds"
+        given = ("no placement_profile was given" if trace is None
+                 else f"{OWN_PROFILE} holds no speculative round" if own
+                 else f"placement_profile {str(trace)!r} has no rounds")
         log.warning("placement.needs_trace", policy=name, host_experts=placement.total,
                     hint=f"placement plug-in {name!r} says it cannot price a speculating engine's misses without a "
                          f"routing trace with rounds, and this engine speculates and {given}; record one with `specter "
@@ -348,6 +375,18 @@ async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: 
     if not placement.active:
         return None
     return await apply_placement(placement, cache, config, device, chosen_kernel(kernels, state), policy, state)
+
+
+async def place_runtime(runtime: Any, policy) -> None:
+    """Place a built runtime's experts with the `specter.placement` `policy` (None: 'off'), once for its life, before
+    its first request: after its draft and graphs exist, so that it can decode its own routing trace first where the
+    policy needs one (`Runtime.own_routing_profile`). Nothing to place with every expert resident."""
+    if policy is None or runtime.cache is None:
+        return
+    config = runtime.config
+    kernels = functools.partial(model_host_kernels, runtime.model, config, runtime.cache.pool.dtype)
+    runtime.experts.host = await place_experts(policy, runtime.cache, config, runtime.spec, runtime.model.device, runtime.kernel,
+                                               kernels, own_profile=runtime.own_routing_profile)
 
 
 @contextlib.contextmanager
@@ -489,9 +528,7 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
                                       kernels=config.tuning.kernels)
         quantize_now = speculative and not calibrated
         victims = Victims(policies["eviction"], len(spec.moe_layers))
-        experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now, victims,
-                                                          policies["placement"],
-                                                          functools.partial(model_host_kernels, model, config, dtype))
+        experts, cache, draft_layers = await load_experts(source, config, memory, backend, kernel, dtype, device, quantize_now, victims)
         source.close()
         draft = make_draft(model, DraftExperts(draft_layers, spec.num_layers, spec.num_experts, device, tiles=config.tuning.kernels.moe),
                            config) if quantize_now else None
@@ -500,6 +537,7 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
         runtime.capture_graphs()
         if calibrated:
             await runtime.calibrate_draft()
+        await place_runtime(runtime, policies["placement"])
     except BaseException:  # a failed build (a bad tensor, a refused pool, a graph capture) leaves no thread or handle
         source.close()
         if runtime is not None:

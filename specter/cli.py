@@ -96,6 +96,10 @@ def _add_generate(gen: argparse.ArgumentParser) -> None:
                         help="torch threads of the host expert path (default: the host's cores less one); fewer emulate a smaller host")
     memory.add_argument("--placement-profile", default=None, metavar="TRACE",
                         help="a routing trace (--trace) of this model whose expert use the placement weighs (default: uniform)")
+    memory.add_argument("--self-profile-tokens", type=int, default=None, metavar="N",
+                        help="tokens of the model's own text a speculating engine decodes at load to record the routing "
+                             "trace auto places from, where no --placement-profile is given (default 256; 0: none, and "
+                             "auto then places such an engine off)")
     memory.add_argument("--placement-overlap", type=float, default=None, metavar="O",
                         help="auto's overlap (0..1): the share of the shorter of a layer's host and copy paths that "
                              "hides under the longer. 0 (auto's default) prices a layer at their sum, and under "
@@ -168,8 +172,8 @@ FLAGS = {
     "EngineConfig.prefetch": "--prefetch", "EngineConfig.lookahead": "--lookahead", "EngineConfig.link": "--link",
     "EngineConfig.threads": "--threads", "EngineConfig.cpu_experts": "--cpu-experts",
     "EngineConfig.cpu_threads": "--cpu-threads", "EngineConfig.placement_profile": "--placement-profile",
-    "EngineConfig.placement_overlap": "--placement-overlap", "EngineConfig.draft.k": "--k",
-    "EngineConfig.draft.k_max": "--k-max", "EngineConfig.draft.quant": "--quant",
+    "EngineConfig.placement_overlap": "--placement-overlap", "EngineConfig.self_profile_tokens": "--self-profile-tokens",
+    "EngineConfig.draft.k": "--k", "EngineConfig.draft.k_max": "--k-max", "EngineConfig.draft.quant": "--quant",
     "EngineConfig.draft.sampling": "--sampling", "EngineConfig.draft.overlap": "--overlap",
     "GenerationConfig.max_new_tokens": "--max-new-tokens", "GenerationConfig.temperature": "--temperature",
     "GenerationConfig.top_k": "--top-k", "GenerationConfig.top_p": "--top-p", "GenerationConfig.seed": "--seed",
@@ -206,6 +210,7 @@ def engine_config(args: argparse.Namespace):
         eviction=args.eviction, prefetch=args.prefetch, lookahead=args.lookahead, link=args.link, progress=args.progress,
         threads=args.threads, cpu_experts=args.cpu_experts, cpu_threads=args.cpu_threads, recalibrate=args.recalibrate,
         placement_profile=args.placement_profile, placement_overlap=args.placement_overlap,
+        **({} if args.self_profile_tokens is None else {"self_profile_tokens": args.self_profile_tokens}),
         tuning=TuningConfig().with_overrides(args.tune),
         draft=dict(k_max=args.k_max, quant=args.quant, sampling=args.sampling, scout=args.scout, overlap=args.overlap)
         | ({} if args.k is None else {"k": args.k}),  # no --k: the default depth, within --k-max
@@ -246,6 +251,7 @@ def unused_options(args: argparse.Namespace, config: Any, generation: Any) -> li
                      "off every expert stays on the device path, so the trace is checked but not used")
     placing = [option for option, given in (("--cpu-threads", args.cpu_threads is not None),
                                             ("--placement-overlap", args.placement_overlap is not None),
+                                            ("--self-profile-tokens", args.self_profile_tokens is not None),
                                             ("--recalibrate", args.recalibrate)) if given]
     if placing and config.cpu_experts == "off":
         notes.append(f"{', '.join(placing)} set{'s' if len(placing) == 1 else ''} how the host expert path runs or is "
@@ -602,7 +608,7 @@ def placement_summary(spec: Any, expert_bytes: int, config: Any, residents: int 
             "auto_host_experts_per_layer": None if auto is None else auto.counts(),
             "routing": routing_source(state), "speculates": state.speculates,
             "auto_prices_misses": None if auto is None else getattr(policies["auto"], "prices_misses", lambda state: True)(state),
-            "auto_overlap": overlap,
+            "auto_overlap": overlap, "self_profile_tokens": config.self_profile_tokens,
             "predicted_ms_per_token": {name: ms(token_seconds(state, placed[name], overlap=OVERLAP if overlap is None else overlap))
                                        for name in ("off", "all", "auto") if name in placed}}
 
@@ -732,7 +738,12 @@ def _auto_line(summary: dict) -> str:
     times = ", ".join(f"{name} {'-' if ms is None else f'{ms:.3f}'}" for name, ms in predicted.items())
     per_layer = summary["auto_host_experts_per_layer"]
     spread = (f"{per_layer[0]} per layer" if len(set(per_layer)) == 1 else f"per layer {', '.join(map(str, per_layer))}")
+    own = summary.get("self_profile_tokens") or 0
     why = ("" if summary.get("auto_prices_misses", True) else
+           f"; this engine speculates and has no routing trace to price its misses: where the link is measured (CUDA, "
+           f"or --link) it decodes {own} tokens of the model's own text at load to record one and places from that, so "
+           "what it places is known only then (pass --placement-profile TRACE, a `generate --trace` of your text, to "
+           "see it here)" if own else
            "; this engine speculates and has no routing trace to price its misses, so auto keeps every expert on the "
            "device (pass --placement-profile TRACE, a `generate --trace` of your text)")
     overlap = summary.get("auto_overlap")

@@ -603,6 +603,17 @@ class EngineConfig(_Frozen):
                                            "(`auto`: the least used go to the host first). None (default): uniform "
                                            "routing assumed. Checked at every load (a file that is not a trace of "
                                            "this model's shape is refused); placed from by any cpu_experts but 'off'.")
+    self_profile_tokens: int = Field(256, ge=0, le=1_000_000, description="Where the placement plug-in named by "
+                                     "cpu_experts cannot price a speculating engine's misses without a routing trace's "
+                                     "rounds (`auto`: its draft prefetches most of them) and no placement_profile is "
+                                     "given, the engine decodes this many tokens of the model's own sampled text at load "
+                                     "(speculating, placement off), records their routing trace and places from it "
+                                     "(`Runtime.own_routing_profile`): seconds of load for a placement that needs no "
+                                     "trace of the user's. A trace of your own workload (placement_profile) is the "
+                                     "better profile where its text differs from the model's own. 0: record none "
+                                     "(`auto` then places such an engine 'off'). Ignored with cpu_experts 'off', a "
+                                     "placement_profile, an engine that does not speculate, and where the link or the "
+                                     "host is not measured (the CPU without `link`).")
     placement_overlap: float | None = Field(None, ge=0.0, le=1.0, description="The `overlap` of the placement plug-in "
                                             "named by cpu_experts (`auto`'s cost model): the share of the shorter of a "
                                             "layer's two paths, host compute and copies, that hides under the longer, 0 "

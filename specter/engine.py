@@ -12,6 +12,7 @@ import asyncio
 import inspect
 import contextlib
 import dataclasses
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from specter.decode import check_prompt, greedy_decode
 from specter.draft import Draft, DraftExperts
 from specter.errors import CheckpointError, ConfigError, RequestCancelled
 from specter.experts.cache import ExpertCache
+from specter.experts.costs import routing_profile
 from specter.kernel import Kernel, StageCounters, stage
 from specter.log import get_logger
 from specter.memory import MemoryPlan
@@ -37,6 +39,7 @@ from specter.model.checkpoint import Checkpoint
 from specter.model.resident import ResidentExperts
 from specter.model.spec import ModelSpec
 from specter.model.transformer import ExpertProvider, Transformer
+from specter.placement import RouteSequence
 from specter.observers import CopyBusy, RoundClock, RoundObserver, RoundReport, TraceRecorder, WindowRecall
 from specter.paths import check_output_file
 from specter.policy import LinkTiming, LookaheadState, Plan, RoundOutcome
@@ -64,6 +67,24 @@ class PlanSource(Protocol):
     def plan_before_draft(self, k: int) -> Plan | None:
         """Called once per round, after k is chosen and before the draft: experts to protect and prefetch at once
         (None: nothing). The runtime keeps the plan as the round's plan until the transfer stage makes its own."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnProfile:
+    """The routing trace an engine recorded of its own text (`Runtime.own_routing_profile`), as the cost model reads it."""
+
+    route_counts: list[list[float]] | None
+    """Per MoE layer and expert, the rounds whose verify used it (None: no speculative round recorded)."""
+    route_sequence: RouteSequence | None
+    """The rounds in order (None: none recorded)."""
+    tokens: int
+    """Tokens decoded (the prompt's first one included)."""
+    rounds: int
+    """Decoding rounds, speculative or plain."""
+    acceptance: float
+    """Draft tokens accepted over drafted."""
+    seconds: float
+    """Wall time of the decoding and the trace's reading."""
 
 
 class Runtime:
@@ -235,10 +256,45 @@ class Runtime:
                              layer_slots=tuple(slots),
                              # whose schedule the rounds' checkpoints are: a replay keeps it for this prefetch only
                              extra={"eviction": self.victims.policy.name, "prefetch": self.prefetch.name})
-        for old in [observer for observer in self.observers if isinstance(observer, TraceRecorder)]:
-            self.observers.remove(old)  # one trace at a time: the latest path
-            old.close()
+        self.stop_trace()  # one trace at a time: the latest path
         self.observers.append(TraceRecorder(TraceWriter(path, header)))
+
+    def stop_trace(self) -> None:
+        """Stop writing the routing trace `record_trace` started, and close its file (nothing without one)."""
+        for old in [observer for observer in self.observers if isinstance(observer, TraceRecorder)]:
+            self.observers.remove(old)
+            old.close()
+
+    async def own_routing_profile(self) -> OwnProfile:
+        """Decode `config.self_profile_tokens` tokens of the model's own text with speculation on, recording their routing
+        trace, and return it as the placement's cost model reads one (`costs.routing_profile`: counts and rounds, None
+        and None where no speculative round was recorded) with what the decoding took. Called once at load, before any request, by `build.place_runtime` where the
+        placement policy needs a trace's rounds and none was given; the engine is left as a fresh one (an empty KV,
+        the acceptance estimates afresh; the placement then restores the cache).
+
+        The text is the model's own, sampled as a chat user samples (temperature 0.7, top-p 0.9, seed 0) after a prompt
+        of `calibrate.DEFAULT_PROMPT_LEN` ids drawn from a fixed seed (the GPTQ calibration's first prompt): no text of the user's is needed, and the routing
+        is the model's on the text it writes. A workload unlike that (code, another language) is profiled better by a
+        trace of it (`generate --trace`, given as placement_profile)."""
+        started = time.perf_counter()
+        limit = self.config.max_context
+        prompt = calibrate.default_prompts(self.spec.vocab_size, count=1,
+                                           length=max(1, min(calibrate.DEFAULT_PROMPT_LEN, limit // 2)))[0]
+        new_tokens = min(self.config.self_profile_tokens, limit - len(prompt))
+        if new_tokens < 1:
+            return OwnProfile(None, None, 0, 0, 0.0, 0.0)
+        generation = GenerationConfig(max_new_tokens=new_tokens, temperature=0.7, top_p=0.9, seed=0)
+        with tempfile.TemporaryDirectory(prefix="specter-own-profile-") as folder:
+            path = Path(folder) / "routing-trace.jsonl"
+            self.record_trace(path)
+            try:
+                result = await self.complete_ids(prompt, generation)
+            finally:
+                self.stop_trace()
+            counts, sequence = routing_profile(path, len(self.spec.moe_layers), self.spec.num_experts)
+        self.estimates = Estimates(self.k_max)
+        return OwnProfile(counts, sequence, len(result.tokens), result.stats.rounds, result.stats.acceptance_rate,
+                          time.perf_counter() - started)
 
     # ---- requests -----------------------------------------------------------------------------
     async def generate_ids(self, prompt_ids: Sequence[int], generation: GenerationConfig | None = None,

@@ -188,14 +188,16 @@ class NeedsTrace:
         return False
 
 
-@pytest.mark.parametrize("speculates, traced, warned", [
-    (False, True, False),  # --k-max 0 --k 0 with a trace: the warning said the engine speculates and has no trace
-    (False, False, False),
-    (True, True, False),
-    (True, False, True),
+@pytest.mark.parametrize("speculates, traced, own_tokens, asked, warned, profiled", [
+    (False, True, 256, 0, False, False),  # --k-max 0 --k 0 with a trace: the warning said the engine speculates and has no trace
+    (False, False, 256, 0, False, False),  # an engine that does not speculate records no trace of its own either
+    (True, True, 256, 0, False, False),
+    (True, False, 0, 1, True, False),  # self_profile_tokens 0: no trace of its own
+    (True, False, 256, 1, False, True),  # the engine's own trace has rounds: priced from it, nothing to warn of
+    (True, False, 1, 2, True, True),  # one token is the prompt's: the own trace holds no round, and the warning says so
 ])
 def test_needs_trace_is_logged_only_for_a_speculating_engine_without_a_traces_rounds(root, tmp_path, speculates, traced,
-                                                                                    warned):
+                                                                                    own_tokens, asked, warned, profiled):
     path = checkpoint("mixtral", root)
     spec = Checkpoint(path).spec
     layers, experts = len(spec.moe_layers), spec.num_experts
@@ -205,15 +207,19 @@ def test_needs_trace_is_logged_only_for_a_speculating_engine_without_a_traces_ro
         write_trace(trace, layers, experts, [[[r % experts, (r + 1) % experts]] * layers for r in range(6)])
     draft = DraftConfig(k=2, quant="int8") if speculates else DraftConfig(k=0, k_max=0)
     policy = NeedsTrace()
+    log.configure(level="INFO")  # the own profile's record is an info event (`logging_as_found` restores the level)
     with placed_by(policy), capture_logs() as logs:
         load(path, EngineConfig(device=DEVICE, max_context=64, residents=2, cpu_threads=1, link="1", placement_profile=trace,
-                                draft=draft))
+                                self_profile_tokens=own_tokens, draft=draft))
     logged = events(logs, "placement.needs_trace")
-    assert policy.asked == int(warned) and len(logged) == int(warned)
+    assert policy.asked == asked and len(logged) == int(warned)
+    assert len(events(logs, "placement.own_profile")) == int(profiled)
     if warned:
+        given = ("no placement_profile was given" if not profiled
+                 else "the engine's own routing trace, recorded at load (self_profile_tokens) holds no speculative round")
         assert logged[0]["hint"].startswith("placement plug-in 'needs-trace' says it cannot price a speculating engine's "
                                             "misses without a routing trace with rounds, and this engine speculates and "
-                                            "no placement_profile was given; record one with `specter generate --trace")
+                                            f"{given}; record one with `specter generate --trace")
         assert "device path" not in logged[0]["hint"] and logged[0]["host_experts"] == 0
 
 

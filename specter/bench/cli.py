@@ -129,7 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "recorded on the narrow checkpoint: the widened model routes as it does) that every engine the "
                              "bench builds places from (EngineConfig.placement_profile): auto's cost model (the hybrids) "
                              "replays its rounds instead of assuming uniform routing. Checked before anything loads. None: "
-                             "uniform routing, and a speculating hybrid (specter-hybrid) placed off")
+                             "a speculating hybrid (specter-hybrid) places from the engine's own trace (--self-profile-tokens), "
+                             "a plain one (ondemand-hybrid) from uniform routing")
+    parser.add_argument("--self-profile-tokens", type=int, default=None, metavar="N",
+                        help="without --placement-profile, the tokens of its own text each model's runtime decodes once, "
+                             "at its first speculating hybrid cell, to record the routing trace auto places the "
+                             "speculating hybrids from, as a deployed engine does at load (default: the engine's, 256; 0: "
+                             "none, and auto places them off)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds above 0, shared out between the models; a cell is skipped (noted) when the time left "
                              "is below the longest cell so far or, for a model's first cells, below its baseline pass over "
@@ -460,6 +466,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
     tuning = TuningConfig().with_overrides([*args.tune, *(["transfer.issue_marks=true"] if args.copy_gaps else [])])
     repeats = args.repeats if args.repeats is not None else (QUICK_REPEATS if quick_matrix else 1)
     quant = args.quant or (QUICK_QUANT if quick_matrix else "int4")
+    if args.self_profile_tokens is not None and args.self_profile_tokens < 0:
+        raise ConfigError(f"--self-profile-tokens {args.self_profile_tokens}: expected 0 (none) or more tokens")
     if args.placement_overlap is not None and not 0.0 <= args.placement_overlap <= 1.0:
         raise ConfigError(f"--placement-overlap {args.placement_overlap}: expected 0 <= overlap <= 1")
     # As DraftConfig resolves them: a depth given is kept (the other follows it), none given is the default within.
@@ -474,7 +482,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    device=args.device, dtype=args.dtype,
                    progress=not args.no_progress, hf=not args.no_hf, static_verify=args.static_verify, quant=quant,
                    tuning=tuning, sampling=modes, desktop_threads=args.desktop_threads, threads=threads,
-                   placement_overlap=args.placement_overlap, placement_profile=args.placement_profile, custom=custom)
+                   placement_overlap=args.placement_overlap, placement_profile=args.placement_profile, custom=custom,
+                   **({} if args.self_profile_tokens is None else {"self_profile_tokens": args.self_profile_tokens}))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -120,7 +120,11 @@ class Options:
     """`Auto(overlap=...)` for every cell that places with `auto` (`--placement-overlap`; None: auto's default)."""
     placement_profile: Path | None = None
     """EngineConfig.placement_profile of every engine (`--placement-profile`): the routing trace `auto` places from
-    (None: uniform routing)."""
+    (None: a speculating system's, the engine's own, `self_profile_tokens`; a plain one's, uniform routing)."""
+    self_profile_tokens: int = EngineConfig.model_fields["self_profile_tokens"].default
+    """EngineConfig.self_profile_tokens of every engine (`--self-profile-tokens`): without a placement profile, the
+    tokens of its own text a runtime decodes, once, to record the routing trace `auto` prices a speculating system's
+    placement from (`BenchRuntime.own_profile`); 0: none, and `auto` places such a system off."""
     custom: dict[str, System] = dataclasses.field(default_factory=dict)
     """The run's own systems by name (`--system NAME:KEY=VALUE,...`: installed plug-ins), beside SYSTEMS."""
 
@@ -319,7 +323,8 @@ class ModelBench:
                             draft=DraftConfig(k=k, k_max=k_max, quant=self.options.quant),
                             lookahead="fixed", row_bucket=self.options.row_bucket,
                             progress=self.options.progress, static_verify=self.options.static_verify,
-                            tuning=self.options.tuning, placement_profile=self.options.placement_profile)
+                            tuning=self.options.tuning, placement_profile=self.options.placement_profile,
+                            self_profile_tokens=self.options.self_profile_tokens)
 
     async def run(self) -> None:
         try:

@@ -591,13 +591,16 @@ def copy_idle_lines(summary: Sequence[dict], markdown: bool = False) -> list[str
 
 
 def _profile_text(payload: dict[str, Any]) -> str:
-    """The protocol line's word on the routing trace `auto` placed from (bench --placement-profile); nothing without
-    one. A merge keeps the first part's options, so its parts' own traces are named (a trace is of one model, and a
+    """The protocol line's word on the routing trace `auto` placed from (bench --placement-profile, else the engine's
+    own where a cell placed from it); nothing without one. A merge keeps the first part's options, so its parts' own traces are named (a trace is of one model, and a
     matrix of several models merges parts that each had their own)."""
     parts = payload.get("merged_from") or [payload["options"]]
     profiles = list(dict.fromkeys(part.get("placement_profile") for part in parts))
     if profiles == [None]:
-        return ""
+        own = any((cell.get("placement") or {}).get("profile") == "own" for cell in payload.get("cells", []))
+        tokens = payload["options"].get("self_profile_tokens")
+        return (f"; the speculating hybrids placed from the engine's own routing trace ({tokens} tokens of its text, "
+                "recorded once per model)" if own else "")
     if len(profiles) == 1:
         return f"; placement from the routing trace `{profiles[0]}`"
     return "; placement from the merged parts' routing traces: " + ", ".join(

@@ -23,10 +23,10 @@ from specter.config import DraftConfig, EngineConfig
 from specter.errors import BudgetError, ConfigError
 from specter.experts.transfer import LinkEmulation, parse_link
 from specter.build import (OFF, apply_placement, chosen_kernel, drafts_rounds, model_host_kernels, new_cache, placement_policy,
-                           placement_state)
+                           placement_state, wants_own_profile)
 from specter.experts.costs import Calibration, HostKernel, calibrate
 from specter.experts.host import default_threads
-from specter.engine import Runtime
+from specter.engine import OwnProfile, Runtime
 from specter.log import get_logger
 from specter.memory import MemoryPlan, plan_memory, split_slots
 from specter.placement import OVERLAP, Placement, PlacementState, decision_record, fill_slots, layer_counts
@@ -411,6 +411,10 @@ class BenchRuntime(Runtime):
         self.calibrations: dict[int, Calibration] = {}
         """Host thread count -> the host's and the real link's costs, measured at the first placement with that count
         (`use_placement`): an expert's host time depends on the threads that compute it."""
+        self.own_profile: OwnProfile | None = None
+        """The engine's own routing trace (`Runtime.own_routing_profile`), recorded at the first placement that needs
+        one (no --placement-profile, a speculating system) under that cell's system, link and slots, and priced for
+        every later one: as a deployed engine records it once at load."""
         self.host_kernel_choices: list[HostKernel] | None = None
         """The host kernels the calibrations choose from (`_host_kernels`)."""
         self.host_threads: int | None = None
@@ -489,9 +493,19 @@ class BenchRuntime(Runtime):
         self.host_threads = threads or self.config.cpu_threads or default_threads()
         state = await self._placement_state(initial, self.host_threads)
         policy = placement_policy(self.config.model_copy(update={"cpu_experts": name, "placement_overlap": overlap}))
+        if wants_own_profile(policy, state, self.config):  # as the engine's load would, once for every cell
+            if self.own_profile is None:
+                self.own_profile = await self.own_routing_profile()
+                assert self.system is not None, "the own profile decodes as the cell's system does"
+                self.configure(self.system, self.depth)  # estimates, use history and books afresh, as the cell starts
+            state = dataclasses.replace(state, route_counts=self.own_profile.route_counts,
+                                        route_sequence=self.own_profile.route_sequence)
+            profile = "own"
+        else:
+            profile = "given" if self.config.placement_profile is not None else None
         placement = policy.place(state=state)
         self.placement_decision = decision_record(state, placement, getattr(policy, "prefetch_discount", 0.0),
-                                                  getattr(policy, "overlap", OVERLAP))
+                                                  getattr(policy, "overlap", OVERLAP)) | {"profile": profile}
         if placement.active:
             self.experts.host = await apply_placement(placement, self.cache, self.config, self.model.device,
                                                      chosen_kernel(self._host_kernels(), state), policy, state)

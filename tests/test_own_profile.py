@@ -1,0 +1,147 @@
+"""An engine that speculates and places with `auto` records its own routing trace at load where no placement profile
+is given (`EngineConfig.self_profile_tokens`, `Runtime.own_routing_profile`): `auto` then prices its misses from the
+rounds of that trace instead of placing it `off`, the engine is left as a fresh one, and its tokens equal the same
+placement's k = 0 run. The bench's speculating hybrids do the same, once per model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from structlog.testing import capture_logs
+
+from specter import log
+from specter.config import DraftConfig, EngineConfig, GenerationConfig
+from specter.engine import Runtime
+from specter.model.checkpoint import Checkpoint
+from specter.placement import Placement, PlacementState
+from tests.test_hybrid import placed_by
+from tests.test_speculative import DEVICE, checkpoint
+
+SLOW_LINK = "0.001"
+"""GB/s: an expert's copy costs seconds, so `auto` sends the non-residents that its pricing sees used to the host."""
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("own-profile"))
+
+
+def config(**fields) -> EngineConfig:
+    base = dict(device=DEVICE, max_context=96, residents=2, cpu_threads=1, cpu_experts="auto", link=SLOW_LINK,
+                draft=DraftConfig(k=3, quant="int8"))
+    return EngineConfig(**{**base, **fields})
+
+
+def events(logs: list[dict], name: str) -> list[dict]:
+    return [entry for entry in logs if entry["event"] == name]
+
+
+def loaded(path: str, engine: EngineConfig, prompt: list[int] | None = None, generation: GenerationConfig | None = None):
+    """Load, note what the load left, and run `prompt`: (placement or None, KV length, loads in flight, whether the
+    acceptance estimates are the prior's, result or None)."""
+
+    async def go():
+        async with await Runtime.load(path, engine) as runtime:
+            host = runtime.experts.host
+            fresh = not any(runtime.estimates.acceptance_seen) and runtime.estimates.draft_step_s is None
+            state = (host.placement if host is not None else None, runtime.kv.length, runtime.loads_in_flight(), fresh)
+            result = await runtime.complete_ids(prompt, generation) if prompt is not None else None
+            return (*state, result)
+
+    return asyncio.run(go())
+
+
+def test_auto_places_a_speculating_engine_from_its_own_trace(root):
+    """Without a trace `auto` placed a speculating engine `off` (its misses unpriced); with its own trace it prices
+    them: over a link this slow, experts go to the host, and the load logs the trace it decoded."""
+    path = checkpoint("mixtral", root)
+    log.configure(level="INFO")  # the decision record is an info event (`logging_as_found` restores the level)
+    with capture_logs() as logs:
+        placement, kv_length, in_flight, fresh, _ = loaded(path, config())
+    [own] = events(logs, "placement.own_profile")
+    [decided] = events(logs, "placement.decided")
+    assert own["tokens"] > 1 and own["rounds"] > 0
+    assert decided["routing"] == "sequence" and not events(logs, "placement.needs_trace")
+    assert placement is not None and placement.total == decided["host_experts"] > 0
+    assert kv_length == 0 and in_flight == 0 and fresh  # a fresh engine: its own decoding left nothing behind
+
+    with capture_logs() as logs:
+        placement, *_ = loaded(path, config(self_profile_tokens=0))
+    assert placement is None and not events(logs, "placement.own_profile") and events(logs, "placement.needs_trace")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_self_placed_engine_equals_its_placements_k0_run(root, temperature):
+    """Placed after its own decoding (the cache full of experts that are now the host's, the KV used): its tokens equal
+    a target-only run (k = 0) under the same placement, greedy and seeded sampling."""
+    path = checkpoint("qwen2_moe", root)
+    prompt, generation = [5, 17, 3, 60, 2], GenerationConfig(max_new_tokens=16, temperature=temperature, seed=3,
+                                                             top_p=0.9 if temperature else None)
+    placement, *_, speculative = loaded(path, config(residents=Checkpoint(path).spec.top_k), prompt, generation)
+    assert placement is not None and placement.total > 0
+
+    class Fixed:
+        name = "fixed"
+
+        def place(self, state: PlacementState) -> Placement:
+            return placement
+
+    with placed_by(Fixed()):
+        same, *_, plain = loaded(path, config(residents=Checkpoint(path).spec.top_k, draft=DraftConfig(k=0, k_max=0)),
+                                 prompt, generation)
+    assert same == placement
+    assert speculative.tokens == plain.tokens and speculative.stats.host_computed_experts > 0
+
+
+@pytest.mark.parametrize("fields", [
+    {"link": None},  # the CPU without an emulated link: the copy is not measured, so nothing could be priced
+    {"cpu_experts": "all"},  # `all` needs no trace: it prices nothing
+    {"draft": DraftConfig(k=0, k_max=0)},  # no draft: nothing to record a round with
+])
+def test_no_own_trace_where_it_would_not_be_priced(root, fields):
+    path = checkpoint("mixtral", root)
+    log.configure(level="INFO")
+    with capture_logs() as logs:
+        loaded(path, config(**fields))
+    assert not events(logs, "placement.own_profile") and events(logs, "engine.loaded")
+
+
+def test_a_short_context_bounds_the_own_trace(root):
+    """The prompt and the tokens decoded fit max_context: half of it for the prompt, the rest decoded."""
+    path = checkpoint("mixtral", root)
+    log.configure(level="INFO")
+    with capture_logs() as logs:
+        loaded(path, config(max_context=20))
+    [own] = events(logs, "placement.own_profile")
+    assert 1 < own["tokens"] <= 10
+
+
+def test_the_bench_places_its_speculating_hybrids_from_one_own_trace(root, tmp_path, monkeypatch):
+    """`specter-hybrid` without --placement-profile: its cells place from the engine's own trace (`profile` "own",
+    routing "sequence"), recorded once for the model's runtime; `ondemand-hybrid` (k = 0) from uniform routing; each
+    cell's tokens equal its placement's own k = 0 run; the report says where the placement came from."""
+    from specter.bench.cli import main
+
+    path = checkpoint("mixtral", root)
+    out = tmp_path / "bench"
+    decoded, own = [], Runtime.own_routing_profile
+
+    async def counted(runtime):
+        decoded.append(runtime)
+        return await own(runtime)
+
+    monkeypatch.setattr(Runtime, "own_routing_profile", counted)
+    code = main(["--model", path, "--device", DEVICE, "--residents", "2", "--link", f"{SLOW_LINK},gen4",
+                     "--systems", "ondemand,specter-hybrid,ondemand-hybrid", "--max-new-tokens", "8", "--k", "3",
+                     "--quant", "int8", "--no-plots", "--no-hf", "--no-progress", "--out", str(out)])
+    assert code == 0 and len(decoded) == 1
+    payload = json.loads((out / "results.json").read_text())
+    placed = {(cell["system"], cell["link"]): cell["placement"] for cell in payload["cells"] if cell["status"] == "ok"}
+    for link in (SLOW_LINK, "gen4"):
+        assert placed[("specter-hybrid", link)]["profile"] == "own" and placed[("specter-hybrid", link)]["routing"] == "sequence"
+        assert placed[("ondemand-hybrid", link)]["profile"] is None and placed[("ondemand-hybrid", link)]["routing"] == "uniform"
+    assert placed[("specter-hybrid", SLOW_LINK)]["host_experts"] > 0
+    assert payload["runs"] and all(run["tokens_equal"] for run in payload["runs"])
+    assert "own routing trace" in (out / "results.md").read_text()
