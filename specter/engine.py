@@ -87,6 +87,18 @@ class OwnProfile:
     """Wall time of the decoding and the trace's reading."""
 
 
+class _DeepestDepth:
+    """The own profile's lookahead (`Runtime.own_routing_profile`): every round at k_max, from no timing."""
+
+    name = "deepest"
+
+    def next_k(self, state: LookaheadState) -> int:
+        return state.k_max
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        return None
+
+
 class Runtime:
     """One model on one device, serving one request at a time."""
 
@@ -272,6 +284,9 @@ class Runtime:
         placement policy needs a trace's rounds and none was given; the engine is left as a fresh one (an empty KV,
         the acceptance estimates afresh; the placement then restores the cache).
 
+        Every round drafts k_max tokens, whatever the engine's lookahead: a depth chosen from timings (`roofline`)
+        would cut the text into other rounds at each load, and the placement, priced from them, could differ from load
+        to load where the same command must place the same (docs/ARCHITECTURE.md, "Exactness with host experts").
         The text is the model's own, sampled as a chat user samples (temperature 0.7, top-p 0.9, seed 0) after a prompt
         of `calibrate.DEFAULT_PROMPT_LEN` ids drawn from a fixed seed (the GPTQ calibration's first prompt): no text of the user's is needed, and the routing
         is the model's on the text it writes. A workload unlike that (code, another language) is profiled better by a
@@ -284,6 +299,7 @@ class Runtime:
         if new_tokens < 1:
             return OwnProfile(None, None, 0, 0, 0.0, 0.0)
         generation = GenerationConfig(max_new_tokens=new_tokens, temperature=0.7, top_p=0.9, seed=0)
+        lookahead, self.lookahead = self.lookahead, _DeepestDepth()
         with tempfile.TemporaryDirectory(prefix="specter-own-profile-") as folder:
             path = Path(folder) / "routing-trace.jsonl"
             self.record_trace(path)
@@ -291,6 +307,7 @@ class Runtime:
                 result = await self.complete_ids(prompt, generation)
             finally:
                 self.stop_trace()
+                self.lookahead = lookahead
             counts, sequence = routing_profile(path, len(self.spec.moe_layers), self.spec.num_experts)
         self.estimates = Estimates(self.k_max)
         return OwnProfile(counts, sequence, len(result.tokens), result.stats.rounds, result.stats.acceptance_rate,

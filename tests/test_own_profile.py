@@ -108,6 +108,35 @@ def test_no_own_trace_where_it_would_not_be_priced(root, fields):
     assert not events(logs, "placement.own_profile") and events(logs, "engine.loaded")
 
 
+def test_the_own_trace_drafts_k_max_every_round_whatever_the_lookahead(root, monkeypatch):
+    """A depth chosen from timings (`roofline`) would cut the text into other rounds at each load, and the placement
+    priced from them could differ from load to load: the own trace runs every round at k_max (the last cut to the
+    tokens left), and the engine's own lookahead is back afterwards."""
+    from specter import engine
+    from specter.trace import read_trace
+
+    depths, read = [], engine.routing_profile
+
+    def spy(path, *shape):
+        depths.append([(trace_round.k, trace_round.accepted) for trace_round in read_trace(path)[1]])
+        return read(path, *shape)
+
+    monkeypatch.setattr(engine, "routing_profile", spy)
+    path = checkpoint("mixtral", root)
+
+    async def go():
+        async with await Runtime.load(path, config(cpu_experts="off", lookahead="roofline",
+                                                   draft=DraftConfig(k=2, k_max=5, quant="int8"))) as runtime:
+            before = runtime.lookahead
+            own = await runtime.own_routing_profile()
+            return own, runtime.lookahead is before
+
+    own, restored = asyncio.run(go())
+    [rounds] = depths
+    assert restored and own.rounds >= len(rounds) > 1 and own.route_sequence is not None
+    assert all(k == 5 for k, _ in rounds[:-1]) and 1 <= rounds[-1][0] <= 5
+
+
 def test_a_short_context_bounds_the_own_trace(root):
     """The prompt and the tokens decoded fit max_context: half of it for the prompt, the rest decoded."""
     path = checkpoint("mixtral", root)
