@@ -958,8 +958,9 @@ def test_the_hybrids_place_with_auto_and_hold_their_tokens_to_that_placements_ba
     beside `cpu-experts`; each is held to the same placement's k = 0 run. The host's cost is fixed here (0.2 ms per
     block against 0.4 ms per copy of tiny's expert at 1 GB/s) and `auto` weighs the two paths as fully overlapped
     (`--placement-overlap 1`: by default it adds them up, and under uniform use it then puts all or none on the host),
-    so it puts some experts, not all, on the host for `ondemand-hybrid`; `specter-hybrid` speculates and has no trace,
-    so it places none (`Auto.prices_misses`). The host-path table gives one host expert's time and the share of the
+    so it puts some experts, not all, on the host for `ondemand-hybrid`; `specter-hybrid` speculates and has no trace
+    (`--self-profile-tokens 0`: none of its own either, tests/test_own_profile.py), so it places none
+    (`Auto.prices_misses`). The host-path table gives one host expert's time and the share of the
     host's time that ran beside the device path."""
     from specter import plugins
     from specter.bench import protocol, systems
@@ -984,8 +985,8 @@ def test_the_hybrids_place_with_auto_and_hold_their_tokens_to_that_placements_ba
 
     monkeypatch.setattr(protocol.ModelBench, "_placement_baseline", spy)
     code = cli.main(["--systems", "ondemand,cpu-experts,specter-hybrid,ondemand-hybrid", "--max-new-tokens", "6",
-                     "--warmup-tokens", "4", "--link", "1", "--placement-overlap", "1", "--no-progress", "--no-plots",
-                     "--out", str(tmp_path)])
+                     "--warmup-tokens", "4", "--link", "1", "--placement-overlap", "1", "--self-profile-tokens", "0",
+                     "--no-progress", "--no-plots", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "results.json").read_text())
     assert code == 0 and all(row["tokens_equal"] for row in results["summary"]), results["summary"]
     rows = {row["system"]: row for row in results["summary"]}
