@@ -81,14 +81,21 @@ def test_the_longer_priced_hybrid_runs_beside_the_summed_one_in_one_process(tmp_
         assert cells["specter-hybrid-longer"]["placement"]["overlap"] == 1.0
 
 
-def test_without_a_profile_auto_assumes_uniform_routing(tmp_path):
-    """The contrast the option exists for, and the protocol line says nothing of a trace."""
+@pytest.mark.parametrize("own_tokens, routing", [(None, "sequence"), (0, "uniform")])
+def test_without_a_profile_auto_prices_the_engines_own_trace_or_assumes_uniform_routing(tmp_path, own_tokens, routing):
+    """The contrast the option exists for: without it the speculating hybrid places from the runtime's own trace, and
+    the protocol line says so; with none of its own either (--self-profile-tokens 0), from uniform routing, and the
+    protocol line says nothing of a trace."""
     out = tmp_path / "out"
-    assert cli.main([*RUN, "--model", "tiny", "--systems", "ondemand,specter-hybrid", "--link", "gen4", "--out", str(out)]) == 0
+    own = [] if own_tokens is None else ["--self-profile-tokens", str(own_tokens)]
+    assert cli.main([*RUN, "--model", "tiny", "--systems", "ondemand,specter-hybrid", "--link", "gen4", *own,
+                     "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     cell = next(cell for cell in results["cells"] if cell["system"] == "specter-hybrid")
-    assert cell["placement"]["routing"] == "uniform" and results["options"]["placement_profile"] is None
-    assert "routing trace" not in (out / "results.md").read_text()
+    assert cell["placement"]["routing"] == routing and results["options"]["placement_profile"] is None
+    assert cell["placement"]["profile"] == ("own" if own_tokens is None else None)
+    said = "the engine's own routing trace (256 tokens of its text" in (out / "results.md").read_text()
+    assert said == (own_tokens is None) and ("placement from the routing trace" not in (out / "results.md").read_text())
 
 
 def bad_profiles(tmp_path: Path) -> dict[str, tuple[Path, str]]:
