@@ -209,7 +209,7 @@ def check_device_memory(config: EngineConfig, device: torch.device, memory: Memo
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         if config.budget is not None and config.budget > free:
-            raise BudgetError(f"budget {fmt(config.budget)} is more than the GPU's free memory {fmt(free)}; lower --budget")
+            raise BudgetError(f"budget {fmt(config.budget)} is more than the GPU's free memory {fmt(free)}; lower budget (--budget)")
         needed, where = memory.device_bytes, "the GPU's free memory"
     else:
         free = available_host_bytes()
@@ -218,18 +218,19 @@ def check_device_memory(config: EngineConfig, device: torch.device, memory: Memo
             raise MemoryShortError(
                 f"this configuration needs about {fmt(needed)} and {where} is {fmt(free)}: the budget's device part "
                 f"{fmt(memory.device_bytes)} and the experts' host copy {fmt(memory.host_pool_bytes)}",
-                "lower --budget, or run on a machine with more memory (the experts' host copy does not shrink with the "
+                "lower budget (--budget), or run on a machine with more memory (the experts' host copy does not shrink with the "
                 "budget)")
     if config.budget is None and needed > free:
         if device.type == "cpu":  # the cache's slots and the experts' host copy are both host memory: offloading adds
             instead = "run on a machine with more memory"
         else:
-            instead = "lower --residents" if config.residents is not None else "give --residents or --budget"
+            instead = ("lower residents (--residents)" if config.residents is not None
+                       else "give residents or budget (--residents, --budget)")
         raise MemoryShortError(
             f"this configuration needs about {fmt(needed)} and {where} is {fmt(free)}: KV for max_context "
             f"{config.max_context} tokens {fmt(memory.kv_bytes)}, workspace {fmt(memory.workspace_bytes)}, non-expert weights "
             f"{fmt(memory.dense_bytes)}, draft {fmt(memory.draft_bytes)}, experts {fmt(needed - memory.fixed_bytes)}",
-            f"lower --max-context (KV and workspace grow with it), or {instead}")
+            f"lower max_context (--max-context; KV and workspace grow with it), or {instead}")
 
 
 def apply_threads(config: EngineConfig, device: torch.device) -> None:

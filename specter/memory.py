@@ -193,12 +193,12 @@ def _slots(plan: MemoryPlan, config: EngineConfig) -> tuple[int, int]:
     if config.residents is not None:
         if config.residents < plan.min_slots_per_layer:
             raise BudgetError(f"residents={config.residents} slots per layer is below this model's minimum of "
-                              f"{plan.min_slots_per_layer} (one token's active experts, its top-k); use --residents "
+                              f"{plan.min_slots_per_layer} (one token's active experts, its top-k); use residents (--residents) "
                               f"{plan.min_slots_per_layer} or more")
         if config.residents > plan.num_experts:
             raise BudgetError(f"residents={config.residents} slots per layer is more than this model's {plan.num_experts} experts "
-                              f"per layer; use --residents {plan.num_experts} or less ({plan.num_experts}, or no --residents "
-                              "and no --budget, keeps every expert resident)")
+                              f"per layer; use residents (--residents) {plan.num_experts} or less ({plan.num_experts}, or "
+                              "neither residents nor budget, keeps every expert resident)")
         return config.residents, 0
     if config.budget is None or config.budget >= plan.resident_budget:
         return plan.num_experts, 0  # all resident: no cache, so no per-slot overhead either

@@ -293,7 +293,7 @@ def test_a_context_the_memory_cannot_hold_is_refused_before_allocation(tiny, mon
         run(Engine.load(tiny, EngineConfig(device="cpu", max_context=4096)))
     message = str(error.value)
     assert "the host's available memory is 8.0 MiB" in message and "KV for max_context 4096 tokens 8.0 MiB" in message
-    assert "lower --max-context" in message
+    assert "lower max_context (--max-context" in message
 
 
 @pytest.mark.parametrize("residents", [None, 2])
@@ -304,7 +304,7 @@ def test_on_the_cpu_the_memory_refusal_does_not_advise_offloading(tiny, monkeypa
     with pytest.raises(BudgetError) as error:
         run(Engine.load(tiny, EngineConfig(device="cpu", residents=residents, max_context=64)))
     message = str(error.value)
-    assert "lower --max-context" in message and "run on a machine with more memory" in message, message
+    assert "lower max_context (--max-context" in message and "run on a machine with more memory" in message, message
     assert "--residents" not in message and "--budget" not in message, message
 
 
@@ -320,7 +320,7 @@ def test_a_budget_the_hosts_memory_cannot_hold_on_the_cpu_is_refused_before_allo
         run(Engine.load(tiny, EngineConfig(device="cpu", budget="60MiB")))
     message = str(error.value)
     assert "the host's available memory is 8.0 MiB" in message and "the experts' host copy" in message, message
-    assert "lower --budget, or run on a machine with more memory" in message
+    assert "lower budget (--budget), or run on a machine with more memory" in message
 
 
 @pytest.mark.parametrize("residents, says", [
@@ -329,7 +329,8 @@ def test_a_budget_the_hosts_memory_cannot_hold_on_the_cpu_is_refused_before_allo
 def test_residents_outside_the_model_are_refused_with_one_minimum(tiny, residents, says):
     with pytest.raises(BudgetError, match=says) as error:
         run(Engine.load(tiny, EngineConfig(device="cpu", residents=residents)))
-    assert "--residents 2 or more" in str(error.value) or "--residents 16 or less" in str(error.value)
+    # a Python API user set the field `residents`, a CLI user --residents: the remedy names both
+    assert "use residents (--residents) 2 or more" in str(error.value) or "use residents (--residents) 16 or less" in str(error.value)
 
 
 def test_k_above_k_max_is_an_error_and_the_default_k_follows_k_max():

@@ -133,7 +133,8 @@ def test_a_run_that_measured_nothing_exits_3_and_its_notes_name_the_benchs_own_o
 
     async def too_big(*args, **kwargs):
         raise MemoryShortError("this configuration needs about 87 GiB and the host's available memory is 21 GiB",
-                               "lower --max-context (KV and workspace grow with it), or give --residents or --budget")
+                               "lower max_context (--max-context; KV and workspace grow with it), or give residents or budget "
+                               "(--residents, --budget)")
 
     monkeypatch.setattr(protocol.BenchRuntime, "build", too_big)
     out = tmp_path / "out"
