@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import threading
 import weakref
-from collections.abc import Coroutine, Iterator, Mapping
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
@@ -70,6 +70,14 @@ class SyncEngine:
         """Closed by close(), by garbage collection or at the interpreter's exit."""
         finalizer = getattr(self, "_finalizer", None)  # (none yet while __init__ loads the engine)
         return finalizer is not None and not finalizer.alive
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt, as `Engine.encode` gives them (the tokenizer alone: no request, no loop)."""
+        return self.engine.encode(prompt)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of `token_ids`, as `Engine.decode` gives it."""
+        return self.engine.decode(token_ids)
 
     def complete(self, prompt: Prompt, generation_config: GenerationConfig | Mapping[str, Any] | None = None,
                  **overrides: Any) -> Result:

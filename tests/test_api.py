@@ -299,6 +299,12 @@ def test_sync_engine(tiny, baseline):
         pieces.close()  # ends the request: the engine takes the next one
         streamed = [t for piece in engine.generate(PROMPT, max_new_tokens=6) for t in piece.token_ids]
         assert streamed == baseline(PROMPT, 6)
+        # the tokenizer as Engine's: a text prompt's ids are the request's, and decode gives its text back
+        result = engine.complete("hello", max_new_tokens=4)
+        assert engine.encode("hello") == result.prompt_ids and engine.decode(result.token_ids) == result.text
+        assert engine.encode([3, 1, 4]) == [3, 1, 4]
+        with pytest.raises(PromptError, match="cannot decode token ids"):
+            engine.decode([10**6])
     assert threading.active_count() == threads_before
 
 
