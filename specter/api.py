@@ -314,6 +314,15 @@ class EngineLoader:
         if self._engine is not None:
             await self._engine.aclose()
 
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the loader lacks: an Engine's (complete, generate, ...) used on the loader means a missing
+        # await, which otherwise read as "'EngineLoader' object has no attribute 'complete'".
+        if not name.startswith("_") and hasattr(Engine, name):
+            raise AttributeError(f"Engine.from_pretrained(...) returns a loader, not an Engine, so it has no {name!r}: "
+                                 "await it (engine = await Engine.from_pretrained(...)) or use `async with "
+                                 "Engine.from_pretrained(...) as engine:`")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
 
 def _release_unclosed(runtime: Runtime) -> None:
     """An `Engine` collected without aclose(): stop its runtime's threads, then say so."""

@@ -308,6 +308,17 @@ def test_sync_engine(tiny, baseline):
     assert threading.active_count() == threads_before
 
 
+def test_a_loader_used_as_an_engine_says_to_await_it(tiny):
+    """A forgotten `await` on from_pretrained read as "'EngineLoader' object has no attribute 'complete'"; nothing loads."""
+    loader = Engine.from_pretrained(tiny, OFFLOADED)
+    for name in ("complete", "generate", "encode", "aclose"):
+        with pytest.raises(AttributeError, match=f"returns a loader, not an Engine, so it has no '{name}': await it"):
+            getattr(loader, name)
+    with pytest.raises(AttributeError, match="'EngineLoader' object has no attribute 'nonsense'"):
+        loader.nonsense  # noqa: B018
+    assert not hasattr(loader, "_private") and loader._engine is None
+
+
 def test_package_exports():
     assert specter.Engine is Engine and specter.SyncEngine is SyncEngine
     assert {"Engine", "Result", "Piece", "Tokenizer", "EngineConfig", "GenerationConfig"} <= set(specter.__all__)
