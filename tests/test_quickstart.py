@@ -73,6 +73,16 @@ def test_the_quick_starts_generate_runs_the_offloaded_speculative_path(tiny, cap
     assert "acceptance" in stats and hit_rate < 100 and moved > 0, stats
 
 
+def test_the_readme_names_every_error_the_api_raises():
+    """A user catching Specter's errors finds each kind in the README (it named three of ten)."""
+    from specter import errors
+
+    kinds = [value.__name__ for value in vars(errors).values()
+             if isinstance(value, type) and issubclass(value, errors.SpecterError)]
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert len(kinds) >= 10 and [kind for kind in kinds if f"`{kind}`" not in readme] == []
+
+
 def test_the_readme_says_tiny_has_random_weights():
     readme = (REPO_ROOT / "README.md").read_text()
     assert "random weights" in readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
