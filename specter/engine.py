@@ -29,7 +29,7 @@ from specter.config import EngineConfig, GenerationConfig, TuningConfig
 from specter.decode import check_prompt, greedy_decode
 from specter.draft import Draft, DraftExperts
 from specter.errors import CheckpointError, ConfigError, RequestCancelled
-from specter.experts.cache import ExpertCache
+from specter.experts.cache import CacheSnapshot, CacheStats, ExpertCache, LayerStats
 from specter.experts.costs import routing_profile
 from specter.kernel import Kernel, StageCounters, stage
 from specter.log import get_logger
@@ -87,13 +87,16 @@ class OwnProfile:
     """Wall time of the decoding and the trace's reading."""
 
 
-class _DeepestDepth:
-    """The own profile's lookahead (`Runtime.own_routing_profile`): every round at k_max, from no timing."""
+class _OneDepth:
+    """The own profile's lookahead (`Runtime.own_routing_profile`): every round at one depth, from no timing."""
 
-    name = "deepest"
+    name = "own-profile"
+
+    def __init__(self, k: int) -> None:
+        self.k = k
 
     def next_k(self, state: LookaheadState) -> int:
-        return state.k_max
+        return min(self.k, state.k_max)
 
     def observe(self, outcome: RoundOutcome) -> None:
         return None
@@ -280,17 +283,20 @@ class Runtime:
     async def own_routing_profile(self) -> OwnProfile:
         """Decode `config.self_profile_tokens` tokens of the model's own text with speculation on, recording their routing
         trace, and return it as the placement's cost model reads one (`costs.routing_profile`: counts and rounds, None
-        and None where no speculative round was recorded) with what the decoding took. Called once at load, before any request, by `build.place_runtime` where the
-        placement policy needs a trace's rounds and none was given; the engine is left as a fresh one (an empty KV,
-        the acceptance estimates afresh; the placement then restores the cache).
+        and None where no speculative round was recorded) with what the decoding took. Called once at load, before any
+        request, by `build.place_runtime` where the placement policy needs a trace's rounds and none was given.
 
-        Every round drafts k_max tokens, whatever the engine's lookahead: a depth chosen from timings (`roofline`)
-        would cut the text into other rounds at each load, and the placement, priced from them, could differ from load
-        to load where the same command must place the same (docs/ARCHITECTURE.md, "Exactness with host experts").
-        The text is the model's own, sampled as a chat user samples (temperature 0.7, top-p 0.9, seed 0) after a prompt
-        of `calibrate.DEFAULT_PROMPT_LEN` ids drawn from a fixed seed (the GPTQ calibration's first prompt): no text of the user's is needed, and the routing
-        is the model's on the text it writes. A workload unlike that (code, another language) is profiled better by a
-        trace of it (`generate --trace`, given as placement_profile)."""
+        The engine is then left as it was before: the cache's residents as they were (an empty cache at load), its
+        counters, the use history, the transfer engine's bandwidth estimate, the stage counters and the acceptance
+        estimates afresh, the KV empty (as after any request); the placement then loads what it keeps on the device.
+
+        Every round drafts at one depth, whatever a lookahead chosen from timings (`roofline`) would choose: the fixed
+        lookahead's k, else k_max (`own_profile_depth`). Rounds cut by timings would differ from load to load, and the
+        placement priced from them with them. The text is the model's own, sampled as a chat user samples (temperature
+        0.7, top-p 0.9, seed 0) after a prompt of `calibrate.DEFAULT_PROMPT_LEN` ids drawn from a fixed seed (the GPTQ
+        calibration's first prompt): no text of the user's is needed, and the routing is the model's on the text it
+        writes. A workload unlike that (code, another language) is profiled better by a trace of it (`generate
+        --trace`, given as placement_profile)."""
         started = time.perf_counter()
         limit = self.config.max_context
         prompt = calibrate.default_prompts(self.spec.vocab_size, count=1,
@@ -299,7 +305,8 @@ class Runtime:
         if new_tokens < 1:
             return OwnProfile(None, None, 0, 0, 0.0, 0.0)
         generation = GenerationConfig(max_new_tokens=new_tokens, temperature=0.7, top_p=0.9, seed=0)
-        lookahead, self.lookahead = self.lookahead, _DeepestDepth()
+        before = self.cache.snapshot() if self.cache is not None else None
+        lookahead, self.lookahead = self.lookahead, _OneDepth(self.own_profile_depth())
         with tempfile.TemporaryDirectory(prefix="specter-own-profile-") as folder:
             path = Path(folder) / "routing-trace.jsonl"
             self.record_trace(path)
@@ -309,9 +316,25 @@ class Runtime:
                 self.stop_trace()
                 self.lookahead = lookahead
             counts, sequence = routing_profile(path, len(self.spec.moe_layers), self.spec.num_experts)
-        self.estimates = Estimates(self.k_max)
+        await self._forget_own_decoding(before)
         return OwnProfile(counts, sequence, len(result.tokens), result.stats.rounds, result.stats.acceptance_rate,
                           time.perf_counter() - started)
+
+    def own_profile_depth(self) -> int:
+        """The draft depth of every round of `own_routing_profile`: the fixed lookahead's k (as the engine will draft),
+        else k_max (a lookahead that adapts the depth may draft up to it)."""
+        return min(self.config.draft.k, self.k_max) if self.config.lookahead == "fixed" else self.k_max
+
+    async def _forget_own_decoding(self, cache: CacheSnapshot | None) -> None:
+        """What `own_routing_profile`'s decoding left, undone: the cache as `cache`, its and the link's measures, the
+        use history, the stage counters and the estimates as a fresh engine's."""
+        if self.cache is not None and cache is not None:
+            await self.cache.restore(cache)
+            self.cache.stats = CacheStats([LayerStats() for _ in range(self.cache.num_layers)])
+            self.cache.transfer.forget_bandwidth()
+        self.uses = UseClock(len(self.spec.moe_layers))
+        self.stages = StageCounters()
+        self.estimates = Estimates(self.k_max)
 
     # ---- requests -----------------------------------------------------------------------------
     async def generate_ids(self, prompt_ids: Sequence[int], generation: GenerationConfig | None = None,

@@ -6,6 +6,7 @@ placement's k = 0 run. The bench's speculating hybrids do the same, once per mod
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -21,6 +22,8 @@ from tests.test_speculative import DEVICE, checkpoint
 
 SLOW_LINK = "0.001"
 """GB/s: an expert's copy costs seconds, so `auto` sends the non-residents that its pricing sees used to the host."""
+SLOW_PROFILE_S = 8.0
+"""Seconds an own trace is made to take in the bench's test: far above a tiny cell's own time."""
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +177,71 @@ def test_the_bench_places_its_speculating_hybrids_from_one_own_trace(root, tmp_p
     assert placed[("specter-hybrid", SLOW_LINK)]["host_experts"] > 0
     assert payload["runs"] and all(run["tokens_equal"] for run in payload["runs"])
     assert "own routing trace" in (out / "results.md").read_text()
+
+
+def test_the_own_trace_leaves_the_engine_as_a_fresh_one(root):
+    """Over a link this fast `auto` places nothing, so no placement reloads the cache: what the own decoding left must be
+    undone by itself. Against an engine that decoded none: the cache's residents and counters, the use history, the
+    link's bandwidth estimate and the stage counters alike."""
+    path = checkpoint("mixtral", root)
+
+    async def state(engine: EngineConfig):
+        async with await Runtime.load(path, engine) as runtime:
+            assert runtime.experts.host is None
+            cache = runtime.cache
+            return (cache.snapshot().layers, cache.stats.total().bytes_loaded, runtime.uses.clock,
+                    cache.transfer.bandwidth_bytes_per_s, runtime.stages.by_stage)
+
+    log.configure(level="INFO")
+    with capture_logs() as logs:
+        profiled = asyncio.run(state(config(link="1000")))
+    assert events(logs, "placement.own_profile")
+    assert profiled == asyncio.run(state(config(link="1000", self_profile_tokens=0)))
+
+
+def test_a_gptq_draft_is_placed_from_the_cache_as_loaded(root):
+    """The GPTQ calibration decodes before the placement and fills the cache: `all` keeps the same experts on the device
+    as with an int8 draft (the lowest ids of an empty cache), not the calibration's last ones."""
+    path = checkpoint("mixtral", root)
+    placed = {quant: loaded(path, config(cpu_experts="all", draft=DraftConfig(k=2, quant=quant)))[0]
+              for quant in ("int8", "gptq4")}
+    assert placed["gptq4"] == placed["int8"] is not None
+
+
+def test_a_fixed_lookahead_is_profiled_at_its_own_depth(root, monkeypatch):
+    """The engine that drafts k tokens a round is priced from rounds of k, not k_max: a host expert is computed once a
+    round, so the rounds' length is what the placement weighs."""
+    from specter import engine
+    from specter.trace import read_trace
+
+    depths, read = [], engine.routing_profile
+
+    def spy(path, *shape):
+        depths.append([trace_round.k for trace_round in read_trace(path)[1]])
+        return read(path, *shape)
+
+    monkeypatch.setattr(engine, "routing_profile", spy)
+    loaded(checkpoint("mixtral", root), config(lookahead="fixed", draft=DraftConfig(k=2, k_max=6, quant="int8")))
+    [rounds] = depths
+    assert len(rounds) > 1 and set(rounds[:-1]) == {2} and rounds[-1] <= 2
+
+
+def test_the_bench_keeps_the_own_trace_out_of_its_cells_time(root, tmp_path, monkeypatch):
+    """The cell that records the runtime's one own trace does not count its time: the longest cell sets the time
+    budget, and a slow own trace would skip later cells."""
+    from specter.bench.cli import main
+
+    own = Runtime.own_routing_profile
+
+    async def slow(runtime):
+        await asyncio.sleep(SLOW_PROFILE_S)
+        profile = await own(runtime)
+        return dataclasses.replace(profile, seconds=profile.seconds + SLOW_PROFILE_S)
+
+    monkeypatch.setattr(Runtime, "own_routing_profile", slow)
+    out = tmp_path / "bench"
+    assert main(["--model", checkpoint("mixtral", root), "--device", DEVICE, "--residents", "2", "--link", SLOW_LINK,
+                 "--systems", "specter-hybrid", "--max-new-tokens", "4", "--k", "3", "--quant", "int8", "--no-plots",
+                 "--no-hf", "--no-progress", "--out", str(out)]) == 0
+    [cell] = json.loads((out / "results.json").read_text())["cells"]
+    assert cell["placement"]["profile"] == "own" and 0 < cell["seconds"] < SLOW_PROFILE_S

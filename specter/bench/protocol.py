@@ -540,8 +540,11 @@ class ModelBench:
         if runtime.cache is not None:
             # Baselines are shared by placement, not by policy name: the same policy may place a speculating system
             # and its k = 0 sibling differently (a trace profile's prefetch model), and each is held to its own.
+            profiled = runtime.own_profile
             placement = await runtime.use_placement(system.cpu_experts, start_state, self.desktop_threads(link),
                                                     self.placement_overlap(system))
+            if runtime.own_profile is not profiled:  # the runtime's one own trace, decoded now: not this cell's time,
+                started += runtime.own_profile.seconds  # which would set the time budget's longest cell
             self.placed = placement.host if placement is not None else ()
             cell["host_threads"] = runtime.host_threads
             cell["placement"] = runtime.placement_decision

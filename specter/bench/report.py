@@ -362,6 +362,7 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
               "git_commit": p["machine"].get("git_commit"), "source_digest": p["machine"].get("source_digest"),
               "max_new_tokens": p["options"].get("max_new_tokens"), "quant": p["options"].get("quant", "int4"),
               "placement_profile": p["options"].get("placement_profile"), "repeats": p["options"].get("repeats"),
+              "self_profile_tokens": p["options"].get("self_profile_tokens"),
               "k": p["options"].get("k"), "sampling": p["options"].get("sampling"),
               "complete": is_complete(p)} for d, p in zip(directories, payloads)]
     machine = dict(payloads[0]["machine"])
@@ -375,7 +376,8 @@ def merge(directories: Sequence[Path]) -> dict[str, Any]:
         notes.append(f"merged parts placed from different routing traces: {[part['placement_profile'] for part in parts]}")
     for field, what in (("repeats", "requests per prompt"), ("k", "fixed draft depth (--k)"), ("sampling", "sampling modes"),
                         ("warmup_tokens", "warm-up tokens"), ("k_max", "deepest draft (--k-max)"),
-                        ("row_bucket", "verify row bucket"), ("threads", "torch threads"), ("tuning", "tuning (--tune)")):
+                        ("row_bucket", "verify row bucket"), ("threads", "torch threads"), ("tuning", "tuning (--tune)"),
+                        ("self_profile_tokens", "tokens of the engine's own routing trace (--self-profile-tokens)")):
         values = [payload["options"].get(field) for payload in payloads]
         if len({json.dumps(value, sort_keys=True) for value in values}) > 1:  # the protocol line is the first part's
             shown = values if field != "tuning" else [f"part {index}" for index in range(len(values))]
@@ -591,20 +593,23 @@ def copy_idle_lines(summary: Sequence[dict], markdown: bool = False) -> list[str
 
 
 def _profile_text(payload: dict[str, Any]) -> str:
-    """The protocol line's word on the routing trace `auto` placed from (bench --placement-profile, else the engine's
-    own where a cell placed from it); nothing without one. A merge keeps the first part's options, so its parts' own traces are named (a trace is of one model, and a
-    matrix of several models merges parts that each had their own)."""
+    """The protocol line's word on the routing trace `auto` placed from: bench --placement-profile's, else the engine's
+    own where a cell placed from it; nothing without either. A merge keeps the first part's options, so its parts'
+    own traces are named (a trace is of one model, and a matrix of several models merges parts that each had their
+    own), and a part without one is said to have placed from the engine's own where a cell did."""
     parts = payload.get("merged_from") or [payload["options"]]
     profiles = list(dict.fromkeys(part.get("placement_profile") for part in parts))
+    own = any((cell.get("placement") or {}).get("profile") == "own" for cell in payload.get("cells", []))
+    tokens = sorted({part.get("self_profile_tokens") for part in parts if not part.get("placement_profile")} - {None})
+    own_text = (f"the engine's own routing trace ({'/'.join(map(str, tokens)) + ' tokens' if tokens else 'decoded'} of its "
+                "text, recorded once per model)")
     if profiles == [None]:
-        own = any((cell.get("placement") or {}).get("profile") == "own" for cell in payload.get("cells", []))
-        tokens = payload["options"].get("self_profile_tokens")
-        return (f"; the speculating hybrids placed from the engine's own routing trace ({tokens} tokens of its text, "
-                "recorded once per model)" if own else "")
+        return f"; the speculating hybrids placed from {own_text}" if own else ""
     if len(profiles) == 1:
         return f"; placement from the routing trace `{profiles[0]}`"
+    none = f"none ({'the speculating hybrids from ' + own_text if own else 'uniform routing'})"
     return "; placement from the merged parts' routing traces: " + ", ".join(
-        f"`{profile}`" if profile else "none (uniform routing)" for profile in profiles)
+        f"`{profile}`" if profile else none for profile in profiles)
 
 
 def _sampling_text(options: dict[str, Any]) -> str:

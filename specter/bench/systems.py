@@ -133,8 +133,9 @@ SYSTEMS: dict[str, System] = {
         # from the cell's starting cache; both are held to that placement's own k = 0 run, as cpu-experts is.
         System("specter-hybrid", "specter with --cpu-experts auto: of the non-resident experts, the least used that a cost "
                                  "model calibrated at load (copy vs host time per expert) puts on the host CPU, fixed for "
-                                 "the cell (none without a --placement-profile trace: auto cannot price a speculating "
-                                 "engine's misses without its rounds); the others copied and prefetched as specter does",
+                                 "the cell, priced from a --placement-profile trace, else from the runtime's own (a "
+                                 "speculating engine's misses need a trace's rounds); the others copied and prefetched "
+                                 "as specter does",
                eviction="plan-protect", prefetch="topm-keep", lookahead="roofline", k=None, overlap=None, cpu_experts="auto"),
         System("specter-hybrid-longer", "specter-hybrid whose cost model prices a layer at the longer of its host and "
                                         "copy paths (auto's overlap 1), not their sum: it balances the two paths, so a "
@@ -495,8 +496,8 @@ class BenchRuntime(Runtime):
         policy = placement_policy(self.config.model_copy(update={"cpu_experts": name, "placement_overlap": overlap}))
         if wants_own_profile(policy, state, self.config):  # as the engine's load would, once for every cell
             if self.own_profile is None:
-                self.own_profile = await self.own_routing_profile()
                 assert self.system is not None, "the own profile decodes as the cell's system does"
+                self.own_profile = await self.own_routing_profile()
                 self.configure(self.system, self.depth)  # estimates, use history and books afresh, as the cell starts
             state = dataclasses.replace(state, route_counts=self.own_profile.route_counts,
                                         route_sequence=self.own_profile.route_sequence)
@@ -510,6 +511,12 @@ class BenchRuntime(Runtime):
             self.experts.host = await apply_placement(placement, self.cache, self.config, self.model.device,
                                                      chosen_kernel(self._host_kernels(), state), policy, state)
         return placement
+
+    def own_profile_depth(self) -> int:
+        """The cell's system's: its fixed depth, else k_max (`Runtime.own_profile_depth`)."""
+        if self.system is not None and self.system.lookahead == "fixed":
+            return min(self.depth, self.k_max)
+        return self.k_max
 
     async def _placement_state(self, initial: Sequence[Sequence[int]] | None, threads: int) -> PlacementState:
         """What a placement policy sees at a cell's start: the cache holding `initial`, the cell's link (emulated, else

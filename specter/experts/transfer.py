@@ -247,8 +247,10 @@ class TransferEngine:
         self.chunk_log = None
 
     def forget_bandwidth(self) -> None:
-        """Drop the measured effective bandwidth, to measure it afresh (the link just changed), and the device-paced
-        pads' error still to make up (it was the old link's)."""
+        """Drop the measured effective bandwidth, to measure it afresh (the link just changed, or the engine's own
+        decoding at load measured it), and the device-paced pads' error still to make up (it was the old link's). The
+        chunks that completed before are retired first: retired later, they would be the new estimate's first figure."""
+        self._retire_completed()
         self._effective_bytes_per_s = None
         self._pad_error_s = 0.0
 
