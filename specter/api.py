@@ -19,7 +19,7 @@ import warnings
 import weakref
 from collections.abc import AsyncIterator, Generator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from specter.config import EngineConfig, GenerationConfig, is_token_id
 from specter.decode import check_prompt
@@ -314,14 +314,20 @@ class EngineLoader:
         if self._engine is not None:
             await self._engine.aclose()
 
-    def __getattr__(self, name: str) -> Any:
-        # Only for names the loader lacks: an Engine's (complete, generate, ...) used on the loader means a missing
-        # await, which otherwise read as "'EngineLoader' object has no attribute 'complete'".
-        if not name.startswith("_") and hasattr(Engine, name):
-            raise AttributeError(f"Engine.from_pretrained(...) returns a loader, not an Engine, so it has no {name!r}: "
-                                 "await it (engine = await Engine.from_pretrained(...)) or use `async with "
-                                 "Engine.from_pretrained(...) as engine:`")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    if not TYPE_CHECKING:  # a type checker keeps flagging `Engine.from_pretrained(...).complete(...)` itself
+
+        def __getattr__(self, name: str) -> Any:
+            # Only for names the loader lacks: an Engine's (complete, generate, tokenizer, ...) used on the loader means
+            # a missing await, which otherwise read as "'EngineLoader' object has no attribute 'complete'".
+            if not name.startswith("_") and (hasattr(Engine, name) or name in ENGINE_ATTRIBUTES):
+                raise AttributeError(f"Engine.from_pretrained(...) returns a loader, not an Engine, so it has no {name!r}: "
+                                     "await it (engine = await Engine.from_pretrained(...)) or use `async with "
+                                     "Engine.from_pretrained(...) as engine:`")
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+ENGINE_ATTRIBUTES = frozenset({"runtime", "tokenizer", "eos_token_ids"})
+"""An Engine's public instance attributes (its methods and properties are its class's), for `EngineLoader`'s advice."""
 
 
 def _release_unclosed(runtime: Runtime) -> None:

@@ -539,8 +539,8 @@ async def build_runtime(cls: type, source: WeightSource, config: EngineConfig | 
         if calibrated:
             loaded = cache.snapshot() if cache is not None else None
             await runtime.calibrate_draft()
-            if loaded is not None:  # the calibration's decoding filled it: the placement starts from the cache as loaded
-                await cache.restore(loaded)
+            # its decoding filled the cache and measured the link: the placement starts from the engine as loaded
+            await runtime.forget_decoding(loaded)
         await place_runtime(runtime, policies["placement"])
     except BaseException:  # a failed build (a bad tensor, a refused pool, a graph capture) leaves no thread or handle
         source.close()

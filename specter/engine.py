@@ -316,7 +316,7 @@ class Runtime:
                 self.stop_trace()
                 self.lookahead = lookahead
             counts, sequence = routing_profile(path, len(self.spec.moe_layers), self.spec.num_experts)
-        await self._forget_own_decoding(before)
+        await self.forget_decoding(before)
         return OwnProfile(counts, sequence, len(result.tokens), result.stats.rounds, result.stats.acceptance_rate,
                           time.perf_counter() - started)
 
@@ -325,9 +325,10 @@ class Runtime:
         else k_max (a lookahead that adapts the depth may draft up to it)."""
         return min(self.config.draft.k, self.k_max) if self.config.lookahead == "fixed" else self.k_max
 
-    async def _forget_own_decoding(self, cache: CacheSnapshot | None) -> None:
-        """What `own_routing_profile`'s decoding left, undone: the cache as `cache`, its and the link's measures, the
-        use history, the stage counters and the estimates as a fresh engine's."""
+    async def forget_decoding(self, cache: CacheSnapshot | None) -> None:
+        """What a decoding at load left (`own_routing_profile`'s, a GPTQ draft's calibration), undone: the cache as
+        `cache` (its snapshot before), its and the link's measures, the use history, the stage counters and the
+        estimates as a fresh engine's, so that the placement is made, and the first request served, as without it."""
         if self.cache is not None and cache is not None:
             await self.cache.restore(cache)
             self.cache.stats = CacheStats([LayerStats() for _ in range(self.cache.num_layers)])

@@ -40,7 +40,7 @@ def with_model_context(config: EngineConfig, spec: ModelSpec) -> EngineConfig:
         return config.model_copy(update={"max_context": min(DEFAULT_CONTEXT, spec.max_position)})
     if config.max_context > spec.max_position:
         raise ConfigError(f"max_context {config.max_context} is more than the model's max_position_embeddings {spec.max_position}; "
-                          f"use --max-context {spec.max_position} or less (or leave it unset for min({DEFAULT_CONTEXT}, "
+                          f"use max_context (--max-context) {spec.max_position} or less (or leave it unset for min({DEFAULT_CONTEXT}, "
                           f"{spec.max_position}))")
     return config
 

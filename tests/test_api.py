@@ -310,8 +310,15 @@ def test_sync_engine(tiny, baseline):
 
 def test_a_loader_used_as_an_engine_says_to_await_it(tiny):
     """A forgotten `await` on from_pretrained read as "'EngineLoader' object has no attribute 'complete'"; nothing loads."""
+    from specter.api import ENGINE_ATTRIBUTES
+
+    async def public_attributes():
+        async with Engine.from_pretrained(tiny, OFFLOADED) as engine:
+            return {name for name in vars(engine) if not name.startswith("_")}
+
+    assert run(public_attributes()) == ENGINE_ATTRIBUTES  # every name an Engine has that its class does not
     loader = Engine.from_pretrained(tiny, OFFLOADED)
-    for name in ("complete", "generate", "encode", "aclose"):
+    for name in ("complete", "generate", "encode", "aclose", "tokenizer", "runtime"):
         with pytest.raises(AttributeError, match=f"returns a loader, not an Engine, so it has no '{name}': await it"):
             getattr(loader, name)
     with pytest.raises(AttributeError, match="'EngineLoader' object has no attribute 'nonsense'"):

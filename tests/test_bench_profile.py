@@ -166,7 +166,8 @@ def test_a_merge_names_each_parts_trace():
     assert report._profile_text(merged) == "; placement from the merged parts' routing traces: `a.jsonl`, none (uniform routing)"
     # a part without a trace whose speculating hybrid placed from the engine's own: said so, with its own tokens
     merged_own = merged | {"merged_from": [{"placement_profile": "a.jsonl", "self_profile_tokens": 0},
-                                           {"placement_profile": None, "self_profile_tokens": 128}],
+                                           {"placement_profile": None, "self_profile_tokens": 128},
+                                           {"placement_profile": None, "self_profile_tokens": 0}],
                            "cells": [{"placement": {"profile": "own"}}, {"placement": None}]}
     assert report._profile_text(merged_own) == ("; placement from the merged parts' routing traces: `a.jsonl`, none (the "
                                                 "speculating hybrids from the engine's own routing trace (128 tokens of its "

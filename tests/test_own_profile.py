@@ -207,6 +207,13 @@ def test_a_gptq_draft_is_placed_from_the_cache_as_loaded(root):
               for quant in ("int8", "gptq4")}
     assert placed["gptq4"] == placed["int8"] is not None
 
+    async def state(quant: str):  # without a placement too: the first request is served as by an int8 engine
+        async with await Runtime.load(path, config(cpu_experts="off", draft=DraftConfig(k=2, quant=quant))) as runtime:
+            cache = runtime.cache
+            return cache.snapshot().layers, cache.stats.total().bytes_loaded, runtime.uses.clock, cache.transfer.bandwidth_bytes_per_s
+
+    assert asyncio.run(state("gptq4")) == asyncio.run(state("int8")) == (((),) * 3, 0, 0, None)
+
 
 def test_a_fixed_lookahead_is_profiled_at_its_own_depth(root, monkeypatch):
     """The engine that drafts k tokens a round is priced from rounds of k, not k_max: a host expert is computed once a

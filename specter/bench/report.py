@@ -600,9 +600,10 @@ def _profile_text(payload: dict[str, Any]) -> str:
     parts = payload.get("merged_from") or [payload["options"]]
     profiles = list(dict.fromkeys(part.get("placement_profile") for part in parts))
     own = any((cell.get("placement") or {}).get("profile") == "own" for cell in payload.get("cells", []))
-    tokens = sorted({part.get("self_profile_tokens") for part in parts if not part.get("placement_profile")} - {None})
-    own_text = (f"the engine's own routing trace ({'/'.join(map(str, tokens)) + ' tokens' if tokens else 'decoded'} of its "
-                "text, recorded once per model)")
+    # the parts that could have: no trace given, and own traces not turned off (0); older results lack the count
+    tokens = sorted({part.get("self_profile_tokens") for part in parts if not part.get("placement_profile")} - {None, 0})
+    own_text = (f"the engine's own routing trace ({'/'.join(map(str, tokens)) + ' tokens of its text' if tokens else 'its text'}, "
+                "recorded once per model)")
     if profiles == [None]:
         return f"; the speculating hybrids placed from {own_text}" if own else ""
     if len(profiles) == 1:
