@@ -262,7 +262,8 @@ def test_context_follows_the_models_positions(tiny, short_model):
     assert with_model_context(EngineConfig(), spec64).max_context == 64  # min(2048, 64)
     assert with_model_context(EngineConfig(), Checkpoint(tiny).spec).max_context == 2048
     assert with_model_context(EngineConfig(max_context=32), spec64).max_context == 32
-    with pytest.raises(ConfigError, match="max_context 100000 is more than the model's max_position_embeddings 64"):
+    with pytest.raises(ConfigError, match=r"max_context 100000 is more than the model's max_position_embeddings 64; use "
+                                          r"max_context \(--max-context\) 64 or less"):  # the field, for an API user
         run(Engine.load(short_model, EngineConfig(device="cpu", max_context=100_000)))
     assert plan_memory(spec64, torch.float32, EngineConfig()).kv_bytes * 32 == plan_memory(
         Checkpoint(tiny).spec, torch.float32, EngineConfig()).kv_bytes  # KV for 64 tokens, not 2048
