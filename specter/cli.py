@@ -351,7 +351,7 @@ async def _generate(args: argparse.Namespace, config: Any, generation: Any, toke
             # can complete), in text mode after what was printed
             if not args.json and engine.tokenizer is not None:
                 _out(stream.text[shown:])
-            elif args.json and stream.token_ids:
+            elif args.json:  # one object whatever was committed (none, when the prompt's pass failed)
                 failed = {"finish_reason": "error", "error": str(error)} if isinstance(error, SpecterError) else {
                     "finish_reason": "cancelled"}
                 _out(json.dumps({"tokens": stream.token_ids, "text": stream.text, **failed,

@@ -24,6 +24,24 @@ def test_generate_json_is_stable(capsys, tmp_path):
     assert out["stats"]["new_tokens"] == 5 and out["stats"]["prompt_tokens"] == 3
 
 
+def test_generate_json_prints_one_object_when_the_prompts_pass_fails(capsys, tmp_path, monkeypatch):
+    """--json promises one object at the end: a request that failed before its first token printed nothing on stdout
+    (the error went to stderr), so a script reading the object got no JSON at all."""
+    from specter.engine import Runtime
+    from specter.errors import CheckpointError
+
+    async def fails(self, prompt, params, stats):
+        raise CheckpointError("the model's logits at position 3 are not finite (inf or nan)")
+
+    monkeypatch.setattr(Runtime, "_prefill", fails)
+    path = save_hf(hf_model("olmoe"), tmp_path / "m")
+    assert main(["generate", "--model", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--json", "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["tokens"] == [] and out["text"] == "" and out["finish_reason"] == "error"
+    assert "not finite" in out["error"] and "not finite" in captured.err and out["stats"]["new_tokens"] == 0
+
+
 def test_generate_matches_library_greedy(capsys, tmp_path):
     from specter.config import EngineConfig
     from specter.decode import greedy_decode, run_sync
