@@ -194,3 +194,22 @@ def test_an_optional_method_that_is_async_is_refused_at_load(monkeypatch, tmp_pa
     plugins.refresh()
     with pytest.raises(PluginError, match=r"prices_misses\(\) is async; the engine calls policies synchronously"):
         plugins.load_policy("placement", "async-prices")
+
+
+def test_each_engine_makes_its_own_policy_objects_and_keeps_them(tiny):
+    """What the README tells an author of a policy's lifetime: one object per engine, for its life (its requests share
+    it), never shared between engines."""
+    import asyncio
+
+    from specter import EngineConfig
+    from specter.engine import Runtime
+
+    async def policies():
+        async with await Runtime.load(tiny, EngineConfig(device="cpu", residents=4)) as runtime:
+            first = (runtime.eviction.policy, runtime.prefetch.policy, runtime.lookahead.policy)
+            await runtime.complete_ids([1, 2, 3], None)
+            await runtime.complete_ids([4, 5], None)
+            return first, (runtime.eviction.policy, runtime.prefetch.policy, runtime.lookahead.policy)
+
+    (a, a_later), (b, _) = asyncio.run(policies()), asyncio.run(policies())
+    assert all(x is y for x, y in zip(a, a_later)) and not any(x is y for x, y in zip(a, b))
