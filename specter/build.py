@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -314,9 +313,6 @@ def speculation(config: EngineConfig) -> dict:
             "prefetch": config.prefetch}
 
 
-OwnProfiler = Callable[[], Awaitable[Any]]
-"""Records the engine's own routing trace and returns it as the cost model reads one (`Runtime.own_routing_profile`:
-an `engine.OwnProfile`, its use counts and rounds in order each None where it recorded no speculative round)."""
 OWN_PROFILE = "the engine's own routing trace, recorded at load (self_profile_tokens)"
 """How the load's messages name the trace a placement priced when the engine recorded it itself."""
 
@@ -331,30 +327,28 @@ def wants_own_profile(policy, state: PlacementState, config: EngineConfig) -> bo
             and getattr(policy, "prices_misses", None) is not None and not policy.prices_misses(state))
 
 
-async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: ModelSpec, device: torch.device,
-                        kernel: Kernel, host_kernels: Callable[[], list[HostKernel]] | None = None,
-                        own_profile: OwnProfiler | None = None) -> HostExperts | None:
-    """Calibrate the costs (`specter.experts.costs`), ask the placement policy (None: 'off', which needs neither) once,
-    tell the cache, load the device-path experts that fit in their layer's slots, and start the host path; None when
-    no expert takes it (the engine as without placements). `host_kernels()`: the kernels the host may compute the
-    family's routed expert with (`model_host_kernels`; the calibration takes the fastest, which the host path then
-    runs). `own_profile`: where the policy needs a trace's rounds and none was given (`wants_own_profile`), the
-    engine's own routing trace is recorded through it and priced instead."""
-    if policy is None:
-        return None
-    assert host_kernels is not None, "a placement needs the family's host expert kernels to time and run"
-    kernels = host_kernels()
+async def place_runtime(runtime: Any, policy) -> None:
+    """Place a built runtime's experts with the `specter.placement` `policy` (None: 'off', which needs nothing), once
+    for its life, before its first request: calibrate the costs (`specter.experts.costs`), ask the policy, tell the
+    cache, load the device-path experts that fit in their layer's slots, and start the host path (`runtime.experts.host`;
+    None when no expert takes it: the engine as without placements). After its draft and graphs exist, so that where
+    the policy needs a trace's rounds and none was given (`wants_own_profile`) the runtime first decodes its own
+    (`Runtime.own_routing_profile`), which is priced instead. Nothing to place with every expert resident."""
+    cache = runtime.cache
+    if policy is None or cache is None:
+        return
+    config, spec, device = runtime.config, runtime.spec, runtime.model.device
+    kernels = model_host_kernels(runtime.model, config, cache.pool.dtype)
     state = placement_state(cache, config, spec)
-    state = (await calibrate(kernel, cache.pool, kernels, state, spec.hidden_size, device, config.placement_profile,
+    state = (await calibrate(runtime.kernel, cache.pool, kernels, state, spec.hidden_size, device, config.placement_profile,
                              config.tuning.host.parallel_experts, default_cost_store(), config.recalibrate)).apply(state)
     name, trace = getattr(policy, "name", None), config.placement_profile
-    own = own_profile is not None and wants_own_profile(policy, state, config)
+    own = wants_own_profile(policy, state, config)
     if own:
-        own_trace = await own_profile()
+        own_trace = await runtime.own_routing_profile()
         log.info("placement.own_profile", tokens=own_trace.tokens, rounds=own_trace.rounds,
                  acceptance=round(own_trace.acceptance, 3), seconds=round(own_trace.seconds, 2))
-        state = dataclasses.replace(state, route_counts=own_trace.route_counts, route_sequence=own_trace.route_sequence)
-        trace = OWN_PROFILE
+        state, trace = own_trace.apply(state), OWN_PROFILE
     with pricing_context(f"while the placement plug-in {name!r} priced the routing trace {trace} at load"):
         placement = policy.place(state=state)
     with pricing_context(f"while the engine priced the placement of plug-in {name!r} against the routing trace {trace} "
@@ -373,21 +367,9 @@ async def place_experts(policy, cache: ExpertCache, config: EngineConfig, spec: 
                          f"routing trace with rounds, and this engine speculates and {given}; record one with `specter "
                          "generate --trace PATH` on your own text and give it as placement_profile (--placement-profile "
                          "TRACE)")
-    if not placement.active:
-        return None
-    return await apply_placement(placement, cache, config, device, chosen_kernel(kernels, state), policy, state)
-
-
-async def place_runtime(runtime: Any, policy) -> None:
-    """Place a built runtime's experts with the `specter.placement` `policy` (None: 'off'), once for its life, before
-    its first request: after its draft and graphs exist, so that it can decode its own routing trace first where the
-    policy needs one (`Runtime.own_routing_profile`). Nothing to place with every expert resident."""
-    if policy is None or runtime.cache is None:
-        return
-    config = runtime.config
-    kernels = functools.partial(model_host_kernels, runtime.model, config, runtime.cache.pool.dtype)
-    runtime.experts.host = await place_experts(policy, runtime.cache, config, runtime.spec, runtime.model.device, runtime.kernel,
-                                               kernels, own_profile=runtime.own_routing_profile)
+    if placement.active:
+        runtime.experts.host = await apply_placement(placement, cache, config, device, chosen_kernel(kernels, state), policy,
+                                                     state)
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ from specter.model.checkpoint import Checkpoint
 from specter.model.resident import ResidentExperts
 from specter.model.spec import ModelSpec
 from specter.model.transformer import ExpertProvider, Transformer
-from specter.placement import RouteSequence
+from specter.placement import PlacementState, RouteSequence
 from specter.observers import CopyBusy, RoundClock, RoundObserver, RoundReport, TraceRecorder, WindowRecall
 from specter.paths import check_output_file
 from specter.policy import LinkTiming, LookaheadState, Plan, RoundOutcome
@@ -85,6 +85,10 @@ class OwnProfile:
     """Draft tokens accepted over drafted."""
     seconds: float
     """Wall time of the decoding and the trace's reading."""
+
+    def apply(self, state: PlacementState) -> PlacementState:
+        """`state` priced from this trace: its use counts and rounds in place of the state's profile."""
+        return dataclasses.replace(state, route_counts=self.route_counts, route_sequence=self.route_sequence)
 
 
 class _OneDepth:

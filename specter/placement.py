@@ -612,7 +612,7 @@ class PricingError(PluginError):
     """An eviction or prefetch plug-in's error (its own message, the plug-in's PluginError as the cause) raised inside
     the cost model's replay of a routing trace (`prefetch_misses`, with the engine's eviction and prefetch plug-ins),
     through the placement policy or the decision record that asked for the price: the loader says which placement
-    priced which trace (`build.place_experts`), which the plug-in's message alone cannot."""
+    priced which trace (`build.place_runtime`), which the plug-in's message alone cannot."""
 
 
 def prefetch_misses(state: PlacementState, layer: int) -> float:

@@ -499,9 +499,7 @@ class BenchRuntime(Runtime):
                 assert self.system is not None, "the own profile decodes as the cell's system does"
                 self.own_profile = await self.own_routing_profile()
                 self.configure(self.system, self.depth)  # estimates, use history and books afresh, as the cell starts
-            state = dataclasses.replace(state, route_counts=self.own_profile.route_counts,
-                                        route_sequence=self.own_profile.route_sequence)
-            profile = "own"
+            state, profile = self.own_profile.apply(state), "own"
         else:
             profile = "given" if self.config.placement_profile is not None else None
         placement = policy.place(state=state)

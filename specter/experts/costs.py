@@ -414,17 +414,12 @@ def route_profile(path: Path, num_layers: int, num_experts: int) -> list[list[fl
     return routing_profile(path, num_layers, num_experts)[0]
 
 
-def check_profile(path: Path, num_layers: int, num_experts: int) -> list[TraceRound]:
-    """The rounds of the routing trace at `path`, refused (a TraceError or ConfigError naming it) where it is not a
-    trace or is one of another shape than `num_layers` MoE layers x `num_experts`. The load checks it so whatever the
-    placement (`build_runtime`, through `routing_profile`): with `off`, which places nothing from it, a gzip file or
-    another model's trace is still the user's mistake, and it is refused as `info --placement-profile`, the bench and
-    a placing load refuse it, before any weight is read."""
-    return checked_trace(path, num_layers, num_experts)[1]
-
-
 def checked_trace(path: Path, num_layers: int, num_experts: int) -> tuple[TraceHeader, list[TraceRound]]:
-    """`check_profile`, with the trace's header."""
+    """The header and rounds of the routing trace at `path`, refused (a TraceError or ConfigError naming it) where it
+    is not a trace or is one of another shape than `num_layers` MoE layers x `num_experts`. The load checks it so
+    whatever the placement (`build_runtime`, through `routing_profile`): with `off`, which places nothing from it, a
+    gzip file or another model's trace is still the user's mistake, and it is refused as `info --placement-profile`,
+    the bench and a placing load refuse it, before any weight is read."""
     header, rounds = read_trace(path)
     if (header.num_layers, header.num_experts) != (num_layers, num_experts):
         raise ConfigError(f"placement_profile {path}: a trace of {header.num_layers} MoE layers x {header.num_experts} "
